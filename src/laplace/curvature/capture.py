@@ -1,0 +1,131 @@
+"""One hooked forward pass that records the calls of parameter-owning modules.
+
+Forward hooks on every module that directly owns a parameter of interest record each call's
+inputs and outputs; the outputs stay in the autograd graph so that gradients of any output
+column w.r.t. *layer outputs* (not weights) can be taken afterwards with
+``torch.autograd.grad``. The hooks live only for the duration of the forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from laplace.curvature.layer_rules import ModuleCall
+from laplace.data import Inputs
+
+__all__ = ["OutputGradients", "record_forward"]
+
+
+def _tensor_leaves(tree: Any) -> list[Tensor]:
+    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, Tensor)]
+
+
+def _run_hooked(
+    model: nn.Module,
+    owners: dict[nn.Module, list[str]],
+    x: Inputs,
+    keep_input_graph: bool,
+    clone_outputs: bool,
+) -> tuple[Tensor, list[ModuleCall], list[int]]:
+    calls: list[ModuleCall] = []
+    versions: list[int] = []
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        leaves = _tensor_leaves(output)
+        slots = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
+        if not slots:
+            return None
+        if not keep_input_graph:
+            args, kwargs = tree_map(_detach, args), tree_map(_detach, kwargs)
+        outputs = [leaves[i] for i in slots]
+        calls.append(ModuleCall(module, args, kwargs, outputs, slots, owners[module]))
+        versions.extend(z._version for z in outputs)
+        return tree_map(_clone, output) if clone_outputs else None
+
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in owners]
+    try:
+        with torch.enable_grad():
+            f = model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return f, calls, versions
+
+
+def _detach(v: Any) -> Any:
+    return v.detach() if isinstance(v, Tensor) else v
+
+
+def _clone(v: Any) -> Any:
+    return v.clone() if isinstance(v, Tensor) else v
+
+
+def record_forward(
+    model: nn.Module, owners: dict[nn.Module, list[str]], x: Inputs, keep_input_graph: bool
+) -> tuple[Tensor, list[ModuleCall]]:
+    """Run ``model(x)`` recording every call of the modules in ``owners``.
+
+    When an output is later modified in place (``ReLU(inplace=True)``), the recorded tensor no
+    longer is the layer output; the forward is then repeated with the hooks handing a copy of
+    each output downstream.
+
+    Args:
+        model: The model to run.
+        owners: Modules to record, each with the names of its direct parameters of interest.
+        x: Model inputs (a tensor or a mapping passed whole to the model).
+        keep_input_graph: Keep the recorded inputs attached to the graph (needed to
+            differentiate results w.r.t. ``x``).
+
+    Returns:
+        The model output ``f`` (attached to the graph) and the recorded calls in call order.
+    """
+    f, calls, versions = _run_hooked(model, owners, x, keep_input_graph, clone_outputs=False)
+    now = [z._version for call in calls for z in call.outputs]
+    if now != versions:
+        f, calls, _ = _run_hooked(model, owners, x, keep_input_graph, clone_outputs=True)
+    return f, calls
+
+
+class OutputGradients:
+    """Gradients of output columns w.r.t. all recorded layer outputs.
+
+    Args:
+        f: Model output, shape (B, ...), attached to the graph.
+        calls: Recorded calls whose outputs lie in the graph of ``f``.
+        create_graph: Build a graph of the gradients (to differentiate them further).
+    """
+
+    def __init__(self, f: Tensor, calls: Sequence[ModuleCall], create_graph: bool = False):
+        self.f = f
+        self.calls = list(calls)
+        self.create_graph = create_graph
+        self._outputs = [z for call in self.calls for z in call.outputs]
+
+    def __call__(self, v: Tensor) -> list[list[Tensor]]:
+        """Gradients of ``Σ v ⊙ f`` w.r.t. each call's outputs.
+
+        Args:
+            v: Output column, same shape as ``f``.
+
+        Returns:
+            Per call, one gradient per recorded output (zeros where the output is unused).
+        """
+        grads = torch.autograd.grad(
+            self.f,
+            self._outputs,
+            grad_outputs=v,
+            retain_graph=True,
+            create_graph=self.create_graph,
+            allow_unused=True,
+        )
+        grads = [torch.zeros_like(z) if g is None else g for z, g in zip(self._outputs, grads)]
+        per_call, start = [], 0
+        for call in self.calls:
+            per_call.append(grads[start : start + len(call.outputs)])
+            start += len(call.outputs)
+        return per_call

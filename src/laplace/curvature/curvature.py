@@ -1,0 +1,321 @@
+"""The curvature backend contract and its GGN and empirical-Fisher families.
+
+A backend answers, for one batch ``(x, y)``, the quantities a Laplace approximation is built
+from: Jacobians of the outputs w.r.t. the parameters, per-sample loss gradients, and a batch
+curvature (summed over the batch, not normalised) in dense (``full``), Kronecker (``kron``) or
+diagonal (``diag``) form, always together with the summed batch loss
+(``½ Σ‖y − f‖²`` for regression, ``Σ CE`` for classification).
+
+The default routes use the native per-sample engine (:mod:`laplace.curvature.per_sample`);
+:meth:`CurvatureInterface.functorch_jacobians` keeps a plain ``torch.func`` route as reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, jacrev
+
+from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
+from laplace.data import Inputs
+from laplace.likelihoods import make_likelihood
+from laplace.utils.enums import Likelihood, parse_enum
+
+__all__ = ["CurvatureInterface", "EFInterface", "GGNInterface"]
+
+_KRON_PENDING = "KFAC curvature lands with the Kronecker issue"
+
+
+class CurvatureInterface:
+    """Access to curvature of a model under a likelihood.
+
+    Args:
+        model: The network, or a feature extractor exposing ``last_layer`` and
+            ``forward_with_features(x) -> (f, phi)`` when ``last_layer=True``.
+        likelihood: ``"regression"``, ``"classification"`` or ``"reward_modeling"`` (fitted as
+            classification).
+        last_layer: Restrict to the parameters of ``model.last_layer``.
+        subnetwork_indices: LongTensor of indices into the flattened trainable parameters;
+            results are restricted to these entries.
+        dict_key_x: Key of the input tensor when the model takes a mapping.
+        dict_key_y: Key of the targets when batches are mappings.
+
+    Attributes:
+        params: The trainable parameters (``requires_grad``) considered, in model order.
+        lossfunc: The summed torch loss (``MSELoss`` or ``CrossEntropyLoss``).
+        factor: ``lossfunc`` times ``factor`` is the library's loss (½ for regression, else 1).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        last_layer: bool = False,
+        subnetwork_indices: torch.LongTensor | None = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+    ) -> None:
+        self.likelihood = parse_enum(Likelihood, likelihood, "likelihood")
+        self.model = model
+        self.last_layer = last_layer
+        self.subnetwork_indices = subnetwork_indices
+        self.dict_key_x = dict_key_x
+        self.dict_key_y = dict_key_y
+        self._likelihood = make_likelihood(self.likelihood).fit_likelihood
+        if self.likelihood == Likelihood.REGRESSION:
+            self.lossfunc: nn.Module = nn.MSELoss(reduction="sum")
+            self.factor = 0.5
+        else:
+            self.lossfunc = nn.CrossEntropyLoss(reduction="sum")
+            self.factor = 1.0
+        self.params: list[nn.Parameter] = [p for p in self._model.parameters() if p.requires_grad]
+        self._engine = PerSampleEngine(model, self.params, subnetwork_indices)
+
+    @property
+    def _model(self) -> nn.Module:
+        """The module whose parameters are considered."""
+        return self.model.last_layer if self.last_layer else self.model
+
+    def _trace(self, x: Inputs, create_graph: bool = False) -> PerSampleTrace:
+        return self._engine.trace(x, create_graph)
+
+    def _loss(self, f: Tensor, y: Tensor) -> Tensor:
+        """Summed library loss of a batch, detached."""
+        return self._likelihood.loss(f.detach(), y)
+
+    def jacobians(self, x: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
+        """Jacobians of the outputs w.r.t. the parameters at their current values.
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            enable_backprop: Keep ``Js`` and ``f`` differentiable w.r.t. ``x``.
+
+        Returns:
+            ``Js`` of shape (B, C, P) and outputs ``f`` of shape (B, C).
+        """
+        trace = self._trace(x, create_graph=enable_backprop)
+        Js = trace.jacobians()
+        return (Js, trace.f) if enable_backprop else (Js.detach(), trace.f.detach())
+
+    def functorch_jacobians(
+        self, x: Inputs, enable_backprop: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """Same as :meth:`jacobians`, by reverse-mode ``torch.func.jacrev`` over the batch.
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            enable_backprop: Keep ``Js`` and ``f`` differentiable w.r.t. ``x``.
+
+        Returns:
+            ``Js`` of shape (B, C, P) and outputs ``f`` of shape (B, C).
+        """
+        wanted = {id(p) for p in self.params}
+        named = {n: p for n, p in self.model.named_parameters() if id(p) in wanted}
+
+        def outputs(theta: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+            f = functional_call(self.model, theta, (x,))
+            return f, f
+
+        with torch.enable_grad():
+            jac, f = jacrev(outputs, has_aux=True)(named)
+        Js = torch.cat([jac[n].flatten(2) for n in named], dim=2)
+        if self.subnetwork_indices is not None:
+            Js = Js[:, :, self.subnetwork_indices.to(Js.device)]
+        return (Js, f) if enable_backprop else (Js.detach(), f.detach())
+
+    def last_layer_jacobians(
+        self, x: Inputs, enable_backprop: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """Closed-form Jacobians w.r.t. a linear last layer: ``Jₙ = [I_C ⊗ φₙᵀ, I_C]``.
+
+        Args:
+            x: Inputs, passed to ``model.forward_with_features``.
+            enable_backprop: Keep ``Js`` and ``f`` differentiable w.r.t. ``x``.
+
+        Returns:
+            ``Js`` of shape (B, C, C·D (+ C with a bias)) and outputs ``f`` of shape (B, C).
+        """
+        f, phi = self.model.forward_with_features(x)
+        batch, n_out = phi.shape[0], f.numel() // phi.shape[0]
+        eye = torch.eye(n_out, dtype=phi.dtype, device=phi.device)
+        Js = (eye[None, :, :, None] * phi[:, None, None, :]).reshape(batch, n_out, -1)
+        if self.model.last_layer.bias is not None:
+            Js = torch.cat([Js, eye.expand(batch, -1, -1)], dim=2)
+        return (Js, f) if enable_backprop else (Js.detach(), f.detach())
+
+    def gradients(self, x: Inputs, y: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-sample gradients of the library loss (``½‖y − f‖²`` or CE) per data point.
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            y: Targets, shape (B, ...).
+
+        Returns:
+            ``Gs`` of shape (B, P) and the summed batch loss (a scalar).
+        """
+        trace = self._trace(x)
+        f = trace.f.detach()
+        Gs = trace.per_sample(self._likelihood.loss_gradient(f, y))
+        return Gs.detach(), self._loss(f, y)
+
+    def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """Dense batch curvature.
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            y: Targets, shape (B, ...).
+            **kwargs: Backend-specific options.
+
+        Returns:
+            The summed batch loss and the curvature of shape (P, P).
+        """
+        raise NotImplementedError(f"{type(self).__name__} offers no dense curvature.")
+
+    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
+        """Kronecker-factored batch curvature (KFAC).
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            y: Targets, shape (B, ...).
+            N: Number of data points of the whole data set.
+            **kwargs: Backend-specific options.
+
+        Raises:
+            NotImplementedError: Always, for now.
+        """
+        raise NotImplementedError(_KRON_PENDING)
+
+    def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """Diagonal of the batch curvature.
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            y: Targets, shape (B, ...).
+            **kwargs: Backend-specific options.
+
+        Returns:
+            The summed batch loss and the diagonal of shape (P,).
+        """
+        raise NotImplementedError(f"{type(self).__name__} offers no diagonal curvature.")
+
+
+class GGNInterface(CurvatureInterface):
+    """Generalised Gauss–Newton ``Σₙ Jₙᵀ Λₙ Jₙ``, exact or as a Monte-Carlo Fisher.
+
+    ``Λₙ`` is the Hessian of the loss w.r.t. the outputs (``I`` for regression,
+    ``diag(p) − p pᵀ`` for classification). With ``stochastic=True`` it is replaced by the
+    Monte-Carlo estimate ``(1/S) Σₛ ∇_f ℓ(fₙ, ŷₛ) ∇_f ℓ(fₙ, ŷₛ)ᵀ`` with ``ŷₛ ~ p(y | fₙ)``
+    drawn from torch's global generator.
+
+    Args:
+        model: See :class:`CurvatureInterface`.
+        likelihood: See :class:`CurvatureInterface`.
+        last_layer: See :class:`CurvatureInterface`.
+        subnetwork_indices: See :class:`CurvatureInterface`.
+        dict_key_x: See :class:`CurvatureInterface`.
+        dict_key_y: See :class:`CurvatureInterface`.
+        stochastic: Use the Monte-Carlo Fisher instead of the exact GGN.
+        num_samples: Number of sampled targets ``S`` per data point when stochastic.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        last_layer: bool = False,
+        subnetwork_indices: torch.LongTensor | None = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        stochastic: bool = False,
+        num_samples: int = 1,
+    ) -> None:
+        super().__init__(model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y)
+        self.stochastic = stochastic
+        self.num_samples = num_samples
+
+    def _columns(self, f: Tensor) -> Iterator[Tensor]:
+        """Output columns ``vₖ`` (B, C) with ``Σₖ vₖ vₖᵀ`` = Λ (or its MC estimate) per sample."""
+        f = f.detach()
+        if self.stochastic:
+            scale = 1.0 / math.sqrt(self.num_samples)
+            for _ in range(self.num_samples):
+                y_hat = self._likelihood.sample_targets(f)
+                yield scale * self._likelihood.loss_gradient(f, y_hat)
+        else:
+            L = self._likelihood.output_hessian_sqrt(f)
+            yield from L.unbind(-1)
+
+    def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """Dense GGN of the batch, summed over data points.
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            y: Targets, shape (B, ...).
+            **kwargs: Ignored (accepted for interface compatibility).
+
+        Returns:
+            The summed batch loss and the GGN of shape (P, P).
+        """
+        trace = self._trace(x)
+        return self._loss(trace.f, y), trace.gram(self._columns(trace.f)).detach()
+
+    def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """Diagonal of the batch GGN, summed over data points.
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            y: Targets, shape (B, ...).
+            **kwargs: Ignored (accepted for interface compatibility).
+
+        Returns:
+            The summed batch loss and the GGN diagonal of shape (P,).
+        """
+        trace = self._trace(x)
+        return self._loss(trace.f, y), trace.square_sum(self._columns(trace.f)).detach()
+
+
+class EFInterface(CurvatureInterface):
+    """Empirical Fisher ``Σₙ gₙ gₙᵀ`` of per-sample loss gradients ``gₙ = Jₙᵀ ∇_f ℓ(fₙ, yₙ)``.
+
+    The loss is the library's (``½‖y − f‖²`` for regression), so the regression EF is
+    ``Σₙ ‖yₙ − fₙ‖²``-weighted as the Gaussian likelihood with σ = 1 implies. laplace-torch 0.3
+    instead squares gradients of the unscaled squared error and then halves, which gives twice
+    this matrix for regression; classification agrees.
+    """
+
+    def _loss_gradient_column(self, trace: PerSampleTrace, y: Tensor) -> list[Tensor]:
+        return [self._likelihood.loss_gradient(trace.f.detach(), y)]
+
+    def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """Dense empirical Fisher of the batch.
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            y: Targets, shape (B, ...).
+            **kwargs: Ignored (accepted for interface compatibility).
+
+        Returns:
+            The summed batch loss and the EF of shape (P, P).
+        """
+        trace = self._trace(x)
+        H = trace.gram(self._loss_gradient_column(trace, y))
+        return self._loss(trace.f, y), H.detach()
+
+    def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """Diagonal of the batch empirical Fisher.
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            y: Targets, shape (B, ...).
+            **kwargs: Ignored (accepted for interface compatibility).
+
+        Returns:
+            The summed batch loss and the EF diagonal of shape (P,).
+        """
+        trace = self._trace(x)
+        h = trace.square_sum(self._loss_gradient_column(trace, y))
+        return self._loss(trace.f, y), h.detach()

@@ -1,0 +1,192 @@
+"""Per-sample parameter gradients of one module call, from its inputs and output gradients.
+
+A module call ``z = m(a; θ_m)`` recorded during a forward pass, together with the gradient
+``g = ∂(vᵀ f)/∂z`` of some output column ``v`` (shape (B, *z.shape[1:])), determines the
+per-sample gradients ``∂(vₙᵀ fₙ)/∂θ_m`` of the module's *direct* parameters. Layers with a closed
+form get a rule in :data:`PER_SAMPLE_RULES` (a dispatch table keyed by exact module type, so a
+subclass with its own ``forward`` falls back safely); every other module goes through
+:func:`generic_per_sample`, which differentiates the module alone with ``torch.func`` and so is
+exact for any module whose output for sample ``n`` depends only on input ``n``.
+
+:data:`SQUARE_SUM_RULES` holds the layers whose per-sample squared gradients summed over the
+batch need no per-sample gradients at all: for a linear layer on (B, D_in) inputs the squared
+weight gradient summed over samples and output columns is ``(Σ_c g_c²)ᵀ a²``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+from torch.nn import functional as F
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = [
+    "PER_SAMPLE_RULES",
+    "SQUARE_SUM_RULES",
+    "ModuleCall",
+    "generic_per_sample",
+    "per_sample_grads",
+]
+
+
+@dataclass
+class ModuleCall:
+    """One recorded call of a module that owns trainable parameters.
+
+    Attributes:
+        module: The called module.
+        args: Positional inputs of the call (detached unless gradients w.r.t. them are needed).
+        kwargs: Keyword inputs of the call.
+        outputs: The output tensors that carry gradient (leaves of the output pytree).
+        output_slots: Positions of ``outputs`` among the tensor leaves of the output pytree.
+        names: Names of the module's direct parameters to differentiate.
+        cache: Scratch space for a rule (for example an unfolded convolution input).
+    """
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: list[Tensor]
+    output_slots: list[int]
+    names: list[str]
+    cache: dict[str, Tensor] = field(default_factory=dict)
+
+
+Rule = Callable[[ModuleCall, Sequence[Tensor]], dict[str, Tensor]]
+
+
+def _linear(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Per-sample gradients of ``nn.Linear``: ``Σₜ gₜ aₜᵀ`` over any extra (sequence) dims."""
+    a, g = call.args[0], grads[0]
+    out = {}
+    if "weight" in call.names:
+        if a.dim() == 2:
+            out["weight"] = g.unsqueeze(2) * a.unsqueeze(1)
+        else:
+            out["weight"] = torch.einsum("bto,bti->boi", g.flatten(1, -2), a.flatten(1, -2))
+    if "bias" in call.names:
+        out["bias"] = g if g.dim() == 2 else g.flatten(1, -2).sum(1)
+    return out
+
+
+def _conv_unfold(call: ModuleCall) -> Tensor:
+    """Input patches of a Conv1d/Conv2d call, shape (B, C_in·k, L), cached on the call."""
+    if "patches" not in call.cache:
+        m, a = call.module, call.args[0]
+        pad = m._reversed_padding_repeated_twice
+        if any(pad):
+            mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+            a = F.pad(a, pad, mode=mode)
+        kernel, dilation, stride = m.kernel_size, m.dilation, m.stride
+        if isinstance(m, nn.Conv1d):
+            a = a.unsqueeze(-2)
+            kernel, dilation, stride = (1, *kernel), (1, *dilation), (1, *stride)
+        call.cache["patches"] = F.unfold(a, kernel, dilation=dilation, stride=stride)
+    return call.cache["patches"]
+
+
+def _conv(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Per-sample gradients of ``nn.Conv1d``/``nn.Conv2d`` from unfolded input patches."""
+    m, g = call.module, grads[0].flatten(2)
+    B, groups = g.shape[0], m.groups
+    out = {}
+    if "weight" in call.names:
+        patches = _conv_unfold(call)
+        g_grouped = g.reshape(B, groups, -1, g.shape[-1])
+        p_grouped = patches.reshape(B, groups, -1, patches.shape[-1])
+        w = torch.einsum("bgol,bgkl->bgok", g_grouped, p_grouped)
+        out["weight"] = w.reshape(B, *m.weight.shape)
+    if "bias" in call.names:
+        out["bias"] = g.sum(-1)
+    return out
+
+
+def _batch_dims(tree: Any, batch_size: int) -> Any:
+    """``vmap`` in-dims for a pytree: 0 for tensors with a leading batch dim, else None."""
+    return tree_map(
+        lambda v: 0 if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == batch_size else None,
+        tree,
+    )
+
+
+def generic_per_sample(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Per-sample gradients of any module's direct parameters via ``torch.func``.
+
+    The module is re-run per sample with only its direct parameters as differentiable inputs
+    (its children's parameters stay fixed), and a VJP against the recorded output gradient gives
+    the sample's parameter gradient.
+
+    Args:
+        call: The recorded call.
+        grads: Gradients w.r.t. ``call.outputs``, each of shape (B, ...).
+
+    Returns:
+        Per-sample gradients, one (B, *param.shape) tensor per name in ``call.names``.
+    """
+    module, batch = call.module, grads[0].shape[0]
+    params = {name: getattr(module, name) for name in call.names}
+    arg_dims, kwarg_dims = _batch_dims(call.args, batch), _batch_dims(call.kwargs, batch)
+
+    def add_batch_dim(tree: Any, dims: Any) -> Any:
+        return tree_map(lambda v, d: v.unsqueeze(0) if d == 0 else v, tree, dims)
+
+    def single(theta, args, kwargs, g):
+        args, kwargs = add_batch_dim(args, arg_dims), add_batch_dim(kwargs, kwarg_dims)
+
+        def outputs(theta):
+            leaves = tree_flatten(functional_call(module, theta, args, kwargs))[0]
+            tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+            return tuple(tensors[i] for i in call.output_slots)
+
+        _, pullback = vjp(outputs, theta)
+        return pullback(tuple(gi.unsqueeze(0) for gi in g))[0]
+
+    in_dims = (None, arg_dims, kwarg_dims, 0)
+    return vmap(single, in_dims=in_dims)(params, call.args, call.kwargs, tuple(grads))
+
+
+def _linear_square_sum(call: ModuleCall, squares: Tensor) -> dict[str, Tensor]:
+    """Σₙ of squared per-sample gradients of a Linear on 2-D input from ``Σ_c g²`` (B, D_out)."""
+    out = {}
+    if "weight" in call.names:
+        out["weight"] = squares.T @ call.args[0].square()
+    if "bias" in call.names:
+        out["bias"] = squares.sum(0)
+    return out
+
+
+def _linear_has_square_sum(call: ModuleCall) -> bool:
+    return call.args[0].dim() == 2
+
+
+#: Closed-form per-sample gradient rules, keyed by exact module type.
+PER_SAMPLE_RULES: dict[type[nn.Module], Rule] = {
+    nn.Linear: _linear,
+    nn.Conv1d: _conv,
+    nn.Conv2d: _conv,
+}
+
+#: Rules for ``Σₙ (∂θ)²`` straight from ``Σ_c g²``: (applies to the call?, reduce).
+SQUARE_SUM_RULES: dict[
+    type[nn.Module],
+    tuple[Callable[[ModuleCall], bool], Callable[[ModuleCall, Tensor], dict[str, Tensor]]],
+] = {nn.Linear: (_linear_has_square_sum, _linear_square_sum)}
+
+
+def per_sample_grads(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Per-sample gradients of a call's direct parameters, by closed form when one exists.
+
+    Args:
+        call: The recorded call.
+        grads: Gradients w.r.t. ``call.outputs``.
+
+    Returns:
+        One (B, *param.shape) tensor per name in ``call.names``.
+    """
+    rule = PER_SAMPLE_RULES.get(type(call.module), generic_per_sample)
+    return rule(call, grads)

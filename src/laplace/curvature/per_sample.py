@@ -1,0 +1,207 @@
+"""Native per-sample-gradient engine behind the default curvature backend.
+
+Every curvature the library needs is a sum of outer products of per-sample vectors
+``gₙₖ = Jₙᵀ vₙₖ`` with one output-space column ``vₙₖ`` per sample and column ``k``:
+
+- Jacobians: ``vₙₖ = e_k`` (one-hot), the rows of ``Jₙ``;
+- exact GGN ``Σₙ Jₙᵀ Λₙ Jₙ``: ``vₙₖ`` = column ``k`` of ``Lₙ`` with ``Λₙ = Lₙ Lₙᵀ``;
+- empirical Fisher: one column, the loss gradient ``∇_f ℓ(fₙ, yₙ)``;
+- Monte-Carlo Fisher: ``∇_f ℓ(fₙ, ŷₙₛ) / √S`` for sampled targets ``ŷₙₛ ~ p(y | fₙ)``.
+
+One hooked forward records each parameter-owning layer's input ``a`` and output ``z``; per column
+one backward pass w.r.t. the layer *outputs* only gives ``g = ∂(vᵀ f)/∂z``, and per-layer rules
+(:mod:`laplace.curvature.layer_rules`) turn ``(a, g)`` into per-sample parameter gradients, or,
+for the diagonal of linear layers, straight into ``Σₙ gₙ²`` without forming them.
+
+Why not curvlinops or ``torch.func`` for these: curvlinops exposes the GGN as a linear operator,
+so its dense matrix or diagonal costs P matrix-vector products (each a forward and backward over
+the data), and per-sample ``torch.func`` Jacobians over the whole model redo the network for
+every sample and output. Both are orders of magnitude slower than a handful of output-gradient
+backward passes for the diagonal and Jacobians that Laplace approximations need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from laplace.curvature.capture import OutputGradients, record_forward
+from laplace.curvature.layer_rules import SQUARE_SUM_RULES, ModuleCall, per_sample_grads
+from laplace.data import Inputs
+
+__all__ = ["PerSampleEngine", "PerSampleTrace"]
+
+
+class PerSampleEngine:
+    """Per-sample gradients of a model's outputs w.r.t. a list of its parameters.
+
+    Args:
+        model: The network; called as ``model(x)``.
+        params: Parameters of interest; their flattened concatenation (in this order) is the
+            parameter vector of length P.
+        indices: Optional LongTensor selecting entries of that vector (a subnetwork); results
+            are then restricted to them and only the layers owning selected entries are traced.
+    """
+
+    def __init__(
+        self, model: nn.Module, params: Sequence[Tensor], indices: Tensor | None = None
+    ) -> None:
+        self.model = model
+        self.params = list(params)
+        sizes = torch.tensor([p.numel() for p in self.params])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+        if indices is None:
+            needed = list(range(len(self.params)))
+            self.indices = None
+        else:
+            indices = torch.as_tensor(indices, dtype=torch.long).cpu()
+            owner = torch.bucketize(indices, offsets[1:], right=True)
+            needed = sorted(set(owner.tolist()))
+            starts = torch.zeros(len(self.params), dtype=torch.long)
+            starts[needed] = sizes[needed].cumsum(0) - sizes[needed]
+            self.indices = starts[owner] + indices - offsets[owner]
+        self.needed = [self.params[i] for i in needed]
+        position = {id(p): i for i, p in enumerate(self.needed)}
+        self.owners: dict[nn.Module, list[str]] = {}
+        self.slot: dict[tuple[nn.Module, str], int] = {}
+        for module in model.modules():
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) in position:
+                    self.owners.setdefault(module, []).append(name)
+                    self.slot[module, name] = position[id(p)]
+
+    def trace(self, x: Inputs, create_graph: bool = False) -> PerSampleTrace:
+        """Run one recorded forward pass on ``x``.
+
+        Args:
+            x: Model inputs.
+            create_graph: Keep results differentiable (w.r.t. ``x`` and the parameters).
+
+        Returns:
+            The trace, from which curvature sums and per-sample gradients are computed.
+        """
+        f, calls = record_forward(self.model, self.owners, x, keep_input_graph=create_graph)
+        return PerSampleTrace(self, f, calls, create_graph)
+
+
+class PerSampleTrace:
+    """A recorded forward pass; turns output columns into per-sample parameter quantities.
+
+    Attributes:
+        f: Model output, shape (B, C), attached to the graph.
+    """
+
+    def __init__(
+        self, engine: PerSampleEngine, f: Tensor, calls: list[ModuleCall], create_graph: bool
+    ) -> None:
+        self.engine = engine
+        self.f = f
+        self.calls = calls
+        self.create_graph = create_graph
+        self._grads = OutputGradients(f, calls, create_graph) if calls else None
+        counts: dict[int, int] = {}
+        for call in calls:
+            for name in call.names:
+                slot = engine.slot[call.module, name]
+                counts[slot] = counts.get(slot, 0) + 1
+        self._fast = [
+            type(call.module) in SQUARE_SUM_RULES
+            and SQUARE_SUM_RULES[type(call.module)][0](call)
+            and all(counts[engine.slot[call.module, n]] == 1 for n in call.names)
+            for call in calls
+        ]
+
+    def _zeros(self, *leading: int) -> list[Tensor]:
+        return [self.f.new_zeros(*leading, *p.shape) for p in self.engine.needed]
+
+    def _flatten(self, per_param: list[Tensor], leading: int) -> Tensor:
+        flat = torch.cat([t.reshape(*t.shape[:leading], -1) for t in per_param], dim=-1)
+        if self.engine.indices is None:
+            return flat
+        return flat[..., self.engine.indices.to(flat.device)]
+
+    def _per_param(self, g_calls: list[list[Tensor]], calls: Iterable[int]) -> list[Tensor]:
+        """Per-sample gradients of each needed parameter, summed over the selected calls."""
+        out: list[Tensor | None] = [None] * len(self.engine.needed)
+        for i in calls:
+            call = self.calls[i]
+            for name, grad in per_sample_grads(call, g_calls[i]).items():
+                slot = self.engine.slot[call.module, name]
+                out[slot] = grad if out[slot] is None else out[slot] + grad
+        batch = self.f.shape[0]
+        return [
+            self.f.new_zeros(batch, *p.shape) if t is None else t
+            for t, p in zip(out, self.engine.needed)
+        ]
+
+    def per_sample(self, v: Tensor) -> Tensor:
+        """Per-sample gradients ``Jₙᵀ vₙ`` for one output column.
+
+        Args:
+            v: Output column, shape (B, C).
+
+        Returns:
+            Shape (B, P) (P restricted to the subnetwork when one is set).
+        """
+        if self._grads is None:
+            return self._flatten(self._zeros(self.f.shape[0]), 1)
+        return self._flatten(self._per_param(self._grads(v), range(len(self.calls))), 1)
+
+    def square_sum(self, columns: Iterable[Tensor]) -> Tensor:
+        """``Σₖ Σₙ (Jₙᵀ vₙₖ)²``: the diagonal of ``Σₖ Σₙ gₙₖ gₙₖᵀ``.
+
+        Args:
+            columns: Output columns ``vₖ``, each of shape (B, C).
+
+        Returns:
+            Shape (P,).
+        """
+        total = self._zeros()
+        if self._grads is None:
+            return self._flatten(total, 0)
+        fast = [i for i, is_fast in enumerate(self._fast) if is_fast]
+        slow = [i for i, is_fast in enumerate(self._fast) if not is_fast]
+        squares: dict[int, Tensor] = {}
+        for v in columns:
+            g_calls = self._grads(v)
+            for i in fast:
+                sq = g_calls[i][0].square()
+                squares[i] = squares[i] + sq if i in squares else sq
+            if slow:
+                for slot, grad in enumerate(self._per_param(g_calls, slow)):
+                    total[slot] = total[slot] + grad.square().sum(0)
+        for i, sq in squares.items():
+            call = self.calls[i]
+            for name, value in SQUARE_SUM_RULES[type(call.module)][1](call, sq).items():
+                slot = self.engine.slot[call.module, name]
+                total[slot] = total[slot] + value
+        return self._flatten(total, 0)
+
+    def gram(self, columns: Iterable[Tensor]) -> Tensor:
+        """``Σₖ Σₙ gₙₖ gₙₖᵀ`` with ``gₙₖ = Jₙᵀ vₙₖ``.
+
+        Args:
+            columns: Output columns ``vₖ`` (at least one), each of shape (B, C).
+
+        Returns:
+            Shape (P, P).
+
+        Raises:
+            ValueError: If ``columns`` is empty.
+        """
+        result = None
+        for v in columns:
+            G = self.per_sample(v)
+            result = G.T @ G if result is None else result.addmm_(G.T, G)
+        if result is None:
+            raise ValueError("gram needs at least one output column.")
+        return result
+
+    def jacobians(self) -> Tensor:
+        """Jacobians of the outputs w.r.t. the parameters, shape (B, C, P)."""
+        f = self.f.reshape(self.f.shape[0], -1)
+        eye = torch.eye(f.shape[1], dtype=f.dtype, device=f.device)
+        rows = [self.per_sample(e.expand_as(f).reshape(self.f.shape)) for e in eye]
+        return torch.stack(rows, dim=1)

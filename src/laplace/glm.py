@@ -1,0 +1,182 @@
+"""Predictives of parametric Laplace approximations: linearised (GLM) and sampled-network (NN).
+
+The GLM predictive needs Jacobians of the outputs w.r.t. the weights. They are computed in
+chunks of test points whose Jacobian stays under a memory budget, so predicting on many points
+never materialises the whole (B, C, P) Jacobian.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from laplace.data import Inputs, batch_size_of, move_inputs
+from laplace.likelihoods import LikelihoodModel
+from laplace.predictive import LINKS, gaussian_output_samples
+from laplace.utils.enums import LinkApprox, PredType, parse_enum
+
+__all__ = ["GLMPredictiveMixin", "slice_inputs"]
+
+#: Bytes of Jacobian held at once by the GLM predictive.
+JACOBIAN_CHUNK_BYTES = 256 * 2**20
+
+
+def slice_inputs(X: Inputs, start: int, stop: int, n: int) -> Inputs:
+    """Rows ``start:stop`` of inputs with ``n`` rows; mapping values without n rows are kept."""
+    if isinstance(X, MutableMapping):
+        out = X.__class__(X) if type(X) is not dict else dict(X)
+        for key, value in X.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and len(value) == n:
+                out[key] = value[start:stop]
+        return out
+    return X[start:stop]
+
+
+class GLMPredictiveMixin:
+    """``__call__``, ``predictive_samples`` and ``functional_samples`` of parametric Laplace."""
+
+    def __call__(
+        self,
+        x: Inputs,
+        pred_type: PredType | str = PredType.GLM,
+        joint: bool = False,
+        link_approx: LinkApprox | str = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+        fitting: bool = False,
+        **model_kwargs: Any,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Posterior predictive at inputs ``x``.
+
+        Args:
+            x: Test inputs (B, ...) or a dict-like batch.
+            pred_type: ``"glm"`` (linearised network) or ``"nn"`` (sampled weights).
+            joint: Regression GLM only: return the joint ``(f_mu (B·C,), f_cov (B·C, B·C))``.
+            link_approx: Classification link: ``"probit"``, ``"bridge"``, ``"bridge_norm"`` or
+                ``"mc"``; ``pred_type="nn"`` needs ``"mc"``.
+            n_samples: Samples for ``"mc"`` and ``"nn"``.
+            diagonal_output: Regression GLM: return variances (B, C) instead of (B, C, C).
+            generator: Random number generator for sampling.
+            fitting: Reward modelling: predict as during fitting (classification).
+            **model_kwargs: Extra keyword arguments for the model's forward (NN predictive).
+
+        Returns:
+            Classification: probabilities (B, C). Regression: ``(f_mu, f_var)``.
+
+        Raises:
+            ValueError: For unknown or incompatible ``pred_type`` / ``link_approx``.
+            RuntimeError: Before :meth:`fit`.
+        """
+        pred_type = parse_enum(PredType, pred_type, "pred_type")
+        link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
+        if pred_type == PredType.GP:
+            raise ValueError("pred_type='gp' needs a functional (GP) Laplace; use 'glm' or 'nn'.")
+        if pred_type == PredType.NN and link_approx != LinkApprox.MC:
+            raise ValueError(
+                "pred_type='nn' samples networks and supports only link_approx='mc' "
+                f"(got {link_approx.value!r})."
+            )
+        self._check_fitted("prediction")
+        x = move_inputs(x, self._device)
+        likelihood = self._prediction_likelihood(fitting)
+        if pred_type == PredType.NN:
+            f = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
+            if likelihood.predicts_probabilities:
+                return torch.softmax(f, dim=-1).mean(dim=0)
+            return f.mean(dim=0), f.var(dim=0)
+        if likelihood.predicts_probabilities:
+            f_mu, f_var = self._glm_predictive_distribution(x)
+            return LINKS[link_approx](f_mu, f_var, n_samples=n_samples, generator=generator)
+        return self._glm_predictive_distribution(x, joint, diagonal_output)
+
+    def predictive(self, x: Inputs, pred_type="glm", link_approx="probit", n_samples=100):
+        """Alias of ``__call__`` kept from older laplace-torch versions."""
+        return self(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
+
+    def _prediction_likelihood(self, fitting: bool) -> LikelihoodModel:
+        model = self._likelihood_model
+        return model.fit_likelihood if fitting else model.predictive_likelihood
+
+    # ----------------------------------------------------------------------------- GLM
+    def _chunk_rows(self) -> int:
+        itemsize = torch.finfo(self._dtype).bits // 8
+        per_row = max(1, self.n_outputs * self.n_params * itemsize)
+        return max(1, JACOBIAN_CHUNK_BYTES // per_row)
+
+    def _glm_predictive_distribution(
+        self, X: Inputs, joint: bool = False, diagonal_output: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """Mean and covariance of the linearised network's outputs.
+
+        Returns:
+            ``(f_mu (B, C), f_var (B, C, C))``; ``(B, C)`` variances if ``diagonal_output``;
+            ``(f_mu (B·C,), f_cov (B·C, B·C))`` if ``joint``.
+        """
+        if joint:
+            Js, f_mu = self._jacobians(X)
+            return f_mu.reshape(-1), self.functional_covariance(Js)
+        n = batch_size_of(X, self.dict_key_x)
+        step = self._chunk_rows()
+        means, variances = [], []
+        for start in range(0, n, step):
+            Js, f_mu = self._jacobians(slice_inputs(X, start, start + step, n))
+            f_var = self.functional_variance(Js)
+            means.append(f_mu)
+            variances.append(f_var.diagonal(dim1=-2, dim2=-1) if diagonal_output else f_var)
+        return torch.cat(means), torch.cat(variances)
+
+    def _jacobians(self, X: Inputs) -> tuple[Tensor, Tensor]:
+        Js, f_mu = self.backend.jacobians(X, enable_backprop=self.enable_backprop)
+        if not self.enable_backprop:
+            Js, f_mu = Js.detach(), f_mu.detach()
+        return Js, f_mu
+
+    def functional_samples(
+        self,
+        x: Inputs,
+        pred_type: PredType | str = PredType.GLM,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Samples of the network outputs ``f`` (before any link), shape (S, B, C)."""
+        pred_type = parse_enum(PredType, pred_type, "pred_type")
+        self._check_fitted("functional_samples")
+        x = move_inputs(x, self._device)
+        if pred_type == PredType.NN:
+            return self._nn_functional_samples(x, n_samples, generator)
+        f_mu, f_var = self._glm_predictive_distribution(x, diagonal_output=diagonal_output)
+        return gaussian_output_samples(f_mu, f_var, n_samples, generator)
+
+    def predictive_samples(
+        self,
+        x: Inputs,
+        pred_type: PredType | str = PredType.GLM,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Samples of the predictive: probabilities for classification, outputs otherwise.
+
+        Returns:
+            Samples, shape (S, B, C).
+        """
+        f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator)
+        if self._likelihood_model.predictive_likelihood.predicts_probabilities:
+            return torch.softmax(f, dim=-1)
+        return f
+
+    # ------------------------------------------------------------------------------ NN
+    def _nn_functional_samples(
+        self, X: Inputs, n_samples: int, generator: torch.Generator | None, **model_kwargs: Any
+    ) -> Tensor:
+        """Outputs of ``n_samples`` networks with weights drawn from the posterior (S, B, C)."""
+        thetas = self.sample(n_samples, generator)
+        context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
+        with context:
+            outputs = [self._subset.forward_with(theta, X, **model_kwargs) for theta in thetas]
+        return torch.stack(outputs)

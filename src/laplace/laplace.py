@@ -1,0 +1,86 @@
+"""The ``Laplace`` factory: pick the Laplace class for a subset of weights and a structure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from laplace.baselaplace import DiagLaplace, FullLaplace, ParametricLaplace
+from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights, parse_enum
+
+__all__ = ["REGISTRY", "Laplace"]
+
+S, H = SubsetOfWeights, HessianStructure
+
+#: Implemented (subset, structure) combinations.
+REGISTRY: dict[tuple[SubsetOfWeights, HessianStructure], type[ParametricLaplace]] = {
+    (S.ALL, H.FULL): FullLaplace,
+    (S.ALL, H.DIAG): DiagLaplace,
+}
+
+#: Combinations laplace-torch supports that later issues add, with the issue that adds them.
+PLANNED: dict[tuple[SubsetOfWeights, HessianStructure], str] = {
+    (S.ALL, H.KRON): "the Kronecker (KFAC) issue",
+    (S.ALL, H.LOWRANK): "the low-rank/subnetwork issue",
+    (S.ALL, H.GP): "the function-space (GP) issue",
+    (S.LAST_LAYER, H.FULL): "the last-layer issue",
+    (S.LAST_LAYER, H.KRON): "the last-layer issue",
+    (S.LAST_LAYER, H.DIAG): "the last-layer issue",
+    (S.LAST_LAYER, H.GP): "the function-space (GP) issue",
+    (S.SUBNETWORK, H.FULL): "the low-rank/subnetwork issue",
+    (S.SUBNETWORK, H.DIAG): "the low-rank/subnetwork issue",
+}
+
+#: Structures the reward-modelling likelihood supports (as in laplace-torch).
+REWARD_MODELING_STRUCTURES = (H.KRON, H.DIAG)
+
+
+def Laplace(
+    model: nn.Module,
+    likelihood: Likelihood | str,
+    subset_of_weights: SubsetOfWeights | str = SubsetOfWeights.LAST_LAYER,
+    hessian_structure: HessianStructure | str = HessianStructure.KRON,
+    *args: Any,
+    **kwargs: Any,
+) -> ParametricLaplace:
+    """Build the Laplace approximation for a subset of weights and a curvature structure.
+
+    Args:
+        model: The trained network.
+        likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"``.
+        subset_of_weights: ``"all"``, ``"last_layer"`` or ``"subnetwork"``.
+        hessian_structure: ``"full"``, ``"kron"``, ``"diag"``, ``"lowrank"`` or ``"gp"``.
+        *args: Passed on to the chosen class.
+        **kwargs: Passed on to the chosen class.
+
+    Returns:
+        An instance of the chosen :class:`ParametricLaplace` subclass.
+
+    Raises:
+        ValueError: For unknown options or a combination no Laplace class supports.
+        NotImplementedError: For a supported combination that a later release adds.
+    """
+    likelihood = parse_enum(Likelihood, likelihood, "likelihood")
+    subset = parse_enum(SubsetOfWeights, subset_of_weights, "subset_of_weights")
+    structure = parse_enum(HessianStructure, hessian_structure, "hessian_structure")
+    key = (subset, structure)
+    if key not in REGISTRY and key not in PLANNED:
+        valid = sorted(f"{s.value}/{h.value}" for s, h in [*REGISTRY, *PLANNED] if s == subset)
+        raise ValueError(
+            f"subset_of_weights={subset.value!r} does not support "
+            f"hessian_structure={structure.value!r}; valid structures for this subset: "
+            f"{', '.join(v.split('/')[1] for v in valid)}."
+        )
+    if likelihood == Likelihood.REWARD_MODELING and structure not in REWARD_MODELING_STRUCTURES:
+        raise ValueError(
+            f"likelihood='reward_modeling' supports hessian_structure in "
+            f"{[h.value for h in REWARD_MODELING_STRUCTURES]}, got {structure.value!r}."
+        )
+    if key in PLANNED:
+        raise NotImplementedError(
+            f"subset_of_weights={subset.value!r} with hessian_structure={structure.value!r} "
+            f"is not available yet in laplace-ng; it arrives with {PLANNED[key]}. "
+            f"Available now: {sorted(f'{s.value}/{h.value}' for s, h in REGISTRY)}."
+        )
+    return REGISTRY[key](model, likelihood, *args, **kwargs)

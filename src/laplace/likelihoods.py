@@ -1,0 +1,245 @@
+"""Likelihood objects: loss, output-space curvature and predictive link for each observation model.
+
+The rest of the library asks a likelihood object instead of branching on its name. Losses follow
+laplace-torch's conventions: the summed loss, ``½ Σ‖y − f‖²`` for regression (σ-free, so the
+output Hessian is the identity) and ``Σ CE`` for classification.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+from typing_extensions import override
+
+from laplace.utils.enums import Likelihood, parse_enum
+
+__all__ = [
+    "Categorical",
+    "GaussianRegression",
+    "LikelihoodModel",
+    "RewardModeling",
+    "make_likelihood",
+]
+
+
+class LikelihoodModel(ABC):
+    """An observation model ``p(y | f)`` over network outputs ``f`` of shape (B, C)."""
+
+    kind: Likelihood
+    #: Whether predictions are probabilities (classification) or Gaussian moments.
+    predicts_probabilities: bool
+
+    @property
+    def fit_likelihood(self) -> LikelihoodModel:
+        """The likelihood used to fit the curvature (differs for reward modelling)."""
+        return self
+
+    @property
+    def predictive_likelihood(self) -> LikelihoodModel:
+        """The likelihood used for predictions (differs for reward modelling)."""
+        return self
+
+    @abstractmethod
+    def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
+        """Negative log-likelihood up to constants, shape (B,)."""
+
+    def loss(self, f: Tensor, y: Tensor) -> Tensor:
+        """Summed loss over the batch, a scalar."""
+        return self.per_sample_loss(f, y).sum()
+
+    @abstractmethod
+    def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        """Gradient of the per-sample loss w.r.t. ``f``, shape (B, C)."""
+
+    @abstractmethod
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        """A factor ``L`` of the output Hessian ``Λ = L Lᵀ``, shape (B, C, C)."""
+
+    def output_hessian(self, f: Tensor) -> Tensor:
+        """Hessian of the per-sample loss w.r.t. ``f``, shape (B, C, C)."""
+        L = self.output_hessian_sqrt(f)
+        return L @ L.transpose(-1, -2)
+
+    @abstractmethod
+    def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """Draw targets ``y ~ p(y | f)`` (for Monte-Carlo Fisher estimates)."""
+
+    @abstractmethod
+    def log_likelihood(
+        self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
+    ) -> Tensor:
+        """Log-likelihood of the training data from its summed loss."""
+
+    def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
+        """Check targets against the outputs and bring them to the shape the loss expects."""
+        return y
+
+
+class GaussianRegression(LikelihoodModel):
+    """Homoscedastic Gaussian ``N(y; f, σ²I)``; the stored loss and curvature are σ-free."""
+
+    kind = Likelihood.REGRESSION
+    predicts_probabilities = False
+
+    @override
+    def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
+        y = self.prepare_targets(f, y)
+        return 0.5 * (y - f).square().flatten(1).sum(1)
+
+    @override
+    def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        return f - self.prepare_targets(f, y)
+
+    @override
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
+        return eye.expand(f.shape[0], -1, -1)
+
+    @override
+    def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        noise = torch.randn(f.shape, dtype=f.dtype, device=f.device, generator=generator)
+        return f + noise
+
+    @override
+    def log_likelihood(
+        self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
+    ) -> Tensor:
+        sigma2 = sigma_noise.square()
+        normaliser = 0.5 * n_data * n_outputs * torch.log(2 * math.pi * sigma2)
+        return -loss / (sigma2 * temperature) - normaliser
+
+    @override
+    def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
+        if y.shape == f.shape:
+            return y
+        if y.numel() == f.numel():
+            return y.reshape(f.shape)
+        raise ValueError(
+            f"regression targets of shape {tuple(y.shape)} do not match the model output "
+            f"of shape {tuple(f.shape)}."
+        )
+
+
+class Categorical(LikelihoodModel):
+    """Categorical likelihood with a softmax link; targets are class indices or probabilities."""
+
+    kind = Likelihood.CLASSIFICATION
+    predicts_probabilities = True
+
+    @override
+    def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(f, self.prepare_targets(f, y), reduction="none")
+
+    @override
+    def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        y = self.prepare_targets(f, y)
+        p = torch.softmax(f, dim=-1)
+        if y.dtype.is_floating_point:
+            return p - y
+        return p - F.one_hot(y, f.shape[-1]).to(f.dtype)
+
+    @override
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        # Λ = diag(p) − p pᵀ = L Lᵀ with L = diag(√p) − p √pᵀ, because Σ p = 1.
+        p = torch.softmax(f, dim=-1)
+        sqrt_p = p.sqrt()
+        return torch.diag_embed(sqrt_p) - p.unsqueeze(-1) * sqrt_p.unsqueeze(-2)
+
+    @override
+    def output_hessian(self, f: Tensor) -> Tensor:
+        p = torch.softmax(f, dim=-1)
+        return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+
+    @override
+    def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        p = torch.softmax(f.detach(), dim=-1)
+        return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+
+    @override
+    def log_likelihood(
+        self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
+    ) -> Tensor:
+        return -loss / temperature
+
+    @override
+    def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
+        if y.dtype.is_floating_point and y.shape == f.shape:
+            return y
+        y = y.reshape(-1)
+        if y.shape[0] != f.shape[0]:
+            raise ValueError(
+                f"classification targets of shape {tuple(y.shape)} do not match the batch of "
+                f"{f.shape[0]} outputs."
+            )
+        return y.long()
+
+
+class RewardModeling(LikelihoodModel):
+    """Bradley–Terry reward model: fitted as classification on pairs, predicted as regression."""
+
+    kind = Likelihood.REWARD_MODELING
+    predicts_probabilities = False
+
+    def __init__(self) -> None:
+        self._fit = Categorical()
+        self._predict = GaussianRegression()
+
+    @override
+    @property
+    def fit_likelihood(self) -> LikelihoodModel:
+        return self._fit
+
+    @override
+    @property
+    def predictive_likelihood(self) -> LikelihoodModel:
+        return self._predict
+
+    @override
+    def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
+        return self._fit.per_sample_loss(f, y)
+
+    @override
+    def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        return self._fit.loss_gradient(f, y)
+
+    @override
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        return self._fit.output_hessian_sqrt(f)
+
+    @override
+    def output_hessian(self, f: Tensor) -> Tensor:
+        return self._fit.output_hessian(f)
+
+    @override
+    def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        return self._fit.sample_targets(f, generator)
+
+    @override
+    def log_likelihood(
+        self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
+    ) -> Tensor:
+        return self._fit.log_likelihood(loss, n_data, n_outputs, sigma_noise, temperature)
+
+    @override
+    def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
+        return self._fit.prepare_targets(f, y)
+
+
+_LIKELIHOODS: dict[Likelihood, type[LikelihoodModel]] = {
+    Likelihood.REGRESSION: GaussianRegression,
+    Likelihood.CLASSIFICATION: Categorical,
+    Likelihood.REWARD_MODELING: RewardModeling,
+}
+
+
+def make_likelihood(likelihood: Likelihood | str) -> LikelihoodModel:
+    """Build the likelihood object for a user's ``likelihood`` argument.
+
+    Raises:
+        ValueError: If ``likelihood`` is not one of the supported names.
+    """
+    return _LIKELIHOODS[parse_enum(Likelihood, likelihood, "likelihood")]()

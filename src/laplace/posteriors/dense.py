@@ -1,0 +1,98 @@
+"""Dense posterior: ``P = h·H + diag(p₀)`` stored as a full (P, P) matrix."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from laplace.posteriors.base import Posterior
+
+__all__ = ["DensePosterior"]
+
+
+class DensePosterior(Posterior):
+    """Full-covariance Gaussian posterior, factorised once by a Cholesky decomposition.
+
+    ``log det P``, ``J P⁻¹ Jᵀ`` and samples all reuse the lower Cholesky factor ``L`` of
+    ``P = L Lᵀ``; the covariance ``P⁻¹`` and its scale are built only when asked for.
+    """
+
+    @override
+    @staticmethod
+    def zeros(n_params: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        return torch.zeros(n_params, n_params, device=device, dtype=dtype)
+
+    @override
+    @staticmethod
+    def batch_curvature(backend: Any, X: Any, y: Tensor) -> tuple[Tensor, Tensor]:
+        return backend.full(X, y)
+
+    @cached_property
+    def precision(self) -> Tensor:
+        """(P, P) posterior precision."""
+        return self.h_factor * self.H + torch.diag(self.prior_diag)
+
+    @cached_property
+    def cholesky(self) -> Tensor:
+        """(P, P) lower Cholesky factor of the precision."""
+        factor, info = torch.linalg.cholesky_ex(self.precision)
+        if int(info) != 0:
+            raise RuntimeError(
+                "the posterior precision is not positive definite (Cholesky failed at column "
+                f"{int(info)}); increase the prior precision or check the curvature for errors."
+            )
+        return factor
+
+    @cached_property
+    def covariance(self) -> Tensor:
+        """(P, P) posterior covariance ``P⁻¹``."""
+        return torch.cholesky_inverse(self.cholesky)
+
+    @cached_property
+    def scale(self) -> Tensor:
+        """(P, P) lower-triangular ``S`` with ``S Sᵀ = P⁻¹``.
+
+        Obtained from the Cholesky factor of the row/column-reversed precision, which avoids
+        forming ``P⁻¹`` before factorising it.
+        """
+        reversed_factor = torch.linalg.cholesky(self.precision.flip(0, 1))
+        eye = torch.eye(
+            len(self.prior_diag), device=reversed_factor.device, dtype=reversed_factor.dtype
+        )
+        inv = torch.linalg.solve_triangular(reversed_factor, eye, upper=False)
+        return inv.T.flip(0, 1)
+
+    @override
+    @property
+    def log_det(self) -> Tensor:
+        return 2 * self.cholesky.diagonal().log().sum()
+
+    @override
+    def square_form(self, delta: Tensor) -> Tensor:
+        return delta @ self.precision @ delta
+
+    def _whitened(self, Js: Tensor) -> Tensor:
+        """``L⁻¹ Jᵀ`` so that ``J P⁻¹ Jᵀ = (L⁻¹Jᵀ)ᵀ (L⁻¹Jᵀ)``; Js (..., P) → (P, ...)."""
+        flat = Js.reshape(-1, Js.shape[-1]).T
+        return torch.linalg.solve_triangular(self.cholesky, flat, upper=False)
+
+    @override
+    def functional_variance(self, Js: Tensor) -> Tensor:
+        B, C, _ = Js.shape
+        W = self._whitened(Js).T.reshape(B, C, -1)
+        return W @ W.transpose(1, 2)
+
+    @override
+    def functional_covariance(self, Js: Tensor) -> Tensor:
+        W = self._whitened(Js)
+        return W.T @ W
+
+    @override
+    def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
+        z = self._standard_normal((len(self.prior_diag), n_samples), generator)
+        # P = L Lᵀ ⇒ θ − θ_MAP = L⁻ᵀ z has covariance P⁻¹.
+        return torch.linalg.solve_triangular(self.cholesky.T, z, upper=True).T

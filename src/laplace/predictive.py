@@ -1,0 +1,88 @@
+"""Predictive links: from a Gaussian over outputs ``N(f_μ, Σ_f)`` to predictions.
+
+Pure functions of ``(f_mu, f_var)``; the Laplace classes compute the moments and pick the link.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from laplace.utils.enums import LinkApprox
+
+__all__ = ["LINKS", "gaussian_output_samples", "laplace_bridge", "monte_carlo_softmax", "probit"]
+
+
+def gaussian_output_samples(
+    f_mu: Tensor, f_var: Tensor, n_samples: int, generator: torch.Generator | None = None
+) -> Tensor:
+    """Draw ``f ~ N(f_mu, f_var)`` per point.
+
+    Args:
+        f_mu: Means, shape (B, C).
+        f_var: Covariances (B, C, C) or variances (B, C).
+        n_samples: Number of draws S.
+        generator: Random number generator.
+
+    Returns:
+        Samples, shape (S, B, C).
+    """
+    z = torch.randn(
+        (n_samples, *f_mu.shape), generator=generator, device=f_mu.device, dtype=f_mu.dtype
+    )
+    if f_var.dim() == f_mu.dim():
+        return f_mu + z * f_var.clamp_min(0).sqrt()
+    # A small jitter keeps the factorisation defined for rank-deficient output covariances.
+    jitter = 1e-10 * torch.eye(f_var.shape[-1], device=f_var.device, dtype=f_var.dtype)
+    scale, _ = torch.linalg.cholesky_ex(f_var + jitter)
+    return f_mu + torch.einsum("bij,sbj->sbi", scale, z)
+
+
+def _variances(f_var: Tensor) -> Tensor:
+    return f_var if f_var.dim() == 2 else f_var.diagonal(dim1=-2, dim2=-1)
+
+
+def probit(f_mu: Tensor, f_var: Tensor, **_: object) -> Tensor:
+    """Probit approximation: ``softmax(f_μ / √(1 + π/8 · diag Σ_f))``, shape (B, C)."""
+    kappa = (1 + math.pi / 8 * _variances(f_var)).rsqrt()
+    return torch.softmax(kappa * f_mu, dim=-1)
+
+
+def laplace_bridge(f_mu: Tensor, f_var: Tensor, normalize: bool = False, **_: object) -> Tensor:
+    """Laplace bridge: the Dirichlet matching ``N(f_μ, diag Σ_f)``; returns its mean (B, C).
+
+    With ``normalize=True`` the logits are first rescaled by the mean variance (the
+    variance-normalised bridge, ``link_approx="bridge_norm"``).
+    """
+    var = _variances(f_var)
+    n_classes = f_mu.shape[-1]
+    if normalize:
+        mean_var = var.mean(dim=-1, keepdim=True) / math.sqrt(n_classes / 2)
+        f_mu = f_mu / mean_var.sqrt()
+        var = var / mean_var
+    sum_exp = torch.exp(-f_mu).sum(dim=-1, keepdim=True)
+    alpha = (1 - 2 / n_classes + f_mu.exp() / n_classes**2 * sum_exp) / var
+    return torch.nan_to_num(alpha / alpha.sum(dim=-1, keepdim=True), nan=1.0)
+
+
+def monte_carlo_softmax(
+    f_mu: Tensor,
+    f_var: Tensor,
+    n_samples: int = 100,
+    generator: torch.Generator | None = None,
+    **_: object,
+) -> Tensor:
+    """Monte-Carlo average of ``softmax(f)`` over ``f ~ N(f_μ, Σ_f)``, shape (B, C)."""
+    samples = gaussian_output_samples(f_mu, f_var, n_samples, generator)
+    return torch.softmax(samples, dim=-1).mean(dim=0)
+
+
+LINKS: dict[LinkApprox, Callable[..., Tensor]] = {
+    LinkApprox.PROBIT: probit,
+    LinkApprox.BRIDGE: laplace_bridge,
+    LinkApprox.BRIDGE_NORM: lambda f_mu, f_var, **kw: laplace_bridge(f_mu, f_var, True),
+    LinkApprox.MC: monte_carlo_softmax,
+}

@@ -1,0 +1,71 @@
+"""Validation and expansion of Gaussian prior hyperparameters (precision and mean)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["as_prior_mean", "as_prior_precision", "expand_to_diagonal"]
+
+
+def _as_tensor(value: float | Tensor, name: str, device, dtype) -> Tensor:
+    if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
+        raise TypeError(f"{name} must be a float or a torch.Tensor, got {type(value).__name__}.")
+    tensor = torch.as_tensor(value)
+    if not tensor.dtype.is_floating_point:
+        tensor = tensor.to(dtype)
+    return tensor.to(device=device, dtype=dtype)
+
+
+def as_prior_precision(
+    value: float | Tensor, n_layers: int, n_params: int, device, dtype
+) -> Tensor:
+    """Check a prior precision and return it as a vector of length 1, ``n_layers`` or ``n_params``.
+
+    Gradients are kept, so a precision with ``requires_grad`` stays differentiable.
+
+    Raises:
+        ValueError: If the length fits none of the three structures or an entry is not positive.
+    """
+    tensor = _as_tensor(value, "prior_precision", device, dtype)
+    if tensor.dim() > 1:
+        raise ValueError(
+            f"prior_precision must be a scalar or a vector, got shape {tuple(tensor.shape)}."
+        )
+    tensor = tensor.reshape(-1)
+    if len(tensor) not in (1, n_layers, n_params):
+        raise ValueError(
+            f"prior_precision has length {len(tensor)}; it must be a scalar (length 1), "
+            f"layer-wise (length n_layers={n_layers}) or diagonal (length n_params={n_params})."
+        )
+    if not bool((tensor.detach() > 0).all()) or not bool(torch.isfinite(tensor.detach()).all()):
+        raise ValueError("prior_precision must be positive and finite in every entry.")
+    return tensor
+
+
+def as_prior_mean(value: float | Tensor, n_params: int, device, dtype) -> Tensor:
+    """Check a prior mean: a scalar or a vector of length ``n_params``.
+
+    Raises:
+        ValueError: If the mean is neither a scalar nor of length ``n_params``.
+    """
+    tensor = _as_tensor(value, "prior_mean", device, dtype)
+    if tensor.numel() == 1:
+        return tensor.reshape(())
+    if tensor.dim() != 1 or len(tensor) != n_params:
+        raise ValueError(
+            f"prior_mean must be a scalar or a vector of length n_params={n_params}, "
+            f"got shape {tuple(tensor.shape)}."
+        )
+    return tensor
+
+
+def expand_to_diagonal(prior_precision: Tensor, layer_sizes: list[int]) -> Tensor:
+    """Expand a scalar, layer-wise or diagonal precision to the diagonal, shape (P,)."""
+    n_params = sum(layer_sizes)
+    if len(prior_precision) == n_params:
+        return prior_precision
+    if len(prior_precision) == 1:
+        return prior_precision.expand(n_params)
+    sizes = torch.as_tensor(layer_sizes, device=prior_precision.device)
+    return torch.repeat_interleave(prior_precision, sizes)

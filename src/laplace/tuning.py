@@ -1,0 +1,91 @@
+"""Prior-precision tuning: marginal-likelihood ascent and validation grid search.
+
+Both work with any Laplace approximation through its public interface
+(``log_marginal_likelihood``, ``prior_precision``, the predictive), never its structure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torchmetrics
+from torch import Tensor
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from laplace.utils.enums import LinkApprox, PredType
+from laplace.utils.metrics import RunningNLLMetric
+from laplace.utils.utils import validate
+
+if TYPE_CHECKING:
+    from laplace.baselaplace import BaseLaplace
+
+__all__ = ["default_validation_loss", "gridsearch", "maximize_marglik"]
+
+
+def maximize_marglik(
+    la: BaseLaplace, init: Tensor, n_steps: int, lr: float, progress_bar: bool = False
+) -> Tensor:
+    """Maximise the log marginal likelihood over ``log p₀`` with Adam.
+
+    Args:
+        la: A fitted Laplace approximation.
+        init: Initial prior precision, any valid structure (scalar/layer-wise/diagonal).
+        n_steps: Number of Adam steps.
+        lr: Adam learning rate.
+        progress_bar: Whether to show a progress bar.
+
+    Returns:
+        The optimised prior precision (detached), same shape as ``init``.
+    """
+    log_prior = init.detach().log().requires_grad_(True)
+    optimizer = torch.optim.Adam([log_prior], lr=lr)
+    for _ in tqdm(range(n_steps), disable=not progress_bar, desc="marglik tuning"):
+        optimizer.zero_grad()
+        neg_marglik = -la.log_marginal_likelihood(prior_precision=log_prior.exp())
+        neg_marglik.backward()
+        optimizer.step()
+    return log_prior.detach().exp()
+
+
+def default_validation_loss(la: BaseLaplace) -> torchmetrics.Metric:
+    """Running NLL for probability outputs, running mean squared error otherwise."""
+    if la._likelihood_model.predictive_likelihood.predicts_probabilities:
+        return RunningNLLMetric().to(la._device)
+    return torchmetrics.MeanSquaredError(num_outputs=la.n_outputs).to(la._device)
+
+
+def gridsearch(
+    la: BaseLaplace,
+    candidates: Tensor,
+    val_loader: DataLoader,
+    loss: torchmetrics.Metric | Callable,
+    pred_type: PredType,
+    link_approx: LinkApprox,
+    n_samples: int,
+    progress_bar: bool = False,
+) -> Tensor:
+    """Pick the candidate prior precision with the lowest validation loss.
+
+    Candidates whose loss is not finite are skipped; the first of equal losses wins.
+
+    Returns:
+        The best candidate, shape (1,).
+
+    Raises:
+        RuntimeError: If no candidate gives a finite validation loss.
+    """
+    best, best_loss = None, float("inf")
+    for prior_prec in tqdm(candidates, disable=not progress_bar, desc="gridsearch"):
+        la.prior_precision = prior_prec.reshape(1)
+        value = validate(
+            la, val_loader, loss, pred_type, link_approx, n_samples, dict_key_y=la.dict_key_y
+        )
+        value = float(value)
+        if value < best_loss:
+            best, best_loss = prior_prec.reshape(1), value
+    if best is None:
+        raise RuntimeError("gridsearch: every candidate prior precision gave a non-finite loss.")
+    return best

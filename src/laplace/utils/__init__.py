@@ -1,0 +1,55 @@
+"""Utilities: option enums, linear-algebra and prior helpers, validation and metrics."""
+
+from laplace.utils.enums import (
+    FunctionalApproximation,
+    HessianStructure,
+    Likelihood,
+    LinkApprox,
+    PredType,
+    PriorStructure,
+    SubsetOfWeights,
+    TuningMethod,
+)
+from laplace.utils.metrics import RunningNLLMetric
+from laplace.utils.utils import (
+    SoDSampler,
+    _is_batchnorm,
+    _is_valid_scalar,
+    block_diag,
+    diagonal_add_scalar,
+    expand_prior_precision,
+    fix_prior_prec_structure,
+    get_nll,
+    invsqrt_precision,
+    kron,
+    normal_samples,
+    parameters_per_layer,
+    symeig,
+    validate,
+)
+
+__all__ = [
+    "FunctionalApproximation",
+    "HessianStructure",
+    "Likelihood",
+    "LinkApprox",
+    "PredType",
+    "PriorStructure",
+    "RunningNLLMetric",
+    "SoDSampler",
+    "SubsetOfWeights",
+    "TuningMethod",
+    "_is_batchnorm",
+    "_is_valid_scalar",
+    "block_diag",
+    "diagonal_add_scalar",
+    "expand_prior_precision",
+    "fix_prior_prec_structure",
+    "get_nll",
+    "invsqrt_precision",
+    "kron",
+    "normal_samples",
+    "parameters_per_layer",
+    "symeig",
+    "validate",
+]

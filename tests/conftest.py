@@ -1,0 +1,228 @@
+"""Shared tiny models, data loaders and dense float64 oracles built with ``torch.func``.
+
+Every curvature, log-determinant and predictive of the library is checked against the dense
+references defined here: exact Jacobians (``jacrev``), the exact GGN ``Σ Jᵀ Λ J``, the exact
+Hessian of the summed loss, and the empirical Fisher ``Σ g gᵀ``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, hessian, jacrev, vmap
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+# Named tolerances for float64 comparisons.
+ATOL_F64 = 1e-9
+RTOL_F64 = 1e-7
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol=RTOL_F64, atol=ATOL_F64):
+    """Compare tensors and report the worst entry when they differ."""
+    actual = torch.as_tensor(actual).detach()
+    expected = torch.as_tensor(expected, dtype=actual.dtype).detach().to(actual.device)
+    assert actual.shape == expected.shape, (
+        f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
+    diff = (actual - expected).abs()
+    bound = atol + rtol * expected.abs()
+    if not bool((diff <= bound).all()):
+        worst = int((diff - bound).flatten().argmax())
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), actual.shape))
+        raise AssertionError(
+            f"tensors differ: worst entry {idx}: actual={actual[idx].item():.10g} "
+            f"expected={expected[idx].item():.10g} |diff|={diff[idx].item():.3g} "
+            f"(rtol={rtol}, atol={atol}); {int((diff > bound).sum())} entries out of tolerance"
+        )
+
+
+class DictDataset(Dataset):
+    """Dataset of dict-like batches, as HuggingFace loaders emit."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, key_x="input_ids", key_y="labels"):
+        self.x, self.y, self.key_x, self.key_y = x, y, key_x, key_y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {self.key_x: self.x[i], self.key_y: self.y[i]}
+
+
+class DictInputModel(nn.Module):
+    """A model whose forward takes a dict with the input under ``input_ids``."""
+
+    def __init__(self, n_in=3, n_out=2):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(n_in, 4), nn.Tanh(), nn.Linear(4, n_out))
+
+    def forward(self, data):
+        return self.net(data["input_ids"])
+
+
+@dataclass
+class Case:
+    """A tiny float64 model with its data and likelihood."""
+
+    name: str
+    likelihood: str
+    model: nn.Module
+    X: torch.Tensor
+    y: torch.Tensor
+    batch_size: int = 7
+
+    @property
+    def n_outputs(self) -> int:
+        with torch.no_grad():
+            return self.model(self.X[:1]).shape[-1]
+
+    def loader(self, batch_size: int | None = None) -> DataLoader:
+        return DataLoader(TensorDataset(self.X, self.y), batch_size=batch_size or self.batch_size)
+
+
+def _regression_case(name: str, n_out: int, seed: int) -> Case:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, n_out)).double()
+    X = torch.randn(20, 3, dtype=torch.float64)
+    y = torch.randn(20, n_out, dtype=torch.float64)
+    return Case(name, "regression", model, X, y)
+
+
+def _classification_case(seed: int) -> Case:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 4)).double()
+    X = torch.randn(20, 3, dtype=torch.float64)
+    y = torch.randint(0, 4, (20,))
+    return Case("mlp_classification", "classification", model, X, y)
+
+
+def _cnn_case(seed: int) -> Case:
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(2, 3, 3, stride=2, padding=1),
+        nn.Flatten(),
+        nn.Linear(12, 3),
+    ).double()
+    X = torch.randn(12, 1, 7, 7, dtype=torch.float64)
+    y = torch.randint(0, 3, (12,))
+    return Case("cnn_classification", "classification", model, X, y, batch_size=5)
+
+
+CASE_BUILDERS: dict[str, Callable[[], Case]] = {
+    "mlp_regression_1out": lambda: _regression_case("mlp_regression_1out", 1, 0),
+    "mlp_regression_3out": lambda: _regression_case("mlp_regression_3out", 3, 1),
+    "mlp_classification": lambda: _classification_case(2),
+    "cnn_classification": lambda: _cnn_case(3),
+}
+
+
+@pytest.fixture(params=list(CASE_BUILDERS), ids=list(CASE_BUILDERS))
+def case(request) -> Case:
+    """Every tiny model × likelihood case."""
+    return CASE_BUILDERS[request.param]()
+
+
+@pytest.fixture
+def regression_case() -> Case:
+    return CASE_BUILDERS["mlp_regression_3out"]()
+
+
+@pytest.fixture
+def classification_case() -> Case:
+    return CASE_BUILDERS["mlp_classification"]()
+
+
+def dict_case(n: int = 16) -> tuple[nn.Module, DataLoader]:
+    torch.manual_seed(4)
+    model = DictInputModel().double()
+    X = torch.randn(n, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (n,))
+    return model, DataLoader(DictDataset(X, y), batch_size=5)
+
+
+def _devices() -> list[str]:
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+@pytest.fixture(params=_devices())
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
+# --------------------------------------------------------------------------- oracles
+
+
+class Oracle:
+    """Dense float64 references for a model with trainable parameters ``θ``.
+
+    The loss convention is the library's: ``½ Σ‖y − f‖²`` for regression and summed
+    cross-entropy for classification; curvatures are σ-free.
+    """
+
+    def __init__(self, model: nn.Module, likelihood: str):
+        self.model = model
+        self.likelihood = likelihood
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.shapes = [p.shape for n, p in model.named_parameters() if p.requires_grad]
+        self.theta = torch.cat(
+            [p.detach().flatten() for p in model.parameters() if p.requires_grad]
+        )
+
+    def unflatten(self, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, i = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            n = shape.numel()
+            out[name] = theta[i : i + n].view(shape)
+            i += n
+        return out
+
+    def f(self, theta: torch.Tensor, X) -> torch.Tensor:
+        return functional_call(self.model, self.unflatten(theta), (X,))
+
+    def jacobian(self, X) -> torch.Tensor:
+        """Exact Jacobian, shape (B, C, P)."""
+        return jacrev(lambda t: self.f(t, X))(self.theta)
+
+    def output_hessian(self, f: torch.Tensor) -> torch.Tensor:
+        """Hessian of the per-sample loss w.r.t. the outputs, shape (B, C, C)."""
+        if self.likelihood == "regression":
+            return torch.eye(f.shape[-1], dtype=f.dtype).expand(f.shape[0], -1, -1)
+        p = torch.softmax(f, dim=-1)
+        return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+
+    def per_sample_loss(self, f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.likelihood == "regression":
+            return 0.5 * ((y - f) ** 2).sum(-1)
+        return nn.functional.cross_entropy(f, y, reduction="none")
+
+    def loss(self, X, y) -> torch.Tensor:
+        return self.per_sample_loss(self.f(self.theta, X), y).sum()
+
+    def ggn(self, X) -> torch.Tensor:
+        J = self.jacobian(X)
+        Lam = self.output_hessian(self.f(self.theta, X).detach())
+        return torch.einsum("bcp,bcd,bdq->pq", J, Lam, J)
+
+    def hessian(self, X, y) -> torch.Tensor:
+        return hessian(lambda t: self.per_sample_loss(self.f(t, X), y).sum())(self.theta)
+
+    def per_sample_gradients(self, X, y) -> torch.Tensor:
+        def single(t, x, yy):
+            return self.per_sample_loss(self.f(t, x.unsqueeze(0)), yy.unsqueeze(0)).sum()
+
+        return vmap(jacrev(single), in_dims=(None, 0, 0))(self.theta, X, y)
+
+    def ef(self, X, y) -> torch.Tensor:
+        G = self.per_sample_gradients(X, y)
+        return G.T @ G
+
+
+@pytest.fixture
+def oracle_for() -> Callable[[Case], Oracle]:
+    return lambda case: Oracle(case.model, case.likelihood)

@@ -1,0 +1,265 @@
+"""Full and Diag Laplace over all weights against dense float64 oracles."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import CASE_BUILDERS, Oracle, assert_close
+from laplace import DiagLaplace, FullLaplace, Laplace
+from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian
+
+STRUCTURES = {"full": FullLaplace, "diag": DiagLaplace}
+
+
+def dense_curvature(oracle: Oracle, X, y, backend) -> torch.Tensor:
+    if backend is CurvlinopsEF:
+        return oracle.ef(X, y)
+    if backend is CurvlinopsHessian:
+        return oracle.hessian(X, y)
+    return oracle.ggn(X)
+
+
+def oracle_precision(la, H_dense: torch.Tensor) -> torch.Tensor:
+    """Dense P = H/(σ²T) + diag(p₀), restricted to the diagonal for Diag."""
+    H = H_dense if isinstance(la, FullLaplace) else torch.diag(H_dense.diagonal())
+    h = 1 / (la.sigma_noise.square() * la.temperature)
+    return h * H + torch.diag(la.prior_precision_diag)
+
+
+def oracle_log_marglik(la, loss, H_dense, prior_diag, sigma):
+    """Dense Laplace evidence written out independently of the library."""
+    N, C, T = la.n_data, la.n_outputs, la.temperature
+    H = H_dense if isinstance(la, FullLaplace) else torch.diag(H_dense.diagonal())
+    P = H / (sigma**2 * T) + torch.diag(prior_diag)
+    if la.likelihood == "regression":
+        log_lik = -loss / (sigma**2 * T) - 0.5 * N * C * torch.log(2 * math.pi * sigma**2)
+    else:
+        log_lik = -loss / T
+    delta = la.mean - la.prior_mean
+    log_det_ratio = torch.linalg.slogdet(P)[1] - prior_diag.log().sum()
+    return log_lik - 0.5 * (log_det_ratio + (delta * prior_diag) @ delta)
+
+
+@pytest.fixture(params=list(STRUCTURES))
+def structure(request):
+    return request.param
+
+
+def fitted(case, structure, backend=CurvlinopsGGN, **kwargs):
+    sigma = 0.7 if case.likelihood == "regression" else 1.0
+    la = STRUCTURES[structure](
+        case.model,
+        case.likelihood,
+        sigma_noise=sigma,
+        prior_precision=0.9,
+        temperature=kwargs.pop("temperature", 1.3),
+        backend=backend,
+        **kwargs,
+    )
+    la.fit(case.loader())
+    return la
+
+
+@pytest.mark.parametrize(
+    "backend", [CurvlinopsGGN, CurvlinopsEF, CurvlinopsHessian], ids=["ggn", "ef", "hessian"]
+)
+def test_curvature_loss_and_counts(case, structure, backend):
+    la = fitted(case, structure, backend)
+    oracle = Oracle(case.model, case.likelihood)
+    H = dense_curvature(oracle, case.X, case.y, backend)
+    expected = H if structure == "full" else H.diagonal()
+    assert_close(la.H, expected)
+    assert_close(la.loss, oracle.loss(case.X, case.y))
+    assert la.n_data == len(case.X)
+    assert la.n_outputs == case.n_outputs
+    assert la.n_params == len(oracle.theta)
+    assert_close(la.mean, oracle.theta)
+
+
+def test_log_dets_scatter_and_marglik(case, structure):
+    la = fitted(case, structure, prior_mean=0.1)
+    la.prior_precision = torch.linspace(0.5, 2.0, la.n_layers, dtype=torch.float64)
+    oracle = Oracle(case.model, case.likelihood)
+    H = oracle.ggn(case.X)
+    P = oracle_precision(la, H)
+    prior_diag = la.prior_precision_diag
+    assert_close(la.log_det_posterior_precision, torch.linalg.slogdet(P)[1])
+    assert_close(la.log_det_prior_precision, prior_diag.log().sum())
+    assert_close(la.log_det_ratio, torch.linalg.slogdet(P)[1] - prior_diag.log().sum())
+    delta = oracle.theta - 0.1
+    assert_close(la.scatter, (delta * prior_diag) @ delta)
+    loss = oracle.loss(case.X, case.y)
+    expected = oracle_log_marglik(la, loss, H, prior_diag, la.sigma_noise)
+    assert_close(la.log_marginal_likelihood(), expected)
+    posterior = la.posterior_precision
+    assert_close(posterior if structure == "full" else torch.diag(posterior), P)
+
+
+@pytest.mark.parametrize("prior_shape", ["scalar", "layerwise", "diag"])
+def test_marglik_gradients(structure, prior_shape):
+    case = CASE_BUILDERS["mlp_regression_3out"]()
+    la = fitted(case, structure)
+    n = {"scalar": 1, "layerwise": la.n_layers, "diag": la.n_params}[prior_shape]
+    prior = torch.linspace(0.5, 1.5, n, dtype=torch.float64).requires_grad_()
+    sigma = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
+    grads = torch.autograd.grad(la.log_marginal_likelihood(prior, sigma), (prior, sigma))
+
+    oracle = Oracle(case.model, case.likelihood)
+    H, loss = oracle.ggn(case.X), oracle.loss(case.X, case.y)
+    prior2 = prior.detach().clone().requires_grad_()
+    sigma2 = sigma.detach().clone().requires_grad_()
+    sizes = torch.tensor([p.numel() for p in case.model.parameters()])
+    prior_diag = (
+        prior2.expand(la.n_params)
+        if n == 1
+        else (prior2 if n == la.n_params else torch.repeat_interleave(prior2, sizes))
+    )
+    expected = oracle_log_marglik(la, loss, H, prior_diag, sigma2)
+    expected_grads = torch.autograd.grad(expected, (prior2, sigma2))
+    for g, e in zip(grads, expected_grads):
+        assert_close(g, e)
+
+
+def test_functional_variance_and_covariance(case, structure):
+    la = fitted(case, structure)
+    oracle = Oracle(case.model, case.likelihood)
+    cov = torch.linalg.inv(oracle_precision(la, oracle.ggn(case.X)))
+    Js = oracle.jacobian(case.X[:5])
+    assert_close(la.functional_variance(Js), torch.einsum("bcp,pq,bdq->bcd", Js, cov, Js))
+    flat = Js.reshape(-1, Js.shape[-1])
+    assert_close(la.functional_covariance(Js), flat @ cov @ flat.T)
+    assert_close(la.posterior_covariance, cov)
+
+
+def test_glm_predictive(case, structure):
+    la = fitted(case, structure)
+    oracle = Oracle(case.model, case.likelihood)
+    cov = torch.linalg.inv(oracle_precision(la, oracle.ggn(case.X)))
+    X = case.X[:6]
+    Js = oracle.jacobian(X)
+    f_mu = oracle.f(oracle.theta, X).detach()
+    f_var = torch.einsum("bcp,pq,bdq->bcd", Js, cov, Js)
+    if case.likelihood == "regression":
+        mean, var = la(X)
+        assert_close(mean, f_mu)
+        assert_close(var, f_var)
+        mean, var = la(X, diagonal_output=True)
+        assert_close(var, f_var.diagonal(dim1=1, dim2=2))
+        mean, cov_joint = la(X, joint=True)
+        flat = Js.reshape(-1, Js.shape[-1])
+        assert_close(mean, f_mu.reshape(-1))
+        assert_close(cov_joint, flat @ cov @ flat.T)
+    else:
+        kappa = 1 / torch.sqrt(1 + math.pi / 8 * f_var.diagonal(dim1=1, dim2=2))
+        assert_close(la(X), torch.softmax(kappa * f_mu, -1))
+        for link in ["bridge", "bridge_norm", "mc"]:
+            probs = la(X, link_approx=link, n_samples=50)
+            assert probs.shape == f_mu.shape
+            assert_close(probs.sum(-1), torch.ones(len(X), dtype=torch.float64))
+
+
+def test_glm_predictive_chunks_match_single_pass(monkeypatch):
+    import laplace.glm as glm
+
+    case = CASE_BUILDERS["mlp_classification"]()
+    la = fitted(case, "diag")
+    whole = la(case.X, link_approx="probit")
+    monkeypatch.setattr(glm, "JACOBIAN_CHUNK_BYTES", 1)  # one test point per chunk
+    assert_close(la(case.X, link_approx="probit"), whole)
+
+
+def test_sample_covariance_matches_posterior(structure):
+    case = CASE_BUILDERS["mlp_regression_1out"]()
+    la = fitted(case, structure)
+    n = 20_000
+    samples = la.sample(n, generator=torch.Generator().manual_seed(0))
+    assert samples.shape == (n, la.n_params)
+    cov = la.posterior_covariance
+    empirical = torch.cov(samples.T)
+    # Standard error of a sample covariance entry: sqrt((Σii Σjj + Σij²) / n).
+    std_err = ((cov.diagonal()[:, None] * cov.diagonal()[None, :] + cov**2) / n).sqrt()
+    assert bool(((empirical - cov).abs() <= 5 * std_err + 1e-12).all())
+    assert bool(((samples.mean(0) - la.mean).abs() <= 5 * (cov.diagonal() / n).sqrt()).all())
+
+
+def test_nn_predictive_and_samples(case, structure):
+    la = fitted(case, structure)
+    gen = torch.Generator().manual_seed(1)
+    X = case.X[:4]
+    C = case.n_outputs
+    assert la.predictive_samples(X, n_samples=7, generator=gen).shape == (7, 4, C)
+    assert la.predictive_samples(X, pred_type="nn", n_samples=7).shape == (7, 4, C)
+    out = la(X, pred_type="nn", link_approx="mc", n_samples=30, generator=gen)
+    if case.likelihood == "regression":
+        assert out[0].shape == (4, C) and out[1].shape == (4, C)
+    else:
+        assert out.shape == (4, C)
+        assert_close(out.sum(-1), torch.ones(4, dtype=torch.float64))
+
+
+def test_nn_predictive_uses_posterior_samples():
+    case = CASE_BUILDERS["mlp_regression_1out"]()
+    la = fitted(case, "full")
+    X = case.X[:3]
+    thetas = la.sample(5, generator=torch.Generator().manual_seed(3))
+    oracle = Oracle(case.model, case.likelihood)
+    expected = torch.stack([oracle.f(t, X) for t in thetas])
+    got = la.functional_samples(
+        X, pred_type="nn", n_samples=5, generator=torch.Generator().manual_seed(3)
+    )
+    assert_close(got, expected)
+
+
+def test_online_fit_accumulates(structure):
+    case = CASE_BUILDERS["mlp_classification"]()
+    la_all = fitted(case, structure)
+    la = STRUCTURES[structure](case.model, case.likelihood, prior_precision=0.9, temperature=1.3)
+    half = len(case.X) // 2
+    la.fit(DataLoader(TensorDataset(case.X[:half], case.y[:half]), batch_size=4))
+    la.fit(DataLoader(TensorDataset(case.X[half:], case.y[half:]), batch_size=4), override=False)
+    assert_close(la.H, la_all.H)
+    assert_close(la.loss, la_all.loss)
+    assert la.n_data == la_all.n_data
+
+
+def test_frozen_parameters_are_excluded(structure):
+    case = CASE_BUILDERS["mlp_regression_3out"]()
+    case.model[0].weight.requires_grad_(False)
+    la = fitted(case, structure)
+    oracle = Oracle(case.model, case.likelihood)
+    assert (
+        la.n_params
+        == len(oracle.theta)
+        == sum(p.numel() for p in case.model.parameters() if p.requires_grad)
+    )
+    H = oracle.ggn(case.X)
+    assert_close(la.H, H if structure == "full" else H.diagonal())
+
+
+def test_dict_batches(structure):
+    from conftest import dict_case
+
+    model, loader = dict_case()
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
+    la.fit(loader)
+    X = torch.cat([b["input_ids"] for b in loader])
+    oracle = Oracle(model, "classification")
+    H = oracle.ggn({"input_ids": X})
+    assert_close(la.H, H if structure == "full" else H.diagonal())
+    probs = la({"input_ids": X[:3]})
+    assert probs.shape == (3, 2)
+
+
+def test_log_prob_is_the_gaussian_density(structure):
+    case = CASE_BUILDERS["mlp_regression_1out"]()
+    la = fitted(case, structure)
+    value = la.mean + 0.01
+    cov = la.posterior_covariance
+    dist = torch.distributions.MultivariateNormal(la.mean, covariance_matrix=cov)
+    assert_close(la.log_prob(value), dist.log_prob(value))
+    delta = value - la.mean
+    assert_close(la.square_norm(value), delta @ torch.linalg.inv(cov) @ delta, rtol=1e-6)
