@@ -1,0 +1,221 @@
+"""Parametric Laplace: ``N(θ_MAP, P⁻¹)`` over weights, with dense and diagonal structures.
+
+Internal module; the public path is :mod:`laplace.baselaplace`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from laplace.base import BaseLaplace
+from laplace.data import Inputs, dataset_size
+from laplace.glm import GLMPredictiveMixin
+from laplace.posteriors import DensePosterior, DiagonalPosterior, Posterior
+from laplace.serialization import StateDictMixin
+from laplace.utils.enums import Likelihood
+
+__all__ = ["DiagLaplace", "FullLaplace", "ParametricLaplace"]
+
+
+class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
+    """Gaussian posterior ``N(θ_MAP, P⁻¹)`` with ``P = H/(σ²T) + diag(p₀)`` over the weights.
+
+    Subclasses choose the structure of the curvature ``H`` through ``_posterior_cls``.
+    After :meth:`fit`, ``H`` is the curvature summed over the data, ``loss`` the summed loss,
+    ``mean`` the MAP weights (P,).
+    """
+
+    _posterior_cls: type[Posterior]
+
+    def __init__(self, model: nn.Module, likelihood: Likelihood | str, *args, **kwargs) -> None:
+        if type(self) is ParametricLaplace:
+            raise TypeError("ParametricLaplace is abstract: use FullLaplace, DiagLaplace, ...")
+        super().__init__(model, likelihood, *args, **kwargs)
+        self.H: Any = None
+        self.mean = self._subset.vector().detach()
+        self._posterior_cache: tuple[Tensor, Tensor, Posterior] | None = None
+
+    # ---------------------------------------------------------------------------------- fit
+    def fit(self, train_loader: DataLoader, override: bool = True, progress_bar: bool = False):
+        """Accumulate the curvature and loss over ``train_loader`` at the current weights.
+
+        Args:
+            train_loader: Batches ``(X, y)`` or dict-like; ``len(train_loader.dataset)`` is N.
+            override: Start from zero (True) or add to the previous fit (online Laplace).
+            progress_bar: Show a progress bar over batches.
+
+        Raises:
+            ValueError: If the loader is empty or a batch contains non-finite values.
+            RuntimeError: If the curvature of a batch is not finite.
+        """
+        n_data = dataset_size(train_loader)
+        if n_data == 0:
+            raise ValueError("train_loader is empty: fit needs at least one data point.")
+        if override or self.H is None:
+            self.H = self._posterior_cls.zeros(self.n_params, self._device, self._dtype)
+            self.loss, self.n_data = 0.0, 0
+        self.model.eval()
+        self.mean = self._subset.vector()
+        if not self.enable_backprop:
+            self.mean = self.mean.detach()
+        n_batches = 0
+        for X, y in self._batches(train_loader, progress_bar, desc="fit"):
+            self._check_finite_inputs(X, y)
+            if self.n_outputs is None or n_batches == 0:
+                with torch.no_grad():
+                    self.n_outputs = int(self.model(X).shape[-1])
+            loss, H_batch = self._posterior_cls.batch_curvature(self.backend, X, y)
+            if not self._posterior_cls.is_finite(H_batch):
+                raise RuntimeError(
+                    "the curvature of a training batch contains NaN or inf; check the model's "
+                    "outputs and the data."
+                )
+            self.H = self.H + H_batch
+            self.loss = self.loss + loss.detach()
+            n_batches += 1
+        if n_batches == 0:
+            raise ValueError("train_loader yielded no batches: fit needs at least one batch.")
+        self.n_data += n_data
+        self._posterior_cache = None
+
+    @staticmethod
+    def _check_finite_inputs(X: Inputs, y: Tensor) -> None:
+        tensors = (
+            [X] if isinstance(X, Tensor) else [v for v in X.values() if isinstance(v, Tensor)]
+        )
+        for name, t in [("inputs", x) for x in tensors] + [("targets", y)]:
+            if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"the training {name} contain NaN or inf values.")
+
+    # ------------------------------------------------------------------------- posterior
+    @property
+    def _posterior(self) -> Posterior:
+        """The posterior at the current hyperparameters, cached while they do not change."""
+        self._check_fitted("the posterior")
+        h_factor, prior_diag = self._H_factor, self.prior_precision_diag
+        differentiable = h_factor.requires_grad or prior_diag.requires_grad
+        cache = self._posterior_cache
+        if (
+            not differentiable
+            and cache is not None
+            and torch.equal(cache[0], h_factor)
+            and torch.equal(cache[1], prior_diag)
+        ):
+            return cache[2]
+        posterior = self._posterior_cls(self.H, h_factor, prior_diag)
+        if not differentiable:
+            self._posterior_cache = (h_factor.clone(), prior_diag.clone(), posterior)
+        return posterior
+
+    @property
+    def posterior_precision(self) -> Any:
+        """Posterior precision ``P`` in the structure's representation."""
+        return self._posterior.precision
+
+    @property
+    def scatter(self) -> Tensor:
+        """``(θ_MAP − μ₀)ᵀ P₀ (θ_MAP − μ₀)``."""
+        delta = self.mean - self.prior_mean
+        return (delta.square() * self.prior_precision_diag).sum()
+
+    @property
+    def log_det_prior_precision(self) -> Tensor:
+        """``log det P₀``."""
+        return self.prior_precision_diag.log().sum()
+
+    @property
+    def log_det_posterior_precision(self) -> Tensor:
+        """``log det P``."""
+        return self._posterior.log_det
+
+    @property
+    def log_det_ratio(self) -> Tensor:
+        """``log det P − log det P₀``."""
+        return self.log_det_posterior_precision - self.log_det_prior_precision
+
+    def square_norm(self, value: Tensor) -> Tensor:
+        """``(value − θ_MAP)ᵀ P (value − θ_MAP)``."""
+        return self._posterior.square_form(value - self.mean)
+
+    def log_prob(self, value: Tensor, normalized: bool = True) -> Tensor:
+        """Log density of ``value`` (P,) under the posterior; unnormalised drops constants."""
+        log_prob = -0.5 * self.square_norm(value)
+        if normalized:
+            log_prob = log_prob + 0.5 * (
+                self.log_det_posterior_precision
+                - self.n_params
+                * torch.log(torch.tensor(2 * torch.pi, device=self._device, dtype=self._dtype))
+            )
+        return log_prob
+
+    def log_marginal_likelihood(
+        self, prior_precision: Tensor | None = None, sigma_noise: Tensor | None = None
+    ) -> Tensor:
+        """Laplace approximation of the log evidence, differentiable in both hyperparameters.
+
+        ``log p(D) ≈ log p(D | θ*) − ½ (log det P − log det P₀ + (θ* − μ₀)ᵀ P₀ (θ* − μ₀))``
+        with ``θ*`` the MAP weights.
+        Passing ``prior_precision`` or ``sigma_noise`` replaces the stored values.
+
+        Raises:
+            RuntimeError: Before :meth:`fit`.
+        """
+        self._check_fitted("log_marginal_likelihood")
+        if prior_precision is not None:
+            self.prior_precision = prior_precision
+        if sigma_noise is not None:
+            self.sigma_noise = sigma_noise
+        return self.log_likelihood - 0.5 * (self.log_det_ratio + self.scatter)
+
+    def functional_variance(self, Js: Tensor) -> Tensor:
+        """``J P⁻¹ Jᵀ`` per point: Jacobians (B, C, P) → output covariances (B, C, C)."""
+        return self._posterior.functional_variance(Js)
+
+    def functional_covariance(self, Js: Tensor) -> Tensor:
+        """Joint output covariance: Jacobians (B, C, P) or (B·C, P) → (B·C, B·C)."""
+        return self._posterior.functional_covariance(Js.reshape(-1, Js.shape[-1]))
+
+    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Draw weights ``θ ~ N(θ_MAP, P⁻¹)``, shape (n_samples, P)."""
+        return self.mean + self._posterior.sample_deviations(n_samples, generator)
+
+
+class FullLaplace(ParametricLaplace):
+    """Laplace approximation with a dense (P, P) curvature and posterior precision."""
+
+    _posterior_cls = DensePosterior
+
+    @property
+    def posterior_scale(self) -> Tensor:
+        """Lower-triangular ``S`` (P, P) with ``S Sᵀ = P⁻¹``."""
+        return self._posterior.scale
+
+    @property
+    def posterior_covariance(self) -> Tensor:
+        """Posterior covariance ``P⁻¹``, shape (P, P)."""
+        return self._posterior.covariance
+
+
+class DiagLaplace(ParametricLaplace):
+    """Laplace approximation with a diagonal curvature and posterior precision (P,)."""
+
+    _posterior_cls = DiagonalPosterior
+
+    @property
+    def posterior_scale(self) -> Tensor:
+        """Posterior standard deviations, shape (P,)."""
+        return self._posterior.scale
+
+    @property
+    def posterior_variance(self) -> Tensor:
+        """Posterior variances, shape (P,)."""
+        return self._posterior.variance
+
+    @property
+    def posterior_covariance(self) -> Tensor:
+        """Posterior covariance as a dense diagonal matrix, shape (P, P)."""
+        return torch.diag(self._posterior.variance)

@@ -1,0 +1,212 @@
+"""Dense linear-algebra and Gaussian-sampling helpers."""
+
+from __future__ import annotations
+
+import logging
+import numbers
+
+import torch
+
+__all__ = [
+    "block_diag",
+    "diagonal_add_scalar",
+    "invsqrt_precision",
+    "kron",
+    "normal_samples",
+    "symeig",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _require_square(M: torch.Tensor, name: str) -> None:
+    if M.ndim < 2 or M.shape[-1] != M.shape[-2]:
+        raise ValueError(f"{name} must be a (batch of) square matrices, got {tuple(M.shape)}.")
+
+
+def invsqrt_precision(M: torch.Tensor) -> torch.Tensor:
+    """Lower-triangular square root of the inverse of a precision matrix.
+
+    Returns the lower-triangular ``L`` with ``L Lᵀ = M⁻¹`` (equivalently ``Lᵀ M L = I``),
+    i.e. the Cholesky factor of the covariance, without forming ``M⁻¹``. With ``J`` the
+    exchange (index-reversal) matrix, factor ``J M J = U Uᵀ`` (``U`` lower triangular); then
+    ``M = R Rᵀ`` with the upper-triangular ``R = J U J``, so ``M⁻¹ = R⁻ᵀ R⁻¹`` and
+    ``L = R⁻ᵀ`` is lower triangular, found by one triangular solve.
+
+    Args:
+        M: Symmetric positive-definite matrix, shape ``(..., P, P)``.
+
+    Returns:
+        ``L`` of shape ``(..., P, P)``, lower triangular.
+
+    Raises:
+        ValueError: If ``M`` is not a (batch of) square matrices.
+        torch.linalg.LinAlgError: If ``M`` is not positive definite.
+    """
+    _require_square(M, "M")
+    flipped = torch.flip(M, (-2, -1))
+    U = torch.linalg.cholesky(flipped)  # lower triangular, J M J = U Uᵀ
+    R = torch.flip(U, (-2, -1))  # upper triangular, M = R Rᵀ
+    eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device).expand_as(M)
+    # L = R⁻ᵀ is lower triangular: solve Rᵀ L = I.
+    return torch.linalg.solve_triangular(R.mT, eye, upper=False)
+
+
+def kron(t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
+    """Kronecker product of two matrices.
+
+    ``kron(A, B)[i·p + k, j·q + l] = A[i, j] · B[k, l]`` for ``B`` of shape ``(p, q)``.
+
+    Args:
+        t1: Matrix of shape ``(m, n)``.
+        t2: Matrix of shape ``(p, q)``.
+
+    Returns:
+        The Kronecker product, shape ``(m·p, n·q)``.
+
+    Raises:
+        ValueError: If either input is not two-dimensional.
+    """
+    for name, t in (("t1", t1), ("t2", t2)):
+        if t.ndim != 2:
+            raise ValueError(f"{name} must be a matrix, got shape {tuple(t.shape)}.")
+    m, n = t1.shape
+    p, q = t2.shape
+    return (t1[:, None, :, None] * t2[None, :, None, :]).reshape(m * p, n * q)
+
+
+def diagonal_add_scalar(X: torch.Tensor, value: torch.Tensor | float) -> torch.Tensor:
+    """Return a copy of ``X`` with ``value`` added to its main diagonal.
+
+    Args:
+        X: Matrix of shape ``(n, m)``.
+        value: A scalar, or a tensor broadcastable to the diagonal of length ``min(n, m)``.
+
+    Returns:
+        ``X + value·I`` (out of place, differentiable), shape ``(n, m)``.
+
+    Raises:
+        ValueError: If ``X`` is not two-dimensional.
+    """
+    if X.ndim != 2:
+        raise ValueError(f"X must be a matrix, got shape {tuple(X.shape)}.")
+    k = min(X.shape)
+    diag = X.new_ones(k) * value
+    if X.shape[0] == X.shape[1]:
+        return X + torch.diag_embed(diag)
+    out = X.clone()
+    out.diagonal().add_(diag)
+    return out
+
+
+def symeig(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Robust symmetric eigendecomposition ``M = W diag(L) Wᵀ`` of a PSD matrix.
+
+    Only the upper triangle of ``M`` is read. When the solver does not converge, it is
+    retried on ``M + I`` and 1 is subtracted from the eigenvalues. Eigenvalues are clamped at
+    0 (``M`` is meant to be positive semi-definite) and NaNs are replaced by zeros.
+
+    Args:
+        M: Symmetric matrix, shape ``(..., P, P)``.
+
+    Returns:
+        ``(L, W)``: eigenvalues ``(..., P)`` in ascending order, clamped at 0, and
+        orthonormal eigenvectors as columns, ``(..., P, P)``.
+
+    Raises:
+        ValueError: If ``M`` is not a (batch of) square matrices.
+        torch.linalg.LinAlgError: If the decomposition fails even with jitter.
+    """
+    _require_square(M, "M")
+    try:
+        L, W = torch.linalg.eigh(M, UPLO="U")
+    except RuntimeError:
+        logger.info("symeig: eigh did not converge, retrying with unit jitter.")
+        eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+        try:
+            L, W = torch.linalg.eigh(M + eye, UPLO="U")
+        except RuntimeError as err:
+            raise torch.linalg.LinAlgError(
+                "symeig: eigendecomposition failed even after adding unit jitter; "
+                f"max |M| = {M.abs().max().item():.3g}, NaNs: {bool(M.isnan().any())}."
+            ) from err
+        L = L - 1.0
+    L = torch.nan_to_num(L.clamp(min=0.0))
+    W = torch.nan_to_num(W)
+    return L, W
+
+
+def block_diag(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Block-diagonal matrix from a sequence of blocks.
+
+    Args:
+        blocks: Non-empty sequence of matrices; block ``k`` has shape ``(p_k, q_k)``.
+
+    Returns:
+        Matrix of shape ``(Σ p_k, Σ q_k)`` with the blocks on the diagonal and zeros elsewhere.
+
+    Raises:
+        ValueError: If ``blocks`` is empty or a block is not two-dimensional.
+    """
+    blocks = list(blocks)
+    if not blocks:
+        raise ValueError("blocks must contain at least one matrix.")
+    for i, b in enumerate(blocks):
+        if b.ndim != 2:
+            raise ValueError(f"blocks[{i}] must be a matrix, got shape {tuple(b.shape)}.")
+    return torch.block_diag(*blocks)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def normal_samples(
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    n_samples: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Draw samples from a batch of Gaussians with diagonal or full covariance.
+
+    One standard-normal matrix ``Z`` of shape ``(C, S)`` is drawn and shared by all ``B``
+    Gaussians (as in laplace-torch, so a seeded generator gives the same numbers): sample
+    ``s`` of Gaussian ``b`` is ``mean[b] + sqrt(var[b]) ⊙ Z[:, s]`` for a diagonal and
+    ``mean[b] + chol(var[b]) Z[:, s]`` for a full covariance. Each Gaussian's samples are
+    exact; samples of different batch entries are correlated through ``Z``.
+
+    Args:
+        mean: Means, shape ``(B, C)``.
+        var: Variances ``(B, C)`` or covariances ``(B, C, C)``.
+        n_samples: Number of samples ``S``.
+        generator: Optional random number generator.
+
+    Returns:
+        Samples of shape ``(S, B, C)``.
+
+    Raises:
+        ValueError: If the shapes are inconsistent, ``n_samples`` is not positive, or a
+            diagonal variance is negative.
+        torch.linalg.LinAlgError: If a covariance is not positive definite.
+    """
+    if mean.ndim != 2:
+        raise ValueError(f"mean must have shape (B, C), got {tuple(mean.shape)}.")
+    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral):
+        raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}.")
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be a positive integer, got {n_samples}.")
+    batch, n_out = mean.shape
+    diagonal = var.shape == mean.shape
+    if diagonal:
+        if bool((var < 0).any()):
+            raise ValueError("var must be non-negative for a diagonal covariance.")
+    elif var.shape != (batch, n_out, n_out):
+        raise ValueError(
+            f"var must have shape {(batch, n_out)} (diagonal) or {(batch, n_out, n_out)} "
+            f"(full) for mean of shape {(batch, n_out)}, got {tuple(var.shape)}."
+        )
+    z = torch.randn(
+        (n_out, int(n_samples)), device=mean.device, dtype=mean.dtype, generator=generator
+    )
+    # (B, C, S): scale the shared standard-normal draws per Gaussian.
+    noise = var.sqrt().unsqueeze(-1) * z if diagonal else torch.linalg.cholesky(var) @ z
+    return (mean.unsqueeze(-1) + noise).permute(2, 0, 1)

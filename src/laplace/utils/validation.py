@@ -1,0 +1,180 @@
+"""Validation of a Laplace predictive: negative log-likelihood and ``validate``."""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torchmetrics
+from torch.utils.data import DataLoader
+
+from laplace.data import move_inputs, split_batch
+from laplace.utils.enums import LinkApprox, PredType, parse_enum
+
+if TYPE_CHECKING:
+    from laplace.baselaplace import BaseLaplace
+
+__all__ = ["get_nll", "validate"]
+
+
+def get_nll(out_dist: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of class probabilities.
+
+    Computes ``-(1/B) Σ_b log out_dist[b, targets[b]]``.
+
+    Args:
+        out_dist: Predictive class probabilities, shape ``(B, C)``.
+        targets: Integer class labels, shape ``(B,)``.
+
+    Returns:
+        The mean negative log-likelihood, a 0-d tensor.
+
+    Raises:
+        ValueError: If the shapes of ``out_dist`` and ``targets`` do not match.
+    """
+    if out_dist.ndim != 2:
+        raise ValueError(f"out_dist must have shape (B, C), got {tuple(out_dist.shape)}.")
+    if targets.shape != out_dist.shape[:1]:
+        raise ValueError(
+            f"targets must have shape ({out_dist.shape[0]},) to match out_dist, "
+            f"got {tuple(targets.shape)}."
+        )
+    picked = out_dist.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    return -picked.log().mean()
+
+
+def _accepts_args(fn: Callable, n_args: int) -> bool | None:
+    """Whether ``fn`` can be called with ``n_args`` positional arguments (None: unknown)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*range(n_args))
+    except TypeError:
+        return False
+    return True
+
+
+def _update_metric(metric: torchmetrics.Metric, out: tuple, y: torch.Tensor) -> None:
+    """Feed a regression predictive ``(f_mu, f_var)`` to a running metric.
+
+    The variance is passed when ``metric.update`` accepts three arguments; otherwise the
+    metric only receives the mean.
+    """
+    accepts = _accepts_args(metric.update, len(out) + 1)
+    if accepts is True:
+        metric.update(*out, y)
+    elif accepts is False:
+        metric.update(out[0], y)
+    else:  # signature unknown: try the full call first
+        try:
+            metric.update(*out, y)
+        except TypeError:
+            metric.update(out[0], y)
+
+
+def _scalar_result(value: Any) -> float:
+    """Convert a loss value to a Python float, failing clearly on non-scalars."""
+    tensor = torch.as_tensor(value)
+    if tensor.numel() != 1:
+        raise ValueError(f"loss must return a scalar, got a value of shape {tuple(tensor.shape)}.")
+    return float(tensor.item())
+
+
+@torch.no_grad()
+def validate(
+    laplace: BaseLaplace,
+    val_loader: DataLoader,
+    loss: torchmetrics.Metric
+    | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    | Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    pred_type: PredType | str = PredType.GLM,
+    link_approx: LinkApprox | str = LinkApprox.PROBIT,
+    n_samples: int = 100,
+    dict_key_y: str = "labels",
+) -> float:
+    """Evaluate the Laplace predictive of ``laplace`` on a validation loader.
+
+    The model is put in eval mode and the predictive
+    ``laplace(X, pred_type=..., link_approx=..., n_samples=..., fitting=True)`` is run on every
+    batch. Classification predictives are probabilities ``(B, C)``; regression GLM
+    predictives are ``(f_mu (B, C), f_var (B, C, C))``.
+
+    * A :class:`torchmetrics.Metric` is reset, updated batch by batch and its ``compute()``
+      is summed (metrics such as a per-output MSE return one value per output). For
+      regression, ``update(f_mu, f_var, y)`` is used when the metric's ``update`` accepts
+      three arguments and ``update(f_mu, y)`` otherwise.
+    * Any other callable is evaluated once on the concatenated predictions:
+      ``loss(probs, y)`` for classification and ``loss(f_mu, f_var, y)`` for regression.
+
+    Args:
+        laplace: A Laplace approximation (anything callable like one with a ``model``).
+        val_loader: Loader yielding ``(X, y)`` pairs or dict-like batches whose targets are
+            stored under ``dict_key_y``.
+        loss: A torchmetrics metric or a callable returning a scalar.
+        pred_type: Predictive type passed to ``laplace``.
+        link_approx: Link approximation passed to ``laplace``.
+        n_samples: Number of Monte-Carlo samples passed to ``laplace``.
+        dict_key_y: Key of the targets in dict-like batches.
+
+    Returns:
+        The validation loss as a Python float.
+
+    Raises:
+        TypeError: If ``loss`` is neither a metric nor callable.
+        ValueError: If ``pred_type``/``link_approx`` are unknown, ``n_samples`` is not a
+            positive integer, a batch has an unexpected format, or ``val_loader`` is empty.
+    """
+    if not callable(loss):
+        raise TypeError(
+            f"loss must be a torchmetrics.Metric or a callable, got {type(loss).__name__}."
+        )
+    pred_type = parse_enum(PredType, pred_type, "pred_type")
+    link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
+    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral):
+        raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}.")
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be a positive integer, got {n_samples}.")
+
+    laplace.model.eval()
+    device = next(laplace.model.parameters()).device
+    running = isinstance(loss, torchmetrics.Metric)
+    if running:
+        loss.reset()
+
+    means: list[torch.Tensor] = []
+    variances: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
+    n_batches = 0
+    for data in val_loader:
+        X, y = split_batch(data, getattr(laplace, "dict_key_x", "input_ids"), dict_key_y)
+        X, y = move_inputs(X, device), y.to(device)
+        out = laplace(
+            X, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples, fitting=True
+        )
+        n_batches += 1
+        if running:
+            if isinstance(out, tuple):
+                _update_metric(loss, out, y)
+            else:
+                loss.update(out, y)
+            continue
+        if isinstance(out, tuple):
+            means.append(out[0])
+            variances.append(out[1])
+        else:
+            means.append(out)
+        targets.append(y)
+
+    if n_batches == 0:
+        raise ValueError("val_loader yielded no batches.")
+    if running:
+        return float(loss.compute().sum().item())
+    y_all = torch.cat(targets, dim=0)
+    if variances:
+        return _scalar_result(loss(torch.cat(means, dim=0), torch.cat(variances, dim=0), y_all))
+    return _scalar_result(loss(torch.cat(means, dim=0), y_all))
