@@ -233,7 +233,7 @@ def test_validate_rejects_bad_arguments():
         validate(la, loader, get_nll, n_samples=0)
     with pytest.raises(ValueError, match="no batches"):
         validate(la, [], get_nll)
-    with pytest.raises(ValueError, match="val_loader"):
+    with pytest.raises(ValueError, match=r"\(X, y\) pair"):
         validate(la, [(X, y, y)], get_nll)
 
 
