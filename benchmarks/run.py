@@ -1,0 +1,180 @@
+"""Benchmarks: fit time against a forward/backward baseline, and predictive time and peak memory.
+
+Set-up of the foundation issue: CPU, 2 threads, N=2000, 10 classes, an MLP 64-256-256-10
+(85k params, on 64 input features) and a CNN on 28×28 inputs (conv 16 s2, conv 32 s2, linear 128,
+linear 10; 207k params). Each case runs in its own subprocess so peak memory is its own.
+
+Usage: ``python benchmarks/run.py [--cases NAME ...] [--repeats R]``; prints a table and writes
+``benchmarks/results/run.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+RESULTS = Path(__file__).resolve().parent / "results"
+N_TRAIN, N_TEST, N_CLASSES, BATCH = 2000, 1000, 10, 100
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+        nn.Linear(256, 10),
+    )
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(),
+        nn.Linear(32 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10),
+    )
+
+
+MODELS = {"mlp": mlp, "cnn": cnn}
+INPUT_SHAPES = {"mlp": (64,), "cnn": (1, 28, 28)}
+
+
+def data(model_name: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, *INPUT_SHAPES[model_name], generator=gen)
+    return X, torch.randint(0, N_CLASSES, (n,), generator=gen)
+
+
+class PeakRSS:
+    """Peak resident memory above the level at entry, sampled every 2 ms (bytes)."""
+
+    def __enter__(self):
+        self.base = self.peak = self._rss()
+        self._stop = False
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop = True
+        self._thread.join()
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def _watch(self):
+        while not self._stop:
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.002)
+
+
+def timed(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def forward_plus_10_backward(model: nn.Module, loader: DataLoader) -> None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    for X, _ in loader:
+        f = model(X)
+        for c in range(10):
+            torch.autograd.grad(f[:, c].sum(), params, retain_graph=c < 9)
+
+
+def case_fit(model_name: str, structure: str, repeats: int) -> dict:
+    from laplace import Laplace
+
+    model = MODELS[model_name]().eval()
+    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
+    baseline = timed(lambda: forward_plus_10_backward(model, loader), repeats)
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
+    with PeakRSS() as mem:
+        fit_s = timed(lambda: la.fit(loader), repeats)
+    return {
+        "case": f"fit {structure} {model_name}", "n_params": la.n_params,
+        "seconds": fit_s, "baseline_fwd_10bwd_s": baseline, "ratio": fit_s / baseline,
+        "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
+def case_predict(model_name: str, structure: str, repeats: int) -> dict:
+    from laplace import Laplace
+
+    model = MODELS[model_name]().eval()
+    if structure == "full":  # a dense P×P posterior needs a small P: keep only the head trainable
+        for p in list(model.parameters())[:-2]:
+            p.requires_grad_(False)
+    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
+    la.fit(loader)
+    X_test, _ = data(model_name, N_TEST, 1)
+    la(X_test[:10], link_approx="probit")  # warm the posterior factorisation
+    with PeakRSS() as mem:
+        pred_s = timed(lambda: la(X_test, pred_type="glm", link_approx="probit"), repeats)
+    return {
+        "case": f"glm probit {structure} {model_name} ({N_TEST} points)",
+        "n_params": la.n_params, "seconds": pred_s, "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
+CASES = {
+    "fit-diag-mlp": (case_fit, "mlp", "diag"),
+    "fit-diag-cnn": (case_fit, "cnn", "diag"),
+    "predict-diag-mlp": (case_predict, "mlp", "diag"),
+    "predict-diag-cnn": (case_predict, "cnn", "diag"),
+    "predict-full-mlp": (case_predict, "mlp", "full"),
+}
+
+
+def run_one(name: str, repeats: int) -> dict:
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    fn, model_name, structure = CASES[name]
+    return fn(model_name, structure, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one, args.repeats)))
+        return
+    rows = []
+    for name in args.cases:
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", name, "--repeats", str(args.repeats)],
+            capture_output=True, text=True, check=True,
+        )
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        extras = f"  ratio to fwd+10bwd {row['ratio']:.2f}" if "ratio" in row else ""
+        print(
+            f"{row['case']:42s} P={row['n_params']:>7d}  {row['seconds']:8.3f} s  "
+            f"peak +{row['peak_extra_MB']:7.1f} MB{extras}", flush=True,
+        )
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "run.json").write_text(json.dumps(rows, indent=2))
+    print(f"results written to {RESULTS / 'run.json'}")
+
+
+if __name__ == "__main__":
+    main()
