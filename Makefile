@@ -43,7 +43,7 @@ docs: $(STAMP)  ## build the documentation (stub until the docs issue)
 
 lock: $(STAMP)  ## regenerate requirements/lock.txt from the current venv
 	@head -4 requirements/lock.txt > requirements/lock.new
-	$(PIP) freeze --exclude-editable | sed 's/+cpu//' >> requirements/lock.new
+	$(PIP) freeze --all --exclude-editable | grep -v "^pip==" | sed "s/+cpu//" >> requirements/lock.new
 	mv requirements/lock.new requirements/lock.txt
 
 clean:  ## remove the venv and caches
