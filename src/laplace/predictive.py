@@ -52,12 +52,17 @@ def probit(f_mu: Tensor, f_var: Tensor, **_: object) -> Tensor:
 
 
 def laplace_bridge(f_mu: Tensor, f_var: Tensor, normalize: bool = False, **_: object) -> Tensor:
-    """Laplace bridge: the Dirichlet matching ``N(f_μ, diag Σ_f)``; returns its mean (B, C).
+    """Laplace bridge: the mean of the Dirichlet matched to ``N(f_μ, Σ_f)``, shape (B, C).
 
-    With ``normalize=True`` the logits are first rescaled by the mean variance (the
-    variance-normalised bridge, ``link_approx="bridge_norm"``).
+    The logits are first conditioned on ``1ᵀf = 0`` (softmax is invariant to a shared shift):
+    ``μ ← μ − Σ1 (1ᵀμ) / (1ᵀΣ1)`` and ``Σ ← Σ − Σ11ᵀΣ / (1ᵀΣ1)``. With ``normalize=True`` they
+    are then rescaled by the mean variance (``link_approx="bridge_norm"``).
     """
-    var = _variances(f_var)
+    cov = torch.diag_embed(f_var) if f_var.dim() == f_mu.dim() else f_var
+    row_sums = cov.sum(-1)
+    total = row_sums.sum(-1, keepdim=True)
+    f_mu = f_mu - row_sums * f_mu.sum(-1, keepdim=True) / total
+    var = cov.diagonal(dim1=-2, dim2=-1) - row_sums * cov.sum(-2) / total
     n_classes = f_mu.shape[-1]
     if normalize:
         mean_var = var.mean(dim=-1, keepdim=True) / math.sqrt(n_classes / 2)

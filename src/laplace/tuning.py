@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from laplace.posteriors import NotPositiveDefiniteError
 from laplace.utils.enums import LinkApprox, PredType
 from laplace.utils.metrics import RunningNLLMetric
 from laplace.utils.utils import validate
@@ -69,7 +70,8 @@ def gridsearch(
 ) -> Tensor:
     """Pick the candidate prior precision with the lowest validation loss.
 
-    Candidates whose loss is not finite are skipped; the first of equal losses wins.
+    Candidates whose posterior cannot be factorised or whose loss is not finite are skipped;
+    the first of equal losses wins.
 
     Returns:
         The best candidate, shape (1,).
@@ -80,10 +82,12 @@ def gridsearch(
     best, best_loss = None, float("inf")
     for prior_prec in tqdm(candidates, disable=not progress_bar, desc="gridsearch"):
         la.prior_precision = prior_prec.reshape(1)
-        value = validate(
-            la, val_loader, loss, pred_type, link_approx, n_samples, dict_key_y=la.dict_key_y
-        )
-        value = float(value)
+        try:
+            value = validate(
+                la, val_loader, loss, pred_type, link_approx, n_samples, dict_key_y=la.dict_key_y
+            )
+        except (NotPositiveDefiniteError, torch.linalg.LinAlgError):
+            continue
         if value < best_loss:
             best, best_loss = prior_prec.reshape(1), value
     if best is None:

@@ -15,6 +15,7 @@ weight gradient summed over samples and output columns is ``(Σ_c g_c²)ᵀ a²`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn import functional as F
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
     "PER_SAMPLE_RULES",
@@ -74,42 +75,48 @@ def _linear(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _conv_unfold(call: ModuleCall) -> Tensor:
-    """Input patches of a Conv1d/Conv2d call, shape (B, C_in·k, L), cached on the call."""
+def _conv_patches(call: ModuleCall) -> Tensor:
+    """Input patches of a convolution call, shape (B, G, L, C_in/G · k), cached on the call.
+
+    Patches are strided views of the padded input (no ``im2col``), copied once into the layout
+    that makes every per-sample weight gradient one batched matmul.
+    """
     if "patches" not in call.cache:
         m, a = call.module, call.args[0]
         pad = m._reversed_padding_repeated_twice
         if any(pad):
             mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
             a = F.pad(a, pad, mode=mode)
-        kernel, dilation, stride = m.kernel_size, m.dilation, m.stride
-        if isinstance(m, nn.Conv1d):
-            a = a.unsqueeze(-2)
-            kernel, dilation, stride = (1, *kernel), (1, *dilation), (1, *stride)
-        call.cache["patches"] = F.unfold(a, kernel, dilation=dilation, stride=stride)
+        n = len(m.kernel_size)
+        for i, (k, s, d) in enumerate(zip(m.kernel_size, m.stride, m.dilation)):
+            a = a.unfold(2 + i, d * (k - 1) + 1, s)[..., ::d]
+        # a: (B, C_in, *out_spatial, *kernel) -> (B, G, L, C_in/G · k)
+        batch, groups = a.shape[0], m.groups
+        a = a.reshape(batch, groups, -1, *a.shape[2:])
+        a = a.permute(0, 1, *range(3, 3 + n), 2, *range(3 + n, 3 + 2 * n))
+        call.cache["patches"] = a.reshape(batch, groups, math.prod(a.shape[2 : 2 + n]), -1)
     return call.cache["patches"]
 
 
 def _conv(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
-    """Per-sample gradients of ``nn.Conv1d``/``nn.Conv2d`` from unfolded input patches."""
+    """Per-sample gradients of ``nn.Conv1d/2d/3d``: output gradients times input patches."""
     m, g = call.module, grads[0].flatten(2)
-    B, groups = g.shape[0], m.groups
     out = {}
     if "weight" in call.names:
-        patches = _conv_unfold(call)
-        g_grouped = g.reshape(B, groups, -1, g.shape[-1])
-        p_grouped = patches.reshape(B, groups, -1, patches.shape[-1])
-        w = torch.einsum("bgol,bgkl->bgok", g_grouped, p_grouped)
-        out["weight"] = w.reshape(B, *m.weight.shape)
+        patches = _conv_patches(call)
+        g = g.reshape(g.shape[0], m.groups, -1, g.shape[-1])
+        out["weight"] = (g @ patches).reshape(g.shape[0], *m.weight.shape)
     if "bias" in call.names:
-        out["bias"] = g.sum(-1)
+        out["bias"] = grads[0].flatten(2).sum(-1)
     return out
 
 
 def _batch_dims(tree: Any, batch_size: int) -> Any:
     """``vmap`` in-dims for a pytree: 0 for tensors with a leading batch dim, else None."""
     return tree_map(
-        lambda v: 0 if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == batch_size else None,
+        lambda v: (
+            0 if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == batch_size else None
+        ),
         tree,
     )
 
@@ -169,6 +176,7 @@ PER_SAMPLE_RULES: dict[type[nn.Module], Rule] = {
     nn.Linear: _linear,
     nn.Conv1d: _conv,
     nn.Conv2d: _conv,
+    nn.Conv3d: _conv,
 }
 
 #: Rules for ``Σₙ (∂θ)²`` straight from ``Σ_c g²``: (applies to the call?, reduce).

@@ -1,7 +1,7 @@
 """Posterior structures: each turns summed curvature and hyperparameters into a Gaussian."""
 
-from laplace.posteriors.base import Posterior
+from laplace.posteriors.base import NotPositiveDefiniteError, Posterior
 from laplace.posteriors.dense import DensePosterior
 from laplace.posteriors.diagonal import DiagonalPosterior
 
-__all__ = ["DensePosterior", "DiagonalPosterior", "Posterior"]
+__all__ = ["DensePosterior", "DiagonalPosterior", "NotPositiveDefiniteError", "Posterior"]

@@ -15,7 +15,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Posterior"]
+__all__ = ["NotPositiveDefiniteError", "Posterior"]
+
+
+class NotPositiveDefiniteError(RuntimeError):
+    """The posterior precision could not be factorised: it is not positive definite."""
 
 
 class Posterior(ABC):

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from laplace.posteriors.base import Posterior
+from laplace.posteriors.base import NotPositiveDefiniteError, Posterior
 
 __all__ = ["DensePosterior"]
 
@@ -41,7 +41,7 @@ class DensePosterior(Posterior):
         """(P, P) lower Cholesky factor of the precision."""
         factor, info = torch.linalg.cholesky_ex(self.precision)
         if int(info) != 0:
-            raise RuntimeError(
+            raise NotPositiveDefiniteError(
                 "the posterior precision is not positive definite (Cholesky failed at column "
                 f"{int(info)}); increase the prior precision or check the curvature for errors."
             )
