@@ -150,6 +150,10 @@ class CurvatureInterface:
     def gradients(self, x: Inputs, y: Tensor) -> tuple[Tensor, Tensor]:
         """Per-sample gradients of the library loss (``½‖y − f‖²`` or CE) per data point.
 
+        laplace-torch 0.3 differentiates the unscaled squared error here (twice these gradients
+        for regression, with twice the loss); we keep gradients and loss consistent with the
+        loss that the curvature and ``la.loss`` use.
+
         Args:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).

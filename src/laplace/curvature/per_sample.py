@@ -99,7 +99,6 @@ class PerSampleTrace:
         self.engine = engine
         self.f = f
         self.calls = calls
-        self.create_graph = create_graph
         self._grads = OutputGradients(f, calls, create_graph) if calls else None
         counts: dict[int, int] = {}
         for call in calls:
@@ -113,8 +112,8 @@ class PerSampleTrace:
             for call in calls
         ]
 
-    def _zeros(self, *leading: int) -> list[Tensor]:
-        return [self.f.new_zeros(*leading, *p.shape) for p in self.engine.needed]
+    def _zeros(self) -> list[Tensor]:
+        return [self.f.new_zeros(p.shape) for p in self.engine.needed]
 
     def _flatten(self, per_param: list[Tensor], leading: int) -> Tensor:
         flat = torch.cat([t.reshape(*t.shape[:leading], -1) for t in per_param], dim=-1)
@@ -122,19 +121,15 @@ class PerSampleTrace:
             return flat
         return flat[..., self.engine.indices.to(flat.device)]
 
-    def _per_param(self, g_calls: list[list[Tensor]], calls: Iterable[int]) -> list[Tensor]:
-        """Per-sample gradients of each needed parameter, summed over the selected calls."""
-        out: list[Tensor | None] = [None] * len(self.engine.needed)
+    def _per_param(self, g_calls: list[list[Tensor]], calls: Iterable[int]) -> dict[int, Tensor]:
+        """Per-sample gradients (B, *shape) by parameter slot, summed over the given calls."""
+        out: dict[int, Tensor] = {}
         for i in calls:
             call = self.calls[i]
             for name, grad in per_sample_grads(call, g_calls[i]).items():
                 slot = self.engine.slot[call.module, name]
-                out[slot] = grad if out[slot] is None else out[slot] + grad
-        batch = self.f.shape[0]
-        return [
-            self.f.new_zeros(batch, *p.shape) if t is None else t
-            for t, p in zip(out, self.engine.needed)
-        ]
+                out[slot] = out[slot] + grad if slot in out else grad
+        return out
 
     def per_sample(self, v: Tensor) -> Tensor:
         """Per-sample gradients ``Jₙᵀ vₙ`` for one output column.
@@ -145,9 +140,15 @@ class PerSampleTrace:
         Returns:
             Shape (B, P) (P restricted to the subnetwork when one is set).
         """
-        if self._grads is None:
-            return self._flatten(self._zeros(self.f.shape[0]), 1)
-        return self._flatten(self._per_param(self._grads(v), range(len(self.calls))), 1)
+        found = (
+            {} if self._grads is None else self._per_param(self._grads(v), range(len(self.calls)))
+        )
+        batch = self.f.shape[0]
+        per_param = [
+            found[slot] if slot in found else self.f.new_zeros(batch, *p.shape)
+            for slot, p in enumerate(self.engine.needed)
+        ]
+        return self._flatten(per_param, 1)
 
     def square_sum(self, columns: Iterable[Tensor]) -> Tensor:
         """``Σₖ Σₙ (Jₙᵀ vₙₖ)²``: the diagonal of ``Σₖ Σₙ gₙₖ gₙₖᵀ``.
@@ -169,9 +170,8 @@ class PerSampleTrace:
             for i in fast:
                 sq = g_calls[i][0].square()
                 squares[i] = squares[i] + sq if i in squares else sq
-            if slow:
-                for slot, grad in enumerate(self._per_param(g_calls, slow)):
-                    total[slot] = total[slot] + grad.square().sum(0)
+            for slot, grad in self._per_param(g_calls, slow).items():
+                total[slot] = total[slot] + grad.square().sum(0)
         for i, sq in squares.items():
             call = self.calls[i]
             for name, value in SQUARE_SUM_RULES[type(call.module)][1](call, sq).items():
