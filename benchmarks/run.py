@@ -28,16 +28,25 @@ N_TRAIN, N_TEST, N_CLASSES, BATCH = 2000, 1000, 10, 100
 
 def mlp() -> nn.Module:
     return nn.Sequential(
-        nn.Flatten(), nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(64, 256),
+        nn.ReLU(),
+        nn.Linear(256, 256),
+        nn.ReLU(),
         nn.Linear(256, 10),
     )
 
 
 def cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(),
-        nn.Linear(32 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10),
+        nn.Conv2d(1, 16, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(32 * 7 * 7, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
     )
 
 
@@ -107,8 +116,11 @@ def case_fit(model_name: str, structure: str, repeats: int) -> dict:
     with PeakRSS() as mem:
         fit_s = timed(lambda: la.fit(loader), repeats)
     return {
-        "case": f"fit {structure} {model_name}", "n_params": la.n_params,
-        "seconds": fit_s, "baseline_fwd_10bwd_s": baseline, "ratio": fit_s / baseline,
+        "case": f"fit {structure} {model_name}",
+        "n_params": la.n_params,
+        "seconds": fit_s,
+        "baseline_fwd_10bwd_s": baseline,
+        "ratio": fit_s / baseline,
         "peak_extra_MB": mem.extra / 2**20,
     }
 
@@ -129,7 +141,9 @@ def case_predict(model_name: str, structure: str, repeats: int) -> dict:
         pred_s = timed(lambda: la(X_test, pred_type="glm", link_approx="probit"), repeats)
     return {
         "case": f"glm probit {structure} {model_name} ({N_TEST} points)",
-        "n_params": la.n_params, "seconds": pred_s, "peak_extra_MB": mem.extra / 2**20,
+        "n_params": la.n_params,
+        "seconds": pred_s,
+        "peak_extra_MB": mem.extra / 2**20,
     }
 
 
@@ -162,14 +176,17 @@ def main() -> None:
     for name in args.cases:
         out = subprocess.run(
             [sys.executable, __file__, "--one", name, "--repeats", str(args.repeats)],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         extras = f"  ratio to fwd+10bwd {row['ratio']:.2f}" if "ratio" in row else ""
         print(
             f"{row['case']:42s} P={row['n_params']:>7d}  {row['seconds']:8.3f} s  "
-            f"peak +{row['peak_extra_MB']:7.1f} MB{extras}", flush=True,
+            f"peak +{row['peak_extra_MB']:7.1f} MB{extras}",
+            flush=True,
         )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "run.json").write_text(json.dumps(rows, indent=2))

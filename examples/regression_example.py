@@ -62,7 +62,7 @@ def main() -> None:
     la.sigma_noise = log_sigma.detach().exp()
     laplace_s = time.perf_counter() - start
 
-    f_mu, f_var = la(X_test)
+    _, f_var = la(X_test)
     pred_std = (f_var.squeeze(-1) + la.sigma_noise.square()).sqrt().squeeze(-1)
     inside = (X_test.squeeze(-1) > 0) & (X_test.squeeze(-1) < 8)
     outside = ~inside
