@@ -13,7 +13,7 @@ The default routes use the native per-sample engine (:mod:`laplace.curvature.per
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -166,18 +166,32 @@ class CurvatureInterface:
         Gs = trace.per_sample(self._likelihood.loss_gradient(f, y))
         return Gs.detach(), self._loss(f, y)
 
+    def _curvature_columns(self, f: Tensor, y: Tensor) -> Iterable[Tensor]:
+        """Output-space columns ``vₖ`` (B, C) whose per-sample outer products sum to the curvature.
+
+        The dense and diagonal curvatures are ``Σₙ Σₖ (Jₙᵀ vₖₙ)(Jₙᵀ vₖₙ)ᵀ``; a family (GGN, EF)
+        only says which columns it uses.
+
+        Args:
+            f: Detached outputs of the batch, shape (B, C).
+            y: Targets of the batch.
+        """
+        raise NotImplementedError(f"{type(self).__name__} defines no curvature.")
+
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Dense batch curvature.
+        """Dense batch curvature, summed over data points.
 
         Args:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
-            **kwargs: Backend-specific options.
+            **kwargs: Ignored (accepted for interface compatibility).
 
         Returns:
             The summed batch loss and the curvature of shape (P, P).
         """
-        raise NotImplementedError(f"{type(self).__name__} offers no dense curvature.")
+        trace = self._trace(x)
+        f = trace.f.detach()
+        return self._loss(f, y), trace.gram(self._curvature_columns(f, y)).detach()
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
         """Kronecker-factored batch curvature (KFAC).
@@ -194,17 +208,19 @@ class CurvatureInterface:
         raise NotImplementedError(_KRON_PENDING)
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Diagonal of the batch curvature.
+        """Diagonal of the batch curvature, summed over data points.
 
         Args:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
-            **kwargs: Backend-specific options.
+            **kwargs: Ignored (accepted for interface compatibility).
 
         Returns:
             The summed batch loss and the diagonal of shape (P,).
         """
-        raise NotImplementedError(f"{type(self).__name__} offers no diagonal curvature.")
+        trace = self._trace(x)
+        f = trace.f.detach()
+        return self._loss(f, y), trace.square_sum(self._curvature_columns(f, y)).detach()
 
 
 class GGNInterface(CurvatureInterface):
@@ -241,9 +257,8 @@ class GGNInterface(CurvatureInterface):
         self.stochastic = stochastic
         self.num_samples = num_samples
 
-    def _columns(self, f: Tensor) -> Iterator[Tensor]:
-        """Output columns ``vₖ`` (B, C) with ``Σₖ vₖ vₖᵀ`` = Λ (or its MC estimate) per sample."""
-        f = f.detach()
+    def _curvature_columns(self, f: Tensor, y: Tensor) -> Iterator[Tensor]:
+        """Columns ``vₖ`` (B, C) with ``Σₖ vₖ vₖᵀ = Λ`` (or its MC estimate) per sample."""
         if self.stochastic:
             scale = 1.0 / math.sqrt(self.num_samples)
             for _ in range(self.num_samples):
@@ -252,34 +267,6 @@ class GGNInterface(CurvatureInterface):
         else:
             L = self._likelihood.output_hessian_sqrt(f)
             yield from L.unbind(-1)
-
-    def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Dense GGN of the batch, summed over data points.
-
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and the GGN of shape (P, P).
-        """
-        trace = self._trace(x)
-        return self._loss(trace.f, y), trace.gram(self._columns(trace.f)).detach()
-
-    def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Diagonal of the batch GGN, summed over data points.
-
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and the GGN diagonal of shape (P,).
-        """
-        trace = self._trace(x)
-        return self._loss(trace.f, y), trace.square_sum(self._columns(trace.f)).detach()
 
 
 class EFInterface(CurvatureInterface):
@@ -291,35 +278,6 @@ class EFInterface(CurvatureInterface):
     this matrix for regression; classification agrees.
     """
 
-    def _loss_gradient_column(self, trace: PerSampleTrace, y: Tensor) -> list[Tensor]:
-        return [self._likelihood.loss_gradient(trace.f.detach(), y)]
-
-    def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Dense empirical Fisher of the batch.
-
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and the EF of shape (P, P).
-        """
-        trace = self._trace(x)
-        H = trace.gram(self._loss_gradient_column(trace, y))
-        return self._loss(trace.f, y), H.detach()
-
-    def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Diagonal of the batch empirical Fisher.
-
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and the EF diagonal of shape (P,).
-        """
-        trace = self._trace(x)
-        h = trace.square_sum(self._loss_gradient_column(trace, y))
-        return self._loss(trace.f, y), h.detach()
+    def _curvature_columns(self, f: Tensor, y: Tensor) -> list[Tensor]:
+        """The single column ``∇_f ℓ(fₙ, yₙ)`` (B, C)."""
+        return [self._likelihood.loss_gradient(f, y)]
