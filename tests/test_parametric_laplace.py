@@ -263,3 +263,35 @@ def test_log_prob_is_the_gaussian_density(structure):
     assert_close(la.log_prob(value), dist.log_prob(value))
     delta = value - la.mean
     assert_close(la.square_norm(value), delta @ torch.linalg.inv(cov) @ delta, rtol=1e-6)
+
+
+def test_reward_modeling_fits_as_classification_and_predicts_as_regression():
+    class PairScorer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)
+            )
+
+        def forward(self, x):
+            if x.dim() == 3:
+                return self.net(x.reshape(-1, x.shape[-1])).reshape(x.shape[0], 2)
+            return self.net(x)
+
+    torch.manual_seed(0)
+    model = PairScorer().double()
+    X = torch.randn(12, 2, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (12,))
+    loader = DataLoader(TensorDataset(X, y), batch_size=5)
+    la = Laplace(model, "reward_modeling", subset_of_weights="all", hessian_structure="diag")
+    la.fit(loader)
+    assert_close(la.H, Oracle(model, "classification").ggn(X).diagonal())
+    assert_close(la.log_likelihood, -Oracle(model, "classification").loss(X, y))
+    X_test = torch.randn(4, 3, dtype=torch.float64)
+    f_mu, f_var = la(X_test)
+    assert f_mu.shape == (4, 1) and f_var.shape == (4, 1, 1)
+    oracle = Oracle(model, "regression")
+    Js = oracle.jacobian(X_test)
+    expected = torch.einsum("bcp,p,bdp->bcd", Js, 1 / la.posterior_precision, Js)
+    assert_close(f_var, expected)
+    assert la(X[:3], fitting=True).shape == (3, 2)

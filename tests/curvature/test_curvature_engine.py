@@ -1,7 +1,8 @@
 """The native per-sample engine on layers beyond Linear/Conv2d, against the dense oracle.
 
 Covers the generic ``torch.func`` fallback (LayerNorm, Embedding, a raw parameter, a parameter
-on the root module), weight sharing, sequence inputs, and the other convolution variants.
+on the root module), weight sharing, sequence inputs, the other convolution variants, and models
+whose layers do not see the data points along their first dimension (batched-backward fallback).
 """
 
 from __future__ import annotations
@@ -68,6 +69,31 @@ class _Sequence(nn.Module):
         return self.out(h.mean(1))
 
 
+class _PairScorer(nn.Module):
+    """A reward model: scores (B, 2, D) pairs as 2B rows, so layers never see B rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    def forward(self, x):
+        return self.net(x.reshape(-1, x.shape[-1])).reshape(x.shape[0], -1)
+
+
+class _SequenceFirstAttention(nn.Module):
+    """Self-attention run sequence-first (T, B, D), as nn.MultiheadAttention defaults to."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = x.transpose(0, 1)
+        h, _ = self.attn(h, h, h, need_weights=False)
+        return self.out(h.mean(0))
+
+
 def _mlp_with_custom():
     return nn.Sequential(nn.Linear(3, 4), _Scale(4), nn.Tanh(), nn.Linear(4, 2))
 
@@ -95,6 +121,8 @@ MODELS = {
     "sequence": (_Sequence, lambda g: torch.randint(0, 7, (8, 5), generator=g)),
     "conv1d_grouped": (_convs, lambda g: torch.randn(8, 2, 9, generator=g)),
     "conv3d": (_conv3d, lambda g: torch.randn(8, 1, 3, 4, 3, generator=g)),
+    "batch_folded_rows": (_PairScorer, lambda g: torch.randn(8, 2, 3, generator=g)),
+    "sequence_first": (_SequenceFirstAttention, lambda g: torch.randn(8, 5, 4, generator=g)),
 }
 
 

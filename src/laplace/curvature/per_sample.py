@@ -13,6 +13,12 @@ one backward pass w.r.t. the layer *outputs* only gives ``g = ∂(vᵀ f)/∂z``
 (:mod:`laplace.curvature.layer_rules`) turn ``(a, g)`` into per-sample parameter gradients, or,
 for the diagonal of linear layers, straight into ``Σₙ gₙ²`` without forming them.
 
+The layer rules need every recorded layer output to have the data points along its first
+dimension. A model that folds the batch into other rows (a reward model scoring ``(B, 2, D)``
+pairs as ``2B`` rows) or runs layers sequence-first breaks that; the trace then falls back to
+batched backward passes (``is_grads_batched``) that give the per-sample gradients of any model
+exactly, at the cost of one vectorised backward pass per data point.
+
 Why not curvlinops or ``torch.func`` for these: curvlinops exposes the GGN as a linear operator,
 so its dense matrix or diagonal costs P matrix-vector products (each a forward and backward over
 the data), and per-sample ``torch.func`` Jacobians over the whole model redo the network for
@@ -32,6 +38,9 @@ from laplace.curvature.layer_rules import SQUARE_SUM_RULES, ModuleCall, per_samp
 from laplace.data import Inputs
 
 __all__ = ["PerSampleEngine", "PerSampleTrace"]
+
+#: Data points per vectorised backward pass in the batched fallback.
+BATCHED_BACKWARD_CHUNK = 32
 
 
 class PerSampleEngine:
@@ -99,12 +108,15 @@ class PerSampleTrace:
         self.engine = engine
         self.f = f
         self.calls = calls
+        self.create_graph = create_graph
         self._grads = OutputGradients(f, calls, create_graph) if calls else None
         counts: dict[int, int] = {}
         for call in calls:
             for name in call.names:
                 slot = engine.slot[call.module, name]
                 counts[slot] = counts.get(slot, 0) + 1
+        batch = f.shape[0]
+        self._batched = any(z.dim() == 0 or z.shape[0] != batch for c in calls for z in c.outputs)
         self._fast = [
             type(call.module) in SQUARE_SUM_RULES
             and SQUARE_SUM_RULES[type(call.module)][0](call)
@@ -140,6 +152,8 @@ class PerSampleTrace:
         Returns:
             Shape (B, P) (P restricted to the subnetwork when one is set).
         """
+        if self._batched:
+            return self._batched_per_sample(v)
         found = (
             {} if self._grads is None else self._per_param(self._grads(v), range(len(self.calls)))
         )
@@ -149,6 +163,34 @@ class PerSampleTrace:
             for slot, p in enumerate(self.engine.needed)
         ]
         return self._flatten(per_param, 1)
+
+    def _batched_per_sample(self, v: Tensor) -> Tensor:
+        """Per-sample gradients by one vectorised backward pass per data point, shape (B, P)."""
+        batch = self.f.shape[0]
+        rows = []
+        for start in range(0, batch, BATCHED_BACKWARD_CHUNK):
+            index = torch.arange(start, min(batch, start + BATCHED_BACKWARD_CHUNK))
+            cotangents = self.f.new_zeros(len(index), *self.f.shape)
+            cotangents[torch.arange(len(index)), index] = v[index]
+            grads = torch.autograd.grad(
+                self.f,
+                self.engine.needed,
+                grad_outputs=cotangents,
+                is_grads_batched=True,
+                retain_graph=True,
+                create_graph=self.create_graph,
+                allow_unused=True,
+            )
+            rows.append(
+                self._flatten(
+                    [
+                        self.f.new_zeros(len(index), *p.shape) if g is None else g
+                        for g, p in zip(grads, self.engine.needed)
+                    ],
+                    1,
+                )
+            )
+        return torch.cat(rows)
 
     def square_sum(self, columns: Iterable[Tensor]) -> Tensor:
         """``Σₖ Σₙ (Jₙᵀ vₙₖ)²``: the diagonal of ``Σₖ Σₙ gₙₖ gₙₖᵀ``.
@@ -160,6 +202,8 @@ class PerSampleTrace:
             Shape (P,).
         """
         total = self._zeros()
+        if self._batched:
+            return sum(self.per_sample(v).square().sum(0) for v in columns)
         if self._grads is None:
             return self._flatten(total, 0)
         fast = [i for i, is_fast in enumerate(self._fast) if is_fast]
