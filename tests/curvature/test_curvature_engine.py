@@ -137,6 +137,7 @@ def model_and_inputs(request):
     return model, X if X.dtype == torch.long else X.double()
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
 @pytest.mark.parametrize("likelihood", ["regression", "classification"])
 def test_engine_matches_oracle(model_and_inputs, likelihood):
     model, X = model_and_inputs
