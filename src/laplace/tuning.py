@@ -21,7 +21,7 @@ from laplace.utils.metrics import RunningNLLMetric
 from laplace.utils.utils import validate
 
 if TYPE_CHECKING:
-    from laplace.baselaplace import BaseLaplace
+    from laplace.base import BaseLaplace
 
 __all__ = ["default_validation_loss", "gridsearch", "maximize_marglik"]
 

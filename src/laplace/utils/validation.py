@@ -15,7 +15,7 @@ from laplace.data import move_inputs, split_batch
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
 
 if TYPE_CHECKING:
-    from laplace.baselaplace import BaseLaplace
+    from laplace.base import BaseLaplace
 
 __all__ = ["get_nll", "validate"]
 
