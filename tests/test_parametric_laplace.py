@@ -295,3 +295,23 @@ def test_reward_modeling_fits_as_classification_and_predicts_as_regression():
     expected = torch.einsum("bcp,p,bdp->bcd", Js, 1 / la.posterior_precision, Js)
     assert_close(f_var, expected)
     assert la(X[:3], fitting=True).shape == (3, 2)
+
+
+def test_enable_backprop_differentiates_the_glm_predictive_in_x(structure):
+    case = CASE_BUILDERS["mlp_regression_3out"]()
+    la = fitted(case, structure, enable_backprop=True)
+    x = case.X[:2].clone().requires_grad_()
+
+    def objective(inputs):
+        f_mu, f_var = la(inputs)
+        return f_mu.sum() + f_var.diagonal(dim1=1, dim2=2).sum()
+
+    (grad,) = torch.autograd.grad(objective(x), x)
+    eps = 1e-6
+    numeric = torch.zeros_like(x)
+    for i in range(x.numel()):
+        step = torch.zeros_like(x).flatten()
+        step[i] = eps
+        step = step.view_as(x)
+        numeric.view(-1)[i] = (objective(x + step) - objective(x - step)).detach() / (2 * eps)
+    assert_close(grad, numeric, rtol=1e-5, atol=1e-7)
