@@ -123,11 +123,19 @@ class GLMPredictiveMixin:
         step = self._chunk_rows()
         means, variances = [], []
         for start in range(0, n, step):
-            Js, f_mu = self._jacobians(slice_inputs(X, start, start + step, n))
-            f_var = self.functional_variance(Js)
+            f_mu, f_var = self._functional_moments(slice_inputs(X, start, start + step, n))
             means.append(f_mu)
             variances.append(f_var.diagonal(dim1=-2, dim2=-1) if diagonal_output else f_var)
         return torch.cat(means), torch.cat(variances)
+
+    def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
+        """``(f_mu (B, C), f_var (B, C, C))`` of the linearised network on one chunk of inputs.
+
+        By default from Jacobians and :meth:`functional_variance`; structures with a closed form
+        that avoids the (B, C, P) Jacobian (last layer, Kronecker factors) override this.
+        """
+        Js, f_mu = self._jacobians(X)
+        return f_mu, self.functional_variance(Js)
 
     def _jacobians(self, X: Inputs) -> tuple[Tensor, Tensor]:
         Js, f_mu = self.backend.jacobians(X, enable_backprop=self.enable_backprop)

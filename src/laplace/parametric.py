@@ -56,7 +56,7 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
         if n_data == 0:
             raise ValueError("train_loader is empty: fit needs at least one data point.")
         if override or self.H is None:
-            self.H = self._posterior_cls.zeros(self.n_params, self._device, self._dtype)
+            self.H = self._posterior_cls.zeros(self.params)
             self.loss, self.n_data = 0.0, 0
         self.model.eval()
         self.mean = self._subset.vector()
@@ -68,7 +68,7 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
             if self.n_outputs is None or n_batches == 0:
                 with torch.no_grad():
                     self.n_outputs = int(self.model(X).shape[-1])
-            loss, H_batch = self._posterior_cls.batch_curvature(self.backend, X, y)
+            loss, H_batch = self._posterior_cls.batch_curvature(self.backend, X, y, n_data)
             if not self._posterior_cls.is_finite(H_batch):
                 raise RuntimeError(
                     "the curvature of a training batch contains NaN or inf; check the model's "
@@ -79,6 +79,7 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
             n_batches += 1
         if n_batches == 0:
             raise ValueError("train_loader yielded no batches: fit needs at least one batch.")
+        self.H = self._posterior_cls.finalize(self.H)
         self.n_data += n_data
         self._posterior_cache = None
 

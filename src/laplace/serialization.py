@@ -91,7 +91,7 @@ class StateDictMixin:
     def _load_curvature_state(self, state: Any) -> Any:
         if not isinstance(state, Tensor):
             raise ValueError("state_dict['H'] must be a tensor for this structure.")
-        expected = self._posterior_cls.zeros(0, self._device, self._dtype).dim()
+        expected = self._posterior_cls.zeros(self.params).dim()
         shape = (self.n_params,) * expected
         if tuple(state.shape) != shape:
             raise ValueError(f"state_dict['H'] has shape {tuple(state.shape)}, expected {shape}.")

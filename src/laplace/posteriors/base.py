@@ -10,6 +10,7 @@ never branch on the structure.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,13 +40,25 @@ class Posterior(ABC):
     # ---------------------------------------------------------------- curvature accumulation
     @staticmethod
     @abstractmethod
-    def zeros(n_params: int, device: torch.device, dtype: torch.dtype) -> Any:
-        """Empty curvature for ``n_params`` parameters."""
+    def zeros(params: Sequence[Tensor]) -> Any:
+        """Empty curvature for the parameter tensors ``params`` (on their device and dtype)."""
 
     @staticmethod
     @abstractmethod
-    def batch_curvature(backend: Any, X: Any, y: Tensor) -> tuple[Tensor, Any]:
-        """``(loss, H_batch)`` of one batch from a curvature backend."""
+    def batch_curvature(backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
+        """``(loss, H_batch)`` of one batch from a curvature backend.
+
+        Args:
+            backend: A :class:`~laplace.curvature.CurvatureInterface`.
+            X: Inputs of the batch.
+            y: Targets of the batch.
+            n_data: Number of data points of the whole training set (KFAC rescaling).
+        """
+
+    @staticmethod
+    def finalize(H: Any) -> Any:
+        """The curvature as stored after a fit (e.g. eigen-decomposed); identity by default."""
+        return H
 
     @staticmethod
     def is_finite(H: Any) -> bool:

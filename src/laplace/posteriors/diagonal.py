@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
@@ -19,12 +20,13 @@ class DiagonalPosterior(Posterior):
 
     @override
     @staticmethod
-    def zeros(n_params: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-        return torch.zeros(n_params, device=device, dtype=dtype)
+    def zeros(params: Sequence[Tensor]) -> Tensor:
+        n_params = sum(p.numel() for p in params)
+        return params[0].new_zeros(n_params)
 
     @override
     @staticmethod
-    def batch_curvature(backend: Any, X: Any, y: Tensor) -> tuple[Tensor, Tensor]:
+    def batch_curvature(backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Tensor]:
         return backend.diag(X, y)
 
     @cached_property
