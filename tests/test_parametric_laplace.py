@@ -315,3 +315,13 @@ def test_enable_backprop_differentiates_the_glm_predictive_in_x(structure):
         step = step.view_as(x)
         numeric.view(-1)[i] = (objective(x + step) - objective(x - step)).detach() / (2 * eps)
     assert_close(grad, numeric, rtol=1e-5, atol=1e-7)
+
+
+def test_posterior_follows_changes_of_the_curvature(structure):
+    case = CASE_BUILDERS["mlp_regression_1out"]()
+    la = fitted(case, structure)
+    before = la.log_det_posterior_precision.clone()
+    la.H = 2 * la.H
+    assert not torch.allclose(la.log_det_posterior_precision, before)
+    la.H.mul_(0.5)
+    assert_close(la.log_det_posterior_precision, before)

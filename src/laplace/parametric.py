@@ -37,7 +37,7 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
         super().__init__(model, likelihood, *args, **kwargs)
         self.H: Any = None
         self.mean = self._subset.vector().detach()
-        self._posterior_cache: tuple[Tensor, Tensor, Posterior] | None = None
+        self._posterior_cache: tuple[Any, Tensor, Tensor, Posterior] | None = None
 
     # ---------------------------------------------------------------------------------- fit
     def fit(self, train_loader: DataLoader, override: bool = True, progress_bar: bool = False):
@@ -99,17 +99,24 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
         self._check_fitted("the posterior")
         h_factor, prior_diag = self._H_factor, self.prior_precision_diag
         differentiable = h_factor.requires_grad or prior_diag.requires_grad
+        curvature_key = (id(self.H), getattr(self.H, "_version", None))
         cache = self._posterior_cache
         if (
             not differentiable
             and cache is not None
-            and torch.equal(cache[0], h_factor)
-            and torch.equal(cache[1], prior_diag)
+            and cache[0] == curvature_key
+            and torch.equal(cache[1], h_factor)
+            and torch.equal(cache[2], prior_diag)
         ):
-            return cache[2]
+            return cache[3]
         posterior = self._posterior_cls(self.H, h_factor, prior_diag)
         if not differentiable:
-            self._posterior_cache = (h_factor.clone(), prior_diag.clone(), posterior)
+            self._posterior_cache = (
+                curvature_key,
+                h_factor.clone(),
+                prior_diag.clone(),
+                posterior,
+            )
         return posterior
 
     @property
