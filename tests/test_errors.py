@@ -42,8 +42,8 @@ def test_factory_rejects_unsupported_combination(clf):
 
 
 def test_factory_names_later_combinations(clf):
-    with pytest.raises(NotImplementedError, match="last_layer"):
-        Laplace(clf.model, "classification")
+    with pytest.raises(NotImplementedError, match="function-space"):
+        Laplace(clf.model, "classification", hessian_structure="gp")
 
 
 def test_reward_modeling_rejects_full(clf):
@@ -159,3 +159,9 @@ def test_regression_target_shape_mismatch():
 def test_bad_backend(clf):
     with pytest.raises(TypeError, match="backend"):
         DiagLaplace(clf.model, "classification", backend=object)
+
+
+def test_asdl_fisher_kwargs_are_ignored_by_other_backends(clf):
+    la = DiagLaplace(clf.model, "classification", asdl_fisher_kwargs={"n_mc_samples": 3})
+    la.fit(clf.loader())
+    assert la.H.shape == (la.n_params,)

@@ -74,9 +74,7 @@ class BaseLaplace:
         self.likelihood = self._likelihood_model.kind
         self.model = model
         self._subset = self._make_subset(model)
-        self.params = self._subset.params
-        self.n_params = self._subset.n_params
-        self.n_layers = self._subset.n_layers
+        self._bind_subset()
         if not temperature > 0:
             raise ValueError(f"temperature must be positive, got {temperature}.")
         self.temperature = temperature
@@ -103,21 +101,30 @@ class BaseLaplace:
     def _make_subset(self, model: nn.Module) -> AllWeights:
         return AllWeights(model)
 
+    def _bind_subset(self) -> None:
+        """Expose the subset's ``params``, ``n_params``, ``n_layers`` (None until it is known)."""
+        known = self._subset.resolved
+        self.params = self._subset.params if known else None
+        self.n_params = self._subset.n_params if known else None
+        self.n_layers = self._subset.n_layers if known else None
+
     # ------------------------------------------------------------------ device and backend
     @property
     def _device(self) -> torch.device:
-        return self.params[0].device
+        return self._subset.device
 
     @property
     def _dtype(self) -> torch.dtype:
-        return self.params[0].dtype
+        return self._subset.dtype
 
     @property
     def backend(self) -> CurvatureInterface:
         """The curvature backend instance, created on first use."""
         if self._backend is None:
             kwargs = dict(self._backend_kwargs)
-            if self._asdl_fisher_kwargs:
+            if self._asdl_fisher_kwargs and getattr(
+                self._backend_cls, "accepts_asdl_fisher_kwargs", False
+            ):
                 kwargs["asdl_fisher_kwargs"] = self._asdl_fisher_kwargs
             self._backend = self._backend_cls(
                 self.model,

@@ -1,8 +1,12 @@
 """Curvature backends: Jacobians, per-sample gradients, and GGN / EF / Hessian curvature.
 
 :data:`CURVATURE_BACKENDS` maps short names to backend classes so callers never test class
-names; :data:`DEFAULT_BACKEND` is the exact GGN.
+names; :data:`DEFAULT_BACKEND` is the exact GGN. The ASDL and BackPACK backends are optional
+extras: they are imported on first use (``from laplace.curvature import AsdlGGN``), and naming
+one whose library is missing raises an ``ImportError`` with the install command.
 """
+
+from __future__ import annotations
 
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.curvlinops import (
@@ -10,6 +14,12 @@ from laplace.curvature.curvlinops import (
     CurvlinopsGGN,
     CurvlinopsHessian,
     CurvlinopsInterface,
+)
+from laplace.curvature.registry import (
+    OPTIONAL_BACKENDS,
+    BackendRegistry,
+    available_optional,
+    load_optional,
 )
 
 __all__ = [
@@ -22,14 +32,29 @@ __all__ = [
     "CurvlinopsInterface",
     "EFInterface",
     "GGNInterface",
+    # the optional backends whose library is installed (so that `import *` never fails)
+    *available_optional(),
 ]
 
-#: Backend classes by name.
-CURVATURE_BACKENDS: dict[str, type[CurvatureInterface]] = {
-    "curvlinops_ggn": CurvlinopsGGN,
-    "curvlinops_ef": CurvlinopsEF,
-    "curvlinops_hessian": CurvlinopsHessian,
-}
+#: Backend classes by name; the optional ones are imported when looked up.
+CURVATURE_BACKENDS: BackendRegistry = BackendRegistry(
+    {
+        "curvlinops_ggn": CurvlinopsGGN,
+        "curvlinops_ef": CurvlinopsEF,
+        "curvlinops_hessian": CurvlinopsHessian,
+        "asdl_ggn": "AsdlGGN",
+        "asdl_ef": "AsdlEF",
+        "asdl_hessian": "AsdlHessian",
+        "backpack_ggn": "BackPackGGN",
+        "backpack_ef": "BackPackEF",
+    }
+)
 
 #: The backend used when none is given.
 DEFAULT_BACKEND: type[CurvatureInterface] = CurvlinopsGGN
+
+
+def __getattr__(name: str) -> type[CurvatureInterface]:
+    if name in OPTIONAL_BACKENDS:
+        return load_optional(name)
+    raise AttributeError(f"module 'laplace.curvature' has no attribute {name!r}")

@@ -1,0 +1,119 @@
+"""Plumbing shared by the third-party (ASDL, BackPACK) adapters.
+
+Leave no trace: ASDL and BackPACK work by hooking modules and writing results onto modules
+and parameters (``module.fisher``, ``module.input0``, ``param.grad_batch``, ...).
+laplace-torch leaves BackPACK's hooks installed for good, so a model once fitted with BackPACK
+can no longer be fitted with ASDL (``Cannot use both regular backward hooks and full backward
+hooks on a single Module``). Here every backend call runs inside :func:`isolated`, which removes
+the hooks it was handed, deletes every attribute added to the modules and parameters, restores
+torch's per-module backward-hook mode flag and the parameters' ``.grad``.
+
+:func:`target_call` picks what the library is run on (the model, or the last layer on
+features) and :func:`kron_blocks` brings Kronecker factors to the library's normalisation
+(that of :mod:`laplace.curvature.kfac`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from laplace.utils.matrix import Kron
+
+__all__ = ["TargetCall", "isolated", "kron_blocks", "target_call"]
+
+
+class _Snapshot:
+    """The attributes, hook mode and gradients of some modules and their parameters."""
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self.modules = list(dict.fromkeys(m for root in modules for m in root.modules()))
+        self.params = list(dict.fromkeys(p for m in self.modules for p in m.parameters(False)))
+        self.module_keys = [set(vars(m)) for m in self.modules]
+        self.hook_modes = [m._is_full_backward_hook for m in self.modules]
+        self.param_keys = [set(vars(p)) for p in self.params]
+        self.grads = [p.grad for p in self.params]
+
+    def restore(self) -> None:
+        for module, keys, mode in zip(self.modules, self.module_keys, self.hook_modes):
+            for key in set(vars(module)) - keys:
+                delattr(module, key)
+            module._is_full_backward_hook = mode
+        for param, keys, grad in zip(self.params, self.param_keys, self.grads):
+            for key in set(vars(param)) - keys:
+                delattr(param, key)
+            param.grad = grad
+
+
+@contextmanager
+def isolated(*modules: nn.Module) -> Iterator[list[RemovableHandle]]:
+    """Run a block whose hooks and attributes on ``modules`` are all undone afterwards.
+
+    Args:
+        *modules: The modules (with their submodules and parameters) to keep clean.
+
+    Yields:
+        A list to which the block appends the handles of hooks it registers; they are removed
+        on exit, even when the block raises.
+    """
+    snapshot = _Snapshot(modules)
+    for param in snapshot.params:
+        param.grad = None
+    handles: list[RemovableHandle] = []
+    try:
+        yield handles
+    finally:
+        for handle in handles:
+            handle.remove()
+        snapshot.restore()
+
+
+class TargetCall:
+    """The module a library is run on and its input (the whole model, or the last layer).
+
+    Attributes:
+        module: ``model``, or ``model.last_layer`` in last-layer mode.
+        inputs: ``x``, or the detached features ``φ(x)`` (B, D) in last-layer mode.
+    """
+
+    def __init__(self, module: nn.Module, inputs: object) -> None:
+        self.module = module
+        self.inputs = inputs
+
+
+def target_call(model: nn.Module, x: object, last_layer: bool) -> TargetCall:
+    """The module and input to hand a curvature library.
+
+    In last-layer mode the features are computed once, without a graph, so that the library
+    only sees the last layer (a single ``nn.Linear``).
+
+    Args:
+        model: The model (a feature extractor with ``forward_with_features`` when
+            ``last_layer``).
+        x: Model inputs.
+        last_layer: Whether only ``model.last_layer`` is considered.
+    """
+    if not last_layer:
+        return TargetCall(model, x)
+    with torch.no_grad():
+        _, phi = model.forward_with_features(x)
+    return TargetCall(model.last_layer, phi)
+
+
+def kron_blocks(blocks: list[tuple[Tensor, Tensor | None]], n_data: int, factor: float) -> Kron:
+    """A :class:`Kron` from per-parameter factors, normalised like the native KFAC.
+
+    Args:
+        blocks: Per parameter tensor, in parameter order, ``(G, A)``: ``G`` (p_out, p_out) the
+            output-gradient factor summed over the batch (of the library's σ-free curvature),
+            ``A`` (p_in, p_in) the input factor summed over the batch (None for a bias).
+        n_data: Number of data points N of the whole data set.
+        factor: The backend's loss factor ``c``: weight blocks are ``[G/√c, √c·A/N]``.
+    """
+    root = math.sqrt(factor)
+    return Kron([[G] if A is None else [G / root, A * (root / n_data)] for G, A in blocks])

@@ -1,0 +1,190 @@
+"""One contract for every backend family, against the dense float64 oracles.
+
+backend × structure × model (the shared cases, a dict-input model, a LoRA model); Jacobians,
+per-sample gradients, ``enable_backprop``, subnetworks, last layer; agreement across backends.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backend_cases import (
+    BACKENDS,
+    GGN_BACKENDS,
+    Backend,
+    LoRAModel,
+    dict_per_sample_gradients,
+    ids,
+    lora_case,
+)
+
+from conftest import CASE_BUILDERS, Oracle, assert_close, dict_case
+from laplace.curvature import BackPackGGN, CurvlinopsEF, CurvlinopsGGN
+
+STRUCTURES = ["full", "diag"]
+
+
+def _curvature(backend, structure: str, X, y):
+    return backend.full(X, y) if structure == "full" else backend.diag(X, y)
+
+
+def _expected(row: Backend, structure: str, oracle: Oracle, X, y):
+    H = row.reference(oracle, X, y)
+    return H if structure == "full" else H.diagonal()
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("row", BACKENDS, ids=ids(BACKENDS))
+def test_curvature_matches_oracle(case, row, structure):
+    oracle = Oracle(case.model, case.likelihood)
+    backend = row.cls(case.model, case.likelihood)
+    loss, H = _curvature(backend, structure, case.X, case.y)
+    assert_close(H, _expected(row, structure, oracle, case.X, case.y))
+    assert_close(loss, oracle.loss(case.X, case.y))
+    assert not H.requires_grad and not loss.requires_grad
+
+
+@pytest.mark.parametrize("row", BACKENDS, ids=ids(BACKENDS))
+def test_jacobians_and_gradients_match_oracle(case, row):
+    oracle = Oracle(case.model, case.likelihood)
+    backend = row.cls(case.model, case.likelihood)
+    Js, f = backend.jacobians(case.X)
+    assert_close(Js, oracle.jacobian(case.X))
+    assert_close(f, case.model(case.X))
+    Gs, loss = backend.gradients(case.X, case.y)
+    assert_close(Gs, oracle.per_sample_gradients(case.X, case.y))
+    assert_close(loss, oracle.loss(case.X, case.y))
+
+
+@pytest.mark.parametrize("row", BACKENDS, ids=ids(BACKENDS))
+def test_enable_backprop_differentiates_wrt_inputs(row):
+    case = CASE_BUILDERS["mlp_regression_3out"]()
+    backend = row.cls(case.model, case.likelihood)
+    X = case.X[:4].clone().requires_grad_(True)
+    Js, f = backend.jacobians(X, enable_backprop=True)
+    weights = torch.randn(Js.shape, dtype=Js.dtype, generator=torch.Generator().manual_seed(0))
+    (grad_x,) = torch.autograd.grad((Js * weights).sum() + f.sum(), X)
+    X_ref = X.detach().clone().requires_grad_(True)
+    Js_ref, f_ref = backend.functorch_jacobians(X_ref, enable_backprop=True)
+    (expected,) = torch.autograd.grad((Js_ref * weights).sum() + f_ref.sum(), X_ref)
+    assert_close(grad_x, expected)
+    assert X.grad is None
+
+
+SUBNET_ROWS = [b for b in BACKENDS if "subnetwork_indices" in b.cls.__init__.__code__.co_varnames]
+
+
+@pytest.mark.parametrize("row", SUBNET_ROWS, ids=ids(SUBNET_ROWS))
+def test_subnetwork_indices_restrict_everything(row):
+    case = CASE_BUILDERS["cnn_classification"]()
+    oracle = Oracle(case.model, case.likelihood)
+    indices = torch.randperm(oracle.theta.numel(), generator=torch.Generator().manual_seed(1))
+    indices = indices[:9]
+    backend = row.cls(case.model, case.likelihood, subnetwork_indices=indices)
+    H_all = row.reference(oracle, case.X, case.y)
+    assert_close(backend.full(case.X, case.y)[1], H_all[indices][:, indices])
+    assert_close(backend.diag(case.X, case.y)[1], H_all.diagonal()[indices])
+    assert_close(backend.jacobians(case.X)[0], oracle.jacobian(case.X)[:, :, indices])
+    expected_g = oracle.per_sample_gradients(case.X, case.y)[:, indices]
+    assert_close(backend.gradients(case.X, case.y)[0], expected_g)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("row", BACKENDS, ids=ids(BACKENDS))
+def test_dict_inputs(row, structure):
+    model, loader = dict_case()
+    X = next(iter(loader))
+    y = X["labels"]
+    backend = row.cls(model, "classification")
+    if not row.dict_inputs:
+        with pytest.raises(ValueError, match="dict-like inputs; use backend=CurvlinopsGGN"):
+            _curvature(backend, structure, X, y)
+        with pytest.raises(ValueError, match="dict-like"):
+            backend.jacobians(X)
+        return
+    oracle = Oracle(model, "classification")
+    loss, H = _curvature(backend, structure, X, y)
+    if row.kind == "ef":  # the oracle's EF vmaps over x, which is a dict here
+        Gs = dict_per_sample_gradients(model, X, y)
+        assert_close(backend.gradients(X, y)[0], Gs)
+        expected = Gs.T @ Gs if structure == "full" else Gs.square().sum(0)
+    else:
+        expected = _expected(row, structure, oracle, X, y)
+    assert_close(H, expected)
+    assert_close(loss, oracle.loss(X, y))
+    assert_close(backend.jacobians(X)[0], oracle.jacobian(X))
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+@pytest.mark.parametrize("row", BACKENDS, ids=ids(BACKENDS))
+def test_lora_model(row, structure):
+    model, X, y = lora_case()
+    oracle = Oracle(model, "classification")
+    backend = row.cls(model, "classification")
+    assert len(backend.params) == 4
+    if not row.any_model:
+        with pytest.raises(ValueError, match=r"nn.Sequential models.*CurvlinopsGGN or AsdlGGN"):
+            _curvature(backend, structure, X, y)
+    else:
+        _, H = _curvature(backend, structure, X, y)
+        assert_close(H, _expected(row, structure, oracle, X, y))
+    assert_close(backend.jacobians(X)[0], oracle.jacobian(X))
+
+
+@pytest.mark.parametrize("row", BACKENDS, ids=ids(BACKENDS))
+def test_last_layer_mode_uses_features(row):
+    torch.manual_seed(0)
+    model = LoRAModel().double()  # only used as a feature body
+    head = torch.nn.Linear(3, 4).double()
+
+    class WithHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.last_layer = model, head
+
+        def forward_with_features(self, x):
+            phi = self.body(x)
+            return self.last_layer(phi), phi
+
+        def forward(self, x):
+            return self.forward_with_features(x)[0]
+
+    net = WithHead()
+    X = torch.randn(8, 3, dtype=torch.float64)
+    y = torch.randint(0, 4, (8,))
+    backend = row.cls(net, "classification", last_layer=True)
+    oracle = Oracle(head, "classification")
+    phi = model(X).detach()
+    _, H = backend.full(X, y)
+    assert_close(H, row.reference(oracle, phi, y))
+    assert_close(backend.diag(X, y)[1], row.reference(oracle, phi, y).diagonal())
+    assert_close(backend.jacobians(X)[0], oracle.jacobian(phi))
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_exact_ggn_agrees_across_backends(case, structure):
+    results = [
+        _curvature(row.cls(case.model, case.likelihood), structure, case.X, case.y)[1]
+        for row in GGN_BACKENDS
+    ]
+    for H in results[1:]:
+        assert_close(H, results[0])
+
+
+KRON_ROWS = [b for b in BACKENDS if "kron" in b.structures]
+
+
+@pytest.mark.parametrize("row", KRON_ROWS, ids=ids(KRON_ROWS))
+def test_kron_matches_native_kfac(case, row):
+    native = {"ggn": CurvlinopsGGN, "ef": CurvlinopsEF}[row.kind](case.model, case.likelihood)
+    loss_ref, K_ref = native.kron(case.X, case.y, N=50)
+    loss, K = row.cls(case.model, case.likelihood).kron(case.X, case.y, N=50)
+    assert_close(loss, loss_ref)
+    assert len(K.kfacs) == len(K_ref.kfacs)
+    owners = [m for m in case.model.modules() for _ in m.parameters(recurse=False)]
+    for block, ref, owner in zip(K.kfacs, K_ref.kfacs, owners):
+        assert [F.shape for F in block] == [F.shape for F in ref]
+        if row.cls is BackPackGGN and isinstance(owner, torch.nn.Conv2d):
+            continue  # BackPACK's KFLR sums convolution positions its own way
+        for F, F_ref in zip(block, ref):
+            assert_close(F, F_ref)
