@@ -11,18 +11,21 @@ __all__ = ["as_prior_mean", "as_prior_precision", "expand_to_diagonal"]
 def _as_tensor(value: float | Tensor, name: str, device, dtype) -> Tensor:
     if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
         raise TypeError(f"{name} must be a float or a torch.Tensor, got {type(value).__name__}.")
-    tensor = torch.as_tensor(value)
+    # A Python number goes straight to the parameters' dtype (via float32 it would lose digits).
+    tensor = torch.as_tensor(value, dtype=None if isinstance(value, Tensor) else dtype)
     if not tensor.dtype.is_floating_point:
         tensor = tensor.to(dtype)
     return tensor.to(device=device, dtype=dtype)
 
 
 def as_prior_precision(
-    value: float | Tensor, n_layers: int, n_params: int, device, dtype
+    value: float | Tensor, n_layers: int | None, n_params: int | None, device, dtype
 ) -> Tensor:
     """Check a prior precision and return it as a vector of length 1, ``n_layers`` or ``n_params``.
 
-    Gradients are kept, so a precision with ``requires_grad`` stays differentiable.
+    Gradients are kept, so a precision with ``requires_grad`` stays differentiable. While the
+    parameters are not known yet (``n_params`` None: a last layer found on the first batch of
+    ``fit``) the length is not checked; it is checked again once they are.
 
     Raises:
         ValueError: If the length fits none of the three structures or an entry is not positive.
@@ -33,7 +36,7 @@ def as_prior_precision(
             f"prior_precision must be a scalar or a vector, got shape {tuple(tensor.shape)}."
         )
     tensor = tensor.reshape(-1)
-    if len(tensor) not in (1, n_layers, n_params):
+    if n_params is not None and len(tensor) not in (1, n_layers, n_params):
         raise ValueError(
             f"prior_precision has length {len(tensor)}; it must be a scalar (length 1), "
             f"layer-wise (length n_layers={n_layers}) or diagonal (length n_params={n_params})."
@@ -43,8 +46,8 @@ def as_prior_precision(
     return tensor
 
 
-def as_prior_mean(value: float | Tensor, n_params: int, device, dtype) -> Tensor:
-    """Check a prior mean: a scalar or a vector of length ``n_params``.
+def as_prior_mean(value: float | Tensor, n_params: int | None, device, dtype) -> Tensor:
+    """Check a prior mean: a scalar or a vector of length ``n_params`` (unchecked while None).
 
     Raises:
         ValueError: If the mean is neither a scalar nor of length ``n_params``.
@@ -52,7 +55,7 @@ def as_prior_mean(value: float | Tensor, n_params: int, device, dtype) -> Tensor
     tensor = _as_tensor(value, "prior_mean", device, dtype)
     if tensor.numel() == 1:
         return tensor.reshape(())
-    if tensor.dim() != 1 or len(tensor) != n_params:
+    if tensor.dim() != 1 or (n_params is not None and len(tensor) != n_params):
         raise ValueError(
             f"prior_mean must be a scalar or a vector of length n_params={n_params}, "
             f"got shape {tuple(tensor.shape)}."

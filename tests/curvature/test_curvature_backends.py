@@ -69,12 +69,6 @@ def test_attributes_follow_laplace_torch(regression_case, classification_case):
     assert all(issubclass(b, CurvatureInterface) for b in CURVATURE_BACKENDS.values())
 
 
-def test_kron_is_pending(regression_case):
-    backend = CurvlinopsGGN(regression_case.model, "regression")
-    with pytest.raises(NotImplementedError, match="Kronecker issue"):
-        backend.kron(regression_case.X, regression_case.y, N=20)
-
-
 def test_unknown_likelihood_is_refused(regression_case):
     with pytest.raises(ValueError, match="accepted values"):
         CurvlinopsGGN(regression_case.model, "poisson")

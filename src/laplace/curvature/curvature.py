@@ -20,14 +20,14 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
+from laplace.curvature.kfac import kfac
 from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
 from laplace.data import Inputs
 from laplace.likelihoods import make_likelihood
 from laplace.utils.enums import Likelihood, parse_enum
+from laplace.utils.matrix import Kron
 
 __all__ = ["CurvatureInterface", "EFInterface", "GGNInterface"]
-
-_KRON_PENDING = "KFAC curvature lands with the Kronecker issue"
 
 
 class CurvatureInterface:
@@ -48,7 +48,10 @@ class CurvatureInterface:
         params: The trainable parameters (``requires_grad``) considered, in model order.
         lossfunc: The summed torch loss (``MSELoss`` or ``CrossEntropyLoss``).
         factor: ``lossfunc`` times ``factor`` is the library's loss (½ for regression, else 1).
+        kfac_approx: Weight-sharing approximation of :meth:`kron`, ``"expand"`` or ``"reduce"``.
     """
+
+    kfac_approx: str = "expand"
 
     def __init__(
         self,
@@ -193,19 +196,35 @@ class CurvatureInterface:
         f = trace.f.detach()
         return self._loss(f, y), trace.gram(self._curvature_columns(f, y)).detach()
 
-    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
-        """Kronecker-factored batch curvature (KFAC).
+    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
+        """Kronecker-factored batch curvature (KFAC) of the family's curvature columns.
+
+        The factors are normalised for a data set of ``N`` points (see
+        :mod:`laplace.curvature.kfac`), so the factors of all batches sum to those of the data.
 
         Args:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
             N: Number of data points of the whole data set.
-            **kwargs: Backend-specific options.
+            **kwargs: ``kfac_approx`` (``"expand"`` or ``"reduce"``) overrides the backend's.
+
+        Returns:
+            The summed batch loss and a :class:`~laplace.utils.matrix.Kron` with one block per
+            parameter.
 
         Raises:
-            NotImplementedError: Always, for now.
+            ValueError: With ``subnetwork_indices``, for a layer KFAC cannot model, or an
+                unknown keyword argument.
         """
-        raise NotImplementedError(_KRON_PENDING)
+        approx = kwargs.pop("kfac_approx", self.kfac_approx)
+        if kwargs:
+            raise ValueError(f"kron accepts only the keyword kfac_approx, got {sorted(kwargs)}.")
+        if self.subnetwork_indices is not None:
+            raise ValueError("KFAC is defined per layer; it does not support subnetwork_indices.")
+        trace = self._trace(x)
+        f = trace.f.detach()
+        H = kfac(trace, self._curvature_columns(f, y), N, approx, self.factor)
+        return self._loss(f, y), H
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Diagonal of the batch curvature, summed over data points.

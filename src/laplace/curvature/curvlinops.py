@@ -2,9 +2,11 @@
 
 Dense and diagonal GGN/EF, Jacobians and per-sample gradients come from the native engine
 (:mod:`laplace.curvature.per_sample`), which is far faster than materialising curvlinops'
-matrix-free operators column by column. curvlinops is used where it is the right tool: the exact
-Hessian, which has no per-sample outer-product structure, is assembled from its
-Hessian-vector products.
+matrix-free operators column by column. KFAC (:mod:`laplace.curvature.kfac`) reuses its
+recorded forward pass and needs only gradients w.r.t. layer outputs, where curvlinops'
+``KFACLinearOperator`` also forms weight gradients and loops over samples for the square roots
+of the output Hessians. curvlinops is used where it is the right tool: the exact Hessian, which
+has no per-sample outer-product structure, is assembled from its Hessian-vector products.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from curvlinops import HessianLinearOperator
 from torch import Tensor
 
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
+from laplace.curvature.kfac import KFAC_APPROXIMATIONS
 from laplace.data import Inputs, batch_size_of
 
 __all__ = ["CurvlinopsEF", "CurvlinopsGGN", "CurvlinopsHessian", "CurvlinopsInterface"]
@@ -26,7 +29,25 @@ _HVP_CHUNK = 256
 
 
 class CurvlinopsInterface(CurvatureInterface):
-    """Base of the default backends (see :class:`CurvatureInterface` for the arguments)."""
+    """Base of the default backends (see :class:`CurvatureInterface` for the arguments).
+
+    Args:
+        *args: See :class:`CurvatureInterface` (and the family's own arguments).
+        kfac_approx: Weight-sharing approximation of KFAC (:meth:`kron`): ``"expand"``
+            (default) or ``"reduce"``; a ``backend_kwargs`` entry.
+        **kwargs: See :class:`CurvatureInterface` (and the family's own arguments).
+
+    Raises:
+        ValueError: For an unknown ``kfac_approx``.
+    """
+
+    def __init__(self, *args: Any, kfac_approx: str = "expand", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if kfac_approx not in KFAC_APPROXIMATIONS:
+            raise ValueError(
+                f"kfac_approx must be one of {KFAC_APPROXIMATIONS}, got {kfac_approx!r}."
+            )
+        self.kfac_approx = kfac_approx
 
 
 class CurvlinopsGGN(CurvlinopsInterface, GGNInterface):
@@ -76,6 +97,19 @@ class CurvlinopsHessian(CurvlinopsInterface):
         with torch.no_grad():
             loss = self._likelihood.loss(self.model(x), y)
         return loss, columns()
+
+    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
+        """KFAC approximates a GGN or Fisher, not the Hessian: always refused.
+
+        Raises:
+            NotImplementedError: Always; use ``CurvlinopsGGN`` (exact GGN, or the MC Fisher with
+                ``stochastic=True``) or ``CurvlinopsEF`` (empirical Fisher) for KFAC.
+        """
+        raise NotImplementedError(
+            "CurvlinopsHessian has no Kronecker-factored form: KFAC approximates a GGN or a "
+            "Fisher. Use backend=CurvlinopsGGN (exact GGN, or the Monte-Carlo Fisher with "
+            "backend_kwargs={'stochastic': True}) or backend=CurvlinopsEF (empirical Fisher)."
+        )
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Dense Hessian of the summed batch loss.

@@ -3,5 +3,12 @@
 from laplace.posteriors.base import NotPositiveDefiniteError, Posterior
 from laplace.posteriors.dense import DensePosterior
 from laplace.posteriors.diagonal import DiagonalPosterior
+from laplace.posteriors.kron import KronPosterior
 
-__all__ = ["DensePosterior", "DiagonalPosterior", "NotPositiveDefiniteError", "Posterior"]
+__all__ = [
+    "DensePosterior",
+    "DiagonalPosterior",
+    "KronPosterior",
+    "NotPositiveDefiniteError",
+    "Posterior",
+]

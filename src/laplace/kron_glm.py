@@ -1,0 +1,100 @@
+r"""Jacobian-free GLM output covariance ``J P⁻¹ Jᵀ`` for a Kronecker-factored precision.
+
+For a layer applied at positions ``t`` with inputs ``aₙₜ`` and gradients ``gₙcₜ = ∂fₙc/∂zₙₜ`` of
+output ``c`` w.r.t. its outputs, the Jacobian of ``fₙc`` w.r.t. the weight is
+``Σₜ gₙcₜ ⊗ aₙₜ`` and w.r.t. the bias ``Σₜ gₙcₜ``. In the eigenbasis of a weight block,
+``P = (Q_G ⊗ Q_A) diag(s) (Q_G ⊗ Q_A)ᵀ``, with ``g̃ = Q_Gᵀ g`` and ``ã = Q_Aᵀ a``:
+
+- one position (``T = 1``): ``Jc P⁻¹ Jdᵀ = Σᵢ g̃cᵢ g̃dᵢ wᵢ`` with ``wᵢ = Σⱼ ãⱼ² / sᵢⱼ``, so no
+  (out × in) object per output is ever formed;
+- several positions: ``Mc = Σₜ g̃cₜ ãₜᵀ`` (out × in) and ``Jc P⁻¹ Jdᵀ = Σᵢⱼ Mcᵢⱼ Mdᵢⱼ / sᵢⱼ``;
+- bias: ``ḡc = Q_Gᵀ Σₜ gcₜ`` and ``Σᵢ ḡcᵢ ḡdᵢ / sᵢ``.
+
+All of it comes from one recorded forward pass and one backward pass per output (w.r.t. layer
+outputs only): the memory is that of the activations, never the (B, C, P) Jacobian.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from laplace.curvature.capture import OutputGradients
+from laplace.curvature.kfac import KFAC_RULES
+from laplace.curvature.per_sample import PerSampleTrace
+from laplace.utils.matrix import KronDecomposed
+
+__all__ = ["kron_functional_moments"]
+
+
+def kron_functional_moments(
+    trace: PerSampleTrace, precision: KronDecomposed, create_graph: bool = False
+) -> tuple[Tensor, Tensor] | None:
+    """``(f_mu (B, C), f_var (B, C, C))`` of the linearised network from a recorded forward.
+
+    Args:
+        trace: Recorded forward over the test inputs (all parameters, no subnetwork).
+        precision: Posterior precision, one block per parameter in ``trace.engine`` order.
+        create_graph: Keep the result differentiable w.r.t. the inputs.
+
+    Returns:
+        The moments, or None when a layer does not see the data points along its first
+        dimension (the caller then falls back to Jacobians).
+    """
+    f, calls, engine = trace.f, trace.calls, trace.engine
+    B = f.shape[0]
+    if any(call.outputs[0].shape[0] != B or type(call.module) not in KFAC_RULES for call in calls):
+        return None
+    f2 = f.reshape(B, -1)
+    C = f2.shape[1]
+    rule = {call.module: KFAC_RULES[type(call.module)] for call in calls}
+    inputs: dict[nn.Module, Tensor] = {}
+    for call in calls:  # a module called repeatedly: its positions are concatenated
+        if "weight" in call.names:
+            a = rule[call.module].inputs(call)
+            inputs[call.module] = (
+                torch.cat([inputs[call.module], a], 1) if call.module in inputs else a
+            )
+    blocks = {
+        (module, name): engine.slot[module, name]
+        for module, names in engine.owners.items()
+        for name in names
+    }
+    rotated_a = {}
+    for module, a in inputs.items():
+        Q_A = precision.eigenvectors[blocks[module, "weight"]][1]
+        rotated_a[module] = a @ Q_A
+    per_output: dict[tuple[nn.Module, str], list[Tensor]] = {key: [] for key in blocks}
+    grads = OutputGradients(f, calls, create_graph)
+    eye = torch.eye(C, dtype=f.dtype, device=f.device)
+    for c in range(C):
+        g_calls = grads(eye[c].expand(B, C).reshape(f.shape))
+        gs: dict[nn.Module, Tensor] = {}
+        for call, (g,) in zip(calls, g_calls):
+            g = rule[call.module].grads(call, g)
+            gs[call.module] = torch.cat([gs[call.module], g], 1) if call.module in gs else g
+        for (module, name), i in blocks.items():
+            if module not in gs:
+                continue
+            Q_G = precision.eigenvectors[i][0]
+            if name == "bias":
+                per_output[module, name].append(gs[module].sum(1) @ Q_G)
+            elif rotated_a[module].shape[1] == 1:
+                per_output[module, name].append(gs[module][:, 0] @ Q_G)
+            else:
+                M = (gs[module] @ Q_G).transpose(1, 2) @ rotated_a[module]
+                per_output[module, name].append(M.flatten(1))
+    f_var = f.new_zeros(B, C, C)
+    for (module, name), i in blocks.items():
+        if not per_output[module, name]:
+            continue
+        U = torch.stack(per_output[module, name], dim=1)  # (B, C, out) or (B, C, out·in)
+        inv = precision.spectrum(i).reciprocal()
+        if name == "bias":
+            weights = inv.expand(B, -1)
+        elif rotated_a[module].shape[1] == 1:  # one position: w = ã² (1/s)ᵀ, shape (B, out)
+            weights = rotated_a[module][:, 0].square() @ inv.T
+        else:
+            weights = inv.flatten().expand(B, -1)
+        f_var = f_var + (U * weights.unsqueeze(1)) @ U.transpose(1, 2)
+    return f2, f_var

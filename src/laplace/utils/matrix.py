@@ -1,0 +1,309 @@
+r"""Block-diagonal Kronecker-factored matrices: ``Kron`` (to sum) and ``KronDecomposed`` (to use).
+
+One block per parameter tensor, in parameter order. A weight block is ``F₀ ⊗ F₁`` with ``F₀``
+(p_out × p_out) acting on the output dimension and ``F₁`` (p_in × p_in) on the flattened input
+dimensions, matching the row-major flattening of a weight of shape (p_out, ...). A block of a
+1-D parameter (a bias) has a single dense factor. A factor may also be a 1-D tensor, read as a
+diagonal matrix.
+
+``Kron`` sums factors (as KFAC accumulates them over batches); ``Kron.decompose`` eigen-decomposes
+every factor, ``Fᵢ = Qᵢ diag(λᵢ) Qᵢᵀ``, into a ``KronDecomposed``. There
+
+.. math::
+    (F_0 \otimes F_1 + \delta I)^{e} = (Q_0 \otimes Q_1)\,
+    (\lambda_0 \lambda_1^\top + \delta)^{e}\,(Q_0 \otimes Q_1)^\top
+
+for any exponent ``e``, so adding a scalar or layer-wise prior ``δ``, multiplying by a
+temperature, log-determinants, ``W P⁻¹ Wᵀ``, products with ``P^{±1}``, ``P^{±1/2}``, diagonals and
+dense views never re-factorise. With ``damping=True`` a weight block's spectrum is
+``(λ₀ + √δ)(λ₁ + √δ)ᵀ`` instead (the prior is mixed into each factor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from laplace.utils.linalg import block_diag, kron, symeig
+from laplace.utils.utils import _is_valid_scalar
+
+__all__ = ["Kron", "KronDecomposed"]
+
+
+def _as_matrix(F: Tensor) -> Tensor:
+    return F if F.ndim > 1 else torch.diag(F)
+
+
+def _check_W(W: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """``W`` of shape (P,), (B, P) or (B, K, P) as (B·K, P), with the shape to restore."""
+    if W.ndim not in (1, 2, 3):
+        raise ValueError(f"W must have shape (P,), (B, P) or (B, K, P), got {tuple(W.shape)}.")
+    return W.reshape(-1, W.shape[-1]), tuple(W.shape)
+
+
+class Kron:
+    """Block-diagonal matrix of Kronecker products, one block per parameter tensor.
+
+    Args:
+        kfacs: Per block a list of one factor (p, p) or two factors ``[F₀ (p_out, p_out),
+            F₁ (p_in, p_in)]`` for the block ``F₀ ⊗ F₁``.
+    """
+
+    def __init__(self, kfacs: list[list[Tensor]]) -> None:
+        self.kfacs = [list(F) for F in kfacs]
+
+    @classmethod
+    def init_from_model(
+        cls, model: nn.Module | Iterable[Tensor], device: torch.device, dtype: torch.dtype
+    ) -> Kron:
+        """Zero factors for the parameters of ``model`` (or an iterable of parameters).
+
+        A 1-D parameter gets one (p, p) factor; a parameter of shape (p_out, ...) gets
+        ``[(p_out, p_out), (p_in, p_in)]`` with ``p_in`` the product of the other dimensions.
+
+        Raises:
+            ValueError: For a 0-dimensional parameter.
+        """
+        params = model.parameters() if isinstance(model, nn.Module) else model
+        kfacs = []
+        for p in params:
+            if p.ndim == 0:
+                raise ValueError("Kron needs parameters with at least one dimension.")
+            sizes = [p.shape[0]] if p.ndim == 1 else [p.shape[0], p[0].numel()]
+            kfacs.append([torch.zeros(s, s, device=device, dtype=dtype) for s in sizes])
+        return cls(kfacs)
+
+    def __add__(self, other: Kron) -> Kron:
+        """Factor-wise sum with another ``Kron`` of the same structure."""
+        if not isinstance(other, Kron):
+            raise ValueError(f"can only add Kron to Kron, got {type(other).__name__}.")
+        if [[F.shape for F in b] for b in self.kfacs] != [
+            [F.shape for F in b] for b in other.kfacs
+        ]:
+            raise ValueError("cannot add Kron objects with different block structures.")
+        return Kron([[Fi + Fj for Fi, Fj in zip(a, b)] for a, b in zip(self.kfacs, other.kfacs)])
+
+    def __mul__(self, scalar: float | Tensor) -> Kron:
+        """Multiply every block by ``scalar``: each of its ``k`` factors by ``scalar^(1/k)``."""
+        if not _is_valid_scalar(scalar):
+            raise ValueError("Kron can only be multiplied by a scalar.")
+        return Kron([[scalar ** (1 / len(F)) * Fi for Fi in F] for F in self.kfacs])
+
+    __radd__ = __add__
+    __rmul__ = __mul__
+
+    def __len__(self) -> int:
+        return len(self.kfacs)
+
+    def decompose(self, damping: bool = False) -> KronDecomposed:
+        """Eigen-decompose every factor (a 1-D factor is already diagonal)."""
+        eigenvectors, eigenvalues = [], []
+        for F in self.kfacs:
+            Qs, ls = [], []
+            for Fi in F:
+                if Fi.ndim > 1:
+                    eigval, Q = symeig(Fi)
+                else:
+                    eigval, Q = Fi, torch.eye(len(Fi), dtype=Fi.dtype, device=Fi.device)
+                Qs.append(Q)
+                ls.append(eigval)
+            eigenvectors.append(Qs)
+            eigenvalues.append(ls)
+        return KronDecomposed(eigenvectors, eigenvalues, damping=damping)
+
+    def bmm(self, W: Tensor, exponent: float = 1) -> Tensor:
+        """``H W`` per row of ``W`` (shape (P,), (B, P) or (B, K, P); same shape returned).
+
+        Raises:
+            ValueError: For ``exponent != 1`` (decompose first) or a badly shaped ``W``.
+        """
+        if exponent != 1:
+            raise ValueError("Kron.bmm supports only exponent=1; decompose() for other powers.")
+        flat, shape = _check_W(W)
+        out, start = [], 0
+        for F in self.kfacs:
+            if len(F) == 1:
+                p = len(F[0])
+                out.append(flat[:, start : start + p] @ _as_matrix(F[0]).T)
+            else:
+                F0, F1 = (_as_matrix(Fi) for Fi in F)
+                p = len(F0) * len(F1)
+                block = flat[:, start : start + p].reshape(-1, len(F0), len(F1))
+                out.append((F0 @ block @ F1.T).flatten(1))
+            start += p
+        return torch.cat(out, dim=1).reshape(shape)
+
+    def __matmul__(self, W: Tensor) -> Tensor:
+        """``H w`` for a vector or each row of ``W``: the same as ``bmm(W)``."""
+        return self.bmm(W)
+
+    def logdet(self) -> Tensor:
+        """``log det`` of the whole block-diagonal matrix."""
+        total = 0
+        for F in self.kfacs:
+            logdets = [Fi.logdet() if Fi.ndim > 1 else Fi.log().sum() for Fi in F]
+            if len(F) == 1:
+                total = total + logdets[0]
+            else:  # det(F₀ ⊗ F₁) = det(F₀)^p_in · det(F₁)^p_out
+                total = total + len(F[1]) * logdets[0] + len(F[0]) * logdets[1]
+        return total
+
+    def diag(self) -> Tensor:
+        """Diagonal of the whole matrix, shape (P,)."""
+        diags = []
+        for F in self.kfacs:
+            ds = [Fi.diagonal() if Fi.ndim > 1 else Fi for Fi in F]
+            diags.append(ds[0] if len(F) == 1 else torch.outer(ds[0], ds[1]).flatten())
+        return torch.cat(diags)
+
+    def to_matrix(self) -> Tensor:
+        """Dense (P, P) matrix; for tests and small models only."""
+        blocks = []
+        for F in self.kfacs:
+            Fs = [_as_matrix(Fi) for Fi in F]
+            blocks.append(Fs[0] if len(Fs) == 1 else kron(Fs[0], Fs[1]))
+        return block_diag(blocks)
+
+
+class KronDecomposed:
+    """Eigen-decomposed ``Kron`` plus one scalar ``δ`` per block (a prior precision).
+
+    Args:
+        eigenvectors: Per block the eigenvector matrices ``Qᵢ`` of its factors.
+        eigenvalues: Per block the eigenvalues ``λᵢ`` of its factors.
+        deltas: Added to each block: a scalar (shape () or (1,)) or one value per block.
+        damping: Use the damped spectrum ``(λ₀ + √δ)(λ₁ + √δ)ᵀ`` for weight blocks.
+    """
+
+    def __init__(
+        self,
+        eigenvectors: list[list[Tensor]],
+        eigenvalues: list[list[Tensor]],
+        deltas: Tensor | None = None,
+        damping: bool = False,
+    ) -> None:
+        self.eigenvectors = eigenvectors
+        self.eigenvalues = eigenvalues
+        reference = eigenvectors[0][0]
+        if deltas is None:
+            deltas = torch.zeros(len(self), device=reference.device, dtype=reference.dtype)
+        else:
+            self._check_deltas(deltas)
+            deltas = deltas.reshape(-1).expand(len(self))
+        self.deltas = deltas
+        self.damping = damping
+
+    def _check_deltas(self, deltas: Tensor) -> None:
+        if not isinstance(deltas, Tensor):
+            raise ValueError("can only add a torch.Tensor to KronDecomposed.")
+        if not (deltas.numel() == 1 and deltas.ndim <= 1) and tuple(deltas.shape) != (len(self),):
+            raise ValueError(
+                f"KronDecomposed accepts a scalar or one value per block ({len(self)}) to add, "
+                f"got shape {tuple(deltas.shape)}; a diagonal has no Kronecker eigenbasis."
+            )
+
+    def detach(self) -> KronDecomposed:
+        """Detach the deltas in place (the factors are never part of a graph); returns self."""
+        self.deltas = self.deltas.detach()
+        return self
+
+    def __add__(self, deltas: Tensor) -> KronDecomposed:
+        """Add a scalar or one scalar per block (e.g. a prior precision) to the blocks."""
+        self._check_deltas(deltas)
+        return KronDecomposed(
+            self.eigenvectors, self.eigenvalues, self.deltas + deltas.reshape(-1), self.damping
+        )
+
+    def __mul__(self, scalar: float | Tensor) -> KronDecomposed:
+        """Scale every block by ``scalar`` (its ``k`` eigenvalue sets by ``scalar^(1/k)``)."""
+        if not _is_valid_scalar(scalar):
+            raise ValueError("KronDecomposed can only be multiplied by a scalar.")
+        if isinstance(scalar, Tensor):
+            scalar = scalar.reshape(())
+        eigenvalues = [[scalar ** (1 / len(ls)) * li for li in ls] for ls in self.eigenvalues]
+        return KronDecomposed(self.eigenvectors, eigenvalues, self.deltas, self.damping)
+
+    __radd__ = __add__
+    __rmul__ = __mul__
+
+    def __len__(self) -> int:
+        return len(self.eigenvalues)
+
+    def spectrum(self, i: int) -> Tensor:
+        """Eigenvalues of block ``i`` with its delta: (p,) or (p_out, p_in) for ``F₀ ⊗ F₁``."""
+        ls, delta = self.eigenvalues[i], self.deltas[i]
+        if len(ls) == 1:
+            return ls[0] + delta
+        if self.damping:
+            root = delta.sqrt()
+            return torch.outer(ls[0] + root, ls[1] + root)
+        return torch.outer(ls[0], ls[1]) + delta
+
+    def logdet(self) -> Tensor:
+        """``log det`` of the whole matrix, deltas included."""
+        return sum(self.spectrum(i).log().sum() for i in range(len(self)))
+
+    def bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
+        """``M^exponent W`` per row of ``W`` (shape (P,), (B, P) or (B, K, P); same shape out)."""
+        flat, shape = _check_W(W)
+        out, start = [], 0
+        for i, Qs in enumerate(self.eigenvectors):
+            scale = self.spectrum(i).pow(exponent)
+            if len(Qs) == 1:
+                Q = Qs[0]
+                p = len(Q)
+                out.append(((flat[:, start : start + p] @ Q) * scale) @ Q.T)
+            else:
+                Q0, Q1 = Qs
+                p = len(Q0) * len(Q1)
+                block = flat[:, start : start + p].reshape(-1, len(Q0), len(Q1))
+                block = (Q0.T @ block @ Q1) * scale
+                out.append((Q0 @ block @ Q1.T).flatten(1))
+            start += p
+        return torch.cat(out, dim=1).reshape(shape)
+
+    def __matmul__(self, W: Tensor) -> Tensor:
+        """``M w`` for a vector or each row of ``W``: ``bmm(W, exponent=1)``."""
+        return self.bmm(W, exponent=1)
+
+    def inv_square_form(self, W: Tensor) -> Tensor:
+        """``W M⁻¹ Wᵀ`` per batch entry: ``W`` (B, K, P) → (B, K, K)."""
+        if W.ndim != 3:
+            raise ValueError(f"inv_square_form needs W of shape (B, K, P), got {tuple(W.shape)}.")
+        # With M = Q diag(s) Qᵀ: W M⁻¹ Wᵀ = (W Q s^-½)(W Q s^-½)ᵀ, no rotation back needed.
+        flat = W.reshape(-1, W.shape[-1])
+        parts, start = [], 0
+        for i, Qs in enumerate(self.eigenvectors):
+            scale = self.spectrum(i).rsqrt()
+            if len(Qs) == 1:
+                p = len(Qs[0])
+                parts.append((flat[:, start : start + p] @ Qs[0]) * scale)
+            else:
+                Q0, Q1 = Qs
+                p = len(Q0) * len(Q1)
+                block = flat[:, start : start + p].reshape(-1, len(Q0), len(Q1))
+                parts.append(((Q0.T @ block @ Q1) * scale).flatten(1))
+            start += p
+        half = torch.cat(parts, dim=1).reshape(*W.shape[:2], -1)
+        return half @ half.transpose(1, 2)
+
+    def diag(self, exponent: float = 1) -> Tensor:
+        """Diagonal of ``M^exponent``, shape (P,)."""
+        diags = []
+        for i, Qs in enumerate(self.eigenvectors):
+            scale = self.spectrum(i).pow(exponent)
+            if len(Qs) == 1:
+                diags.append(Qs[0].square() @ scale)
+            else:
+                diags.append((Qs[0].square() @ scale @ Qs[1].square().T).flatten())
+        return torch.cat(diags)
+
+    def to_matrix(self, exponent: float = 1) -> Tensor:
+        """Dense ``M^exponent``, shape (P, P); for tests and small models only."""
+        blocks = []
+        for i, Qs in enumerate(self.eigenvectors):
+            Q = Qs[0] if len(Qs) == 1 else kron(Qs[0], Qs[1])
+            blocks.append((Q * self.spectrum(i).pow(exponent).flatten()) @ Q.T)
+        return block_diag(blocks)
