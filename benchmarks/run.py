@@ -5,7 +5,8 @@ Set-up of the foundation issue: CPU, 2 threads, N=2000, 10 classes, an MLP 64-25
 linear 10; 207k params). Each case runs in its own subprocess so peak memory is its own.
 
 Usage: ``python benchmarks/run.py [--cases NAME ...] [--repeats R]``; prints a table and writes
-``benchmarks/results/run.json``.
+``benchmarks/results/run.json``. ``--backends`` instead times ``fit`` per curvature backend ×
+structure on both models and writes ``benchmarks/results/backends.json``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -125,7 +127,7 @@ def case_fit(model_name: str, structure: str, repeats: int) -> dict:
     }
 
 
-def case_predict(model_name: str, structure: str, repeats: int) -> dict:
+def case_predict(model_name: str, structure: str, repeats: int, n_test: int = N_TEST) -> dict:
     from laplace import Laplace
 
     model = MODELS[model_name]().eval()
@@ -135,12 +137,115 @@ def case_predict(model_name: str, structure: str, repeats: int) -> dict:
     loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
     la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
     la.fit(loader)
-    X_test, _ = data(model_name, N_TEST, 1)
+    X_test, _ = data(model_name, n_test, 1)
     la(X_test[:10], link_approx="probit")  # warm the posterior factorisation
     with PeakRSS() as mem:
         pred_s = timed(lambda: la(X_test, pred_type="glm", link_approx="probit"), repeats)
     return {
-        "case": f"glm probit {structure} {model_name} ({N_TEST} points)",
+        "case": f"glm probit {structure} {model_name} ({n_test} points)",
+        "n_params": la.n_params,
+        "seconds": pred_s,
+        "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
+def case_backend_fit(model_name: str, structure: str, repeats: int, backend: str) -> dict:
+    from laplace import Laplace
+    from laplace.curvature import CURVATURE_BACKENDS
+
+    model = MODELS[model_name]().eval()
+    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
+    la = Laplace(
+        model,
+        "classification",
+        subset_of_weights="all",
+        hessian_structure=structure,
+        backend=CURVATURE_BACKENDS[backend],
+    )
+    with PeakRSS() as mem:
+        fit_s = timed(lambda: la.fit(loader), repeats)
+    return {
+        "case": f"fit {structure} {model_name} {backend}",
+        "n_params": la.n_params,
+        "seconds": fit_s,
+        "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
+#: Fit time per backend × structure (``--backends``).
+BACKEND_CASES = {
+    f"backend-{backend}-{structure}-{model_name}": (
+        partial(case_backend_fit, backend=backend),
+        model_name,
+        structure,
+    )
+    for model_name in ("mlp", "cnn")
+    for structure in ("diag", "kron")
+    for backend in ("curvlinops_ggn", "asdl_ggn", "backpack_ggn", "curvlinops_ef", "asdl_ef")
+}
+
+
+def forward_pass(model: nn.Module, loader: DataLoader) -> None:
+    with torch.no_grad():
+        for X, _ in loader:
+            model(X)
+
+
+def case_fit_ll(model_name: str, structure: str, repeats: int) -> dict:
+    from laplace import Laplace
+
+    model = MODELS[model_name]().eval()
+    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
+    baseline = timed(lambda: forward_pass(model, loader), repeats)
+    la = Laplace(model, "classification", "last_layer", structure)
+    with PeakRSS() as mem:
+        fit_s = timed(lambda: la.fit(loader), repeats)
+    return {
+        "case": f"fit last-layer {structure} {model_name}",
+        "n_params": la.n_params,
+        "seconds": fit_s,
+        "baseline_forward_s": baseline,
+        "ratio_to_forward": fit_s / baseline,
+        "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
+def case_marglik_ll(model_name: str, structure: str, repeats: int) -> dict:
+    from laplace import Laplace
+
+    model = MODELS[model_name]().eval()
+    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
+
+    def tune():  # a fresh fit each time, so the one-off factorisation is included
+        la = Laplace(model, "classification", "last_layer", structure)
+        la.fit(loader)
+        start = time.perf_counter()
+        la.optimize_prior_precision(method="marglik", n_steps=100)
+        return la, time.perf_counter() - start
+
+    with PeakRSS() as mem:
+        la, tune_s = min((tune() for _ in range(repeats)), key=lambda r: r[1])
+    return {
+        "case": f"marglik 100 steps last-layer {structure} {model_name}",
+        "n_params": la.n_params,
+        "seconds": tune_s,
+        "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
+def case_predict_ll(model_name: str, structure: str, repeats: int) -> dict:
+    from laplace import Laplace
+
+    model = MODELS[model_name]().eval()
+    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
+    la = Laplace(model, "classification", "last_layer", structure)
+    la.fit(loader)
+    X_test, _ = data(model_name, N_TEST, 1)
+    la(X_test[:10], link_approx="probit")
+    with PeakRSS() as mem:
+        pred_s = timed(lambda: la(X_test, pred_type="glm", link_approx="probit"), repeats)
+    return {
+        "case": f"glm probit last-layer {structure} {model_name} ({N_TEST} points)",
         "n_params": la.n_params,
         "seconds": pred_s,
         "peak_extra_MB": mem.extra / 2**20,
@@ -153,6 +258,16 @@ CASES = {
     "predict-diag-mlp": (case_predict, "mlp", "diag"),
     "predict-diag-cnn": (case_predict, "cnn", "diag"),
     "predict-full-mlp": (case_predict, "mlp", "full"),
+    "fit-kron-mlp": (case_fit, "mlp", "kron"),
+    "fit-kron-cnn": (case_fit, "cnn", "kron"),
+    "predict-kron-cnn-100": (partial(case_predict, n_test=100), "cnn", "kron"),
+    "predict-kron-cnn-1000": (case_predict, "cnn", "kron"),
+    **BACKEND_CASES,
+    "fit-ll-full-cnn": (case_fit_ll, "cnn", "full"),
+    "fit-ll-kron-cnn": (case_fit_ll, "cnn", "kron"),
+    "fit-ll-diag-cnn": (case_fit_ll, "cnn", "diag"),
+    "marglik-fullll-mlp": (case_marglik_ll, "mlp", "full"),
+    "predict-ll-kron-cnn": (case_predict_ll, "cnn", "kron"),
 }
 
 
@@ -165,13 +280,21 @@ def run_one(name: str, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    default_cases = [name for name in CASES if name not in BACKEND_CASES]
+    parser.add_argument("--cases", nargs="*", default=default_cases, choices=list(CASES))
+    parser.add_argument(
+        "--backends",
+        action="store_true",
+        help="run the fit time per backend × structure cases (results/backends.json)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one, args.repeats)))
         return
+    if args.backends:
+        args.cases = list(BACKEND_CASES)
     rows = []
     for name in args.cases:
         out = subprocess.run(
@@ -183,14 +306,17 @@ def main() -> None:
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         extras = f"  ratio to fwd+10bwd {row['ratio']:.2f}" if "ratio" in row else ""
+        if "ratio_to_forward" in row:
+            extras = f"  ratio to 1 forward {row['ratio_to_forward']:.2f}"
         print(
             f"{row['case']:42s} P={row['n_params']:>7d}  {row['seconds']:8.3f} s  "
             f"peak +{row['peak_extra_MB']:7.1f} MB{extras}",
             flush=True,
         )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "run.json").write_text(json.dumps(rows, indent=2))
-    print(f"results written to {RESULTS / 'run.json'}")
+    out_file = RESULTS / ("backends.json" if args.backends else "run.json")
+    out_file.write_text(json.dumps(rows, indent=2))
+    print(f"results written to {out_file}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Hessian of the summed loss, and the empirical Fisher ``Σ g gᵀ``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -226,3 +227,49 @@ class Oracle:
 @pytest.fixture
 def oracle_for() -> Callable[[Case], Oracle]:
     return lambda case: Oracle(case.model, case.likelihood)
+
+
+# ----------------------------------------------------------------------- last-layer helpers
+
+
+def freeze_all_but(model: nn.Module, module_name: str) -> nn.Module:
+    """A deep copy of ``model`` whose only trainable parameters are those of ``module_name``."""
+    frozen = copy.deepcopy(model)
+    prefix = f"{module_name}." if module_name else ""
+    for name, p in frozen.named_parameters():
+        p.requires_grad_(name.startswith(prefix))
+    return frozen
+
+
+class TinyTransformer(nn.Module):
+    """HF-style classifier: dict inputs, (B, T, D) hidden states, a linear head on every token.
+
+    The head's logits (B, T, C) are reduced over the sequence like ``reduction``
+    (``"pick_first"``, ``"pick_last"`` or ``"average"``), as sequence-classification models do.
+    """
+
+    def __init__(self, reduction: str, vocab: int = 11, dim: int = 6, n_out: int = 3):
+        super().__init__()
+        self.reduction = reduction
+        self.embed = nn.Embedding(vocab, dim)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+        self.score = nn.Linear(dim, n_out)
+
+    def forward(self, batch):
+        h = self.embed(batch["input_ids"])
+        h = self.norm(h + self.attn(h, h, h, need_weights=False)[0])
+        logits = self.score(h)
+        if self.reduction == "pick_first":
+            return logits[:, 0]
+        if self.reduction == "pick_last":
+            return logits[:, -1]
+        return logits.mean(1)
+
+
+def transformer_case(reduction: str, n: int = 14, seq: int = 5) -> tuple[nn.Module, DataLoader]:
+    torch.manual_seed(5)
+    model = TinyTransformer(reduction).double().eval()
+    X = torch.randint(0, 11, (n, seq))
+    y = torch.randint(0, 3, (n,))
+    return model, DataLoader(DictDataset(X, y), batch_size=4)

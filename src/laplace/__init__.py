@@ -4,8 +4,15 @@
 laplace-torch (``laplace.baselaplace``, ``laplace.curvature``, ``laplace.utils``).
 """
 
-from laplace.baselaplace import BaseLaplace, DiagLaplace, FullLaplace, ParametricLaplace
+from laplace.baselaplace import (
+    BaseLaplace,
+    DiagLaplace,
+    FullLaplace,
+    KronLaplace,
+    ParametricLaplace,
+)
 from laplace.laplace import Laplace
+from laplace.lllaplace import DiagLLLaplace, FullLLLaplace, KronLLLaplace, LLLaplace
 from laplace.utils.enums import (
     FunctionalApproximation,
     HessianStructure,
@@ -19,10 +26,15 @@ from laplace.utils.enums import (
 
 __all__ = [
     "BaseLaplace",
+    "DiagLLLaplace",
     "DiagLaplace",
+    "FullLLLaplace",
     "FullLaplace",
     "FunctionalApproximation",
     "HessianStructure",
+    "KronLLLaplace",
+    "KronLaplace",
+    "LLLaplace",
     "Laplace",
     "Likelihood",
     "LinkApprox",

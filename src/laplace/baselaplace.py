@@ -4,10 +4,11 @@ The classes are a façade over composable pieces: a likelihood object (:mod:`lap
 a parameter subset (:mod:`laplace.subsets`), a posterior structure (:mod:`laplace.posteriors`), a
 curvature backend (:mod:`laplace.curvature`), predictive links (:mod:`laplace.predictive`) and
 tuning (:mod:`laplace.tuning`). ``BaseLaplace`` lives in :mod:`laplace.base`, the parametric
-classes in :mod:`laplace.parametric`.
+classes in :mod:`laplace.parametric` and :mod:`laplace.kronlaplace`.
 """
 
 from laplace.base import BaseLaplace
+from laplace.kronlaplace import KronLaplace
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 
-__all__ = ["BaseLaplace", "DiagLaplace", "FullLaplace", "ParametricLaplace"]
+__all__ = ["BaseLaplace", "DiagLaplace", "FullLaplace", "KronLaplace", "ParametricLaplace"]

@@ -186,5 +186,4 @@ class GLMPredictiveMixin:
         thetas = self.sample(n_samples, generator)
         context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
         with context:
-            outputs = [self._subset.forward_with(theta, X, **model_kwargs) for theta in thetas]
-        return torch.stack(outputs)
+            return self._subset.forward_samples(thetas, X, **model_kwargs)

@@ -6,7 +6,8 @@ from typing import Any
 
 from torch import nn
 
-from laplace.baselaplace import DiagLaplace, FullLaplace, ParametricLaplace
+from laplace.baselaplace import DiagLaplace, FullLaplace, KronLaplace, ParametricLaplace
+from laplace.lllaplace import DiagLLLaplace, FullLLLaplace, KronLLLaplace
 from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights, parse_enum
 
 __all__ = ["REGISTRY", "Laplace"]
@@ -17,16 +18,16 @@ S, H = SubsetOfWeights, HessianStructure
 REGISTRY: dict[tuple[SubsetOfWeights, HessianStructure], type[ParametricLaplace]] = {
     (S.ALL, H.FULL): FullLaplace,
     (S.ALL, H.DIAG): DiagLaplace,
+    (S.ALL, H.KRON): KronLaplace,
+    (S.LAST_LAYER, H.FULL): FullLLLaplace,
+    (S.LAST_LAYER, H.KRON): KronLLLaplace,
+    (S.LAST_LAYER, H.DIAG): DiagLLLaplace,
 }
 
 #: Combinations laplace-torch supports that later issues add, with the issue that adds them.
 PLANNED: dict[tuple[SubsetOfWeights, HessianStructure], str] = {
-    (S.ALL, H.KRON): "the Kronecker (KFAC) issue",
     (S.ALL, H.LOWRANK): "the low-rank/subnetwork issue",
     (S.ALL, H.GP): "the function-space (GP) issue",
-    (S.LAST_LAYER, H.FULL): "the last-layer issue",
-    (S.LAST_LAYER, H.KRON): "the last-layer issue",
-    (S.LAST_LAYER, H.DIAG): "the last-layer issue",
     (S.LAST_LAYER, H.GP): "the function-space (GP) issue",
     (S.SUBNETWORK, H.FULL): "the low-rank/subnetwork issue",
     (S.SUBNETWORK, H.DIAG): "the low-rank/subnetwork issue",

@@ -5,6 +5,7 @@ Internal module; the public path is :mod:`laplace.baselaplace`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
             raise TypeError("ParametricLaplace is abstract: use FullLaplace, DiagLaplace, ...")
         super().__init__(model, likelihood, *args, **kwargs)
         self.H: Any = None
-        self.mean = self._subset.vector().detach()
+        self.mean = self._subset.vector().detach() if self._subset.resolved else None
         self._posterior_cache: tuple[Any, Tensor, Tensor, Posterior] | None = None
 
     # ---------------------------------------------------------------------------------- fit
@@ -55,6 +56,7 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
         n_data = dataset_size(train_loader)
         if n_data == 0:
             raise ValueError("train_loader is empty: fit needs at least one data point.")
+        self._resolve_subset(train_loader)
         if override or self.H is None:
             self.H = self._posterior_cls.zeros(self.params)
             self.loss, self.n_data = 0.0, 0
@@ -63,12 +65,9 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
         if not self.enable_backprop:
             self.mean = self.mean.detach()
         n_batches = 0
-        for X, y in self._batches(train_loader, progress_bar, desc="fit"):
-            self._check_finite_inputs(X, y)
-            if self.n_outputs is None or n_batches == 0:
-                with torch.no_grad():
-                    self.n_outputs = int(self.model(X).shape[-1])
-            loss, H_batch = self._posterior_cls.batch_curvature(self.backend, X, y, n_data)
+        # KFAC normalises by the data the summed curvature covers, earlier fits included.
+        stream = self._curvature_stream(train_loader, self.n_data + n_data, progress_bar)
+        for loss, H_batch in stream:
             if not self._posterior_cls.is_finite(H_batch):
                 raise RuntimeError(
                     "the curvature of a training batch contains NaN or inf; check the model's "
@@ -82,6 +81,34 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
         self.H = self._posterior_cls.finalize(self.H)
         self.n_data += n_data
         self._posterior_cache = None
+
+    def _resolve_subset(self, train_loader: DataLoader) -> None:
+        """Make sure the parameter subset is known before fitting (all weights: always)."""
+
+    def _curvature_stream(
+        self, train_loader: DataLoader, n_data: int, progress_bar: bool
+    ) -> Iterator[tuple[Tensor, Any]]:
+        """Yield ``(loss, H)`` summands over the training data (one per batch by default).
+
+        Also sets ``n_outputs`` from the first batch.
+
+        Args:
+            train_loader: The training data.
+            n_data: Number of data points the summed curvature covers (KFAC normalisation).
+            progress_bar: Show a progress bar over batches.
+        """
+        first = True
+        for X, y in self._batches(train_loader, progress_bar, desc="fit"):
+            self._check_finite_inputs(X, y)
+            if first:
+                with torch.no_grad():
+                    self.n_outputs = int(self.model(X).shape[-1])
+                first = False
+            yield self._batch_curvature(X, y, n_data)
+
+    def _batch_curvature(self, X: Inputs, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
+        """``(loss, H_batch)`` of one batch; from the backend in the posterior's structure."""
+        return self._posterior_cls.batch_curvature(self.backend, X, y, n_data)
 
     @staticmethod
     def _check_finite_inputs(X: Inputs, y: Tensor) -> None:
@@ -193,9 +220,35 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
 
 
 class FullLaplace(ParametricLaplace):
-    """Laplace approximation with a dense (P, P) curvature and posterior precision."""
+    """Laplace approximation with a dense (P, P) curvature and posterior precision.
+
+    Hyperparameter tuning evaluates ``log det(h·H + δ·I)`` for many ``(h, δ)`` with a scalar
+    prior ``δ``: while either is differentiable, it is computed as ``Σᵢ log(h·λᵢ + δ)`` from the
+    eigenvalues ``λ`` of ``H``, found once per fit, instead of one Cholesky factorisation (and
+    its backward pass) per step.
+    """
 
     _posterior_cls = DensePosterior
+
+    @property
+    def log_det_posterior_precision(self) -> Tensor:
+        """``log det P``."""
+        prior, h_factor = self.prior_precision, self._H_factor
+        if len(prior) == 1 and (prior.requires_grad or h_factor.requires_grad):
+            self._check_fitted("log_det_posterior_precision")
+            spectrum = h_factor * self._curvature_eigenvalues() + prior
+            if bool((spectrum.detach() > 0).all()):
+                return spectrum.log().sum()
+        return super().log_det_posterior_precision
+
+    def _curvature_eigenvalues(self) -> Tensor:
+        """Eigenvalues of ``H`` (P,), cached while ``H`` is unchanged."""
+        key = (id(self.H), self.H._version)
+        cache = getattr(self, "_eigenvalue_cache", None)
+        if cache is None or cache[0] != key:
+            cache = (key, torch.linalg.eigvalsh(self.H.detach()))
+            self._eigenvalue_cache = cache
+        return cache[1]
 
     @property
     def posterior_scale(self) -> Tensor:

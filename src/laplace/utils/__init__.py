@@ -1,6 +1,7 @@
 """Utilities: option enums, linear-algebra and prior helpers, validation and metrics."""
 
 from laplace.utils.enums import (
+    FeatureReduction,
     FunctionalApproximation,
     HessianStructure,
     Likelihood,
@@ -10,6 +11,8 @@ from laplace.utils.enums import (
     SubsetOfWeights,
     TuningMethod,
 )
+from laplace.utils.feature_extractor import FeatureExtractor
+from laplace.utils.matrix import Kron, KronDecomposed
 from laplace.utils.metrics import RunningNLLMetric
 from laplace.utils.utils import (
     SoDSampler,
@@ -29,8 +32,12 @@ from laplace.utils.utils import (
 )
 
 __all__ = [
+    "FeatureExtractor",
+    "FeatureReduction",
     "FunctionalApproximation",
     "HessianStructure",
+    "Kron",
+    "KronDecomposed",
     "Likelihood",
     "LinkApprox",
     "PredType",

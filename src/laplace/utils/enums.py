@@ -11,6 +11,7 @@ from enum import Enum
 from typing import TypeVar
 
 __all__ = [
+    "FeatureReduction",
     "FunctionalApproximation",
     "HessianStructure",
     "Likelihood",
@@ -87,6 +88,14 @@ class FunctionalApproximation(str, Enum):
     SOD = "sod"
     NYSTROM = "nystrom"
     VARIATIONAL = "variational"
+
+
+class FeatureReduction(str, Enum):
+    """How (B, ..., D) last-layer inputs are reduced to (B, D) features (transformer heads)."""
+
+    PICK_FIRST = "pick_first"
+    PICK_LAST = "pick_last"
+    AVERAGE = "average"
 
 
 E = TypeVar("E", bound=Enum)

@@ -1,0 +1,173 @@
+r"""Closed forms for a linear last layer ``fₙ = W φₙ + b``: curvature and GLM output covariance.
+
+With the head's weights flattened as ``θ = (vec_row(W), b)`` (W of shape (C, D) row-major, then
+b of shape (C,)), the Jacobian of the outputs is ``Jₙ = [I_C ⊗ φₙᵀ, I_C]``. Any curvature of the
+form ``Σₙ Jₙᵀ Mₙ Jₙ`` with an output-space matrix ``Mₙ = Σₖ vₙₖ vₙₖᵀ`` (the output Hessian
+``Λₙ`` for the GGN, ``∇ℓ ∇ℓᵀ`` for the empirical Fisher) is then a function of the features:
+
+- weight block ``Σₙ Mₙ ⊗ φₙ φₙᵀ``, weight–bias block ``Σₙ Mₙ ⊗ φₙ``, bias block ``Σₙ Mₙ``;
+- diagonal ``Σₙ diag(Mₙ) ⊗ φₙ²`` and ``Σₙ diag(Mₙ)``;
+- KFAC ``G ⊗ A`` with ``G = Σₙ Mₙ`` and ``A = Σₙ φₙ φₙᵀ / N`` (split between the factors as
+  :mod:`laplace.curvature.kfac` does, so the numbers are identical), bias block ``G``.
+
+The GLM output covariance ``Jₙ Σ Jₙᵀ`` of a posterior covariance ``Σ`` is likewise
+``Σ_{c,c'} φₙᵀ Σ_{(c,·),(c',·)} φₙ`` plus bias terms; for a Kronecker posterior it costs one
+rotation of the features. No per-sample autograd and no (B, C, P) Jacobian is involved.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from laplace.posteriors import DensePosterior, DiagonalPosterior, KronPosterior
+from laplace.utils.matrix import Kron
+
+__all__ = [
+    "diag_curvature",
+    "diag_head_variance",
+    "full_curvature",
+    "full_head_variance",
+    "head_jacobians",
+    "kron_curvature",
+    "kron_head_variance",
+    "output_curvature",
+]
+
+
+def output_curvature(backend: Any, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """Summed batch loss and output-space curvature ``Mₙ = Σₖ vₙₖ vₙₖᵀ`` of a backend.
+
+    Args:
+        backend: A GGN or EF :class:`~laplace.curvature.CurvatureInterface`; its output columns
+            ``vₖ`` (``_curvature_columns``) define the curvature.
+        f: Detached outputs, shape (B, C).
+        y: Targets of the batch.
+
+    Returns:
+        The loss (a scalar) and ``M`` of shape (B, C, C).
+    """
+    V = torch.stack(list(backend._curvature_columns(f, y)), dim=-1)
+    return backend._loss(f, y), V @ V.transpose(1, 2)
+
+
+def full_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:
+    """Dense ``Σₙ Jₙᵀ Mₙ Jₙ`` of a linear head, shape (P, P).
+
+    One weighted Gram matrix ``Φᵀ diag(M_{:,c,c'}) Φ`` per class pair ``c ≤ c'`` (pairs whose
+    weights are all zero, e.g. off-diagonal pairs for regression, are skipped).
+
+    Args:
+        phi: Features, shape (N, D).
+        M: Output-space curvature, shape (N, C, C).
+        bias: Whether the head has a bias.
+    """
+    D, C = phi.shape[1], M.shape[-1]
+    n_w = C * D
+    H = phi.new_zeros(n_w + (C if bias else 0), n_w + (C if bias else 0))
+    H_W = H[:n_w, :n_w].view(C, D, C, D)
+    active = (M.abs().amax(0) > 0).tolist()
+    for c in range(C):
+        for k in range(c, C):
+            if not active[c][k]:
+                continue
+            block = (phi * M[:, c, k, None]).T @ phi
+            H_W[c, :, k, :] = block
+            if k != c:
+                H_W[k, :, c, :] = block.T
+    if bias:
+        cross = torch.einsum("nck,nd->cdk", M, phi).reshape(n_w, C)
+        H[:n_w, n_w:] = cross
+        H[n_w:, :n_w] = cross.T
+        H[n_w:, n_w:] = M.sum(0)
+    return H
+
+
+def diag_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:
+    """Diagonal of ``Σₙ Jₙᵀ Mₙ Jₙ`` of a linear head, shape (P,).
+
+    Args:
+        phi: Features, shape (N, D).
+        M: Output-space curvature, shape (N, C, C).
+        bias: Whether the head has a bias.
+    """
+    m = M.diagonal(dim1=1, dim2=2)
+    parts = [(m.T @ phi.square()).flatten()]
+    if bias:
+        parts.append(m.sum(0))
+    return torch.cat(parts)
+
+
+def kron_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Kron:
+    """KFAC blocks of a linear head, normalised for a data set of ``n_data`` points.
+
+    Args:
+        phi: Features, shape (N, D).
+        M: Output-space curvature, shape (N, C, C).
+        bias: Whether the head has a bias.
+        n_data: Number of data points of the whole data set.
+        factor: The backend's loss factor ``c``; blocks are ``[G/√c, √c·A/N]`` as in
+            :func:`laplace.curvature.kfac.kfac`.
+    """
+    G = M.sum(0)
+    root = math.sqrt(factor)
+    blocks = [[G / root, (phi.T @ phi) * (root / n_data)]]
+    if bias:
+        blocks.append([G])
+    return Kron(blocks)
+
+
+def head_jacobians(phi: Tensor, n_out: int, bias: bool) -> Tensor:
+    """``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, shape (B, C, P)."""
+    B = phi.shape[0]
+    eye = torch.eye(n_out, dtype=phi.dtype, device=phi.device)
+    Js = (eye[None, :, :, None] * phi[:, None, None, :]).reshape(B, n_out, -1)
+    if bias:
+        Js = torch.cat([Js, eye.expand(B, -1, -1)], dim=2)
+    return Js
+
+
+def full_head_variance(posterior: DensePosterior, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+    """``Jₙ Σ Jₙᵀ`` from the dense posterior covariance ``Σ``: (B, D) → (B, C, C)."""
+    D, C = phi.shape[1], n_out
+    n_w = C * D
+    S = posterior.covariance
+    S_W = S[:n_w, :n_w].reshape(C, D, C, D)
+    left = torch.einsum("nd,cdke->ncke", phi, S_W)
+    f_var = torch.einsum("ncke,ne->nck", left, phi)
+    if bias:
+        cross = phi @ S[:n_w, n_w:].reshape(C, D, C).permute(1, 0, 2).reshape(D, C * C)
+        cross = cross.reshape(-1, C, C)
+        f_var = f_var + cross + cross.transpose(1, 2) + S[n_w:, n_w:]
+    return f_var
+
+
+def diag_head_variance(
+    posterior: DiagonalPosterior, phi: Tensor, n_out: int, bias: bool
+) -> Tensor:
+    """``Jₙ diag(σ²) Jₙᵀ`` (diagonal in the outputs): (B, D) → (B, C, C)."""
+    D = phi.shape[1]
+    variance = posterior.variance
+    f_var = phi.square() @ variance[: n_out * D].reshape(n_out, D).T
+    if bias:
+        f_var = f_var + variance[n_out * D :]
+    return torch.diag_embed(f_var)
+
+
+def kron_head_variance(posterior: KronPosterior, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+    """``Jₙ P⁻¹ Jₙᵀ`` for a Kronecker posterior, in the eigenbasis: (B, D) → (B, C, C).
+
+    With ``P_W = (Q_G ⊗ Q_A) diag(s) (Q_G ⊗ Q_A)ᵀ`` and ``φ̃ = Q_Aᵀ φ``, the weight part is
+    ``Q_G diag(wₙ) Q_Gᵀ`` with ``wₙᵢ = Σⱼ φ̃ₙⱼ² / sᵢⱼ``; the bias adds ``Q_b diag(1/s_b) Q_bᵀ``.
+    """
+    precision = posterior.precision
+    Q_G, Q_A = precision.eigenvectors[0]
+    w = (phi @ Q_A).square() @ precision.spectrum(0).reciprocal().T
+    f_var = (Q_G * w.unsqueeze(1)) @ Q_G.T
+    if bias:
+        (Q_b,) = precision.eigenvectors[1]
+        f_var = f_var + (Q_b * precision.spectrum(1).reciprocal()) @ Q_b.T
+    return f_var

@@ -1,0 +1,370 @@
+r"""Last-layer Laplace: a Gaussian posterior over the linear head ``f = W φ(x) + b`` only.
+
+The network is wrapped in a :class:`~laplace.utils.feature_extractor.FeatureExtractor`
+(``la.model``); the body ``φ`` stays at its trained weights. Because the head is linear, the
+curvature, the marginal likelihood and the GLM predictive have closed forms in the features
+(:mod:`laplace.last_layer`): fitting costs one forward pass over the data plus a few products of
+the features, and predicting one forward pass per test batch. When the head sees several rows
+per data point (sequence features without ``feature_reduction``, reward-model pairs), the
+backend's autograd routes are used instead, which handle any such layout exactly. Backends
+with their own curvature routes (ASDL, BackPACK, the exact Hessian, Monte-Carlo Fisher) are used
+as they are.
+
+Unlike laplace-torch 0.3, the model is not deep-copied (the wrapper never modifies it, so two
+copies of, say, a language model are not needed) and ``fit(override=False)`` accumulates like
+the all-weights classes do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from laplace.curvature import CurvatureInterface
+from laplace.data import Inputs, move_inputs, split_batch
+from laplace.kronlaplace import KronLaplace
+from laplace.last_layer import (
+    diag_curvature,
+    diag_head_variance,
+    full_curvature,
+    full_head_variance,
+    head_jacobians,
+    kron_curvature,
+    kron_head_variance,
+    output_curvature,
+)
+from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
+from laplace.subsets import LastLayer
+from laplace.utils.enums import Likelihood
+from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
+
+__all__ = [
+    "DiagLLLaplace",
+    "FeatureExtractor",
+    "FeatureReduction",
+    "FullLLLaplace",
+    "KronLLLaplace",
+    "LLLaplace",
+]
+
+#: Feature and output-curvature entries buffered before they are turned into curvature.
+BUFFER_ELEMENTS = 2**24
+
+
+class LLLaplace(ParametricLaplace):
+    """Base of the last-layer Laplace approximations; subclasses choose the structure.
+
+    The posterior covers the parameters of the last layer (an ``nn.Linear``): ``mean``,
+    ``n_params``, ``prior_precision`` (scalar, one value for the weight and one for the bias, or
+    diagonal) and ``H`` refer to them only. When ``last_layer_name`` is None the layer is found
+    on the first batch of :meth:`fit`; until then ``n_params``, ``n_layers`` and ``mean`` are
+    None.
+
+    Args:
+        model: The trained network, ending in a linear layer.
+        likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"``.
+        sigma_noise: See :class:`~laplace.base.BaseLaplace`.
+        prior_precision: See :class:`~laplace.base.BaseLaplace`.
+        prior_mean: See :class:`~laplace.base.BaseLaplace`.
+        temperature: See :class:`~laplace.base.BaseLaplace`.
+        enable_backprop: See :class:`~laplace.base.BaseLaplace`.
+        feature_reduction: ``"pick_first"``, ``"pick_last"`` or ``"average"`` for last-layer
+            inputs of shape (B, ..., D), see :class:`FeatureExtractor`.
+        dict_key_x: See :class:`~laplace.base.BaseLaplace`.
+        dict_key_y: See :class:`~laplace.base.BaseLaplace`.
+        backend: See :class:`~laplace.base.BaseLaplace`; the default GGN and the empirical
+            Fisher use the closed forms.
+        last_layer_name: Name of the last layer in ``model.named_modules()``.
+        backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
+        asdl_fisher_kwargs: Not supported for last-layer Laplace (must be None).
+        **kwargs: Structure-specific options (``damping`` for Kron).
+
+    Raises:
+        ValueError: For ``asdl_fisher_kwargs``, or a ``last_layer_name`` that is not a linear
+            layer of the model.
+    """
+
+    #: The backend route the closed-form curvature replaces (``"full"``, ``"diag"``, ``"kron"``).
+    _backend_route: str
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        sigma_noise: float | Tensor = 1.0,
+        prior_precision: float | Tensor = 1.0,
+        prior_mean: float | Tensor = 0.0,
+        temperature: float = 1.0,
+        enable_backprop: bool = False,
+        feature_reduction: FeatureReduction | str | None = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        backend: type[CurvatureInterface] | None = None,
+        last_layer_name: str | None = None,
+        backend_kwargs: dict[str, Any] | None = None,
+        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if type(self) is LLLaplace:
+            raise TypeError("LLLaplace is abstract: use FullLLLaplace, KronLLLaplace, ...")
+        if asdl_fisher_kwargs is not None:
+            raise ValueError("last-layer Laplace does not support asdl_fisher_kwargs.")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        extractor = FeatureExtractor(model, last_layer_name, enable_backprop, feature_reduction)
+        self._last_layer_name = last_layer_name
+        super().__init__(
+            extractor,
+            likelihood,
+            sigma_noise=sigma_noise,
+            prior_precision=prior_precision,
+            prior_mean=prior_mean,
+            temperature=temperature,
+            enable_backprop=enable_backprop,
+            dict_key_x=dict_key_x,
+            dict_key_y=dict_key_y,
+            backend=backend,
+            backend_kwargs={**(backend_kwargs or {}), "last_layer": True},
+            **kwargs,
+        )
+
+    def _make_subset(self, model: nn.Module) -> LastLayer:
+        return LastLayer(model)
+
+    @property
+    def backend(self) -> CurvatureInterface:
+        """The curvature backend over the last layer (needs the layer to be known).
+
+        Raises:
+            RuntimeError: While the last layer has not been found.
+        """
+        _ = self._subset.layer
+        return ParametricLaplace.backend.fget(self)
+
+    @property
+    def enable_backprop(self) -> bool:
+        """Keep predictives (and the features) differentiable w.r.t. the inputs."""
+        return self.model.enable_backprop
+
+    @enable_backprop.setter
+    def enable_backprop(self, value: bool) -> None:
+        self.model.enable_backprop = bool(value)
+
+    # ----------------------------------------------------------------------- the last layer
+    def _resolve_subset(self, train_loader: DataLoader) -> None:
+        if self._subset.resolved:
+            return
+        X, _ = split_batch(next(iter(train_loader)), self.dict_key_x, self.dict_key_y)
+        X = move_inputs(X, self._device)
+        self.model.eval()
+        self._subset.resolve(X[:1] if isinstance(X, Tensor) else X)
+        self._on_resolved()
+
+    def _on_resolved(self) -> None:
+        """Bind the found layer and check the hyperparameters given before it was known."""
+        self._bind_subset()
+        self.prior_precision = self.prior_precision
+        self.prior_mean = self.prior_mean
+        self.mean = self._subset.vector().detach()
+
+    # ---------------------------------------------------------------------------- curvature
+    def _uses_closed_form(self) -> bool:
+        """Whether the backend's curvature is the native GGN/EF route the closed form equals."""
+        backend = type(self.backend)
+        route = self._backend_route
+        return (
+            getattr(backend, route) is getattr(CurvatureInterface, route)
+            and backend._curvature_columns is not CurvatureInterface._curvature_columns
+            and not getattr(self.backend, "stochastic", False)
+        )
+
+    def _curvature_stream(
+        self, train_loader: DataLoader, n_data: int, progress_bar: bool
+    ) -> Iterator[tuple[Tensor, Any]]:
+        if not self._uses_closed_form():
+            yield from super()._curvature_stream(train_loader, n_data, progress_bar)
+            return
+        bias = self._subset.layer.bias is not None
+        factor = self.backend.factor
+        phis: list[Tensor] = []
+        Ms: list[Tensor] = []
+        loss, buffered = 0.0, 0
+        for X, y in self._batches(train_loader, progress_bar, desc="fit"):
+            self._check_finite_inputs(X, y)
+            with torch.no_grad():
+                f, phi = self._subset.outputs_and_features(X)
+            self.n_outputs = int(f.shape[-1])
+            if phi.dim() != 2:  # the head sees several rows per data point: autograd route
+                yield self._batch_curvature(X, y, n_data)
+                continue
+            with torch.no_grad():
+                batch_loss, M = output_curvature(self.backend, f.detach(), y)
+            phis.append(phi.detach())
+            Ms.append(M)
+            loss = loss + batch_loss
+            buffered += phi.numel() + M.numel()
+            if buffered >= BUFFER_ELEMENTS:
+                yield (
+                    loss,
+                    self._head_curvature(torch.cat(phis), torch.cat(Ms), bias, n_data, factor),
+                )
+                phis, Ms, loss, buffered = [], [], 0.0, 0
+        if phis:
+            yield loss, self._head_curvature(torch.cat(phis), torch.cat(Ms), bias, n_data, factor)
+
+    @staticmethod
+    def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Any:
+        """Closed-form curvature of the head in the structure's representation."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------------------------- predictive
+    @staticmethod
+    def _head_variance(posterior: Any, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+        """Closed-form ``Jₙ P⁻¹ Jₙᵀ`` (B, C, C) of the head from features (B, D)."""
+        raise NotImplementedError
+
+    def _chunk_rows(self) -> int:
+        # The closed forms hold about C·P numbers per test point, like a Jacobian row.
+        return ParametricLaplace._chunk_rows(self)
+
+    def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
+        context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
+        with context:
+            f, phi = self._subset.outputs_and_features(X)
+            if phi.dim() != 2:
+                return super()._functional_moments(X)
+            bias = self._subset.layer.bias is not None
+            f_var = self._head_variance(self._posterior, phi, f.shape[-1], bias)
+        if not self.enable_backprop:
+            f, f_var = f.detach(), f_var.detach()
+        return f, f_var
+
+    def _jacobians(self, X: Inputs) -> tuple[Tensor, Tensor]:
+        context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
+        with context:
+            f, phi = self._subset.outputs_and_features(X)
+            if phi.dim() != 2:
+                return super()._jacobians(X)
+            Js = head_jacobians(phi, f.shape[-1], self._subset.layer.bias is not None)
+        if not self.enable_backprop:
+            f, Js = f.detach(), Js.detach()
+        return Js, f
+
+    def functional_variance_fast(self, X: Inputs) -> tuple[Tensor, Tensor]:
+        """Output means (B, C) and variances (B, C) of the GLM predictive, from the features.
+
+        Args:
+            X: Test inputs, or a dict-like batch.
+        """
+        self._check_fitted("functional_variance_fast")
+        f_mu, f_var = self._functional_moments(move_inputs(X, self._device))
+        return f_mu, f_var.diagonal(dim1=-2, dim2=-1)
+
+    # -------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """See :meth:`~laplace.serialization.StateDictMixin.state_dict`; adds the layer name."""
+        state = super().state_dict()
+        state["last_layer_name"] = self.model.last_layer_name
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """See :meth:`~laplace.serialization.StateDictMixin.load_state_dict`.
+
+        Raises:
+            ValueError: If the state was saved for another last layer.
+        """
+        name = state_dict.get("last_layer_name")
+        if name is None:
+            raise ValueError(
+                "state_dict has no 'last_layer_name': not a last-layer Laplace state."
+            )
+        if not self._subset.resolved:
+            self.model.set_last_layer(name)
+            self._on_resolved()
+        elif self.model.last_layer_name != name:
+            raise ValueError(
+                f"state_dict was saved for the last layer {name!r}, this approximation uses "
+                f"{self.model.last_layer_name!r}."
+            )
+        super().load_state_dict(state_dict)
+
+
+class FullLLLaplace(LLLaplace, FullLaplace):
+    """Last-layer Laplace with a dense (P, P) curvature of the head."""
+
+    _backend_route = "full"
+
+    @staticmethod
+    def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Tensor:
+        return full_curvature(phi, M, bias)
+
+    _head_variance = staticmethod(full_head_variance)
+
+
+class DiagLLLaplace(LLLaplace, DiagLaplace):
+    """Last-layer Laplace with a diagonal curvature of the head."""
+
+    _backend_route = "diag"
+
+    @staticmethod
+    def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Tensor:
+        return diag_curvature(phi, M, bias)
+
+    _head_variance = staticmethod(diag_head_variance)
+
+
+class KronLLLaplace(LLLaplace, KronLaplace):
+    """Last-layer Laplace with a Kronecker-factored (KFAC) curvature of the head.
+
+    Args:
+        damping: Mix the prior into each Kronecker factor (see :class:`KronLaplace`).
+        See :class:`LLLaplace` for the other arguments.
+    """
+
+    _backend_route = "kron"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        sigma_noise: float | Tensor = 1.0,
+        prior_precision: float | Tensor = 1.0,
+        prior_mean: float | Tensor = 0.0,
+        temperature: float = 1.0,
+        enable_backprop: bool = False,
+        feature_reduction: FeatureReduction | str | None = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        backend: type[CurvatureInterface] | None = None,
+        last_layer_name: str | None = None,
+        damping: bool = False,
+        backend_kwargs: dict[str, Any] | None = None,
+        asdl_fisher_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(
+            model,
+            likelihood,
+            sigma_noise,
+            prior_precision,
+            prior_mean,
+            temperature,
+            enable_backprop,
+            feature_reduction,
+            dict_key_x,
+            dict_key_y,
+            backend,
+            last_layer_name,
+            backend_kwargs,
+            asdl_fisher_kwargs,
+            damping=damping,
+        )
+
+    @staticmethod
+    def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Any:
+        return kron_curvature(phi, M, bias, n_data, factor)
+
+    _head_variance = staticmethod(kron_head_variance)

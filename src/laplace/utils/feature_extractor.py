@@ -1,0 +1,186 @@
+"""``FeatureExtractor``: a model wrapper that also returns the inputs of its linear last layer.
+
+Last-layer Laplace treats a network as ``f(x) = W φ(x) + b`` with a deterministic feature map
+``φ`` and a probabilistic linear head ``(W, b)``. The wrapper finds the head (by name, or as the
+last leaf module run in a forward pass) and captures its input ``φ(x)`` with a forward hook that
+lives only for the duration of one call, so the wrapped model is never left modified and the
+wrapper pickles and deep-copies like any module.
+
+Example:
+    >>> net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> extractor = FeatureExtractor(net)
+    >>> f, phi = extractor.forward_with_features(torch.randn(5, 3))
+    >>> f.shape, phi.shape, extractor.last_layer is net[2]
+    (torch.Size([5, 2]), torch.Size([5, 8]), True)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from laplace.data import Inputs
+from laplace.utils.enums import FeatureReduction, parse_enum
+
+__all__ = ["FeatureExtractor", "FeatureReduction"]
+
+
+class _InputRecorder:
+    """Forward hook keeping the first positional input of each call, keyed by module name."""
+
+    def __init__(self, name: str, store: dict[str, Tensor | None], order: list[str]) -> None:
+        self.name, self.store, self.order = name, store, order
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        first = args[0] if args else None
+        self.store[self.name] = first if isinstance(first, Tensor) else None
+        self.order.append(self.name)
+
+
+class FeatureExtractor(nn.Module):
+    """Wrap ``model`` to return its output together with the features entering its last layer.
+
+    Args:
+        model: The network; its last layer must be an ``nn.Linear``.
+        last_layer_name: Name of the last layer in ``model.named_modules()``; when None it is
+            found on the first forward pass as the last leaf module that runs.
+        enable_backprop: Keep the features attached to the graph (for gradients w.r.t. inputs).
+        feature_reduction: For features of shape (B, ..., D) (e.g. (batch, seq, dim) in a
+            transformer whose logits are reduced over the sequence): ``"pick_first"``,
+            ``"pick_last"`` or ``"average"`` over the middle dimensions, giving (B, D). It must
+            mirror the reduction the model applies to its outputs.
+
+    Attributes:
+        last_layer: The linear head (None until found); an alias of a submodule of ``model``,
+            not registered a second time, so parameters are not duplicated.
+
+    Raises:
+        ValueError: For an unknown ``feature_reduction`` or a ``last_layer_name`` that is not a
+            linear layer of the model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        last_layer_name: str | None = None,
+        enable_backprop: bool = False,
+        feature_reduction: FeatureReduction | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.enable_backprop = enable_backprop
+        self.feature_reduction = (
+            None
+            if feature_reduction is None
+            else parse_enum(FeatureReduction, feature_reduction, "feature_reduction")
+        )
+        self._last_layer_name: str | None = None
+        object.__setattr__(self, "last_layer", None)
+        if last_layer_name is not None:
+            self.set_last_layer(last_layer_name)
+
+    @property
+    def last_layer_name(self) -> str | None:
+        """Name of the last layer in ``model.named_modules()`` (None until found)."""
+        return self._last_layer_name
+
+    def set_last_layer(self, last_layer_name: str) -> None:
+        """Use the module called ``last_layer_name`` as the last layer.
+
+        Raises:
+            ValueError: If the model has no such module or it is not an ``nn.Linear``.
+        """
+        modules = dict(self.model.named_modules())
+        linear = [name for name, m in modules.items() if isinstance(m, nn.Linear)]
+        if last_layer_name not in modules:
+            raise ValueError(
+                f"last_layer_name={last_layer_name!r} is not a module of the model; its linear "
+                f"layers are {linear}."
+            )
+        layer = modules[last_layer_name]
+        if not isinstance(layer, nn.Linear):
+            raise ValueError(
+                f"last-layer Laplace needs a linear last layer, but {last_layer_name!r} is a "
+                f"{type(layer).__name__}; the model's linear layers are {linear} (pass one of "
+                "them as last_layer_name)."
+            )
+        self._last_layer_name = last_layer_name
+        object.__setattr__(self, "last_layer", layer)
+
+    def find_last_layer(self, x: Inputs) -> Tensor:
+        """Run ``model(x)`` once and take the last leaf module that ran as the last layer.
+
+        Args:
+            x: One batch of inputs (a tensor or a dict-like batch).
+
+        Returns:
+            The model output of that forward pass.
+
+        Raises:
+            ValueError: If the last layer is already known, or the last leaf module that ran
+                is not an ``nn.Linear``.
+        """
+        if self.last_layer is not None:
+            raise ValueError(f"the last layer is already known: {self._last_layer_name!r}.")
+        out, _ = self._detect(x)
+        return out
+
+    def forward(self, x: Inputs, **kwargs: Any) -> Tensor:
+        """Model output; finds the last layer first if it is not known yet."""
+        if self.last_layer is None:
+            return self._detect(x, **kwargs)[0]
+        return self.model(x, **kwargs)
+
+    def forward_with_features(self, x: Inputs, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """Model output (B, C) and last-layer features (B, D), reduced if configured.
+
+        Args:
+            x: One batch of inputs (a tensor or a dict-like batch).
+            **kwargs: Extra keyword arguments for the model's forward.
+        """
+        if self.last_layer is None:
+            out, phi = self._detect(x, **kwargs)
+        else:
+            store: dict[str, Tensor | None] = {}
+            recorder = _InputRecorder(self._last_layer_name, store, [])
+            handle = self.last_layer.register_forward_hook(recorder)
+            try:
+                out = self.model(x, **kwargs)
+            finally:
+                handle.remove()
+            if self._last_layer_name not in store:
+                raise RuntimeError(
+                    f"the last layer {self._last_layer_name!r} did not run in the forward pass."
+                )
+            phi = store[self._last_layer_name]
+        return out, self._reduce(phi)
+
+    def _detect(self, x: Inputs, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        store: dict[str, Tensor | None] = {}
+        order: list[str] = []
+        handles = [
+            module.register_forward_hook(_InputRecorder(name, store, order))
+            for name, module in self.model.named_modules()
+            if next(module.children(), None) is None
+        ]
+        try:
+            out = self.model(x, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if not order:
+            raise ValueError("no leaf module ran in the forward pass: no last layer to find.")
+        self.set_last_layer(order[-1])
+        return out, store[order[-1]]
+
+    def _reduce(self, phi: Tensor) -> Tensor:
+        if not self.enable_backprop:
+            phi = phi.detach()
+        if phi.dim() <= 2 or self.feature_reduction is None:
+            return phi
+        middle = tuple(range(1, phi.dim() - 1))
+        if self.feature_reduction == FeatureReduction.AVERAGE:
+            return phi.mean(dim=middle)
+        index = 0 if self.feature_reduction == FeatureReduction.PICK_FIRST else -1
+        return phi[(slice(None), *([index] * len(middle)), slice(None))]
