@@ -124,6 +124,43 @@ class OutputGradients:
             allow_unused=True,
         )
         grads = [torch.zeros_like(z) if g is None else g for z, g in zip(self._outputs, grads)]
+        return self._split(grads)
+
+    def stacked(self, columns: Tensor) -> list[list[Tensor]]:
+        """Gradients of several output columns at once, each stacked along a leading axis.
+
+        One vectorised backward pass (``is_grads_batched``) replaces a Python loop of backward
+        passes; where an operation has no batching rule, the columns are done one by one.
+
+        Args:
+            columns: Output columns, shape (K, *f.shape).
+
+        Returns:
+            Per call, one tensor of shape (K, *z.shape) per recorded output.
+        """
+        try:
+            grads = torch.autograd.grad(
+                self.f,
+                self._outputs,
+                grad_outputs=columns,
+                retain_graph=True,
+                create_graph=self.create_graph,
+                allow_unused=True,
+                is_grads_batched=True,
+            )
+        except RuntimeError:
+            per_column = [self(v) for v in columns]
+            return [
+                [torch.stack([col[i][j] for col in per_column]) for j in range(len(call.outputs))]
+                for i, call in enumerate(self.calls)
+            ]
+        grads = [
+            z.new_zeros(len(columns), *z.shape) if g is None else g
+            for z, g in zip(self._outputs, grads)
+        ]
+        return self._split(grads)
+
+    def _split(self, grads: list[Tensor]) -> list[list[Tensor]]:
         per_call, start = [], 0
         for call in self.calls:
             per_call.append(grads[start : start + len(call.outputs)])

@@ -40,6 +40,9 @@ __all__ = ["KFAC_APPROXIMATIONS", "KFAC_RULES", "KfacRule", "check_kfac_support"
 #: The weight-sharing approximations of Eschenhagen et al. (2023).
 KFAC_APPROXIMATIONS = ("expand", "reduce")
 
+#: Output columns differentiated together by one vectorised backward pass.
+_COLUMNS_PER_BACKWARD = 16
+
 
 class KfacRule(NamedTuple):
     """How a layer type exposes its inputs and output gradients per position.
@@ -152,14 +155,14 @@ def kfac(
             gram = _gram(a, approx, mean=True) / (a.shape[1] if approx == "expand" else 1)
             A[call.module] = A[call.module] + gram if call.module in A else gram
     output_grads = OutputGradients(trace.f, calls)
-    per_call: list[list[Tensor]] = [[] for _ in calls]
-    for v in columns:  # one backward per column; one Gram matrix per call over all columns
-        for grads, (g,) in zip(per_call, output_grads(v)):
-            grads.append(g.detach())
-    for call, grads in zip(calls, per_call):
-        g = KFAC_RULES[type(call.module)].grads(call, torch.cat(grads))
-        gram = _gram(g, approx, mean=False)
-        G[call.module] = G[call.module] + gram if call.module in G else gram
+    columns = list(columns)
+    for start in range(0, len(columns), _COLUMNS_PER_BACKWARD):
+        # One vectorised backward for a chunk of columns; one Gram matrix per call and chunk.
+        chunk = torch.stack(columns[start : start + _COLUMNS_PER_BACKWARD])
+        for call, (g,) in zip(calls, output_grads.stacked(chunk)):
+            g = KFAC_RULES[type(call.module)].grads(call, g.detach().flatten(0, 1))
+            gram = _gram(g, approx, mean=False)
+            G[call.module] = G[call.module] + gram if call.module in G else gram
     blocks: list[list[Tensor] | None] = [None] * len(engine.needed)
     root = math.sqrt(factor)
     for module, names in engine.owners.items():
