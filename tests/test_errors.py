@@ -41,9 +41,16 @@ def test_factory_rejects_unsupported_combination(clf):
         )
 
 
-def test_factory_names_later_combinations(clf):
-    with pytest.raises(NotImplementedError, match="function-space"):
-        Laplace(clf.model, "classification", hessian_structure="gp")
+def test_factory_routes_function_space_approximations(clf):
+    for approximation, name in [("nystrom", "ELLA"), ("variational", "VaLLA")]:
+        with pytest.raises(TypeError, match=name):  # their required arguments are missing
+            Laplace(
+                clf.model,
+                "classification",
+                "all",
+                "gp",
+                functional_approximation=approximation,
+            )
 
 
 def test_reward_modeling_rejects_full(clf):

@@ -5,14 +5,27 @@ laplace-torch (``laplace.baselaplace``, ``laplace.curvature``, ``laplace.utils``
 """
 
 from laplace.baselaplace import (
+    ELLA,
+    BaseFunctionalLaplace,
     BaseLaplace,
     DiagLaplace,
     FullLaplace,
+    FunctionalLaplace,
     KronLaplace,
+    LowRankLaplace,
     ParametricLaplace,
+    VaLLA,
 )
 from laplace.laplace import Laplace
-from laplace.lllaplace import DiagLLLaplace, FullLLLaplace, KronLLLaplace, LLLaplace
+from laplace.lllaplace import (
+    DiagLLLaplace,
+    FullLLLaplace,
+    FunctionalLLLaplace,
+    KronLLLaplace,
+    LLLaplace,
+)
+from laplace.marglik_training import marglik_training
+from laplace.subnetlaplace import DiagSubnetLaplace, FullSubnetLaplace, SubnetLaplace
 from laplace.utils.enums import (
     FunctionalApproximation,
     HessianStructure,
@@ -25,12 +38,18 @@ from laplace.utils.enums import (
 )
 
 __all__ = [
+    "ELLA",
+    "BaseFunctionalLaplace",
     "BaseLaplace",
     "DiagLLLaplace",
     "DiagLaplace",
+    "DiagSubnetLaplace",
     "FullLLLaplace",
     "FullLaplace",
+    "FullSubnetLaplace",
     "FunctionalApproximation",
+    "FunctionalLLLaplace",
+    "FunctionalLaplace",
     "HessianStructure",
     "KronLLLaplace",
     "KronLaplace",
@@ -38,9 +57,13 @@ __all__ = [
     "Laplace",
     "Likelihood",
     "LinkApprox",
+    "LowRankLaplace",
     "ParametricLaplace",
     "PredType",
     "PriorStructure",
+    "SubnetLaplace",
     "SubsetOfWeights",
     "TuningMethod",
+    "VaLLA",
+    "marglik_training",
 ]

@@ -163,8 +163,13 @@ class BaseLaplace:
     @prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
         self._prior_precision = as_prior_precision(
-            value, self.n_layers, self.n_params, self._device, self._dtype
+            value, *self._prior_lengths, self._device, self._dtype
         )
+
+    @property
+    def _prior_lengths(self) -> tuple[int | None, int | None]:
+        """Lengths of a layer-wise and of a diagonal prior (n_layers, n_params); None: no such."""
+        return self.n_layers, self.n_params
 
     @property
     def prior_precision_diag(self) -> Tensor:
@@ -178,7 +183,7 @@ class BaseLaplace:
 
     @prior_mean.setter
     def prior_mean(self, value: float | Tensor) -> None:
-        self._prior_mean = as_prior_mean(value, self.n_params, self._device, self._dtype)
+        self._prior_mean = as_prior_mean(value, self._prior_lengths[1], self._device, self._dtype)
 
     @property
     def _H_factor(self) -> Tensor:
@@ -256,14 +261,13 @@ class BaseLaplace:
         if method == TuningMethod.MARGLIK:
             if torch.is_tensor(init_prior_prec) and init_prior_prec.numel() > 1:
                 init = as_prior_precision(
-                    init_prior_prec, self.n_layers, self.n_params, self._device, self._dtype
+                    init_prior_prec, *self._prior_lengths, self._device, self._dtype
                 )
             else:
                 init = fix_prior_prec_structure(
                     init_prior_prec,
                     prior_structure,
-                    self.n_layers,
-                    self.n_params,
+                    *self._prior_lengths,
                     self._device,
                     self._dtype,
                 )

@@ -8,7 +8,20 @@ classes in :mod:`laplace.parametric` and :mod:`laplace.kronlaplace`.
 """
 
 from laplace.base import BaseLaplace
+from laplace.functional import ELLA, BaseFunctionalLaplace, FunctionalLaplace, VaLLA
 from laplace.kronlaplace import KronLaplace
+from laplace.lowranklaplace import LowRankLaplace
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 
-__all__ = ["BaseLaplace", "DiagLaplace", "FullLaplace", "KronLaplace", "ParametricLaplace"]
+__all__ = [
+    "ELLA",
+    "BaseFunctionalLaplace",
+    "BaseLaplace",
+    "DiagLaplace",
+    "FullLaplace",
+    "FunctionalLaplace",
+    "KronLaplace",
+    "LowRankLaplace",
+    "ParametricLaplace",
+    "VaLLA",
+]

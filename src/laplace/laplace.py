@@ -6,32 +6,62 @@ from typing import Any
 
 from torch import nn
 
-from laplace.baselaplace import DiagLaplace, FullLaplace, KronLaplace, ParametricLaplace
+from laplace.baselaplace import (
+    DiagLaplace,
+    FullLaplace,
+    KronLaplace,
+    LowRankLaplace,
+    ParametricLaplace,
+)
+from laplace.functional import (
+    ELLA,
+    BaseFunctionalLaplace,
+    FunctionalLaplace,
+    FunctionalLLLaplace,
+    VaLLA,
+)
 from laplace.lllaplace import DiagLLLaplace, FullLLLaplace, KronLLLaplace
-from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights, parse_enum
+from laplace.subnetlaplace import DiagSubnetLaplace, FullSubnetLaplace
+from laplace.utils.enums import (
+    FunctionalApproximation,
+    HessianStructure,
+    Likelihood,
+    SubsetOfWeights,
+    parse_enum,
+)
 
 __all__ = ["REGISTRY", "Laplace"]
 
 S, H = SubsetOfWeights, HessianStructure
 
 #: Implemented (subset, structure) combinations.
-REGISTRY: dict[tuple[SubsetOfWeights, HessianStructure], type[ParametricLaplace]] = {
+REGISTRY: dict[
+    tuple[SubsetOfWeights, HessianStructure], type[ParametricLaplace | BaseFunctionalLaplace]
+] = {
     (S.ALL, H.FULL): FullLaplace,
     (S.ALL, H.DIAG): DiagLaplace,
     (S.ALL, H.KRON): KronLaplace,
+    (S.ALL, H.LOWRANK): LowRankLaplace,
     (S.LAST_LAYER, H.FULL): FullLLLaplace,
     (S.LAST_LAYER, H.KRON): KronLLLaplace,
     (S.LAST_LAYER, H.DIAG): DiagLLLaplace,
+    (S.SUBNETWORK, H.FULL): FullSubnetLaplace,
+    (S.SUBNETWORK, H.DIAG): DiagSubnetLaplace,
+    (S.ALL, H.GP): FunctionalLaplace,  # functional_approximation="sod"
+    (S.LAST_LAYER, H.GP): FunctionalLLLaplace,
 }
 
 #: Combinations laplace-torch supports that later issues add, with the issue that adds them.
-PLANNED: dict[tuple[SubsetOfWeights, HessianStructure], str] = {
-    (S.ALL, H.LOWRANK): "the low-rank/subnetwork issue",
-    (S.ALL, H.GP): "the function-space (GP) issue",
-    (S.LAST_LAYER, H.GP): "the function-space (GP) issue",
-    (S.SUBNETWORK, H.FULL): "the low-rank/subnetwork issue",
-    (S.SUBNETWORK, H.DIAG): "the low-rank/subnetwork issue",
+PLANNED: dict[tuple[SubsetOfWeights, HessianStructure], str] = {}
+
+#: Function-space approximations other than subset of data (all weights only).
+FUNCTIONAL: dict[FunctionalApproximation, type[BaseFunctionalLaplace]] = {
+    FunctionalApproximation.NYSTROM: ELLA,
+    FunctionalApproximation.VARIATIONAL: VaLLA,
 }
+
+#: Function-space approximations not implemented yet.
+PLANNED_FUNCTIONAL: dict[FunctionalApproximation, str] = {}
 
 #: Structures the reward-modelling likelihood supports (as in laplace-torch).
 REWARD_MODELING_STRUCTURES = (H.KRON, H.DIAG)
@@ -43,8 +73,9 @@ def Laplace(
     subset_of_weights: SubsetOfWeights | str = SubsetOfWeights.LAST_LAYER,
     hessian_structure: HessianStructure | str = HessianStructure.KRON,
     *args: Any,
+    functional_approximation: FunctionalApproximation | str = FunctionalApproximation.SOD,
     **kwargs: Any,
-) -> ParametricLaplace:
+) -> ParametricLaplace | BaseFunctionalLaplace:
     """Build the Laplace approximation for a subset of weights and a curvature structure.
 
     Args:
@@ -53,10 +84,13 @@ def Laplace(
         subset_of_weights: ``"all"``, ``"last_layer"`` or ``"subnetwork"``.
         hessian_structure: ``"full"``, ``"kron"``, ``"diag"``, ``"lowrank"`` or ``"gp"``.
         *args: Passed on to the chosen class.
+        functional_approximation: With ``hessian_structure="gp"``: ``"sod"`` (subset of data,
+            :class:`FunctionalLaplace` / :class:`FunctionalLLLaplace`, needs ``n_subset``),
+            ``"nystrom"`` (ELLA) or ``"variational"`` (VaLLA), both over all weights only.
         **kwargs: Passed on to the chosen class.
 
     Returns:
-        An instance of the chosen :class:`ParametricLaplace` subclass.
+        An instance of the chosen Laplace class.
 
     Raises:
         ValueError: For unknown options or a combination no Laplace class supports.
@@ -65,7 +99,26 @@ def Laplace(
     likelihood = parse_enum(Likelihood, likelihood, "likelihood")
     subset = parse_enum(SubsetOfWeights, subset_of_weights, "subset_of_weights")
     structure = parse_enum(HessianStructure, hessian_structure, "hessian_structure")
+    approximation = parse_enum(
+        FunctionalApproximation, functional_approximation, "functional_approximation"
+    )
     key = (subset, structure)
+    if approximation != FunctionalApproximation.SOD:
+        if structure != H.GP:
+            raise ValueError(
+                f"functional_approximation={approximation.value!r} needs hessian_structure='gp'."
+            )
+        if subset != S.ALL:
+            raise ValueError(
+                f"functional_approximation={approximation.value!r} needs subset_of_weights='all'."
+            )
+        if approximation in FUNCTIONAL:
+            return FUNCTIONAL[approximation](model, likelihood, *args, **kwargs)
+        raise NotImplementedError(
+            f"functional_approximation={approximation.value!r} "
+            f"({PLANNED_FUNCTIONAL[approximation]}) is not available yet in laplace-ng; use "
+            "functional_approximation='sod' (FunctionalLaplace)."
+        )
     if key not in REGISTRY and key not in PLANNED:
         valid = sorted(f"{s.value}/{h.value}" for s, h in [*REGISTRY, *PLANNED] if s == subset)
         raise ValueError(

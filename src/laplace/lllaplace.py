@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, move_inputs, split_batch
+from laplace.functional import FunctionalLLLaplace
 from laplace.kronlaplace import KronLaplace
 from laplace.last_layer import (
     diag_curvature,
@@ -47,12 +48,22 @@ __all__ = [
     "FeatureExtractor",
     "FeatureReduction",
     "FullLLLaplace",
+    "FunctionalLLLaplace",
     "KronLLLaplace",
     "LLLaplace",
 ]
 
 #: Feature and output-curvature entries buffered before they are turned into curvature.
 BUFFER_ELEMENTS = 2**24
+
+
+def _one_row_per_point(f: Tensor, phi: Tensor) -> bool:
+    """Whether the head maps each data point's features (B, D) to its outputs (B, C).
+
+    Otherwise (sequence features (B, T, D), reward pairs reshaped to (2B, D) inside the model)
+    the closed forms do not apply.
+    """
+    return phi.dim() == 2 and phi.shape[0] == f.shape[0]
 
 
 class LLLaplace(ParametricLaplace):
@@ -198,7 +209,7 @@ class LLLaplace(ParametricLaplace):
             with torch.no_grad():
                 f, phi = self._subset.outputs_and_features(X)
             self.n_outputs = int(f.shape[-1])
-            if phi.dim() != 2:  # the head sees several rows per data point: autograd route
+            if not _one_row_per_point(f, phi):  # several head rows per data point: autograd
                 yield self._batch_curvature(X, y, n_data)
                 continue
             with torch.no_grad():
@@ -235,7 +246,7 @@ class LLLaplace(ParametricLaplace):
         context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
         with context:
             f, phi = self._subset.outputs_and_features(X)
-            if phi.dim() != 2:
+            if not _one_row_per_point(f, phi):
                 return super()._functional_moments(X)
             bias = self._subset.layer.bias is not None
             f_var = self._head_variance(self._posterior, phi, f.shape[-1], bias)
@@ -247,7 +258,7 @@ class LLLaplace(ParametricLaplace):
         context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
         with context:
             f, phi = self._subset.outputs_and_features(X)
-            if phi.dim() != 2:
+            if not _one_row_per_point(f, phi):
                 return super()._jacobians(X)
             Js = head_jacobians(phi, f.shape[-1], self._subset.layer.bias is not None)
         if not self.enable_backprop:
@@ -321,8 +332,8 @@ class KronLLLaplace(LLLaplace, KronLaplace):
     """Last-layer Laplace with a Kronecker-factored (KFAC) curvature of the head.
 
     Args:
-        damping: Mix the prior into each Kronecker factor (see :class:`KronLaplace`).
-        See :class:`LLLaplace` for the other arguments.
+        damping: Mix the prior into each Kronecker factor (see :class:`KronLaplace`). The
+            other arguments are those of :class:`LLLaplace`.
     """
 
     _backend_route = "kron"

@@ -58,7 +58,7 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
             raise ValueError("train_loader is empty: fit needs at least one data point.")
         self._resolve_subset(train_loader)
         if override or self.H is None:
-            self.H = self._posterior_cls.zeros(self.params)
+            self.H = self._zero_curvature()
             self.loss, self.n_data = 0.0, 0
         self.model.eval()
         self.mean = self._subset.vector()
@@ -81,6 +81,10 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
         self.H = self._posterior_cls.finalize(self.H)
         self.n_data += n_data
         self._posterior_cache = None
+
+    def _zero_curvature(self) -> Any:
+        """Empty curvature in the posterior's structure and dimension."""
+        return self._posterior_cls.zeros(self.params)
 
     def _resolve_subset(self, train_loader: DataLoader) -> None:
         """Make sure the parameter subset is known before fitting (all weights: always)."""
@@ -182,7 +186,7 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
         if normalized:
             log_prob = log_prob + 0.5 * (
                 self.log_det_posterior_precision
-                - self.n_params
+                - self.prior_precision_diag.numel()
                 * torch.log(torch.tensor(2 * torch.pi, device=self._device, dtype=self._dtype))
             )
         return log_prob

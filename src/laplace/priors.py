@@ -37,9 +37,10 @@ def as_prior_precision(
         )
     tensor = tensor.reshape(-1)
     if n_params is not None and len(tensor) not in (1, n_layers, n_params):
+        layerwise = "" if n_layers is None else f"layer-wise (length n_layers={n_layers}) or "
         raise ValueError(
             f"prior_precision has length {len(tensor)}; it must be a scalar (length 1), "
-            f"layer-wise (length n_layers={n_layers}) or diagonal (length n_params={n_params})."
+            f"{layerwise}diagonal (length n_params={n_params})."
         )
     if not bool((tensor.detach() > 0).all()) or not bool(torch.isfinite(tensor.detach()).all()):
         raise ValueError("prior_precision must be positive and finite in every entry.")

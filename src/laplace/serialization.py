@@ -91,8 +91,7 @@ class StateDictMixin:
     def _load_curvature_state(self, state: Any) -> Any:
         if not isinstance(state, Tensor):
             raise ValueError("state_dict['H'] must be a tensor for this structure.")
-        expected = self._posterior_cls.zeros(self.params).dim()
-        shape = (self.n_params,) * expected
+        shape = tuple(self._zero_curvature().shape)
         if tuple(state.shape) != shape:
             raise ValueError(f"state_dict['H'] has shape {tuple(state.shape)}, expected {shape}.")
         return state.to(device=self._device, dtype=self._dtype)

@@ -1,8 +1,9 @@
 """Parameter subsets: which weights the posterior covers and how a weight vector drives the model.
 
-``AllWeights`` covers every parameter with ``requires_grad=True``; ``LastLayer`` the linear head
-of a :class:`~laplace.utils.feature_extractor.FeatureExtractor`, which may only be found on the
-first forward pass (``resolved`` tells). Both implement the same small interface.
+``AllWeights`` covers every parameter with ``requires_grad=True``; ``Subnetwork`` chosen entries
+of their flattened vector; ``LastLayer`` the linear head of a
+:class:`~laplace.utils.feature_extractor.FeatureExtractor`, which may only be found on the first
+forward pass (``resolved`` tells). All implement the same small interface.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch.func import functional_call
 from laplace.data import Inputs
 from laplace.utils.feature_extractor import FeatureExtractor
 
-__all__ = ["AllWeights", "LastLayer"]
+__all__ = ["AllWeights", "LastLayer", "Subnetwork", "check_subnetwork_indices"]
 
 
 class _FlatParameters:
@@ -91,6 +92,80 @@ class AllWeights(_FlatParameters):
     def forward_samples(self, thetas: Tensor, X: Any, **model_kwargs: Any) -> Tensor:
         """Model outputs for each weight sample: thetas (S, P) → (S, B, C)."""
         return torch.stack([self.forward_with(theta, X, **model_kwargs) for theta in thetas])
+
+
+def check_subnetwork_indices(indices: Any, n_params: int) -> Tensor:
+    """Validate subnetwork indices into a flattened parameter vector of length ``n_params``.
+
+    Args:
+        indices: Candidate indices.
+        n_params: Length of the flattened trainable parameter vector.
+
+    Returns:
+        ``indices`` unchanged (a 1-D ``torch.long`` tensor).
+
+    Raises:
+        ValueError: If ``indices`` is None, not a 1-D ``torch.long`` tensor, empty, out of
+            ``[0, n_params)`` or has duplicates (ValueError for all, as in laplace-torch).
+    """
+    hint = "e.g. torch.tensor([0, 5, 9]) or SubnetMask(...).select(train_loader)"
+    if indices is None:
+        raise ValueError(
+            "subnetwork Laplace needs subnetwork_indices: a 1-D torch.long tensor of indices "
+            f"into the flattened trainable parameters ({hint})."
+        )
+    if not isinstance(indices, Tensor) or indices.dtype != torch.long:
+        kind = indices.dtype if isinstance(indices, Tensor) else type(indices).__name__
+        raise ValueError(f"subnetwork_indices must be a torch.long tensor ({hint}), got {kind}.")
+    if indices.dim() != 1 or indices.numel() == 0:
+        raise ValueError(
+            f"subnetwork_indices must be a non-empty 1-D tensor, got shape {tuple(indices.shape)}."
+        )
+    low, high = int(indices.min()), int(indices.max())
+    if low < 0 or high >= n_params:
+        raise ValueError(
+            f"subnetwork_indices must lie in [0, n_params={n_params}), got values from {low} "
+            f"to {high}."
+        )
+    if len(indices.unique()) != len(indices):
+        raise ValueError("subnetwork_indices must not contain duplicate entries.")
+    return indices
+
+
+class Subnetwork(AllWeights):
+    """Chosen entries ``θ[indices]`` of the flattened trainable parameters; the rest stay at MAP.
+
+    ``params``, ``names``, ``vector()`` and ``forward_with`` refer to the whole trainable vector
+    (length P, as ``la.mean`` in laplace-torch); :meth:`select` and :meth:`assemble` move
+    between it and the subnetwork values (length K, in the order of ``indices``).
+
+    Args:
+        model: The network.
+        indices: 1-D ``torch.long`` tensor of K distinct indices into the flattened trainable
+            parameters (``model.named_parameters()`` order).
+
+    Raises:
+        ValueError: For invalid indices (see :func:`check_subnetwork_indices`).
+    """
+
+    def __init__(self, model: nn.Module, indices: Tensor) -> None:
+        super().__init__(model)
+        self.indices = check_subnetwork_indices(indices, self.n_params).to(self.device)
+
+    @property
+    def n_subnet(self) -> int:
+        """Number K of parameters in the subnetwork."""
+        return len(self.indices)
+
+    def select(self, theta: Tensor) -> Tensor:
+        """Subnetwork entries of full vectors: (..., P) → (..., K)."""
+        return theta[..., self.indices]
+
+    def assemble(self, theta: Tensor, subnet_values: Tensor) -> Tensor:
+        """Copies (S, P) of ``theta`` (P,) with the subnetwork set to ``subnet_values`` (S, K)."""
+        full = theta.expand(len(subnet_values), -1).clone()
+        full[:, self.indices] = subnet_values
+        return full
 
 
 class LastLayer(_FlatParameters):
@@ -173,8 +248,8 @@ class LastLayer(_FlatParameters):
 
     def forward_samples(self, thetas: Tensor, X: Inputs, **model_kwargs: Any) -> Tensor:
         """Outputs for head samples thetas (S, P) → (S, B, C), from one feature pass."""
-        _, phi = self.outputs_and_features(X, **model_kwargs)
-        if phi.dim() == 2:
+        f, phi = self.outputs_and_features(X, **model_kwargs)
+        if phi.dim() == 2 and phi.shape[0] == f.shape[0]:
             return self.head(thetas, phi)
         net = self.model.model
         return torch.stack(

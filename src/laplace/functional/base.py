@@ -1,0 +1,174 @@
+r"""``BaseFunctionalLaplace``: predictives of function-space (GP) Laplace approximations.
+
+Linearising the network at the MAP ``θ*`` turns it into a GLM, ``f(x) ≈ f(x; θ*) + J(x)(θ − θ*)``,
+whose weight-space Gaussian prior ``N(μ₀, P₀⁻¹)`` is a Gaussian process over functions with the
+neural tangent kernel ``k(x, x') = J(x) P₀⁻¹ J(x')ᵀ`` (Khan et al., 2019; Immer et al., 2021).
+Subclasses approximate the GP posterior (subset of data, Nyström, variational) and supply its
+latent moments through :meth:`_latent_moments`; this class turns them into predictions.
+
+Internal module; the public path is :mod:`laplace.baselaplace`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from laplace.base import BaseLaplace
+from laplace.data import Inputs, batch_size_of, move_inputs
+from laplace.predictive import LINKS, gaussian_output_samples
+from laplace.utils.enums import Likelihood, LinkApprox, PredType, parse_enum
+
+__all__ = ["BaseFunctionalLaplace"]
+
+
+class BaseFunctionalLaplace(BaseLaplace):
+    """Predictions and sampling shared by the function-space Laplace approximations.
+
+    A subclass implements :meth:`fit` and :meth:`_latent_moments`, which returns the GP
+    posterior over the network outputs at test inputs: means (B, C) and covariances (B, C, C),
+    or with ``joint=True`` means (B·C,) and one covariance (B·C, B·C). Observation noise is
+    never included.
+    """
+
+    _fitted = False
+
+    def _check_fitted(self, what: str = "this method") -> None:
+        if not self._fitted:
+            raise RuntimeError(f"{what} needs a fitted Laplace approximation: call fit() first.")
+
+    def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def _checked_inputs(self, x: Inputs, what: str) -> Inputs:
+        self._check_fitted(what)
+        x = move_inputs(x, self._device)
+        if batch_size_of(x, self.dict_key_x) == 0:
+            raise ValueError(f"{what} needs at least one input, got an empty batch.")
+        return x
+
+    def predictive_moments(self, x: Inputs, *, joint: bool = False) -> tuple[Tensor, Tensor]:
+        """Latent GP posterior moments at ``x``, without observation noise.
+
+        Args:
+            x: Test inputs (B, ...) or a dict-like batch.
+            joint: Keep the covariance between test points.
+
+        Returns:
+            Means (B, C) and covariances (B, C, C); with ``joint=True`` means (B·C,) and the
+            covariance (B·C, B·C).
+
+        Raises:
+            RuntimeError: Before :meth:`fit`.
+            ValueError: For an empty batch.
+        """
+        return self._latent_moments(self._checked_inputs(x, "predictive_moments"), joint)
+
+    def __call__(
+        self,
+        x: Inputs,
+        pred_type: PredType | str = PredType.GP,
+        joint: bool = False,
+        link_approx: LinkApprox | str = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+        fitting: bool = False,
+        **model_kwargs: Any,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """GP posterior predictive at ``x``.
+
+        Args:
+            x: Test inputs (B, ...) or a dict-like batch.
+            pred_type: Only ``"gp"`` (the function-space posterior).
+            joint: Regression: return ``(f_mu (B·C,), f_cov (B·C, B·C))``.
+            link_approx: Classification link: ``"probit"``, ``"bridge"``, ``"bridge_norm"`` or
+                ``"mc"``.
+            n_samples: Samples for ``"mc"``.
+            diagonal_output: Regression: return variances (B, C) instead of (B, C, C).
+            generator: Random number generator for ``"mc"``.
+            fitting: Accepted for interface compatibility (validation passes it).
+            **model_kwargs: Accepted for interface compatibility; not passed to the model.
+
+        Returns:
+            Classification: probabilities (B, C). Regression: ``(f_mu, f_var)``.
+
+        Raises:
+            ValueError: For a ``pred_type`` other than ``"gp"``, an unknown link, an empty batch.
+            RuntimeError: Before :meth:`fit`.
+        """
+        pred_type = parse_enum(PredType, pred_type, "pred_type")
+        link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
+        if pred_type != PredType.GP:
+            raise ValueError(
+                f"function-space Laplace predicts with pred_type='gp', got {pred_type.value!r}."
+            )
+        x = self._checked_inputs(x, "prediction")
+        if self.likelihood == Likelihood.CLASSIFICATION:
+            f_mu, f_var = self._latent_moments(x, joint=False)
+            return LINKS[link_approx](f_mu, f_var, n_samples=n_samples, generator=generator)
+        f_mu, f_var = self._latent_moments(x, joint=joint)
+        if diagonal_output and not joint:
+            f_var = f_var.diagonal(dim1=-2, dim2=-1)
+        return f_mu, f_var
+
+    def functional_samples(
+        self,
+        x: Inputs,
+        pred_type: PredType | str = PredType.GLM,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+        joint: bool = False,
+    ) -> Tensor:
+        """Draws of the latent outputs from the GP posterior, shape (S, B, C).
+
+        Args:
+            x: Test inputs (B, ...) or a dict-like batch.
+            pred_type: Accepted for compatibility; every value samples the GP posterior.
+            n_samples: Number of draws S (positive).
+            diagonal_output: Drop the covariance between outputs before sampling.
+            generator: Random number generator.
+            joint: Keep the covariance between test points.
+
+        Raises:
+            ValueError: For a non-positive ``n_samples`` or an unknown ``pred_type``.
+        """
+        parse_enum(PredType, pred_type, "pred_type")
+        if n_samples <= 0:
+            raise ValueError(f"n_samples must be positive, got {n_samples}.")
+        x = self._checked_inputs(x, "functional_samples")
+        f_mu, f_var = self._latent_moments(x, joint=joint)
+        if not joint:
+            if diagonal_output:
+                f_var = f_var.diagonal(dim1=-2, dim2=-1)
+            return gaussian_output_samples(f_mu, f_var, n_samples, generator)
+        B = batch_size_of(x, self.dict_key_x)
+        C = f_mu.numel() // B
+        if diagonal_output:
+            same_output = torch.arange(B * C, device=f_mu.device) % C
+            f_var = f_var * (same_output[:, None] == same_output[None, :])
+        samples = gaussian_output_samples(f_mu[None], f_var[None], n_samples, generator)
+        return samples.reshape(n_samples, B, C)
+
+    def predictive_samples(
+        self,
+        x: Inputs,
+        pred_type: PredType | str = PredType.GLM,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+        fitting: bool = False,
+        joint: bool = False,
+    ) -> Tensor:
+        """Samples of the predictive: probabilities for classification, outputs otherwise.
+
+        Returns:
+            Samples, shape (S, B, C).
+        """
+        f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator, joint)
+        if self.likelihood == Likelihood.CLASSIFICATION:
+            return torch.softmax(f, dim=-1)
+        return f

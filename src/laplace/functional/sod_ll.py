@@ -1,0 +1,117 @@
+r"""Subset-of-data GP Laplace over the last layer: ``FunctionalLLLaplace``.
+
+Internal module; the public path is :mod:`laplace.lllaplace`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from laplace.curvature import CurvatureInterface
+from laplace.data import Inputs, move_inputs, split_batch
+from laplace.functional.sod import FunctionalLaplace
+from laplace.last_layer import head_jacobians
+from laplace.subsets import LastLayer
+from laplace.utils.enums import Likelihood
+from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
+
+__all__ = ["FunctionalLLLaplace"]
+
+
+class FunctionalLLLaplace(FunctionalLaplace):
+    """Subset-of-data GP Laplace over the last (linear) layer only.
+
+    The kernel is ``J Jᵀ/δ`` with the closed-form head Jacobians ``Jₙ = [I_C ⊗ φₙᵀ, I_C]`` of the
+    features ``φ`` (the body of the network is a fixed feature extractor). See
+    :class:`FunctionalLaplace` for the GP and the other arguments.
+
+    Args:
+        feature_reduction: See :class:`~laplace.utils.feature_extractor.FeatureExtractor`.
+        last_layer_name: Name of the last layer; found on the first batch of :meth:`fit` when
+            None.
+    """
+
+    _key = ("last_layer", "gp")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        n_subset: int,
+        sigma_noise: float | Tensor = 1.0,
+        prior_precision: float | Tensor = 1.0,
+        prior_mean: float | Tensor = 0.0,
+        temperature: float = 1.0,
+        enable_backprop: bool = False,
+        feature_reduction: FeatureReduction | str | None = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        last_layer_name: str | None = None,
+        backend: type[CurvatureInterface] | None = None,
+        backend_kwargs: dict[str, Any] | None = None,
+        independent_outputs: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        extractor = FeatureExtractor(model, last_layer_name, enable_backprop, feature_reduction)
+        self._last_layer_name = last_layer_name
+        super().__init__(
+            extractor,
+            likelihood,
+            n_subset,
+            sigma_noise,
+            prior_precision,
+            prior_mean,
+            temperature,
+            enable_backprop,
+            dict_key_x,
+            dict_key_y,
+            backend,
+            {**(backend_kwargs or {}), "last_layer": True},
+            independent_outputs,
+            seed,
+        )
+
+    def _make_subset(self, model: nn.Module) -> LastLayer:
+        return LastLayer(model)
+
+    @property
+    def enable_backprop(self) -> bool:
+        """Keep predictives (and the features) differentiable w.r.t. the inputs."""
+        return self.model.enable_backprop
+
+    @enable_backprop.setter
+    def enable_backprop(self, value: bool) -> None:
+        self.model.enable_backprop = bool(value)
+
+    def _resolve_subset(self, train_loader: DataLoader) -> None:
+        if not self._subset.resolved:
+            X, _ = split_batch(next(iter(train_loader)), self.dict_key_x, self.dict_key_y)
+            X = move_inputs(X, self._device)
+            self.model.eval()
+            self._subset.resolve(X[:1] if isinstance(X, Tensor) else X)
+        self._bind_subset()
+        self.prior_mean = self.prior_mean
+
+    def _restore_subset(self, state_dict: dict[str, Any]) -> None:
+        if not self._subset.resolved:
+            self.model.set_last_layer(state_dict["last_layer_name"])
+        self._bind_subset()
+
+    def _jacobians(self, X: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
+        context = torch.enable_grad() if enable_backprop else torch.no_grad()
+        with context:
+            f, phi = self._subset.outputs_and_features(X)
+            if phi.dim() != 2 or phi.shape[0] != f.shape[0]:
+                return super()._jacobians(X, enable_backprop)
+            Js = head_jacobians(phi, f.shape[-1], self._subset.layer.bias is not None)
+        return (Js, f) if enable_backprop else (Js.detach(), f.detach())
+
+    def state_dict(self) -> dict[str, Any]:
+        """See :meth:`FunctionalLaplace.state_dict`; adds the last layer's name."""
+        return {**super().state_dict(), "last_layer_name": self.model.last_layer_name}

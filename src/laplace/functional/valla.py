@@ -1,0 +1,349 @@
+r"""VaLLA: variational linearised Laplace with inducing points (Ortega et al., 2023).
+
+Internal module; the public paths are :mod:`laplace.baselaplace` and :mod:`laplace`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from laplace.curvature import CurvatureInterface
+from laplace.data import Inputs, move_inputs
+from laplace.functional.base import BaseFunctionalLaplace
+from laplace.functional.inducing import choose_inducing
+from laplace.functional.scoring import jacobian_chunks, positive_int, validation_nll
+from laplace.utils.enums import Likelihood, parse_enum
+from laplace.utils.functional_utils import (
+    classification_targets,
+    preserve_model_gradients,
+    regression_targets,
+)
+
+__all__ = ["VaLLA"]
+
+STRATEGIES = ("random", "kmeans")
+
+
+class VaLLA(BaseFunctionalLaplace):
+    r"""Linearised Laplace whose posterior is fitted variationally through ``M`` inducing points.
+
+    With the Jacobians ``J_Z`` (M, P) of one output per inducing input ``z_m``, a lower
+    triangular ``L`` (M, M) and the isotropic prior ``N(θ*, δ⁻¹I)``, the posterior over the
+    weights of the linearised network is
+
+    .. math::
+        q(θ) = \mathcal{N}(θ^*, Σ_q), \quad Σ_q = (δ I + J_Z^\top L L^\top J_Z)^{-1}, \qquad
+        f_* \sim \mathcal{N}\big(f(x_*; θ^*),\; J_* Σ_q J_*^\top\big).
+
+    ``fit`` maximises, by Adam on minibatches, the ELBO
+    ``(N/B) Σ_b E_q[log p(y_b | f_b)]/T − KL(q ‖ p)`` over ``L``, ``log δ``, ``log σ²``
+    (regression) and floating-point inducing inputs. With ``A = Lᵀ J_Z / √δ``,
+    ``KL = ½ log det(I + AAᵀ) − ½ tr(AAᵀ(I + AAᵀ)⁻¹)``; the expectation is exact for regression
+    and uses the probit approximation for classification. Covariances are computed with a QR
+    factor of ``[Aᵀ; I]`` (never the P×P matrix) in float64.
+
+    Args:
+        model: The trained network (kept fixed).
+        likelihood: ``"classification"`` or ``"regression"``.
+        inducing_locations: Inputs (M, ...) or a mapping, or ``"random"`` / ``"kmeans"`` to pick
+            ``num_inducing`` training inputs at :meth:`fit` (k-means runs in torch; its centres
+            are snapped to the nearest training inputs; no scikit-learn or SciPy needed).
+        num_inducing: M; required with a strategy, must match explicit locations.
+        inducing_classes: Output used at each inducing input (M,); 0 when None (strategies use
+            the training labels for classification).
+        sigma_noise: Initial σ (regression); learnt by :meth:`fit`.
+        prior_precision: Initial scalar δ; learnt by :meth:`fit`.
+        prior_mean: Must be 0.
+        temperature: Likelihood temperature T.
+        enable_backprop: Keep predictives differentiable w.r.t. the inputs.
+        dict_key_x: Key of the inputs in dict-like batches.
+        dict_key_y: Key of the targets in dict-like batches.
+        backend: Backend whose ``jacobians`` are used; ``CurvlinopsGGN`` when None.
+        backend_kwargs: Keyword arguments of the backend.
+        seed: Seed of the inducing-point choice.
+
+    Attributes:
+        fit_history_: ``objective`` (negative ELBO per step, decreasing) and ``val_nll``.
+
+    Raises:
+        ValueError: For an unknown strategy, a bad ``num_inducing``, ``inducing_classes`` of the
+            wrong shape, a non-scalar prior precision or a non-zero prior mean.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        inducing_locations: Tensor | MutableMapping | str,
+        num_inducing: int | None = None,
+        inducing_classes: Tensor | None = None,
+        sigma_noise: float | Tensor = 1.0,
+        prior_precision: float | Tensor = 1.0,
+        prior_mean: float | Tensor = 0.0,
+        temperature: float = 1.0,
+        enable_backprop: bool = False,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        backend: type[CurvatureInterface] | None = None,
+        backend_kwargs: dict[str, Any] | None = None,
+        seed: int = 0,
+    ) -> None:
+        if parse_enum(Likelihood, likelihood, "likelihood") == Likelihood.REWARD_MODELING:
+            raise NotImplementedError("VaLLA with likelihood='reward_modeling' is not available.")
+        if bool((torch.as_tensor(prior_mean) != 0).any()):
+            raise ValueError("VaLLA needs prior_mean=0.")
+        if torch.as_tensor(prior_precision).numel() != 1:
+            raise ValueError("VaLLA needs a scalar prior_precision.")
+        self.log_noise_variance: nn.Parameter | None = None
+        super().__init__(
+            model,
+            likelihood,
+            sigma_noise,
+            prior_precision,
+            prior_mean,
+            temperature,
+            enable_backprop,
+            dict_key_x,
+            dict_key_y,
+            backend,
+            backend_kwargs,
+        )
+        self.seed = seed
+        if isinstance(inducing_locations, str):
+            if inducing_locations not in STRATEGIES:
+                raise ValueError(
+                    f"inducing_locations must be inputs or one of {list(STRATEGIES)}, got "
+                    f"{inducing_locations!r}."
+                )
+            if not positive_int(num_inducing):
+                raise ValueError(f"num_inducing must be a positive integer, got {num_inducing!r}.")
+            self._strategy, self.inducing_locations = inducing_locations, None
+            self.num_inducing = num_inducing
+        else:
+            self._strategy = None
+            self.inducing_locations = self._as_inducing(inducing_locations)
+            count = len(_first_tensor(self.inducing_locations, dict_key_x))
+            if num_inducing is not None and num_inducing != count:
+                raise ValueError(f"num_inducing={num_inducing} but {count} inducing inputs given.")
+            self.num_inducing = count
+        classes = torch.zeros(self.num_inducing, dtype=torch.long)
+        if inducing_classes is not None:
+            classes = torch.as_tensor(inducing_classes, dtype=torch.long)
+        if classes.shape != (self.num_inducing,):
+            raise ValueError(f"inducing_classes must have shape ({self.num_inducing},).")
+        self.inducing_classes = classes.to(self._device)
+        self._initial = (self.inducing_locations, self.inducing_classes.clone())
+        self._init_factor()
+        self.fit_history_: dict[str, list[float]] = {"objective": [], "val_nll": []}
+
+    # ------------------------------------------------------------------------ parameters
+    @property
+    def prior_precision(self) -> Tensor:
+        """Scalar prior precision ``δ = exp(log_prior_precision)``, shape (1,)."""
+        return self.log_prior_precision.detach().exp()
+
+    @prior_precision.setter
+    def prior_precision(self, value: float | Tensor) -> None:
+        log = torch.as_tensor(value, dtype=self._dtype, device=self._device).reshape(1).log()
+        self.log_prior_precision = nn.Parameter(log.detach().clone())
+
+    @property
+    def sigma_noise(self) -> Tensor:
+        """Observation noise σ (learnt for regression), shape (1,)."""
+        if self.log_noise_variance is None:
+            return self._sigma_noise
+        return (0.5 * self.log_noise_variance.detach()).exp()
+
+    @sigma_noise.setter
+    def sigma_noise(self, value: float | Tensor) -> None:
+        BaseFunctionalLaplace.sigma_noise.fset(self, value)
+        if self.likelihood == Likelihood.REGRESSION:
+            self.log_noise_variance = nn.Parameter(2 * self._sigma_noise.detach().log().clone())
+
+    def _as_inducing(self, Z: Any) -> Tensor | MutableMapping:
+        """Copy to the device; a floating tensor becomes a trainable ``nn.Parameter``."""
+        if isinstance(Z, MutableMapping):
+            return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in Z.items()}
+        Z = move_inputs(torch.as_tensor(Z), self._device)
+        if Z.is_floating_point():
+            return nn.Parameter(Z.detach().to(self._dtype).clone())
+        return Z.detach().clone()
+
+    def _init_factor(self) -> None:
+        rows, cols = torch.tril_indices(self.num_inducing, self.num_inducing)
+        self.L = nn.Parameter((rows == cols).to(self._dtype).to(self._device))
+
+    def _factor_matrix(self) -> Tensor:
+        M = self.num_inducing
+        rows, cols = torch.tril_indices(M, M, device=self._device)
+        return torch.zeros(M, M, dtype=self._dtype, device=self._device).index_put(
+            (rows, cols), self.L
+        )
+
+    # --------------------------------------------------------------------------- posterior
+    def _inducing_factor(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``A = Lᵀ J_Z/√δ`` (M, P) and the QR factors of ``[Aᵀ; I]`` (float64)."""
+        trainable = isinstance(self.inducing_locations, nn.Parameter)
+        Js = torch.cat([J for J, _ in jacobian_chunks(self, self.inducing_locations, trainable)])
+        JZ = Js[torch.arange(self.num_inducing), self.inducing_classes].to(torch.float64)
+        scale = self.log_prior_precision.to(torch.float64).mul(0.5).exp()
+        A = self._factor_matrix().to(torch.float64).T @ JZ / scale
+        eye = torch.eye(self.num_inducing, dtype=torch.float64, device=self._device)
+        Q, R = torch.linalg.qr(torch.cat([A.T, eye]), mode="reduced")
+        return A, Q, R
+
+    def _covariance(self, Js: Tensor, Q: Tensor, joint: bool) -> Tensor:
+        """``J (δI + AᵀA·δ)⁻¹ Jᵀ`` as ``‖(I − QQᵀ)[J/√δ, 0]‖²`` for Js (B, C, P)."""
+        B, C, P = Js.shape
+        scale = self.log_prior_precision.to(torch.float64).mul(0.5).exp()
+        padded = nn.functional.pad(Js.to(torch.float64).reshape(B * C, P) / scale, (0, Q.shape[1]))
+        roots = padded - (padded @ Q) @ Q.T
+        if joint:
+            cov = roots @ roots.T
+        else:
+            roots = roots.reshape(B, C, -1)
+            cov = roots @ roots.transpose(1, 2)
+        return ((cov + cov.transpose(-1, -2)) / 2).to(Js.dtype)
+
+    def _moments(self, X: Inputs, joint: bool, differentiable: bool) -> tuple[Tensor, ...]:
+        _, Q, R = factors = self._inducing_factor()
+        Js, f = zip(*jacobian_chunks(self, X, differentiable))
+        Js, f = torch.cat(Js), torch.cat(f)
+        return f, self._covariance(Js, Q, joint), factors[0], R
+
+    def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
+        f, cov, _, _ = self._moments(X, joint, self.enable_backprop)
+        if not self.enable_backprop:
+            f, cov = f.detach(), cov.detach()
+        return (f.reshape(-1) if joint else f), cov
+
+    def functional_variance(self, Js: Tensor) -> Tensor:
+        """Posterior output covariances from Jacobians: (B, C, P) → (B, C, C)."""
+        self._check_fitted("functional_variance")
+        return self._covariance(Js, self._inducing_factor()[1], joint=False).detach()
+
+    def functional_covariance(self, Js: Tensor) -> Tensor:
+        """Joint posterior covariance from Jacobians: (B, C, P) → (B·C, B·C)."""
+        self._check_fitted("functional_covariance")
+        return self._covariance(Js, self._inducing_factor()[1], joint=True).detach()
+
+    # ---------------------------------------------------------------------------------- fit
+    def _objective(self, X: Inputs, y: Tensor) -> Tensor:
+        """Negative minibatch ELBO ``−(N/B) Σ E_q[log p(y|f)]/T + KL``."""
+        f, cov, A, R = self._moments(X, joint=False, differentiable=False)
+        var = cov.diagonal(dim1=-2, dim2=-1)
+        if self.likelihood == Likelihood.REGRESSION:
+            y = regression_targets(y, f)
+            noise = self.log_noise_variance.exp()
+            expected = -0.5 * ((y - f).square() + var) / noise - 0.5 * torch.log(
+                2 * math.pi * noise
+            )
+            log_lik = expected.sum()
+        else:
+            y = classification_targets(y)
+            logits = f / torch.sqrt(1 + math.pi / 8 * var)
+            log_lik = -nn.functional.cross_entropy(logits, y, reduction="sum")
+        solved = torch.linalg.solve_triangular(R.T, A, upper=False)
+        kl = R.diagonal().abs().log().sum() - 0.5 * solved.square().sum()
+        return -(self.n_data / len(y)) * log_lik / self.temperature + kl
+
+    @preserve_model_gradients
+    def fit(
+        self,
+        train_loader: DataLoader,
+        *,
+        iterations: int = 100,
+        lr: float = 1e-3,
+        val_loader: DataLoader | None = None,
+        val_steps: int | None = None,
+        progress_bar: bool = False,
+        override: bool = True,
+    ) -> None:
+        """Maximise the ELBO with Adam, one training batch per iteration (cycling the loader).
+
+        Args:
+            train_loader: Training batches ``(X, y)`` or dict-like.
+            iterations: Number of Adam steps.
+            lr: Adam learning rate.
+            val_loader: Validation data whose predictive NLL is recorded in ``fit_history_``.
+            val_steps: Record the validation NLL every ``val_steps`` iterations (else at the end).
+            progress_bar: Show a progress bar.
+            override: Restart from the initial inducing points and ``L = I``; False continues.
+
+        Raises:
+            ValueError: For bad optimisation settings or inducing classes.
+        """
+        if not positive_int(iterations) or not (math.isfinite(lr) and lr > 0):
+            raise ValueError("iterations must be a positive integer and lr positive and finite.")
+        if val_steps is not None and not positive_int(val_steps):
+            raise ValueError(f"val_steps must be a positive integer, got {val_steps!r}.")
+        self.model.eval()
+        self.n_data = len(train_loader.dataset)
+        X0, _ = next(self._batches(train_loader))
+        with torch.no_grad():
+            self.n_outputs = self.model(X0).shape[-1]
+        self.mean = self._subset.vector().detach()
+        if override or not self._fitted:
+            if self._strategy is not None:
+                Z, classes = choose_inducing(self, train_loader, self._strategy)
+                self.inducing_locations, self.inducing_classes = self._as_inducing(Z), classes
+            else:
+                self.inducing_locations = self._as_inducing(self._initial[0])
+                self.inducing_classes = self._initial[1].clone()
+            self._init_factor()
+            self.fit_history_ = {"objective": [], "val_nll": []}
+        if bool(
+            (self.inducing_classes >= self.n_outputs).any() | (self.inducing_classes < 0).any()
+        ):
+            raise ValueError(f"inducing_classes must lie in [0, {self.n_outputs}).")
+        params = [self.L, self.log_prior_precision]
+        params += [
+            p
+            for p in (self.log_noise_variance, self.inducing_locations)
+            if isinstance(p, nn.Parameter)
+        ]
+        optimizer = torch.optim.Adam(params, lr=lr)
+        self._fitted = False
+        batches = iter(self._batches(train_loader, progress_bar, "VaLLA"))
+        for step in range(1, iterations + 1):
+            try:
+                X, y = next(batches)
+            except StopIteration:
+                batches = iter(self._batches(train_loader))
+                X, y = next(batches)
+            optimizer.zero_grad()
+            objective = self._objective(X, y)
+            objective.backward()
+            optimizer.step()
+            self.fit_history_["objective"].append(float(objective.detach()))
+            if val_loader is not None and val_steps and step % val_steps == 0:
+                self._fitted = True
+                self.fit_history_["val_nll"].append(float(validation_nll(self, val_loader)))
+        self._fitted = True
+        if val_loader is not None and (not val_steps or iterations % val_steps):
+            self.fit_history_["val_nll"].append(float(validation_nll(self, val_loader)))
+
+    def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
+        """Not available: :meth:`fit` learns the prior precision (as in laplace-torch)."""
+        raise NotImplementedError("VaLLA learns the prior precision in fit().")
+
+    def log_marginal_likelihood(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Not defined: the ELBO is in ``fit_history_["objective"]`` (as in laplace-torch)."""
+        raise NotImplementedError("VaLLA has no Laplace marginal likelihood; see fit_history_.")
+
+    @property
+    def log_likelihood(self) -> Tensor:
+        """Not tracked by VaLLA (as in laplace-torch)."""
+        raise NotImplementedError("VaLLA does not track the training log-likelihood.")
+
+
+def _first_tensor(X: Inputs, key: str) -> Tensor:
+    if isinstance(X, MutableMapping):
+        return X[key] if key in X else next(v for v in X.values() if isinstance(v, Tensor))
+    return X

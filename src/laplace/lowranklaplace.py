@@ -1,0 +1,203 @@
+r"""Low-rank Laplace over all weights: ``P = U diag(λ) Uᵀ / (σ²T) + diag(p₀)``.
+
+``(U, λ)`` are the top-k eigenpairs of the curvature summed over the training data (the GGN by
+default; the empirical Fisher, the Monte-Carlo Fisher or the Hessian with the matching backend),
+found matrix-free by Lanczos or LOBPCG on curvature-vector products
+(:mod:`laplace.curvature.eigen`), so it works with every backend, unlike laplace-torch 0.3,
+which needs the unpublished ``asdfghjkl`` package. Internal module; the public path is
+:mod:`laplace.baselaplace`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from laplace.curvature import CurvatureInterface
+from laplace.curvature.eigen import SOLVERS, curvature_operator, top_eigenpairs
+from laplace.data import dataset_size
+from laplace.parametric import ParametricLaplace
+from laplace.posteriors.lowrank import LowRankPosterior
+from laplace.utils.enums import Likelihood
+
+__all__ = ["LowRankLaplace"]
+
+#: ``backend_kwargs`` entries that configure the eigensolver (not passed to the backend).
+#: ``low_rank`` is the name laplace-torch's ``asdfghjkl`` backend uses for ``n_eigenvalues``.
+SOLVER_OPTIONS = ("n_eigenvalues", "low_rank", "solver", "tol", "max_iter", "seed")
+
+
+class LowRankLaplace(ParametricLaplace):
+    """Laplace approximation with a rank-k curvature ``H ≈ U diag(λ) Uᵀ``.
+
+    The posterior precision ``P = U diag(h·λ) Uᵀ + diag(p₀)`` (``h = 1/(σ²T)``) is never formed:
+    the log-determinant, ``J P⁻¹ Jᵀ`` and samples use the k × k capacitance matrix
+    (see :class:`~laplace.posteriors.lowrank.LowRankPosterior`), all in O(P k²).
+
+    Args:
+        model: The trained network.
+        likelihood: ``"classification"`` or ``"regression"``.
+        backend: Curvature family: ``CurvlinopsGGN`` (default, exact GGN; ``stochastic=True``
+            for the Monte-Carlo Fisher), ``CurvlinopsEF``/``AsdlEF``, or a Hessian backend
+            (``CurvlinopsHessian``, ``AsdlHessian``). laplace-torch's default is the Hessian.
+        sigma_noise: See :class:`~laplace.base.BaseLaplace`.
+        prior_precision: See :class:`~laplace.base.BaseLaplace`.
+        prior_mean: See :class:`~laplace.base.BaseLaplace`.
+        temperature: See :class:`~laplace.base.BaseLaplace`.
+        enable_backprop: See :class:`~laplace.base.BaseLaplace`.
+        dict_key_x: See :class:`~laplace.base.BaseLaplace`.
+        dict_key_y: See :class:`~laplace.base.BaseLaplace`.
+        backend_kwargs: Backend options, plus the eigensolver's: ``n_eigenvalues`` (k, default
+            10; ``low_rank`` is accepted as in laplace-torch), ``solver`` (``"lanczos"``,
+            default, ``"lobpcg"``, or ``"randomized"``: block power iterations, far fewer
+            passes over the data for large models), ``tol`` (default 0: machine precision for
+            Lanczos),
+            ``max_iter`` and ``seed`` (start vectors).
+
+    Raises:
+        ValueError: For an unknown solver or a non-positive ``n_eigenvalues``.
+
+    Example:
+        >>> la = Laplace(model, "classification", subset_of_weights="all",
+        ...              hessian_structure="lowrank", backend_kwargs={"n_eigenvalues": 50})
+        >>> la.fit(train_loader)
+        >>> probs = la(x_test, link_approx="probit")
+    """
+
+    _posterior_cls = LowRankPosterior
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        backend: type[CurvatureInterface] | None = None,
+        sigma_noise: float | Tensor = 1.0,
+        prior_precision: float | Tensor = 1.0,
+        prior_mean: float | Tensor = 0.0,
+        temperature: float = 1.0,
+        enable_backprop: bool = False,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        backend_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        options = dict(backend_kwargs or {})
+        solver = {k: options.pop(k) for k in SOLVER_OPTIONS if k in options}
+        if "low_rank" in solver:
+            solver.setdefault("n_eigenvalues", solver.pop("low_rank"))
+        solver.setdefault("n_eigenvalues", 10)
+        if solver.get("solver", "lanczos") not in SOLVERS:
+            raise ValueError(
+                f"backend_kwargs['solver'] must be one of {sorted(SOLVERS)}, "
+                f"got {solver['solver']!r}."
+            )
+        if int(solver["n_eigenvalues"]) < 1:
+            raise ValueError(
+                f"n_eigenvalues must be a positive integer, got {solver['n_eigenvalues']!r}."
+            )
+        self._solver_options = solver
+        super().__init__(
+            model,
+            likelihood,
+            sigma_noise=sigma_noise,
+            prior_precision=prior_precision,
+            prior_mean=prior_mean,
+            temperature=temperature,
+            enable_backprop=enable_backprop,
+            dict_key_x=dict_key_x,
+            dict_key_y=dict_key_y,
+            backend=backend,
+            backend_kwargs=options,
+        )
+
+    def fit(self, train_loader: DataLoader, override: bool = True, progress_bar: bool = False):
+        """Find the top-k curvature eigenpairs over ``train_loader`` and the summed loss.
+
+        Args:
+            train_loader: Batches ``(X, y)`` or dict-like; iterated once per solver product.
+            override: Must be True: eigenpairs of a sum are not sums of eigenpairs.
+            progress_bar: Show a progress bar over the loss pass.
+
+        Raises:
+            ValueError: With ``override=False``, an empty loader or non-finite data.
+            RuntimeError: If the eigenpairs are not finite.
+        """
+        if not override:
+            raise ValueError(
+                "LowRankLaplace cannot update a fit (override=False): the top eigenpairs of a "
+                "sum are not the sum of the top eigenpairs; fit again on all the data."
+            )
+        n_data = dataset_size(train_loader)
+        if n_data == 0:
+            raise ValueError("train_loader is empty: fit needs at least one data point.")
+        self.model.eval()
+        self.mean = self._subset.vector()
+        if not self.enable_backprop:
+            self.mean = self.mean.detach()
+        loss = 0.0
+        with torch.no_grad():
+            for X, y in self._batches(train_loader, progress_bar, desc="fit"):
+                self._check_finite_inputs(X, y)
+                f = self.model(X)
+                self.n_outputs = int(f.shape[-1])
+                loss = loss + self.backend._loss(f, y)
+        options = dict(self._solver_options)
+        k = int(options.pop("n_eigenvalues"))
+        operator, scale = curvature_operator(self.backend, _Batches(self, train_loader), n_data)
+        U, eigenvalues = top_eigenpairs(operator, scale, k, **options)
+        if not self._posterior_cls.is_finite((U, eigenvalues)):
+            raise RuntimeError("the curvature eigenpairs contain NaN or inf; check the model.")
+        self.H = (U, eigenvalues)
+        self.loss, self.n_data = loss, n_data
+        self._posterior_cache = None
+
+    @property
+    def posterior_precision(self) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        """``((U (P, k), h·λ (k,)), p₀ (P,))``, as in laplace-torch.
+
+        The precision is ``U @ diag(h·λ) @ U.T + diag(p₀)``.
+        """
+        return self._posterior.precision
+
+    @property
+    def V(self) -> Tensor:
+        """``diag(p₀)⁻¹ U``, shape (P, k)."""
+        (U, _), prior_diag = self.posterior_precision
+        return U / prior_diag[:, None]
+
+    @property
+    def Kinv(self) -> Tensor:
+        """Inverse capacitance ``(diag(h·λ)⁻¹ + Uᵀ diag(p₀)⁻¹ U)⁻¹``, shape (k, k)."""
+        (U, eigenvalues), _ = self.posterior_precision
+        return torch.linalg.inv(torch.diag(eigenvalues.reciprocal()) + U.T @ self.V)
+
+    # ------------------------------------------------------------------------------ state
+    def _curvature_state(self) -> dict[str, Tensor]:
+        return {"eigenvectors": self.H[0].detach(), "eigenvalues": self.H[1].detach()}
+
+    def _load_curvature_state(self, state: Any) -> tuple[Tensor, Tensor]:
+        if not isinstance(state, dict) or set(state) != {"eigenvectors", "eigenvalues"}:
+            raise ValueError("state_dict['H'] must hold 'eigenvectors' and 'eigenvalues'.")
+        U, eigenvalues = state["eigenvectors"], state["eigenvalues"]
+        if U.dim() != 2 or U.shape[0] != self.n_params or eigenvalues.shape != U.shape[1:]:
+            raise ValueError(
+                f"state_dict['H'] has eigenvectors {tuple(U.shape)} and eigenvalues "
+                f"{tuple(eigenvalues.shape)}, expected (n_params={self.n_params}, k) and (k,)."
+            )
+        return (
+            U.to(device=self._device, dtype=self._dtype),
+            eigenvalues.to(device=self._device, dtype=self._dtype),
+        )
+
+
+class _Batches:
+    """Re-iterable ``(X, y)`` batches of a loader on the model's device (for the operator)."""
+
+    def __init__(self, la: LowRankLaplace, loader: DataLoader) -> None:
+        self.la, self.loader = la, loader
+
+    def __iter__(self) -> Iterator[tuple[Any, Tensor]]:
+        return self.la._batches(self.loader)

@@ -1,0 +1,238 @@
+r"""Marginal-likelihood training: fit the network and its hyperparameters jointly.
+
+Algorithm 1 of Immer et al., *Scalable Marginal Likelihood Estimation for Model Selection in
+Deep Learning* (ICML 2021). The network weights θ minimise the negative log joint
+
+.. math::
+    \mathcal{L}(\theta) = \tfrac{1}{N}\Big(\ell(\theta) + \tfrac{1}{2}\,\theta^\top P_0\,\theta
+    \cdot \tfrac{c}{T}\Big),
+
+with ``ℓ`` the mean loss times ``N`` (MSE for regression, cross-entropy otherwise) and ``c = 2σ²``
+for regression (1 otherwise), while every ``marglik_frequency`` epochs a Laplace approximation
+is fitted at the current weights and ``n_hypersteps`` Adam steps on ``log p₀`` (and ``log σ``)
+ascend its log marginal likelihood. The weights with the best marginal likelihood are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from copy import deepcopy
+from numbers import Number
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.optim import Adam, Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+from tqdm.auto import trange
+
+from laplace.base import BaseLaplace
+from laplace.curvature import CurvatureInterface, CurvlinopsGGN
+from laplace.curvature.registry import available_optional, load_optional
+from laplace.data import dataset_size, move_inputs, split_batch
+from laplace.laplace import Laplace
+from laplace.likelihoods import make_likelihood
+from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure, parse_enum
+from laplace.utils.utils import expand_prior_precision, fix_prior_prec_structure
+
+__all__ = ["default_backend", "marglik_training"]
+
+logger = logging.getLogger(__name__)
+
+
+def default_backend() -> type[CurvatureInterface]:
+    """laplace-torch's default ``AsdlGGN`` when ASDL is installed, else ``CurvlinopsGGN``.
+
+    ASDL is an optional extra of laplace-ng; without it the exact GGN of ``CurvlinopsGGN`` is
+    used, which gives the same curvature (ASDL's KFAC and ours agree to round-off).
+    """
+    return load_optional("AsdlGGN") if "AsdlGGN" in available_optional() else CurvlinopsGGN
+
+
+def marglik_training(
+    model: nn.Module,
+    train_loader: DataLoader,
+    likelihood: Likelihood | str = Likelihood.CLASSIFICATION,
+    hessian_structure: HessianStructure | str = HessianStructure.KRON,
+    backend: type[CurvatureInterface] | None = None,
+    optimizer_cls: type[Optimizer] = Adam,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    scheduler_cls: type[LRScheduler] | None = None,
+    scheduler_kwargs: dict[str, Any] | None = None,
+    n_epochs: int = 300,
+    lr_hyp: float = 1e-1,
+    prior_structure: PriorStructure | str = PriorStructure.LAYERWISE,
+    n_epochs_burnin: int = 0,
+    n_hypersteps: int = 10,
+    marglik_frequency: int = 1,
+    prior_prec_init: float = 1.0,
+    sigma_noise_init: float = 1.0,
+    temperature: float = 1.0,
+    fix_sigma_noise: bool = False,
+    progress_bar: bool = False,
+    enable_backprop: bool = False,
+    dict_key_x: str = "input_ids",
+    dict_key_y: str = "labels",
+) -> tuple[BaseLaplace, nn.Module, list[Number], list[Number]]:
+    """Train ``model`` by MAP and its prior precision (and σ) by marginal likelihood.
+
+    Args:
+        model: The network (returns logits for classification); trained in place.
+        train_loader: Training batches; ``len(train_loader.dataset)`` is N.
+        likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"`` (trained
+            with cross-entropy on pairs, like classification).
+        hessian_structure: ``"full"``, ``"kron"`` or ``"diag"`` over all weights.
+        backend: Curvature backend; None means laplace-torch's default ``AsdlGGN`` when the
+            ``asdl`` extra is installed and ``CurvlinopsGGN`` otherwise (same curvature).
+        optimizer_cls: Optimiser of the network weights.
+        optimizer_kwargs: Its keyword arguments; ``weight_decay`` is set to 0 (the prior
+            precision is the weight decay and is learnt).
+        scheduler_cls: Optional learning-rate scheduler, stepped after every batch.
+        scheduler_kwargs: Its keyword arguments.
+        n_epochs: Number of epochs.
+        lr_hyp: Adam learning rate of the hyperparameters.
+        prior_structure: ``"scalar"``, ``"layerwise"`` or ``"diag"`` prior precision.
+        n_epochs_burnin: Epochs before the first marginal-likelihood step.
+        n_hypersteps: Hyperparameter steps per marginal-likelihood estimate.
+        marglik_frequency: Estimate the marginal likelihood every this many epochs.
+        prior_prec_init: Initial prior precision (multiplied by ``temperature``).
+        sigma_noise_init: Initial observation noise (regression).
+        temperature: Likelihood temperature.
+        fix_sigma_noise: Keep σ at ``sigma_noise_init`` instead of learning it.
+        progress_bar: Show a progress bar over epochs.
+        enable_backprop: Make the returned Laplace differentiable w.r.t. its inputs.
+        dict_key_x: Key of the inputs in dict-like batches.
+        dict_key_y: Key of the targets in dict-like batches.
+
+    Returns:
+        ``(la, model, margliks, losses)``: the Laplace approximation fitted at the weights with
+        the best marginal likelihood and with their hyperparameters; the model holding those
+        weights; the negative log marginal likelihood after every hyperparameter step (as in
+        laplace-torch, so it decreases as training improves); the mean training loss (negative
+        log joint per data point) of every epoch.
+
+    Raises:
+        ValueError: For unknown options, an empty loader, or non-positive frequencies.
+    """
+    likelihood = parse_enum(Likelihood, likelihood, "likelihood")
+    hessian_structure = parse_enum(HessianStructure, hessian_structure, "hessian_structure")
+    prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
+    if marglik_frequency < 1 or n_hypersteps < 0 or n_epochs < 0:
+        raise ValueError(
+            "need marglik_frequency >= 1, n_hypersteps >= 0 and n_epochs >= 0, got "
+            f"{marglik_frequency}, {n_hypersteps}, {n_epochs}."
+        )
+    n_data = dataset_size(train_loader)
+    if n_data == 0:
+        raise ValueError("train_loader is empty: marglik_training needs data.")
+    backend = default_backend() if backend is None else backend
+    optimizer_kwargs = dict(optimizer_kwargs or {})
+    if optimizer_kwargs.get("weight_decay", 0):
+        warnings.warn(
+            "weight_decay is the prior precision, which marglik_training learns; it is set to 0.",
+            stacklevel=2,
+        )
+    optimizer_kwargs.pop("weight_decay", None)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    device, dtype = params[0].device, params[0].dtype
+    n_params = sum(p.numel() for p in params)
+    regression = likelihood == Likelihood.REGRESSION
+    learn_sigma = regression and not fix_sigma_noise
+    # Mean losses (MSE over all outputs, or cross-entropy); targets shaped as the library does.
+    criterion = nn.MSELoss() if regression else nn.CrossEntropyLoss()
+    target_model = make_likelihood(likelihood).fit_likelihood
+
+    log_prior_prec = fix_prior_prec_structure(
+        temperature * prior_prec_init, prior_structure, len(params), n_params, device, dtype
+    ).log()
+    log_prior_prec.requires_grad_(True)
+    log_sigma = torch.full((1,), float(np.log(sigma_noise_init)), device=device, dtype=dtype)
+    log_sigma.requires_grad_(learn_sigma)
+    hyper_optimizer = Adam([log_prior_prec, *([log_sigma] if learn_sigma else [])], lr=lr_hyp)
+
+    def sigma_noise() -> Tensor | float:
+        if not regression:
+            return 1.0
+        return log_sigma.exp() if learn_sigma else sigma_noise_init
+
+    optimizer = optimizer_cls(model.parameters(), **optimizer_kwargs)
+    scheduler = scheduler_cls(optimizer, **(scheduler_kwargs or {})) if scheduler_cls else None
+
+    def make_laplace(prior_prec: Tensor, sigma: Tensor | float, backprop: bool) -> BaseLaplace:
+        return Laplace(
+            model,
+            likelihood,
+            subset_of_weights="all",
+            hessian_structure=hessian_structure,
+            sigma_noise=sigma,
+            prior_precision=prior_prec,
+            temperature=temperature,
+            enable_backprop=backprop,
+            backend=backend,
+            dict_key_x=dict_key_x,
+            dict_key_y=dict_key_y,
+        )
+
+    best: tuple[float, dict[str, Tensor], Tensor, Tensor | float] | None = None
+    margliks: list[Number] = []
+    losses: list[Number] = []
+    for epoch in trange(1, n_epochs + 1, disable=not progress_bar, desc="marglik training"):
+        epoch_loss = 0.0
+        model.train()
+        for batch in train_loader:
+            X, y = split_batch(batch, dict_key_x, dict_key_y)
+            X, y = move_inputs(X, device), y.to(device)
+            sigma = sigma_noise()
+            sigma2 = float(sigma.detach().square()) if torch.is_tensor(sigma) else sigma**2
+            # The log joint per data point, in units of the mean loss: ½θᵀP₀θ · (c/T) / N.
+            prior_scale = (2 * sigma2 if regression else 1.0) / temperature
+            delta = expand_prior_precision(log_prior_prec.detach().exp(), model)
+            theta = torch.cat([p.reshape(-1) for p in params])
+            optimizer.zero_grad()
+            f = model(X)
+            data_loss = criterion(f, target_model.prepare_targets(f, y))
+            loss = data_loss + 0.5 * (delta * theta) @ theta * prior_scale / n_data
+            loss.backward()
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            epoch_loss += loss.item() * len(y)
+        losses.append(epoch_loss / n_data)
+        logger.info("marglik training, epoch %d: loss %.4g", epoch, losses[-1])
+        if epoch % marglik_frequency != 0 or epoch < n_epochs_burnin:
+            continue
+
+        model.eval()
+        la = make_laplace(log_prior_prec.detach().exp(), _detached(sigma_noise()), False)
+        la.fit(train_loader)
+        for _ in range(n_hypersteps):
+            hyper_optimizer.zero_grad()
+            # Hyperparameters at which the last recorded marglik was evaluated.
+            evaluated = (log_prior_prec.detach().exp(), _detached(sigma_noise()))
+            neg_marglik = -la.log_marginal_likelihood(
+                log_prior_prec.exp(), log_sigma.exp() if learn_sigma else None
+            )
+            neg_marglik.backward()
+            hyper_optimizer.step()
+            margliks.append(neg_marglik.item())
+        if n_hypersteps and (best is None or margliks[-1] < best[0]):
+            best = (margliks[-1], deepcopy(model.state_dict()), *evaluated)
+            logger.info("marglik training, epoch %d: new best %.4g", epoch, margliks[-1])
+
+    model.eval()
+    if best is not None:
+        model.load_state_dict(best[1])
+        prior_prec, sigma = best[2], best[3]
+    else:
+        prior_prec, sigma = log_prior_prec.detach().exp(), _detached(sigma_noise())
+    la = make_laplace(prior_prec, sigma, enable_backprop)
+    la.fit(train_loader)
+    return la, model, margliks, losses
+
+
+def _detached(value: Tensor | float) -> Tensor | float:
+    return value.detach().clone() if torch.is_tensor(value) else value

@@ -1,0 +1,125 @@
+r"""Low-rank posterior: ``P = U diag(h·λ) Uᵀ + diag(p₀)`` from the top-k curvature eigenpairs.
+
+With ``D = diag(p₀)``, ``W = D^{-1/2} U diag(h·λ)^{1/2}`` (P, k) and the k × k capacitance
+``M = I + WᵀW = L Lᵀ``:
+
+- ``log det P = Σ log p₀ + log det M`` (matrix determinant lemma);
+- ``P⁻¹ = D^{-1/2} (I − W M⁻¹ Wᵀ) D^{-1/2}`` (Woodbury), so
+  ``J P⁻¹ Jᵀ = ĴĴᵀ − (L⁻¹ Wᵀ Ĵᵀ)ᵀ (L⁻¹ Wᵀ Ĵᵀ)`` with ``Ĵ = J D^{-1/2}``;
+- samples ``D^{-1/2} (I + WWᵀ)^{-1/2} z`` with
+  ``(I + WWᵀ)^{-1/2} = I + W Q diag(c) Qᵀ Wᵀ``, ``WᵀW = Q diag(s) Qᵀ`` and
+  ``c = −1 / (√(1+s) (1 + √(1+s)))``.
+
+Every operation costs O(P k²); nothing of size P × P is formed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from laplace.posteriors.base import Posterior
+
+__all__ = ["LowRankPosterior"]
+
+
+class LowRankPosterior(Posterior):
+    """Gaussian posterior whose curvature is ``U diag(λ) Uᵀ``: ``H = (U (P, k), λ (k,))``."""
+
+    @override
+    @staticmethod
+    def zeros(params: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+        n_params = sum(p.numel() for p in params)
+        return params[0].new_zeros(n_params, 0), params[0].new_zeros(0)
+
+    @override
+    @staticmethod
+    def batch_curvature(backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
+        raise NotImplementedError(
+            "the low-rank curvature is not a sum over batches: its eigenpairs are computed "
+            "over the whole training set at once (LowRankLaplace.fit)."
+        )
+
+    @override
+    @staticmethod
+    def is_finite(H: tuple[Tensor, Tensor]) -> bool:
+        return bool(torch.isfinite(H[0]).all() and torch.isfinite(H[1]).all())
+
+    @property
+    def eigenvectors(self) -> Tensor:
+        """``U``, shape (P, k)."""
+        return self.H[0]
+
+    @cached_property
+    def scaled_eigenvalues(self) -> Tensor:
+        """``h·λ``, shape (k,)."""
+        return self.h_factor * self.H[1]
+
+    @cached_property
+    def precision(self) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        """``((U, h·λ), p₀)``: ``P = U diag(h·λ) Uᵀ + diag(p₀)``."""
+        return (self.eigenvectors, self.scaled_eigenvalues), self.prior_diag
+
+    @cached_property
+    def _inv_sqrt_prior(self) -> Tensor:
+        return self.prior_diag.rsqrt()
+
+    @cached_property
+    def W(self) -> Tensor:
+        """``D^{-1/2} U diag(h·λ)^{1/2}``, shape (P, k)."""
+        return self.eigenvectors * self.scaled_eigenvalues.sqrt() * self._inv_sqrt_prior[:, None]
+
+    @cached_property
+    def capacitance_cholesky(self) -> Tensor:
+        """Lower Cholesky factor of ``M = I + WᵀW``, shape (k, k)."""
+        W = self.W
+        eye = torch.eye(W.shape[1], device=W.device, dtype=W.dtype)
+        return torch.linalg.cholesky(eye + W.T @ W)
+
+    @override
+    @property
+    def log_det(self) -> Tensor:
+        L = self.capacitance_cholesky
+        return self.prior_diag.log().sum() + 2 * L.diagonal().log().sum()
+
+    @override
+    def square_form(self, delta: Tensor) -> Tensor:
+        projected = self.eigenvectors.T @ delta
+        return (delta.square() * self.prior_diag).sum() + (
+            projected.square() * self.scaled_eigenvalues
+        ).sum()
+
+    def _whitened(self, Js: Tensor) -> tuple[Tensor, Tensor]:
+        """``Ĵ = J D^{-1/2}`` (N, P) and ``A = L⁻¹ Wᵀ Ĵᵀ`` (k, N) for Jacobian rows (N, P)."""
+        J_hat = Js * self._inv_sqrt_prior
+        A = torch.linalg.solve_triangular(
+            self.capacitance_cholesky, self.W.T @ J_hat.T, upper=False
+        )
+        return J_hat, A
+
+    @override
+    def functional_variance(self, Js: Tensor) -> Tensor:
+        B, C, _ = Js.shape
+        J_hat, A = self._whitened(Js.reshape(B * C, -1))
+        J_hat, A = J_hat.reshape(B, C, -1), A.T.reshape(B, C, -1)
+        return J_hat @ J_hat.transpose(1, 2) - A @ A.transpose(1, 2)
+
+    @override
+    def functional_covariance(self, Js: Tensor) -> Tensor:
+        J_hat, A = self._whitened(Js)
+        return J_hat @ J_hat.T - A.T @ A
+
+    @override
+    def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
+        z = self._standard_normal((len(self.prior_diag), n_samples), generator)
+        s, Q = torch.linalg.eigh(self.W.T @ self.W)
+        root = (1 + s.clamp(min=0)).sqrt()
+        c = -1 / (root * (1 + root))
+        WQ = self.W @ Q
+        z = z + WQ @ (c[:, None] * (WQ.T @ z))
+        return (z * self._inv_sqrt_prior[:, None]).T

@@ -1,0 +1,209 @@
+r"""Subnetwork Laplace: a Gaussian posterior over chosen entries of the weight vector.
+
+Daxberger et al., *Bayesian Deep Learning via Subnetwork Inference*, ICML 2021. With
+``θ_S = θ[indices]`` the K chosen entries of the flattened trainable parameters θ (P entries)
+and the others fixed at the MAP,
+
+    p(θ_S | D) ≈ N(θ*_S, P_S⁻¹),   P_S = H_S / (σ² T) + diag(p₀),
+
+where ``H_S`` is the (K, K) block of the curvature on the subnetwork, computed by the backend
+for the selected columns only (never the P × P matrix), and the prior ``p₀`` is a scalar or
+diagonal over the K entries. ``la.mean`` is the full MAP vector (P,), ``la.mean_subnet`` its
+subnetwork part (K,), and :meth:`sample` returns full vectors (S, P) whose other entries are
+the MAP.
+
+Example:
+    >>> from laplace.utils import LargestMagnitudeSubnetMask
+    >>> indices = LargestMagnitudeSubnetMask(model, n_params_subnet=128).select()
+    >>> la = Laplace(model, "classification", subset_of_weights="subnetwork",
+    ...              hessian_structure="full", subnetwork_indices=indices)
+    >>> la.fit(train_loader)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
+from laplace.glm import JACOBIAN_CHUNK_BYTES
+from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
+from laplace.priors import expand_to_diagonal
+from laplace.subsets import Subnetwork
+from laplace.utils.enums import Likelihood, PriorStructure, parse_enum
+
+__all__ = ["DiagSubnetLaplace", "FullSubnetLaplace", "SubnetLaplace"]
+
+
+class SubnetLaplace(ParametricLaplace):
+    """Base of the subnetwork Laplace approximations; subclasses choose the structure.
+
+    Args:
+        model: The trained network.
+        likelihood: ``"classification"`` or ``"regression"``.
+        subnetwork_indices: 1-D ``torch.long`` tensor of K distinct indices into the flattened
+            trainable parameters (``model.named_parameters()`` order), e.g. from a
+            :class:`~laplace.utils.subnetmask.SubnetMask`.
+        sigma_noise: See :class:`~laplace.base.BaseLaplace`.
+        prior_precision: A scalar or one value per subnetwork entry (K,).
+        prior_mean: A scalar or one value per subnetwork entry (K,).
+        temperature: See :class:`~laplace.base.BaseLaplace`.
+        backend: A GGN or empirical-Fisher backend (default ``CurvlinopsGGN``).
+        backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
+        asdl_fisher_kwargs: Not supported (must be None).
+        enable_backprop: See :class:`~laplace.base.BaseLaplace`.
+        dict_key_x: See :class:`~laplace.base.BaseLaplace`.
+        dict_key_y: See :class:`~laplace.base.BaseLaplace`.
+
+    Raises:
+        ValueError: For invalid indices, a backend that is neither GGN nor EF, or
+            ``asdl_fisher_kwargs``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        subnetwork_indices: torch.LongTensor | None = None,
+        sigma_noise: float | Tensor = 1.0,
+        prior_precision: float | Tensor = 1.0,
+        prior_mean: float | Tensor = 0.0,
+        temperature: float = 1.0,
+        backend: type[CurvatureInterface] | None = None,
+        backend_kwargs: dict[str, Any] | None = None,
+        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        *,
+        enable_backprop: bool = False,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+    ) -> None:
+        if type(self) is SubnetLaplace:
+            raise TypeError(
+                "SubnetLaplace is abstract: use FullSubnetLaplace or DiagSubnetLaplace."
+            )
+        if asdl_fisher_kwargs is not None:
+            raise ValueError("subnetwork Laplace does not support asdl_fisher_kwargs.")
+        if backend is not None and not (
+            isinstance(backend, type) and issubclass(backend, (GGNInterface, EFInterface))
+        ):
+            raise ValueError(
+                "subnetwork Laplace needs a GGN or empirical-Fisher backend (e.g. CurvlinopsGGN, "
+                f"CurvlinopsEF, AsdlGGN, BackPackGGN), got {backend!r}."
+            )
+        self._subnetwork_indices = subnetwork_indices
+        super().__init__(
+            model,
+            likelihood,
+            sigma_noise=sigma_noise,
+            prior_precision=prior_precision,
+            prior_mean=prior_mean,
+            temperature=temperature,
+            enable_backprop=enable_backprop,
+            dict_key_x=dict_key_x,
+            dict_key_y=dict_key_y,
+            backend=backend,
+            backend_kwargs=backend_kwargs,
+        )
+        self._backend_kwargs["subnetwork_indices"] = self._subset.indices
+
+    def _make_subset(self, model: nn.Module) -> Subnetwork:
+        return Subnetwork(model, self._subnetwork_indices)
+
+    @property
+    def n_params_subnet(self) -> int:
+        """Number K of parameters in the subnetwork."""
+        return self._subset.n_subnet
+
+    @property
+    def mean_subnet(self) -> Tensor:
+        """MAP values of the subnetwork, shape (K,)."""
+        return self._subset.select(self.mean)
+
+    def _zero_curvature(self) -> Tensor:
+        return self._posterior_cls.zeros([self.mean_subnet])
+
+    # ------------------------------------------------------------------------------ prior
+    @property
+    def _prior_lengths(self) -> tuple[int | None, int | None]:
+        # Scalar or diagonal over the subnetwork; there is no layer-wise prior.
+        return None, self._subset.n_subnet
+
+    @property
+    def prior_precision_diag(self) -> Tensor:
+        """Prior precision expanded to the subnetwork's diagonal, shape (K,)."""
+        return expand_to_diagonal(self.prior_precision, [self._subset.n_subnet])
+
+    @property
+    def scatter(self) -> Tensor:
+        """``(θ*_S − μ₀)ᵀ diag(p₀) (θ*_S − μ₀)`` over the subnetwork."""
+        delta = self.mean_subnet - self.prior_mean
+        return (delta.square() * self.prior_precision_diag).sum()
+
+    def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
+        """See :meth:`~laplace.base.BaseLaplace.optimize_prior_precision`.
+
+        Raises:
+            ValueError: For ``prior_structure="layerwise"`` (the subnetwork has no layers).
+        """
+        structure = kwargs.get("prior_structure", args[5] if len(args) > 5 else "scalar")
+        if parse_enum(PriorStructure, structure, "prior_structure") == PriorStructure.LAYERWISE:
+            raise ValueError(
+                "subnetwork Laplace supports prior_structure='scalar' or 'diag' (one value per "
+                "subnetwork entry), not 'layerwise'."
+            )
+        super().optimize_prior_precision(*args, **kwargs)
+
+    # ------------------------------------------------------------------- samples and values
+    def assemble_full_samples(self, subnet_samples: Tensor) -> Tensor:
+        """Full weight vectors (S, P) from subnetwork values (S, K); other entries at the MAP."""
+        return self._subset.assemble(self.mean, subnet_samples)
+
+    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """Draw full weight vectors, shape (n_samples, P).
+
+        The subnetwork entries come from its posterior, every other entry is the MAP.
+        """
+        deviations = self._posterior.sample_deviations(n_samples, generator)
+        return self.assemble_full_samples(self.mean_subnet + deviations)
+
+    def square_norm(self, value: Tensor) -> Tensor:
+        """``(θ_S − θ*_S)ᵀ P_S (θ_S − θ*_S)`` for subnetwork values (K,) or full vectors (P,)."""
+        if value.shape[-1] == self.n_params and self.n_params != self.n_params_subnet:
+            value = self._subset.select(value)
+        return self._posterior.square_form(value - self.mean_subnet)
+
+    def _chunk_rows(self) -> int:
+        itemsize = torch.finfo(self._dtype).bits // 8
+        per_row = max(1, self.n_outputs * self.n_params_subnet * itemsize)
+        return max(1, JACOBIAN_CHUNK_BYTES // per_row)
+
+    # ------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """See :meth:`~laplace.serialization.StateDictMixin.state_dict`; adds the indices."""
+        state = super().state_dict()
+        state["subnetwork_indices"] = self._subset.indices.detach().cpu()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """See :meth:`~laplace.serialization.StateDictMixin.load_state_dict`.
+
+        Raises:
+            ValueError: If the state was saved for other subnetwork indices.
+        """
+        saved = state_dict.get("subnetwork_indices")
+        if saved is None or not torch.equal(saved.cpu(), self._subset.indices.cpu()):
+            raise ValueError(
+                "state_dict was saved for other subnetwork_indices than this approximation's "
+                "(or is not a subnetwork Laplace state)."
+            )
+        super().load_state_dict(state_dict)
+
+
+class FullSubnetLaplace(SubnetLaplace, FullLaplace):
+    """Subnetwork Laplace with a dense (K, K) curvature and posterior precision."""
+
+
+class DiagSubnetLaplace(SubnetLaplace, DiagLaplace):
+    """Subnetwork Laplace with a diagonal (K,) curvature and posterior precision."""

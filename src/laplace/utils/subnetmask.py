@@ -1,0 +1,346 @@
+"""Subnetwork masks: ways to choose which weights a subnetwork Laplace treats probabilistically.
+
+Every mask answers :meth:`SubnetMask.select` with a sorted 1-D ``torch.long`` tensor of indices
+into the flattened trainable parameters (``model.named_parameters()`` order, parameters with
+``requires_grad=True``), the ``subnetwork_indices`` of
+:class:`~laplace.subnetlaplace.SubnetLaplace`. Score-based masks keep the ``n_params_subnet``
+highest-scoring weights (|θ|, a random score, or a marginal variance); name-based masks keep
+whole parameter tensors or modules.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from laplace.utils.enums import Likelihood, parse_enum
+from laplace.utils.feature_extractor import FeatureExtractor
+from laplace.utils.swag import fit_diagonal_swag_var
+
+if TYPE_CHECKING:
+    from laplace.parametric import DiagLaplace
+
+__all__ = [
+    "LargestMagnitudeSubnetMask",
+    "LargestVarianceDiagLaplaceSubnetMask",
+    "LargestVarianceSWAGSubnetMask",
+    "LastLayerSubnetMask",
+    "ModuleNameSubnetMask",
+    "ParamNameSubnetMask",
+    "RandomSubnetMask",
+    "ScoreBasedSubnetMask",
+    "SubnetMask",
+]
+
+_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+class SubnetMask:
+    """Base of the subnetwork masks; subclasses implement :meth:`get_subnet_mask`.
+
+    Args:
+        model: The trained network.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.parameter_vector = torch.cat(
+            [p.detach().reshape(-1) for p in model.parameters() if p.requires_grad]
+        )
+        self._n_params = len(self.parameter_vector)
+        self._indices: Tensor | None = None
+
+    @property
+    def indices(self) -> Tensor:
+        """The selected indices, shape (K,).
+
+        Raises:
+            AttributeError: Before :meth:`select`.
+        """
+        if self._indices is None:
+            raise AttributeError("the subnetwork mask is not selected yet: call select() first.")
+        return self._indices
+
+    @property
+    def n_params_subnet(self) -> int:
+        """Number K of selected parameters."""
+        return len(self.indices)
+
+    def convert_subnet_mask_to_indices(self, subnet_mask: Tensor) -> Tensor:
+        """Indices of the ones of a binary mask over the flattened parameters.
+
+        Args:
+            subnet_mask: Boolean or 0/1 integer tensor of shape (P,).
+
+        Returns:
+            Sorted ``torch.long`` indices, shape (K,).
+
+        Raises:
+            ValueError: If the mask is not a binary 1-D tensor of length P.
+        """
+        if not isinstance(subnet_mask, Tensor):
+            raise ValueError(f"subnet_mask must be a torch.Tensor, got {type(subnet_mask)}.")
+        if subnet_mask.dtype not in _MASK_DTYPES or subnet_mask.dim() != 1:
+            raise ValueError(
+                "subnet_mask must be a 1-D boolean or integer tensor, got dtype "
+                f"{subnet_mask.dtype} and shape {tuple(subnet_mask.shape)}."
+            )
+        if len(subnet_mask) != self._n_params or not bool(
+            ((subnet_mask == 0) | (subnet_mask == 1)).all()
+        ):
+            raise ValueError(
+                f"subnet_mask must be a binary vector of length n_params={self._n_params} "
+                "with ones at the subnetwork's entries of the flattened trainable parameters."
+            )
+        return subnet_mask.nonzero(as_tuple=True)[0]
+
+    def select(self, train_loader: DataLoader | None = None) -> Tensor:
+        """Choose the subnetwork (once).
+
+        Args:
+            train_loader: Training data, for masks that need it.
+
+        Returns:
+            ``torch.long`` indices into the flattened trainable parameters, shape (K,).
+
+        Raises:
+            ValueError: If called a second time.
+        """
+        if self._indices is not None:
+            raise ValueError("the subnetwork mask is already selected.")
+        self._indices = self.convert_subnet_mask_to_indices(self.get_subnet_mask(train_loader))
+        return self._indices
+
+    def get_subnet_mask(self, train_loader: DataLoader | None) -> Tensor:
+        """Binary mask (P,) with ones at the subnetwork's entries."""
+        raise NotImplementedError
+
+
+class ScoreBasedSubnetMask(SubnetMask):
+    """Keep the ``n_params_subnet`` weights with the highest scores.
+
+    Args:
+        model: The trained network.
+        n_params_subnet: Number K of weights to keep, 1 ≤ K ≤ P.
+
+    Raises:
+        ValueError: If K is missing or outside [1, P].
+    """
+
+    def __init__(self, model: nn.Module, n_params_subnet: int) -> None:
+        super().__init__(model)
+        if n_params_subnet is None or not 1 <= int(n_params_subnet) <= self._n_params:
+            raise ValueError(
+                f"n_params_subnet must be between 1 and the number of trainable weights "
+                f"{self._n_params}, got {n_params_subnet!r}."
+            )
+        self._n_params_subnet = int(n_params_subnet)
+        self._param_scores: Tensor | None = None
+
+    def compute_param_scores(self, train_loader: DataLoader | None) -> Tensor:
+        """Score of every weight, shape (P,)."""
+        raise NotImplementedError
+
+    def get_subnet_mask(self, train_loader: DataLoader | None) -> Tensor:
+        """Mask of the K highest-scoring weights."""
+        if self._param_scores is None:
+            self._param_scores = self.compute_param_scores(train_loader)
+        if self._param_scores.shape != self.parameter_vector.shape:
+            raise ValueError(
+                f"parameter scores have shape {tuple(self._param_scores.shape)}, expected "
+                f"{tuple(self.parameter_vector.shape)}."
+            )
+        top = torch.topk(self._param_scores, self._n_params_subnet).indices
+        mask = torch.zeros_like(self.parameter_vector, dtype=torch.bool)
+        mask[top] = True
+        return mask
+
+
+class RandomSubnetMask(ScoreBasedSubnetMask):
+    """K weights chosen uniformly at random (from torch's global generator; seed it)."""
+
+    def compute_param_scores(self, train_loader: DataLoader | None) -> Tensor:
+        """Uniform random scores."""
+        return torch.rand_like(self.parameter_vector)
+
+
+class LargestMagnitudeSubnetMask(ScoreBasedSubnetMask):
+    """The K weights of largest magnitude ``|θ|``."""
+
+    def compute_param_scores(self, train_loader: DataLoader | None) -> Tensor:
+        """``|θ|``."""
+        return self.parameter_vector.abs()
+
+
+def _require_loader(train_loader: DataLoader | None) -> DataLoader:
+    if train_loader is None:
+        raise ValueError("this subnetwork mask needs the train_loader: call select(train_loader).")
+    return train_loader
+
+
+class LargestVarianceDiagLaplaceSubnetMask(ScoreBasedSubnetMask):
+    """The K weights of largest marginal variance under a diagonal Laplace over all weights.
+
+    Args:
+        model: The trained network.
+        n_params_subnet: Number K of weights to keep.
+        diag_laplace_model: A :class:`~laplace.baselaplace.DiagLaplace` of ``model``; it is
+            fitted on the ``train_loader`` passed to :meth:`select`.
+    """
+
+    def __init__(
+        self, model: nn.Module, n_params_subnet: int, diag_laplace_model: DiagLaplace
+    ) -> None:
+        super().__init__(model, n_params_subnet)
+        self.diag_laplace_model = diag_laplace_model
+
+    def compute_param_scores(self, train_loader: DataLoader | None) -> Tensor:
+        """Posterior variances of the fitted diagonal Laplace, shape (P,)."""
+        self.diag_laplace_model.fit(_require_loader(train_loader))
+        return self.diag_laplace_model.posterior_variance
+
+
+class LargestVarianceSWAGSubnetMask(ScoreBasedSubnetMask):
+    """The K weights of largest marginal variance under diagonal SWAG.
+
+    Args:
+        model: The trained network.
+        n_params_subnet: Number K of weights to keep.
+        likelihood: ``"classification"`` (cross-entropy) or ``"regression"`` (MSE).
+        swag_n_snapshots: Number of SGD snapshots.
+        swag_snapshot_freq: Epochs between snapshots.
+        swag_lr: SGD learning rate.
+
+    Raises:
+        ValueError: For another likelihood.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        n_params_subnet: int,
+        likelihood: Likelihood | str = Likelihood.CLASSIFICATION,
+        swag_n_snapshots: int = 40,
+        swag_snapshot_freq: int = 1,
+        swag_lr: float = 0.01,
+    ) -> None:
+        likelihood = parse_enum(Likelihood, likelihood, "likelihood")
+        if likelihood not in (Likelihood.CLASSIFICATION, Likelihood.REGRESSION):
+            raise ValueError(
+                "LargestVarianceSWAGSubnetMask supports likelihood 'classification' or "
+                f"'regression', got {likelihood.value!r}."
+            )
+        super().__init__(model, n_params_subnet)
+        self.likelihood = likelihood
+        self.swag_n_snapshots = swag_n_snapshots
+        self.swag_snapshot_freq = swag_snapshot_freq
+        self.swag_lr = swag_lr
+
+    def compute_param_scores(self, train_loader: DataLoader | None) -> Tensor:
+        """Diagonal SWAG variances, shape (P,)."""
+        criterion = (
+            nn.CrossEntropyLoss() if self.likelihood == Likelihood.CLASSIFICATION else nn.MSELoss()
+        )
+        return fit_diagonal_swag_var(
+            self.model,
+            _require_loader(train_loader),
+            criterion,
+            n_snapshots_total=self.swag_n_snapshots,
+            snapshot_freq=self.swag_snapshot_freq,
+            lr=self.swag_lr,
+        )
+
+
+def _missing(wanted: list[str], present: list[str], what: str) -> None:
+    if len(wanted) == 0:
+        raise ValueError(f"the list of {what} names must not be empty.")
+    missing = [name for name in wanted if name not in present]
+    if missing:
+        raise ValueError(f"{what}s {missing} do not exist in the model (or are not trainable).")
+
+
+class ParamNameSubnetMask(SubnetMask):
+    """Whole parameter tensors chosen by name (as in ``model.named_parameters()``).
+
+    Args:
+        model: The trained network.
+        parameter_names: Names of the parameters forming the subnetwork.
+    """
+
+    def __init__(self, model: nn.Module, parameter_names: list[str]) -> None:
+        super().__init__(model)
+        self._parameter_names = list(parameter_names)
+
+    def get_subnet_mask(self, train_loader: DataLoader | None) -> Tensor:
+        """Ones on the named parameters' entries."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        _missing(self._parameter_names, [n for n, _ in named], "parameter")
+        return torch.cat(
+            [
+                torch.full((p.numel(),), n in self._parameter_names, device=p.device)
+                for n, p in named
+            ]
+        )
+
+
+class ModuleNameSubnetMask(SubnetMask):
+    """All trainable parameters of leaf modules chosen by name (``model.named_modules()``).
+
+    Args:
+        model: The trained network.
+        module_names: Names of leaf modules (without children) that own parameters.
+
+    Raises:
+        ValueError: (on :meth:`select`) for an empty list, unknown names, modules with
+            children or without parameters.
+    """
+
+    def __init__(self, model: nn.Module, module_names: list[str]) -> None:
+        super().__init__(model)
+        self._module_names = list(module_names)
+
+    def get_subnet_mask(self, train_loader: DataLoader | None) -> Tensor:
+        """Ones on the named modules' parameter entries."""
+        modules = dict(self.model.named_modules())
+        _missing(self._module_names, list(modules), "module")
+        for name in self._module_names:
+            if any(True for _ in modules[name].children()):
+                raise ValueError(f"module {name!r} has children; name its leaf modules instead.")
+            if not any(p.requires_grad for p in modules[name].parameters()):
+                raise ValueError(f"module {name!r} has no trainable parameters.")
+        chosen = {id(p) for n in self._module_names for p in modules[n].parameters()}
+        return torch.cat(
+            [
+                torch.full((p.numel(),), id(p) in chosen, device=p.device)
+                for p in self.model.parameters()
+                if p.requires_grad
+            ]
+        )
+
+
+class LastLayerSubnetMask(ModuleNameSubnetMask):
+    """The parameters of the model's last linear layer.
+
+    Args:
+        model: The trained network.
+        last_layer_name: Name of the last layer; found with one forward pass on the first batch
+            of the ``train_loader`` when None.
+    """
+
+    def __init__(self, model: nn.Module, last_layer_name: str | None = None) -> None:
+        super().__init__(model, [])
+        self._feature_extractor = FeatureExtractor(model, last_layer_name=last_layer_name)
+
+    def get_subnet_mask(self, train_loader: DataLoader | None) -> Tensor:
+        """Ones on the last layer's entries."""
+        extractor = self._feature_extractor
+        if extractor.last_layer is None:
+            X = next(iter(_require_loader(train_loader)))[0]
+            device = next(self.model.parameters()).device
+            with torch.no_grad():
+                extractor.find_last_layer(X[:1].to(device))
+        self._module_names = [extractor.last_layer_name]
+        return super().get_subnet_mask(train_loader)
