@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 
-.PHONY: help install test test-all lint format demo bench docs lock clean
+.PHONY: help install test test-all lint format demo bench bench-compare docs lock clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
@@ -13,10 +13,10 @@ help:  ## list the commands
 $(STAMP): pyproject.toml requirements/lock.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --disable-pip-version-check --no-deps -r requirements/lock.txt
-	$(PIP) install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e '.[all,dev]'
+	$(PIP) install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e '.[all,dev,examples,docs]'
 	touch $(STAMP)
 
-install: $(STAMP)  ## create .venv if missing and install -e .[all,dev] from the lock file
+install: $(STAMP)  ## create .venv if missing and install -e .[all,dev,examples,docs] from the lock file
 
 test: $(STAMP)  ## run the test suite (slow cases excluded)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
@@ -32,14 +32,19 @@ format: $(STAMP)  ## apply ruff fixes and formatting
 	$(PY) -m ruff check --fix src tests benchmarks examples
 	$(PY) -m ruff format src tests benchmarks examples
 
-demo: $(STAMP)  ## run the main example (regression with marglik tuning)
-	$(PY) examples/regression_example.py
+demo: $(STAMP)  ## run the regression and calibration examples (PNG + JSON under outputs/)
+	MPLBACKEND=Agg $(PY) examples/regression_example.py
+	MPLBACKEND=Agg $(PY) examples/calibration_example.py
+	@echo "demo figures: outputs/regression_example/regression.png, outputs/calibration_example/reliability.png"
 
 bench: $(STAMP)  ## time fit/predict and peak memory (benchmarks/run.py)
 	$(PY) benchmarks/run.py
 
-docs: $(STAMP)  ## build the documentation (stub until the docs issue)
-	@echo "docs: the documentation site lands with the docs issue; API docstrings live in src/laplace"
+docs: $(STAMP)  ## build the documentation site into site/ (mkdocs, warnings are errors)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+bench-compare: $(STAMP)  ## run the benchmark cases against laplace-torch 0.3 in a throwaway venv; print ratios
+	REF_VENV=$${REF_VENV:-$${TMPDIR:-/tmp}/laplace-torch-0.3-venv} bash benchmarks/compare.sh
 
 lock: $(STAMP)  ## regenerate requirements/lock.txt from the current venv
 	@head -4 requirements/lock.txt > requirements/lock.new
@@ -47,4 +52,4 @@ lock: $(STAMP)  ## regenerate requirements/lock.txt from the current venv
 	mv requirements/lock.new requirements/lock.txt
 
 clean:  ## remove the venv and caches
-	rm -rf $(VENV) .pytest_cache .ruff_cache build src/*.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache build src/*.egg-info site outputs

@@ -252,6 +252,98 @@ def case_predict_ll(model_name: str, structure: str, repeats: int) -> dict:
     }
 
 
+def case_fit_lowrank(model_name: str, structure: str, repeats: int, k: int = 50) -> dict:
+    from laplace import Laplace
+
+    model = MODELS[model_name]().eval()
+    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
+    la = Laplace(
+        model,
+        "classification",
+        subset_of_weights="all",
+        hessian_structure="lowrank",
+        backend_kwargs={"n_eigenvalues": k, "solver": structure, "tol": 1e-4},
+    )
+    with PeakRSS() as mem:
+        fit_s = timed(lambda: la.fit(loader), repeats)
+    return {
+        "case": f"fit lowrank k={k} ({structure}) {model_name}",
+        "n_params": la.n_params,
+        "seconds": fit_s,
+        "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
+def case_fit_subnet(model_name: str, structure: str, repeats: int, k: int = 1000) -> dict:
+    from laplace import Laplace
+    from laplace.utils import LargestMagnitudeSubnetMask
+
+    model = MODELS[model_name]().eval()
+    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
+    indices = LargestMagnitudeSubnetMask(model, n_params_subnet=k).select()
+    la = Laplace(
+        model,
+        "classification",
+        subset_of_weights="subnetwork",
+        hessian_structure=structure,
+        subnetwork_indices=indices,
+    )
+    with PeakRSS() as mem:
+        fit_s = timed(lambda: la.fit(loader), repeats)
+    return {
+        "case": f"fit subnetwork {structure} K={k} {model_name}",
+        "n_params": la.n_params,
+        "seconds": fit_s,
+        "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
+def case_marglik_training(model_name: str, structure: str, repeats: int) -> dict:
+    from laplace import marglik_training
+    from laplace.curvature import CurvlinopsGGN
+
+    X, y = data(model_name, N_TRAIN, 0)
+    loader = DataLoader(TensorDataset(X, y), batch_size=BATCH)
+
+    def train() -> None:
+        torch.manual_seed(0)
+        marglik_training(
+            MODELS[model_name](),
+            loader,
+            "classification",
+            structure,
+            backend=CurvlinopsGGN,
+            n_epochs=10,
+            n_hypersteps=10,
+        )
+
+    with PeakRSS() as mem:
+        seconds = timed(train, repeats)
+    return {
+        "case": f"marglik_training {structure} {model_name}, 10 epochs x 10 hypersteps",
+        "seconds": seconds,
+        "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
+def case_predict_gp(model_name: str, n_subset: int, repeats: int, n_test: int = N_TEST) -> dict:
+    from laplace import Laplace
+
+    model = MODELS[model_name]().eval()
+    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
+    la = Laplace(model, "classification", "all", "gp", n_subset=n_subset)
+    fit_s = timed(lambda: la.fit(loader), 1)
+    X_test, _ = data(model_name, n_test, 1)
+    with PeakRSS() as mem:
+        pred_s = timed(lambda: la(X_test, link_approx="probit"), repeats)
+    return {
+        "case": f"FunctionalLaplace (SoD M={n_subset}) probit {model_name} ({n_test} points)",
+        "fit_seconds": fit_s,
+        "seconds": pred_s,
+        "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
 CASES = {
     "fit-diag-mlp": (case_fit, "mlp", "diag"),
     "fit-diag-cnn": (case_fit, "cnn", "diag"),
@@ -268,6 +360,12 @@ CASES = {
     "fit-ll-diag-cnn": (case_fit_ll, "cnn", "diag"),
     "marglik-fullll-mlp": (case_marglik_ll, "mlp", "full"),
     "predict-ll-kron-cnn": (case_predict_ll, "cnn", "kron"),
+    "fit-lowrank-cnn": (case_fit_lowrank, "cnn", "randomized"),
+    "fit-lowrank-lanczos-cnn": (case_fit_lowrank, "cnn", "lanczos"),
+    "fit-lowrank-lobpcg-cnn": (case_fit_lowrank, "cnn", "lobpcg"),
+    "fit-subnet-full-cnn": (case_fit_subnet, "cnn", "full"),
+    "marglik-training-kron-mlp": (case_marglik_training, "mlp", "kron"),
+    "predict-gp-sod-mlp": (case_predict_gp, "mlp", 100),
 }
 
 

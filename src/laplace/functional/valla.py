@@ -16,14 +16,16 @@ from torch.utils.data import DataLoader
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, move_inputs
 from laplace.functional.base import BaseFunctionalLaplace
-from laplace.functional.inducing import choose_inducing
-from laplace.functional.scoring import jacobian_chunks, positive_int, validation_nll
-from laplace.utils.enums import Likelihood, parse_enum
-from laplace.utils.functional_utils import (
-    classification_targets,
-    preserve_model_gradients,
-    regression_targets,
+from laplace.functional.inducing import (
+    check_inducing_state,
+    choose_inducing,
+    detached_inputs,
+    inducing_count,
 )
+from laplace.functional.scoring import check_state, jacobian_chunks, positive_int, validation_nll
+from laplace.functional.valla_objective import check_alpha, negative_objective
+from laplace.utils.enums import Likelihood, parse_enum
+from laplace.utils.functional_utils import preserve_model_gradients, to_device
 
 __all__ = ["VaLLA"]
 
@@ -41,16 +43,31 @@ class VaLLA(BaseFunctionalLaplace):
         q(θ) = \mathcal{N}(θ^*, Σ_q), \quad Σ_q = (δ I + J_Z^\top L L^\top J_Z)^{-1}, \qquad
         f_* \sim \mathcal{N}\big(f(x_*; θ^*),\; J_* Σ_q J_*^\top\big).
 
-    ``fit`` maximises, by Adam on minibatches, the ELBO
-    ``(N/B) Σ_b E_q[log p(y_b | f_b)]/T − KL(q ‖ p)`` over ``L``, ``log δ``, ``log σ²``
-    (regression) and floating-point inducing inputs. With ``A = Lᵀ J_Z / √δ``,
-    ``KL = ½ log det(I + AAᵀ) − ½ tr(AAᵀ(I + AAᵀ)⁻¹)``; the expectation is exact for regression
-    and uses the probit approximation for classification. Covariances are computed with a QR
-    factor of ``[Aᵀ; I]`` (never the P×P matrix) in float64.
+    ``fit`` minimises, by Adam on minibatches, the alpha-energy objective
+    ``−(N/B) Σ_b ℓ_α(y_b)/T + KL(q ‖ p)`` over ``L``, ``log δ``, ``log σ²`` (regression) and
+    floating-point inducing inputs, where ``ℓ_α(y) = (1/α) log E_q[p(y|f)^α]`` for
+    ``0 < α ≤ 1`` and ``ℓ_0(y) = E_q[log p(y|f)]`` (``α = 0``: the negative ELBO). With
+    ``A = Lᵀ J_Z / √δ``, ``KL = ½ log det(I + AAᵀ) − ½ tr(AAᵀ(I + AAᵀ)⁻¹)``. Gaussian
+    regression has the closed form
+
+    .. math::
+        \ell_α(y) = -\tfrac12 \log(2πσ^2) - \frac{(y - m)^2}{2(σ^2 + α v)}
+            - \frac{1}{2α}\log\Big(1 + \frac{α v}{σ^2}\Big)
+            \xrightarrow{α \to 0} -\tfrac12 \log(2πσ^2) - \frac{(y - m)^2 + v}{2σ^2},
+
+    with ``m, v`` the latent mean and variance. Classification estimates ``ℓ_α`` by Monte Carlo
+    over the softmax with ``mc_softmax_samples`` draws from :attr:`generator`, or uses the
+    probit approximation (α-independent) when that is 0; see
+    :mod:`laplace.functional.valla_objective`. Covariances are computed with a QR factor of
+    ``[Aᵀ; I]`` (never the P×P matrix) in float64.
+
+    Reward modelling is fitted as classification on pairs (inputs (B, 2, ...), logits (B, 2)),
+    with inducing inputs taken from the individual items of the pairs (output 0), and predicts
+    as regression on individual inputs (B, ...) → rewards (B, 1).
 
     Args:
         model: The trained network (kept fixed).
-        likelihood: ``"classification"`` or ``"regression"``.
+        likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"``.
         inducing_locations: Inputs (M, ...) or a mapping, or ``"random"`` / ``"kmeans"`` to pick
             ``num_inducing`` training inputs at :meth:`fit` (k-means runs in torch; its centres
             are snapped to the nearest training inputs; no scikit-learn or SciPy needed).
@@ -66,14 +83,21 @@ class VaLLA(BaseFunctionalLaplace):
         dict_key_y: Key of the targets in dict-like batches.
         backend: Backend whose ``jacobians`` are used; ``CurvlinopsGGN`` when None.
         backend_kwargs: Keyword arguments of the backend.
-        seed: Seed of the inducing-point choice.
+        seed: Seed of the inducing-point choice and of :attr:`generator`.
+        alpha: ``α ∈ [0, 1]`` of the alpha-energy; 0 is the ELBO.
+        mc_softmax_samples: Monte Carlo draws of the classification term; 0 uses the probit
+            approximation (then ``alpha`` must be 1 for classification and reward modelling).
 
     Attributes:
-        fit_history_: ``objective`` (negative ELBO per step, decreasing) and ``val_nll``.
+        fit_history_: ``objective`` (the minimised objective per step) and ``val_nll``.
+        generator: ``torch.Generator`` on the model's device (seeded with ``seed``) of the
+            Monte Carlo draws of :meth:`fit`.
 
     Raises:
         ValueError: For an unknown strategy, a bad ``num_inducing``, ``inducing_classes`` of the
-            wrong shape, a non-scalar prior precision or a non-zero prior mean.
+            wrong shape, a non-scalar prior precision, a non-zero prior mean, ``alpha`` outside
+            ``[0, 1]``, a negative ``mc_softmax_samples``, or ``alpha != 1`` without MC samples
+            for classification.
     """
 
     def __init__(
@@ -93,9 +117,10 @@ class VaLLA(BaseFunctionalLaplace):
         backend: type[CurvatureInterface] | None = None,
         backend_kwargs: dict[str, Any] | None = None,
         seed: int = 0,
+        alpha: float = 1.0,
+        mc_softmax_samples: int = 0,
     ) -> None:
-        if parse_enum(Likelihood, likelihood, "likelihood") == Likelihood.REWARD_MODELING:
-            raise NotImplementedError("VaLLA with likelihood='reward_modeling' is not available.")
+        check_alpha(alpha, mc_softmax_samples, parse_enum(Likelihood, likelihood, "likelihood"))
         if bool((torch.as_tensor(prior_mean) != 0).any()):
             raise ValueError("VaLLA needs prior_mean=0.")
         if torch.as_tensor(prior_precision).numel() != 1:
@@ -114,7 +139,8 @@ class VaLLA(BaseFunctionalLaplace):
             backend,
             backend_kwargs,
         )
-        self.seed = seed
+        self.seed, self.alpha, self.mc_softmax_samples = seed, alpha, mc_softmax_samples
+        self.generator = torch.Generator(device=self._device).manual_seed(seed)
         if isinstance(inducing_locations, str):
             if inducing_locations not in STRATEGIES:
                 raise ValueError(
@@ -128,7 +154,7 @@ class VaLLA(BaseFunctionalLaplace):
         else:
             self._strategy = None
             self.inducing_locations = self._as_inducing(inducing_locations)
-            count = len(_first_tensor(self.inducing_locations, dict_key_x))
+            count = inducing_count(self.inducing_locations, dict_key_x)
             if num_inducing is not None and num_inducing != count:
                 raise ValueError(f"num_inducing={num_inducing} but {count} inducing inputs given.")
             self.num_inducing = count
@@ -235,23 +261,8 @@ class VaLLA(BaseFunctionalLaplace):
 
     # ---------------------------------------------------------------------------------- fit
     def _objective(self, X: Inputs, y: Tensor) -> Tensor:
-        """Negative minibatch ELBO ``−(N/B) Σ E_q[log p(y|f)]/T + KL``."""
-        f, cov, A, R = self._moments(X, joint=False, differentiable=False)
-        var = cov.diagonal(dim1=-2, dim2=-1)
-        if self.likelihood == Likelihood.REGRESSION:
-            y = regression_targets(y, f)
-            noise = self.log_noise_variance.exp()
-            expected = -0.5 * ((y - f).square() + var) / noise - 0.5 * torch.log(
-                2 * math.pi * noise
-            )
-            log_lik = expected.sum()
-        else:
-            y = classification_targets(y)
-            logits = f / torch.sqrt(1 + math.pi / 8 * var)
-            log_lik = -nn.functional.cross_entropy(logits, y, reduction="sum")
-        solved = torch.linalg.solve_triangular(R.T, A, upper=False)
-        kl = R.diagonal().abs().log().sum() - 0.5 * solved.square().sum()
-        return -(self.n_data / len(y)) * log_lik / self.temperature + kl
+        """The minimised objective on one minibatch (see :func:`negative_objective`)."""
+        return negative_objective(self, X, y)
 
     @preserve_model_gradients
     def fit(
@@ -265,7 +276,7 @@ class VaLLA(BaseFunctionalLaplace):
         progress_bar: bool = False,
         override: bool = True,
     ) -> None:
-        """Maximise the ELBO with Adam, one training batch per iteration (cycling the loader).
+        """Minimise the objective with Adam, one training batch per iteration (cycling the loader).
 
         Args:
             train_loader: Training batches ``(X, y)`` or dict-like.
@@ -334,16 +345,72 @@ class VaLLA(BaseFunctionalLaplace):
         raise NotImplementedError("VaLLA learns the prior precision in fit().")
 
     def log_marginal_likelihood(self, *args: Any, **kwargs: Any) -> Tensor:
-        """Not defined: the ELBO is in ``fit_history_["objective"]`` (as in laplace-torch)."""
+        """Not defined: the objective is in ``fit_history_["objective"]`` (as in laplace-torch)."""
         raise NotImplementedError("VaLLA has no Laplace marginal likelihood; see fit_history_.")
+
+    # -------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values (loadable with ``weights_only=True``) of the fitted posterior:
+        inducing inputs and outputs, ``L``, the log hyperparameters, settings, the generator
+        state, the fit history and the MAP weights (checked when loading)."""
+        self._check_fitted("state_dict")
+        noise = self.log_noise_variance
+        return {
+            "cls_name": type(self).__name__,
+            "likelihood": self.likelihood.value,
+            "mean": self.mean.detach().clone(),
+            "num_inducing": self.num_inducing,
+            "inducing_locations": detached_inputs(self.inducing_locations),
+            "inducing_classes": self.inducing_classes.detach().clone(),
+            "inducing_strategy": self._strategy,
+            "initial_inducing_locations": detached_inputs(self._initial[0]),
+            "initial_inducing_classes": self._initial[1].detach().clone(),
+            "L": self.L.detach().clone(),
+            "log_prior_precision": self.log_prior_precision.detach().clone(),
+            "log_noise_variance": None if noise is None else noise.detach().clone(),
+            "temperature": self.temperature,
+            "alpha": self.alpha,
+            "mc_softmax_samples": self.mc_softmax_samples,
+            "seed": self.seed,
+            "generator_state": self.generator.get_state().clone(),
+            "n_data": self.n_data,
+            "n_outputs": self.n_outputs,
+            "fit_history": {k: list(v) for k, v in self.fit_history_.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a state saved by :meth:`state_dict` for the same model (any device).
+
+        Raises:
+            ValueError: For another class or likelihood, other model weights, or inconsistent
+                shapes (``L``, inducing inputs and outputs, noise).
+        """
+        check_state(self, state_dict)
+        check_inducing_state(state_dict, self.likelihood, self.dict_key_x)
+        M, Z = state_dict["num_inducing"], state_dict["inducing_locations"]
+        noise = state_dict["log_noise_variance"]
+        check_alpha(state_dict["alpha"], state_dict["mc_softmax_samples"], self.likelihood)
+        self.alpha, self.mc_softmax_samples = state_dict["alpha"], state_dict["mc_softmax_samples"]
+        self.seed, self.num_inducing = state_dict["seed"], M
+        self.generator.set_state(state_dict["generator_state"].cpu())
+        self.mean = state_dict["mean"].to(self._device, self._dtype)
+        self._strategy = state_dict["inducing_strategy"]
+        self.inducing_locations = self._as_inducing(Z)
+        self.inducing_classes = state_dict["inducing_classes"].to(self._device)
+        initial = state_dict["initial_inducing_locations"]
+        initial = None if initial is None else to_device(initial, self._device, self._dtype)
+        self._initial = (initial, state_dict["initial_inducing_classes"].to(self._device))
+        self.L = nn.Parameter(state_dict["L"].to(self._device, self._dtype).clone())
+        log_delta = state_dict["log_prior_precision"].to(self._device, self._dtype)
+        self.log_prior_precision = nn.Parameter(log_delta.reshape(1).clone())
+        if noise is not None:
+            self.log_noise_variance = nn.Parameter(noise.to(self._device, self._dtype).clone())
+        self.temperature = state_dict["temperature"]
+        self.n_data, self.n_outputs = state_dict["n_data"], state_dict["n_outputs"]
+        self.fit_history_ = {k: list(v) for k, v in state_dict["fit_history"].items()}
+        self._fitted = True
 
     @property
     def log_likelihood(self) -> Tensor:
         """Not tracked by VaLLA (as in laplace-torch)."""
         raise NotImplementedError("VaLLA does not track the training log-likelihood.")
-
-
-def _first_tensor(X: Inputs, key: str) -> Tensor:
-    if isinstance(X, MutableMapping):
-        return X[key] if key in X else next(v for v in X.values() if isinstance(v, Tensor))
-    return X

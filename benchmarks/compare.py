@@ -1,0 +1,124 @@
+"""Run the cases of ``benchmarks/run.py`` under laplace-ng and laplace-torch 0.3; print ratios.
+
+The reference runs in another interpreter (``--ref-python``, a throwaway virtual environment
+made by ``benchmarks/compare.sh``) where ``import laplace`` is laplace-torch 0.3. Both sides run
+the same ``run.py --one CASE`` in their own subprocess, so each timed part goes through the
+public API only. A case is bounded by ``--timeout`` seconds and ``--max-rss-gb`` of resident
+memory; a case the reference cannot run is reported with the reason. Writes
+``benchmarks/results/compare.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RUN = HERE / "run.py"
+#: Cases that use laplace-ng internals (the backend registry): the reference has no such thing.
+OURS_ONLY_PREFIXES = ("backend-",)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and its children (bytes)."""
+    total = 0
+    try:
+        out = subprocess.run(
+            ["ps", "-o", "rss=", "--ppid", str(pid), "-p", str(pid)],
+            capture_output=True,
+            text=True,
+        ).stdout
+        total = sum(int(x) for x in out.split()) * 1024
+    except (OSError, ValueError):
+        pass
+    return total
+
+
+def run_case(python: str, case: str, repeats: int, timeout: float, max_rss: float) -> dict:
+    """Run one case in a fresh interpreter; return its row or ``{"error": reason}``."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("PYTHONPATH", None)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [python, str(RUN), "--one", case, "--repeats", str(repeats)],
+            stdout=out,
+            stderr=err,
+            env=env,
+            cwd=tempfile.gettempdir(),  # so that `import laplace` never finds the repo's src/
+            start_new_session=True,
+        )
+        start, reason = time.monotonic(), None
+        while proc.poll() is None:
+            if time.monotonic() - start > timeout:
+                reason = f"> {timeout:.0f} s"
+            elif rss_bytes(proc.pid) > max_rss:
+                reason = f"> {max_rss / 2**30:.0f} GB resident memory"
+            if reason:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return {"error": reason}
+            time.sleep(0.2)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        last = [line for line in stderr.strip().splitlines() if line.strip()]
+        return {"error": f"failed: {last[-1][:160] if last else proc.returncode}"}
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    sys.path.insert(0, str(HERE))
+    from run import BACKEND_CASES, CASES
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default = [c for c in CASES if c not in BACKEND_CASES]
+    parser.add_argument("--ref-python", required=True, help="interpreter with laplace-torch 0.3")
+    parser.add_argument("--cases", nargs="*", default=default, choices=list(CASES))
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per case and side")
+    parser.add_argument("--max-rss-gb", type=float, default=8.0)
+    args = parser.parse_args()
+    max_rss = args.max_rss_gb * 2**30
+    ours_python = sys.executable
+    print(f"{'case':48s} {'laplace-ng':>12s} {'laplace-torch':>14s} {'ratio':>8s}  memory")
+    rows = []
+    for case in args.cases:
+        ours = run_case(ours_python, case, args.repeats, args.timeout, max_rss)
+        if case.startswith(OURS_ONLY_PREFIXES):
+            ref = {"error": "skipped: uses laplace-ng's backend registry"}
+        else:
+            ref = run_case(args.ref_python, case, args.repeats, args.timeout, max_rss)
+        row = {"case": case, "laplace_ng": ours, "laplace_torch": ref}
+        ours_s = ours.get("seconds")
+        ref_s = ref.get("seconds")
+        if ours_s and ref_s:
+            row["ratio"] = ref_s / ours_s
+            ratio = f"{row['ratio']:7.1f}x"
+        elif ours_s and ref.get("error", "").startswith(">"):
+            ratio = f"> {args.timeout / ours_s:.0f}x"
+        else:
+            ratio = "-"
+        mem = ""
+        if "peak_extra_MB" in ours and "peak_extra_MB" in ref:
+            mem = f"+{ours['peak_extra_MB']:.0f} MB vs +{ref['peak_extra_MB']:.0f} MB"
+        ours_txt = f"{ours_s:.3f} s" if ours_s is not None else ours["error"]
+        ref_txt = f"{ref_s:.3f} s" if ref_s is not None else ref["error"]
+        print(f"{case:48s} {ours_txt:>12s} {ref_txt:>14s} {ratio:>8s}  {mem}", flush=True)
+        rows.append(row)
+    (HERE / "results").mkdir(exist_ok=True)
+    out_file = HERE / "results" / "compare.json"
+    out_file.write_text(json.dumps(rows, indent=2))
+    print("ratio = laplace-torch 0.3 time / laplace-ng time (above 1: laplace-ng is faster)")
+    print(f"results written to {out_file}")
+
+
+if __name__ == "__main__":
+    main()
