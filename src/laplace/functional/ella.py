@@ -69,7 +69,9 @@ class ELLA(BaseFunctionalLaplace):
 
     Args:
         model: The trained network.
-        likelihood: ``"classification"`` or ``"regression"``.
+        likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"`` (fitted as
+            classification on pairs (B, 2, ...) → logits (B, 2), predicting rewards (B, 1) of
+            items (B, ...) as regression).
         subsample_size: Number ``M`` of training points defining the Nyström basis.
         n_eigenvalues: Rank ``K`` of the basis, ``1 ≤ K ≤ M``.
         sigma_noise: Observation noise σ (regression).
@@ -90,7 +92,7 @@ class ELLA(BaseFunctionalLaplace):
 
     Raises:
         ValueError: Unless ``0 < n_eigenvalues <= subsample_size``; for a non-scalar prior
-            precision, a non-zero prior mean or reward modelling.
+            precision or a non-zero prior mean.
 
     Example:
         >>> la = Laplace(model, "regression", "all", "gp", functional_approximation="nystrom",
@@ -124,8 +126,6 @@ class ELLA(BaseFunctionalLaplace):
                 "ELLA needs integers 0 < n_eigenvalues <= subsample_size, got "
                 f"n_eigenvalues={n_eigenvalues!r}, subsample_size={subsample_size!r}."
             )
-        if parse_enum(Likelihood, likelihood, "likelihood") == Likelihood.REWARD_MODELING:
-            raise NotImplementedError("ELLA with likelihood='reward_modeling' is not available.")
         if bool((torch.as_tensor(prior_mean) != 0).any()):
             raise ValueError("ELLA needs prior_mean=0 (the Nyström prior is centred).")
         super().__init__(

@@ -14,9 +14,10 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, move_inputs
+from laplace.data import Inputs
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.inducing import (
+    as_inducing,
     check_inducing_state,
     choose_inducing,
     detached_inputs,
@@ -46,8 +47,7 @@ class VaLLA(BaseFunctionalLaplace):
     ``fit`` minimises, by Adam on minibatches, the alpha-energy objective
     ``−(N/B) Σ_b ℓ_α(y_b)/T + KL(q ‖ p)`` over ``L``, ``log δ``, ``log σ²`` (regression) and
     floating-point inducing inputs, where ``ℓ_α(y) = (1/α) log E_q[p(y|f)^α]`` for
-    ``0 < α ≤ 1`` and ``ℓ_0(y) = E_q[log p(y|f)]`` (``α = 0``: the negative ELBO). With
-    ``A = Lᵀ J_Z / √δ``, ``KL = ½ log det(I + AAᵀ) − ½ tr(AAᵀ(I + AAᵀ)⁻¹)``. Gaussian
+    ``0 < α ≤ 1`` and ``ℓ_0(y) = E_q[log p(y|f)]`` (``α = 0``: the negative ELBO). Gaussian
     regression has the closed form
 
     .. math::
@@ -55,15 +55,14 @@ class VaLLA(BaseFunctionalLaplace):
             - \frac{1}{2α}\log\Big(1 + \frac{α v}{σ^2}\Big)
             \xrightarrow{α \to 0} -\tfrac12 \log(2πσ^2) - \frac{(y - m)^2 + v}{2σ^2},
 
-    with ``m, v`` the latent mean and variance. Classification estimates ``ℓ_α`` by Monte Carlo
-    over the softmax with ``mc_softmax_samples`` draws from :attr:`generator`, or uses the
-    probit approximation (α-independent) when that is 0; see
-    :mod:`laplace.functional.valla_objective`. Covariances are computed with a QR factor of
-    ``[Aᵀ; I]`` (never the P×P matrix) in float64.
+    with ``m, v`` the latent mean and variance. Classification estimates ``ℓ_α`` by MC over the
+    softmax (``mc_softmax_samples`` draws from :attr:`generator`), or with the α-independent
+    probit approximation when that is 0; the KL and details are in
+    :mod:`laplace.functional.valla_objective`. Covariances use a float64 QR factor of
+    ``[Aᵀ; I]``, ``A = Lᵀ J_Z / √δ`` (never the P×P matrix).
 
-    Reward modelling is fitted as classification on pairs (inputs (B, 2, ...), logits (B, 2)),
-    with inducing inputs taken from the individual items of the pairs (output 0), and predicts
-    as regression on individual inputs (B, ...) → rewards (B, 1).
+    Reward modelling fits as classification on pairs (B, 2, ...) → logits (B, 2), with inducing
+    inputs from the pairs' items (output 0), and predicts as regression on items (B, ...).
 
     Args:
         model: The trained network (kept fixed).
@@ -90,14 +89,12 @@ class VaLLA(BaseFunctionalLaplace):
 
     Attributes:
         fit_history_: ``objective`` (the minimised objective per step) and ``val_nll``.
-        generator: ``torch.Generator`` on the model's device (seeded with ``seed``) of the
-            Monte Carlo draws of :meth:`fit`.
+        generator: Seeded ``torch.Generator`` on the model's device for the MC draws of fit.
 
     Raises:
         ValueError: For an unknown strategy, a bad ``num_inducing``, ``inducing_classes`` of the
-            wrong shape, a non-scalar prior precision, a non-zero prior mean, ``alpha`` outside
-            ``[0, 1]``, a negative ``mc_softmax_samples``, or ``alpha != 1`` without MC samples
-            for classification.
+            wrong shape, a non-scalar prior precision, a non-zero prior mean, a bad ``alpha`` or
+            ``mc_softmax_samples`` (``alpha != 1`` needs MC samples for classification).
     """
 
     def __init__(
@@ -153,7 +150,7 @@ class VaLLA(BaseFunctionalLaplace):
             self.num_inducing = num_inducing
         else:
             self._strategy = None
-            self.inducing_locations = self._as_inducing(inducing_locations)
+            self.inducing_locations = as_inducing(inducing_locations, self._device, self._dtype)
             count = inducing_count(self.inducing_locations, dict_key_x)
             if num_inducing is not None and num_inducing != count:
                 raise ValueError(f"num_inducing={num_inducing} but {count} inducing inputs given.")
@@ -168,7 +165,6 @@ class VaLLA(BaseFunctionalLaplace):
         self._init_factor()
         self.fit_history_: dict[str, list[float]] = {"objective": [], "val_nll": []}
 
-    # ------------------------------------------------------------------------ parameters
     @property
     def prior_precision(self) -> Tensor:
         """Scalar prior precision ``δ = exp(log_prior_precision)``, shape (1,)."""
@@ -191,15 +187,6 @@ class VaLLA(BaseFunctionalLaplace):
         BaseFunctionalLaplace.sigma_noise.fset(self, value)
         if self.likelihood == Likelihood.REGRESSION:
             self.log_noise_variance = nn.Parameter(2 * self._sigma_noise.detach().log().clone())
-
-    def _as_inducing(self, Z: Any) -> Tensor | MutableMapping:
-        """Copy to the device; a floating tensor becomes a trainable ``nn.Parameter``."""
-        if isinstance(Z, MutableMapping):
-            return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in Z.items()}
-        Z = move_inputs(torch.as_tensor(Z), self._device)
-        if Z.is_floating_point():
-            return nn.Parameter(Z.detach().to(self._dtype).clone())
-        return Z.detach().clone()
 
     def _init_factor(self) -> None:
         rows, cols = torch.tril_indices(self.num_inducing, self.num_inducing)
@@ -301,25 +288,24 @@ class VaLLA(BaseFunctionalLaplace):
             self.n_outputs = self.model(X0).shape[-1]
         self.mean = self._subset.vector().detach()
         if override or not self._fitted:
+            Z, classes = self._initial[0], self._initial[1].clone()
             if self._strategy is not None:
                 Z, classes = choose_inducing(self, train_loader, self._strategy)
-                self.inducing_locations, self.inducing_classes = self._as_inducing(Z), classes
-            else:
-                self.inducing_locations = self._as_inducing(self._initial[0])
-                self.inducing_classes = self._initial[1].clone()
+            self.inducing_locations = as_inducing(Z, self._device, self._dtype)
+            self.inducing_classes = classes
             self._init_factor()
             self.fit_history_ = {"objective": [], "val_nll": []}
         if bool(
             (self.inducing_classes >= self.n_outputs).any() | (self.inducing_classes < 0).any()
         ):
             raise ValueError(f"inducing_classes must lie in [0, {self.n_outputs}).")
-        params = [self.L, self.log_prior_precision]
-        params += [
-            p
-            for p in (self.log_noise_variance, self.inducing_locations)
-            if isinstance(p, nn.Parameter)
-        ]
-        optimizer = torch.optim.Adam(params, lr=lr)
+        params = (
+            self.L,
+            self.log_prior_precision,
+            self.log_noise_variance,
+            self.inducing_locations,
+        )
+        optimizer = torch.optim.Adam([p for p in params if isinstance(p, nn.Parameter)], lr=lr)
         self._fitted = False
         batches = iter(self._batches(train_loader, progress_bar, "VaLLA"))
         for step in range(1, iterations + 1):
@@ -348,11 +334,8 @@ class VaLLA(BaseFunctionalLaplace):
         """Not defined: the objective is in ``fit_history_["objective"]`` (as in laplace-torch)."""
         raise NotImplementedError("VaLLA has no Laplace marginal likelihood; see fit_history_.")
 
-    # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Tensors and plain values (loadable with ``weights_only=True``) of the fitted posterior:
-        inducing inputs and outputs, ``L``, the log hyperparameters, settings, the generator
-        state, the fit history and the MAP weights (checked when loading)."""
+        """The fitted posterior as tensors and plain values (``weights_only=True`` loadable)."""
         self._check_fitted("state_dict")
         noise = self.log_noise_variance
         return {
@@ -395,7 +378,7 @@ class VaLLA(BaseFunctionalLaplace):
         self.generator.set_state(state_dict["generator_state"].cpu())
         self.mean = state_dict["mean"].to(self._device, self._dtype)
         self._strategy = state_dict["inducing_strategy"]
-        self.inducing_locations = self._as_inducing(Z)
+        self.inducing_locations = as_inducing(Z, self._device, self._dtype)
         self.inducing_classes = state_dict["inducing_classes"].to(self._device)
         initial = state_dict["initial_inducing_locations"]
         initial = None if initial is None else to_device(initial, self._device, self._dtype)

@@ -4,8 +4,8 @@ For a minibatch ``b`` of size ``B`` out of ``N`` points, with the latent margina
 ``q(f_n) = N(m_n, Σ_n)`` of the linearised network under ``q(θ)``, VaLLA minimises
 
 .. math::
-    \mathcal{L} = -\frac{N}{B\,T} \sum_{n \in b} \ell_α(y_n) + \mathrm{KL}\big(q(θ) \,\|\, p(θ)\big),
-    \qquad
+    \mathcal{L} = -\frac{N}{B\,T} \sum_{n \in b} \ell_α(y_n)
+        + \mathrm{KL}\big(q(θ) \,\|\, p(θ)\big), \qquad
     \ell_α(y) = \begin{cases}
         \frac{1}{α} \log \mathbb{E}_{q(f)}\big[p(y \mid f)^α\big] & 0 < α \le 1, \\
         \mathbb{E}_{q(f)}\big[\log p(y \mid f)\big] & α = 0 \ (\text{the ELBO}).
@@ -29,7 +29,8 @@ With ``A = Lᵀ J_Z / √δ`` (M, P) and the R factor of the QR decomposition of
 (so ``RᵀR = I + AAᵀ``), the KL of ``q(θ) = N(θ*, (δI + δAᵀA)⁻¹)`` from ``p(θ) = N(θ*, δ⁻¹I)`` is
 
 .. math::
-    \mathrm{KL} = \tfrac12 \log\det(I + AA^\top) - \tfrac12 \operatorname{tr}\big(AA^\top(I + AA^\top)^{-1}\big)
+    \mathrm{KL} = \tfrac12 \log\det(I + AA^\top)
+        - \tfrac12 \operatorname{tr}\big(AA^\top(I + AA^\top)^{-1}\big)
         = \sum_m \log|R_{mm}| - \tfrac12 \|R^{-\top} A\|_F^2 .
 
 Internal module.
@@ -89,7 +90,9 @@ def gaussian_alpha_energy(
     if alpha == 0:
         energy = (residual + var) / noise_var
     else:
-        energy = residual / (noise_var + alpha * var) + torch.log1p(alpha * var / noise_var) / alpha
+        energy = (
+            residual / (noise_var + alpha * var) + torch.log1p(alpha * var / noise_var) / alpha
+        )
     return -0.5 * (energy + torch.log(2 * math.pi * noise_var)).sum()
 
 
@@ -106,8 +109,10 @@ def softmax_alpha_energy(
 
 
 def negative_objective(la: VaLLA, X: Inputs, y: Tensor) -> Tensor:
-    """``−(N/B) Σ_b ℓ_α(y_b)/T + KL`` on the minibatch ``(X, y)``, differentiable in the
-    variational parameters, the prior precision, the noise and the inducing inputs."""
+    """``−(N/B) Σ_b ℓ_α(y_b)/T + KL`` on the minibatch ``(X, y)``.
+
+    Differentiable in ``L``, the log prior precision, the log noise and the inducing inputs.
+    """
     f, cov, A, R = la._moments(X, joint=False, differentiable=False)
     if la.likelihood == Likelihood.REGRESSION:
         y = regression_targets(y, f)
