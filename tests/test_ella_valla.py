@@ -387,3 +387,25 @@ def test_reward_modeling_valla_needs_pairs():
     loader = DataLoader(TensorDataset(X[:, 0], torch.zeros(14, dtype=torch.long)), batch_size=5)
     with pytest.raises(ValueError, match=r"pairs of shape \(B, 2, ...\)"):
         VaLLA(model, "reward_modeling", "random", num_inducing=3).fit(loader, iterations=1)
+
+
+def test_reward_modeling_ella_predicts_pair_probabilities_when_fitting():
+    torch.manual_seed(0)
+    model = PairScorer().double()
+    X = torch.randn(12, 2, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (12,))
+    la = Laplace(
+        model,
+        "reward_modeling",
+        subset_of_weights="all",
+        hessian_structure="gp",
+        functional_approximation="nystrom",
+        n_eigenvalues=5,
+        subsample_size=10,
+    )
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=5))
+    probs = la(X[:3], pred_type="gp", fitting=True)
+    assert probs.shape == (3, 2)
+    assert_close(probs.sum(-1), torch.ones(3, dtype=torch.float64))
+    f_mu, f_var = la(torch.randn(4, 3, dtype=torch.float64), pred_type="gp")
+    assert f_mu.shape == (4, 1) and f_var.shape == (4, 1, 1)

@@ -18,8 +18,9 @@ from torch import Tensor
 
 from laplace.base import BaseLaplace
 from laplace.data import Inputs, batch_size_of, move_inputs
+from laplace.likelihoods import LikelihoodModel
 from laplace.predictive import LINKS, gaussian_output_samples
-from laplace.utils.enums import Likelihood, LinkApprox, PredType, parse_enum
+from laplace.utils.enums import LinkApprox, PredType, parse_enum
 
 __all__ = ["BaseFunctionalLaplace"]
 
@@ -89,7 +90,7 @@ class BaseFunctionalLaplace(BaseLaplace):
             n_samples: Samples for ``"mc"``.
             diagonal_output: Regression: return variances (B, C) instead of (B, C, C).
             generator: Random number generator for ``"mc"``.
-            fitting: Accepted for interface compatibility (validation passes it).
+            fitting: Reward modelling: predict as during fitting (pair probabilities).
             **model_kwargs: Accepted for interface compatibility; not passed to the model.
 
         Returns:
@@ -106,7 +107,7 @@ class BaseFunctionalLaplace(BaseLaplace):
                 f"function-space Laplace predicts with pred_type='gp', got {pred_type.value!r}."
             )
         x = self._checked_inputs(x, "prediction")
-        if self.likelihood == Likelihood.CLASSIFICATION:
+        if self._prediction_likelihood(fitting).predicts_probabilities:
             f_mu, f_var = self._latent_moments(x, joint=False)
             return LINKS[link_approx](f_mu, f_var, n_samples=n_samples, generator=generator)
         f_mu, f_var = self._latent_moments(x, joint=joint)
@@ -169,6 +170,10 @@ class BaseFunctionalLaplace(BaseLaplace):
             Samples, shape (S, B, C).
         """
         f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator, joint)
-        if self.likelihood == Likelihood.CLASSIFICATION:
+        if self._prediction_likelihood(fitting).predicts_probabilities:
             return torch.softmax(f, dim=-1)
         return f
+
+    def _prediction_likelihood(self, fitting: bool) -> LikelihoodModel:
+        model = self._likelihood_model
+        return model.fit_likelihood if fitting else model.predictive_likelihood
