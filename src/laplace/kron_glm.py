@@ -1,4 +1,4 @@
-r"""Jacobian-free GLM output covariance ``J P⁻¹ Jᵀ`` for a Kronecker-factored precision.
+r"""Jacobian-free GLM output covariance ``J P⁻¹ Jᵀ`` for Kronecker or diagonal precisions.
 
 For a layer applied at positions ``t`` with inputs ``aₙₜ`` and gradients ``gₙcₜ = ∂fₙc/∂zₙₜ`` of
 output ``c`` w.r.t. its outputs, the Jacobian of ``fₙc`` w.r.t. the weight is
@@ -10,11 +10,14 @@ output ``c`` w.r.t. its outputs, the Jacobian of ``fₙc`` w.r.t. the weight is
 - several positions: ``Mc = Σₜ g̃cₜ ãₜᵀ`` (out × in) and ``Jc P⁻¹ Jdᵀ = Σᵢⱼ Mcᵢⱼ Mdᵢⱼ / sᵢⱼ``;
 - bias: ``ḡc = Q_Gᵀ Σₜ gcₜ`` and ``Σᵢ ḡcᵢ ḡdᵢ / sᵢ``.
 
-All of it comes from one recorded forward pass and one backward pass per output (w.r.t. layer
-outputs only): the memory is that of the activations, never the (B, C, P) Jacobian.
+A diagonal precision is the special case ``Q_G = I``, ``Q_A = I`` with ``s`` the precision of
+each weight entry. All of it comes from one recorded forward pass and one backward pass per output
+(w.r.t. layer outputs only): the memory is that of the activations, never the (B, C, P) Jacobian.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +27,10 @@ from laplace.curvature.kfac import KFAC_RULES
 from laplace.curvature.per_sample import PerSampleTrace
 from laplace.utils.matrix import KronDecomposed
 
-__all__ = ["kron_functional_moments"]
+__all__ = ["diag_functional_moments", "kron_functional_moments"]
+
+#: Per parameter slot: (Q_G or None, Q_A or None, inverse spectrum (out, in) or (out,)).
+BlockInverse = Callable[[int], tuple[Tensor | None, Tensor | None, Tensor]]
 
 
 def kron_functional_moments(
@@ -41,6 +47,45 @@ def kron_functional_moments(
         The moments, or None when a layer does not see the data points along its first
         dimension (the caller then falls back to Jacobians).
     """
+
+    def block(i: int) -> tuple[Tensor | None, Tensor | None, Tensor]:
+        Qs = precision.eigenvectors[i]
+        return Qs[0], Qs[1] if len(Qs) > 1 else None, precision.spectrum(i).reciprocal()
+
+    return _layerwise_moments(trace, block, create_graph)
+
+
+def diag_functional_moments(
+    trace: PerSampleTrace, precision: Tensor, create_graph: bool = False
+) -> tuple[Tensor, Tensor] | None:
+    """Same as :func:`kron_functional_moments` for a diagonal precision (P,).
+
+    Returns:
+        The moments, or None when a layer is not Linear/Conv or does not see the data points
+        along its first dimension (the caller then falls back to Jacobians).
+    """
+    if trace.engine.indices is not None:  # a subnetwork: blocks are not whole tensors
+        return None
+    params = trace.engine.needed
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+
+    def block(i: int) -> tuple[Tensor | None, Tensor | None, Tensor]:
+        p = params[i]
+        inv = precision[offsets[i] : offsets[i + 1]].reciprocal()
+        return None, None, inv.reshape(p.shape[0], -1) if p.dim() > 1 else inv
+
+    return _layerwise_moments(trace, block, create_graph)
+
+
+def _rotate(t: Tensor, Q: Tensor | None) -> Tensor:
+    return t if Q is None else t @ Q
+
+
+def _layerwise_moments(
+    trace: PerSampleTrace, block_inverse: BlockInverse, create_graph: bool
+) -> tuple[Tensor, Tensor] | None:
     f, calls, engine = trace.f, trace.calls, trace.engine
     B = f.shape[0]
     if any(call.outputs[0].shape[0] != B or type(call.module) not in KFAC_RULES for call in calls):
@@ -60,10 +105,8 @@ def kron_functional_moments(
         for module, names in engine.owners.items()
         for name in names
     }
-    rotated_a = {}
-    for module, a in inputs.items():
-        Q_A = precision.eigenvectors[blocks[module, "weight"]][1]
-        rotated_a[module] = a @ Q_A
+    inverse = {key: block_inverse(i) for key, i in blocks.items()}
+    rotated_a = {module: _rotate(a, inverse[module, "weight"][1]) for module, a in inputs.items()}
     per_output: dict[tuple[nn.Module, str], list[Tensor]] = {key: [] for key in blocks}
     grads = OutputGradients(f, calls, create_graph)
     eye = torch.eye(C, dtype=f.dtype, device=f.device)
@@ -73,23 +116,23 @@ def kron_functional_moments(
         for call, (g,) in zip(calls, g_calls):
             g = rule[call.module].grads(call, g)
             gs[call.module] = torch.cat([gs[call.module], g], 1) if call.module in gs else g
-        for (module, name), i in blocks.items():
+        for module, name in blocks:
             if module not in gs:
                 continue
-            Q_G = precision.eigenvectors[i][0]
+            Q_G = inverse[module, name][0]
             if name == "bias":
-                per_output[module, name].append(gs[module].sum(1) @ Q_G)
+                per_output[module, name].append(_rotate(gs[module].sum(1), Q_G))
             elif rotated_a[module].shape[1] == 1:
-                per_output[module, name].append(gs[module][:, 0] @ Q_G)
+                per_output[module, name].append(_rotate(gs[module][:, 0], Q_G))
             else:
-                M = (gs[module] @ Q_G).transpose(1, 2) @ rotated_a[module]
+                M = _rotate(gs[module], Q_G).transpose(1, 2) @ rotated_a[module]
                 per_output[module, name].append(M.flatten(1))
     f_var = f.new_zeros(B, C, C)
-    for (module, name), i in blocks.items():
+    for module, name in blocks:
         if not per_output[module, name]:
             continue
         U = torch.stack(per_output[module, name], dim=1)  # (B, C, out) or (B, C, out·in)
-        inv = precision.spectrum(i).reciprocal()
+        inv = inverse[module, name][2]
         if name == "bias":
             weights = inv.expand(B, -1)
         elif rotated_a[module].shape[1] == 1:  # one position: w = ã² (1/s)ᵀ, shape (B, out)
