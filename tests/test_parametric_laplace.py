@@ -325,3 +325,32 @@ def test_posterior_follows_changes_of_the_curvature(structure):
     assert not torch.allclose(la.log_det_posterior_precision, before)
     la.H.mul_(0.5)
     assert_close(la.log_det_posterior_precision, before)
+
+
+class _TokenMixer(torch.nn.Module):
+    """A Linear applied to every token of (B, T, D) inputs, then mean pooling and a head."""
+
+    def __init__(self, with_norm: bool):
+        super().__init__()
+        self.mix = torch.nn.Linear(3, 4)
+        self.norm = torch.nn.LayerNorm(4) if with_norm else torch.nn.Identity()
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.norm(torch.tanh(self.mix(x))).mean(1))
+
+
+@pytest.mark.parametrize("with_norm", [False, True], ids=["jacobian_free", "jacobian_fallback"])
+def test_diag_glm_predictive_on_weight_sharing_and_other_layers(with_norm):
+    torch.manual_seed(0)
+    model = _TokenMixer(with_norm).double()
+    X = torch.randn(10, 5, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (10,))
+    la = DiagLaplace(model, "classification", prior_precision=0.7)
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=4))
+    oracle = Oracle(model, "classification")
+    Js = oracle.jacobian(X[:4])
+    expected = torch.einsum("bcp,p,bdp->bcd", Js, 1 / la.posterior_precision, Js)
+    f_mu, f_var = la._glm_predictive_distribution(X[:4])
+    assert_close(f_var, expected)
+    assert_close(f_mu, oracle.f(oracle.theta, X[:4]))

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.data import move_inputs, split_batch
+from laplace.distributed import unwrap_model
 from laplace.likelihoods import make_likelihood
 from laplace.priors import as_prior_mean, as_prior_precision, expand_to_diagonal
 from laplace.subsets import AllWeights
@@ -70,6 +71,7 @@ class BaseLaplace:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        model = unwrap_model(model)  # DistributedDataParallel: curvature of the inner module
         self._likelihood_model = make_likelihood(likelihood)
         self.likelihood = self._likelihood_model.kind
         self.model = model

@@ -10,9 +10,10 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace
 from laplace.curvature.kfac import check_kfac_support
-from laplace.data import Inputs, dataset_size
+from laplace.data import Inputs
 from laplace.kron_glm import kron_functional_moments
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors import KronPosterior
@@ -119,7 +120,11 @@ class KronLaplace(ParametricLaplace):
             )
 
     def fit(
-        self, train_loader: DataLoader, override: bool = True, progress_bar: bool = False
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool = False,
+        distributed: bool | None = None,
     ) -> None:
         """Sum the KFAC factors over ``train_loader`` and eigen-decompose them.
 
@@ -130,13 +135,15 @@ class KronLaplace(ParametricLaplace):
             train_loader: See :meth:`ParametricLaplace.fit`.
             override: Start from zero (True) or add to the previous fit.
             progress_bar: Show a progress bar over batches.
+            distributed: See :meth:`ParametricLaplace.fit`.
         """
         if not override and self.H_facs is not None:
+            self._distributed = distributed_utils.resolve(distributed, train_loader)
             n_old = self.n_data
             self.H = self._rescale_inputs(
-                self.H_facs, n_old / (n_old + dataset_size(train_loader))
+                self.H_facs, n_old / (n_old + self._data_count(train_loader))
             )
-        super().fit(train_loader, override=override, progress_bar=progress_bar)
+        super().fit(train_loader, override, progress_bar, distributed)
         self.H_facs = self.H
         self.H = self.H_facs.decompose(damping=self.damping)
 

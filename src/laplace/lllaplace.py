@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, move_inputs, split_batch
+from laplace.distributed import unwrap_model
 from laplace.functional import FunctionalLLLaplace
 from laplace.kronlaplace import KronLaplace
 from laplace.last_layer import (
@@ -126,6 +127,7 @@ class LLLaplace(ParametricLaplace):
             raise ValueError("last-layer Laplace does not support asdl_fisher_kwargs.")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        model = unwrap_model(model)
         extractor = FeatureExtractor(model, last_layer_name, enable_backprop, feature_reduction)
         self._last_layer_name = last_layer_name
         super().__init__(

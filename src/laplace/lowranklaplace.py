@@ -17,9 +17,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from laplace import distributed as distributed_utils
 from laplace.curvature import CurvatureInterface
 from laplace.curvature.eigen import SOLVERS, curvature_operator, top_eigenpairs
-from laplace.data import dataset_size
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors.lowrank import LowRankPosterior
 from laplace.utils.enums import Likelihood
@@ -113,13 +113,21 @@ class LowRankLaplace(ParametricLaplace):
             backend_kwargs=options,
         )
 
-    def fit(self, train_loader: DataLoader, override: bool = True, progress_bar: bool = False):
+    def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool = False,
+        distributed: bool | None = None,
+    ):
         """Find the top-k curvature eigenpairs over ``train_loader`` and the summed loss.
 
         Args:
             train_loader: Batches ``(X, y)`` or dict-like; iterated once per solver product.
             override: Must be True: eigenpairs of a sum are not sums of eigenpairs.
             progress_bar: Show a progress bar over the loss pass.
+            distributed: See :meth:`ParametricLaplace.fit`; every curvature-vector product is
+                then summed over the ranks, which all run the same eigensolver.
 
         Raises:
             ValueError: With ``override=False``, an empty loader or non-finite data.
@@ -130,15 +138,16 @@ class LowRankLaplace(ParametricLaplace):
                 "LowRankLaplace cannot update a fit (override=False): the top eigenpairs of a "
                 "sum are not the sum of the top eigenpairs; fit again on all the data."
             )
-        n_data = dataset_size(train_loader)
+        self._distributed = distributed_utils.resolve(distributed, train_loader)
+        n_data = self._data_count(train_loader)
         if n_data == 0:
             raise ValueError("train_loader is empty: fit needs at least one data point.")
         self.model.eval()
         self.mean = self._subset.vector()
         if not self.enable_backprop:
             self.mean = self.mean.detach()
-        loss = 0.0
-        with torch.no_grad():
+        loss = torch.zeros((), device=self._device, dtype=self._dtype)
+        with torch.no_grad(), distributed_utils.guard(self._distributed, "fit"):
             for X, y in self._batches(train_loader, progress_bar, desc="fit"):
                 self._check_finite_inputs(X, y)
                 f = self.model(X)
@@ -146,7 +155,12 @@ class LowRankLaplace(ParametricLaplace):
                 loss = loss + self.backend._loss(f, y)
         options = dict(self._solver_options)
         k = int(options.pop("n_eigenvalues"))
-        operator, scale = curvature_operator(self.backend, _Batches(self, train_loader), n_data)
+        local_n = distributed_utils.data_count(train_loader) if self._distributed else n_data
+        operator, scale = curvature_operator(self.backend, _Batches(self, train_loader), local_n)
+        if self._distributed:
+            loss = distributed_utils.all_reduce_sum(loss)
+            local_matmat = operator._matmat
+            operator._matmat = lambda M: distributed_utils.all_reduce_sum(list(local_matmat(M)))
         U, eigenvalues = top_eigenpairs(operator, scale, k, **options)
         if not self._posterior_cls.is_finite((U, eigenvalues)):
             raise RuntimeError("the curvature eigenpairs contain NaN or inf; check the model.")

@@ -29,6 +29,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 from tqdm.auto import trange
 
+from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.registry import available_optional, load_optional
@@ -76,6 +77,7 @@ def marglik_training(
     enable_backprop: bool = False,
     dict_key_x: str = "input_ids",
     dict_key_y: str = "labels",
+    distributed: bool | None = None,
 ) -> tuple[BaseLaplace, nn.Module, list[Number], list[Number]]:
     """Train ``model`` by MAP and its prior precision (and σ) by marginal likelihood.
 
@@ -106,6 +108,12 @@ def marglik_training(
         enable_backprop: Make the returned Laplace differentiable w.r.t. its inputs.
         dict_key_x: Key of the inputs in dict-like batches.
         dict_key_y: Key of the targets in dict-like batches.
+        distributed: Train on the shards of several processes (see
+            :mod:`laplace.distributed`; None: when the process group is initialised and the
+            loader uses a ``DistributedSampler``). Wrap ``model`` in
+            ``DistributedDataParallel`` so the weight gradients are averaged; the Laplace fits
+            and the data count are all-reduced, so every rank takes the same hyperparameter
+            steps.
 
     Returns:
         ``(la, model, margliks, losses)``: the Laplace approximation fitted at the weights with
@@ -125,7 +133,12 @@ def marglik_training(
             "need marglik_frequency >= 1, n_hypersteps >= 0 and n_epochs >= 0, got "
             f"{marglik_frequency}, {n_hypersteps}, {n_epochs}."
         )
-    n_data = dataset_size(train_loader)
+    distributed = distributed_utils.resolve(distributed, train_loader)
+    n_data = (
+        distributed_utils.all_reduce_sum(distributed_utils.data_count(train_loader))
+        if distributed
+        else dataset_size(train_loader)
+    )
     if n_data == 0:
         raise ValueError("train_loader is empty: marglik_training needs data.")
     backend = default_backend() if backend is None else backend
@@ -201,6 +214,8 @@ def marglik_training(
             if scheduler is not None:
                 scheduler.step()
             epoch_loss += loss.item() * len(y)
+        if distributed:
+            epoch_loss = distributed_utils.all_reduce_sum(float(epoch_loss))
         losses.append(epoch_loss / n_data)
         logger.info("marglik training, epoch %d: loss %.4g", epoch, losses[-1])
         if epoch % marglik_frequency != 0 or epoch < n_epochs_burnin:
@@ -208,7 +223,7 @@ def marglik_training(
 
         model.eval()
         la = make_laplace(log_prior_prec.detach().exp(), _detached(sigma_noise()), False)
-        la.fit(train_loader)
+        la.fit(train_loader, distributed=distributed)
         for _ in range(n_hypersteps):
             hyper_optimizer.zero_grad()
             # Hyperparameters at which the last recorded marglik was evaluated.
@@ -230,7 +245,7 @@ def marglik_training(
     else:
         prior_prec, sigma = log_prior_prec.detach().exp(), _detached(sigma_noise())
     la = make_laplace(prior_prec, sigma, enable_backprop)
-    la.fit(train_loader)
+    la.fit(train_loader, distributed=distributed)
     return la, model, margliks, losses
 
 

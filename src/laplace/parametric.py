@@ -12,9 +12,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace
 from laplace.data import Inputs, dataset_size
 from laplace.glm import GLMPredictiveMixin
+from laplace.kron_glm import diag_functional_moments
 from laplace.posteriors import DensePosterior, DiagonalPosterior, Posterior
 from laplace.serialization import StateDictMixin
 from laplace.utils.enums import Likelihood
@@ -41,46 +43,70 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
         self._posterior_cache: tuple[Any, Tensor, Tensor, Posterior] | None = None
 
     # ---------------------------------------------------------------------------------- fit
-    def fit(self, train_loader: DataLoader, override: bool = True, progress_bar: bool = False):
+    def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool = False,
+        distributed: bool | None = None,
+    ):
         """Accumulate the curvature and loss over ``train_loader`` at the current weights.
 
         Args:
             train_loader: Batches ``(X, y)`` or dict-like; ``len(train_loader.dataset)`` is N.
             override: Start from zero (True) or add to the previous fit (online Laplace).
             progress_bar: Show a progress bar over batches.
+            distributed: All-reduce the sums over the ranks of :mod:`torch.distributed`, each
+                fitting its shard of the data; None: when the process group is initialised
+                and the loader uses a ``DistributedSampler`` (see :mod:`laplace.distributed`).
 
         Raises:
             ValueError: If the loader is empty or a batch contains non-finite values.
             RuntimeError: If the curvature of a batch is not finite.
+            DistributedFitError: If another rank failed during a distributed fit.
         """
-        n_data = dataset_size(train_loader)
+        self._distributed = distributed_utils.resolve(distributed, train_loader)
+        n_data = self._data_count(train_loader)
         if n_data == 0:
             raise ValueError("train_loader is empty: fit needs at least one data point.")
-        self._resolve_subset(train_loader)
-        if override or self.H is None:
-            self.H = self._zero_curvature()
-            self.loss, self.n_data = 0.0, 0
+        with distributed_utils.guard(self._distributed, "fit"):
+            self._resolve_subset(train_loader)
+        update = not override and self.H is not None
+        n_before = self.n_data if update else 0
         self.model.eval()
         self.mean = self._subset.vector()
         if not self.enable_backprop:
             self.mean = self.mean.detach()
-        n_batches = 0
-        # KFAC normalises by the data the summed curvature covers, earlier fits included.
-        stream = self._curvature_stream(train_loader, self.n_data + n_data, progress_bar)
-        for loss, H_batch in stream:
-            if not self._posterior_cls.is_finite(H_batch):
-                raise RuntimeError(
-                    "the curvature of a training batch contains NaN or inf; check the model's "
-                    "outputs and the data."
-                )
-            self.H = self.H + H_batch
-            self.loss = self.loss + loss.detach()
-            n_batches += 1
-        if n_batches == 0:
-            raise ValueError("train_loader yielded no batches: fit needs at least one batch.")
-        self.H = self._posterior_cls.finalize(self.H)
-        self.n_data += n_data
+        H_new, loss_new = self._zero_curvature(), 0.0
+        with distributed_utils.guard(self._distributed, "fit"):
+            n_batches = 0
+            # KFAC normalises by the data the summed curvature covers, earlier fits included.
+            stream = self._curvature_stream(train_loader, n_before + n_data, progress_bar)
+            for loss, H_batch in stream:
+                if not self._posterior_cls.is_finite(H_batch):
+                    raise RuntimeError(
+                        "the curvature of a training batch contains NaN or inf; check the "
+                        "model's outputs and the data."
+                    )
+                H_new = H_new + H_batch
+                loss_new = loss_new + loss.detach()
+                n_batches += 1
+            if n_batches == 0:
+                raise ValueError("train_loader yielded no batches: fit needs at least one batch.")
+        if self._distributed:
+            loss_new = torch.as_tensor(loss_new, device=self._device, dtype=self._dtype)
+            H_new, loss_new = distributed_utils.all_reduce_sum([H_new, loss_new])
+        if update:
+            H_new, loss_new = self.H + H_new, self.loss + loss_new
+        self.H = self._posterior_cls.finalize(H_new)
+        self.loss, self.n_data = loss_new, n_before + n_data
         self._posterior_cache = None
+
+    def _data_count(self, train_loader: DataLoader) -> int:
+        """Data points of the fit: all ranks' together when distributed."""
+        if not getattr(self, "_distributed", False):
+            return dataset_size(train_loader)
+        return distributed_utils.all_reduce_sum(distributed_utils.data_count(train_loader))
 
     def _zero_curvature(self) -> Any:
         """Empty curvature in the posterior's structure and dimension."""
@@ -266,9 +292,23 @@ class FullLaplace(ParametricLaplace):
 
 
 class DiagLaplace(ParametricLaplace):
-    """Laplace approximation with a diagonal curvature and posterior precision (P,)."""
+    """Laplace approximation with a diagonal curvature and posterior precision (P,).
+
+    The GLM predictive of networks made of Linear and Conv layers is computed without Jacobians
+    (:func:`laplace.kron_glm.diag_functional_moments`); other layers use the Jacobian route.
+    """
 
     _posterior_cls = DiagonalPosterior
+
+    def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
+        trace = self.backend._trace(X, create_graph=self.enable_backprop)
+        moments = diag_functional_moments(trace, self.posterior_precision, self.enable_backprop)
+        if moments is None:
+            return super()._functional_moments(X)
+        f_mu, f_var = moments
+        if not self.enable_backprop:
+            f_mu, f_var = f_mu.detach(), f_var.detach()
+        return f_mu, f_var
 
     @property
     def posterior_scale(self) -> Tensor:

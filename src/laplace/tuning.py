@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from laplace import distributed as distributed_utils
 from laplace.posteriors import NotPositiveDefiniteError
 from laplace.utils.enums import LinkApprox, PredType
 from laplace.utils.metrics import RunningNLLMetric
@@ -71,7 +72,9 @@ def gridsearch(
     """Pick the candidate prior precision with the lowest validation loss.
 
     Candidates whose posterior cannot be factorised or whose loss is not finite are skipped;
-    the first of equal losses wins.
+    the first of equal losses wins. After a distributed fit (see :mod:`laplace.distributed`)
+    each rank validates on its own shard of ``val_loader`` and the losses, taken as means over
+    the shard, are averaged over all validation points, so every rank picks the same candidate.
 
     Returns:
         The best candidate, shape (1,).
@@ -79,15 +82,28 @@ def gridsearch(
     Raises:
         RuntimeError: If no candidate gives a finite validation loss.
     """
+    distributed = getattr(la, "_distributed", False)
+    n_val = distributed_utils.data_count(val_loader) if distributed else 1
     best, best_loss = None, float("inf")
     for prior_prec in tqdm(candidates, disable=not progress_bar, desc="gridsearch"):
         la.prior_precision = prior_prec.reshape(1)
-        try:
-            value = validate(
-                la, val_loader, loss, pred_type, link_approx, n_samples, dict_key_y=la.dict_key_y
-            )
-        except (NotPositiveDefiniteError, torch.linalg.LinAlgError):
-            continue
+        with distributed_utils.guard(distributed, "gridsearch"):
+            try:
+                value = validate(
+                    la,
+                    val_loader,
+                    loss,
+                    pred_type,
+                    link_approx,
+                    n_samples,
+                    dict_key_y=la.dict_key_y,
+                )
+            except (NotPositiveDefiniteError, torch.linalg.LinAlgError):
+                value = float("inf")
+        if distributed:  # the mean over all ranks' validation points
+            sums = torch.tensor([value * n_val, n_val], dtype=torch.float64, device=la._device)
+            total, count = distributed_utils.all_reduce_sum(sums).tolist()
+            value = total / count
         if value < best_loss:
             best, best_loss = prior_prec.reshape(1), value
     if best is None:

@@ -1,0 +1,235 @@
+r"""Fitting and tuning across processes with :mod:`torch.distributed`.
+
+Every fit is a sum over batches, so a fit on several processes is: each rank sums the
+curvature and the loss over its own shard of the data, then the sums are all-reduced, and every
+rank holds the posterior a single process would compute on the whole data.
+
+The rule (one opt-in, the ``distributed`` argument of ``fit``):
+
+* ``distributed=None`` (default): distributed when :mod:`torch.distributed` is initialised with
+  more than one process **and** the loader's sampler is a
+  :class:`~torch.utils.data.distributed.DistributedSampler`. Single-process code never meets
+  this case, so its behaviour is unchanged.
+* ``distributed=True``: distributed (the process group must be initialised); use this for
+  loaders over a pre-sharded dataset, e.g. :func:`shard_dataset`.
+* ``distributed=False``: a local fit on this rank's data only.
+
+The data count of a rank is ``len(loader.sampler)`` for a ``DistributedSampler`` and
+``len(loader.dataset)`` otherwise; the counts are all-reduced before the pass (KFAC normalises
+its input factors by the total count). Note that ``DistributedSampler(drop_last=False)`` pads
+the shards with repeated samples when the data size is not a multiple of the world size: the
+posterior then counts those repeats. :func:`shard_dataset` gives uneven shards without repeats,
+which reproduce the single-process fit exactly (up to float summation order).
+
+Failures: the local pass of every rank runs inside :func:`guard`, which all-reduces a failure
+flag afterwards, so a rank whose local fit raised makes every other rank raise a
+:class:`DistributedFitError` naming it instead of waiting forever in the next collective. A rank
+that dies outright is caught by the process group's timeout
+(``init_process_group(timeout=...)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data.distributed import DistributedSampler
+
+from laplace.data import dataset_size
+
+__all__ = [
+    "DistributedFitError",
+    "all_gather",
+    "all_reduce_sum",
+    "data_count",
+    "guard",
+    "is_distributed",
+    "resolve",
+    "shard_dataset",
+    "unwrap_model",
+]
+
+
+class DistributedFitError(RuntimeError):
+    """Another rank failed during a distributed fit, prediction or tuning step."""
+
+
+def is_distributed() -> bool:
+    """Whether :mod:`torch.distributed` is initialised with more than one process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def resolve(distributed: bool | None, loader: DataLoader | None = None) -> bool:
+    """Apply the opt-in rule of the module docstring.
+
+    Args:
+        distributed: The user's choice (None: automatic).
+        loader: The data loader (its sampler decides the automatic case).
+
+    Returns:
+        Whether to all-reduce.
+
+    Raises:
+        RuntimeError: For ``distributed=True`` without an initialised process group.
+    """
+    if distributed is None:
+        sampler = getattr(loader, "sampler", None)
+        return is_distributed() and isinstance(sampler, DistributedSampler)
+    if distributed and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "distributed=True needs an initialised process group: call "
+            "torch.distributed.init_process_group(...) first (e.g. under torchrun)."
+        )
+    return bool(distributed)
+
+
+def data_count(loader: DataLoader) -> int:
+    """Data points of this rank: ``len(sampler)`` for a DistributedSampler, else the dataset's."""
+    if isinstance(getattr(loader, "sampler", None), DistributedSampler):
+        return len(loader.sampler)
+    return dataset_size(loader)
+
+
+def _reduce(tensor: Tensor, op: Any = None) -> Tensor:
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op)
+    return tensor
+
+
+def all_reduce_sum(value: Any, device: torch.device | None = None) -> Any:
+    """Sum ``value`` over all ranks; every rank gets the result.
+
+    ``value`` is a tensor, a Python number, a :class:`~laplace.utils.matrix.Kron` or a
+    (nested) list/tuple of these. Tensors of one dtype are reduced in a single flat buffer.
+    The inputs are not modified.
+    """
+    from laplace.utils.matrix import Kron
+
+    if isinstance(value, (int, float)):
+        dtype = torch.float64 if isinstance(value, float) else torch.int64
+        out = _reduce(torch.tensor([value], dtype=dtype, device=_collective_device(device)))
+        return type(value)(out.item())
+    if isinstance(value, Tensor):
+        return _reduce(value.detach().clone())
+    leaves: list[Tensor] = []
+
+    def collect(v: Any) -> None:
+        if isinstance(v, Kron):
+            collect(v.kfacs)
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                collect(item)
+        elif isinstance(v, Tensor):
+            leaves.append(v.detach())
+        else:
+            raise TypeError(f"cannot all-reduce a {type(v).__name__}.")
+
+    collect(value)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        by_dtype.setdefault(leaf.dtype, []).append(i)
+    reduced: list[Tensor | None] = [None] * len(leaves)
+    for indices in by_dtype.values():
+        flat = _reduce(torch.cat([leaves[i].reshape(-1) for i in indices]))
+        for i, chunk in zip(
+            indices, flat.split([leaves[i].numel() for i in indices]), strict=True
+        ):
+            reduced[i] = chunk.reshape(leaves[i].shape)
+    it = iter(reduced)
+
+    def rebuild(v: Any) -> Any:
+        if isinstance(v, Kron):
+            return Kron(rebuild(v.kfacs))
+        if isinstance(v, (list, tuple)):
+            return type(v)(rebuild(item) for item in v)
+        return next(it)
+
+    return rebuild(value)
+
+
+@contextmanager
+def guard(active: bool, what: str = "fit", device: torch.device | None = None) -> Iterator[None]:
+    """Run a local step; afterwards all ranks learn whether any rank's step raised.
+
+    The rank that failed re-raises its own exception; the others raise
+    :class:`DistributedFitError` naming the failed ranks, instead of hanging in the next
+    collective. Inactive: a plain ``yield``.
+    """
+    if not active:
+        yield
+        return
+    error: BaseException | None = None
+    try:
+        yield
+    except Exception as exc:  # every rank must reach the collective below
+        error = exc
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failed = torch.zeros(world, dtype=torch.int64, device=_collective_device(device))
+    failed[rank] = int(error is not None)
+    try:
+        _reduce(failed)
+    except RuntimeError as lost:  # a peer crashed or the process group timed out
+        raise DistributedFitError(
+            f"distributed {what}: rank {rank} lost contact with the other ranks (one crashed "
+            f"or did not reach the {what} within the process group's timeout): {lost}"
+        ) from lost
+    if error is not None:
+        raise error
+    if bool(failed.any()):
+        ranks = failed.nonzero().flatten().tolist()
+        raise DistributedFitError(
+            f"distributed {what}: rank(s) {ranks} failed during the local pass (see their "
+            f"error); rank {rank} stops too."
+        )
+
+
+def _collective_device(device: torch.device | None) -> torch.device:
+    """CPU for gloo, the current CUDA device for NCCL (unless ``device`` is given)."""
+    if device is not None:
+        return device
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather(tensor: Tensor) -> Tensor:
+    """Concatenate ``tensor`` (n_rank, ...) of every rank along dim 0, in rank order.
+
+    The ranks may hold different numbers of rows (uneven test shards); the other dimensions
+    must agree. Without a process group the tensor is returned as it is.
+    """
+    if not is_distributed():
+        return tensor
+    device = tensor.device
+    sizes = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=device)
+    all_sizes = [torch.zeros_like(sizes) for _ in range(dist.get_world_size())]
+    dist.all_gather(all_sizes, sizes)
+    counts = [int(s.item()) for s in all_sizes]
+    padded = tensor.new_zeros((max(counts), *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor.detach()
+    buffers = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(buffers, padded)
+    return torch.cat([b[:n] for b, n in zip(buffers, counts, strict=True)])
+
+
+def shard_dataset(dataset: Dataset, rank: int | None = None, world_size: int | None = None):
+    """This rank's shard ``dataset[rank::world_size]`` as a :class:`~torch.utils.data.Subset`.
+
+    Shards differ by at most one point and no point is repeated, so a distributed fit
+    (``fit(loader, distributed=True)``) equals the single-process fit on ``dataset``.
+    Defaults: the current process group's rank and world size.
+    """
+    rank = dist.get_rank() if rank is None else rank
+    world_size = dist.get_world_size() if world_size is None else world_size
+    return Subset(dataset, list(range(rank, len(dataset), world_size)))
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module inside a ``DistributedDataParallel`` (or ``DataParallel``) wrapper."""
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        return model.module
+    return model
