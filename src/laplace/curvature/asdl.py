@@ -311,12 +311,8 @@ class AsdlGGN(AsdlInterface, GGNInterface):
         return float(config.n_mc_samples) if self.stochastic else 1.0
 
 
-class AsdlEF(AsdlInterface, EFInterface):
-    """Empirical Fisher by ASDL (``fisher_emp``), rescaled to the library loss.
-
-    Takes the arguments of :class:`AsdlInterface` except ``subnetwork_indices`` (as in
-    laplace-torch).
-    """
+class _WithoutSubnetwork(AsdlInterface):
+    """The constructor of :class:`AsdlInterface` without ``subnetwork_indices``."""
 
     def __init__(
         self,
@@ -337,6 +333,14 @@ class AsdlEF(AsdlInterface, EFInterface):
             dict_key_y,
             asdl_fisher_kwargs=asdl_fisher_kwargs,
         )
+
+
+class AsdlEF(_WithoutSubnetwork, EFInterface):
+    """Empirical Fisher by ASDL (``fisher_emp``), rescaled to the library loss.
+
+    Takes the arguments of :class:`AsdlInterface` except ``subnetwork_indices`` (as in
+    laplace-torch).
+    """
 
     @property
     def _fisher_type(self) -> str:
@@ -347,7 +351,7 @@ class AsdlEF(AsdlInterface, EFInterface):
         return self.factor**2
 
 
-class AsdlHessian(AsdlInterface):
+class AsdlHessian(_WithoutSubnetwork):
     """Exact Hessian of the summed library loss by ASDL (full, or its diagonal).
 
     ASDL forms the Hessian by double backpropagation, one pass per parameter: use it on small
@@ -355,26 +359,6 @@ class AsdlHessian(AsdlInterface):
     :class:`AsdlInterface` except ``subnetwork_indices`` (as in laplace-torch);
     ``asdl_fisher_kwargs`` is accepted for a uniform interface and unused.
     """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        likelihood: Likelihood | str,
-        last_layer: bool = False,
-        dict_key_x: str = "input_ids",
-        dict_key_y: str = "labels",
-        *,
-        asdl_fisher_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(
-            model,
-            likelihood,
-            last_layer,
-            None,
-            dict_key_x,
-            dict_key_y,
-            asdl_fisher_kwargs=asdl_fisher_kwargs,
-        )
 
     def _hessian(self, x: Inputs, y: Tensor, shape: str) -> tuple[Tensor, Tensor]:
         target = target_call(self.model, x, self.last_layer)
