@@ -108,45 +108,68 @@ def forward_plus_10_backward(model: nn.Module, loader: DataLoader) -> None:
             torch.autograd.grad(f[:, c].sum(), params, retain_graph=c < 9)
 
 
-def case_fit(model_name: str, structure: str, repeats: int) -> dict:
-    from laplace import Laplace
+def training_loader(model_name: str) -> DataLoader:
+    return DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
 
-    model = MODELS[model_name]().eval()
-    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
-    baseline = timed(lambda: forward_plus_10_backward(model, loader), repeats)
-    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
+
+def measure_fit(la, loader: DataLoader, repeats: int, case: str, **extra) -> dict:
+    """Best-of-``repeats`` fit time and peak extra memory of a Laplace approximation."""
     with PeakRSS() as mem:
         fit_s = timed(lambda: la.fit(loader), repeats)
     return {
-        "case": f"fit {structure} {model_name}",
+        "case": case,
         "n_params": la.n_params,
         "seconds": fit_s,
-        "baseline_fwd_10bwd_s": baseline,
-        "ratio": fit_s / baseline,
+        **{key: value(fit_s) if callable(value) else value for key, value in extra.items()},
         "peak_extra_MB": mem.extra / 2**20,
     }
 
 
-def case_predict(model_name: str, structure: str, repeats: int, n_test: int = N_TEST) -> dict:
-    from laplace import Laplace
-
-    model = MODELS[model_name]().eval()
-    if structure == "full":  # a dense P×P posterior needs a small P: keep only the head trainable
-        for p in list(model.parameters())[:-2]:
-            p.requires_grad_(False)
-    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
-    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
-    la.fit(loader)
+def measure_predict(la, model_name: str, n_test: int, repeats: int, case: str) -> dict:
+    """GLM probit predictive time and peak extra memory on ``n_test`` points of a fitted ``la``."""
     X_test, _ = data(model_name, n_test, 1)
     la(X_test[:10], link_approx="probit")  # warm the posterior factorisation
     with PeakRSS() as mem:
         pred_s = timed(lambda: la(X_test, pred_type="glm", link_approx="probit"), repeats)
     return {
-        "case": f"glm probit {structure} {model_name} ({n_test} points)",
+        "case": case,
         "n_params": la.n_params,
         "seconds": pred_s,
         "peak_extra_MB": mem.extra / 2**20,
     }
+
+
+def case_fit(model_name: str, structure: str, repeats: int) -> dict:
+    from laplace import Laplace
+
+    model = MODELS[model_name]().eval()
+    loader = training_loader(model_name)
+    baseline = timed(lambda: forward_plus_10_backward(model, loader), repeats)
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
+    return measure_fit(
+        la,
+        loader,
+        repeats,
+        f"fit {structure} {model_name}",
+        baseline_fwd_10bwd_s=baseline,
+        ratio=lambda fit_s: fit_s / baseline,
+    )
+
+
+def case_predict(
+    model_name: str, structure: str, repeats: int, n_test: int = N_TEST, subset: str = "all"
+) -> dict:
+    from laplace import Laplace
+
+    model = MODELS[model_name]().eval()
+    if structure == "full" and subset == "all":  # a dense P×P needs a small P: train the head
+        for p in list(model.parameters())[:-2]:
+            p.requires_grad_(False)
+    la = Laplace(model, "classification", subset_of_weights=subset, hessian_structure=structure)
+    la.fit(training_loader(model_name))
+    label = "last-layer " if subset == "last_layer" else ""
+    case = f"glm probit {label}{structure} {model_name} ({n_test} points)"
+    return measure_predict(la, model_name, n_test, repeats, case)
 
 
 def case_backend_fit(model_name: str, structure: str, repeats: int, backend: str) -> dict:
@@ -154,7 +177,6 @@ def case_backend_fit(model_name: str, structure: str, repeats: int, backend: str
     from laplace.curvature import CURVATURE_BACKENDS
 
     model = MODELS[model_name]().eval()
-    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
     la = Laplace(
         model,
         "classification",
@@ -162,14 +184,8 @@ def case_backend_fit(model_name: str, structure: str, repeats: int, backend: str
         hessian_structure=structure,
         backend=CURVATURE_BACKENDS[backend],
     )
-    with PeakRSS() as mem:
-        fit_s = timed(lambda: la.fit(loader), repeats)
-    return {
-        "case": f"fit {structure} {model_name} {backend}",
-        "n_params": la.n_params,
-        "seconds": fit_s,
-        "peak_extra_MB": mem.extra / 2**20,
-    }
+    case = f"fit {structure} {model_name} {backend}"
+    return measure_fit(la, training_loader(model_name), repeats, case)
 
 
 #: Fit time per backend × structure (``--backends``).
@@ -195,26 +211,24 @@ def case_fit_ll(model_name: str, structure: str, repeats: int) -> dict:
     from laplace import Laplace
 
     model = MODELS[model_name]().eval()
-    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
+    loader = training_loader(model_name)
     baseline = timed(lambda: forward_pass(model, loader), repeats)
     la = Laplace(model, "classification", "last_layer", structure)
-    with PeakRSS() as mem:
-        fit_s = timed(lambda: la.fit(loader), repeats)
-    return {
-        "case": f"fit last-layer {structure} {model_name}",
-        "n_params": la.n_params,
-        "seconds": fit_s,
-        "baseline_forward_s": baseline,
-        "ratio_to_forward": fit_s / baseline,
-        "peak_extra_MB": mem.extra / 2**20,
-    }
+    return measure_fit(
+        la,
+        loader,
+        repeats,
+        f"fit last-layer {structure} {model_name}",
+        baseline_forward_s=baseline,
+        ratio_to_forward=lambda fit_s: fit_s / baseline,
+    )
 
 
 def case_marglik_ll(model_name: str, structure: str, repeats: int) -> dict:
     from laplace import Laplace
 
     model = MODELS[model_name]().eval()
-    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
+    loader = training_loader(model_name)
 
     def tune():  # a fresh fit each time, so the one-off factorisation is included
         la = Laplace(model, "classification", "last_layer", structure)
@@ -233,30 +247,10 @@ def case_marglik_ll(model_name: str, structure: str, repeats: int) -> dict:
     }
 
 
-def case_predict_ll(model_name: str, structure: str, repeats: int) -> dict:
-    from laplace import Laplace
-
-    model = MODELS[model_name]().eval()
-    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
-    la = Laplace(model, "classification", "last_layer", structure)
-    la.fit(loader)
-    X_test, _ = data(model_name, N_TEST, 1)
-    la(X_test[:10], link_approx="probit")
-    with PeakRSS() as mem:
-        pred_s = timed(lambda: la(X_test, pred_type="glm", link_approx="probit"), repeats)
-    return {
-        "case": f"glm probit last-layer {structure} {model_name} ({N_TEST} points)",
-        "n_params": la.n_params,
-        "seconds": pred_s,
-        "peak_extra_MB": mem.extra / 2**20,
-    }
-
-
 def case_fit_lowrank(model_name: str, structure: str, repeats: int, k: int = 50) -> dict:
     from laplace import Laplace
 
     model = MODELS[model_name]().eval()
-    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
     la = Laplace(
         model,
         "classification",
@@ -264,14 +258,8 @@ def case_fit_lowrank(model_name: str, structure: str, repeats: int, k: int = 50)
         hessian_structure="lowrank",
         backend_kwargs={"n_eigenvalues": k, "solver": structure, "tol": 1e-4},
     )
-    with PeakRSS() as mem:
-        fit_s = timed(lambda: la.fit(loader), repeats)
-    return {
-        "case": f"fit lowrank k={k} ({structure}) {model_name}",
-        "n_params": la.n_params,
-        "seconds": fit_s,
-        "peak_extra_MB": mem.extra / 2**20,
-    }
+    case = f"fit lowrank k={k} ({structure}) {model_name}"
+    return measure_fit(la, training_loader(model_name), repeats, case)
 
 
 def case_fit_subnet(model_name: str, structure: str, repeats: int, k: int = 1000) -> dict:
@@ -279,7 +267,6 @@ def case_fit_subnet(model_name: str, structure: str, repeats: int, k: int = 1000
     from laplace.utils import LargestMagnitudeSubnetMask
 
     model = MODELS[model_name]().eval()
-    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
     indices = LargestMagnitudeSubnetMask(model, n_params_subnet=k).select()
     la = Laplace(
         model,
@@ -288,22 +275,15 @@ def case_fit_subnet(model_name: str, structure: str, repeats: int, k: int = 1000
         hessian_structure=structure,
         subnetwork_indices=indices,
     )
-    with PeakRSS() as mem:
-        fit_s = timed(lambda: la.fit(loader), repeats)
-    return {
-        "case": f"fit subnetwork {structure} K={k} {model_name}",
-        "n_params": la.n_params,
-        "seconds": fit_s,
-        "peak_extra_MB": mem.extra / 2**20,
-    }
+    case = f"fit subnetwork {structure} K={k} {model_name}"
+    return measure_fit(la, training_loader(model_name), repeats, case)
 
 
 def case_marglik_training(model_name: str, structure: str, repeats: int) -> dict:
     from laplace import marglik_training
     from laplace.curvature import CurvlinopsGGN
 
-    X, y = data(model_name, N_TRAIN, 0)
-    loader = DataLoader(TensorDataset(X, y), batch_size=BATCH)
+    loader = training_loader(model_name)
 
     def train() -> None:
         torch.manual_seed(0)
@@ -330,9 +310,8 @@ def case_predict_gp(model_name: str, n_subset: int, repeats: int, n_test: int = 
     from laplace import Laplace
 
     model = MODELS[model_name]().eval()
-    loader = DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
     la = Laplace(model, "classification", "all", "gp", n_subset=n_subset)
-    fit_s = timed(lambda: la.fit(loader), 1)
+    fit_s = timed(lambda: la.fit(training_loader(model_name)), 1)
     X_test, _ = data(model_name, n_test, 1)
     with PeakRSS() as mem:
         pred_s = timed(lambda: la(X_test, link_approx="probit"), repeats)
@@ -359,7 +338,7 @@ CASES = {
     "fit-ll-kron-cnn": (case_fit_ll, "cnn", "kron"),
     "fit-ll-diag-cnn": (case_fit_ll, "cnn", "diag"),
     "marglik-fullll-mlp": (case_marglik_ll, "mlp", "full"),
-    "predict-ll-kron-cnn": (case_predict_ll, "cnn", "kron"),
+    "predict-ll-kron-cnn": (partial(case_predict, subset="last_layer"), "cnn", "kron"),
     "fit-lowrank-cnn": (case_fit_lowrank, "cnn", "randomized"),
     "fit-lowrank-lanczos-cnn": (case_fit_lowrank, "cnn", "lanczos"),
     "fit-lowrank-lobpcg-cnn": (case_fit_lowrank, "cnn", "lobpcg"),
