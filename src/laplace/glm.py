@@ -24,6 +24,12 @@ __all__ = ["GLMPredictiveMixin", "slice_inputs"]
 JACOBIAN_CHUNK_BYTES = 256 * 2**20
 
 
+def jacobian_chunk_rows(n_outputs: int, n_params: int, dtype: torch.dtype) -> int:
+    """Data points whose (rows, C, P) Jacobian fits in :data:`JACOBIAN_CHUNK_BYTES`, at least 1."""
+    itemsize = torch.finfo(dtype).bits // 8
+    return max(1, JACOBIAN_CHUNK_BYTES // max(1, n_outputs * n_params * itemsize))
+
+
 def slice_inputs(X: Inputs, start: int, stop: int, n: int) -> Inputs:
     """Rows ``start:stop`` of inputs with ``n`` rows; mapping values without n rows are kept."""
     if isinstance(X, MutableMapping):
@@ -103,9 +109,7 @@ class GLMPredictiveMixin:
 
     # ----------------------------------------------------------------------------- GLM
     def _chunk_rows(self) -> int:
-        itemsize = torch.finfo(self._dtype).bits // 8
-        per_row = max(1, self.n_outputs * self.n_params * itemsize)
-        return max(1, JACOBIAN_CHUNK_BYTES // per_row)
+        return jacobian_chunk_rows(self.n_outputs, self.n_params, self._dtype)
 
     def _glm_predictive_distribution(
         self, X: Inputs, joint: bool = False, diagonal_output: bool = False

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
-from laplace.glm import JACOBIAN_CHUNK_BYTES
+from laplace.glm import jacobian_chunk_rows
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.priors import expand_to_diagonal
 from laplace.subsets import Subnetwork
@@ -175,9 +175,7 @@ class SubnetLaplace(ParametricLaplace):
         return self._posterior.square_form(value - self.mean_subnet)
 
     def _chunk_rows(self) -> int:
-        itemsize = torch.finfo(self._dtype).bits // 8
-        per_row = max(1, self.n_outputs * self.n_params_subnet * itemsize)
-        return max(1, JACOBIAN_CHUNK_BYTES // per_row)
+        return jacobian_chunk_rows(self.n_outputs, self.n_params_subnet, self._dtype)
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -15,14 +15,14 @@ import torch
 from torch import Tensor
 
 from laplace.data import Inputs, batch_size_of
-from laplace.glm import JACOBIAN_CHUNK_BYTES, slice_inputs
+from laplace.glm import jacobian_chunk_rows, slice_inputs
 from laplace.posteriors import NotPositiveDefiniteError
 from laplace.utils.enums import Likelihood
 
 if TYPE_CHECKING:
     from laplace.functional.sod import FunctionalLaplace
 
-__all__ = ["SubsetKernel", "concatenate_inputs"]
+__all__ = ["SubsetKernel"]
 
 #: Bytes of subset Jacobians kept between calls.
 CACHE_BYTES = 256 * 2**20
@@ -30,18 +30,6 @@ CACHE_BYTES = 256 * 2**20
 CLASSIFICATION_SCATTER_NOISE = 1e-5
 #: Cap of ``1/Λ`` where the output curvature vanishes (as laplace-torch).
 MAX_INVERSE_CURVATURE = 10.0
-
-
-def concatenate_inputs(batches: list[Inputs]) -> Inputs:
-    """Concatenate batches of inputs: tensors along dim 0, mappings key by key."""
-    if isinstance(batches[0], MutableMapping):
-        first = batches[0]
-        out = dict(first) if type(first) is dict else first.__class__(first)
-        for key, value in first.items():
-            if isinstance(value, Tensor) and value.dim() > 0:
-                out[key] = torch.cat([b[key] for b in batches])
-        return out
-    return torch.cat(batches)
 
 
 class SubsetKernel:
@@ -116,10 +104,7 @@ class SubsetKernel:
 
     def test_chunk_rows(self) -> int:
         """Points per Jacobian chunk under :data:`JACOBIAN_CHUNK_BYTES`."""
-        n_params = self.la.n_params
-        per_point = self.n_outputs * n_params
-        itemsize = torch.finfo(self.la._dtype).bits // 8
-        return max(1, JACOBIAN_CHUNK_BYTES // (per_point * itemsize))
+        return jacobian_chunk_rows(self.n_outputs, self.la.n_params, self.la._dtype)
 
     def _gram(self) -> Tensor:
         """``J_M J_Mᵀ`` from pairs of chunks (upper blocks mirrored)."""

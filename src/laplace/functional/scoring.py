@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from laplace.data import Inputs, batch_size_of
-from laplace.glm import JACOBIAN_CHUNK_BYTES, slice_inputs
+from laplace.glm import jacobian_chunk_rows, slice_inputs
 from laplace.utils.enums import Likelihood
 from laplace.utils.functional_utils import classification_targets, regression_targets
 
@@ -33,8 +33,7 @@ def jacobian_chunks(
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """``(Js (b, C, P), f (b, C))`` over chunks of ``X`` of at most ``JACOBIAN_CHUNK_BYTES``."""
     n = batch_size_of(X, la.dict_key_x)
-    itemsize = torch.finfo(la._dtype).bits // 8
-    step = max(1, JACOBIAN_CHUNK_BYTES // (la.n_outputs * la.n_params * itemsize))
+    step = jacobian_chunk_rows(la.n_outputs, la.n_params, la._dtype)
     for start in range(0, n, step):
         chunk = slice_inputs(X, start, start + step, n)
         Js, f = la.backend.jacobians(chunk, enable_backprop=enable_backprop)

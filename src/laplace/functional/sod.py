@@ -16,7 +16,7 @@ from laplace.base import BaseLaplace
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, batch_size_of, dataset_size
 from laplace.functional.base import BaseFunctionalLaplace
-from laplace.functional.kernel import SubsetKernel, concatenate_inputs
+from laplace.functional.kernel import SubsetKernel
 from laplace.glm import slice_inputs
 from laplace.priors import as_prior_precision
 from laplace.utils.enums import (
@@ -27,6 +27,7 @@ from laplace.utils.enums import (
     TuningMethod,
     parse_enum,
 )
+from laplace.utils.functional_utils import concatenate_rows
 from laplace.utils.utils import SoDSampler
 
 __all__ = ["FunctionalLaplace"]
@@ -181,7 +182,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
             targets.append(y)
         self.n_data = n_data
         self._kernel = SubsetKernel.build(
-            self, concatenate_inputs(inputs), torch.cat(targets), self.independent_outputs
+            self, concatenate_rows(inputs), torch.cat(targets), self.independent_outputs
         )
         self.n_outputs = self._kernel.n_outputs
         self.loss = self._kernel.loss

@@ -19,6 +19,8 @@ from torch.utils.data import (
     SubsetRandomSampler,
 )
 
+from laplace.data import batch_size_of
+
 __all__ = [
     "batch_size",
     "classification_targets",
@@ -231,9 +233,7 @@ def subset_loader(loader: DataLoader, indices: Tensor) -> DataLoader:
 
 def batch_size(inputs: Any, dict_key_x: str) -> int:
     """Leading dimension of a tensor, or of ``inputs[dict_key_x]`` for a mapping."""
-    if isinstance(inputs, MutableMapping):
-        return inputs[dict_key_x].shape[0]
-    return inputs.shape[0]
+    return batch_size_of(inputs, dict_key_x)
 
 
 def concatenate_rows(chunks: list[Any]) -> Any:
