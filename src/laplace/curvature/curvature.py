@@ -13,7 +13,7 @@ The default routes use the native per-sample engine (:mod:`laplace.curvature.per
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -23,11 +23,29 @@ from torch.func import functional_call, jacrev
 from laplace.curvature.kfac import kfac
 from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
 from laplace.data import Inputs
+from laplace.errors import check_positive_int
 from laplace.likelihoods import make_likelihood
 from laplace.utils.enums import Likelihood, parse_enum
 from laplace.utils.matrix import Kron
 
-__all__ = ["CurvatureInterface", "EFInterface", "GGNInterface"]
+__all__ = ["CurvatureInterface", "EFInterface", "GGNInterface", "check_dict_inputs"]
+
+
+def check_dict_inputs(backend_cls: type[CurvatureInterface], x: Any) -> None:
+    """Refuse dict-like inputs for a backend that cannot take them.
+
+    Args:
+        backend_cls: The backend class.
+        x: Model inputs of one batch.
+
+    Raises:
+        ValueError: If ``x`` is a mapping and ``backend_cls.accepts_dict_inputs`` is False.
+    """
+    if isinstance(x, MutableMapping) and not backend_cls.accepts_dict_inputs:
+        raise ValueError(
+            f"{backend_cls.__name__} cannot take dict-like inputs; use backend=CurvlinopsGGN "
+            "or AsdlGGN (CurvlinopsEF or AsdlEF for the empirical Fisher)."
+        )
 
 
 class CurvatureInterface:
@@ -52,6 +70,8 @@ class CurvatureInterface:
     """
 
     kfac_approx: str = "expand"
+    #: Whether the model may take dict-like (HuggingFace) inputs with this backend.
+    accepts_dict_inputs: bool = True
 
     def __init__(
         self,
@@ -169,7 +189,9 @@ class CurvatureInterface:
         Gs = trace.per_sample(self._likelihood.loss_gradient(f, y))
         return Gs.detach(), self._loss(f, y)
 
-    def _curvature_columns(self, f: Tensor, y: Tensor) -> Iterable[Tensor]:
+    def _curvature_columns(
+        self, f: Tensor, y: Tensor, mc_samples: int | None = None
+    ) -> Iterable[Tensor]:
         """Output-space columns ``vₖ`` (B, C) whose per-sample outer products sum to the curvature.
 
         The dense and diagonal curvatures are ``Σₙ Σₖ (Jₙᵀ vₖₙ)(Jₙᵀ vₖₙ)ᵀ``; a family (GGN, EF)
@@ -178,6 +200,10 @@ class CurvatureInterface:
         Args:
             f: Detached outputs of the batch, shape (B, C).
             y: Targets of the batch.
+            mc_samples: Monte-Carlo samples per data point, for a stochastic curvature only.
+
+        Raises:
+            ValueError: For ``mc_samples`` with a curvature that is not sampled.
         """
         raise NotImplementedError(f"{type(self).__name__} defines no curvature.")
 
@@ -187,14 +213,22 @@ class CurvatureInterface:
         Args:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
+            **kwargs: ``mc_samples`` (Monte-Carlo samples per data point, stochastic GGN only)
+                overrides the backend's ``num_samples``; ``N`` is accepted and unused (as in
+                laplace-torch).
 
         Returns:
             The summed batch loss and the curvature of shape (P, P).
+
+        Raises:
+            ValueError: For ``mc_samples`` with a curvature that is not sampled, or another
+                keyword argument.
         """
+        mc_samples = _curvature_options(kwargs)
         trace = self._trace(x)
         f = trace.f.detach()
-        return self._loss(f, y), trace.gram(self._curvature_columns(f, y)).detach()
+        columns = self._curvature_columns(f, y, mc_samples)
+        return self._loss(f, y), trace.gram(columns).detach()
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
         """Kronecker-factored batch curvature (KFAC) of the family's curvature columns.
@@ -206,7 +240,8 @@ class CurvatureInterface:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
             N: Number of data points of the whole data set.
-            **kwargs: ``kfac_approx`` (``"expand"`` or ``"reduce"``) overrides the backend's.
+            **kwargs: ``kfac_approx`` (``"expand"`` or ``"reduce"``) overrides the backend's;
+                ``mc_samples`` (stochastic GGN only) overrides its ``num_samples``.
 
         Returns:
             The summed batch loss and a :class:`~laplace.utils.matrix.Kron` with one block per
@@ -217,13 +252,12 @@ class CurvatureInterface:
                 unknown keyword argument.
         """
         approx = kwargs.pop("kfac_approx", self.kfac_approx)
-        if kwargs:
-            raise ValueError(f"kron accepts only the keyword kfac_approx, got {sorted(kwargs)}.")
+        mc_samples = _curvature_options(kwargs)
         if self.subnetwork_indices is not None:
             raise ValueError("KFAC is defined per layer; it does not support subnetwork_indices.")
         trace = self._trace(x)
         f = trace.f.detach()
-        H = kfac(trace, self._curvature_columns(f, y), N, approx, self.factor)
+        H = kfac(trace, self._curvature_columns(f, y, mc_samples), N, approx, self.factor)
         return self._loss(f, y), H
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
@@ -232,14 +266,19 @@ class CurvatureInterface:
         Args:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
+            **kwargs: ``mc_samples`` and ``N`` as in :meth:`full`.
 
         Returns:
             The summed batch loss and the diagonal of shape (P,).
+
+        Raises:
+            ValueError: As :meth:`full`.
         """
+        mc_samples = _curvature_options(kwargs)
         trace = self._trace(x)
         f = trace.f.detach()
-        return self._loss(f, y), trace.square_sum(self._curvature_columns(f, y)).detach()
+        columns = self._curvature_columns(f, y, mc_samples)
+        return self._loss(f, y), trace.square_sum(columns).detach()
 
 
 class GGNInterface(CurvatureInterface):
@@ -276,11 +315,28 @@ class GGNInterface(CurvatureInterface):
         self.stochastic = stochastic
         self.num_samples = num_samples
 
-    def _curvature_columns(self, f: Tensor, y: Tensor) -> Iterator[Tensor]:
-        """Columns ``vₖ`` (B, C) with ``Σₖ vₖ vₖᵀ = Λ`` (or its MC estimate) per sample."""
+    def _curvature_columns(
+        self, f: Tensor, y: Tensor, mc_samples: int | None = None
+    ) -> Iterator[Tensor]:
+        """Columns ``vₖ`` (B, C) with ``Σₖ vₖ vₖᵀ = Λ`` (or its MC estimate) per sample.
+
+        Args:
+            f: Detached outputs of the batch, shape (B, C).
+            y: Targets of the batch (unused: the GGN does not depend on them).
+            mc_samples: Samples per data point (stochastic only); ``num_samples`` when None.
+
+        Raises:
+            ValueError: For ``mc_samples`` without ``stochastic=True``.
+        """
+        if mc_samples is not None and not self.stochastic:
+            raise ValueError(
+                "mc_samples needs the Monte-Carlo Fisher (backend_kwargs={'stochastic': True}); "
+                "the exact GGN is not sampled."
+            )
         if self.stochastic:
-            scale = 1.0 / math.sqrt(self.num_samples)
-            for _ in range(self.num_samples):
+            n_samples = self.num_samples if mc_samples is None else mc_samples
+            scale = 1.0 / math.sqrt(n_samples)
+            for _ in range(n_samples):
                 y_hat = self._likelihood.sample_targets(f)
                 yield scale * self._likelihood.loss_gradient(f, y_hat)
         else:
@@ -297,6 +353,33 @@ class EFInterface(CurvatureInterface):
     this matrix for regression; classification agrees.
     """
 
-    def _curvature_columns(self, f: Tensor, y: Tensor) -> list[Tensor]:
-        """The single column ``∇_f ℓ(fₙ, yₙ)`` (B, C)."""
+    def _curvature_columns(
+        self, f: Tensor, y: Tensor, mc_samples: int | None = None
+    ) -> list[Tensor]:
+        """The single column ``∇_f ℓ(fₙ, yₙ)`` (B, C).
+
+        Raises:
+            ValueError: For ``mc_samples``: the empirical Fisher is not sampled.
+        """
+        if mc_samples is not None:
+            raise ValueError("mc_samples applies to the Monte-Carlo Fisher, not the EF.")
         return [self._likelihood.loss_gradient(f, y)]
+
+
+def _curvature_options(kwargs: dict[str, Any]) -> int | None:
+    """``mc_samples`` of a curvature call's keyword arguments (None if absent).
+
+    ``N`` is accepted and dropped (laplace-torch passes it to every route).
+
+    Raises:
+        ValueError: For another keyword argument or an ``mc_samples`` that is not positive.
+    """
+    options = dict(kwargs)
+    options.pop("N", None)
+    mc_samples = options.pop("mc_samples", None)
+    if options:
+        raise ValueError(
+            f"unknown keyword arguments {sorted(options)}; the curvature routes accept "
+            "mc_samples (stochastic GGN), kfac_approx (kron) and N."
+        )
+    return None if mc_samples is None else check_positive_int(mc_samples, "mc_samples")
