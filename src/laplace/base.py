@@ -5,6 +5,7 @@ Internal module; the public path is :mod:`laplace.baselaplace`.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -13,10 +14,17 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
+from laplace.curvature.curvature import check_dict_inputs
 from laplace.data import move_inputs, split_batch
 from laplace.distributed import unwrap_model
+from laplace.errors import ArgumentTypeError, NotFittedError
 from laplace.likelihoods import make_likelihood
-from laplace.priors import as_prior_mean, as_prior_precision, expand_to_diagonal
+from laplace.priors import (
+    as_float_tensor,
+    as_prior_mean,
+    as_prior_precision,
+    expand_to_diagonal,
+)
 from laplace.subsets import AllWeights
 from laplace.tuning import default_validation_loss, gridsearch, maximize_marglik
 from laplace.utils.enums import (
@@ -35,6 +43,11 @@ __all__ = ["BaseLaplace"]
 class BaseLaplace:
     """Common hyperparameters, data handling and prior tuning of every Laplace approximation.
 
+    This constructor is the one place where the arguments every Laplace class shares are
+    checked and stored; the public classes keep laplace-torch's explicit parameter lists and
+    hand them here. Each argument is stored under its own name (``la.sigma_noise``,
+    ``la.backend_kwargs``, ...), so a Laplace object can be rebuilt from its attributes.
+
     Args:
         model: The trained network; only parameters with ``requires_grad=True`` are treated
             probabilistically.
@@ -46,13 +59,21 @@ class BaseLaplace:
         enable_backprop: Keep predictives differentiable w.r.t. the inputs.
         dict_key_x: Key of the inputs in dict-like batches.
         dict_key_y: Key of the targets in dict-like batches.
-        backend: Curvature backend class; ``CurvlinopsGGN`` (exact GGN) when None.
+        backend: Curvature backend class (or an instance, as ``la.backend`` returns, which
+            stands for its class); ``CurvlinopsGGN`` (exact GGN) when None.
         backend_kwargs: Keyword arguments for the backend's constructor.
         asdl_fisher_kwargs: Keyword arguments for ASDL's Fisher (ASDL backends only).
 
     Raises:
-        ValueError: For an unknown likelihood, a non-positive σ or T, or a bad prior.
+        ValueError: For an unknown likelihood, a non-positive σ or T, or a bad prior; an
+            argument of the wrong type raises an error that is a ``ValueError`` and a
+            ``TypeError``.
+        TypeError: For an abstract class, a model that is not an ``nn.Module`` or a backend
+            that is not a ``CurvatureInterface``.
     """
+
+    #: Set in the body of an abstract class: what to use instead.
+    _abstract: str | None = None
 
     def __init__(
         self,
@@ -65,43 +86,52 @@ class BaseLaplace:
         enable_backprop: bool = False,
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
-        backend: type[CurvatureInterface] | None = None,
+        backend: type[CurvatureInterface] | CurvatureInterface | None = None,
         backend_kwargs: dict[str, Any] | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        if type(self).__dict__.get("_abstract"):
+            raise TypeError(f"{type(self).__name__} is abstract: {type(self)._abstract}")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-        model = unwrap_model(model)  # DistributedDataParallel: curvature of the inner module
         self._likelihood_model = make_likelihood(likelihood)
         self.likelihood = self._likelihood_model.kind
-        self.model = model
-        self._subset = self._make_subset(model)
+        # DistributedDataParallel: curvature of the inner module.
+        self.model = self._prepare_model(unwrap_model(model))
+        self._subset = self._make_subset(self.model)
         self._bind_subset()
-        if not temperature > 0:
-            raise ValueError(f"temperature must be positive, got {temperature}.")
-        self.temperature = temperature
+        self.temperature = _checked_temperature(temperature)
         self.enable_backprop = enable_backprop
         self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
         self.sigma_noise = sigma_noise
         self.prior_precision = prior_precision
         self.prior_mean = prior_mean
-        self._backend_cls = backend if backend is not None else CurvlinopsGGN
-        if not (
-            isinstance(self._backend_cls, type)
-            and issubclass(self._backend_cls, CurvatureInterface)
-        ):
-            raise TypeError(
-                f"backend must be a CurvatureInterface subclass, got {self._backend_cls!r}."
-            )
-        self._backend_kwargs = dict(backend_kwargs or {})
+        self._backend_cls = _backend_class(backend)
+        self.backend_kwargs = backend_kwargs
+        self.asdl_fisher_kwargs = asdl_fisher_kwargs
+        self._backend_kwargs = self._backend_options(dict(backend_kwargs or {}))
         self._asdl_fisher_kwargs = dict(asdl_fisher_kwargs or {})
         self._backend: CurvatureInterface | None = None
         self.loss: Tensor | float = 0.0
         self.n_data = 0
-        self.n_outputs: int | None = None
+        self.n_outputs = 0
+        self._fitted = False
+        self._init_state()
+
+    # ----------------------------------------------------------- hooks of the subclasses
+    def _prepare_model(self, model: nn.Module) -> nn.Module:
+        """The module stored as ``self.model`` (last-layer classes wrap it)."""
+        return model
 
     def _make_subset(self, model: nn.Module) -> AllWeights:
         return AllWeights(model)
+
+    def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Keyword arguments of the backend's constructor, from the user's ``backend_kwargs``."""
+        return backend_kwargs
+
+    def _init_state(self) -> None:
+        """Set up what the approximation holds before :meth:`fit` (its unfitted state)."""
 
     def _bind_subset(self) -> None:
         """Expose the subset's ``params``, ``n_params``, ``n_layers`` (None until it is known)."""
@@ -145,9 +175,12 @@ class BaseLaplace:
 
     @sigma_noise.setter
     def sigma_noise(self, value: float | Tensor) -> None:
-        sigma = torch.as_tensor(value, device=self._device, dtype=self._dtype)
-        if sigma.numel() != 1:
-            raise ValueError(f"sigma_noise must be a scalar, got shape {tuple(sigma.shape)}.")
+        sigma = as_float_tensor(value, "sigma_noise", self._device, self._dtype)
+        if sigma.dim() > 1 or sigma.numel() != 1:
+            raise ValueError(
+                "sigma_noise must be a scalar (homoscedastic noise): a number or a tensor of "
+                f"shape () or (1,), got shape {tuple(sigma.shape)}."
+            )
         if not bool(sigma.detach() > 0):
             raise ValueError(f"sigma_noise must be positive, got {sigma.item()}.")
         if self.likelihood != Likelihood.REGRESSION and not bool(sigma.detach() == 1):
@@ -199,14 +232,20 @@ class BaseLaplace:
             self.loss, self.n_data, self.n_outputs, self.sigma_noise, self.temperature
         )
 
-    def _check_fitted(self, what: str) -> None:
-        if self.n_outputs is None:
-            raise RuntimeError(f"{what} needs a fitted Laplace approximation: call fit() first.")
+    def _check_fitted(self, what: str = "this method") -> None:
+        if not self._fitted:
+            raise NotFittedError(f"{what} needs a fitted Laplace approximation: call fit() first.")
 
     def _batches(self, loader: DataLoader, progress_bar: bool = False, desc: str = "batches"):
-        """Yield ``(X, y)`` of each batch on the model's device."""
+        """Yield ``(X, y)`` of each batch on the model's device.
+
+        Raises:
+            ValueError: For dict-like batches with a backend that cannot take them (BackPACK),
+                before any other work.
+        """
         for batch in tqdm(loader, disable=not progress_bar, desc=desc):
             X, y = split_batch(batch, self.dict_key_x, self.dict_key_y)
+            check_dict_inputs(self._backend_cls, X)
             yield move_inputs(X, self._device), y.to(self._device)
 
     # ------------------------------------------------------------------------------ tuning
@@ -298,3 +337,36 @@ class BaseLaplace:
             )
         if verbose:
             print(f"Optimized prior precision is {self.prior_precision}.")
+
+
+def _checked_temperature(temperature: float) -> float:
+    """``temperature`` if it is a positive real number.
+
+    Raises:
+        ArgumentTypeError: If it is not a real number (a ``ValueError`` and a ``TypeError``).
+        ValueError: If it is not positive.
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (numbers.Real, Tensor)):
+        raise ArgumentTypeError(
+            f"temperature must be a positive real number, got {type(temperature).__name__}."
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}.")
+    return temperature
+
+
+def _backend_class(
+    backend: type[CurvatureInterface] | CurvatureInterface | None,
+) -> type[CurvatureInterface]:
+    """The backend class for a ``backend`` argument: a class, an instance or None (default).
+
+    Raises:
+        TypeError: If it is not a ``CurvatureInterface`` subclass or instance.
+    """
+    if backend is None:
+        return CurvlinopsGGN
+    if isinstance(backend, CurvatureInterface):
+        return type(backend)
+    if isinstance(backend, type) and issubclass(backend, CurvatureInterface):
+        return backend
+    raise TypeError(f"backend must be a CurvatureInterface subclass, got {backend!r}.")

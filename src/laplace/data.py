@@ -9,33 +9,38 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from laplace.errors import MissingKeyError
+
 __all__ = ["Inputs", "batch_size_of", "dataset_size", "move_inputs", "split_batch"]
 
 #: Model inputs: a tensor, or a mapping whose values the model reads by key.
 Inputs = Tensor | MutableMapping[str, Any]
 
 
-def split_batch(batch: Any, dict_key_x: str, dict_key_y: str) -> tuple[Inputs, Tensor]:
+def split_batch(batch: Any, dict_key_x: str | None, dict_key_y: str) -> tuple[Inputs, Tensor]:
     """Split a loader batch into model inputs and targets.
 
     Args:
-        batch: ``(X, y)`` (tuple or list) or a mapping holding ``dict_key_y`` (the whole mapping
-            is then the model input, as HuggingFace models expect).
-        dict_key_x: Key of the input tensor in a mapping batch (used for its batch size).
+        batch: ``(X, y)`` (tuple or list) or a mapping holding ``dict_key_x`` and ``dict_key_y``
+            (the whole mapping is then the model input, as HuggingFace models expect).
+        dict_key_x: Key of the input tensor in a mapping batch; None: not checked.
         dict_key_y: Key of the targets in a mapping batch.
 
     Returns:
         ``(X, y)``.
 
     Raises:
-        ValueError: If a mapping batch lacks ``dict_key_y`` or a tuple batch is not a pair.
+        MissingKeyError: (a ``KeyError`` and a ``ValueError``) if a mapping batch lacks
+            ``dict_key_x`` or ``dict_key_y``.
+        ValueError: If a tuple batch is not a pair.
     """
     if isinstance(batch, MutableMapping):
-        if dict_key_y not in batch:
-            raise ValueError(
-                f"dict-like batch has no targets under dict_key_y={dict_key_y!r}; "
-                f"its keys are {sorted(batch.keys())}."
-            )
+        for argument, key in (("dict_key_x", dict_key_x), ("dict_key_y", dict_key_y)):
+            if key is not None and key not in batch:
+                raise MissingKeyError(
+                    f"dict-like batch has no entry under {argument}={key!r}; its keys are "
+                    f"{sorted(batch.keys())}."
+                )
         return batch, batch[dict_key_y]
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]

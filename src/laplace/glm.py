@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from laplace.data import Inputs, batch_size_of, move_inputs
+from laplace.errors import check_positive_int
 from laplace.likelihoods import LikelihoodModel
 from laplace.predictive import LINKS, gaussian_output_samples
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
@@ -74,7 +75,8 @@ class GLMPredictiveMixin:
             Classification: probabilities (B, C). Regression: ``(f_mu, f_var)``.
 
         Raises:
-            ValueError: For unknown or incompatible ``pred_type`` / ``link_approx``.
+            ValueError: For unknown or incompatible ``pred_type`` / ``link_approx``, or an
+                ``n_samples`` that is not a positive integer where samples are drawn.
             RuntimeError: Before :meth:`fit`.
         """
         pred_type = parse_enum(PredType, pred_type, "pred_type")
@@ -86,6 +88,8 @@ class GLMPredictiveMixin:
                 "pred_type='nn' samples networks and supports only link_approx='mc' "
                 f"(got {link_approx.value!r})."
             )
+        if pred_type == PredType.NN or link_approx == LinkApprox.MC:
+            check_positive_int(n_samples, "n_samples")
         self._check_fitted("prediction")
         x = move_inputs(x, self._device)
         likelihood = self._prediction_likelihood(fitting)
@@ -155,8 +159,13 @@ class GLMPredictiveMixin:
         diagonal_output: bool = False,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Samples of the network outputs ``f`` (before any link), shape (S, B, C)."""
+        """Samples of the network outputs ``f`` (before any link), shape (S, B, C).
+
+        Raises:
+            ValueError: For an unknown ``pred_type`` or a non-positive ``n_samples``.
+        """
         pred_type = parse_enum(PredType, pred_type, "pred_type")
+        check_positive_int(n_samples, "n_samples")
         self._check_fitted("functional_samples")
         x = move_inputs(x, self._device)
         if pred_type == PredType.NN:
@@ -178,16 +187,40 @@ class GLMPredictiveMixin:
             Samples, shape (S, B, C).
         """
         f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator)
+        return self._link_samples(f)
+
+    def _link_samples(self, f: Tensor) -> Tensor:
+        """Output samples (S, B, C) as predictions: softmax probabilities or the outputs."""
         if self._likelihood_model.predictive_likelihood.predicts_probabilities:
             return torch.softmax(f, dim=-1)
         return f
 
     # ------------------------------------------------------------------------------ NN
     def _nn_functional_samples(
-        self, X: Inputs, n_samples: int, generator: torch.Generator | None, **model_kwargs: Any
+        self,
+        X: Inputs,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        **model_kwargs: Any,
     ) -> Tensor:
         """Outputs of ``n_samples`` networks with weights drawn from the posterior (S, B, C)."""
         thetas = self.sample(n_samples, generator)
         context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
         with context:
             return self._subset.forward_samples(thetas, X, **model_kwargs)
+
+    def _nn_predictive_samples(
+        self,
+        X: Inputs,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        **model_kwargs: Any,
+    ) -> Tensor:
+        """Predictive of ``n_samples`` sampled networks (S, B, C): probabilities or outputs.
+
+        laplace-torch's hook, kept for code that calls it.
+        """
+        X = move_inputs(X, self._device)
+        return self._link_samples(
+            self._nn_functional_samples(X, n_samples, generator, **model_kwargs)
+        )

@@ -89,8 +89,8 @@ class KronLaplace(ParametricLaplace):
         asdl_fisher_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.damping = damping
-        self.H_facs: Kron | None = None
-        super().__init__(
+        BaseLaplace.__init__(
+            self,
             model,
             likelihood,
             sigma_noise,
@@ -104,8 +104,17 @@ class KronLaplace(ParametricLaplace):
             backend_kwargs,
             asdl_fisher_kwargs,
         )
+
+    def _init_state(self) -> None:
+        self.H_facs: Kron | None = None
+        super()._init_state()
         if self.params is not None:
-            check_kfac_support(model, self.params)
+            check_kfac_support(self.model, self.params)
+
+    def _init_H(self) -> None:
+        """Reset ``H`` to zero Kronecker factors (and forget the fitted ``H_facs``)."""
+        self.H_facs = None
+        super()._init_H()
 
     @BaseLaplace.prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
@@ -175,7 +184,8 @@ class KronLaplace(ParametricLaplace):
 
     # ----------------------------------------------------------------------------- state
     def _curvature_state(self) -> list[list[Tensor]]:
-        return [[F.detach() for F in block] for block in self.H_facs.kfacs]
+        factors = self.H_facs if self.H_facs is not None else self.H
+        return [[F.detach() for F in block] for block in factors.kfacs]
 
     def _load_curvature_state(self, state: Any) -> KronDecomposed:
         expected = self._posterior_cls.zeros(self.params).kfacs

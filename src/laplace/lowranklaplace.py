@@ -18,9 +18,11 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from laplace import distributed as distributed_utils
+from laplace.base import BaseLaplace
 from laplace.curvature import CurvatureInterface
 from laplace.curvature.eigen import SOLVERS, curvature_operator, top_eigenpairs
 from laplace.parametric import ParametricLaplace
+from laplace.posterior_scale import PosteriorScaleMixin
 from laplace.posteriors.lowrank import LowRankPosterior
 from laplace.utils.enums import Likelihood
 
@@ -31,12 +33,14 @@ __all__ = ["LowRankLaplace"]
 SOLVER_OPTIONS = ("n_eigenvalues", "low_rank", "solver", "tol", "max_iter", "seed")
 
 
-class LowRankLaplace(ParametricLaplace):
+class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
     """Laplace approximation with a rank-k curvature ``H ≈ U diag(λ) Uᵀ``.
 
     The posterior precision ``P = U diag(h·λ) Uᵀ + diag(p₀)`` (``h = 1/(σ²T)``) is never formed:
     the log-determinant, ``J P⁻¹ Jᵀ`` and samples use the k × k capacitance matrix
-    (see :class:`~laplace.posteriors.lowrank.LowRankPosterior`), all in O(P k²).
+    (see :class:`~laplace.posteriors.lowrank.LowRankPosterior`), all in O(P k²). Before
+    :meth:`fit`, ``H`` is an empty eigenbasis ``(U (P, 0), λ (0,))``: the posterior is the prior
+    (laplace-torch keeps None there).
 
     Args:
         model: The trained network.
@@ -84,34 +88,24 @@ class LowRankLaplace(ParametricLaplace):
         dict_key_y: str = "labels",
         backend_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        options = dict(backend_kwargs or {})
-        solver = {k: options.pop(k) for k in SOLVER_OPTIONS if k in options}
-        if "low_rank" in solver:
-            solver.setdefault("n_eigenvalues", solver.pop("low_rank"))
-        solver.setdefault("n_eigenvalues", 10)
-        if solver.get("solver", "lanczos") not in SOLVERS:
-            raise ValueError(
-                f"backend_kwargs['solver'] must be one of {sorted(SOLVERS)}, "
-                f"got {solver['solver']!r}."
-            )
-        if int(solver["n_eigenvalues"]) < 1:
-            raise ValueError(
-                f"n_eigenvalues must be a positive integer, got {solver['n_eigenvalues']!r}."
-            )
-        self._solver_options = solver
-        super().__init__(
+        self._solver_options = _solver_options(backend_kwargs)
+        BaseLaplace.__init__(
+            self,
             model,
             likelihood,
-            sigma_noise=sigma_noise,
-            prior_precision=prior_precision,
-            prior_mean=prior_mean,
-            temperature=temperature,
-            enable_backprop=enable_backprop,
-            dict_key_x=dict_key_x,
-            dict_key_y=dict_key_y,
-            backend=backend,
-            backend_kwargs=options,
+            sigma_noise,
+            prior_precision,
+            prior_mean,
+            temperature,
+            enable_backprop,
+            dict_key_x,
+            dict_key_y,
+            backend,
+            backend_kwargs,
         )
+
+    def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in backend_kwargs.items() if k not in SOLVER_OPTIONS}
 
     def fit(
         self,
@@ -143,9 +137,7 @@ class LowRankLaplace(ParametricLaplace):
         if n_data == 0:
             raise ValueError("train_loader is empty: fit needs at least one data point.")
         self.model.eval()
-        self.mean = self._subset.vector()
-        if not self.enable_backprop:
-            self.mean = self.mean.detach()
+        mean = self._subset.vector()
         loss = torch.zeros((), device=self._device, dtype=self._dtype)
         with torch.no_grad(), distributed_utils.guard(self._distributed, "fit"):
             for X, y in self._batches(train_loader, progress_bar, desc="fit"):
@@ -166,7 +158,9 @@ class LowRankLaplace(ParametricLaplace):
             raise RuntimeError("the curvature eigenpairs contain NaN or inf; check the model.")
         self.H = (U, eigenvalues)
         self.loss, self.n_data = loss, n_data
+        self.mean = mean if self.enable_backprop else mean.detach()
         self._posterior_cache = None
+        self._fitted = True
 
     @property
     def posterior_precision(self) -> tuple[tuple[Tensor, Tensor], Tensor]:
@@ -205,6 +199,28 @@ class LowRankLaplace(ParametricLaplace):
             U.to(device=self._device, dtype=self._dtype),
             eigenvalues.to(device=self._device, dtype=self._dtype),
         )
+
+
+def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The eigensolver's entries of ``backend_kwargs``, with ``n_eigenvalues`` (default 10).
+
+    Raises:
+        ValueError: For an unknown solver or a non-positive ``n_eigenvalues``.
+    """
+    options = dict(backend_kwargs or {})
+    solver = {k: options[k] for k in SOLVER_OPTIONS if k in options}
+    if "low_rank" in solver:
+        solver.setdefault("n_eigenvalues", solver.pop("low_rank"))
+    solver.setdefault("n_eigenvalues", 10)
+    if solver.get("solver", "lanczos") not in SOLVERS:
+        raise ValueError(
+            f"backend_kwargs['solver'] must be one of {sorted(SOLVERS)}, got {solver['solver']!r}."
+        )
+    if int(solver["n_eigenvalues"]) < 1:
+        raise ValueError(
+            f"n_eigenvalues must be a positive integer, got {solver['n_eigenvalues']!r}."
+        )
+    return solver
 
 
 class _Batches:

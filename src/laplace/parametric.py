@@ -9,17 +9,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.data import DataLoader
 
 from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace
 from laplace.data import Inputs, dataset_size
+from laplace.errors import NotFittedError, check_positive_int
 from laplace.glm import GLMPredictiveMixin
 from laplace.kron_glm import diag_functional_moments
+from laplace.posterior_scale import PosteriorScaleMixin
 from laplace.posteriors import DensePosterior, DiagonalPosterior, Posterior
 from laplace.serialization import StateDictMixin
-from laplace.utils.enums import Likelihood
 
 __all__ = ["DiagLaplace", "FullLaplace", "ParametricLaplace"]
 
@@ -29,18 +30,50 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
 
     Subclasses choose the structure of the curvature ``H`` through ``_posterior_cls``.
     After :meth:`fit`, ``H`` is the curvature summed over the data, ``loss`` the summed loss,
-    ``mean`` the MAP weights (P,).
+    ``mean`` the MAP weights (P,). Before it, as in laplace-torch, the posterior is the prior:
+    ``H`` is a zero curvature in the structure's form, ``mean`` the prior mean (P,), and
+    ``posterior_precision``, ``log_prob``, the log-determinants and ``scatter`` follow from
+    them; predictions and samples need :meth:`fit`.
+    See :class:`~laplace.base.BaseLaplace` for the arguments.
     """
 
+    _abstract = "use FullLaplace, DiagLaplace, KronLaplace or LowRankLaplace."
     _posterior_cls: type[Posterior]
 
-    def __init__(self, model: nn.Module, likelihood: Likelihood | str, *args, **kwargs) -> None:
-        if type(self) is ParametricLaplace:
-            raise TypeError("ParametricLaplace is abstract: use FullLaplace, DiagLaplace, ...")
-        super().__init__(model, likelihood, *args, **kwargs)
+    def _init_state(self) -> None:
         self.H: Any = None
-        self.mean = self._subset.vector().detach() if self._subset.resolved else None
+        self._fitted_mean: Tensor | None = None
         self._posterior_cache: tuple[Any, Tensor, Tensor, Posterior] | None = None
+        if self._subset.resolved:
+            self._init_H()
+
+    def _init_H(self) -> None:
+        """Reset ``H`` to the zero curvature of the structure (the posterior is then the prior).
+
+        Raises:
+            NotFittedError: If the parameters are not known yet (a last layer not found yet).
+        """
+        self.H = self._zero_curvature()
+
+    @property
+    def mean(self) -> Tensor | None:
+        """Posterior mean (P,): the MAP weights once fitted, the prior mean before.
+
+        None while the parameters are not known (a last layer not found yet).
+        """
+        if self._fitted_mean is not None:
+            return self._fitted_mean
+        if not self._subset.resolved:
+            return None
+        return self._prior_mean_vector()
+
+    @mean.setter
+    def mean(self, value: Tensor | None) -> None:
+        self._fitted_mean = value
+
+    def _prior_mean_vector(self) -> Tensor:
+        """The prior mean expanded to the posterior's weight vector, shape (P,)."""
+        return torch.broadcast_to(self.prior_mean, (self.n_params,)).clone()
 
     # ---------------------------------------------------------------------------------- fit
     def fit(
@@ -71,12 +104,10 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
             raise ValueError("train_loader is empty: fit needs at least one data point.")
         with distributed_utils.guard(self._distributed, "fit"):
             self._resolve_subset(train_loader)
-        update = not override and self.H is not None
+        update = not override and self._fitted
         n_before = self.n_data if update else 0
         self.model.eval()
-        self.mean = self._subset.vector()
-        if not self.enable_backprop:
-            self.mean = self.mean.detach()
+        mean = self._subset.vector()
         H_new, loss_new = self._zero_curvature(), 0.0
         with distributed_utils.guard(self._distributed, "fit"):
             n_batches = 0
@@ -100,7 +131,9 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
             H_new, loss_new = self.H + H_new, self.loss + loss_new
         self.H = self._posterior_cls.finalize(H_new)
         self.loss, self.n_data = loss_new, n_before + n_data
+        self.mean = mean if self.enable_backprop else mean.detach()
         self._posterior_cache = None
+        self._fitted = True
 
     def _data_count(self, train_loader: DataLoader) -> int:
         """Data points of the fit: all ranks' together when distributed."""
@@ -110,7 +143,7 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
 
     def _zero_curvature(self) -> Any:
         """Empty curvature in the posterior's structure and dimension."""
-        return self._posterior_cls.zeros(self.params)
+        return self._posterior_cls.zeros(self._subset.params)
 
     def _resolve_subset(self, train_loader: DataLoader) -> None:
         """Make sure the parameter subset is known before fitting (all weights: always)."""
@@ -120,20 +153,22 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
     ) -> Iterator[tuple[Tensor, Any]]:
         """Yield ``(loss, H)`` summands over the training data (one per batch by default).
 
-        Also sets ``n_outputs`` from the first batch.
+        Also sets ``n_outputs`` from the first batch, and checks the targets of every batch
+        before its curvature is computed.
 
         Args:
             train_loader: The training data.
             n_data: Number of data points the summed curvature covers (KFAC normalisation).
             progress_bar: Show a progress bar over batches.
         """
-        first = True
+        output_shape = None
         for X, y in self._batches(train_loader, progress_bar, desc="fit"):
             self._check_finite_inputs(X, y)
-            if first:
+            if output_shape is None:
                 with torch.no_grad():
-                    self.n_outputs = int(self.model(X).shape[-1])
-                first = False
+                    output_shape = self.model(X).shape
+                self.n_outputs = int(output_shape[-1])
+            self._likelihood_model.check_targets(y, output_shape)
             yield self._batch_curvature(X, y, n_data)
 
     def _batch_curvature(self, X: Inputs, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
@@ -152,9 +187,13 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
     # ------------------------------------------------------------------------- posterior
     @property
     def _posterior(self) -> Posterior:
-        """The posterior at the current hyperparameters, cached while they do not change."""
-        self._check_fitted("the posterior")
+        """The posterior at the current hyperparameters, cached while they do not change.
+
+        Before :meth:`fit` it is the prior (``H`` is zero).
+        """
         h_factor, prior_diag = self._H_factor, self.prior_precision_diag
+        if self.H is None:
+            raise NotFittedError("the posterior needs fit() first (or a call to _init_H()).")
         differentiable = h_factor.requires_grad or prior_diag.requires_grad
         curvature_key = (id(self.H), getattr(self.H, "_version", None))
         cache = self._posterior_cache
@@ -245,17 +284,34 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
         return self._posterior.functional_covariance(Js.reshape(-1, Js.shape[-1]))
 
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
-        """Draw weights ``θ ~ N(θ_MAP, P⁻¹)``, shape (n_samples, P)."""
-        return self.mean + self._posterior.sample_deviations(n_samples, generator)
+        """Draw weights ``θ ~ N(θ_MAP, P⁻¹)``, shape (n_samples, P).
+
+        Raises:
+            ValueError: If ``n_samples`` is not a positive integer.
+            NotFittedError: Before :meth:`fit` (a ``RuntimeError``).
+        """
+        return self.mean + self._sample_deviations(n_samples, generator)
+
+    def _sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
+        """Draws of ``θ − θ_MAP`` (n_samples, P) over the posterior's parameters."""
+        check_positive_int(n_samples, "n_samples")
+        self._check_fitted("sample")
+        return self._draw_deviations(n_samples, generator)
+
+    def _draw_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
+        return self._posterior.sample_deviations(n_samples, generator)
 
 
-class FullLaplace(ParametricLaplace):
+class FullLaplace(PosteriorScaleMixin, ParametricLaplace):
     """Laplace approximation with a dense (P, P) curvature and posterior precision.
 
     Hyperparameter tuning evaluates ``log det(h·H + δ·I)`` for many ``(h, δ)`` with a scalar
     prior ``δ``: while either is differentiable, it is computed as ``Σᵢ log(h·λᵢ + δ)`` from the
     eigenvalues ``λ`` of ``H``, found once per fit, instead of one Cholesky factorisation (and
     its backward pass) per step.
+
+    ``posterior_scale`` is the lower-triangular ``S`` (P, P) with ``S Sᵀ = P⁻¹``
+    (see :class:`~laplace.posterior_scale.PosteriorScaleMixin`).
     """
 
     _posterior_cls = DensePosterior
@@ -265,7 +321,6 @@ class FullLaplace(ParametricLaplace):
         """``log det P``."""
         prior, h_factor = self.prior_precision, self._H_factor
         if len(prior) == 1 and (prior.requires_grad or h_factor.requires_grad):
-            self._check_fitted("log_det_posterior_precision")
             spectrum = h_factor * self._curvature_eigenvalues() + prior
             if bool((spectrum.detach() > 0).all()):
                 return spectrum.log().sum()
@@ -279,11 +334,6 @@ class FullLaplace(ParametricLaplace):
             cache = (key, torch.linalg.eigvalsh(self.H.detach()))
             self._eigenvalue_cache = cache
         return cache[1]
-
-    @property
-    def posterior_scale(self) -> Tensor:
-        """Lower-triangular ``S`` (P, P) with ``S Sᵀ = P⁻¹``."""
-        return self._posterior.scale
 
     @property
     def posterior_covariance(self) -> Tensor:

@@ -2,20 +2,37 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
-__all__ = ["as_prior_mean", "as_prior_precision", "expand_to_diagonal"]
+from laplace.errors import ArgumentTypeError
+
+__all__ = [
+    "as_float_tensor",
+    "as_prior_mean",
+    "as_prior_precision",
+    "as_scalar_prior_precision",
+    "expand_to_diagonal",
+]
 
 
-def _as_tensor(value: float | Tensor, name: str, device, dtype) -> Tensor:
-    if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
-        raise TypeError(f"{name} must be a float or a torch.Tensor, got {type(value).__name__}.")
-    # A Python number goes straight to the parameters' dtype (via float32 it would lose digits).
-    tensor = torch.as_tensor(value, dtype=None if isinstance(value, Tensor) else dtype)
-    if not tensor.dtype.is_floating_point:
-        tensor = tensor.to(dtype)
-    return tensor.to(device=device, dtype=dtype)
+def as_float_tensor(value: float | Tensor, name: str, device, dtype) -> Tensor:
+    """A real number or tensor as a floating-point tensor on ``device`` with ``dtype``.
+
+    Raises:
+        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) for anything else, e.g. a
+            string, a list or None.
+    """
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
+        raise ArgumentTypeError(
+            f"{name} must be a real number or a torch.Tensor, got {type(value).__name__}."
+        )
+    if not isinstance(value, Tensor):
+        # A number goes straight to the parameters' dtype (via float32 it would lose digits).
+        return torch.tensor(float(value), device=device, dtype=dtype)
+    return value.to(device=device, dtype=dtype)
 
 
 def as_prior_precision(
@@ -30,7 +47,7 @@ def as_prior_precision(
     Raises:
         ValueError: If the length fits none of the three structures or an entry is not positive.
     """
-    tensor = _as_tensor(value, "prior_precision", device, dtype)
+    tensor = as_float_tensor(value, "prior_precision", device, dtype)
     if tensor.dim() > 1:
         raise ValueError(
             f"prior_precision must be a scalar or a vector, got shape {tuple(tensor.shape)}."
@@ -47,13 +64,35 @@ def as_prior_precision(
     return tensor
 
 
+def as_scalar_prior_precision(value: float | Tensor, owner: str, device, dtype) -> Tensor:
+    """Check an isotropic prior precision ``δ`` and return it with shape (1,).
+
+    Args:
+        value: The candidate.
+        owner: The class that needs a scalar, for the message.
+        device: Device of the result.
+        dtype: Floating-point type of the result.
+
+    Raises:
+        ValueError: If it is not a positive finite scalar (a wrong type raises an error that
+            is a ``ValueError`` and a ``TypeError``).
+    """
+    tensor = as_prior_precision(value, None, None, device, dtype)
+    if len(tensor) != 1:
+        raise ValueError(
+            f"{owner} needs a scalar prior_precision (isotropic: the GP kernel is J Jᵀ/δ), "
+            f"got length {len(tensor)}."
+        )
+    return tensor
+
+
 def as_prior_mean(value: float | Tensor, n_params: int | None, device, dtype) -> Tensor:
     """Check a prior mean: a scalar or a vector of length ``n_params`` (unchecked while None).
 
     Raises:
         ValueError: If the mean is neither a scalar nor of length ``n_params``.
     """
-    tensor = _as_tensor(value, "prior_mean", device, dtype)
+    tensor = as_float_tensor(value, "prior_mean", device, dtype)
     if tensor.numel() == 1:
         return tensor.reshape(())
     if tensor.dim() != 1 or (n_params is not None and len(tensor) != n_params):

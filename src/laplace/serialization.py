@@ -84,6 +84,7 @@ class StateDictMixin:
         self.temperature = float(state_dict["temperature"])
         self.enable_backprop = bool(state_dict["enable_backprop"])
         self._posterior_cache = None
+        self._fitted = True
 
     def _curvature_state(self) -> Any:
         return self.H.detach()

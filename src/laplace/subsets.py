@@ -15,9 +15,28 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from laplace.data import Inputs
-from laplace.utils.feature_extractor import FeatureExtractor
+from laplace.errors import ArgumentTypeError, NotFittedError
+from laplace.utils.feature_extractor import (
+    FeatureExtractor,
+    FeatureReduction,
+    as_feature_extractor,
+)
 
-__all__ = ["AllWeights", "LastLayer", "Subnetwork", "check_subnetwork_indices"]
+__all__ = [
+    "MISSING_SUBNETWORK_INDICES",
+    "AllWeights",
+    "LastLayer",
+    "LastLayerMixin",
+    "Subnetwork",
+    "check_subnetwork_indices",
+]
+
+#: Message for a subnetwork Laplace built without ``subnetwork_indices``.
+MISSING_SUBNETWORK_INDICES = (
+    "subnetwork Laplace needs subnetwork_indices: a 1-D torch.long tensor of indices into the "
+    "flattened trainable parameters (e.g. torch.tensor([0, 5, 9]) or "
+    "SubnetMask(...).select(train_loader))."
+)
 
 
 class _FlatParameters:
@@ -105,15 +124,13 @@ def check_subnetwork_indices(indices: Any, n_params: int) -> Tensor:
         ``indices`` unchanged (a 1-D ``torch.long`` tensor).
 
     Raises:
-        ValueError: If ``indices`` is None, not a 1-D ``torch.long`` tensor, empty, out of
+        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) if ``indices`` is None.
+        ValueError: If ``indices`` is not a 1-D ``torch.long`` tensor, empty, out of
             ``[0, n_params)`` or has duplicates (ValueError for all, as in laplace-torch).
     """
     hint = "e.g. torch.tensor([0, 5, 9]) or SubnetMask(...).select(train_loader)"
     if indices is None:
-        raise ValueError(
-            "subnetwork Laplace needs subnetwork_indices: a 1-D torch.long tensor of indices "
-            f"into the flattened trainable parameters ({hint})."
-        )
+        raise ArgumentTypeError(MISSING_SUBNETWORK_INDICES)
     if not isinstance(indices, Tensor) or indices.dtype != torch.long:
         kind = indices.dtype if isinstance(indices, Tensor) else type(indices).__name__
         raise ValueError(f"subnetwork_indices must be a torch.long tensor ({hint}), got {kind}.")
@@ -194,10 +211,11 @@ class LastLayer(_FlatParameters):
         """The linear head.
 
         Raises:
-            RuntimeError: If it has not been found yet.
+            NotFittedError: (a ``RuntimeError`` and an ``AttributeError``) if it has not been
+                found yet.
         """
         if self.model.last_layer is None:
-            raise RuntimeError(
+            raise NotFittedError(
                 "the last layer is not known yet: it is found on the first batch of fit() "
                 "(call fit() first, or pass last_layer_name=...)."
             )
@@ -255,3 +273,44 @@ class LastLayer(_FlatParameters):
         return torch.stack(
             [functional_call(net, self.unflatten(t), (X,), model_kwargs) for t in thetas]
         )
+
+
+class LastLayerMixin:
+    """Hooks of the Laplace classes over the last layer: wrap the model, use its head's weights.
+
+    The class sets ``self._feature_options = (last_layer_name, feature_reduction)`` before
+    :class:`~laplace.base.BaseLaplace` builds it; ``la.model`` is then a
+    :class:`~laplace.utils.feature_extractor.FeatureExtractor` and the backend works on the
+    last layer.
+    """
+
+    _feature_options: tuple[str | None, FeatureReduction | str | None]
+    model: FeatureExtractor
+
+    def _prepare_model(self, model: nn.Module) -> FeatureExtractor:
+        return as_feature_extractor(model, *self._feature_options)
+
+    def _make_subset(self, model: FeatureExtractor) -> LastLayer:
+        return LastLayer(model)
+
+    def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {**backend_kwargs, "last_layer": True}
+
+    @property
+    def last_layer_name(self) -> str | None:
+        """Name of the last layer in the model (None until it is found)."""
+        return self.model.last_layer_name
+
+    @property
+    def feature_reduction(self) -> FeatureReduction | None:
+        """How features of shape (B, ..., D) are reduced to (B, D); see ``FeatureExtractor``."""
+        return self.model.feature_reduction
+
+    @property
+    def enable_backprop(self) -> bool:
+        """Keep predictives (and the features) differentiable w.r.t. the inputs."""
+        return self.model.enable_backprop
+
+    @enable_backprop.setter
+    def enable_backprop(self, value: bool) -> None:
+        self.model.enable_backprop = bool(value)

@@ -53,8 +53,12 @@ def maximize_marglik(
 
 
 def default_validation_loss(la: BaseLaplace) -> torchmetrics.Metric:
-    """Running NLL for probability outputs, running mean squared error otherwise."""
-    if la._likelihood_model.predictive_likelihood.predicts_probabilities:
+    """Running NLL for probability outputs, running mean squared error otherwise.
+
+    Grid search validates with ``fitting=True``, so the likelihood the model was fitted with
+    decides (reward modelling predicts pair probabilities there).
+    """
+    if la._likelihood_model.fit_likelihood.predicts_probabilities:
         return RunningNLLMetric().to(la._device)
     return torchmetrics.MeanSquaredError(num_outputs=la.n_outputs).to(la._device)
 

@@ -22,6 +22,7 @@ from laplace.functional.scoring import (
     positive_int,
     validation_nll,
 )
+from laplace.priors import as_scalar_prior_precision
 from laplace.utils.enums import (
     Likelihood,
     LinkApprox,
@@ -126,8 +127,6 @@ class ELLA(BaseFunctionalLaplace):
                 "ELLA needs integers 0 < n_eigenvalues <= subsample_size, got "
                 f"n_eigenvalues={n_eigenvalues!r}, subsample_size={subsample_size!r}."
             )
-        if bool((torch.as_tensor(prior_mean) != 0).any()):
-            raise ValueError("ELLA needs prior_mean=0 (the Nyström prior is centred).")
         super().__init__(
             model,
             likelihood,
@@ -141,6 +140,8 @@ class ELLA(BaseFunctionalLaplace):
             backend,
             backend_kwargs,
         )
+        if bool((self.prior_mean != 0).any()):
+            raise ValueError("ELLA needs prior_mean=0 (the Nyström prior is centred).")
         self.subsample_size, self.n_eigenvalues, self.seed = subsample_size, n_eigenvalues, seed
         self.dual_directions: Tensor | None = None
         self.feature_gram: Tensor | None = None
@@ -155,12 +156,8 @@ class ELLA(BaseFunctionalLaplace):
 
     @prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
-        tensor = torch.as_tensor(value, dtype=self._dtype, device=self._device).detach()
-        if tensor.numel() != 1 or not bool(torch.isfinite(tensor).all() and (tensor > 0).all()):
-            raise ValueError(
-                f"ELLA needs a positive finite scalar prior_precision, got {value!r}."
-            )
-        self._prior_precision = tensor.reshape(1)
+        tensor = as_scalar_prior_precision(value, "ELLA", self._device, self._dtype)
+        self._prior_precision = tensor.detach()
 
     # ------------------------------------------------------------------------------- features
     def _features(self, X: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
@@ -202,7 +199,7 @@ class ELLA(BaseFunctionalLaplace):
         indices = nystrom_indices(self, train_loader, balanced)[: self.subsample_size]
         with torch.no_grad():
             first = next(iter(subset_loader(train_loader, indices[:1])))
-            X0 = move_inputs(split_batch(first, self.dict_key_y)[0], self._device)
+            X0 = move_inputs(split_batch(first, self.dict_key_y, self.dict_key_x)[0], self._device)
             self.n_outputs = self.model(X0).shape[-1]
         self.mean = self._subset.vector().detach()
         self.dual_directions = nystrom_basis(self, train_loader, indices)

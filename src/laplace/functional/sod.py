@@ -18,7 +18,7 @@ from laplace.data import Inputs, batch_size_of, dataset_size
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.kernel import SubsetKernel
 from laplace.glm import slice_inputs
-from laplace.priors import as_prior_precision
+from laplace.priors import as_scalar_prior_precision
 from laplace.utils.enums import (
     Likelihood,
     LinkApprox,
@@ -127,13 +127,9 @@ class FunctionalLaplace(BaseFunctionalLaplace):
 
     @prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
-        tensor = as_prior_precision(value, None, None, self._device, self._dtype)
-        if len(tensor) != 1:
-            raise ValueError(
-                f"{type(self).__name__} needs an isotropic (scalar) prior precision: the GP "
-                f"kernel is J Jᵀ/δ; got length {len(tensor)}."
-            )
-        self._prior_precision = tensor
+        self._prior_precision = as_scalar_prior_precision(
+            value, type(self).__name__, self._device, self._dtype
+        )
 
     @property
     def gp_kernel_prior_variance(self) -> Tensor:

@@ -15,14 +15,14 @@ from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, move_inputs, split_batch
 from laplace.functional.sod import FunctionalLaplace
 from laplace.last_layer import head_jacobians
-from laplace.subsets import LastLayer
+from laplace.subsets import LastLayerMixin
 from laplace.utils.enums import Likelihood
-from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
+from laplace.utils.feature_extractor import FeatureReduction
 
 __all__ = ["FunctionalLLLaplace"]
 
 
-class FunctionalLLLaplace(FunctionalLaplace):
+class FunctionalLLLaplace(LastLayerMixin, FunctionalLaplace):
     """Subset-of-data GP Laplace over the last (linear) layer only.
 
     The kernel is ``J Jᵀ/δ`` with the closed-form head Jacobians ``Jₙ = [I_C ⊗ φₙᵀ, I_C]`` of the
@@ -56,12 +56,9 @@ class FunctionalLLLaplace(FunctionalLaplace):
         independent_outputs: bool = False,
         seed: int = 0,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-        extractor = FeatureExtractor(model, last_layer_name, enable_backprop, feature_reduction)
-        self._last_layer_name = last_layer_name
+        self._feature_options = (last_layer_name, feature_reduction)
         super().__init__(
-            extractor,
+            model,
             likelihood,
             n_subset,
             sigma_noise,
@@ -72,22 +69,10 @@ class FunctionalLLLaplace(FunctionalLaplace):
             dict_key_x,
             dict_key_y,
             backend,
-            {**(backend_kwargs or {}), "last_layer": True},
+            backend_kwargs,
             independent_outputs,
             seed,
         )
-
-    def _make_subset(self, model: nn.Module) -> LastLayer:
-        return LastLayer(model)
-
-    @property
-    def enable_backprop(self) -> bool:
-        """Keep predictives (and the features) differentiable w.r.t. the inputs."""
-        return self.model.enable_backprop
-
-    @enable_backprop.setter
-    def enable_backprop(self, value: bool) -> None:
-        self.model.enable_backprop = bool(value)
 
     def _resolve_subset(self, train_loader: DataLoader) -> None:
         if not self._subset.resolved:

@@ -25,6 +25,7 @@ from laplace.functional.inducing import (
 )
 from laplace.functional.scoring import check_state, jacobian_chunks, positive_int, validation_nll
 from laplace.functional.valla_objective import check_alpha, negative_objective
+from laplace.priors import as_scalar_prior_precision
 from laplace.utils.enums import Likelihood, parse_enum
 from laplace.utils.functional_utils import preserve_model_gradients, to_device
 
@@ -118,10 +119,6 @@ class VaLLA(BaseFunctionalLaplace):
         mc_softmax_samples: int = 0,
     ) -> None:
         check_alpha(alpha, mc_softmax_samples, parse_enum(Likelihood, likelihood, "likelihood"))
-        if bool((torch.as_tensor(prior_mean) != 0).any()):
-            raise ValueError("VaLLA needs prior_mean=0.")
-        if torch.as_tensor(prior_precision).numel() != 1:
-            raise ValueError("VaLLA needs a scalar prior_precision.")
         self.log_noise_variance: nn.Parameter | None = None
         super().__init__(
             model,
@@ -136,6 +133,8 @@ class VaLLA(BaseFunctionalLaplace):
             backend,
             backend_kwargs,
         )
+        if bool((self.prior_mean != 0).any()):
+            raise ValueError("VaLLA needs prior_mean=0.")
         self.seed, self.alpha, self.mc_softmax_samples = seed, alpha, mc_softmax_samples
         self.generator = torch.Generator(device=self._device).manual_seed(seed)
         if isinstance(inducing_locations, str):
@@ -146,7 +145,7 @@ class VaLLA(BaseFunctionalLaplace):
                 )
             if not positive_int(num_inducing):
                 raise ValueError(f"num_inducing must be a positive integer, got {num_inducing!r}.")
-            self._strategy, self.inducing_locations = inducing_locations, None
+            self._strategy = self.inducing_locations = inducing_locations
             self.num_inducing = num_inducing
         else:
             self._strategy = None
@@ -161,7 +160,8 @@ class VaLLA(BaseFunctionalLaplace):
         if classes.shape != (self.num_inducing,):
             raise ValueError(f"inducing_classes must have shape ({self.num_inducing},).")
         self.inducing_classes = classes.to(self._device)
-        self._initial = (self.inducing_locations, self.inducing_classes.clone())
+        initial = None if self._strategy else self.inducing_locations
+        self._initial = (initial, self.inducing_classes.clone())
         self._init_factor()
         self.fit_history_: dict[str, list[float]] = {"objective": [], "val_nll": []}
 
@@ -172,7 +172,7 @@ class VaLLA(BaseFunctionalLaplace):
 
     @prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
-        log = torch.as_tensor(value, dtype=self._dtype, device=self._device).reshape(1).log()
+        log = as_scalar_prior_precision(value, "VaLLA", self._device, self._dtype).log()
         self.log_prior_precision = nn.Parameter(log.detach().clone())
 
     @property

@@ -140,6 +140,11 @@ class ScoreBasedSubnetMask(SubnetMask):
         self._n_params_subnet = int(n_params_subnet)
         self._param_scores: Tensor | None = None
 
+    @property
+    def n_params_subnet(self) -> int:
+        """Number K of weights to keep (known before :meth:`select`)."""
+        return self._n_params_subnet
+
     def compute_param_scores(self, train_loader: DataLoader | None) -> Tensor:
         """Score of every weight, shape (P,)."""
         raise NotImplementedError
@@ -272,15 +277,15 @@ class ParamNameSubnetMask(SubnetMask):
 
     def __init__(self, model: nn.Module, parameter_names: list[str]) -> None:
         super().__init__(model)
-        self._parameter_names = list(parameter_names)
+        self.parameter_names = list(parameter_names)
 
     def get_subnet_mask(self, train_loader: DataLoader | None) -> Tensor:
         """Ones on the named parameters' entries."""
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        _missing(self._parameter_names, [n for n, _ in named], "parameter")
+        _missing(self.parameter_names, [n for n, _ in named], "parameter")
         return torch.cat(
             [
-                torch.full((p.numel(),), n in self._parameter_names, device=p.device)
+                torch.full((p.numel(),), n in self.parameter_names, device=p.device)
                 for n, p in named
             ]
         )
@@ -300,18 +305,18 @@ class ModuleNameSubnetMask(SubnetMask):
 
     def __init__(self, model: nn.Module, module_names: list[str]) -> None:
         super().__init__(model)
-        self._module_names = list(module_names)
+        self.module_names = list(module_names)
 
     def get_subnet_mask(self, train_loader: DataLoader | None) -> Tensor:
         """Ones on the named modules' parameter entries."""
         modules = dict(self.model.named_modules())
-        _missing(self._module_names, list(modules), "module")
-        for name in self._module_names:
+        _missing(self.module_names, list(modules), "module")
+        for name in self.module_names:
             if any(True for _ in modules[name].children()):
                 raise ValueError(f"module {name!r} has children; name its leaf modules instead.")
             if not any(p.requires_grad for p in modules[name].parameters()):
                 raise ValueError(f"module {name!r} has no trainable parameters.")
-        chosen = {id(p) for n in self._module_names for p in modules[n].parameters()}
+        chosen = {id(p) for n in self.module_names for p in modules[n].parameters()}
         return torch.cat(
             [
                 torch.full((p.numel(),), id(p) in chosen, device=p.device)
@@ -334,6 +339,11 @@ class LastLayerSubnetMask(ModuleNameSubnetMask):
         super().__init__(model, [])
         self._feature_extractor = FeatureExtractor(model, last_layer_name=last_layer_name)
 
+    @property
+    def last_layer_name(self) -> str | None:
+        """Name of the last layer (None until it is found)."""
+        return self._feature_extractor.last_layer_name
+
     def get_subnet_mask(self, train_loader: DataLoader | None) -> Tensor:
         """Ones on the last layer's entries."""
         extractor = self._feature_extractor
@@ -342,5 +352,5 @@ class LastLayerSubnetMask(ModuleNameSubnetMask):
             device = next(self.model.parameters()).device
             with torch.no_grad():
                 extractor.find_last_layer(X[:1].to(device))
-        self._module_names = [extractor.last_layer_name]
+        self.module_names = [extractor.last_layer_name]
         return super().get_subnet_mask(train_loader)
