@@ -320,3 +320,16 @@ def _backend_recipes() -> dict[str, Callable[[nn.Module], Any]]:
 def test_backends_and_utilities_rebuild_from_their_attributes(name):
     obj = _backend_recipes()[name](REG().model)
     _assert_same_configuration(obj, _rebuild(obj))
+
+
+@pytest.mark.parametrize("name", list(LAPLACE_RECIPES))
+def test_every_property_is_computable_or_an_attribute_error(name):
+    # hasattr/getattr(la, name, default) on any property, before and after fit, never raise
+    case = REG()
+    la = LAPLACE_RECIPES[name](case.model)
+    for fitted in (False, True):
+        if fitted and name not in CONFIGURATION_ONLY - {"VaLLA"}:
+            _fit(la, case.loader())
+        for attribute in dir(type(la)):
+            if isinstance(inspect.getattr_static(type(la), attribute), property):
+                assert hasattr(la, attribute) in (True, False)

@@ -5,7 +5,9 @@ Internal module; the public path is :mod:`laplace.baselaplace`.
 
 from __future__ import annotations
 
-import numbers
+import inspect
+from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import torch
@@ -17,12 +19,13 @@ from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.curvature import check_dict_inputs
 from laplace.data import move_inputs, split_batch
 from laplace.distributed import unwrap_model
-from laplace.errors import ArgumentTypeError, NotFittedError
+from laplace.errors import NotFittedError
 from laplace.likelihoods import make_likelihood
 from laplace.priors import (
-    as_float_tensor,
     as_prior_mean,
     as_prior_precision,
+    as_sigma_noise,
+    check_temperature,
     expand_to_diagonal,
 )
 from laplace.subsets import AllWeights
@@ -37,7 +40,7 @@ from laplace.utils.enums import (
 )
 from laplace.utils.utils import fix_prior_prec_structure
 
-__all__ = ["BaseLaplace"]
+__all__ = ["BaseLaplace", "arguments_for"]
 
 
 class BaseLaplace:
@@ -100,7 +103,7 @@ class BaseLaplace:
         self.model = self._prepare_model(unwrap_model(model))
         self._subset = self._make_subset(self.model)
         self._bind_subset()
-        self.temperature = _checked_temperature(temperature)
+        self.temperature = check_temperature(temperature)
         self.enable_backprop = enable_backprop
         self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
         self.sigma_noise = sigma_noise
@@ -175,20 +178,7 @@ class BaseLaplace:
 
     @sigma_noise.setter
     def sigma_noise(self, value: float | Tensor) -> None:
-        sigma = as_float_tensor(value, "sigma_noise", self._device, self._dtype)
-        if sigma.dim() > 1 or sigma.numel() != 1:
-            raise ValueError(
-                "sigma_noise must be a scalar (homoscedastic noise): a number or a tensor of "
-                f"shape () or (1,), got shape {tuple(sigma.shape)}."
-            )
-        if not bool(sigma.detach() > 0):
-            raise ValueError(f"sigma_noise must be positive, got {sigma.item()}.")
-        if self.likelihood != Likelihood.REGRESSION and not bool(sigma.detach() == 1):
-            raise ValueError(
-                f"sigma_noise must be 1 for likelihood={self.likelihood.value!r}; "
-                "observation noise only applies to regression."
-            )
-        self._sigma_noise = sigma
+        self._sigma_noise = as_sigma_noise(value, self.likelihood, self._device, self._dtype)
 
     @property
     def prior_precision(self) -> Tensor:
@@ -339,22 +329,6 @@ class BaseLaplace:
             print(f"Optimized prior precision is {self.prior_precision}.")
 
 
-def _checked_temperature(temperature: float) -> float:
-    """``temperature`` if it is a positive real number.
-
-    Raises:
-        ArgumentTypeError: If it is not a real number (a ``ValueError`` and a ``TypeError``).
-        ValueError: If it is not positive.
-    """
-    if isinstance(temperature, bool) or not isinstance(temperature, (numbers.Real, Tensor)):
-        raise ArgumentTypeError(
-            f"temperature must be a positive real number, got {type(temperature).__name__}."
-        )
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}.")
-    return temperature
-
-
 def _backend_class(
     backend: type[CurvatureInterface] | CurvatureInterface | None,
 ) -> type[CurvatureInterface]:
@@ -370,3 +344,22 @@ def _backend_class(
     if isinstance(backend, type) and issubclass(backend, CurvatureInterface):
         return backend
     raise TypeError(f"backend must be a CurvatureInterface subclass, got {backend!r}.")
+
+
+def arguments_for(constructor: Callable, namespace: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of ``constructor`` found in a calling constructor's ``locals()``.
+
+    A public class keeps its own explicit parameter list and hands the shared arguments to the
+    one builder, ``BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))``,
+    instead of writing them all out again.
+
+    Args:
+        constructor: The ``__init__`` to call.
+        namespace: The caller's ``locals()`` (its arguments).
+    """
+    return {name: namespace[name] for name in _parameter_names(constructor) if name in namespace}
+
+
+@cache
+def _parameter_names(constructor: Callable) -> tuple[str, ...]:
+    return tuple(inspect.signature(constructor).parameters)[1:]

@@ -10,7 +10,9 @@ exception derives from both, so either ``except`` clause catches it:
   not have, e.g. ``dict_key_y`` missing from a batch or an unknown ``last_layer_name``;
 - :class:`NotFittedError` (``RuntimeError`` and ``AttributeError``): something that needs
   :meth:`fit` (or a last layer that is not known yet), so ``hasattr(la, name)`` and
-  ``getattr(la, name, default)`` work on properties that cannot be computed yet.
+  ``getattr(la, name, default)`` work on properties that cannot be computed yet;
+- :class:`UnsupportedError` (``NotImplementedError`` and ``AttributeError``): a property an
+  approximation does not have (e.g. ELLA's training log-likelihood), for the same reason.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "ArgumentTypeError",
     "MissingKeyError",
     "NotFittedError",
+    "UnsupportedError",
     "check_positive_int",
 ]
 
@@ -42,6 +45,10 @@ class MissingKeyError(KeyError, ValueError):
 
 class NotFittedError(RuntimeError, AttributeError):
     """A quantity that needs ``fit()`` first; an ``AttributeError`` too, so ``hasattr`` works."""
+
+
+class UnsupportedError(NotImplementedError, AttributeError):
+    """A property this approximation does not have; an ``AttributeError`` too, for ``hasattr``."""
 
 
 def check_positive_int(value: Any, name: str) -> int:

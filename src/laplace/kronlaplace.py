@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from laplace import distributed as distributed_utils
-from laplace.base import BaseLaplace
+from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature.kfac import check_kfac_support
 from laplace.data import Inputs
 from laplace.kron_glm import kron_functional_moments
@@ -89,21 +89,7 @@ class KronLaplace(ParametricLaplace):
         asdl_fisher_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.damping = damping
-        BaseLaplace.__init__(
-            self,
-            model,
-            likelihood,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            backend_kwargs,
-            asdl_fisher_kwargs,
-        )
+        BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
 
     def _init_state(self) -> None:
         self.H_facs: Kron | None = None

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace.base import BaseLaplace
+from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, move_inputs, split_batch
 from laplace.functional import FunctionalLLLaplace
@@ -73,8 +73,10 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
     The posterior covers the parameters of the last layer (an ``nn.Linear``): ``mean``,
     ``n_params``, ``prior_precision`` (scalar, one value for the weight and one for the bias, or
     diagonal) and ``H`` refer to them only. When ``last_layer_name`` is None the layer is found
-    on the first batch of :meth:`fit`; until then ``n_params``, ``n_layers`` and ``mean`` are
-    None.
+    on the first batch of :meth:`fit`; until then ``n_params``, ``n_layers``, ``mean`` and ``H``
+    are None (as in laplace-torch) and what needs them raises an error that is an
+    ``AttributeError``. Once the layer is known the unfitted posterior is the prior (see
+    :class:`~laplace.parametric.ParametricLaplace`).
 
     Args:
         model: The trained network, ending in a linear layer.
@@ -123,21 +125,7 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         if asdl_fisher_kwargs is not None:
             raise ValueError("last-layer Laplace does not support asdl_fisher_kwargs.")
         self._feature_options = (last_layer_name, feature_reduction)
-        BaseLaplace.__init__(
-            self,
-            model,
-            likelihood,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            backend_kwargs,
-            asdl_fisher_kwargs,
-        )
+        BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
 
     @property
     def backend(self) -> CurvatureInterface:
@@ -343,23 +331,7 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         asdl_fisher_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.damping = damping
-        LLLaplace.__init__(
-            self,
-            model,
-            likelihood,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            feature_reduction,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            last_layer_name,
-            backend_kwargs,
-            asdl_fisher_kwargs,
-        )
+        LLLaplace.__init__(self, **arguments_for(LLLaplace.__init__, locals()))
 
     @staticmethod
     def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Any:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from laplace import distributed as distributed_utils
-from laplace.base import BaseLaplace
+from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.curvature.eigen import SOLVERS, curvature_operator, top_eigenpairs
 from laplace.parametric import ParametricLaplace
@@ -89,20 +89,7 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         backend_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self._solver_options = _solver_options(backend_kwargs)
-        BaseLaplace.__init__(
-            self,
-            model,
-            likelihood,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            backend_kwargs,
-        )
+        BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
 
     def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in backend_kwargs.items() if k not in SOLVER_OPTIONS}

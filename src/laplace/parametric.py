@@ -223,8 +223,8 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
     @property
     def scatter(self) -> Tensor:
         """``(θ_MAP − μ₀)ᵀ P₀ (θ_MAP − μ₀)``."""
-        delta = self.mean - self.prior_mean
-        return (delta.square() * self.prior_precision_diag).sum()
+        prior_diag = self.prior_precision_diag
+        return ((self.mean - self.prior_mean).square() * prior_diag).sum()
 
     @property
     def log_det_prior_precision(self) -> Tensor:

@@ -1,4 +1,7 @@
-"""Validation and expansion of Gaussian prior hyperparameters (precision and mean)."""
+"""Validation of the hyperparameters: prior precision and mean, observation noise, temperature.
+
+Also the expansion of a scalar or layer-wise prior precision to the diagonal.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +11,15 @@ import torch
 from torch import Tensor
 
 from laplace.errors import ArgumentTypeError
+from laplace.utils.enums import Likelihood
 
 __all__ = [
     "as_float_tensor",
     "as_prior_mean",
     "as_prior_precision",
     "as_scalar_prior_precision",
+    "as_sigma_noise",
+    "check_temperature",
     "expand_to_diagonal",
 ]
 
@@ -112,3 +118,43 @@ def expand_to_diagonal(prior_precision: Tensor, layer_sizes: list[int]) -> Tenso
         return prior_precision.expand(n_params)
     sizes = torch.as_tensor(layer_sizes, device=prior_precision.device)
     return torch.repeat_interleave(prior_precision, sizes)
+
+
+def as_sigma_noise(value: float | Tensor, likelihood: Likelihood, device, dtype) -> Tensor:
+    """Check the observation noise σ: a positive scalar, 1 unless the likelihood is regression.
+
+    Raises:
+        ValueError: For a tensor with more than one entry or dimension, a non-positive σ, or
+            σ ≠ 1 for classification; a wrong type raises an error that is a ``ValueError``
+            and a ``TypeError``.
+    """
+    sigma = as_float_tensor(value, "sigma_noise", device, dtype)
+    if sigma.dim() > 1 or sigma.numel() != 1:
+        raise ValueError(
+            "sigma_noise must be a scalar (homoscedastic noise): a number or a tensor of shape "
+            f"() or (1,), got shape {tuple(sigma.shape)}."
+        )
+    if not bool(sigma.detach() > 0):
+        raise ValueError(f"sigma_noise must be positive, got {sigma.item()}.")
+    if likelihood != Likelihood.REGRESSION and not bool(sigma.detach() == 1):
+        raise ValueError(
+            f"sigma_noise must be 1 for likelihood={likelihood.value!r}; observation noise "
+            "only applies to regression."
+        )
+    return sigma
+
+
+def check_temperature(temperature: float) -> float:
+    """Return ``temperature`` if it is a positive real number.
+
+    Raises:
+        ArgumentTypeError: If it is not a real number (a ``ValueError`` and a ``TypeError``).
+        ValueError: If it is not positive.
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (numbers.Real, Tensor)):
+        raise ArgumentTypeError(
+            f"temperature must be a positive real number, got {type(temperature).__name__}."
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}.")
+    return temperature

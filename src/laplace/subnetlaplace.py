@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from laplace.base import BaseLaplace
+from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.glm import jacobian_chunk_rows
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
@@ -54,11 +54,14 @@ class SubnetLaplace(ParametricLaplace):
         backend: A GGN or empirical-Fisher backend (default ``CurvlinopsGGN``).
         backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
         asdl_fisher_kwargs: Not supported (must be None).
-        enable_backprop: See :class:`~laplace.base.BaseLaplace`.
-        dict_key_x: See :class:`~laplace.base.BaseLaplace`.
-        dict_key_y: See :class:`~laplace.base.BaseLaplace`.
+        enable_backprop: See :class:`~laplace.base.BaseLaplace` (keyword only: laplace-torch's
+            subnetwork Laplace has none).
+        dict_key_x: See :class:`~laplace.base.BaseLaplace` (keyword only).
+        dict_key_y: See :class:`~laplace.base.BaseLaplace` (keyword only).
 
     Raises:
+        TypeError: Without ``subnetwork_indices`` (None raises an error that is a
+            ``TypeError`` and a ``ValueError``).
         ValueError: For invalid indices, a backend that is neither GGN nor EF, or
             ``asdl_fisher_kwargs``.
     """
@@ -92,21 +95,7 @@ class SubnetLaplace(ParametricLaplace):
                 f"CurvlinopsEF, AsdlGGN, AsdlEF, BackPackGGN), got {backend!r}."
             )
         self._subnetwork_indices = subnetwork_indices
-        BaseLaplace.__init__(
-            self,
-            model,
-            likelihood,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            backend_kwargs,
-            asdl_fisher_kwargs,
-        )
+        BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
 
     def _make_subset(self, model: nn.Module) -> Subnetwork:
         return Subnetwork(model, self._subnetwork_indices)

@@ -11,8 +11,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, move_inputs
+from laplace.errors import UnsupportedError
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.nystrom import nystrom_basis, nystrom_indices
 from laplace.functional.scoring import (
@@ -127,19 +129,7 @@ class ELLA(BaseFunctionalLaplace):
                 "ELLA needs integers 0 < n_eigenvalues <= subsample_size, got "
                 f"n_eigenvalues={n_eigenvalues!r}, subsample_size={subsample_size!r}."
             )
-        super().__init__(
-            model,
-            likelihood,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            backend_kwargs,
-        )
+        super().__init__(**arguments_for(BaseLaplace.__init__, locals()))
         if bool((self.prior_mean != 0).any()):
             raise ValueError("ELLA needs prior_mean=0 (the Nyström prior is centred).")
         self.subsample_size, self.n_eigenvalues, self.seed = subsample_size, n_eigenvalues, seed
@@ -333,7 +323,7 @@ class ELLA(BaseFunctionalLaplace):
     @property
     def log_likelihood(self) -> Tensor:
         """Not tracked by ELLA (as in laplace-torch)."""
-        raise NotImplementedError("ELLA does not accumulate the training log-likelihood.")
+        raise UnsupportedError("ELLA does not accumulate the training log-likelihood.")
 
     # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace.base import BaseLaplace
+from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, batch_size_of, dataset_size
 from laplace.functional.base import BaseFunctionalLaplace
@@ -99,19 +99,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
             )
         if isinstance(n_subset, bool) or not isinstance(n_subset, int) or n_subset < 1:
             raise ValueError(f"n_subset must be a positive integer, got {n_subset!r}.")
-        super().__init__(
-            model,
-            likelihood,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            backend_kwargs,
-        )
+        super().__init__(**arguments_for(BaseLaplace.__init__, locals()))
         self.n_subset = n_subset
         self.independent_outputs = independent_outputs
         self.seed = seed

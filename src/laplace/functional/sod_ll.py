@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from laplace.base import arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, move_inputs, split_batch
 from laplace.functional.sod import FunctionalLaplace
@@ -57,22 +58,7 @@ class FunctionalLLLaplace(LastLayerMixin, FunctionalLaplace):
         seed: int = 0,
     ) -> None:
         self._feature_options = (last_layer_name, feature_reduction)
-        super().__init__(
-            model,
-            likelihood,
-            n_subset,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            backend_kwargs,
-            independent_outputs,
-            seed,
-        )
+        super().__init__(**arguments_for(FunctionalLaplace.__init__, locals()))
 
     def _resolve_subset(self, train_loader: DataLoader) -> None:
         if not self._subset.resolved:

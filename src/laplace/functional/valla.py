@@ -13,8 +13,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs
+from laplace.errors import UnsupportedError, check_positive_int
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.inducing import (
     as_inducing,
@@ -89,6 +91,7 @@ class VaLLA(BaseFunctionalLaplace):
             approximation (then ``alpha`` must be 1 for classification and reward modelling).
 
     Attributes:
+        inducing_locations: The strategy until :meth:`fit` picks the points, then the inputs.
         fit_history_: ``objective`` (the minimised objective per step) and ``val_nll``.
         generator: Seeded ``torch.Generator`` on the model's device for the MC draws of fit.
 
@@ -120,19 +123,7 @@ class VaLLA(BaseFunctionalLaplace):
     ) -> None:
         check_alpha(alpha, mc_softmax_samples, parse_enum(Likelihood, likelihood, "likelihood"))
         self.log_noise_variance: nn.Parameter | None = None
-        super().__init__(
-            model,
-            likelihood,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            backend_kwargs,
-        )
+        super().__init__(**arguments_for(BaseLaplace.__init__, locals()))
         if bool((self.prior_mean != 0).any()):
             raise ValueError("VaLLA needs prior_mean=0.")
         self.seed, self.alpha, self.mc_softmax_samples = seed, alpha, mc_softmax_samples
@@ -143,8 +134,7 @@ class VaLLA(BaseFunctionalLaplace):
                     f"inducing_locations must be inputs or one of {list(STRATEGIES)}, got "
                     f"{inducing_locations!r}."
                 )
-            if not positive_int(num_inducing):
-                raise ValueError(f"num_inducing must be a positive integer, got {num_inducing!r}.")
+            check_positive_int(num_inducing, "num_inducing")
             self._strategy = self.inducing_locations = inducing_locations
             self.num_inducing = num_inducing
         else:
@@ -396,4 +386,4 @@ class VaLLA(BaseFunctionalLaplace):
     @property
     def log_likelihood(self) -> Tensor:
         """Not tracked by VaLLA (as in laplace-torch)."""
-        raise NotImplementedError("VaLLA does not track the training log-likelihood.")
+        raise UnsupportedError("VaLLA does not track the training log-likelihood.")
