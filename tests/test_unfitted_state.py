@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributions import Normal
+from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import CASE_BUILDERS, assert_close
 from laplace import (
@@ -189,3 +190,17 @@ def test_last_layer_unknown_keeps_none_and_raises_attribute_errors(cls):
     la.fit(case.loader())
     assert la.mean.shape == (la.n_params,) == (24,)
     assert_close(la.mean, torch.cat([case.model[2].weight.flatten(), case.model[2].bias]))
+
+
+@pytest.mark.parametrize("name", ["full", "kron", "full_ll"])
+def test_a_failed_first_fit_leaves_the_prior(name):
+    case, la = _build(name, prior_mean=0.3)
+    X = case.X.clone()
+    X[9, 0] = float("nan")  # the second batch fails
+    with pytest.raises(ValueError, match="NaN"):
+        la.fit(DataLoader(TensorDataset(X, case.y), batch_size=7))
+    P = len(_covered_weights(name, case.model))
+    assert_close(_dense(la.H), torch.zeros(P, P, dtype=torch.float64))
+    assert_close(la.mean, torch.full((P,), 0.3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="call fit"):
+        la(case.X[:2])

@@ -5,19 +5,17 @@ Internal module; the public path is :mod:`laplace.baselaplace`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
 
-from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace
-from laplace.data import Inputs, dataset_size
+from laplace.data import Inputs
 from laplace.errors import NotFittedError, check_positive_int
 from laplace.glm import GLMPredictiveMixin
 from laplace.kron_glm import diag_functional_moments
+from laplace.parametric_fit import CurvatureFitMixin
 from laplace.posterior_scale import PosteriorScaleMixin
 from laplace.posteriors import DensePosterior, DiagonalPosterior, Posterior
 from laplace.serialization import StateDictMixin
@@ -25,7 +23,7 @@ from laplace.serialization import StateDictMixin
 __all__ = ["DiagLaplace", "FullLaplace", "ParametricLaplace"]
 
 
-class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
+class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, BaseLaplace):
     """Gaussian posterior ``N(θ_MAP, P⁻¹)`` with ``P = H/(σ²T) + diag(p₀)`` over the weights.
 
     Subclasses choose the structure of the curvature ``H`` through ``_posterior_cls``.
@@ -74,115 +72,6 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
     def _prior_mean_vector(self) -> Tensor:
         """The prior mean expanded to the posterior's weight vector, shape (P,)."""
         return torch.broadcast_to(self.prior_mean, (self.n_params,)).clone()
-
-    # ---------------------------------------------------------------------------------- fit
-    def fit(
-        self,
-        train_loader: DataLoader,
-        override: bool = True,
-        progress_bar: bool = False,
-        distributed: bool | None = None,
-    ):
-        """Accumulate the curvature and loss over ``train_loader`` at the current weights.
-
-        Args:
-            train_loader: Batches ``(X, y)`` or dict-like; ``len(train_loader.dataset)`` is N.
-            override: Start from zero (True) or add to the previous fit (online Laplace).
-            progress_bar: Show a progress bar over batches.
-            distributed: All-reduce the sums over the ranks of :mod:`torch.distributed`, each
-                fitting its shard of the data; None: when the process group is initialised
-                and the loader uses a ``DistributedSampler`` (see :mod:`laplace.distributed`).
-
-        Raises:
-            ValueError: If the loader is empty or a batch contains non-finite values.
-            RuntimeError: If the curvature of a batch is not finite.
-            DistributedFitError: If another rank failed during a distributed fit.
-        """
-        self._distributed = distributed_utils.resolve(distributed, train_loader)
-        n_data = self._data_count(train_loader)
-        if n_data == 0:
-            raise ValueError("train_loader is empty: fit needs at least one data point.")
-        with distributed_utils.guard(self._distributed, "fit"):
-            self._resolve_subset(train_loader)
-        update = not override and self._fitted
-        n_before = self.n_data if update else 0
-        self.model.eval()
-        mean = self._subset.vector()
-        H_new, loss_new = self._zero_curvature(), 0.0
-        with distributed_utils.guard(self._distributed, "fit"):
-            n_batches = 0
-            # KFAC normalises by the data the summed curvature covers, earlier fits included.
-            stream = self._curvature_stream(train_loader, n_before + n_data, progress_bar)
-            for loss, H_batch in stream:
-                if not self._posterior_cls.is_finite(H_batch):
-                    raise RuntimeError(
-                        "the curvature of a training batch contains NaN or inf; check the "
-                        "model's outputs and the data."
-                    )
-                H_new = H_new + H_batch
-                loss_new = loss_new + loss.detach()
-                n_batches += 1
-            if n_batches == 0:
-                raise ValueError("train_loader yielded no batches: fit needs at least one batch.")
-        if self._distributed:
-            loss_new = torch.as_tensor(loss_new, device=self._device, dtype=self._dtype)
-            H_new, loss_new = distributed_utils.all_reduce_sum([H_new, loss_new])
-        if update:
-            H_new, loss_new = self.H + H_new, self.loss + loss_new
-        self.H = self._posterior_cls.finalize(H_new)
-        self.loss, self.n_data = loss_new, n_before + n_data
-        self.mean = mean if self.enable_backprop else mean.detach()
-        self._posterior_cache = None
-        self._fitted = True
-
-    def _data_count(self, train_loader: DataLoader) -> int:
-        """Data points of the fit: all ranks' together when distributed."""
-        if not getattr(self, "_distributed", False):
-            return dataset_size(train_loader)
-        return distributed_utils.all_reduce_sum(distributed_utils.data_count(train_loader))
-
-    def _zero_curvature(self) -> Any:
-        """Empty curvature in the posterior's structure and dimension."""
-        return self._posterior_cls.zeros(self._subset.params)
-
-    def _resolve_subset(self, train_loader: DataLoader) -> None:
-        """Make sure the parameter subset is known before fitting (all weights: always)."""
-
-    def _curvature_stream(
-        self, train_loader: DataLoader, n_data: int, progress_bar: bool
-    ) -> Iterator[tuple[Tensor, Any]]:
-        """Yield ``(loss, H)`` summands over the training data (one per batch by default).
-
-        Also sets ``n_outputs`` from the first batch, and checks the targets of every batch
-        before its curvature is computed.
-
-        Args:
-            train_loader: The training data.
-            n_data: Number of data points the summed curvature covers (KFAC normalisation).
-            progress_bar: Show a progress bar over batches.
-        """
-        output_shape = None
-        for X, y in self._batches(train_loader, progress_bar, desc="fit"):
-            self._check_finite_inputs(X, y)
-            if output_shape is None:
-                with torch.no_grad():
-                    output_shape = self.model(X).shape
-                self.n_outputs = int(output_shape[-1])
-            self._likelihood_model.check_targets(y, output_shape)
-            yield self._batch_curvature(X, y, n_data)
-
-    def _batch_curvature(self, X: Inputs, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
-        """``(loss, H_batch)`` of one batch; from the backend in the posterior's structure."""
-        return self._posterior_cls.batch_curvature(self.backend, X, y, n_data)
-
-    @staticmethod
-    def _check_finite_inputs(X: Inputs, y: Tensor) -> None:
-        tensors = (
-            [X] if isinstance(X, Tensor) else [v for v in X.values() if isinstance(v, Tensor)]
-        )
-        for name, t in [("inputs", x) for x in tensors] + [("targets", y)]:
-            if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"the training {name} contain NaN or inf values.")
 
     # ------------------------------------------------------------------------- posterior
     @property
