@@ -149,3 +149,28 @@ def test_bad_data_fails_clearly():
         evaluate(reg, wrong)
     with pytest.raises(ValueError, match="probability tensor"):
         evaluate(reg, case.loader(), likelihood="classification")
+
+
+def test_the_predictive_runs_in_the_callers_autograd_mode():
+    """Backends such as ASDL need gradients to predict: evaluate must not switch them off."""
+    pytest.importorskip("asdl")
+    from laplace.curvature import CURVATURE_BACKENDS
+
+    case = CASE_BUILDERS["mlp_classification"]()
+    la = Laplace(
+        case.model, case.likelihood, "all", "diag", backend=CURVATURE_BACKENDS["asdl_ggn"]
+    )
+    la.fit(case.loader())
+    result = evaluate(la, case.loader())
+    probs = la(case.X)
+    assert result["nll"] == pytest.approx(-probs[torch.arange(20), case.y].log().mean().item())
+    modes = []
+
+    def predictive(x):
+        modes.append(torch.is_grad_enabled())
+        return case.model(x).softmax(-1)  # outputs with a graph: evaluate detaches them
+
+    evaluate(predictive, case.loader())
+    with torch.no_grad():
+        evaluate(predictive, case.loader())
+    assert modes == [True] * 3 + [False] * 3

@@ -53,8 +53,8 @@ def test_reliability_diagram_has_one_bar_per_bin_and_the_histogram(n_bins):
     fig = plot_reliability_diagram(result, title="MAP")
     ax, hist_ax = fig.axes
     assert isinstance(fig, matplotlib.figure.Figure)
-    assert ax.get_xlabel() == "confidence" and ax.get_ylabel() == "accuracy"
-    assert hist_ax.get_ylabel() == "fraction of points"
+    assert ax.get_ylabel() == "accuracy"
+    assert hist_ax.get_xlabel() == "confidence" and hist_ax.get_ylabel() == "fraction of points"
     (bars,) = ax.containers
     assert len(bars) == n_bins
     heights = [bar.get_height() for bar in bars]
@@ -69,11 +69,14 @@ def test_reliability_diagram_has_one_bar_per_bin_and_the_histogram(n_bins):
 
 
 def test_reliability_diagram_draws_into_the_given_axes():
-    fig, axes = plt.subplots(1, 2)
-    returned = plot_reliability_diagram(_classification_result(), ax=axes[1], histogram=False)
+    fig, axes = plt.subplots(1, 3)
+    returned = plot_reliability_diagram(_classification_result(), ax=axes[1])
     assert returned is fig
-    assert len(axes[1].containers) == 1 and not axes[0].containers
-    assert len(fig.axes) == 2  # no histogram axes added
+    assert len(axes[1].containers) == 1 and not axes[0].containers and not axes[2].containers
+    assert axes[1].get_xlabel() == "confidence"
+    plot_reliability_diagram(_classification_result(), ax=axes[0], hist_ax=axes[2])
+    assert len(axes[2].containers[0]) == 15 and axes[2].get_ylabel() == "fraction of points"
+    assert len(fig.axes) == 3
 
 
 def test_calibration_curve_plots_the_pit_curve_and_the_coverage():
@@ -89,6 +92,11 @@ def test_calibration_curve_plots_the_pit_curve_and_the_coverage():
     assert len(curve.get_xdata()) == 11
     legend = ax.get_legend().get_texts()[0].get_text()
     assert legend.startswith("50%: ") and "90%: " in legend
+    # a second predictive in the same axes: its own curve and legend entry, one diagonal
+    plot_calibration_curve(evaluate(la, loader, sigma_noise=1.0), ax=ax, label="σ = 1")
+    assert len(ax.lines) == 3
+    entries = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert len(entries) == 2 and entries[1].startswith("σ = 1 (50%: ")
 
 
 @pytest.mark.parametrize("laplace_object", [True, False], ids=["laplace", "callable"])

@@ -83,7 +83,13 @@ def _ood_score(entropy: Tensor) -> Tensor:
     return 0.5 + 0.5 * entropy / (1 + entropy.abs())
 
 
-@torch.no_grad()
+def _detached(out: Any) -> Any:
+    """Predictions without their autograd graph (a tensor or a tuple of tensors)."""
+    if isinstance(out, tuple):
+        return tuple(item.detach() for item in out)
+    return out.detach()
+
+
 def evaluate(
     la: Callable[..., Any],
     loader: DataLoader,
@@ -105,7 +111,9 @@ def evaluate(
     ``la.model``); it returns class probabilities (B, C) for classification or a Gaussian
     ``(f_mu (B, C), f_var (B, C, C) or (B, C))`` for regression, as a fitted Laplace
     approximation does. Any callable that returns the same works, e.g.
-    ``lambda x: model(x).softmax(-1)`` for the MAP network.
+    ``lambda x: model(x).softmax(-1)`` for the MAP network. The predictive runs in the
+    caller's autograd mode (some curvature backends need gradients to predict; wrap a plain
+    network's call in :func:`torch.no_grad` to save its graph) and its outputs are detached.
 
     Classification gives ``accuracy``, ``nll``, ``brier``, ``ece`` and ``mce`` (torchmetrics'
     calibration errors over ``n_bins`` equal-width confidence bins), ``confidence`` (mean
@@ -169,7 +177,7 @@ def evaluate(
     task: Evaluation | None = None
     for batch in tqdm(loader, disable=not progress_bar, desc="evaluate"):
         X, y = split_batch(batch, key_x, key_y)
-        out = la(_move(X, device), **predictive_kwargs)
+        out = _detached(la(_move(X, device), **predictive_kwargs))
         if task is None:
             inferred = "regression" if isinstance(out, tuple) else "classification"
             task = make_evaluation(likelihood or inferred, **options)
@@ -182,7 +190,7 @@ def evaluate(
     result = task.compute()
     if auroc is not None:
         for batch in tqdm(ood_loader, disable=not progress_bar, desc="evaluate OOD"):
-            out = la(_move(_inputs(batch, key_x, key_y), device), **predictive_kwargs)
+            out = _detached(la(_move(_inputs(batch, key_x, key_y), device), **predictive_kwargs))
             scores = _ood_score(task.entropy(out))
             auroc.update(scores, torch.ones_like(scores, dtype=torch.long))
         result["ood_auroc"] = float(auroc.compute())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -124,7 +125,7 @@ def gaussian_entropy(cov: Tensor) -> Tensor:
 class _GaussianMetric(SumMetric):
     """A running metric of a Gaussian predictive ``(f_mu, f_var)`` with noise σ added."""
 
-    def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs) -> None:
+    def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.sigma_noise = float(torch.as_tensor(sigma_noise).detach())
 
@@ -145,7 +146,7 @@ class GaussianNLL(_GaussianMetric):
         **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
     """
 
-    def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs) -> None:
+    def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs: Any) -> None:
         super().__init__(sigma_noise, **kwargs)
         self._add_sum("total")
         self._add_sum("count")
@@ -167,7 +168,7 @@ class GaussianCRPS(_GaussianMetric):
         **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
     """
 
-    def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs) -> None:
+    def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs: Any) -> None:
         super().__init__(sigma_noise, **kwargs)
         self._add_sum("total")
         self._add_sum("count")
@@ -197,7 +198,7 @@ class PITCalibration(_GaussianMetric):
         levels: Sequence[float] = (0.5, 0.9, 0.95),
         n_bins: int = 15,
         sigma_noise: float | Tensor = 0.0,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         super().__init__(sigma_noise, **kwargs)
         self.levels = tuple(float(level) for level in levels)

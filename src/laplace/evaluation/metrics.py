@@ -8,6 +8,8 @@ metric (accuracy, calibration error, mean squared error, AUROC) the evaluation u
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torchmetrics import Metric
@@ -51,7 +53,7 @@ def bernoulli_entropy(probs: Tensor) -> Tensor:
 class BrierScore(SumMetric):
     """Multiclass Brier score ``(1/N) Σ_n Σ_c (p_nc − 1[y_n = c])²`` (between 0 and 2)."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._add_sum("total")
         self._add_sum("count")
@@ -79,7 +81,7 @@ class ReliabilityBins(SumMetric):
         **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
     """
 
-    def __init__(self, n_bins: int = 15, **kwargs) -> None:
+    def __init__(self, n_bins: int = 15, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.n_bins = n_bins
         self._add_sum("count", n_bins)
@@ -119,7 +121,7 @@ class _PerLabelMean(SumMetric):
         **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
     """
 
-    def __init__(self, n_labels: int, **kwargs) -> None:
+    def __init__(self, n_labels: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._add_sum("total", n_labels)
         self._add_sum("count")
@@ -172,7 +174,7 @@ class PerLabelCalibrationError(Metric):
     higher_is_better = False
     full_state_update = False
 
-    def __init__(self, n_labels: int, n_bins: int = 15, norm: str = "l1", **kwargs) -> None:
+    def __init__(self, n_labels: int, n_bins: int = 15, norm: str = "l1", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.n_labels, self.n_bins, self.norm = n_labels, n_bins, norm
         self.add_state("probs", default=[], dist_reduce_fx="cat")

@@ -52,20 +52,21 @@ def _section(result: Mapping[str, Any], key: str, producer: str) -> Mapping[str,
 def plot_reliability_diagram(
     result: Mapping[str, Any],
     ax: Axes | None = None,
+    hist_ax: Axes | None = None,
     title: str | None = None,
-    histogram: bool = True,
 ) -> Figure:
-    """Accuracy against confidence per bin, with the histogram of confidences.
+    """Accuracy against confidence per bin, above the histogram of confidences.
 
     One bar per bin (height: accuracy of the bin's points; empty bins have height 0), the
-    bins' mean confidence as markers, the diagonal of perfect calibration, and on a second
-    y-axis the fraction of points per bin. The title reports the ECE.
+    bins' mean confidence as markers and the diagonal of perfect calibration; the title
+    reports the ECE. The histogram has one bar per bin with the fraction of points in it.
 
     Args:
         result: :func:`~laplace.evaluation.evaluate`'s result for a classification predictive.
-        ax: Axes to draw into; a new figure when None.
+        ax: Axes of the diagram. When None, a new figure holds the diagram above the
+            histogram.
+        hist_ax: Axes of the histogram when ``ax`` is given (no histogram when None).
         title: Title; ``"ECE x.x%"`` is appended on a new line.
-        histogram: Draw the confidence histogram.
 
     Returns:
         The figure.
@@ -75,7 +76,10 @@ def plot_reliability_diagram(
         ImportError: Without matplotlib.
     """
     bins = _section(result, "reliability", "a classification predictive")
-    fig, ax = _axes(ax, (4.0, 4.0))
+    if ax is None:
+        _, (ax, hist_ax) = _pyplot().subplots(
+            2, 1, figsize=(4.0, 5.0), sharex=True, gridspec_kw={"height_ratios": (3, 1)}
+        )
     edges = torch.tensor(bins["bin_edges"], dtype=torch.float64)
     centres, widths = ((edges[1:] + edges[:-1]) / 2).tolist(), (edges[1:] - edges[:-1]).tolist()
     count = torch.tensor(bins["count"], dtype=torch.float64)
@@ -92,32 +96,36 @@ def plot_reliability_diagram(
     ax.plot([0, 1], [0, 1], "k--", lw=1)
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
-    ax.set_xlabel("confidence")
+    ax.set_xlabel("" if hist_ax is not None else "confidence")  # the histogram's x-axis
     ax.set_ylabel("accuracy")
     ece = f"ECE {100 * result['ece']:.1f}%" if "ece" in result else ""
     ax.set_title(f"{title}\n{ece}" if title else ece, fontsize=9)
-    if histogram:
-        hist_ax = ax.twinx()
+    if hist_ax is not None:
         fraction = (count / count.sum().clamp_min(1)).tolist()
-        hist_ax.bar(centres, fraction, width=widths, color="0.5", alpha=0.35, label="points")
-        hist_ax.set_ylim(0, 4 * max(max(fraction), 1e-12))  # the bottom quarter of the axes
+        hist_ax.bar(centres, fraction, width=widths, color="0.6", edgecolor="k")
+        hist_ax.set_xlim(0, 1)
+        hist_ax.set_xlabel("confidence")
         hist_ax.set_ylabel("fraction of points")
-    return fig
+    return ax.figure
 
 
 def plot_calibration_curve(
-    result: Mapping[str, Any], ax: Axes | None = None, title: str | None = None
+    result: Mapping[str, Any],
+    ax: Axes | None = None,
+    title: str | None = None,
+    label: str | None = None,
 ) -> Figure:
     """Observed against expected fraction of targets below each predictive quantile (PIT).
 
     A calibrated regression predictive lies on the diagonal; a curve below it at low levels and
     above it at high levels means too wide intervals, the reverse too narrow ones. The legend
-    lists the interval coverages.
+    entry lists the interval coverages; draw several results into one ``ax`` to compare them.
 
     Args:
         result: :func:`~laplace.evaluation.evaluate`'s result for a regression predictive.
         ax: Axes to draw into; a new figure when None.
         title: Title of the axes.
+        label: Name of the predictive in the legend.
 
     Returns:
         The figure.
@@ -128,15 +136,19 @@ def plot_calibration_curve(
     """
     curve = _section(result, "calibration_curve", "a regression predictive")
     fig, ax = _axes(ax, (4.0, 4.0))
-    coverage = result.get("coverage", {})
-    label = ", ".join(f"{100 * float(lv):g}%: {100 * f:.1f}%" for lv, f in coverage.items())
-    ax.plot(curve["expected"], curve["observed"], "o-", ms=3, label=label or "PIT")
-    ax.plot([0, 1], [0, 1], "k--", lw=1)
+    coverage = ", ".join(
+        f"{100 * float(level):g}%: {100 * fraction:.1f}%"
+        for level, fraction in result.get("coverage", {}).items()
+    )
+    entry = f"{label} ({coverage})" if label and coverage else label or coverage
+    ax.plot(curve["expected"], curve["observed"], "o-", ms=3, label=entry or None)
+    if not any(line.get_label() == "_diagonal" for line in ax.lines):
+        ax.plot([0, 1], [0, 1], "k--", lw=1, label="_diagonal")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.set_xlabel("expected quantile level")
     ax.set_ylabel("observed fraction of targets below")
-    if label:
+    if entry:
         ax.legend(title="interval coverage", loc="upper left", fontsize=8)
     if title:
         ax.set_title(title)
@@ -180,8 +192,7 @@ def plot_predictive_band(
         raise ValueError(f"x must have shape (N,) or (N, 1), got {tuple(x.shape)}.")
     device = model_device(la)
     x_in = x.reshape(-1, 1)
-    with torch.no_grad():
-        out = la(x_in if device is None else x_in.to(device), **predictive_kwargs)
+    out = la(x_in if device is None else x_in.to(device), **predictive_kwargs)
     if not (isinstance(out, tuple) and out[0].numel() == x_in.shape[0]):
         raise ValueError("plot_predictive_band needs a predictive (mean, var) with one output.")
     mean = out[0].detach().reshape(-1).double().cpu()

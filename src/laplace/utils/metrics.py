@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torchmetrics import Metric
 
@@ -39,7 +41,7 @@ class RunningNLLMetric(Metric):
     nll_sum: torch.Tensor
     n_valid_labels: torch.Tensor
 
-    def __init__(self, ignore_index: int = -100, **kwargs) -> None:
+    def __init__(self, ignore_index: int = -100, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.add_state("nll_sum", default=torch.tensor(0.0), dist_reduce_fx="sum")
         self.add_state("n_valid_labels", default=torch.tensor(0.0), dist_reduce_fx="sum")
