@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import threading
@@ -323,6 +324,53 @@ def case_predict_gp(model_name: str, n_subset: int, repeats: int, n_test: int = 
     }
 
 
+def case_evaluate(model_name: str, structure: str, repeats: int, n_test: int = 10_000) -> dict:
+    """``evaluate`` against the GLM probit predictive alone on the same test batches.
+
+    Both are timed in turns in one process (the machine is shared, so the medians count); the
+    predictive in one call on all test points is timed too, for reference.
+    """
+    from laplace import Laplace
+    from laplace.evaluation import evaluate
+
+    model = MODELS[model_name]().eval()
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
+    la.fit(training_loader(model_name))
+    X_test, y_test = data(model_name, n_test, 1)
+    test_loader = DataLoader(TensorDataset(X_test, y_test), batch_size=500)
+    la(X_test[:10], link_approx="probit")  # warm the factorisation
+
+    def predictive_alone() -> None:
+        with torch.no_grad():
+            for X, _ in test_loader:
+                la(X, pred_type="glm", link_approx="probit")
+
+    def evaluation() -> None:
+        evaluate(la, test_loader, pred_type="glm", link_approx="probit")
+
+    def one_call() -> None:
+        with torch.no_grad():
+            la(X_test, pred_type="glm", link_approx="probit")
+
+    pred_s, eval_s, one_call_s = [], [], []
+    with PeakRSS() as mem:
+        for _ in range(repeats):
+            pred_s.append(timed(predictive_alone, 1))
+            eval_s.append(timed(evaluation, 1))
+            one_call_s.append(timed(one_call, 1))
+    pred, seconds = statistics.median(pred_s), statistics.median(eval_s)
+    return {
+        "case": f"evaluate glm probit {structure} {model_name} ({n_test} points)",
+        "n_params": la.n_params,
+        "seconds": seconds,
+        "predictive_alone_s": pred,
+        "ratio_to_predictive": seconds / pred,
+        "predictive_one_call_s": statistics.median(one_call_s),
+        "repeats_s": {"evaluate": eval_s, "predictive": pred_s, "one_call": one_call_s},
+        "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
 CASES = {
     "fit-diag-mlp": (case_fit, "mlp", "diag"),
     "fit-diag-cnn": (case_fit, "cnn", "diag"),
@@ -345,6 +393,7 @@ CASES = {
     "fit-subnet-full-cnn": (case_fit_subnet, "cnn", "full"),
     "marglik-training-kron-mlp": (case_marglik_training, "mlp", "kron"),
     "predict-gp-sod-mlp": (case_predict_gp, "mlp", 100),
+    "evaluate-kron-cnn": (case_evaluate, "cnn", "kron"),
 }
 
 
@@ -385,6 +434,8 @@ def main() -> None:
         extras = f"  ratio to fwd+10bwd {row['ratio']:.2f}" if "ratio" in row else ""
         if "ratio_to_forward" in row:
             extras = f"  ratio to 1 forward {row['ratio_to_forward']:.2f}"
+        if "ratio_to_predictive" in row:
+            extras = f"  ratio to the predictive alone {row['ratio_to_predictive']:.3f}"
         print(
             f"{row['case']:42s} P={row['n_params']:>7d}  {row['seconds']:8.3f} s  "
             f"peak +{row['peak_extra_MB']:7.1f} MB{extras}",
