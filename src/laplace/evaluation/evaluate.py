@@ -181,7 +181,7 @@ def evaluate(
         if task is None:
             inferred = "regression" if isinstance(out, tuple) else "classification"
             task = make_evaluation(likelihood or inferred, **options)
-        task.update(out, y.to(device) if device is not None else y)
+        task.update(out, y)
         if auroc is not None:
             scores = _ood_score(task.entropy(out))
             auroc.update(scores, torch.zeros_like(scores, dtype=torch.long))

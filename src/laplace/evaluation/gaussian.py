@@ -70,7 +70,7 @@ def gaussian_predictive(
 
 
 def targets_like(target: Tensor, mean: Tensor) -> Tensor:
-    """Regression targets in the shape and dtype of the predictive mean (B, C).
+    """Regression targets in the shape, dtype and device of the predictive mean (B, C).
 
     Raises:
         ValueError: If the number of entries differs.
@@ -80,7 +80,7 @@ def targets_like(target: Tensor, mean: Tensor) -> Tensor:
             f"regression targets of shape {tuple(target.shape)} do not match the predictive "
             f"mean of shape {tuple(mean.shape)}."
         )
-    return target.reshape(mean.shape).to(mean.dtype)
+    return target.reshape(mean.shape).to(device=mean.device, dtype=mean.dtype)
 
 
 def _variances(cov: Tensor) -> Tensor:
@@ -138,7 +138,28 @@ class _GaussianMetric(SumMetric):
         raise NotImplementedError
 
 
-class GaussianNLL(_GaussianMetric):
+class _GaussianMeanScore(_GaussianMetric):
+    """The mean of a score over the entries it returns for each batch."""
+
+    def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs: Any) -> None:
+        super().__init__(sigma_noise, **kwargs)
+        self._add_sum("total")
+        self._add_sum("count")
+
+    def _add(self, mean: Tensor, cov: Tensor, target: Tensor) -> None:
+        scores = self._scores(mean, cov, target)
+        self.total += scores.sum(dtype=torch.float64)
+        self.count += scores.numel()
+
+    def _scores(self, mean: Tensor, cov: Tensor, target: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def compute(self) -> Tensor:
+        """The mean score (NaN before any update)."""
+        return self.total / self.count
+
+
+class GaussianNLL(_GaussianMeanScore):
     """Mean Gaussian NLL per point under ``N(f_mu, f_var + σ²I)``.
 
     Args:
@@ -146,21 +167,11 @@ class GaussianNLL(_GaussianMetric):
         **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
     """
 
-    def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs: Any) -> None:
-        super().__init__(sigma_noise, **kwargs)
-        self._add_sum("total")
-        self._add_sum("count")
-
-    def _add(self, mean: Tensor, cov: Tensor, target: Tensor) -> None:
-        self.total += gaussian_nll(mean, cov, target).sum(dtype=torch.float64)
-        self.count += mean.shape[0]
-
-    def compute(self) -> Tensor:
-        """The mean NLL per point."""
-        return self.total / self.count
+    def _scores(self, mean: Tensor, cov: Tensor, target: Tensor) -> Tensor:
+        return gaussian_nll(mean, cov, target)
 
 
-class GaussianCRPS(_GaussianMetric):
+class GaussianCRPS(_GaussianMeanScore):
     """Mean closed-form CRPS over points and outputs under ``N(f_mu, f_var + σ²I)``.
 
     Args:
@@ -168,19 +179,8 @@ class GaussianCRPS(_GaussianMetric):
         **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
     """
 
-    def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs: Any) -> None:
-        super().__init__(sigma_noise, **kwargs)
-        self._add_sum("total")
-        self._add_sum("count")
-
-    def _add(self, mean: Tensor, cov: Tensor, target: Tensor) -> None:
-        crps = gaussian_crps(mean, _variances(cov).sqrt(), target)
-        self.total += crps.sum(dtype=torch.float64)
-        self.count += crps.numel()
-
-    def compute(self) -> Tensor:
-        """The mean CRPS."""
-        return self.total / self.count
+    def _scores(self, mean: Tensor, cov: Tensor, target: Tensor) -> Tensor:
+        return gaussian_crps(mean, _variances(cov).sqrt(), target)
 
 
 class PITCalibration(_GaussianMetric):

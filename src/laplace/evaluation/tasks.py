@@ -73,7 +73,7 @@ class Evaluation(ABC):
     """Running metrics of one kind of predictive, updated batch by batch.
 
     The metrics are built at the first batch (they need the number of outputs) on the device
-    of its predictions.
+    of its predictions; targets are moved there.
 
     Args:
         n_bins: Bins of the calibration errors and reliability diagram (classification) or
@@ -103,8 +103,7 @@ class Evaluation(ABC):
         prediction, target = self._checked(prediction, target)
         if self._metrics is None:
             built = self._build(prediction, self._metric_kwargs)
-            device = target.device
-            self._metrics = {name: metric.to(device) for name, metric in built.items()}
+            self._metrics = {name: metric.to(target.device) for name, metric in built.items()}
         self._update(self._metrics, prediction, target)
 
     def compute(self) -> dict[str, Any]:
@@ -168,7 +167,7 @@ class CategoricalEvaluation(Evaluation):
 
     def _checked(self, prediction: Any, target: Tensor) -> tuple[Tensor, Tensor]:
         probs = _probabilities(prediction, "classification")
-        target = target.reshape(-1)
+        target = target.reshape(-1).to(probs.device)
         if target.shape[0] != probs.shape[0] or target.dtype.is_floating_point:
             raise ValueError(
                 f"classification targets must be {probs.shape[0]} integer labels; got "
@@ -231,7 +230,7 @@ class BernoulliEvaluation(Evaluation):
                 f"multi-label targets of shape {tuple(target.shape)} do not match the label "
                 f"probabilities of shape {tuple(probs.shape)}."
             )
-        return probs, target.reshape(probs.shape).long()
+        return probs, target.reshape(probs.shape).to(probs.device).long()
 
     def _build(self, prediction: Tensor, kwargs: dict[str, Any]) -> dict[str, Metric]:
         n_labels = prediction.shape[-1]
