@@ -131,11 +131,9 @@ def main() -> None:
     metrics = {"clean": {}, "shifted": {}}
     for name, (predictive, kwargs) in predictives.items():
         metrics["clean"][name] = evaluate(
-            predictive, test_loader, ood_loader=shift_loader, likelihood="classification", **kwargs
+            predictive, test_loader, ood_loader=shift_loader, **kwargs
         )
-        metrics["shifted"][name] = evaluate(
-            predictive, shift_loader, likelihood="classification", **kwargs
-        )
+        metrics["shifted"][name] = evaluate(predictive, shift_loader, **kwargs)
 
     fig, axes = plt.subplots(
         4,
