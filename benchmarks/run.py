@@ -4,15 +4,16 @@ Set-up of the foundation issue: CPU, 2 threads, N=2000, 10 classes, an MLP 64-25
 (85k params, on 64 input features) and a CNN on 28×28 inputs (conv 16 s2, conv 32 s2, linear 128,
 linear 10; 207k params). Each case runs in its own subprocess so peak memory is its own.
 
-Usage: ``python benchmarks/run.py [--cases NAME ...] [--repeats R]``; prints a table and writes
-``benchmarks/results/run.json``. ``--backends`` instead times ``fit`` per curvature backend ×
-structure on both models and writes ``benchmarks/results/backends.json``.
+Usage: ``python benchmarks/run.py [--cases NAME ...] [--repeats R] [--threads T]``; prints a
+table and writes ``benchmarks/results/run.json``. ``--backends`` instead times ``fit`` per
+curvature backend × structure on both models and writes ``benchmarks/results/backends.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import threading
@@ -323,6 +324,52 @@ def case_predict_gp(model_name: str, n_subset: int, repeats: int, n_test: int = 
     }
 
 
+def case_evaluate(model_name: str, structure: str, repeats: int, n_test: int = 10_000) -> dict:
+    """``evaluate`` against the GLM probit predictive alone on the same test batches.
+
+    Both are timed in turns in one process (the machine is shared, so the medians count); the
+    predictive in one call on all test points is timed too, for reference.
+    """
+    from laplace import Laplace
+    from laplace.evaluation import evaluate
+
+    model = MODELS[model_name]().eval()
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
+    la.fit(training_loader(model_name))
+    X_test, y_test = data(model_name, n_test, 1)
+    test_loader = DataLoader(TensorDataset(X_test, y_test), batch_size=500)
+    la(X_test[:10], link_approx="probit")  # warm the factorisation
+
+    def predictive_alone() -> None:
+        for X, _ in test_loader:
+            la(X, pred_type="glm", link_approx="probit")
+
+    def evaluation() -> None:
+        evaluate(la, test_loader, pred_type="glm", link_approx="probit")
+
+    def one_call() -> None:
+        la(X_test, pred_type="glm", link_approx="probit")
+
+    pred_s, eval_s, one_call_s = [], [], []
+    with PeakRSS() as mem:
+        for _ in range(repeats):
+            pred_s.append(timed(predictive_alone, 1))
+            eval_s.append(timed(evaluation, 1))
+            one_call_s.append(timed(one_call, 1))
+    pred, seconds = statistics.median(pred_s), statistics.median(eval_s)
+    return {
+        "case": f"evaluate glm probit {structure} {model_name} ({n_test} points)",
+        "n_params": la.n_params,
+        "seconds": seconds,
+        "predictive_alone_s": pred,
+        "ratio_to_predictive": seconds / pred,
+        "ratio_of_fastest": min(eval_s) / min(pred_s),
+        "predictive_one_call_s": statistics.median(one_call_s),
+        "repeats_s": {"evaluate": eval_s, "predictive": pred_s, "one_call": one_call_s},
+        "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
 CASES = {
     "fit-diag-mlp": (case_fit, "mlp", "diag"),
     "fit-diag-cnn": (case_fit, "cnn", "diag"),
@@ -345,11 +392,12 @@ CASES = {
     "fit-subnet-full-cnn": (case_fit_subnet, "cnn", "full"),
     "marglik-training-kron-mlp": (case_marglik_training, "mlp", "kron"),
     "predict-gp-sod-mlp": (case_predict_gp, "mlp", 100),
+    "evaluate-kron-cnn": (case_evaluate, "cnn", "kron"),
 }
 
 
-def run_one(name: str, repeats: int) -> dict:
-    torch.set_num_threads(2)
+def run_one(name: str, repeats: int, threads: int = 2) -> dict:
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     fn, model_name, structure = CASES[name]
     return fn(model_name, structure, repeats)
@@ -365,17 +413,32 @@ def main() -> None:
         help="run the fit time per backend × structure cases (results/backends.json)",
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads per case (1 is steadier on a machine shared with other jobs)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one, args.repeats)))
+        print(json.dumps(run_one(args.one, args.repeats, args.threads)))
         return
     if args.backends:
         args.cases = list(BACKEND_CASES)
     rows = []
     for name in args.cases:
         out = subprocess.run(
-            [sys.executable, __file__, "--one", name, "--repeats", str(args.repeats)],
+            [
+                sys.executable,
+                __file__,
+                "--one",
+                name,
+                "--repeats",
+                str(args.repeats),
+                "--threads",
+                str(args.threads),
+            ],
             capture_output=True,
             text=True,
             check=True,
@@ -385,6 +448,8 @@ def main() -> None:
         extras = f"  ratio to fwd+10bwd {row['ratio']:.2f}" if "ratio" in row else ""
         if "ratio_to_forward" in row:
             extras = f"  ratio to 1 forward {row['ratio_to_forward']:.2f}"
+        if "ratio_to_predictive" in row:
+            extras = f"  ratio to the predictive alone {row['ratio_to_predictive']:.3f}"
         print(
             f"{row['case']:42s} P={row['n_params']:>7d}  {row['seconds']:8.3f} s  "
             f"peak +{row['peak_extra_MB']:7.1f} MB{extras}",

@@ -29,7 +29,7 @@ from laplace.priors import (
     expand_to_diagonal,
 )
 from laplace.subsets import AllWeights
-from laplace.tuning import default_validation_loss, gridsearch, maximize_marglik
+from laplace.tuning import gridsearch, maximize_marglik, validation_loss
 from laplace.utils.enums import (
     Likelihood,
     LinkApprox,
@@ -269,8 +269,10 @@ class BaseLaplace:
                 a scalar, which is then expanded to ``prior_structure``.
             prior_structure: ``"scalar"``, ``"layerwise"`` or ``"diag"`` for marglik.
             val_loader: Validation data for grid search.
-            loss: Validation loss (a torchmetrics Metric or a callable); defaults to running NLL
-                for classification and running MSE for regression.
+            loss: Validation loss for grid search: a torchmetrics Metric, a callable, or a name
+                (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``; see
+                :mod:`laplace.evaluation`); defaults to running NLL for classification and
+                running MSE for regression.
             log_prior_prec_min: Lower end of the grid, as an exponent of ``log_prior_prec_base``.
             log_prior_prec_max: Upper end of the grid.
             grid_size: Number of grid points.
@@ -281,8 +283,8 @@ class BaseLaplace:
             log_prior_prec_base: Base of the log-spaced grid.
 
         Raises:
-            ValueError: For an unknown method, structure, pred_type or link_approx, or grid
-                search without ``val_loader``.
+            ValueError: For an unknown method, structure, pred_type or link_approx, grid
+                search without ``val_loader``, or an unknown ``loss`` name.
         """
         method = parse_enum(TuningMethod, method, "method")
         pred_type = parse_enum(PredType, pred_type, "pred_type")
@@ -314,7 +316,7 @@ class BaseLaplace:
                 device=self._device,
                 dtype=self._dtype,
             )
-            loss = default_validation_loss(self) if loss is None else loss
+            loss = validation_loss(self, loss)
             self.prior_precision = gridsearch(
                 self,
                 candidates,

@@ -7,7 +7,7 @@ Both work with any Laplace approximation through its public interface
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torchmetrics
@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from laplace import distributed as distributed_utils
+from laplace.evaluation.tasks import validation_metric
 from laplace.posteriors import NotPositiveDefiniteError
 from laplace.utils.enums import LinkApprox, PredType
 from laplace.utils.metrics import RunningNLLMetric
@@ -24,7 +25,7 @@ from laplace.utils.utils import validate
 if TYPE_CHECKING:
     from laplace.base import BaseLaplace
 
-__all__ = ["default_validation_loss", "gridsearch", "maximize_marglik"]
+__all__ = ["default_validation_loss", "gridsearch", "maximize_marglik", "validation_loss"]
 
 
 def maximize_marglik(
@@ -61,6 +62,31 @@ def default_validation_loss(la: BaseLaplace) -> torchmetrics.Metric:
     if la._likelihood_model.fit_likelihood.predicts_probabilities:
         return RunningNLLMetric().to(la._device)
     return torchmetrics.MeanSquaredError(num_outputs=la.n_outputs).to(la._device)
+
+
+def validation_loss(la: BaseLaplace, loss: Any) -> torchmetrics.Metric | Callable:
+    """The grid-search loss for the user's ``loss`` argument.
+
+    None gives :func:`default_validation_loss`; a name (``"nll"``, ``"ece"``, ``"brier"``,
+    ``"crps"``, see :func:`laplace.evaluation.validation_metric`) gives that running metric of
+    the predictions grid search validates (those of the fit likelihood); anything else is
+    returned as it is. Named metrics of a distributed fit add their sums over all ranks.
+
+    Raises:
+        ValueError: For an unknown name or one that does not apply to the likelihood.
+    """
+    if loss is None:
+        return default_validation_loss(la)
+    if not isinstance(loss, str):
+        return loss
+    metric = validation_metric(
+        loss,
+        la._likelihood_model.fit_likelihood.kind,
+        la.n_outputs,
+        la.sigma_noise,
+        sync_on_compute=getattr(la, "_distributed", False),
+    )
+    return metric.to(la._device)
 
 
 def gridsearch(
