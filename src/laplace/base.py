@@ -17,9 +17,16 @@ from tqdm.auto import tqdm
 
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.curvature import check_dict_inputs
-from laplace.data import move_inputs, split_batch
+from laplace.curvature.registry import check_backend_kwargs
+from laplace.data import prepare_batch
 from laplace.distributed import unwrap_model
-from laplace.errors import NotFittedError
+from laplace.errors import (
+    NotFittedError,
+    check_int_at_least,
+    check_mapping,
+    check_module,
+    check_positive_float,
+)
 from laplace.likelihoods import make_likelihood
 from laplace.priors import (
     as_prior_mean,
@@ -28,8 +35,9 @@ from laplace.priors import (
     check_temperature,
     expand_to_diagonal,
 )
-from laplace.subsets import AllWeights
-from laplace.tuning import default_validation_loss, gridsearch, maximize_marglik
+from laplace.subsets import AllWeights, check_parameters
+from laplace.transaction import TRANSACTIONAL_METHODS, transactional
+from laplace.tuning import default_validation_loss, grid_candidates, gridsearch, maximize_marglik
 from laplace.utils.enums import (
     Likelihood,
     LinkApprox,
@@ -95,8 +103,8 @@ class BaseLaplace:
     ) -> None:
         if type(self).__dict__.get("_abstract"):
             raise TypeError(f"{type(self).__name__} is abstract: {type(self)._abstract}")
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        check_module(model)
+        check_parameters([(n, p) for n, p in model.named_parameters() if p.is_meta])
         self._likelihood_model = make_likelihood(likelihood)
         self.likelihood = self._likelihood_model.kind
         # DistributedDataParallel: curvature of the inner module.
@@ -112,14 +120,33 @@ class BaseLaplace:
         self._backend_cls = _backend_class(backend)
         self.backend_kwargs = backend_kwargs
         self.asdl_fisher_kwargs = asdl_fisher_kwargs
-        self._backend_kwargs = self._backend_options(dict(backend_kwargs or {}))
-        self._asdl_fisher_kwargs = dict(asdl_fisher_kwargs or {})
+        self._backend_kwargs = self._backend_options(
+            check_mapping(backend_kwargs, "backend_kwargs")
+        )
+        self._asdl_fisher_kwargs = check_mapping(asdl_fisher_kwargs, "asdl_fisher_kwargs")
+        check_backend_kwargs(self._backend_cls, self._backend_kwargs)
         self._backend: CurvatureInterface | None = None
         self.loss: Tensor | float = 0.0
         self.n_data = 0
         self.n_outputs = 0
         self._fitted = False
         self._init_state()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Make the state-changing methods of subclasses transactional (:mod:`.transaction`)."""
+        super().__init_subclass__(**kwargs)
+        for name in TRANSACTIONAL_METHODS:
+            method = getattr(cls, name, None)
+            if method is not None and not getattr(method, "_transactional", False):
+                setattr(cls, name, transactional(method))
+
+    def _transaction_parts(self) -> tuple[Any, ...]:
+        """The objects whose attributes a fit may change: this one and its parameter subset."""
+        return (self, self._subset)
+
+    def _transaction_rebuild(self) -> dict[str, Callable[[], Any]]:
+        """Attributes left out of a transaction's snapshot, with how to rebuild them."""
+        return {}
 
     # ----------------------------------------------------------- hooks of the subclasses
     def _prepare_model(self, model: nn.Module) -> nn.Module:
@@ -139,6 +166,8 @@ class BaseLaplace:
     def _bind_subset(self) -> None:
         """Expose the subset's ``params``, ``n_params``, ``n_layers`` (None until it is known)."""
         known = self._subset.resolved
+        if known:
+            check_parameters(list(zip(self._subset.names, self._subset.params)))
         self.params = self._subset.params if known else None
         self.n_params = self._subset.n_params if known else None
         self.n_layers = self._subset.n_layers if known else None
@@ -227,16 +256,17 @@ class BaseLaplace:
             raise NotFittedError(f"{what} needs a fitted Laplace approximation: call fit() first.")
 
     def _batches(self, loader: DataLoader, progress_bar: bool = False, desc: str = "batches"):
-        """Yield ``(X, y)`` of each batch on the model's device.
+        """Yield ``(X, y)`` of each batch on the model's device, checked before any model call.
 
         Raises:
             ValueError: For dict-like batches with a backend that cannot take them (BackPACK),
-                before any other work.
+                before any other work; for batches :func:`~laplace.data.prepare_batch` refuses
+                (NaN values, mismatched inputs and targets, ...).
         """
         for batch in tqdm(loader, disable=not progress_bar, desc=desc):
-            X, y = split_batch(batch, self.dict_key_x, self.dict_key_y)
+            X, y = prepare_batch(batch, self.dict_key_x, self.dict_key_y, self._device)
             check_dict_inputs(self._backend_cls, X)
-            yield move_inputs(X, self._device), y.to(self._device)
+            yield X, y
 
     # ------------------------------------------------------------------------------ tuning
     def optimize_prior_precision(
@@ -281,13 +311,18 @@ class BaseLaplace:
             log_prior_prec_base: Base of the log-spaced grid.
 
         Raises:
-            ValueError: For an unknown method, structure, pred_type or link_approx, or grid
-                search without ``val_loader``.
+            ValueError: For an unknown method, structure, pred_type or link_approx, grid
+                search without ``val_loader``, a negative ``n_steps``, a non-positive ``lr``
+                or ``grid_size``, or a grid that is not finite; a non-integer count raises an
+                error that is a ``ValueError`` and a ``TypeError``.
         """
         method = parse_enum(TuningMethod, method, "method")
         pred_type = parse_enum(PredType, pred_type, "pred_type")
         link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
         prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
+        if method == TuningMethod.MARGLIK:
+            check_int_at_least(n_steps, "n_steps", 0)
+            check_positive_float(lr, "lr")
         self._check_fitted("optimize_prior_precision")
         if method == TuningMethod.MARGLIK:
             if torch.is_tensor(init_prior_prec) and init_prior_prec.numel() > 1:
@@ -296,7 +331,7 @@ class BaseLaplace:
                 )
             else:
                 init = fix_prior_prec_structure(
-                    init_prior_prec,
+                    check_positive_float(init_prior_prec, "init_prior_prec"),
                     prior_structure,
                     *self._prior_lengths,
                     self._device,
@@ -306,13 +341,13 @@ class BaseLaplace:
         else:
             if val_loader is None:
                 raise ValueError("method='gridsearch' needs a val_loader with validation data.")
-            candidates = torch.logspace(
+            candidates = grid_candidates(
                 log_prior_prec_min,
                 log_prior_prec_max,
                 grid_size,
-                base=log_prior_prec_base,
-                device=self._device,
-                dtype=self._dtype,
+                log_prior_prec_base,
+                self._device,
+                self._dtype,
             )
             loss = default_validation_loss(self) if loss is None else loss
             self.prior_precision = gridsearch(

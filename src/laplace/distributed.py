@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from laplace.data import dataset_size
+from laplace.errors import check_bool
 
 __all__ = [
     "DistributedFitError",
@@ -76,7 +77,10 @@ def resolve(distributed: bool | None, loader: DataLoader | None = None) -> bool:
 
     Raises:
         RuntimeError: For ``distributed=True`` without an initialised process group.
+        ArgumentTypeError: For a value other than None, True or False.
     """
+    if distributed is not None:
+        check_bool(distributed, "distributed")
     if distributed is None:
         sampler = getattr(loader, "sampler", None)
         return is_distributed() and isinstance(sampler, DistributedSampler)

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, move_inputs
+from laplace.data import Inputs, check_outputs, move_inputs
 from laplace.errors import UnsupportedError
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.nystrom import nystrom_basis, nystrom_indices
@@ -190,7 +190,7 @@ class ELLA(BaseFunctionalLaplace):
         with torch.no_grad():
             first = next(iter(subset_loader(train_loader, indices[:1])))
             X0 = move_inputs(split_batch(first, self.dict_key_y, self.dict_key_x)[0], self._device)
-            self.n_outputs = self.model(X0).shape[-1]
+            self.n_outputs = check_outputs(self.model(X0), 1).shape[-1]
         self.mean = self._subset.vector().detach()
         self.dual_directions = nystrom_basis(self, train_loader, indices)
         K = self.n_eigenvalues

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs
+from laplace.data import Inputs, batch_size_of, check_outputs
 from laplace.errors import UnsupportedError, check_positive_int
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.inducing import (
@@ -275,7 +275,8 @@ class VaLLA(BaseFunctionalLaplace):
         self.n_data = len(train_loader.dataset)
         X0, _ = next(self._batches(train_loader))
         with torch.no_grad():
-            self.n_outputs = self.model(X0).shape[-1]
+            f0 = self.model(X0)
+        self.n_outputs = check_outputs(f0, batch_size_of(X0, self.dict_key_x)).shape[-1]
         self.mean = self._subset.vector().detach()
         if override or not self._fitted:
             Z, classes = self._initial[0], self._initial[1].clone()

@@ -11,7 +11,8 @@ import torch
 import torchmetrics
 from torch.utils.data import DataLoader
 
-from laplace.data import move_inputs, split_batch
+from laplace.data import prepare_batch
+from laplace.likelihoods import Categorical
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
 
 if TYPE_CHECKING:
@@ -151,11 +152,12 @@ def validate(
     targets: list[torch.Tensor] = []
     n_batches = 0
     for data in val_loader:
-        X, y = split_batch(data, getattr(laplace, "dict_key_x", "input_ids"), dict_key_y)
-        X, y = move_inputs(X, device), y.to(device)
+        X, y = prepare_batch(data, getattr(laplace, "dict_key_x", "input_ids"), dict_key_y, device)
         out = laplace(
             X, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples, fitting=True
         )
+        if not isinstance(out, tuple):  # class probabilities (B, C): labels in [0, C)
+            Categorical().check_targets(y, out.shape)
         n_batches += 1
         if running:
             if isinstance(out, tuple):

@@ -1,0 +1,87 @@
+"""Calls that change nothing when they fail: snapshot the state, restore it on any exception.
+
+A ``fit`` that raises half-way (a NaN batch, an exception from the model or the loader, a
+``KeyboardInterrupt``) must leave the approximation exactly as it was: the fitted posterior, the
+prior, ``n_data``, the caches, the mean, the last layer found so far. So must a
+``load_state_dict`` of a tampered state or a ``log_marginal_likelihood`` with a bad
+hyperparameter.
+
+The snapshot is shallow: the attribute dictionaries of the approximation and of the objects it
+owns that a call may change (``_transaction_parts``, e.g. the feature extractor that finds the
+last layer). That is enough because these calls never modify a stored tensor in place: they
+build new tensors and assign them. It costs a dict copy per call, and keeps the previous
+posterior alive until the new one is complete (its memory is needed anyway to restore it).
+State that is cheap to rebuild and large to keep, e.g. the zero curvature of an unfitted
+approximation, is dropped from the snapshot (``_transaction_rebuild``) and rebuilt on failure.
+
+:class:`~laplace.base.BaseLaplace` wraps the methods named in :data:`TRANSACTIONAL_METHODS` of
+every subclass with :func:`transactional`; nested calls (``super().fit``) share the outermost
+snapshot.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["TRANSACTIONAL_METHODS", "Snapshot", "transactional"]
+
+#: Methods of a Laplace approximation that change nothing when they raise.
+TRANSACTIONAL_METHODS = ("fit", "load_state_dict", "log_marginal_likelihood")
+
+#: ids of the objects inside a transactional call (a nested call does not snapshot again).
+_ACTIVE: set[int] = set()
+
+
+class Snapshot:
+    """The attribute dictionaries of some objects, to put back after a failed call.
+
+    Args:
+        parts: The objects whose attributes a call may change (the approximation first).
+        rebuild: Attributes of the first part left out of the snapshot, each with a function
+            that rebuilds it after a restore (given the restored object).
+    """
+
+    def __init__(self, parts: tuple[Any, ...], rebuild: dict[str, Callable[[], Any]]) -> None:
+        self._states = [(part, dict(vars(part))) for part in parts]
+        owner_state = self._states[0][1]
+        for name in rebuild:
+            owner_state.pop(name, None)
+        self._rebuild = rebuild
+
+    def restore(self) -> None:
+        """Put every attribute back as it was (attributes added since are removed)."""
+        for part, state in self._states:
+            attributes = vars(part)
+            attributes.clear()
+            attributes.update(state)
+        for rebuild in self._rebuild.values():
+            rebuild()
+
+
+def transactional(method: Callable) -> Callable:
+    """Wrap a method of a Laplace approximation so that it changes nothing when it raises.
+
+    The object provides ``_transaction_parts()`` (the objects to snapshot) and
+    ``_transaction_rebuild()`` (see :class:`Snapshot`).
+    """
+    if getattr(method, "_transactional", False):
+        return method
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if id(self) in _ACTIVE:
+            return method(self, *args, **kwargs)
+        snapshot = Snapshot(self._transaction_parts(), self._transaction_rebuild())
+        _ACTIVE.add(id(self))
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            snapshot.restore()
+            raise
+        finally:
+            _ACTIVE.discard(id(self))
+
+    wrapper._transactional = True
+    return wrapper
