@@ -21,6 +21,7 @@ from laplace.curvature.registry import check_backend_kwargs
 from laplace.data import prepare_batch
 from laplace.distributed import unwrap_model
 from laplace.errors import (
+    AbstractClassError,
     NotFittedError,
     check_int_at_least,
     check_mapping,
@@ -102,7 +103,7 @@ class BaseLaplace:
         asdl_fisher_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if type(self).__dict__.get("_abstract"):
-            raise TypeError(f"{type(self).__name__} is abstract: {type(self)._abstract}")
+            raise AbstractClassError(f"{type(self).__name__} is abstract: {type(self)._abstract}")
         check_module(model)
         check_parameters([(n, p) for n, p in model.named_parameters() if p.is_meta])
         self._likelihood_model = make_likelihood(likelihood)

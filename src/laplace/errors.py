@@ -13,6 +13,8 @@ exception derives from both, so either ``except`` clause catches it:
   ``getattr(la, name, default)`` work on properties that cannot be computed yet;
 - :class:`UnsupportedError` (``NotImplementedError`` and ``AttributeError``): a property an
   approximation does not have (e.g. ELLA's training log-likelihood), for the same reason;
+- :class:`AbstractClassError` (``TypeError`` and ``NotImplementedError``, laplace-torch's type
+  for ``ParametricLaplace(...)``): an abstract class built directly;
 - :class:`DataError` (``ValueError`` and ``RuntimeError``): training or test data the model or
   the loss cannot use (targets of the wrong kind, NaN values, mismatched batches); torch raises
   a ``RuntimeError`` for most of them, which laplace-torch lets through;
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "AbstractClassError",
     "ArgumentTypeError",
     "DataError",
     "LabelError",
@@ -76,6 +79,10 @@ class NotFittedError(RuntimeError, AttributeError):
 
 class UnsupportedError(NotImplementedError, AttributeError):
     """A property this approximation does not have; an ``AttributeError`` too, for ``hasattr``."""
+
+
+class AbstractClassError(TypeError, NotImplementedError):
+    """An abstract class built directly; a ``TypeError`` and a ``NotImplementedError``."""
 
 
 class DataError(ValueError, RuntimeError):

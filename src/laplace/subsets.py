@@ -165,7 +165,8 @@ def check_subnetwork_indices(indices: Any, n_params: int) -> Tensor:
     Raises:
         ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) if ``indices`` is None.
         ValueError: If ``indices`` is not a 1-D ``torch.long`` tensor, empty, out of
-            ``[0, n_params)`` or has duplicates (ValueError for all, as in laplace-torch).
+            ``[0, n_params)`` or has duplicates (ValueError for all, as in laplace-torch), or
+            on the meta device.
     """
     hint = "e.g. torch.tensor([0, 5, 9]) or SubnetMask(...).select(train_loader)"
     if indices is None:
@@ -173,6 +174,8 @@ def check_subnetwork_indices(indices: Any, n_params: int) -> Tensor:
     if not isinstance(indices, Tensor) or indices.dtype != torch.long:
         kind = indices.dtype if isinstance(indices, Tensor) else type(indices).__name__
         raise ValueError(f"subnetwork_indices must be a torch.long tensor ({hint}), got {kind}.")
+    if indices.device.type == "meta":
+        raise MetaDeviceError("subnetwork_indices are on the meta device: they hold no values.")
     if indices.dim() != 1 or indices.numel() == 0:
         raise ValueError(
             f"subnetwork_indices must be a non-empty 1-D tensor, got shape {tuple(indices.shape)}."

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, check_outputs, move_inputs
+from laplace.data import Inputs, check_outputs, dataset_size, prepare_batch
 from laplace.errors import UnsupportedError
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.nystrom import nystrom_basis, nystrom_indices
@@ -36,7 +36,6 @@ from laplace.utils.enums import (
 from laplace.utils.functional_utils import (
     preserve_model_gradients,
     regression_targets,
-    split_batch,
     subset_loader,
 )
 
@@ -184,19 +183,23 @@ class ELLA(BaseFunctionalLaplace):
         """
         if val_steps is not None and not positive_int(val_steps):
             raise ValueError(f"val_steps must be a positive integer, got {val_steps!r}.")
+        dataset_size(train_loader)
         self.model.eval()
         self._fitted, self.n_data, self.fit_history_ = False, 0, _empty_history()
         indices = nystrom_indices(self, train_loader, balanced)[: self.subsample_size]
+        first = next(iter(subset_loader(train_loader, indices[:1])))
+        X0, y0 = prepare_batch(first, self.dict_key_x, self.dict_key_y, self._device)
         with torch.no_grad():
-            first = next(iter(subset_loader(train_loader, indices[:1])))
-            X0 = move_inputs(split_batch(first, self.dict_key_y, self.dict_key_x)[0], self._device)
-            self.n_outputs = check_outputs(self.model(X0), 1).shape[-1]
+            output_shape = check_outputs(self.model(X0), 1).shape
+        self._likelihood_model.check_targets(y0, output_shape)
+        self.n_outputs = output_shape[-1]
         self.mean = self._subset.vector().detach()
         self.dual_directions = nystrom_basis(self, train_loader, indices)
         K = self.n_eigenvalues
         self.feature_gram = torch.zeros(K, K, dtype=self._dtype, device=self._device)
         step = 0
         for step, (X, y) in enumerate(self._batches(train_loader, progress_bar, "ELLA"), 1):
+            self._likelihood_model.check_targets(y, output_shape)
             features, f = self._features(X)
             if self.likelihood == Likelihood.REGRESSION:
                 regression_targets(y, f)

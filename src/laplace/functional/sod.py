@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, batch_size_of, dataset_size
+from laplace.errors import check_int_at_least
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.kernel import SubsetKernel
 from laplace.glm import slice_inputs
@@ -130,6 +131,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
             )
         if isinstance(n_subset, bool) or not isinstance(n_subset, int) or n_subset < 1:
             raise ValueError(f"n_subset must be a positive integer, got {n_subset!r}.")
+        check_int_at_least(seed, "seed", 0)
         super().__init__(**arguments_for(BaseLaplace.__init__, locals()))
         self.n_subset = n_subset
         self.independent_outputs = independent_outputs
@@ -262,8 +264,6 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         if prior_precision is not None:
             self.prior_precision = prior_precision
         if sigma_noise is not None:
-            if self.likelihood != Likelihood.REGRESSION:
-                raise ValueError("sigma_noise can only be changed for regression.")
             self.sigma_noise = sigma_noise
         return self.log_likelihood - 0.5 * (self.log_det_ratio + self.scatter)
 

@@ -143,6 +143,8 @@ def validate(
 
     laplace.model.eval()
     device = next(laplace.model.parameters()).device
+    likelihood = getattr(laplace, "_likelihood_model", None)
+    probabilities = likelihood is not None and likelihood.fit_likelihood.predicts_probabilities
     running = isinstance(loss, torchmetrics.Metric)
     if running:
         loss.reset()
@@ -153,11 +155,11 @@ def validate(
     n_batches = 0
     for data in val_loader:
         X, y = prepare_batch(data, getattr(laplace, "dict_key_x", "input_ids"), dict_key_y, device)
+        if probabilities:  # labels in [0, C), before the predictive's Jacobians
+            Categorical().check_targets(y, (len(y), laplace.n_outputs))
         out = laplace(
             X, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples, fitting=True
         )
-        if not isinstance(out, tuple):  # class probabilities (B, C): labels in [0, C)
-            Categorical().check_targets(y, out.shape)
         n_batches += 1
         if running:
             if isinstance(out, tuple):
