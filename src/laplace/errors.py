@@ -50,6 +50,7 @@ __all__ = [
     "NotFittedError",
     "UnsupportedError",
     "check_bool",
+    "check_finite_result",
     "check_generator",
     "check_int_at_least",
     "check_mapping",
@@ -203,5 +204,23 @@ def check_generator(value: Any) -> Any:
         raise ArgumentTypeError(
             f"generator must be a torch.Generator or None, got {type(value).__name__} (for a "
             "seed use torch.Generator().manual_seed(seed))."
+        )
+    return value
+
+
+def check_finite_result(value: Any, what: str) -> Any:
+    """Return ``value`` (a tensor) if every entry is finite.
+
+    Args:
+        value: A quantity computed from the training data, e.g. a batch's loss.
+        what: What it is, for the message.
+
+    Raises:
+        RuntimeError: Naming it, for NaN or inf entries (the model's outputs or the data are
+            the usual cause), instead of a posterior that silently holds NaN.
+    """
+    if not bool(torch.isfinite(torch.as_tensor(value).detach()).all()):
+        raise RuntimeError(
+            f"the {what} contains NaN or inf; check the model's outputs and the data."
         )
     return value

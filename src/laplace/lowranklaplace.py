@@ -22,7 +22,12 @@ from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.curvature.eigen import SOLVERS, curvature_operator, top_eigenpairs
 from laplace.data import batch_size_of, check_outputs
-from laplace.errors import check_bool, check_int_at_least, check_positive_int
+from laplace.errors import (
+    check_bool,
+    check_finite_result,
+    check_int_at_least,
+    check_positive_int,
+)
 from laplace.parametric import ParametricLaplace
 from laplace.posterior_scale import PosteriorScaleMixin
 from laplace.posteriors.lowrank import LowRankPosterior
@@ -133,6 +138,7 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
                 f = check_outputs(self.model(X), batch_size_of(X, self.dict_key_x))
                 self.n_outputs = int(f.shape[-1])
                 loss = loss + self.backend._loss(f, y)
+        check_finite_result(loss, "loss of the training data")  # before any eigensolver pass
         options = dict(self._solver_options)
         k = int(options.pop("n_eigenvalues"))
         local_n = distributed_utils.data_count(train_loader) if self._distributed else n_data

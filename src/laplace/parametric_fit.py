@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from laplace import distributed as distributed_utils
 from laplace.data import Inputs, batch_size_of, check_outputs, dataset_size
-from laplace.errors import check_bool
+from laplace.errors import check_bool, check_finite_result
 
 __all__ = ["CurvatureFitMixin"]
 
@@ -95,10 +95,8 @@ class CurvatureFitMixin:
         with distributed_utils.guard(self._distributed, "fit"):
             for loss, H_batch in self._curvature_stream(train_loader, n_data, progress_bar):
                 if not self._posterior_cls.is_finite(H_batch):
-                    raise RuntimeError(
-                        "the curvature of a training batch contains NaN or inf; check the "
-                        "model's outputs and the data."
-                    )
+                    check_finite_result(float("nan"), "curvature of a training batch")
+                check_finite_result(loss, "loss of a training batch")
                 H_new += H_batch  # in place where it can be: one dense sum less in memory
                 loss_new = loss_new + loss.detach()
                 n_batches += 1

@@ -338,6 +338,10 @@ class LastLayerMixin:
     def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
         return {**backend_kwargs, "last_layer": True}
 
+    def _transaction_parts(self) -> tuple[Any, ...]:
+        # A failed fit forgets a last layer it found (the extractor holds it).
+        return (*super()._transaction_parts(), self.model)
+
     @property
     def last_layer_name(self) -> str | None:
         """Name of the last layer in the model (None until it is found)."""

@@ -8,9 +8,12 @@ hyperparameter.
 
 The snapshot is shallow: the attribute dictionaries of the approximation and of the objects it
 owns that a call may change (``_transaction_parts``, e.g. the feature extractor that finds the
-last layer). That is enough because these calls never modify a stored tensor in place: they
-build new tensors and assign them. It costs a dict copy per call, and keeps the previous
-posterior alive until the new one is complete (its memory is needed anyway to restore it).
+last layer). That is enough because these calls build new tensors and assign them instead of
+modifying stored ones; the exceptions are ``nn.Parameter`` attributes that a fit optimises in
+place (VaLLA's variational parameters, a few small tensors) and random generators, whose
+values and states are copied too. It
+costs a dict copy per call, and keeps the previous posterior alive until the new one is
+complete (its memory is needed anyway to restore it).
 State that is cheap to rebuild and large to keep, e.g. the zero curvature of an unfitted
 approximation, is dropped from the snapshot (``_transaction_rebuild``) and rebuilt on failure.
 
@@ -24,6 +27,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from typing import Any
+
+import torch
+from torch import nn
 
 __all__ = ["TRANSACTIONAL_METHODS", "Snapshot", "transactional"]
 
@@ -49,6 +55,9 @@ class Snapshot:
         for name in rebuild:
             owner_state.pop(name, None)
         self._rebuild = rebuild
+        values = [value for _, state in self._states for value in state.values()]
+        self._parameters = [(v, v.detach().clone()) for v in values if isinstance(v, nn.Parameter)]
+        self._generators = [(v, v.get_state()) for v in values if isinstance(v, torch.Generator)]
 
     def restore(self) -> None:
         """Put every attribute back as it was (attributes added since are removed)."""
@@ -56,6 +65,11 @@ class Snapshot:
             attributes = vars(part)
             attributes.clear()
             attributes.update(state)
+        with torch.no_grad():
+            for parameter, value in self._parameters:
+                parameter.copy_(value)
+        for generator, state in self._generators:
+            generator.set_state(state)
         for rebuild in self._rebuild.values():
             rebuild()
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, check_outputs, dataset_size, prepare_batch
-from laplace.errors import UnsupportedError
+from laplace.errors import UnsupportedError, check_finite_result
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.nystrom import nystrom_basis, nystrom_indices
 from laplace.functional.scoring import (
@@ -201,6 +201,7 @@ class ELLA(BaseFunctionalLaplace):
         for step, (X, y) in enumerate(self._batches(train_loader, progress_bar, "ELLA"), 1):
             self._likelihood_model.check_targets(y, output_shape)
             features, f = self._features(X)
+            check_finite_result(f, "model output of a training batch")
             if self.likelihood == Likelihood.REGRESSION:
                 regression_targets(y, f)
                 self.feature_gram += torch.einsum("bck,bcl->kl", features, features)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from laplace.data import Inputs, batch_size_of, check_outputs
+from laplace.errors import check_finite_result
 from laplace.glm import jacobian_chunk_rows, slice_inputs
 from laplace.posteriors import NotPositiveDefiniteError
 from laplace.utils.enums import Likelihood
@@ -89,6 +90,8 @@ class SubsetKernel:
         else:
             self.mu = -Jshift
         self.K = self._gram()
+        for name in ("loss", "Lambda", "mu", "K"):
+            check_finite_result(getattr(self, name), f"GP {name} of the training subset")
         self._factor_key, self._factor = None, None
         return self
 

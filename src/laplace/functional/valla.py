@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, batch_size_of, check_outputs, dataset_size
-from laplace.errors import UnsupportedError, check_positive_int
+from laplace.errors import UnsupportedError, check_finite_result, check_positive_int
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.inducing import (
     as_inducing,
@@ -309,7 +309,7 @@ class VaLLA(BaseFunctionalLaplace):
                 X, y = next(batches)
             self._likelihood_model.check_targets(y, output_shape)
             optimizer.zero_grad()
-            objective = self._objective(X, y)
+            objective = check_finite_result(self._objective(X, y), "VaLLA objective of a batch")
             objective.backward()
             optimizer.step()
             self.fit_history_["objective"].append(float(objective.detach()))
