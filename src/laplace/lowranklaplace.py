@@ -127,6 +127,7 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
                 "sum are not the sum of the top eigenpairs; fit again on all the data."
             )
         self._distributed = distributed_utils.resolve(distributed, train_loader)
+        self._check_ranks_agree()
         n_data = self._data_count(train_loader)
         if n_data == 0:
             raise ValueError("train_loader is empty: fit needs at least one data point.")

@@ -53,7 +53,8 @@ class CurvatureFitMixin:
         Raises:
             ValueError: If the loader is empty or a batch contains non-finite values.
             RuntimeError: If the curvature of a batch is not finite.
-            DistributedFitError: If another rank failed during a distributed fit.
+            DistributedFitError: If another rank failed during a distributed fit, or the ranks
+                hold different hyperparameters.
         """
         check_bool(override, "override")
         self._distributed = distributed_utils.resolve(distributed, train_loader)
@@ -62,6 +63,7 @@ class CurvatureFitMixin:
             raise ValueError("train_loader is empty: fit needs at least one data point.")
         with distributed_utils.guard(self._distributed, "fit"):
             self._resolve_subset(train_loader)
+        self._check_ranks_agree()
         update = not override and self._fitted
         n_before = self.n_data if update else 0
         self.model.eval()
@@ -103,6 +105,25 @@ class CurvatureFitMixin:
             if n_batches == 0:
                 raise ValueError("train_loader yielded no batches: fit needs at least one batch.")
         return H_new, loss_new
+
+    def _check_ranks_agree(self) -> None:
+        """In a distributed fit, refuse ranks built with different hyperparameters.
+
+        Raises:
+            DistributedFitError: On every rank, naming what differs.
+        """
+        if self._distributed:
+            distributed_utils.check_consistent(
+                {
+                    "class": type(self).__name__,
+                    "n_params": self.n_params,
+                    "prior_precision": self.prior_precision,
+                    "prior_mean": self.prior_mean,
+                    "sigma_noise": self.sigma_noise,
+                    "temperature": self.temperature,
+                },
+                "fit",
+            )
 
     def _data_count(self, train_loader: DataLoader) -> int:
         """Data points of the fit: all ranks' together when distributed."""
