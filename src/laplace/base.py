@@ -37,7 +37,7 @@ from laplace.priors import (
     expand_to_diagonal,
 )
 from laplace.subsets import AllWeights, check_parameters
-from laplace.transaction import TRANSACTIONAL_METHODS, transactional
+from laplace.transaction import Transactional
 from laplace.tuning import default_validation_loss, grid_candidates, gridsearch, maximize_marglik
 from laplace.utils.enums import (
     Likelihood,
@@ -52,13 +52,15 @@ from laplace.utils.utils import fix_prior_prec_structure
 __all__ = ["BaseLaplace", "arguments_for"]
 
 
-class BaseLaplace:
+class BaseLaplace(Transactional):
     """Common hyperparameters, data handling and prior tuning of every Laplace approximation.
 
     This constructor is the one place where the arguments every Laplace class shares are
     checked and stored; the public classes keep laplace-torch's explicit parameter lists and
     hand them here. Each argument is stored under its own name (``la.sigma_noise``,
     ``la.backend_kwargs``, ...), so a Laplace object can be rebuilt from its attributes.
+    ``fit``, ``load_state_dict`` and ``log_marginal_likelihood`` of every subclass change
+    nothing when they raise (:class:`~laplace.transaction.Transactional`).
 
     Args:
         model: The trained network; only parameters with ``requires_grad=True`` are treated
@@ -121,9 +123,8 @@ class BaseLaplace:
         self._backend_cls = _backend_class(backend)
         self.backend_kwargs = backend_kwargs
         self.asdl_fisher_kwargs = asdl_fisher_kwargs
-        self._backend_kwargs = self._backend_options(
-            check_mapping(backend_kwargs, "backend_kwargs")
-        )
+        options = check_mapping(backend_kwargs, "backend_kwargs")
+        self._backend_kwargs = self._backend_options(options)
         self._asdl_fisher_kwargs = check_mapping(asdl_fisher_kwargs, "asdl_fisher_kwargs")
         check_backend_kwargs(self._backend_cls, self._backend_kwargs)
         self._backend: CurvatureInterface | None = None
@@ -132,22 +133,6 @@ class BaseLaplace:
         self.n_outputs = 0
         self._fitted = False
         self._init_state()
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Make the state-changing methods of subclasses transactional (:mod:`.transaction`)."""
-        super().__init_subclass__(**kwargs)
-        for name in TRANSACTIONAL_METHODS:
-            method = getattr(cls, name, None)
-            if method is not None and not getattr(method, "_transactional", False):
-                setattr(cls, name, transactional(method))
-
-    def _transaction_parts(self) -> tuple[Any, ...]:
-        """The objects whose attributes a fit may change: this one and its parameter subset."""
-        return (self, self._subset)
-
-    def _transaction_rebuild(self) -> dict[str, Callable[[], Any]]:
-        """Attributes left out of a transaction's snapshot, with how to rebuild them."""
-        return {}
 
     # ----------------------------------------------------------- hooks of the subclasses
     def _prepare_model(self, model: nn.Module) -> nn.Module:
@@ -260,9 +245,8 @@ class BaseLaplace:
         """Yield ``(X, y)`` of each batch on the model's device, checked before any model call.
 
         Raises:
-            ValueError: For dict-like batches with a backend that cannot take them (BackPACK),
-                before any other work; for batches :func:`~laplace.data.prepare_batch` refuses
-                (NaN values, mismatched inputs and targets, ...).
+            ValueError: For batches :func:`~laplace.data.prepare_batch` refuses, and dict-like
+                batches with a backend that cannot take them (BackPACK).
         """
         for batch in tqdm(loader, disable=not progress_bar, desc=desc):
             X, y = prepare_batch(batch, self.dict_key_x, self.dict_key_y, self._device)

@@ -101,8 +101,8 @@ def _to_device(value: Any, device: torch.device, name: str) -> Any:
         return value
     if value.device.type == "meta" and torch.device(device).type != "meta":
         raise MetaDeviceError(
-            f"the {name} are on the meta device and hold no values; give tensors on "
-            f"{device} (or on the CPU: they are moved to the model's device)."
+            f"the {name} are on the meta device and hold no values; give tensors with values "
+            f"(on any device: they are moved to the model's device, {device})."
         )
     return value.to(device)
 
@@ -113,7 +113,7 @@ def _tensors(X: Inputs) -> list[Tensor]:
     return [X]
 
 
-def check_finite(X: Inputs, what: str) -> None:
+def _check_finite(X: Inputs, what: str) -> None:
     """Refuse floating-point inputs with NaN or inf entries.
 
     Raises:
@@ -146,8 +146,8 @@ def prepare_batch(
     if not isinstance(y, Tensor):
         raise ArgumentTypeError(f"the targets must be a torch.Tensor, got {type(y).__name__}.")
     X, y = move_inputs(X, device), _to_device(y, device, "targets")
-    check_finite(X, "training inputs")
-    check_finite(y, "training targets")
+    _check_finite(X, "training inputs")
+    _check_finite(y, "training targets")
     n_inputs = batch_size_of(X, dict_key_x)
     if y.dim() == 0 or len(y) != n_inputs:
         raise DataError(
@@ -168,7 +168,7 @@ def prepare_inputs(X: Inputs, dict_key_x: str, device: torch.device, what: str) 
     X = move_inputs(X, device)
     if batch_size_of(X, dict_key_x) == 0:
         raise ValueError(f"{what} needs at least one input, got an empty batch.")
-    check_finite(X, f"inputs of the {what}")
+    _check_finite(X, f"inputs of the {what}")
     return X
 
 

@@ -97,7 +97,10 @@ class CurvatureFitMixin:
         with distributed_utils.guard(self._distributed, "fit"):
             for loss, H_batch in self._curvature_stream(train_loader, n_data, progress_bar):
                 if not self._posterior_cls.is_finite(H_batch):
-                    check_finite_result(float("nan"), "curvature of a training batch")
+                    raise RuntimeError(
+                        "the curvature of a training batch contains NaN or inf; check the "
+                        "model's outputs and the data."
+                    )
                 check_finite_result(loss, "loss of a training batch")
                 H_new += H_batch  # in place where it can be: one dense sum less in memory
                 loss_new = loss_new + loss.detach()

@@ -17,9 +17,9 @@ complete (its memory is needed anyway to restore it).
 State that is cheap to rebuild and large to keep, e.g. the zero curvature of an unfitted
 approximation, is dropped from the snapshot (``_transaction_rebuild``) and rebuilt on failure.
 
-:class:`~laplace.base.BaseLaplace` wraps the methods named in :data:`TRANSACTIONAL_METHODS` of
-every subclass with :func:`transactional`; nested calls (``super().fit``) share the outermost
-snapshot.
+Every subclass of :class:`Transactional` (every Laplace class) has the methods named in
+:data:`TRANSACTIONAL_METHODS` wrapped by :func:`transactional`, wherever they are defined (a
+mixin, a subclass); nested calls (``super().fit``) share the outermost snapshot.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TRANSACTIONAL_METHODS", "Snapshot", "transactional"]
+__all__ = ["TRANSACTIONAL_METHODS", "Snapshot", "Transactional", "transactional"]
 
 #: Methods of a Laplace approximation that change nothing when they raise.
 TRANSACTIONAL_METHODS = ("fit", "load_state_dict", "log_marginal_likelihood")
@@ -99,3 +99,26 @@ def transactional(method: Callable) -> Callable:
 
     wrapper._transactional = True
     return wrapper
+
+
+class Transactional:
+    """Base of objects whose :data:`TRANSACTIONAL_METHODS` change nothing when they raise.
+
+    Subclasses extend :meth:`_transaction_parts` with the objects they own that a call may
+    change, and :meth:`_transaction_rebuild` with state cheaper to rebuild than to keep.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in TRANSACTIONAL_METHODS:
+            method = getattr(cls, name, None)
+            if method is not None and not getattr(method, "_transactional", False):
+                setattr(cls, name, transactional(method))
+
+    def _transaction_parts(self) -> tuple[Any, ...]:
+        """The objects whose attributes a transactional call may change (this one first)."""
+        return (self,)
+
+    def _transaction_rebuild(self) -> dict[str, Callable[[], Any]]:
+        """Attributes of this object left out of the snapshot, with how to rebuild them."""
+        return {}
