@@ -93,8 +93,18 @@ def _float32_case(n: int):
     return model, DataLoader(TensorDataset(X, torch.randint(0, 3, (n,))), batch_size=n // 10)
 
 
+#: Structures fitted on 100k float32 points in ``make test``; the others are slow cases.
+FLOAT32_QUICK = [("all", "full"), ("all", "kron"), ("last_layer", "diag")]
+
+
 @pytest.mark.parametrize(
-    ("subset", "structure"), [s for s in STRUCTURES if s[1] != "lowrank"], ids=lambda s: s
+    ("subset", "structure"),
+    [
+        pytest.param(*s, marks=() if s in FLOAT32_QUICK else pytest.mark.slow)
+        for s in STRUCTURES
+        if s[1] != "lowrank"
+    ],
+    ids=lambda s: s,
 )
 def test_float32_model_on_many_points(subset, structure):
     """float32 sums over 100k points agree with a float64 fit; the posterior is finite."""
@@ -143,3 +153,17 @@ def test_indefinite_curvature_is_explained_not_nan():
     for action in (lambda: la.log_marginal_likelihood(), lambda: la.sample(3)):
         with pytest.raises(NotPositiveDefiniteError, match=r"not positive definite.*Hessian"):
             action()
+
+
+@pytest.mark.parametrize(
+    ("subset", "structure"), [*STRUCTURES, ("all", "gp"), ("last_layer", "gp")], ids=str
+)
+def test_a_single_data_point_fits(subset, structure):
+    """N = 1 (one row of curvature, rank ≤ C) gives a finite posterior everywhere."""
+    case = CASE_BUILDERS["mlp_classification"]()
+    case.X, case.y = case.X[:1], case.y[:1]
+    extra = {"n_subset": 1} if structure == "gp" else {}
+    la = _fit(subset, structure, case, **extra)
+    assert la.n_data == 1
+    assert bool(torch.isfinite(la.log_marginal_likelihood()))
+    assert bool(torch.isfinite(la(case.X)).all())
