@@ -11,11 +11,14 @@ owns that a call may change (``_transaction_parts``, e.g. the feature extractor 
 last layer). That is enough because these calls build new tensors and assign them instead of
 modifying stored ones; the exceptions are ``nn.Parameter`` attributes that a fit optimises in
 place (VaLLA's variational parameters, a few small tensors) and random generators, whose
-values and states are copied too. It
-costs a dict copy per call, and keeps the previous posterior alive until the new one is
-complete (its memory is needed anyway to restore it).
+values and states are copied too. A snapshot costs a dict copy per call and keeps the previous
+posterior alive until the new one is complete (its memory is needed anyway to restore it).
 State that is cheap to rebuild and large to keep, e.g. the zero curvature of an unfitted
 approximation, is dropped from the snapshot (``_transaction_rebuild``) and rebuilt on failure.
+
+A data loop written for these methods must keep that contract: accumulate into fresh tensors
+(in place is fine there) and assign the results at the end, never modify a stored posterior in
+place.
 
 Every subclass of :class:`Transactional` (every Laplace class) has the methods named in
 :data:`TRANSACTIONAL_METHODS` wrapped by :func:`transactional`, wherever they are defined (a
@@ -45,8 +48,8 @@ class Snapshot:
 
     Args:
         parts: The objects whose attributes a call may change (the approximation first).
-        rebuild: Attributes of the first part left out of the snapshot, each with a function
-            that rebuilds it after a restore (given the restored object).
+        rebuild: Attributes of the first part left out of the snapshot, each with a callable
+            (no arguments) that rebuilds it once the other attributes are restored.
     """
 
     def __init__(self, parts: tuple[Any, ...], rebuild: dict[str, Callable[[], Any]]) -> None:
