@@ -3,8 +3,8 @@
 A ``fit`` that raises half-way (a NaN batch, an exception from the model or the loader, a
 ``KeyboardInterrupt``) must leave the approximation exactly as it was: the fitted posterior, the
 prior, ``n_data``, the caches, the mean, the last layer found so far. So must a
-``load_state_dict`` of a tampered state or a ``log_marginal_likelihood`` with a bad
-hyperparameter.
+``load_state_dict`` of a tampered state, a ``log_marginal_likelihood`` with a bad
+hyperparameter, and an ``optimize_prior_precision`` stopped half-way (each step sets the prior).
 
 The snapshot is shallow: the attribute dictionaries of the approximation and of the objects it
 owns that a call may change (``_transaction_parts``, e.g. the feature extractor that finds the
@@ -37,7 +37,12 @@ from torch import nn
 __all__ = ["TRANSACTIONAL_METHODS", "Snapshot", "Transactional", "transactional"]
 
 #: Methods of a Laplace approximation that change nothing when they raise.
-TRANSACTIONAL_METHODS = ("fit", "load_state_dict", "log_marginal_likelihood")
+TRANSACTIONAL_METHODS = (
+    "fit",
+    "load_state_dict",
+    "log_marginal_likelihood",
+    "optimize_prior_precision",
+)
 
 #: ids of the objects inside a transactional call (a nested call does not snapshot again).
 _ACTIVE: set[int] = set()

@@ -224,6 +224,31 @@ def test_failed_marglik_hyperparameters_change_nothing():
     assert_unchanged(before, fingerprint(la))
 
 
+def test_interrupted_prior_tuning_changes_nothing():
+    """Every marglik step sets the prior: a tuning stopped half-way must not leave one."""
+    case = CASE_BUILDERS["mlp_classification"]()
+    la = Laplace(case.model, "classification", "all", "full", prior_precision=0.5)
+    la.fit(case.loader())
+    steps = 0
+    original = type(la).log_marginal_likelihood
+
+    def interrupted(self, *args, **kwargs):
+        nonlocal steps
+        steps += 1
+        if steps == 5:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    before = fingerprint(la)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(la), "log_marginal_likelihood", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            la.optimize_prior_precision(n_steps=20)
+    assert steps == 5
+    assert_unchanged(before, fingerprint(la))
+    assert la.prior_precision.item() == 0.5
+
+
 def _public_classes(cls: type) -> list[type]:
     found = [cls] if not inspect.isabstract(cls) else []
     for sub in cls.__subclasses__():
