@@ -142,9 +142,7 @@ class GaussianRegression(LikelihoodModel):
     @override
     def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
         if y.dtype == torch.bool or y.is_complex():
-            raise DataError(
-                f"regression targets must be real numbers (floating point), got {y.dtype}."
-            )
+            raise DataError(f"regression targets must be real numbers, got {y.dtype} targets.")
         if y.dim() != len(output_shape) or tuple(y.shape[1:]) != tuple(output_shape[1:]):
             raise ValueError(
                 f"regression targets of shape {tuple(y.shape)} do not match the model output "
