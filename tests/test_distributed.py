@@ -214,9 +214,17 @@ class _Failing(Dataset):
 
 
 def _failing_fit(rank: int, mode: str) -> str:
+    """``mode``: rank 1 raises (``"raise"``) or dies (``"die"``) mid-loader, or the ranks are
+    built with different prior precisions (``"mismatch"``) or structures (``"structure"``)."""
     case = CASE_BUILDERS["mlp_classification"]()
-    data = TensorDataset(case.X[:10], case.y[:10]) if rank == 0 else _Failing(mode)
-    la = Laplace(case.model, "classification", hessian_structure="diag")
+    failing = mode in ("raise", "die") and rank == 1
+    data = _Failing(mode) if failing else TensorDataset(case.X[:10], case.y[:10])
+    kwargs = {"hessian_structure": "diag", "prior_precision": 1.0}
+    if mode == "mismatch":
+        kwargs["prior_precision"] = 1.0 + rank
+    if mode == "structure":
+        kwargs["hessian_structure"] = ("diag", "full")[rank]
+    la = Laplace(case.model, "classification", **kwargs)
     try:
         la.fit(DataLoader(data, batch_size=3), distributed=True)
     except DistributedFitError as error:
@@ -284,10 +292,24 @@ def test_distributed_marglik_training_equals_single_process(distributed_results)
 
 
 def test_failing_rank_raises_clear_error_on_the_others(tmp_path):
+    start = time.perf_counter()
     results = _spawn(tmp_path, [], fail="raise")
+    assert time.perf_counter() - start < 60
     assert results[1]["failure"].startswith("OSError: disk read failed")
     assert results[0]["failure"].startswith("DistributedFitError")
     assert "rank(s) [1] failed" in results[0]["failure"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "differs"), [("mismatch", "['prior_precision']"), ("structure", "['class']")]
+)
+def test_ranks_with_different_hyperparameters_fail_on_every_rank(tmp_path, mode, differs):
+    start = time.perf_counter()
+    results = _spawn(tmp_path, [], fail=mode)
+    for rank, result in enumerate(results):
+        assert result["failure"].startswith("DistributedFitError"), result["failure"]
+        assert f"the ranks hold different {differs} (rank {rank} has" in result["failure"]
+    assert time.perf_counter() - start < 60
 
 
 def test_dead_rank_makes_the_others_fail_not_hang(tmp_path):

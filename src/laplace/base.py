@@ -17,9 +17,17 @@ from tqdm.auto import tqdm
 
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.curvature import check_dict_inputs
-from laplace.data import move_inputs, split_batch
+from laplace.curvature.registry import check_backend_kwargs
+from laplace.data import prepare_batch
 from laplace.distributed import unwrap_model
-from laplace.errors import NotFittedError
+from laplace.errors import (
+    AbstractClassError,
+    NotFittedError,
+    check_int_at_least,
+    check_mapping,
+    check_module,
+    check_positive_float,
+)
 from laplace.likelihoods import make_likelihood
 from laplace.priors import (
     as_prior_mean,
@@ -28,8 +36,9 @@ from laplace.priors import (
     check_temperature,
     expand_to_diagonal,
 )
-from laplace.subsets import AllWeights
-from laplace.tuning import gridsearch, maximize_marglik, validation_loss
+from laplace.subsets import AllWeights, check_parameters
+from laplace.transaction import Transactional
+from laplace.tuning import grid_candidates, gridsearch, maximize_marglik, validation_loss
 from laplace.utils.enums import (
     Likelihood,
     LinkApprox,
@@ -43,13 +52,16 @@ from laplace.utils.utils import fix_prior_prec_structure
 __all__ = ["BaseLaplace", "arguments_for"]
 
 
-class BaseLaplace:
+class BaseLaplace(Transactional):
     """Common hyperparameters, data handling and prior tuning of every Laplace approximation.
 
     This constructor is the one place where the arguments every Laplace class shares are
     checked and stored; the public classes keep laplace-torch's explicit parameter lists and
     hand them here. Each argument is stored under its own name (``la.sigma_noise``,
     ``la.backend_kwargs``, ...), so a Laplace object can be rebuilt from its attributes.
+    ``fit``, ``load_state_dict``, ``log_marginal_likelihood`` and ``optimize_prior_precision``
+    of every subclass change nothing when they raise
+    (:class:`~laplace.transaction.Transactional`).
 
     Args:
         model: The trained network; only parameters with ``requires_grad=True`` are treated
@@ -94,9 +106,9 @@ class BaseLaplace:
         asdl_fisher_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if type(self).__dict__.get("_abstract"):
-            raise TypeError(f"{type(self).__name__} is abstract: {type(self)._abstract}")
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+            raise AbstractClassError(f"{type(self).__name__} is abstract: {type(self)._abstract}")
+        check_module(model)
+        check_parameters([(n, p) for n, p in model.named_parameters() if p.is_meta])
         self._likelihood_model = make_likelihood(likelihood)
         self.likelihood = self._likelihood_model.kind
         # DistributedDataParallel: curvature of the inner module.
@@ -112,8 +124,10 @@ class BaseLaplace:
         self._backend_cls = _backend_class(backend)
         self.backend_kwargs = backend_kwargs
         self.asdl_fisher_kwargs = asdl_fisher_kwargs
-        self._backend_kwargs = self._backend_options(dict(backend_kwargs or {}))
-        self._asdl_fisher_kwargs = dict(asdl_fisher_kwargs or {})
+        options = check_mapping(backend_kwargs, "backend_kwargs")
+        self._backend_kwargs = self._backend_options(options)
+        self._asdl_fisher_kwargs = check_mapping(asdl_fisher_kwargs, "asdl_fisher_kwargs")
+        check_backend_kwargs(self._backend_cls, self._backend_kwargs)
         self._backend: CurvatureInterface | None = None
         self.loss: Tensor | float = 0.0
         self.n_data = 0
@@ -139,6 +153,8 @@ class BaseLaplace:
     def _bind_subset(self) -> None:
         """Expose the subset's ``params``, ``n_params``, ``n_layers`` (None until it is known)."""
         known = self._subset.resolved
+        if known:
+            check_parameters(list(zip(self._subset.names, self._subset.params)))
         self.params = self._subset.params if known else None
         self.n_params = self._subset.n_params if known else None
         self.n_layers = self._subset.n_layers if known else None
@@ -227,16 +243,16 @@ class BaseLaplace:
             raise NotFittedError(f"{what} needs a fitted Laplace approximation: call fit() first.")
 
     def _batches(self, loader: DataLoader, progress_bar: bool = False, desc: str = "batches"):
-        """Yield ``(X, y)`` of each batch on the model's device.
+        """Yield ``(X, y)`` of each batch on the model's device, checked before any model call.
 
         Raises:
-            ValueError: For dict-like batches with a backend that cannot take them (BackPACK),
-                before any other work.
+            ValueError: For batches :func:`~laplace.data.prepare_batch` refuses, and dict-like
+                batches with a backend that cannot take them (BackPACK).
         """
         for batch in tqdm(loader, disable=not progress_bar, desc=desc):
-            X, y = split_batch(batch, self.dict_key_x, self.dict_key_y)
+            X, y = prepare_batch(batch, self.dict_key_x, self.dict_key_y, self._device)
             check_dict_inputs(self._backend_cls, X)
-            yield move_inputs(X, self._device), y.to(self._device)
+            yield X, y
 
     # ------------------------------------------------------------------------------ tuning
     def optimize_prior_precision(
@@ -284,12 +300,18 @@ class BaseLaplace:
 
         Raises:
             ValueError: For an unknown method, structure, pred_type or link_approx, grid
-                search without ``val_loader``, or an unknown ``loss`` name.
+                search without ``val_loader``, an unknown ``loss`` name, a negative
+                ``n_steps``, a non-positive ``lr`` or ``grid_size``, or a grid that is not
+                finite; a non-integer count raises an error that is a ``ValueError`` and a
+                ``TypeError``.
         """
         method = parse_enum(TuningMethod, method, "method")
         pred_type = parse_enum(PredType, pred_type, "pred_type")
         link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
         prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
+        if method == TuningMethod.MARGLIK:
+            check_int_at_least(n_steps, "n_steps", 0)
+            check_positive_float(lr, "lr")
         self._check_fitted("optimize_prior_precision")
         if method == TuningMethod.MARGLIK:
             if torch.is_tensor(init_prior_prec) and init_prior_prec.numel() > 1:
@@ -298,7 +320,7 @@ class BaseLaplace:
                 )
             else:
                 init = fix_prior_prec_structure(
-                    init_prior_prec,
+                    check_positive_float(init_prior_prec, "init_prior_prec"),
                     prior_structure,
                     *self._prior_lengths,
                     self._device,
@@ -308,13 +330,13 @@ class BaseLaplace:
         else:
             if val_loader is None:
                 raise ValueError("method='gridsearch' needs a val_loader with validation data.")
-            candidates = torch.logspace(
+            candidates = grid_candidates(
                 log_prior_prec_min,
                 log_prior_prec_max,
                 grid_size,
-                base=log_prior_prec_base,
-                device=self._device,
-                dtype=self._dtype,
+                log_prior_prec_base,
+                self._device,
+                self._dtype,
             )
             loss = validation_loss(self, loss)
             self.prior_precision = gridsearch(

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.nn import functional as F
 from typing_extensions import override
 
+from laplace.errors import DataError, LabelError
 from laplace.utils.enums import Likelihood, parse_enum
 
 __all__ = [
@@ -92,7 +93,9 @@ class LikelihoodModel(ABC):
         with the output shape of the first batch (the batch size is not compared).
 
         Raises:
-            ValueError: Naming the problem (shape, label range).
+            ValueError: Naming the problem (shape, label range); a :class:`DataError` (also a
+                ``RuntimeError``) for targets of the wrong kind, a :class:`LabelError` (also an
+                ``IndexError``) for a class label outside ``[0, C)``.
         """
 
 
@@ -138,6 +141,8 @@ class GaussianRegression(LikelihoodModel):
 
     @override
     def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        if y.dtype == torch.bool or y.is_complex():
+            raise DataError(f"regression targets must be real numbers, got {y.dtype} targets.")
         if y.dim() != len(output_shape) or tuple(y.shape[1:]) != tuple(output_shape[1:]):
             raise ValueError(
                 f"regression targets of shape {tuple(y.shape)} do not match the model output "
@@ -206,10 +211,16 @@ class Categorical(LikelihoodModel):
         n_classes = output_shape[-1]
         if y.numel() == 0 or (y.dtype.is_floating_point and y.shape[1:] == output_shape[1:]):
             return  # class probabilities
+        if y.dtype.is_floating_point or y.dtype == torch.bool or y.is_complex():
+            raise DataError(
+                f"classification targets must be integer class labels of shape (B,) or class "
+                f"probabilities of shape (B, {n_classes}); got {y.dtype} targets of shape "
+                f"{tuple(y.shape)} (convert labels with y.long())."
+            )
         low, high = int(y.min()), int(y.max())
         if low < 0 or high >= n_classes:
             bad = low if low < 0 else high
-            raise ValueError(
+            raise LabelError(
                 f"class label {bad} is outside [0, C) for the model's C={n_classes} outputs; "
                 "labels must be integers 0, ..., C-1."
             )

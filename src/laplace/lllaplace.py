@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, move_inputs, split_batch
+from laplace.data import Inputs, batch_size_of, check_outputs, move_inputs, split_batch
 from laplace.functional import FunctionalLLLaplace
 from laplace.kronlaplace import KronLaplace
 from laplace.last_layer import (
@@ -40,6 +40,7 @@ from laplace.last_layer import (
     output_curvature,
 )
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
+from laplace.serialization import check_state_dict
 from laplace.subsets import LastLayerMixin
 from laplace.utils.enums import Likelihood
 from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
@@ -178,9 +179,9 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         Ms: list[Tensor] = []
         loss, buffered = 0.0, 0
         for X, y in self._batches(train_loader, progress_bar, desc="fit"):
-            self._check_finite_inputs(X, y)
             with torch.no_grad():
                 f, phi = self._subset.outputs_and_features(X)
+            check_outputs(f, batch_size_of(X, self.dict_key_x))
             self.n_outputs = int(f.shape[-1])
             self._likelihood_model.check_targets(y, f.shape)
             if not _one_row_per_point(f, phi):  # several head rows per data point: autograd
@@ -262,11 +263,8 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         Raises:
             ValueError: If the state was saved for another last layer.
         """
-        name = state_dict.get("last_layer_name")
-        if name is None:
-            raise ValueError(
-                "state_dict has no 'last_layer_name': not a last-layer Laplace state."
-            )
+        check_state_dict(state_dict, ("last_layer_name",), (), ())
+        name = state_dict["last_layer_name"]
         if not self._subset.resolved:
             self.model.set_last_layer(name)
             self._on_resolved()

@@ -21,6 +21,13 @@ from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.curvature.eigen import SOLVERS, curvature_operator, top_eigenpairs
+from laplace.data import batch_size_of, check_outputs
+from laplace.errors import (
+    check_bool,
+    check_finite_result,
+    check_int_at_least,
+    check_positive_int,
+)
 from laplace.parametric import ParametricLaplace
 from laplace.posterior_scale import PosteriorScaleMixin
 from laplace.posteriors.lowrank import LowRankPosterior
@@ -114,12 +121,13 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
             ValueError: With ``override=False``, an empty loader or non-finite data.
             RuntimeError: If the eigenpairs are not finite.
         """
-        if not override:
+        if not check_bool(override, "override"):
             raise ValueError(
                 "LowRankLaplace cannot update a fit (override=False): the top eigenpairs of a "
                 "sum are not the sum of the top eigenpairs; fit again on all the data."
             )
         self._distributed = distributed_utils.resolve(distributed, train_loader)
+        self._check_ranks_agree()
         n_data = self._data_count(train_loader)
         if n_data == 0:
             raise ValueError("train_loader is empty: fit needs at least one data point.")
@@ -128,10 +136,10 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         loss = torch.zeros((), device=self._device, dtype=self._dtype)
         with torch.no_grad(), distributed_utils.guard(self._distributed, "fit"):
             for X, y in self._batches(train_loader, progress_bar, desc="fit"):
-                self._check_finite_inputs(X, y)
-                f = self.model(X)
+                f = check_outputs(self.model(X), batch_size_of(X, self.dict_key_x))
                 self.n_outputs = int(f.shape[-1])
                 loss = loss + self.backend._loss(f, y)
+        check_finite_result(loss, "loss of the training data")  # before any eigensolver pass
         options = dict(self._solver_options)
         k = int(options.pop("n_eigenvalues"))
         local_n = distributed_utils.data_count(train_loader) if self._distributed else n_data
@@ -203,10 +211,15 @@ def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError(
             f"backend_kwargs['solver'] must be one of {sorted(SOLVERS)}, got {solver['solver']!r}."
         )
-    if int(solver["n_eigenvalues"]) < 1:
-        raise ValueError(
-            f"n_eigenvalues must be a positive integer, got {solver['n_eigenvalues']!r}."
-        )
+    check_positive_int(solver["n_eigenvalues"], "n_eigenvalues")
+    if "max_iter" in solver:
+        check_positive_int(solver["max_iter"], "backend_kwargs['max_iter']")
+    if "tol" in solver:
+        tol = solver["tol"]
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
+            raise ValueError(f"backend_kwargs['tol'] must be a number in [0, 1), got {tol!r}.")
+    if "seed" in solver:
+        check_int_at_least(solver["seed"], "backend_kwargs['seed']", 0)
     return solver
 
 

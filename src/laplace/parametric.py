@@ -12,12 +12,17 @@ from torch import Tensor
 
 from laplace.base import BaseLaplace
 from laplace.data import Inputs
-from laplace.errors import NotFittedError, check_positive_int
+from laplace.errors import NotFittedError, check_generator, check_positive_int
 from laplace.glm import GLMPredictiveMixin
 from laplace.kron_glm import diag_functional_moments
 from laplace.parametric_fit import CurvatureFitMixin
 from laplace.posterior_scale import PosteriorScaleMixin
-from laplace.posteriors import DensePosterior, DiagonalPosterior, Posterior
+from laplace.posteriors import (
+    DensePosterior,
+    DiagonalPosterior,
+    NotPositiveDefiniteError,
+    Posterior,
+)
 from laplace.serialization import StateDictMixin
 
 __all__ = ["DiagLaplace", "FullLaplace", "ParametricLaplace"]
@@ -44,6 +49,11 @@ class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, B
         self._posterior_cache: tuple[Any, Tensor, Tensor, Posterior] | None = None
         if self._subset.resolved:
             self._init_H()
+
+    def _transaction_rebuild(self) -> dict[str, Any]:
+        # The zero curvature of an unfitted approximation is freed while a first fit sums
+        # (a dense one is P × P) and rebuilt if that fit fails.
+        return {"H": self._init_H} if not self._fitted and self.H is not None else {}
 
     def _init_H(self) -> None:
         """Reset ``H`` to the zero curvature of the structure (the posterior is then the prior).
@@ -122,8 +132,28 @@ class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, B
 
     @property
     def log_det_posterior_precision(self) -> Tensor:
-        """``log det P``."""
-        return self._posterior.log_det
+        """``log det P``.
+
+        Raises:
+            NotPositiveDefiniteError: (a ``RuntimeError``) if it is not finite, saying why.
+        """
+        return self._checked_finite(self._posterior.log_det, "log det of the posterior precision")
+
+    def _checked_finite(self, value: Tensor, what: str) -> Tensor:
+        """``value`` if every entry is finite; otherwise an error saying why it is not.
+
+        Raises:
+            NotPositiveDefiniteError: (a ``RuntimeError``) naming the likely causes.
+        """
+        if not bool(torch.isfinite(value.detach()).all()):
+            raise NotPositiveDefiniteError(
+                f"the {what} contains NaN or inf: the posterior precision "
+                "H/(σ²T) + prior_precision is not positive definite (a Hessian backend's "
+                "curvature can be indefinite: use a GGN or EF backend or a larger prior "
+                f"precision) or exceeds the range of {self._dtype} (use a float64 model or "
+                "a smaller prior precision)."
+            )
+        return value
 
     @property
     def log_det_ratio(self) -> Tensor:
@@ -184,8 +214,11 @@ class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, B
     def _sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
         """Draws of ``θ − θ_MAP`` (n_samples, P) over the posterior's parameters."""
         check_positive_int(n_samples, "n_samples")
+        check_generator(generator)
         self._check_fitted("sample")
-        return self._draw_deviations(n_samples, generator)
+        return self._checked_finite(
+            self._draw_deviations(n_samples, generator), "posterior samples"
+        )
 
     def _draw_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
         return self._posterior.sample_deviations(n_samples, generator)

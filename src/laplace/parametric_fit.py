@@ -15,7 +15,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from laplace import distributed as distributed_utils
-from laplace.data import Inputs, dataset_size
+from laplace.data import Inputs, batch_size_of, check_outputs, dataset_size
+from laplace.errors import check_bool, check_finite_result
 
 __all__ = ["CurvatureFitMixin"]
 
@@ -45,37 +46,37 @@ class CurvatureFitMixin:
                 fitting its shard of the data; None: when the process group is initialised
                 and the loader uses a ``DistributedSampler`` (see :mod:`laplace.distributed`).
 
+        When it raises (bad data, an exception from the model or the loader, a
+        ``KeyboardInterrupt``), the approximation is left exactly as before the call (see
+        :mod:`laplace.transaction`).
+
         Raises:
             ValueError: If the loader is empty or a batch contains non-finite values.
             RuntimeError: If the curvature of a batch is not finite.
-            DistributedFitError: If another rank failed during a distributed fit.
+            DistributedFitError: If another rank failed during a distributed fit, or the ranks
+                hold different hyperparameters.
         """
+        check_bool(override, "override")
         self._distributed = distributed_utils.resolve(distributed, train_loader)
         n_data = self._data_count(train_loader)
         if n_data == 0:
             raise ValueError("train_loader is empty: fit needs at least one data point.")
         with distributed_utils.guard(self._distributed, "fit"):
             self._resolve_subset(train_loader)
+        self._check_ranks_agree()
         update = not override and self._fitted
         n_before = self.n_data if update else 0
         self.model.eval()
         mean = self._subset.vector()
-        unfitted = not self._fitted
-        if unfitted:
+        if not self._fitted:
             self.H = None  # the prior's zero curvature: freed while summing, rebuilt on failure
-        try:
-            H_new, loss_new = self._accumulate(train_loader, n_before + n_data, progress_bar)
-            if self._distributed:
-                loss_new = torch.as_tensor(loss_new, device=self._device, dtype=self._dtype)
-                H_new, loss_new = distributed_utils.all_reduce_sum([H_new, loss_new])
-            if update:
-                H_new, loss_new = self.H + H_new, self.loss + loss_new
-            H_new = self._posterior_cls.finalize(H_new)
-        except BaseException:
-            if unfitted:
-                self._init_H()
-            raise
-        self.H = H_new
+        H_new, loss_new = self._accumulate(train_loader, n_before + n_data, progress_bar)
+        if self._distributed:
+            loss_new = torch.as_tensor(loss_new, device=self._device, dtype=self._dtype)
+            H_new, loss_new = distributed_utils.all_reduce_sum([H_new, loss_new])
+        if update:
+            H_new, loss_new = self.H + H_new, self.loss + loss_new
+        self.H = self._posterior_cls.finalize(H_new)
         self.loss, self.n_data = loss_new, n_before + n_data
         self.mean = mean if self.enable_backprop else mean.detach()
         self._posterior_cache = None
@@ -100,12 +101,32 @@ class CurvatureFitMixin:
                         "the curvature of a training batch contains NaN or inf; check the "
                         "model's outputs and the data."
                     )
+                check_finite_result(loss, "loss of a training batch")
                 H_new += H_batch  # in place where it can be: one dense sum less in memory
                 loss_new = loss_new + loss.detach()
                 n_batches += 1
             if n_batches == 0:
                 raise ValueError("train_loader yielded no batches: fit needs at least one batch.")
         return H_new, loss_new
+
+    def _check_ranks_agree(self) -> None:
+        """In a distributed fit, refuse ranks built with different hyperparameters.
+
+        Raises:
+            DistributedFitError: On every rank, naming what differs.
+        """
+        if self._distributed:
+            distributed_utils.check_consistent(
+                {
+                    "class": type(self).__name__,
+                    "n_params": self.n_params,
+                    "prior_precision": self.prior_precision,
+                    "prior_mean": self.prior_mean,
+                    "sigma_noise": self.sigma_noise,
+                    "temperature": self.temperature,
+                },
+                "fit",
+            )
 
     def _data_count(self, train_loader: DataLoader) -> int:
         """Data points of the fit: all ranks' together when distributed."""
@@ -135,10 +156,10 @@ class CurvatureFitMixin:
         """
         output_shape = None
         for X, y in self._batches(train_loader, progress_bar, desc="fit"):
-            self._check_finite_inputs(X, y)
             if output_shape is None:
                 with torch.no_grad():
-                    output_shape = self.model(X).shape
+                    f = self.model(X)
+                output_shape = check_outputs(f, batch_size_of(X, self.dict_key_x)).shape
                 self.n_outputs = int(output_shape[-1])
             self._likelihood_model.check_targets(y, output_shape)
             yield self._batch_curvature(X, y, n_data)
@@ -146,12 +167,3 @@ class CurvatureFitMixin:
     def _batch_curvature(self, X: Inputs, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
         """``(loss, H_batch)`` of one batch; from the backend in the posterior's structure."""
         return self._posterior_cls.batch_curvature(self.backend, X, y, n_data)
-
-    @staticmethod
-    def _check_finite_inputs(X: Inputs, y: Tensor) -> None:
-        tensors = (
-            [X] if isinstance(X, Tensor) else [v for v in X.values() if isinstance(v, Tensor)]
-        )
-        for name, t in [("inputs", x) for x in tensors] + [("targets", y)]:
-            if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"the training {name} contain NaN or inf values.")

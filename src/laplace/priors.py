@@ -5,12 +5,13 @@ Also the expansion of a scalar or layer-wise prior precision to the diagonal.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 from torch import Tensor
 
-from laplace.errors import ArgumentTypeError
+from laplace.errors import ArgumentTypeError, MetaDeviceError
 from laplace.utils.enums import Likelihood
 
 __all__ = [
@@ -29,16 +30,46 @@ def as_float_tensor(value: float | Tensor, name: str, device, dtype) -> Tensor:
 
     Raises:
         ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) for anything else, e.g. a
-            string, a list or None.
+            string, a list, None, or a complex or boolean tensor.
+        MetaDeviceError: For a tensor on the ``meta`` device (it holds no values).
+        ValueError: For a finite number that overflows ``dtype`` or a non-zero one that
+            becomes zero in it (e.g. 1e-50 in float32).
     """
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
         raise ArgumentTypeError(
             f"{name} must be a real number or a torch.Tensor, got {type(value).__name__}."
         )
-    if not isinstance(value, Tensor):
+    if isinstance(value, Tensor):
+        if value.is_complex() or value.dtype == torch.bool:
+            raise ArgumentTypeError(
+                f"{name} must be a real (integer or floating-point) tensor, got {value.dtype}."
+            )
+        if value.device.type == "meta":
+            raise MetaDeviceError(f"{name} is on the meta device: it holds no values.")
+        source = value.detach()
+        converted = value.to(device=device, dtype=dtype)
+    else:
         # A number goes straight to the parameters' dtype (via float32 it would lose digits).
-        return torch.tensor(float(value), device=device, dtype=dtype)
-    return value.to(device=device, dtype=dtype)
+        source = torch.tensor(float(value), dtype=torch.float64)
+        converted = torch.tensor(float(value), device=device, dtype=dtype)
+    _check_representable(source, converted.detach(), name, dtype)
+    return converted
+
+
+def _check_representable(source: Tensor, converted: Tensor, name: str, dtype) -> None:
+    """Refuse values that overflow to inf or flush to zero when converted to ``dtype``."""
+    source = source.to(device=converted.device)
+    finite = torch.isfinite(source)
+    if bool((finite & ~torch.isfinite(converted)).any()):
+        raise ValueError(
+            f"{name} overflows the parameters' dtype {dtype} (largest value "
+            f"{torch.finfo(dtype).max:.3g}); use a smaller value or a float64 model."
+        )
+    if bool(((source != 0) & (converted == 0)).any()):
+        raise ValueError(
+            f"{name} is zero in the parameters' dtype {dtype} (smallest positive value "
+            f"{torch.finfo(dtype).tiny:.3g}); use a larger value or a float64 model."
+        )
 
 
 def as_prior_precision(
@@ -96,9 +127,11 @@ def as_prior_mean(value: float | Tensor, n_params: int | None, device, dtype) ->
     """Check a prior mean: a scalar or a vector of length ``n_params`` (unchecked while None).
 
     Raises:
-        ValueError: If the mean is neither a scalar nor of length ``n_params``.
+        ValueError: If the mean is neither a scalar nor of length ``n_params``, or not finite.
     """
     tensor = as_float_tensor(value, "prior_mean", device, dtype)
+    if not bool(torch.isfinite(tensor.detach()).all()):
+        raise ValueError("prior_mean must be finite in every entry (no NaN or inf).")
     if tensor.numel() == 1:
         return tensor.reshape(())
     if tensor.dim() != 1 or (n_params is not None and len(tensor) != n_params):
@@ -134,8 +167,8 @@ def as_sigma_noise(value: float | Tensor, likelihood: Likelihood, device, dtype)
             "sigma_noise must be a scalar (homoscedastic noise): a number or a tensor of shape "
             f"() or (1,), got shape {tuple(sigma.shape)}."
         )
-    if not bool(sigma.detach() > 0):
-        raise ValueError(f"sigma_noise must be positive, got {sigma.item()}.")
+    if not bool(sigma.detach() > 0) or not bool(torch.isfinite(sigma.detach()).all()):
+        raise ValueError(f"sigma_noise must be positive and finite, got {sigma.item()}.")
     if likelihood != Likelihood.REGRESSION and not bool(sigma.detach() == 1):
         raise ValueError(
             f"sigma_noise must be 1 for likelihood={likelihood.value!r}; observation noise "
@@ -144,17 +177,25 @@ def as_sigma_noise(value: float | Tensor, likelihood: Likelihood, device, dtype)
     return sigma
 
 
-def check_temperature(temperature: float) -> float:
-    """Return ``temperature`` if it is a positive real number.
+def check_temperature(temperature: float | Tensor) -> float | Tensor:
+    """Return ``temperature`` if it is a positive, finite real number (or one-element tensor).
 
     Raises:
-        ArgumentTypeError: If it is not a real number (a ``ValueError`` and a ``TypeError``).
-        ValueError: If it is not positive.
+        ArgumentTypeError: If it is not a real number or a one-element real tensor (a
+            ``ValueError`` and a ``TypeError``).
+        ValueError: If it is not positive and finite.
     """
+    if isinstance(temperature, Tensor) and (
+        temperature.numel() != 1 or temperature.is_complex() or temperature.dtype == torch.bool
+    ):
+        raise ArgumentTypeError(
+            "temperature must be a positive real number or a one-element real tensor, got a "
+            f"{temperature.dtype} tensor of shape {tuple(temperature.shape)}."
+        )
     if isinstance(temperature, bool) or not isinstance(temperature, (numbers.Real, Tensor)):
         raise ArgumentTypeError(
             f"temperature must be a positive real number, got {type(temperature).__name__}."
         )
-    if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature}.")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be positive and finite, got {temperature}.")
     return temperature

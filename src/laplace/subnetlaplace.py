@@ -32,6 +32,7 @@ from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.glm import jacobian_chunk_rows
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.priors import expand_to_diagonal
+from laplace.serialization import check_state_dict
 from laplace.subsets import Subnetwork
 from laplace.utils.enums import Likelihood, PriorStructure, parse_enum
 
@@ -192,8 +193,11 @@ class SubnetLaplace(ParametricLaplace):
         Raises:
             ValueError: If the state was saved for other subnetwork indices.
         """
-        saved = state_dict.get("subnetwork_indices")
-        if saved is None or not torch.equal(saved.cpu(), self._subset.indices.cpu()):
+        check_state_dict(state_dict, ("subnetwork_indices",), (), ())
+        saved = state_dict["subnetwork_indices"]
+        if not isinstance(saved, Tensor) or not torch.equal(
+            saved.cpu(), self._subset.indices.cpu()
+        ):
             raise ValueError(
                 "state_dict was saved for other subnetwork_indices than this approximation's "
                 "(or is not a subnetwork Laplace state)."

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from laplace.data import Inputs
-from laplace.errors import ArgumentTypeError, NotFittedError
+from laplace.errors import ArgumentTypeError, MetaDeviceError, NotFittedError
 from laplace.utils.feature_extractor import (
     FeatureExtractor,
     FeatureReduction,
@@ -28,8 +28,12 @@ __all__ = [
     "LastLayer",
     "LastLayerMixin",
     "Subnetwork",
+    "check_parameters",
     "check_subnetwork_indices",
 ]
+
+#: Floating-point types a posterior can be computed in.
+POSTERIOR_DTYPES = (torch.float32, torch.float64)
 
 #: Message for a subnetwork Laplace built without ``subnetwork_indices``.
 MISSING_SUBNETWORK_INDICES = (
@@ -37,6 +41,41 @@ MISSING_SUBNETWORK_INDICES = (
     "flattened trainable parameters (e.g. torch.tensor([0, 5, 9]) or "
     "SubnetMask(...).select(train_loader))."
 )
+
+
+def check_parameters(named: list[tuple[str, Tensor]]) -> None:
+    """Refuse parameters a posterior cannot be computed over.
+
+    Args:
+        named: ``(name, parameter)`` pairs of the weights the posterior covers.
+
+    Raises:
+        MetaDeviceError: If a parameter is on the ``meta`` device (it holds no values).
+        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) for float16/bfloat16 or
+            mixed floating-point types: curvature sums, Cholesky factors and log-determinants
+            need float32 or float64 (see README, "Half precision").
+        ValueError: If the parameters lie on several devices.
+    """
+    meta = [n for n, p in named if p.device.type == "meta"]
+    if meta:
+        raise MetaDeviceError(
+            f"the model's parameters {meta[:3]} are on the meta device and hold no values; "
+            "materialise the model (e.g. model.to_empty(device=...) and load its weights) first."
+        )
+    dtypes = {p.dtype for _, p in named}
+    if not dtypes <= set(POSTERIOR_DTYPES) or len(dtypes) > 1:
+        found = sorted(str(d) for d in dtypes)
+        raise ArgumentTypeError(
+            f"the posterior needs parameters of one dtype, float32 or float64; the model's are "
+            f"{found}. Convert the model (e.g. model.float() or model.double()); half precision "
+            "cannot hold the curvature sums and Cholesky factors reliably."
+        )
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        raise ValueError(
+            f"the model's parameters lie on several devices {sorted(map(str, devices))}; "
+            "move the model to one device."
+        )
 
 
 class _FlatParameters:
@@ -126,7 +165,8 @@ def check_subnetwork_indices(indices: Any, n_params: int) -> Tensor:
     Raises:
         ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) if ``indices`` is None.
         ValueError: If ``indices`` is not a 1-D ``torch.long`` tensor, empty, out of
-            ``[0, n_params)`` or has duplicates (ValueError for all, as in laplace-torch).
+            ``[0, n_params)`` or has duplicates (ValueError for all, as in laplace-torch), or
+            on the meta device.
     """
     hint = "e.g. torch.tensor([0, 5, 9]) or SubnetMask(...).select(train_loader)"
     if indices is None:
@@ -134,6 +174,8 @@ def check_subnetwork_indices(indices: Any, n_params: int) -> Tensor:
     if not isinstance(indices, Tensor) or indices.dtype != torch.long:
         kind = indices.dtype if isinstance(indices, Tensor) else type(indices).__name__
         raise ValueError(f"subnetwork_indices must be a torch.long tensor ({hint}), got {kind}.")
+    if indices.device.type == "meta":
+        raise MetaDeviceError("subnetwork_indices are on the meta device: they hold no values.")
     if indices.dim() != 1 or indices.numel() == 0:
         raise ValueError(
             f"subnetwork_indices must be a non-empty 1-D tensor, got shape {tuple(indices.shape)}."
@@ -295,6 +337,10 @@ class LastLayerMixin:
 
     def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
         return {**backend_kwargs, "last_layer": True}
+
+    def _transaction_parts(self) -> tuple[Any, ...]:
+        # A failed fit forgets a last layer it found (the extractor holds it).
+        return (*super()._transaction_parts(), self.model)
 
     @property
     def last_layer_name(self) -> str | None:

@@ -23,7 +23,7 @@ from torch.func import functional_call, jacrev
 from laplace.curvature.kfac import kfac
 from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
 from laplace.data import Inputs
-from laplace.errors import check_positive_int
+from laplace.errors import check_module, check_positive_int
 from laplace.likelihoods import make_likelihood
 from laplace.utils.enums import Likelihood, parse_enum
 from laplace.utils.matrix import Kron
@@ -83,7 +83,7 @@ class CurvatureInterface:
         dict_key_y: str = "labels",
     ) -> None:
         self.likelihood = parse_enum(Likelihood, likelihood, "likelihood")
-        self.model = model
+        self.model = check_module(model)
         self.last_layer = last_layer
         self.subnetwork_indices = subnetwork_indices
         self.dict_key_x = dict_key_x

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from laplace.base import BaseLaplace
-from laplace.data import Inputs, batch_size_of, move_inputs
-from laplace.errors import check_positive_int
+from laplace.data import Inputs, batch_size_of, prepare_inputs
+from laplace.errors import check_generator, check_positive_int
 from laplace.likelihoods import LikelihoodModel
 from laplace.predictive import LINKS, gaussian_output_samples
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
@@ -40,10 +40,7 @@ class BaseFunctionalLaplace(BaseLaplace):
 
     def _checked_inputs(self, x: Inputs, what: str) -> Inputs:
         self._check_fitted(what)
-        x = move_inputs(x, self._device)
-        if batch_size_of(x, self.dict_key_x) == 0:
-            raise ValueError(f"{what} needs at least one input, got an empty batch.")
-        return x
+        return prepare_inputs(x, self.dict_key_x, self._device, what)
 
     def predictive_moments(self, x: Inputs, *, joint: bool = False) -> tuple[Tensor, Tensor]:
         """Latent GP posterior moments at ``x``, without observation noise.
@@ -103,8 +100,15 @@ class BaseFunctionalLaplace(BaseLaplace):
             )
         if link_approx == LinkApprox.MC:
             check_positive_int(n_samples, "n_samples")
+        check_generator(generator)
+        probabilities = self._prediction_likelihood(fitting).predicts_probabilities
+        if joint and probabilities:
+            raise ValueError(
+                "joint=True gives the joint Gaussian over the outputs of a regression "
+                "predictive; class probabilities have no joint form (use joint=False)."
+            )
         x = self._checked_inputs(x, "prediction")
-        if self._prediction_likelihood(fitting).predicts_probabilities:
+        if probabilities:
             f_mu, f_var = self._latent_moments(x, joint=False)
             return LINKS[link_approx](f_mu, f_var, n_samples=n_samples, generator=generator)
         return self._glm_predictive_distribution(x, joint, diagonal_output)
@@ -147,6 +151,7 @@ class BaseFunctionalLaplace(BaseLaplace):
         """
         parse_enum(PredType, pred_type, "pred_type")
         check_positive_int(n_samples, "n_samples")
+        check_generator(generator)
         x = self._checked_inputs(x, "functional_samples")
         f_mu, f_var = self._latent_moments(x, joint=joint)
         if not joint:

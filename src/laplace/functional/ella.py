@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, move_inputs
-from laplace.errors import UnsupportedError
+from laplace.data import Inputs, check_outputs, dataset_size, prepare_batch
+from laplace.errors import UnsupportedError, check_finite_result
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.nystrom import nystrom_basis, nystrom_indices
 from laplace.functional.scoring import (
@@ -36,7 +36,6 @@ from laplace.utils.enums import (
 from laplace.utils.functional_utils import (
     preserve_model_gradients,
     regression_targets,
-    split_batch,
     subset_loader,
 )
 
@@ -184,20 +183,25 @@ class ELLA(BaseFunctionalLaplace):
         """
         if val_steps is not None and not positive_int(val_steps):
             raise ValueError(f"val_steps must be a positive integer, got {val_steps!r}.")
+        dataset_size(train_loader)
         self.model.eval()
         self._fitted, self.n_data, self.fit_history_ = False, 0, _empty_history()
         indices = nystrom_indices(self, train_loader, balanced)[: self.subsample_size]
+        first = next(iter(subset_loader(train_loader, indices[:1])))
+        X0, y0 = prepare_batch(first, self.dict_key_x, self.dict_key_y, self._device)
         with torch.no_grad():
-            first = next(iter(subset_loader(train_loader, indices[:1])))
-            X0 = move_inputs(split_batch(first, self.dict_key_y, self.dict_key_x)[0], self._device)
-            self.n_outputs = self.model(X0).shape[-1]
+            output_shape = check_outputs(self.model(X0), 1).shape
+        self._likelihood_model.check_targets(y0, output_shape)
+        self.n_outputs = output_shape[-1]
         self.mean = self._subset.vector().detach()
         self.dual_directions = nystrom_basis(self, train_loader, indices)
         K = self.n_eigenvalues
         self.feature_gram = torch.zeros(K, K, dtype=self._dtype, device=self._device)
         step = 0
         for step, (X, y) in enumerate(self._batches(train_loader, progress_bar, "ELLA"), 1):
+            self._likelihood_model.check_targets(y, output_shape)
             features, f = self._features(X)
+            check_finite_result(f, "model output of a training batch")
             if self.likelihood == Likelihood.REGRESSION:
                 regression_targets(y, f)
                 self.feature_gram += torch.einsum("bck,bcl->kl", features, features)

@@ -69,6 +69,9 @@ class FunctionalLLLaplace(LastLayerMixin, FunctionalLaplace):
         self._bind_subset()
         self.prior_mean = self.prior_mean
 
+    def _state_keys(self) -> tuple[str, ...]:
+        return (*super()._state_keys(), "last_layer_name")
+
     def _restore_subset(self, state_dict: dict[str, Any]) -> None:
         if not self._subset.resolved:
             self.model.set_last_layer(state_dict["last_layer_name"])

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs
-from laplace.errors import UnsupportedError, check_positive_int
+from laplace.data import Inputs, batch_size_of, check_outputs, dataset_size
+from laplace.errors import UnsupportedError, check_finite_result, check_positive_int
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.inducing import (
     as_inducing,
@@ -272,10 +272,13 @@ class VaLLA(BaseFunctionalLaplace):
         if val_steps is not None and not positive_int(val_steps):
             raise ValueError(f"val_steps must be a positive integer, got {val_steps!r}.")
         self.model.eval()
-        self.n_data = len(train_loader.dataset)
-        X0, _ = next(self._batches(train_loader))
+        self.n_data = dataset_size(train_loader)
+        X0, y0 = next(self._batches(train_loader))
         with torch.no_grad():
-            self.n_outputs = self.model(X0).shape[-1]
+            f0 = self.model(X0)
+        output_shape = check_outputs(f0, batch_size_of(X0, self.dict_key_x)).shape
+        self._likelihood_model.check_targets(y0, output_shape)
+        self.n_outputs = output_shape[-1]
         self.mean = self._subset.vector().detach()
         if override or not self._fitted:
             Z, classes = self._initial[0], self._initial[1].clone()
@@ -304,8 +307,9 @@ class VaLLA(BaseFunctionalLaplace):
             except StopIteration:
                 batches = iter(self._batches(train_loader))
                 X, y = next(batches)
+            self._likelihood_model.check_targets(y, output_shape)
             optimizer.zero_grad()
-            objective = self._objective(X, y)
+            objective = check_finite_result(self._objective(X, y), "VaLLA objective of a batch")
             objective.backward()
             optimizer.step()
             self.fit_history_["objective"].append(float(objective.detach()))

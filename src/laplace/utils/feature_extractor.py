@@ -21,7 +21,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from laplace.data import Inputs
-from laplace.errors import MissingKeyError
+from laplace.errors import MissingKeyError, check_module
 from laplace.utils.enums import FeatureReduction, parse_enum
 
 __all__ = ["FeatureExtractor", "FeatureReduction", "as_feature_extractor"]
@@ -71,7 +71,7 @@ class FeatureExtractor(nn.Module):
         feature_reduction: FeatureReduction | str | None = None,
     ) -> None:
         super().__init__()
-        self.model = model
+        self.model = check_module(model)
         self.enable_backprop = enable_backprop
         self.feature_reduction = (
             None

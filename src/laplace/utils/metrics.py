@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torchmetrics import Metric
 
@@ -24,8 +22,8 @@ class RunningNLLMetric(Metric):
 
     Args:
         ignore_index: Label value whose entries are skipped (e.g. padding tokens).
-        **kwargs: Keyword arguments of :class:`torchmetrics.Metric` (e.g.
-            ``sync_on_compute=False`` to compute on this process's data only).
+        sync_on_compute: Sum the states over all processes before computing (torchmetrics'
+            option); False computes on this process's data only.
 
     Example:
         >>> metric = RunningNLLMetric()
@@ -41,8 +39,8 @@ class RunningNLLMetric(Metric):
     nll_sum: torch.Tensor
     n_valid_labels: torch.Tensor
 
-    def __init__(self, ignore_index: int = -100, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, ignore_index: int = -100, sync_on_compute: bool = True) -> None:
+        super().__init__(sync_on_compute=sync_on_compute)
         self.add_state("nll_sum", default=torch.tensor(0.0), dist_reduce_fx="sum")
         self.add_state("n_valid_labels", default=torch.tensor(0.0), dist_reduce_fx="sum")
         self.ignore_index: int = ignore_index
