@@ -35,6 +35,7 @@ from laplace.priors import (
     as_sigma_noise,
     check_temperature,
     expand_to_diagonal,
+    fix_prior_prec_structure,
 )
 from laplace.subsets import AllWeights, check_parameters
 from laplace.transaction import Transactional
@@ -47,7 +48,6 @@ from laplace.utils.enums import (
     TuningMethod,
     parse_enum,
 )
-from laplace.utils.utils import fix_prior_prec_structure
 
 __all__ = ["BaseLaplace", "arguments_for"]
 

@@ -6,13 +6,6 @@ from typing import Any
 
 from torch import nn
 
-from laplace.baselaplace import (
-    DiagLaplace,
-    FullLaplace,
-    KronLaplace,
-    LowRankLaplace,
-    ParametricLaplace,
-)
 from laplace.errors import ArgumentTypeError
 from laplace.functional import (
     ELLA,
@@ -21,7 +14,10 @@ from laplace.functional import (
     FunctionalLLLaplace,
     VaLLA,
 )
+from laplace.kronlaplace import KronLaplace
 from laplace.lllaplace import DiagLLLaplace, FullLLLaplace, KronLLLaplace
+from laplace.lowranklaplace import LowRankLaplace
+from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.subnetlaplace import DiagSubnetLaplace, FullSubnetLaplace
 from laplace.subsets import MISSING_SUBNETWORK_INDICES
 from laplace.utils.enums import (

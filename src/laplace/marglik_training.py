@@ -42,8 +42,8 @@ from laplace.errors import (
 )
 from laplace.laplace import Laplace
 from laplace.likelihoods import make_likelihood
+from laplace.priors import expand_prior_precision, fix_prior_prec_structure
 from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure, parse_enum
-from laplace.utils.utils import expand_prior_precision, fix_prior_prec_structure
 
 __all__ = ["default_backend", "marglik_training"]
 

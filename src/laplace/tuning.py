@@ -23,7 +23,7 @@ from laplace.evaluation.tasks import validation_metric
 from laplace.posteriors import NotPositiveDefiniteError
 from laplace.utils.enums import LinkApprox, PredType
 from laplace.utils.metrics import RunningNLLMetric
-from laplace.utils.utils import validate
+from laplace.utils.validation import validate
 
 if TYPE_CHECKING:
     from laplace.base import BaseLaplace
