@@ -179,7 +179,9 @@ class BaseLaplace(PriorTuning, Transactional):
 
     @sigma_noise.setter
     def sigma_noise(self, value: float | Tensor) -> None:
-        self._sigma_noise = as_sigma_noise(value, self.likelihood, self._device, self._dtype)
+        self._sigma_noise = as_sigma_noise(
+            value, self._likelihood_model, self._device, self._dtype
+        )
 
     @property
     def prior_precision(self) -> Tensor:

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from laplace.errors import ArgumentTypeError, MetaDeviceError, is_real_scalar
-from laplace.utils.enums import Likelihood, PriorStructure, parse_enum
+from laplace.likelihoods import LikelihoodModel
+from laplace.utils.enums import PriorStructure, parse_enum
 
 __all__ = [
     "as_float_tensor",
@@ -157,8 +158,8 @@ def expand_to_diagonal(prior_precision: Tensor, layer_sizes: list[int]) -> Tenso
     return torch.repeat_interleave(prior_precision, sizes)
 
 
-def as_sigma_noise(value: float | Tensor, likelihood: Likelihood, device, dtype) -> Tensor:
-    """Check the observation noise σ: a positive scalar, 1 unless the likelihood is regression.
+def as_sigma_noise(value: float | Tensor, likelihood: LikelihoodModel, device, dtype) -> Tensor:
+    """Check the observation noise σ: a positive scalar, 1 unless the likelihood has one.
 
     Raises:
         ValueError: For a tensor with more than one entry or dimension, a non-positive σ, or
@@ -173,9 +174,9 @@ def as_sigma_noise(value: float | Tensor, likelihood: Likelihood, device, dtype)
         )
     if not bool(sigma.detach() > 0) or not bool(torch.isfinite(sigma.detach()).all()):
         raise ValueError(f"sigma_noise must be positive and finite, got {sigma.item()}.")
-    if likelihood != Likelihood.REGRESSION and not bool(sigma.detach() == 1):
+    if not likelihood.has_noise_hyperparameter and not bool(sigma.detach() == 1):
         raise ValueError(
-            f"sigma_noise must be 1 for likelihood={likelihood.value!r}; observation noise "
+            f"sigma_noise must be 1 for likelihood={likelihood.kind.value!r}; observation noise "
             "only applies to regression."
         )
     return sigma
