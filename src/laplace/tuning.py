@@ -2,7 +2,8 @@
 
 Both receive what they need as values and callables (the log marginal likelihood as a function
 of the prior precision, the validation loss of a candidate), never the Laplace object, so they
-work with any approximation and never branch on its structure.
+work with any approximation and never branch on its structure. :class:`PriorTuning`, a mixin
+of every Laplace class, holds ``optimize_prior_precision`` (written once) and wires them.
 """
 
 from __future__ import annotations
@@ -190,10 +191,10 @@ class PriorTuning:
     """``optimize_prior_precision`` of every Laplace approximation, written once.
 
     A mixin of :class:`~laplace.base.BaseLaplace`: it wires the functions above to the
-    approximation's log marginal likelihood, prior precision and predictive. Public classes
-    with laplace-torch's own parameter list for this method hand their arguments here
-    (``PriorTuning.optimize_prior_precision(self, **arguments_for(...))``); an approximation
-    that supports fewer options refuses them in :meth:`_check_tuning`.
+    approximation's log marginal likelihood, prior precision and predictive. A public class
+    whose laplace-torch parameter list differs (other defaults) keeps that list and hands its
+    arguments here with :func:`~laplace.base.arguments_for`; an approximation that supports
+    fewer options refuses them in :meth:`_check_tuning`.
     """
 
     def optimize_prior_precision(
