@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from laplace.errors import (
     ArgumentTypeError,
@@ -19,6 +20,7 @@ from laplace.errors import (
 
 __all__ = [
     "Inputs",
+    "SoDSampler",
     "batch_size_of",
     "check_outputs",
     "dataset_size",
@@ -216,3 +218,31 @@ def dataset_size(loader: DataLoader) -> int:
             "the training data count is taken from len(train_loader.dataset); this loader's "
             "dataset has no length."
         ) from error
+
+
+class SoDSampler(Sampler):
+    """Sampler over a fixed random subset of ``M`` out of ``N`` indices (subset of data).
+
+    The subset is drawn once, without replacement, from ``numpy.random.default_rng(seed)``.
+
+    Args:
+        N: Size of the dataset.
+        M: Size of the subset, ``0 ≤ M ≤ N``.
+        seed: Seed of the numpy generator.
+
+    Raises:
+        ValueError: If ``M`` is negative or larger than ``N``.
+    """
+
+    def __init__(self, N: int, M: int, seed: int = 0):
+        if not 0 <= M <= N:
+            raise ValueError(f"need 0 <= M <= N, got N={N}, M={M}.")
+        self.N, self.M, self.seed = N, M, seed
+        rng = np.random.default_rng(seed)
+        self.indices = torch.as_tensor(rng.choice(N, M, replace=False))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)

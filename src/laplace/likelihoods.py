@@ -1,8 +1,9 @@
 """Likelihood objects: loss, output-space curvature and predictive link for each observation model.
 
-The rest of the library asks a likelihood object instead of branching on its name. Losses follow
-laplace-torch's conventions: the summed loss, ``½ Σ‖y − f‖²`` for regression (σ-free, so the
-output Hessian is the identity) and ``Σ CE`` for classification.
+The rest of the library asks a likelihood object instead of branching on its name: whether it
+has an observation noise σ, its torch loss module, the Hessian structures it can be fitted with.
+Losses follow laplace-torch's conventions: the summed loss, ``½ Σ‖y − f‖²`` for regression
+(σ-free, so the output Hessian is the identity) and ``Σ CE`` for classification.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn import functional as F
 from typing_extensions import override
 
 from laplace.errors import DataError, LabelError
-from laplace.utils.enums import Likelihood, parse_enum
+from laplace.utils.enums import HessianStructure, Likelihood, parse_enum
 
 __all__ = [
     "Categorical",
@@ -34,6 +35,12 @@ class LikelihoodModel(ABC):
     kind: Likelihood
     #: Whether predictions are probabilities (classification) or Gaussian moments.
     predicts_probabilities: bool
+    #: Whether the model has an observation noise σ (a hyperparameter); otherwise σ must be 1.
+    has_noise_hyperparameter: bool = False
+    #: The per-sample loss is ``loss_scale`` times the summed :meth:`loss_module` (½ for MSE).
+    loss_scale: float = 1.0
+    #: The Hessian structures it can be fitted with; None: every structure.
+    hessian_structures: tuple[HessianStructure, ...] | None = None
 
     @property
     def fit_likelihood(self) -> LikelihoodModel:
@@ -44,6 +51,31 @@ class LikelihoodModel(ABC):
     def predictive_likelihood(self) -> LikelihoodModel:
         """The likelihood used for predictions (differs for reward modelling)."""
         return self
+
+    @property
+    def is_composite(self) -> bool:
+        """Whether it fits one observation model and predicts another (reward modelling)."""
+        return self.fit_likelihood is not self.predictive_likelihood
+
+    def check_structure(self, structure: HessianStructure) -> None:
+        """Refuse a Hessian structure this likelihood cannot be fitted with.
+
+        Raises:
+            ValueError: Naming the likelihood and the structures it supports.
+        """
+        if self.hessian_structures is not None and structure not in self.hessian_structures:
+            raise ValueError(
+                f"likelihood={self.kind.value!r} supports hessian_structure in "
+                f"{[h.value for h in self.hessian_structures]}, got {structure.value!r}."
+            )
+
+    @abstractmethod
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        """The loss as a torch module (``nn.MSELoss``, ``nn.CrossEntropyLoss``) for SGD loops.
+
+        Args:
+            reduction: ``"mean"``, ``"sum"`` or ``"none"``, as torch's losses take it.
+        """
 
     @abstractmethod
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
@@ -104,6 +136,12 @@ class GaussianRegression(LikelihoodModel):
 
     kind = Likelihood.REGRESSION
     predicts_probabilities = False
+    has_noise_hyperparameter = True
+    loss_scale = 0.5
+
+    @override
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        return nn.MSELoss(reduction=reduction)
 
     @override
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
@@ -157,6 +195,10 @@ class Categorical(LikelihoodModel):
 
     kind = Likelihood.CLASSIFICATION
     predicts_probabilities = True
+
+    @override
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        return nn.CrossEntropyLoss(reduction=reduction)
 
     @override
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
@@ -231,6 +273,8 @@ class RewardModeling(LikelihoodModel):
 
     kind = Likelihood.REWARD_MODELING
     predicts_probabilities = False
+    #: The structures laplace-torch supports for reward modelling.
+    hessian_structures = (HessianStructure.KRON, HessianStructure.DIAG)
 
     def __init__(self) -> None:
         self._fit = Categorical()
@@ -245,6 +289,10 @@ class RewardModeling(LikelihoodModel):
     @property
     def predictive_likelihood(self) -> LikelihoodModel:
         return self._predict
+
+    @override
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        return self._fit.loss_module(reduction)
 
     @override
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, batch_size_of, dataset_size
+from laplace.data import Inputs, SoDSampler, batch_size_of, dataset_size
 from laplace.errors import check_int_at_least
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.kernel import SubsetKernel
@@ -30,7 +30,6 @@ from laplace.utils.enums import (
     parse_enum,
 )
 from laplace.utils.functional_utils import concatenate_rows
-from laplace.utils.utils import SoDSampler
 
 __all__ = ["FunctionalLaplace"]
 

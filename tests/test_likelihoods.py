@@ -1,0 +1,69 @@
+"""What the likelihood objects answer instead of callers comparing likelihood names."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import assert_close
+from laplace.likelihoods import make_likelihood
+from laplace.utils.enums import HessianStructure
+
+B, C = 5, 3
+
+
+def _outputs_and_targets(name: str, generator: torch.Generator):
+    f = torch.randn(B, C, dtype=torch.float64, generator=generator)
+    if name == "regression":
+        return f, torch.randn(B, C, dtype=torch.float64, generator=generator)
+    return f, torch.randint(C, (B,), generator=generator)
+
+
+@pytest.mark.parametrize("name", ["regression", "classification", "reward_modeling"])
+def test_loss_module_times_loss_scale_is_the_summed_negative_log_likelihood(name):
+    likelihood = make_likelihood(name)
+    f, y = _outputs_and_targets(name, torch.Generator().manual_seed(0))
+    if name == "regression":  # -log N(y; f, I) up to its constant: ½ Σ (y - f)²
+        expected = 0.5 * (y - f).square().sum()
+    else:  # -log softmax(f)[y]
+        expected = -torch.log_softmax(f, -1)[torch.arange(B), y].sum()
+    summed = likelihood.loss_module(reduction="sum")(f, y)
+    assert_close(likelihood.loss_scale * summed, expected)
+    assert_close(likelihood.loss(f, y), expected)
+    mean = likelihood.loss_module()(f, y)
+    assert_close(mean, summed / (B * C if name == "regression" else B))
+
+
+@pytest.mark.parametrize(
+    ("name", "noise", "composite"),
+    [
+        ("regression", True, False),
+        ("classification", False, False),
+        ("reward_modeling", False, True),
+    ],
+)
+def test_noise_hyperparameter_and_composite_models(name, noise, composite):
+    likelihood = make_likelihood(name)
+    assert likelihood.has_noise_hyperparameter is noise
+    assert likelihood.is_composite is composite
+    sigma = torch.tensor(2.0, dtype=torch.float64)
+    constant = 0.5 * B * C * math.log(2 * math.pi * 4.0)
+    if noise:  # σ enters the log-likelihood; without a noise hyperparameter it must not
+        expected = -torch.tensor(10.0, dtype=torch.float64) / 4.0 - constant
+    else:
+        expected = -torch.tensor(10.0, dtype=torch.float64)
+    assert_close(likelihood.log_likelihood(torch.tensor(10.0), B, C, sigma, 1.0), expected)
+
+
+@pytest.mark.parametrize("structure", list(HessianStructure), ids=lambda s: s.value)
+def test_structure_support(structure):
+    for name in ("regression", "classification"):
+        make_likelihood(name).check_structure(structure)
+    reward = make_likelihood("reward_modeling")
+    if structure in (HessianStructure.KRON, HessianStructure.DIAG):
+        reward.check_structure(structure)
+    else:
+        with pytest.raises(ValueError, match=r"reward_modeling.*\['kron', 'diag'\]"):
+            reward.check_structure(structure)
