@@ -97,6 +97,7 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
     ) -> None:
         self._solver_options = _solver_options(backend_kwargs)
         BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
+        self._likelihood_model.fit_likelihood.check_low_rank()
 
     def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in backend_kwargs.items() if k not in SOLVER_OPTIONS}
@@ -230,4 +231,6 @@ class _Batches:
         self.la, self.loader = la, loader
 
     def __iter__(self) -> Iterator[tuple[Any, Tensor]]:
-        return self.la._batches(self.loader)
+        likelihood = self.la._likelihood_model.fit_likelihood
+        for X, y in self.la._batches(self.loader):
+            yield X, likelihood.loss_targets(y, self.la._dtype)

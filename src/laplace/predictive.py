@@ -1,6 +1,8 @@
 """Predictive links: from a Gaussian over outputs ``N(f_μ, Σ_f)`` to predictions.
 
-Pure functions of ``(f_mu, f_var)``; the Laplace classes compute the moments and pick the link.
+Pure functions of ``(f_mu, f_var)``; the Laplace classes compute the moments and the likelihood
+object picks the link: :data:`LINKS` for the softmax of categorical classification,
+:data:`BERNOULLI_LINKS` for the independent sigmoids of binary (multi-label) classification.
 """
 
 from __future__ import annotations
@@ -13,7 +15,16 @@ from torch import Tensor
 
 from laplace.utils.enums import LinkApprox
 
-__all__ = ["LINKS", "gaussian_output_samples", "laplace_bridge", "monte_carlo_softmax", "probit"]
+__all__ = [
+    "BERNOULLI_LINKS",
+    "LINKS",
+    "gaussian_output_samples",
+    "laplace_bridge",
+    "monte_carlo_sigmoid",
+    "monte_carlo_softmax",
+    "probit",
+    "probit_sigmoid",
+]
 
 
 def gaussian_output_samples(
@@ -90,4 +101,36 @@ LINKS: dict[LinkApprox, Callable[..., Tensor]] = {
     LinkApprox.BRIDGE: laplace_bridge,
     LinkApprox.BRIDGE_NORM: lambda f_mu, f_var, **kw: laplace_bridge(f_mu, f_var, True),
     LinkApprox.MC: monte_carlo_softmax,
+}
+
+
+def probit_sigmoid(f_mu: Tensor, f_var: Tensor, **_: object) -> Tensor:
+    """Probit approximation of ``E[sigmoid(f)]`` per output: ``σ(f_μ / √(1 + π v / 8))``.
+
+    Args:
+        f_mu: Means (B, K).
+        f_var: Covariances (B, K, K) or variances ``v`` (B, K); only the variances are used.
+
+    Returns:
+        Label probabilities, shape (B, K).
+    """
+    kappa = (1 + math.pi / 8 * _variances(f_var)).rsqrt()
+    return torch.sigmoid(kappa * f_mu)
+
+
+def monte_carlo_sigmoid(
+    f_mu: Tensor,
+    f_var: Tensor,
+    n_samples: int = 100,
+    generator: torch.Generator | None = None,
+    **_: object,
+) -> Tensor:
+    """Monte-Carlo average of ``sigmoid(f)`` over ``f ~ N(f_μ, Σ_f)``, shape (B, K)."""
+    samples = gaussian_output_samples(f_mu, f_var, n_samples, generator)
+    return torch.sigmoid(samples).mean(dim=0)
+
+
+BERNOULLI_LINKS: dict[LinkApprox, Callable[..., Tensor]] = {
+    LinkApprox.PROBIT: probit_sigmoid,
+    LinkApprox.MC: monte_carlo_sigmoid,
 }

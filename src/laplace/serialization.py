@@ -110,7 +110,7 @@ class StateDictMixin:
         self._check_fitted("state_dict")
         return {
             "cls_name": type(self).__name__,
-            "likelihood": self.likelihood.value,
+            "likelihood": self._likelihood_model.name,
             "param_names": list(self._subset.names),
             "param_shapes": [list(p.shape) for p in self._subset.params],
             "mean": self.mean.detach(),
@@ -139,7 +139,7 @@ class StateDictMixin:
         check_bool(state_dict["enable_backprop"], "state_dict['enable_backprop']")
         expected = {
             "cls_name": type(self).__name__,
-            "likelihood": self.likelihood.value,
+            "likelihood": self._likelihood_model.name,
             "param_names": list(self._subset.names),
             "param_shapes": [list(p.shape) for p in self._subset.params],
         }

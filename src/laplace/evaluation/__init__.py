@@ -12,6 +12,8 @@ from laplace.evaluation.evaluate import evaluate
 from laplace.evaluation.gaussian import (
     GaussianCRPS,
     GaussianNLL,
+    HeteroscedasticCRPS,
+    HeteroscedasticNLL,
     PITCalibration,
     gaussian_crps,
     gaussian_entropy,
@@ -38,6 +40,7 @@ from laplace.evaluation.tasks import (
     CategoricalEvaluation,
     Evaluation,
     GaussianEvaluation,
+    HeteroscedasticEvaluation,
     validation_metric,
 )
 
@@ -53,6 +56,9 @@ __all__ = [
     "GaussianCRPS",
     "GaussianEvaluation",
     "GaussianNLL",
+    "HeteroscedasticCRPS",
+    "HeteroscedasticEvaluation",
+    "HeteroscedasticNLL",
     "PITCalibration",
     "PerLabelCalibrationError",
     "ReliabilityBins",

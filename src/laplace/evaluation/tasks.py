@@ -25,9 +25,12 @@ from torchmetrics.classification import (
 from laplace.evaluation.gaussian import (
     GaussianCRPS,
     GaussianNLL,
+    HeteroscedasticCRPS,
+    HeteroscedasticNLL,
     PITCalibration,
     gaussian_entropy,
     gaussian_predictive,
+    heteroscedastic_moments,
     targets_like,
 )
 from laplace.evaluation.metrics import (
@@ -48,6 +51,7 @@ __all__ = [
     "CategoricalEvaluation",
     "Evaluation",
     "GaussianEvaluation",
+    "HeteroscedasticEvaluation",
     "make_evaluation",
     "validation_metric",
 ]
@@ -312,12 +316,46 @@ class GaussianEvaluation(Evaluation):
         return gaussian_entropy(gaussian_predictive(*prediction, self.sigma_noise)[1])
 
 
+class HeteroscedasticEvaluation(GaussianEvaluation):
+    """Heteroscedastic predictions ``(mean, epistemic, aleatoric)`` against targets.
+
+    Scored as the Gaussian ``N(mean, epistemic + diag(aleatoric))`` with the results of
+    :class:`GaussianEvaluation`; the noise is predicted, so ``sigma_noise`` is not added.
+    """
+
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {
+        "nll": lambda n_outputs, sigma_noise, **kw: HeteroscedasticNLL(**kw),
+        "crps": lambda n_outputs, sigma_noise, **kw: HeteroscedasticCRPS(**kw),
+    }
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sigma_noise = 0.0
+
+    @staticmethod
+    def _gaussian(prediction: Any) -> tuple[Tensor, Tensor]:
+        if not (isinstance(prediction, tuple) and len(prediction) == 3):
+            raise ValueError(
+                "heteroscedastic predictions must be (mean, epistemic_variance, "
+                f"aleatoric_variance); got {type(prediction).__name__}."
+            )
+        return heteroscedastic_moments(*prediction)
+
+    def _checked(self, prediction: Any, target: Tensor) -> tuple[Any, Tensor]:
+        return super()._checked(self._gaussian(prediction), target)
+
+    def entropy(self, prediction: Any) -> Tensor:
+        """Differential entropy of each point's predictive Gaussian, shape (B,)."""
+        return super().entropy(self._gaussian(prediction))
+
+
 #: The evaluation of each likelihood's predictive, by likelihood name.
 EVALUATIONS: dict[str, type[Evaluation]] = {
     "classification": CategoricalEvaluation,
     "regression": GaussianEvaluation,
     "reward_modeling": GaussianEvaluation,  # its predictive is a regression on rewards
     "binary_classification": BernoulliEvaluation,  # independent labels, probabilities (B, K)
+    "heteroscedastic_regression": HeteroscedasticEvaluation,
 }
 
 #: Every validation loss name accepted by grid search.
@@ -327,7 +365,8 @@ VALIDATION_LOSSES: tuple[str, ...] = tuple(
 
 
 def _likelihood_name(likelihood: Any) -> str:
-    return str(getattr(likelihood, "value", likelihood))
+    """The name of a likelihood enum member, string, or likelihood object."""
+    return str(getattr(likelihood, "value", None) or getattr(likelihood, "name", likelihood))
 
 
 def evaluation_class(likelihood: Any) -> type[Evaluation]:

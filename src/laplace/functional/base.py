@@ -20,7 +20,7 @@ from laplace.base import BaseLaplace
 from laplace.data import Inputs, batch_size_of, prepare_inputs
 from laplace.errors import check_generator, check_positive_int
 from laplace.likelihoods import LikelihoodModel
-from laplace.predictive import LINKS, gaussian_output_samples
+from laplace.predictive import gaussian_output_samples
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
 
 __all__ = ["BaseFunctionalLaplace"]
@@ -34,6 +34,8 @@ class BaseFunctionalLaplace(BaseLaplace):
     or with ``joint=True`` means (B·C,) and one covariance (B·C, B·C). Observation noise is
     never included.
     """
+
+    _function_space = True
 
     def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
@@ -101,17 +103,22 @@ class BaseFunctionalLaplace(BaseLaplace):
         if link_approx == LinkApprox.MC:
             check_positive_int(n_samples, "n_samples")
         check_generator(generator)
-        probabilities = self._prediction_likelihood(fitting).predicts_probabilities
-        if joint and probabilities:
-            raise ValueError(
-                "joint=True gives the joint Gaussian over the outputs of a regression "
-                "predictive; class probabilities have no joint form (use joint=False)."
-            )
+        likelihood = self._prediction_likelihood(fitting)
+        likelihood.check_prediction(link_approx, joint)
         x = self._checked_inputs(x, "prediction")
-        if probabilities:
-            f_mu, f_var = self._latent_moments(x, joint=False)
-            return LINKS[link_approx](f_mu, f_var, n_samples=n_samples, generator=generator)
-        return self._glm_predictive_distribution(x, joint, diagonal_output)
+        if joint:
+            return self._glm_predictive_distribution(x, joint=True)
+        f_mu, f_var = self._glm_predictive_distribution(
+            x, diagonal_output=likelihood.diagonal_moments(diagonal_output)
+        )
+        return likelihood.glm_predictive(
+            f_mu,
+            f_var,
+            link_approx=link_approx,
+            n_samples=n_samples,
+            generator=generator,
+            diagonal_output=diagonal_output,
+        )
 
     def _glm_predictive_distribution(
         self, X: Inputs, joint: bool = False, diagonal_output: bool = False
@@ -182,9 +189,7 @@ class BaseFunctionalLaplace(BaseLaplace):
             Samples, shape (S, B, C).
         """
         f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator, joint)
-        if self._prediction_likelihood(fitting).predicts_probabilities:
-            return torch.softmax(f, dim=-1)
-        return f
+        return self._prediction_likelihood(fitting).predictive_sample(f, generator)
 
     def _prediction_likelihood(self, fitting: bool) -> LikelihoodModel:
         model = self._likelihood_model

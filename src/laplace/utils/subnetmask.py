@@ -249,7 +249,7 @@ class LargestVarianceSWAGSubnetMask(ScoreBasedSubnetMask):
         if likelihood_model.is_composite:  # SWAG trains on one loss
             raise ValueError(
                 "LargestVarianceSWAGSubnetMask supports likelihood 'classification' or "
-                f"'regression', got {likelihood_model.kind.value!r}."
+                f"'regression', got {likelihood_model.name!r}."
             )
         super().__init__(model, n_params_subnet)
         self.likelihood = likelihood_model.kind

@@ -1,0 +1,244 @@
+"""``LikelihoodModel``: what the library asks of an observation model ``p(y | f)``.
+
+The rest of the library asks a likelihood object instead of branching on its name: its loss and
+output-space curvature for the fit, whether it has an observation noise σ, its torch loss module,
+the Hessian structures it can be fitted with, and how a Gaussian over the outputs (GLM) or
+sampled outputs (NN) become predictions. Losses follow laplace-torch's conventions: the summed
+loss, ``½ Σ‖y − f‖²`` for regression (σ-free, so the output Hessian is the identity) and
+``Σ CE`` for classification.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from laplace.utils.enums import HessianStructure, LinkApprox
+
+__all__ = ["LikelihoodModel"]
+
+
+class LikelihoodModel(ABC):
+    """An observation model ``p(y | f)`` over network outputs ``f`` of shape (B, C).
+
+    The prediction hooks (:meth:`glm_predictive`, :meth:`sampled_predictive`,
+    :meth:`predictive_sample`) default to returning the outputs' Gaussian moments or samples,
+    which is the Gaussian regression predictive; likelihoods with a link override them.
+    """
+
+    #: The user's ``likelihood`` argument this object stands for (an enum member for built-ins).
+    kind: Any
+    #: Whether predictions are probabilities (classification) or Gaussian moments.
+    predicts_probabilities: bool
+    #: Whether the model has an observation noise σ (a hyperparameter); otherwise σ must be 1.
+    has_noise_hyperparameter: bool = False
+    #: The per-sample loss is ``loss_scale`` times the summed :meth:`loss_module` (½ for MSE).
+    loss_scale: float = 1.0
+    #: The Hessian structures it can be fitted with; None: every structure.
+    hessian_structures: tuple[HessianStructure, ...] | None = None
+    #: The ``link_approx`` values its GLM predictive accepts; None: the link is not used.
+    links: tuple[LinkApprox, ...] | None = None
+    #: Whether ``joint=True`` (the joint Gaussian over test outputs) applies to its predictive.
+    supports_joint: bool = False
+    #: What the predictive returns, for messages.
+    predictions: str = "predictions"
+    #: Grid search's default validation loss (a name of its evaluation's losses); None: MSE.
+    default_validation_loss: str | None = None
+    #: Whether curvlinops' operators on :meth:`loss_module` give its curvature (low-rank).
+    loss_module_curvature: bool = True
+    #: Whether the function-space (GP) approximations support it.
+    function_space: bool = True
+
+    @property
+    def name(self) -> str:
+        """The likelihood's name, as stored in a ``state_dict`` and shown in messages."""
+        return self.kind.value
+
+    @property
+    def fit_likelihood(self) -> LikelihoodModel:
+        """The likelihood used to fit the curvature (differs for reward modelling)."""
+        return self
+
+    @property
+    def predictive_likelihood(self) -> LikelihoodModel:
+        """The likelihood used for predictions (differs for reward modelling)."""
+        return self
+
+    @property
+    def is_composite(self) -> bool:
+        """Whether it fits one observation model and predicts another (reward modelling)."""
+        return self.fit_likelihood is not self.predictive_likelihood
+
+    def check_structure(self, structure: HessianStructure) -> None:
+        """Refuse a Hessian structure this likelihood cannot be fitted with.
+
+        Raises:
+            ValueError: Naming the likelihood and the structures it supports.
+        """
+        if self.hessian_structures is not None and structure not in self.hessian_structures:
+            raise ValueError(
+                f"likelihood={self.name!r} supports hessian_structure in "
+                f"{[h.value for h in self.hessian_structures]}, got {structure.value!r}."
+            )
+
+    def check_function_space(self) -> None:
+        """Refuse the function-space (GP) approximations where they do not support it.
+
+        Raises:
+            ValueError: Naming the weight-space structures that work.
+        """
+        if not self.function_space:
+            raise ValueError(
+                f"likelihood={self.name!r} has no function-space (GP) Laplace in laplace-ng "
+                "yet; use hessian_structure='full', 'diag' or 'kron'."
+            )
+
+    def check_low_rank(self) -> None:
+        """Refuse the matrix-free (low-rank) curvature when :meth:`loss_module` cannot give it.
+
+        Raises:
+            ValueError: Naming the structures that work.
+        """
+        if not self.loss_module_curvature:
+            raise ValueError(
+                f"likelihood={self.name!r} has no low-rank Laplace: the eigensolver multiplies "
+                "with curvlinops' operators of the torch loss, whose output Hessian is not this "
+                "likelihood's curvature; use hessian_structure='full', 'diag' or 'kron'."
+            )
+
+    # ------------------------------------------------------------------------------ fit
+    @abstractmethod
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        """The loss as a torch module (``nn.MSELoss``, ``nn.CrossEntropyLoss``) for SGD loops.
+
+        Args:
+            reduction: ``"mean"``, ``"sum"`` or ``"none"``, as torch's losses take it.
+        """
+
+    @abstractmethod
+    def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
+        """Negative log-likelihood up to constants, shape (B,)."""
+
+    def loss(self, f: Tensor, y: Tensor) -> Tensor:
+        """Summed loss over the batch, a scalar."""
+        return self.per_sample_loss(f, y).sum()
+
+    @abstractmethod
+    def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        """Gradient of the per-sample loss w.r.t. ``f``, shape (B, C)."""
+
+    @abstractmethod
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        """A factor ``L`` of the output Hessian ``Λ = L Lᵀ``, shape (B, C, K)."""
+
+    def output_hessian(self, f: Tensor) -> Tensor:
+        """Hessian (or Fisher) of the per-sample loss w.r.t. ``f``, shape (B, C, C)."""
+        L = self.output_hessian_sqrt(f)
+        return L @ L.transpose(-1, -2)
+
+    @abstractmethod
+    def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """Draw targets ``y ~ p(y | f)`` (for Monte-Carlo Fisher estimates)."""
+
+    @abstractmethod
+    def log_likelihood(
+        self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
+    ) -> Tensor:
+        """Log-likelihood of the training data from its summed loss."""
+
+    def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
+        """Check targets against the outputs and bring them to the shape the loss expects.
+
+        Raises:
+            ValueError: See :meth:`check_targets`.
+        """
+        self.check_targets(y, f.shape)
+        return y
+
+    def loss_targets(self, y: Tensor, dtype: torch.dtype) -> Tensor:
+        """Targets of a batch in the form :meth:`loss_module` takes them, without the outputs.
+
+        For code that hands batches to curvlinops' operators. As given by default.
+
+        Args:
+            y: Targets of a batch.
+            dtype: The model's floating-point type.
+        """
+        return y
+
+    @abstractmethod
+    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        """Refuse targets that cannot belong to outputs of shape ``output_shape`` (B, C, ...).
+
+        Cheap (no model call): the data loops run it on every batch before any curvature work,
+        with the output shape of the first batch (the batch size is not compared).
+
+        Raises:
+            ValueError: Naming the problem (shape, label range); a :class:`DataError` (also a
+                ``RuntimeError``) for targets of the wrong kind, a :class:`LabelError` (also an
+                ``IndexError``) for a class label outside ``[0, C)``.
+        """
+
+    # ----------------------------------------------------------------------- prediction
+    def check_prediction(self, link_approx: LinkApprox, joint: bool) -> None:
+        """Refuse predictive options that do not apply, before any work.
+
+        Raises:
+            ValueError: For ``joint=True`` without a joint form, or a ``link_approx`` outside
+                :attr:`links`.
+        """
+        if joint and not self.supports_joint:
+            raise ValueError(
+                "joint=True gives the joint Gaussian over the outputs of a regression GLM "
+                f"predictive; {self.predictions} have no joint form (use joint=False)."
+            )
+        if self.links is not None and link_approx not in self.links:
+            raise ValueError(
+                f"likelihood={self.name!r} accepts link_approx in "
+                f"{[link.value for link in self.links]}, got {link_approx.value!r}."
+            )
+
+    def diagonal_moments(self, diagonal_output: bool) -> bool:
+        """Whether :meth:`glm_predictive` needs only the output variances (B, C)."""
+        return diagonal_output
+
+    def glm_predictive(
+        self,
+        f_mu: Tensor,
+        f_var: Tensor,
+        link_approx: LinkApprox = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        diagonal_output: bool = False,
+    ) -> Any:
+        """Predictions from a Gaussian over the outputs (the linearised network).
+
+        Args:
+            f_mu: Output means (B, C).
+            f_var: Output covariances (B, C, C), or variances (B, C) when
+                :meth:`diagonal_moments` said so.
+            link_approx: The link approximation (for likelihoods with :attr:`links`).
+            n_samples: Monte-Carlo samples of ``"mc"``.
+            generator: Random number generator of ``"mc"``.
+            diagonal_output: Whether the caller asked for variances instead of covariances.
+
+        Returns:
+            ``(f_mu, f_var)`` by default (Gaussian regression).
+        """
+        return f_mu, f_var
+
+    def sampled_predictive(self, f: Tensor) -> Any:
+        """Predictions from sampled networks' outputs ``f`` (S, B, C) (``pred_type="nn"``).
+
+        Returns:
+            The mean (B, C) and variance (B, C) over the samples by default.
+        """
+        return f.mean(dim=0), f.var(dim=0)
+
+    def predictive_sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """One predictive draw per output sample ``f`` (S, B, C): the outputs by default."""
+        return f
