@@ -74,7 +74,7 @@ def test_sigma_noise_with_more_than_one_dimension(sigma):
 def test_one_sigma_per_output_must_match_the_outputs():
     case = CASE_BUILDERS["mlp_regression_1out"]()
     la = DiagLaplace(case.model, "regression", sigma_noise=torch.ones(2, dtype=torch.float64))
-    with pytest.raises(ValueError, match="sigma_noise has 2 entries .* model has 1 outputs"):
+    with pytest.raises(ValueError, match=r"sigma_noise has 2 entries .* model has 1 outputs"):
         la.fit(case.loader())
 
 

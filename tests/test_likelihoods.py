@@ -67,3 +67,30 @@ def test_structure_support(structure):
     else:
         with pytest.raises(ValueError, match=r"reward_modeling.*\['kron', 'diag'\]"):
             reward.check_structure(structure)
+
+
+@pytest.mark.parametrize(
+    ("name", "n_out", "targets"),
+    [
+        ("binary_classification", 3, lambda g: (torch.rand(B, 3, generator=g) > 0.5).double()),
+        ("heteroscedastic_regression", 4, lambda g: torch.randn(B, 2, generator=g).double()),
+    ],
+)
+def test_summed_loss_module_is_the_loss_of_the_new_likelihoods(name, n_out, targets):
+    likelihood = make_likelihood(name)
+    generator = torch.Generator().manual_seed(1)
+    f = torch.randn(B, n_out, dtype=torch.float64, generator=generator)
+    y = targets(generator)
+    summed = likelihood.loss_module(reduction="sum")(f, y)
+    assert_close(likelihood.loss_scale * summed, likelihood.loss(f, y))
+    grad = torch.func.grad(lambda ff: likelihood.loss(ff, y))(f)
+    assert_close(likelihood.loss_gradient(f, y), grad)
+
+
+def test_the_enum_and_the_protocol_are_different_names():
+    from laplace.likelihoods import Likelihood as Protocol
+    from laplace.utils.enums import Likelihood as Names
+
+    assert Names.BINARY_CLASSIFICATION == "binary_classification"
+    assert [m.value for m in Names][:3] == ["regression", "classification", "reward_modeling"]
+    assert isinstance(Protocol, type) and not issubclass(Protocol, str)

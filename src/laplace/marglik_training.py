@@ -49,13 +49,28 @@ __all__ = ["default_backend", "marglik_training"]
 logger = logging.getLogger(__name__)
 
 
-def default_backend() -> type[CurvatureInterface]:
-    """laplace-torch's default ``AsdlGGN`` when ASDL is installed, else ``CurvlinopsGGN``.
+def default_backend(
+    likelihood: Any = Likelihood.CLASSIFICATION, sigma_noise_init: float | Tensor = 1.0
+) -> type[CurvatureInterface]:
+    """laplace-torch's default ``AsdlGGN`` where it applies, else ``CurvlinopsGGN``.
 
     ASDL is an optional extra of laplace-ng; without it the exact GGN of ``CurvlinopsGGN`` is
-    used, which gives the same curvature (ASDL's KFAC and ours agree to round-off).
+    used, which gives the same curvature (ASDL's KFAC and ours agree to round-off). So is it
+    for what ASDL cannot compute: likelihoods other than regression and classification, and
+    one σ per output.
+
+    Args:
+        likelihood: The ``likelihood`` argument of :func:`marglik_training`.
+        sigma_noise_init: Its ``sigma_noise_init``.
     """
-    return load_optional("AsdlGGN") if "AsdlGGN" in available_optional() else CurvlinopsGGN
+    if "AsdlGGN" not in available_optional() or torch.as_tensor(sigma_noise_init).numel() > 1:
+        return CurvlinopsGGN
+    asdl = load_optional("AsdlGGN")
+    try:
+        asdl.check_likelihood(make_likelihood(likelihood).fit_likelihood)
+    except ValueError:
+        return CurvlinopsGGN
+    return asdl
 
 
 def marglik_training(
@@ -95,7 +110,8 @@ def marglik_training(
             :class:`laplace.likelihoods.Likelihood` (trained with its loss).
         hessian_structure: ``"full"``, ``"kron"`` or ``"diag"`` over all weights.
         backend: Curvature backend; None means laplace-torch's default ``AsdlGGN`` when the
-            ``asdl`` extra is installed and ``CurvlinopsGGN`` otherwise (same curvature).
+            ``asdl`` extra is installed and ``CurvlinopsGGN`` otherwise (same curvature), see
+            :func:`default_backend`.
         optimizer_cls: Optimiser of the network weights.
         optimizer_kwargs: Its keyword arguments; ``weight_decay`` is set to 0 (the prior
             precision is the weight decay and is learnt).
@@ -167,7 +183,7 @@ def marglik_training(
     )
     if n_data == 0:
         raise ValueError("train_loader is empty: marglik_training needs data.")
-    backend = default_backend() if backend is None else backend
+    backend = default_backend(likelihood, sigma_noise_init) if backend is None else backend
 
     def make_laplace(prior_prec: Tensor, sigma: Tensor | float, backprop: bool) -> BaseLaplace:
         return Laplace(

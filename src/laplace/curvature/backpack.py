@@ -208,6 +208,11 @@ class BackPackInterface(CurvatureInterface):
         self._require_chain(target, quantity)
         with _extended(target.module, self.lossfunc):
             f = target.module(target.inputs)
+            if isinstance(self.lossfunc, nn.BCEWithLogitsLoss) and f.shape[-1] != 1:
+                raise ValueError(
+                    f"BackPACK computes {quantity} of the binary cross-entropy for one output "
+                    f"only; the model has {f.shape[-1]} labels: use backend=CurvlinopsGGN."
+                )
             loss = self._torch_loss(f, y)
             with backpack(extension):
                 loss.backward()
