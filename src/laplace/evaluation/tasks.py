@@ -16,11 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 from torchmetrics import MeanSquaredError, Metric
-from torchmetrics.classification import (
-    MulticlassAccuracy,
-    MulticlassCalibrationError,
-    MultilabelAccuracy,
-)
+from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
 
 from laplace.evaluation.gaussian import (
     GaussianCRPS,
@@ -34,6 +30,7 @@ from laplace.evaluation.gaussian import (
     targets_like,
 )
 from laplace.evaluation.metrics import (
+    BernoulliAccuracy,
     BernoulliBrier,
     BernoulliNLL,
     BrierScore,
@@ -239,7 +236,7 @@ class BernoulliEvaluation(Evaluation):
     def _build(self, prediction: Tensor, kwargs: dict[str, Any]) -> dict[str, Metric]:
         n_labels = prediction.shape[-1]
         return {
-            "accuracy": MultilabelAccuracy(n_labels, average="none", **kwargs),
+            "accuracy": BernoulliAccuracy(n_labels, **kwargs),  # torchmetrics' needs K > 1
             "nll": BernoulliNLL(n_labels, **kwargs),
             "brier": BernoulliBrier(n_labels, **kwargs),
             "ece": PerLabelCalibrationError(n_labels, self.n_bins, "l1", **kwargs),
