@@ -154,3 +154,14 @@ def test_joint_and_gp_are_refused():
         Laplace(case.model, BINARY, "all", "gp", n_subset=5)
     with pytest.raises(ValueError, match="sigma_noise must be 1"):
         Laplace(case.model, BINARY, "all", "diag", sigma_noise=0.5)
+
+
+def test_swag_subnetwork_mask_trains_with_the_binary_loss():
+    from laplace.utils import LargestVarianceSWAGSubnetMask
+
+    case = binary_case()
+    mask = LargestVarianceSWAGSubnetMask(case.model, 5, likelihood=BINARY, swag_n_snapshots=3)
+    indices = mask.select(case.loader())
+    la = Laplace(case.model, BINARY, "subnetwork", "full", subnetwork_indices=indices)
+    la.fit(case.loader())
+    assert la.H.shape == (5, 5) and la(case.X[:2]).shape == (2, 1)

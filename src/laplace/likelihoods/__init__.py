@@ -51,7 +51,9 @@ _LIKELIHOODS: dict[enums.Likelihood, type[LikelihoodModel]] = {
 }
 
 
-def make_likelihood(likelihood: enums.Likelihood | str | Likelihood | LikelihoodModel):
+def make_likelihood(
+    likelihood: enums.Likelihood | str | Likelihood | LikelihoodModel,
+) -> LikelihoodModel:
     """Build the likelihood object for a user's ``likelihood`` argument.
 
     Args:
