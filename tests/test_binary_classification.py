@@ -144,14 +144,20 @@ def test_marglik_training_and_state_dict():
     assert_close(fresh(X[:5]), la(X[:5]))
 
 
-def test_joint_and_gp_are_refused():
+def test_what_is_refused():
     case = binary_case()
     la = Laplace(case.model, BINARY, "all", "diag")
     la.fit(case.loader())
     with pytest.raises(ValueError, match="label probabilities have no joint form"):
         la(case.X[:3], joint=True)
-    with pytest.raises(ValueError, match=r"hessian_structure in \['full', 'diag', 'kron'"):
-        Laplace(case.model, BINARY, "all", "gp", n_subset=5)
+    for approximation, kwargs in (
+        ("nystrom", {"subsample_size": 5, "n_eigenvalues": 3}),
+        ("variational", {"num_inducing": 5, "inducing_locations": "random"}),
+    ):
+        with pytest.raises(ValueError, match=r"functional_approximation in \['sod'\]"):
+            Laplace(
+                case.model, BINARY, "all", "gp", functional_approximation=approximation, **kwargs
+            )
     with pytest.raises(ValueError, match="sigma_noise must be 1"):
         Laplace(case.model, BINARY, "all", "diag", sigma_noise=0.5)
 

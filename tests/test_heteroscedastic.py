@@ -45,16 +45,16 @@ def test_noise_is_not_a_hyperparameter_and_targets_are_checked():
 
 def test_structures_and_backends_that_cannot_are_refused():
     case = heteroscedastic_case()
-    with pytest.raises(ValueError, match=r"hessian_structure in \['full', 'diag', 'kron'\]"):
+    with pytest.raises(ValueError, match=r"hessian_structure in \['full', 'diag', 'kron', 'gp'\]"):
         Laplace(case.model, HETERO, "all", "lowrank")
     with pytest.raises(ValueError, match="no low-rank Laplace"):
         from laplace import LowRankLaplace
 
         LowRankLaplace(case.model, HETERO)
-    with pytest.raises(ValueError, match="function-space"):
-        from laplace import FunctionalLaplace
+    with pytest.raises(ValueError, match=r"function-space.*'nystrom'.*\['sod'\]"):
+        from laplace import ELLA
 
-        FunctionalLaplace(case.model, HETERO, n_subset=5)
+        ELLA(case.model, HETERO, subsample_size=5, n_eigenvalues=3)
     for backend in (AsdlGGN, BackPackGGN):
         with pytest.raises(ValueError, match=r"HeteroscedasticGaussianNLLLoss.*CurvlinopsGGN"):
             Laplace(case.model, HETERO, "all", "diag", backend=backend)

@@ -217,3 +217,22 @@ def test_sampled_network_predictive(case):
         assert_close(prediction.aleatoric_variance, s.exp().mean(0))
     else:
         assert_close(prediction, f.exp().mean(0))
+
+
+@pytest.mark.parametrize("name", ["binary", "multilabel_3", "heteroscedastic_2"])
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_subset_of_data_gp_on_all_points_is_the_glm_predictive(name, subset):
+    """With a diagonal output curvature the GP on all N points is the full GGN's predictive."""
+    case = _case(name)
+    kwargs = {"prior_precision": 0.5}
+    full = Laplace(case.model, case.likelihood, subset, "full", **kwargs)
+    full.fit(case.loader())
+    gp = Laplace(case.model, case.likelihood, subset, "gp", n_subset=20, **kwargs)
+    gp.fit(case.loader())
+    expected, actual = full(case.X[:5]), gp(case.X[:5])
+    for a, e in zip(
+        *(p if isinstance(p, tuple) else (p,) for p in (actual, expected)), strict=True
+    ):
+        assert_close(a, e)
+    if name == "heteroscedastic_2":
+        assert isinstance(actual, HeteroscedasticPrediction)

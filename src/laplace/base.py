@@ -32,7 +32,7 @@ from laplace.priors import (
 from laplace.subsets import AllWeights, check_parameters
 from laplace.transaction import Transactional
 from laplace.tuning import PriorTuning
-from laplace.utils.enums import Likelihood
+from laplace.utils.enums import FunctionalApproximation, Likelihood
 
 __all__ = ["BaseLaplace", "arguments_for"]
 
@@ -79,8 +79,8 @@ class BaseLaplace(PriorTuning, Transactional):
 
     #: Set in the body of an abstract class: what to use instead.
     _abstract: str | None = None
-    #: Whether the approximation is a function-space (GP) one.
-    _function_space: bool = False
+    #: The function-space (GP) approximation of the class; None: a weight-space one.
+    _function_space: FunctionalApproximation | None = None
 
     def __init__(
         self,
@@ -103,8 +103,8 @@ class BaseLaplace(PriorTuning, Transactional):
         check_parameters([(n, p) for n, p in model.named_parameters() if p.is_meta])
         self._likelihood_model = make_likelihood(likelihood)
         self.likelihood = self._likelihood_model.kind
-        if self._function_space:
-            self._likelihood_model.check_function_space()
+        if self._function_space is not None:
+            self._likelihood_model.check_function_space(self._function_space)
         # DistributedDataParallel: curvature of the inner module.
         self.model = self._prepare_model(unwrap_model(model))
         self._subset = self._make_subset(self.model)

@@ -21,7 +21,7 @@ from laplace.data import Inputs, batch_size_of, prepare_inputs
 from laplace.errors import check_generator, check_positive_int
 from laplace.likelihoods import LikelihoodModel
 from laplace.predictive import gaussian_output_samples
-from laplace.utils.enums import LinkApprox, PredType, parse_enum
+from laplace.utils.enums import FunctionalApproximation, LinkApprox, PredType, parse_enum
 
 __all__ = ["BaseFunctionalLaplace"]
 
@@ -35,7 +35,7 @@ class BaseFunctionalLaplace(BaseLaplace):
     never included.
     """
 
-    _function_space = True
+    _function_space = FunctionalApproximation.SOD
 
     def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
         raise NotImplementedError

@@ -26,6 +26,7 @@ from laplace.functional.scoring import (
 )
 from laplace.priors import as_scalar_prior_precision
 from laplace.utils.enums import (
+    FunctionalApproximation,
     Likelihood,
     LinkApprox,
     PredType,
@@ -101,6 +102,8 @@ class ELLA(BaseFunctionalLaplace):
         ...              subsample_size=100, n_eigenvalues=20)  # doctest: +SKIP
         >>> la.fit(train_loader); f_mu, f_var = la(x)  # doctest: +SKIP
     """
+
+    _function_space = FunctionalApproximation.NYSTROM
 
     def __init__(
         self,

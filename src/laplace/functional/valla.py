@@ -28,7 +28,7 @@ from laplace.functional.inducing import (
 from laplace.functional.scoring import check_state, jacobian_chunks, positive_int, validation_nll
 from laplace.functional.valla_objective import check_alpha, negative_objective
 from laplace.priors import as_scalar_prior_precision
-from laplace.utils.enums import Likelihood, parse_enum
+from laplace.utils.enums import FunctionalApproximation, Likelihood, parse_enum
 from laplace.utils.functional_utils import preserve_model_gradients, to_device
 
 __all__ = ["VaLLA"]
@@ -100,6 +100,8 @@ class VaLLA(BaseFunctionalLaplace):
             wrong shape, a non-scalar prior precision, a non-zero prior mean, a bad ``alpha`` or
             ``mc_softmax_samples`` (``alpha != 1`` needs MC samples for classification).
     """
+
+    _function_space = FunctionalApproximation.VARIATIONAL
 
     def __init__(
         self,

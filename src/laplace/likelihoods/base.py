@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from laplace.utils.enums import HessianStructure, LinkApprox
+from laplace.utils.enums import FunctionalApproximation, HessianStructure, LinkApprox
 
 __all__ = ["LikelihoodModel"]
 
@@ -50,8 +50,8 @@ class LikelihoodModel(ABC):
     default_validation_loss: str | None = None
     #: Whether curvlinops' operators on :meth:`loss_module` give its curvature (low-rank).
     loss_module_curvature: bool = True
-    #: Whether the function-space (GP) approximations support it.
-    function_space: bool = True
+    #: The function-space (GP) approximations that support it.
+    function_space: tuple[FunctionalApproximation, ...] = tuple(FunctionalApproximation)
 
     @property
     def name(self) -> str:
@@ -85,16 +85,22 @@ class LikelihoodModel(ABC):
                 f"{[h.value for h in self.hessian_structures]}, got {structure.value!r}."
             )
 
-    def check_function_space(self) -> None:
-        """Refuse the function-space (GP) approximations where they do not support it.
+    def check_function_space(self, approximation: FunctionalApproximation) -> None:
+        """Refuse a function-space (GP) approximation that does not support this likelihood.
 
         Raises:
-            ValueError: Naming the weight-space structures that work.
+            ValueError: Naming the approximations (or weight-space structures) that work.
         """
-        if not self.function_space:
+        if approximation not in self.function_space:
+            alternatives = (
+                f"functional_approximation in {[a.value for a in self.function_space]}"
+                if self.function_space
+                else "hessian_structure='full', 'diag' or 'kron'"
+            )
             raise ValueError(
-                f"likelihood={self.name!r} has no function-space (GP) Laplace in laplace-ng "
-                "yet; use hessian_structure='full', 'diag' or 'kron'."
+                f"likelihood={self.name!r} has no function-space Laplace with "
+                f"functional_approximation={approximation.value!r} in laplace-ng; use "
+                f"{alternatives}."
             )
 
     def check_low_rank(self) -> None:

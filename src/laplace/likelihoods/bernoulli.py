@@ -12,7 +12,7 @@ from typing_extensions import override
 from laplace.errors import DataError, LabelError
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.predictive import BERNOULLI_LINKS
-from laplace.utils.enums import HessianStructure, Likelihood, LinkApprox
+from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood, LinkApprox
 
 __all__ = ["Bernoulli"]
 
@@ -34,12 +34,14 @@ class Bernoulli(LikelihoodModel):
     links = (LinkApprox.PROBIT, LinkApprox.MC)
     predictions = "label probabilities"
     default_validation_loss = "nll"
-    function_space = False
+    #: Subset-of-data GP: its output curvature is diagonal, so the GP uses it exactly.
+    function_space = (FunctionalApproximation.SOD,)
     hessian_structures = (
         HessianStructure.FULL,
         HessianStructure.DIAG,
         HessianStructure.KRON,
         HessianStructure.LOWRANK,
+        HessianStructure.GP,
     )
 
     @override

@@ -58,7 +58,7 @@ class CustomLikelihood(LikelihoodModel):
 
     hessian_structures = (HessianStructure.FULL, HessianStructure.DIAG, HessianStructure.KRON)
     loss_module_curvature = False
-    function_space = False
+    function_space = ()
 
     def __init__(self, likelihood: Likelihood) -> None:
         missing = [m for m in ("loss",) if not _overrides(likelihood, m)]

@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.gaussian import check_real_targets
-from laplace.utils.enums import HessianStructure, Likelihood
+from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood
 
 __all__ = [
     "HeteroscedasticGaussian",
@@ -93,8 +93,8 @@ class HeteroscedasticGaussian(LikelihoodModel):
     σ is predicted, so it is not a hyperparameter (``sigma_noise`` must be 1). The GLM
     predictive returns a :class:`HeteroscedasticPrediction`; ``predictive_samples`` draws
     ``y = μ + e^{s/2} ε`` from sampled outputs. Low-rank Laplace is not offered (its
-    eigensolver works on the loss's own Hessian, which differs from the Fisher used here), nor
-    function-space (GP) Laplace yet.
+    eigensolver works on the loss's own Hessian, which differs from the Fisher used here); of
+    the function-space approximations, the subset-of-data GP.
     """
 
     kind = Likelihood.HETEROSCEDASTIC_REGRESSION
@@ -102,8 +102,14 @@ class HeteroscedasticGaussian(LikelihoodModel):
     predictions = "heteroscedastic predictions"
     default_validation_loss = "nll"
     loss_module_curvature = False
-    function_space = False
-    hessian_structures = (HessianStructure.FULL, HessianStructure.DIAG, HessianStructure.KRON)
+    #: Subset-of-data GP: its output curvature is diagonal, so the GP uses it exactly.
+    function_space = (FunctionalApproximation.SOD,)
+    hessian_structures = (
+        HessianStructure.FULL,
+        HessianStructure.DIAG,
+        HessianStructure.KRON,
+        HessianStructure.GP,
+    )
 
     @override
     def loss_module(self, reduction: str = "mean") -> nn.Module:
