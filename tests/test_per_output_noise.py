@@ -175,7 +175,7 @@ def test_refusals_name_what_works():
     case = _case()
     with pytest.raises(ValueError, match="'full', 'diag' and 'kron'"):
         Laplace(case.model, "regression", "all", "lowrank", sigma_noise=SIGMA)
-    with pytest.raises(ValueError, match=r"CurvlinopsEF .*CurvlinopsGGN"):
+    with pytest.raises(ValueError, match=r"CurvlinopsGGN .*got CurvlinopsEF"):
         Laplace(case.model, "regression", "all", "full", sigma_noise=SIGMA, backend=CurvlinopsEF)
     with pytest.raises(ValueError, match="one sigma_noise for all outputs"):
         FunctionalLaplace(case.model, "regression", n_subset=5, sigma_noise=SIGMA)
@@ -243,3 +243,30 @@ def test_marglik_training_learns_one_noise_per_output():
     assert la.sigma_noise.shape == (2,)
     assert float(la.sigma_noise[0]) < 0.15 and 0.3 < float(la.sigma_noise[1]) < 0.8
     assert margliks[-1] < margliks[0]
+
+
+@pytest.mark.parametrize("structure", ["full", "kron"])
+def test_online_fit_equals_one_fit_on_all_the_data(structure):
+    case, la = _fitted(structure)
+    first, second = (
+        DataLoader(TensorDataset(case.X[:12], case.y[:12]), batch_size=5),
+        DataLoader(TensorDataset(case.X[12:], case.y[12:]), batch_size=5),
+    )
+    online = Laplace(case.model, "regression", "all", structure, sigma_noise=SIGMA)
+    online.fit(first)
+    online.fit(second, override=False)
+    assert_close(online.log_marginal_likelihood(), la.log_marginal_likelihood())
+    assert_close(online.loss, la.loss)
+
+
+def test_evaluate_and_grid_search_add_each_outputs_noise():
+    from laplace.evaluation import evaluate
+
+    case, la = _fitted("diag")
+    f_mu, f_var = la(case.X)
+    predictive = torch.distributions.MultivariateNormal(f_mu, f_var + torch.diag(SIGMA.square()))
+    expected = -predictive.log_prob(case.y).mean()
+    assert_close(evaluate(la, case.loader())["nll"], expected)
+    la.optimize_prior_precision(
+        method="gridsearch", val_loader=case.loader(), grid_size=3, loss="nll"
+    )

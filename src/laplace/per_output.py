@@ -267,8 +267,9 @@ def noise_structure(
         CurvatureInterface, route
     ):
         raise ValueError(
-            f"one sigma_noise per output needs the curvature of each output, which "
-            f"{backend_cls.__name__} does not give (the empirical Fisher mixes the outputs); "
-            "use backend=CurvlinopsGGN (the exact GGN, or stochastic=True)."
+            "one sigma_noise per output needs the curvature of each output, which only the "
+            "GGN of backend=CurvlinopsGGN (exact, or stochastic=True) gives: the empirical "
+            "Fisher and the Hessian mix the outputs, ASDL and BackPACK return their sum; got "
+            f"{backend_cls.__name__}."
         )
     return _per_output(structure, n_sigma)
