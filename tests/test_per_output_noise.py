@@ -248,10 +248,8 @@ def test_marglik_training_learns_one_noise_per_output():
 @pytest.mark.parametrize("structure", ["full", "kron"])
 def test_online_fit_equals_one_fit_on_all_the_data(structure):
     case, la = _fitted(structure)
-    first, second = (
-        DataLoader(TensorDataset(case.X[:12], case.y[:12]), batch_size=5),
-        DataLoader(TensorDataset(case.X[12:], case.y[12:]), batch_size=5),
-    )
+    first = DataLoader(TensorDataset(case.X[:12], case.y[:12]), batch_size=5)
+    second = DataLoader(TensorDataset(case.X[12:], case.y[12:]), batch_size=5)
     online = Laplace(case.model, "regression", "all", structure, sigma_noise=SIGMA)
     online.fit(first)
     online.fit(second, override=False)
