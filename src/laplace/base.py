@@ -115,7 +115,7 @@ class BaseLaplace(PriorTuning, Transactional):
         self.prior_precision = prior_precision
         self.prior_mean = prior_mean
         self._backend_cls = _backend_class(backend)
-        self._backend_cls.check_likelihood(self._likelihood_model.fit_likelihood)
+        self._likelihood_model.fit_likelihood.check_backend(self._backend_cls)
         self.backend_kwargs = backend_kwargs
         self.asdl_fisher_kwargs = asdl_fisher_kwargs
         options = check_mapping(backend_kwargs, "backend_kwargs")

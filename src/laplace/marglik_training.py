@@ -67,7 +67,7 @@ def default_backend(
         return CurvlinopsGGN
     asdl = load_optional("AsdlGGN")
     try:
-        asdl.check_likelihood(make_likelihood(likelihood).fit_likelihood)
+        make_likelihood(likelihood).fit_likelihood.check_backend(asdl)
     except ValueError:
         return CurvlinopsGGN
     return asdl

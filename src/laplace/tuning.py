@@ -26,7 +26,7 @@ from laplace.errors import (
     check_positive_float,
     check_positive_int,
 )
-from laplace.evaluation.tasks import validation_metric
+from laplace.evaluation.registry import validation_metric
 from laplace.likelihoods import LikelihoodModel
 from laplace.posteriors import NotPositiveDefiniteError
 from laplace.priors import as_prior_precision, fix_prior_prec_structure

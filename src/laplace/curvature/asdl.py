@@ -32,23 +32,12 @@ from torch import Tensor, nn
 
 from laplace.curvature.asdl_support import check_asdl_support, diag_vector, kron_from_asdl, quiet
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
-from laplace.curvature.third_party import (
-    TargetCall,
-    check_loss_support,
-    isolated,
-    target_call,
-)
+from laplace.curvature.third_party import TargetCall, isolated, target_call
 from laplace.data import Inputs, batch_size_of
 from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron
 
-__all__ = ["ASDL_LOSSES", "AsdlEF", "AsdlGGN", "AsdlHessian", "AsdlInterface"]
-
-#: ASDL's name of each torch loss it supports.
-ASDL_LOSSES: dict[type[nn.Module], str] = {
-    nn.MSELoss: LOSS_MSE,
-    nn.CrossEntropyLoss: LOSS_CROSS_ENTROPY,
-}
+__all__ = ["AsdlEF", "AsdlGGN", "AsdlHessian", "AsdlInterface"]
 
 
 class AsdlInterface(CurvatureInterface):
@@ -70,6 +59,7 @@ class AsdlInterface(CurvatureInterface):
 
     #: ``Laplace(..., asdl_fisher_kwargs=...)`` reaches only backends that set this.
     accepts_asdl_fisher_kwargs = True
+    supported_losses = (nn.MSELoss, nn.CrossEntropyLoss)
 
     def __init__(
         self,
@@ -86,19 +76,10 @@ class AsdlInterface(CurvatureInterface):
         self.asdl_fisher_kwargs = dict(asdl_fisher_kwargs or {})
         check_asdl_support(self._model)
 
-    @classmethod
-    def check_likelihood(cls, likelihood: Any) -> None:
-        """Refuse likelihoods other than regression and classification (ASDL's two losses).
-
-        Raises:
-            ValueError: Naming the native backends, which work with every likelihood.
-        """
-        check_loss_support(cls.__name__, likelihood, ASDL_LOSSES)
-
     @property
     def loss_type(self) -> str:
         """ASDL's name of the loss: ``"mse"`` or ``"cross_entropy"``."""
-        return ASDL_LOSSES[type(self.lossfunc)]
+        return LOSS_MSE if isinstance(self.lossfunc, nn.MSELoss) else LOSS_CROSS_ENTROPY
 
     def _targets(self, y: Tensor) -> Tensor:
         """Targets shaped for ``lossfunc`` on (B, C) outputs: (B, C) values or (B,) classes."""

@@ -43,13 +43,7 @@ from laplace.curvature.curvature import (
     check_dict_inputs,
 )
 from laplace.curvature.kfac import check_kfac_support
-from laplace.curvature.third_party import (
-    TargetCall,
-    check_loss_support,
-    isolated,
-    kron_blocks,
-    target_call,
-)
+from laplace.curvature.third_party import TargetCall, isolated, kron_blocks, target_call
 from laplace.data import Inputs
 from laplace.likelihoods import LikelihoodModel
 from laplace.utils.matrix import Kron
@@ -88,17 +82,7 @@ class BackPackInterface(CurvatureInterface):
     """Base of the BackPACK backends (see :class:`CurvatureInterface` for the arguments)."""
 
     accepts_dict_inputs = False
-    #: The torch losses BackPACK's extensions backpropagate.
-    SUPPORTED_LOSSES = (nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss)
-
-    @classmethod
-    def check_likelihood(cls, likelihood: Any) -> None:
-        """Refuse likelihoods whose loss BackPACK cannot backpropagate (heteroscedastic, yours).
-
-        Raises:
-            ValueError: Naming the native backends, which work with every likelihood.
-        """
-        check_loss_support(cls.__name__, likelihood, cls.SUPPORTED_LOSSES)
+    supported_losses = (nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss)
 
     def _target(self, x: Inputs) -> TargetCall:
         check_dict_inputs(type(self), x)

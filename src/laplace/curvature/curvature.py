@@ -74,6 +74,8 @@ class CurvatureInterface:
     kfac_approx: str = "expand"
     #: Whether the model may take dict-like (HuggingFace) inputs with this backend.
     accepts_dict_inputs: bool = True
+    #: The torch losses (likelihoods' ``loss_module``) a third-party library supports; None: all.
+    supported_losses: tuple[type[nn.Module], ...] | None = None
 
     def __init__(
         self,
@@ -92,22 +94,11 @@ class CurvatureInterface:
         self.dict_key_x = dict_key_x
         self.dict_key_y = dict_key_y
         self._likelihood = likelihood_model.fit_likelihood
-        self.check_likelihood(self._likelihood)
+        self._likelihood.check_backend(type(self))
         self.lossfunc: nn.Module = self._likelihood.loss_module(reduction="sum")
         self.factor = self._likelihood.loss_scale
         self.params: list[nn.Parameter] = [p for p in self._model.parameters() if p.requires_grad]
         self._engine = PerSampleEngine(model, self.params, subnetwork_indices)
-
-    @classmethod
-    def check_likelihood(cls, likelihood: Any) -> None:
-        """Refuse a likelihood object this backend cannot compute with (all are accepted here).
-
-        Args:
-            likelihood: The likelihood object the curvature is fitted with.
-
-        Raises:
-            ValueError: In backends limited to some torch losses, naming a backend that works.
-        """
 
     @property
     def _model(self) -> nn.Module:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -26,29 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from laplace.utils.matrix import Kron
 
-__all__ = ["TargetCall", "check_loss_support", "isolated", "kron_blocks", "target_call"]
-
-
-def check_loss_support(backend: str, likelihood: Any, losses: Iterable[type[nn.Module]]) -> None:
-    """Refuse a likelihood whose torch loss a third-party library cannot backpropagate.
-
-    Args:
-        backend: The backend's class name, for the message.
-        likelihood: The likelihood object (its ``loss_module`` and ``name`` are used).
-        losses: The torch loss classes the library supports.
-
-    Raises:
-        ValueError: Naming the likelihood, its loss, and the native backends that work.
-    """
-    losses = tuple(losses)
-    loss = type(likelihood.loss_module("sum"))
-    if loss not in losses:
-        raise ValueError(
-            f"{backend} supports the likelihoods whose loss is one of "
-            f"{[cls.__name__ for cls in losses]}; likelihood={likelihood.name!r} uses "
-            f"{loss.__name__}. Use backend=CurvlinopsGGN (or CurvlinopsEF), which work with "
-            "every likelihood."
-        )
+__all__ = ["TargetCall", "isolated", "kron_blocks", "target_call"]
 
 
 class _Snapshot:

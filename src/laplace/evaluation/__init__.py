@@ -33,15 +33,13 @@ from laplace.evaluation.plots import (
     plot_predictive_band,
     plot_reliability_diagram,
 )
+from laplace.evaluation.registry import EVALUATIONS, VALIDATION_LOSSES, validation_metric
 from laplace.evaluation.tasks import (
-    EVALUATIONS,
-    VALIDATION_LOSSES,
     BernoulliEvaluation,
     CategoricalEvaluation,
     Evaluation,
     GaussianEvaluation,
     HeteroscedasticEvaluation,
-    validation_metric,
 )
 
 __all__ = [

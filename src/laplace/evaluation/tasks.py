@@ -1,10 +1,11 @@
-"""What to measure for each kind of predictive: one evaluation object per likelihood.
+"""What to measure for each kind of predictive: one evaluation class per kind of prediction.
 
-:data:`EVALUATIONS` maps a likelihood name to the evaluation of its predictive, so a new
-likelihood is one entry (a multi-label ``"binary_classification"`` likelihood whose predictive
-gives independent label probabilities (B, K) is ``BernoulliEvaluation``). Each evaluation also
-names the validation losses it offers to grid search
-(``optimize_prior_precision(method="gridsearch", loss="ece")``), see :func:`validation_metric`.
+Class probabilities (:class:`CategoricalEvaluation`), independent label probabilities
+(:class:`BernoulliEvaluation`), Gaussian predictives (:class:`GaussianEvaluation`) and
+heteroscedastic ones (:class:`HeteroscedasticEvaluation`). Each evaluation also names the
+validation losses it offers to grid search
+(``optimize_prior_precision(method="gridsearch", loss="ece")``). Which likelihood is evaluated
+by which class is the table of :mod:`laplace.evaluation.registry`.
 """
 
 from __future__ import annotations
@@ -42,15 +43,13 @@ from laplace.evaluation.metrics import (
 from laplace.utils.metrics import RunningNLLMetric
 
 __all__ = [
-    "EVALUATIONS",
-    "VALIDATION_LOSSES",
     "BernoulliEvaluation",
     "CategoricalEvaluation",
     "Evaluation",
     "GaussianEvaluation",
     "HeteroscedasticEvaluation",
-    "make_evaluation",
-    "validation_metric",
+    "MetricFactory",
+    "to_plain",
 ]
 
 #: Builds a validation metric from ``(n_outputs, sigma_noise, **torchmetrics_kwargs)``.
@@ -273,13 +272,17 @@ class GaussianEvaluation(Evaluation):
         "crps": lambda n_outputs, sigma_noise, **kw: GaussianCRPS(sigma_noise, **kw),
     }
 
-    def _checked(self, prediction: Any, target: Tensor) -> tuple[Any, Tensor]:
+    def _moments(self, prediction: Any) -> tuple[Tensor, Tensor]:
+        """The predictive mean and (co)variance of a batch of predictions."""
         if not (isinstance(prediction, tuple) and len(prediction) == 2):
             raise ValueError(
                 "regression predictions must be a (mean, variance) pair; got "
                 f"{type(prediction).__name__}."
             )
-        mean, cov = gaussian_predictive(*prediction, self.sigma_noise)
+        return gaussian_predictive(*prediction, self.sigma_noise)
+
+    def _checked(self, prediction: Any, target: Tensor) -> tuple[Any, Tensor]:
+        mean, cov = self._moments(prediction)
         return (mean, cov), targets_like(target, mean)
 
     def _build(self, prediction: Any, kwargs: dict[str, Any]) -> dict[str, Metric]:
@@ -309,15 +312,14 @@ class GaussianEvaluation(Evaluation):
         return result
 
     def entropy(self, prediction: Any) -> Tensor:
-        """Differential entropy of each point's predictive ``N(μ, f_var + σ²I)``, shape (B,)."""
-        return gaussian_entropy(gaussian_predictive(*prediction, self.sigma_noise)[1])
+        """Differential entropy of each point's predictive Gaussian, shape (B,)."""
+        return gaussian_entropy(self._moments(prediction)[1])
 
 
 class HeteroscedasticEvaluation(GaussianEvaluation):
     """Heteroscedastic predictions ``(mean, epistemic, aleatoric)`` against targets.
 
-    Scored as the Gaussian ``N(mean, epistemic + diag(aleatoric))`` with the results of
-    :class:`GaussianEvaluation`; the noise is predicted, so ``sigma_noise`` is not added.
+    Evaluated as the Gaussian ``N(mean, epistemic + diag(aleatoric))``; no ``sigma_noise``.
     """
 
     validation_losses: ClassVar[dict[str, MetricFactory]] = {
@@ -325,96 +327,10 @@ class HeteroscedasticEvaluation(GaussianEvaluation):
         "crps": lambda n_outputs, sigma_noise, **kw: HeteroscedasticCRPS(**kw),
     }
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.sigma_noise = 0.0
-
-    @staticmethod
-    def _gaussian(prediction: Any) -> tuple[Tensor, Tensor]:
+    def _moments(self, prediction: Any) -> tuple[Tensor, Tensor]:
         if not (isinstance(prediction, tuple) and len(prediction) == 3):
             raise ValueError(
                 "heteroscedastic predictions must be (mean, epistemic_variance, "
                 f"aleatoric_variance); got {type(prediction).__name__}."
             )
         return heteroscedastic_moments(*prediction)
-
-    def _checked(self, prediction: Any, target: Tensor) -> tuple[Any, Tensor]:
-        return super()._checked(self._gaussian(prediction), target)
-
-    def entropy(self, prediction: Any) -> Tensor:
-        """Differential entropy of each point's predictive Gaussian, shape (B,)."""
-        return super().entropy(self._gaussian(prediction))
-
-
-#: The evaluation of each likelihood's predictive, by likelihood name.
-EVALUATIONS: dict[str, type[Evaluation]] = {
-    "classification": CategoricalEvaluation,
-    "regression": GaussianEvaluation,
-    "reward_modeling": GaussianEvaluation,  # its predictive is a regression on rewards
-    "binary_classification": BernoulliEvaluation,  # independent labels, probabilities (B, K)
-    "heteroscedastic_regression": HeteroscedasticEvaluation,
-}
-
-#: Every validation loss name accepted by grid search.
-VALIDATION_LOSSES: tuple[str, ...] = tuple(
-    sorted({name for cls in EVALUATIONS.values() for name in cls.validation_losses})
-)
-
-
-def _likelihood_name(likelihood: Any) -> str:
-    """The name of a likelihood enum member, string, or likelihood object."""
-    return str(getattr(likelihood, "value", None) or getattr(likelihood, "name", likelihood))
-
-
-def evaluation_class(likelihood: Any) -> type[Evaluation]:
-    """The evaluation of a likelihood (an enum member or its name).
-
-    Raises:
-        ValueError: For a likelihood without an evaluation, listing those with one.
-    """
-    name = _likelihood_name(likelihood)
-    if name not in EVALUATIONS:
-        accepted = ", ".join(repr(key) for key in EVALUATIONS)
-        raise ValueError(f"likelihood={name!r} cannot be evaluated; accepted values: {accepted}.")
-    return EVALUATIONS[name]
-
-
-def make_evaluation(likelihood: Any, **kwargs: Any) -> Evaluation:
-    """Build the evaluation of ``likelihood`` with the keyword arguments of :class:`Evaluation`."""
-    return evaluation_class(likelihood)(**kwargs)
-
-
-def validation_metric(
-    name: str,
-    likelihood: Any,
-    n_outputs: int,
-    sigma_noise: float | Tensor = 0.0,
-    **kwargs: Any,
-) -> Metric:
-    """The running validation metric called ``name`` for a likelihood's predictions.
-
-    Args:
-        name: One of :data:`VALIDATION_LOSSES` (``"nll"``, ``"ece"``, ``"brier"``,
-            ``"crps"``); lower is better for all.
-        likelihood: The likelihood whose predictions the metric scores.
-        n_outputs: Number of classes, labels or regression outputs.
-        sigma_noise: Observation noise σ (regression).
-        **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
-
-    Raises:
-        ValueError: For an unknown name, or one the likelihood does not offer.
-    """
-    if name not in VALIDATION_LOSSES:
-        accepted = ", ".join(repr(key) for key in VALIDATION_LOSSES)
-        raise ValueError(
-            f"loss={name!r} is not supported; accepted names: {accepted} (or a "
-            "torchmetrics.Metric or a callable)."
-        )
-    losses = evaluation_class(likelihood).validation_losses
-    if name not in losses:
-        accepted = ", ".join(repr(key) for key in losses)
-        raise ValueError(
-            f"loss={name!r} does not apply to likelihood={_likelihood_name(likelihood)!r}; "
-            f"accepted names: {accepted}."
-        )
-    return losses[name](n_outputs, sigma_noise, **kwargs)

@@ -103,6 +103,24 @@ class LikelihoodModel(ABC):
                 f"{alternatives}."
             )
 
+    def check_backend(self, backend_cls: type) -> None:
+        """Refuse a curvature backend whose ``supported_losses`` exclude :meth:`loss_module`.
+
+        Third-party libraries (ASDL, BackPACK) backpropagate only the torch losses they know.
+
+        Raises:
+            ValueError: Naming the native backends, which work with every likelihood.
+        """
+        supported = backend_cls.supported_losses
+        loss = type(self.loss_module("sum"))
+        if supported is not None and loss not in supported:
+            raise ValueError(
+                f"{backend_cls.__name__} supports the likelihoods whose loss is one of "
+                f"{[cls.__name__ for cls in supported]}; likelihood={self.name!r} uses "
+                f"{loss.__name__}. Use backend=CurvlinopsGGN (or CurvlinopsEF), which work "
+                "with every likelihood."
+            )
+
     def check_low_rank(self) -> None:
         """Refuse the matrix-free (low-rank) curvature when :meth:`loss_module` cannot give it.
 
