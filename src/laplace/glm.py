@@ -8,6 +8,7 @@ never materialises the whole (B, C, P) Jacobian.
 from __future__ import annotations
 
 from collections.abc import MutableMapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -104,18 +105,9 @@ class GLMPredictiveMixin:
         if pred_type == PredType.NN:
             f = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
             return likelihood.sampled_predictive(f)
-        if joint:
-            return self._glm_predictive_distribution(x, joint=True)
-        f_mu, f_var = self._glm_predictive_distribution(
-            x, diagonal_output=likelihood.diagonal_moments(diagonal_output)
-        )
-        return likelihood.glm_predictive(
-            f_mu,
-            f_var,
-            link_approx=link_approx,
-            n_samples=n_samples,
-            generator=generator,
-            diagonal_output=diagonal_output,
+        moments = partial(self._glm_predictive_distribution, x)
+        return likelihood.predict(
+            moments, joint, diagonal_output, link_approx, n_samples, generator
         )
 
     def predictive(self, x: Inputs, pred_type="glm", link_approx="probit", n_samples=100):

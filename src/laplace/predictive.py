@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -92,8 +93,7 @@ def monte_carlo_softmax(
     **_: object,
 ) -> Tensor:
     """Monte-Carlo average of ``softmax(f)`` over ``f ~ N(f_μ, Σ_f)``, shape (B, C)."""
-    samples = gaussian_output_samples(f_mu, f_var, n_samples, generator)
-    return torch.softmax(samples, dim=-1).mean(dim=0)
+    return _monte_carlo_mean(partial(torch.softmax, dim=-1), f_mu, f_var, n_samples, generator)
 
 
 LINKS: dict[LinkApprox, Callable[..., Tensor]] = {
@@ -126,8 +126,18 @@ def monte_carlo_sigmoid(
     **_: object,
 ) -> Tensor:
     """Monte-Carlo average of ``sigmoid(f)`` over ``f ~ N(f_μ, Σ_f)``, shape (B, K)."""
-    samples = gaussian_output_samples(f_mu, f_var, n_samples, generator)
-    return torch.sigmoid(samples).mean(dim=0)
+    return _monte_carlo_mean(torch.sigmoid, f_mu, f_var, n_samples, generator)
+
+
+def _monte_carlo_mean(
+    link: Callable[[Tensor], Tensor],
+    f_mu: Tensor,
+    f_var: Tensor,
+    n_samples: int,
+    generator: torch.Generator | None,
+) -> Tensor:
+    """``(1/S) Σₛ link(fₛ)`` over ``S = n_samples`` draws ``fₛ ~ N(f_μ, Σ_f)``."""
+    return link(gaussian_output_samples(f_mu, f_var, n_samples, generator)).mean(dim=0)
 
 
 BERNOULLI_LINKS: dict[LinkApprox, Callable[..., Tensor]] = {

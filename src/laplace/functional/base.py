@@ -11,6 +11,7 @@ Internal module; the public path is :mod:`laplace.baselaplace`.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -106,18 +107,9 @@ class BaseFunctionalLaplace(BaseLaplace):
         likelihood = self._prediction_likelihood(fitting)
         likelihood.check_prediction(link_approx, joint)
         x = self._checked_inputs(x, "prediction")
-        if joint:
-            return self._glm_predictive_distribution(x, joint=True)
-        f_mu, f_var = self._glm_predictive_distribution(
-            x, diagonal_output=likelihood.diagonal_moments(diagonal_output)
-        )
-        return likelihood.glm_predictive(
-            f_mu,
-            f_var,
-            link_approx=link_approx,
-            n_samples=n_samples,
-            generator=generator,
-            diagonal_output=diagonal_output,
+        moments = partial(self._glm_predictive_distribution, x)
+        return likelihood.predict(
+            moments, joint, diagonal_output, link_approx, n_samples, generator
         )
 
     def _glm_predictive_distribution(

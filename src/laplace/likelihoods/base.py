@@ -11,7 +11,7 @@ loss, ``½ Σ‖y − f‖²`` for regression (σ-free, so the output Hessian is
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -225,6 +225,32 @@ class LikelihoodModel(ABC):
                 f"likelihood={self.name!r} accepts link_approx in "
                 f"{[link.value for link in self.links]}, got {link_approx.value!r}."
             )
+
+    def predict(
+        self,
+        moments: Callable[..., tuple[Tensor, Tensor]],
+        joint: bool,
+        diagonal_output: bool,
+        link_approx: LinkApprox,
+        n_samples: int,
+        generator: torch.Generator | None,
+    ) -> Any:
+        """The GLM predictive from a function giving the Gaussian over the outputs.
+
+        Args:
+            moments: ``moments(joint=..., diagonal_output=...)`` → ``(f_mu, f_var)`` at the
+                test inputs (``_glm_predictive_distribution`` of a Laplace approximation).
+            joint: Return the joint Gaussian over all test outputs (checked beforehand by
+                :meth:`check_prediction`).
+            diagonal_output: Whether the caller asked for variances.
+            link_approx: See :meth:`glm_predictive`.
+            n_samples: See :meth:`glm_predictive`.
+            generator: See :meth:`glm_predictive`.
+        """
+        if joint:
+            return moments(joint=True)
+        f_mu, f_var = moments(diagonal_output=self.diagonal_moments(diagonal_output))
+        return self.glm_predictive(f_mu, f_var, link_approx, n_samples, generator, diagonal_output)
 
     def diagonal_moments(self, diagonal_output: bool) -> bool:
         """Whether :meth:`glm_predictive` needs only the output variances (B, C)."""
