@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from laplace.utils.enums import FunctionalApproximation, HessianStructure, LinkApprox
 
-__all__ = ["LikelihoodModel"]
+__all__ = ["LikelihoodModel", "ProbabilityLikelihood"]
 
 
 class LikelihoodModel(ABC):
@@ -292,3 +292,48 @@ class LikelihoodModel(ABC):
     def predictive_sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """One predictive draw per output sample ``f`` (S, B, C): the outputs by default."""
         return f
+
+
+class ProbabilityLikelihood(LikelihoodModel):
+    """A likelihood whose predictions are probabilities ``link(f)`` of the outputs.
+
+    The GLM predictive approximates ``E[link(f)]`` under the Gaussian over the outputs by one of
+    the functions of :attr:`link_approximations`; sampled networks and predictive samples apply
+    :meth:`link` to each draw.
+    """
+
+    predicts_probabilities = True
+    default_validation_loss = "nll"
+    #: ``link_approx`` → function of ``(f_mu, f_var, n_samples=, generator=)``.
+    link_approximations: dict[LinkApprox, Callable[..., Tensor]]
+
+    @staticmethod
+    @abstractmethod
+    def link(f: Tensor) -> Tensor:
+        """The probabilities of outputs ``f`` (..., C)."""
+
+    @property
+    def links(self) -> tuple[LinkApprox, ...]:  # type: ignore[override]
+        """The link approximations the GLM predictive accepts."""
+        return tuple(self.link_approximations)
+
+    def glm_predictive(
+        self,
+        f_mu: Tensor,
+        f_var: Tensor,
+        link_approx: LinkApprox = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        diagonal_output: bool = False,
+    ) -> Tensor:
+        """Probabilities (B, C) by the link approximation ``link_approx``."""
+        approximation = self.link_approximations[link_approx]
+        return approximation(f_mu, f_var, n_samples=n_samples, generator=generator)
+
+    def sampled_predictive(self, f: Tensor) -> Tensor:
+        """The mean probabilities over sampled outputs (S, B, C), shape (B, C)."""
+        return self.link(f).mean(dim=0)
+
+    def predictive_sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """The probabilities of each output sample."""
+        return self.link(f)

@@ -10,14 +10,14 @@ from torch.nn import functional as F
 from typing_extensions import override
 
 from laplace.errors import DataError, LabelError
-from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.base import ProbabilityLikelihood
 from laplace.predictive import BERNOULLI_LINKS
-from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood, LinkApprox
+from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood
 
 __all__ = ["Bernoulli"]
 
 
-class Bernoulli(LikelihoodModel):
+class Bernoulli(ProbabilityLikelihood):
     r"""Independent Bernoulli labels ``yₖ ~ Bernoulli(σ(fₖ))`` for logits ``f`` of shape (B, K).
 
     K = 1 is binary classification, K > 1 multi-label classification. The loss is the summed
@@ -30,10 +30,8 @@ class Bernoulli(LikelihoodModel):
     """
 
     kind = Likelihood.BINARY_CLASSIFICATION
-    predicts_probabilities = True
-    links = (LinkApprox.PROBIT, LinkApprox.MC)
+    link_approximations = BERNOULLI_LINKS
     predictions = "label probabilities"
-    default_validation_loss = "nll"
     #: Subset-of-data GP: its output curvature is diagonal, so the GP uses it exactly.
     function_space = (FunctionalApproximation.SOD,)
     hessian_structures = (
@@ -43,6 +41,15 @@ class Bernoulli(LikelihoodModel):
         HessianStructure.LOWRANK,
         HessianStructure.GP,
     )
+
+    @override
+    @staticmethod
+    def link(f: Tensor) -> Tensor:
+        return torch.sigmoid(f)
+
+    @override
+    def diagonal_moments(self, diagonal_output: bool) -> bool:
+        return True  # independent labels: each probability needs only its own variance
 
     @override
     def loss_module(self, reduction: str = "mean") -> nn.Module:
@@ -107,31 +114,6 @@ class Bernoulli(LikelihoodModel):
                 f"binary label {int(low if low < 0 else high)} is not 0 or 1; each of the "
                 f"K={n_labels} outputs is an independent 0/1 label."
             )
-
-    @override
-    def diagonal_moments(self, diagonal_output: bool) -> bool:
-        return True  # independent labels: each probability needs only its own variance
-
-    @override
-    def glm_predictive(
-        self,
-        f_mu: Tensor,
-        f_var: Tensor,
-        link_approx: LinkApprox = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        generator: torch.Generator | None = None,
-        diagonal_output: bool = False,
-    ) -> Tensor:
-        """Label probabilities (B, K) by the sigmoid link approximation ``link_approx``."""
-        return BERNOULLI_LINKS[link_approx](f_mu, f_var, n_samples=n_samples, generator=generator)
-
-    @override
-    def sampled_predictive(self, f: Tensor) -> Tensor:
-        return torch.sigmoid(f).mean(dim=0)
-
-    @override
-    def predictive_sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        return torch.sigmoid(f)
 
 
 def _bernoulli_variance(f: Tensor) -> Tensor:

@@ -10,22 +10,25 @@ from torch.nn import functional as F
 from typing_extensions import override
 
 from laplace.errors import DataError, LabelError
-from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.base import LikelihoodModel, ProbabilityLikelihood
 from laplace.likelihoods.gaussian import GaussianRegression
 from laplace.predictive import LINKS
-from laplace.utils.enums import HessianStructure, Likelihood, LinkApprox
+from laplace.utils.enums import HessianStructure, Likelihood
 
 __all__ = ["Categorical", "RewardModeling"]
 
 
-class Categorical(LikelihoodModel):
+class Categorical(ProbabilityLikelihood):
     """Categorical likelihood with a softmax link; targets are class indices or probabilities."""
 
     kind = Likelihood.CLASSIFICATION
-    predicts_probabilities = True
-    links = tuple(LinkApprox)
+    link_approximations = LINKS
     predictions = "class probabilities"
-    default_validation_loss = "nll"
+
+    @override
+    @staticmethod
+    def link(f: Tensor) -> Tensor:
+        return torch.softmax(f, dim=-1)
 
     @override
     def loss_module(self, reduction: str = "mean") -> nn.Module:
@@ -67,29 +70,8 @@ class Categorical(LikelihoodModel):
         return -loss / temperature
 
     @override
-    def glm_predictive(
-        self,
-        f_mu: Tensor,
-        f_var: Tensor,
-        link_approx: LinkApprox = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        generator: torch.Generator | None = None,
-        diagonal_output: bool = False,
-    ) -> Tensor:
-        """Class probabilities (B, C) by the softmax link approximation ``link_approx``."""
-        return LINKS[link_approx](f_mu, f_var, n_samples=n_samples, generator=generator)
-
-    @override
     def diagonal_moments(self, diagonal_output: bool) -> bool:
         return False  # the bridge and Monte-Carlo links use the covariance between classes
-
-    @override
-    def sampled_predictive(self, f: Tensor) -> Tensor:
-        return torch.softmax(f, dim=-1).mean(dim=0)
-
-    @override
-    def predictive_sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        return torch.softmax(f, dim=-1)
 
     @override
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
