@@ -168,11 +168,15 @@ class LikelihoodModel(ABC):
     def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """Draw targets ``y ~ p(y | f)`` (for Monte-Carlo Fisher estimates)."""
 
-    @abstractmethod
     def log_likelihood(
         self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
     ) -> Tensor:
-        """Log-likelihood of the training data from its summed loss."""
+        """Log-likelihood of the training data from its summed loss: ``−loss/T`` by default.
+
+        The default is right for a loss that is the whole negative log-likelihood (no constant
+        left out, no σ): classification, binary classification, your own likelihood.
+        """
+        return -loss / temperature
 
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
         """Check targets against the outputs and bring them to the shape the loss expects.

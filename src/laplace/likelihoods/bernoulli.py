@@ -77,12 +77,6 @@ class Bernoulli(ProbabilityLikelihood):
         return torch.bernoulli(torch.sigmoid(f.detach()), generator=generator)
 
     @override
-    def log_likelihood(
-        self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
-    ) -> Tensor:
-        return -loss / temperature
-
-    @override
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
         self.check_targets(y, f.shape)
         return y.reshape(f.shape).to(f.dtype)

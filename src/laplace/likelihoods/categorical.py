@@ -64,12 +64,6 @@ class Categorical(ProbabilityLikelihood):
         return torch.multinomial(p, 1, generator=generator).squeeze(-1)
 
     @override
-    def log_likelihood(
-        self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
-    ) -> Tensor:
-        return -loss / temperature
-
-    @override
     def diagonal_moments(self, diagonal_output: bool) -> bool:
         return False  # the bridge and Monte-Carlo links use the covariance between classes
 

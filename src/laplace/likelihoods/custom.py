@@ -113,12 +113,6 @@ class CustomLikelihood(LikelihoodModel):
         return self.kind.sample(f.detach(), generator)
 
     @override
-    def log_likelihood(
-        self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
-    ) -> Tensor:
-        return -loss / temperature
-
-    @override
     def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
         self.kind.check_targets(y, output_shape)
 
