@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.gaussian import check_real_targets
-from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood
+from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood, LinkApprox
 
 __all__ = [
     "HeteroscedasticGaussian",
@@ -171,7 +171,7 @@ class HeteroscedasticGaussian(LikelihoodModel):
         self,
         f_mu: Tensor,
         f_var: Tensor,
-        link_approx: object = None,
+        link_approx: LinkApprox = LinkApprox.PROBIT,
         n_samples: int = 100,
         generator: torch.Generator | None = None,
         diagonal_output: bool = False,
