@@ -10,14 +10,15 @@ from torch.nn import functional as F
 from typing_extensions import override
 
 from laplace.errors import DataError, LabelError
-from laplace.likelihoods.base import ProbabilityLikelihood
+from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.prediction import ProbabilityPredictions
 from laplace.predictive import BERNOULLI_LINKS
 from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood
 
 __all__ = ["Bernoulli"]
 
 
-class Bernoulli(ProbabilityLikelihood):
+class Bernoulli(ProbabilityPredictions, LikelihoodModel):
     r"""Independent Bernoulli labels ``yₖ ~ Bernoulli(σ(fₖ))`` for logits ``f`` of shape (B, K).
 
     K = 1 is binary classification, K > 1 multi-label classification. The loss is the summed
@@ -30,6 +31,8 @@ class Bernoulli(ProbabilityLikelihood):
     """
 
     kind = Likelihood.BINARY_CLASSIFICATION
+    predicts_probabilities = True
+    default_validation_loss = "nll"
     link_approximations = BERNOULLI_LINKS
     predictions = "label probabilities"
     #: Subset-of-data GP: its output curvature is diagonal, so the GP uses it exactly.

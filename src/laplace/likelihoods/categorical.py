@@ -10,18 +10,21 @@ from torch.nn import functional as F
 from typing_extensions import override
 
 from laplace.errors import DataError, LabelError
-from laplace.likelihoods.base import LikelihoodModel, ProbabilityLikelihood
+from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.gaussian import GaussianRegression
+from laplace.likelihoods.prediction import ProbabilityPredictions
 from laplace.predictive import LINKS
 from laplace.utils.enums import HessianStructure, Likelihood
 
 __all__ = ["Categorical", "RewardModeling"]
 
 
-class Categorical(ProbabilityLikelihood):
+class Categorical(ProbabilityPredictions, LikelihoodModel):
     """Categorical likelihood with a softmax link; targets are class indices or probabilities."""
 
     kind = Likelihood.CLASSIFICATION
+    predicts_probabilities = True
+    default_validation_loss = "nll"
     link_approximations = LINKS
     predictions = "class probabilities"
 
