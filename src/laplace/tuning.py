@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torchmetrics
@@ -33,8 +33,12 @@ __all__ = [
     "grid_candidates",
     "gridsearch",
     "maximize_marglik",
+    "search_grid",
+    "tune_hyperparameters",
     "validation_loss",
 ]
+
+T = TypeVar("T")
 
 
 def maximize_marglik(
@@ -119,6 +123,31 @@ def grid_candidates(
     return torch.logspace(low, high, size, base=base, device=device, dtype=dtype)
 
 
+def search_grid(
+    candidates: Iterable[T],
+    score: Callable[[T], float],
+    progress_bar: bool = False,
+) -> tuple[T | None, list[float]]:
+    """Score every candidate; the first one with the lowest finite score wins.
+
+    Args:
+        candidates: Hyperparameter settings to try, in order.
+        score: Applies a candidate to the approximation and returns its validation loss
+            (NaN or inf when the candidate cannot be evaluated).
+        progress_bar: Show a progress bar.
+
+    Returns:
+        The best candidate (None when no score is finite) and the scores in candidate order.
+    """
+    best, best_score, scores = None, math.inf, []
+    for candidate in tqdm(candidates, disable=not progress_bar, desc="gridsearch"):
+        value = score(candidate)
+        scores.append(value)
+        if math.isfinite(value) and value < best_score:
+            best, best_score = candidate, value
+    return best, scores
+
+
 def gridsearch(
     la: BaseLaplace,
     candidates: Tensor,
@@ -132,9 +161,10 @@ def gridsearch(
     """Pick the candidate prior precision with the lowest validation loss.
 
     Candidates whose posterior cannot be factorised or whose loss is not finite are skipped;
-    the first of equal losses wins. After a distributed fit (see :mod:`laplace.distributed`)
-    each rank validates on its own shard of ``val_loader`` and the losses, taken as means over
-    the shard, are averaged over all validation points, so every rank picks the same candidate.
+    the first of equal losses wins (see :func:`search_grid`). After a distributed fit (see
+    :mod:`laplace.distributed`) each rank validates on its own shard of ``val_loader`` and the
+    losses, taken as means over the shard, are averaged over all validation points, so every
+    rank picks the same candidate.
 
     Returns:
         The best candidate, shape (1,).
@@ -144,8 +174,8 @@ def gridsearch(
     """
     distributed = getattr(la, "_distributed", False)
     n_val = distributed_utils.data_count(val_loader) if distributed else 1
-    best, best_loss = None, float("inf")
-    for prior_prec in tqdm(candidates, disable=not progress_bar, desc="gridsearch"):
+
+    def score(prior_prec: Tensor) -> float:
         la.prior_precision = prior_prec.reshape(1)
         with distributed_utils.guard(distributed, "gridsearch"):
             try:
@@ -164,8 +194,61 @@ def gridsearch(
             sums = torch.tensor([value * n_val, n_val], dtype=torch.float64, device=la._device)
             total, count = distributed_utils.all_reduce_sum(sums).tolist()
             value = total / count
-        if value < best_loss:
-            best, best_loss = prior_prec.reshape(1), value
+        return value
+
+    best, _ = search_grid(candidates, score, progress_bar)
     if best is None:
         raise RuntimeError("gridsearch: every candidate prior precision gave a non-finite loss.")
-    return best
+    return best.reshape(1)
+
+
+def tune_hyperparameters(
+    la: BaseLaplace, grid: Iterable[Any], score: Callable[[], float]
+) -> list[dict[str, float]]:
+    """Set the candidate of ``grid`` with the lowest ``score`` on ``la`` (see :func:`search_grid`).
+
+    Args:
+        la: A fitted Laplace approximation.
+        grid: Prior precisions, or ``(prior_precision, sigma_noise)`` pairs.
+        score: The validation loss of ``la`` with the hyperparameters it holds; a candidate
+            whose posterior cannot be factorised scores NaN.
+
+    Returns:
+        One record per candidate: ``prior_precision``, ``sigma_noise``, ``val_nll``.
+
+    Raises:
+        ValueError: For an empty grid, or if no candidate has a finite score (the
+            hyperparameters are then restored).
+    """
+    initial = (la.prior_precision, la.sigma_noise)
+    records = []
+
+    def apply(candidate: Any) -> None:
+        if isinstance(candidate, (tuple, list)):
+            la.prior_precision, la.sigma_noise = candidate
+        else:
+            la.prior_precision = candidate
+
+    def scored(candidate: Any) -> float:
+        apply(candidate)
+        try:
+            value = score()
+        except (NotPositiveDefiniteError, torch.linalg.LinAlgError):
+            value = math.nan
+        records.append(
+            {
+                "prior_precision": float(la.prior_precision),
+                "sigma_noise": float(la.sigma_noise),
+                "val_nll": value,
+            }
+        )
+        return value
+
+    best, _ = search_grid(grid, scored)
+    if best is None:
+        la.prior_precision, la.sigma_noise = initial
+        if not records:
+            raise ValueError("the hyperparameter grid is empty.")
+        raise ValueError("no candidate of the grid gives a finite validation NLL.")
+    apply(best)
+    return records
