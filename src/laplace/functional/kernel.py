@@ -215,9 +215,9 @@ class SubsetKernel:
         """
         L = self.factor(s, h)
         B, C = J.shape
-        subset = list(self._subset_jacobians())
         if self.independent:
-            K_star_M = torch.cat([J.cross(Jm, True) for Jm in subset], dim=2)  # (C, B, M)
+            blocks = [J.cross(Jm, True) for Jm in self._subset_jacobians()]
+            K_star_M = torch.cat(blocks, dim=2)  # (C, B, M)
             V = torch.linalg.solve_triangular(L, s * K_star_M.transpose(1, 2), upper=False)
             if joint:
                 cov = s * J.cross(J, True) - V.transpose(1, 2) @ V
@@ -226,7 +226,8 @@ class SubsetKernel:
                 out[:, idx, :, idx] = cov
                 return out.reshape(B * C, B * C)
             return torch.diag_embed(s * J.output_variances() - V.square().sum(1).T)
-        K_star_M = torch.cat([J.cross(Jm, False) for Jm in subset], dim=1)  # (B·C, M·C)
+        blocks = [J.cross(Jm, False) for Jm in self._subset_jacobians()]
+        K_star_M = torch.cat(blocks, dim=1)  # (B·C, M·C)
         V = torch.linalg.solve_triangular(L, s * K_star_M.T, upper=False)
         if joint:
             return s * J.cross(J, False) - V.T @ V

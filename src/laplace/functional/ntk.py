@@ -124,6 +124,11 @@ class FactoredJacobian:
         return tuple(self.layers[0].G.shape[:2])
 
     @property
+    def slots(self) -> list[tuple[int | None, int | None]]:
+        """The parameters of each layer (factors of point sets with other layers differ)."""
+        return [layer.slots for layer in self.layers]
+
+    @property
     def row_width(self) -> int:
         """Entries held per point and output (the output gradients of all layers)."""
         return sum(layer.G.shape[-1] for layer in self.layers)
@@ -144,7 +149,7 @@ class FactoredJacobian:
 
     def cross(self, other: DenseJacobian | FactoredJacobian, independent: bool) -> Tensor:
         """Kernel ``J Jₒᵀ`` with another point set: (B·C, B'·C), or (C, B, B') per output."""
-        if not isinstance(other, FactoredJacobian):
+        if not isinstance(other, FactoredJacobian) or self.slots != other.slots:
             return DenseJacobian(self.dense()).cross(other, independent)
         total = None
         for mine, theirs in zip(self.layers, other.layers, strict=True):
