@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from typing_extensions import override
 
 from laplace.errors import DataError, LabelError
+from laplace.predictive import probit_logits
 from laplace.utils.enums import HessianStructure, Likelihood, parse_enum
 
 __all__ = [
@@ -41,6 +42,8 @@ class LikelihoodModel(ABC):
     loss_scale: float = 1.0
     #: The Hessian structures it can be fitted with; None: every structure.
     hessian_structures: tuple[HessianStructure, ...] | None = None
+    #: Whether the fit data are pairs of items (B, 2, ...) that the likelihood compares.
+    pairwise: bool = False
 
     @property
     def fit_likelihood(self) -> LikelihoodModel:
@@ -98,6 +101,34 @@ class LikelihoodModel(ABC):
         L = self.output_hessian_sqrt(f)
         return L @ L.transpose(-1, -2)
 
+    def ggn(self, J: Tensor, f: Tensor) -> Tensor:
+        """Generalised Gauss-Newton ``Σₙ Jₙᵀ Λₙ Jₙ`` of per-point Jacobians.
+
+        Args:
+            J: Jacobians of the outputs (B, C, K) w.r.t. K parameters or features.
+            f: Outputs (B, C) at which the output Hessians ``Λₙ`` are taken.
+
+        Returns:
+            Shape (K, K).
+        """
+        return torch.einsum("bck,bcd,bdl->kl", J, self.output_hessian(f), J)
+
+    @abstractmethod
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        """Summed negative log-likelihood of targets under the predictive of ``N(f_mu, f_var)``.
+
+        Args:
+            f_mu: Latent means (B, C).
+            f_var: Latent covariances (B, C, C).
+            y: Targets of the batch.
+            sigma_noise: Observation noise σ (used by likelihoods that have one).
+
+        Returns:
+            A scalar.
+        """
+
     @abstractmethod
     def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """Draw targets ``y ~ p(y | f)`` (for Monte-Carlo Fisher estimates)."""
@@ -147,6 +178,19 @@ class GaussianRegression(LikelihoodModel):
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
         y = self.prepare_targets(f, y)
         return 0.5 * (y - f).square().flatten(1).sum(1)
+
+    @override
+    def ggn(self, J: Tensor, f: Tensor) -> Tensor:
+        return torch.einsum("bck,bcl->kl", J, J)
+
+    @override
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        """Gaussian NLL with the latent variances plus ``σ²``, summed over outputs and points."""
+        y = self.prepare_targets(f_mu, y.to(f_mu.dtype))
+        var = f_var.diagonal(dim1=-2, dim2=-1) + sigma_noise.square()
+        return 0.5 * ((y - f_mu).square() / var + var.log() + math.log(2 * math.pi)).sum()
 
     @override
     def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
@@ -225,6 +269,31 @@ class Categorical(LikelihoodModel):
         return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
 
     @override
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        """Cross-entropy of the logits of the probit approximation (:func:`probit_logits`)."""
+        logits = probit_logits(f_mu, f_var)
+        return F.cross_entropy(logits, self.class_indices(y), reduction="sum")
+
+    @staticmethod
+    def class_indices(y: Tensor) -> Tensor:
+        """Class indices (B,) as ``long`` from indices (B,), a column (B, 1) or one-hot (B, C).
+
+        Class probabilities (B, C) give their most likely class.
+
+        Raises:
+            ValueError: For any other shape.
+        """
+        if y.dim() == 2:
+            y = y[:, 0] if y.shape[1] == 1 else y.argmax(-1)
+        if y.dim() != 1:
+            raise ValueError(
+                f"classification targets must have shape (B,) or (B, C), got {tuple(y.shape)}."
+            )
+        return y.long()
+
+    @override
     def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
         p = torch.softmax(f.detach(), dim=-1)
         return torch.multinomial(p, 1, generator=generator).squeeze(-1)
@@ -275,6 +344,7 @@ class RewardModeling(LikelihoodModel):
     predicts_probabilities = False
     #: The structures laplace-torch supports for reward modelling.
     hessian_structures = (HessianStructure.KRON, HessianStructure.DIAG)
+    pairwise = True
 
     def __init__(self) -> None:
         self._fit = Categorical()
@@ -313,6 +383,12 @@ class RewardModeling(LikelihoodModel):
     @override
     def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
         return self._fit.sample_targets(f, generator)
+
+    @override
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        return self._fit.predictive_nll(f_mu, f_var, y, sigma_noise)
 
     @override
     def log_likelihood(
