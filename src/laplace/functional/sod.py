@@ -205,9 +205,8 @@ class FunctionalLaplace(IsotropicPriorMixin, BaseFunctionalLaplace):
     @property
     def _noise_variance(self) -> Tensor | None:
         """``σ²`` for likelihoods with observation noise, else None."""
-        return (
-            self.sigma_noise.square() if self._likelihood_model.has_noise_hyperparameter else None
-        )
+        noisy = self._likelihood_model.has_noise_hyperparameter
+        return self.sigma_noise.square() if noisy else None
 
     @property
     def log_det_ratio(self) -> Tensor:
