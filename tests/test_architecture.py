@@ -20,21 +20,6 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 #: Nothing in the package imports them.
 FACADES = ("laplace", "laplace.baselaplace", "laplace.utils", "laplace.utils.utils")
 
-#: Import cycles that are known and owned by another change: issue 13b rebuilds
-#: ``laplace.functional`` on helpers that take values instead of the class holding them, which
-#: removes these; empty this tuple when it lands (the test fails while an entry is stale).
-KNOWN_CYCLES: tuple[frozenset[str], ...] = (
-    frozenset({"laplace.functional.ella", "laplace.functional.nystrom"}),
-    frozenset({"laplace.functional.kernel", "laplace.functional.sod"}),
-    frozenset(
-        {
-            "laplace.functional.inducing",
-            "laplace.functional.valla",
-            "laplace.functional.valla_objective",
-        }
-    ),
-)
-
 
 def _modules() -> dict[str, tuple[Path, bool]]:
     """Every module of the package: its dotted name, its file and whether it is a package."""
@@ -120,10 +105,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_no_import_cycles_between_modules():
     cycles = _cycles(GRAPH)
-    new = [cycle for cycle in cycles if cycle not in KNOWN_CYCLES]
-    assert not new, "import cycles: " + " | ".join(map(_describe, new))
-    stale = [cycle for cycle in KNOWN_CYCLES if cycle not in cycles]
-    assert not stale, f"KNOWN_CYCLES lists cycles that are gone, remove them: {stale}"
+    assert not cycles, "import cycles: " + " | ".join(map(_describe, cycles))
 
 
 @pytest.mark.parametrize("facade", FACADES)

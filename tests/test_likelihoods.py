@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from conftest import assert_close
+from laplace.errors import UnsupportedError
 from laplace.likelihoods import make_likelihood
+from laplace.predictive import probit, probit_logits
 from laplace.utils.enums import HessianStructure
 
 B, C = 5, 3
@@ -94,3 +96,75 @@ def test_the_enum_and_the_protocol_are_different_names():
     assert Names.BINARY_CLASSIFICATION == "binary_classification"
     assert [m.value for m in Names][:3] == ["regression", "classification", "reward_modeling"]
     assert isinstance(Protocol, type) and not issubclass(Protocol, str)
+
+
+g = torch.Generator().manual_seed(0)
+F = torch.randn(5, 3, dtype=torch.float64, generator=g)
+J = torch.randn(5, 3, 4, dtype=torch.float64, generator=g)
+ROOT = torch.randn(5, 3, 3, dtype=torch.float64, generator=g)
+COV = ROOT @ ROOT.transpose(1, 2)
+
+
+NAMES = (
+    "regression",
+    "classification",
+    "reward_modeling",
+    "binary_classification",
+    "heteroscedastic_regression",
+)
+
+
+def test_properties_describe_each_likelihood():
+    table = {
+        name: (model.has_noise_hyperparameter, model.pairwise)
+        for name in NAMES
+        for model in [make_likelihood(name)]
+    }
+    assert table == {
+        "regression": (True, False),
+        "classification": (False, False),
+        "reward_modeling": (False, True),
+        "binary_classification": (False, False),
+        "heteroscedastic_regression": (False, False),
+    }
+
+
+@pytest.mark.parametrize(
+    "name", ["regression", "classification", "reward_modeling", "binary_classification"]
+)
+def test_ggn_is_the_sum_of_jacobian_output_hessian_products(name):
+    likelihood = make_likelihood(name)
+    expected = torch.einsum("bck,bcd,bdl->kl", J, likelihood.output_hessian(F), J)
+    assert_close(likelihood.ggn(J, F), expected)
+
+
+def test_gaussian_predictive_nll_adds_the_noise_to_the_latent_variances():
+    y = torch.randn(5, 3, dtype=torch.float64, generator=g)
+    sigma = torch.tensor([0.7], dtype=torch.float64)
+    var = COV.diagonal(dim1=1, dim2=2) + 0.49
+    expected = -torch.distributions.Normal(F, var.sqrt()).log_prob(y).sum()
+    assert_close(make_likelihood("regression").predictive_nll(F, COV, y, sigma), expected)
+    with pytest.raises(ValueError, match="do not match"):
+        make_likelihood("regression").predictive_nll(F, COV, y[:, 0], sigma)
+
+
+@pytest.mark.parametrize("name", ["classification", "reward_modeling"])
+def test_class_probability_nll_is_the_probit_cross_entropy(name):
+    y = torch.tensor([0, 2, 1, 1, 0])
+    expected = -probit(F, COV).log().gather(1, y[:, None]).sum()
+    nll = make_likelihood(name).predictive_nll(F, COV, y, torch.ones(1))
+    assert_close(nll, expected)
+    one_hot = torch.nn.functional.one_hot(y, 3).double()
+    assert_close(make_likelihood(name).predictive_nll(F, COV, one_hot, torch.ones(1)), expected)
+
+
+@pytest.mark.parametrize("name", ["binary_classification", "heteroscedastic_regression"])
+def test_likelihoods_without_a_function_space_validation_score_refuse_one(name):
+    with pytest.raises(UnsupportedError, match=name):
+        make_likelihood(name).predictive_nll(F[:, :2], COV[:, :2, :2], F[:, :2], torch.ones(1))
+
+
+def test_probit_logits_scale_the_means_by_the_variances():
+    var = COV.diagonal(dim1=1, dim2=2)
+    assert_close(probit_logits(F, COV), F / torch.sqrt(1 + math.pi / 8 * var))
+    assert_close(probit_logits(F, var), probit_logits(F, COV))

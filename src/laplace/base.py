@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.curvature import check_dict_inputs
 from laplace.curvature.registry import check_backend_kwargs
-from laplace.data import prepare_batch
+from laplace.data_loop import DataLoop
 from laplace.distributed import unwrap_model
 from laplace.errors import AbstractClassError, NotFittedError, check_mapping, check_module
 from laplace.likelihoods import make_likelihood
@@ -259,10 +258,21 @@ class BaseLaplace(PriorTuning, Transactional):
             ValueError: For batches :func:`~laplace.data.prepare_batch` refuses, and dict-like
                 batches with a backend that cannot take them (BackPACK).
         """
-        for batch in tqdm(loader, disable=not progress_bar, desc=desc):
-            X, y = prepare_batch(batch, self.dict_key_x, self.dict_key_y, self._device)
-            check_dict_inputs(self._backend_cls, X)
-            yield X, y
+        return self._data_loop(DataLoop, progress_bar=progress_bar, desc=desc).batches(loader)
+
+    def _data_loop(self, loop: type[DataLoop], **options: Any) -> DataLoop:
+        """A ``loop`` (a :class:`~laplace.data_loop.DataLoop` class) over this one's batches.
+
+        ``options`` are its other arguments; the dict keys, the device and the check that the
+        backend takes the inputs are this approximation's.
+        """
+        return loop(
+            self.dict_key_x,
+            self.dict_key_y,
+            self._device,
+            check_inputs=partial(check_dict_inputs, self._backend_cls),
+            **options,
+        )
 
 
 def _backend_class(

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 import torchmetrics
@@ -39,8 +39,11 @@ __all__ = [
     "grid_candidates",
     "gridsearch",
     "maximize_marglik",
+    "search_grid",
     "validation_loss",
 ]
+
+T = TypeVar("T")
 
 
 def maximize_marglik(
@@ -140,6 +143,31 @@ def grid_candidates(
     return torch.logspace(low, high, size, base=base, device=device, dtype=dtype)
 
 
+def search_grid(
+    candidates: Iterable[T],
+    score: Callable[[T], float],
+    progress_bar: bool = False,
+) -> tuple[T | None, list[float]]:
+    """Score every candidate; the first one with the lowest finite score wins.
+
+    Args:
+        candidates: Hyperparameter settings to try, in order.
+        score: Applies a candidate to the approximation and returns its validation loss
+            (NaN or inf when the candidate cannot be evaluated).
+        progress_bar: Show a progress bar.
+
+    Returns:
+        The best candidate (None when no score is finite) and the scores in candidate order.
+    """
+    best, best_score, scores = None, math.inf, []
+    for candidate in tqdm(candidates, disable=not progress_bar, desc="gridsearch"):
+        value = score(candidate)
+        scores.append(value)
+        if math.isfinite(value) and value < best_score:
+            best, best_score = candidate, value
+    return best, scores
+
+
 def gridsearch(
     candidates: Tensor,
     validation_score: Callable[[Tensor], float],
@@ -150,9 +178,10 @@ def gridsearch(
     """Pick the candidate prior precision with the lowest validation loss.
 
     Candidates whose posterior cannot be factorised or whose loss is not finite are skipped;
-    the first of equal losses wins. After a distributed fit (see :mod:`laplace.distributed`)
-    each rank validates on its own shard of ``val_loader`` and the losses, taken as means over
-    the shard, are averaged over all validation points, so every rank picks the same candidate.
+    the first of equal losses wins (see :func:`search_grid`). After a distributed fit (see
+    :mod:`laplace.distributed`) each rank validates on its own shard of ``val_loader`` and the
+    losses, taken as means over the shard, are averaged over all validation points, so every
+    rank picks the same candidate.
 
     Args:
         candidates: Candidate prior precisions, shape (G,).
@@ -170,8 +199,8 @@ def gridsearch(
         RuntimeError: If no candidate gives a finite validation loss.
     """
     n_val = distributed_utils.data_count(val_loader) if distributed else 1
-    best, best_loss = None, float("inf")
-    for prior_prec in tqdm(candidates, disable=not progress_bar, desc="gridsearch"):
+
+    def score(prior_prec: Tensor) -> float:
         with distributed_utils.guard(distributed, "gridsearch"):
             try:
                 value = validation_score(prior_prec.reshape(1))
@@ -183,11 +212,12 @@ def gridsearch(
             )
             total, count = distributed_utils.all_reduce_sum(sums).tolist()
             value = total / count
-        if value < best_loss:
-            best, best_loss = prior_prec.reshape(1), value
+        return value
+
+    best, _ = search_grid(candidates, score, progress_bar)
     if best is None:
         raise RuntimeError("gridsearch: every candidate prior precision gave a non-finite loss.")
-    return best
+    return best.reshape(1)
 
 
 class PriorTuning:

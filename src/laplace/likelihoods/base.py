@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from laplace.errors import UnsupportedError
 from laplace.likelihoods.prediction import OutputPredictions
 from laplace.utils.enums import FunctionalApproximation, HessianStructure
 
@@ -40,6 +41,8 @@ class LikelihoodModel(OutputPredictions, ABC):
     loss_scale: float = 1.0
     #: The Hessian structures it can be fitted with; None: every structure.
     hessian_structures: tuple[HessianStructure, ...] | None = None
+    #: Whether the fit data are pairs of items (B, 2, ...) that the likelihood compares.
+    pairwise: bool = False
     #: Grid search's default validation loss (a name of its evaluation's losses); None: MSE.
     default_validation_loss: str | None = None
     #: Whether curvlinops' operators on :meth:`loss_module` give its curvature (low-rank).
@@ -157,6 +160,43 @@ class LikelihoodModel(OutputPredictions, ABC):
         """Hessian (or Fisher) of the per-sample loss w.r.t. ``f``, shape (B, C, C)."""
         L = self.output_hessian_sqrt(f)
         return L @ L.transpose(-1, -2)
+
+    def ggn(self, J: Tensor, f: Tensor) -> Tensor:
+        """Generalised Gauss-Newton ``Σₙ Jₙᵀ Λₙ Jₙ`` of per-point Jacobians.
+
+        Args:
+            J: Jacobians of the outputs (B, C, K) w.r.t. K parameters or features.
+            f: Outputs (B, C) at which the output Hessians ``Λₙ`` are taken.
+
+        Returns:
+            Shape (K, K).
+        """
+        return torch.einsum("bck,bcd,bdl->kl", J, self.output_hessian(f), J)
+
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        """Summed negative log-likelihood of targets under the predictive of ``N(f_mu, f_var)``.
+
+        The validation score of the function-space approximations that tune by it (ELLA,
+        VaLLA), which refuse the likelihoods without one (see :attr:`function_space`).
+
+        Args:
+            f_mu: Latent means (B, C).
+            f_var: Latent covariances (B, C, C).
+            y: Targets of the batch.
+            sigma_noise: Observation noise σ (used by likelihoods that have one).
+
+        Returns:
+            A scalar.
+
+        Raises:
+            UnsupportedError: For a likelihood that does not define it.
+        """
+        raise UnsupportedError(
+            f"likelihood={self.name!r} has no predictive negative log-likelihood of a Gaussian "
+            "over its outputs in laplace-ng."
+        )
 
     @abstractmethod
     def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:

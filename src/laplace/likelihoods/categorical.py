@@ -13,7 +13,7 @@ from laplace.errors import DataError, LabelError
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.gaussian import GaussianRegression
 from laplace.likelihoods.prediction import ProbabilityPredictions
-from laplace.predictive import LINKS
+from laplace.predictive import LINKS, probit_logits
 from laplace.utils.enums import HessianStructure, Likelihood
 
 __all__ = ["Categorical", "RewardModeling"]
@@ -60,6 +60,31 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
     def output_hessian(self, f: Tensor) -> Tensor:
         p = torch.softmax(f, dim=-1)
         return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+
+    @override
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        """Cross-entropy of the logits of the probit approximation (:func:`probit_logits`)."""
+        logits = probit_logits(f_mu, f_var)
+        return F.cross_entropy(logits, self.class_indices(y), reduction="sum")
+
+    @staticmethod
+    def class_indices(y: Tensor) -> Tensor:
+        """Class indices (B,) as ``long`` from indices (B,), a column (B, 1) or one-hot (B, C).
+
+        Class probabilities (B, C) give their most likely class.
+
+        Raises:
+            ValueError: For any other shape.
+        """
+        if y.dim() == 2:
+            y = y[:, 0] if y.shape[1] == 1 else y.argmax(-1)
+        if y.dim() != 1:
+            raise ValueError(
+                f"classification targets must have shape (B,) or (B, C), got {tuple(y.shape)}."
+            )
+        return y.long()
 
     @override
     def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -110,6 +135,7 @@ class RewardModeling(LikelihoodModel):
     predicts_probabilities = False
     #: The structures laplace-torch supports for reward modelling.
     hessian_structures = (HessianStructure.KRON, HessianStructure.DIAG)
+    pairwise = True
 
     def __init__(self) -> None:
         self._fit = Categorical()
@@ -148,6 +174,12 @@ class RewardModeling(LikelihoodModel):
     @override
     def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
         return self._fit.sample_targets(f, generator)
+
+    @override
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        return self._fit.predictive_nll(f_mu, f_var, y, sigma_noise)
 
     @override
     def log_likelihood(

@@ -46,6 +46,19 @@ class GaussianRegression(LikelihoodModel):
         y = self.prepare_targets(f, y)
         return 0.5 * (y - f).square().flatten(1).sum(1)
 
+    @override
+    def ggn(self, J: Tensor, f: Tensor) -> Tensor:
+        return torch.einsum("bck,bcl->kl", J, J)
+
+    @override
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        """Gaussian NLL with the latent variances plus ``σ²``, summed over outputs and points."""
+        y = self.prepare_targets(f_mu, y.to(f_mu.dtype))
+        var = f_var.diagonal(dim1=-2, dim2=-1) + sigma_noise.square()
+        return 0.5 * ((y - f_mu).square() / var + var.log() + math.log(2 * math.pi)).sum()
+
     def loss_per_output(self, f: Tensor, y: Tensor) -> Tensor:
         """Summed loss of each output ``½ Σₙ (yₙ_c − fₙ_c)²``, shape (C,)."""
         y = self.prepare_targets(f, y)
