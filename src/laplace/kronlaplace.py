@@ -159,7 +159,7 @@ class KronLaplace(ParametricLaplace):
 
     # ------------------------------------------------------------------------ predictive
     def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
-        trace = self.backend._trace(X, create_graph=self.enable_backprop)
+        trace = self.backend.trace(X, create_graph=self.enable_backprop)
         moments = kron_functional_moments(trace, self.posterior_precision, self.enable_backprop)
         if moments is None:
             return super()._functional_moments(X)

@@ -301,7 +301,7 @@ class DiagLaplace(ParametricLaplace):
     _posterior_cls = DiagonalPosterior
 
     def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
-        trace = self.backend._trace(X, create_graph=self.enable_backprop)
+        trace = self.backend.trace(X, create_graph=self.enable_backprop)
         moments = diag_functional_moments(trace, self.posterior_precision, self.enable_backprop)
         if moments is None:
             return super()._functional_moments(X)

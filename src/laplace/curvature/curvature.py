@@ -83,7 +83,17 @@ class CurvatureInterface:
         """The module whose parameters are considered."""
         return self.model.last_layer if self.last_layer else self.model
 
-    def _trace(self, x: Inputs, create_graph: bool = False) -> PerSampleTrace:
+    def trace(self, x: Inputs, create_graph: bool = False) -> PerSampleTrace:
+        """One recorded forward pass of the native engine over ``x``.
+
+        The trace turns output columns into per-sample parameter quantities (Jacobians,
+        curvature sums, block products; see :mod:`laplace.curvature.per_sample`), restricted to
+        ``subnetwork_indices`` when set.
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            create_graph: Keep results differentiable w.r.t. ``x`` and the parameters.
+        """
         return self._engine.trace(x, create_graph)
 
     def _loss(self, f: Tensor, y: Tensor) -> Tensor:
@@ -100,7 +110,7 @@ class CurvatureInterface:
         Returns:
             ``Js`` of shape (B, C, P) and outputs ``f`` of shape (B, C).
         """
-        trace = self._trace(x, create_graph=enable_backprop)
+        trace = self.trace(x, create_graph=enable_backprop)
         Js = trace.jacobians()
         return (Js, trace.f) if enable_backprop else (Js.detach(), trace.f.detach())
 
@@ -164,12 +174,14 @@ class CurvatureInterface:
         Returns:
             ``Gs`` of shape (B, P) and the summed batch loss (a scalar).
         """
-        trace = self._trace(x)
+        trace = self.trace(x)
         f = trace.f.detach()
         Gs = trace.per_sample(self._likelihood.loss_gradient(f, y))
         return Gs.detach(), self._loss(f, y)
 
-    def _curvature_columns(self, f: Tensor, y: Tensor) -> Iterable[Tensor]:
+    def curvature_columns(
+        self, f: Tensor, y: Tensor, generator: torch.Generator | None = None
+    ) -> Iterable[Tensor]:
         """Output-space columns ``vₖ`` (B, C) whose per-sample outer products sum to the curvature.
 
         The dense and diagonal curvatures are ``Σₙ Σₖ (Jₙᵀ vₖₙ)(Jₙᵀ vₖₙ)ᵀ``; a family (GGN, EF)
@@ -178,6 +190,8 @@ class CurvatureInterface:
         Args:
             f: Detached outputs of the batch, shape (B, C).
             y: Targets of the batch.
+            generator: Random generator of sampled columns (Monte-Carlo Fisher); torch's global
+                generator when None.
         """
         raise NotImplementedError(f"{type(self).__name__} defines no curvature.")
 
@@ -192,9 +206,9 @@ class CurvatureInterface:
         Returns:
             The summed batch loss and the curvature of shape (P, P).
         """
-        trace = self._trace(x)
+        trace = self.trace(x)
         f = trace.f.detach()
-        return self._loss(f, y), trace.gram(self._curvature_columns(f, y)).detach()
+        return self._loss(f, y), trace.gram(self.curvature_columns(f, y)).detach()
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
         """Kronecker-factored batch curvature (KFAC) of the family's curvature columns.
@@ -221,9 +235,9 @@ class CurvatureInterface:
             raise ValueError(f"kron accepts only the keyword kfac_approx, got {sorted(kwargs)}.")
         if self.subnetwork_indices is not None:
             raise ValueError("KFAC is defined per layer; it does not support subnetwork_indices.")
-        trace = self._trace(x)
+        trace = self.trace(x)
         f = trace.f.detach()
-        H = kfac(trace, self._curvature_columns(f, y), N, approx, self.factor)
+        H = kfac(trace, self.curvature_columns(f, y), N, approx, self.factor)
         return self._loss(f, y), H
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
@@ -237,9 +251,9 @@ class CurvatureInterface:
         Returns:
             The summed batch loss and the diagonal of shape (P,).
         """
-        trace = self._trace(x)
+        trace = self.trace(x)
         f = trace.f.detach()
-        return self._loss(f, y), trace.square_sum(self._curvature_columns(f, y)).detach()
+        return self._loss(f, y), trace.square_sum(self.curvature_columns(f, y)).detach()
 
 
 class GGNInterface(CurvatureInterface):
@@ -276,12 +290,14 @@ class GGNInterface(CurvatureInterface):
         self.stochastic = stochastic
         self.num_samples = num_samples
 
-    def _curvature_columns(self, f: Tensor, y: Tensor) -> Iterator[Tensor]:
+    def curvature_columns(
+        self, f: Tensor, y: Tensor, generator: torch.Generator | None = None
+    ) -> Iterator[Tensor]:
         """Columns ``vₖ`` (B, C) with ``Σₖ vₖ vₖᵀ = Λ`` (or its MC estimate) per sample."""
         if self.stochastic:
             scale = 1.0 / math.sqrt(self.num_samples)
             for _ in range(self.num_samples):
-                y_hat = self._likelihood.sample_targets(f)
+                y_hat = self._likelihood.sample_targets(f, generator)
                 yield scale * self._likelihood.loss_gradient(f, y_hat)
         else:
             L = self._likelihood.output_hessian_sqrt(f)
@@ -297,6 +313,8 @@ class EFInterface(CurvatureInterface):
     this matrix for regression; classification agrees.
     """
 
-    def _curvature_columns(self, f: Tensor, y: Tensor) -> list[Tensor]:
+    def curvature_columns(
+        self, f: Tensor, y: Tensor, generator: torch.Generator | None = None
+    ) -> list[Tensor]:
         """The single column ``∇_f ℓ(fₙ, yₙ)`` (B, C)."""
         return [self._likelihood.loss_gradient(f, y)]
