@@ -2,8 +2,9 @@ r"""Low-rank Laplace over all weights: ``P = U diag(λ) Uᵀ / (σ²T) + diag(p�
 
 ``(U, λ)`` are the top-k eigenpairs of the curvature summed over the training data (the GGN by
 default; the empirical Fisher, the Monte-Carlo Fisher or the Hessian with the matching backend),
-found matrix-free by Lanczos or LOBPCG on curvature-vector products
-(:mod:`laplace.curvature.eigen`), so it works with every backend, unlike laplace-torch 0.3,
+found from curvature–block products (:mod:`laplace.curvature.eigen`): by default a randomised
+block Krylov method whose products are computed natively per layer, a few passes over the data
+in all, or exactly by Lanczos or LOBPCG. It works with every backend, unlike laplace-torch 0.3,
 which needs the unpublished ``asdfghjkl`` package. Internal module; the public path is
 :mod:`laplace.baselaplace`.
 """
@@ -19,7 +20,8 @@ from torch.utils.data import DataLoader
 
 from laplace import distributed as distributed_utils
 from laplace.curvature import CurvatureInterface
-from laplace.curvature.eigen import SOLVERS, curvature_operator, top_eigenpairs
+from laplace.curvature.eigen import SOLVERS, top_eigenpairs
+from laplace.curvature.products import curvature_product
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors.lowrank import LowRankPosterior
 from laplace.utils.enums import Likelihood
@@ -28,7 +30,15 @@ __all__ = ["LowRankLaplace"]
 
 #: ``backend_kwargs`` entries that configure the eigensolver (not passed to the backend).
 #: ``low_rank`` is the name laplace-torch's ``asdfghjkl`` backend uses for ``n_eigenvalues``.
-SOLVER_OPTIONS = ("n_eigenvalues", "low_rank", "solver", "tol", "max_iter", "seed")
+SOLVER_OPTIONS = (
+    "n_eigenvalues",
+    "low_rank",
+    "solver",
+    "tol",
+    "max_iter",
+    "seed",
+    "oversampling",
+)
 
 
 class LowRankLaplace(ParametricLaplace):
@@ -52,11 +62,18 @@ class LowRankLaplace(ParametricLaplace):
         dict_key_x: See :class:`~laplace.base.BaseLaplace`.
         dict_key_y: See :class:`~laplace.base.BaseLaplace`.
         backend_kwargs: Backend options, plus the eigensolver's: ``n_eigenvalues`` (k, default
-            10; ``low_rank`` is accepted as in laplace-torch), ``solver`` (``"lanczos"``,
-            default, ``"lobpcg"``, or ``"randomized"``: block power iterations, far fewer
-            passes over the data for large models), ``tol`` (default 0: machine precision for
-            Lanczos),
-            ``max_iter`` and ``seed`` (start vectors).
+            10; ``low_rank`` is accepted as in laplace-torch); ``solver``: ``"randomized"``
+            (default; block Krylov, one pass over the data per block of ``k + oversampling``
+            vectors, ``max_iter`` passes after a sketch pass, default 3, fewer once every error
+            bound is at most ``tol``; ``oversampling`` default 10), ``"lanczos"`` or
+            ``"lobpcg"`` (exact to ``tol``, default 0: machine precision; hundreds of
+            passes); ``seed`` (start vectors).
+
+    Attributes:
+        eigenvalue_errors: After :meth:`fit`, a posteriori relative error bounds of the
+            eigenvalues, shape (k,): ``‖H uᵢ − λᵢ uᵢ‖ / λᵢ`` measured on the training data, so an
+            exact eigenvalue of the curvature lies within ``eigenvalue_errors[i] · λᵢ`` of
+            ``λᵢ``. None before a fit; saved in :meth:`state_dict`.
 
     Raises:
         ValueError: For an unknown solver or a non-positive ``n_eigenvalues``.
@@ -89,7 +106,7 @@ class LowRankLaplace(ParametricLaplace):
         if "low_rank" in solver:
             solver.setdefault("n_eigenvalues", solver.pop("low_rank"))
         solver.setdefault("n_eigenvalues", 10)
-        if solver.get("solver", "lanczos") not in SOLVERS:
+        if solver.get("solver", "randomized") not in SOLVERS:
             raise ValueError(
                 f"backend_kwargs['solver'] must be one of {sorted(SOLVERS)}, "
                 f"got {solver['solver']!r}."
@@ -99,6 +116,7 @@ class LowRankLaplace(ParametricLaplace):
                 f"n_eigenvalues must be a positive integer, got {solver['n_eigenvalues']!r}."
             )
         self._solver_options = solver
+        self.eigenvalue_errors: Tensor | None = None
         super().__init__(
             model,
             likelihood,
@@ -156,15 +174,22 @@ class LowRankLaplace(ParametricLaplace):
         options = dict(self._solver_options)
         k = int(options.pop("n_eigenvalues"))
         local_n = distributed_utils.data_count(train_loader) if self._distributed else n_data
-        operator, scale = curvature_operator(self.backend, _Batches(self, train_loader), local_n)
+        reduce = distributed_utils.all_reduce_sum if self._distributed else None
+        product = curvature_product(
+            self.backend,
+            _Batches(self, train_loader),
+            local_n,
+            native=options.get("solver", "randomized") == "randomized",
+            reduce=reduce,
+            seed=options.get("seed", 0),
+        )
         if self._distributed:
             loss = distributed_utils.all_reduce_sum(loss)
-            local_matmat = operator._matmat
-            operator._matmat = lambda M: distributed_utils.all_reduce_sum(list(local_matmat(M)))
-        U, eigenvalues = top_eigenpairs(operator, scale, k, **options)
+        U, eigenvalues, errors = top_eigenpairs(product, k, **options)
         if not self._posterior_cls.is_finite((U, eigenvalues)):
             raise RuntimeError("the curvature eigenpairs contain NaN or inf; check the model.")
         self.H = (U, eigenvalues)
+        self.eigenvalue_errors = errors
         self.loss, self.n_data = loss, n_data
         self._posterior_cache = None
 
@@ -190,17 +215,32 @@ class LowRankLaplace(ParametricLaplace):
 
     # ------------------------------------------------------------------------------ state
     def _curvature_state(self) -> dict[str, Tensor]:
-        return {"eigenvectors": self.H[0].detach(), "eigenvalues": self.H[1].detach()}
+        state = {"eigenvectors": self.H[0].detach(), "eigenvalues": self.H[1].detach()}
+        if self.eigenvalue_errors is not None:
+            state["eigenvalue_errors"] = self.eigenvalue_errors.detach()
+        return state
 
     def _load_curvature_state(self, state: Any) -> tuple[Tensor, Tensor]:
-        if not isinstance(state, dict) or set(state) != {"eigenvectors", "eigenvalues"}:
-            raise ValueError("state_dict['H'] must hold 'eigenvectors' and 'eigenvalues'.")
+        keys = {"eigenvectors", "eigenvalues"}
+        if not isinstance(state, dict) or not keys <= set(state) <= keys | {"eigenvalue_errors"}:
+            raise ValueError(
+                "state_dict['H'] must hold 'eigenvectors' and 'eigenvalues' (and optionally "
+                "'eigenvalue_errors')."
+            )
         U, eigenvalues = state["eigenvectors"], state["eigenvalues"]
-        if U.dim() != 2 or U.shape[0] != self.n_params or eigenvalues.shape != U.shape[1:]:
+        errors = state.get("eigenvalue_errors")
+        if (
+            U.dim() != 2
+            or U.shape[0] != self.n_params
+            or eigenvalues.shape != U.shape[1:]
+            or (errors is not None and errors.shape != eigenvalues.shape)
+        ):
             raise ValueError(
                 f"state_dict['H'] has eigenvectors {tuple(U.shape)} and eigenvalues "
-                f"{tuple(eigenvalues.shape)}, expected (n_params={self.n_params}, k) and (k,)."
+                f"{tuple(eigenvalues.shape)}, expected (n_params={self.n_params}, k) and (k,) "
+                "(and (k,) error bounds)."
             )
+        self.eigenvalue_errors = None if errors is None else errors.to(self._device, self._dtype)
         return (
             U.to(device=self._device, dtype=self._dtype),
             eigenvalues.to(device=self._device, dtype=self._dtype),

@@ -1,169 +1,203 @@
-"""Top-k eigenpairs of the curvature summed over a data set, from matrix-vector products only.
+r"""Top-k eigenpairs of the curvature summed over a data set, from block products only.
 
-The curvature of a backend family is wrapped as a curvlinops linear operator over the whole
-training set (GGN, Monte-Carlo Fisher, empirical Fisher or Hessian), rescaled to the library's
-loss (½‖y − f‖² for regression), and its largest eigenpairs are found by an iterative solver
-that only multiplies with it: implicitly restarted Lanczos (ARPACK, ``scipy.sparse.linalg.eigsh``)
-or LOBPCG (``scipy.sparse.linalg.lobpcg``, which multiplies blocks of vectors at once). No
-P × P matrix is formed, so this works for every backend and any model size.
+Solvers take a :class:`~laplace.curvature.products.CurvatureProduct` (``V ↦ H V`` over the whole
+training set) and never form a P × P matrix:
+
+- ``"randomized"`` (default): randomised block Krylov (Musco & Musco, 2015) with Rayleigh–Ritz.
+  The first block is a sketch ``Gᵀ Ω`` of the per-sample vectors (half a product), then every
+  pass over the data multiplies the newest block of ``b = k + oversampling`` vectors,
+  ``K = [Q₀, H Q₀, H² Q₀, …]`` is kept orthonormal (block Gram–Schmidt, twice) and the Ritz
+  pairs of ``Kᵀ H K`` are the result. A fixed number of passes (``max_iter``, default
+  :data:`DEFAULT_PASSES`), fewer when the error bounds fall under ``tol`` first.
+- ``"lanczos"`` (implicitly restarted, ARPACK's ``eigsh``) and ``"lobpcg"``: exact to ``tol``,
+  at the cost of hundreds of single products.
+
+Every solver reports a posteriori bounds ``εᵢ = ‖H uᵢ − λᵢ uᵢ‖ / λᵢ``: an exact eigenvalue of
+``H`` lies within ``εᵢ λᵢ`` of each ``λᵢ``. The Krylov solver gets the residuals for free from its
+last product (``H K − K T`` lives in the newest block only); the others pay one more product.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
-from curvlinops import (
-    EFLinearOperator,
-    FisherMCLinearOperator,
-    GGNLinearOperator,
-    HessianLinearOperator,
-)
-from scipy.sparse.linalg import eigsh, lobpcg
+from scipy.sparse.linalg import LinearOperator, eigsh, lobpcg
 from torch import Tensor
 
-from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
-from laplace.curvature.curvlinops import CurvlinopsHessian
-from laplace.curvature.registry import available_optional, load_optional
-from laplace.data import batch_size_of
+from laplace.curvature.products import CurvatureProduct
 
-__all__ = ["EIGENVALUE_THRESHOLD", "SOLVERS", "curvature_operator", "top_eigenpairs"]
+__all__ = [
+    "DEFAULT_OVERSAMPLING",
+    "DEFAULT_PASSES",
+    "EIGENVALUE_THRESHOLD",
+    "SOLVERS",
+    "Eigenpairs",
+    "top_eigenpairs",
+]
 
 #: Eigenvalues at or below this are dropped (as laplace-torch's low-rank backend does).
 EIGENVALUE_THRESHOLD = 1e-6
 
+#: Extra vectors per Krylov block beyond the k wanted.
+DEFAULT_OVERSAMPLING = 10
 
-def _hessian_backends() -> tuple[type[CurvatureInterface], ...]:
-    optional = tuple(load_optional(n) for n in ("AsdlHessian",) if n in available_optional())
-    return (CurvlinopsHessian, *optional)
+#: Block products (passes over the data, after the sketch) of the Krylov solver by default.
+DEFAULT_PASSES = 3
 
 
-def curvature_operator(
-    backend: CurvatureInterface, data: Iterable[tuple[Any, Tensor]], n_data: int
-) -> tuple[Any, float]:
-    """The backend's curvature over ``data`` as a curvlinops operator, and its scale.
+class Eigenpairs(NamedTuple):
+    """Eigenpairs in descending order with their relative error bounds.
 
-    Args:
-        backend: A GGN (exact or ``stochastic``), empirical-Fisher or Hessian backend.
-        data: Re-iterable batches ``(X, y)`` on the model's device.
-        n_data: Number of data points in ``data``.
-
-    Returns:
-        The operator and the factor that turns it into the library's curvature (the torch
-        losses are ``Σ(y − f)²``; the library's is ``½ Σ‖y − f‖²``).
-
-    Raises:
-        ValueError: For a backend with no matrix-free curvature.
+    Attributes:
+        vectors: Orthonormal eigenvectors, shape (P, k).
+        values: Eigenvalues, shape (k,).
+        errors: ``‖H uᵢ − λᵢ uᵢ‖ / λᵢ``, shape (k,).
     """
-    kwargs: dict[str, Any] = {
-        "check_deterministic": False,
-        "num_data": n_data,
-        "batch_size_fn": lambda X: batch_size_of(X, backend.dict_key_x),
-    }
-    if isinstance(backend, GGNInterface) and getattr(backend, "stochastic", False):
-        operator_cls, scale = FisherMCLinearOperator, backend.factor
-        kwargs["mc_samples"] = backend.num_samples
-    elif isinstance(backend, GGNInterface):
-        operator_cls, scale = GGNLinearOperator, backend.factor
-    elif isinstance(backend, EFInterface):
-        operator_cls, scale = EFLinearOperator, backend.factor**2
-    elif isinstance(backend, _hessian_backends()):
-        operator_cls, scale = HessianLinearOperator, backend.factor
-    else:
-        raise ValueError(
-            f"{type(backend).__name__} has no matrix-free curvature for low-rank Laplace; use "
-            "a GGN, empirical-Fisher or Hessian backend (e.g. CurvlinopsGGN, CurvlinopsEF, "
-            "CurvlinopsHessian, AsdlHessian)."
+
+    vectors: Tensor
+    values: Tensor
+    errors: Tensor
+
+
+def _orthonormal(block: Tensor, basis: Tensor | None) -> Tensor:
+    """Orthonormal columns spanning ``block`` projected off ``basis`` (twice, for stability)."""
+    for _ in range(2):
+        if basis is not None:
+            block = block - basis @ (basis.T @ block)
+        block = torch.linalg.qr(block).Q
+    return block
+
+
+def _ritz(T: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    values, vectors = torch.linalg.eigh((T + T.T) / 2)
+    return values.flip(0)[:k], vectors.flip(1)[:, :k]
+
+
+def _block_krylov(
+    product: CurvatureProduct,
+    k: int,
+    tol: float,
+    max_iter: int | None,
+    seed: int,
+    oversampling: int,
+) -> Eigenpairs:
+    """Randomised block Krylov with Rayleigh–Ritz and residual bounds (see the module)."""
+    P = product.n_params
+    generator = torch.Generator(device=product.device).manual_seed(seed)
+    width = min(k + oversampling, P)
+    start = product.sketch(width, generator)
+    if start is None:
+        start = torch.randn(
+            P, width, generator=generator, device=product.device, dtype=product.dtype
         )
-    operator = operator_cls(backend.model, backend.lossfunc, backend.params, data, **kwargs)
-    return operator, scale
+    Q = _orthonormal(start, None)
+    basis = Q
+    T = Q.new_zeros(0, 0)
+    n_passes = DEFAULT_PASSES if max_iter is None else max(1, max_iter)
+    for step in range(n_passes):
+        HQ = product.matmat(Q)
+        d, b = basis.shape[1], Q.shape[1]
+        coefficients = basis.T @ HQ  # (d, b): the new columns of T = Kᵀ H K
+        rest = HQ - basis @ coefficients
+        T = torch.cat([torch.cat([T, coefficients[: d - b].T], 0), coefficients], 1)
+        values, W = _ritz(T, k)
+        # H K − K T lives in the newest block: H Q − K (Kᵀ H Q) = rest, so ‖r_i‖ = ‖rest w_i‖.
+        residuals = (rest @ W[d - b :]).norm(dim=0)
+        errors = residuals / values.abs().clamp(min=torch.finfo(values.dtype).tiny)
+        room = P - d
+        done = room == 0 or (tol > 0 and bool((errors <= tol).all()))
+        if done or step == n_passes - 1:
+            break
+        Q = _orthonormal(rest[:, : min(width, room)], basis)
+        basis = torch.cat([basis, Q], 1)
+    return Eigenpairs(basis @ W, values, errors)
 
 
-def _lanczos(operator: Any, k: int, tol: float, max_iter: int | None, rng) -> np.ndarray:
-    scipy_op = _scipy(operator)
-    v0 = rng.standard_normal(operator.shape[0]).astype(scipy_op.dtype)
-    return eigsh(scipy_op, k=k, which="LA", tol=tol, maxiter=max_iter, v0=v0)
+def _scipy(product: CurvatureProduct) -> LinearOperator:
+    np_dtype = np.float64 if product.dtype == torch.float64 else np.float32
+
+    def matmat(M: np.ndarray) -> np.ndarray:
+        V = torch.as_tensor(np.ascontiguousarray(M), dtype=product.dtype, device=product.device)
+        return product.matmat(V.reshape(product.n_params, -1)).cpu().numpy()
+
+    return LinearOperator(
+        (product.n_params, product.n_params),
+        matvec=lambda v: matmat(v).reshape(v.shape),
+        matmat=matmat,
+        dtype=np_dtype,
+    )
 
 
-def _lobpcg(operator: Any, k: int, tol: float, max_iter: int | None, rng) -> np.ndarray:
-    scipy_op = _scipy(operator)
-    X = rng.standard_normal((operator.shape[0], k)).astype(scipy_op.dtype)
-    return lobpcg(scipy_op, X, largest=True, tol=tol or None, maxiter=max_iter or 200)
+def _with_errors(product: CurvatureProduct, values: np.ndarray, vectors: np.ndarray) -> Eigenpairs:
+    """Eigenpairs of an exact solver in descending order, with one product for the bounds."""
+    order = np.argsort(values)[::-1]
+    values = torch.as_tensor(values[order].copy(), dtype=product.dtype, device=product.device)
+    U = torch.as_tensor(vectors[:, order].copy(), dtype=product.dtype, device=product.device)
+    residuals = (product.matmat(U) - U * values).norm(dim=0)
+    errors = residuals / values.abs().clamp(min=torch.finfo(values.dtype).tiny)
+    return Eigenpairs(U, values, errors)
 
 
-def _randomized(operator: Any, k: int, tol: float, max_iter: int | None, rng) -> np.ndarray:
-    """Randomised block subspace iteration with Rayleigh–Ritz (Halko et al., 2011, alg. 5.3).
-
-    Every pass over the data multiplies a whole block of ``k + oversampling`` vectors, which
-    costs little more than one vector, so ``max_iter`` (default 4) power iterations need only
-    ``max_iter + 2`` passes, against the hundreds of single products of Lanczos. The top
-    eigenpairs are accurate when the spectrum decays past the k-th eigenvalue, as curvature
-    spectra of networks do; ``tol`` is unused.
-    """
-    dtype, device = operator.dtype, operator.device
-    n_block = min(operator.shape[0], k + max(10, k))
-    start = rng.standard_normal((operator.shape[0], n_block))
-    Q = torch.as_tensor(start, dtype=dtype, device=device)
-    for _ in range(4 if max_iter is None else max_iter):
-        Q, _ = torch.linalg.qr(operator @ Q)
-    AQ = operator @ Q
-    values, small = torch.linalg.eigh(Q.T @ AQ)
-    top = values.argsort(descending=True)[:k]
-    return values[top].cpu().numpy(), (Q @ small[:, top]).cpu().numpy()
+def _lanczos(product, k, tol, max_iter, seed, oversampling) -> Eigenpairs:
+    op = _scipy(product)
+    v0 = np.random.default_rng(seed).standard_normal(product.n_params).astype(op.dtype)
+    return _with_errors(product, *eigsh(op, k=k, which="LA", tol=tol, maxiter=max_iter, v0=v0))
 
 
-def _scipy(operator: Any) -> Any:
-    return operator.to_scipy(dtype=np.float64 if operator.dtype == torch.float64 else np.float32)
+def _lobpcg(product, k, tol, max_iter, seed, oversampling) -> Eigenpairs:
+    op = _scipy(product)
+    X = np.random.default_rng(seed).standard_normal((product.n_params, k)).astype(op.dtype)
+    values, vectors = lobpcg(op, X, largest=True, tol=tol or None, maxiter=max_iter or 200)
+    return _with_errors(product, values, vectors)
 
 
-#: Solver name → function ``(operator, k, tol, max_iter, rng) -> (eigenvalues, vectors)``.
-SOLVERS: dict[str, Callable[..., Any]] = {
+#: Solver name → ``(product, k, tol, max_iter, seed, oversampling) -> Eigenpairs``.
+SOLVERS: dict[str, Callable[..., Eigenpairs]] = {
+    "randomized": _block_krylov,
     "lanczos": _lanczos,
     "lobpcg": _lobpcg,
-    "randomized": _randomized,
 }
 
 
 def top_eigenpairs(
-    operator: Any,
-    scale: float,
+    product: CurvatureProduct,
     k: int,
-    solver: str = "lanczos",
+    solver: str = "randomized",
     tol: float = 0.0,
     max_iter: int | None = None,
     seed: int = 0,
-) -> tuple[Tensor, Tensor]:
-    """Largest k eigenpairs of ``scale · operator``, eigenvalues above the threshold only.
+    oversampling: int = DEFAULT_OVERSAMPLING,
+) -> Eigenpairs:
+    """Largest k eigenpairs of the curvature, eigenvalues above the threshold only.
 
     Args:
-        operator: A curvlinops linear operator (P × P, symmetric).
-        scale: Factor applied to the eigenvalues.
+        product: The curvature over the data set.
         k: Number of eigenpairs, 1 ≤ k < P.
-        solver: ``"lanczos"``, ``"lobpcg"`` or ``"randomized"`` (block power iterations).
-        tol: Relative accuracy of the eigenvalues; 0 asks for machine precision (Lanczos).
-        max_iter: Iteration limit of the solver (its default when None).
+        solver: ``"randomized"`` (block Krylov), ``"lanczos"`` or ``"lobpcg"``.
+        tol: Lanczos/LOBPCG: relative accuracy (0: machine precision). Randomized: stop
+            before ``max_iter`` passes once every error bound is at most ``tol`` (0: never).
+        max_iter: Iteration limit; for the randomized solver the number of block products
+            (passes over the data after the sketch), :data:`DEFAULT_PASSES` when None.
         seed: Seed of the random start vectors.
+        oversampling: Extra vectors per Krylov block (randomized solver).
 
     Returns:
-        Eigenvectors (P, k') and eigenvalues (k',) in descending order, with k' ≤ k the number
-        above :data:`EIGENVALUE_THRESHOLD`.
+        Eigenvectors (P, k'), eigenvalues (k',) in descending order and their relative error
+        bounds (k',), with k' ≤ k the number above :data:`EIGENVALUE_THRESHOLD`.
 
     Raises:
         ValueError: For an unknown solver or k outside [1, P).
     """
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {sorted(SOLVERS)}, got {solver!r}.")
-    n_params = operator.shape[0]
+    n_params = product.n_params
     if not 1 <= k < n_params:
         raise ValueError(
             f"n_eigenvalues must be between 1 and n_params - 1 = {n_params - 1}, got {k}."
         )
-    dtype, device = operator.dtype, operator.device
-    values, vectors = SOLVERS[solver](operator, k, tol, max_iter, np.random.default_rng(seed))
-    order = np.argsort(values)[::-1]
-    values = torch.as_tensor(values[order].copy(), dtype=dtype, device=device) * scale
-    vectors = torch.as_tensor(vectors[:, order].copy(), dtype=dtype, device=device)
-    keep = values > EIGENVALUE_THRESHOLD
-    return vectors[:, keep], values[keep]
+    pairs = SOLVERS[solver](product, k, tol, max_iter, seed, oversampling)
+    keep = pairs.values > EIGENVALUE_THRESHOLD
+    return Eigenpairs(pairs.vectors[:, keep], pairs.values[keep], pairs.errors[keep])

@@ -72,6 +72,8 @@ class PerSampleEngine:
             starts[needed] = sizes[needed].cumsum(0) - sizes[needed]
             self.indices = starts[owner] + indices - offsets[owner]
         self.needed = [self.params[i] for i in needed]
+        #: Length of the engine's parameter vector: P, or the number of subnetwork entries.
+        self.n_entries = int(sizes.sum()) if self.indices is None else len(self.indices)
         position = {id(p): i for i, p in enumerate(self.needed)}
         self.owners: dict[nn.Module, list[str]] = {}
         self.slot: dict[tuple[nn.Module, str], int] = {}
@@ -123,6 +125,26 @@ class PerSampleTrace:
             and all(counts[engine.slot[call.module, n]] == 1 for n in call.names)
             for call in calls
         ]
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether per-layer rules apply.
+
+        They do when every layer sees the data points along dim 0 and no subnetwork restricts
+        the parameters; otherwise products use the per-sample rows of the whole model.
+        """
+        return not self._batched and self.engine.indices is None
+
+    def output_gradients(self, columns: Tensor) -> list[list[Tensor]]:
+        """Gradients of several output columns w.r.t. every recorded layer output.
+
+        Args:
+            columns: Output columns, shape (K, *f.shape).
+
+        Returns:
+            Per recorded call, one tensor of shape (K, *z.shape) per recorded output.
+        """
+        return [] if self._grads is None else self._grads.stacked(columns)
 
     def _zeros(self) -> list[Tensor]:
         return [self.f.new_zeros(p.shape) for p in self.engine.needed]

@@ -1,0 +1,224 @@
+r"""The curvature summed over a data set as a map on blocks of parameter vectors.
+
+Eigensolvers (:mod:`laplace.curvature.eigen`) only multiply the curvature ``H`` (P × P) with
+blocks ``V`` (P, m). Two implementations of that product:
+
+- :class:`NativeProduct`, for GGN, Monte-Carlo Fisher and empirical-Fisher backends: per batch,
+  ``Gᵀ (G V)`` with ``G`` the (K·B, P) per-sample vectors ``Jₙᵀ vₙₖ`` of the backend's curvature
+  columns (:mod:`laplace.curvature.block_product`), so one pass over the data multiplies a whole
+  block for little more than the cost of one vector. It also draws sketches ``Gᵀ Ω`` with
+  Gaussian sample-space weights ``Ω``, whose range is weighted towards the top eigenvectors.
+- :class:`OperatorProduct`, any curvlinops operator (the exact Hessian), one product per column.
+
+Both sum over the ranks of :mod:`torch.distributed` through a ``reduce`` callable given to them,
+so every rank multiplies with the curvature of the whole data set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import torch
+from curvlinops import (
+    EFLinearOperator,
+    FisherMCLinearOperator,
+    GGNLinearOperator,
+    HessianLinearOperator,
+)
+from torch import Tensor
+
+from laplace.curvature.block_product import BlockSum, ParameterBlock, SampleVectors
+from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
+from laplace.curvature.curvlinops import CurvlinopsHessian
+from laplace.curvature.registry import available_optional, load_optional
+from laplace.data import batch_size_of
+
+__all__ = [
+    "CurvatureProduct",
+    "NativeProduct",
+    "OperatorProduct",
+    "curvature_operator",
+    "curvature_product",
+]
+
+Reduce = Callable[[Tensor], Tensor]
+
+
+class CurvatureProduct(Protocol):
+    """A symmetric P × P curvature that multiplies blocks of vectors.
+
+    Attributes:
+        n_params: P.
+        dtype: Floating-point type of the products.
+        device: Device of the products.
+    """
+
+    n_params: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def matmat(self, V: Tensor) -> Tensor:
+        """``H V`` for a block ``V`` (P, m), shape (P, m)."""
+
+    def sketch(self, m: int, generator: torch.Generator) -> Tensor | None:
+        """A (P, m) block whose range favours the top eigenvectors, or None (use Gaussian)."""
+
+
+def _identity(value: Tensor) -> Tensor:
+    return value
+
+
+class NativeProduct:
+    """``H = Σₙ Σₖ gₙₖ gₙₖᵀ`` of a GGN or EF backend over a data set, by per-layer rules.
+
+    Args:
+        backend: A backend of the GGN (exact or Monte-Carlo) or empirical-Fisher family.
+        data: Re-iterable batches ``(X, y)`` on the model's device.
+        reduce: Sum of a local product over processes (identity when None).
+        seed: Seed of the sampled targets of a Monte-Carlo Fisher, re-used on every pass so that
+            each pass multiplies with the same matrix.
+    """
+
+    def __init__(
+        self,
+        backend: CurvatureInterface,
+        data: Iterable[tuple[Any, Tensor]],
+        reduce: Reduce | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.backend, self.data = backend, data
+        self.reduce = reduce or _identity
+        self.seed = seed
+        p = backend.params[0]
+        self.n_params = sum(q.numel() for q in backend.params)
+        self.dtype, self.device = p.dtype, p.device
+
+    def _batches(self) -> Iterator[SampleVectors]:
+        generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        for X, y in self.data:
+            trace = self.backend.trace(X)
+            f = trace.f.detach()
+            columns = torch.stack(list(self.backend.curvature_columns(f, y, generator)))
+            yield SampleVectors(trace, columns)
+
+    def matmat(self, V: Tensor) -> Tensor:
+        """``H V`` for ``V`` (P, m): one pass over the data."""
+        block, total = None, None
+        for vectors in self._batches():
+            if block is None:
+                block = ParameterBlock(vectors.trace.engine, V)
+                total = BlockSum(vectors.trace.engine, V.shape[1], V)
+            vectors.backproject(vectors.project(block), total)
+        return self.reduce(V.new_zeros(V.shape) if total is None else total.result())
+
+    def sketch(self, m: int, generator: torch.Generator) -> Tensor:
+        """``Σ Gᵀ Ω`` with standard normal weights ``Ω`` (K, B, m) per batch: one pass."""
+        total = None
+        for vectors in self._batches():
+            if total is None:
+                total = BlockSum(vectors.trace.engine, m, vectors.trace.f.detach())
+            W = torch.randn(
+                vectors.K, vectors.B, m, generator=generator, device=self.device, dtype=self.dtype
+            )
+            vectors.backproject(W, total)
+        if total is None:
+            return torch.zeros(self.n_params, m, dtype=self.dtype, device=self.device)
+        return self.reduce(total.result())
+
+
+class OperatorProduct:
+    """A curvlinops linear operator times a scale, summed over processes.
+
+    Args:
+        operator: The operator (P × P).
+        scale: Factor that turns it into the library's curvature.
+        reduce: Sum of a local product over processes (identity when None).
+    """
+
+    def __init__(self, operator: Any, scale: float, reduce: Reduce | None = None) -> None:
+        self.operator, self.scale = operator, scale
+        self.reduce = reduce or _identity
+        self.n_params = operator.shape[0]
+        self.dtype, self.device = operator.dtype, operator.device
+
+    def matmat(self, V: Tensor) -> Tensor:
+        """``scale · (operator @ V)`` for ``V`` (P, m), summed over processes."""
+        return self.reduce(self.scale * (self.operator @ V))
+
+    def sketch(self, m: int, generator: torch.Generator) -> None:
+        """No sketch: solvers start from Gaussian vectors."""
+        return None
+
+
+def _hessian_backends() -> tuple[type[CurvatureInterface], ...]:
+    optional = tuple(load_optional(n) for n in ("AsdlHessian",) if n in available_optional())
+    return (CurvlinopsHessian, *optional)
+
+
+def curvature_operator(
+    backend: CurvatureInterface, data: Iterable[tuple[Any, Tensor]], n_data: int
+) -> tuple[Any, float]:
+    """The backend's curvature over ``data`` as a curvlinops operator, and its scale.
+
+    Args:
+        backend: A GGN (exact or ``stochastic``), empirical-Fisher or Hessian backend.
+        data: Re-iterable batches ``(X, y)`` on the model's device.
+        n_data: Number of data points in ``data``.
+
+    Returns:
+        The operator and the factor that turns it into the library's curvature (the torch
+        losses are ``Σ(y − f)²``; the library's is ``½ Σ‖y − f‖²``).
+
+    Raises:
+        ValueError: For a backend with no matrix-free curvature.
+    """
+    kwargs: dict[str, Any] = {
+        "check_deterministic": False,
+        "num_data": n_data,
+        "batch_size_fn": lambda X: batch_size_of(X, backend.dict_key_x),
+    }
+    if isinstance(backend, GGNInterface) and getattr(backend, "stochastic", False):
+        operator_cls, scale = FisherMCLinearOperator, backend.factor
+        kwargs["mc_samples"] = backend.num_samples
+    elif isinstance(backend, GGNInterface):
+        operator_cls, scale = GGNLinearOperator, backend.factor
+    elif isinstance(backend, EFInterface):
+        operator_cls, scale = EFLinearOperator, backend.factor**2
+    elif isinstance(backend, _hessian_backends()):
+        operator_cls, scale = HessianLinearOperator, backend.factor
+    else:
+        raise ValueError(
+            f"{type(backend).__name__} has no matrix-free curvature for low-rank Laplace; use "
+            "a GGN, empirical-Fisher or Hessian backend (e.g. CurvlinopsGGN, CurvlinopsEF, "
+            "CurvlinopsHessian, AsdlHessian)."
+        )
+    operator = operator_cls(backend.model, backend.lossfunc, backend.params, data, **kwargs)
+    return operator, scale
+
+
+def curvature_product(
+    backend: CurvatureInterface,
+    data: Iterable[tuple[Any, Tensor]],
+    n_data: int,
+    native: bool = True,
+    reduce: Reduce | None = None,
+    seed: int = 0,
+) -> CurvatureProduct:
+    """The backend's curvature over ``data`` as a :class:`CurvatureProduct`.
+
+    Args:
+        backend: A GGN (exact or ``stochastic``), empirical-Fisher or Hessian backend.
+        data: Re-iterable batches ``(X, y)`` on the model's device.
+        n_data: Number of data points in ``data`` (on this process).
+        native: Use :class:`NativeProduct` where the backend's family has one (GGN, Fisher);
+            else, and for the Hessian, the curvlinops operator.
+        reduce: Sum of a local product over processes (identity when None).
+        seed: Seed of the Monte-Carlo Fisher's sampled targets (native route).
+
+    Raises:
+        ValueError: For a backend with no matrix-free curvature.
+    """
+    if native and isinstance(backend, (GGNInterface, EFInterface)):
+        return NativeProduct(backend, data, reduce, seed)
+    return OperatorProduct(*curvature_operator(backend, data, n_data), reduce)
