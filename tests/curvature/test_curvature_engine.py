@@ -177,3 +177,18 @@ def test_block_products_match_oracle(model_and_inputs):
     vectors.backproject(W, total)
     vectors.backproject(2 * W, total)  # accumulates over calls
     assert_close(total.result(), 3 * torch.einsum("kbp,kbm->pm", G, W))
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_subnetwork_rows_match_oracle(model_and_inputs):
+    """Per-sample gradients of chosen entries only (per-layer gathers) against the oracle."""
+    model, X = model_and_inputs
+    oracle = Oracle(model, "classification")
+    n_params = len(oracle.theta)
+    idx = torch.randperm(n_params, generator=torch.Generator().manual_seed(3))[: n_params // 3]
+    y = torch.arange(len(X)) % model(X).shape[-1]
+    ggn = CurvlinopsGGN(model, "classification", subnetwork_indices=idx)
+    assert_close(ggn.jacobians(X)[0], oracle.jacobian(X)[:, :, idx])
+    expected = oracle.ggn(X)[idx][:, idx]
+    assert_close(ggn.full(X, y)[1], expected)
+    assert_close(ggn.diag(X, y)[1], expected.diagonal())

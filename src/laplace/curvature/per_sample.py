@@ -34,7 +34,12 @@ import torch
 from torch import Tensor, nn
 
 from laplace.curvature.capture import OutputGradients, record_forward
-from laplace.curvature.layer_rules import SQUARE_SUM_RULES, ModuleCall, per_sample_grads
+from laplace.curvature.layer_rules import (
+    SQUARE_SUM_RULES,
+    ModuleCall,
+    per_sample_grads,
+    selected_per_sample_grads,
+)
 from laplace.data import Inputs
 
 __all__ = ["PerSampleEngine", "PerSampleTrace"]
@@ -72,6 +77,15 @@ class PerSampleEngine:
             starts[needed] = sizes[needed].cumsum(0) - sizes[needed]
             self.indices = starts[owner] + indices - offsets[owner]
         self.needed = [self.params[i] for i in needed]
+        #: Subnetwork only: per slot of ``needed``, the selected entries of the flattened
+        #: parameter and their positions in the subnetwork vector (on the parameters' device).
+        self.selected: dict[int, tuple[Tensor, Tensor]] = {}
+        if indices is not None:
+            device = self.params[0].device
+            for slot, i in enumerate(needed):
+                positions = (owner == i).nonzero().squeeze(1)
+                local = indices[positions] - offsets[i]
+                self.selected[slot] = (local.to(device), positions.to(device))
         #: Length of the engine's parameter vector: P, or the number of subnetwork entries.
         self.n_entries = int(sizes.sum()) if self.indices is None else len(self.indices)
         position = {id(p): i for i, p in enumerate(self.needed)}
@@ -176,6 +190,8 @@ class PerSampleTrace:
         """
         if self._batched:
             return self._batched_per_sample(v)
+        if self.engine.indices is not None:
+            return self._selected_per_sample(v)
         found = (
             {} if self._grads is None else self._per_param(self._grads(v), range(len(self.calls)))
         )
@@ -185,6 +201,19 @@ class PerSampleTrace:
             for slot, p in enumerate(self.engine.needed)
         ]
         return self._flatten(per_param, 1)
+
+    def _selected_per_sample(self, v: Tensor) -> Tensor:
+        """Per-sample gradients of the subnetwork entries only, layer by layer, (B, K)."""
+        out = self.f.new_zeros(self.f.shape[0], self.engine.n_entries)
+        if self._grads is None:
+            return out
+        slot, selected = self.engine.slot, self.engine.selected
+        for call, grads in zip(self.calls, self._grads(v)):
+            entries = {name: selected[slot[call.module, name]][0] for name in call.names}
+            for name, values in selected_per_sample_grads(call, grads, entries).items():
+                positions = selected[slot[call.module, name]][1]
+                out = out.index_add(1, positions, values)
+        return out
 
     def _batched_per_sample(self, v: Tensor) -> Tensor:
         """Per-sample gradients by one vectorised backward pass per data point, shape (B, P)."""
@@ -224,7 +253,7 @@ class PerSampleTrace:
             Shape (P,).
         """
         total = self._zeros()
-        if self._batched:
+        if self._batched or self.engine.indices is not None:
             return sum(self.per_sample(v).square().sum(0) for v in columns)
         if self._grads is None:
             return self._flatten(total, 0)
