@@ -1,0 +1,132 @@
+"""Cases of the performance-frontier issue: low-rank and subnetwork fits and predictives.
+
+Each fit is timed against the floor of ``benchmarks/harness.py`` (one forward + 10 backward
+passes) in the same process. ``lowrank-accuracy-mlp`` measures the trade-off of the block
+Krylov solver: for 1–6 passes, the fit's ratio to the floor and the largest relative error of the
+top-50 eigenvalues against Lanczos (ARPACK on curvlinops products, tolerance 1e-5), next to the
+error bound the fit reports (``la.eigenvalue_errors``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from harness import (
+    MODELS,
+    against_floor,
+    forward_plus_10_backward,
+    measure_fit,
+    measure_predict,
+    seconds,
+    training_loader,
+)
+
+#: Eigenpairs of the low-rank cases, and entries of the subnetwork cases.
+N_EIGENVALUES, N_SUBNET = 50, 1000
+#: Lanczos tolerance of the reference eigenvalues.
+REFERENCE_TOL = 1e-5
+
+
+def _lowrank(model, **options):
+    from laplace import Laplace
+
+    kwargs = {"n_eigenvalues": N_EIGENVALUES, **options}
+    return Laplace(model, "classification", "all", "lowrank", backend_kwargs=kwargs)
+
+
+def _bound(la) -> str:
+    errors = getattr(la, "eigenvalue_errors", None)
+    return "" if errors is None else f"largest error bound {float(errors.max()):.3f}"
+
+
+def case_fit_lowrank(model_name: str, solver: str, repeats: int) -> dict:
+    model = MODELS[model_name]().eval()
+    loader = training_loader(model_name)
+    la = _lowrank(model, solver=solver)
+    floor = partial(forward_plus_10_backward, model, loader)
+    case = f"fit lowrank k={N_EIGENVALUES} ({solver}) {model_name}"
+    row = measure_fit(la, loader, repeats, case, floor)
+    return {**row, "note": _bound(la)}
+
+
+def case_lowrank_accuracy(model_name: str, _: str, repeats: int) -> dict:
+    model = MODELS[model_name]().eval()
+    loader = training_loader(model_name)
+    reference = _lowrank(model, solver="lanczos", tol=REFERENCE_TOL)
+    lanczos_s = seconds(lambda: reference.fit(loader))
+    exact = reference.H[1]
+    floor = partial(forward_plus_10_backward, model, loader)
+    table = []
+    for passes in range(1, 7):
+        la = _lowrank(model, max_iter=passes)
+        times = against_floor(partial(la.fit, loader), floor, repeats)
+        k = min(len(exact), len(la.H[1]))
+        error = ((exact[:k] - la.H[1][:k]) / exact[:k]).abs().max()
+        table.append(
+            {
+                "passes": passes,
+                **times,
+                "max_rel_error": float(error),
+                "max_error_bound": float(la.eigenvalue_errors.max()),
+            }
+        )
+    note = "; ".join(
+        f"{r['passes']} passes: {r['ratio']:.1f}x, error {r['max_rel_error']:.3f} "
+        f"(bound {r['max_error_bound']:.3f})"
+        for r in table
+    )
+    return {
+        "case": f"lowrank k={N_EIGENVALUES} accuracy vs Lanczos {model_name}",
+        "n_params": reference.n_params,
+        "seconds": lanczos_s,
+        "peak_extra_MB": float("nan"),
+        "table": table,
+        "note": f"(seconds: Lanczos) {note}",
+    }
+
+
+def case_predict_lowrank(model_name: str, _: str, repeats: int, n_test: int = 100) -> dict:
+    la = _lowrank(MODELS[model_name]().eval())
+    la.fit(training_loader(model_name))
+    case = f"glm probit lowrank k={N_EIGENVALUES} {model_name} ({n_test} points)"
+    return measure_predict(la, model_name, n_test, repeats, case)
+
+
+def _subnetwork(model, structure: str):
+    from laplace import Laplace
+    from laplace.utils import LargestMagnitudeSubnetMask
+
+    indices = LargestMagnitudeSubnetMask(model, n_params_subnet=N_SUBNET).select()
+    return Laplace(
+        model,
+        "classification",
+        subset_of_weights="subnetwork",
+        hessian_structure=structure,
+        subnetwork_indices=indices,
+    )
+
+
+def case_fit_subnet(model_name: str, structure: str, repeats: int) -> dict:
+    model = MODELS[model_name]().eval()
+    loader = training_loader(model_name)
+    floor = partial(forward_plus_10_backward, model, loader)
+    case = f"fit subnetwork {structure} K={N_SUBNET} {model_name}"
+    return measure_fit(_subnetwork(model, structure), loader, repeats, case, floor)
+
+
+def case_predict_subnet(model_name: str, structure: str, repeats: int, n_test: int = 100) -> dict:
+    la = _subnetwork(MODELS[model_name]().eval(), structure)
+    la.fit(training_loader(model_name))
+    case = f"glm probit subnetwork {structure} K={N_SUBNET} {model_name} ({n_test} points)"
+    return measure_predict(la, model_name, n_test, repeats, case)
+
+
+FRONTIER_CASES = {
+    "fit-lowrank-mlp": (case_fit_lowrank, "mlp", "randomized"),
+    "fit-lowrank-cnn": (case_fit_lowrank, "cnn", "randomized"),
+    "lowrank-accuracy-mlp": (case_lowrank_accuracy, "mlp", ""),
+    "predict-lowrank-cnn-100": (case_predict_lowrank, "cnn", ""),
+    "fit-subnet-full-mlp": (case_fit_subnet, "mlp", "full"),
+    "fit-subnet-full-cnn": (case_fit_subnet, "cnn", "full"),
+    "predict-subnet-full-cnn-100": (case_predict_subnet, "cnn", "full"),
+}
