@@ -161,3 +161,20 @@ def test_default_block_krylov_solver_matches_dense_top_k(case_name, backend):
     U_ref, lam_ref = _top_k(CURVATURES[backend](oracle, case), K)
     _assert_same_eigenpairs(*la.H, U_ref, lam_ref)
     assert la.eigenvalue_errors.shape == (K,) and bool((la.eigenvalue_errors <= 1e-8).all())
+
+
+@pytest.mark.parametrize("case_name", ["mlp_regression_3out", "cnn_classification"])
+def test_glm_predictive_needs_no_jacobians(case_name, monkeypatch):
+    case = CASE_BUILDERS[case_name]()
+    oracle = Oracle(case.model, case.likelihood)
+    prior = torch.linspace(0.5, 2.0, len(oracle.theta), dtype=torch.float64)
+    la = LowRankLaplace(
+        case.model, case.likelihood, prior_precision=prior, backend_kwargs={"n_eigenvalues": K}
+    )
+    la.fit(case.loader())
+    monkeypatch.setattr(la.backend, "jacobians", None)  # any Jacobian call would fail
+    J = oracle.jacobian(case.X[:5])
+    expected = J @ torch.linalg.inv(_dense_from_rank_k(la)) @ J.transpose(1, 2)
+    f_mu, f_var = la._glm_predictive_distribution(case.X[:5])
+    assert_close(f_var, expected)
+    assert_close(f_mu, oracle.f(oracle.theta, case.X[:5]))

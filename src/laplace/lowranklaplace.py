@@ -22,6 +22,8 @@ from laplace import distributed as distributed_utils
 from laplace.curvature import CurvatureInterface
 from laplace.curvature.eigen import SOLVERS, top_eigenpairs
 from laplace.curvature.products import curvature_product
+from laplace.data import Inputs
+from laplace.kron_glm import lowrank_functional_moments
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors.lowrank import LowRankPosterior
 from laplace.utils.enums import Likelihood
@@ -200,6 +202,17 @@ class LowRankLaplace(ParametricLaplace):
         The precision is ``U @ diag(h·λ) @ U.T + diag(p₀)``.
         """
         return self._posterior.precision
+
+    def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
+        posterior = self._posterior
+        trace = self.backend.trace(X, create_graph=self.enable_backprop)
+        moments = lowrank_functional_moments(
+            trace, posterior.prior_diag, posterior.woodbury_basis, self.enable_backprop
+        )
+        if moments is None:
+            return super()._functional_moments(X)
+        f_mu, f_var = moments
+        return (f_mu, f_var) if self.enable_backprop else (f_mu.detach(), f_var.detach())
 
     @property
     def V(self) -> Tensor:
