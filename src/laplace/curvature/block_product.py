@@ -41,6 +41,14 @@ __all__ = ["PER_SAMPLE_CACHE_BYTES", "BlockSum", "ParameterBlock", "SampleVector
 PER_SAMPLE_CACHE_BYTES = 256 * 2**20
 
 
+def _slot_offsets(engine: PerSampleEngine) -> list[int]:
+    """Start of every parameter slot in the engine's flat vector, and its end."""
+    offsets = [0]
+    for p in engine.needed:
+        offsets.append(offsets[-1] + p.numel())
+    return offsets
+
+
 def _is_plain_linear(call: ModuleCall) -> bool:
     """A Linear on (B, D_in) inputs: per-sample weight vectors are outer products."""
     return type(call.module) is nn.Linear and call.args[0].dim() == 2
@@ -56,9 +64,7 @@ class ParameterBlock:
 
     def __init__(self, engine: PerSampleEngine, V: Tensor) -> None:
         self.engine, self.V = engine, V
-        self.offsets = [0]
-        for p in engine.needed:
-            self.offsets.append(self.offsets[-1] + p.numel())
+        self.offsets = _slot_offsets(engine)
         self._linear: dict[int, Tensor] = {}
 
     def slot(self, i: int) -> Tensor:
@@ -75,7 +81,7 @@ class ParameterBlock:
 
 
 class BlockSum:
-    """Accumulator of ``Gᵀ W`` over batches, per slot, in the rules' layouts.
+    """Accumulator of ``Gᵀ W`` over batches: a (P, m) result plus the Linear layouts.
 
     Args:
         engine: The engine whose parameter order the result follows.
@@ -84,18 +90,18 @@ class BlockSum:
     """
 
     def __init__(self, engine: PerSampleEngine, m: int, like: Tensor) -> None:
-        self.engine, self.m, self.like = engine, m, like
-        self._whole: Tensor | None = None
-        self._rows: dict[int, Tensor] = {}
+        self.engine, self.m = engine, m
+        self.total = like.new_zeros(engine.n_entries, m)
+        self.offsets = _slot_offsets(engine)
         self._linear: dict[int, Tensor] = {}
 
     def add(self, value: Tensor) -> None:
         """Add ``value`` (P, m) to the whole result."""
-        self._whole = value if self._whole is None else self._whole + value
+        self.total += value
 
     def add_rows(self, i: int, value: Tensor) -> None:
         """Add ``value`` (n_i, m) to slot ``i``."""
-        self._rows[i] = self._rows[i] + value if i in self._rows else value
+        self.total[self.offsets[i] : self.offsets[i + 1]] += value
 
     def add_linear(self, i: int, inputs: Tensor, weights: Tensor) -> None:
         """Add ``inputsᵀ weights`` ((D_in, B) @ (B, D_out·m)) to Linear weight slot ``i``."""
@@ -106,21 +112,12 @@ class BlockSum:
 
     def result(self) -> Tensor:
         """The accumulated ``Σ Gᵀ W``, shape (P, m)."""
-        if not self._rows and not self._linear:
-            if self._whole is None:
-                return self.like.new_zeros(self.engine.n_entries, self.m)
-            return self._whole
-        parts = []
-        for i, p in enumerate(self.engine.needed):
-            total = self._rows.get(i)
-            if i in self._linear:
-                d_out, d_in = p.shape
-                rows = self._linear[i].reshape(d_in, d_out, self.m).permute(1, 0, 2)
-                rows = rows.reshape(-1, self.m)
-                total = rows if total is None else total + rows
-            parts.append(self.like.new_zeros(p.numel(), self.m) if total is None else total)
-        whole = torch.cat(parts)
-        return whole if self._whole is None else whole + self._whole
+        for i, value in self._linear.items():
+            d_out, d_in = self.engine.needed[i].shape
+            rows = value.reshape(d_in, d_out, self.m).permute(1, 0, 2).reshape(-1, self.m)
+            self.add_rows(i, rows)
+        self._linear.clear()
+        return self.total
 
 
 class SampleVectors:
