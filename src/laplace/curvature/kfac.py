@@ -32,16 +32,13 @@ from torch import Tensor, nn
 
 from laplace.curvature.capture import OutputGradients
 from laplace.curvature.layer_rules import ModuleCall, _conv_patches
-from laplace.curvature.per_sample import PerSampleTrace
+from laplace.curvature.per_sample import COLUMNS_PER_BACKWARD, PerSampleTrace
 from laplace.utils.matrix import Kron
 
 __all__ = ["KFAC_APPROXIMATIONS", "KFAC_RULES", "KfacRule", "check_kfac_support", "kfac"]
 
 #: The weight-sharing approximations of Eschenhagen et al. (2023).
 KFAC_APPROXIMATIONS = ("expand", "reduce")
-
-#: Output columns differentiated together by one vectorised backward pass.
-_COLUMNS_PER_BACKWARD = 16
 
 
 class KfacRule(NamedTuple):
@@ -156,9 +153,9 @@ def kfac(
             A[call.module] = A[call.module] + gram if call.module in A else gram
     output_grads = OutputGradients(trace.f, calls)
     columns = list(columns)
-    for start in range(0, len(columns), _COLUMNS_PER_BACKWARD):
+    for start in range(0, len(columns), COLUMNS_PER_BACKWARD):
         # One vectorised backward for a chunk of columns; one Gram matrix per call and chunk.
-        chunk = torch.stack(columns[start : start + _COLUMNS_PER_BACKWARD])
+        chunk = torch.stack(columns[start : start + COLUMNS_PER_BACKWARD])
         for call, (g,) in zip(calls, output_grads.stacked(chunk)):
             g = KFAC_RULES[type(call.module)].grads(call, g.detach().flatten(0, 1))
             gram = _gram(g, approx, mean=False)

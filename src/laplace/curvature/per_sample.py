@@ -41,11 +41,15 @@ from laplace.curvature.layer_rules import (
     selected_per_sample_grads,
 )
 from laplace.data import Inputs
+from laplace.utils.linalg import symmetric_gram
 
-__all__ = ["PerSampleEngine", "PerSampleTrace"]
+__all__ = ["COLUMNS_PER_BACKWARD", "PerSampleEngine", "PerSampleTrace"]
 
 #: Data points per vectorised backward pass in the batched fallback.
 BATCHED_BACKWARD_CHUNK = 32
+
+#: Output columns differentiated together by one vectorised backward pass.
+COLUMNS_PER_BACKWARD = 16
 
 
 class PerSampleEngine:
@@ -190,11 +194,35 @@ class PerSampleTrace:
         """
         if self._batched:
             return self._batched_per_sample(v)
+        return self._rows([] if self._grads is None else self._grads(v))
+
+    def per_sample_columns(self, columns: Tensor) -> Tensor:
+        """Per-sample gradients ``Jₙᵀ vₙₖ`` for several output columns.
+
+        The columns are differentiated :data:`COLUMNS_PER_BACKWARD` at a time by one vectorised
+        backward pass.
+
+        Args:
+            columns: Output columns, shape (K, B, C).
+
+        Returns:
+            Shape (K, B, P) (P restricted to the subnetwork when one is set).
+        """
+        if self._batched:
+            return torch.stack([self._batched_per_sample(v) for v in columns])
+        rows = []
+        for start in range(0, len(columns), COLUMNS_PER_BACKWARD):
+            chunk = columns[start : start + COLUMNS_PER_BACKWARD]
+            stacked = self.output_gradients(chunk)
+            for k in range(len(chunk)):
+                rows.append(self._rows([[g[k] for g in per_call] for per_call in stacked]))
+        return torch.stack(rows)
+
+    def _rows(self, g_calls: list[list[Tensor]]) -> Tensor:
+        """Per-sample gradients (B, P) from the gradients w.r.t. every recorded call's outputs."""
         if self.engine.indices is not None:
-            return self._selected_per_sample(v)
-        found = (
-            {} if self._grads is None else self._per_param(self._grads(v), range(len(self.calls)))
-        )
+            return self._selected_rows(g_calls)
+        found = self._per_param(g_calls, range(len(g_calls)))
         batch = self.f.shape[0]
         per_param = [
             found[slot] if slot in found else self.f.new_zeros(batch, *p.shape)
@@ -202,13 +230,11 @@ class PerSampleTrace:
         ]
         return self._flatten(per_param, 1)
 
-    def _selected_per_sample(self, v: Tensor) -> Tensor:
+    def _selected_rows(self, g_calls: list[list[Tensor]]) -> Tensor:
         """Per-sample gradients of the subnetwork entries only, layer by layer, (B, K)."""
         out = self.f.new_zeros(self.f.shape[0], self.engine.n_entries)
-        if self._grads is None:
-            return out
         slot, selected = self.engine.slot, self.engine.selected
-        for call, grads in zip(self.calls, self._grads(v)):
+        for call, grads in zip(self.calls, g_calls):
             entries = {name: selected[slot[call.module, name]][0] for name in call.names}
             for name, values in selected_per_sample_grads(call, grads, entries).items():
                 positions = selected[slot[call.module, name]][1]
@@ -254,7 +280,7 @@ class PerSampleTrace:
         """
         total = self._zeros()
         if self._batched or self.engine.indices is not None:
-            return sum(self.per_sample(v).square().sum(0) for v in columns)
+            return self.per_sample_columns(torch.stack(list(columns))).square().sum((0, 1))
         if self._grads is None:
             return self._flatten(total, 0)
         fast = [i for i, is_fast in enumerate(self._fast) if is_fast]
@@ -286,17 +312,15 @@ class PerSampleTrace:
         Raises:
             ValueError: If ``columns`` is empty.
         """
-        result = None
-        for v in columns:
-            G = self.per_sample(v)
-            result = G.T @ G if result is None else result.addmm_(G.T, G)
-        if result is None:
+        columns = list(columns)
+        if not columns:
             raise ValueError("gram needs at least one output column.")
-        return result
+        rows = self.per_sample_columns(torch.stack(columns))
+        return symmetric_gram(rows.reshape(-1, rows.shape[-1]))
 
     def jacobians(self) -> Tensor:
         """Jacobians of the outputs w.r.t. the parameters, shape (B, C, P)."""
         f = self.f.reshape(self.f.shape[0], -1)
         eye = torch.eye(f.shape[1], dtype=f.dtype, device=f.device)
-        rows = [self.per_sample(e.expand_as(f).reshape(self.f.shape)) for e in eye]
-        return torch.stack(rows, dim=1)
+        columns = eye[:, None, :].expand(-1, f.shape[0], -1).reshape(-1, *self.f.shape)
+        return self.per_sample_columns(columns).transpose(0, 1)

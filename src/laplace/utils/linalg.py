@@ -14,6 +14,7 @@ __all__ = [
     "kron",
     "normal_samples",
     "symeig",
+    "symmetric_gram",
 ]
 
 logger = logging.getLogger(__name__)
@@ -210,3 +211,27 @@ def normal_samples(
     # (B, C, S): scale the shared standard-normal draws per Gaussian.
     noise = var.sqrt().unsqueeze(-1) * z if diagonal else torch.linalg.cholesky(var) @ z
     return (mean.unsqueeze(-1) + noise).permute(2, 0, 1)
+
+
+def symmetric_gram(G: torch.Tensor, panel: int = 128) -> torch.Tensor:
+    """``Gᵀ G`` for ``G`` of shape (M, P), each off-diagonal block computed once.
+
+    Row panels ``G[:, i:i+b]ᵀ G[:, i:]`` of the upper triangle are large matrix products and the
+    lower triangle is mirrored, so the cost is about ``(1 + b/P)/2`` of ``G.T @ G``.
+
+    Args:
+        G: The matrix, shape (M, P).
+        panel: Columns per row panel.
+
+    Returns:
+        The symmetric (P, P) Gram matrix.
+    """
+    n = G.shape[1]
+    if n <= 2 * panel:
+        return G.T @ G
+    out = G.new_empty(n, n)
+    for i in range(0, n, panel):
+        j = min(n, i + panel)
+        out[i:j, i:] = G[:, i:j].T @ G[:, i:]
+        out[j:, i:j] = out[i:j, j:].T
+    return out
