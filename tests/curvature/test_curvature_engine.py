@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from conftest import Oracle, assert_close
-from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
+from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, layer_rules
 from laplace.curvature.block_product import BlockSum, ParameterBlock, SampleVectors
 
 
@@ -180,8 +180,10 @@ def test_block_products_match_oracle(model_and_inputs):
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
-def test_subnetwork_rows_match_oracle(model_and_inputs):
-    """Per-sample gradients of chosen entries only (per-layer gathers) against the oracle."""
+@pytest.mark.parametrize("gather_cost", [0, layer_rules.GATHER_COST], ids=["gather", "default"])
+def test_subnetwork_rows_match_oracle(model_and_inputs, gather_cost, monkeypatch):
+    """Per-sample gradients of chosen entries only (gathers, or the layer's then selected)."""
+    monkeypatch.setattr(layer_rules, "GATHER_COST", gather_cost)
     model, X = model_and_inputs
     oracle = Oracle(model, "classification")
     n_params = len(oracle.theta)

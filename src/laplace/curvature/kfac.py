@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from laplace.curvature.capture import OutputGradients
 from laplace.curvature.layer_rules import ModuleCall, _conv_patches
 from laplace.curvature.per_sample import COLUMNS_PER_BACKWARD, PerSampleTrace
+from laplace.utils.linalg import symmetric_gram
 from laplace.utils.matrix import Kron
 
 __all__ = ["KFAC_APPROXIMATIONS", "KFAC_RULES", "KfacRule", "check_kfac_support", "kfac"]
@@ -110,14 +111,13 @@ def check_kfac_support(model: nn.Module, params: Iterable[Tensor]) -> None:
 def _gram(t: Tensor, approx: str, mean: bool) -> Tensor:
     """Σ of outer products of (R, T, D) rows, shape (D, D), without copying them to (R·T, D).
 
-    Expand sums over every position; reduce over the per-row sum (or mean) over positions.
+    Expand sums over every position; reduce over the per-row sum (or mean) over positions. Rows
+    of one position go through a symmetric Gram product (each off-diagonal block once).
     """
     if approx == "reduce":
-        rows = t.mean(1) if mean else t.sum(1)
-        return rows.T @ rows
+        return symmetric_gram(t.mean(1) if mean else t.sum(1))
     if t.shape[1] == 1:
-        rows = t[:, 0]
-        return rows.T @ rows
+        return symmetric_gram(t[:, 0])
     return torch.bmm(t.transpose(1, 2), t).sum(0)
 
 

@@ -31,6 +31,7 @@ from torch.nn import functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = [
+    "GATHER_COST",
     "PER_SAMPLE_RULES",
     "SELECTED_RULES",
     "SQUARE_SUM_RULES",
@@ -195,15 +196,21 @@ SQUARE_SUM_RULES: dict[
 def _linear_selected(
     call: ModuleCall, grads: Sequence[Tensor], entries: dict[str, Tensor]
 ) -> dict[str, Tensor]:
-    """Selected entries of ``nn.Linear`` per-sample gradients: ``Σₜ gₜₒ aₜᵢ`` for weight (o, i)."""
+    """Selected entries of ``nn.Linear`` per-sample gradients: ``Σₜ gₜₒ aₜᵢ`` for weight (o, i).
+
+    The selected input columns are gathered once per call (cached) for all output columns.
+    """
     a, g = call.args[0], grads[0]
-    a, g = a.reshape(a.shape[0], -1, a.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
     out = {}
     if "weight" in entries:
         rows, cols = entries["weight"] // a.shape[-1], entries["weight"] % a.shape[-1]
-        out["weight"] = (g[..., rows] * a[..., cols]).sum(1)
+        if "selected_inputs" not in call.cache:
+            call.cache["selected_inputs"] = a[..., cols]
+        product = g[..., rows] * call.cache["selected_inputs"]
+        out["weight"] = product if product.dim() == 2 else product.flatten(1, -2).sum(1)
     if "bias" in entries:
-        out["bias"] = g[..., entries["bias"]].sum(1)
+        selected = g[..., entries["bias"]]
+        out["bias"] = selected if selected.dim() == 2 else selected.flatten(1, -2).sum(1)
     return out
 
 
@@ -236,10 +243,18 @@ SELECTED_RULES: dict[
 }
 
 
+#: A gathered product costs about as much as this many multiply-adds of a matrix product.
+GATHER_COST = 16
+
+
 def selected_per_sample_grads(
     call: ModuleCall, grads: Sequence[Tensor], entries: dict[str, Tensor]
 ) -> dict[str, Tensor]:
     """Per-sample gradients of chosen entries of a call's direct parameters.
+
+    A layer applied at T > 1 positions (convolutions, sequences) sums T gathered products per
+    entry; once that costs more than the matrix product giving the whole layer's per-sample
+    gradients (``n · GATHER_COST ≥`` the layer's size), those are computed and selected.
 
     Args:
         call: The recorded call.
@@ -251,7 +266,12 @@ def selected_per_sample_grads(
     """
     rule = SELECTED_RULES.get(type(call.module))
     if rule is not None:
-        return rule(call, grads, entries)
+        g, module = grads[0], call.module
+        positions = g[0].numel() // module.weight.shape[0]
+        n_selected = sum(len(index) for index in entries.values())
+        size = sum(getattr(module, name).numel() for name in entries)
+        if positions == 1 or n_selected * GATHER_COST < size:
+            return rule(call, grads, entries)
     full = per_sample_grads(call, grads)
     return {name: full[name].flatten(1)[:, index] for name, index in entries.items()}
 
