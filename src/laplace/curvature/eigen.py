@@ -91,7 +91,7 @@ def _orthonormal(block: Tensor, basis: Tensor | None) -> Tensor:
     Q: Tensor | None = block
     for step in range(3):
         if basis is not None and step < 2 and Q is not None:
-            Q = Q - basis @ (basis.T @ Q)
+            Q = torch.addmm(Q, basis, basis.T @ Q, alpha=-1)
         Q = _cholesky_qr(Q, shift=step == 0) if Q is not None else None
     eye = torch.eye(block.shape[1], dtype=block.dtype, device=block.device)
     tolerance = 100 * torch.finfo(block.dtype).eps * block.shape[1]
@@ -99,7 +99,7 @@ def _orthonormal(block: Tensor, basis: Tensor | None) -> Tensor:
         Q = block
         for _ in range(2):
             if basis is not None:
-                Q = Q - basis @ (basis.T @ Q)
+                Q = torch.addmm(Q, basis, basis.T @ Q, alpha=-1)
             Q = torch.linalg.qr(Q).Q
     return Q
 
@@ -143,7 +143,7 @@ def _block_krylov(
         basis, b = storage[:, :d], Q.shape[1]
         rest = product.matmat(Q)
         coefficients = basis.T @ rest  # (d, b): the new columns of T = Kᵀ H K
-        rest -= basis @ coefficients
+        rest.addmm_(basis, coefficients, alpha=-1)
         T = torch.cat([torch.cat([T, coefficients[: d - b].T], 0), coefficients], 1)
         values, W = _ritz(T, k)
         # H K − K T lives in the newest block: H Q − K (Kᵀ H Q) = rest, so ‖r_i‖ = ‖rest w_i‖.
