@@ -198,7 +198,8 @@ def _linear_selected(
 ) -> dict[str, Tensor]:
     """Selected entries of ``nn.Linear`` per-sample gradients: ``Σₜ gₜₒ aₜᵢ`` for weight (o, i).
 
-    The selected input columns are gathered once per call (cached) for all output columns.
+    The selected input columns are gathered once per call (cached) for all output columns. On
+    (B, D_in) inputs, gradients with leading dims (K, B, D_out) give (K, B, n) at once.
     """
     a, g = call.args[0], grads[0]
     out = {}
@@ -207,10 +208,10 @@ def _linear_selected(
         if "selected_inputs" not in call.cache:
             call.cache["selected_inputs"] = a[..., cols]
         product = g[..., rows] * call.cache["selected_inputs"]
-        out["weight"] = product if product.dim() == 2 else product.flatten(1, -2).sum(1)
+        out["weight"] = product if a.dim() == 2 else product.flatten(1, -2).sum(1)
     if "bias" in entries:
         selected = g[..., entries["bias"]]
-        out["bias"] = selected if selected.dim() == 2 else selected.flatten(1, -2).sum(1)
+        out["bias"] = selected if a.dim() == 2 else selected.flatten(1, -2).sum(1)
     return out
 
 

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from laplace.curvature.capture import OutputGradients, record_forward
 from laplace.curvature.layer_rules import (
+    SELECTED_RULES,
     SQUARE_SUM_RULES,
     ModuleCall,
     per_sample_grads,
@@ -214,14 +215,17 @@ class PerSampleTrace:
         for start in range(0, len(columns), COLUMNS_PER_BACKWARD):
             chunk = columns[start : start + COLUMNS_PER_BACKWARD]
             stacked = self.output_gradients(chunk)
+            if self.engine.indices is not None:
+                rows.append(self._selected_rows(stacked, len(chunk)))
+                continue
             for k in range(len(chunk)):
-                rows.append(self._rows([[g[k] for g in per_call] for per_call in stacked]))
-        return torch.stack(rows)
+                rows.append(self._rows([[g[k] for g in per_call] for per_call in stacked])[None])
+        return torch.cat(rows)
 
     def _rows(self, g_calls: list[list[Tensor]]) -> Tensor:
         """Per-sample gradients (B, P) from the gradients w.r.t. every recorded call's outputs."""
         if self.engine.indices is not None:
-            return self._selected_rows(g_calls)
+            return self._selected_rows([[g[None] for g in grads] for grads in g_calls], 1)[0]
         found = self._per_param(g_calls, range(len(g_calls)))
         batch = self.f.shape[0]
         per_param = [
@@ -230,15 +234,27 @@ class PerSampleTrace:
         ]
         return self._flatten(per_param, 1)
 
-    def _selected_rows(self, g_calls: list[list[Tensor]]) -> Tensor:
-        """Per-sample gradients of the subnetwork entries only, layer by layer, (B, K)."""
-        out = self.f.new_zeros(self.f.shape[0], self.engine.n_entries)
+    def _selected_rows(self, stacked: list[list[Tensor]], n_columns: int) -> Tensor:
+        """Per-sample gradients of the subnetwork entries only, (K, B, n_entries).
+
+        Args:
+            stacked: Per call, gradients w.r.t. its outputs for K columns, each (K, B, ...).
+            n_columns: K.
+        """
+        out = self.f.new_zeros(n_columns, self.f.shape[0], self.engine.n_entries)
         slot, selected = self.engine.slot, self.engine.selected
-        for call, grads in zip(self.calls, g_calls):
+        for call, grads in zip(self.calls, stacked):
             entries = {name: selected[slot[call.module, name]][0] for name in call.names}
-            for name, values in selected_per_sample_grads(call, grads, entries).items():
-                positions = selected[slot[call.module, name]][1]
-                out = out.index_add(1, positions, values)
+            if type(call.module) is nn.Linear and call.args[0].dim() == 2:  # all K at once
+                values = SELECTED_RULES[nn.Linear](call, grads, entries)
+            else:
+                per_column = [
+                    selected_per_sample_grads(call, [g[k] for g in grads], entries)
+                    for k in range(n_columns)
+                ]
+                values = {name: torch.stack([c[name] for c in per_column]) for name in entries}
+            for name, value in values.items():
+                out = out.index_add(2, selected[slot[call.module, name]][1], value)
         return out
 
     def _batched_per_sample(self, v: Tensor) -> Tensor:
