@@ -133,6 +133,12 @@ class SampleVectors:
         self.K, self.B = columns.shape[0], trace.f.shape[0]
         self.layerwise = trace.layerwise
         self._grads = trace.output_gradients(columns) if self.layerwise else []
+        # Linear layers on (B, D) inputs contract per data point: their gradients as (B, K, D).
+        self._by_point = {
+            i: self._grads[i][0].transpose(0, 1).contiguous()
+            for i, call in enumerate(trace.calls)
+            if self.layerwise and _is_plain_linear(call)
+        }
         self._cache: dict[tuple[int, int], Any] = {}
         self._cached_bytes = 0
 
@@ -172,17 +178,15 @@ class SampleVectors:
         out = V.new_zeros(self.K, self.B, V.shape[1])
         slot = self.trace.engine.slot
         for i, call in enumerate(self.trace.calls):
-            if _is_plain_linear(call):
-                (g,) = self._grads[i]  # (K, B, D_out)
+            if i in self._by_point:
+                g = self._by_point[i]  # (B, K, D_out)
                 for name in call.names:
                     j = slot[call.module, name]
                     if name == "weight":
                         t = call.args[0] @ block.linear(j)  # (B, D_out·m)
-                        out += torch.bmm(
-                            g.transpose(0, 1), t.reshape(self.B, g.shape[-1], -1)
-                        ).transpose(0, 1)
+                        out += torch.bmm(g, t.reshape(self.B, g.shape[-1], -1)).transpose(0, 1)
                     else:
-                        out += (g.reshape(-1, g.shape[-1]) @ block.slot(j)).reshape(out.shape)
+                        out += (g @ block.slot(j)).transpose(0, 1)
                 continue
             for k in range(self.K):
                 for j, grad in self._layer_grads(i, k).items():
@@ -196,17 +200,18 @@ class SampleVectors:
                 total.add(self._rows(k).T @ W[k])
             return
         slot = self.trace.engine.slot
-        flat_W = W.reshape(-1, W.shape[-1])
+        by_point = W.transpose(0, 1).contiguous()  # (B, K, m)
         for i, call in enumerate(self.trace.calls):
-            if _is_plain_linear(call):
-                (g,) = self._grads[i]
+            if i in self._by_point:
+                g = self._by_point[i]  # (B, K, D_out)
                 for name in call.names:
                     j = slot[call.module, name]
                     if name == "weight":
-                        u = torch.bmm(g.permute(1, 2, 0), W.transpose(0, 1))  # (B, D_out, m)
+                        u = torch.bmm(g.transpose(1, 2), by_point)  # (B, D_out, m)
                         total.add_linear(j, call.args[0], u.reshape(self.B, -1))
                     else:
-                        total.add_rows(j, g.reshape(-1, g.shape[-1]).T @ flat_W)
+                        flat = g.reshape(-1, g.shape[-1])
+                        total.add_rows(j, flat.T @ by_point.reshape(-1, W.shape[-1]))
                 continue
             for k in range(self.K):
                 for j, grad in self._layer_grads(i, k).items():
