@@ -6,9 +6,10 @@ training set) and never form a P × P matrix:
 - ``"randomized"`` (default): randomised block Krylov (Musco & Musco, 2015) with Rayleigh–Ritz.
   The first block is a sketch ``Gᵀ Ω`` of the per-sample vectors (half a product), then every
   pass over the data multiplies the newest block of ``b = k + oversampling`` vectors,
-  ``K = [Q₀, H Q₀, H² Q₀, …]`` is kept orthonormal (block Gram–Schmidt, twice) and the Ritz
-  pairs of ``Kᵀ H K`` are the result. A fixed number of passes (``max_iter``, default
-  :data:`DEFAULT_PASSES`), fewer when the error bounds fall under ``tol`` first.
+  ``K = [Q₀, H Q₀, H² Q₀, …]`` is kept orthonormal (block Gram–Schmidt twice, Cholesky QR) and
+  the Ritz pairs of ``Kᵀ H K`` are the result. A fixed number of passes (``max_iter``, default
+  :data:`DEFAULT_PASSES`), fewer when the error bounds fall under ``tol`` first. Memory: the
+  basis, ``max_iter · (k + oversampling)`` vectors of length P, and one batch.
 - ``"lanczos"`` (implicitly restarted, ARPACK's ``eigsh``) and ``"lobpcg"``: exact to ``tol``,
   at the cost of hundreds of single products.
 
@@ -65,9 +66,9 @@ class Eigenpairs(NamedTuple):
 def _cholesky_qr(block: Tensor, shift: bool) -> Tensor | None:
     """``Q`` of ``block = Q R`` from the Cholesky factor of its Gram matrix, or None if it fails.
 
-    Three matmul-sized passes instead of Householder QR, which is tens of times slower on tall
-    blocks; a shift (Fukaya et al., 2020) keeps the first factorisation of an ill-conditioned
-    block positive definite.
+    A Gram matrix and a triangular solve, both matrix products, instead of Householder QR, which
+    is tens of times slower on tall blocks; a shift (Fukaya et al., 2020) keeps the first
+    factorisation of an ill-conditioned block positive definite.
     """
     gram = block.T @ block
     if shift:

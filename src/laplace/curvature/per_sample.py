@@ -197,20 +197,21 @@ class PerSampleTrace:
             return self._batched_per_sample(v)
         return self._rows([] if self._grads is None else self._grads(v))
 
-    def per_sample_columns(self, columns: Tensor) -> Tensor:
+    def per_sample_columns(self, columns: Tensor, dim: int = 0) -> Tensor:
         """Per-sample gradients ``Jₙᵀ vₙₖ`` for several output columns.
 
         The columns are differentiated :data:`COLUMNS_PER_BACKWARD` at a time by one vectorised
         backward pass.
 
         Args:
-            columns: Output columns, shape (K, B, C).
+            columns: Output columns, shape (K, *f.shape).
+            dim: Axis of the columns in the result: 0 gives (K, B, P), 1 gives (B, K, P).
 
         Returns:
-            Shape (K, B, P) (P restricted to the subnetwork when one is set).
+            The gradients (P restricted to the subnetwork when one is set).
         """
         if self._batched:
-            return torch.stack([self._batched_per_sample(v) for v in columns])
+            return torch.stack([self._batched_per_sample(v) for v in columns], dim)
         rows = []
         for start in range(0, len(columns), COLUMNS_PER_BACKWARD):
             chunk = columns[start : start + COLUMNS_PER_BACKWARD]
@@ -220,7 +221,7 @@ class PerSampleTrace:
                 continue
             for k in range(len(chunk)):
                 rows.append(self._rows([[g[k] for g in per_call] for per_call in stacked])[None])
-        return torch.cat(rows)
+        return torch.cat([r.transpose(0, dim) for r in rows], dim)
 
     def _rows(self, g_calls: list[list[Tensor]]) -> Tensor:
         """Per-sample gradients (B, P) from the gradients w.r.t. every recorded call's outputs."""
@@ -339,4 +340,4 @@ class PerSampleTrace:
         f = self.f.reshape(self.f.shape[0], -1)
         eye = torch.eye(f.shape[1], dtype=f.dtype, device=f.device)
         columns = eye[:, None, :].expand(-1, f.shape[0], -1).reshape(-1, *self.f.shape)
-        return self.per_sample_columns(columns).transpose(0, 1)
+        return self.per_sample_columns(columns, dim=1)
