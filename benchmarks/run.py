@@ -6,7 +6,8 @@ Each case runs in its own subprocess so peak memory is its own; times are median
 repeats and a fit's ratio to its floor is the median of per-repeat ratios, floor and fit
 alternating (see the harness).
 
-Usage: ``python benchmarks/run.py [--cases NAME ...] [--repeats R]``; prints a table and writes
+Usage: ``python benchmarks/run.py [--cases NAME ...] [--repeats R] [--threads T]
+[--clock wall|cpu]``; prints a table and writes
 ``benchmarks/results/run.json``. ``--backends`` instead times ``fit`` per curvature backend ×
 structure on both models and writes ``benchmarks/results/backends.json``. The scaling table
 (N and width) is ``benchmarks/scaling.py``.
@@ -36,6 +37,7 @@ from harness import (
     measure_predict,
     timed,
     training_loader,
+    use_clock,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -201,12 +203,13 @@ CASES = {
 }
 
 
-def run_one(name: str, repeats: int) -> dict:
-    torch.set_num_threads(2)
+def run_one(name: str, repeats: int, threads: int = 2, clock: str = "wall") -> dict:
+    torch.set_num_threads(threads)
+    use_clock(clock)
     torch.manual_seed(0)
     fn, model_name, structure = CASES[name]
     row = fn(model_name, structure, repeats)
-    return {**row, "load_avg_1min": os.getloadavg()[0]}
+    return {**row, "threads": threads, "clock": clock, "load_avg_1min": os.getloadavg()[0]}
 
 
 def format_row(row: dict) -> str:
@@ -233,17 +236,25 @@ def main() -> None:
         help="run the fit time per backend × structure cases (results/backends.json)",
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time (default) or process CPU time (robust to load with --threads 1)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one, args.repeats)))
+        print(json.dumps(run_one(args.one, args.repeats, args.threads, args.clock)))
         return
     if args.backends:
         args.cases = list(BACKEND_CASES)
     rows = []
     for name in args.cases:
+        options = ["--repeats", str(args.repeats), "--threads", str(args.threads)]
         out = subprocess.run(
-            [sys.executable, __file__, "--one", name, "--repeats", str(args.repeats)],
+            [sys.executable, __file__, "--one", name, *options, "--clock", args.clock],
             capture_output=True,
             text=True,
             check=True,

@@ -8,7 +8,7 @@ time against N at each width, and of fit and predictive time against the paramet
 each N; memory exponents likewise.
 
 Usage: ``python benchmarks/scaling.py [--model mlp|cnn] [--structures ...] [--sizes ...]
-[--widths ...]``; prints the table and the exponents and writes
+[--widths ...] [--threads T] [--clock wall|cpu]``; prints the table and the exponents and writes
 ``benchmarks/results/scaling_<model>.json``. Slow (minutes): not part of ``make bench``.
 """
 
@@ -27,13 +27,16 @@ STRUCTURES = ("diag", "kron", "lowrank", "ll-kron")
 N_PREDICT = 1000
 
 
-def run_config(model_name: str, structure: str, n: int, width: int) -> dict:
+def run_config(
+    model_name: str, structure: str, n: int, width: int, threads: int, clock: str
+) -> dict:
     import torch
-    from harness import MODELS, PeakRSS, data, seconds, training_loader
+    from harness import MODELS, PeakRSS, data, seconds, training_loader, use_clock
 
     from laplace import Laplace
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
+    use_clock(clock)
     torch.manual_seed(0)
     model = MODELS[model_name](width).eval()
     subset, hessian = ("last_layer", "kron") if structure == "ll-kron" else ("all", structure)
@@ -88,11 +91,14 @@ def main() -> None:
     parser.add_argument("--structures", nargs="+", choices=STRUCTURES, default=list(STRUCTURES))
     parser.add_argument("--sizes", nargs="+", type=int, default=[1000, 4000, 16000])
     parser.add_argument("--widths", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         structure, n, width = args.one
-        print(json.dumps(run_config(args.model, structure, int(n), int(width))))
+        row = run_config(args.model, structure, int(n), int(width), args.threads, args.clock)
+        print(json.dumps(row))
         return
     rows = []
     print(
@@ -102,9 +108,13 @@ def main() -> None:
     for structure in args.structures:
         for width in args.widths:
             for n in args.sizes:
-                cmd = [sys.executable, __file__, "--model", args.model, "--one", structure]
+                cmd = [sys.executable, __file__, "--model", args.model, "--threads"]
+                cmd += [str(args.threads), "--clock", args.clock]
                 out = subprocess.run(
-                    [*cmd, str(n), str(width)], capture_output=True, text=True, check=True
+                    [*cmd, "--one", structure, str(n), str(width)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
                 )
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 rows.append(row)
