@@ -31,7 +31,7 @@ def run_config(
     model_name: str, structure: str, n: int, width: int, threads: int, clock: str
 ) -> dict:
     import torch
-    from harness import MODELS, PeakRSS, data, seconds, training_loader, use_clock
+    from harness import BATCH, MODELS, PeakRSS, data, seconds, training_loader, use_clock
 
     from laplace import Laplace
 
@@ -43,6 +43,7 @@ def run_config(
     kwargs = {"backend_kwargs": {"n_eigenvalues": 50}} if structure == "lowrank" else {}
     la = Laplace(model, "classification", subset, hessian, **kwargs)
     loader = training_loader(model_name, n)
+    la.fit(training_loader(model_name, BATCH))  # warm-up: first-call costs are not per point
     with PeakRSS() as fit_mem:
         fit_s = seconds(lambda: la.fit(loader))
     X_test, _ = data(model_name, N_PREDICT, 1)
