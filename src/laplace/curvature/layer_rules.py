@@ -14,7 +14,9 @@ weight gradient summed over samples and output columns is ``(Σ_c g_c²)ᵀ a²`
 
 :data:`SELECTED_RULES` give the per-sample gradients of chosen entries only (a subnetwork), at a
 cost that does not grow with the layer: the gradient of weight ``(o, i)`` of a linear layer is
-``Σₜ gₜₒ aₜᵢ``, of a convolution weight the same sum over output positions and input patches.
+``Σₜ gₜₒ aₜᵢ``, of a convolution weight the same sum over output positions and input patches
+(:func:`selected_per_sample_grads` forms the layer's gradients and selects instead when so many
+entries of a layer applied at several positions are chosen that the matmul is cheaper).
 """
 
 from __future__ import annotations
