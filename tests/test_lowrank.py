@@ -178,3 +178,23 @@ def test_glm_predictive_needs_no_jacobians(case_name, monkeypatch):
     f_mu, f_var = la._glm_predictive_distribution(case.X[:5])
     assert_close(f_var, expected)
     assert_close(f_mu, oracle.f(oracle.theta, case.X[:5]))
+
+
+@pytest.mark.parametrize("structure", ["diag", "lowrank"])
+def test_glm_predictive_of_grouped_convolutions_falls_back_to_jacobians(structure):
+    """The layer-wise route models ungrouped layers only; grouped ones take the Jacobians."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv1d(2, 4, 3, groups=2),
+        torch.nn.Tanh(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(20, 3),
+    ).double()
+    X = torch.randn(10, 2, 7, dtype=torch.float64)
+    y = torch.randint(0, 3, (10,))
+    kwargs = {"backend_kwargs": {"n_eigenvalues": K}} if structure == "lowrank" else {}
+    la = Laplace(model, "classification", "all", structure, prior_precision=0.7, **kwargs)
+    la.fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=5))
+    J = Oracle(model, "classification").jacobian(X[:3])
+    _, f_var = la._glm_predictive_distribution(X[:3])
+    assert_close(f_var, la.functional_variance(J))

@@ -32,7 +32,17 @@ from laplace.curvature.kfac import KFAC_RULES
 from laplace.curvature.per_sample import PerSampleTrace
 from laplace.utils.matrix import KronDecomposed
 
-__all__ = ["diag_functional_moments", "kron_functional_moments", "lowrank_functional_moments"]
+__all__ = [
+    "LAYERWISE_CHUNK_ROWS",
+    "diag_functional_moments",
+    "kron_functional_moments",
+    "layerwise_chunk_rows",
+    "layerwise_supported",
+    "lowrank_functional_moments",
+]
+
+#: Test points per chunk of the layer-wise GLM predictive (it holds activations, not Jacobians).
+LAYERWISE_CHUNK_ROWS = 256
 
 #: Per parameter slot: (Q_G or None, Q_A or None, inverse spectrum (out, in) or (out,)).
 BlockInverse = Callable[[int], tuple[Tensor | None, Tensor | None, Tensor]]
@@ -84,6 +94,31 @@ def diag_functional_moments(
     return _layerwise_moments(trace, block, create_graph)
 
 
+def layerwise_supported(module: nn.Module) -> bool:
+    """Whether the layer-wise route models ``module`` (ungrouped Linear and Conv layers)."""
+    rule = KFAC_RULES.get(type(module))
+    return rule is not None and rule.check(module) is None
+
+
+def layerwise_chunk_rows(model: nn.Module, params: list[Tensor], jacobian_rows: int) -> int:
+    """Test points per chunk of a GLM predictive that takes the layer-wise route when it can.
+
+    Args:
+        model: The network.
+        params: Its parameters of interest.
+        jacobian_rows: Rows per chunk of the Jacobian route (the fallback).
+
+    Returns:
+        :data:`LAYERWISE_CHUNK_ROWS` when every module owning one of ``params`` is supported
+        (chunks then hold activations, not Jacobians), else ``jacobian_rows``.
+    """
+    wanted = {id(p) for p in params}
+    owners = [
+        m for m in model.modules() if any(id(p) in wanted for p in m.parameters(recurse=False))
+    ]
+    return LAYERWISE_CHUNK_ROWS if all(map(layerwise_supported, owners)) else jacobian_rows
+
+
 def lowrank_functional_moments(
     trace: PerSampleTrace, prior_diag: Tensor, basis: Tensor, create_graph: bool = False
 ) -> tuple[Tensor, Tensor] | None:
@@ -120,7 +155,9 @@ def _layerwise_moments(
 ) -> tuple[Tensor, Tensor] | None:
     f, calls, engine = trace.f, trace.calls, trace.engine
     B = f.shape[0]
-    if any(call.outputs[0].shape[0] != B or type(call.module) not in KFAC_RULES for call in calls):
+    if not all(
+        call.outputs[0].shape[0] == B and layerwise_supported(call.module) for call in calls
+    ):
         return None
     f2 = f.reshape(B, -1)
     C = f2.shape[1]

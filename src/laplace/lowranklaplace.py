@@ -23,7 +23,7 @@ from laplace.curvature import CurvatureInterface
 from laplace.curvature.eigen import SOLVERS, top_eigenpairs
 from laplace.curvature.products import curvature_product
 from laplace.data import Inputs
-from laplace.kron_glm import lowrank_functional_moments
+from laplace.kron_glm import layerwise_chunk_rows, lowrank_functional_moments
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors.lowrank import LowRankPosterior
 from laplace.utils.enums import Likelihood
@@ -213,6 +213,9 @@ class LowRankLaplace(ParametricLaplace):
             return super()._functional_moments(X)
         f_mu, f_var = moments
         return (f_mu, f_var) if self.enable_backprop else (f_mu.detach(), f_var.detach())
+
+    def _chunk_rows(self) -> int:
+        return layerwise_chunk_rows(self.model, self.params, super()._chunk_rows())
 
     @property
     def V(self) -> Tensor:

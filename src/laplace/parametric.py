@@ -16,7 +16,7 @@ from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace
 from laplace.data import Inputs, dataset_size
 from laplace.glm import GLMPredictiveMixin
-from laplace.kron_glm import diag_functional_moments
+from laplace.kron_glm import diag_functional_moments, layerwise_chunk_rows
 from laplace.posteriors import DensePosterior, DiagonalPosterior, Posterior
 from laplace.serialization import StateDictMixin
 from laplace.utils.enums import Likelihood
@@ -309,6 +309,9 @@ class DiagLaplace(ParametricLaplace):
         if not self.enable_backprop:
             f_mu, f_var = f_mu.detach(), f_var.detach()
         return f_mu, f_var
+
+    def _chunk_rows(self) -> int:
+        return layerwise_chunk_rows(self.model, self.params, super()._chunk_rows())
 
     @property
     def posterior_scale(self) -> Tensor:
