@@ -136,9 +136,9 @@ def _block_krylov(
         )
     n_passes = DEFAULT_PASSES if max_iter is None else max(1, max_iter)
     storage = start.new_empty(P, min(P, n_passes * width))  # the basis K, filled block by block
-    Q = _orthonormal(start, None)
-    d = Q.shape[1]
-    storage[:, :d] = Q
+    d = width
+    storage[:, :d] = _orthonormal(start, None)
+    Q = storage[:, :d]  # the newest block, a view of the basis
     T = Q.new_zeros(0, 0)
     for step in range(n_passes):
         basis, b = storage[:, :d], Q.shape[1]
@@ -154,9 +154,10 @@ def _block_krylov(
         done = room == 0 or (tol > 0 and bool((errors <= tol).all()))
         if done or step == n_passes - 1:
             break
-        Q = _orthonormal(rest[:, : min(width, room)], basis)
-        storage[:, d : d + Q.shape[1]] = Q
-        d += Q.shape[1]
+        b = min(width, room)
+        storage[:, d : d + b] = _orthonormal(rest[:, :b], basis)
+        Q = storage[:, d : d + b]
+        d += b
     return Eigenpairs(storage[:, :d] @ W, values, errors)
 
 
