@@ -21,8 +21,8 @@ install: $(STAMP)  ## create .venv if missing and install -e .[all,dev,examples,
 test: $(STAMP)  ## run the test suite (slow cases excluded)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
 
-test-all: $(STAMP)  ## run every test, slow cases included
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m ''
+test-all: $(STAMP)  ## run every test, slow cases and many more property-test examples included
+	LAPLACE_HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m ''
 
 lint: $(STAMP)  ## ruff lint and format check
 	$(PY) -m ruff check src tests benchmarks examples

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -39,6 +40,7 @@ from harness import (
     training_loader,
     use_clock,
 )
+from torch.utils.data import DataLoader, TensorDataset
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -181,6 +183,52 @@ def case_predict_gp(model_name: str, n_subset: int, repeats: int, n_test: int = 
     }
 
 
+def case_evaluate(model_name: str, structure: str, repeats: int, n_test: int = 10_000) -> dict:
+    """``evaluate`` against the GLM probit predictive alone on the same test batches.
+
+    Both are timed in turns in one process (the machine is shared, so the medians count); the
+    predictive in one call on all test points is timed too, for reference.
+    """
+    from laplace import Laplace
+    from laplace.evaluation import evaluate
+
+    model = MODELS[model_name]().eval()
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
+    la.fit(training_loader(model_name))
+    X_test, y_test = data(model_name, n_test, 1)
+    test_loader = DataLoader(TensorDataset(X_test, y_test), batch_size=500)
+    la(X_test[:10], link_approx="probit")  # warm the factorisation
+
+    def predictive_alone() -> None:
+        for X, _ in test_loader:
+            la(X, pred_type="glm", link_approx="probit")
+
+    def evaluation() -> None:
+        evaluate(la, test_loader, pred_type="glm", link_approx="probit")
+
+    def one_call() -> None:
+        la(X_test, pred_type="glm", link_approx="probit")
+
+    pred_s, eval_s, one_call_s = [], [], []
+    with PeakRSS() as mem:
+        for _ in range(repeats):
+            pred_s.append(timed(predictive_alone, 1))
+            eval_s.append(timed(evaluation, 1))
+            one_call_s.append(timed(one_call, 1))
+    pred, seconds = statistics.median(pred_s), statistics.median(eval_s)
+    return {
+        "case": f"evaluate glm probit {structure} {model_name} ({n_test} points)",
+        "n_params": la.n_params,
+        "seconds": seconds,
+        "predictive_alone_s": pred,
+        "ratio_to_predictive": seconds / pred,
+        "ratio_of_fastest": min(eval_s) / min(pred_s),
+        "predictive_one_call_s": statistics.median(one_call_s),
+        "repeats_s": {"evaluate": eval_s, "predictive": pred_s, "one_call": one_call_s},
+        "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
 CASES = {
     "fit-diag-mlp": (case_fit, "mlp", "diag"),
     "fit-diag-cnn": (case_fit, "cnn", "diag"),
@@ -200,6 +248,7 @@ CASES = {
     **FRONTIER_CASES,
     "marglik-training-kron-mlp": (case_marglik_training, "mlp", "kron"),
     "predict-gp-sod-mlp": (case_predict_gp, "mlp", 100),
+    "evaluate-kron-cnn": (case_evaluate, "cnn", "kron"),
 }
 
 
@@ -217,6 +266,8 @@ def format_row(row: dict) -> str:
     extras = ""
     if "ratio" in row:
         extras = f"  {row['ratio']:6.2f}x {row.get('floor', '1 fwd + 10 bwd')}"
+    if "ratio_to_predictive" in row:
+        extras = f"  {row['ratio_to_predictive']:6.3f}x the predictive alone"
     if "note" in row:
         extras += f"  {row['note']}"
     params = f"P={row['n_params']:>7d}" if "n_params" in row else " " * 9

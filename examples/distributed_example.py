@@ -9,8 +9,9 @@ with one GPU per process: NCCL). Each rank
    count are all-reduced, so every rank holds the posterior of the whole data set,
 3. tunes the prior precision by marginal likelihood (identical on every rank) and by grid search
    on its shard of the validation set,
-4. predicts its shard of the test set and gathers the predictions with
-   :func:`laplace.distributed.all_gather`.
+4. evaluates its shard of the test set with :func:`laplace.evaluation.evaluate`
+   (``distributed=True``): the metrics' sums are all-reduced, so every rank gets the accuracy,
+   NLL and ECE of the whole test set.
 
 Rank 0 writes ``metrics.json`` under ``outputs/distributed_example/`` (or ``--output DIR``) and
 prints the folder. Without torchrun the script runs as a single process.
@@ -32,7 +33,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from laplace import Laplace
-from laplace.distributed import all_gather, shard_dataset
+from laplace.distributed import shard_dataset
+from laplace.evaluation import evaluate
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "outputs" / "distributed_example"
 
@@ -113,13 +115,11 @@ def main() -> None:
     val_loader = DataLoader(shard_dataset(val, rank, world), batch_size=100)
     la.optimize_prior_precision(method="gridsearch", val_loader=val_loader, grid_size=20)
 
-    # Prediction over a sharded test set, gathered in rank order.
-    X_test, y_test = test.tensors
-    with torch.no_grad():
-        probs = la(X_test[rank::world].to(device), pred_type="glm", link_approx="probit")
-    probs, targets = all_gather(probs), all_gather(y_test[rank::world].to(device))
-    accuracy = (probs.argmax(-1) == targets).double().mean().item()
-    nll = nn.functional.nll_loss(probs.clamp_min(1e-12).log(), targets).item()
+    # Metrics of a sharded test set: each rank predicts its shard, the sums are all-reduced.
+    test_loader = DataLoader(shard_dataset(test, rank, world), batch_size=100)
+    result = evaluate(
+        la, test_loader, pred_type="glm", link_approx="probit", distributed=distributed
+    )
 
     if rank == 0:
         args.output.mkdir(parents=True, exist_ok=True)
@@ -130,8 +130,9 @@ def main() -> None:
             "log_marglik": la.log_marginal_likelihood().item(),
             "prior_precision_marglik": marglik_prior,
             "prior_precision_gridsearch": la.prior_precision.item(),
-            "test_accuracy": accuracy,
-            "test_nll": nll,
+            "test_accuracy": result["accuracy"],
+            "test_nll": result["nll"],
+            "test_ece": result["ece"],
         }
         (args.output / "metrics.json").write_text(json.dumps(metrics, indent=2))
         print(json.dumps(metrics, indent=2))

@@ -12,8 +12,9 @@ sequence of random tokens contains more even than odd token ids. After a short M
 3. LoRA adapters made with ``peft`` on the attention weights, the base model frozen, fitted with
    ``AsdlGGN`` (when the ``asdl`` extra is installed; otherwise the default backend).
 
-Writes ``metrics.json`` and ``confidence.png`` under ``outputs/huggingface_example/`` (or
-``--output DIR``) and prints the folder.
+Each is scored with ``laplace.evaluation.evaluate`` (accuracy, NLL, ECE, mean confidence) and
+drawn as a reliability diagram. Writes ``metrics.json`` and ``reliability.png`` under
+``outputs/huggingface_example/`` (or ``--output DIR``) and prints the folder.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from transformers import GPT2Config, GPT2ForSequenceClassification
 
 from laplace import Laplace
 from laplace.curvature import CURVATURE_BACKENDS
+from laplace.evaluation import evaluate, plot_reliability_diagram
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "outputs" / "huggingface_example"
 VOCAB, SEQ_LEN, PAD = 64, 12, 0
@@ -95,20 +97,6 @@ def train(model: nn.Module, loader: DataLoader, n_epochs: int) -> None:
     model.eval()
 
 
-def evaluate(predict, loader: DataLoader) -> tuple[dict, torch.Tensor]:
-    probs, labels = [], []
-    with torch.no_grad():
-        for batch in loader:
-            probs.append(predict(batch))
-            labels.append(batch["labels"])
-    p, y = torch.cat(probs), torch.cat(labels)
-    return {
-        "accuracy": (p.argmax(-1) == y).float().mean().item(),
-        "nll": -p.gather(-1, y[:, None]).clamp(min=1e-12).log().mean().item(),
-        "mean_confidence": p.max(-1).values.mean().item(),
-    }, p.max(-1).values
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
@@ -118,11 +106,11 @@ def main() -> None:
     train_loader = DataLoader(toy_dataset(512, 0), batch_size=32, shuffle=True)
     fit_loader = DataLoader(toy_dataset(512, 0), batch_size=64)
     test_loader = DataLoader(toy_dataset(256, 1), batch_size=64)
-    results, confidences, seconds = {}, {}, {}
+    results, seconds = {}, {}
 
     model = MyGPT2()
     train(model, train_loader, args.epochs)
-    results["MAP"], confidences["MAP"] = evaluate(lambda b: model(b).softmax(-1), test_loader)
+    results["MAP"] = evaluate(lambda b: model(b).softmax(-1), test_loader)
 
     # 1. Last-layer Laplace; the head sees the features of the last token.
     start = time.perf_counter()
@@ -136,7 +124,7 @@ def main() -> None:
     la.fit(fit_loader)
     la.optimize_prior_precision(method="marglik")
     seconds["LA last-layer"] = time.perf_counter() - start
-    results["LA last-layer"], confidences["LA last-layer"] = evaluate(la, test_loader)
+    results["LA last-layer"] = evaluate(la, test_loader)
 
     # 2. Subset of weights by requires_grad: only the classification head.
     for p in model.hf_model.parameters():
@@ -149,7 +137,7 @@ def main() -> None:
     la_subset.optimize_prior_precision(method="marglik")
     seconds["LA head via requires_grad"] = time.perf_counter() - start
     name = "LA head via requires_grad"
-    results[name], confidences[name] = evaluate(la_subset, test_loader)
+    results[name] = evaluate(la_subset, test_loader)
 
     # 3. LoRA adapters on the attention weights; the base model is frozen by peft.
     base = MyGPT2()
@@ -158,9 +146,7 @@ def main() -> None:
     )
     lora_model = get_peft_model(base, config)
     train(lora_model, train_loader, args.epochs)
-    results["LoRA MAP"], confidences["LoRA MAP"] = evaluate(
-        lambda b: lora_model(b).softmax(-1), test_loader
-    )
+    results["LoRA MAP"] = evaluate(lambda b: lora_model(b).softmax(-1), test_loader)
     backend_name = "asdl_ggn" if "asdl_ggn" in CURVATURE_BACKENDS else "curvlinops_ggn"
     backend = CURVATURE_BACKENDS[backend_name]
     start = time.perf_counter()
@@ -174,7 +160,7 @@ def main() -> None:
     lora_la.fit(fit_loader)
     lora_la.optimize_prior_precision(method="marglik")
     seconds["LA LoRA"] = time.perf_counter() - start
-    results["LA LoRA"], confidences["LA LoRA"] = evaluate(lora_la, test_loader)
+    results["LA LoRA"] = evaluate(lora_la, test_loader)
 
     n_params = {
         "LA last-layer": la.n_params,
@@ -189,25 +175,25 @@ def main() -> None:
     }
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "metrics.json").write_text(json.dumps(summary, indent=2))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, conf in confidences.items():
-        ax.hist(conf.numpy(), bins=20, range=(0.5, 1), histtype="step", lw=1.5, label=name)
-    ax.set_xlabel("confidence on the test sequences")
-    ax.set_ylabel("count")
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(
+        2, len(results), figsize=(2.9 * len(results), 4.4), gridspec_kw={"height_ratios": (3, 1)}
+    )
+    for col, (name, result) in enumerate(results.items()):
+        plot_reliability_diagram(result, axes[0, col], axes[1, col], title=name)
     fig.tight_layout()
-    fig.savefig(args.output / "confidence.png", dpi=110)
+    fig.savefig(args.output / "reliability.png", dpi=110)
 
     print("Tiny GPT-2 (2 layers, random init), synthetic parity-count task:")
-    print(f"  {'method':28s} {'acc':>7s} {'NLL':>7s} {'conf':>7s} {'weights':>8s}")
+    header = f"  {'method':28s} {'acc':>7s} {'NLL':>7s} {'ECE':>7s} {'conf':>7s} {'weights':>8s}"
+    print(header)
     for name, m in results.items():
         p = n_params.get(name, "")
         print(
-            f"  {name:28s} {m['accuracy']:7.4f} {m['nll']:7.4f} {m['mean_confidence']:7.4f} "
-            f"{p!s:>8s}"
+            f"  {name:28s} {m['accuracy']:7.4f} {m['nll']:7.4f} {m['ece']:7.4f} "
+            f"{m['confidence']:7.4f} {p!s:>8s}"
         )
     print(f"LoRA Laplace backend: {backend_name}")
-    print(f"figures and metrics written to {args.output}/ (confidence.png, metrics.json)")
+    print(f"figures and metrics written to {args.output}/ (reliability.png, metrics.json)")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Bradley-Terry draw, P(x₁ preferred) = σ(r(x₁) - r(x₀)). A reward MLP is t
 KFAC Laplace approximation is fitted with ``likelihood="reward_modeling"``: it is trained as a
 classifier over the pair and predicts each point's reward like a regression model, a mean and a
 variance. The figure shows the predicted reward and its standard deviation, which grows away from
-the data. Writes ``reward.png`` and ``metrics.json`` under ``outputs/reward_modeling_example/``.
+the data; ``laplace.evaluation.evaluate`` scores the preference probabilities of held-out pairs
+(MAP network and Laplace predictive). Writes ``reward.png`` and ``metrics.json`` under
+``outputs/reward_modeling_example/``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace import Laplace
+from laplace.evaluation import evaluate
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "outputs" / "reward_modeling_example"
 CENTRE = torch.tensor([0.5, -0.5])
@@ -82,11 +85,18 @@ def main() -> None:
         torch.stack([mean[inside], true_reward(points)[inside.reshape(-1)]])
     )
     test_pairs = torch.rand(500, 2, 2, generator=gen) * 2 - 1
-    better = true_reward(test_pairs[:, 1]) > true_reward(test_pairs[:, 0])
-    with torch.no_grad():
-        predicted = model(test_pairs).argmax(-1) == 1
+    better = (true_reward(test_pairs[:, 1]) > true_reward(test_pairs[:, 0])).long()
+    pair_loader = DataLoader(TensorDataset(test_pairs, better), batch_size=250)
+    # Preference probabilities of the pairs: the MAP network's, and the Laplace predictive's as
+    # during fitting (fitting=True gives the pair probabilities instead of rewards).
+    map_pairs = evaluate(lambda x: model(x).softmax(-1), pair_loader)
+    la_pairs = evaluate(la, pair_loader, likelihood="classification", fitting=True)
     metrics = {
-        "pair_accuracy": (predicted == better).float().mean().item(),
+        "pair_accuracy": map_pairs["accuracy"],
+        "pair_nll_map": map_pairs["nll"],
+        "pair_nll_laplace": la_pairs["nll"],
+        "pair_ece_map": map_pairs["ece"],
+        "pair_ece_laplace": la_pairs["ece"],
         "reward_correlation_in_data_range": rank_corr[0, 1].item(),
         "mean_std_in_data_range": std[inside].mean().item(),
         "mean_std_outside_data_range": std[~inside].mean().item(),

@@ -23,10 +23,12 @@ from conftest import CASE_BUILDERS, assert_close
 from laplace import Laplace, marglik_training
 from laplace.curvature import CurvlinopsGGN
 from laplace.distributed import DistributedFitError, all_gather, shard_dataset
+from laplace.evaluation import evaluate
 from laplace.utils.matrix import KronDecomposed
 
 WORLD = 2
 RTOL, ATOL = 1e-9, 1e-10
+RTOL_F32 = 1e-6
 
 #: (id, subset_of_weights, hessian_structure, case, sharding)
 CONFIGS = [
@@ -94,6 +96,18 @@ def _predict(la, X):
     return out if isinstance(out, torch.Tensor) else torch.cat([out[0], out[1].flatten(1)], 1)
 
 
+def _calibration(la, case, val, distributed):
+    """Grid search by a calibration metric, then ``evaluate``, on (sharded) validation data."""
+    loss = "ece" if case.likelihood == "classification" else "crps"
+    la.optimize_prior_precision(method="gridsearch", val_loader=val, grid_size=7, loss=loss)
+    result = evaluate(la, val, distributed=distributed)
+    metrics = ("ece", "mce", "nll", "brier") if loss == "ece" else ("crps", "nll", "rmse")
+    return {
+        "prior_grid_calibration": la.prior_precision.detach().clone(),
+        "evaluate": torch.tensor([result[key] for key in metrics], dtype=torch.float64),
+    }
+
+
 def _local_loaders(case, config, rank):
     sharding = config[4]
     data = TensorDataset(case.X, case.y)
@@ -141,6 +155,7 @@ def _worker(rank: int, port: int, out_dir: str, configs, fail: str | None) -> No
             if val is not None:
                 la.optimize_prior_precision(method="gridsearch", val_loader=val, grid_size=7)
                 res["prior_grid"] = la.prior_precision.detach().clone()
+                res.update(_calibration(la, case, val, distributed=True))
             results[config[0]] = res
     except Exception:  # reported to the parent through the results file
         results["error"] = traceback.format_exc()
@@ -199,9 +214,17 @@ class _Failing(Dataset):
 
 
 def _failing_fit(rank: int, mode: str) -> str:
+    """``mode``: rank 1 raises (``"raise"``) or dies (``"die"``) mid-loader, or the ranks are
+    built with different prior precisions (``"mismatch"``) or structures (``"structure"``)."""
     case = CASE_BUILDERS["mlp_classification"]()
-    data = TensorDataset(case.X[:10], case.y[:10]) if rank == 0 else _Failing(mode)
-    la = Laplace(case.model, "classification", hessian_structure="diag")
+    failing = mode in ("raise", "die") and rank == 1
+    data = _Failing(mode) if failing else TensorDataset(case.X[:10], case.y[:10])
+    kwargs = {"hessian_structure": "diag", "prior_precision": 1.0}
+    if mode == "mismatch":
+        kwargs["prior_precision"] = 1.0 + rank
+    if mode == "structure":
+        kwargs["hessian_structure"] = ("diag", "full")[rank]
+    la = Laplace(case.model, "classification", **kwargs)
     try:
         la.fit(DataLoader(data, batch_size=3), distributed=True)
     except DistributedFitError as error:
@@ -243,13 +266,16 @@ def test_distributed_fit_equals_single_process(config, distributed_results):
         val = DataLoader(TensorDataset(case.X[:15], case.y[:15]), batch_size=4)
         la.optimize_prior_precision(method="gridsearch", val_loader=val, grid_size=7)
         expected["prior_grid"] = la.prior_precision.detach().clone()
+        expected.update(_calibration(la, case, val, distributed=False))
     # low-rank: Lanczos converges to the eigenpairs up to its tolerance, not to the last bit
     rtol, atol = (1e-6, 1e-8) if config[2] == "lowrank" else (RTOL, ATOL)
     for rank, results in enumerate(distributed_results):
         got = results[config[0]]
         assert got["n_data"] == expected["n_data"], f"rank {rank}"
         for key in expected:
-            if key != "n_data":
+            if key == "evaluate":  # torchmetrics' calibration error bins in float32
+                assert_close(got[key], expected[key], rtol=RTOL_F32, atol=RTOL_F32)
+            elif key != "n_data":
                 assert_close(got[key], expected[key], rtol=rtol, atol=atol)
     # every rank holds bitwise the same posterior
     for key in ("precision", "marglik", "prior_marglik"):
@@ -266,10 +292,24 @@ def test_distributed_marglik_training_equals_single_process(distributed_results)
 
 
 def test_failing_rank_raises_clear_error_on_the_others(tmp_path):
+    start = time.perf_counter()
     results = _spawn(tmp_path, [], fail="raise")
+    assert time.perf_counter() - start < 60
     assert results[1]["failure"].startswith("OSError: disk read failed")
     assert results[0]["failure"].startswith("DistributedFitError")
     assert "rank(s) [1] failed" in results[0]["failure"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "differs"), [("mismatch", "['prior_precision']"), ("structure", "['class']")]
+)
+def test_ranks_with_different_hyperparameters_fail_on_every_rank(tmp_path, mode, differs):
+    start = time.perf_counter()
+    results = _spawn(tmp_path, [], fail=mode)
+    for rank, result in enumerate(results):
+        assert result["failure"].startswith("DistributedFitError"), result["failure"]
+        assert f"the ranks hold different {differs} (rank {rank} has" in result["failure"]
+    assert time.perf_counter() - start < 60
 
 
 def test_dead_rank_makes_the_others_fail_not_hang(tmp_path):

@@ -87,10 +87,14 @@ def test_split_batch_keeps_mappings_whole():
     assert_close(x, torch.ones(2))
 
 
-def test_regression_targets_add_an_output_axis_without_broadcasting():
-    assert regression_targets(torch.ones(3), torch.zeros(3, 1)).shape == (3, 1)
-    with pytest.raises(ValueError, match="regression targets"):
-        regression_targets(torch.ones(3), torch.zeros(3, 2))
+def test_regression_targets_are_never_reshaped_or_broadcast():
+    assert regression_targets(torch.ones(3, 1), torch.zeros(3, 1)).shape == (3, 1)
+    for targets, outputs in [
+        (torch.ones(3), torch.zeros(3, 1)),
+        (torch.ones(3), torch.zeros(3, 2)),
+    ]:
+        with pytest.raises(ValueError, match="regression targets"):
+            regression_targets(targets, outputs)
 
 
 def test_classification_targets_from_indices_columns_and_one_hot():

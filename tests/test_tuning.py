@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -41,40 +42,6 @@ def test_marglik_tuning_keeps_structure_of_tensor_init():
     assert la.prior_precision.shape == (la.n_layers,)
 
 
-def brute_force_losses(la, grid, X, y):
-    losses = []
-    for p in grid:
-        la.prior_precision = p
-        if la.likelihood == "classification":
-            probs = la(X, link_approx="probit")
-            losses.append(-probs[torch.arange(len(y)), y].log().mean().item())
-        else:
-            f_mu, _ = la(X)
-            losses.append(((f_mu - y) ** 2).mean().item())
-    return losses
-
-
-@pytest.mark.parametrize("name", ["mlp_classification", "mlp_regression_3out"])
-def test_gridsearch_picks_best_validation_loss(name):
-    case = CASE_BUILDERS[name]()
-    la = DiagLaplace(case.model, case.likelihood)
-    la.fit(case.loader())
-    torch.manual_seed(5)
-    X_val, y_val = case.X[:10] + 0.3 * torch.randn_like(case.X[:10]), case.y[:10]
-    val_loader = DataLoader(TensorDataset(X_val, y_val), batch_size=4)
-    la.optimize_prior_precision(
-        method="gridsearch",
-        val_loader=val_loader,
-        grid_size=9,
-        log_prior_prec_min=-2,
-        log_prior_prec_max=2,
-    )
-    chosen = la.prior_precision.clone()
-    grid = torch.logspace(-2, 2, 9, dtype=torch.float64)
-    losses = brute_force_losses(la, grid, X_val, y_val)
-    assert_close(chosen, grid[int(torch.tensor(losses).argmin())].reshape(1))
-
-
 def test_gridsearch_accepts_callable_loss():
     case = CASE_BUILDERS["mlp_classification"]()
     la = FullLaplace(case.model, case.likelihood)
@@ -97,3 +64,115 @@ def test_gridsearch_needs_val_loader():
     la.fit(case.loader())
     with pytest.raises(ValueError, match="val_loader"):
         la.optimize_prior_precision(method="gridsearch")
+
+
+def _validation_data(case, n=16, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    X = case.X[:n] + 0.5 * torch.randn(case.X[:n].shape, generator=gen, dtype=case.X.dtype)
+    return X, case.y[:n]
+
+
+def _classification_loss(probs, y, name):
+    from torchmetrics.functional.classification import multiclass_calibration_error
+
+    if name in ("nll", None):  # None: the default loss, the validation NLL
+        return -probs[torch.arange(len(y)), y].log().mean().item()
+    if name == "ece":
+        return multiclass_calibration_error(probs, y, probs.shape[-1]).item()
+    onehot = torch.nn.functional.one_hot(y, probs.shape[-1])
+    return (probs - onehot).square().sum(-1).mean().item()
+
+
+def _regression_loss(f_mu, cov, y, name):
+    from scipy import stats
+
+    mu, t = f_mu.detach().numpy(), y.numpy()
+    if name is None:  # the default loss, the mean squared error
+        return float(np.mean((mu - t) ** 2))
+    if name == "crps":
+        std = cov.diagonal(dim1=-2, dim2=-1).sqrt().detach().numpy()
+        z = (t - mu) / std
+        crps = std * (z * (2 * stats.norm.cdf(z) - 1) + 2 * stats.norm.pdf(z) - 1 / np.sqrt(np.pi))
+        return float(crps.mean())
+    cov = cov.detach().numpy()
+    return float(
+        np.mean([-stats.multivariate_normal.logpdf(t[i], mu[i], cov[i]) for i in range(len(t))])
+    )
+
+
+def _brute_force(la, grid, X, y, name):
+    """The validation loss of each candidate from the predictive and independent formulas."""
+    losses = []
+    for p in grid:
+        la.prior_precision = p
+        if la.likelihood == "classification":
+            losses.append(_classification_loss(la(X, link_approx="probit"), y, name))
+        else:
+            f_mu, f_var = la(X)
+            noise = la.sigma_noise.item() ** 2 * torch.eye(f_var.shape[-1], dtype=f_var.dtype)
+            losses.append(_regression_loss(f_mu, f_var + noise, y, name))
+    return losses
+
+
+@pytest.mark.parametrize(
+    ("name", "loss"),
+    [
+        ("mlp_classification", "ece"),
+        ("mlp_classification", "brier"),
+        ("mlp_classification", "nll"),
+        ("mlp_regression_3out", "crps"),
+        ("mlp_regression_3out", "nll"),
+        ("mlp_classification", None),
+        ("mlp_regression_3out", None),
+    ],
+)
+def test_gridsearch_picks_the_lowest_validation_loss(name, loss):
+    case = CASE_BUILDERS[name]()
+    kwargs = {"sigma_noise": 0.8} if case.likelihood == "regression" else {}
+    la = DiagLaplace(case.model, case.likelihood, **kwargs)
+    la.fit(case.loader())
+    X_val, y_val = _validation_data(case)
+    val_loader = DataLoader(TensorDataset(X_val, y_val), batch_size=5)
+    la.optimize_prior_precision(
+        method="gridsearch",
+        val_loader=val_loader,
+        loss=loss,
+        grid_size=9,
+        log_prior_prec_min=-3,
+        log_prior_prec_max=3,
+    )
+    chosen = la.prior_precision.clone()
+    grid = torch.logspace(-3, 3, 9, dtype=torch.float64)
+    losses = torch.tensor(_brute_force(la, grid, X_val, y_val, loss))
+    if not (loss is None and case.likelihood == "regression"):  # the GLM mean ignores the prior
+        assert losses.max() - losses.min() > 1e-3, "the grid must matter for this test to bite"
+    assert_close(chosen, grid[int(losses.argmin())].reshape(1))
+
+
+def test_gridsearch_by_ece_differs_from_gridsearch_by_nll():
+    """ECE and NLL disagree on this data, so picking by name really switches the metric."""
+    case = CASE_BUILDERS["mlp_classification"]()
+    la = DiagLaplace(case.model, case.likelihood)
+    la.fit(case.loader())
+    X_val, y_val = _validation_data(case)
+    grid = torch.logspace(-3, 3, 9, dtype=torch.float64)
+    ece = torch.tensor(_brute_force(la, grid, X_val, y_val, "ece"))
+    nll = torch.tensor(_brute_force(la, grid, X_val, y_val, "nll"))
+    assert int(ece.argmin()) != int(nll.argmin())
+
+
+@pytest.mark.parametrize(
+    ("name", "loss", "match"),
+    [
+        ("mlp_classification", "accuracy", "'brier', 'crps', 'ece', 'nll'"),
+        ("mlp_classification", "crps", "likelihood='classification'.*'nll', 'brier', 'ece'"),
+        ("mlp_regression_1out", "ece", "likelihood='regression'.*'nll', 'crps'"),
+    ],
+)
+def test_gridsearch_rejects_unknown_metric_names_before_any_work(name, loss, match):
+    case = CASE_BUILDERS[name]()
+    la = DiagLaplace(case.model, case.likelihood, prior_precision=0.3)
+    la.fit(case.loader())
+    with pytest.raises(ValueError, match=match):
+        la.optimize_prior_precision(method="gridsearch", val_loader=case.loader(), loss=loss)
+    assert la.prior_precision.item() == pytest.approx(0.3)

@@ -5,6 +5,9 @@ Internal module; the public path is :mod:`laplace.baselaplace`.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import torch
@@ -13,12 +16,29 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
-from laplace.data import move_inputs, split_batch
+from laplace.curvature.curvature import check_dict_inputs
+from laplace.curvature.registry import check_backend_kwargs
+from laplace.data import prepare_batch
 from laplace.distributed import unwrap_model
+from laplace.errors import (
+    AbstractClassError,
+    NotFittedError,
+    check_int_at_least,
+    check_mapping,
+    check_module,
+    check_positive_float,
+)
 from laplace.likelihoods import make_likelihood
-from laplace.priors import as_prior_mean, as_prior_precision, expand_to_diagonal
-from laplace.subsets import AllWeights
-from laplace.tuning import default_validation_loss, gridsearch, maximize_marglik
+from laplace.priors import (
+    as_prior_mean,
+    as_prior_precision,
+    as_sigma_noise,
+    check_temperature,
+    expand_to_diagonal,
+)
+from laplace.subsets import AllWeights, check_parameters
+from laplace.transaction import Transactional
+from laplace.tuning import grid_candidates, gridsearch, maximize_marglik, validation_loss
 from laplace.utils.enums import (
     Likelihood,
     LinkApprox,
@@ -29,11 +49,19 @@ from laplace.utils.enums import (
 )
 from laplace.utils.utils import fix_prior_prec_structure
 
-__all__ = ["BaseLaplace"]
+__all__ = ["BaseLaplace", "arguments_for"]
 
 
-class BaseLaplace:
+class BaseLaplace(Transactional):
     """Common hyperparameters, data handling and prior tuning of every Laplace approximation.
+
+    This constructor is the one place where the arguments every Laplace class shares are
+    checked and stored; the public classes keep laplace-torch's explicit parameter lists and
+    hand them here. Each argument is stored under its own name (``la.sigma_noise``,
+    ``la.backend_kwargs``, ...), so a Laplace object can be rebuilt from its attributes.
+    ``fit``, ``load_state_dict``, ``log_marginal_likelihood`` and ``optimize_prior_precision``
+    of every subclass change nothing when they raise
+    (:class:`~laplace.transaction.Transactional`).
 
     Args:
         model: The trained network; only parameters with ``requires_grad=True`` are treated
@@ -46,13 +74,21 @@ class BaseLaplace:
         enable_backprop: Keep predictives differentiable w.r.t. the inputs.
         dict_key_x: Key of the inputs in dict-like batches.
         dict_key_y: Key of the targets in dict-like batches.
-        backend: Curvature backend class; ``CurvlinopsGGN`` (exact GGN) when None.
+        backend: Curvature backend class (or an instance, as ``la.backend`` returns, which
+            stands for its class); ``CurvlinopsGGN`` (exact GGN) when None.
         backend_kwargs: Keyword arguments for the backend's constructor.
         asdl_fisher_kwargs: Keyword arguments for ASDL's Fisher (ASDL backends only).
 
     Raises:
-        ValueError: For an unknown likelihood, a non-positive σ or T, or a bad prior.
+        ValueError: For an unknown likelihood, a non-positive σ or T, or a bad prior; an
+            argument of the wrong type raises an error that is a ``ValueError`` and a
+            ``TypeError``.
+        TypeError: For an abstract class, a model that is not an ``nn.Module`` or a backend
+            that is not a ``CurvatureInterface``.
     """
+
+    #: Set in the body of an abstract class: what to use instead.
+    _abstract: str | None = None
 
     def __init__(
         self,
@@ -65,47 +101,60 @@ class BaseLaplace:
         enable_backprop: bool = False,
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
-        backend: type[CurvatureInterface] | None = None,
+        backend: type[CurvatureInterface] | CurvatureInterface | None = None,
         backend_kwargs: dict[str, Any] | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-        model = unwrap_model(model)  # DistributedDataParallel: curvature of the inner module
+        if type(self).__dict__.get("_abstract"):
+            raise AbstractClassError(f"{type(self).__name__} is abstract: {type(self)._abstract}")
+        check_module(model)
+        check_parameters([(n, p) for n, p in model.named_parameters() if p.is_meta])
         self._likelihood_model = make_likelihood(likelihood)
         self.likelihood = self._likelihood_model.kind
-        self.model = model
-        self._subset = self._make_subset(model)
+        # DistributedDataParallel: curvature of the inner module.
+        self.model = self._prepare_model(unwrap_model(model))
+        self._subset = self._make_subset(self.model)
         self._bind_subset()
-        if not temperature > 0:
-            raise ValueError(f"temperature must be positive, got {temperature}.")
-        self.temperature = temperature
+        self.temperature = check_temperature(temperature)
         self.enable_backprop = enable_backprop
         self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
         self.sigma_noise = sigma_noise
         self.prior_precision = prior_precision
         self.prior_mean = prior_mean
-        self._backend_cls = backend if backend is not None else CurvlinopsGGN
-        if not (
-            isinstance(self._backend_cls, type)
-            and issubclass(self._backend_cls, CurvatureInterface)
-        ):
-            raise TypeError(
-                f"backend must be a CurvatureInterface subclass, got {self._backend_cls!r}."
-            )
-        self._backend_kwargs = dict(backend_kwargs or {})
-        self._asdl_fisher_kwargs = dict(asdl_fisher_kwargs or {})
+        self._backend_cls = _backend_class(backend)
+        self.backend_kwargs = backend_kwargs
+        self.asdl_fisher_kwargs = asdl_fisher_kwargs
+        options = check_mapping(backend_kwargs, "backend_kwargs")
+        self._backend_kwargs = self._backend_options(options)
+        self._asdl_fisher_kwargs = check_mapping(asdl_fisher_kwargs, "asdl_fisher_kwargs")
+        check_backend_kwargs(self._backend_cls, self._backend_kwargs)
         self._backend: CurvatureInterface | None = None
         self.loss: Tensor | float = 0.0
         self.n_data = 0
-        self.n_outputs: int | None = None
+        self.n_outputs = 0
+        self._fitted = False
+        self._init_state()
+
+    # ----------------------------------------------------------- hooks of the subclasses
+    def _prepare_model(self, model: nn.Module) -> nn.Module:
+        """The module stored as ``self.model`` (last-layer classes wrap it)."""
+        return model
 
     def _make_subset(self, model: nn.Module) -> AllWeights:
         return AllWeights(model)
 
+    def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Keyword arguments of the backend's constructor, from the user's ``backend_kwargs``."""
+        return backend_kwargs
+
+    def _init_state(self) -> None:
+        """Set up what the approximation holds before :meth:`fit` (its unfitted state)."""
+
     def _bind_subset(self) -> None:
         """Expose the subset's ``params``, ``n_params``, ``n_layers`` (None until it is known)."""
         known = self._subset.resolved
+        if known:
+            check_parameters(list(zip(self._subset.names, self._subset.params)))
         self.params = self._subset.params if known else None
         self.n_params = self._subset.n_params if known else None
         self.n_layers = self._subset.n_layers if known else None
@@ -145,17 +194,7 @@ class BaseLaplace:
 
     @sigma_noise.setter
     def sigma_noise(self, value: float | Tensor) -> None:
-        sigma = torch.as_tensor(value, device=self._device, dtype=self._dtype)
-        if sigma.numel() != 1:
-            raise ValueError(f"sigma_noise must be a scalar, got shape {tuple(sigma.shape)}.")
-        if not bool(sigma.detach() > 0):
-            raise ValueError(f"sigma_noise must be positive, got {sigma.item()}.")
-        if self.likelihood != Likelihood.REGRESSION and not bool(sigma.detach() == 1):
-            raise ValueError(
-                f"sigma_noise must be 1 for likelihood={self.likelihood.value!r}; "
-                "observation noise only applies to regression."
-            )
-        self._sigma_noise = sigma
+        self._sigma_noise = as_sigma_noise(value, self.likelihood, self._device, self._dtype)
 
     @property
     def prior_precision(self) -> Tensor:
@@ -199,15 +238,21 @@ class BaseLaplace:
             self.loss, self.n_data, self.n_outputs, self.sigma_noise, self.temperature
         )
 
-    def _check_fitted(self, what: str) -> None:
-        if self.n_outputs is None:
-            raise RuntimeError(f"{what} needs a fitted Laplace approximation: call fit() first.")
+    def _check_fitted(self, what: str = "this method") -> None:
+        if not self._fitted:
+            raise NotFittedError(f"{what} needs a fitted Laplace approximation: call fit() first.")
 
     def _batches(self, loader: DataLoader, progress_bar: bool = False, desc: str = "batches"):
-        """Yield ``(X, y)`` of each batch on the model's device."""
+        """Yield ``(X, y)`` of each batch on the model's device, checked before any model call.
+
+        Raises:
+            ValueError: For batches :func:`~laplace.data.prepare_batch` refuses, and dict-like
+                batches with a backend that cannot take them (BackPACK).
+        """
         for batch in tqdm(loader, disable=not progress_bar, desc=desc):
-            X, y = split_batch(batch, self.dict_key_x, self.dict_key_y)
-            yield move_inputs(X, self._device), y.to(self._device)
+            X, y = prepare_batch(batch, self.dict_key_x, self.dict_key_y, self._device)
+            check_dict_inputs(self._backend_cls, X)
+            yield X, y
 
     # ------------------------------------------------------------------------------ tuning
     def optimize_prior_precision(
@@ -240,8 +285,10 @@ class BaseLaplace:
                 a scalar, which is then expanded to ``prior_structure``.
             prior_structure: ``"scalar"``, ``"layerwise"`` or ``"diag"`` for marglik.
             val_loader: Validation data for grid search.
-            loss: Validation loss (a torchmetrics Metric or a callable); defaults to running NLL
-                for classification and running MSE for regression.
+            loss: Validation loss for grid search: a torchmetrics Metric, a callable, or a name
+                (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``; see
+                :mod:`laplace.evaluation`); defaults to running NLL for classification and
+                running MSE for regression.
             log_prior_prec_min: Lower end of the grid, as an exponent of ``log_prior_prec_base``.
             log_prior_prec_max: Upper end of the grid.
             grid_size: Number of grid points.
@@ -252,13 +299,19 @@ class BaseLaplace:
             log_prior_prec_base: Base of the log-spaced grid.
 
         Raises:
-            ValueError: For an unknown method, structure, pred_type or link_approx, or grid
-                search without ``val_loader``.
+            ValueError: For an unknown method, structure, pred_type or link_approx, grid
+                search without ``val_loader``, an unknown ``loss`` name, a negative
+                ``n_steps``, a non-positive ``lr`` or ``grid_size``, or a grid that is not
+                finite; a non-integer count raises an error that is a ``ValueError`` and a
+                ``TypeError``.
         """
         method = parse_enum(TuningMethod, method, "method")
         pred_type = parse_enum(PredType, pred_type, "pred_type")
         link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
         prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
+        if method == TuningMethod.MARGLIK:
+            check_int_at_least(n_steps, "n_steps", 0)
+            check_positive_float(lr, "lr")
         self._check_fitted("optimize_prior_precision")
         if method == TuningMethod.MARGLIK:
             if torch.is_tensor(init_prior_prec) and init_prior_prec.numel() > 1:
@@ -267,7 +320,7 @@ class BaseLaplace:
                 )
             else:
                 init = fix_prior_prec_structure(
-                    init_prior_prec,
+                    check_positive_float(init_prior_prec, "init_prior_prec"),
                     prior_structure,
                     *self._prior_lengths,
                     self._device,
@@ -277,15 +330,15 @@ class BaseLaplace:
         else:
             if val_loader is None:
                 raise ValueError("method='gridsearch' needs a val_loader with validation data.")
-            candidates = torch.logspace(
+            candidates = grid_candidates(
                 log_prior_prec_min,
                 log_prior_prec_max,
                 grid_size,
-                base=log_prior_prec_base,
-                device=self._device,
-                dtype=self._dtype,
+                log_prior_prec_base,
+                self._device,
+                self._dtype,
             )
-            loss = default_validation_loss(self) if loss is None else loss
+            loss = validation_loss(self, loss)
             self.prior_precision = gridsearch(
                 self,
                 candidates,
@@ -298,3 +351,39 @@ class BaseLaplace:
             )
         if verbose:
             print(f"Optimized prior precision is {self.prior_precision}.")
+
+
+def _backend_class(
+    backend: type[CurvatureInterface] | CurvatureInterface | None,
+) -> type[CurvatureInterface]:
+    """The backend class for a ``backend`` argument: a class, an instance or None (default).
+
+    Raises:
+        TypeError: If it is not a ``CurvatureInterface`` subclass or instance.
+    """
+    if backend is None:
+        return CurvlinopsGGN
+    if isinstance(backend, CurvatureInterface):
+        return type(backend)
+    if isinstance(backend, type) and issubclass(backend, CurvatureInterface):
+        return backend
+    raise TypeError(f"backend must be a CurvatureInterface subclass, got {backend!r}.")
+
+
+def arguments_for(constructor: Callable, namespace: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of ``constructor`` found in a calling constructor's ``locals()``.
+
+    A public class keeps its own explicit parameter list and hands the shared arguments to the
+    one builder, ``BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))``,
+    instead of writing them all out again.
+
+    Args:
+        constructor: The ``__init__`` to call.
+        namespace: The caller's ``locals()`` (its arguments).
+    """
+    return {name: namespace[name] for name in _parameter_names(constructor) if name in namespace}
+
+
+@cache
+def _parameter_names(constructor: Callable) -> tuple[str, ...]:
+    return tuple(inspect.signature(constructor).parameters)[1:]

@@ -21,6 +21,10 @@ the shards with repeated samples when the data size is not a multiple of the wor
 posterior then counts those repeats. :func:`shard_dataset` gives uneven shards without repeats,
 which reproduce the single-process fit exactly (up to float summation order).
 
+Before the pass, :func:`check_consistent` compares the hyperparameters of all ranks: ranks built
+with different prior precisions, noise or structures would otherwise hold different posteriors
+without an error.
+
 Failures: the local pass of every rank runs inside :func:`guard`, which all-reduces a failure
 flag afterwards, so a rank whose local fit raised makes every other rank raise a
 :class:`DistributedFitError` naming it instead of waiting forever in the next collective. A rank
@@ -30,6 +34,7 @@ that dies outright is caught by the process group's timeout
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -41,11 +46,13 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from laplace.data import dataset_size
+from laplace.errors import check_bool
 
 __all__ = [
     "DistributedFitError",
     "all_gather",
     "all_reduce_sum",
+    "check_consistent",
     "data_count",
     "guard",
     "is_distributed",
@@ -76,7 +83,10 @@ def resolve(distributed: bool | None, loader: DataLoader | None = None) -> bool:
 
     Raises:
         RuntimeError: For ``distributed=True`` without an initialised process group.
+        ArgumentTypeError: For a value other than None, True or False.
     """
+    if distributed is not None:
+        check_bool(distributed, "distributed")
     if distributed is None:
         sampler = getattr(loader, "sampler", None)
         return is_distributed() and isinstance(sampler, DistributedSampler)
@@ -184,6 +194,51 @@ def guard(active: bool, what: str = "fit", device: torch.device | None = None) -
         raise DistributedFitError(
             f"distributed {what}: rank(s) {ranks} failed during the local pass (see their "
             f"error); rank {rank} stops too."
+        )
+
+
+def check_consistent(values: dict[str, Any], what: str = "fit") -> None:
+    """Raise on every rank if the ranks hold different ``values`` (e.g. hyperparameters).
+
+    Args:
+        values: Name → number, string or tensor; each is compared entry by entry across ranks
+            (strings by a checksum).
+        what: The step, for the message.
+
+    Raises:
+        DistributedFitError: Naming the values that differ, on every rank (all ranks take the
+            same decision from the same reduced minima and maxima).
+    """
+    device = _collective_device(None)
+    flat = {
+        name: torch.as_tensor(
+            zlib.crc32(value.encode()) if isinstance(value, str) else value,
+            dtype=torch.float64,
+        )
+        .detach()
+        .reshape(-1)
+        .to(device)
+        for name, value in values.items()
+    }
+    sizes = torch.tensor([len(v) for v in flat.values()], dtype=torch.float64, device=device)
+    entries = torch.cat(list(flat.values()))
+    low, high = _reduce(sizes.clone(), dist.ReduceOp.MIN), _reduce(sizes, dist.ReduceOp.MAX)
+    differ = [name for name, lo, hi in zip(flat, low, high, strict=True) if lo != hi]
+    if not differ:
+        low = _reduce(entries.clone(), dist.ReduceOp.MIN)
+        high = _reduce(entries.clone(), dist.ReduceOp.MAX)
+        bounds = torch.cumsum(sizes.long(), 0).tolist()
+        starts = [0, *bounds[:-1]]
+        differ = [
+            name
+            for name, a, b in zip(flat, starts, bounds, strict=True)
+            if not torch.equal(low[a:b], high[a:b])
+        ]
+    if differ:
+        mine = {name: values[name] for name in differ}
+        raise DistributedFitError(
+            f"distributed {what}: the ranks hold different {differ} (rank {dist.get_rank()} "
+            f"has {mine}); build the approximation with the same arguments on every rank."
         )
 
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from laplace.data import Inputs, batch_size_of, move_inputs
+from laplace.data import Inputs, batch_size_of, check_outputs, prepare_inputs
+from laplace.errors import check_generator, check_positive_int
 from laplace.likelihoods import LikelihoodModel
 from laplace.predictive import LINKS, gaussian_output_samples
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
@@ -74,7 +75,9 @@ class GLMPredictiveMixin:
             Classification: probabilities (B, C). Regression: ``(f_mu, f_var)``.
 
         Raises:
-            ValueError: For unknown or incompatible ``pred_type`` / ``link_approx``.
+            ValueError: For unknown or incompatible ``pred_type`` / ``link_approx``, an
+                ``n_samples`` that is not a positive integer where samples are drawn,
+                ``joint=True`` with class probabilities, or empty or non-finite inputs.
             RuntimeError: Before :meth:`fit`.
         """
         pred_type = parse_enum(PredType, pred_type, "pred_type")
@@ -86,9 +89,17 @@ class GLMPredictiveMixin:
                 "pred_type='nn' samples networks and supports only link_approx='mc' "
                 f"(got {link_approx.value!r})."
             )
-        self._check_fitted("prediction")
-        x = move_inputs(x, self._device)
+        if pred_type == PredType.NN or link_approx == LinkApprox.MC:
+            check_positive_int(n_samples, "n_samples")
+        check_generator(generator)
         likelihood = self._prediction_likelihood(fitting)
+        if joint and likelihood.predicts_probabilities:
+            raise ValueError(
+                "joint=True gives the joint Gaussian over the outputs of a regression GLM "
+                "predictive; class probabilities have no joint form (use joint=False)."
+            )
+        self._check_fitted("prediction")
+        x = prepare_inputs(x, self.dict_key_x, self._device, "prediction")
         if pred_type == PredType.NN:
             f = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
             if likelihood.predicts_probabilities:
@@ -128,6 +139,8 @@ class GLMPredictiveMixin:
         means, variances = [], []
         for start in range(0, n, step):
             f_mu, f_var = self._functional_moments(slice_inputs(X, start, start + step, n))
+            check_outputs(f_mu, min(step, n - start))
+            self._checked_finite(f_var, "predictive variance")
             means.append(f_mu)
             variances.append(f_var.diagonal(dim1=-2, dim2=-1) if diagonal_output else f_var)
         return torch.cat(means), torch.cat(variances)
@@ -155,10 +168,16 @@ class GLMPredictiveMixin:
         diagonal_output: bool = False,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Samples of the network outputs ``f`` (before any link), shape (S, B, C)."""
+        """Samples of the network outputs ``f`` (before any link), shape (S, B, C).
+
+        Raises:
+            ValueError: For an unknown ``pred_type`` or a non-positive ``n_samples``.
+        """
         pred_type = parse_enum(PredType, pred_type, "pred_type")
+        check_positive_int(n_samples, "n_samples")
+        check_generator(generator)
         self._check_fitted("functional_samples")
-        x = move_inputs(x, self._device)
+        x = prepare_inputs(x, self.dict_key_x, self._device, "functional_samples")
         if pred_type == PredType.NN:
             return self._nn_functional_samples(x, n_samples, generator)
         f_mu, f_var = self._glm_predictive_distribution(x, diagonal_output=diagonal_output)
@@ -178,16 +197,42 @@ class GLMPredictiveMixin:
             Samples, shape (S, B, C).
         """
         f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator)
+        return self._link_samples(f)
+
+    def _link_samples(self, f: Tensor) -> Tensor:
+        """Output samples (S, B, C) as predictions: softmax probabilities or the outputs."""
         if self._likelihood_model.predictive_likelihood.predicts_probabilities:
             return torch.softmax(f, dim=-1)
         return f
 
     # ------------------------------------------------------------------------------ NN
     def _nn_functional_samples(
-        self, X: Inputs, n_samples: int, generator: torch.Generator | None, **model_kwargs: Any
+        self,
+        X: Inputs,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        **model_kwargs: Any,
     ) -> Tensor:
         """Outputs of ``n_samples`` networks with weights drawn from the posterior (S, B, C)."""
         thetas = self.sample(n_samples, generator)
         context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
         with context:
-            return self._subset.forward_samples(thetas, X, **model_kwargs)
+            f = self._subset.forward_samples(thetas, X, **model_kwargs)
+        check_outputs(f[0], batch_size_of(X, self.dict_key_x))
+        return f
+
+    def _nn_predictive_samples(
+        self,
+        X: Inputs,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        **model_kwargs: Any,
+    ) -> Tensor:
+        """Predictive of ``n_samples`` sampled networks (S, B, C): probabilities or outputs.
+
+        laplace-torch's hook, kept for code that calls it.
+        """
+        X = prepare_inputs(X, self.dict_key_x, self._device, "_nn_predictive_samples")
+        return self._link_samples(
+            self._nn_functional_samples(X, n_samples, generator, **model_kwargs)
+        )

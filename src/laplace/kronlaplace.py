@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from laplace import distributed as distributed_utils
-from laplace.base import BaseLaplace
+from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature.kfac import check_kfac_support
 from laplace.data import Inputs
 from laplace.kron_glm import kron_functional_moments
@@ -89,23 +89,18 @@ class KronLaplace(ParametricLaplace):
         asdl_fisher_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.damping = damping
+        BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
+
+    def _init_state(self) -> None:
         self.H_facs: Kron | None = None
-        super().__init__(
-            model,
-            likelihood,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            backend_kwargs,
-            asdl_fisher_kwargs,
-        )
+        super()._init_state()
         if self.params is not None:
-            check_kfac_support(model, self.params)
+            check_kfac_support(self.model, self.params)
+
+    def _init_H(self) -> None:
+        """Reset ``H`` to zero Kronecker factors (and forget the fitted ``H_facs``)."""
+        self.H_facs = None
+        super()._init_H()
 
     @BaseLaplace.prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
@@ -175,7 +170,8 @@ class KronLaplace(ParametricLaplace):
 
     # ----------------------------------------------------------------------------- state
     def _curvature_state(self) -> list[list[Tensor]]:
-        return [[F.detach() for F in block] for block in self.H_facs.kfacs]
+        factors = self.H_facs if self.H_facs is not None else self.H
+        return [[F.detach() for F in block] for block in factors.kfacs]
 
     def _load_curvature_state(self, state: Any) -> KronDecomposed:
         expected = self._posterior_cls.zeros(self.params).kfacs

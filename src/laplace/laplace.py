@@ -13,6 +13,7 @@ from laplace.baselaplace import (
     LowRankLaplace,
     ParametricLaplace,
 )
+from laplace.errors import ArgumentTypeError
 from laplace.functional import (
     ELLA,
     BaseFunctionalLaplace,
@@ -22,6 +23,7 @@ from laplace.functional import (
 )
 from laplace.lllaplace import DiagLLLaplace, FullLLLaplace, KronLLLaplace
 from laplace.subnetlaplace import DiagSubnetLaplace, FullSubnetLaplace
+from laplace.subsets import MISSING_SUBNETWORK_INDICES
 from laplace.utils.enums import (
     FunctionalApproximation,
     HessianStructure,
@@ -94,6 +96,8 @@ def Laplace(
 
     Raises:
         ValueError: For unknown options or a combination no Laplace class supports.
+        TypeError: For ``subset_of_weights="subnetwork"`` without ``subnetwork_indices`` (a
+            required argument of the subnetwork classes); also a ``ValueError``.
         NotImplementedError: For a supported combination that a later release adds.
     """
     likelihood = parse_enum(Likelihood, likelihood, "likelihood")
@@ -131,6 +135,8 @@ def Laplace(
             f"likelihood='reward_modeling' supports hessian_structure in "
             f"{[h.value for h in REWARD_MODELING_STRUCTURES]}, got {structure.value!r}."
         )
+    if subset == S.SUBNETWORK and not args and "subnetwork_indices" not in kwargs:
+        raise ArgumentTypeError(MISSING_SUBNETWORK_INDICES)
     if key in PLANNED:
         raise NotImplementedError(
             f"subset_of_weights={subset.value!r} with hessian_structure={structure.value!r} "

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 from typing_extensions import override
 
+from laplace.errors import DataError, LabelError
 from laplace.utils.enums import Likelihood, parse_enum
 
 __all__ = [
@@ -75,8 +77,26 @@ class LikelihoodModel(ABC):
         """Log-likelihood of the training data from its summed loss."""
 
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
-        """Check targets against the outputs and bring them to the shape the loss expects."""
+        """Check targets against the outputs and bring them to the shape the loss expects.
+
+        Raises:
+            ValueError: See :meth:`check_targets`.
+        """
+        self.check_targets(y, f.shape)
         return y
+
+    @abstractmethod
+    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        """Refuse targets that cannot belong to outputs of shape ``output_shape`` (B, C, ...).
+
+        Cheap (no model call): the data loops run it on every batch before any curvature work,
+        with the output shape of the first batch (the batch size is not compared).
+
+        Raises:
+            ValueError: Naming the problem (shape, label range); a :class:`DataError` (also a
+                ``RuntimeError``) for targets of the wrong kind, a :class:`LabelError` (also an
+                ``IndexError``) for a class label outside ``[0, C)``.
+        """
 
 
 class GaussianRegression(LikelihoodModel):
@@ -114,14 +134,22 @@ class GaussianRegression(LikelihoodModel):
 
     @override
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
-        if y.shape == f.shape:
-            return y
-        if y.numel() == f.numel():
-            return y.reshape(f.shape)
-        raise ValueError(
-            f"regression targets of shape {tuple(y.shape)} do not match the model output "
-            f"of shape {tuple(f.shape)}."
-        )
+        self.check_targets(y, f.shape)
+        if y.shape != f.shape:
+            raise ValueError(f"a batch of {len(y)} regression targets for {len(f)} model outputs.")
+        return y
+
+    @override
+    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        if y.dtype == torch.bool or y.is_complex():
+            raise DataError(f"regression targets must be real numbers, got {y.dtype} targets.")
+        if y.dim() != len(output_shape) or tuple(y.shape[1:]) != tuple(output_shape[1:]):
+            raise ValueError(
+                f"regression targets of shape {tuple(y.shape)} do not match the model output "
+                f"of shape {tuple(output_shape)} (B = batch size): give targets of shape "
+                f"(B, {', '.join(str(d) for d in output_shape[1:])}), e.g. y.reshape(len(y), -1) "
+                "for one output; they are not reshaped silently."
+            )
 
 
 class Categorical(LikelihoodModel):
@@ -187,6 +215,7 @@ class Categorical(LikelihoodModel):
 
     @override
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
+        self.check_targets(y, f.shape)
         if y.dtype.is_floating_point and y.shape == f.shape:
             return y
         y = y.reshape(-1)
@@ -196,6 +225,25 @@ class Categorical(LikelihoodModel):
                 f"{f.shape[0]} outputs."
             )
         return y.long()
+
+    @override
+    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        n_classes = output_shape[-1]
+        if y.numel() == 0 or (y.dtype.is_floating_point and y.shape[1:] == output_shape[1:]):
+            return  # class probabilities
+        if y.dtype.is_floating_point or y.dtype == torch.bool or y.is_complex():
+            raise DataError(
+                f"classification targets must be integer class labels of shape (B,) or class "
+                f"probabilities of shape (B, {n_classes}); got {y.dtype} targets of shape "
+                f"{tuple(y.shape)} (convert labels with y.long())."
+            )
+        low, high = int(y.min()), int(y.max())
+        if low < 0 or high >= n_classes:
+            bad = low if low < 0 else high
+            raise LabelError(
+                f"class label {bad} is outside [0, C) for the model's C={n_classes} outputs; "
+                "labels must be integers 0, ..., C-1."
+            )
 
 
 class RewardModeling(LikelihoodModel):
@@ -247,6 +295,10 @@ class RewardModeling(LikelihoodModel):
     @override
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
         return self._fit.prepare_targets(f, y)
+
+    @override
+    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        self._fit.check_targets(y, output_shape)
 
 
 _LIKELIHOODS: dict[Likelihood, type[LikelihoodModel]] = {

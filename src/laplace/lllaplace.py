@@ -24,9 +24,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, move_inputs, split_batch
-from laplace.distributed import unwrap_model
+from laplace.data import Inputs, batch_size_of, check_outputs, move_inputs, split_batch
 from laplace.functional import FunctionalLLLaplace
 from laplace.kronlaplace import KronLaplace
 from laplace.last_layer import (
@@ -40,7 +40,8 @@ from laplace.last_layer import (
     output_curvature,
 )
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
-from laplace.subsets import LastLayer
+from laplace.serialization import check_state_dict
+from laplace.subsets import LastLayerMixin
 from laplace.utils.enums import Likelihood
 from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
 
@@ -67,14 +68,16 @@ def _one_row_per_point(f: Tensor, phi: Tensor) -> bool:
     return phi.dim() == 2 and phi.shape[0] == f.shape[0]
 
 
-class LLLaplace(ParametricLaplace):
+class LLLaplace(LastLayerMixin, ParametricLaplace):
     """Base of the last-layer Laplace approximations; subclasses choose the structure.
 
     The posterior covers the parameters of the last layer (an ``nn.Linear``): ``mean``,
     ``n_params``, ``prior_precision`` (scalar, one value for the weight and one for the bias, or
     diagonal) and ``H`` refer to them only. When ``last_layer_name`` is None the layer is found
-    on the first batch of :meth:`fit`; until then ``n_params``, ``n_layers`` and ``mean`` are
-    None.
+    on the first batch of :meth:`fit`; until then ``n_params``, ``n_layers``, ``mean`` and ``H``
+    are None (as in laplace-torch) and what needs them raises an error that is an
+    ``AttributeError``. Once the layer is known the unfitted posterior is the prior (see
+    :class:`~laplace.parametric.ParametricLaplace`).
 
     Args:
         model: The trained network, ending in a linear layer.
@@ -93,13 +96,13 @@ class LLLaplace(ParametricLaplace):
         last_layer_name: Name of the last layer in ``model.named_modules()``.
         backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
         asdl_fisher_kwargs: Not supported for last-layer Laplace (must be None).
-        **kwargs: Structure-specific options (``damping`` for Kron).
 
     Raises:
         ValueError: For ``asdl_fisher_kwargs``, or a ``last_layer_name`` that is not a linear
             layer of the model.
     """
 
+    _abstract = "use FullLLLaplace, KronLLLaplace or DiagLLLaplace."
     #: The backend route the closed-form curvature replaces (``"full"``, ``"diag"``, ``"kron"``).
     _backend_route: str
 
@@ -119,53 +122,22 @@ class LLLaplace(ParametricLaplace):
         last_layer_name: str | None = None,
         backend_kwargs: dict[str, Any] | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
-        **kwargs: Any,
     ) -> None:
-        if type(self) is LLLaplace:
-            raise TypeError("LLLaplace is abstract: use FullLLLaplace, KronLLLaplace, ...")
         if asdl_fisher_kwargs is not None:
             raise ValueError("last-layer Laplace does not support asdl_fisher_kwargs.")
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-        model = unwrap_model(model)
-        extractor = FeatureExtractor(model, last_layer_name, enable_backprop, feature_reduction)
-        self._last_layer_name = last_layer_name
-        super().__init__(
-            extractor,
-            likelihood,
-            sigma_noise=sigma_noise,
-            prior_precision=prior_precision,
-            prior_mean=prior_mean,
-            temperature=temperature,
-            enable_backprop=enable_backprop,
-            dict_key_x=dict_key_x,
-            dict_key_y=dict_key_y,
-            backend=backend,
-            backend_kwargs={**(backend_kwargs or {}), "last_layer": True},
-            **kwargs,
-        )
-
-    def _make_subset(self, model: nn.Module) -> LastLayer:
-        return LastLayer(model)
+        self._feature_options = (last_layer_name, feature_reduction)
+        BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
 
     @property
     def backend(self) -> CurvatureInterface:
         """The curvature backend over the last layer (needs the layer to be known).
 
         Raises:
-            RuntimeError: While the last layer has not been found.
+            NotFittedError: (a ``RuntimeError`` and an ``AttributeError``, so ``hasattr`` is
+                False) while the last layer has not been found.
         """
         _ = self._subset.layer
         return ParametricLaplace.backend.fget(self)
-
-    @property
-    def enable_backprop(self) -> bool:
-        """Keep predictives (and the features) differentiable w.r.t. the inputs."""
-        return self.model.enable_backprop
-
-    @enable_backprop.setter
-    def enable_backprop(self, value: bool) -> None:
-        self.model.enable_backprop = bool(value)
 
     # ----------------------------------------------------------------------- the last layer
     def _resolve_subset(self, train_loader: DataLoader) -> None:
@@ -182,7 +154,7 @@ class LLLaplace(ParametricLaplace):
         self._bind_subset()
         self.prior_precision = self.prior_precision
         self.prior_mean = self.prior_mean
-        self.mean = self._subset.vector().detach()
+        self._init_state()
 
     # ---------------------------------------------------------------------------- curvature
     def _uses_closed_form(self) -> bool:
@@ -207,10 +179,11 @@ class LLLaplace(ParametricLaplace):
         Ms: list[Tensor] = []
         loss, buffered = 0.0, 0
         for X, y in self._batches(train_loader, progress_bar, desc="fit"):
-            self._check_finite_inputs(X, y)
             with torch.no_grad():
                 f, phi = self._subset.outputs_and_features(X)
+            check_outputs(f, batch_size_of(X, self.dict_key_x))
             self.n_outputs = int(f.shape[-1])
+            self._likelihood_model.check_targets(y, f.shape)
             if not _one_row_per_point(f, phi):  # several head rows per data point: autograd
                 yield self._batch_curvature(X, y, n_data)
                 continue
@@ -290,11 +263,8 @@ class LLLaplace(ParametricLaplace):
         Raises:
             ValueError: If the state was saved for another last layer.
         """
-        name = state_dict.get("last_layer_name")
-        if name is None:
-            raise ValueError(
-                "state_dict has no 'last_layer_name': not a last-layer Laplace state."
-            )
+        check_state_dict(state_dict, ("last_layer_name",), (), ())
+        name = state_dict["last_layer_name"]
         if not self._subset.resolved:
             self.model.set_last_layer(name)
             self._on_resolved()
@@ -358,23 +328,8 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         backend_kwargs: dict[str, Any] | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(
-            model,
-            likelihood,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            feature_reduction,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            last_layer_name,
-            backend_kwargs,
-            asdl_fisher_kwargs,
-            damping=damping,
-        )
+        self.damping = damping
+        LLLaplace.__init__(self, **arguments_for(LLLaplace.__init__, locals()))
 
     @staticmethod
     def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Any:

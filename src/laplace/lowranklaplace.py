@@ -19,12 +19,20 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from laplace import distributed as distributed_utils
+from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.curvature.eigen import SOLVERS, top_eigenpairs
 from laplace.curvature.products import curvature_product
-from laplace.data import Inputs
+from laplace.data import Inputs, batch_size_of, check_outputs
+from laplace.errors import (
+    check_bool,
+    check_finite_result,
+    check_int_at_least,
+    check_positive_int,
+)
 from laplace.kron_glm import layerwise_chunk_rows, lowrank_functional_moments
 from laplace.parametric import ParametricLaplace
+from laplace.posterior_scale import PosteriorScaleMixin
 from laplace.posteriors.lowrank import LowRankPosterior
 from laplace.utils.enums import Likelihood
 
@@ -43,12 +51,14 @@ SOLVER_OPTIONS = (
 )
 
 
-class LowRankLaplace(ParametricLaplace):
+class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
     """Laplace approximation with a rank-k curvature ``H ≈ U diag(λ) Uᵀ``.
 
     The posterior precision ``P = U diag(h·λ) Uᵀ + diag(p₀)`` (``h = 1/(σ²T)``) is never formed:
     the log-determinant, ``J P⁻¹ Jᵀ`` and samples use the k × k capacitance matrix
-    (see :class:`~laplace.posteriors.lowrank.LowRankPosterior`), all in O(P k²).
+    (see :class:`~laplace.posteriors.lowrank.LowRankPosterior`), all in O(P k²). Before
+    :meth:`fit`, ``H`` is an empty eigenbasis ``(U (P, 0), λ (0,))``: the posterior is the prior
+    (laplace-torch keeps None there).
 
     Args:
         model: The trained network.
@@ -103,35 +113,12 @@ class LowRankLaplace(ParametricLaplace):
         dict_key_y: str = "labels",
         backend_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        options = dict(backend_kwargs or {})
-        solver = {k: options.pop(k) for k in SOLVER_OPTIONS if k in options}
-        if "low_rank" in solver:
-            solver.setdefault("n_eigenvalues", solver.pop("low_rank"))
-        solver.setdefault("n_eigenvalues", 10)
-        if solver.get("solver", "randomized") not in SOLVERS:
-            raise ValueError(
-                f"backend_kwargs['solver'] must be one of {sorted(SOLVERS)}, "
-                f"got {solver['solver']!r}."
-            )
-        if int(solver["n_eigenvalues"]) < 1:
-            raise ValueError(
-                f"n_eigenvalues must be a positive integer, got {solver['n_eigenvalues']!r}."
-            )
-        self._solver_options = solver
+        self._solver_options = _solver_options(backend_kwargs)
         self.eigenvalue_errors: Tensor | None = None
-        super().__init__(
-            model,
-            likelihood,
-            sigma_noise=sigma_noise,
-            prior_precision=prior_precision,
-            prior_mean=prior_mean,
-            temperature=temperature,
-            enable_backprop=enable_backprop,
-            dict_key_x=dict_key_x,
-            dict_key_y=dict_key_y,
-            backend=backend,
-            backend_kwargs=options,
-        )
+        BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
+
+    def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in backend_kwargs.items() if k not in SOLVER_OPTIONS}
 
     def fit(
         self,
@@ -153,26 +140,25 @@ class LowRankLaplace(ParametricLaplace):
             ValueError: With ``override=False``, an empty loader or non-finite data.
             RuntimeError: If the eigenpairs are not finite.
         """
-        if not override:
+        if not check_bool(override, "override"):
             raise ValueError(
                 "LowRankLaplace cannot update a fit (override=False): the top eigenpairs of a "
                 "sum are not the sum of the top eigenpairs; fit again on all the data."
             )
         self._distributed = distributed_utils.resolve(distributed, train_loader)
+        self._check_ranks_agree()
         n_data = self._data_count(train_loader)
         if n_data == 0:
             raise ValueError("train_loader is empty: fit needs at least one data point.")
         self.model.eval()
-        self.mean = self._subset.vector()
-        if not self.enable_backprop:
-            self.mean = self.mean.detach()
+        mean = self._subset.vector()
         loss = torch.zeros((), device=self._device, dtype=self._dtype)
         with torch.no_grad(), distributed_utils.guard(self._distributed, "fit"):
             for X, y in self._batches(train_loader, progress_bar, desc="fit"):
-                self._check_finite_inputs(X, y)
-                f = self.model(X)
+                f = check_outputs(self.model(X), batch_size_of(X, self.dict_key_x))
                 self.n_outputs = int(f.shape[-1])
                 loss = loss + self.backend._loss(f, y)
+        check_finite_result(loss, "loss of the training data")  # before any eigensolver pass
         options = dict(self._solver_options)
         k = int(options.pop("n_eigenvalues"))
         local_n = distributed_utils.data_count(train_loader) if self._distributed else n_data
@@ -193,7 +179,9 @@ class LowRankLaplace(ParametricLaplace):
         self.H = (U, eigenvalues)
         self.eigenvalue_errors = errors
         self.loss, self.n_data = loss, n_data
+        self.mean = mean if self.enable_backprop else mean.detach()
         self._posterior_cache = None
+        self._fitted = True
 
     @property
     def posterior_precision(self) -> tuple[tuple[Tensor, Tensor], Tensor]:
@@ -261,6 +249,35 @@ class LowRankLaplace(ParametricLaplace):
             U.to(device=self._device, dtype=self._dtype),
             eigenvalues.to(device=self._device, dtype=self._dtype),
         )
+
+
+def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The eigensolver's entries of ``backend_kwargs``, with ``n_eigenvalues`` (default 10).
+
+    Raises:
+        ValueError: For an unknown solver or a non-positive ``n_eigenvalues``.
+    """
+    options = dict(backend_kwargs or {})
+    solver = {k: options[k] for k in SOLVER_OPTIONS if k in options}
+    if "low_rank" in solver:
+        solver.setdefault("n_eigenvalues", solver.pop("low_rank"))
+    solver.setdefault("n_eigenvalues", 10)
+    if solver.get("solver", "randomized") not in SOLVERS:
+        raise ValueError(
+            f"backend_kwargs['solver'] must be one of {sorted(SOLVERS)}, got {solver['solver']!r}."
+        )
+    check_positive_int(solver["n_eigenvalues"], "n_eigenvalues")
+    if "max_iter" in solver:
+        check_positive_int(solver["max_iter"], "backend_kwargs['max_iter']")
+    if "tol" in solver:
+        tol = solver["tol"]
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
+            raise ValueError(f"backend_kwargs['tol'] must be a number in [0, 1), got {tol!r}.")
+    if "seed" in solver:
+        check_int_at_least(solver["seed"], "backend_kwargs['seed']", 0)
+    if "oversampling" in solver:
+        check_int_at_least(solver["oversampling"], "backend_kwargs['oversampling']", 0)
+    return solver
 
 
 class _Batches:

@@ -33,7 +33,13 @@ from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.registry import available_optional, load_optional
-from laplace.data import dataset_size, move_inputs, split_batch
+from laplace.data import dataset_size, prepare_batch
+from laplace.errors import (
+    check_int_at_least,
+    check_mapping,
+    check_module,
+    check_positive_float,
+)
 from laplace.laplace import Laplace
 from laplace.likelihoods import make_likelihood
 from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure, parse_enum
@@ -123,16 +129,33 @@ def marglik_training(
         log joint per data point) of every epoch.
 
     Raises:
-        ValueError: For unknown options, an empty loader, or non-positive frequencies.
+        ValueError: For unknown options, an empty loader, negative counts or non-positive
+            frequencies and rates, before any training step (a value of the wrong type raises
+            an error that is a ``ValueError`` and a ``TypeError``).
+        TypeError: For a model that is not a module or an optimiser that is not a class.
     """
     likelihood = parse_enum(Likelihood, likelihood, "likelihood")
     hessian_structure = parse_enum(HessianStructure, hessian_structure, "hessian_structure")
     prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
-    if marglik_frequency < 1 or n_hypersteps < 0 or n_epochs < 0:
+    if hessian_structure == HessianStructure.GP:
         raise ValueError(
-            "need marglik_frequency >= 1, n_hypersteps >= 0 and n_epochs >= 0, got "
-            f"{marglik_frequency}, {n_hypersteps}, {n_epochs}."
+            "marglik_training supports hessian_structure 'full', 'kron', 'diag' or 'lowrank' "
+            "(a weight-space posterior over all weights), got 'gp'."
         )
+    for name, value, minimum in (
+        ("n_epochs", n_epochs, 0),
+        ("n_hypersteps", n_hypersteps, 0),
+        ("n_epochs_burnin", n_epochs_burnin, 0),
+        ("marglik_frequency", marglik_frequency, 1),
+    ):
+        check_int_at_least(value, name, minimum)
+    check_positive_float(lr_hyp, "lr_hyp")
+    check_module(model)
+    for name, cls in (("optimizer_cls", optimizer_cls), ("scheduler_cls", scheduler_cls)):
+        if cls is not None and not callable(cls):
+            raise TypeError(f"{name} must be a class (e.g. of torch.optim), got {cls!r}.")
+    optimizer_kwargs = check_mapping(optimizer_kwargs, "optimizer_kwargs")
+    scheduler_kwargs = check_mapping(scheduler_kwargs, "scheduler_kwargs")
     distributed = distributed_utils.resolve(distributed, train_loader)
     n_data = (
         distributed_utils.all_reduce_sum(distributed_utils.data_count(train_loader))
@@ -142,7 +165,25 @@ def marglik_training(
     if n_data == 0:
         raise ValueError("train_loader is empty: marglik_training needs data.")
     backend = default_backend() if backend is None else backend
-    optimizer_kwargs = dict(optimizer_kwargs or {})
+
+    def make_laplace(prior_prec: Tensor, sigma: Tensor | float, backprop: bool) -> BaseLaplace:
+        return Laplace(
+            model,
+            likelihood,
+            subset_of_weights="all",
+            hessian_structure=hessian_structure,
+            sigma_noise=sigma,
+            prior_precision=prior_prec,
+            temperature=temperature,
+            enable_backprop=backprop,
+            backend=backend,
+            dict_key_x=dict_key_x,
+            dict_key_y=dict_key_y,
+        )
+
+    # Every check of the Laplace constructor (backend, likelihood and structure, σ, T, the
+    # prior, trainable parameters) before the first training step.
+    make_laplace(check_positive_float(prior_prec_init, "prior_prec_init"), sigma_noise_init, False)
     if optimizer_kwargs.get("weight_decay", 0):
         warnings.warn(
             "weight_decay is the prior precision, which marglik_training learns; it is set to 0.",
@@ -173,22 +214,7 @@ def marglik_training(
         return log_sigma.exp() if learn_sigma else sigma_noise_init
 
     optimizer = optimizer_cls(model.parameters(), **optimizer_kwargs)
-    scheduler = scheduler_cls(optimizer, **(scheduler_kwargs or {})) if scheduler_cls else None
-
-    def make_laplace(prior_prec: Tensor, sigma: Tensor | float, backprop: bool) -> BaseLaplace:
-        return Laplace(
-            model,
-            likelihood,
-            subset_of_weights="all",
-            hessian_structure=hessian_structure,
-            sigma_noise=sigma,
-            prior_precision=prior_prec,
-            temperature=temperature,
-            enable_backprop=backprop,
-            backend=backend,
-            dict_key_x=dict_key_x,
-            dict_key_y=dict_key_y,
-        )
+    scheduler = scheduler_cls(optimizer, **scheduler_kwargs) if scheduler_cls else None
 
     best: tuple[float, dict[str, Tensor], Tensor, Tensor | float] | None = None
     margliks: list[Number] = []
@@ -197,8 +223,7 @@ def marglik_training(
         epoch_loss = 0.0
         model.train()
         for batch in train_loader:
-            X, y = split_batch(batch, dict_key_x, dict_key_y)
-            X, y = move_inputs(X, device), y.to(device)
+            X, y = prepare_batch(batch, dict_key_x, dict_key_y, device)
             sigma = sigma_noise()
             sigma2 = float(sigma.detach().square()) if torch.is_tensor(sigma) else sigma**2
             # The log joint per data point, in units of the mean loss: ½θᵀP₀θ · (c/T) / N.

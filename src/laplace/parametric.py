@@ -5,156 +5,94 @@ Internal module; the public path is :mod:`laplace.baselaplace`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch import Tensor
 
-from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace
-from laplace.data import Inputs, dataset_size
+from laplace.data import Inputs
+from laplace.errors import NotFittedError, check_generator, check_positive_int
 from laplace.glm import GLMPredictiveMixin
 from laplace.kron_glm import diag_functional_moments, layerwise_chunk_rows
-from laplace.posteriors import DensePosterior, DiagonalPosterior, Posterior
+from laplace.parametric_fit import CurvatureFitMixin
+from laplace.posterior_scale import PosteriorScaleMixin
+from laplace.posteriors import (
+    DensePosterior,
+    DiagonalPosterior,
+    NotPositiveDefiniteError,
+    Posterior,
+)
 from laplace.serialization import StateDictMixin
-from laplace.utils.enums import Likelihood
 
 __all__ = ["DiagLaplace", "FullLaplace", "ParametricLaplace"]
 
 
-class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
+class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, BaseLaplace):
     """Gaussian posterior ``N(θ_MAP, P⁻¹)`` with ``P = H/(σ²T) + diag(p₀)`` over the weights.
 
     Subclasses choose the structure of the curvature ``H`` through ``_posterior_cls``.
     After :meth:`fit`, ``H`` is the curvature summed over the data, ``loss`` the summed loss,
-    ``mean`` the MAP weights (P,).
+    ``mean`` the MAP weights (P,). Before it, as in laplace-torch, the posterior is the prior:
+    ``H`` is a zero curvature in the structure's form, ``mean`` the prior mean (P,), and
+    ``posterior_precision``, ``log_prob``, the log-determinants and ``scatter`` follow from
+    them; predictions and samples need :meth:`fit`.
+    See :class:`~laplace.base.BaseLaplace` for the arguments.
     """
 
+    _abstract = "use FullLaplace, DiagLaplace, KronLaplace or LowRankLaplace."
     _posterior_cls: type[Posterior]
 
-    def __init__(self, model: nn.Module, likelihood: Likelihood | str, *args, **kwargs) -> None:
-        if type(self) is ParametricLaplace:
-            raise TypeError("ParametricLaplace is abstract: use FullLaplace, DiagLaplace, ...")
-        super().__init__(model, likelihood, *args, **kwargs)
+    def _init_state(self) -> None:
         self.H: Any = None
-        self.mean = self._subset.vector().detach() if self._subset.resolved else None
+        self._fitted_mean: Tensor | None = None
         self._posterior_cache: tuple[Any, Tensor, Tensor, Posterior] | None = None
+        if self._subset.resolved:
+            self._init_H()
 
-    # ---------------------------------------------------------------------------------- fit
-    def fit(
-        self,
-        train_loader: DataLoader,
-        override: bool = True,
-        progress_bar: bool = False,
-        distributed: bool | None = None,
-    ):
-        """Accumulate the curvature and loss over ``train_loader`` at the current weights.
+    def _transaction_rebuild(self) -> dict[str, Any]:
+        # The zero curvature of an unfitted approximation is freed while a first fit sums
+        # (a dense one is P × P) and rebuilt if that fit fails.
+        return {"H": self._init_H} if not self._fitted and self.H is not None else {}
 
-        Args:
-            train_loader: Batches ``(X, y)`` or dict-like; ``len(train_loader.dataset)`` is N.
-            override: Start from zero (True) or add to the previous fit (online Laplace).
-            progress_bar: Show a progress bar over batches.
-            distributed: All-reduce the sums over the ranks of :mod:`torch.distributed`, each
-                fitting its shard of the data; None: when the process group is initialised
-                and the loader uses a ``DistributedSampler`` (see :mod:`laplace.distributed`).
+    def _init_H(self) -> None:
+        """Reset ``H`` to the zero curvature of the structure (the posterior is then the prior).
 
         Raises:
-            ValueError: If the loader is empty or a batch contains non-finite values.
-            RuntimeError: If the curvature of a batch is not finite.
-            DistributedFitError: If another rank failed during a distributed fit.
+            NotFittedError: If the parameters are not known yet (a last layer not found yet).
         """
-        self._distributed = distributed_utils.resolve(distributed, train_loader)
-        n_data = self._data_count(train_loader)
-        if n_data == 0:
-            raise ValueError("train_loader is empty: fit needs at least one data point.")
-        with distributed_utils.guard(self._distributed, "fit"):
-            self._resolve_subset(train_loader)
-        update = not override and self.H is not None
-        n_before = self.n_data if update else 0
-        self.model.eval()
-        self.mean = self._subset.vector()
-        if not self.enable_backprop:
-            self.mean = self.mean.detach()
-        H_new, loss_new = self._zero_curvature(), 0.0
-        with distributed_utils.guard(self._distributed, "fit"):
-            n_batches = 0
-            # KFAC normalises by the data the summed curvature covers, earlier fits included.
-            stream = self._curvature_stream(train_loader, n_before + n_data, progress_bar)
-            for loss, H_batch in stream:
-                if not self._posterior_cls.is_finite(H_batch):
-                    raise RuntimeError(
-                        "the curvature of a training batch contains NaN or inf; check the "
-                        "model's outputs and the data."
-                    )
-                H_new = H_new + H_batch
-                loss_new = loss_new + loss.detach()
-                n_batches += 1
-            if n_batches == 0:
-                raise ValueError("train_loader yielded no batches: fit needs at least one batch.")
-        if self._distributed:
-            loss_new = torch.as_tensor(loss_new, device=self._device, dtype=self._dtype)
-            H_new, loss_new = distributed_utils.all_reduce_sum([H_new, loss_new])
-        if update:
-            H_new, loss_new = self.H + H_new, self.loss + loss_new
-        self.H = self._posterior_cls.finalize(H_new)
-        self.loss, self.n_data = loss_new, n_before + n_data
-        self._posterior_cache = None
+        self.H = self._zero_curvature()
 
-    def _data_count(self, train_loader: DataLoader) -> int:
-        """Data points of the fit: all ranks' together when distributed."""
-        if not getattr(self, "_distributed", False):
-            return dataset_size(train_loader)
-        return distributed_utils.all_reduce_sum(distributed_utils.data_count(train_loader))
+    @property
+    def mean(self) -> Tensor | None:
+        """Posterior mean (P,): the MAP weights once fitted, the prior mean before.
 
-    def _zero_curvature(self) -> Any:
-        """Empty curvature in the posterior's structure and dimension."""
-        return self._posterior_cls.zeros(self.params)
-
-    def _resolve_subset(self, train_loader: DataLoader) -> None:
-        """Make sure the parameter subset is known before fitting (all weights: always)."""
-
-    def _curvature_stream(
-        self, train_loader: DataLoader, n_data: int, progress_bar: bool
-    ) -> Iterator[tuple[Tensor, Any]]:
-        """Yield ``(loss, H)`` summands over the training data (one per batch by default).
-
-        Also sets ``n_outputs`` from the first batch.
-
-        Args:
-            train_loader: The training data.
-            n_data: Number of data points the summed curvature covers (KFAC normalisation).
-            progress_bar: Show a progress bar over batches.
+        None while the parameters are not known (a last layer not found yet).
         """
-        first = True
-        for X, y in self._batches(train_loader, progress_bar, desc="fit"):
-            self._check_finite_inputs(X, y)
-            if first:
-                with torch.no_grad():
-                    self.n_outputs = int(self.model(X).shape[-1])
-                first = False
-            yield self._batch_curvature(X, y, n_data)
+        if self._fitted_mean is not None:
+            return self._fitted_mean
+        if not self._subset.resolved:
+            return None
+        return self._prior_mean_vector()
 
-    def _batch_curvature(self, X: Inputs, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
-        """``(loss, H_batch)`` of one batch; from the backend in the posterior's structure."""
-        return self._posterior_cls.batch_curvature(self.backend, X, y, n_data)
+    @mean.setter
+    def mean(self, value: Tensor | None) -> None:
+        self._fitted_mean = value
 
-    @staticmethod
-    def _check_finite_inputs(X: Inputs, y: Tensor) -> None:
-        tensors = (
-            [X] if isinstance(X, Tensor) else [v for v in X.values() if isinstance(v, Tensor)]
-        )
-        for name, t in [("inputs", x) for x in tensors] + [("targets", y)]:
-            if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"the training {name} contain NaN or inf values.")
+    def _prior_mean_vector(self) -> Tensor:
+        """The prior mean expanded to the posterior's weight vector, shape (P,)."""
+        return torch.broadcast_to(self.prior_mean, (self.n_params,)).clone()
 
     # ------------------------------------------------------------------------- posterior
     @property
     def _posterior(self) -> Posterior:
-        """The posterior at the current hyperparameters, cached while they do not change."""
-        self._check_fitted("the posterior")
+        """The posterior at the current hyperparameters, cached while they do not change.
+
+        Before :meth:`fit` it is the prior (``H`` is zero).
+        """
         h_factor, prior_diag = self._H_factor, self.prior_precision_diag
+        if self.H is None:
+            raise NotFittedError("the posterior needs fit() first (or a call to _init_H()).")
         differentiable = h_factor.requires_grad or prior_diag.requires_grad
         curvature_key = (id(self.H), getattr(self.H, "_version", None))
         cache = self._posterior_cache
@@ -184,8 +122,8 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
     @property
     def scatter(self) -> Tensor:
         """``(θ_MAP − μ₀)ᵀ P₀ (θ_MAP − μ₀)``."""
-        delta = self.mean - self.prior_mean
-        return (delta.square() * self.prior_precision_diag).sum()
+        prior_diag = self.prior_precision_diag
+        return ((self.mean - self.prior_mean).square() * prior_diag).sum()
 
     @property
     def log_det_prior_precision(self) -> Tensor:
@@ -194,8 +132,28 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
 
     @property
     def log_det_posterior_precision(self) -> Tensor:
-        """``log det P``."""
-        return self._posterior.log_det
+        """``log det P``.
+
+        Raises:
+            NotPositiveDefiniteError: (a ``RuntimeError``) if it is not finite, saying why.
+        """
+        return self._checked_finite(self._posterior.log_det, "log det of the posterior precision")
+
+    def _checked_finite(self, value: Tensor, what: str) -> Tensor:
+        """``value`` if every entry is finite; otherwise an error saying why it is not.
+
+        Raises:
+            NotPositiveDefiniteError: (a ``RuntimeError``) naming the likely causes.
+        """
+        if not bool(torch.isfinite(value.detach()).all()):
+            raise NotPositiveDefiniteError(
+                f"the {what} contains NaN or inf: the posterior precision "
+                "H/(σ²T) + prior_precision is not positive definite (a Hessian backend's "
+                "curvature can be indefinite: use a GGN or EF backend or a larger prior "
+                f"precision) or exceeds the range of {self._dtype} (use a float64 model or "
+                "a smaller prior precision)."
+            )
+        return value
 
     @property
     def log_det_ratio(self) -> Tensor:
@@ -245,17 +203,37 @@ class ParametricLaplace(GLMPredictiveMixin, StateDictMixin, BaseLaplace):
         return self._posterior.functional_covariance(Js.reshape(-1, Js.shape[-1]))
 
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
-        """Draw weights ``θ ~ N(θ_MAP, P⁻¹)``, shape (n_samples, P)."""
-        return self.mean + self._posterior.sample_deviations(n_samples, generator)
+        """Draw weights ``θ ~ N(θ_MAP, P⁻¹)``, shape (n_samples, P).
+
+        Raises:
+            ValueError: If ``n_samples`` is not a positive integer.
+            NotFittedError: Before :meth:`fit` (a ``RuntimeError``).
+        """
+        return self.mean + self._sample_deviations(n_samples, generator)
+
+    def _sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
+        """Draws of ``θ − θ_MAP`` (n_samples, P) over the posterior's parameters."""
+        check_positive_int(n_samples, "n_samples")
+        check_generator(generator)
+        self._check_fitted("sample")
+        return self._checked_finite(
+            self._draw_deviations(n_samples, generator), "posterior samples"
+        )
+
+    def _draw_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
+        return self._posterior.sample_deviations(n_samples, generator)
 
 
-class FullLaplace(ParametricLaplace):
+class FullLaplace(PosteriorScaleMixin, ParametricLaplace):
     """Laplace approximation with a dense (P, P) curvature and posterior precision.
 
     Hyperparameter tuning evaluates ``log det(h·H + δ·I)`` for many ``(h, δ)`` with a scalar
     prior ``δ``: while either is differentiable, it is computed as ``Σᵢ log(h·λᵢ + δ)`` from the
     eigenvalues ``λ`` of ``H``, found once per fit, instead of one Cholesky factorisation (and
     its backward pass) per step.
+
+    ``posterior_scale`` is the lower-triangular ``S`` (P, P) with ``S Sᵀ = P⁻¹``
+    (see :class:`~laplace.posterior_scale.PosteriorScaleMixin`).
     """
 
     _posterior_cls = DensePosterior
@@ -265,7 +243,6 @@ class FullLaplace(ParametricLaplace):
         """``log det P``."""
         prior, h_factor = self.prior_precision, self._H_factor
         if len(prior) == 1 and (prior.requires_grad or h_factor.requires_grad):
-            self._check_fitted("log_det_posterior_precision")
             spectrum = h_factor * self._curvature_eigenvalues() + prior
             if bool((spectrum.detach() > 0).all()):
                 return spectrum.log().sum()
@@ -279,11 +256,6 @@ class FullLaplace(ParametricLaplace):
             cache = (key, torch.linalg.eigvalsh(self.H.detach()))
             self._eigenvalue_cache = cache
         return cache[1]
-
-    @property
-    def posterior_scale(self) -> Tensor:
-        """Lower-triangular ``S`` (P, P) with ``S Sᵀ = P⁻¹``."""
-        return self._posterior.scale
 
     @property
     def posterior_covariance(self) -> Tensor:

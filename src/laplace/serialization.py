@@ -6,15 +6,96 @@ reads it, and it moves across devices with ``map_location``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["StateDictMixin"]
+from laplace.errors import ArgumentTypeError, MissingKeyError, check_bool, check_positive_int
+from laplace.priors import check_temperature
+
+__all__ = ["StateDictMixin", "check_state_dict"]
 
 #: Tolerance when checking that the model's weights are the saved posterior mean.
 MEAN_MATCH_ATOL = 1e-6
+
+#: Entries of a parametric state and those holding floating-point tensors (besides ``H``).
+PARAMETRIC_KEYS = (
+    "cls_name",
+    "likelihood",
+    "param_names",
+    "param_shapes",
+    "mean",
+    "H",
+    "loss",
+    "n_data",
+    "n_outputs",
+    "prior_mean",
+    "prior_precision",
+    "sigma_noise",
+    "temperature",
+    "enable_backprop",
+)
+PARAMETRIC_TENSORS = ("mean", "H", "loss", "prior_mean", "prior_precision", "sigma_noise")
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    """The tensors (and anything else that is not a container) in nested lists and dicts."""
+    if isinstance(value, Mapping):
+        for item in value.values():
+            yield from _leaves(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+def check_state_dict(
+    state_dict: Any, required: Iterable[str], tensors: Iterable[str], counts: Iterable[str]
+) -> None:
+    """Refuse a state that :meth:`state_dict` cannot have written, before anything is loaded.
+
+    Args:
+        state_dict: The candidate, e.g. from ``torch.load(path, weights_only=True)``.
+        required: The entries it must have.
+        tensors: Entries holding floating-point tensors (or nested lists/dicts of them), which
+            must be finite.
+        counts: Entries holding positive integers.
+
+    Raises:
+        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) if it is not a mapping, or
+            an entry has the wrong type.
+        MissingKeyError: (a ``KeyError`` and a ``ValueError``) for missing entries, e.g. a
+            model's own ``state_dict`` or a truncated one.
+        ValueError: For NaN/inf tensors or non-positive counts.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise ArgumentTypeError(
+            "state_dict must be the dict returned by state_dict() (e.g. from "
+            f"torch.load(path, weights_only=True)), got {type(state_dict).__name__}."
+        )
+    missing = [key for key in required if key not in state_dict]
+    if missing:
+        raise MissingKeyError(
+            f"state_dict is missing the entries {missing}: it is not (or no longer) the state "
+            f"of a fitted Laplace approximation; its keys are {sorted(map(str, state_dict))[:8]}."
+        )
+    for key in tensors:
+        for leaf in _leaves(state_dict[key]):
+            if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
+                kind = leaf.dtype if isinstance(leaf, Tensor) else type(leaf).__name__
+                raise ArgumentTypeError(
+                    f"state_dict[{key!r}] must hold floating-point tensors, got {kind}."
+                )
+            if not bool(torch.isfinite(leaf).all()):
+                raise ValueError(
+                    f"state_dict[{key!r}] contains NaN or inf values: the state was altered "
+                    "or saved from a broken fit."
+                )
+    for key in counts:
+        check_positive_int(state_dict[key], f"state_dict[{key!r}]")
 
 
 class StateDictMixin:
@@ -47,19 +128,21 @@ class StateDictMixin:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict`.
 
+        A state that fails a check changes nothing (see :mod:`laplace.transaction`).
+
         Raises:
-            ValueError: If the state belongs to another class, likelihood or architecture, or
-                if the model's weights are not the saved posterior mean.
+            ValueError: If the state belongs to another class, likelihood or architecture, if
+                the model's weights are not the saved posterior mean, or if it is not a state
+                :meth:`state_dict` writes (see :func:`check_state_dict`).
         """
+        check_state_dict(state_dict, PARAMETRIC_KEYS, PARAMETRIC_TENSORS, ("n_data", "n_outputs"))
+        check_bool(state_dict["enable_backprop"], "state_dict['enable_backprop']")
         expected = {
             "cls_name": type(self).__name__,
             "likelihood": self.likelihood.value,
             "param_names": list(self._subset.names),
             "param_shapes": [list(p.shape) for p in self._subset.params],
         }
-        missing = [k for k in (*expected, "mean", "H", "loss", "n_data") if k not in state_dict]
-        if missing:
-            raise ValueError(f"state_dict is missing the entries {missing}.")
         for key, value in expected.items():
             if state_dict[key] != value:
                 raise ValueError(
@@ -68,7 +151,9 @@ class StateDictMixin:
                 )
         mean = state_dict["mean"].to(device=self._device, dtype=self._dtype)
         current = self._subset.vector().detach()
-        if not torch.allclose(mean, current, rtol=0, atol=MEAN_MATCH_ATOL):
+        if mean.shape != current.shape or not torch.allclose(
+            mean, current, rtol=0, atol=MEAN_MATCH_ATOL
+        ):
             raise ValueError(
                 "the model's weights differ from the posterior mean stored in state_dict; "
                 "load the model's own state_dict (the MAP weights) before the Laplace state."
@@ -81,9 +166,10 @@ class StateDictMixin:
         self.prior_mean = state_dict["prior_mean"]
         self.prior_precision = state_dict["prior_precision"]
         self.sigma_noise = state_dict["sigma_noise"]
-        self.temperature = float(state_dict["temperature"])
+        self.temperature = float(check_temperature(state_dict["temperature"]))
         self.enable_backprop = bool(state_dict["enable_backprop"])
         self._posterior_cache = None
+        self._fitted = True
 
     def _curvature_state(self) -> Any:
         return self.H.detach()

@@ -27,10 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.glm import jacobian_chunk_rows
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.priors import expand_to_diagonal
+from laplace.serialization import check_state_dict
 from laplace.subsets import Subnetwork
 from laplace.utils.enums import Likelihood, PriorStructure, parse_enum
 
@@ -53,20 +55,25 @@ class SubnetLaplace(ParametricLaplace):
         backend: A GGN or empirical-Fisher backend (default ``CurvlinopsGGN``).
         backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
         asdl_fisher_kwargs: Not supported (must be None).
-        enable_backprop: See :class:`~laplace.base.BaseLaplace`.
-        dict_key_x: See :class:`~laplace.base.BaseLaplace`.
-        dict_key_y: See :class:`~laplace.base.BaseLaplace`.
+        enable_backprop: See :class:`~laplace.base.BaseLaplace` (keyword only: laplace-torch's
+            subnetwork Laplace has none).
+        dict_key_x: See :class:`~laplace.base.BaseLaplace` (keyword only).
+        dict_key_y: See :class:`~laplace.base.BaseLaplace` (keyword only).
 
     Raises:
+        TypeError: Without ``subnetwork_indices`` (None raises an error that is a
+            ``TypeError`` and a ``ValueError``).
         ValueError: For invalid indices, a backend that is neither GGN nor EF, or
             ``asdl_fisher_kwargs``.
     """
+
+    _abstract = "use FullSubnetLaplace or DiagSubnetLaplace."
 
     def __init__(
         self,
         model: nn.Module,
         likelihood: Likelihood | str,
-        subnetwork_indices: torch.LongTensor | None = None,
+        subnetwork_indices: torch.LongTensor,
         sigma_noise: float | Tensor = 1.0,
         prior_precision: float | Tensor = 1.0,
         prior_mean: float | Tensor = 0.0,
@@ -79,37 +86,28 @@ class SubnetLaplace(ParametricLaplace):
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
     ) -> None:
-        if type(self) is SubnetLaplace:
-            raise TypeError(
-                "SubnetLaplace is abstract: use FullSubnetLaplace or DiagSubnetLaplace."
-            )
         if asdl_fisher_kwargs is not None:
             raise ValueError("subnetwork Laplace does not support asdl_fisher_kwargs.")
-        if backend is not None and not (
-            isinstance(backend, type) and issubclass(backend, (GGNInterface, EFInterface))
+        if backend is not None and not issubclass(
+            backend if isinstance(backend, type) else type(backend), (GGNInterface, EFInterface)
         ):
             raise ValueError(
                 "subnetwork Laplace needs a GGN or empirical-Fisher backend (e.g. CurvlinopsGGN, "
-                f"CurvlinopsEF, AsdlGGN, BackPackGGN), got {backend!r}."
+                f"CurvlinopsEF, AsdlGGN, AsdlEF, BackPackGGN), got {backend!r}."
             )
         self._subnetwork_indices = subnetwork_indices
-        super().__init__(
-            model,
-            likelihood,
-            sigma_noise=sigma_noise,
-            prior_precision=prior_precision,
-            prior_mean=prior_mean,
-            temperature=temperature,
-            enable_backprop=enable_backprop,
-            dict_key_x=dict_key_x,
-            dict_key_y=dict_key_y,
-            backend=backend,
-            backend_kwargs=backend_kwargs,
-        )
-        self._backend_kwargs["subnetwork_indices"] = self._subset.indices
+        BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
 
     def _make_subset(self, model: nn.Module) -> Subnetwork:
         return Subnetwork(model, self._subnetwork_indices)
+
+    def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {**backend_kwargs, "subnetwork_indices": self._subset.indices}
+
+    @property
+    def subnetwork_indices(self) -> torch.LongTensor:
+        """Indices (K,) of the subnetwork in the flattened trainable parameters."""
+        return self._subset.indices
 
     @property
     def n_params_subnet(self) -> int:
@@ -123,6 +121,11 @@ class SubnetLaplace(ParametricLaplace):
 
     def _zero_curvature(self) -> Tensor:
         return self._posterior_cls.zeros([self.mean_subnet])
+
+    def _prior_mean_vector(self) -> Tensor:
+        """Weights (P,) with the subnetwork at its prior mean and the rest at the MAP."""
+        prior = torch.broadcast_to(self.prior_mean, (self._subset.n_subnet,))
+        return self._subset.assemble(self._subset.vector().detach(), prior.unsqueeze(0))[0]
 
     # ------------------------------------------------------------------------------ prior
     @property
@@ -165,7 +168,7 @@ class SubnetLaplace(ParametricLaplace):
 
         The subnetwork entries come from its posterior, every other entry is the MAP.
         """
-        deviations = self._posterior.sample_deviations(n_samples, generator)
+        deviations = self._sample_deviations(n_samples, generator)
         return self.assemble_full_samples(self.mean_subnet + deviations)
 
     def square_norm(self, value: Tensor) -> Tensor:
@@ -190,8 +193,11 @@ class SubnetLaplace(ParametricLaplace):
         Raises:
             ValueError: If the state was saved for other subnetwork indices.
         """
-        saved = state_dict.get("subnetwork_indices")
-        if saved is None or not torch.equal(saved.cpu(), self._subset.indices.cpu()):
+        check_state_dict(state_dict, ("subnetwork_indices",), (), ())
+        saved = state_dict["subnetwork_indices"]
+        if not isinstance(saved, Tensor) or not torch.equal(
+            saved.cpu(), self._subset.indices.cpu()
+        ):
             raise ValueError(
                 "state_dict was saved for other subnetwork_indices than this approximation's "
                 "(or is not a subnetwork Laplace state)."

@@ -15,9 +15,67 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from laplace.data import Inputs
-from laplace.utils.feature_extractor import FeatureExtractor
+from laplace.errors import ArgumentTypeError, MetaDeviceError, NotFittedError
+from laplace.utils.feature_extractor import (
+    FeatureExtractor,
+    FeatureReduction,
+    as_feature_extractor,
+)
 
-__all__ = ["AllWeights", "LastLayer", "Subnetwork", "check_subnetwork_indices"]
+__all__ = [
+    "MISSING_SUBNETWORK_INDICES",
+    "AllWeights",
+    "LastLayer",
+    "LastLayerMixin",
+    "Subnetwork",
+    "check_parameters",
+    "check_subnetwork_indices",
+]
+
+#: Floating-point types a posterior can be computed in.
+POSTERIOR_DTYPES = (torch.float32, torch.float64)
+
+#: Message for a subnetwork Laplace built without ``subnetwork_indices``.
+MISSING_SUBNETWORK_INDICES = (
+    "subnetwork Laplace needs subnetwork_indices: a 1-D torch.long tensor of indices into the "
+    "flattened trainable parameters (e.g. torch.tensor([0, 5, 9]) or "
+    "SubnetMask(...).select(train_loader))."
+)
+
+
+def check_parameters(named: list[tuple[str, Tensor]]) -> None:
+    """Refuse parameters a posterior cannot be computed over.
+
+    Args:
+        named: ``(name, parameter)`` pairs of the weights the posterior covers.
+
+    Raises:
+        MetaDeviceError: If a parameter is on the ``meta`` device (it holds no values).
+        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) for float16/bfloat16 or
+            mixed floating-point types: curvature sums, Cholesky factors and log-determinants
+            need float32 or float64 (see README, "Half precision").
+        ValueError: If the parameters lie on several devices.
+    """
+    meta = [n for n, p in named if p.device.type == "meta"]
+    if meta:
+        raise MetaDeviceError(
+            f"the model's parameters {meta[:3]} are on the meta device and hold no values; "
+            "materialise the model (e.g. model.to_empty(device=...) and load its weights) first."
+        )
+    dtypes = {p.dtype for _, p in named}
+    if not dtypes <= set(POSTERIOR_DTYPES) or len(dtypes) > 1:
+        found = sorted(str(d) for d in dtypes)
+        raise ArgumentTypeError(
+            f"the posterior needs parameters of one dtype, float32 or float64; the model's are "
+            f"{found}. Convert the model (e.g. model.float() or model.double()); half precision "
+            "cannot hold the curvature sums and Cholesky factors reliably."
+        )
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        raise ValueError(
+            f"the model's parameters lie on several devices {sorted(map(str, devices))}; "
+            "move the model to one device."
+        )
 
 
 class _FlatParameters:
@@ -105,18 +163,19 @@ def check_subnetwork_indices(indices: Any, n_params: int) -> Tensor:
         ``indices`` unchanged (a 1-D ``torch.long`` tensor).
 
     Raises:
-        ValueError: If ``indices`` is None, not a 1-D ``torch.long`` tensor, empty, out of
-            ``[0, n_params)`` or has duplicates (ValueError for all, as in laplace-torch).
+        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) if ``indices`` is None.
+        ValueError: If ``indices`` is not a 1-D ``torch.long`` tensor, empty, out of
+            ``[0, n_params)`` or has duplicates (ValueError for all, as in laplace-torch), or
+            on the meta device.
     """
     hint = "e.g. torch.tensor([0, 5, 9]) or SubnetMask(...).select(train_loader)"
     if indices is None:
-        raise ValueError(
-            "subnetwork Laplace needs subnetwork_indices: a 1-D torch.long tensor of indices "
-            f"into the flattened trainable parameters ({hint})."
-        )
+        raise ArgumentTypeError(MISSING_SUBNETWORK_INDICES)
     if not isinstance(indices, Tensor) or indices.dtype != torch.long:
         kind = indices.dtype if isinstance(indices, Tensor) else type(indices).__name__
         raise ValueError(f"subnetwork_indices must be a torch.long tensor ({hint}), got {kind}.")
+    if indices.device.type == "meta":
+        raise MetaDeviceError("subnetwork_indices are on the meta device: they hold no values.")
     if indices.dim() != 1 or indices.numel() == 0:
         raise ValueError(
             f"subnetwork_indices must be a non-empty 1-D tensor, got shape {tuple(indices.shape)}."
@@ -194,10 +253,11 @@ class LastLayer(_FlatParameters):
         """The linear head.
 
         Raises:
-            RuntimeError: If it has not been found yet.
+            NotFittedError: (a ``RuntimeError`` and an ``AttributeError``) if it has not been
+                found yet.
         """
         if self.model.last_layer is None:
-            raise RuntimeError(
+            raise NotFittedError(
                 "the last layer is not known yet: it is found on the first batch of fit() "
                 "(call fit() first, or pass last_layer_name=...)."
             )
@@ -255,3 +315,48 @@ class LastLayer(_FlatParameters):
         return torch.stack(
             [functional_call(net, self.unflatten(t), (X,), model_kwargs) for t in thetas]
         )
+
+
+class LastLayerMixin:
+    """Hooks of the Laplace classes over the last layer: wrap the model, use its head's weights.
+
+    The class sets ``self._feature_options = (last_layer_name, feature_reduction)`` before
+    :class:`~laplace.base.BaseLaplace` builds it; ``la.model`` is then a
+    :class:`~laplace.utils.feature_extractor.FeatureExtractor` and the backend works on the
+    last layer.
+    """
+
+    _feature_options: tuple[str | None, FeatureReduction | str | None]
+    model: FeatureExtractor
+
+    def _prepare_model(self, model: nn.Module) -> FeatureExtractor:
+        return as_feature_extractor(model, *self._feature_options)
+
+    def _make_subset(self, model: FeatureExtractor) -> LastLayer:
+        return LastLayer(model)
+
+    def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {**backend_kwargs, "last_layer": True}
+
+    def _transaction_parts(self) -> tuple[Any, ...]:
+        # A failed fit forgets a last layer it found (the extractor holds it).
+        return (*super()._transaction_parts(), self.model)
+
+    @property
+    def last_layer_name(self) -> str | None:
+        """Name of the last layer in the model (None until it is found)."""
+        return self.model.last_layer_name
+
+    @property
+    def feature_reduction(self) -> FeatureReduction | None:
+        """How features of shape (B, ..., D) are reduced to (B, D); see ``FeatureExtractor``."""
+        return self.model.feature_reduction
+
+    @property
+    def enable_backprop(self) -> bool:
+        """Keep predictives (and the features) differentiable w.r.t. the inputs."""
+        return self.model.enable_backprop
+
+    @enable_backprop.setter
+    def enable_backprop(self, value: bool) -> None:
+        self.model.enable_backprop = bool(value)

@@ -6,8 +6,10 @@ Both work with any Laplace approximation through its public interface
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torchmetrics
@@ -16,6 +18,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from laplace import distributed as distributed_utils
+from laplace.errors import ArgumentTypeError, check_positive_float, check_positive_int
+from laplace.evaluation.tasks import validation_metric
 from laplace.posteriors import NotPositiveDefiniteError
 from laplace.utils.enums import LinkApprox, PredType
 from laplace.utils.metrics import RunningNLLMetric
@@ -24,7 +28,13 @@ from laplace.utils.utils import validate
 if TYPE_CHECKING:
     from laplace.base import BaseLaplace
 
-__all__ = ["default_validation_loss", "gridsearch", "maximize_marglik"]
+__all__ = [
+    "default_validation_loss",
+    "grid_candidates",
+    "gridsearch",
+    "maximize_marglik",
+    "validation_loss",
+]
 
 
 def maximize_marglik(
@@ -53,10 +63,60 @@ def maximize_marglik(
 
 
 def default_validation_loss(la: BaseLaplace) -> torchmetrics.Metric:
-    """Running NLL for probability outputs, running mean squared error otherwise."""
-    if la._likelihood_model.predictive_likelihood.predicts_probabilities:
+    """Running NLL for probability outputs, running mean squared error otherwise.
+
+    Grid search validates with ``fitting=True``, so the likelihood the model was fitted with
+    decides (reward modelling predicts pair probabilities there).
+    """
+    if la._likelihood_model.fit_likelihood.predicts_probabilities:
         return RunningNLLMetric().to(la._device)
     return torchmetrics.MeanSquaredError(num_outputs=la.n_outputs).to(la._device)
+
+
+def validation_loss(la: BaseLaplace, loss: Any) -> torchmetrics.Metric | Callable:
+    """The grid-search loss for the user's ``loss`` argument.
+
+    None gives :func:`default_validation_loss`; a name (``"nll"``, ``"ece"``, ``"brier"``,
+    ``"crps"``, see :func:`laplace.evaluation.validation_metric`) gives that running metric of
+    the predictions grid search validates (those of the fit likelihood); anything else is
+    returned as it is. Named metrics of a distributed fit add their sums over all ranks.
+
+    Raises:
+        ValueError: For an unknown name or one that does not apply to the likelihood.
+    """
+    if loss is None:
+        return default_validation_loss(la)
+    if not isinstance(loss, str):
+        return loss
+    metric = validation_metric(
+        loss,
+        la._likelihood_model.fit_likelihood.kind,
+        la.n_outputs,
+        la.sigma_noise,
+        sync_on_compute=getattr(la, "_distributed", False),
+    )
+    return metric.to(la._device)
+
+
+def grid_candidates(
+    low: float, high: float, size: int, base: float, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """The candidate prior precisions ``base ** linspace(low, high, size)`` of a grid search.
+
+    Raises:
+        ValueError: For a non-positive ``size``, non-finite exponents, or a base that is not
+            positive or is 1; a non-number raises an error that is a ``ValueError`` and a
+            ``TypeError``.
+    """
+    check_positive_int(size, "grid_size")
+    for name, value in (("log_prior_prec_min", low), ("log_prior_prec_max", high)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ArgumentTypeError(f"{name} must be a real number, got {value!r}.")
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value!r}.")
+    if check_positive_float(base, "log_prior_prec_base") == 1:
+        raise ValueError("log_prior_prec_base must not be 1: every candidate would equal 1.")
+    return torch.logspace(low, high, size, base=base, device=device, dtype=dtype)
 
 
 def gridsearch(

@@ -3,11 +3,19 @@
 :data:`CURVATURE_BACKENDS` maps short names to backend classes so callers never test class
 names; :data:`DEFAULT_BACKEND` is the exact GGN. The ASDL and BackPACK backends are optional
 extras: they are imported on first use (``from laplace.curvature import AsdlGGN``), and naming
-one whose library is missing raises an ``ImportError`` with the install command.
+one whose library is missing raises an ``ImportError`` with the install command. laplace-torch's
+``Asdfghjkl*`` backends (for an unpublished ASDL fork) exist as names whose construction
+raises an ``ImportError`` naming the replacement (:mod:`laplace.curvature.asdfghjkl`).
 """
 
 from __future__ import annotations
 
+from laplace.curvature.asdfghjkl import (
+    AsdfghjklEF,
+    AsdfghjklGGN,
+    AsdfghjklHessian,
+    AsdfghjklInterface,
+)
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.curvlinops import (
     CurvlinopsEF,
@@ -25,6 +33,10 @@ from laplace.curvature.registry import (
 __all__ = [
     "CURVATURE_BACKENDS",
     "DEFAULT_BACKEND",
+    "AsdfghjklEF",
+    "AsdfghjklGGN",
+    "AsdfghjklHessian",
+    "AsdfghjklInterface",
     "CurvatureInterface",
     "CurvlinopsEF",
     "CurvlinopsGGN",

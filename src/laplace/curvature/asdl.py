@@ -311,8 +311,13 @@ class AsdlGGN(AsdlInterface, GGNInterface):
         return float(config.n_mc_samples) if self.stochastic else 1.0
 
 
-class _WithoutSubnetwork(AsdlInterface):
-    """The constructor of :class:`AsdlInterface` without ``subnetwork_indices``."""
+class _KeywordSubnetwork(AsdlInterface):
+    """:class:`AsdlInterface` with ``subnetwork_indices`` keyword-only.
+
+    The positional arguments are laplace-torch's for ``AsdlEF`` and ``AsdlHessian``, which have
+    no ``subnetwork_indices`` (so its subnetwork Laplace cannot use ``AsdlEF``); here the
+    curvature is restricted to those entries.
+    """
 
     def __init__(
         self,
@@ -322,24 +327,24 @@ class _WithoutSubnetwork(AsdlInterface):
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
         *,
+        subnetwork_indices: torch.LongTensor | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
             model,
             likelihood,
             last_layer,
-            None,
+            subnetwork_indices,
             dict_key_x,
             dict_key_y,
             asdl_fisher_kwargs=asdl_fisher_kwargs,
         )
 
 
-class AsdlEF(_WithoutSubnetwork, EFInterface):
+class AsdlEF(_KeywordSubnetwork, EFInterface):
     """Empirical Fisher by ASDL (``fisher_emp``), rescaled to the library loss.
 
-    Takes the arguments of :class:`AsdlInterface` except ``subnetwork_indices`` (as in
-    laplace-torch).
+    Takes the arguments of :class:`AsdlInterface`, ``subnetwork_indices`` keyword-only.
     """
 
     @property
@@ -351,13 +356,13 @@ class AsdlEF(_WithoutSubnetwork, EFInterface):
         return self.factor**2
 
 
-class AsdlHessian(_WithoutSubnetwork):
+class AsdlHessian(_KeywordSubnetwork):
     """Exact Hessian of the summed library loss by ASDL (full, or its diagonal).
 
     ASDL forms the Hessian by double backpropagation, one pass per parameter: use it on small
     models or the last layer. It has no Kronecker form. Takes the arguments of
-    :class:`AsdlInterface` except ``subnetwork_indices`` (as in laplace-torch);
-    ``asdl_fisher_kwargs`` is accepted for a uniform interface and unused.
+    :class:`AsdlInterface`, ``subnetwork_indices`` keyword-only; ``asdl_fisher_kwargs`` is
+    accepted for a uniform interface and unused.
     """
 
     def _hessian(self, x: Inputs, y: Tensor, shape: str) -> tuple[Tensor, Tensor]:
@@ -369,9 +374,9 @@ class AsdlHessian(_WithoutSubnetwork):
             maker.forward_and_backward()
             f = maker.model_output
             if shape == SHAPE_FULL:
-                H = target.module.hessian.data
+                H = self._select(self._select(target.module.hessian.data).T)
             else:
-                H = diag_vector(target.module, "hessian")
+                H = self._select(diag_vector(target.module, "hessian"))
         return self._loss(f, y), (self.factor * H).detach()
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:

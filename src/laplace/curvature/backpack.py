@@ -16,7 +16,7 @@ non-sequential models are refused with the backend to use instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,7 +36,12 @@ from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.utils.module_classification import is_no_op
 from torch import Tensor, nn
 
-from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
+from laplace.curvature.curvature import (
+    CurvatureInterface,
+    EFInterface,
+    GGNInterface,
+    check_dict_inputs,
+)
 from laplace.curvature.kfac import check_kfac_support
 from laplace.curvature.third_party import TargetCall, isolated, kron_blocks, target_call
 from laplace.data import Inputs
@@ -76,12 +81,10 @@ def _extended(*modules: nn.Module) -> Iterator[None]:
 class BackPackInterface(CurvatureInterface):
     """Base of the BackPACK backends (see :class:`CurvatureInterface` for the arguments)."""
 
+    accepts_dict_inputs = False
+
     def _target(self, x: Inputs) -> TargetCall:
-        if isinstance(x, MutableMapping):
-            raise ValueError(
-                "BackPACK cannot take dict-like inputs; use backend=CurvlinopsGGN or AsdlGGN "
-                "(CurvlinopsEF or AsdlEF for the empirical Fisher)."
-            )
+        check_dict_inputs(type(self), x)
         return target_call(self.model, x, self.last_layer)
 
     def _require_chain(self, target: TargetCall, quantity: str) -> None:

@@ -13,7 +13,7 @@ The default routes use the native per-sample engine (:mod:`laplace.curvature.per
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -23,11 +23,29 @@ from torch.func import functional_call, jacrev
 from laplace.curvature.kfac import kfac
 from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
 from laplace.data import Inputs
+from laplace.errors import check_module, check_positive_int
 from laplace.likelihoods import make_likelihood
 from laplace.utils.enums import Likelihood, parse_enum
 from laplace.utils.matrix import Kron
 
-__all__ = ["CurvatureInterface", "EFInterface", "GGNInterface"]
+__all__ = ["CurvatureInterface", "EFInterface", "GGNInterface", "check_dict_inputs"]
+
+
+def check_dict_inputs(backend_cls: type[CurvatureInterface], x: Any) -> None:
+    """Refuse dict-like inputs for a backend that cannot take them.
+
+    Args:
+        backend_cls: The backend class.
+        x: Model inputs of one batch.
+
+    Raises:
+        ValueError: If ``x`` is a mapping and ``backend_cls.accepts_dict_inputs`` is False.
+    """
+    if isinstance(x, MutableMapping) and not backend_cls.accepts_dict_inputs:
+        raise ValueError(
+            f"{backend_cls.__name__} cannot take dict-like inputs; use backend=CurvlinopsGGN "
+            "or AsdlGGN (CurvlinopsEF or AsdlEF for the empirical Fisher)."
+        )
 
 
 class CurvatureInterface:
@@ -52,6 +70,8 @@ class CurvatureInterface:
     """
 
     kfac_approx: str = "expand"
+    #: Whether the model may take dict-like (HuggingFace) inputs with this backend.
+    accepts_dict_inputs: bool = True
 
     def __init__(
         self,
@@ -63,7 +83,7 @@ class CurvatureInterface:
         dict_key_y: str = "labels",
     ) -> None:
         self.likelihood = parse_enum(Likelihood, likelihood, "likelihood")
-        self.model = model
+        self.model = check_module(model)
         self.last_layer = last_layer
         self.subnetwork_indices = subnetwork_indices
         self.dict_key_x = dict_key_x
@@ -180,7 +200,11 @@ class CurvatureInterface:
         return Gs.detach(), self._loss(f, y)
 
     def curvature_columns(
-        self, f: Tensor, y: Tensor, generator: torch.Generator | None = None
+        self,
+        f: Tensor,
+        y: Tensor,
+        generator: torch.Generator | None = None,
+        mc_samples: int | None = None,
     ) -> Iterable[Tensor]:
         """Output-space columns ``vₖ`` (B, C) whose per-sample outer products sum to the curvature.
 
@@ -192,6 +216,10 @@ class CurvatureInterface:
             y: Targets of the batch.
             generator: Random generator of sampled columns (Monte-Carlo Fisher); torch's global
                 generator when None.
+            mc_samples: Monte-Carlo samples per data point, for a stochastic curvature only.
+
+        Raises:
+            ValueError: For ``mc_samples`` with a curvature that is not sampled.
         """
         raise NotImplementedError(f"{type(self).__name__} defines no curvature.")
 
@@ -201,14 +229,19 @@ class CurvatureInterface:
         Args:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
+            **kwargs: ``mc_samples`` (Monte-Carlo samples per data point, stochastic GGN only)
+                overrides the backend's ``num_samples``; ``N`` is accepted and unused (as in
+                laplace-torch).
 
         Returns:
             The summed batch loss and the curvature of shape (P, P).
+
+        Raises:
+            ValueError: For ``mc_samples`` with a curvature that is not sampled, or another
+                keyword argument.
         """
-        trace = self.trace(x)
-        f = trace.f.detach()
-        return self._loss(f, y), trace.gram(self.curvature_columns(f, y)).detach()
+        trace, f, columns = self._traced_columns(x, y, kwargs)
+        return self._loss(f, y), trace.gram(columns).detach()
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
         """Kronecker-factored batch curvature (KFAC) of the family's curvature columns.
@@ -220,7 +253,8 @@ class CurvatureInterface:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
             N: Number of data points of the whole data set.
-            **kwargs: ``kfac_approx`` (``"expand"`` or ``"reduce"``) overrides the backend's.
+            **kwargs: ``kfac_approx`` (``"expand"`` or ``"reduce"``) overrides the backend's;
+                ``mc_samples`` (stochastic GGN only) overrides its ``num_samples``.
 
         Returns:
             The summed batch loss and a :class:`~laplace.utils.matrix.Kron` with one block per
@@ -231,14 +265,10 @@ class CurvatureInterface:
                 unknown keyword argument.
         """
         approx = kwargs.pop("kfac_approx", self.kfac_approx)
-        if kwargs:
-            raise ValueError(f"kron accepts only the keyword kfac_approx, got {sorted(kwargs)}.")
         if self.subnetwork_indices is not None:
             raise ValueError("KFAC is defined per layer; it does not support subnetwork_indices.")
-        trace = self.trace(x)
-        f = trace.f.detach()
-        H = kfac(trace, self.curvature_columns(f, y), N, approx, self.factor)
-        return self._loss(f, y), H
+        trace, f, columns = self._traced_columns(x, y, kwargs)
+        return self._loss(f, y), kfac(trace, columns, N, approx, self.factor)
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Diagonal of the batch curvature, summed over data points.
@@ -246,14 +276,25 @@ class CurvatureInterface:
         Args:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
+            **kwargs: ``mc_samples`` and ``N`` as in :meth:`full`.
 
         Returns:
             The summed batch loss and the diagonal of shape (P,).
+
+        Raises:
+            ValueError: As :meth:`full`.
         """
+        trace, f, columns = self._traced_columns(x, y, kwargs)
+        return self._loss(f, y), trace.square_sum(columns).detach()
+
+    def _traced_columns(
+        self, x: Inputs, y: Tensor, kwargs: dict[str, Any]
+    ) -> tuple[PerSampleTrace, Tensor, Iterable[Tensor]]:
+        """The batch's trace, its detached outputs and curvature columns (``mc_samples``)."""
+        mc_samples = _curvature_options(kwargs)
         trace = self.trace(x)
         f = trace.f.detach()
-        return self._loss(f, y), trace.square_sum(self.curvature_columns(f, y)).detach()
+        return trace, f, self.curvature_columns(f, y, mc_samples=mc_samples)
 
 
 class GGNInterface(CurvatureInterface):
@@ -291,12 +332,26 @@ class GGNInterface(CurvatureInterface):
         self.num_samples = num_samples
 
     def curvature_columns(
-        self, f: Tensor, y: Tensor, generator: torch.Generator | None = None
+        self,
+        f: Tensor,
+        y: Tensor,
+        generator: torch.Generator | None = None,
+        mc_samples: int | None = None,
     ) -> Iterator[Tensor]:
-        """Columns ``vₖ`` (B, C) with ``Σₖ vₖ vₖᵀ = Λ`` (or its MC estimate) per sample."""
+        """Columns ``vₖ`` (B, C) with ``Σₖ vₖ vₖᵀ = Λ`` (or its MC estimate) per sample.
+
+        Arguments as :meth:`CurvatureInterface.curvature_columns` (``y`` is unused; sampled
+        targets use ``generator``, ``mc_samples`` defaults to ``num_samples``).
+        """
+        if mc_samples is not None and not self.stochastic:
+            raise ValueError(
+                "mc_samples needs the Monte-Carlo Fisher (backend_kwargs={'stochastic': True}); "
+                "the exact GGN is not sampled."
+            )
         if self.stochastic:
-            scale = 1.0 / math.sqrt(self.num_samples)
-            for _ in range(self.num_samples):
+            n_samples = self.num_samples if mc_samples is None else mc_samples
+            scale = 1.0 / math.sqrt(n_samples)
+            for _ in range(n_samples):
                 y_hat = self._likelihood.sample_targets(f, generator)
                 yield scale * self._likelihood.loss_gradient(f, y_hat)
         else:
@@ -314,7 +369,30 @@ class EFInterface(CurvatureInterface):
     """
 
     def curvature_columns(
-        self, f: Tensor, y: Tensor, generator: torch.Generator | None = None
+        self,
+        f: Tensor,
+        y: Tensor,
+        generator: torch.Generator | None = None,
+        mc_samples: int | None = None,
     ) -> list[Tensor]:
-        """The single column ``∇_f ℓ(fₙ, yₙ)`` (B, C)."""
+        """The single column ``∇_f ℓ(fₙ, yₙ)`` (B, C); ``mc_samples`` is refused (not sampled)."""
+        if mc_samples is not None:
+            raise ValueError("mc_samples applies to the Monte-Carlo Fisher, not the EF.")
         return [self._likelihood.loss_gradient(f, y)]
+
+
+def _curvature_options(kwargs: dict[str, Any]) -> int | None:
+    """``mc_samples`` of a curvature call's keyword arguments (None if absent); ``N`` is dropped.
+
+    Raises:
+        ValueError: For another keyword argument or an ``mc_samples`` that is not positive.
+    """
+    options = dict(kwargs)
+    options.pop("N", None)
+    mc_samples = options.pop("mc_samples", None)
+    if options:
+        raise ValueError(
+            f"unknown keyword arguments {sorted(options)}; the curvature routes accept "
+            "mc_samples (stochastic GGN), kfac_approx (kron) and N."
+        )
+    return None if mc_samples is None else check_positive_int(mc_samples, "mc_samples")

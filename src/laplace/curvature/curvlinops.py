@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 from curvlinops import HessianLinearOperator
-from torch import Tensor
+from torch import Tensor, nn
 
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.kfac import KFAC_APPROXIMATIONS
 from laplace.data import Inputs, batch_size_of
+from laplace.errors import check_positive_int
+from laplace.utils.enums import Likelihood
 
 __all__ = ["CurvlinopsEF", "CurvlinopsGGN", "CurvlinopsHessian", "CurvlinopsInterface"]
 
@@ -29,29 +31,81 @@ _HVP_CHUNK = 256
 
 
 class CurvlinopsInterface(CurvatureInterface):
-    """Base of the default backends (see :class:`CurvatureInterface` for the arguments).
+    """Base of the default backends.
 
     Args:
-        *args: See :class:`CurvatureInterface` (and the family's own arguments).
+        model: See :class:`CurvatureInterface`.
+        likelihood: See :class:`CurvatureInterface`.
+        last_layer: See :class:`CurvatureInterface`.
+        subnetwork_indices: See :class:`CurvatureInterface`.
+        dict_key_x: See :class:`CurvatureInterface`.
+        dict_key_y: See :class:`CurvatureInterface`.
         kfac_approx: Weight-sharing approximation of KFAC (:meth:`kron`): ``"expand"``
-            (default) or ``"reduce"``; a ``backend_kwargs`` entry.
-        **kwargs: See :class:`CurvatureInterface` (and the family's own arguments).
+            (default) or ``"reduce"``; a ``backend_kwargs`` entry (keyword only).
 
     Raises:
         ValueError: For an unknown ``kfac_approx``.
     """
 
-    def __init__(self, *args: Any, kfac_approx: str = "expand", **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        last_layer: bool = False,
+        subnetwork_indices: torch.LongTensor | None = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        *,
+        kfac_approx: str = "expand",
+    ) -> None:
         if kfac_approx not in KFAC_APPROXIMATIONS:
             raise ValueError(
                 f"kfac_approx must be one of {KFAC_APPROXIMATIONS}, got {kfac_approx!r}."
             )
+        super().__init__(model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y)
         self.kfac_approx = kfac_approx
 
 
 class CurvlinopsGGN(CurvlinopsInterface, GGNInterface):
-    """Exact GGN (or Monte-Carlo Fisher with ``stochastic=True``); the default backend."""
+    """Exact GGN (or Monte-Carlo Fisher with ``stochastic=True``); the default backend.
+
+    Args:
+        model: See :class:`CurvatureInterface`.
+        likelihood: See :class:`CurvatureInterface`.
+        last_layer: See :class:`CurvatureInterface`.
+        subnetwork_indices: See :class:`CurvatureInterface`.
+        dict_key_x: See :class:`CurvatureInterface`.
+        dict_key_y: See :class:`CurvatureInterface`.
+        stochastic: See :class:`GGNInterface`.
+        num_samples: See :class:`GGNInterface`; ``full``, ``diag`` and ``kron`` also take
+            ``mc_samples=k`` per call, as in laplace-torch.
+        kfac_approx: See :class:`CurvlinopsInterface`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        last_layer: bool = False,
+        subnetwork_indices: torch.LongTensor | None = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        stochastic: bool = False,
+        num_samples: int = 1,
+        *,
+        kfac_approx: str = "expand",
+    ) -> None:
+        super().__init__(
+            model,
+            likelihood,
+            last_layer,
+            subnetwork_indices,
+            dict_key_x,
+            dict_key_y,
+            kfac_approx=kfac_approx,
+        )
+        self.stochastic = stochastic
+        self.num_samples = check_positive_int(num_samples, "num_samples")
 
 
 class CurvlinopsEF(CurvlinopsInterface, EFInterface):

@@ -8,10 +8,20 @@ if its library is missing the ``ImportError`` says which extra to install.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Iterator, Mapping
 from importlib.util import find_spec
+from typing import Any
 
-__all__ = ["OPTIONAL_BACKENDS", "BackendRegistry", "available_optional", "load_optional"]
+from laplace.errors import ArgumentTypeError
+
+__all__ = [
+    "OPTIONAL_BACKENDS",
+    "BackendRegistry",
+    "available_optional",
+    "check_backend_kwargs",
+    "load_optional",
+]
 
 #: Optional backend class name -> (laplace module, the library's import name, pip extra).
 OPTIONAL_BACKENDS: dict[str, tuple[str, str, str]] = {
@@ -83,3 +93,26 @@ class BackendRegistry(Mapping[str, type]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def check_backend_kwargs(backend_cls: type, options: dict[str, Any]) -> None:
+    """Refuse ``backend_kwargs`` that the backend's constructor does not take.
+
+    Args:
+        backend_cls: The backend class.
+        options: The keyword arguments it will be built with.
+
+    Raises:
+        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``, the type of the constructor's
+            own error) naming the unknown keys and the accepted ones.
+    """
+    parameters = inspect.signature(backend_cls.__init__).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = sorted(set(options) - set(parameters))
+    if unknown:
+        accepted = [n for n in parameters if n not in ("self", "model", "likelihood")]
+        raise ArgumentTypeError(
+            f"backend_kwargs {unknown} are not arguments of {backend_cls.__name__}; it takes "
+            f"{accepted}."
+        )

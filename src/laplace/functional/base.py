@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from laplace.base import BaseLaplace
-from laplace.data import Inputs, batch_size_of, move_inputs
+from laplace.data import Inputs, batch_size_of, prepare_inputs
+from laplace.errors import check_generator, check_positive_int
 from laplace.likelihoods import LikelihoodModel
 from laplace.predictive import LINKS, gaussian_output_samples
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
@@ -34,21 +35,12 @@ class BaseFunctionalLaplace(BaseLaplace):
     never included.
     """
 
-    _fitted = False
-
-    def _check_fitted(self, what: str = "this method") -> None:
-        if not self._fitted:
-            raise RuntimeError(f"{what} needs a fitted Laplace approximation: call fit() first.")
-
     def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
     def _checked_inputs(self, x: Inputs, what: str) -> Inputs:
         self._check_fitted(what)
-        x = move_inputs(x, self._device)
-        if batch_size_of(x, self.dict_key_x) == 0:
-            raise ValueError(f"{what} needs at least one input, got an empty batch.")
-        return x
+        return prepare_inputs(x, self.dict_key_x, self._device, what)
 
     def predictive_moments(self, x: Inputs, *, joint: bool = False) -> tuple[Tensor, Tensor]:
         """Latent GP posterior moments at ``x``, without observation noise.
@@ -106,11 +98,31 @@ class BaseFunctionalLaplace(BaseLaplace):
             raise ValueError(
                 f"function-space Laplace predicts with pred_type='gp', got {pred_type.value!r}."
             )
+        if link_approx == LinkApprox.MC:
+            check_positive_int(n_samples, "n_samples")
+        check_generator(generator)
+        probabilities = self._prediction_likelihood(fitting).predicts_probabilities
+        if joint and probabilities:
+            raise ValueError(
+                "joint=True gives the joint Gaussian over the outputs of a regression "
+                "predictive; class probabilities have no joint form (use joint=False)."
+            )
         x = self._checked_inputs(x, "prediction")
-        if self._prediction_likelihood(fitting).predicts_probabilities:
+        if probabilities:
             f_mu, f_var = self._latent_moments(x, joint=False)
             return LINKS[link_approx](f_mu, f_var, n_samples=n_samples, generator=generator)
-        f_mu, f_var = self._latent_moments(x, joint=joint)
+        return self._glm_predictive_distribution(x, joint, diagonal_output)
+
+    def _glm_predictive_distribution(
+        self, X: Inputs, joint: bool = False, diagonal_output: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """Latent moments at ``X`` (laplace-torch's hook, with its signature).
+
+        Returns:
+            Means (B, C) and covariances (B, C, C), variances (B, C) with
+            ``diagonal_output``; with ``joint`` means (B·C,) and the covariance (B·C, B·C).
+        """
+        f_mu, f_var = self.predictive_moments(X, joint=joint)
         if diagonal_output and not joint:
             f_var = f_var.diagonal(dim1=-2, dim2=-1)
         return f_mu, f_var
@@ -138,8 +150,8 @@ class BaseFunctionalLaplace(BaseLaplace):
             ValueError: For a non-positive ``n_samples`` or an unknown ``pred_type``.
         """
         parse_enum(PredType, pred_type, "pred_type")
-        if n_samples <= 0:
-            raise ValueError(f"n_samples must be positive, got {n_samples}.")
+        check_positive_int(n_samples, "n_samples")
+        check_generator(generator)
         x = self._checked_inputs(x, "functional_samples")
         f_mu, f_var = self._latent_moments(x, joint=joint)
         if not joint:

@@ -11,8 +11,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, move_inputs
+from laplace.data import Inputs, check_outputs, dataset_size, prepare_batch
+from laplace.errors import UnsupportedError, check_finite_result
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.nystrom import nystrom_basis, nystrom_indices
 from laplace.functional.scoring import (
@@ -22,6 +24,7 @@ from laplace.functional.scoring import (
     positive_int,
     validation_nll,
 )
+from laplace.priors import as_scalar_prior_precision
 from laplace.utils.enums import (
     Likelihood,
     LinkApprox,
@@ -33,7 +36,6 @@ from laplace.utils.enums import (
 from laplace.utils.functional_utils import (
     preserve_model_gradients,
     regression_targets,
-    split_batch,
     subset_loader,
 )
 
@@ -126,21 +128,9 @@ class ELLA(BaseFunctionalLaplace):
                 "ELLA needs integers 0 < n_eigenvalues <= subsample_size, got "
                 f"n_eigenvalues={n_eigenvalues!r}, subsample_size={subsample_size!r}."
             )
-        if bool((torch.as_tensor(prior_mean) != 0).any()):
+        super().__init__(**arguments_for(BaseLaplace.__init__, locals()))
+        if bool((self.prior_mean != 0).any()):
             raise ValueError("ELLA needs prior_mean=0 (the Nyström prior is centred).")
-        super().__init__(
-            model,
-            likelihood,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            backend_kwargs,
-        )
         self.subsample_size, self.n_eigenvalues, self.seed = subsample_size, n_eigenvalues, seed
         self.dual_directions: Tensor | None = None
         self.feature_gram: Tensor | None = None
@@ -155,12 +145,8 @@ class ELLA(BaseFunctionalLaplace):
 
     @prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
-        tensor = torch.as_tensor(value, dtype=self._dtype, device=self._device).detach()
-        if tensor.numel() != 1 or not bool(torch.isfinite(tensor).all() and (tensor > 0).all()):
-            raise ValueError(
-                f"ELLA needs a positive finite scalar prior_precision, got {value!r}."
-            )
-        self._prior_precision = tensor.reshape(1)
+        tensor = as_scalar_prior_precision(value, "ELLA", self._device, self._dtype)
+        self._prior_precision = tensor.detach()
 
     # ------------------------------------------------------------------------------- features
     def _features(self, X: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
@@ -197,20 +183,25 @@ class ELLA(BaseFunctionalLaplace):
         """
         if val_steps is not None and not positive_int(val_steps):
             raise ValueError(f"val_steps must be a positive integer, got {val_steps!r}.")
+        dataset_size(train_loader)
         self.model.eval()
         self._fitted, self.n_data, self.fit_history_ = False, 0, _empty_history()
         indices = nystrom_indices(self, train_loader, balanced)[: self.subsample_size]
+        first = next(iter(subset_loader(train_loader, indices[:1])))
+        X0, y0 = prepare_batch(first, self.dict_key_x, self.dict_key_y, self._device)
         with torch.no_grad():
-            first = next(iter(subset_loader(train_loader, indices[:1])))
-            X0 = move_inputs(split_batch(first, self.dict_key_y)[0], self._device)
-            self.n_outputs = self.model(X0).shape[-1]
+            output_shape = check_outputs(self.model(X0), 1).shape
+        self._likelihood_model.check_targets(y0, output_shape)
+        self.n_outputs = output_shape[-1]
         self.mean = self._subset.vector().detach()
         self.dual_directions = nystrom_basis(self, train_loader, indices)
         K = self.n_eigenvalues
         self.feature_gram = torch.zeros(K, K, dtype=self._dtype, device=self._device)
         step = 0
         for step, (X, y) in enumerate(self._batches(train_loader, progress_bar, "ELLA"), 1):
+            self._likelihood_model.check_targets(y, output_shape)
             features, f = self._features(X)
+            check_finite_result(f, "model output of a training batch")
             if self.likelihood == Likelihood.REGRESSION:
                 regression_targets(y, f)
                 self.feature_gram += torch.einsum("bck,bcl->kl", features, features)
@@ -336,7 +327,7 @@ class ELLA(BaseFunctionalLaplace):
     @property
     def log_likelihood(self) -> Tensor:
         """Not tracked by ELLA (as in laplace-torch)."""
-        raise NotImplementedError("ELLA does not accumulate the training log-likelihood.")
+        raise UnsupportedError("ELLA does not accumulate the training log-likelihood.")
 
     # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

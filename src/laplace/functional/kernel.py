@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from laplace.data import Inputs, batch_size_of
+from laplace.data import Inputs, batch_size_of, check_outputs
+from laplace.errors import check_finite_result
 from laplace.glm import jacobian_chunk_rows, slice_inputs
 from laplace.posteriors import NotPositiveDefiniteError
 from laplace.utils.enums import Likelihood
@@ -68,7 +69,9 @@ class SubsetKernel:
         self.la, self.X, self.independent, self._cache = la, X, independent, None
         self.n_points = batch_size_of(X, la.dict_key_x)
         with torch.no_grad():
-            self.n_outputs = la.model(slice_inputs(X, 0, 1, self.n_points)).shape[-1]
+            f0 = check_outputs(la.model(slice_inputs(X, 0, 1, self.n_points)), 1)
+        self.n_outputs = f0.shape[-1]
+        la._likelihood_model.check_targets(y, f0.shape)  # before any Jacobian
         fs, Js = [], []
         for _, J, f in self._chunks():
             fs.append(f)
@@ -87,6 +90,8 @@ class SubsetKernel:
         else:
             self.mu = -Jshift
         self.K = self._gram()
+        for name in ("loss", "Lambda", "mu", "K"):
+            check_finite_result(getattr(self, name), f"GP {name} of the training subset")
         self._factor_key, self._factor = None, None
         return self
 

@@ -38,7 +38,9 @@ def nystrom_indices(la: ELLA, loader: DataLoader, balanced: bool) -> Tensor:
         return available[torch.randperm(len(available), generator=generator)]
     if la.likelihood == Likelihood.REGRESSION:
         raise ValueError("balanced=True needs classification (it balances the classes).")
-    targets = [split_batch(loader.dataset[int(i)], la.dict_key_y)[1] for i in available]
+    targets = [
+        split_batch(loader.dataset[int(i)], la.dict_key_y, la.dict_key_x)[1] for i in available
+    ]
     labels = torch.stack([_class_index(t) for t in targets])
     queues = []
     for c in labels.unique(sorted=True):

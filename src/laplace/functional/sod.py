@@ -12,13 +12,15 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace.base import BaseLaplace
+from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, batch_size_of, dataset_size
+from laplace.errors import check_int_at_least
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.kernel import SubsetKernel
 from laplace.glm import slice_inputs
-from laplace.priors import as_prior_precision
+from laplace.priors import as_scalar_prior_precision, check_temperature
+from laplace.serialization import check_state_dict
 from laplace.utils.enums import (
     Likelihood,
     LinkApprox,
@@ -31,6 +33,36 @@ from laplace.utils.functional_utils import concatenate_rows
 from laplace.utils.utils import SoDSampler
 
 __all__ = ["FunctionalLaplace"]
+
+#: Entries of a state and those holding floating-point tensors.
+FUNCTIONAL_KEYS = (
+    "cls_name",
+    "likelihood",
+    "mean",
+    "n_subset",
+    "independent_outputs",
+    "seed",
+    "n_data",
+    "prior_mean",
+    "prior_precision",
+    "sigma_noise",
+    "temperature",
+    "X_subset",
+    "K_MM",
+    "Lambda",
+    "mu",
+    "loss",
+)
+FUNCTIONAL_TENSORS = (
+    "mean",
+    "prior_mean",
+    "prior_precision",
+    "sigma_noise",
+    "K_MM",
+    "Lambda",
+    "mu",
+    "loss",
+)
 
 
 class FunctionalLaplace(BaseFunctionalLaplace):
@@ -99,19 +131,8 @@ class FunctionalLaplace(BaseFunctionalLaplace):
             )
         if isinstance(n_subset, bool) or not isinstance(n_subset, int) or n_subset < 1:
             raise ValueError(f"n_subset must be a positive integer, got {n_subset!r}.")
-        super().__init__(
-            model,
-            likelihood,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            backend_kwargs,
-        )
+        check_int_at_least(seed, "seed", 0)
+        super().__init__(**arguments_for(BaseLaplace.__init__, locals()))
         self.n_subset = n_subset
         self.independent_outputs = independent_outputs
         self.seed = seed
@@ -127,13 +148,9 @@ class FunctionalLaplace(BaseFunctionalLaplace):
 
     @prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
-        tensor = as_prior_precision(value, None, None, self._device, self._dtype)
-        if len(tensor) != 1:
-            raise ValueError(
-                f"{type(self).__name__} needs an isotropic (scalar) prior precision: the GP "
-                f"kernel is J Jᵀ/δ; got length {len(tensor)}."
-            )
-        self._prior_precision = tensor
+        self._prior_precision = as_scalar_prior_precision(
+            value, type(self).__name__, self._device, self._dtype
+        )
 
     @property
     def gp_kernel_prior_variance(self) -> Tensor:
@@ -247,8 +264,6 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         if prior_precision is not None:
             self.prior_precision = prior_precision
         if sigma_noise is not None:
-            if self.likelihood != Likelihood.REGRESSION:
-                raise ValueError("sigma_noise can only be changed for regression.")
             self.sigma_noise = sigma_noise
         return self.log_likelihood - 0.5 * (self.log_det_ratio + self.scatter)
 
@@ -332,8 +347,13 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         """Restore a state saved by :meth:`state_dict` for the same model and options.
 
         Raises:
-            ValueError: For another class, likelihood, or model weights.
+            ValueError: For another class, likelihood, or model weights, or a state
+                :meth:`state_dict` cannot have written (see
+                :func:`~laplace.serialization.check_state_dict`).
         """
+        check_state_dict(
+            state_dict, self._state_keys(), FUNCTIONAL_TENSORS, ("n_data", "n_subset")
+        )
         if state_dict.get("cls_name") != type(self).__name__:
             raise ValueError(
                 f"state_dict was saved by {state_dict.get('cls_name')!r}, not "
@@ -357,10 +377,14 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         self.prior_mean = state_dict["prior_mean"]
         self.prior_precision = state_dict["prior_precision"]
         self.sigma_noise = state_dict["sigma_noise"]
-        self.temperature = state_dict["temperature"]
+        self.temperature = check_temperature(state_dict["temperature"])
         self._kernel = SubsetKernel.from_state(self, state_dict)
         self.n_outputs, self.loss = self._kernel.n_outputs, self._kernel.loss
         self._fitted = True
 
     def _restore_subset(self, state_dict: dict[str, Any]) -> None:
         """Make the parameters known before loading (all weights: always)."""
+
+    def _state_keys(self) -> tuple[str, ...]:
+        """The entries :meth:`state_dict` writes."""
+        return FUNCTIONAL_KEYS

@@ -11,18 +11,19 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from laplace.base import arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, move_inputs, split_batch
 from laplace.functional.sod import FunctionalLaplace
 from laplace.last_layer import head_jacobians
-from laplace.subsets import LastLayer
+from laplace.subsets import LastLayerMixin
 from laplace.utils.enums import Likelihood
-from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
+from laplace.utils.feature_extractor import FeatureReduction
 
 __all__ = ["FunctionalLLLaplace"]
 
 
-class FunctionalLLLaplace(FunctionalLaplace):
+class FunctionalLLLaplace(LastLayerMixin, FunctionalLaplace):
     """Subset-of-data GP Laplace over the last (linear) layer only.
 
     The kernel is ``J Jᵀ/δ`` with the closed-form head Jacobians ``Jₙ = [I_C ⊗ φₙᵀ, I_C]`` of the
@@ -56,38 +57,8 @@ class FunctionalLLLaplace(FunctionalLaplace):
         independent_outputs: bool = False,
         seed: int = 0,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-        extractor = FeatureExtractor(model, last_layer_name, enable_backprop, feature_reduction)
-        self._last_layer_name = last_layer_name
-        super().__init__(
-            extractor,
-            likelihood,
-            n_subset,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            {**(backend_kwargs or {}), "last_layer": True},
-            independent_outputs,
-            seed,
-        )
-
-    def _make_subset(self, model: nn.Module) -> LastLayer:
-        return LastLayer(model)
-
-    @property
-    def enable_backprop(self) -> bool:
-        """Keep predictives (and the features) differentiable w.r.t. the inputs."""
-        return self.model.enable_backprop
-
-    @enable_backprop.setter
-    def enable_backprop(self, value: bool) -> None:
-        self.model.enable_backprop = bool(value)
+        self._feature_options = (last_layer_name, feature_reduction)
+        super().__init__(**arguments_for(FunctionalLaplace.__init__, locals()))
 
     def _resolve_subset(self, train_loader: DataLoader) -> None:
         if not self._subset.resolved:
@@ -97,6 +68,9 @@ class FunctionalLLLaplace(FunctionalLaplace):
             self._subset.resolve(X[:1] if isinstance(X, Tensor) else X)
         self._bind_subset()
         self.prior_mean = self.prior_mean
+
+    def _state_keys(self) -> tuple[str, ...]:
+        return (*super()._state_keys(), "last_layer_name")
 
     def _restore_subset(self, state_dict: dict[str, Any]) -> None:
         if not self._subset.resolved:

@@ -13,8 +13,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs
+from laplace.data import Inputs, batch_size_of, check_outputs, dataset_size
+from laplace.errors import UnsupportedError, check_finite_result, check_positive_int
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.inducing import (
     as_inducing,
@@ -25,6 +27,7 @@ from laplace.functional.inducing import (
 )
 from laplace.functional.scoring import check_state, jacobian_chunks, positive_int, validation_nll
 from laplace.functional.valla_objective import check_alpha, negative_objective
+from laplace.priors import as_scalar_prior_precision
 from laplace.utils.enums import Likelihood, parse_enum
 from laplace.utils.functional_utils import preserve_model_gradients, to_device
 
@@ -88,6 +91,7 @@ class VaLLA(BaseFunctionalLaplace):
             approximation (then ``alpha`` must be 1 for classification and reward modelling).
 
     Attributes:
+        inducing_locations: The strategy until :meth:`fit` picks the points, then the inputs.
         fit_history_: ``objective`` (the minimised objective per step) and ``val_nll``.
         generator: Seeded ``torch.Generator`` on the model's device for the MC draws of fit.
 
@@ -118,24 +122,10 @@ class VaLLA(BaseFunctionalLaplace):
         mc_softmax_samples: int = 0,
     ) -> None:
         check_alpha(alpha, mc_softmax_samples, parse_enum(Likelihood, likelihood, "likelihood"))
-        if bool((torch.as_tensor(prior_mean) != 0).any()):
-            raise ValueError("VaLLA needs prior_mean=0.")
-        if torch.as_tensor(prior_precision).numel() != 1:
-            raise ValueError("VaLLA needs a scalar prior_precision.")
         self.log_noise_variance: nn.Parameter | None = None
-        super().__init__(
-            model,
-            likelihood,
-            sigma_noise,
-            prior_precision,
-            prior_mean,
-            temperature,
-            enable_backprop,
-            dict_key_x,
-            dict_key_y,
-            backend,
-            backend_kwargs,
-        )
+        super().__init__(**arguments_for(BaseLaplace.__init__, locals()))
+        if bool((self.prior_mean != 0).any()):
+            raise ValueError("VaLLA needs prior_mean=0.")
         self.seed, self.alpha, self.mc_softmax_samples = seed, alpha, mc_softmax_samples
         self.generator = torch.Generator(device=self._device).manual_seed(seed)
         if isinstance(inducing_locations, str):
@@ -144,9 +134,8 @@ class VaLLA(BaseFunctionalLaplace):
                     f"inducing_locations must be inputs or one of {list(STRATEGIES)}, got "
                     f"{inducing_locations!r}."
                 )
-            if not positive_int(num_inducing):
-                raise ValueError(f"num_inducing must be a positive integer, got {num_inducing!r}.")
-            self._strategy, self.inducing_locations = inducing_locations, None
+            check_positive_int(num_inducing, "num_inducing")
+            self._strategy = self.inducing_locations = inducing_locations
             self.num_inducing = num_inducing
         else:
             self._strategy = None
@@ -161,7 +150,8 @@ class VaLLA(BaseFunctionalLaplace):
         if classes.shape != (self.num_inducing,):
             raise ValueError(f"inducing_classes must have shape ({self.num_inducing},).")
         self.inducing_classes = classes.to(self._device)
-        self._initial = (self.inducing_locations, self.inducing_classes.clone())
+        initial = None if self._strategy else self.inducing_locations
+        self._initial = (initial, self.inducing_classes.clone())
         self._init_factor()
         self.fit_history_: dict[str, list[float]] = {"objective": [], "val_nll": []}
 
@@ -172,7 +162,7 @@ class VaLLA(BaseFunctionalLaplace):
 
     @prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
-        log = torch.as_tensor(value, dtype=self._dtype, device=self._device).reshape(1).log()
+        log = as_scalar_prior_precision(value, "VaLLA", self._device, self._dtype).log()
         self.log_prior_precision = nn.Parameter(log.detach().clone())
 
     @property
@@ -282,10 +272,13 @@ class VaLLA(BaseFunctionalLaplace):
         if val_steps is not None and not positive_int(val_steps):
             raise ValueError(f"val_steps must be a positive integer, got {val_steps!r}.")
         self.model.eval()
-        self.n_data = len(train_loader.dataset)
-        X0, _ = next(self._batches(train_loader))
+        self.n_data = dataset_size(train_loader)
+        X0, y0 = next(self._batches(train_loader))
         with torch.no_grad():
-            self.n_outputs = self.model(X0).shape[-1]
+            f0 = self.model(X0)
+        output_shape = check_outputs(f0, batch_size_of(X0, self.dict_key_x)).shape
+        self._likelihood_model.check_targets(y0, output_shape)
+        self.n_outputs = output_shape[-1]
         self.mean = self._subset.vector().detach()
         if override or not self._fitted:
             Z, classes = self._initial[0], self._initial[1].clone()
@@ -314,8 +307,9 @@ class VaLLA(BaseFunctionalLaplace):
             except StopIteration:
                 batches = iter(self._batches(train_loader))
                 X, y = next(batches)
+            self._likelihood_model.check_targets(y, output_shape)
             optimizer.zero_grad()
-            objective = self._objective(X, y)
+            objective = check_finite_result(self._objective(X, y), "VaLLA objective of a batch")
             objective.backward()
             optimizer.step()
             self.fit_history_["objective"].append(float(objective.detach()))
@@ -396,4 +390,4 @@ class VaLLA(BaseFunctionalLaplace):
     @property
     def log_likelihood(self) -> Tensor:
         """Not tracked by VaLLA (as in laplace-torch)."""
-        raise NotImplementedError("VaLLA does not track the training log-likelihood.")
+        raise UnsupportedError("VaLLA does not track the training log-likelihood.")

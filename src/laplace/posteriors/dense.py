@@ -44,8 +44,9 @@ class DensePosterior(Posterior):
         factor, info = torch.linalg.cholesky_ex(self.precision)
         if int(info) != 0:
             raise NotPositiveDefiniteError(
-                "the posterior precision is not positive definite (Cholesky failed at column "
-                f"{int(info)}); increase the prior precision or check the curvature for errors."
+                f"the posterior precision is not positive definite in {factor.dtype} (Cholesky "
+                f"failed at column {int(info)}); increase the prior precision, use a float64 "
+                "model, or check the curvature for errors."
             )
         return factor
 

@@ -115,9 +115,19 @@ class LowRankPosterior(Posterior):
     @override
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
         z = self._standard_normal((len(self.prior_diag), n_samples), generator)
+        return self._scale_times(z).T
+
+    def _scale_times(self, z: Tensor) -> Tensor:
+        """``S z = D^{-1/2} (I + WWᵀ)^{-1/2} z`` for ``z`` of shape (P, n); ``S Sᵀ = P⁻¹``."""
         s, Q = torch.linalg.eigh(self.W.T @ self.W)
         root = (1 + s.clamp(min=0)).sqrt()
         c = -1 / (root * (1 + root))
         WQ = self.W @ Q
         z = z + WQ @ (c[:, None] * (WQ.T @ z))
-        return (z * self._inv_sqrt_prior[:, None]).T
+        return z * self._inv_sqrt_prior[:, None]
+
+    @cached_property
+    def scale(self) -> Tensor:
+        """Dense (P, P) ``S`` with ``S Sᵀ = P⁻¹``; O(P²) memory, formed only when asked for."""
+        P = len(self.prior_diag)
+        return self._scale_times(torch.eye(P, device=self.W.device, dtype=self.W.dtype))

@@ -21,9 +21,10 @@ from typing import Any
 from torch import Tensor, nn
 
 from laplace.data import Inputs
+from laplace.errors import MissingKeyError, check_module
 from laplace.utils.enums import FeatureReduction, parse_enum
 
-__all__ = ["FeatureExtractor", "FeatureReduction"]
+__all__ = ["FeatureExtractor", "FeatureReduction", "as_feature_extractor"]
 
 
 class _InputRecorder:
@@ -56,8 +57,10 @@ class FeatureExtractor(nn.Module):
             not registered a second time, so parameters are not duplicated.
 
     Raises:
+        MissingKeyError: (a ``KeyError`` and a ``ValueError``) for a ``last_layer_name`` that is
+            not a module of the model.
         ValueError: For an unknown ``feature_reduction`` or a ``last_layer_name`` that is not a
-            linear layer of the model.
+            linear layer.
     """
 
     def __init__(
@@ -68,7 +71,7 @@ class FeatureExtractor(nn.Module):
         feature_reduction: FeatureReduction | str | None = None,
     ) -> None:
         super().__init__()
-        self.model = model
+        self.model = check_module(model)
         self.enable_backprop = enable_backprop
         self.feature_reduction = (
             None
@@ -89,12 +92,14 @@ class FeatureExtractor(nn.Module):
         """Use the module called ``last_layer_name`` as the last layer.
 
         Raises:
-            ValueError: If the model has no such module or it is not an ``nn.Linear``.
+            MissingKeyError: (a ``KeyError`` and a ``ValueError``) if the model has no such
+                module.
+            ValueError: If it is not an ``nn.Linear``.
         """
         modules = dict(self.model.named_modules())
         linear = [name for name, m in modules.items() if isinstance(m, nn.Linear)]
         if last_layer_name not in modules:
-            raise ValueError(
+            raise MissingKeyError(
                 f"last_layer_name={last_layer_name!r} is not a module of the model; its linear "
                 f"layers are {linear}."
             )
@@ -184,3 +189,25 @@ class FeatureExtractor(nn.Module):
             return phi.mean(dim=middle)
         index = 0 if self.feature_reduction == FeatureReduction.PICK_FIRST else -1
         return phi[(slice(None), *([index] * len(middle)), slice(None))]
+
+
+def as_feature_extractor(
+    model: nn.Module,
+    last_layer_name: str | None,
+    feature_reduction: FeatureReduction | str | None,
+) -> FeatureExtractor:
+    """A new :class:`FeatureExtractor` around ``model`` for a last-layer Laplace.
+
+    A ``model`` that is itself a ``FeatureExtractor`` (as ``la.model`` of a last-layer Laplace
+    is, so an approximation can be rebuilt from its attributes) is unwrapped first, and its
+    known last layer is kept when ``last_layer_name`` is None.
+
+    Args:
+        model: The network, or a ``FeatureExtractor`` around it.
+        last_layer_name: See :class:`FeatureExtractor`.
+        feature_reduction: See :class:`FeatureExtractor`.
+    """
+    if isinstance(model, FeatureExtractor):
+        last_layer_name = last_layer_name or model.last_layer_name
+        model = model.model
+    return FeatureExtractor(model, last_layer_name, feature_reduction=feature_reduction)

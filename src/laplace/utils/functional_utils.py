@@ -19,7 +19,9 @@ from torch.utils.data import (
     SubsetRandomSampler,
 )
 
+from laplace import data
 from laplace.data import batch_size_of
+from laplace.likelihoods import GaussianRegression
 
 __all__ = [
     "batch_size",
@@ -143,27 +145,26 @@ def to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return value
 
 
-def split_batch(batch: Any, dict_key_y: str) -> tuple[Any, Tensor]:
-    """``(inputs, targets)`` of a batch: a mapping is kept whole as input, else ``batch[:2]``."""
+def split_batch(batch: Any, dict_key_y: str, dict_key_x: str | None = None) -> tuple[Any, Tensor]:
+    """``(inputs, targets)`` of a batch: a mapping is kept whole as input, else ``batch[:2]``.
+
+    Raises:
+        MissingKeyError: (a ``KeyError`` and a ``ValueError``) if a mapping lacks
+            ``dict_key_y`` or a given ``dict_key_x``.
+    """
     if isinstance(batch, MutableMapping):
-        return batch, batch[dict_key_y]
+        return data.split_batch(batch, dict_key_x, dict_key_y)
     return batch[0], batch[1]
 
 
 def regression_targets(targets: Tensor, outputs: Tensor) -> Tensor:
-    """Targets shaped like ``outputs`` (B, C); (B,) is accepted for a single output.
+    """Targets of the shape of ``outputs`` (B, C), returned unchanged.
 
     Raises:
-        ValueError: If the shapes differ otherwise (no broadcasting).
+        ValueError: If the shapes differ (no reshaping, no broadcasting: (B,) targets for
+            (B, 1) outputs are refused, as in the parametric classes).
     """
-    if targets.dim() == 1 and outputs.dim() == 2 and outputs.shape[-1] == 1:
-        targets = targets.unsqueeze(-1)
-    if targets.shape != outputs.shape:
-        raise ValueError(
-            f"regression targets have shape {tuple(targets.shape)}; the outputs have shape "
-            f"{tuple(outputs.shape)}."
-        )
-    return targets
+    return GaussianRegression().prepare_targets(outputs, targets)
 
 
 def classification_targets(targets: Tensor) -> Tensor:

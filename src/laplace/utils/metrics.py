@@ -22,6 +22,8 @@ class RunningNLLMetric(Metric):
 
     Args:
         ignore_index: Label value whose entries are skipped (e.g. padding tokens).
+        sync_on_compute: Sum the states over all processes before computing (torchmetrics'
+            option); False computes on this process's data only.
 
     Example:
         >>> metric = RunningNLLMetric()
@@ -37,8 +39,8 @@ class RunningNLLMetric(Metric):
     nll_sum: torch.Tensor
     n_valid_labels: torch.Tensor
 
-    def __init__(self, ignore_index: int = -100) -> None:
-        super().__init__()
+    def __init__(self, ignore_index: int = -100, sync_on_compute: bool = True) -> None:
+        super().__init__(sync_on_compute=sync_on_compute)
         self.add_state("nll_sum", default=torch.tensor(0.0), dist_reduce_fx="sum")
         self.add_state("n_valid_labels", default=torch.tensor(0.0), dist_reduce_fx="sum")
         self.ignore_index: int = ignore_index

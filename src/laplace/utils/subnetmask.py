@@ -10,12 +10,18 @@ whole parameter tensors or modules.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from laplace.errors import (
+    ArgumentTypeError,
+    check_module,
+    check_positive_float,
+    check_positive_int,
+)
 from laplace.utils.enums import Likelihood, parse_enum
 from laplace.utils.feature_extractor import FeatureExtractor
 from laplace.utils.swag import fit_diagonal_swag_var
@@ -46,7 +52,7 @@ class SubnetMask:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
+        self.model = check_module(model)
         self.parameter_vector = torch.cat(
             [p.detach().reshape(-1) for p in model.parameters() if p.requires_grad]
         )
@@ -132,13 +138,19 @@ class ScoreBasedSubnetMask(SubnetMask):
 
     def __init__(self, model: nn.Module, n_params_subnet: int) -> None:
         super().__init__(model)
-        if n_params_subnet is None or not 1 <= int(n_params_subnet) <= self._n_params:
+        check_positive_int(n_params_subnet, "n_params_subnet")
+        if not n_params_subnet <= self._n_params:
             raise ValueError(
                 f"n_params_subnet must be between 1 and the number of trainable weights "
                 f"{self._n_params}, got {n_params_subnet!r}."
             )
         self._n_params_subnet = int(n_params_subnet)
         self._param_scores: Tensor | None = None
+
+    @property
+    def n_params_subnet(self) -> int:
+        """Number K of weights to keep (known before :meth:`select`)."""
+        return self._n_params_subnet
 
     def compute_param_scores(self, train_loader: DataLoader | None) -> Tensor:
         """Score of every weight, shape (P,)."""
@@ -195,6 +207,11 @@ class LargestVarianceDiagLaplaceSubnetMask(ScoreBasedSubnetMask):
         self, model: nn.Module, n_params_subnet: int, diag_laplace_model: DiagLaplace
     ) -> None:
         super().__init__(model, n_params_subnet)
+        if not hasattr(type(diag_laplace_model), "posterior_variance"):
+            raise TypeError(
+                "diag_laplace_model must be a DiagLaplace of the model (it gives the posterior "
+                f"variances), got {type(diag_laplace_model).__name__}."
+            )
         self.diag_laplace_model = diag_laplace_model
 
     def compute_param_scores(self, train_loader: DataLoader | None) -> Tensor:
@@ -235,9 +252,9 @@ class LargestVarianceSWAGSubnetMask(ScoreBasedSubnetMask):
             )
         super().__init__(model, n_params_subnet)
         self.likelihood = likelihood
-        self.swag_n_snapshots = swag_n_snapshots
-        self.swag_snapshot_freq = swag_snapshot_freq
-        self.swag_lr = swag_lr
+        self.swag_n_snapshots = check_positive_int(swag_n_snapshots, "swag_n_snapshots")
+        self.swag_snapshot_freq = check_positive_int(swag_snapshot_freq, "swag_snapshot_freq")
+        self.swag_lr = check_positive_float(swag_lr, "swag_lr")
 
     def compute_param_scores(self, train_loader: DataLoader | None) -> Tensor:
         """Diagonal SWAG variances, shape (P,)."""
@@ -252,6 +269,13 @@ class LargestVarianceSWAGSubnetMask(ScoreBasedSubnetMask):
             snapshot_freq=self.swag_snapshot_freq,
             lr=self.swag_lr,
         )
+
+
+def _names(names: Any, what: str) -> list[str]:
+    """``names`` as a list of strings (a single string is refused, not split into letters)."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ArgumentTypeError(f"{what}_names must be a list of names (strings), got {names!r}.")
+    return list(names)
 
 
 def _missing(wanted: list[str], present: list[str], what: str) -> None:
@@ -272,15 +296,15 @@ class ParamNameSubnetMask(SubnetMask):
 
     def __init__(self, model: nn.Module, parameter_names: list[str]) -> None:
         super().__init__(model)
-        self._parameter_names = list(parameter_names)
+        self.parameter_names = _names(parameter_names, "parameter")
 
     def get_subnet_mask(self, train_loader: DataLoader | None) -> Tensor:
         """Ones on the named parameters' entries."""
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        _missing(self._parameter_names, [n for n, _ in named], "parameter")
+        _missing(self.parameter_names, [n for n, _ in named], "parameter")
         return torch.cat(
             [
-                torch.full((p.numel(),), n in self._parameter_names, device=p.device)
+                torch.full((p.numel(),), n in self.parameter_names, device=p.device)
                 for n, p in named
             ]
         )
@@ -300,18 +324,18 @@ class ModuleNameSubnetMask(SubnetMask):
 
     def __init__(self, model: nn.Module, module_names: list[str]) -> None:
         super().__init__(model)
-        self._module_names = list(module_names)
+        self.module_names = _names(module_names, "module")
 
     def get_subnet_mask(self, train_loader: DataLoader | None) -> Tensor:
         """Ones on the named modules' parameter entries."""
         modules = dict(self.model.named_modules())
-        _missing(self._module_names, list(modules), "module")
-        for name in self._module_names:
+        _missing(self.module_names, list(modules), "module")
+        for name in self.module_names:
             if any(True for _ in modules[name].children()):
                 raise ValueError(f"module {name!r} has children; name its leaf modules instead.")
             if not any(p.requires_grad for p in modules[name].parameters()):
                 raise ValueError(f"module {name!r} has no trainable parameters.")
-        chosen = {id(p) for n in self._module_names for p in modules[n].parameters()}
+        chosen = {id(p) for n in self.module_names for p in modules[n].parameters()}
         return torch.cat(
             [
                 torch.full((p.numel(),), id(p) in chosen, device=p.device)
@@ -334,6 +358,11 @@ class LastLayerSubnetMask(ModuleNameSubnetMask):
         super().__init__(model, [])
         self._feature_extractor = FeatureExtractor(model, last_layer_name=last_layer_name)
 
+    @property
+    def last_layer_name(self) -> str | None:
+        """Name of the last layer (None until it is found)."""
+        return self._feature_extractor.last_layer_name
+
     def get_subnet_mask(self, train_loader: DataLoader | None) -> Tensor:
         """Ones on the last layer's entries."""
         extractor = self._feature_extractor
@@ -342,5 +371,5 @@ class LastLayerSubnetMask(ModuleNameSubnetMask):
             device = next(self.model.parameters()).device
             with torch.no_grad():
                 extractor.find_last_layer(X[:1].to(device))
-        self._module_names = [extractor.last_layer_name]
+        self.module_names = [extractor.last_layer_name]
         return super().get_subnet_mask(train_loader)

@@ -61,6 +61,7 @@ class SoDSampler(Sampler):
     def __init__(self, N: int, M: int, seed: int = 0):
         if not 0 <= M <= N:
             raise ValueError(f"need 0 <= M <= N, got N={N}, M={M}.")
+        self.N, self.M, self.seed = N, M, seed
         rng = np.random.default_rng(seed)
         self.indices = torch.as_tensor(rng.choice(N, M, replace=False))
 

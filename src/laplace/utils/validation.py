@@ -11,7 +11,8 @@ import torch
 import torchmetrics
 from torch.utils.data import DataLoader
 
-from laplace.data import move_inputs, split_batch
+from laplace.data import prepare_batch
+from laplace.likelihoods import Categorical
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
 
 if TYPE_CHECKING:
@@ -142,6 +143,8 @@ def validate(
 
     laplace.model.eval()
     device = next(laplace.model.parameters()).device
+    likelihood = getattr(laplace, "_likelihood_model", None)
+    probabilities = likelihood is not None and likelihood.fit_likelihood.predicts_probabilities
     running = isinstance(loss, torchmetrics.Metric)
     if running:
         loss.reset()
@@ -151,8 +154,9 @@ def validate(
     targets: list[torch.Tensor] = []
     n_batches = 0
     for data in val_loader:
-        X, y = split_batch(data, getattr(laplace, "dict_key_x", "input_ids"), dict_key_y)
-        X, y = move_inputs(X, device), y.to(device)
+        X, y = prepare_batch(data, getattr(laplace, "dict_key_x", "input_ids"), dict_key_y, device)
+        if probabilities:  # labels in [0, C), before the predictive's Jacobians
+            Categorical().check_targets(y, (len(y), laplace.n_outputs))
         out = laplace(
             X, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples, fitting=True
         )

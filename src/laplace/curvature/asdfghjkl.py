@@ -1,0 +1,119 @@
+"""laplace-torch's backends for the unpublished ``asdfghjkl`` package, kept as names only.
+
+laplace-torch 0.3 ships ``AsdfghjklInterface``, ``AsdfghjklGGN``, ``AsdfghjklEF`` and
+``AsdfghjklHessian`` for an old fork of ASDL that is not on PyPI (``pip install
+git+https://git@github.com/wiseodd/asdl@asdfghjkl``); its ``LowRankLaplace`` needs
+``AsdfghjklHessian``. laplace-ng does not use that fork: the classes here import, subclass and
+``isinstance``-check like laplace-torch's, and creating one raises an ``ImportError`` naming
+what to use instead:
+
+- the ASDL backends (``laplace.curvature.AsdlGGN``, ``AsdlEF``, ``AsdlHessian``, from the
+  published ``asdfghjkl==0.1a4``: ``pip install 'laplace-ng[asdl]'``) or the default
+  ``CurvlinopsGGN`` / ``CurvlinopsEF`` / ``CurvlinopsHessian``;
+- ``hessian_structure="lowrank"`` (:class:`~laplace.baselaplace.LowRankLaplace`), whose
+  eigensolvers work with every backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
+from laplace.utils.enums import Likelihood
+
+__all__ = ["AsdfghjklEF", "AsdfghjklGGN", "AsdfghjklHessian", "AsdfghjklInterface"]
+
+#: What to use instead of each class.
+_REPLACEMENTS = {
+    "AsdfghjklInterface": "AsdlInterface",
+    "AsdfghjklGGN": "AsdlGGN or CurvlinopsGGN",
+    "AsdfghjklEF": "AsdlEF or CurvlinopsEF",
+    "AsdfghjklHessian": "AsdlHessian or CurvlinopsHessian",
+}
+
+
+def _refuse(cls: type) -> None:
+    name = next(c.__name__ for c in cls.__mro__ if c.__name__ in _REPLACEMENTS)
+    raise ImportError(
+        f"{name} is laplace-torch's backend for the unpublished 'asdfghjkl' fork, which "
+        f"laplace-ng does not use. Use backend={_REPLACEMENTS[name]} from laplace.curvature "
+        "(the Asdl* classes need pip install 'laplace-ng[asdl]'); for a low-rank posterior use "
+        "hessian_structure='lowrank', whose eigensolvers work with every backend."
+    )
+
+
+class AsdfghjklInterface(CurvatureInterface):
+    """laplace-torch's base of the ``asdfghjkl`` backends; creating one raises ``ImportError``.
+
+    Raises:
+        ImportError: Always, naming the backend to use instead.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        last_layer: bool = False,
+        subnetwork_indices: torch.LongTensor | None = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+    ) -> None:
+        _refuse(type(self))
+
+
+class AsdfghjklGGN(AsdfghjklInterface, GGNInterface):
+    """laplace-torch's ``asdfghjkl`` GGN; creating one raises ``ImportError``.
+
+    Raises:
+        ImportError: Always, naming the backend to use instead.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        last_layer: bool = False,
+        subnetwork_indices: torch.LongTensor | None = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        stochastic: bool = False,
+    ) -> None:
+        _refuse(type(self))
+
+
+class AsdfghjklEF(AsdfghjklInterface, EFInterface):
+    """laplace-torch's ``asdfghjkl`` empirical Fisher; creating one raises ``ImportError``.
+
+    Raises:
+        ImportError: Always, naming the backend to use instead.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        last_layer: bool = False,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+    ) -> None:
+        _refuse(type(self))
+
+
+class AsdfghjklHessian(AsdfghjklInterface):
+    """laplace-torch's ``asdfghjkl`` Hessian (its ``LowRankLaplace`` default).
+
+    Raises:
+        ImportError: Always, naming the backend to use instead.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        last_layer: bool = False,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        low_rank: int = 10,
+    ) -> None:
+        _refuse(type(self))

@@ -1,0 +1,226 @@
+"""Exceptions that keep our messages and laplace-torch's exception types at once.
+
+Code written for laplace-torch catches the types it raises (``except ValueError``,
+``except KeyError``, ``hasattr``). Where the natural type of one of our errors differs, the
+exception derives from both, so either ``except`` clause catches it:
+
+- :class:`ArgumentTypeError` (``ValueError`` and ``TypeError``): an argument of the wrong type,
+  e.g. a string as ``prior_precision`` (laplace-torch raises ``ValueError`` there);
+- :class:`MissingKeyError` (``KeyError`` and ``ValueError``): a key that a mapping or a model does
+  not have, e.g. ``dict_key_y`` missing from a batch or an unknown ``last_layer_name``;
+- :class:`NotFittedError` (``RuntimeError`` and ``AttributeError``): something that needs
+  :meth:`fit` (or a last layer that is not known yet), so ``hasattr(la, name)`` and
+  ``getattr(la, name, default)`` work on properties that cannot be computed yet;
+- :class:`UnsupportedError` (``NotImplementedError`` and ``AttributeError``): a property an
+  approximation does not have (e.g. ELLA's training log-likelihood), for the same reason;
+- :class:`AbstractClassError` (``TypeError`` and ``NotImplementedError``, laplace-torch's type
+  for ``ParametricLaplace(...)``): an abstract class built directly;
+- :class:`DataError` (``ValueError`` and ``RuntimeError``): training or test data the model or
+  the loss cannot use (targets of the wrong kind, NaN values, mismatched batches); torch raises
+  a ``RuntimeError`` for most of them, which laplace-torch lets through;
+- :class:`MetaDeviceError` (a :class:`DataError` and a ``NotImplementedError``): data or
+  parameters on the ``meta`` device, which hold no values (torch's type for copying them);
+- :class:`LabelError` (``ValueError`` and ``IndexError``): a class label outside ``[0, C)``
+  (laplace-torch lets the ``IndexError`` of the cross-entropy through);
+- :class:`ModelOutputError` (``TypeError`` and ``AttributeError``): a model that returns
+  something other than a tensor of outputs (laplace-torch fails with an ``AttributeError``).
+
+The ``check_*`` helpers validate the arguments every entry point shares (counts, rates,
+flags, modules, mappings) once, at the public boundary, with a message naming the argument.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "AbstractClassError",
+    "ArgumentTypeError",
+    "DataError",
+    "LabelError",
+    "MetaDeviceError",
+    "MissingKeyError",
+    "ModelOutputError",
+    "NotFittedError",
+    "UnsupportedError",
+    "check_bool",
+    "check_finite_result",
+    "check_generator",
+    "check_int_at_least",
+    "check_mapping",
+    "check_module",
+    "check_positive_float",
+    "check_positive_int",
+]
+
+
+class ArgumentTypeError(ValueError, TypeError):
+    """An argument of the wrong type; a ``ValueError`` (as laplace-torch) and a ``TypeError``."""
+
+
+class MissingKeyError(KeyError, ValueError):
+    """A key that is not there; a ``KeyError`` (as laplace-torch) and a ``ValueError``.
+
+    Its ``str`` is the message itself (``KeyError`` would print it quoted).
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class NotFittedError(RuntimeError, AttributeError):
+    """A quantity that needs ``fit()`` first; an ``AttributeError`` too, so ``hasattr`` works."""
+
+
+class UnsupportedError(NotImplementedError, AttributeError):
+    """A property this approximation does not have; an ``AttributeError`` too, for ``hasattr``."""
+
+
+class AbstractClassError(TypeError, NotImplementedError):
+    """An abstract class built directly; a ``TypeError`` and a ``NotImplementedError``."""
+
+
+class DataError(ValueError, RuntimeError):
+    """Data the model or the loss cannot use; a ``ValueError`` and a ``RuntimeError``."""
+
+
+class MetaDeviceError(DataError, NotImplementedError):
+    """Tensors on the ``meta`` device (no values); also a ``NotImplementedError`` as in torch."""
+
+
+class LabelError(ValueError, IndexError):
+    """A class label outside ``[0, C)``; a ``ValueError`` and an ``IndexError``."""
+
+
+class ModelOutputError(TypeError, AttributeError):
+    """A model output that is not a tensor; a ``TypeError`` and an ``AttributeError``."""
+
+
+def check_int_at_least(value: Any, name: str, minimum: int) -> int:
+    """Return ``value`` if it is an integer (``bool`` excluded) of at least ``minimum``.
+
+    Args:
+        value: The candidate, e.g. a number of steps.
+        name: The argument's name, for the message.
+        minimum: The smallest accepted value.
+
+    Raises:
+        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) if it is not an integer.
+        ValueError: If it is smaller than ``minimum``.
+    """
+    kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"{name} must be {kind}, got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{name} must be {kind}, got {value!r}.")
+    return int(value)
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    """Return ``value`` if it is a positive integer (``bool`` excluded).
+
+    Args:
+        value: The candidate, e.g. a number of samples.
+        name: The argument's name, for the message.
+
+    Raises:
+        ValueError: If ``value`` is not an integer of at least 1 (a non-integer raises an error
+            that is a ``ValueError`` and a ``TypeError``).
+    """
+    return check_int_at_least(value, name, 1)
+
+
+def check_positive_float(value: Any, name: str) -> float:
+    """Return ``value`` as a float if it is a positive, finite real number.
+
+    Args:
+        value: The candidate, e.g. a learning rate; a one-element tensor is accepted.
+        name: The argument's name, for the message.
+
+    Raises:
+        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) if it is not a real number.
+        ValueError: If it is not positive and finite.
+    """
+    if hasattr(value, "numel") and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"{name} must be a positive real number, got {value!r}.")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive, finite real number, got {value!r}.")
+    return float(value)
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """Return ``value`` if it is a ``bool`` (a string such as ``"no"`` would be truthy).
+
+    Raises:
+        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) for anything else.
+    """
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be True or False, got {value!r}.")
+    return value
+
+
+def check_module(value: Any, name: str = "model") -> Any:
+    """Return ``value`` if it is a ``torch.nn.Module``.
+
+    Raises:
+        TypeError: For anything else.
+    """
+    if not isinstance(value, nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module, got {type(value).__name__}.")
+    return value
+
+
+def check_mapping(value: Any, name: str) -> dict[str, Any]:
+    """A copy of ``value`` as a dict if it is a mapping with string keys (None: empty).
+
+    Raises:
+        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) for anything else.
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ArgumentTypeError(
+            f"{name} must be a dict of keyword arguments (or None), got {type(value).__name__}."
+        )
+    return dict(value)
+
+
+def check_generator(value: Any) -> Any:
+    """Return ``value`` if it is None or a ``torch.Generator``.
+
+    Raises:
+        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``, the types torch raises) for
+            anything else, e.g. an integer seed.
+    """
+    if value is not None and not isinstance(value, torch.Generator):
+        raise ArgumentTypeError(
+            f"generator must be a torch.Generator or None, got {type(value).__name__} (for a "
+            "seed use torch.Generator().manual_seed(seed))."
+        )
+    return value
+
+
+def check_finite_result(value: Any, what: str) -> Any:
+    """Return ``value`` (a tensor) if every entry is finite.
+
+    Args:
+        value: A quantity computed from the training data, e.g. a batch's loss.
+        what: What it is, for the message.
+
+    Raises:
+        RuntimeError: Naming it, for NaN or inf entries (the model's outputs or the data are
+            the usual cause), instead of a posterior that silently holds NaN.
+    """
+    if not bool(torch.isfinite(torch.as_tensor(value).detach()).all()):
+        raise RuntimeError(
+            f"the {what} contains NaN or inf; check the model's outputs and the data."
+        )
+    return value

@@ -1,0 +1,197 @@
+"""``evaluate``: calibration metrics of a Laplace predictive, or of any predictive, on a loader.
+
+One pass over the data, batch by batch on the model's device: each batch's predictions update
+running metrics (:mod:`laplace.evaluation.tasks`) and are then dropped, so memory does not grow
+with the data beyond what torchmetrics' calibration error and AUROC keep (one or two numbers
+per point).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from torchmetrics.classification import BinaryAUROC
+from tqdm.auto import tqdm
+
+from laplace import distributed as distributed_utils
+from laplace.data import Inputs, move_inputs, split_batch
+from laplace.evaluation.tasks import N_BINS, Evaluation, evaluation_class, make_evaluation
+
+__all__ = ["evaluate", "model_device", "noise_of"]
+
+
+def model_device(predictive: Callable) -> torch.device | None:
+    """Device of the parameters of ``predictive.model`` (or of ``predictive`` if a module).
+
+    Returns:
+        The device, or None when ``predictive`` carries no parameters (inputs stay put).
+    """
+    model = getattr(predictive, "model", predictive)
+    if isinstance(model, nn.Module):
+        param = next(model.parameters(), None)
+        if param is not None:
+            return param.device
+    return None
+
+
+def noise_of(predictive: Callable, sigma_noise: float | Tensor | None) -> float | Tensor:
+    """The observation noise σ: as given, else ``predictive.sigma_noise``, else 0."""
+    if sigma_noise is not None:
+        return sigma_noise
+    return getattr(predictive, "sigma_noise", 0.0)
+
+
+def _check_options(n_bins: Any, coverage_levels: Sequence[float], kwargs: dict) -> None:
+    if isinstance(n_bins, bool) or not isinstance(n_bins, numbers.Integral) or n_bins < 1:
+        raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}.")
+    levels = list(coverage_levels)
+    if not levels or not all(isinstance(lv, numbers.Real) and 0 < lv < 1 for lv in levels):
+        raise ValueError(
+            f"coverage_levels must be numbers strictly between 0 and 1, got {coverage_levels!r}."
+        )
+    if kwargs.get("joint", False):
+        raise ValueError(
+            "evaluate scores each point's marginal predictive; joint=True is not supported."
+        )
+
+
+def _inputs(batch: Any, dict_key_x: str, dict_key_y: str) -> Inputs:
+    """Model inputs of a batch that may lack targets (out-of-distribution loaders)."""
+    if isinstance(batch, (Tensor, MutableMapping)):
+        return batch
+    if isinstance(batch, (tuple, list)) and len(batch) == 1:  # TensorDataset of inputs only
+        return batch[0]
+    return split_batch(batch, dict_key_x, dict_key_y)[0]
+
+
+def _move(X: Inputs, device: torch.device | None) -> Inputs:
+    return X if device is None else move_inputs(X, device)
+
+
+def _ood_score(entropy: Tensor) -> Tensor:
+    """Entropy mapped monotonically into (0, 1), in float64.
+
+    torchmetrics' AUROC passes scores outside [0, 1] through a sigmoid, which rounds large
+    entropies to 1 and so ties them; this map keeps their order.
+    """
+    entropy = entropy.to(torch.float64)
+    return 0.5 + 0.5 * entropy / (1 + entropy.abs())
+
+
+def _detached(out: Any) -> Any:
+    """Predictions without their autograd graph (a tensor or a tuple of tensors)."""
+    if isinstance(out, tuple):
+        return tuple(item.detach() for item in out)
+    return out.detach()
+
+
+def evaluate(
+    la: Callable[..., Any],
+    loader: DataLoader,
+    *,
+    ood_loader: DataLoader | None = None,
+    likelihood: str | None = None,
+    n_bins: int = N_BINS,
+    coverage_levels: Sequence[float] = (0.5, 0.9, 0.95),
+    sigma_noise: float | Tensor | None = None,
+    dict_key_x: str | None = None,
+    dict_key_y: str | None = None,
+    distributed: bool | None = None,
+    progress_bar: bool = False,
+    **predictive_kwargs: Any,
+) -> dict[str, Any]:
+    r"""Calibration metrics of a predictive on ``loader``, in one batched pass.
+
+    ``la(X, **predictive_kwargs)`` is called on each batch's inputs (moved to the device of
+    ``la.model``); it returns class probabilities (B, C) for classification or a Gaussian
+    ``(f_mu (B, C), f_var (B, C, C) or (B, C))`` for regression, as a fitted Laplace
+    approximation does. Any callable that returns the same works, e.g.
+    ``lambda x: model(x).softmax(-1)`` for the MAP network. The predictive runs in the
+    caller's autograd mode (some curvature backends need gradients to predict; wrap a plain
+    network's call in :func:`torch.no_grad` to save its graph) and its outputs are detached.
+
+    Classification gives ``accuracy``, ``nll``, ``brier``, ``ece`` and ``mce`` (torchmetrics'
+    calibration errors over ``n_bins`` equal-width confidence bins), ``confidence`` (mean
+    top-label confidence), ``n`` and the ``reliability`` bins; regression gives ``nll``,
+    ``rmse``, ``crps``, ``coverage`` (level → fraction, keys like ``"0.9"``),
+    ``calibration_curve`` (PIT) and ``n``. See the classes of :mod:`laplace.evaluation.tasks`
+    for the exact definitions. The predictive variance of regression is ``f_var + σ²I`` with
+    σ = ``sigma_noise``, which defaults to ``la.sigma_noise`` (0 for a callable without one,
+    whose variance is then taken as the whole predictive variance).
+
+    With ``ood_loader``, ``ood_auroc`` is the AUROC of the predictive entropy for telling its
+    points (positives) from those of ``loader``: 1 when every out-of-distribution point is
+    more uncertain than every in-distribution one, ½ for entropy that does not separate them.
+
+    Args:
+        la: A fitted Laplace approximation or any callable returning predictions.
+        loader: ``(X, y)`` pairs or dict-like batches.
+        ood_loader: Out-of-distribution inputs: ``(X, y)`` pairs, ``X`` alone (a tensor or a
+            1-tuple) or dict batches.
+        likelihood: ``"classification"``, ``"regression"`` (or another key of
+            :data:`~laplace.evaluation.tasks.EVALUATIONS`); default ``la.likelihood``, else
+            inferred from the predictions (a pair: regression, a tensor: classification).
+        n_bins: Calibration bins (classification) or points of the PIT curve (regression).
+        coverage_levels: Levels of the central predictive intervals (regression).
+        sigma_noise: Observation noise σ of regression; default ``la.sigma_noise`` or 0.
+        dict_key_x: Key of the inputs in dict batches; default ``la.dict_key_x``.
+        dict_key_y: Key of the targets in dict batches; default ``la.dict_key_y``.
+        distributed: Add the metrics over the processes of :mod:`torch.distributed`, each
+            evaluating its shard of the data; None: when the process group is initialised and
+            the loader uses a ``DistributedSampler`` (see :mod:`laplace.distributed`).
+        progress_bar: Show a progress bar over batches.
+        **predictive_kwargs: Passed to ``la`` on every batch (``pred_type``, ``link_approx``,
+            ``n_samples``, ...).
+
+    Returns:
+        A dict of Python floats, ints, lists and dicts (JSON-serialisable).
+
+    Raises:
+        ValueError: For bad options, an unknown likelihood, an empty loader, or predictions or
+            targets of the wrong shape.
+
+    Example:
+        >>> result = evaluate(la, test_loader, link_approx="probit")  # doctest: +SKIP
+        >>> result["ece"], result["nll"]  # doctest: +SKIP
+    """
+    _check_options(n_bins, coverage_levels, predictive_kwargs)
+    likelihood = likelihood if likelihood is not None else getattr(la, "likelihood", None)
+    if likelihood is not None:
+        evaluation_class(likelihood)  # fail on an unknown name before any prediction
+    key_x = dict_key_x or getattr(la, "dict_key_x", "input_ids")
+    key_y = dict_key_y or getattr(la, "dict_key_y", "labels")
+    device = model_device(la)
+    sync = distributed_utils.resolve(distributed, loader)
+    options = {
+        "n_bins": int(n_bins),
+        "levels": tuple(float(level) for level in coverage_levels),
+        "sigma_noise": noise_of(la, sigma_noise),
+        "sync": sync,
+    }
+    auroc = BinaryAUROC(sync_on_compute=sync) if ood_loader is not None else None
+    task: Evaluation | None = None
+    for batch in tqdm(loader, disable=not progress_bar, desc="evaluate"):
+        X, y = split_batch(batch, key_x, key_y)
+        out = _detached(la(_move(X, device), **predictive_kwargs))
+        if task is None:
+            inferred = "regression" if isinstance(out, tuple) else "classification"
+            task = make_evaluation(likelihood or inferred, **options)
+        task.update(out, y)
+        if auroc is not None:
+            scores = _ood_score(task.entropy(out))
+            auroc.update(scores, torch.zeros_like(scores, dtype=torch.long))
+    if task is None:
+        raise ValueError("loader yielded no batches: evaluate needs at least one.")
+    result = task.compute()
+    if auroc is not None:
+        for batch in tqdm(ood_loader, disable=not progress_bar, desc="evaluate OOD"):
+            out = _detached(la(_move(_inputs(batch, key_x, key_y), device), **predictive_kwargs))
+            scores = _ood_score(task.entropy(out))
+            auroc.update(scores, torch.ones_like(scores, dtype=torch.long))
+        result["ood_auroc"] = float(auroc.compute())
+    return result

@@ -1,0 +1,231 @@
+"""Calibration figures: reliability diagram, PIT calibration curve, 1-D predictive band.
+
+matplotlib is optional (``pip install 'laplace-ng[plot]'``) and imported when a plot is drawn.
+Each function draws into ``ax`` when given (else into a new figure) and returns the figure.
+The first two take the result of :func:`~laplace.evaluation.evaluate`, so a saved JSON result
+can be plotted again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from laplace.evaluation.evaluate import model_device, noise_of
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["plot_calibration_curve", "plot_predictive_band", "plot_reliability_diagram"]
+
+
+def _pyplot():
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError(
+            "laplace.evaluation's plots need matplotlib: pip install 'laplace-ng[plot]'."
+        ) from error
+    return plt
+
+
+def _axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
+    if ax is not None:
+        return ax.figure, ax
+    fig, ax = _pyplot().subplots(figsize=figsize)
+    return fig, ax
+
+
+def _section(result: Mapping[str, Any], key: str, producer: str) -> Mapping[str, Any]:
+    if key not in result:
+        raise ValueError(
+            f"the result has no {key!r} entry; pass the dict that evaluate() returns for "
+            f"{producer}."
+        )
+    return result[key]
+
+
+def plot_reliability_diagram(
+    result: Mapping[str, Any],
+    ax: Axes | None = None,
+    hist_ax: Axes | None = None,
+    title: str | None = None,
+) -> Figure:
+    """Accuracy against confidence per bin, above the histogram of confidences.
+
+    One bar per bin (height: accuracy of the bin's points; empty bins have height 0), the
+    bins' mean confidence as markers and the diagonal of perfect calibration; the title
+    reports the ECE. The histogram has one bar per bin with the fraction of points in it.
+
+    Args:
+        result: :func:`~laplace.evaluation.evaluate`'s result for a classification predictive.
+        ax: Axes of the diagram. When None, a new figure holds the diagram above the
+            histogram.
+        hist_ax: Axes of the histogram when ``ax`` is given (no histogram when None).
+        title: Title; ``"ECE x.x%"`` is appended on a new line.
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: If ``result`` has no reliability bins.
+        ImportError: Without matplotlib.
+    """
+    bins = _section(result, "reliability", "a classification predictive")
+    if ax is None:
+        _, (ax, hist_ax) = _pyplot().subplots(
+            2, 1, figsize=(4.0, 5.0), sharex=True, gridspec_kw={"height_ratios": (3, 1)}
+        )
+    edges = torch.tensor(bins["bin_edges"], dtype=torch.float64)
+    centres, widths = ((edges[1:] + edges[:-1]) / 2).tolist(), (edges[1:] - edges[:-1]).tolist()
+    count = torch.tensor(bins["count"], dtype=torch.float64)
+    ax.bar(centres, bins["accuracy"], width=widths, edgecolor="k", label="accuracy")
+    seen = (count > 0).tolist()
+    ax.plot(
+        [c for c, s in zip(centres, seen) if s],
+        [c for c, s in zip(bins["confidence"], seen) if s],
+        "o",
+        color="tab:red",
+        ms=4,
+        label="mean confidence",
+    )
+    ax.plot([0, 1], [0, 1], "k--", lw=1)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("" if hist_ax is not None else "confidence")  # the histogram's x-axis
+    ax.set_ylabel("accuracy")
+    ece = f"ECE {100 * result['ece']:.1f}%" if "ece" in result else ""
+    ax.set_title(f"{title}\n{ece}" if title else ece, fontsize=9)
+    if hist_ax is not None:
+        fraction = (count / count.sum().clamp_min(1)).tolist()
+        hist_ax.bar(centres, fraction, width=widths, color="0.6", edgecolor="k")
+        hist_ax.set_xlim(0, 1)
+        hist_ax.set_xlabel("confidence")
+        hist_ax.set_ylabel("fraction of points")
+    return ax.figure
+
+
+def plot_calibration_curve(
+    result: Mapping[str, Any],
+    ax: Axes | None = None,
+    title: str | None = None,
+    label: str | None = None,
+) -> Figure:
+    """Observed against expected fraction of targets below each predictive quantile (PIT).
+
+    A calibrated regression predictive lies on the diagonal; a curve below it at low levels and
+    above it at high levels means too wide intervals, the reverse too narrow ones. The legend
+    entry lists the interval coverages; draw several results into one ``ax`` to compare them.
+
+    Args:
+        result: :func:`~laplace.evaluation.evaluate`'s result for a regression predictive.
+        ax: Axes to draw into; a new figure when None.
+        title: Title of the axes.
+        label: Name of the predictive in the legend.
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: If ``result`` has no calibration curve.
+        ImportError: Without matplotlib.
+    """
+    curve = _section(result, "calibration_curve", "a regression predictive")
+    fig, ax = _axes(ax, (4.0, 4.0))
+    coverage = ", ".join(
+        f"{100 * float(level):g}%: {100 * fraction:.1f}%"
+        for level, fraction in result.get("coverage", {}).items()
+    )
+    entry = f"{label} ({coverage})" if label and coverage else label or coverage
+    ax.plot(curve["expected"], curve["observed"], "o-", ms=3, label=entry or None)
+    if not any(line.get_label() == "_diagonal" for line in ax.lines):
+        ax.plot([0, 1], [0, 1], "k--", lw=1, label="_diagonal")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("expected quantile level")
+    ax.set_ylabel("observed fraction of targets below")
+    if entry:
+        ax.legend(title="interval coverage", loc="upper left", fontsize=8)
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def plot_predictive_band(
+    la: Callable[..., Any],
+    x: Tensor,
+    data: tuple[Tensor, Tensor] | None = None,
+    ax: Axes | None = None,
+    n_std: float = 2.0,
+    sigma_noise: float | Tensor | None = None,
+    title: str | None = None,
+    **predictive_kwargs: Any,
+) -> Figure:
+    """Predictive mean and ±``n_std`` standard deviations of a 1-D regression predictive.
+
+    ``la(x, **predictive_kwargs)`` must return ``(f_mu, f_var)`` with one output. The band of
+    the predictive ``f_var + σ²`` is drawn, and inside it the epistemic band of ``f_var``
+    alone when σ > 0 (σ = ``sigma_noise``, default ``la.sigma_noise``, else 0).
+
+    Args:
+        la: A fitted regression Laplace approximation or a callable returning ``(mean, var)``.
+        x: Test inputs, shape (N,) or (N, 1), sorted along the x-axis.
+        data: Training data ``(X, y)`` to scatter.
+        ax: Axes to draw into; a new figure when None.
+        n_std: Half-width of the bands in standard deviations.
+        sigma_noise: Observation noise σ; default ``la.sigma_noise`` (0 if absent).
+        title: Title of the axes.
+        **predictive_kwargs: Passed to ``la``.
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: If the inputs or the predictive are not one-dimensional.
+        ImportError: Without matplotlib.
+    """
+    if x.dim() not in (1, 2) or (x.dim() == 2 and x.shape[1] != 1):
+        raise ValueError(f"x must have shape (N,) or (N, 1), got {tuple(x.shape)}.")
+    device = model_device(la)
+    x_in = x.reshape(-1, 1)
+    out = la(x_in if device is None else x_in.to(device), **predictive_kwargs)
+    if not (isinstance(out, tuple) and out[0].numel() == x_in.shape[0]):
+        raise ValueError("plot_predictive_band needs a predictive (mean, var) with one output.")
+    mean = out[0].detach().reshape(-1).double().cpu()
+    f_var = out[1].detach().reshape(-1).double().cpu()
+    noise = float(torch.as_tensor(noise_of(la, sigma_noise)).detach()) ** 2
+    fig, ax = _axes(ax, (6.0, 4.0))
+    xs = x_in.reshape(-1).double().cpu()
+    total = (f_var + noise).sqrt()
+    ax.fill_between(
+        xs,
+        mean - n_std * total,
+        mean + n_std * total,
+        alpha=0.2,
+        color="tab:blue",
+        label=f"±{n_std:g} std, predictive",
+    )
+    if noise > 0:
+        epistemic = f_var.sqrt()
+        ax.fill_between(
+            xs,
+            mean - n_std * epistemic,
+            mean + n_std * epistemic,
+            alpha=0.3,
+            color="tab:orange",
+            label=f"±{n_std:g} std, epistemic",
+        )
+    ax.plot(xs, mean, color="tab:blue", lw=2, label="predictive mean")
+    if data is not None:
+        X, y = data
+        ax.scatter(X.reshape(-1).cpu(), y.reshape(-1).cpu(), s=8, c="k", alpha=0.6, label="data")
+    ax.set_xlim(float(xs.min()), float(xs.max()))
+    ax.set_xlabel("x")
+    ax.set_ylabel("y")
+    if title:
+        ax.set_title(title)
+    return fig

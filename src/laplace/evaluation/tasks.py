@@ -1,0 +1,384 @@
+"""What to measure for each kind of predictive: one evaluation object per likelihood.
+
+:data:`EVALUATIONS` maps a likelihood name to the evaluation of its predictive, so a new
+likelihood is one entry (a multi-label ``"binary_classification"`` likelihood whose predictive
+gives independent label probabilities (B, K) is ``BernoulliEvaluation``). Each evaluation also
+names the validation losses it offers to grid search
+(``optimize_prior_precision(method="gridsearch", loss="ece")``), see :func:`validation_metric`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torchmetrics import MeanSquaredError, Metric
+from torchmetrics.classification import (
+    MulticlassAccuracy,
+    MulticlassCalibrationError,
+    MultilabelAccuracy,
+)
+
+from laplace.evaluation.gaussian import (
+    GaussianCRPS,
+    GaussianNLL,
+    PITCalibration,
+    gaussian_entropy,
+    gaussian_predictive,
+    targets_like,
+)
+from laplace.evaluation.metrics import (
+    BernoulliBrier,
+    BernoulliNLL,
+    BrierScore,
+    PerLabelCalibrationError,
+    ReliabilityBins,
+    bernoulli_entropy,
+    categorical_entropy,
+)
+from laplace.utils.metrics import RunningNLLMetric
+
+__all__ = [
+    "EVALUATIONS",
+    "VALIDATION_LOSSES",
+    "BernoulliEvaluation",
+    "CategoricalEvaluation",
+    "Evaluation",
+    "GaussianEvaluation",
+    "make_evaluation",
+    "validation_metric",
+]
+
+#: Builds a validation metric from ``(n_outputs, sigma_noise, **torchmetrics_kwargs)``.
+MetricFactory = Callable[..., Metric]
+
+#: Default number of equal-width confidence bins of the calibration errors.
+N_BINS = 15
+
+
+def to_plain(value: Any) -> Any:
+    """Tensors to Python floats (0-d) or lists, recursively through dicts: JSON-serialisable."""
+    if isinstance(value, Tensor):
+        value = value.detach().cpu().double()
+        return value.item() if value.dim() == 0 else value.tolist()
+    if isinstance(value, dict):
+        return {key: to_plain(item) for key, item in value.items()}
+    return value
+
+
+class Evaluation(ABC):
+    """Running metrics of one kind of predictive, updated batch by batch.
+
+    The metrics are built at the first batch (they need the number of outputs) on the device
+    of its predictions; targets are moved there.
+
+    Args:
+        n_bins: Bins of the calibration errors and reliability diagram (classification) or
+            points of the PIT calibration curve (regression).
+        levels: Levels of the central predictive intervals whose coverage is measured.
+        sigma_noise: Observation noise σ added to regression variances.
+        sync: Add the metrics' states over the processes of :mod:`torch.distributed` when
+            computing (every process must then call :meth:`compute`).
+    """
+
+    #: Validation losses this predictive offers to grid search, by name.
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {}
+
+    def __init__(
+        self,
+        n_bins: int = N_BINS,
+        levels: Sequence[float] = (0.5, 0.9, 0.95),
+        sigma_noise: float | Tensor = 0.0,
+        sync: bool = False,
+    ) -> None:
+        self.n_bins, self.levels, self.sigma_noise = n_bins, tuple(levels), sigma_noise
+        self._metric_kwargs = {"sync_on_compute": sync}
+        self._metrics: dict[str, Metric] | None = None
+
+    def update(self, prediction: Any, target: Tensor) -> None:
+        """Add one batch of predictions and targets."""
+        prediction, target = self._checked(prediction, target)
+        if self._metrics is None:
+            built = self._build(prediction, self._metric_kwargs)
+            self._metrics = {name: metric.to(target.device) for name, metric in built.items()}
+        self._update(self._metrics, prediction, target)
+
+    def compute(self) -> dict[str, Any]:
+        """The metrics of all batches so far as a JSON-serialisable dict.
+
+        Raises:
+            ValueError: Before the first batch.
+        """
+        if self._metrics is None:
+            raise ValueError("no batch was evaluated: the loader yielded no data.")
+        return to_plain(self._compute(self._metrics))
+
+    @abstractmethod
+    def entropy(self, prediction: Any) -> Tensor:
+        """Entropy of each point's predictive distribution, shape (B,)."""
+
+    @abstractmethod
+    def _checked(self, prediction: Any, target: Tensor) -> tuple[Any, Tensor]:
+        """Check a batch and bring it to the shapes the metrics expect."""
+
+    @abstractmethod
+    def _build(self, prediction: Any, kwargs: dict[str, Any]) -> dict[str, Metric]:
+        """The metrics, given the first batch's (checked) prediction."""
+
+    @abstractmethod
+    def _update(self, metrics: dict[str, Metric], prediction: Any, target: Tensor) -> None:
+        """Update the metrics with a checked batch."""
+
+    @abstractmethod
+    def _compute(self, metrics: dict[str, Metric]) -> dict[str, Any]:
+        """The result, tensors allowed."""
+
+
+def _probabilities(prediction: Any, what: str) -> Tensor:
+    if not isinstance(prediction, Tensor) or prediction.dim() != 2:
+        shape = tuple(prediction.shape) if isinstance(prediction, Tensor) else None
+        raise ValueError(
+            f"{what} predictions must be a probability tensor of shape (B, C); got "
+            f"{type(prediction).__name__}" + (f" of shape {shape}." if shape else ".")
+        )
+    return prediction
+
+
+class CategoricalEvaluation(Evaluation):
+    """Class probabilities (B, C) against integer labels (B,).
+
+    Result keys: ``accuracy``, ``nll`` (mean ``−log p_y``), ``brier`` (mean ``Σ_c (p_c −
+    1[y = c])²``), ``ece`` and ``mce`` (torchmetrics' expected and maximum calibration error of
+    the top-label confidence over ``n_bins`` equal-width bins), ``confidence`` (mean top-label
+    confidence), ``n`` (points) and ``reliability`` (the per-bin ``bin_edges``, mean
+    ``confidence``, ``accuracy`` and ``count`` of the reliability diagram).
+    """
+
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {
+        "nll": lambda n_outputs, sigma_noise, **kw: RunningNLLMetric(**kw),
+        "brier": lambda n_outputs, sigma_noise, **kw: BrierScore(**kw),
+        "ece": lambda n_outputs, sigma_noise, **kw: MulticlassCalibrationError(
+            n_outputs, N_BINS, "l1", **kw
+        ),
+    }
+
+    def _checked(self, prediction: Any, target: Tensor) -> tuple[Tensor, Tensor]:
+        probs = _probabilities(prediction, "classification")
+        target = target.reshape(-1).to(probs.device)
+        if target.shape[0] != probs.shape[0] or target.dtype.is_floating_point:
+            raise ValueError(
+                f"classification targets must be {probs.shape[0]} integer labels; got "
+                f"{target.dtype} of shape {tuple(target.shape)}."
+            )
+        return probs, target.long()
+
+    def _build(self, prediction: Tensor, kwargs: dict[str, Any]) -> dict[str, Metric]:
+        n_classes = prediction.shape[-1]
+        return {
+            "accuracy": MulticlassAccuracy(n_classes, average="micro", **kwargs),
+            "nll": RunningNLLMetric(**kwargs).set_dtype(torch.float64),
+            "brier": BrierScore(**kwargs),
+            "ece": MulticlassCalibrationError(n_classes, self.n_bins, "l1", **kwargs),
+            "mce": MulticlassCalibrationError(n_classes, self.n_bins, "max", **kwargs),
+            "reliability": ReliabilityBins(self.n_bins, **kwargs),
+        }
+
+    def _update(self, metrics: dict[str, Metric], prediction: Tensor, target: Tensor) -> None:
+        for name in ("accuracy", "nll", "brier", "ece", "mce"):
+            metrics[name].update(prediction, target)
+        confidence, predicted = prediction.max(-1)
+        metrics["reliability"].update(confidence, predicted == target)
+
+    def _compute(self, metrics: dict[str, Metric]) -> dict[str, Any]:
+        result = {name: metrics[name].compute() for name in ("accuracy", "nll", "brier")}
+        result.update(ece=metrics["ece"].compute(), mce=metrics["mce"].compute())
+        bins = metrics["reliability"].compute()
+        n = bins["count"].sum()
+        result.update(confidence=(bins["confidence"] * bins["count"]).sum() / n, n=int(n))
+        result["reliability"] = bins
+        return result
+
+    def entropy(self, prediction: Any) -> Tensor:
+        """Entropy ``−Σ_c p_c log p_c`` of each point's class probabilities, shape (B,)."""
+        return categorical_entropy(_probabilities(prediction, "classification"))
+
+
+class BernoulliEvaluation(Evaluation):
+    """Independent label probabilities (B, K) against binary targets (B, K).
+
+    Each label is scored on its own; the result holds these per-label values under
+    ``per_label`` (``accuracy`` at threshold ½, Bernoulli ``nll``, ``brier``, and
+    torchmetrics' binary ``ece`` and ``mce`` over ``n_bins`` bins) and their means over the
+    labels under the same names, plus ``n`` (points).
+    """
+
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {
+        "nll": lambda n_outputs, sigma_noise, **kw: BernoulliNLL(n_outputs, **kw),
+        "brier": lambda n_outputs, sigma_noise, **kw: BernoulliBrier(n_outputs, **kw),
+        "ece": lambda n_outputs, sigma_noise, **kw: PerLabelCalibrationError(
+            n_outputs, N_BINS, "l1", **kw
+        ),
+    }
+
+    def _checked(self, prediction: Any, target: Tensor) -> tuple[Tensor, Tensor]:
+        probs = _probabilities(prediction, "multi-label")
+        if target.numel() != probs.numel():
+            raise ValueError(
+                f"multi-label targets of shape {tuple(target.shape)} do not match the label "
+                f"probabilities of shape {tuple(probs.shape)}."
+            )
+        return probs, target.reshape(probs.shape).to(probs.device).long()
+
+    def _build(self, prediction: Tensor, kwargs: dict[str, Any]) -> dict[str, Metric]:
+        n_labels = prediction.shape[-1]
+        return {
+            "accuracy": MultilabelAccuracy(n_labels, average="none", **kwargs),
+            "nll": BernoulliNLL(n_labels, **kwargs),
+            "brier": BernoulliBrier(n_labels, **kwargs),
+            "ece": PerLabelCalibrationError(n_labels, self.n_bins, "l1", **kwargs),
+            "mce": PerLabelCalibrationError(n_labels, self.n_bins, "max", **kwargs),
+        }
+
+    def _update(self, metrics: dict[str, Metric], prediction: Tensor, target: Tensor) -> None:
+        for metric in metrics.values():
+            metric.update(prediction, target)
+
+    def _compute(self, metrics: dict[str, Metric]) -> dict[str, Any]:
+        per_label = {name: metric.compute() for name, metric in metrics.items()}
+        result: dict[str, Any] = {name: value.mean() for name, value in per_label.items()}
+        result.update(n=int(metrics["nll"].count), per_label=per_label)
+        return result
+
+    def entropy(self, prediction: Any) -> Tensor:
+        """Summed entropy of each point's independent labels, shape (B,)."""
+        return bernoulli_entropy(_probabilities(prediction, "multi-label"))
+
+
+class GaussianEvaluation(Evaluation):
+    """Gaussian predictives ``(f_mu (B, C), f_var (B, C, C) or (B, C))`` against targets.
+
+    The predictive covariance is ``f_var + σ²I``. Result keys: ``nll`` (mean joint NLL per
+    point), ``rmse`` (over points and outputs, torchmetrics), ``crps`` (mean closed-form
+    Gaussian CRPS per output), ``coverage`` (``{"0.9": fraction, ...}``: the fraction of
+    targets inside the central interval of each level), ``calibration_curve`` (``expected``
+    levels and the ``observed`` fraction of PIT values below each) and ``n`` (points).
+    """
+
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {
+        "nll": lambda n_outputs, sigma_noise, **kw: GaussianNLL(sigma_noise, **kw),
+        "crps": lambda n_outputs, sigma_noise, **kw: GaussianCRPS(sigma_noise, **kw),
+    }
+
+    def _checked(self, prediction: Any, target: Tensor) -> tuple[Any, Tensor]:
+        if not (isinstance(prediction, tuple) and len(prediction) == 2):
+            raise ValueError(
+                "regression predictions must be a (mean, variance) pair; got "
+                f"{type(prediction).__name__}."
+            )
+        mean, cov = gaussian_predictive(*prediction, self.sigma_noise)
+        return (mean, cov), targets_like(target, mean)
+
+    def _build(self, prediction: Any, kwargs: dict[str, Any]) -> dict[str, Metric]:
+        return {
+            "nll": GaussianNLL(**kwargs),
+            "rmse": MeanSquaredError(squared=False, **kwargs).set_dtype(torch.float64),
+            "crps": GaussianCRPS(**kwargs),
+            "pit": PITCalibration(self.levels, self.n_bins, **kwargs),
+        }
+
+    def _update(self, metrics: dict[str, Metric], prediction: Any, target: Tensor) -> None:
+        mean, cov = prediction
+        metrics["nll"].update(mean, cov, target)
+        metrics["rmse"].update(mean.reshape(-1), target.reshape(-1))
+        metrics["crps"].update(mean, cov, target)
+        metrics["pit"].update(mean, cov, target)
+
+    def _compute(self, metrics: dict[str, Metric]) -> dict[str, Any]:
+        result = {name: metrics[name].compute() for name in ("nll", "rmse", "crps")}
+        pit = metrics["pit"].compute()
+        result["coverage"] = {
+            f"{level:g}": fraction
+            for level, fraction in zip(self.levels, pit["coverage"], strict=True)
+        }
+        result["calibration_curve"] = {"expected": pit["expected"], "observed": pit["observed"]}
+        result["n"] = int(metrics["nll"].count)
+        return result
+
+    def entropy(self, prediction: Any) -> Tensor:
+        """Differential entropy of each point's predictive ``N(μ, f_var + σ²I)``, shape (B,)."""
+        return gaussian_entropy(gaussian_predictive(*prediction, self.sigma_noise)[1])
+
+
+#: The evaluation of each likelihood's predictive, by likelihood name.
+EVALUATIONS: dict[str, type[Evaluation]] = {
+    "classification": CategoricalEvaluation,
+    "regression": GaussianEvaluation,
+    "reward_modeling": GaussianEvaluation,  # its predictive is a regression on rewards
+    "binary_classification": BernoulliEvaluation,  # independent labels, probabilities (B, K)
+}
+
+#: Every validation loss name accepted by grid search.
+VALIDATION_LOSSES: tuple[str, ...] = tuple(
+    sorted({name for cls in EVALUATIONS.values() for name in cls.validation_losses})
+)
+
+
+def _likelihood_name(likelihood: Any) -> str:
+    return str(getattr(likelihood, "value", likelihood))
+
+
+def evaluation_class(likelihood: Any) -> type[Evaluation]:
+    """The evaluation of a likelihood (an enum member or its name).
+
+    Raises:
+        ValueError: For a likelihood without an evaluation, listing those with one.
+    """
+    name = _likelihood_name(likelihood)
+    if name not in EVALUATIONS:
+        accepted = ", ".join(repr(key) for key in EVALUATIONS)
+        raise ValueError(f"likelihood={name!r} cannot be evaluated; accepted values: {accepted}.")
+    return EVALUATIONS[name]
+
+
+def make_evaluation(likelihood: Any, **kwargs: Any) -> Evaluation:
+    """Build the evaluation of ``likelihood`` with the keyword arguments of :class:`Evaluation`."""
+    return evaluation_class(likelihood)(**kwargs)
+
+
+def validation_metric(
+    name: str,
+    likelihood: Any,
+    n_outputs: int,
+    sigma_noise: float | Tensor = 0.0,
+    **kwargs: Any,
+) -> Metric:
+    """The running validation metric called ``name`` for a likelihood's predictions.
+
+    Args:
+        name: One of :data:`VALIDATION_LOSSES` (``"nll"``, ``"ece"``, ``"brier"``,
+            ``"crps"``); lower is better for all.
+        likelihood: The likelihood whose predictions the metric scores.
+        n_outputs: Number of classes, labels or regression outputs.
+        sigma_noise: Observation noise σ (regression).
+        **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
+
+    Raises:
+        ValueError: For an unknown name, or one the likelihood does not offer.
+    """
+    if name not in VALIDATION_LOSSES:
+        accepted = ", ".join(repr(key) for key in VALIDATION_LOSSES)
+        raise ValueError(
+            f"loss={name!r} is not supported; accepted names: {accepted} (or a "
+            "torchmetrics.Metric or a callable)."
+        )
+    losses = evaluation_class(likelihood).validation_losses
+    if name not in losses:
+        accepted = ", ".join(repr(key) for key in losses)
+        raise ValueError(
+            f"loss={name!r} does not apply to likelihood={_likelihood_name(likelihood)!r}; "
+            f"accepted names: {accepted}."
+        )
+    return losses[name](n_outputs, sigma_noise, **kwargs)

@@ -1,0 +1,169 @@
+"""``fit`` of the parametric Laplace classes: the curvature and loss summed over the data.
+
+A fit is a sum over batches of per-batch statistics (the curvature in the posterior structure's
+form and the summed loss), so ``fit(override=False)`` (online Laplace) and distributed fits
+(all-reduce of the sums) are small additions. Internal module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from laplace import distributed as distributed_utils
+from laplace.data import Inputs, batch_size_of, check_outputs, dataset_size
+from laplace.errors import check_bool, check_finite_result
+
+__all__ = ["CurvatureFitMixin"]
+
+
+class CurvatureFitMixin:
+    """:meth:`fit` and its data loop for a parametric Laplace class.
+
+    The class provides ``_posterior_cls`` (its posterior structure), the parameter subset, the
+    likelihood and backend of :class:`~laplace.base.BaseLaplace`, and ``_init_H`` (its zero
+    curvature).
+    """
+
+    def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool = False,
+        distributed: bool | None = None,
+    ):
+        """Accumulate the curvature and loss over ``train_loader`` at the current weights.
+
+        Args:
+            train_loader: Batches ``(X, y)`` or dict-like; ``len(train_loader.dataset)`` is N.
+            override: Start from zero (True) or add to the previous fit (online Laplace).
+            progress_bar: Show a progress bar over batches.
+            distributed: All-reduce the sums over the ranks of :mod:`torch.distributed`, each
+                fitting its shard of the data; None: when the process group is initialised
+                and the loader uses a ``DistributedSampler`` (see :mod:`laplace.distributed`).
+
+        When it raises (bad data, an exception from the model or the loader, a
+        ``KeyboardInterrupt``), the approximation is left exactly as before the call (see
+        :mod:`laplace.transaction`).
+
+        Raises:
+            ValueError: If the loader is empty or a batch contains non-finite values.
+            RuntimeError: If the curvature of a batch is not finite.
+            DistributedFitError: If another rank failed during a distributed fit, or the ranks
+                hold different hyperparameters.
+        """
+        check_bool(override, "override")
+        self._distributed = distributed_utils.resolve(distributed, train_loader)
+        n_data = self._data_count(train_loader)
+        if n_data == 0:
+            raise ValueError("train_loader is empty: fit needs at least one data point.")
+        with distributed_utils.guard(self._distributed, "fit"):
+            self._resolve_subset(train_loader)
+        self._check_ranks_agree()
+        update = not override and self._fitted
+        n_before = self.n_data if update else 0
+        self.model.eval()
+        mean = self._subset.vector()
+        if not self._fitted:
+            self.H = None  # the prior's zero curvature: freed while summing, rebuilt on failure
+        H_new, loss_new = self._accumulate(train_loader, n_before + n_data, progress_bar)
+        if self._distributed:
+            loss_new = torch.as_tensor(loss_new, device=self._device, dtype=self._dtype)
+            H_new, loss_new = distributed_utils.all_reduce_sum([H_new, loss_new])
+        if update:
+            H_new, loss_new = self.H + H_new, self.loss + loss_new
+        self.H = self._posterior_cls.finalize(H_new)
+        self.loss, self.n_data = loss_new, n_before + n_data
+        self.mean = mean if self.enable_backprop else mean.detach()
+        self._posterior_cache = None
+        self._fitted = True
+
+    def _accumulate(
+        self, train_loader: DataLoader, n_data: int, progress_bar: bool
+    ) -> tuple[Any, Tensor | float]:
+        """The curvature and the loss summed over ``train_loader`` (this rank's part).
+
+        Args:
+            train_loader: The training data.
+            n_data: Number of data points the summed curvature covers (KFAC normalises by the
+                data of earlier fits too).
+            progress_bar: Show a progress bar over batches.
+        """
+        H_new, loss_new, n_batches = self._zero_curvature(), 0.0, 0
+        with distributed_utils.guard(self._distributed, "fit"):
+            for loss, H_batch in self._curvature_stream(train_loader, n_data, progress_bar):
+                if not self._posterior_cls.is_finite(H_batch):
+                    raise RuntimeError(
+                        "the curvature of a training batch contains NaN or inf; check the "
+                        "model's outputs and the data."
+                    )
+                check_finite_result(loss, "loss of a training batch")
+                H_new += H_batch  # in place where it can be: one dense sum less in memory
+                loss_new = loss_new + loss.detach()
+                n_batches += 1
+            if n_batches == 0:
+                raise ValueError("train_loader yielded no batches: fit needs at least one batch.")
+        return H_new, loss_new
+
+    def _check_ranks_agree(self) -> None:
+        """In a distributed fit, refuse ranks built with different hyperparameters.
+
+        Raises:
+            DistributedFitError: On every rank, naming what differs.
+        """
+        if self._distributed:
+            distributed_utils.check_consistent(
+                {
+                    "class": type(self).__name__,
+                    "n_params": self.n_params,
+                    "prior_precision": self.prior_precision,
+                    "prior_mean": self.prior_mean,
+                    "sigma_noise": self.sigma_noise,
+                    "temperature": self.temperature,
+                },
+                "fit",
+            )
+
+    def _data_count(self, train_loader: DataLoader) -> int:
+        """Data points of the fit: all ranks' together when distributed."""
+        if not getattr(self, "_distributed", False):
+            return dataset_size(train_loader)
+        return distributed_utils.all_reduce_sum(distributed_utils.data_count(train_loader))
+
+    def _zero_curvature(self) -> Any:
+        """Empty curvature in the posterior's structure and dimension."""
+        return self._posterior_cls.zeros(self._subset.params)
+
+    def _resolve_subset(self, train_loader: DataLoader) -> None:
+        """Make sure the parameter subset is known before fitting (all weights: always)."""
+
+    def _curvature_stream(
+        self, train_loader: DataLoader, n_data: int, progress_bar: bool
+    ) -> Iterator[tuple[Tensor, Any]]:
+        """Yield ``(loss, H)`` summands over the training data (one per batch by default).
+
+        Also sets ``n_outputs`` from the first batch, and checks the targets of every batch
+        before its curvature is computed.
+
+        Args:
+            train_loader: The training data.
+            n_data: Number of data points the summed curvature covers (KFAC normalisation).
+            progress_bar: Show a progress bar over batches.
+        """
+        output_shape = None
+        for X, y in self._batches(train_loader, progress_bar, desc="fit"):
+            if output_shape is None:
+                with torch.no_grad():
+                    f = self.model(X)
+                output_shape = check_outputs(f, batch_size_of(X, self.dict_key_x)).shape
+                self.n_outputs = int(output_shape[-1])
+            self._likelihood_model.check_targets(y, output_shape)
+            yield self._batch_curvature(X, y, n_data)
+
+    def _batch_curvature(self, X: Inputs, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
+        """``(loss, H_batch)`` of one batch; from the backend in the posterior's structure."""
+        return self._posterior_cls.batch_curvature(self.backend, X, y, n_data)

@@ -1,0 +1,132 @@
+"""Calls that change nothing when they fail: snapshot the state, restore it on any exception.
+
+A ``fit`` that raises half-way (a NaN batch, an exception from the model or the loader, a
+``KeyboardInterrupt``) must leave the approximation exactly as it was: the fitted posterior, the
+prior, ``n_data``, the caches, the mean, the last layer found so far. So must a
+``load_state_dict`` of a tampered state, a ``log_marginal_likelihood`` with a bad
+hyperparameter, and an ``optimize_prior_precision`` stopped half-way (each step sets the prior).
+
+The snapshot is shallow: the attribute dictionaries of the approximation and of the objects it
+owns that a call may change (``_transaction_parts``, e.g. the feature extractor that finds the
+last layer). That is enough because these calls build new tensors and assign them instead of
+modifying stored ones; the exceptions are ``nn.Parameter`` attributes that a fit optimises in
+place (VaLLA's variational parameters, a few small tensors) and random generators, whose
+values and states are copied too. A snapshot costs a dict copy per call and keeps the previous
+posterior alive until the new one is complete (its memory is needed anyway to restore it).
+State that is cheap to rebuild and large to keep, e.g. the zero curvature of an unfitted
+approximation, is dropped from the snapshot (``_transaction_rebuild``) and rebuilt on failure.
+
+A data loop written for these methods must keep that contract: accumulate into fresh tensors
+(in place is fine there) and assign the results at the end, never modify a stored posterior in
+place.
+
+Every subclass of :class:`Transactional` (every Laplace class) has the methods named in
+:data:`TRANSACTIONAL_METHODS` wrapped by :func:`transactional`, wherever they are defined (a
+mixin, a subclass); nested calls (``super().fit``) share the outermost snapshot.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["TRANSACTIONAL_METHODS", "Snapshot", "Transactional", "transactional"]
+
+#: Methods of a Laplace approximation that change nothing when they raise.
+TRANSACTIONAL_METHODS = (
+    "fit",
+    "load_state_dict",
+    "log_marginal_likelihood",
+    "optimize_prior_precision",
+)
+
+#: ids of the objects inside a transactional call (a nested call does not snapshot again).
+_ACTIVE: set[int] = set()
+
+
+class Snapshot:
+    """The attribute dictionaries of some objects, to put back after a failed call.
+
+    Args:
+        parts: The objects whose attributes a call may change (the approximation first).
+        rebuild: Attributes of the first part left out of the snapshot, each with a callable
+            (no arguments) that rebuilds it once the other attributes are restored.
+    """
+
+    def __init__(self, parts: tuple[Any, ...], rebuild: dict[str, Callable[[], Any]]) -> None:
+        self._states = [(part, dict(vars(part))) for part in parts]
+        owner_state = self._states[0][1]
+        for name in rebuild:
+            owner_state.pop(name, None)
+        self._rebuild = rebuild
+        values = [value for _, state in self._states for value in state.values()]
+        self._parameters = [(v, v.detach().clone()) for v in values if isinstance(v, nn.Parameter)]
+        self._generators = [(v, v.get_state()) for v in values if isinstance(v, torch.Generator)]
+
+    def restore(self) -> None:
+        """Put every attribute back as it was (attributes added since are removed)."""
+        for part, state in self._states:
+            attributes = vars(part)
+            attributes.clear()
+            attributes.update(state)
+        with torch.no_grad():
+            for parameter, value in self._parameters:
+                parameter.copy_(value)
+        for generator, state in self._generators:
+            generator.set_state(state)
+        for rebuild in self._rebuild.values():
+            rebuild()
+
+
+def transactional(method: Callable) -> Callable:
+    """Wrap a method of a Laplace approximation so that it changes nothing when it raises.
+
+    The object provides ``_transaction_parts()`` (the objects to snapshot) and
+    ``_transaction_rebuild()`` (see :class:`Snapshot`).
+    """
+    if getattr(method, "_transactional", False):
+        return method
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if id(self) in _ACTIVE:
+            return method(self, *args, **kwargs)
+        snapshot = Snapshot(self._transaction_parts(), self._transaction_rebuild())
+        _ACTIVE.add(id(self))
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            snapshot.restore()
+            raise
+        finally:
+            _ACTIVE.discard(id(self))
+
+    wrapper._transactional = True
+    return wrapper
+
+
+class Transactional:
+    """Base of objects whose :data:`TRANSACTIONAL_METHODS` change nothing when they raise.
+
+    Subclasses extend :meth:`_transaction_parts` with the objects they own that a call may
+    change, and :meth:`_transaction_rebuild` with state cheaper to rebuild than to keep.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in TRANSACTIONAL_METHODS:
+            method = getattr(cls, name, None)
+            if method is not None and not getattr(method, "_transactional", False):
+                setattr(cls, name, transactional(method))
+
+    def _transaction_parts(self) -> tuple[Any, ...]:
+        """The objects whose attributes a transactional call may change (this one first)."""
+        return (self,)
+
+    def _transaction_rebuild(self) -> dict[str, Callable[[], Any]]:
+        """Attributes of this object left out of the snapshot, with how to rebuild them."""
+        return {}
