@@ -213,7 +213,7 @@ def normal_samples(
     return (mean.unsqueeze(-1) + noise).permute(2, 0, 1)
 
 
-def symmetric_gram(G: torch.Tensor, panel: int = 128) -> torch.Tensor:
+def symmetric_gram(G: torch.Tensor, panel: int = 64) -> torch.Tensor:
     """``Gᵀ G`` for ``G`` of shape (M, P), each off-diagonal block computed once.
 
     Row panels ``G[:, i:i+b]ᵀ G[:, i:]`` of the upper triangle are large matrix products and the
