@@ -40,8 +40,9 @@ class KronLaplace(ParametricLaplace):
 
     ``fit`` sums the factors over batches into ``H_facs`` (a :class:`~laplace.utils.matrix.Kron`)
     and sets ``H`` to their eigendecomposition (a :class:`~laplace.utils.matrix.KronDecomposed`),
-    computed once, when the posterior is first used; tuning the prior or σ never re-factorises. The GLM predictive computes ``J P⁻¹ Jᵀ`` from
-    layer inputs and output gradients (:mod:`laplace.kron_glm`) without forming Jacobians.
+    computed once, when the posterior is first used; tuning the prior or σ never re-factorises.
+    The GLM predictive computes ``J P⁻¹ Jᵀ`` from layer inputs and output gradients
+    (:mod:`laplace.kron_glm`) without forming Jacobians.
 
     Supported layers: ``nn.Linear`` and ``nn.Conv1d/2d/3d`` (ungrouped), also inside larger
     modules. Any other module owning a trainable parameter (normalisation layers, embeddings,

@@ -56,7 +56,8 @@ class KronPosterior(Posterior):
     def is_finite(H: Kron) -> bool:
         # Factors are Gram matrices Σ a aᵀ: a NaN or inf in any a shows on the diagonal, so the
         # traces decide (one short reduction per factor instead of one over every entry).
-        traces = [F.diagonal().sum() if F.ndim > 1 else F.sum() for block in H.kfacs for F in block]
+        factors = [F for block in H.kfacs for F in block]
+        traces = [F.diagonal().sum() if F.ndim > 1 else F.sum() for F in factors]
         return bool(torch.stack(traces).isfinite().all())
 
     @cached_property
