@@ -2,11 +2,12 @@ r"""Low-rank Laplace over all weights: ``P = U diag(λ) Uᵀ / (σ²T) + diag(p�
 
 ``(U, λ)`` are the top-k eigenpairs of the curvature summed over the training data (the GGN by
 default; the empirical Fisher, the Monte-Carlo Fisher or the Hessian with the matching backend),
-found from curvature–block products (:mod:`laplace.curvature.eigen`): by default a randomised
-block Krylov method whose products are computed natively per layer, a few passes over the data
-in all, or exactly by Lanczos or LOBPCG. It works with every backend, unlike laplace-torch 0.3,
-which needs the unpublished ``asdfghjkl`` package. Internal module; the public path is
-:mod:`laplace.baselaplace`.
+found from curvature–block products (:mod:`laplace.curvature.eigen`): by default from the
+Kronecker eigenvectors of the KFAC curvature refined with the exact curvature (Rayleigh–Ritz,
+then a Nyström step; three passes over the data, products computed natively per layer), or
+randomised block Krylov, or exactly by Lanczos or LOBPCG. It works with every backend, unlike
+laplace-torch 0.3, which needs the unpublished ``asdfghjkl`` package. Internal module; the
+public path is :mod:`laplace.baselaplace`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.utils.data import DataLoader
 from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.curvature.eigen import SOLVERS, top_eigenpairs
+from laplace.curvature.eigen import SOLVERS, STARTS, top_eigenpairs
 from laplace.curvature.products import curvature_product
 from laplace.data import Inputs, batch_size_of, check_outputs
 from laplace.errors import (
@@ -48,6 +49,8 @@ SOLVER_OPTIONS = (
     "max_iter",
     "seed",
     "oversampling",
+    "start",
+    "candidates",
 )
 
 
@@ -75,20 +78,27 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         dict_key_y: See :class:`~laplace.base.BaseLaplace`.
         backend_kwargs: Backend options, plus the eigensolver's: ``n_eigenvalues`` (k, default
             10; ``low_rank`` is accepted as in laplace-torch); ``solver``: ``"randomized"``
-            (default; block Krylov, one pass over the data per block of ``k + oversampling``
-            vectors, ``max_iter`` passes after a sketch pass, default 3, fewer once every error
-            bound is at most ``tol``; ``oversampling`` default 10), ``"lanczos"`` or
-            ``"lobpcg"`` (exact to ``tol``, default 0: machine precision; hundreds of
-            passes); ``seed`` (start vectors).
+            (default) on blocks of ``k + oversampling`` vectors (``oversampling`` default 10),
+            from ``start="kfac"`` (default where every layer has a KFAC rule: Rayleigh–Ritz
+            on ``candidates`` Kronecker eigenvectors, default 12 per vector, and one product)
+            or ``"sketch"``, followed by ``max_iter`` block Krylov passes (default 0 after a
+            KFAC start, whose result is then the Nyström approximation; 3 after a sketch),
+            fewer once every error bound is at most ``tol``; or ``"lanczos"`` or ``"lobpcg"``
+            (exact to ``tol``, default 0: machine precision; hundreds of passes); ``seed``
+            (start vectors).
 
     Attributes:
-        eigenvalue_errors: After :meth:`fit`, a posteriori relative error bounds of the
-            eigenvalues, shape (k,): ``‖H uᵢ − λᵢ uᵢ‖ / λᵢ`` measured on the training data, so an
-            exact eigenvalue of the curvature lies within ``eigenvalue_errors[i] · λᵢ`` of
-            ``λᵢ``. None before a fit; saved in :meth:`state_dict`.
+        eigenvalue_errors: After :meth:`fit`, a posteriori relative errors of the eigenvalues,
+            shape (k,). After Krylov passes or an exact solver, bounds ``‖H uᵢ − λᵢ uᵢ‖ / λᵢ``
+            measured on the training data: an exact eigenvalue of the curvature lies within
+            ``eigenvalue_errors[i] · λᵢ`` of ``λᵢ``. After the default KFAC start alone, the
+            relative change of each eigenvalue in the Nyström step, an estimate that in
+            practice exceeds the remaining error (:mod:`laplace.curvature.eigen`). None before
+            a fit; saved in :meth:`state_dict`.
 
     Raises:
-        ValueError: For an unknown solver or a non-positive ``n_eigenvalues``.
+        ValueError: For an unknown solver or start, or a bad ``n_eigenvalues``, ``max_iter``,
+            ``tol``, ``seed``, ``oversampling`` or ``candidates``.
 
     Example:
         >>> la = Laplace(model, "classification", subset_of_weights="all",
@@ -255,7 +265,8 @@ def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """The eigensolver's entries of ``backend_kwargs``, with ``n_eigenvalues`` (default 10).
 
     Raises:
-        ValueError: For an unknown solver or a non-positive ``n_eigenvalues``.
+        ValueError: For an unknown solver or start, or a bad ``n_eigenvalues``, ``max_iter``,
+            ``tol``, ``seed``, ``oversampling`` or ``candidates``.
     """
     options = dict(backend_kwargs or {})
     solver = {k: options[k] for k in SOLVER_OPTIONS if k in options}
@@ -268,7 +279,8 @@ def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
         )
     check_positive_int(solver["n_eigenvalues"], "n_eigenvalues")
     if "max_iter" in solver:
-        check_positive_int(solver["max_iter"], "backend_kwargs['max_iter']")
+        least = 0 if solver.get("solver", "randomized") == "randomized" else 1
+        check_int_at_least(solver["max_iter"], "backend_kwargs['max_iter']", least)
     if "tol" in solver:
         tol = solver["tol"]
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
@@ -277,6 +289,12 @@ def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
         check_int_at_least(solver["seed"], "backend_kwargs['seed']", 0)
     if "oversampling" in solver:
         check_int_at_least(solver["oversampling"], "backend_kwargs['oversampling']", 0)
+    if "candidates" in solver:
+        check_positive_int(solver["candidates"], "backend_kwargs['candidates']")
+    if solver.get("start", "kfac") not in STARTS:
+        raise ValueError(
+            f"backend_kwargs['start'] must be one of {list(STARTS)}, got {solver['start']!r}."
+        )
     return solver
 
 

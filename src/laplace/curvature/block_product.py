@@ -132,14 +132,35 @@ class SampleVectors:
         self.trace, self.columns = trace, columns
         self.K, self.B = columns.shape[0], trace.f.shape[0]
         self.layerwise = trace.layerwise
-        self._grads = trace.output_gradients(columns) if self.layerwise else []
+        #: Per recorded call, the columns' gradients w.r.t. its outputs, each (K, B, ...) (empty
+        #: unless ``layerwise``).
+        self.output_gradients = trace.output_gradients(columns) if self.layerwise else []
         # Linear layers on (B, D) inputs contract per data point: their gradients as (B, K, D).
         self._by_point = {
-            i: self._grads[i][0].transpose(0, 1).contiguous()
+            i: self.output_gradients[i][0].transpose(0, 1).contiguous()
             for i, call in enumerate(trace.calls)
             if self.layerwise and _is_plain_linear(call)
         }
         self._cache: dict[tuple[int, int], Any] = {}
+        self._cached_bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the recorded batch: layer inputs, outputs and output gradients."""
+        tensors = [self.columns, self.trace.f, *self._by_point.values()]
+        tensors += [g for grads in self.output_gradients for g in grads]
+        for call in self.trace.calls:
+            tensors += [a for a in call.args if isinstance(a, Tensor)] + list(call.outputs)
+            tensors += list(call.cache.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def drop_graph(self) -> None:
+        """Free the autograd graph of the batch; the layer rules need only what was recorded."""
+        self.trace.drop_graph()
+
+    def clear_cache(self) -> None:
+        """Forget the per-sample gradients kept between ``G V`` and ``Gᵀ W``."""
+        self._cache.clear()
         self._cached_bytes = 0
 
     # ----------------------------------------------------------------- per-sample gradients
@@ -153,7 +174,7 @@ class SampleVectors:
         if (i, k) in self._cache:
             return self._cache[i, k]
         call = self.trace.calls[i]
-        grads = per_sample_grads(call, [g[k] for g in self._grads[i]])
+        grads = per_sample_grads(call, [g[k] for g in self.output_gradients[i]])
         out = {
             self.trace.engine.slot[call.module, name]: grad.reshape(self.B, -1)
             for name, grad in grads.items()

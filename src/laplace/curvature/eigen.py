@@ -3,19 +3,31 @@ r"""Top-k eigenpairs of the curvature summed over a data set, from block product
 Solvers take a :class:`~laplace.curvature.products.CurvatureProduct` (``V ↦ H V`` over the whole
 training set) and never form a P × P matrix:
 
-- ``"randomized"`` (default): randomised block Krylov (Musco & Musco, 2015) with Rayleigh–Ritz.
-  The first block is a sketch ``Gᵀ Ω`` of the per-sample vectors (half a product), then every
-  pass over the data multiplies the newest block of ``b = k + oversampling`` vectors,
+- ``"randomized"`` (default): a start block ``Q₀`` of ``b = k + oversampling`` vectors, then
+  randomised block Krylov (Musco & Musco, 2015) with Rayleigh–Ritz.
+
+  The start (``start="kfac"``, default where every layer has a KFAC rule and the curvature has
+  a native product) is the Rayleigh–Ritz block of ``H`` on the Kronecker eigenvectors of its
+  KFAC approximation (:mod:`laplace.curvature.kfac_start`), three passes over the data that
+  also give ``H Q₀``. With no further passes (``max_iter=0``, the default there) the result is
+  the Nyström approximation ``H ≈ Y (Q₀ᵀ Y)⁻¹ Yᵀ`` with ``Y = H Q₀`` (Tropp et al., 2017),
+  whose eigenvalues are lower bounds of the exact ones.
+
+  Otherwise (``start="sketch"``) the start is a sketch ``Gᵀ Ω`` of the per-sample vectors (half
+  a product) or Gaussian vectors, followed by ``max_iter`` passes (default
+  :data:`DEFAULT_PASSES`). Every pass multiplies the newest block with the curvature,
   ``K = [Q₀, H Q₀, H² Q₀, …]`` is kept orthonormal (block Gram–Schmidt twice, Cholesky QR) and
-  the Ritz pairs of ``Kᵀ H K`` are the result. A fixed number of passes (``max_iter``, default
-  :data:`DEFAULT_PASSES`), fewer when the error bounds fall under ``tol`` first. Memory: the
-  basis, ``max_iter · (k + oversampling)`` vectors of length P, and one batch.
+  the Ritz pairs of ``Kᵀ H K`` are the result; ``tol`` stops early once every error bound is
+  below it. Memory: the basis, ``(passes + 1) · b`` vectors of length P, and one batch.
 - ``"lanczos"`` (implicitly restarted, ARPACK's ``eigsh``) and ``"lobpcg"``: exact to ``tol``,
   at the cost of hundreds of single products.
 
-Every solver reports a posteriori bounds ``εᵢ = ‖H uᵢ − λᵢ uᵢ‖ / λᵢ``: an exact eigenvalue of
-``H`` lies within ``εᵢ λᵢ`` of each ``λᵢ``. The Krylov solver gets the residuals for free from its
-last product (``H K − K T`` lives in the newest block only); the others pay one more product.
+Every solver reports a posteriori errors. Krylov passes and the exact solvers give bounds
+``εᵢ = ‖H uᵢ − λᵢ uᵢ‖ / λᵢ``: an exact eigenvalue of ``H`` lies within ``εᵢ λᵢ`` of each ``λᵢ``
+(the Krylov solver gets the residuals from its last product, ``H K − K T`` lives in the newest
+block; the exact solvers pay one more product). The Nyström result reports the relative change
+of each eigenvalue in its one product, ``(λᵢ − θᵢ) / λᵢ`` from the Ritz value ``θᵢ`` of the
+start: an estimate, not a bound, which in practice over-estimates the remaining error.
 """
 
 from __future__ import annotations
@@ -28,13 +40,15 @@ import torch
 from scipy.sparse.linalg import LinearOperator, eigsh, lobpcg
 from torch import Tensor
 
-from laplace.curvature.products import CurvatureProduct
+from laplace.curvature.kfac_start import CANDIDATES_PER_VECTOR, KfacStart, kfac_start
+from laplace.curvature.products import CurvatureProduct, NativeProduct
 
 __all__ = [
     "DEFAULT_OVERSAMPLING",
     "DEFAULT_PASSES",
     "EIGENVALUE_THRESHOLD",
     "SOLVERS",
+    "STARTS",
     "Eigenpairs",
     "top_eigenpairs",
 ]
@@ -47,6 +61,9 @@ DEFAULT_OVERSAMPLING = 10
 
 #: Block products (passes over the data, after the sketch) of the Krylov solver by default.
 DEFAULT_PASSES = 3
+
+#: Start blocks of the randomized solver.
+STARTS = ("kfac", "sketch")
 
 
 class Eigenpairs(NamedTuple):
@@ -117,6 +134,33 @@ def _ritz(T: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return values.flip(0)[:k], vectors.flip(1)[:, :k]
 
 
+def _nystrom(start: KfacStart, k: int) -> Eigenpairs:
+    """Eigenpairs of ``Y (Q₀ᵀ Y)⁻¹ Yᵀ`` from ``Q₀`` (P, b) and ``Y = H Q₀``, with estimates.
+
+    The shift ``ν`` of Tropp et al. (2017) keeps ``Q₀ᵀ Y`` positive definite in floating point;
+    directions with no curvature are dropped.
+    """
+    Q, Y = start.Q, start.HQ
+    nu = torch.finfo(Y.dtype).eps * Y.norm()
+    Y = Y + nu * Q
+    w, W = torch.linalg.eigh(_symmetric(Q.T @ Y))
+    keep = w > w.max() * torch.finfo(w.dtype).eps * len(w)
+    F = Y @ (W[:, keep] * w[keep].rsqrt())  # F Fᵀ = Y (Q₀ᵀ Y)⁻¹ Yᵀ
+    # F = U S Vᵀ from the eigenpairs of Fᵀ F: each eigenvalue to eps · λ_max, as the Ritz values
+    # of the Krylov solver; small ones lose relative accuracy, where they matter least.
+    squares, V = torch.linalg.eigh(_symmetric(F.T @ F))
+    squares, V = squares.flip(0)[:k], V.flip(1)[:, :k]
+    values = (squares - nu).clamp(min=0)
+    U = F @ (V / squares.clamp(min=torch.finfo(squares.dtype).tiny).sqrt())
+    ritz = start.values[: len(values)]
+    errors = (values - ritz).clamp(min=0) / values.clamp(min=torch.finfo(values.dtype).tiny)
+    return Eigenpairs(U, values, errors)
+
+
+def _symmetric(T: Tensor) -> Tensor:
+    return (T + T.T) / 2
+
+
 def _block_krylov(
     product: CurvatureProduct,
     k: int,
@@ -124,25 +168,36 @@ def _block_krylov(
     max_iter: int | None,
     seed: int,
     oversampling: int,
+    start: str = "kfac",
+    candidates: int | None = None,
 ) -> Eigenpairs:
     """Randomised block Krylov with Rayleigh–Ritz and residual bounds (see the module)."""
     P = product.n_params
-    generator = torch.Generator(device=product.device).manual_seed(seed)
     width = min(k + oversampling, P)
-    start = product.sketch(width, generator)
-    if start is None:
-        start = torch.randn(
-            P, width, generator=generator, device=product.device, dtype=product.dtype
-        )
-    n_passes = DEFAULT_PASSES if max_iter is None else max(1, max_iter)
-    storage = start.new_empty(P, min(P, n_passes * width))  # the basis K, filled block by block
+    begun = None
+    if start == "kfac" and isinstance(product, NativeProduct):
+        begun = kfac_start(product, width, candidates or CANDIDATES_PER_VECTOR * width)
+    if begun is not None and not max_iter:
+        return _nystrom(begun, k)
+    if begun is None:
+        generator = torch.Generator(device=product.device).manual_seed(seed)
+        first = product.sketch(width, generator)
+        if first is None:
+            first = torch.randn(
+                P, width, generator=generator, device=product.device, dtype=product.dtype
+            )
+        first = _orthonormal(first, None)
+        n_passes = DEFAULT_PASSES if max_iter is None else max(1, max_iter)
+    else:
+        first, n_passes = begun.Q, 1 + max_iter
+    storage = first.new_empty(P, min(P, n_passes * width))  # the basis K, filled block by block
     d = width
-    storage[:, :d] = _orthonormal(start, None)
+    storage[:, :d] = first
     Q = storage[:, :d]  # the newest block, a view of the basis
     T = Q.new_zeros(0, 0)
     for step in range(n_passes):
         basis, b = storage[:, :d], Q.shape[1]
-        rest = product.matmat(Q)
+        rest = begun.HQ if step == 0 and begun is not None else product.matmat(Q)
         coefficients = basis.T @ rest  # (d, b): the new columns of T = Kᵀ H K
         rest.addmm_(basis, coefficients, alpha=-1)
         T = torch.cat([torch.cat([T, coefficients[: d - b].T], 0), coefficients], 1)
@@ -186,20 +241,20 @@ def _with_errors(product: CurvatureProduct, values: np.ndarray, vectors: np.ndar
     return Eigenpairs(U, values, errors)
 
 
-def _lanczos(product, k, tol, max_iter, seed, oversampling) -> Eigenpairs:
+def _lanczos(product, k, tol, max_iter, seed, oversampling, **_) -> Eigenpairs:
     op = _scipy(product)
     v0 = np.random.default_rng(seed).standard_normal(product.n_params).astype(op.dtype)
     return _with_errors(product, *eigsh(op, k=k, which="LA", tol=tol, maxiter=max_iter, v0=v0))
 
 
-def _lobpcg(product, k, tol, max_iter, seed, oversampling) -> Eigenpairs:
+def _lobpcg(product, k, tol, max_iter, seed, oversampling, **_) -> Eigenpairs:
     op = _scipy(product)
     X = np.random.default_rng(seed).standard_normal((product.n_params, k)).astype(op.dtype)
     values, vectors = lobpcg(op, X, largest=True, tol=tol or None, maxiter=max_iter or 200)
     return _with_errors(product, values, vectors)
 
 
-#: Solver name → ``(product, k, tol, max_iter, seed, oversampling) -> Eigenpairs``.
+#: Solver name → ``(product, k, tol, max_iter, seed, oversampling, **start) -> Eigenpairs``.
 SOLVERS: dict[str, Callable[..., Eigenpairs]] = {
     "randomized": _block_krylov,
     "lanczos": _lanczos,
@@ -215,6 +270,8 @@ def top_eigenpairs(
     max_iter: int | None = None,
     seed: int = 0,
     oversampling: int = DEFAULT_OVERSAMPLING,
+    start: str = "kfac",
+    candidates: int | None = None,
 ) -> Eigenpairs:
     """Largest k eigenpairs of the curvature, eigenvalues above the threshold only.
 
@@ -225,16 +282,21 @@ def top_eigenpairs(
         tol: Lanczos/LOBPCG: relative accuracy (0: machine precision). Randomized: stop
             before ``max_iter`` passes once every error bound is at most ``tol`` (0: never).
         max_iter: Iteration limit; for the randomized solver the number of block products
-            (passes over the data after the sketch), :data:`DEFAULT_PASSES` when None.
+            after the start: 0 (Nyström) after a KFAC start, :data:`DEFAULT_PASSES` after a
+            sketch, when None.
         seed: Seed of the random start vectors.
         oversampling: Extra vectors per Krylov block (randomized solver).
+        start: Start block of the randomized solver, ``"kfac"`` (where it applies, else a
+            sketch) or ``"sketch"``.
+        candidates: Kronecker candidates of the KFAC start,
+            :data:`~laplace.curvature.kfac_start.CANDIDATES_PER_VECTOR` per vector when None.
 
     Returns:
-        Eigenvectors (P, k'), eigenvalues (k',) in descending order and their relative error
-        bounds (k',), with k' ≤ k the number above :data:`EIGENVALUE_THRESHOLD`.
+        Eigenvectors (P, k'), eigenvalues (k',) in descending order and their relative errors
+        (k', see the module), with k' ≤ k the number above :data:`EIGENVALUE_THRESHOLD`.
 
     Raises:
-        ValueError: For an unknown solver or k outside [1, P).
+        ValueError: For an unknown solver or start, or k outside [1, P).
     """
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {sorted(SOLVERS)}, got {solver!r}.")
@@ -243,6 +305,9 @@ def top_eigenpairs(
         raise ValueError(
             f"n_eigenvalues must be between 1 and n_params - 1 = {n_params - 1}, got {k}."
         )
-    pairs = SOLVERS[solver](product, k, tol, max_iter, seed, oversampling)
+    if start not in STARTS:
+        raise ValueError(f"start must be one of {list(STARTS)}, got {start!r}.")
+    options = {"start": start, "candidates": candidates}
+    pairs = SOLVERS[solver](product, k, tol, max_iter, seed, oversampling, **options)
     keep = pairs.values > EIGENVALUE_THRESHOLD
     return Eigenpairs(pairs.vectors[:, keep], pairs.values[keep], pairs.errors[keep])

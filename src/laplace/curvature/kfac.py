@@ -158,7 +158,12 @@ def _add(sums: dict[nn.Module, Tensor], module: nn.Module, value: Tensor) -> Non
 
 
 def kfac(
-    trace: PerSampleTrace, columns: Iterable[Tensor], n_data: int, approx: str, factor: float
+    trace: PerSampleTrace,
+    columns: Iterable[Tensor],
+    n_data: int,
+    approx: str,
+    factor: float,
+    gradients: list[list[Tensor]] | None = None,
 ) -> Kron:
     """KFAC factors of one batch, normalised for a data set of ``n_data`` points.
 
@@ -168,6 +173,8 @@ def kfac(
         n_data: Number of data points N of the whole data set.
         approx: ``"expand"`` or ``"reduce"``.
         factor: The backend's loss factor ``c`` (sets the split of each block between factors).
+        gradients: The columns' gradients w.r.t. each call's outputs, each (K, B, ...), where
+            already taken (else they are taken here).
 
     Returns:
         One block per parameter in ``trace.engine.needed`` order.
@@ -189,7 +196,11 @@ def kfac(
             positions = a.shape[1] if approx == "expand" else 1
             _add(A, call.module, _gram(a, approx, mean=True, scale=root / (n_data * positions)))
     rows: dict[int, list[Tensor]] = {}
-    for i, g in _column_gradients(trace, list(columns)):
+    if gradients is None:
+        stream = _column_gradients(trace, list(columns))
+    else:
+        stream = ((i, g.detach().flatten(0, 1)) for i, (g,) in enumerate(gradients))
+    for i, g in stream:
         # Gradients of one position per row are gathered into one Gram product per call; those
         # of many positions (convolutions) are large, so their Gram is added chunk by chunk.
         g = KFAC_RULES[type(calls[i].module)].grads(calls[i], g)

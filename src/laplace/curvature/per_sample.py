@@ -145,6 +145,17 @@ class PerSampleTrace:
             for call in calls
         ]
 
+    def drop_graph(self) -> None:
+        """Detach the outputs from the autograd graph and free it.
+
+        Output gradients cannot be taken afterwards; the layer rules, which need only the
+        recorded inputs, still apply.
+        """
+        self.f = self.f.detach()
+        self._grads = None
+        for call in self.calls:
+            call.outputs = [z.detach() for z in call.outputs]
+
     @property
     def layerwise(self) -> bool:
         """Whether per-layer rules apply.
@@ -255,7 +266,7 @@ class PerSampleTrace:
                 ]
                 values = {name: torch.stack([c[name] for c in per_column]) for name in entries}
             for name, value in values.items():
-                out = out.index_add(2, selected[slot[call.module, name]][1], value)
+                out.index_add_(2, selected[slot[call.module, name]][1], value)
         return out
 
     def _batched_per_sample(self, v: Tensor) -> Tensor:

@@ -35,6 +35,7 @@ from laplace.curvature.registry import available_optional, load_optional
 from laplace.data import batch_size_of
 
 __all__ = [
+    "PASS_CACHE_BYTES",
     "CurvatureProduct",
     "NativeProduct",
     "OperatorProduct",
@@ -43,6 +44,10 @@ __all__ = [
 ]
 
 Reduce = Callable[[Tensor], Tensor]
+
+#: Bytes of recorded batches (layer inputs and output gradients) a :class:`NativeProduct` keeps
+#: between its passes, so that their forward and backward passes are not repeated.
+PASS_CACHE_BYTES = 256 * 2**20
 
 
 class CurvatureProduct(Protocol):
@@ -78,6 +83,8 @@ class NativeProduct:
         reduce: Sum of a local product over processes (identity when None).
         seed: Seed of the sampled targets of a Monte-Carlo Fisher, re-used on every pass so that
             each pass multiplies with the same matrix.
+        cache_bytes: Memory for batches kept between passes (:data:`PASS_CACHE_BYTES` when
+            None; 0 records every batch on every pass).
     """
 
     def __init__(
@@ -86,45 +93,98 @@ class NativeProduct:
         data: Iterable[tuple[Any, Tensor]],
         reduce: Reduce | None = None,
         seed: int = 0,
+        cache_bytes: int | None = None,
     ) -> None:
         self.backend, self.data = backend, data
         self.reduce = reduce or _identity
         self.seed = seed
+        self.cache_bytes = PASS_CACHE_BYTES if cache_bytes is None else cache_bytes
+        self._kept: list[SampleVectors] = []
+        self._kept_bytes, self._passes, self._all_kept = 0, 0, False
+        self._resume: Tensor | None = None
         p = backend.params[0]
         self.n_params = sum(q.numel() for q in backend.params)
         self.dtype, self.device = p.dtype, p.device
 
-    def _batches(self) -> Iterator[SampleVectors]:
+    def batches(self) -> Iterator[SampleVectors]:
+        """Per batch, its per-sample vectors ``G`` as a map on blocks: one pass.
+
+        The first pass keeps the batches it records while they fit in ``cache_bytes`` (without
+        their autograd graphs); later passes reuse them and record only the others. Sampled
+        columns (Monte-Carlo Fisher) come from a generator seeded anew on every pass (resumed
+        after the kept batches), so every pass sees the same matrix.
+        """
+        first = self._passes == 0
+        self._passes += 1
+        for vectors in self._kept:
+            yield vectors
+            vectors.clear_cache()
+        if self._all_kept:
+            return
         generator = torch.Generator(device=self.device).manual_seed(self.seed)
-        for X, y in self.data:
+        if self._resume is not None:
+            generator.set_state(self._resume)
+        keeping = first
+        for i, (X, y) in enumerate(self.data):
+            if i < len(self._kept):
+                continue
             trace = self.backend.trace(X)
             f = trace.f.detach()
             columns = torch.stack(list(self.backend.curvature_columns(f, y, generator)))
-            yield SampleVectors(trace, columns)
+            vectors = SampleVectors(trace, columns)
+            if keeping and vectors.layerwise and self._room(vectors.nbytes):
+                vectors.drop_graph()
+                self._kept.append(vectors)
+                self._resume = generator.get_state()
+            else:
+                keeping = False
+            yield vectors
+            vectors.clear_cache()
+        self._all_kept = keeping
+
+    def _room(self, nbytes: int) -> bool:
+        if self._kept_bytes + nbytes > self.cache_bytes:
+            return False
+        self._kept_bytes += nbytes
+        return True
 
     def matmat(self, V: Tensor) -> Tensor:
         """``H V`` for ``V`` (P, m): one pass over the data."""
         block, total = None, None
-        for vectors in self._batches():
+        for vectors in self.batches():
             if block is None:
                 block = ParameterBlock(vectors.trace.engine, V)
                 total = BlockSum(vectors.trace.engine, V.shape[1], V)
             vectors.backproject(vectors.project(block), total)
         return self.reduce(V.new_zeros(V.shape) if total is None else total.result())
 
-    def sketch(self, m: int, generator: torch.Generator) -> Tensor:
-        """``Σ Gᵀ Ω`` with standard normal weights ``Ω`` (K, B, m) per batch: one pass."""
+    def backproject(self, weights: Callable[[SampleVectors], Tensor], m: int) -> Tensor:
+        """``Σ Gᵀ W`` over the batches, with sample-space weights ``W = weights(G)`` (K, B, m).
+
+        Args:
+            weights: The weights of a batch's per-sample vectors.
+            m: Number of columns of the weights and of the result.
+
+        Returns:
+            Shape (P, m), summed over processes: one pass.
+        """
         total = None
-        for vectors in self._batches():
+        for vectors in self.batches():
             if total is None:
                 total = BlockSum(vectors.trace.engine, m, vectors.trace.f.detach())
-            W = torch.randn(
-                vectors.K, vectors.B, m, generator=generator, device=self.device, dtype=self.dtype
-            )
-            vectors.backproject(W, total)
+            vectors.backproject(weights(vectors), total)
         if total is None:
             return torch.zeros(self.n_params, m, dtype=self.dtype, device=self.device)
         return self.reduce(total.result())
+
+    def sketch(self, m: int, generator: torch.Generator) -> Tensor:
+        """``Σ Gᵀ Ω`` with standard normal weights ``Ω`` (K, B, m) per batch: one pass."""
+
+        def gaussian(vectors: SampleVectors) -> Tensor:
+            shape = (vectors.K, vectors.B, m)
+            return torch.randn(shape, generator=generator, device=self.device, dtype=self.dtype)
+
+        return self.backproject(gaussian, m)
 
 
 class OperatorProduct:
