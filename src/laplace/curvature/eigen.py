@@ -142,10 +142,11 @@ def _nystrom(start: KfacStart, k: int) -> Eigenpairs:
     """
     Q, Y = start.Q, start.HQ
     nu = torch.finfo(Y.dtype).eps * Y.norm()
-    Y = Y + nu * Q
+    Y = Y.add_(Q, alpha=float(nu))  # in place: H Q₀ is not needed afterwards
     w, W = torch.linalg.eigh(_symmetric(Q.T @ Y))
     keep = w > w.max() * torch.finfo(w.dtype).eps * len(w)
     F = Y @ (W[:, keep] * w[keep].rsqrt())  # F Fᵀ = Y (Q₀ᵀ Y)⁻¹ Yᵀ
+    del Q, Y
     # F = U S Vᵀ from the eigenpairs of Fᵀ F: each eigenvalue to eps · λ_max, as the Ritz values
     # of the Krylov solver; small ones lose relative accuracy, where they matter least.
     squares, V = torch.linalg.eigh(_symmetric(F.T @ F))

@@ -85,12 +85,17 @@ class PerSampleEngine:
         #: Subnetwork only: per slot of ``needed``, the selected entries of the flattened
         #: parameter and their positions in the subnetwork vector (on the parameters' device).
         self.selected: dict[int, tuple[Tensor, Tensor]] = {}
+        #: Subnetwork only: slots whose positions are consecutive, with their (start, end).
+        self.spans: dict[int, tuple[int, int]] = {}
         if indices is not None:
             device = self.params[0].device
             for slot, i in enumerate(needed):
                 positions = (owner == i).nonzero().squeeze(1)
                 local = indices[positions] - offsets[i]
                 self.selected[slot] = (local.to(device), positions.to(device))
+                start, end = int(positions[0]), int(positions[-1]) + 1
+                if end - start == len(positions):
+                    self.spans[slot] = (start, end)
         #: Length of the engine's parameter vector: P, or the number of subnetwork entries.
         self.n_entries = int(sizes.sum()) if self.indices is None else len(self.indices)
         position = {id(p): i for i, p in enumerate(self.needed)}
@@ -266,7 +271,11 @@ class PerSampleTrace:
                 ]
                 values = {name: torch.stack([c[name] for c in per_column]) for name in entries}
             for name, value in values.items():
-                out.index_add_(2, selected[slot[call.module, name]][1], value)
+                span = self.engine.spans.get(slot[call.module, name])
+                if span is None:
+                    out.index_add_(2, selected[slot[call.module, name]][1], value)
+                else:  # consecutive positions (sorted indices): a slice, no scatter
+                    out[..., span[0] : span[1]] += value
         return out
 
     def _batched_per_sample(self, v: Tensor) -> Tensor:

@@ -47,7 +47,7 @@ Reduce = Callable[[Tensor], Tensor]
 
 #: Bytes of recorded batches (layer inputs and output gradients) a :class:`NativeProduct` keeps
 #: between its passes, so that their forward and backward passes are not repeated.
-PASS_CACHE_BYTES = 256 * 2**20
+PASS_CACHE_BYTES = 128 * 2**20
 
 
 class CurvatureProduct(Protocol):
