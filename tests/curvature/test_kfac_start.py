@@ -9,6 +9,7 @@ from tests.conftest import CASE_BUILDERS, Case, Oracle, assert_close
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from laplace import LowRankLaplace
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
 from laplace.curvature.block_product import SampleVectors
 from laplace.curvature.eigen import _nystrom, top_eigenpairs
@@ -179,3 +180,19 @@ def test_kfac_from_recorded_gradients_equals_kfac(name, approx):
     direct = kfac(trace, list(columns), 20, approx, backend.factor)
     recorded = kfac(trace, list(columns), 20, approx, backend.factor, gradients)
     assert_close(recorded.to_matrix(), direct.to_matrix())
+
+
+@pytest.mark.parametrize("max_iter", [0, 2], ids=["nystrom", "krylov"])
+def test_low_rank_fit_from_a_kfac_start_follows_the_model_device(device, max_iter):
+    case = CASE_BUILDERS["cnn_classification"]()
+    exact = torch.linalg.eigvalsh(Oracle(case.model, case.likelihood).ggn(case.X)).flip(0)[:3]
+    options = {"n_eigenvalues": 3, "candidates": 12, "max_iter": max_iter}
+    la = LowRankLaplace(case.model.to(device), case.likelihood, backend_kwargs=options)
+    la.fit(case.loader())
+    U, values = la.H
+    for t in (U, values, la.eigenvalue_errors):
+        assert t.device.type == device.type and t.dtype == torch.float64
+    assert bool((values.cpu() <= exact * (1 + 1e-9)).all())  # Rayleigh–Ritz and Nyström
+    assert_close(U.T @ U, torch.eye(3, dtype=torch.float64, device=device))
+    probs = la(case.X[:4].to(device), link_approx="probit")
+    assert probs.device.type == device.type

@@ -129,8 +129,12 @@ def _orthonormal_to(Q: Tensor, basis: Tensor | None, eye: Tensor, tolerance: flo
     return basis is None or bool(((basis.T @ Q).abs() <= tolerance).all())
 
 
+def _symmetric(T: Tensor) -> Tensor:
+    return (T + T.T) / 2
+
+
 def _ritz(T: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    values, vectors = torch.linalg.eigh((T + T.T) / 2)
+    values, vectors = torch.linalg.eigh(_symmetric(T))
     return values.flip(0)[:k], vectors.flip(1)[:, :k]
 
 
@@ -156,10 +160,6 @@ def _nystrom(start: KfacStart, k: int) -> Eigenpairs:
     ritz = start.values[: len(values)]
     errors = (values - ritz).clamp(min=0) / values.clamp(min=torch.finfo(values.dtype).tiny)
     return Eigenpairs(U, values, errors)
-
-
-def _symmetric(T: Tensor) -> Tensor:
-    return (T + T.T) / 2
 
 
 def _block_krylov(

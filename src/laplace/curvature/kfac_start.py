@@ -186,8 +186,8 @@ def kfac_start(product: NativeProduct, width: int, n_candidates: int) -> KfacSta
     n_data = product.reduce(torch.tensor(float(n_data), device=product.device))
     factors = Kron(
         [
-            [product.reduce(F) / (n_data if i else 1) for i, F in enumerate(F)]
-            for F in factors.kfacs
+            [product.reduce(F) / (n_data if i else 1) for i, F in enumerate(block)]
+            for block in factors.kfacs
         ]
     )
     candidates = _Candidates(factors, max(n_candidates, width))

@@ -11,7 +11,10 @@ blocks ``V`` (P, m). Two implementations of that product:
 - :class:`OperatorProduct`, any curvlinops operator (the exact Hessian), one product per column.
 
 Both sum over the ranks of :mod:`torch.distributed` through a ``reduce`` callable given to them,
-so every rank multiplies with the curvature of the whole data set.
+so every rank multiplies with the curvature of the whole data set. :class:`NativeProduct` keeps
+the batches it records (layer inputs and output gradients) between its passes within
+:data:`PASS_CACHE_BYTES`, so an eigensolver's passes repeat the forward and backward passes
+only for the batches beyond.
 """
 
 from __future__ import annotations
