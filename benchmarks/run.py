@@ -177,6 +177,7 @@ def case_predict_gp(model_name: str, n_subset: int, repeats: int, n_test: int = 
         pred_s = timed(lambda: la(X_test, link_approx="probit"), repeats)
     return {
         "case": f"FunctionalLaplace (SoD M={n_subset}) probit {model_name} ({n_test} points)",
+        "n_params": la.n_params,
         "fit_seconds": fit_s,
         "seconds": pred_s,
         "peak_extra_MB": mem.extra / 2**20,

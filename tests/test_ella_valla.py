@@ -127,6 +127,21 @@ def test_ella_state_dict_round_trip_with_weights_only():
         ELLA(model, "regression", 1, 1).load_state_dict(la.state_dict())
 
 
+def test_ella_predicts_with_its_final_posterior_after_validation_steps_and_refits():
+    model, X, loader = regression_data()  # 6 batches: validations after batches 2, 4 and 6
+    plain = ella(model, loader, 20, 8, **HYPER)
+    validated = ELLA(model, "regression", 20, 8, **HYPER)
+    validated.fit(loader, val_loader=loader, val_steps=2)
+    assert len(validated.fit_history_["val_nll"]) == 3
+    first_data = DataLoader(torch.utils.data.Subset(loader.dataset, range(25)), batch_size=7)
+    refitted = ella(model, first_data, 20, 8, **HYPER)
+    refitted(X[:2])
+    refitted.fit(loader)
+    for la in (validated, refitted):
+        for a, b in zip(la(X[:4]), plain(X[:4])):
+            assert_close(a, b)
+
+
 def test_ella_bad_inputs_raise_clear_errors():
     model, _, loader = regression_data()
     with pytest.raises(ValueError, match="n_eigenvalues <= subsample_size"):

@@ -1,12 +1,126 @@
-"""Likelihood objects: output-Hessian factors against the closed-form Hessians."""
+"""What the likelihood objects answer instead of callers comparing likelihood names."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from tests.conftest import assert_close
 
+from conftest import assert_close
 from laplace.likelihoods import make_likelihood
+from laplace.predictive import probit, probit_logits
+from laplace.utils.enums import HessianStructure
+
+B, C = 5, 3
+
+
+def _outputs_and_targets(name: str, generator: torch.Generator):
+    f = torch.randn(B, C, dtype=torch.float64, generator=generator)
+    if name == "regression":
+        return f, torch.randn(B, C, dtype=torch.float64, generator=generator)
+    return f, torch.randint(C, (B,), generator=generator)
+
+
+@pytest.mark.parametrize("name", ["regression", "classification", "reward_modeling"])
+def test_loss_module_times_loss_scale_is_the_summed_negative_log_likelihood(name):
+    likelihood = make_likelihood(name)
+    f, y = _outputs_and_targets(name, torch.Generator().manual_seed(0))
+    if name == "regression":  # -log N(y; f, I) up to its constant: ½ Σ (y - f)²
+        expected = 0.5 * (y - f).square().sum()
+    else:  # -log softmax(f)[y]
+        expected = -torch.log_softmax(f, -1)[torch.arange(B), y].sum()
+    summed = likelihood.loss_module(reduction="sum")(f, y)
+    assert_close(likelihood.loss_scale * summed, expected)
+    assert_close(likelihood.loss(f, y), expected)
+    mean = likelihood.loss_module()(f, y)
+    assert_close(mean, summed / (B * C if name == "regression" else B))
+
+
+@pytest.mark.parametrize(
+    ("name", "noise", "composite"),
+    [
+        ("regression", True, False),
+        ("classification", False, False),
+        ("reward_modeling", False, True),
+    ],
+)
+def test_noise_hyperparameter_and_composite_models(name, noise, composite):
+    likelihood = make_likelihood(name)
+    assert likelihood.has_noise_hyperparameter is noise
+    assert likelihood.is_composite is composite
+    sigma = torch.tensor(2.0, dtype=torch.float64)
+    constant = 0.5 * B * C * math.log(2 * math.pi * 4.0)
+    if noise:  # σ enters the log-likelihood; without a noise hyperparameter it must not
+        expected = -torch.tensor(10.0, dtype=torch.float64) / 4.0 - constant
+    else:
+        expected = -torch.tensor(10.0, dtype=torch.float64)
+    assert_close(likelihood.log_likelihood(torch.tensor(10.0), B, C, sigma, 1.0), expected)
+
+
+@pytest.mark.parametrize("structure", list(HessianStructure), ids=lambda s: s.value)
+def test_structure_support(structure):
+    for name in ("regression", "classification"):
+        make_likelihood(name).check_structure(structure)
+    reward = make_likelihood("reward_modeling")
+    if structure in (HessianStructure.KRON, HessianStructure.DIAG):
+        reward.check_structure(structure)
+    else:
+        with pytest.raises(ValueError, match=r"reward_modeling.*\['kron', 'diag'\]"):
+            reward.check_structure(structure)
+
+
+g = torch.Generator().manual_seed(0)
+F = torch.randn(5, 3, dtype=torch.float64, generator=g)
+J = torch.randn(5, 3, 4, dtype=torch.float64, generator=g)
+ROOT = torch.randn(5, 3, 3, dtype=torch.float64, generator=g)
+COV = ROOT @ ROOT.transpose(1, 2)
+
+
+def test_properties_describe_each_likelihood():
+    table = {
+        name: (model.has_noise_hyperparameter, model.pairwise)
+        for name in ("regression", "classification", "reward_modeling")
+        for model in [make_likelihood(name)]
+    }
+    assert table == {
+        "regression": (True, False),
+        "classification": (False, False),
+        "reward_modeling": (False, True),
+    }
+
+
+@pytest.mark.parametrize("name", ["regression", "classification", "reward_modeling"])
+def test_ggn_is_the_sum_of_jacobian_output_hessian_products(name):
+    likelihood = make_likelihood(name)
+    expected = torch.einsum("bck,bcd,bdl->kl", J, likelihood.output_hessian(F), J)
+    assert_close(likelihood.ggn(J, F), expected)
+
+
+def test_gaussian_predictive_nll_adds_the_noise_to_the_latent_variances():
+    y = torch.randn(5, 3, dtype=torch.float64, generator=g)
+    sigma = torch.tensor([0.7], dtype=torch.float64)
+    var = COV.diagonal(dim1=1, dim2=2) + 0.49
+    expected = -torch.distributions.Normal(F, var.sqrt()).log_prob(y).sum()
+    assert_close(make_likelihood("regression").predictive_nll(F, COV, y, sigma), expected)
+    with pytest.raises(ValueError, match="do not match"):
+        make_likelihood("regression").predictive_nll(F, COV, y[:, 0], sigma)
+
+
+@pytest.mark.parametrize("name", ["classification", "reward_modeling"])
+def test_class_probability_nll_is_the_probit_cross_entropy(name):
+    y = torch.tensor([0, 2, 1, 1, 0])
+    expected = -probit(F, COV).log().gather(1, y[:, None]).sum()
+    nll = make_likelihood(name).predictive_nll(F, COV, y, torch.ones(1))
+    assert_close(nll, expected)
+    one_hot = torch.nn.functional.one_hot(y, 3).double()
+    assert_close(make_likelihood(name).predictive_nll(F, COV, one_hot, torch.ones(1)), expected)
+
+
+def test_probit_logits_scale_the_means_by_the_variances():
+    var = COV.diagonal(dim1=1, dim2=2)
+    assert_close(probit_logits(F, COV), F / torch.sqrt(1 + math.pi / 8 * var))
+    assert_close(probit_logits(F, var), probit_logits(F, COV))
 
 
 @pytest.mark.parametrize("n_classes", [1, 2, 5])

@@ -1,30 +1,25 @@
 """laplace-ng: Laplace approximations for deep learning, a drop-in for laplace-torch 0.3.
 
-``from laplace import Laplace`` gives the factory; the classes live in the same modules as in
-laplace-torch (``laplace.baselaplace``, ``laplace.curvature``, ``laplace.utils``).
+``from laplace import Laplace`` gives the factory; the classes are also found at laplace-torch's
+module paths (``laplace.baselaplace``, ``laplace.lllaplace``, ``laplace.curvature``,
+``laplace.utils``). This package is a façade: it re-exports each name from the module that owns
+it, and nothing in the package imports ``laplace`` itself (see ``docs/architecture.md``).
 """
 
-from laplace.baselaplace import (
+from laplace.base import BaseLaplace
+from laplace.functional import (
     ELLA,
     BaseFunctionalLaplace,
-    BaseLaplace,
-    DiagLaplace,
-    FullLaplace,
     FunctionalLaplace,
-    KronLaplace,
-    LowRankLaplace,
-    ParametricLaplace,
+    FunctionalLLLaplace,
     VaLLA,
 )
+from laplace.kronlaplace import KronLaplace
 from laplace.laplace import Laplace
-from laplace.lllaplace import (
-    DiagLLLaplace,
-    FullLLLaplace,
-    FunctionalLLLaplace,
-    KronLLLaplace,
-    LLLaplace,
-)
+from laplace.lllaplace import DiagLLLaplace, FullLLLaplace, KronLLLaplace, LLLaplace
+from laplace.lowranklaplace import LowRankLaplace
 from laplace.marglik_training import marglik_training
+from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.subnetlaplace import DiagSubnetLaplace, FullSubnetLaplace, SubnetLaplace
 from laplace.utils.enums import (
     FunctionalApproximation,

@@ -7,27 +7,19 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.curvature import check_dict_inputs
 from laplace.curvature.registry import check_backend_kwargs
-from laplace.data import prepare_batch
+from laplace.data_loop import DataLoop
 from laplace.distributed import unwrap_model
-from laplace.errors import (
-    AbstractClassError,
-    NotFittedError,
-    check_int_at_least,
-    check_mapping,
-    check_module,
-    check_positive_float,
-)
+from laplace.errors import AbstractClassError, NotFittedError, check_mapping, check_module
 from laplace.likelihoods import make_likelihood
 from laplace.priors import (
     as_prior_mean,
@@ -38,21 +30,13 @@ from laplace.priors import (
 )
 from laplace.subsets import AllWeights, check_parameters
 from laplace.transaction import Transactional
-from laplace.tuning import grid_candidates, gridsearch, maximize_marglik, validation_loss
-from laplace.utils.enums import (
-    Likelihood,
-    LinkApprox,
-    PredType,
-    PriorStructure,
-    TuningMethod,
-    parse_enum,
-)
-from laplace.utils.utils import fix_prior_prec_structure
+from laplace.tuning import PriorTuning
+from laplace.utils.enums import Likelihood
 
 __all__ = ["BaseLaplace", "arguments_for"]
 
 
-class BaseLaplace(Transactional):
+class BaseLaplace(PriorTuning, Transactional):
     """Common hyperparameters, data handling and prior tuning of every Laplace approximation.
 
     This constructor is the one place where the arguments every Laplace class shares are
@@ -194,7 +178,9 @@ class BaseLaplace(Transactional):
 
     @sigma_noise.setter
     def sigma_noise(self, value: float | Tensor) -> None:
-        self._sigma_noise = as_sigma_noise(value, self.likelihood, self._device, self._dtype)
+        self._sigma_noise = as_sigma_noise(
+            value, self._likelihood_model, self._device, self._dtype
+        )
 
     @property
     def prior_precision(self) -> Tensor:
@@ -249,108 +235,21 @@ class BaseLaplace(Transactional):
             ValueError: For batches :func:`~laplace.data.prepare_batch` refuses, and dict-like
                 batches with a backend that cannot take them (BackPACK).
         """
-        for batch in tqdm(loader, disable=not progress_bar, desc=desc):
-            X, y = prepare_batch(batch, self.dict_key_x, self.dict_key_y, self._device)
-            check_dict_inputs(self._backend_cls, X)
-            yield X, y
+        return self._data_loop(DataLoop, progress_bar=progress_bar, desc=desc).batches(loader)
 
-    # ------------------------------------------------------------------------------ tuning
-    def optimize_prior_precision(
-        self,
-        pred_type: PredType | str = PredType.GLM,
-        method: TuningMethod | str = TuningMethod.MARGLIK,
-        n_steps: int = 100,
-        lr: float = 1e-1,
-        init_prior_prec: float | Tensor = 1.0,
-        prior_structure: PriorStructure | str = PriorStructure.SCALAR,
-        val_loader: DataLoader | None = None,
-        loss: Any = None,
-        log_prior_prec_min: float = -4,
-        log_prior_prec_max: float = 4,
-        grid_size: int = 100,
-        link_approx: LinkApprox | str = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        verbose: bool = False,
-        progress_bar: bool = False,
-        log_prior_prec_base: float = 10.0,
-    ) -> None:
-        """Tune the prior precision by marginal likelihood or by validation grid search.
+    def _data_loop(self, loop: type[DataLoop], **options: Any) -> DataLoop:
+        """A ``loop`` (a :class:`~laplace.data_loop.DataLoop` class) over this one's batches.
 
-        Args:
-            pred_type: Predictive used by grid search (``"glm"`` or ``"nn"``).
-            method: ``"marglik"`` (Adam on log p₀) or ``"gridsearch"`` (needs ``val_loader``).
-            n_steps: Adam steps for marglik.
-            lr: Adam learning rate for marglik.
-            init_prior_prec: Initial precision for marglik; its structure is kept unless it is
-                a scalar, which is then expanded to ``prior_structure``.
-            prior_structure: ``"scalar"``, ``"layerwise"`` or ``"diag"`` for marglik.
-            val_loader: Validation data for grid search.
-            loss: Validation loss for grid search: a torchmetrics Metric, a callable, or a name
-                (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``; see
-                :mod:`laplace.evaluation`); defaults to running NLL for classification and
-                running MSE for regression.
-            log_prior_prec_min: Lower end of the grid, as an exponent of ``log_prior_prec_base``.
-            log_prior_prec_max: Upper end of the grid.
-            grid_size: Number of grid points.
-            link_approx: Link approximation used by grid search.
-            n_samples: Samples of the predictive for grid search with MC links.
-            verbose: Print the chosen prior precision.
-            progress_bar: Show a progress bar.
-            log_prior_prec_base: Base of the log-spaced grid.
-
-        Raises:
-            ValueError: For an unknown method, structure, pred_type or link_approx, grid
-                search without ``val_loader``, an unknown ``loss`` name, a negative
-                ``n_steps``, a non-positive ``lr`` or ``grid_size``, or a grid that is not
-                finite; a non-integer count raises an error that is a ``ValueError`` and a
-                ``TypeError``.
+        ``options`` are its other arguments; the dict keys, the device and the check that the
+        backend takes the inputs are this approximation's.
         """
-        method = parse_enum(TuningMethod, method, "method")
-        pred_type = parse_enum(PredType, pred_type, "pred_type")
-        link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
-        prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
-        if method == TuningMethod.MARGLIK:
-            check_int_at_least(n_steps, "n_steps", 0)
-            check_positive_float(lr, "lr")
-        self._check_fitted("optimize_prior_precision")
-        if method == TuningMethod.MARGLIK:
-            if torch.is_tensor(init_prior_prec) and init_prior_prec.numel() > 1:
-                init = as_prior_precision(
-                    init_prior_prec, *self._prior_lengths, self._device, self._dtype
-                )
-            else:
-                init = fix_prior_prec_structure(
-                    check_positive_float(init_prior_prec, "init_prior_prec"),
-                    prior_structure,
-                    *self._prior_lengths,
-                    self._device,
-                    self._dtype,
-                )
-            self.prior_precision = maximize_marglik(self, init, n_steps, lr, progress_bar)
-        else:
-            if val_loader is None:
-                raise ValueError("method='gridsearch' needs a val_loader with validation data.")
-            candidates = grid_candidates(
-                log_prior_prec_min,
-                log_prior_prec_max,
-                grid_size,
-                log_prior_prec_base,
-                self._device,
-                self._dtype,
-            )
-            loss = validation_loss(self, loss)
-            self.prior_precision = gridsearch(
-                self,
-                candidates,
-                val_loader,
-                loss,
-                pred_type,
-                link_approx,
-                n_samples,
-                progress_bar,
-            )
-        if verbose:
-            print(f"Optimized prior precision is {self.prior_precision}.")
+        return loop(
+            self.dict_key_x,
+            self.dict_key_y,
+            self._device,
+            check_inputs=partial(check_dict_inputs, self._backend_cls),
+            **options,
+        )
 
 
 def _backend_class(

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from laplace.errors import (
     ArgumentTypeError,
@@ -19,13 +20,19 @@ from laplace.errors import (
 
 __all__ = [
     "Inputs",
+    "SoDSampler",
     "batch_size_of",
     "check_outputs",
+    "concatenate_rows",
     "dataset_size",
+    "input_chunks",
     "move_inputs",
     "prepare_batch",
     "prepare_inputs",
+    "select_rows",
+    "slice_inputs",
     "split_batch",
+    "to_device",
 ]
 
 #: Model inputs: a tensor, or a mapping whose values the model reads by key.
@@ -105,6 +112,76 @@ def _to_device(value: Any, device: torch.device, name: str) -> Any:
             f"(on any device: they are moved to the model's device, {device})."
         )
     return value.to(device)
+
+
+def to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """Move the tensors of a nested input to ``device``; floating tensors also to ``dtype``.
+
+    Mappings become ``dict``; lists and tuples keep their type; other values are returned as
+    they are.
+    """
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=dtype if value.is_floating_point() else None)
+    if isinstance(value, MutableMapping):
+        return {k: to_device(v, device, dtype) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device, dtype) for v in value)
+    return value
+
+
+def slice_inputs(X: Inputs, start: int, stop: int, n: int) -> Inputs:
+    """Rows ``start:stop`` of inputs with ``n`` rows; mapping values without n rows are kept."""
+    if isinstance(X, MutableMapping):
+        out = X.__class__(X) if type(X) is not dict else dict(X)
+        for key, value in X.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and len(value) == n:
+                out[key] = value[start:stop]
+        return out
+    return X[start:stop]
+
+
+def input_chunks(X: Inputs, rows: int, dict_key_x: str) -> Iterator[Inputs]:
+    """Consecutive chunks of at most ``rows`` data points of ``X`` (see :func:`slice_inputs`)."""
+    n = batch_size_of(X, dict_key_x)
+    for start in range(0, n, rows):
+        yield slice_inputs(X, start, start + rows, n)
+
+
+def select_rows(inputs: Any, indices: Tensor, batch_size: int) -> Any:
+    """Rows ``indices`` of every batched value (leading size ``batch_size``) of ``inputs``.
+
+    Values without that leading size (constants, metadata) are returned unchanged.
+    """
+    if isinstance(inputs, MutableMapping):
+        return {k: select_rows(v, indices, batch_size) for k, v in inputs.items()}
+    if isinstance(inputs, Tensor):
+        return inputs[indices] if inputs.dim() and inputs.shape[0] == batch_size else inputs
+    if isinstance(inputs, (list, tuple)) and len(inputs) == batch_size:
+        return type(inputs)(inputs[i] for i in indices.detach().cpu().tolist())
+    return inputs
+
+
+def concatenate_rows(chunks: list[Any]) -> Any:
+    """Concatenate batches of inputs row-wise.
+
+    Tensors are concatenated along dim 0, mappings key by key, lists and tuples (one entry per
+    row) chained; other values must be equal in every chunk and are kept once.
+
+    Raises:
+        ValueError: For mappings with different keys or differing non-batched values.
+    """
+    first = chunks[0]
+    if isinstance(first, Tensor):
+        return torch.cat(chunks)
+    if isinstance(first, MutableMapping):
+        if any(c.keys() != first.keys() for c in chunks):
+            raise ValueError("mapping batches must have the same keys to be concatenated.")
+        return {k: concatenate_rows([c[k] for c in chunks]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(item for c in chunks for item in c)
+    if all(c == first for c in chunks):
+        return first
+    raise ValueError("non-batched values differ between the batches; cannot concatenate.")
 
 
 def _tensors(X: Inputs) -> list[Tensor]:
@@ -216,3 +293,31 @@ def dataset_size(loader: DataLoader) -> int:
             "the training data count is taken from len(train_loader.dataset); this loader's "
             "dataset has no length."
         ) from error
+
+
+class SoDSampler(Sampler):
+    """Sampler over a fixed random subset of ``M`` out of ``N`` indices (subset of data).
+
+    The subset is drawn once, without replacement, from ``numpy.random.default_rng(seed)``.
+
+    Args:
+        N: Size of the dataset.
+        M: Size of the subset, ``0 ≤ M ≤ N``.
+        seed: Seed of the numpy generator.
+
+    Raises:
+        ValueError: If ``M`` is negative or larger than ``N``.
+    """
+
+    def __init__(self, N: int, M: int, seed: int = 0):
+        if not 0 <= M <= N:
+            raise ValueError(f"need 0 <= M <= N, got N={N}, M={M}.")
+        self.N, self.M, self.seed = N, M, seed
+        rng = np.random.default_rng(seed)
+        self.indices = torch.as_tensor(rng.choice(N, M, replace=False))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)

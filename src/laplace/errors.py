@@ -36,6 +36,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -57,6 +58,7 @@ __all__ = [
     "check_module",
     "check_positive_float",
     "check_positive_int",
+    "is_real_scalar",
 ]
 
 
@@ -224,3 +226,18 @@ def check_finite_result(value: Any, what: str) -> Any:
             f"the {what} contains NaN or inf; check the model's outputs and the data."
         )
     return value
+
+
+def is_real_scalar(value: Any) -> bool:
+    """Whether ``value`` is a real number or a tensor holding exactly one value.
+
+    Args:
+        value: Candidate value.
+
+    Returns:
+        True for real Python/numpy scalars (bools included), 0-d tensors and tensors of
+        shape ``(1,)``; False otherwise (strings, complex numbers, lists, larger tensors).
+    """
+    if torch.is_tensor(value):
+        return value.ndim == 0 or (value.ndim == 1 and len(value) == 1)
+    return bool(np.isscalar(value) and isinstance(value, numbers.Real | np.bool_))

@@ -7,19 +7,18 @@ never materialises the whole (B, C, P) Jacobian.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from laplace.data import Inputs, batch_size_of, check_outputs, prepare_inputs
+from laplace.data import Inputs, batch_size_of, check_outputs, input_chunks, prepare_inputs
 from laplace.errors import check_generator, check_positive_int
 from laplace.likelihoods import LikelihoodModel
 from laplace.predictive import LINKS, gaussian_output_samples
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
 
-__all__ = ["GLMPredictiveMixin", "slice_inputs"]
+__all__ = ["GLMPredictiveMixin", "jacobian_chunk_rows"]
 
 #: Bytes of Jacobian held at once by the GLM predictive.
 JACOBIAN_CHUNK_BYTES = 256 * 2**20
@@ -29,17 +28,6 @@ def jacobian_chunk_rows(n_outputs: int, n_params: int, dtype: torch.dtype) -> in
     """Data points whose (rows, C, P) Jacobian fits in :data:`JACOBIAN_CHUNK_BYTES`, at least 1."""
     itemsize = torch.finfo(dtype).bits // 8
     return max(1, JACOBIAN_CHUNK_BYTES // max(1, n_outputs * n_params * itemsize))
-
-
-def slice_inputs(X: Inputs, start: int, stop: int, n: int) -> Inputs:
-    """Rows ``start:stop`` of inputs with ``n`` rows; mapping values without n rows are kept."""
-    if isinstance(X, MutableMapping):
-        out = X.__class__(X) if type(X) is not dict else dict(X)
-        for key, value in X.items():
-            if isinstance(value, Tensor) and value.dim() > 0 and len(value) == n:
-                out[key] = value[start:stop]
-        return out
-    return X[start:stop]
 
 
 class GLMPredictiveMixin:
@@ -134,12 +122,10 @@ class GLMPredictiveMixin:
         if joint:
             Js, f_mu = self._jacobians(X)
             return f_mu.reshape(-1), self.functional_covariance(Js)
-        n = batch_size_of(X, self.dict_key_x)
-        step = self._chunk_rows()
         means, variances = [], []
-        for start in range(0, n, step):
-            f_mu, f_var = self._functional_moments(slice_inputs(X, start, start + step, n))
-            check_outputs(f_mu, min(step, n - start))
+        for chunk in input_chunks(X, self._chunk_rows(), self.dict_key_x):
+            f_mu, f_var = self._functional_moments(chunk)
+            check_outputs(f_mu, batch_size_of(chunk, self.dict_key_x))
             self._checked_finite(f_var, "predictive variance")
             means.append(f_mu)
             variances.append(f_var.diagonal(dim1=-2, dim2=-1) if diagonal_output else f_var)

@@ -6,13 +6,6 @@ from typing import Any
 
 from torch import nn
 
-from laplace.baselaplace import (
-    DiagLaplace,
-    FullLaplace,
-    KronLaplace,
-    LowRankLaplace,
-    ParametricLaplace,
-)
 from laplace.errors import ArgumentTypeError
 from laplace.functional import (
     ELLA,
@@ -21,7 +14,11 @@ from laplace.functional import (
     FunctionalLLLaplace,
     VaLLA,
 )
+from laplace.kronlaplace import KronLaplace
+from laplace.likelihoods import make_likelihood
 from laplace.lllaplace import DiagLLLaplace, FullLLLaplace, KronLLLaplace
+from laplace.lowranklaplace import LowRankLaplace
+from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.subnetlaplace import DiagSubnetLaplace, FullSubnetLaplace
 from laplace.subsets import MISSING_SUBNETWORK_INDICES
 from laplace.utils.enums import (
@@ -64,9 +61,6 @@ FUNCTIONAL: dict[FunctionalApproximation, type[BaseFunctionalLaplace]] = {
 
 #: Function-space approximations not implemented yet.
 PLANNED_FUNCTIONAL: dict[FunctionalApproximation, str] = {}
-
-#: Structures the reward-modelling likelihood supports (as in laplace-torch).
-REWARD_MODELING_STRUCTURES = (H.KRON, H.DIAG)
 
 
 def Laplace(
@@ -130,11 +124,7 @@ def Laplace(
             f"hessian_structure={structure.value!r}; valid structures for this subset: "
             f"{', '.join(v.split('/')[1] for v in valid)}."
         )
-    if likelihood == Likelihood.REWARD_MODELING and structure not in REWARD_MODELING_STRUCTURES:
-        raise ValueError(
-            f"likelihood='reward_modeling' supports hessian_structure in "
-            f"{[h.value for h in REWARD_MODELING_STRUCTURES]}, got {structure.value!r}."
-        )
+    make_likelihood(likelihood).check_structure(structure)
     if subset == S.SUBNETWORK and not args and "subnetwork_indices" not in kwargs:
         raise ArgumentTypeError(MISSING_SUBNETWORK_INDICES)
     if key in PLANNED:

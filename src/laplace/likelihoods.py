@@ -1,8 +1,9 @@
 """Likelihood objects: loss, output-space curvature and predictive link for each observation model.
 
-The rest of the library asks a likelihood object instead of branching on its name. Losses follow
-laplace-torch's conventions: the summed loss, ``½ Σ‖y − f‖²`` for regression (σ-free, so the
-output Hessian is the identity) and ``Σ CE`` for classification.
+The rest of the library asks a likelihood object instead of branching on its name: whether it
+has an observation noise σ, its torch loss module, the Hessian structures it can be fitted with.
+Losses follow laplace-torch's conventions: the summed loss, ``½ Σ‖y − f‖²`` for regression
+(σ-free, so the output Hessian is the identity) and ``Σ CE`` for classification.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn import functional as F
 from typing_extensions import override
 
 from laplace.errors import DataError, LabelError
-from laplace.utils.enums import Likelihood, parse_enum
+from laplace.predictive import probit_logits
+from laplace.utils.enums import HessianStructure, Likelihood, parse_enum
 
 __all__ = [
     "Categorical",
@@ -34,6 +36,14 @@ class LikelihoodModel(ABC):
     kind: Likelihood
     #: Whether predictions are probabilities (classification) or Gaussian moments.
     predicts_probabilities: bool
+    #: Whether the model has an observation noise σ (a hyperparameter); otherwise σ must be 1.
+    has_noise_hyperparameter: bool = False
+    #: The per-sample loss is ``loss_scale`` times the summed :meth:`loss_module` (½ for MSE).
+    loss_scale: float = 1.0
+    #: The Hessian structures it can be fitted with; None: every structure.
+    hessian_structures: tuple[HessianStructure, ...] | None = None
+    #: Whether the fit data are pairs of items (B, 2, ...) that the likelihood compares.
+    pairwise: bool = False
 
     @property
     def fit_likelihood(self) -> LikelihoodModel:
@@ -44,6 +54,31 @@ class LikelihoodModel(ABC):
     def predictive_likelihood(self) -> LikelihoodModel:
         """The likelihood used for predictions (differs for reward modelling)."""
         return self
+
+    @property
+    def is_composite(self) -> bool:
+        """Whether it fits one observation model and predicts another (reward modelling)."""
+        return self.fit_likelihood is not self.predictive_likelihood
+
+    def check_structure(self, structure: HessianStructure) -> None:
+        """Refuse a Hessian structure this likelihood cannot be fitted with.
+
+        Raises:
+            ValueError: Naming the likelihood and the structures it supports.
+        """
+        if self.hessian_structures is not None and structure not in self.hessian_structures:
+            raise ValueError(
+                f"likelihood={self.kind.value!r} supports hessian_structure in "
+                f"{[h.value for h in self.hessian_structures]}, got {structure.value!r}."
+            )
+
+    @abstractmethod
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        """The loss as a torch module (``nn.MSELoss``, ``nn.CrossEntropyLoss``) for SGD loops.
+
+        Args:
+            reduction: ``"mean"``, ``"sum"`` or ``"none"``, as torch's losses take it.
+        """
 
     @abstractmethod
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
@@ -65,6 +100,34 @@ class LikelihoodModel(ABC):
         """Hessian of the per-sample loss w.r.t. ``f``, shape (B, C, C)."""
         L = self.output_hessian_sqrt(f)
         return L @ L.transpose(-1, -2)
+
+    def ggn(self, J: Tensor, f: Tensor) -> Tensor:
+        """Generalised Gauss-Newton ``Σₙ Jₙᵀ Λₙ Jₙ`` of per-point Jacobians.
+
+        Args:
+            J: Jacobians of the outputs (B, C, K) w.r.t. K parameters or features.
+            f: Outputs (B, C) at which the output Hessians ``Λₙ`` are taken.
+
+        Returns:
+            Shape (K, K).
+        """
+        return torch.einsum("bck,bcd,bdl->kl", J, self.output_hessian(f), J)
+
+    @abstractmethod
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        """Summed negative log-likelihood of targets under the predictive of ``N(f_mu, f_var)``.
+
+        Args:
+            f_mu: Latent means (B, C).
+            f_var: Latent covariances (B, C, C).
+            y: Targets of the batch.
+            sigma_noise: Observation noise σ (used by likelihoods that have one).
+
+        Returns:
+            A scalar.
+        """
 
     @abstractmethod
     def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -104,11 +167,30 @@ class GaussianRegression(LikelihoodModel):
 
     kind = Likelihood.REGRESSION
     predicts_probabilities = False
+    has_noise_hyperparameter = True
+    loss_scale = 0.5
+
+    @override
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        return nn.MSELoss(reduction=reduction)
 
     @override
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
         y = self.prepare_targets(f, y)
         return 0.5 * (y - f).square().flatten(1).sum(1)
+
+    @override
+    def ggn(self, J: Tensor, f: Tensor) -> Tensor:
+        return torch.einsum("bck,bcl->kl", J, J)
+
+    @override
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        """Gaussian NLL with the latent variances plus ``σ²``, summed over outputs and points."""
+        y = self.prepare_targets(f_mu, y.to(f_mu.dtype))
+        var = f_var.diagonal(dim1=-2, dim2=-1) + sigma_noise.square()
+        return 0.5 * ((y - f_mu).square() / var + var.log() + math.log(2 * math.pi)).sum()
 
     @override
     def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
@@ -159,6 +241,10 @@ class Categorical(LikelihoodModel):
     predicts_probabilities = True
 
     @override
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        return nn.CrossEntropyLoss(reduction=reduction)
+
+    @override
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
         return F.cross_entropy(f, self.prepare_targets(f, y), reduction="none")
 
@@ -201,6 +287,31 @@ class Categorical(LikelihoodModel):
     def output_hessian(self, f: Tensor) -> Tensor:
         p = torch.softmax(f, dim=-1)
         return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+
+    @override
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        """Cross-entropy of the logits of the probit approximation (:func:`probit_logits`)."""
+        logits = probit_logits(f_mu, f_var)
+        return F.cross_entropy(logits, self.class_indices(y), reduction="sum")
+
+    @staticmethod
+    def class_indices(y: Tensor) -> Tensor:
+        """Class indices (B,) as ``long`` from indices (B,), a column (B, 1) or one-hot (B, C).
+
+        Class probabilities (B, C) give their most likely class.
+
+        Raises:
+            ValueError: For any other shape.
+        """
+        if y.dim() == 2:
+            y = y[:, 0] if y.shape[1] == 1 else y.argmax(-1)
+        if y.dim() != 1:
+            raise ValueError(
+                f"classification targets must have shape (B,) or (B, C), got {tuple(y.shape)}."
+            )
+        return y.long()
 
     @override
     def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -251,6 +362,9 @@ class RewardModeling(LikelihoodModel):
 
     kind = Likelihood.REWARD_MODELING
     predicts_probabilities = False
+    #: The structures laplace-torch supports for reward modelling.
+    hessian_structures = (HessianStructure.KRON, HessianStructure.DIAG)
+    pairwise = True
 
     def __init__(self) -> None:
         self._fit = Categorical()
@@ -265,6 +379,10 @@ class RewardModeling(LikelihoodModel):
     @property
     def predictive_likelihood(self) -> LikelihoodModel:
         return self._predict
+
+    @override
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        return self._fit.loss_module(reduction)
 
     @override
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
@@ -285,6 +403,12 @@ class RewardModeling(LikelihoodModel):
     @override
     def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
         return self._fit.sample_targets(f, generator)
+
+    @override
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        return self._fit.predictive_nll(f_mu, f_var, y, sigma_noise)
 
     @override
     def log_likelihood(

@@ -42,8 +42,8 @@ from laplace.errors import (
 )
 from laplace.laplace import Laplace
 from laplace.likelihoods import make_likelihood
+from laplace.priors import expand_prior_precision, fix_prior_prec_structure
 from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure, parse_enum
-from laplace.utils.utils import expand_prior_precision, fix_prior_prec_structure
 
 __all__ = ["default_backend", "marglik_training"]
 
@@ -194,11 +194,12 @@ def marglik_training(
     params = [p for p in model.parameters() if p.requires_grad]
     device, dtype = params[0].device, params[0].dtype
     n_params = sum(p.numel() for p in params)
-    regression = likelihood == Likelihood.REGRESSION
-    learn_sigma = regression and not fix_sigma_noise
+    likelihood_model = make_likelihood(likelihood)
+    has_noise = likelihood_model.has_noise_hyperparameter
+    learn_sigma = has_noise and not fix_sigma_noise
     # Mean losses (MSE over all outputs, or cross-entropy); targets shaped as the library does.
-    criterion = nn.MSELoss() if regression else nn.CrossEntropyLoss()
-    target_model = make_likelihood(likelihood).fit_likelihood
+    target_model = likelihood_model.fit_likelihood
+    criterion = target_model.loss_module()
 
     log_prior_prec = fix_prior_prec_structure(
         temperature * prior_prec_init, prior_structure, len(params), n_params, device, dtype
@@ -209,7 +210,7 @@ def marglik_training(
     hyper_optimizer = Adam([log_prior_prec, *([log_sigma] if learn_sigma else [])], lr=lr_hyp)
 
     def sigma_noise() -> Tensor | float:
-        if not regression:
+        if not has_noise:
             return 1.0
         return log_sigma.exp() if learn_sigma else sigma_noise_init
 
@@ -226,8 +227,9 @@ def marglik_training(
             X, y = prepare_batch(batch, dict_key_x, dict_key_y, device)
             sigma = sigma_noise()
             sigma2 = float(sigma.detach().square()) if torch.is_tensor(sigma) else sigma**2
-            # The log joint per data point, in units of the mean loss: ½θᵀP₀θ · (c/T) / N.
-            prior_scale = (2 * sigma2 if regression else 1.0) / temperature
+            # The log joint per data point, in units of the mean loss: ½θᵀP₀θ · c / N with
+            # c = σ² / (loss_scale · T), i.e. 2σ²/T for the MSE and 1/T for cross-entropy.
+            prior_scale = sigma2 / target_model.loss_scale / temperature
             delta = expand_prior_precision(log_prior_prec.detach().exp(), model)
             theta = torch.cat([p.reshape(-1) for p in params])
             optimizer.zero_grad()

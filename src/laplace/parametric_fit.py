@@ -7,7 +7,8 @@ form and the summed loss), so ``fit(override=False)`` (online Laplace) and distr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -16,9 +17,58 @@ from torch.utils.data import DataLoader
 
 from laplace import distributed as distributed_utils
 from laplace.data import Inputs, batch_size_of, check_outputs, dataset_size
+from laplace.data_loop import DataLoop
 from laplace.errors import check_bool, check_finite_result
 
-__all__ = ["CurvatureFitMixin"]
+__all__ = ["CurvatureFitMixin", "CurvatureSum"]
+
+
+class CurvatureSum(DataLoop):
+    """The pass of a parametric fit: ``(curvature, loss)`` summed over the summands of a stream.
+
+    Args:
+        stream: ``loader -> iterator of (loss, H)`` summands (one per batch, or per few batches
+            for streams that buffer), over batches prepared as :meth:`DataLoop.batches` does.
+        zeros: The zero curvature of the posterior's structure (the fresh sum).
+        is_finite: Whether a curvature summand is finite.
+        **options: See :class:`~laplace.data_loop.DataLoop`.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        stream: Callable[[DataLoader], Iterator[tuple[Tensor, Any]]],
+        zeros: Callable[[], Any],
+        is_finite: Callable[[Any], bool],
+        **options: Any,
+    ) -> None:
+        super().__init__(*args, **options)
+        self._stream, self._zeros, self._is_finite = stream, zeros, is_finite
+
+    def start(self) -> list[Any]:
+        """Zero curvature and loss."""
+        return [self._zeros(), 0.0]
+
+    def summands(self, loader: DataLoader) -> Iterator[tuple[Tensor, Any]]:
+        """The ``(loss, H)`` summands of the stream."""
+        return self._stream(loader)
+
+    def check(self, stats: tuple[Tensor, Any]) -> None:
+        """Refuse a non-finite curvature or loss."""
+        loss, H = stats
+        if not self._is_finite(H):
+            raise RuntimeError(
+                "the curvature of a training batch contains NaN or inf; check the model's "
+                "outputs and the data."
+            )
+        check_finite_result(loss, "loss of a training batch")
+
+    def add(self, total: list[Any], stats: tuple[Tensor, Any]) -> list[Any]:
+        """Add a summand to the sums."""
+        loss, H = stats
+        total[0] += H  # in place where it can be: one dense sum less in memory
+        total[1] = total[1] + loss.detach()
+        return total
 
 
 class CurvatureFitMixin:
@@ -71,9 +121,6 @@ class CurvatureFitMixin:
         if not self._fitted:
             self.H = None  # the prior's zero curvature: freed while summing, rebuilt on failure
         H_new, loss_new = self._accumulate(train_loader, n_before + n_data, progress_bar)
-        if self._distributed:
-            loss_new = torch.as_tensor(loss_new, device=self._device, dtype=self._dtype)
-            H_new, loss_new = distributed_utils.all_reduce_sum([H_new, loss_new])
         if update:
             H_new, loss_new = self.H + H_new, self.loss + loss_new
         self.H = self._posterior_cls.finalize(H_new)
@@ -93,21 +140,15 @@ class CurvatureFitMixin:
                 data of earlier fits too).
             progress_bar: Show a progress bar over batches.
         """
-        H_new, loss_new, n_batches = self._zero_curvature(), 0.0, 0
-        with distributed_utils.guard(self._distributed, "fit"):
-            for loss, H_batch in self._curvature_stream(train_loader, n_data, progress_bar):
-                if not self._posterior_cls.is_finite(H_batch):
-                    raise RuntimeError(
-                        "the curvature of a training batch contains NaN or inf; check the "
-                        "model's outputs and the data."
-                    )
-                check_finite_result(loss, "loss of a training batch")
-                H_new += H_batch  # in place where it can be: one dense sum less in memory
-                loss_new = loss_new + loss.detach()
-                n_batches += 1
-            if n_batches == 0:
-                raise ValueError("train_loader yielded no batches: fit needs at least one batch.")
-        return H_new, loss_new
+        loop = self._data_loop(
+            CurvatureSum,
+            stream=partial(self._curvature_stream, n_data=n_data, progress_bar=progress_bar),
+            zeros=self._zero_curvature,
+            is_finite=self._posterior_cls.is_finite,
+            distributed=self._distributed,
+            empty_message="train_loader yielded no batches: fit needs at least one batch.",
+        )
+        return loop.run(train_loader)
 
     def _check_ranks_agree(self) -> None:
         """In a distributed fit, refuse ranks built with different hyperparameters.

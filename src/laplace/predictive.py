@@ -13,7 +13,15 @@ from torch import Tensor
 
 from laplace.utils.enums import LinkApprox
 
-__all__ = ["LINKS", "gaussian_output_samples", "laplace_bridge", "monte_carlo_softmax", "probit"]
+__all__ = [
+    "LINKS",
+    "draw_gaussian",
+    "gaussian_output_samples",
+    "laplace_bridge",
+    "monte_carlo_softmax",
+    "probit",
+    "probit_logits",
+]
 
 
 def gaussian_output_samples(
@@ -30,25 +38,93 @@ def gaussian_output_samples(
     Returns:
         Samples, shape (S, B, C).
     """
-    z = torch.randn(
-        (n_samples, *f_mu.shape), generator=generator, device=f_mu.device, dtype=f_mu.dtype
-    )
     if f_var.dim() == f_mu.dim():
+        z = _standard_normal(f_mu, n_samples, generator)
         return f_mu + z * f_var.clamp_min(0).sqrt()
     # A small jitter keeps the factorisation defined for rank-deficient output covariances.
     jitter = 1e-10 * torch.eye(f_var.shape[-1], device=f_var.device, dtype=f_var.dtype)
     scale, _ = torch.linalg.cholesky_ex(f_var + jitter)
-    return f_mu + torch.einsum("bij,sbj->sbi", scale, z)
+    return _draws_from_root(f_mu, scale, n_samples, generator)
+
+
+def draw_gaussian(
+    mean: Tensor, covariance: Tensor, n_samples: int, generator: torch.Generator | None
+) -> Tensor:
+    """Draw from ``N(mean, covariance)``, also when the covariance is singular.
+
+    Differentiable in the mean and the covariance (a singular covariance that requires grad
+    gets the smallest diagonal jitter that makes its Cholesky factor exist).
+
+    Args:
+        mean: (B, C), or a joint mean (B·C,).
+        covariance: (B, C, C), or a joint covariance (B·C, B·C).
+        n_samples: Number of draws S.
+        generator: Random number generator on the device of ``mean``.
+
+    Returns:
+        Draws (S, B, C), or (S, B·C) for a joint mean.
+
+    Raises:
+        torch.linalg.LinAlgError: If the covariance has clearly negative eigenvalues.
+        RuntimeError: If a covariance that requires grad cannot be factored with jitter.
+    """
+    root = _psd_root((covariance + covariance.transpose(-1, -2)) / 2)
+    return _draws_from_root(mean, root, n_samples, generator)
+
+
+def _standard_normal(mean: Tensor, n_samples: int, generator: torch.Generator | None) -> Tensor:
+    return torch.randn(
+        (n_samples, *mean.shape), generator=generator, device=mean.device, dtype=mean.dtype
+    )
+
+
+def _draws_from_root(
+    mean: Tensor, root: Tensor, n_samples: int, generator: torch.Generator | None
+) -> Tensor:
+    """``mean + R z`` with ``z ~ N(0, I)``: (S, B, C) for means (B, C), (S, n) for (n,)."""
+    z = _standard_normal(mean, n_samples, generator)
+    if mean.dim() == 1:
+        return mean + z @ root.T
+    return mean + torch.einsum("bij,sbj->sbi", root, z)
+
+
+def _psd_root(cov: Tensor) -> Tensor:
+    """A root ``R`` with ``R Rᵀ = cov`` of a symmetric PSD matrix (batch), singular allowed."""
+    root, info = torch.linalg.cholesky_ex(cov)
+    if not bool((info != 0).any()):
+        return root
+    values, vectors = torch.linalg.eigh(cov.detach() if cov.requires_grad else cov)
+    size = cov.shape[-1]
+    tol = 10 * torch.finfo(cov.dtype).eps * size * values.abs().amax(-1, keepdim=True)
+    if bool((values < -tol).any()):
+        raise torch.linalg.LinAlgError("the covariance has negative eigenvalues: it is not PSD.")
+    if not cov.requires_grad:
+        return vectors * values.clamp_min(0).sqrt().unsqueeze(-2)
+    # Differentiable: the smallest diagonal jitter that makes the Cholesky succeed.
+    scale = cov.diagonal(dim1=-2, dim2=-1).detach().abs().amax(-1)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    shift = -values.amin(-1).clamp_max(0)
+    eye = torch.eye(size, dtype=cov.dtype, device=cov.device)
+    for multiplier in (1, 10, 100):
+        jitter = shift + multiplier * torch.finfo(cov.dtype).eps * scale
+        root, info = torch.linalg.cholesky_ex(cov + jitter[..., None, None] * eye)
+        if not bool((info != 0).any()):
+            return root
+    raise RuntimeError("could not factor the differentiable covariance, even with jitter.")
 
 
 def _variances(f_var: Tensor) -> Tensor:
     return f_var if f_var.dim() == 2 else f_var.diagonal(dim1=-2, dim2=-1)
 
 
+def probit_logits(f_mu: Tensor, f_var: Tensor) -> Tensor:
+    """Logits of the probit approximation, ``f_μ / √(1 + π/8 · diag Σ_f)``, shape (B, C)."""
+    return (1 + math.pi / 8 * _variances(f_var)).rsqrt() * f_mu
+
+
 def probit(f_mu: Tensor, f_var: Tensor, **_: object) -> Tensor:
     """Probit approximation: ``softmax(f_μ / √(1 + π/8 · diag Σ_f))``, shape (B, C)."""
-    kappa = (1 + math.pi / 8 * _variances(f_var)).rsqrt()
-    return torch.softmax(kappa * f_mu, dim=-1)
+    return torch.softmax(probit_logits(f_mu, f_var), dim=-1)
 
 
 def laplace_bridge(f_mu: Tensor, f_var: Tensor, normalize: bool = False, **_: object) -> Tensor:

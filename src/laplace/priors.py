@@ -1,6 +1,7 @@
 """Validation of the hyperparameters: prior precision and mean, observation noise, temperature.
 
-Also the expansion of a scalar or layer-wise prior precision to the diagonal.
+Also the expansion of a scalar or layer-wise prior precision to the diagonal, and the
+constant prior precision of a given structure that tuning starts from.
 """
 
 from __future__ import annotations
@@ -8,11 +9,13 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from laplace.errors import ArgumentTypeError, MetaDeviceError
-from laplace.utils.enums import Likelihood
+from laplace.errors import ArgumentTypeError, MetaDeviceError, is_real_scalar
+from laplace.likelihoods import LikelihoodModel
+from laplace.utils.enums import PriorStructure, parse_enum
 
 __all__ = [
     "as_float_tensor",
@@ -21,7 +24,9 @@ __all__ = [
     "as_scalar_prior_precision",
     "as_sigma_noise",
     "check_temperature",
+    "expand_prior_precision",
     "expand_to_diagonal",
+    "fix_prior_prec_structure",
 ]
 
 
@@ -153,8 +158,8 @@ def expand_to_diagonal(prior_precision: Tensor, layer_sizes: list[int]) -> Tenso
     return torch.repeat_interleave(prior_precision, sizes)
 
 
-def as_sigma_noise(value: float | Tensor, likelihood: Likelihood, device, dtype) -> Tensor:
-    """Check the observation noise σ: a positive scalar, 1 unless the likelihood is regression.
+def as_sigma_noise(value: float | Tensor, likelihood: LikelihoodModel, device, dtype) -> Tensor:
+    """Check the observation noise σ: a positive scalar, 1 unless the likelihood has one.
 
     Raises:
         ValueError: For a tensor with more than one entry or dimension, a non-positive σ, or
@@ -169,9 +174,9 @@ def as_sigma_noise(value: float | Tensor, likelihood: Likelihood, device, dtype)
         )
     if not bool(sigma.detach() > 0) or not bool(torch.isfinite(sigma.detach()).all()):
         raise ValueError(f"sigma_noise must be positive and finite, got {sigma.item()}.")
-    if likelihood != Likelihood.REGRESSION and not bool(sigma.detach() == 1):
+    if not likelihood.has_noise_hyperparameter and not bool(sigma.detach() == 1):
         raise ValueError(
-            f"sigma_noise must be 1 for likelihood={likelihood.value!r}; observation noise "
+            f"sigma_noise must be 1 for likelihood={likelihood.kind.value!r}; observation noise "
             "only applies to regression."
         )
     return sigma
@@ -199,3 +204,98 @@ def check_temperature(temperature: float | Tensor) -> float | Tensor:
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be positive and finite, got {temperature}.")
     return temperature
+
+
+def expand_prior_precision(prior_prec: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """Expand a scalar, layer-wise or diagonal prior precision to one value per parameter.
+
+    Only parameters with ``requires_grad`` count. A length-1 (or 0-d) ``prior_prec`` is a
+    scalar, a length-``P`` one is already diagonal, and a length-``n_layers`` one holds one
+    value per trainable parameter tensor (the scalar rule wins if lengths coincide, then the
+    diagonal one). Layer-wise values are cast to the parameters' dtype.
+
+    Args:
+        prior_prec: Prior precision of shape ``()``, ``(1,)``, ``(n_layers,)`` or ``(P,)``.
+        model: Module whose trainable parameters the prior applies to.
+
+    Returns:
+        Diagonal prior precision of shape ``(P,)``.
+
+    Raises:
+        ValueError: If ``prior_prec`` has more than one dimension or an unsupported length.
+    """
+    prior_prec = torch.as_tensor(prior_prec)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("model has no parameters with requires_grad=True.")
+    device, dtype = params[0].device, params[0].dtype
+    n_params = sum(p.numel() for p in params)
+    if prior_prec.ndim > 1:
+        raise ValueError(
+            f"prior_prec must be a scalar or a vector, got shape {tuple(prior_prec.shape)}."
+        )
+    if prior_prec.numel() == 1:
+        return prior_prec.reshape(1).to(device) * torch.ones(n_params, device=device, dtype=dtype)
+    if len(prior_prec) == n_params:
+        return prior_prec.to(device)
+    if len(prior_prec) == len(params):
+        sizes = torch.tensor([p.numel() for p in params], device=device)
+        return torch.repeat_interleave(prior_prec.to(device=device, dtype=dtype), sizes)
+    raise ValueError(
+        f"prior_prec must have length 1, n_layers={len(params)} or n_params={n_params}, "
+        f"got {len(prior_prec)}."
+    )
+
+
+def fix_prior_prec_structure(
+    prior_prec_init: torch.Tensor | float,
+    prior_structure: PriorStructure | str,
+    n_layers: int,
+    n_params: int,
+    device: torch.device | str | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Build a constant prior precision with the shape that ``prior_structure`` asks for.
+
+    Args:
+        prior_prec_init: Positive value filling the tensor: a number or a one-element tensor.
+        prior_structure: ``"scalar"`` (shape ``(1,)``), ``"layerwise"`` (``(n_layers,)``)
+            or ``"diag"`` (``(n_params,)``).
+        n_layers: Number of parameter tensors treated probabilistically (callers count
+            those with ``requires_grad``).
+        n_params: Number of parameters treated probabilistically.
+        device: Device of the result.
+        dtype: Dtype of the result.
+
+    Returns:
+        The prior precision tensor.
+
+    Raises:
+        ValueError: If ``prior_structure`` is unknown, ``prior_prec_init`` is not positive
+            and finite, or the requested length is not a positive integer.
+        TypeError: If ``prior_prec_init`` is not a single real value.
+    """
+    structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
+    if not is_real_scalar(prior_prec_init):
+        raise TypeError(
+            f"prior_prec_init must be a single real value, got {type(prior_prec_init).__name__}"
+            + (
+                f" of shape {tuple(prior_prec_init.shape)}."
+                if torch.is_tensor(prior_prec_init)
+                else "."
+            )
+        )
+    value = float(torch.as_tensor(prior_prec_init).item())
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(f"prior_prec_init must be positive and finite, got {value}.")
+    length = {
+        PriorStructure.SCALAR: 1,
+        PriorStructure.LAYERWISE: n_layers,
+        PriorStructure.DIAG: n_params,
+    }[structure]
+    name = {PriorStructure.LAYERWISE: "n_layers", PriorStructure.DIAG: "n_params"}.get(structure)
+    if name is not None and (
+        isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1
+    ):
+        raise ValueError(f"{name} must be a positive integer, got {length!r}.")
+    return torch.full((int(length),), value, device=device, dtype=dtype)

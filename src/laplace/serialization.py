@@ -1,4 +1,4 @@
-"""``state_dict`` / ``load_state_dict`` for parametric Laplace approximations.
+"""``state_dict`` / ``load_state_dict`` of the Laplace approximations.
 
 The state holds only tensors and plain Python values, so ``torch.load(path, weights_only=True)``
 reads it, and it moves across devices with ``map_location``.
@@ -10,23 +10,18 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from laplace.errors import ArgumentTypeError, MissingKeyError, check_bool, check_positive_int
 from laplace.priors import check_temperature
 
-__all__ = ["StateDictMixin", "check_state_dict"]
+__all__ = ["StateDict", "StateDictMixin", "check_state_dict"]
 
 #: Tolerance when checking that the model's weights are the saved posterior mean.
 MEAN_MATCH_ATOL = 1e-6
 
-#: Entries of a parametric state and those holding floating-point tensors (besides ``H``).
-PARAMETRIC_KEYS = (
-    "cls_name",
-    "likelihood",
-    "param_names",
-    "param_shapes",
-    "mean",
+#: Entries of a parametric state besides its identity and mean.
+PARAMETRIC_VALUES = (
     "H",
     "loss",
     "n_data",
@@ -37,7 +32,6 @@ PARAMETRIC_KEYS = (
     "temperature",
     "enable_backprop",
 )
-PARAMETRIC_TENSORS = ("mean", "H", "loss", "prior_mean", "prior_precision", "sigma_noise")
 
 
 def _leaves(value: Any) -> Iterator[Any]:
@@ -98,32 +92,40 @@ def check_state_dict(
         check_positive_int(state_dict[key], f"state_dict[{key!r}]")
 
 
-class StateDictMixin:
-    """Save and restore a fitted posterior, validating it against the model it is loaded into."""
+class StateDict:
+    """``state_dict`` / ``load_state_dict`` of every Laplace approximation.
+
+    The state is the identity of the approximation (class, likelihood and what
+    :meth:`_state_identity` adds), the posterior mean (checked against the model's weights when
+    loading) and the entries :meth:`_state_values` returns: by default the attributes named in
+    :attr:`_state_plain` (saved as they are) and :attr:`_state_tensors` (floating-point tensors,
+    saved detached and restored on the model's device and dtype, through their setters) and
+    :attr:`_state_parameters` (trainable ``nn.Parameter`` attributes, restored as new ones).
+    Loading checks the identity, the entries (:func:`check_state_dict`, with
+    :attr:`_state_counts` positive integers), the mean and the values
+    (:meth:`_check_state_values`) before it assigns anything (:meth:`_load_state_values`); a
+    state that fails a check changes nothing (see :mod:`laplace.transaction`).
+    """
+
+    #: Attributes saved and restored as they are (plain values).
+    _state_plain: tuple[str, ...] = ()
+    #: Floating-point tensor attributes saved and restored (checked finite when loading).
+    _state_tensors: tuple[str, ...] = ()
+    #: ``nn.Parameter`` attributes (or None) saved detached and restored as new parameters.
+    _state_parameters: tuple[str, ...] = ()
+    #: Other entries holding floating-point tensors, written and read by the class's own hooks.
+    _state_other_tensors: tuple[str, ...] = ()
+    #: Entries holding positive integers.
+    _state_counts: tuple[str, ...] = ()
 
     def state_dict(self) -> dict[str, Any]:
-        """The fitted state: curvature, loss, data count and hyperparameters.
+        """The fitted state.
 
         Returns:
             A dict of tensors and plain values (loadable with ``weights_only=True``).
         """
         self._check_fitted("state_dict")
-        return {
-            "cls_name": type(self).__name__,
-            "likelihood": self.likelihood.value,
-            "param_names": list(self._subset.names),
-            "param_shapes": [list(p.shape) for p in self._subset.params],
-            "mean": self.mean.detach(),
-            "H": self._curvature_state(),
-            "loss": torch.as_tensor(self.loss).detach(),
-            "n_data": int(self.n_data),
-            "n_outputs": int(self.n_outputs),
-            "prior_mean": self.prior_mean.detach(),
-            "prior_precision": self.prior_precision.detach(),
-            "sigma_noise": self.sigma_noise.detach(),
-            "temperature": float(self.temperature),
-            "enable_backprop": bool(self.enable_backprop),
-        }
+        return {**self._state_identity(), "mean": self.mean.detach(), **self._state_values()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict`.
@@ -135,20 +137,18 @@ class StateDictMixin:
                 the model's weights are not the saved posterior mean, or if it is not a state
                 :meth:`state_dict` writes (see :func:`check_state_dict`).
         """
-        check_state_dict(state_dict, PARAMETRIC_KEYS, PARAMETRIC_TENSORS, ("n_data", "n_outputs"))
-        check_bool(state_dict["enable_backprop"], "state_dict['enable_backprop']")
-        expected = {
-            "cls_name": type(self).__name__,
-            "likelihood": self.likelihood.value,
-            "param_names": list(self._subset.names),
-            "param_shapes": [list(p.shape) for p in self._subset.params],
-        }
-        for key, value in expected.items():
+        identity = self._state_identity()
+        check_state_dict(state_dict, identity, (), ())
+        for key, value in identity.items():
             if state_dict[key] != value:
                 raise ValueError(
                     f"state_dict does not match this Laplace approximation: its {key} is "
                     f"{state_dict[key]!r}, expected {value!r}."
                 )
+        required = (*identity, "mean", *self._state_value_keys())
+        tensors = ("mean", *self._state_tensors, *self._state_other_tensors)
+        check_state_dict(state_dict, required, tensors, self._state_counts)
+        self._prepare_state_load(state_dict)
         mean = state_dict["mean"].to(device=self._device, dtype=self._dtype)
         current = self._subset.vector().detach()
         if mean.shape != current.shape or not torch.allclose(
@@ -158,7 +158,83 @@ class StateDictMixin:
                 "the model's weights differ from the posterior mean stored in state_dict; "
                 "load the model's own state_dict (the MAP weights) before the Laplace state."
             )
+        self._check_state_values(state_dict)
+        self._load_state_values(state_dict)
         self.mean = mean
+        self._fitted = True
+
+    # ------------------------------------------------------------------ hooks of the classes
+    def _state_identity(self) -> dict[str, Any]:
+        """Entries a loaded state must equal (class and likelihood, by default)."""
+        return {"cls_name": type(self).__name__, "likelihood": self.likelihood.value}
+
+    def _state_value_keys(self) -> tuple[str, ...]:
+        """The entries :meth:`_state_values` writes."""
+        return (*self._state_plain, *self._state_tensors, *self._state_parameters)
+
+    def _state_values(self) -> dict[str, Any]:
+        """The fitted posterior and hyperparameters, besides the identity and the mean."""
+        values = {name: getattr(self, name) for name in self._state_plain}
+        values.update({name: getattr(self, name).detach() for name in self._state_tensors})
+        for name in self._state_parameters:
+            parameter = getattr(self, name)
+            values[name] = None if parameter is None else parameter.detach().clone()
+        return values
+
+    def _check_state_values(self, state_dict: dict[str, Any]) -> None:
+        """Refuse entries :meth:`_load_state_values` cannot take, before anything is loaded."""
+
+    def _prepare_state_load(self, state_dict: dict[str, Any]) -> None:
+        """Make the parameters known before the mean is compared (e.g. find the last layer)."""
+
+    def _load_state_values(self, state_dict: dict[str, Any]) -> None:
+        """Assign the checked entries of :meth:`_state_values`."""
+        for name in self._state_plain:
+            setattr(self, name, state_dict[name])
+        for name in self._state_tensors:
+            setattr(self, name, state_dict[name].to(device=self._device, dtype=self._dtype))
+        for name in self._state_parameters:
+            if state_dict[name] is not None:
+                value = state_dict[name].to(device=self._device, dtype=self._dtype)
+                setattr(self, name, nn.Parameter(value.clone()))
+
+
+class StateDictMixin(StateDict):
+    """The state of a parametric Laplace: the curvature, loss, data count and hyperparameters.
+
+    The identity also holds the names and shapes of the parameters (the architecture).
+    """
+
+    _state_other_tensors = ("H", "loss", "prior_mean", "prior_precision", "sigma_noise")
+    _state_counts = ("n_data", "n_outputs")
+
+    def _state_identity(self) -> dict[str, Any]:
+        return {
+            **super()._state_identity(),
+            "param_names": list(self._subset.names),
+            "param_shapes": [list(p.shape) for p in self._subset.params],
+        }
+
+    def _state_value_keys(self) -> tuple[str, ...]:
+        return PARAMETRIC_VALUES
+
+    def _state_values(self) -> dict[str, Any]:
+        return {
+            "H": self._curvature_state(),
+            "loss": torch.as_tensor(self.loss).detach(),
+            "n_data": int(self.n_data),
+            "n_outputs": int(self.n_outputs),
+            "prior_mean": self.prior_mean.detach(),
+            "prior_precision": self.prior_precision.detach(),
+            "sigma_noise": self.sigma_noise.detach(),
+            "temperature": float(self.temperature),
+            "enable_backprop": bool(self.enable_backprop),
+        }
+
+    def _check_state_values(self, state_dict: dict[str, Any]) -> None:
+        check_bool(state_dict["enable_backprop"], "state_dict['enable_backprop']")
+
+    def _load_state_values(self, state_dict: dict[str, Any]) -> None:
         self.H = self._load_curvature_state(state_dict["H"])
         self.loss = state_dict["loss"].to(device=self._device, dtype=self._dtype)
         self.n_data = int(state_dict["n_data"])
@@ -169,7 +245,6 @@ class StateDictMixin:
         self.temperature = float(check_temperature(state_dict["temperature"]))
         self.enable_backprop = bool(state_dict["enable_backprop"])
         self._posterior_cache = None
-        self._fitted = True
 
     def _curvature_state(self) -> Any:
         return self.H.detach()

@@ -34,7 +34,7 @@ from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.priors import expand_to_diagonal
 from laplace.serialization import check_state_dict
 from laplace.subsets import Subnetwork
-from laplace.utils.enums import Likelihood, PriorStructure, parse_enum
+from laplace.utils.enums import Likelihood, PredType, PriorStructure, TuningMethod
 
 __all__ = ["DiagSubnetLaplace", "FullSubnetLaplace", "SubnetLaplace"]
 
@@ -144,19 +144,14 @@ class SubnetLaplace(ParametricLaplace):
         delta = self.mean_subnet - self.prior_mean
         return (delta.square() * self.prior_precision_diag).sum()
 
-    def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
-        """See :meth:`~laplace.base.BaseLaplace.optimize_prior_precision`.
-
-        Raises:
-            ValueError: For ``prior_structure="layerwise"`` (the subnetwork has no layers).
-        """
-        structure = kwargs.get("prior_structure", args[5] if len(args) > 5 else "scalar")
-        if parse_enum(PriorStructure, structure, "prior_structure") == PriorStructure.LAYERWISE:
+    def _check_tuning(
+        self, method: TuningMethod, pred_type: PredType, prior_structure: PriorStructure
+    ) -> None:
+        if prior_structure == PriorStructure.LAYERWISE:
             raise ValueError(
                 "subnetwork Laplace supports prior_structure='scalar' or 'diag' (one value per "
                 "subnetwork entry), not 'layerwise'."
             )
-        super().optimize_prior_precision(*args, **kwargs)
 
     # ------------------------------------------------------------------- samples and values
     def assemble_full_samples(self, subnet_samples: Tensor) -> Tensor:

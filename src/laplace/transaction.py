@@ -23,6 +23,9 @@ place.
 Every subclass of :class:`Transactional` (every Laplace class) has the methods named in
 :data:`TRANSACTIONAL_METHODS` wrapped by :func:`transactional`, wherever they are defined (a
 mixin, a subclass); nested calls (``super().fit``) share the outermost snapshot.
+
+:func:`preserve_model_gradients` is the same promise for the model: a fit that optimises its own
+variables with autograd (VaLLA, ELLA) leaves the ``.grad`` of the model's parameters as it was.
 """
 
 from __future__ import annotations
@@ -34,7 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TRANSACTIONAL_METHODS", "Snapshot", "Transactional", "transactional"]
+__all__ = [
+    "TRANSACTIONAL_METHODS",
+    "Snapshot",
+    "Transactional",
+    "preserve_model_gradients",
+    "transactional",
+]
 
 #: Methods of a Laplace approximation that change nothing when they raise.
 TRANSACTIONAL_METHODS = (
@@ -130,3 +139,24 @@ class Transactional:
     def _transaction_rebuild(self) -> dict[str, Callable[[], Any]]:
         """Attributes of this object left out of the snapshot, with how to rebuild them."""
         return {}
+
+
+def preserve_model_gradients(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a method of an object with a ``model`` so it leaves ``param.grad`` untouched.
+
+    The ``.grad`` of every parameter (``None`` included) is restored after the call, also when
+    it raises: a fit that optimises its own variables with autograd does not disturb the
+    gradients a training loop may hold.
+    """
+
+    @functools.wraps(method)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        params = list(self.model.parameters())
+        saved = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            for p, grad in zip(params, saved, strict=True):
+                p.grad = grad
+
+    return wrapped

@@ -1,15 +1,17 @@
 """Prior-precision tuning: marginal-likelihood ascent and validation grid search.
 
-Both work with any Laplace approximation through its public interface
-(``log_marginal_likelihood``, ``prior_precision``, the predictive), never its structure.
+Both receive what they need as values and callables (the log marginal likelihood as a function
+of the prior precision, the validation loss of a candidate), never the Laplace object, so they
+work with any approximation and never branch on its structure. :class:`PriorTuning`, a mixin
+of every Laplace class, holds ``optimize_prior_precision`` (written once) and wires them.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 import torchmetrics
@@ -18,32 +20,45 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from laplace import distributed as distributed_utils
-from laplace.errors import ArgumentTypeError, check_positive_float, check_positive_int
+from laplace.errors import (
+    ArgumentTypeError,
+    check_int_at_least,
+    check_positive_float,
+    check_positive_int,
+)
 from laplace.evaluation.tasks import validation_metric
+from laplace.likelihoods import LikelihoodModel
 from laplace.posteriors import NotPositiveDefiniteError
-from laplace.utils.enums import LinkApprox, PredType
+from laplace.priors import as_prior_precision, fix_prior_prec_structure
+from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMethod, parse_enum
 from laplace.utils.metrics import RunningNLLMetric
-from laplace.utils.utils import validate
-
-if TYPE_CHECKING:
-    from laplace.base import BaseLaplace
+from laplace.utils.validation import validate
 
 __all__ = [
+    "PriorTuning",
     "default_validation_loss",
     "grid_candidates",
     "gridsearch",
     "maximize_marglik",
+    "search_grid",
     "validation_loss",
 ]
 
+T = TypeVar("T")
+
 
 def maximize_marglik(
-    la: BaseLaplace, init: Tensor, n_steps: int, lr: float, progress_bar: bool = False
+    log_marginal_likelihood: Callable[[Tensor], Tensor],
+    init: Tensor,
+    n_steps: int,
+    lr: float,
+    progress_bar: bool = False,
 ) -> Tensor:
     """Maximise the log marginal likelihood over ``log p₀`` with Adam.
 
     Args:
-        la: A fitted Laplace approximation.
+        log_marginal_likelihood: The log marginal likelihood of a fitted Laplace approximation
+            as a differentiable function of the prior precision.
         init: Initial prior precision, any valid structure (scalar/layer-wise/diagonal).
         n_steps: Number of Adam steps.
         lr: Adam learning rate.
@@ -56,46 +71,52 @@ def maximize_marglik(
     optimizer = torch.optim.Adam([log_prior], lr=lr)
     for _ in tqdm(range(n_steps), disable=not progress_bar, desc="marglik tuning"):
         optimizer.zero_grad()
-        neg_marglik = -la.log_marginal_likelihood(prior_precision=log_prior.exp())
+        neg_marglik = -log_marginal_likelihood(log_prior.exp())
         neg_marglik.backward()
         optimizer.step()
     return log_prior.detach().exp()
 
 
-def default_validation_loss(la: BaseLaplace) -> torchmetrics.Metric:
+def default_validation_loss(
+    likelihood: LikelihoodModel, n_outputs: int, device: torch.device
+) -> torchmetrics.Metric:
     """Running NLL for probability outputs, running mean squared error otherwise.
 
     Grid search validates with ``fitting=True``, so the likelihood the model was fitted with
-    decides (reward modelling predicts pair probabilities there).
+    decides (reward modelling predicts pair probabilities there): pass the fit likelihood.
     """
-    if la._likelihood_model.fit_likelihood.predicts_probabilities:
-        return RunningNLLMetric().to(la._device)
-    return torchmetrics.MeanSquaredError(num_outputs=la.n_outputs).to(la._device)
+    if likelihood.predicts_probabilities:
+        return RunningNLLMetric().to(device)
+    return torchmetrics.MeanSquaredError(num_outputs=n_outputs).to(device)
 
 
-def validation_loss(la: BaseLaplace, loss: Any) -> torchmetrics.Metric | Callable:
+def validation_loss(
+    loss: Any,
+    likelihood: LikelihoodModel,
+    n_outputs: int,
+    sigma_noise: Tensor,
+    distributed: bool,
+    device: torch.device,
+) -> torchmetrics.Metric | Callable:
     """The grid-search loss for the user's ``loss`` argument.
 
     None gives :func:`default_validation_loss`; a name (``"nll"``, ``"ece"``, ``"brier"``,
     ``"crps"``, see :func:`laplace.evaluation.validation_metric`) gives that running metric of
-    the predictions grid search validates (those of the fit likelihood); anything else is
-    returned as it is. Named metrics of a distributed fit add their sums over all ranks.
+    the predictions grid search validates (those of the fit likelihood, ``likelihood``);
+    anything else is returned as it is. Named metrics of a distributed fit add their sums over
+    all ranks.
 
     Raises:
         ValueError: For an unknown name or one that does not apply to the likelihood.
     """
     if loss is None:
-        return default_validation_loss(la)
+        return default_validation_loss(likelihood, n_outputs, device)
     if not isinstance(loss, str):
         return loss
     metric = validation_metric(
-        loss,
-        la._likelihood_model.fit_likelihood.kind,
-        la.n_outputs,
-        la.sigma_noise,
-        sync_on_compute=getattr(la, "_distributed", False),
+        loss, likelihood.kind, n_outputs, sigma_noise, sync_on_compute=distributed
     )
-    return metric.to(la._device)
+    return metric.to(device)
 
 
 def grid_candidates(
@@ -119,22 +140,54 @@ def grid_candidates(
     return torch.logspace(low, high, size, base=base, device=device, dtype=dtype)
 
 
+def search_grid(
+    candidates: Iterable[T],
+    score: Callable[[T], float],
+    progress_bar: bool = False,
+) -> tuple[T | None, list[float]]:
+    """Score every candidate; the first one with the lowest finite score wins.
+
+    Args:
+        candidates: Hyperparameter settings to try, in order.
+        score: Applies a candidate to the approximation and returns its validation loss
+            (NaN or inf when the candidate cannot be evaluated).
+        progress_bar: Show a progress bar.
+
+    Returns:
+        The best candidate (None when no score is finite) and the scores in candidate order.
+    """
+    best, best_score, scores = None, math.inf, []
+    for candidate in tqdm(candidates, disable=not progress_bar, desc="gridsearch"):
+        value = score(candidate)
+        scores.append(value)
+        if math.isfinite(value) and value < best_score:
+            best, best_score = candidate, value
+    return best, scores
+
+
 def gridsearch(
-    la: BaseLaplace,
     candidates: Tensor,
+    validation_score: Callable[[Tensor], float],
     val_loader: DataLoader,
-    loss: torchmetrics.Metric | Callable,
-    pred_type: PredType,
-    link_approx: LinkApprox,
-    n_samples: int,
+    distributed: bool = False,
     progress_bar: bool = False,
 ) -> Tensor:
     """Pick the candidate prior precision with the lowest validation loss.
 
     Candidates whose posterior cannot be factorised or whose loss is not finite are skipped;
-    the first of equal losses wins. After a distributed fit (see :mod:`laplace.distributed`)
-    each rank validates on its own shard of ``val_loader`` and the losses, taken as means over
-    the shard, are averaged over all validation points, so every rank picks the same candidate.
+    the first of equal losses wins (see :func:`search_grid`). After a distributed fit (see
+    :mod:`laplace.distributed`) each rank validates on its own shard of ``val_loader`` and the
+    losses, taken as means over the shard, are averaged over all validation points, so every
+    rank picks the same candidate.
+
+    Args:
+        candidates: Candidate prior precisions, shape (G,).
+        validation_score: The validation loss with a candidate prior precision (shape (1,))
+            set; it may raise :class:`~laplace.posteriors.NotPositiveDefiniteError` or a
+            ``LinAlgError`` for a candidate whose posterior cannot be factorised.
+        val_loader: The validation data ``validation_score`` reads (counted when distributed).
+        distributed: Whether the approximation was fitted across processes.
+        progress_bar: Whether to show a progress bar.
 
     Returns:
         The best candidate, shape (1,).
@@ -142,30 +195,157 @@ def gridsearch(
     Raises:
         RuntimeError: If no candidate gives a finite validation loss.
     """
-    distributed = getattr(la, "_distributed", False)
     n_val = distributed_utils.data_count(val_loader) if distributed else 1
-    best, best_loss = None, float("inf")
-    for prior_prec in tqdm(candidates, disable=not progress_bar, desc="gridsearch"):
-        la.prior_precision = prior_prec.reshape(1)
+
+    def score(prior_prec: Tensor) -> float:
         with distributed_utils.guard(distributed, "gridsearch"):
             try:
-                value = validate(
-                    la,
+                value = validation_score(prior_prec.reshape(1))
+            except (NotPositiveDefiniteError, torch.linalg.LinAlgError):
+                value = float("inf")
+        if distributed:  # the mean over all ranks' validation points
+            sums = torch.tensor(
+                [value * n_val, n_val], dtype=torch.float64, device=candidates.device
+            )
+            total, count = distributed_utils.all_reduce_sum(sums).tolist()
+            value = total / count
+        return value
+
+    best, _ = search_grid(candidates, score, progress_bar)
+    if best is None:
+        raise RuntimeError("gridsearch: every candidate prior precision gave a non-finite loss.")
+    return best.reshape(1)
+
+
+class PriorTuning:
+    """``optimize_prior_precision`` of every Laplace approximation, written once.
+
+    A mixin of :class:`~laplace.base.BaseLaplace`: it wires the functions above to the
+    approximation's log marginal likelihood, prior precision and predictive. A public class
+    whose laplace-torch parameter list differs (other defaults) keeps that list and hands its
+    arguments here with :func:`~laplace.base.arguments_for`; an approximation that supports
+    fewer options refuses them in :meth:`_check_tuning`.
+    """
+
+    def optimize_prior_precision(
+        self,
+        pred_type: PredType | str = PredType.GLM,
+        method: TuningMethod | str = TuningMethod.MARGLIK,
+        n_steps: int = 100,
+        lr: float = 1e-1,
+        init_prior_prec: float | Tensor = 1.0,
+        prior_structure: PriorStructure | str = PriorStructure.SCALAR,
+        val_loader: DataLoader | None = None,
+        loss: Any = None,
+        log_prior_prec_min: float = -4,
+        log_prior_prec_max: float = 4,
+        grid_size: int = 100,
+        link_approx: LinkApprox | str = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        verbose: bool = False,
+        progress_bar: bool = False,
+        log_prior_prec_base: float = 10.0,
+    ) -> None:
+        """Tune the prior precision by marginal likelihood or by validation grid search.
+
+        Args:
+            pred_type: Predictive used by grid search (``"glm"`` or ``"nn"``).
+            method: ``"marglik"`` (Adam on log p₀) or ``"gridsearch"`` (needs ``val_loader``).
+            n_steps: Adam steps for marglik.
+            lr: Adam learning rate for marglik.
+            init_prior_prec: Initial precision for marglik; its structure is kept unless it is
+                a scalar, which is then expanded to ``prior_structure``.
+            prior_structure: ``"scalar"``, ``"layerwise"`` or ``"diag"`` for marglik.
+            val_loader: Validation data for grid search.
+            loss: Validation loss for grid search: a torchmetrics Metric, a callable, or a name
+                (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``; see
+                :mod:`laplace.evaluation`); defaults to running NLL for classification and
+                running MSE for regression.
+            log_prior_prec_min: Lower end of the grid, as an exponent of ``log_prior_prec_base``.
+            log_prior_prec_max: Upper end of the grid.
+            grid_size: Number of grid points.
+            link_approx: Link approximation used by grid search.
+            n_samples: Samples of the predictive for grid search with MC links.
+            verbose: Print the chosen prior precision.
+            progress_bar: Show a progress bar.
+            log_prior_prec_base: Base of the log-spaced grid.
+
+        Raises:
+            ValueError: For an unknown method, structure, pred_type or link_approx, grid
+                search without ``val_loader``, an unknown ``loss`` name, a negative
+                ``n_steps``, a non-positive ``lr`` or ``grid_size``, or a grid that is not
+                finite; a non-integer count raises an error that is a ``ValueError`` and a
+                ``TypeError``.
+        """
+        method = parse_enum(TuningMethod, method, "method")
+        pred_type = parse_enum(PredType, pred_type, "pred_type")
+        link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
+        prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
+        self._check_tuning(method, pred_type, prior_structure)
+        if method == TuningMethod.MARGLIK:
+            check_int_at_least(n_steps, "n_steps", 0)
+            check_positive_float(lr, "lr")
+        self._check_fitted("optimize_prior_precision")
+        if method == TuningMethod.MARGLIK:
+            if torch.is_tensor(init_prior_prec) and init_prior_prec.numel() > 1:
+                init = as_prior_precision(
+                    init_prior_prec, *self._prior_lengths, self._device, self._dtype
+                )
+            else:
+                init = fix_prior_prec_structure(
+                    check_positive_float(init_prior_prec, "init_prior_prec"),
+                    prior_structure,
+                    *self._prior_lengths,
+                    self._device,
+                    self._dtype,
+                )
+            self.prior_precision = maximize_marglik(
+                self.log_marginal_likelihood, init, n_steps, lr, progress_bar
+            )
+        else:
+            if val_loader is None:
+                raise ValueError("method='gridsearch' needs a val_loader with validation data.")
+            candidates = grid_candidates(
+                log_prior_prec_min,
+                log_prior_prec_max,
+                grid_size,
+                log_prior_prec_base,
+                self._device,
+                self._dtype,
+            )
+            distributed = getattr(self, "_distributed", False)
+            loss = validation_loss(
+                loss,
+                self._likelihood_model.fit_likelihood,
+                self.n_outputs,
+                self.sigma_noise,
+                distributed,
+                self._device,
+            )
+
+            def validation_score(prior_precision: Tensor) -> float:
+                self.prior_precision = prior_precision
+                return validate(
+                    self,
                     val_loader,
                     loss,
                     pred_type,
                     link_approx,
                     n_samples,
-                    dict_key_y=la.dict_key_y,
+                    dict_key_y=self.dict_key_y,
                 )
-            except (NotPositiveDefiniteError, torch.linalg.LinAlgError):
-                value = float("inf")
-        if distributed:  # the mean over all ranks' validation points
-            sums = torch.tensor([value * n_val, n_val], dtype=torch.float64, device=la._device)
-            total, count = distributed_utils.all_reduce_sum(sums).tolist()
-            value = total / count
-        if value < best_loss:
-            best, best_loss = prior_prec.reshape(1), value
-    if best is None:
-        raise RuntimeError("gridsearch: every candidate prior precision gave a non-finite loss.")
-    return best
+
+            self.prior_precision = gridsearch(
+                candidates, validation_score, val_loader, distributed, progress_bar
+            )
+        if verbose:
+            print(f"Optimized prior precision is {self.prior_precision}.")
+
+    def _check_tuning(
+        self, method: TuningMethod, pred_type: PredType, prior_structure: PriorStructure
+    ) -> None:
+        """Refuse tuning options this approximation cannot use, before any work.
+
+        Called with the parsed options; a subclass that supports fewer (a subnetwork has no
+        layer-wise prior) raises a ``ValueError`` naming the option and the accepted values.
+        """

@@ -57,6 +57,19 @@ def test_jacobians_and_gradients_match_oracle(case, row):
 
 
 @pytest.mark.parametrize("row", BACKENDS, ids=ids(BACKENDS))
+def test_jacobians_and_gradients_under_no_grad(case, row):
+    """Predictives and grid search call the backend inside ``torch.no_grad()``."""
+    oracle = Oracle(case.model, case.likelihood)
+    backend = row.cls(case.model, case.likelihood)
+    with torch.no_grad():
+        Js, f = backend.jacobians(case.X)
+        Gs, _ = backend.gradients(case.X, case.y)
+    assert_close(Js, oracle.jacobian(case.X))
+    assert_close(f, case.model(case.X))
+    assert_close(Gs, oracle.per_sample_gradients(case.X, case.y))
+
+
+@pytest.mark.parametrize("row", BACKENDS, ids=ids(BACKENDS))
 def test_enable_backprop_differentiates_wrt_inputs(row):
     case = CASE_BUILDERS["mlp_regression_3out"]()
     backend = row.cls(case.model, case.likelihood)

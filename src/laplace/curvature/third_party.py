@@ -54,6 +54,10 @@ class _Snapshot:
 def isolated(*modules: nn.Module) -> Iterator[list[RemovableHandle]]:
     """Run a block whose hooks and attributes on ``modules`` are all undone afterwards.
 
+    The block runs with gradients enabled: third-party libraries record their quantities by
+    backpropagating, which must work inside a caller's ``torch.no_grad()`` (predictives and
+    grid search run there).
+
     Args:
         *modules: The modules (with their submodules and parameters) to keep clean.
 
@@ -66,7 +70,8 @@ def isolated(*modules: nn.Module) -> Iterator[list[RemovableHandle]]:
         param.grad = None
     handles: list[RemovableHandle] = []
     try:
-        yield handles
+        with torch.enable_grad():
+            yield handles
     finally:
         for handle in handles:
             handle.remove()

@@ -112,8 +112,8 @@ def evaluate(
     ``(f_mu (B, C), f_var (B, C, C) or (B, C))`` for regression, as a fitted Laplace
     approximation does. Any callable that returns the same works, e.g.
     ``lambda x: model(x).softmax(-1)`` for the MAP network. The predictive runs in the
-    caller's autograd mode (some curvature backends need gradients to predict; wrap a plain
-    network's call in :func:`torch.no_grad` to save its graph) and its outputs are detached.
+    caller's autograd mode (wrap a plain network's call in :func:`torch.no_grad` to save its
+    graph) and its outputs are detached.
 
     Classification gives ``accuracy``, ``nll``, ``brier``, ``ece`` and ``mce`` (torchmetrics'
     calibration errors over ``n_bins`` equal-width confidence bins), ``confidence`` (mean

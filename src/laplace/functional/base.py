@@ -4,29 +4,54 @@ Linearising the network at the MAP ``θ*`` turns it into a GLM, ``f(x) ≈ f(x; 
 whose weight-space Gaussian prior ``N(μ₀, P₀⁻¹)`` is a Gaussian process over functions with the
 neural tangent kernel ``k(x, x') = J(x) P₀⁻¹ J(x')ᵀ`` (Khan et al., 2019; Immer et al., 2021).
 Subclasses approximate the GP posterior (subset of data, Nyström, variational) and supply its
-latent moments through :meth:`_latent_moments`; this class turns them into predictions.
+latent moments through :meth:`_latent_moments`; this class turns them into predictions and holds
+what they share: the check of a fit's first outputs and targets, Jacobians in the GLM
+predictive's chunks, the validation score (:class:`~laplace.functional.scoring.ValidationNLL`)
+and the state (:class:`~laplace.serialization.StateDict`). :class:`IsotropicPriorMixin` is the
+scalar prior of FunctionalLaplace and ELLA, :class:`ValidationTunedMixin` what ELLA and VaLLA
+share (a fit history with validation scores, no marginal likelihood).
 
 Internal module; the public path is :mod:`laplace.baselaplace`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace
-from laplace.data import Inputs, batch_size_of, prepare_inputs
-from laplace.errors import check_generator, check_positive_int
+from laplace.data import Inputs, batch_size_of, check_outputs, input_chunks, prepare_inputs
+from laplace.errors import UnsupportedError, check_generator, check_positive_int
+from laplace.functional.scoring import ValidationNLL
+from laplace.glm import jacobian_chunk_rows
 from laplace.likelihoods import LikelihoodModel
 from laplace.predictive import LINKS, gaussian_output_samples
+from laplace.priors import as_scalar_prior_precision, check_temperature
+from laplace.serialization import StateDict
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
 
-__all__ = ["BaseFunctionalLaplace"]
+__all__ = ["BaseFunctionalLaplace", "IsotropicPriorMixin", "ValidationTunedMixin"]
 
 
-class BaseFunctionalLaplace(BaseLaplace):
+class IsotropicPriorMixin:
+    """A scalar prior precision ``δ`` (the GP prior of function-space approximations)."""
+
+    def _set_isotropic_prior(self, value: float | Tensor) -> None:
+        name = type(self).__name__
+        self._prior_precision = as_scalar_prior_precision(value, name, self._device, self._dtype)
+
+    prior_precision = property(
+        BaseLaplace.prior_precision.fget,
+        _set_isotropic_prior,
+        doc="Isotropic prior precision ``δ``, shape (1,).",
+    )
+
+
+class BaseFunctionalLaplace(StateDict, BaseLaplace):
     """Predictions and sampling shared by the function-space Laplace approximations.
 
     A subclass implements :meth:`fit` and :meth:`_latent_moments`, which returns the GP
@@ -37,6 +62,67 @@ class BaseFunctionalLaplace(BaseLaplace):
 
     def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
+
+    def _jacobian_covariance(self, Js: Tensor, joint: bool) -> Tensor:
+        """Posterior covariance of the outputs with Jacobians ``Js`` (B, C, P), see below."""
+        raise NotImplementedError
+
+    def functional_variance(self, Js: Tensor) -> Tensor:
+        """Posterior output covariances from Jacobians: (B, C, P) → (B, C, C)."""
+        self._check_fitted("functional_variance")
+        return self._jacobian_covariance(Js, joint=False)
+
+    def functional_covariance(self, Js: Tensor) -> Tensor:
+        """Joint posterior covariance from Jacobians: (B, C, P) → (B·C, B·C)."""
+        self._check_fitted("functional_covariance")
+        return self._jacobian_covariance(Js, joint=True)
+
+    def _resolve_subset(self, train_loader: DataLoader) -> None:
+        """Make sure the parameters are known before fitting (all weights: always)."""
+
+    def _check_first_batch(self, X: Inputs, y: Tensor) -> torch.Size:
+        """Check the model's outputs on ``X`` and the targets ``y`` before any Jacobian.
+
+        Sets :attr:`n_outputs`.
+
+        Returns:
+            The shape of the outputs (B, C).
+
+        Raises:
+            ValueError: For outputs that are not (B, C) or targets that do not fit them.
+        """
+        with torch.no_grad():
+            f = check_outputs(self.model(X), batch_size_of(X, self.dict_key_x))
+        self._likelihood_model.check_targets(y, f.shape)
+        self.n_outputs = f.shape[-1]
+        return f.shape
+
+    def _jacobian_chunks(
+        self, X: Inputs, enable_backprop: bool = False
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """``(Js (b, C, P), f (b, C))`` of the backend over chunks of the GLM predictive's size."""
+        rows = jacobian_chunk_rows(self.n_outputs, self.n_params, self._dtype)
+        for chunk in input_chunks(X, rows, self.dict_key_x):
+            Js, f = self.backend.jacobians(chunk, enable_backprop=enable_backprop)
+            yield (Js, f) if enable_backprop else (Js.detach(), f.detach())
+
+    def _check_state_values(self, state_dict: dict[str, Any]) -> None:
+        check_temperature(state_dict["temperature"])
+
+    def _validation_nll(self, loader: DataLoader) -> float:
+        """Mean predictive NLL per data point of ``loader`` (laplace-torch's validation score).
+
+        Scored with the likelihood of the fit (pair probabilities for reward modelling): the
+        noisy Gaussian for regression, the probit approximation for class probabilities.
+        """
+        loop = self._data_loop(
+            ValidationNLL,
+            moments=self.predictive_moments,
+            likelihood=self._likelihood_model.fit_likelihood,
+            sigma_noise=self.sigma_noise,
+        )
+        with torch.no_grad():
+            return float(loop.run(loader))
 
     def _checked_inputs(self, x: Inputs, what: str) -> Inputs:
         self._check_fitted(what)
@@ -189,3 +275,50 @@ class BaseFunctionalLaplace(BaseLaplace):
     def _prediction_likelihood(self, fitting: bool) -> LikelihoodModel:
         model = self._likelihood_model
         return model.fit_likelihood if fitting else model.predictive_likelihood
+
+
+class ValidationTunedMixin:
+    """What ELLA and VaLLA share: a fit history with validation scores, and no marginal likelihood.
+
+    ``fit_history_`` holds lists of values recorded by ``fit`` (``val_nll`` among them) and is
+    part of the state; like laplace-torch's, these approximations have no Laplace marginal
+    likelihood and do not track the training log-likelihood.
+    """
+
+    def _validate(self, val_loader: DataLoader | None, val_steps: int | None, step: int) -> None:
+        """Record the validation NLL after ``step`` steps if ``val_steps`` divides it."""
+        if val_loader is not None and val_steps and step % val_steps == 0:
+            self._fitted = True
+            self.fit_history_["val_nll"].append(self._validation_nll(val_loader))
+
+    def _validate_at_end(
+        self, val_loader: DataLoader | None, val_steps: int | None, steps: int
+    ) -> None:
+        """Record the validation NLL at the end of a fit unless the last step just did."""
+        if val_loader is not None and (not val_steps or steps % val_steps):
+            self.fit_history_["val_nll"].append(self._validation_nll(val_loader))
+
+    def log_marginal_likelihood(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Not defined (as in laplace-torch): tune by the validation NLL (``fit_history_``)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no Laplace marginal likelihood; its hyperparameters "
+            "are tuned by the validation NLL (see fit_history_)."
+        )
+
+    @property
+    def log_likelihood(self) -> Tensor:
+        """Not tracked (as in laplace-torch)."""
+        raise UnsupportedError(
+            f"{type(self).__name__} does not track the training log-likelihood."
+        )
+
+    def _state_value_keys(self) -> tuple[str, ...]:
+        return (*super()._state_value_keys(), "fit_history")
+
+    def _state_values(self) -> dict[str, Any]:
+        history = {k: list(v) for k, v in self.fit_history_.items()}
+        return {**super()._state_values(), "fit_history": history}
+
+    def _load_state_values(self, state_dict: dict[str, Any]) -> None:
+        super()._load_state_values(state_dict)
+        self.fit_history_ = {k: list(v) for k, v in state_dict["fit_history"].items()}

@@ -1,10 +1,32 @@
 r"""ELLA: linearised Laplace with a Nyström feature map (Deng et al., 2022).
 
+``fit`` draws ``M = subsample_size`` training points (seeded) and one output per point, and stacks
+their Jacobians into ``J_M`` (M, P). With the eigenpairs ``(λ_k, u_k)`` of the
+``K = n_eigenvalues`` largest eigenvalues of ``J_M J_Mᵀ``, the columns of
+
+.. math::
+    V = J_M^\top U_K Λ_K^{-1/2} \in \mathbb{R}^{P \times K}
+
+are orthonormal and span the top-``K`` part of the subset's Jacobian row space. The features
+``φ(x) = J(x) V`` (C, K) define a GLM with prior ``N(0, δ⁻¹ I_K)``; its posterior precision
+accumulates the GGN over the whole training loader,
+
+.. math::
+    A = \frac{1}{σ^2 T} \sum_n φ(x_n)^\top Λ_n φ(x_n) + δ I_K, \qquad
+    f_* \sim \mathcal{N}\big(f(x_*; θ^*),\; φ(x_*) A^{-1} φ(x_*)^\top\big),
+
+with ``Λ_n`` the output Hessian of the loss (``I`` for regression, ``diag(p) − ppᵀ`` for
+classification). When ``V`` spans the whole Jacobian row space of the training data (e.g.
+``M = N``, ``K`` = its rank, one output), this is the GLM predictive of
+:class:`~laplace.baselaplace.FullLaplace` at the training inputs, and everywhere when that rank is
+``P``. The Gaussian over the features is a :class:`~laplace.posteriors.DensePosterior`.
+
 Internal module; the public paths are :mod:`laplace.baselaplace` and :mod:`laplace`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -13,18 +35,25 @@ from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, check_outputs, dataset_size, prepare_batch
-from laplace.errors import UnsupportedError, check_finite_result
-from laplace.functional.base import BaseFunctionalLaplace
-from laplace.functional.nystrom import nystrom_basis, nystrom_indices
-from laplace.functional.scoring import (
-    check_state,
-    grid_search,
-    jacobian_chunks,
-    positive_int,
-    validation_nll,
+from laplace.data import dataset_size
+from laplace.data_loop import subset_loader
+from laplace.errors import check_positive_int
+from laplace.functional.base import (
+    BaseFunctionalLaplace,
+    IsotropicPriorMixin,
+    ValidationTunedMixin,
 )
-from laplace.priors import as_scalar_prior_precision
+from laplace.functional.nystrom import (
+    FeatureGram,
+    NystromPosteriorMixin,
+    dataset_labels,
+    nystrom_basis,
+    nystrom_indices,
+)
+from laplace.functional.scoring import tune_hyperparameters
+from laplace.posteriors import DensePosterior
+from laplace.transaction import preserve_model_gradients
+from laplace.tuning import grid_candidates
 from laplace.utils.enums import (
     Likelihood,
     LinkApprox,
@@ -33,41 +62,18 @@ from laplace.utils.enums import (
     TuningMethod,
     parse_enum,
 )
-from laplace.utils.functional_utils import (
-    preserve_model_gradients,
-    regression_targets,
-    subset_loader,
-)
 
 __all__ = ["ELLA"]
 
 
-class ELLA(BaseFunctionalLaplace):
+class ELLA(
+    NystromPosteriorMixin, IsotropicPriorMixin, ValidationTunedMixin, BaseFunctionalLaplace
+):
     r"""Linearised Laplace on a rank-``K`` Nyström approximation of the neural tangent kernel.
 
-    ``fit`` draws ``M = subsample_size`` training points (seeded) and one output per point, and
-    stacks their Jacobians into ``J_M`` (M, P). With the eigenpairs ``(λ_k, u_k)`` of the
-    ``K = n_eigenvalues`` largest eigenvalues of ``J_M J_Mᵀ``, the columns of
-
-    .. math::
-        V = J_M^\top U_K Λ_K^{-1/2} \in \mathbb{R}^{P \times K}
-
-    are orthonormal and span the top-``K`` part of the subset's Jacobian row space. The
-    features ``φ(x) = J(x) V`` (C, K) define a GLM with prior ``N(0, δ⁻¹ I_K)``; its posterior
-    precision accumulates the GGN over the whole training loader,
-
-    .. math::
-        A = \frac{1}{σ^2 T} \sum_n φ(x_n)^\top Λ_n φ(x_n) + δ I_K, \qquad
-        f_* \sim \mathcal{N}\big(f(x_*; θ^*),\; φ(x_*) A^{-1} φ(x_*)^\top\big),
-
-    with ``Λ_n`` the output Hessian of the loss (``I`` for regression, ``diag(p) − ppᵀ`` for
-    classification). When ``V`` spans the whole Jacobian row space of the training data (e.g.
-    ``M = N``, ``K`` = its rank, one output), this is the GLM predictive of
-    :class:`~laplace.baselaplace.FullLaplace` at the training inputs, and everywhere when that
-    rank is ``P``.
-
-    Jacobians are computed in chunks of at most :data:`~laplace.glm.JACOBIAN_CHUNK_BYTES`; only
-    the subset's selected rows (M, P) and the projection ``V`` are stored.
+    Features ``φ(x) = J(x) V`` (C, K) on ``K`` orthonormal directions ``V`` of a data subset's
+    Jacobians, with the GLM posterior ``N(0, A⁻¹)``, ``A = Σ φᵀ Λ φ/(σ²T) + δI`` (see
+    :mod:`laplace.functional.ella`). Only the subset's rows (M, P) and ``V`` are stored.
 
     Args:
         model: The trained network.
@@ -102,6 +108,17 @@ class ELLA(BaseFunctionalLaplace):
         >>> la.fit(train_loader); f_mu, f_var = la(x)  # doctest: +SKIP
     """
 
+    _state_plain = (
+        "subsample_size",
+        "n_eigenvalues",
+        "seed",
+        "temperature",
+        "n_data",
+        "n_outputs",
+    )
+    _state_tensors = ("dual_directions", "feature_gram", "prior_precision", "sigma_noise")
+    _state_counts = ("subsample_size", "n_eigenvalues", "n_data", "n_outputs")
+
     def __init__(
         self,
         model: nn.Module,
@@ -119,9 +136,9 @@ class ELLA(BaseFunctionalLaplace):
         backend_kwargs: dict[str, Any] | None = None,
         seed: int = 1234,
     ) -> None:
+        counts = (subsample_size, n_eigenvalues)
         if not (
-            positive_int(subsample_size)
-            and positive_int(n_eigenvalues)
+            all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts)
             and n_eigenvalues <= subsample_size
         ):
             raise ValueError(
@@ -135,27 +152,7 @@ class ELLA(BaseFunctionalLaplace):
         self.dual_directions: Tensor | None = None
         self.feature_gram: Tensor | None = None
         self.fit_history_: dict[str, list[Any]] = _empty_history()
-        self._factor_key: tuple | None = None
-        self._factor: Tensor | None = None
-
-    @property
-    def prior_precision(self) -> Tensor:
-        """Isotropic prior precision ``δ``, shape (1,)."""
-        return self._prior_precision
-
-    @prior_precision.setter
-    def prior_precision(self, value: float | Tensor) -> None:
-        tensor = as_scalar_prior_precision(value, "ELLA", self._device, self._dtype)
-        self._prior_precision = tensor.detach()
-
-    # ------------------------------------------------------------------------------- features
-    def _features(self, X: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
-        """Features ``φ = J V`` (B, C, K) and outputs (B, C)."""
-        feats, outs = [], []
-        for Js, f in jacobian_chunks(self, X, enable_backprop):
-            feats.append(Js @ self.dual_directions)
-            outs.append(f)
-        return torch.cat(feats), torch.cat(outs)
+        self._posterior_cache: tuple[tuple, DensePosterior] | None = None
 
     # ---------------------------------------------------------------------------------- fit
     @preserve_model_gradients
@@ -181,78 +178,42 @@ class ELLA(BaseFunctionalLaplace):
             ValueError: For a bad ``val_steps``, a subset larger than the data, a subset kernel
                 of too low rank, or targets of the wrong shape.
         """
-        if val_steps is not None and not positive_int(val_steps):
-            raise ValueError(f"val_steps must be a positive integer, got {val_steps!r}.")
+        if val_steps is not None:
+            check_positive_int(val_steps, "val_steps")
         dataset_size(train_loader)
         self.model.eval()
         self._fitted, self.n_data, self.fit_history_ = False, 0, _empty_history()
-        indices = nystrom_indices(self, train_loader, balanced)[: self.subsample_size]
-        first = next(iter(subset_loader(train_loader, indices[:1])))
-        X0, y0 = prepare_batch(first, self.dict_key_x, self.dict_key_y, self._device)
-        with torch.no_grad():
-            output_shape = check_outputs(self.model(X0), 1).shape
-        self._likelihood_model.check_targets(y0, output_shape)
-        self.n_outputs = output_shape[-1]
+        if balanced and not self._likelihood_model.fit_likelihood.predicts_probabilities:
+            raise ValueError("balanced=True needs classification (it balances the classes).")
+        labels = dataset_labels(train_loader, self.dict_key_x, self.dict_key_y)
+        indices = nystrom_indices(
+            train_loader, self.subsample_size, self.seed, labels if balanced else None
+        )
+        subset = subset_loader(train_loader, indices[: self.subsample_size])
+        output_shape = self._check_first_batch(*next(self._batches(subset)))
         self.mean = self._subset.vector().detach()
-        self.dual_directions = nystrom_basis(self, train_loader, indices)
-        K = self.n_eigenvalues
-        self.feature_gram = torch.zeros(K, K, dtype=self._dtype, device=self._device)
-        step = 0
-        for step, (X, y) in enumerate(self._batches(train_loader, progress_bar, "ELLA"), 1):
-            self._likelihood_model.check_targets(y, output_shape)
-            features, f = self._features(X)
-            check_finite_result(f, "model output of a training batch")
-            if self.likelihood == Likelihood.REGRESSION:
-                regression_targets(y, f)
-                self.feature_gram += torch.einsum("bck,bcl->kl", features, features)
-            else:
-                Lam = self._likelihood_model.output_hessian(f)
-                self.feature_gram += torch.einsum("bck,bcd,bdl->kl", features, Lam, features)
-            self.n_data += len(f)
-            self.fit_history_["processed_examples"].append(float(self.n_data))
-            if val_loader is not None and val_steps and step % val_steps == 0:
-                self._fitted = True
-                self.fit_history_["val_nll"].append(float(validation_nll(self, val_loader)))
-        if self.n_data == 0:
-            raise ValueError("train_loader is empty: fit needs at least one data point.")
+        inputs = (X for X, _ in self._batches(subset))
+        V = nystrom_basis(inputs, self._jacobian_chunks, self.n_eigenvalues, self.seed)
+        self.dual_directions = V.to(self._dtype)
+
+        def after_batch(step: int, gram: Tensor, n_data: int) -> None:
+            self.feature_gram, self.n_data, self._posterior_cache = gram, n_data, None
+            self.fit_history_["processed_examples"].append(float(n_data))
+            self._validate(val_loader, val_steps, step)
+
+        loop = self._data_loop(
+            FeatureGram,
+            progress_bar=progress_bar,
+            desc="ELLA",
+            features=self._features,
+            likelihood=self._likelihood_model,
+            output_shape=output_shape,
+            after_batch=after_batch,
+            empty_message="train_loader is empty: fit needs at least one data point.",
+        )
+        loop.run(train_loader)
         self._fitted = True
-        if val_loader is not None and (not val_steps or step % val_steps):
-            self.fit_history_["val_nll"].append(float(validation_nll(self, val_loader)))
-
-    # --------------------------------------------------------------------------- posterior
-    @property
-    def chol_precision(self) -> Tensor | None:
-        """Lower Cholesky factor of ``A = Σφᵀ Λ φ/(σ²T) + δI`` (K, K); None before fit."""
-        if self.feature_gram is None:
-            return None
-        key = (float(self.prior_precision), float(self.sigma_noise), self.temperature)
-        if key != self._factor_key:
-            eye = torch.eye(self.n_eigenvalues, dtype=self._dtype, device=self._device)
-            A = self._H_factor.detach() * self.feature_gram + self.prior_precision * eye
-            self._factor_key, self._factor = key, torch.linalg.cholesky(A)
-        return self._factor
-
-    def _feature_covariance(self, features: Tensor, joint: bool) -> Tensor:
-        L = self.chol_precision
-        if joint:
-            flat = features.reshape(-1, self.n_eigenvalues)
-            return flat @ torch.cholesky_solve(flat.T, L)
-        return features @ torch.cholesky_solve(features.transpose(1, 2), L)
-
-    def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
-        features, f = self._features(X, self.enable_backprop)
-        cov = self._feature_covariance(features, joint)
-        return (f.reshape(-1) if joint else f), cov
-
-    def functional_variance(self, Js: Tensor) -> Tensor:
-        """Posterior output covariances from Jacobians: (B, C, P) → (B, C, C)."""
-        self._check_fitted("functional_variance")
-        return self._feature_covariance(Js @ self.dual_directions, joint=False)
-
-    def functional_covariance(self, Js: Tensor) -> Tensor:
-        """Joint posterior covariance from Jacobians: (B, C, P) → (B·C, B·C)."""
-        self._check_fitted("functional_covariance")
-        return self._feature_covariance(Js @ self.dual_directions, joint=True)
+        self._validate_at_end(val_loader, val_steps, loop.steps)
 
     # ------------------------------------------------------------------------------ tuning
     def optimize_prior_precision(
@@ -304,76 +265,32 @@ class ELLA(BaseFunctionalLaplace):
             )
         if val_loader is None:
             raise ValueError("method='gridsearch' needs a val_loader with validation data.")
-        if not positive_int(grid_size):
-            raise ValueError(f"grid_size must be a positive integer, got {grid_size!r}.")
-        grid = torch.logspace(log_prior_prec_min, log_prior_prec_max, grid_size)
+        grid = grid_candidates(  # in the default dtype, as laplace-torch
+            log_prior_prec_min,
+            log_prior_prec_max,
+            grid_size,
+            10.0,
+            "cpu",
+            torch.get_default_dtype(),
+        )
         self.optimize_hyperparameters(val_loader, grid)
 
-    def optimize_hyperparameters(self, val_loader: DataLoader, grid: Any) -> None:
+    def optimize_hyperparameters(self, val_loader: DataLoader, grid: Iterable[Any]) -> None:
         """Set the candidate of ``grid`` with the lowest validation NLL.
 
-        Candidates are prior precisions or ``(prior_precision, sigma_noise)`` pairs; the scores
-        are appended to ``fit_history_["tuning"]``.
+        Candidates are prior precisions or ``(prior_precision, sigma_noise)`` pairs (regression);
+        one record per candidate (``prior_precision``, ``sigma_noise``, ``val_nll``) is appended
+        to ``fit_history_["tuning"]`` (see
+        :func:`laplace.functional.scoring.tune_hyperparameters`).
         """
         self._check_fitted("optimize_hyperparameters")
-        self.fit_history_["tuning"].extend(grid_search(self, val_loader, grid))
-
-    def log_marginal_likelihood(self, *args: Any, **kwargs: Any) -> Tensor:
-        """Not defined for ELLA (as in laplace-torch): tune by validation grid search."""
-        raise NotImplementedError(
-            "ELLA has no marginal likelihood; use optimize_prior_precision(method='gridsearch')."
-        )
-
-    @property
-    def log_likelihood(self) -> Tensor:
-        """Not tracked by ELLA (as in laplace-torch)."""
-        raise UnsupportedError("ELLA does not accumulate the training log-likelihood.")
+        records = tune_hyperparameters(self, grid, lambda: self._validation_nll(val_loader))
+        self.fit_history_["tuning"].extend(records)
 
     # -------------------------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
-        """Tensors and plain values, loadable with ``weights_only=True``.
-
-        Holds the basis, the curvature, the hyperparameters, the fit history and the MAP
-        weights (checked when loading).
-        """
-        self._check_fitted("state_dict")
-        return {
-            "cls_name": type(self).__name__,
-            "likelihood": self.likelihood.value,
-            "mean": self.mean,
-            "subsample_size": self.subsample_size,
-            "n_eigenvalues": self.n_eigenvalues,
-            "seed": self.seed,
-            "dual_directions": self.dual_directions.detach(),
-            "feature_gram": self.feature_gram.detach(),
-            "prior_precision": self.prior_precision.detach(),
-            "sigma_noise": self.sigma_noise.detach(),
-            "temperature": self.temperature,
-            "n_data": self.n_data,
-            "n_outputs": self.n_outputs,
-            "fit_history": {k: list(v) for k, v in self.fit_history_.items()},
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a state saved by :meth:`state_dict` for the same model.
-
-        Raises:
-            ValueError: For another class, likelihood, or model weights.
-        """
-        check_state(self, state_dict)
-        self.mean = state_dict["mean"].to(self._device, self._dtype)
-        self.subsample_size = state_dict["subsample_size"]
-        self.n_eigenvalues = state_dict["n_eigenvalues"]
-        self.seed = state_dict["seed"]
-        self.dual_directions = state_dict["dual_directions"].to(self._device, self._dtype)
-        self.feature_gram = state_dict["feature_gram"].to(self._device, self._dtype)
-        self.prior_precision = state_dict["prior_precision"]
-        self.sigma_noise = state_dict["sigma_noise"]
-        self.temperature = state_dict["temperature"]
-        self.n_data, self.n_outputs = state_dict["n_data"], state_dict["n_outputs"]
-        self.fit_history_ = {k: list(v) for k, v in state_dict["fit_history"].items()}
-        self._factor_key = None
-        self._fitted = True
+    def _load_state_values(self, state_dict: dict[str, Any]) -> None:
+        super()._load_state_values(state_dict)
+        self._posterior_cache = None
 
 
 def _empty_history() -> dict[str, list[Any]]:

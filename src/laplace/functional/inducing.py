@@ -1,43 +1,93 @@
-r"""Choice of VaLLA's inducing inputs from the training data: ``"random"`` or ``"kmeans"``.
+r"""VaLLA's inducing points: given, or chosen from the training data (``"random"``, ``"kmeans"``).
+
+Everything here takes values: inputs, targets, likelihood objects and settings.
 
 Internal module.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, MutableMapping
+from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader
 
-from laplace.data import Inputs, move_inputs
-from laplace.utils.enums import Likelihood
-from laplace.utils.functional_utils import (
-    classification_targets,
-    concatenate_rows,
-    select_rows,
-    subset_loader,
-    training_indices,
-)
-
-if TYPE_CHECKING:
-    from torch.utils.data import DataLoader
-
-    from laplace.functional.valla import VaLLA
+from laplace.data import Inputs, batch_size_of, move_inputs, select_rows, to_device
+from laplace.data_loop import DataLoop, subset_loader, training_indices
+from laplace.errors import check_positive_int
+from laplace.likelihoods import LikelihoodModel
 
 __all__ = [
+    "INDUCING_STATE",
+    "STRATEGIES",
     "as_inducing",
     "check_inducing_state",
     "choose_inducing",
     "detached_inputs",
-    "inducing_count",
+    "inducing_from_data",
+    "inducing_labels",
+    "inducing_setup",
+    "inducing_state",
     "kmeans",
+    "load_inducing_state",
     "pair_items",
+    "random_candidates",
 ]
 
+#: Strategies that choose the inducing inputs from the training data.
+STRATEGIES = ("random", "kmeans")
+#: Entries of :func:`inducing_state`.
+INDUCING_STATE = (
+    "inducing_locations",
+    "inducing_classes",
+    "inducing_strategy",
+    "initial_inducing_locations",
+    "initial_inducing_classes",
+)
 #: Lloyd iterations of :func:`kmeans`.
 KMEANS_ITERATIONS = 50
+
+
+def inducing_setup(
+    inducing_locations: Any,
+    num_inducing: int | None,
+    inducing_classes: Tensor | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    dict_key_x: str,
+) -> tuple[str | None, Any, int, Tensor]:
+    """Check VaLLA's inducing arguments.
+
+    Returns:
+        The strategy (None for given inputs), the inducing inputs (the strategy's name until a
+        fit chooses them), their number M, and the output used at each (M,).
+
+    Raises:
+        ValueError: For an unknown strategy, a bad ``num_inducing`` or ``inducing_classes`` of
+            the wrong shape.
+    """
+    if isinstance(inducing_locations, str):
+        if inducing_locations not in STRATEGIES:
+            raise ValueError(
+                f"inducing_locations must be inputs or one of {list(STRATEGIES)}, got "
+                f"{inducing_locations!r}."
+            )
+        strategy, Z = inducing_locations, inducing_locations
+        M = check_positive_int(num_inducing, "num_inducing")
+    else:
+        strategy, Z = None, as_inducing(inducing_locations, device, dtype)
+        M = batch_size_of(Z, dict_key_x)
+        if num_inducing is not None and num_inducing != M:
+            raise ValueError(f"num_inducing={num_inducing} but {M} inducing inputs given.")
+    classes = torch.zeros(M, dtype=torch.long)
+    if inducing_classes is not None:
+        classes = torch.as_tensor(inducing_classes, dtype=torch.long)
+    if classes.shape != (M,):
+        raise ValueError(f"inducing_classes must have shape ({M},).")
+    return strategy, Z, M, classes.to(device)
 
 
 def kmeans(points: Tensor, k: int, generator: torch.Generator) -> Tensor:
@@ -63,46 +113,84 @@ def kmeans(points: Tensor, k: int, generator: torch.Generator) -> Tensor:
     return centres
 
 
-def choose_inducing(la: VaLLA, loader: DataLoader, strategy: str) -> tuple[Inputs, Tensor]:
-    """Inducing inputs (M, ...) and their outputs (M,) drawn from the training data.
+def random_candidates(loader: DataLoader, M: int, seed: int, pairwise: bool) -> Tensor:
+    """Dataset indices of ``M`` seeded training points (``⌈M/2⌉`` pairs when ``pairwise``)."""
+    available = training_indices(loader)
+    order = torch.randperm(len(available), generator=torch.Generator().manual_seed(seed))
+    return available[order][: (M + 1) // 2 if pairwise else M]
 
-    ``"random"`` takes ``M`` seeded training points (``⌈M/2⌉`` pairs for reward modelling) in a
-    seeded order; ``"kmeans"`` runs :func:`kmeans` on all training inputs (floating-point
-    tensors only) and takes the training input nearest to each centre. Reward pairs are split
-    into their items (see :func:`pair_items`). Classification uses each point's label as its
-    output; regression and reward modelling output 0.
+
+def inducing_from_data(
+    loader: DataLoader,
+    strategy: str,
+    M: int,
+    seed: int,
+    likelihood: LikelihoodModel,
+    dict_key_x: str,
+    gather: Callable[..., DataLoop],
+) -> tuple[Inputs, Tensor]:
+    """Inducing inputs (M, ...) and outputs (M,) chosen from the training data.
+
+    Args:
+        loader: The training data.
+        strategy: ``"random"`` (candidates: ``M`` seeded points) or ``"kmeans"`` (all).
+        M: Number of inducing points.
+        seed: Seed of the choice.
+        likelihood: The likelihood (pairs, class labels; see :func:`inducing_labels`).
+        dict_key_x: Key of the inputs in dict-like batches.
+        gather: Builds the :class:`~laplace.data_loop.Gather` loop of the candidates from its
+            ``step`` argument.
+    """
+    if strategy == "random":
+        loader = subset_loader(loader, random_candidates(loader, M, seed, likelihood.pairwise))
+    step = partial(inducing_labels, likelihood=likelihood, dict_key_x=dict_key_x)
+    X, labels = gather(step=step).run(loader)
+    return choose_inducing(X, labels, M, strategy, seed)
+
+
+def inducing_labels(
+    X: Inputs, y: Tensor, likelihood: LikelihoodModel, dict_key_x: str
+) -> tuple[Inputs, Tensor]:
+    """Candidate inducing inputs of a batch and the output used at each.
+
+    Reward pairs are split into their items (see :func:`pair_items`); likelihoods predicting
+    class probabilities use each point's label, the others output 0.
+    """
+    if likelihood.pairwise:
+        X, y = pair_items(X, dict_key_x), y.new_zeros(2 * len(y), dtype=torch.long)
+    if likelihood.predictive_likelihood.predicts_probabilities:
+        return X, likelihood.class_indices(y)
+    return X, torch.zeros(len(y), dtype=torch.long, device=y.device)
+
+
+def choose_inducing(
+    X: Inputs, labels: Tensor, M: int, strategy: str, seed: int
+) -> tuple[Inputs, Tensor]:
+    """Inducing inputs (M, ...) and their outputs (M,) among candidates.
+
+    ``"random"`` takes ``M`` candidates in a seeded order; ``"kmeans"`` runs :func:`kmeans` on
+    the candidates (floating-point tensors only) and takes the one nearest to each centre.
+
+    Args:
+        X: Candidate inputs (n, ...).
+        labels: Their outputs (n,).
+        M: Number of inducing points.
+        strategy: ``"random"`` or ``"kmeans"``.
+        seed: Seed of the order or the initial centres.
 
     Raises:
-        ValueError: If the data has fewer than ``M`` points, or ``"kmeans"`` gets non-float or
+        ValueError: If there are fewer than ``M`` candidates, or ``"kmeans"`` gets non-float or
             dict-like inputs.
     """
-    M = la.num_inducing
-    reward = la.likelihood == Likelihood.REWARD_MODELING
-    if strategy == "random":
-        available = training_indices(loader)
-        order = torch.randperm(len(available), generator=torch.Generator().manual_seed(la.seed))
-        loader = subset_loader(loader, available[order][: (M + 1) // 2 if reward else M])
-    inputs, labels = [], []
-    for X, y in la._batches(loader):
-        if reward:
-            X = pair_items(X, la.dict_key_x)
-            y = torch.zeros(len(y) * 2, dtype=torch.long, device=la._device)
-        inputs.append(X)
-        if la.likelihood == Likelihood.CLASSIFICATION:
-            labels.append(classification_targets(y))
-        else:
-            labels.append(torch.zeros(len(y), dtype=torch.long, device=la._device))
-    X, labels = concatenate_rows(inputs), torch.cat(labels)
     if len(labels) < M:
         raise ValueError(f"num_inducing={M} exceeds the {len(labels)} training points.")
+    generator = torch.Generator().manual_seed(seed)
     if strategy == "kmeans":
         if isinstance(X, MutableMapping) or not X.is_floating_point():
             raise ValueError("inducing_locations='kmeans' needs floating-point tensor inputs.")
         flat = X.detach().reshape(len(X), -1)
-        centres = kmeans(flat.cpu(), M, torch.Generator().manual_seed(la.seed)).to(flat)
-        chosen = torch.cdist(centres, flat).argmin(1)
+        chosen = torch.cdist(kmeans(flat.cpu(), M, generator).to(flat), flat).argmin(1)
     else:  # a seeded order of the drawn points (as laplace-torch)
-        generator = torch.Generator().manual_seed(la.seed)
         chosen = torch.randperm(len(labels), generator=generator)[:M].to(labels.device)
     return select_rows(X, chosen, len(labels)), labels[chosen]
 
@@ -148,29 +236,49 @@ def detached_inputs(X: Inputs | None) -> Inputs | None:
     return None if X is None else X.detach().clone()
 
 
-def inducing_count(X: Inputs, dict_key_x: str) -> int:
-    """Number of inducing inputs: the leading size of ``X`` (or of its tensor ``dict_key_x``)."""
-    if isinstance(X, MutableMapping):
-        X = X[dict_key_x] if dict_key_x in X else next(v for v in X.values() if torch.is_tensor(v))
-    return len(X)
+def inducing_state(
+    Z: Inputs, classes: Tensor, strategy: str | None, initial: tuple[Inputs | None, Tensor]
+) -> dict[str, Any]:
+    """State entries of the inducing points (and those a refit starts from)."""
+    return {
+        "inducing_locations": detached_inputs(Z),
+        "inducing_classes": classes.detach().clone(),
+        "inducing_strategy": strategy,
+        "initial_inducing_locations": detached_inputs(initial[0]),
+        "initial_inducing_classes": initial[1].detach().clone(),
+    }
 
 
-def check_inducing_state(state: dict[str, Any], likelihood: Likelihood, dict_key_x: str) -> None:
+def load_inducing_state(
+    state: dict[str, Any], device: torch.device, dtype: torch.dtype
+) -> tuple[Inputs, Tensor, str | None, tuple[Inputs | None, Tensor]]:
+    """The inducing inputs, outputs, strategy and initial points of :func:`inducing_state`."""
+    initial = state["initial_inducing_locations"]
+    initial = None if initial is None else to_device(initial, device, dtype)
+    return (
+        as_inducing(state["inducing_locations"], device, dtype),
+        state["inducing_classes"].to(device),
+        state["inducing_strategy"],
+        (initial, state["initial_inducing_classes"].to(device)),
+    )
+
+
+def check_inducing_state(state: dict[str, Any], noise: bool, dict_key_x: str) -> None:
     """Check the shapes of a VaLLA state saved with ``num_inducing = M``.
 
     ``L`` must have ``M(M+1)/2`` entries, the inducing inputs and classes ``M`` rows, the prior
-    precision one entry, and the noise must be there iff the likelihood is regression.
+    precision one entry, and the noise must be there iff the likelihood has one (``noise``).
 
     Raises:
         ValueError: Naming the expected shapes.
     """
-    M, noise = state["num_inducing"], state["log_noise_variance"]
+    M, log_noise = state["num_inducing"], state["log_noise_variance"]
     if (
         not isinstance(M, int)
         or state["L"].shape != (M * (M + 1) // 2,)
         or state["inducing_classes"].shape != (M,)
-        or inducing_count(state["inducing_locations"], dict_key_x) != M
-        or (noise is None) != (likelihood != Likelihood.REGRESSION)
+        or batch_size_of(state["inducing_locations"], dict_key_x) != M
+        or (log_noise is not None) != noise
         or state["log_prior_precision"].numel() != 1
     ):
         raise ValueError(

@@ -1,149 +1,194 @@
 r"""The subset-of-data GP: kernel ``K_MM = J_M J_Mᵀ``, output curvature, and its posterior.
 
-Rows are ordered point-major (``m·C + c``). Jacobians are computed in chunks of points whose
-(rows, C, P) block stays under :data:`JACOBIAN_CHUNK_BYTES`; the subset's Jacobians are cached
-when they fit in :data:`CACHE_BYTES` and recomputed chunk by chunk otherwise, so neither fitting
-nor predicting ever holds an unbounded Jacobian.
+Rows are ordered point-major (``m·C + c``). The subset's Jacobians (either kind of
+:mod:`laplace.functional.ntk`) come in chunks of points of at most
+:data:`~laplace.glm.JACOBIAN_CHUNK_BYTES` (the GLM predictive's chunking); the leading chunks
+that fit in :data:`CACHE_BYTES` are kept between predictions and the others recomputed, so
+neither fitting nor predicting holds an unbounded Jacobian. Factored Jacobians (layer inputs and
+output gradients) of a subset are small, so they are all kept and a prediction costs time linear
+in the test points.
+
+The hyperparameters are arguments of the methods: the kernel scale ``s``, the output-curvature
+factor ``h = 1/(σ²T)`` and the observation noise variance ``σ²`` of likelihoods that have one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from laplace.data import Inputs, batch_size_of, check_outputs
+from laplace.data import Inputs, input_chunks, to_device
 from laplace.errors import check_finite_result
-from laplace.glm import jacobian_chunk_rows, slice_inputs
+from laplace.functional.ntk import DenseJacobian, FactoredJacobian
+from laplace.glm import jacobian_chunk_rows
+from laplace.likelihoods import LikelihoodModel
 from laplace.posteriors import NotPositiveDefiniteError
-from laplace.utils.enums import Likelihood
 
-if TYPE_CHECKING:
-    from laplace.functional.sod import FunctionalLaplace
-
-__all__ = ["SubsetKernel"]
+__all__ = ["Jacobians", "SubsetKernel"]
 
 #: Bytes of subset Jacobians kept between calls.
 CACHE_BYTES = 256 * 2**20
-#: Noise added to the classification scatter term (as laplace-torch).
-CLASSIFICATION_SCATTER_NOISE = 1e-5
+#: Noise added to the scatter term of likelihoods without observation noise (as laplace-torch).
+SCATTER_JITTER = 1e-5
 #: Cap of ``1/Λ`` where the output curvature vanishes (as laplace-torch).
 MAX_INVERSE_CURVATURE = 10.0
 
+#: Inputs and whether to keep the graph → (Jacobian of the points, outputs (B, C)).
+Jacobians = Callable[[Inputs, bool], tuple[DenseJacobian | FactoredJacobian, Tensor]]
+
 
 class SubsetKernel:
-    """Kernel, output curvature and scatter terms of the data subset of a FunctionalLaplace.
+    """Kernel, output curvature and scatter vector of a data subset, and the GP posterior.
 
     Attributes:
+        STATE_KEYS: The entries of :meth:`state`.
+        STATE_TENSORS: Those holding floating-point tensors.
+
+    Args:
         X: The subset's inputs (M, ...).
         K: ``J_M J_Mᵀ`` (M·C, M·C), or (C, M, M) with independent outputs.
         Lambda: Diagonal of the output Hessians of the loss, (M, C).
-        mu: Scatter vector: ``y − f − J(μ₀ − θ*)`` (regression) or ``J(θ* − μ₀)``, (M, C).
+        mu: Scatter vector: ``y − f − J(μ₀ − θ*)`` with observation noise, else ``J(θ* − μ₀)``,
+            (M, C).
         loss: Summed loss of the subset.
+        independent: Keep only the per-output blocks of the kernel.
+        jacobians: Jacobians and outputs of inputs (see :data:`Jacobians`).
+        chunk_rows: Points per Jacobian chunk of the subset.
+        dict_key_x: Key of the inputs in dict-like batches.
     """
+
+    STATE_KEYS = ("X_subset", "K_MM", "Lambda", "mu", "loss")
+    STATE_TENSORS = ("K_MM", "Lambda", "mu", "loss")
 
     def __init__(
         self,
-        la: FunctionalLaplace,
         X: Inputs,
         K: Tensor,
         Lambda: Tensor,
         mu: Tensor,
         loss: Tensor,
         independent: bool,
+        jacobians: Jacobians,
+        chunk_rows: int,
+        dict_key_x: str,
     ) -> None:
-        self.la, self.X, self.K, self.Lambda, self.mu, self.loss = la, X, K, Lambda, mu, loss
+        self.X, self.K, self.Lambda, self.mu, self.loss = X, K, Lambda, mu, loss
         self.independent = independent
         self.n_points, self.n_outputs = Lambda.shape
-        self._cache: list[Tensor] | None = None
+        self._jacobians, self._chunk_rows, self._dict_key_x = jacobians, chunk_rows, dict_key_x
+        self._cache: list[DenseJacobian | FactoredJacobian] = []
         self._factor_key: tuple | None = None
         self._factor: Tensor | None = None
 
     # ---------------------------------------------------------------------------- building
     @classmethod
-    def build(cls, la: FunctionalLaplace, X: Inputs, y: Tensor, independent: bool) -> SubsetKernel:
-        """Jacobians, outputs, curvature and scatter terms of the subset ``(X, y)``."""
-        self = cls.__new__(cls)
-        self.la, self.X, self.independent, self._cache = la, X, independent, None
-        self.n_points = batch_size_of(X, la.dict_key_x)
-        with torch.no_grad():
-            f0 = check_outputs(la.model(slice_inputs(X, 0, 1, self.n_points)), 1)
-        self.n_outputs = f0.shape[-1]
-        la._likelihood_model.check_targets(y, f0.shape)  # before any Jacobian
-        fs, Js = [], []
-        for _, J, f in self._chunks():
-            fs.append(f)
-            Js.append(J)
-        f = torch.cat(fs)
-        nbytes = self.n_points * self.n_outputs * Js[0].shape[-1] * Js[0].element_size()
-        self._cache = Js if nbytes <= CACHE_BYTES else None
-        likelihood = la._likelihood_model
+    def build(
+        cls,
+        X: Inputs,
+        y: Tensor,
+        likelihood: LikelihoodModel,
+        shift: Tensor,
+        independent: bool,
+        jacobians: Jacobians,
+        chunk_rows: int,
+        dict_key_x: str,
+    ) -> SubsetKernel:
+        """Jacobians, outputs, curvature and scatter terms of the subset ``(X, y)``.
+
+        Args:
+            X: The subset's inputs.
+            y: Its targets.
+            likelihood: The likelihood of the fit: loss, output Hessian, and whether the
+                scatter vector holds the residuals (likelihoods with observation noise).
+            shift: ``μ₀ − θ*``, shape (P,).
+            independent: Keep only the per-output blocks of the kernel.
+            jacobians: Jacobians and outputs of inputs.
+            chunk_rows: Points per Jacobian chunk.
+            dict_key_x: Key of the inputs in dict-like batches.
+
+        Raises:
+            RuntimeError: If a fit term contains NaN or inf.
+        """
+        chunks, outputs = [], []
+        for chunk in input_chunks(X, chunk_rows, dict_key_x):
+            J, f = jacobians(chunk, False)
+            chunks.append(J)
+            outputs.append(f)
+        f = torch.cat(outputs)
         y = likelihood.prepare_targets(f, y)
-        self.loss = likelihood.loss(f, y)
-        self.Lambda = likelihood.output_hessian(f).diagonal(dim1=-2, dim2=-1)
-        shift = la.prior_mean - la.mean
-        Jshift = torch.cat([J @ shift for _, J, _ in self._chunks(Js)])
-        if la.likelihood == Likelihood.REGRESSION:
-            self.mu = y - (f + Jshift)
-        else:
-            self.mu = -Jshift
-        self.K = self._gram()
+        Jshift = torch.cat([J.matvec(shift) for J in chunks])
+        mu = y - (f + Jshift) if likelihood.has_noise_hyperparameter else -Jshift
+        Lambda = likelihood.output_hessian(f).diagonal(dim1=-2, dim2=-1)
+        kernel = cls(
+            X, None, Lambda, mu, likelihood.loss(f, y), independent, jacobians, chunk_rows,
+            dict_key_x,
+        )  # fmt: skip
+        for J in chunks:
+            kernel._remember(J)
+        kernel.K = kernel._gram(chunks)
         for name in ("loss", "Lambda", "mu", "K"):
-            check_finite_result(getattr(self, name), f"GP {name} of the training subset")
-        self._factor_key, self._factor = None, None
-        return self
+            check_finite_result(getattr(kernel, name), f"GP {name} of the training subset")
+        return kernel
 
-    def _chunks(self, cached: list[Tensor] | None = None) -> Iterator[tuple[int, Tensor, Any]]:
-        """``(start, Js, f)`` per chunk of the subset; ``f`` is None when served from cache."""
-        cached = cached if cached is not None else self._cache
-        step = self.test_chunk_rows()
-        for i, start in enumerate(range(0, self.n_points, step)):
-            if cached is not None:
-                yield start, cached[i], None
-            else:
-                chunk = slice_inputs(self.X, start, start + step, self.n_points)
-                Js, f = self.la._jacobians(chunk)
-                yield start, Js, f
+    def _remember(self, J: DenseJacobian | FactoredJacobian) -> None:
+        """Keep the next subset chunk if the kept ones stay within :data:`CACHE_BYTES`."""
+        if sum(kept.nbytes for kept in self._cache) + J.nbytes <= CACHE_BYTES:
+            self._cache.append(J)
 
-    def test_chunk_rows(self) -> int:
-        """Points per Jacobian chunk under :data:`JACOBIAN_CHUNK_BYTES`."""
-        return jacobian_chunk_rows(self.n_outputs, self.la.n_params, self.la._dtype)
+    def _subset_jacobians(self) -> Iterator[DenseJacobian | FactoredJacobian]:
+        """The subset's Jacobians chunk by chunk: kept ones, then recomputed ones."""
+        for i, chunk in enumerate(input_chunks(self.X, self._chunk_rows, self._dict_key_x)):
+            if i < len(self._cache):
+                yield self._cache[i]
+                continue
+            J, _ = self._jacobians(chunk, False)
+            if i == len(self._cache):
+                self._remember(J)
+            yield J
 
-    def _gram(self) -> Tensor:
+    def _gram(self, chunks: list[DenseJacobian | FactoredJacobian]) -> Tensor:
         """``J_M J_Mᵀ`` from pairs of chunks (upper blocks mirrored)."""
         M, C = self.n_points, self.n_outputs
-        shape = (C, M, M) if self.independent else (M * C, M * C)
-        K = self.la.mean.new_zeros(shape)
-        for i, Ji, _ in self._chunks():
-            for j, Jj, _ in self._chunks():
-                if j < i:
-                    continue
+        K = self.Lambda.new_zeros((C, M, M) if self.independent else (M * C, M * C))
+        starts = [0]
+        for J in chunks:
+            starts.append(starts[-1] + J.shape[0])
+        for i, Ji in enumerate(chunks):
+            for j in range(i, len(chunks)):
+                block = Ji.cross(chunks[j], self.independent)
+                a, b, c, d = starts[i], starts[i + 1], starts[j], starts[j + 1]
                 if self.independent:
-                    block = torch.einsum("acp,bcp->cab", Ji, Jj)
-                    K[:, i : i + len(Ji), j : j + len(Jj)] = block
-                    K[:, j : j + len(Jj), i : i + len(Ji)] = block.transpose(1, 2)
+                    K[:, a:b, c:d] = block
+                    K[:, c:d, a:b] = block.transpose(1, 2)
                 else:
-                    block = Ji.flatten(0, 1) @ Jj.flatten(0, 1).T
-                    K[i * C : (i + len(Ji)) * C, j * C : (j + len(Jj)) * C] = block
-                    K[j * C : (j + len(Jj)) * C, i * C : (i + len(Ji)) * C] = block.T
+                    K[a * C : b * C, c * C : d * C] = block
+                    K[c * C : d * C, a * C : b * C] = block.T
         return K
 
+    def test_chunk_rows(self) -> int:
+        """Test points per chunk: their Jacobian and kernel with the subset in the budget."""
+        J = next(self._subset_jacobians())
+        return jacobian_chunk_rows(self.n_outputs, J.row_width + self.K.shape[-1], self.K.dtype)
+
     # --------------------------------------------------------------------------- posterior
-    def _noise(self) -> Tensor:
+    def _noise(self, h: Tensor) -> Tensor:
         """``1/(h Λ)`` with vanishing curvature capped, shape (C, M) or (M·C,)."""
-        inv = torch.nan_to_num(1 / (self.la._H_factor * self.Lambda), posinf=MAX_INVERSE_CURVATURE)
+        inv = torch.nan_to_num(1 / (h * self.Lambda), posinf=MAX_INVERSE_CURVATURE)
         return inv.T if self.independent else inv.reshape(-1)
 
-    def factor(self) -> Tensor:
-        """Lower Cholesky factor of ``sK + Λ⁻¹/h``, cached while the hyperparameters hold."""
-        la = self.la
-        s = la.gp_kernel_prior_variance
-        key = (float(s), float(la.sigma_noise), la.temperature)
-        differentiable = s.requires_grad or la.sigma_noise.requires_grad
+    def factor(self, s: Tensor, h: Tensor) -> Tensor:
+        """Lower Cholesky factor of ``sK + Λ⁻¹/h``, cached while ``s`` and ``h`` hold.
+
+        Raises:
+            NotPositiveDefiniteError: If the matrix is not positive definite.
+        """
+        key = (float(s), float(h))
+        differentiable = s.requires_grad or h.requires_grad
         if differentiable or key != self._factor_key:
-            factor, info = torch.linalg.cholesky_ex(s * self.K + torch.diag_embed(self._noise()))
+            factor, info = torch.linalg.cholesky_ex(s * self.K + torch.diag_embed(self._noise(h)))
             if bool((info != 0).any()):
                 raise NotPositiveDefiniteError(
                     "the GP posterior matrix sK + Λ⁻¹ is not positive definite; increase the "
@@ -154,69 +199,62 @@ class SubsetKernel:
             self._factor_key, self._factor = key, factor
         return self._factor
 
-    def moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
-        """Means (B, C) and covariances (B, C, C) at test inputs."""
-        Js, f = self.la._jacobians(X, enable_backprop=self.la.enable_backprop)
-        return f, self.variance_from_jacobians(Js, joint=False)
+    def variance(
+        self, J: DenseJacobian | FactoredJacobian, s: Tensor, h: Tensor, joint: bool
+    ) -> Tensor:
+        """``sK** − sK*M (sK_MM + Λ⁻¹/h)⁻¹ sK_M*`` at test points.
 
-    def joint_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
-        """Means (B·C,) and the joint covariance (B·C, B·C) at test inputs."""
-        Js, f = self.la._jacobians(X, enable_backprop=self.la.enable_backprop)
-        return f.reshape(-1), self.variance_from_jacobians(Js, joint=True)
+        Args:
+            J: Jacobian of the B test points.
+            s: Kernel scale.
+            h: Output-curvature factor ``1/(σ²T)``.
+            joint: Keep the covariance between test points.
 
-    def variance_from_jacobians(self, Js: Tensor, joint: bool) -> Tensor:
-        """``sK** − sK*M (sK_MM + Λ⁻¹/h)⁻¹ sK_M*`` from test Jacobians (B, C, P)."""
-        s = self.la.gp_kernel_prior_variance
-        L = self.factor()
-        B, C, _ = Js.shape
+        Returns:
+            Covariances (B, C, C), or the joint covariance (B·C, B·C).
+        """
+        L = self.factor(s, h)
+        B, C = J.shape
         if self.independent:
-            K_star_M = torch.cat(
-                [torch.einsum("bcp,mcp->cbm", Js, Jm) for _, Jm, _ in self._chunks()], dim=2
-            )  # (C, B, M)
+            blocks = [J.cross(Jm, True) for Jm in self._subset_jacobians()]
+            K_star_M = torch.cat(blocks, dim=2)  # (C, B, M)
             V = torch.linalg.solve_triangular(L, s * K_star_M.transpose(1, 2), upper=False)
             if joint:
-                cov = s * torch.einsum("acp,bcp->cab", Js, Js) - V.transpose(1, 2) @ V
-                out = Js.new_zeros(B, C, B, C)
-                idx = torch.arange(C, device=Js.device)
+                cov = s * J.cross(J, True) - V.transpose(1, 2) @ V
+                out = cov.new_zeros(B, C, B, C)
+                idx = torch.arange(C, device=cov.device)
                 out[:, idx, :, idx] = cov
                 return out.reshape(B * C, B * C)
-            var = s * Js.square().sum(-1) - V.square().sum(1).T  # (B, C)
-            return torch.diag_embed(var)
-        K_star_M = torch.cat(
-            [torch.einsum("bcp,mdp->bcmd", Js, Jm).flatten(2) for _, Jm, _ in self._chunks()],
-            dim=2,
-        )  # (B, C, M·C)
-        V = torch.linalg.solve_triangular(L, s * K_star_M.reshape(B * C, -1).T, upper=False)
+            return torch.diag_embed(s * J.output_variances() - V.square().sum(1).T)
+        blocks = [J.cross(Jm, False) for Jm in self._subset_jacobians()]
+        K_star_M = torch.cat(blocks, dim=1)  # (B·C, M·C)
+        V = torch.linalg.solve_triangular(L, s * K_star_M.T, upper=False)
         if joint:
-            flat = Js.reshape(B * C, -1)
-            return s * flat @ flat.T - V.T @ V
+            return s * J.cross(J, False) - V.T @ V
         V = V.T.reshape(B, C, -1)
-        return s * Js @ Js.transpose(1, 2) - V @ V.transpose(1, 2)
+        return s * J.output_blocks() - V @ V.transpose(1, 2)
 
     # --------------------------------------------------------------------- marginal lik.
     def _eye(self) -> Tensor:
         n = self.K.shape[-1]
         return torch.eye(n, device=self.K.device, dtype=self.K.dtype)
 
-    def log_det_ratio(self) -> Tensor:
-        """``log det(sK + σ²I)`` (regression) or ``log det(I + W sK W)``, ``W = √(hΛ)``."""
-        la = self.la
-        sK = la.gp_kernel_prior_variance * self.K
-        if la.likelihood == Likelihood.REGRESSION:
-            return torch.logdet(sK + la.sigma_noise.square() * self._eye()).sum()
-        W = (la._H_factor * self.Lambda).sqrt()
+    def log_det_ratio(self, s: Tensor, h: Tensor, noise_variance: Tensor | None) -> Tensor:
+        """``log det(sK + σ²I)`` with observation noise σ², else ``log det(I + W sK W)``.
+
+        ``W = √(hΛ)``; the GP evidence of a Gaussian likelihood, else its Laplace approximation.
+        """
+        sK = s * self.K
+        if noise_variance is not None:
+            return torch.logdet(sK + noise_variance * self._eye()).sum()
+        W = (h * self.Lambda).sqrt()
         W = W.T if self.independent else W.reshape(-1)
         return torch.logdet(W.unsqueeze(-1) * sK * W.unsqueeze(-2) + self._eye()).sum()
 
-    def scatter(self) -> Tensor:
-        """``μᵀ (sK + νI)⁻¹ μ``, ``ν = σ²`` (regression) or a small jitter (classification)."""
-        la = self.la
-        if la.likelihood == Likelihood.REGRESSION:
-            noise = la.sigma_noise.square()
-        else:
-            noise = torch.tensor(CLASSIFICATION_SCATTER_NOISE, dtype=self.K.dtype)
-        A = la.gp_kernel_prior_variance * self.K + noise * self._eye()
-        L = torch.linalg.cholesky(A)
+    def scatter(self, s: Tensor, noise_variance: Tensor | None) -> Tensor:
+        """``μᵀ (sK + νI)⁻¹ μ``, ``ν`` the observation noise σ² or :data:`SCATTER_JITTER`."""
+        noise = SCATTER_JITTER if noise_variance is None else noise_variance
+        L = torch.linalg.cholesky(s * self.K + noise * self._eye())
         mu = self.mu.T.unsqueeze(-1) if self.independent else self.mu.reshape(-1, 1)
         return torch.linalg.solve_triangular(L, mu, upper=False).square().sum()
 
@@ -232,22 +270,16 @@ class SubsetKernel:
         }
 
     @classmethod
-    def from_state(cls, la: FunctionalLaplace, state: dict[str, Any]) -> SubsetKernel:
-        """Rebuild from :meth:`state` on the device and dtype of ``la``."""
-
-        def move(t: Any) -> Any:
-            if isinstance(t, Tensor):
-                return t.to(la._device, la._dtype) if t.is_floating_point() else t.to(la._device)
-            return t
-
-        X = state["X_subset"]
-        X = {k: move(v) for k, v in X.items()} if isinstance(X, MutableMapping) else move(X)
-        return cls(
-            la,
-            X,
-            move(state["K_MM"]),
-            move(state["Lambda"]),
-            move(state["mu"]),
-            move(state["loss"]),
-            la.independent_outputs,
-        )
+    def from_state(
+        cls,
+        state: dict[str, Any],
+        device: torch.device,
+        dtype: torch.dtype,
+        independent: bool,
+        jacobians: Jacobians,
+        chunk_rows: int,
+        dict_key_x: str,
+    ) -> SubsetKernel:
+        """Rebuild from :meth:`state` on ``device`` (floating-point tensors in ``dtype``)."""
+        values = [to_device(state[key], device, dtype) for key in cls.STATE_KEYS]
+        return cls(*values, independent, jacobians, chunk_rows, dict_key_x)

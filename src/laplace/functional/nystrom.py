@@ -1,4 +1,4 @@
-r"""The Nyström basis of ELLA: a seeded data subset and the top eigenvectors of its kernel.
+r"""ELLA's Nyström features: a seeded data subset, the top eigenvectors of its kernel, the GGN.
 
 Internal module.
 """
@@ -6,79 +6,208 @@ Internal module.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from laplace.functional.scoring import jacobian_chunks
-from laplace.utils.enums import Likelihood
-from laplace.utils.functional_utils import split_batch, subset_loader, training_indices
+from laplace.data import Inputs, split_batch
+from laplace.data_loop import DataLoop, training_indices
+from laplace.errors import check_finite_result
+from laplace.likelihoods import Categorical, LikelihoodModel
+from laplace.posteriors import DensePosterior
 
-if TYPE_CHECKING:
-    from laplace.functional.ella import ELLA
+__all__ = [
+    "FeatureGram",
+    "NystromPosteriorMixin",
+    "dataset_labels",
+    "nystrom_basis",
+    "nystrom_indices",
+]
 
-__all__ = ["nystrom_basis", "nystrom_indices"]
 
+def nystrom_indices(
+    loader: DataLoader,
+    subsample_size: int,
+    seed: int,
+    labels: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """Seeded order of the training indices (the first ``subsample_size`` form the subset).
 
-def nystrom_indices(la: ELLA, loader: DataLoader, balanced: bool) -> Tensor:
-    """Seeded order of the training indices (the first ``M`` form the subset).
+    Args:
+        loader: The training data; its sampler decides the indices it reaches.
+        subsample_size: Number of points the subset needs.
+        seed: Seed of the order.
+        labels: Class labels (n,) of dataset indices (n,); given, the classes are taken
+            round-robin, each in a seeded order (a balanced subset).
 
-    With ``balanced=True`` the classes are taken round-robin, each in a seeded order.
+    Raises:
+        ValueError: If the loader reaches fewer than ``subsample_size`` points.
     """
     available = training_indices(loader)
-    if la.subsample_size > len(available):
+    if subsample_size > len(available):
         raise ValueError(
-            f"subsample_size={la.subsample_size} exceeds the {len(available)} training "
+            f"subsample_size={subsample_size} exceeds the {len(available)} training "
             "points the loader reaches."
         )
-    generator = torch.Generator().manual_seed(la.seed)
-    if not balanced:
+    generator = torch.Generator().manual_seed(seed)
+    if labels is None:
         return available[torch.randperm(len(available), generator=generator)]
-    if la.likelihood == Likelihood.REGRESSION:
-        raise ValueError("balanced=True needs classification (it balances the classes).")
-    targets = [
-        split_batch(loader.dataset[int(i)], la.dict_key_y, la.dict_key_x)[1] for i in available
-    ]
-    labels = torch.stack([_class_index(t) for t in targets])
+    classes = labels(available)
     queues = []
-    for c in labels.unique(sorted=True):
-        members = torch.where(labels == c)[0]
+    for c in classes.unique(sorted=True):
+        members = torch.where(classes == c)[0]
         order = torch.randperm(len(members), generator=generator)
         queues.append(deque(members[order].tolist()))
     chosen: list[int] = []
-    while len(chosen) < la.subsample_size and any(queues):
+    while len(chosen) < subsample_size and any(queues):
         chosen.extend(q.popleft() for q in queues if q)
     return available[torch.tensor(chosen)]
 
 
-def nystrom_basis(la: ELLA, loader: DataLoader, indices: Tensor) -> Tensor:
-    """``V = J_Mᵀ U Λ^{-1/2}`` (P, K) from one Jacobian row (seeded output) per subset point.
+def dataset_labels(
+    loader: DataLoader, dict_key_x: str | None, dict_key_y: str
+) -> Callable[[Tensor], Tensor]:
+    """Class labels of dataset indices, read from the items of ``loader.dataset``.
+
+    Returns:
+        Indices (n,) → class indices (n,) (from labels, columns or one-hot targets).
+    """
+
+    def labels(indices: Tensor) -> Tensor:
+        items = (loader.dataset[int(i)] for i in indices)
+        targets = [split_batch(item, dict_key_x, dict_key_y)[1] for item in items]
+        return Categorical.class_indices(torch.stack([torch.as_tensor(t) for t in targets]))
+
+    return labels
+
+
+def nystrom_basis(
+    inputs: Iterable[Inputs],
+    jacobian_chunks: Callable[[Inputs], Iterable[tuple[Tensor, Tensor]]],
+    n_eigenvalues: int,
+    seed: int,
+) -> Tensor:
+    """``V = J_Mᵀ U Λ^{-1/2}`` (P, K) of a data subset, in float64.
+
+    ``J_M`` (M, P) holds one Jacobian row per subset point, of an output drawn from a generator
+    seeded with ``seed + 1``; ``U, Λ`` are the top ``K = n_eigenvalues`` eigenpairs of
+    ``J_M J_Mᵀ``, so the columns of ``V`` are orthonormal.
+
+    Args:
+        inputs: The subset's inputs, batch by batch.
+        jacobian_chunks: Inputs → ``(Js (b, C, P), f)`` over chunks of them.
+        n_eigenvalues: K.
+        seed: Seed of the subset (the outputs are drawn with ``seed + 1``).
 
     Raises:
         ValueError: If the subset kernel has fewer than K numerically positive eigenvalues.
     """
-    generator = torch.Generator().manual_seed(la.seed + 1)
+    generator = torch.Generator().manual_seed(seed + 1)
     rows = []
-    for X, _ in la._batches(subset_loader(loader, indices)):
-        for Js, _f in jacobian_chunks(la, X):
+    for X in inputs:
+        for Js, _ in jacobian_chunks(X):
             pick = torch.randint(Js.shape[1], (Js.shape[0],), generator=generator)
             rows.append(Js[torch.arange(len(pick)), pick.to(Js.device)])
     rows = torch.cat(rows).to(torch.float64)
     values, vectors = torch.linalg.eigh(rows @ rows.T)
-    order = torch.argsort(values, descending=True)[: la.n_eigenvalues]
+    order = torch.argsort(values, descending=True)[:n_eigenvalues]
     tol = torch.finfo(torch.float64).eps * max(rows.shape) * values.abs().max()
     if bool((values[order] <= tol).any()):
         rank = int((values > tol).sum())
         raise ValueError(
             f"the subset kernel has numerical rank {rank} < n_eigenvalues="
-            f"{la.n_eigenvalues}; lower n_eigenvalues, raise subsample_size or change seed."
+            f"{n_eigenvalues}; lower n_eigenvalues, raise subsample_size or change seed."
         )
-    V = rows.T @ (vectors[:, order] / values[order].sqrt())
-    return V.to(la._dtype)
+    return rows.T @ (vectors[:, order] / values[order].sqrt())
 
 
-def _class_index(target: Any) -> Tensor:
-    target = torch.as_tensor(target)
-    return target.argmax() if target.numel() > 1 else target.reshape(())
+class FeatureGram(DataLoop):
+    """ELLA's pass: ``(Σₙ φₙᵀ Λₙ φₙ, n)`` over the training data, with a callback per batch.
+
+    Args:
+        *args: See :class:`~laplace.data_loop.DataLoop`.
+        features: Inputs → features ``φ`` (B, C, K) and outputs (B, C).
+        likelihood: Checks the targets and gives the GGN ``Σ φᵀ Λ φ``.
+        output_shape: Shape of the model's outputs on the first batch (targets are checked
+            against it before the features are computed).
+        after_batch: Called with the batch count and the sums so far.
+        **options: See :class:`~laplace.data_loop.DataLoop`.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        features: Callable[[Inputs], tuple[Tensor, Tensor]],
+        likelihood: LikelihoodModel,
+        output_shape: torch.Size,
+        after_batch: Callable[[int, Tensor, int], None],
+        **options: Any,
+    ) -> None:
+        super().__init__(*args, **options)
+        self._features, self._likelihood = features, likelihood
+        self._output_shape, self._after_batch = output_shape, after_batch
+        self.steps = 0
+
+    def step(self, X: Inputs, y: Tensor) -> tuple[Tensor, int]:
+        """The GGN of the features of a batch and its number of points."""
+        self._likelihood.check_targets(y, self._output_shape)
+        features, f = self._features(X)
+        check_finite_result(f, "model output of a training batch")
+        self._likelihood.prepare_targets(f, y)
+        return self._likelihood.ggn(features, f), len(f)
+
+    def add(self, total: tuple[Tensor, int] | None, stats: tuple[Tensor, int]) -> tuple:
+        """The sums so far, handed to the callback."""
+        total = super().add(total, stats)
+        self.steps += 1
+        self._after_batch(self.steps, *total)
+        return total
+
+
+class NystromPosteriorMixin:
+    """ELLA's posterior: the Gaussian ``N(0, A⁻¹)`` over the Nyström features and its predictive.
+
+    ``A = h Σ φᵀ Λ φ + δI`` is a :class:`~laplace.posteriors.DensePosterior` over the K features,
+    rebuilt when the hyperparameters change; the class provides ``dual_directions`` (V),
+    ``feature_gram`` and ``n_eigenvalues``, and sets ``_posterior_cache = None`` when the Gram
+    matrix changes.
+    """
+
+    def _features(self, X: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
+        """Features ``φ = J V`` (B, C, K) and outputs (B, C)."""
+        feats, outs = [], []
+        for Js, f in self._jacobian_chunks(X, enable_backprop):
+            feats.append(Js @ self.dual_directions)
+            outs.append(f)
+        return torch.cat(feats), torch.cat(outs)
+
+    @property
+    def _posterior(self) -> DensePosterior:
+        """The Gaussian over the K features: precision ``A = h Σφᵀ Λ φ + δI``."""
+        key = (float(self.prior_precision), float(self.sigma_noise), self.temperature)
+        if self._posterior_cache is None or self._posterior_cache[0] != key:
+            prior = self.prior_precision.detach().expand(self.n_eigenvalues)
+            posterior = DensePosterior(self.feature_gram, self._H_factor.detach(), prior)
+            self._posterior_cache = (key, posterior)
+        return self._posterior_cache[1]
+
+    @property
+    def chol_precision(self) -> Tensor | None:
+        """Lower Cholesky factor of ``A = Σφᵀ Λ φ/(σ²T) + δI`` (K, K); None before fit."""
+        return None if self.feature_gram is None else self._posterior.cholesky
+
+    def _feature_covariance(self, features: Tensor, joint: bool) -> Tensor:
+        if joint:
+            return self._posterior.functional_covariance(features.reshape(-1, self.n_eigenvalues))
+        return self._posterior.functional_variance(features)
+
+    def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
+        features, f = self._features(X, self.enable_backprop)
+        cov = self._feature_covariance(features, joint)
+        return (f.reshape(-1) if joint else f), cov
+
+    def _jacobian_covariance(self, Js: Tensor, joint: bool) -> Tensor:
+        return self._feature_covariance(Js @ self.dual_directions, joint)

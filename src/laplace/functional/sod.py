@@ -1,5 +1,11 @@
 r"""Subset-of-data GP Laplace over all weights: ``FunctionalLaplace``.
 
+Kernels are computed from per-layer factors where the layers allow (Linear and Conv layers
+applied once per data point; see :mod:`laplace.functional.ntk`), never forming Jacobian rows, and
+from Jacobian rows in chunks otherwise; the subset's Jacobians are kept between predictions
+within a memory budget (see :mod:`laplace.functional.kernel`), so predicting costs time linear
+in the test points.
+
 Internal module; the public path is :mod:`laplace.baselaplace`.
 """
 
@@ -14,13 +20,15 @@ from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, batch_size_of, dataset_size
+from laplace.curvature.per_sample import PerSampleEngine
+from laplace.data import Inputs, SoDSampler, dataset_size, input_chunks, slice_inputs
+from laplace.data_loop import Gather
 from laplace.errors import check_int_at_least
-from laplace.functional.base import BaseFunctionalLaplace
+from laplace.functional.base import BaseFunctionalLaplace, IsotropicPriorMixin
 from laplace.functional.kernel import SubsetKernel
-from laplace.glm import slice_inputs
-from laplace.priors import as_scalar_prior_precision, check_temperature
-from laplace.serialization import check_state_dict
+from laplace.functional.ntk import DenseJacobian, FactoredJacobian, trace_jacobian
+from laplace.glm import jacobian_chunk_rows
+from laplace.likelihoods import make_likelihood
 from laplace.utils.enums import (
     Likelihood,
     LinkApprox,
@@ -29,43 +37,11 @@ from laplace.utils.enums import (
     TuningMethod,
     parse_enum,
 )
-from laplace.utils.functional_utils import concatenate_rows
-from laplace.utils.utils import SoDSampler
 
 __all__ = ["FunctionalLaplace"]
 
-#: Entries of a state and those holding floating-point tensors.
-FUNCTIONAL_KEYS = (
-    "cls_name",
-    "likelihood",
-    "mean",
-    "n_subset",
-    "independent_outputs",
-    "seed",
-    "n_data",
-    "prior_mean",
-    "prior_precision",
-    "sigma_noise",
-    "temperature",
-    "X_subset",
-    "K_MM",
-    "Lambda",
-    "mu",
-    "loss",
-)
-FUNCTIONAL_TENSORS = (
-    "mean",
-    "prior_mean",
-    "prior_precision",
-    "sigma_noise",
-    "K_MM",
-    "Lambda",
-    "mu",
-    "loss",
-)
 
-
-class FunctionalLaplace(BaseFunctionalLaplace):
+class FunctionalLaplace(IsotropicPriorMixin, BaseFunctionalLaplace):
     r"""GP (function-space) Laplace on a random subset of ``M`` of the ``N`` training points.
 
     With Jacobians ``J_M`` (M·C, P) of the subset, an isotropic prior precision ``δ`` and the
@@ -94,8 +70,8 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         enable_backprop: See :class:`~laplace.base.BaseLaplace`.
         dict_key_x: See :class:`~laplace.base.BaseLaplace`.
         dict_key_y: See :class:`~laplace.base.BaseLaplace`.
-        backend: Backend whose ``jacobians`` are used; ``CurvlinopsGGN`` when None
-            (laplace-torch defaults to ``BackPackGGN``; all backends give the same Jacobians).
+        backend: Accepted for compatibility (laplace-torch defaults to ``BackPackGGN``); the
+            Jacobians come from the library's per-sample engine, which all backends agree with.
         backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
         independent_outputs: Keep only the per-output diagonal of the kernel.
         seed: Seed of the subset's :class:`~laplace.utils.utils.SoDSampler`.
@@ -105,6 +81,10 @@ class FunctionalLaplace(BaseFunctionalLaplace):
     """
 
     _key = ("all", "gp")
+    _state_plain = ("n_subset", "independent_outputs", "seed", "n_data", "temperature")
+    _state_tensors = ("prior_mean", "prior_precision", "sigma_noise")
+    _state_other_tensors = SubsetKernel.STATE_TENSORS
+    _state_counts = ("n_data", "n_subset")
 
     def __init__(
         self,
@@ -123,7 +103,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         independent_outputs: bool = False,
         seed: int = 0,
     ) -> None:
-        if parse_enum(Likelihood, likelihood, "likelihood") == Likelihood.REWARD_MODELING:
+        if make_likelihood(likelihood).pairwise:
             raise ValueError(
                 f"{type(self).__name__} does not support likelihood='reward_modeling'; use "
                 "hessian_structure='kron' or 'diag', or functional_approximation='nystrom' "
@@ -140,18 +120,6 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         self._kernel: SubsetKernel | None = None
         self._fitted = False
 
-    # ------------------------------------------------------------------------ hyperparameters
-    @property
-    def prior_precision(self) -> Tensor:
-        """Isotropic prior precision ``δ``, shape (1,)."""
-        return self._prior_precision
-
-    @prior_precision.setter
-    def prior_precision(self, value: float | Tensor) -> None:
-        self._prior_precision = as_scalar_prior_precision(
-            value, type(self).__name__, self._device, self._dtype
-        )
-
     @property
     def gp_kernel_prior_variance(self) -> Tensor:
         """Scale ``s = (M/N)/δ`` of the kernel ``J Jᵀ``, shape (1,)."""
@@ -159,13 +127,11 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         return (self.n_subset / self.n_data) / self.prior_precision
 
     # ---------------------------------------------------------------------------------- fit
-    def _resolve_subset(self, train_loader: DataLoader) -> None:
-        """Make sure the parameters are known before fitting (all weights: always)."""
-
-    def _jacobians(self, X: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
-        """Jacobians (B, C, P) and outputs (B, C) at the MAP."""
-        Js, f = self.backend.jacobians(X, enable_backprop=enable_backprop)
-        return (Js, f) if enable_backprop else (Js.detach(), f.detach())
+    def _jacobians(
+        self, X: Inputs, enable_backprop: bool = False
+    ) -> tuple[DenseJacobian | FactoredJacobian, Tensor]:
+        """Jacobian at ``X`` (factored where the layers allow) and outputs (B, C), one pass."""
+        return trace_jacobian(PerSampleEngine(self.model, self._subset.params), X, enable_backprop)
 
     def fit(self, train_loader: DataLoader, progress_bar: bool = False) -> None:
         """Draw the data subset and build its kernel, output curvature and scatter terms.
@@ -193,61 +159,68 @@ class FunctionalLaplace(BaseFunctionalLaplace):
             sampler=SoDSampler(n_data, self.n_subset, self.seed),
             collate_fn=train_loader.collate_fn,
         )
-        inputs, targets = [], []
-        for X, y in self._batches(subset_loader, progress_bar, desc="fit"):
-            inputs.append(X)
-            targets.append(y)
+        X, y = self._data_loop(Gather, progress_bar=progress_bar, desc="fit").run(subset_loader)
+        self._check_first_batch(slice_inputs(X, 0, 1, self.n_subset), y)  # before any Jacobian
         self.n_data = n_data
         self._kernel = SubsetKernel.build(
-            self, concatenate_rows(inputs), torch.cat(targets), self.independent_outputs
+            X, y, self._likelihood_model, self.prior_mean - self.mean, **self._kernel_options()
         )
-        self.n_outputs = self._kernel.n_outputs
         self.loss = self._kernel.loss
-        if self.likelihood == Likelihood.REGRESSION and self.n_outputs > 1:  # noqa: SIM102
-            if self.independent_outputs:
-                warnings.warn(
-                    "independent_outputs=True with multi-output regression drops the "
-                    "covariance between outputs; the predictive variance is likely too large.",
-                    stacklevel=2,
-                )
+        noisy = self._likelihood_model.has_noise_hyperparameter
+        if self.independent_outputs and noisy and self.n_outputs > 1:
+            warnings.warn(
+                "independent_outputs=True with multi-output regression drops the "
+                "covariance between outputs; the predictive variance is likely too large.",
+                stacklevel=2,
+            )
         self._fitted = True
+
+    def _kernel_options(self) -> dict[str, Any]:
+        """How :class:`SubsetKernel` gets Jacobians of this approximation."""
+        return {
+            "independent": self.independent_outputs,
+            "jacobians": self._jacobians,
+            "chunk_rows": jacobian_chunk_rows(self.n_outputs, self.n_params, self._dtype),
+            "dict_key_x": self.dict_key_x,
+        }
 
     # --------------------------------------------------------------------------- predictive
     def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
-        kernel = self._kernel
+        s, h = self.gp_kernel_prior_variance, self._H_factor
         if joint:
-            return kernel.joint_moments(X)
-        n = batch_size_of(X, self.dict_key_x)
-        step = kernel.test_chunk_rows()
+            J, f = self._jacobians(X, self.enable_backprop)
+            return f.reshape(-1), self._kernel.variance(J, s, h, joint=True)
         means, variances = [], []
-        for start in range(0, n, step):
-            f_mu, f_var = kernel.moments(slice_inputs(X, start, start + step, n))
-            means.append(f_mu)
-            variances.append(f_var)
+        for chunk in input_chunks(X, self._kernel.test_chunk_rows(), self.dict_key_x):
+            J, f = self._jacobians(chunk, self.enable_backprop)
+            means.append(f)
+            variances.append(self._kernel.variance(J, s, h, joint=False))
         return torch.cat(means), torch.cat(variances)
 
-    def functional_variance(self, Js_star: Tensor) -> Tensor:
-        """GP posterior output covariances from test Jacobians: (B, C, P) → (B, C, C)."""
-        self._check_fitted("functional_variance")
-        return self._kernel.variance_from_jacobians(Js_star, joint=False)
-
-    def functional_covariance(self, Js_star: Tensor) -> Tensor:
-        """Joint GP posterior covariance from test Jacobians: (B, C, P) → (B·C, B·C)."""
-        self._check_fitted("functional_covariance")
-        return self._kernel.variance_from_jacobians(Js_star, joint=True)
+    def _jacobian_covariance(self, Js: Tensor, joint: bool) -> Tensor:
+        s, h = self.gp_kernel_prior_variance, self._H_factor
+        return self._kernel.variance(DenseJacobian(Js), s, h, joint)
 
     # ---------------------------------------------------------------------- marginal lik.
+    @property
+    def _noise_variance(self) -> Tensor | None:
+        """``σ²`` for likelihoods with observation noise, else None."""
+        noisy = self._likelihood_model.has_noise_hyperparameter
+        return self.sigma_noise.square() if noisy else None
+
     @property
     def log_det_ratio(self) -> Tensor:
         """``log det(sK + σ²I)`` (regression) or ``log det(I + W sK W)``, ``W = √Λ``."""
         self._check_fitted("log_det_ratio")
-        return self._kernel.log_det_ratio()
+        return self._kernel.log_det_ratio(
+            self.gp_kernel_prior_variance, self._H_factor, self._noise_variance
+        )
 
     @property
     def scatter(self) -> Tensor:
         """``μᵀ (sK + νI)⁻¹ μ`` with ``ν = σ²`` (regression) or ``1e-5`` (classification)."""
         self._check_fitted("scatter")
-        return self._kernel.scatter()
+        return self._kernel.scatter(self.gp_kernel_prior_variance, self._noise_variance)
 
     def log_marginal_likelihood(
         self, prior_precision: Tensor | None = None, sigma_noise: Tensor | None = None
@@ -301,90 +274,20 @@ class FunctionalLaplace(BaseFunctionalLaplace):
                 "method='gridsearch' with a val_loader is usually better.",
                 stacklevel=2,
             )
-        BaseLaplace.optimize_prior_precision(
-            self,
-            pred_type,
-            method,
-            n_steps,
-            lr,
-            init_prior_prec,
-            prior_structure,
-            val_loader,
-            loss,
-            log_prior_prec_min,
-            log_prior_prec_max,
-            grid_size,
-            link_approx,
-            n_samples,
-            verbose,
-            progress_bar,
-            log_prior_prec_base,
-        )
+        tune = BaseLaplace.optimize_prior_precision
+        tune(self, **arguments_for(tune, locals()))
 
     # -------------------------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
-        """Tensors and plain values: the subset's inputs, kernel and fit terms, hyperparameters.
+    def _state_value_keys(self) -> tuple[str, ...]:
+        return (*super()._state_value_keys(), *SubsetKernel.STATE_KEYS)
 
-        Loadable with ``torch.load(..., weights_only=True)``.
-        """
-        self._check_fitted("state_dict")
-        return {
-            "cls_name": type(self).__name__,
-            "likelihood": self.likelihood.value,
-            "mean": self.mean,
-            "n_subset": self.n_subset,
-            "independent_outputs": self.independent_outputs,
-            "seed": self.seed,
-            "n_data": self.n_data,
-            "prior_mean": self.prior_mean.detach(),
-            "prior_precision": self.prior_precision.detach(),
-            "sigma_noise": self.sigma_noise.detach(),
-            "temperature": self.temperature,
-            **self._kernel.state(),
-        }
+    def _state_values(self) -> dict[str, Any]:
+        return {**super()._state_values(), **self._kernel.state()}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a state saved by :meth:`state_dict` for the same model and options.
-
-        Raises:
-            ValueError: For another class, likelihood, or model weights, or a state
-                :meth:`state_dict` cannot have written (see
-                :func:`~laplace.serialization.check_state_dict`).
-        """
-        check_state_dict(
-            state_dict, self._state_keys(), FUNCTIONAL_TENSORS, ("n_data", "n_subset")
+    def _load_state_values(self, state_dict: dict[str, Any]) -> None:
+        super()._load_state_values(state_dict)
+        self.n_outputs = state_dict["Lambda"].shape[-1]
+        self._kernel = SubsetKernel.from_state(
+            state_dict, self._device, self._dtype, **self._kernel_options()
         )
-        if state_dict.get("cls_name") != type(self).__name__:
-            raise ValueError(
-                f"state_dict was saved by {state_dict.get('cls_name')!r}, not "
-                f"{type(self).__name__!r}."
-            )
-        if state_dict["likelihood"] != self.likelihood.value:
-            raise ValueError(
-                f"state_dict was saved for likelihood={state_dict['likelihood']!r}, this "
-                f"approximation uses {self.likelihood.value!r}."
-            )
-        self._restore_subset(state_dict)
-        mean = state_dict["mean"].to(self._device, self._dtype)
-        current = self._subset.vector().detach()
-        if mean.shape != current.shape or not torch.allclose(mean, current, atol=1e-6):
-            raise ValueError("the model's weights are not the MAP weights the state was saved at.")
-        self.mean = mean
-        self.n_subset = state_dict["n_subset"]
-        self.independent_outputs = state_dict["independent_outputs"]
-        self.seed = state_dict["seed"]
-        self.n_data = state_dict["n_data"]
-        self.prior_mean = state_dict["prior_mean"]
-        self.prior_precision = state_dict["prior_precision"]
-        self.sigma_noise = state_dict["sigma_noise"]
-        self.temperature = check_temperature(state_dict["temperature"])
-        self._kernel = SubsetKernel.from_state(self, state_dict)
-        self.n_outputs, self.loss = self._kernel.n_outputs, self._kernel.loss
-        self._fitted = True
-
-    def _restore_subset(self, state_dict: dict[str, Any]) -> None:
-        """Make the parameters known before loading (all weights: always)."""
-
-    def _state_keys(self) -> tuple[str, ...]:
-        """The entries :meth:`state_dict` writes."""
-        return FUNCTIONAL_KEYS
+        self.loss = self._kernel.loss

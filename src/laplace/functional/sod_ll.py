@@ -7,15 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from laplace.base import arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, move_inputs, split_batch
+from laplace.data import move_inputs, split_batch
 from laplace.functional.sod import FunctionalLaplace
-from laplace.last_layer import head_jacobians
 from laplace.subsets import LastLayerMixin
 from laplace.utils.enums import Likelihood
 from laplace.utils.feature_extractor import FeatureReduction
@@ -26,8 +24,9 @@ __all__ = ["FunctionalLLLaplace"]
 class FunctionalLLLaplace(LastLayerMixin, FunctionalLaplace):
     """Subset-of-data GP Laplace over the last (linear) layer only.
 
-    The kernel is ``J Jᵀ/δ`` with the closed-form head Jacobians ``Jₙ = [I_C ⊗ φₙᵀ, I_C]`` of the
-    features ``φ`` (the body of the network is a fixed feature extractor). See
+    The kernel is ``J Jᵀ/δ`` with the head Jacobians ``Jₙ = [I_C ⊗ φₙᵀ, I_C]`` of the features
+    ``φ`` (the body of the network is a fixed feature extractor), factored as the inputs ``φ``
+    and output gradients ``I_C`` of the head (see :mod:`laplace.functional.ntk`). See
     :class:`FunctionalLaplace` for the GP and the other arguments.
 
     Args:
@@ -69,23 +68,13 @@ class FunctionalLLLaplace(LastLayerMixin, FunctionalLaplace):
         self._bind_subset()
         self.prior_mean = self.prior_mean
 
-    def _state_keys(self) -> tuple[str, ...]:
-        return (*super()._state_keys(), "last_layer_name")
+    def _state_value_keys(self) -> tuple[str, ...]:
+        return (*super()._state_value_keys(), "last_layer_name")
 
-    def _restore_subset(self, state_dict: dict[str, Any]) -> None:
+    def _state_values(self) -> dict[str, Any]:
+        return {**super()._state_values(), "last_layer_name": self.model.last_layer_name}
+
+    def _prepare_state_load(self, state_dict: dict[str, Any]) -> None:
         if not self._subset.resolved:
             self.model.set_last_layer(state_dict["last_layer_name"])
         self._bind_subset()
-
-    def _jacobians(self, X: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
-        context = torch.enable_grad() if enable_backprop else torch.no_grad()
-        with context:
-            f, phi = self._subset.outputs_and_features(X)
-            if phi.dim() != 2 or phi.shape[0] != f.shape[0]:
-                return super()._jacobians(X, enable_backprop)
-            Js = head_jacobians(phi, f.shape[-1], self._subset.layer.bias is not None)
-        return (Js, f) if enable_backprop else (Js.detach(), f.detach())
-
-    def state_dict(self) -> dict[str, Any]:
-        """See :meth:`FunctionalLaplace.state_dict`; adds the last layer's name."""
-        return {**super().state_dict(), "last_layer_name": self.model.last_layer_name}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import MutableMapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -15,28 +16,32 @@ from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, batch_size_of, check_outputs, dataset_size
-from laplace.errors import UnsupportedError, check_finite_result, check_positive_int
-from laplace.functional.base import BaseFunctionalLaplace
+from laplace.data import Inputs, dataset_size
+from laplace.data_loop import DataLoop, Gather
+from laplace.errors import check_finite_result, check_positive_int
+from laplace.functional.base import BaseFunctionalLaplace, ValidationTunedMixin
 from laplace.functional.inducing import (
+    INDUCING_STATE,
     as_inducing,
     check_inducing_state,
-    choose_inducing,
-    detached_inputs,
-    inducing_count,
+    inducing_from_data,
+    inducing_setup,
+    inducing_state,
+    load_inducing_state,
 )
-from laplace.functional.scoring import check_state, jacobian_chunks, positive_int, validation_nll
-from laplace.functional.valla_objective import check_alpha, negative_objective
-from laplace.priors import as_scalar_prior_precision
-from laplace.utils.enums import Likelihood, parse_enum
-from laplace.utils.functional_utils import preserve_model_gradients, to_device
+from laplace.functional.valla_objective import (
+    InducingPosteriorMixin,
+    check_alpha,
+    negative_objective,
+)
+from laplace.likelihoods import make_likelihood
+from laplace.transaction import preserve_model_gradients
+from laplace.utils.enums import Likelihood
 
 __all__ = ["VaLLA"]
 
-STRATEGIES = ("random", "kmeans")
 
-
-class VaLLA(BaseFunctionalLaplace):
+class VaLLA(InducingPosteriorMixin, ValidationTunedMixin, BaseFunctionalLaplace):
     r"""Linearised Laplace whose posterior is fitted variationally through ``M`` inducing points.
 
     With the Jacobians ``J_Z`` (M, P) of one output per inducing input ``z_m``, a lower
@@ -49,20 +54,9 @@ class VaLLA(BaseFunctionalLaplace):
 
     ``fit`` minimises, by Adam on minibatches, the alpha-energy objective
     ``−(N/B) Σ_b ℓ_α(y_b)/T + KL(q ‖ p)`` over ``L``, ``log δ``, ``log σ²`` (regression) and
-    floating-point inducing inputs, where ``ℓ_α(y) = (1/α) log E_q[p(y|f)^α]`` for
-    ``0 < α ≤ 1`` and ``ℓ_0(y) = E_q[log p(y|f)]`` (``α = 0``: the negative ELBO). Gaussian
-    regression has the closed form
-
-    .. math::
-        \ell_α(y) = -\tfrac12 \log(2πσ^2) - \frac{(y - m)^2}{2(σ^2 + α v)}
-            - \frac{1}{2α}\log\Big(1 + \frac{α v}{σ^2}\Big)
-            \xrightarrow{α \to 0} -\tfrac12 \log(2πσ^2) - \frac{(y - m)^2 + v}{2σ^2},
-
-    with ``m, v`` the latent mean and variance. Classification estimates ``ℓ_α`` by MC over the
-    softmax (``mc_softmax_samples`` draws from :attr:`generator`), or with the α-independent
-    probit approximation when that is 0; the KL and details are in
-    :mod:`laplace.functional.valla_objective`. Covariances use a float64 QR factor of
-    ``[Aᵀ; I]``, ``A = Lᵀ J_Z / √δ`` (never the P×P matrix).
+    floating-point inducing inputs (``α = 0``: the negative ELBO); see
+    :mod:`laplace.functional.valla_objective` for ``ℓ_α``, the KL and the float64 QR factor the
+    covariances use (never the P×P matrix).
 
     Reward modelling fits as classification on pairs (B, 2, ...) → logits (B, 2), with inducing
     inputs from the pairs' items (output 0), and predicts as regression on items (B, ...).
@@ -101,6 +95,10 @@ class VaLLA(BaseFunctionalLaplace):
             ``mc_softmax_samples`` (``alpha != 1`` needs MC samples for classification).
     """
 
+    _state_plain = ("temperature", "alpha", "mc_softmax_samples", "seed", "n_data", "n_outputs")
+    _state_parameters = ("L", "log_prior_precision", "log_noise_variance")
+    _state_counts = ("num_inducing", "n_data", "n_outputs")
+
     def __init__(
         self,
         model: nn.Module,
@@ -121,125 +119,36 @@ class VaLLA(BaseFunctionalLaplace):
         alpha: float = 1.0,
         mc_softmax_samples: int = 0,
     ) -> None:
-        check_alpha(alpha, mc_softmax_samples, parse_enum(Likelihood, likelihood, "likelihood"))
+        check_alpha(alpha, mc_softmax_samples, make_likelihood(likelihood))
         self.log_noise_variance: nn.Parameter | None = None
         super().__init__(**arguments_for(BaseLaplace.__init__, locals()))
         if bool((self.prior_mean != 0).any()):
             raise ValueError("VaLLA needs prior_mean=0.")
         self.seed, self.alpha, self.mc_softmax_samples = seed, alpha, mc_softmax_samples
         self.generator = torch.Generator(device=self._device).manual_seed(seed)
-        if isinstance(inducing_locations, str):
-            if inducing_locations not in STRATEGIES:
-                raise ValueError(
-                    f"inducing_locations must be inputs or one of {list(STRATEGIES)}, got "
-                    f"{inducing_locations!r}."
-                )
-            check_positive_int(num_inducing, "num_inducing")
-            self._strategy = self.inducing_locations = inducing_locations
-            self.num_inducing = num_inducing
-        else:
-            self._strategy = None
-            self.inducing_locations = as_inducing(inducing_locations, self._device, self._dtype)
-            count = inducing_count(self.inducing_locations, dict_key_x)
-            if num_inducing is not None and num_inducing != count:
-                raise ValueError(f"num_inducing={num_inducing} but {count} inducing inputs given.")
-            self.num_inducing = count
-        classes = torch.zeros(self.num_inducing, dtype=torch.long)
-        if inducing_classes is not None:
-            classes = torch.as_tensor(inducing_classes, dtype=torch.long)
-        if classes.shape != (self.num_inducing,):
-            raise ValueError(f"inducing_classes must have shape ({self.num_inducing},).")
-        self.inducing_classes = classes.to(self._device)
+        setup = (inducing_locations, num_inducing, inducing_classes, self._device, self._dtype)
+        self._strategy, self.inducing_locations, self.num_inducing, self.inducing_classes = (
+            inducing_setup(*setup, dict_key_x)
+        )
         initial = None if self._strategy else self.inducing_locations
         self._initial = (initial, self.inducing_classes.clone())
         self._init_factor()
         self.fit_history_: dict[str, list[float]] = {"objective": [], "val_nll": []}
 
-    @property
-    def prior_precision(self) -> Tensor:
-        """Scalar prior precision ``δ = exp(log_prior_precision)``, shape (1,)."""
-        return self.log_prior_precision.detach().exp()
-
-    @prior_precision.setter
-    def prior_precision(self, value: float | Tensor) -> None:
-        log = as_scalar_prior_precision(value, "VaLLA", self._device, self._dtype).log()
-        self.log_prior_precision = nn.Parameter(log.detach().clone())
-
-    @property
-    def sigma_noise(self) -> Tensor:
-        """Observation noise σ (learnt for regression), shape (1,)."""
-        if self.log_noise_variance is None:
-            return self._sigma_noise
-        return (0.5 * self.log_noise_variance.detach()).exp()
-
-    @sigma_noise.setter
-    def sigma_noise(self, value: float | Tensor) -> None:
-        BaseFunctionalLaplace.sigma_noise.fset(self, value)
-        if self.likelihood == Likelihood.REGRESSION:
-            self.log_noise_variance = nn.Parameter(2 * self._sigma_noise.detach().log().clone())
-
-    def _init_factor(self) -> None:
-        rows, cols = torch.tril_indices(self.num_inducing, self.num_inducing)
-        self.L = nn.Parameter((rows == cols).to(self._dtype).to(self._device))
-
-    def _factor_matrix(self) -> Tensor:
-        M = self.num_inducing
-        rows, cols = torch.tril_indices(M, M, device=self._device)
-        return torch.zeros(M, M, dtype=self._dtype, device=self._device).index_put(
-            (rows, cols), self.L
-        )
-
-    # --------------------------------------------------------------------------- posterior
-    def _inducing_factor(self) -> tuple[Tensor, Tensor, Tensor]:
-        """``A = Lᵀ J_Z/√δ`` (M, P) and the QR factors of ``[Aᵀ; I]`` (float64)."""
-        trainable = isinstance(self.inducing_locations, nn.Parameter)
-        Js = torch.cat([J for J, _ in jacobian_chunks(self, self.inducing_locations, trainable)])
-        JZ = Js[torch.arange(self.num_inducing), self.inducing_classes].to(torch.float64)
-        scale = self.log_prior_precision.to(torch.float64).mul(0.5).exp()
-        A = self._factor_matrix().to(torch.float64).T @ JZ / scale
-        eye = torch.eye(self.num_inducing, dtype=torch.float64, device=self._device)
-        Q, R = torch.linalg.qr(torch.cat([A.T, eye]), mode="reduced")
-        return A, Q, R
-
-    def _covariance(self, Js: Tensor, Q: Tensor, joint: bool) -> Tensor:
-        """``J (δI + AᵀA·δ)⁻¹ Jᵀ`` as ``‖(I − QQᵀ)[J/√δ, 0]‖²`` for Js (B, C, P)."""
-        B, C, P = Js.shape
-        scale = self.log_prior_precision.to(torch.float64).mul(0.5).exp()
-        padded = nn.functional.pad(Js.to(torch.float64).reshape(B * C, P) / scale, (0, Q.shape[1]))
-        roots = padded - (padded @ Q) @ Q.T
-        if joint:
-            cov = roots @ roots.T
-        else:
-            roots = roots.reshape(B, C, -1)
-            cov = roots @ roots.transpose(1, 2)
-        return ((cov + cov.transpose(-1, -2)) / 2).to(Js.dtype)
-
-    def _moments(self, X: Inputs, joint: bool, differentiable: bool) -> tuple[Tensor, ...]:
-        _, Q, R = factors = self._inducing_factor()
-        Js, f = zip(*jacobian_chunks(self, X, differentiable))
-        Js, f = torch.cat(Js), torch.cat(f)
-        return f, self._covariance(Js, Q, joint), factors[0], R
-
-    def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
-        f, cov, _, _ = self._moments(X, joint, self.enable_backprop)
-        if not self.enable_backprop:
-            f, cov = f.detach(), cov.detach()
-        return (f.reshape(-1) if joint else f), cov
-
-    def functional_variance(self, Js: Tensor) -> Tensor:
-        """Posterior output covariances from Jacobians: (B, C, P) → (B, C, C)."""
-        self._check_fitted("functional_variance")
-        return self._covariance(Js, self._inducing_factor()[1], joint=False).detach()
-
-    def functional_covariance(self, Js: Tensor) -> Tensor:
-        """Joint posterior covariance from Jacobians: (B, C, P) → (B·C, B·C)."""
-        self._check_fitted("functional_covariance")
-        return self._covariance(Js, self._inducing_factor()[1], joint=True).detach()
-
     # ---------------------------------------------------------------------------------- fit
     def _objective(self, X: Inputs, y: Tensor) -> Tensor:
         """The minimised objective on one minibatch (see :func:`negative_objective`)."""
-        return negative_objective(self, X, y)
+        return negative_objective(
+            self._likelihood_model.fit_likelihood,
+            y,
+            self._moments(X, joint=False, differentiable=False),
+            self.n_data,
+            self.temperature,
+            self.alpha,
+            None if self.log_noise_variance is None else self.log_noise_variance.exp(),
+            self.mc_softmax_samples,
+            self.generator,
+        )
 
     @preserve_model_gradients
     def fit(
@@ -267,27 +176,20 @@ class VaLLA(BaseFunctionalLaplace):
         Raises:
             ValueError: For bad optimisation settings or inducing classes.
         """
-        if not positive_int(iterations) or not (math.isfinite(lr) and lr > 0):
+        if not (
+            isinstance(iterations, int) and not isinstance(iterations, bool) and iterations > 0
+        ) or not (math.isfinite(lr) and lr > 0):
             raise ValueError("iterations must be a positive integer and lr positive and finite.")
-        if val_steps is not None and not positive_int(val_steps):
-            raise ValueError(f"val_steps must be a positive integer, got {val_steps!r}.")
+        if val_steps is not None:
+            check_positive_int(val_steps, "val_steps")
         self.model.eval()
         self.n_data = dataset_size(train_loader)
-        X0, y0 = next(self._batches(train_loader))
-        with torch.no_grad():
-            f0 = self.model(X0)
-        output_shape = check_outputs(f0, batch_size_of(X0, self.dict_key_x)).shape
-        self._likelihood_model.check_targets(y0, output_shape)
-        self.n_outputs = output_shape[-1]
+        empty = "train_loader is empty: fit needs at least one data point."
+        loop = self._data_loop(DataLoop, desc="VaLLA", empty_message=empty)
+        output_shape = self._check_first_batch(*next(loop.cycle(train_loader, 1)))
         self.mean = self._subset.vector().detach()
         if override or not self._fitted:
-            Z, classes = self._initial[0], self._initial[1].clone()
-            if self._strategy is not None:
-                Z, classes = choose_inducing(self, train_loader, self._strategy)
-            self.inducing_locations = as_inducing(Z, self._device, self._dtype)
-            self.inducing_classes = classes
-            self._init_factor()
-            self.fit_history_ = {"objective": [], "val_nll": []}
+            self._reset_inducing(train_loader)
         if bool(
             (self.inducing_classes >= self.n_outputs).any() | (self.inducing_classes < 0).any()
         ):
@@ -299,95 +201,60 @@ class VaLLA(BaseFunctionalLaplace):
             self.inducing_locations,
         )
         optimizer = torch.optim.Adam([p for p in params if isinstance(p, nn.Parameter)], lr=lr)
-        self._fitted = False
-        batches = iter(self._batches(train_loader, progress_bar, "VaLLA"))
-        for step in range(1, iterations + 1):
-            try:
-                X, y = next(batches)
-            except StopIteration:
-                batches = iter(self._batches(train_loader))
-                X, y = next(batches)
+        self._fitted, loop.progress_bar = False, progress_bar
+        for step, (X, y) in enumerate(loop.cycle(train_loader, iterations), 1):
             self._likelihood_model.check_targets(y, output_shape)
             optimizer.zero_grad()
             objective = check_finite_result(self._objective(X, y), "VaLLA objective of a batch")
             objective.backward()
             optimizer.step()
             self.fit_history_["objective"].append(float(objective.detach()))
-            if val_loader is not None and val_steps and step % val_steps == 0:
-                self._fitted = True
-                self.fit_history_["val_nll"].append(float(validation_nll(self, val_loader)))
+            self._validate(val_loader, val_steps, step)
         self._fitted = True
-        if val_loader is not None and (not val_steps or iterations % val_steps):
-            self.fit_history_["val_nll"].append(float(validation_nll(self, val_loader)))
+        self._validate_at_end(val_loader, val_steps, iterations)
+
+    def _reset_inducing(self, train_loader: DataLoader) -> None:
+        """Start from the initial (or newly chosen) inducing points, ``L = I`` and no history."""
+        Z, classes = self._initial[0], self._initial[1].clone()
+        if self._strategy is not None:
+            gather = partial(self._data_loop, Gather)
+            Z, classes = inducing_from_data(
+                train_loader, self._strategy, self.num_inducing, self.seed,
+                self._likelihood_model, self.dict_key_x, gather,
+            )  # fmt: skip
+        self.inducing_locations = as_inducing(Z, self._device, self._dtype)
+        self.inducing_classes = classes
+        self._init_factor()
+        self.fit_history_ = {"objective": [], "val_nll": []}
 
     def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
         """Not available: :meth:`fit` learns the prior precision (as in laplace-torch)."""
         raise NotImplementedError("VaLLA learns the prior precision in fit().")
 
-    def log_marginal_likelihood(self, *args: Any, **kwargs: Any) -> Tensor:
-        """Not defined: the objective is in ``fit_history_["objective"]`` (as in laplace-torch)."""
-        raise NotImplementedError("VaLLA has no Laplace marginal likelihood; see fit_history_.")
+    # -------------------------------------------------------------------------------- state
+    def _state_value_keys(self) -> tuple[str, ...]:
+        return (*super()._state_value_keys(), *INDUCING_STATE, "num_inducing", "generator_state")
 
-    def state_dict(self) -> dict[str, Any]:
-        """The fitted posterior as tensors and plain values (``weights_only=True`` loadable)."""
-        self._check_fitted("state_dict")
-        noise = self.log_noise_variance
+    def _state_values(self) -> dict[str, Any]:
+        Z, classes = self.inducing_locations, self.inducing_classes
         return {
-            "cls_name": type(self).__name__,
-            "likelihood": self.likelihood.value,
-            "mean": self.mean.detach().clone(),
+            **super()._state_values(),
+            **inducing_state(Z, classes, self._strategy, self._initial),
             "num_inducing": self.num_inducing,
-            "inducing_locations": detached_inputs(self.inducing_locations),
-            "inducing_classes": self.inducing_classes.detach().clone(),
-            "inducing_strategy": self._strategy,
-            "initial_inducing_locations": detached_inputs(self._initial[0]),
-            "initial_inducing_classes": self._initial[1].detach().clone(),
-            "L": self.L.detach().clone(),
-            "log_prior_precision": self.log_prior_precision.detach().clone(),
-            "log_noise_variance": None if noise is None else noise.detach().clone(),
-            "temperature": self.temperature,
-            "alpha": self.alpha,
-            "mc_softmax_samples": self.mc_softmax_samples,
-            "seed": self.seed,
             "generator_state": self.generator.get_state().clone(),
-            "n_data": self.n_data,
-            "n_outputs": self.n_outputs,
-            "fit_history": {k: list(v) for k, v in self.fit_history_.items()},
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a state saved by :meth:`state_dict` for the same model (any device).
+    def _check_state_values(self, state_dict: dict[str, Any]) -> None:
+        super()._check_state_values(state_dict)
+        noise = self._likelihood_model.has_noise_hyperparameter
+        check_inducing_state(state_dict, noise, self.dict_key_x)
+        check_alpha(state_dict["alpha"], state_dict["mc_softmax_samples"], self._likelihood_model)
 
-        Raises:
-            ValueError: For another class or likelihood, other model weights, or inconsistent
-                shapes (``L``, inducing inputs and outputs, noise).
-        """
-        check_state(self, state_dict)
-        check_inducing_state(state_dict, self.likelihood, self.dict_key_x)
-        M, Z = state_dict["num_inducing"], state_dict["inducing_locations"]
-        noise = state_dict["log_noise_variance"]
-        check_alpha(state_dict["alpha"], state_dict["mc_softmax_samples"], self.likelihood)
-        self.alpha, self.mc_softmax_samples = state_dict["alpha"], state_dict["mc_softmax_samples"]
-        self.seed, self.num_inducing = state_dict["seed"], M
+    def _load_state_values(self, state_dict: dict[str, Any]) -> None:
+        super()._load_state_values(state_dict)
+        self.num_inducing = state_dict["num_inducing"]
         self.generator.set_state(state_dict["generator_state"].cpu())
-        self.mean = state_dict["mean"].to(self._device, self._dtype)
-        self._strategy = state_dict["inducing_strategy"]
-        self.inducing_locations = as_inducing(Z, self._device, self._dtype)
-        self.inducing_classes = state_dict["inducing_classes"].to(self._device)
-        initial = state_dict["initial_inducing_locations"]
-        initial = None if initial is None else to_device(initial, self._device, self._dtype)
-        self._initial = (initial, state_dict["initial_inducing_classes"].to(self._device))
-        self.L = nn.Parameter(state_dict["L"].to(self._device, self._dtype).clone())
-        log_delta = state_dict["log_prior_precision"].to(self._device, self._dtype)
-        self.log_prior_precision = nn.Parameter(log_delta.reshape(1).clone())
-        if noise is not None:
-            self.log_noise_variance = nn.Parameter(noise.to(self._device, self._dtype).clone())
-        self.temperature = state_dict["temperature"]
-        self.n_data, self.n_outputs = state_dict["n_data"], state_dict["n_outputs"]
-        self.fit_history_ = {k: list(v) for k, v in state_dict["fit_history"].items()}
-        self._fitted = True
-
-    @property
-    def log_likelihood(self) -> Tensor:
-        """Not tracked by VaLLA (as in laplace-torch)."""
-        raise UnsupportedError("VaLLA does not track the training log-likelihood.")
+        Z, self.inducing_classes, self._strategy, self._initial = load_inducing_state(
+            state_dict, self._device, self._dtype
+        )
+        self.inducing_locations = Z

@@ -1,5 +1,12 @@
-"""Utilities: option enums, linear-algebra and prior helpers, validation and metrics."""
+"""laplace-torch's ``laplace.utils`` path: enums, Kronecker matrices, subnetwork masks, helpers.
 
+A façade: every name is re-exported from the module that owns it, and nothing in the package
+imports ``laplace.utils`` itself (internal code imports those modules).
+"""
+
+from laplace.data import SoDSampler
+from laplace.errors import is_real_scalar as _is_valid_scalar
+from laplace.priors import expand_prior_precision, fix_prior_prec_structure
 from laplace.utils.enums import (
     FeatureReduction,
     FunctionalApproximation,
@@ -26,6 +33,16 @@ from laplace.utils.functional_utils import (
     to_device,
     training_indices,
 )
+from laplace.utils.layers import is_batchnorm as _is_batchnorm
+from laplace.utils.layers import parameters_per_layer
+from laplace.utils.linalg import (
+    block_diag,
+    diagonal_add_scalar,
+    invsqrt_precision,
+    kron,
+    normal_samples,
+    symeig,
+)
 from laplace.utils.matrix import Kron, KronDecomposed
 from laplace.utils.metrics import RunningNLLMetric
 from laplace.utils.subnetmask import (
@@ -39,22 +56,7 @@ from laplace.utils.subnetmask import (
     SubnetMask,
 )
 from laplace.utils.swag import fit_diagonal_swag_var
-from laplace.utils.utils import (
-    SoDSampler,
-    _is_batchnorm,
-    _is_valid_scalar,
-    block_diag,
-    diagonal_add_scalar,
-    expand_prior_precision,
-    fix_prior_prec_structure,
-    get_nll,
-    invsqrt_precision,
-    kron,
-    normal_samples,
-    parameters_per_layer,
-    symeig,
-    validate,
-)
+from laplace.utils.validation import get_nll, validate
 
 __all__ = [
     "FeatureExtractor",

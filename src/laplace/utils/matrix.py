@@ -26,8 +26,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from laplace.errors import is_real_scalar
 from laplace.utils.linalg import block_diag, kron, symeig
-from laplace.utils.utils import _is_valid_scalar
 
 __all__ = ["Kron", "KronDecomposed"]
 
@@ -98,7 +98,7 @@ class Kron:
 
     def __mul__(self, scalar: float | Tensor) -> Kron:
         """Multiply every block by ``scalar``: each of its ``k`` factors by ``scalar^(1/k)``."""
-        if not _is_valid_scalar(scalar):
+        if not is_real_scalar(scalar):
             raise ValueError("Kron can only be multiplied by a scalar.")
         return Kron([[scalar ** (1 / len(F)) * Fi for Fi in F] for F in self.kfacs])
 
@@ -270,7 +270,7 @@ class KronDecomposed:
 
     def __mul__(self, scalar: float | Tensor) -> KronDecomposed:
         """Scale every block by ``scalar`` (its ``k`` eigenvalue sets by ``scalar^(1/k)``)."""
-        if not _is_valid_scalar(scalar):
+        if not is_real_scalar(scalar):
             raise ValueError("KronDecomposed can only be multiplied by a scalar.")
         if isinstance(scalar, Tensor):
             scalar = scalar.reshape(())

@@ -22,7 +22,8 @@ from laplace.errors import (
     check_positive_float,
     check_positive_int,
 )
-from laplace.utils.enums import Likelihood, parse_enum
+from laplace.likelihoods import make_likelihood
+from laplace.utils.enums import Likelihood
 from laplace.utils.feature_extractor import FeatureExtractor
 from laplace.utils.swag import fit_diagonal_swag_var
 
@@ -244,27 +245,25 @@ class LargestVarianceSWAGSubnetMask(ScoreBasedSubnetMask):
         swag_snapshot_freq: int = 1,
         swag_lr: float = 0.01,
     ) -> None:
-        likelihood = parse_enum(Likelihood, likelihood, "likelihood")
-        if likelihood not in (Likelihood.CLASSIFICATION, Likelihood.REGRESSION):
+        likelihood_model = make_likelihood(likelihood)
+        if likelihood_model.is_composite:  # SWAG trains on one loss
             raise ValueError(
                 "LargestVarianceSWAGSubnetMask supports likelihood 'classification' or "
-                f"'regression', got {likelihood.value!r}."
+                f"'regression', got {likelihood_model.kind.value!r}."
             )
         super().__init__(model, n_params_subnet)
-        self.likelihood = likelihood
+        self.likelihood = likelihood_model.kind
+        self._likelihood_model = likelihood_model
         self.swag_n_snapshots = check_positive_int(swag_n_snapshots, "swag_n_snapshots")
         self.swag_snapshot_freq = check_positive_int(swag_snapshot_freq, "swag_snapshot_freq")
         self.swag_lr = check_positive_float(swag_lr, "swag_lr")
 
     def compute_param_scores(self, train_loader: DataLoader | None) -> Tensor:
         """Diagonal SWAG variances, shape (P,)."""
-        criterion = (
-            nn.CrossEntropyLoss() if self.likelihood == Likelihood.CLASSIFICATION else nn.MSELoss()
-        )
         return fit_diagonal_swag_var(
             self.model,
             _require_loader(train_loader),
-            criterion,
+            self._likelihood_model.loss_module(),
             n_snapshots_total=self.swag_n_snapshots,
             snapshot_freq=self.swag_snapshot_freq,
             lr=self.swag_lr,

@@ -5,20 +5,30 @@ from __future__ import annotations
 import inspect
 import numbers
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torchmetrics
+from torch import nn
 from torch.utils.data import DataLoader
 
 from laplace.data import prepare_batch
 from laplace.likelihoods import Categorical
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
 
-if TYPE_CHECKING:
-    from laplace.base import BaseLaplace
+__all__ = ["Predictor", "get_nll", "validate"]
 
-__all__ = ["get_nll", "validate"]
+
+class Predictor(Protocol):
+    """What :func:`validate` needs of a Laplace approximation: its model and its predictive."""
+
+    model: nn.Module
+    n_outputs: int
+
+    def __call__(
+        self, x: Any, pred_type: Any, link_approx: Any, n_samples: int, fitting: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Predictive probabilities (B, C), or the GLM's mean (B, C) and variance (B, C, C)."""
 
 
 def get_nll(out_dist: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -88,7 +98,7 @@ def _scalar_result(value: Any) -> float:
 
 @torch.no_grad()
 def validate(
-    laplace: BaseLaplace,
+    laplace: Predictor,
     val_loader: DataLoader,
     loss: torchmetrics.Metric
     | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -1,0 +1,33 @@
+"""Facts about a network's layers: parameter counts per tensor, batch-norm layers."""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["is_batchnorm", "parameters_per_layer"]
+
+_BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def parameters_per_layer(model: nn.Module) -> list[int]:
+    """Number of entries of every parameter tensor of ``model`` (frozen ones included).
+
+    Args:
+        model: A torch module.
+
+    Returns:
+        ``[p.numel() for p in model.parameters()]``.
+    """
+    return [p.numel() for p in model.parameters()]
+
+
+def is_batchnorm(module: nn.Module) -> bool:
+    """Whether ``module`` is a 1d, 2d or 3d batch-norm layer.
+
+    Args:
+        module: A torch module.
+
+    Returns:
+        True for ``BatchNorm1d/2d/3d`` instances (and subclasses).
+    """
+    return isinstance(module, _BATCHNORM_TYPES)

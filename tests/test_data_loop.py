@@ -1,0 +1,107 @@
+"""The one data loop (laplace.data_loop): batches, sums, checks, gathering, cycling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import CASE_BUILDERS, DictDataset, assert_close
+from laplace import FullLaplace
+from laplace.data_loop import DataLoop, Gather, subset_loader, training_indices
+
+CPU = torch.device("cpu")
+
+
+def loader(n: int = 10, batch_size: int = 4) -> DataLoader:
+    X = torch.arange(2 * n, dtype=torch.float64).reshape(n, 2)
+    return DataLoader(TensorDataset(X, torch.arange(n)), batch_size=batch_size)
+
+
+def test_run_sums_the_statistics_of_every_batch():
+    loop = DataLoop(None, "labels", CPU, step=lambda X, y: (X.sum(), len(y)))
+    total, count = loop.run(loader())
+    assert_close(total, torch.arange(20, dtype=torch.float64).sum())
+    assert count == 10
+
+
+def test_a_subclass_implements_the_hooks():
+    class Mean(DataLoop):
+        def start(self):
+            return torch.zeros(2, dtype=torch.float64), 0
+
+        def step(self, X, y):
+            return X.sum(0), len(X)
+
+        def finish(self, total):
+            return total[0] / total[1]
+
+    assert_close(Mean(None, "labels", CPU).run(loader()), torch.tensor([9.0, 10.0]))
+
+
+def test_empty_loader_and_non_finite_statistics_are_refused():
+    empty = DataLoader(TensorDataset(torch.zeros(0, 2), torch.zeros(0)), batch_size=3)
+    with pytest.raises(ValueError, match="nothing to do"):
+        DataLoop(
+            None, "labels", CPU, step=lambda X, y: X.sum(), empty_message="nothing to do"
+        ).run(empty)
+    assert (
+        DataLoop(None, "labels", CPU, step=lambda X, y: len(y), empty_message=None).run(empty)
+        is None
+    )
+    nan_step = DataLoop(None, "labels", CPU, step=lambda X, y: X.sum() * float("nan"), what="test")
+    with pytest.raises(RuntimeError, match="batch of the test contains NaN"):
+        nan_step.run(loader())
+
+
+def test_batches_are_prepared_and_checked_before_the_step():
+    seen = []
+    bad = DataLoader(TensorDataset(torch.full((3, 2), float("nan")), torch.zeros(3)))
+    loop = DataLoop(None, "labels", CPU, step=lambda X, y: seen.append(X) or X.sum())
+    with pytest.raises(ValueError, match="NaN"):
+        loop.run(bad)
+    assert seen == []
+
+    def refuse(X):
+        raise ValueError("refused inputs")
+
+    with pytest.raises(ValueError, match="refused inputs"):
+        DataLoop(None, "labels", CPU, check_inputs=refuse, step=lambda X, y: len(y)).run(loader())
+
+
+def test_gather_concatenates_dict_batches_and_steps_keep_their_order():
+    data = DictDataset(torch.randn(7, 3), torch.arange(7))
+    X, y = Gather("input_ids", "labels", CPU).run(DataLoader(data, batch_size=3))
+    assert_close(X["input_ids"], data.x)
+    assert_close(y, data.y)
+    (doubled,) = Gather(None, "labels", CPU, step=lambda X, y: (2 * y,)).run(loader())
+    assert_close(doubled, 2 * torch.arange(10))
+
+
+def test_cycle_restarts_the_loader_and_refuses_an_empty_one():
+    labels = [y.tolist() for _, y in DataLoop(None, "labels", CPU).cycle(loader(5, 2), 5)]
+    assert labels == [[0, 1], [2, 3], [4], [0, 1], [2, 3]]
+    empty = DataLoader(TensorDataset(torch.zeros(0, 2), torch.zeros(0)), batch_size=3)
+    with pytest.raises(ValueError, match="no batches"):
+        list(DataLoop(None, "labels", CPU).cycle(empty, 2))
+
+
+def test_training_indices_and_subset_loader():
+    data = loader(10, 3)
+    assert training_indices(data).tolist() == list(range(10))
+    subset = subset_loader(data, torch.tensor([7, 2, 5]))
+    assert [y.tolist() for _, y in subset] == [[7, 2, 5]]
+
+
+def test_the_parametric_fit_is_one_pass_of_the_data_loop(monkeypatch):
+    case = CASE_BUILDERS["mlp_regression_1out"]()
+    runs = []
+    original = DataLoop.run
+
+    def counted(self, data):
+        runs.append(type(self).__name__)
+        return original(self, data)
+
+    monkeypatch.setattr(DataLoop, "run", counted)
+    FullLaplace(case.model, "regression").fit(case.loader())
+    assert runs == ["CurvatureSum"]
