@@ -20,6 +20,7 @@ from typing_extensions import override
 from laplace.errors import DataError, LabelError
 from laplace.predictive import probit_logits
 from laplace.utils.enums import HessianStructure, Likelihood, parse_enum
+from laplace.utils.linalg import softmax_hessian_factor
 
 __all__ = [
     "Categorical",
@@ -258,30 +259,8 @@ class Categorical(LikelihoodModel):
 
     @override
     def output_hessian_sqrt(self, f: Tensor) -> Tensor:
-        """A rank-(C − 1) factor of ``Λ = diag(p) − p pᵀ``, shape (B, C, C − 1).
-
-        ``Λ 1 = 0``, so with a reference class ``r`` (the most probable one, for conditioning)
-        ``vᵀ Λ v = wᵀ Λ' w`` for ``wᵢ = vᵢ − v_r`` (``i ≠ r``) and ``Λ'`` the principal block of
-        ``Λ`` without ``r``. ``Λ' = S Sᵀ`` with ``S = diag(√p') − c p' √p'ᵀ``,
-        ``c = 1 / (1 + √p_r)``, and mapping back gives ``L[i, j] = √pᵢ δᵢⱼ − c pᵢ √pⱼ`` for
-        ``i ≠ r`` and ``L[r, j] = −√(p_r pⱼ)``, over the columns ``j ≠ r``. Every curvature built
-        from the factor's columns then needs C − 1 backward passes instead of C.
-        """
-        p = torch.softmax(f, dim=-1)
-        sqrt_p = p.sqrt()
-        n_classes = p.shape[-1]
-        if n_classes == 1:
-            return (sqrt_p - p * sqrt_p).unsqueeze(-1)
-        r = p.argmax(-1, keepdim=True)
-        c = 1 / (1 + sqrt_p.gather(-1, r))
-        L = torch.diag_embed(sqrt_p) - (c * p).unsqueeze(-1) * sqrt_p.unsqueeze(-2)
-        reference_row = -sqrt_p.gather(-1, r) * sqrt_p
-        L = L.scatter(
-            -2, r.unsqueeze(-1).expand(*r.shape[:-1], 1, n_classes), reference_row.unsqueeze(-2)
-        )
-        others = torch.arange(n_classes - 1, device=f.device).expand(*r.shape[:-1], -1)
-        others = others + (others >= r).long()
-        return L.gather(-1, others.unsqueeze(-2).expand(*L.shape[:-1], -1))
+        """A rank-(C − 1) factor of ``Λ = diag(p) − p pᵀ`` (:func:`softmax_hessian_factor`)."""
+        return softmax_hessian_factor(torch.softmax(f, dim=-1))
 
     @override
     def output_hessian(self, f: Tensor) -> Tensor:
