@@ -20,6 +20,7 @@ from typing_extensions import override
 from laplace.errors import DataError, LabelError
 from laplace.predictive import probit_logits
 from laplace.utils.enums import HessianStructure, Likelihood, parse_enum
+from laplace.utils.linalg import softmax_hessian_factor
 
 __all__ = [
     "Categorical",
@@ -94,7 +95,7 @@ class LikelihoodModel(ABC):
 
     @abstractmethod
     def output_hessian_sqrt(self, f: Tensor) -> Tensor:
-        """A factor ``L`` of the output Hessian ``Λ = L Lᵀ``, shape (B, C, C)."""
+        """A factor ``L`` of the output Hessian ``Λ = L Lᵀ``, shape (B, C, R) with R ≤ C."""
 
     def output_hessian(self, f: Tensor) -> Tensor:
         """Hessian of the per-sample loss w.r.t. ``f``, shape (B, C, C)."""
@@ -258,10 +259,8 @@ class Categorical(LikelihoodModel):
 
     @override
     def output_hessian_sqrt(self, f: Tensor) -> Tensor:
-        # Λ = diag(p) − p pᵀ = L Lᵀ with L = diag(√p) − p √pᵀ, because Σ p = 1.
-        p = torch.softmax(f, dim=-1)
-        sqrt_p = p.sqrt()
-        return torch.diag_embed(sqrt_p) - p.unsqueeze(-1) * sqrt_p.unsqueeze(-2)
+        """A rank-(C − 1) factor of ``Λ = diag(p) − p pᵀ`` (:func:`softmax_hessian_factor`)."""
+        return softmax_hessian_factor(torch.softmax(f, dim=-1))
 
     @override
     def output_hessian(self, f: Tensor) -> Tensor:

@@ -163,7 +163,7 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         route = self._backend_route
         return (
             getattr(backend, route) is getattr(CurvatureInterface, route)
-            and backend._curvature_columns is not CurvatureInterface._curvature_columns
+            and backend.curvature_columns is not CurvatureInterface.curvature_columns
             and not getattr(self.backend, "stochastic", False)
         )
 
