@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 
-.PHONY: help install test test-all lint format demo bench bench-compare docs lock clean
+.PHONY: help install test test-all lint format demo bench bench-scaling bench-compare docs lock clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
@@ -39,6 +39,9 @@ demo: $(STAMP)  ## run the regression and calibration examples (PNG + JSON under
 
 bench: $(STAMP)  ## time fit/predict and peak memory (benchmarks/run.py)
 	$(PY) benchmarks/run.py
+
+bench-scaling: $(STAMP)  ## fit/predict time and memory against N and width, growth exponents (slow)
+	$(PY) benchmarks/scaling.py
 
 docs: $(STAMP)  ## build the documentation site into site/ (mkdocs, warnings are errors)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site

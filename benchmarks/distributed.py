@@ -33,7 +33,7 @@ def worker(structure: str, repeats: int, out: Path) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     sys.path.insert(0, str(HERE))
-    from run import BATCH, MODELS, N_TRAIN, data
+    from harness import BATCH, MODELS, N_TRAIN, data
 
     from laplace import Laplace
     from laplace.distributed import shard_dataset

@@ -1,145 +1,53 @@
-"""Benchmarks: fit time against a forward/backward baseline, and predictive time and peak memory.
+"""Benchmarks: fit time against a forward/backward floor, and predictive time and peak memory.
 
-Set-up of the foundation issue: CPU, 2 threads, N=2000, 10 classes, an MLP 64-256-256-10
-(85k params, on 64 input features) and a CNN on 28×28 inputs (conv 16 s2, conv 32 s2, linear 128,
-linear 10; 207k params). Each case runs in its own subprocess so peak memory is its own.
+Models, data and the measuring rules are in ``benchmarks/harness.py``; the low-rank,
+subnetwork and Kronecker cases of the performance-frontier issue in ``benchmarks/frontier.py``.
+Each case runs in its own subprocess so peak memory is its own; times are medians over the
+repeats and a fit's ratio to its floor is the median of per-repeat ratios, floor and fit
+alternating (see the harness).
 
-Usage: ``python benchmarks/run.py [--cases NAME ...] [--repeats R] [--threads T]``; prints a
-table and writes ``benchmarks/results/run.json``. ``--backends`` instead times ``fit`` per
-curvature backend × structure on both models and writes ``benchmarks/results/backends.json``.
-The ``binary-*`` cases time ``likelihood="binary_classification"`` against ``"classification"``
-on the MLP.
+Usage: ``python benchmarks/run.py [--cases NAME ...] [--repeats R] [--threads T]
+[--clock wall|cpu]``; prints a table and writes
+``benchmarks/results/run.json``. ``--backends`` instead times ``fit`` per curvature backend ×
+structure on both models and writes ``benchmarks/results/backends.json``. The scaling table
+(N and width) is ``benchmarks/scaling.py``. The ``binary-*`` cases time
+``likelihood="binary_classification"`` against ``"classification"`` on the MLP.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from functools import partial
 from pathlib import Path
 
 import torch
+from frontier import FRONTIER_CASES
+from harness import (
+    BATCH,
+    MODELS,
+    N_CLASSES,
+    N_TEST,
+    N_TRAIN,
+    PeakRSS,
+    data,
+    forward_pass,
+    forward_plus_10_backward,
+    measure_fit,
+    measure_predict,
+    timed,
+    training_loader,
+    use_clock,
+)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 RESULTS = Path(__file__).resolve().parent / "results"
-N_TRAIN, N_TEST, N_CLASSES, BATCH = 2000, 1000, 10, 100
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Flatten(),
-        nn.Linear(64, 256),
-        nn.ReLU(),
-        nn.Linear(256, 256),
-        nn.ReLU(),
-        nn.Linear(256, 10),
-    )
-
-
-def cnn() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, stride=2, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(16, 32, 3, stride=2, padding=1),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(32 * 7 * 7, 128),
-        nn.ReLU(),
-        nn.Linear(128, 10),
-    )
-
-
-MODELS = {"mlp": mlp, "cnn": cnn}
-INPUT_SHAPES = {"mlp": (64,), "cnn": (1, 28, 28)}
-
-
-def data(model_name: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    X = torch.randn(n, *INPUT_SHAPES[model_name], generator=gen)
-    return X, torch.randint(0, N_CLASSES, (n,), generator=gen)
-
-
-class PeakRSS:
-    """Peak resident memory above the level at entry, sampled every 2 ms (bytes)."""
-
-    def __enter__(self):
-        self.base = self.peak = self._rss()
-        self._stop = False
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop = True
-        self._thread.join()
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.base
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-
-    def _watch(self):
-        while not self._stop:
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.002)
-
-
-def timed(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def forward_plus_10_backward(model: nn.Module, loader: DataLoader) -> None:
-    params = [p for p in model.parameters() if p.requires_grad]
-    for X, _ in loader:
-        f = model(X)
-        for c in range(10):
-            torch.autograd.grad(f[:, c].sum(), params, retain_graph=c < 9)
-
-
-def training_loader(model_name: str) -> DataLoader:
-    return DataLoader(TensorDataset(*data(model_name, N_TRAIN, 0)), batch_size=BATCH)
-
-
-def measure_fit(la, loader: DataLoader, repeats: int, case: str, **extra) -> dict:
-    """Best-of-``repeats`` fit time and peak extra memory of a Laplace approximation."""
-    with PeakRSS() as mem:
-        fit_s = timed(lambda: la.fit(loader), repeats)
-    return {
-        "case": case,
-        "n_params": la.n_params,
-        "seconds": fit_s,
-        **{key: value(fit_s) if callable(value) else value for key, value in extra.items()},
-        "peak_extra_MB": mem.extra / 2**20,
-    }
-
-
-def measure_predict(la, model_name: str, n_test: int, repeats: int, case: str) -> dict:
-    """GLM probit predictive time and peak extra memory on ``n_test`` points of a fitted ``la``."""
-    X_test, _ = data(model_name, n_test, 1)
-    la(X_test[:10], link_approx="probit")  # warm the posterior factorisation
-    with PeakRSS() as mem:
-        pred_s = timed(lambda: la(X_test, pred_type="glm", link_approx="probit"), repeats)
-    return {
-        "case": case,
-        "n_params": la.n_params,
-        "seconds": pred_s,
-        "peak_extra_MB": mem.extra / 2**20,
-    }
 
 
 def case_fit(model_name: str, structure: str, repeats: int) -> dict:
@@ -147,16 +55,9 @@ def case_fit(model_name: str, structure: str, repeats: int) -> dict:
 
     model = MODELS[model_name]().eval()
     loader = training_loader(model_name)
-    baseline = timed(lambda: forward_plus_10_backward(model, loader), repeats)
     la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
-    return measure_fit(
-        la,
-        loader,
-        repeats,
-        f"fit {structure} {model_name}",
-        baseline_fwd_10bwd_s=baseline,
-        ratio=lambda fit_s: fit_s / baseline,
-    )
+    floor = partial(forward_plus_10_backward, model, loader)
+    return measure_fit(la, loader, repeats, f"fit {structure} {model_name}", floor)
 
 
 def case_predict(
@@ -204,27 +105,20 @@ BACKEND_CASES = {
 }
 
 
-def forward_pass(model: nn.Module, loader: DataLoader) -> None:
-    with torch.no_grad():
-        for X, _ in loader:
-            model(X)
-
-
 def case_fit_ll(model_name: str, structure: str, repeats: int) -> dict:
     from laplace import Laplace
 
     model = MODELS[model_name]().eval()
     loader = training_loader(model_name)
-    baseline = timed(lambda: forward_pass(model, loader), repeats)
     la = Laplace(model, "classification", "last_layer", structure)
-    return measure_fit(
+    row = measure_fit(
         la,
         loader,
         repeats,
         f"fit last-layer {structure} {model_name}",
-        baseline_forward_s=baseline,
-        ratio_to_forward=lambda fit_s: fit_s / baseline,
+        partial(forward_pass, model, loader),
     )
+    return {**row, "floor": "1 forward"}
 
 
 def case_marglik_ll(model_name: str, structure: str, repeats: int) -> dict:
@@ -248,38 +142,6 @@ def case_marglik_ll(model_name: str, structure: str, repeats: int) -> dict:
         "seconds": tune_s,
         "peak_extra_MB": mem.extra / 2**20,
     }
-
-
-def case_fit_lowrank(model_name: str, structure: str, repeats: int, k: int = 50) -> dict:
-    from laplace import Laplace
-
-    model = MODELS[model_name]().eval()
-    la = Laplace(
-        model,
-        "classification",
-        subset_of_weights="all",
-        hessian_structure="lowrank",
-        backend_kwargs={"n_eigenvalues": k, "solver": structure, "tol": 1e-4},
-    )
-    case = f"fit lowrank k={k} ({structure}) {model_name}"
-    return measure_fit(la, training_loader(model_name), repeats, case)
-
-
-def case_fit_subnet(model_name: str, structure: str, repeats: int, k: int = 1000) -> dict:
-    from laplace import Laplace
-    from laplace.utils import LargestMagnitudeSubnetMask
-
-    model = MODELS[model_name]().eval()
-    indices = LargestMagnitudeSubnetMask(model, n_params_subnet=k).select()
-    la = Laplace(
-        model,
-        "classification",
-        subset_of_weights="subnetwork",
-        hessian_structure=structure,
-        subnetwork_indices=indices,
-    )
-    case = f"fit subnetwork {structure} K={k} {model_name}"
-    return measure_fit(la, training_loader(model_name), repeats, case)
 
 
 def case_marglik_training(model_name: str, structure: str, repeats: int) -> dict:
@@ -439,10 +301,7 @@ CASES = {
     "fit-ll-diag-cnn": (case_fit_ll, "cnn", "diag"),
     "marglik-fullll-mlp": (case_marglik_ll, "mlp", "full"),
     "predict-ll-kron-cnn": (partial(case_predict, subset="last_layer"), "cnn", "kron"),
-    "fit-lowrank-cnn": (case_fit_lowrank, "cnn", "randomized"),
-    "fit-lowrank-lanczos-cnn": (case_fit_lowrank, "cnn", "lanczos"),
-    "fit-lowrank-lobpcg-cnn": (case_fit_lowrank, "cnn", "lobpcg"),
-    "fit-subnet-full-cnn": (case_fit_subnet, "cnn", "full"),
+    **FRONTIER_CASES,
     "marglik-training-kron-mlp": (case_marglik_training, "mlp", "kron"),
     "predict-gp-sod-mlp": (case_predict_gp, "mlp", 100),
     "evaluate-kron-cnn": (case_evaluate, "cnn", "kron"),
@@ -451,11 +310,34 @@ CASES = {
 }
 
 
-def run_one(name: str, repeats: int, threads: int = 2) -> dict:
+def run_one(name: str, repeats: int, threads: int = 2, clock: str = "wall") -> dict:
     torch.set_num_threads(threads)
+    use_clock(clock)
     torch.manual_seed(0)
     fn, model_name, structure = CASES[name]
-    return fn(model_name, structure, repeats)
+    row = fn(model_name, structure, repeats)
+    return {**row, "threads": threads, "clock": clock, "load_avg_1min": os.getloadavg()[0]}
+
+
+def format_row(row: dict) -> str:
+    """One printed line: time, memory, ratio to the floor, machine load, notes."""
+    extras = ""
+    if "ratio" in row:
+        extras = f"  {row['ratio']:6.2f}x {row.get('floor', '1 fwd + 10 bwd')}"
+    if "ratio_to_predictive" in row:
+        extras = f"  {row['ratio_to_predictive']:6.3f}x the predictive alone"
+    if "predict_ratio" in row:
+        extras = (
+            f"  binary / classification: fit {row['ratio']:.2f}, "
+            f"predictive {row['predict_ratio']:.2f}"
+        )
+    if "note" in row:
+        extras += f"  {row['note']}"
+    params = f"P={row['n_params']:>7d}" if "n_params" in row else " " * 9
+    return (
+        f"{row['case']:44s} {params}  {row['seconds']:8.3f} s  "
+        f"peak +{row['peak_extra_MB']:7.1f} MB  load {row['load_avg_1min']:4.1f}{extras}"
+    )
 
 
 def main() -> None:
@@ -468,53 +350,32 @@ def main() -> None:
         help="run the fit time per backend × structure cases (results/backends.json)",
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument(
-        "--threads",
-        type=int,
-        default=2,
-        help="torch threads per case (1 is steadier on a machine shared with other jobs)",
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time (default) or process CPU time (robust to load with --threads 1)",
     )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one, args.repeats, args.threads)))
+        print(json.dumps(run_one(args.one, args.repeats, args.threads, args.clock)))
         return
     if args.backends:
         args.cases = list(BACKEND_CASES)
     rows = []
     for name in args.cases:
+        options = ["--repeats", str(args.repeats), "--threads", str(args.threads)]
         out = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--one",
-                name,
-                "--repeats",
-                str(args.repeats),
-                "--threads",
-                str(args.threads),
-            ],
+            [sys.executable, __file__, "--one", name, *options, "--clock", args.clock],
             capture_output=True,
             text=True,
             check=True,
         )
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
-        extras = f"  ratio to fwd+10bwd {row['ratio']:.2f}" if "ratio" in row else ""
-        if "ratio_to_forward" in row:
-            extras = f"  ratio to 1 forward {row['ratio_to_forward']:.2f}"
-        if "predict_ratio" in row:
-            extras = (
-                f"  binary / classification: fit {row['ratio']:.2f}, "
-                f"predictive {row['predict_ratio']:.2f}"
-            )
-        if "ratio_to_predictive" in row:
-            extras = f"  ratio to the predictive alone {row['ratio_to_predictive']:.3f}"
-        print(
-            f"{row['case']:42s} P={row['n_params']:>7d}  {row['seconds']:8.3f} s  "
-            f"peak +{row['peak_extra_MB']:7.1f} MB{extras}",
-            flush=True,
-        )
+        print(format_row(row), flush=True)
     RESULTS.mkdir(exist_ok=True)
     out_file = RESULTS / ("backends.json" if args.backends else "run.json")
     out_file.write_text(json.dumps(rows, indent=2))

@@ -80,6 +80,32 @@ def test_kron_bmm(shape):
     assert_close(D @ W, D.bmm(W, exponent=1))
 
 
+def test_kron_in_place_sum_adds_into_its_own_factors():
+    K, K2 = random_kron(0), random_kron(1)
+    expected = (K + K2).to_matrix()
+    factors = [F for block in K.kfacs for F in block]
+    K += K2
+    assert_close(K.to_matrix(), expected)
+    assert all(F is G for F, G in zip(factors, [F for block in K.kfacs for F in block]))
+    with pytest.raises(ValueError, match="block structures"):
+        K += Kron(K2.kfacs[:2])
+
+
+@pytest.mark.parametrize("damping", [False, True], ids=["plain", "damped"])
+def test_deferred_decomposition_equals_the_eager_one(damping, monkeypatch):
+    K = random_kron(6)
+    eager = K.decompose(damping=damping)
+    calls, original = [], Kron._eigenpairs
+    monkeypatch.setattr(Kron, "_eigenpairs", lambda self: calls.append(1) or original(self))
+    deferred = K.decompose(damping=damping, deferred=True)
+    assert len(deferred) == len(eager) and not calls  # nothing decomposed yet
+    deltas = torch.tensor([0.3, 1.1, 0.5, 2.0], dtype=torch.float64)
+    assert_close((deferred * 1.3 + deltas).to_matrix(-1), (eager * 1.3 + deltas).to_matrix(-1))
+    assert_close((deferred + deltas).logdet(), (eager + deltas).logdet())
+    _ = deferred.eigenvalues, deferred.eigenvectors
+    assert calls == [1]  # once, on first use
+
+
 def test_kron_refuses_other_exponents_and_mismatched_sums():
     K = random_kron(0)
     with pytest.raises(ValueError, match="decompose"):

@@ -123,6 +123,7 @@ def test_dict_inputs_and_state_dict(tmp_path):
     other = LowRankLaplace(model, "classification", backend_kwargs={"n_eigenvalues": 3})
     other.load_state_dict(torch.load(tmp_path / "la.pt", weights_only=True))
     assert_close(other.H[0], la.H[0])
+    assert_close(other.eigenvalue_errors, la.eigenvalue_errors)
     assert_close(other.log_marginal_likelihood(), la.log_marginal_likelihood())
 
 
@@ -144,16 +145,56 @@ def test_errors():
         LowRankPosterior.batch_curvature(None, None, None, 0)
 
 
+@pytest.mark.parametrize("backend", list(CURVATURES), ids=["ggn", "ef", "hessian"])
 @pytest.mark.parametrize("case_name", ["mlp_regression_3out", "mlp_classification"])
-def test_randomized_block_solver_matches_dense_top_k(case_name):
+def test_default_block_krylov_solver_matches_dense_top_k(case_name, backend):
     case = CASE_BUILDERS[case_name]()
     oracle = Oracle(case.model, case.likelihood)
     la = LowRankLaplace(
         case.model,
         case.likelihood,
-        backend_kwargs={"n_eigenvalues": K, "solver": "randomized", "max_iter": 40},
+        backend=backend,
+        backend_kwargs={"n_eigenvalues": K, "oversampling": 2, "max_iter": 20, "tol": 1e-9},
     )
     la.fit(case.loader())
-    assert la.n_params > K + 10  # the block does not span the whole space
-    U_ref, lam_ref = _top_k(oracle.ggn(case.X), K)
+    assert la.n_params > K + 2  # the block does not span the whole space
+    U_ref, lam_ref = _top_k(CURVATURES[backend](oracle, case), K)
     _assert_same_eigenpairs(*la.H, U_ref, lam_ref)
+    assert la.eigenvalue_errors.shape == (K,) and bool((la.eigenvalue_errors <= 1e-8).all())
+
+
+@pytest.mark.parametrize("case_name", ["mlp_regression_3out", "cnn_classification"])
+def test_glm_predictive_needs_no_jacobians(case_name, monkeypatch):
+    case = CASE_BUILDERS[case_name]()
+    oracle = Oracle(case.model, case.likelihood)
+    prior = torch.linspace(0.5, 2.0, len(oracle.theta), dtype=torch.float64)
+    la = LowRankLaplace(
+        case.model, case.likelihood, prior_precision=prior, backend_kwargs={"n_eigenvalues": K}
+    )
+    la.fit(case.loader())
+    monkeypatch.setattr(la.backend, "jacobians", None)  # any Jacobian call would fail
+    J = oracle.jacobian(case.X[:5])
+    expected = J @ torch.linalg.inv(_dense_from_rank_k(la)) @ J.transpose(1, 2)
+    f_mu, f_var = la._glm_predictive_distribution(case.X[:5])
+    assert_close(f_var, expected)
+    assert_close(f_mu, oracle.f(oracle.theta, case.X[:5]))
+
+
+@pytest.mark.parametrize("structure", ["diag", "lowrank"])
+def test_glm_predictive_of_grouped_convolutions_falls_back_to_jacobians(structure):
+    """The layer-wise route models ungrouped layers only; grouped ones take the Jacobians."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv1d(2, 4, 3, groups=2),
+        torch.nn.Tanh(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(20, 3),
+    ).double()
+    X = torch.randn(10, 2, 7, dtype=torch.float64)
+    y = torch.randint(0, 3, (10,))
+    kwargs = {"backend_kwargs": {"n_eigenvalues": K}} if structure == "lowrank" else {}
+    la = Laplace(model, "classification", "all", structure, prior_precision=0.7, **kwargs)
+    la.fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=5))
+    J = Oracle(model, "classification").jacobian(X[:3])
+    _, f_var = la._glm_predictive_distribution(X[:3])
+    assert_close(f_var, la.functional_variance(J))

@@ -11,8 +11,12 @@ output ``c`` w.r.t. its outputs, the Jacobian of ``fₙc`` w.r.t. the weight is
 - bias: ``ḡc = Q_Gᵀ Σₜ gcₜ`` and ``Σᵢ ḡcᵢ ḡdᵢ / sᵢ``.
 
 A diagonal precision is the special case ``Q_G = I``, ``Q_A = I`` with ``s`` the precision of
-each weight entry. All of it comes from one recorded forward pass and one backward pass per output
-(w.r.t. layer outputs only): the memory is that of the activations, never the (B, C, P) Jacobian.
+each weight entry. A low-rank precision ``P = U diag(h·λ) Uᵀ + D`` has ``P⁻¹ = D⁻¹ − Z Zᵀ``
+(Woodbury, ``Z`` of shape (P, k)): the diagonal case minus ``(J Z)(J Z)ᵀ``, where ``J Z`` is the
+inner product of every output's per-sample gradient with the k columns of ``Z``
+(:class:`~laplace.curvature.block_product.SampleVectors`, per layer). All of it comes from one
+recorded forward pass and one backward pass per output (w.r.t. layer outputs only): the memory
+is that of the activations, never the (B, C, P) Jacobian.
 """
 
 from __future__ import annotations
@@ -22,12 +26,23 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from laplace.curvature.block_product import ParameterBlock, SampleVectors
 from laplace.curvature.capture import OutputGradients
 from laplace.curvature.kfac import KFAC_RULES
 from laplace.curvature.per_sample import PerSampleTrace
 from laplace.utils.matrix import KronDecomposed
 
-__all__ = ["diag_functional_moments", "kron_functional_moments"]
+__all__ = [
+    "LAYERWISE_CHUNK_ROWS",
+    "diag_functional_moments",
+    "kron_functional_moments",
+    "layerwise_chunk_rows",
+    "layerwise_supported",
+    "lowrank_functional_moments",
+]
+
+#: Test points per chunk of the layer-wise GLM predictive (it holds activations, not Jacobians).
+LAYERWISE_CHUNK_ROWS = 256
 
 #: Per parameter slot: (Q_G or None, Q_A or None, inverse spectrum (out, in) or (out,)).
 BlockInverse = Callable[[int], tuple[Tensor | None, Tensor | None, Tensor]]
@@ -79,6 +94,58 @@ def diag_functional_moments(
     return _layerwise_moments(trace, block, create_graph)
 
 
+def layerwise_supported(module: nn.Module) -> bool:
+    """Whether the layer-wise route models ``module`` (ungrouped Linear and Conv layers)."""
+    rule = KFAC_RULES.get(type(module))
+    return rule is not None and rule.check(module) is None
+
+
+def layerwise_chunk_rows(model: nn.Module, params: list[Tensor], jacobian_rows: int) -> int:
+    """Test points per chunk of a GLM predictive that takes the layer-wise route when it can.
+
+    Args:
+        model: The network.
+        params: Its parameters of interest.
+        jacobian_rows: Rows per chunk of the Jacobian route (the fallback).
+
+    Returns:
+        :data:`LAYERWISE_CHUNK_ROWS` when every module owning one of ``params`` is supported
+        (chunks then hold activations, not Jacobians), else ``jacobian_rows``.
+    """
+    wanted = {id(p) for p in params}
+    owners = [
+        m for m in model.modules() if any(id(p) in wanted for p in m.parameters(recurse=False))
+    ]
+    return LAYERWISE_CHUNK_ROWS if all(map(layerwise_supported, owners)) else jacobian_rows
+
+
+def lowrank_functional_moments(
+    trace: PerSampleTrace, prior_diag: Tensor, basis: Tensor, create_graph: bool = False
+) -> tuple[Tensor, Tensor] | None:
+    """Same as :func:`kron_functional_moments` for ``P⁻¹ = diag(prior_diag)⁻¹ − Z Zᵀ``.
+
+    Args:
+        trace: Recorded forward over the test inputs (all parameters).
+        prior_diag: The diagonal ``D`` of the precision, shape (P,).
+        basis: ``Z``, shape (P, k).
+        create_graph: Keep the result differentiable w.r.t. the inputs.
+
+    Returns:
+        The moments, or None when the diagonal route does not apply (the caller then falls
+        back to Jacobians).
+    """
+    moments = diag_functional_moments(trace, prior_diag, create_graph)
+    if moments is None:
+        return None
+    f2, f_var = moments
+    B, C = f2.shape
+    eye = torch.eye(C, dtype=f2.dtype, device=f2.device)
+    columns = eye[:, None, :].expand(C, B, C).reshape(C, *trace.f.shape)
+    JZ = SampleVectors(trace, columns).project(ParameterBlock(trace.engine, basis))
+    JZ = JZ.transpose(0, 1)  # (B, C, k)
+    return f2, f_var - JZ @ JZ.transpose(1, 2)
+
+
 def _rotate(t: Tensor, Q: Tensor | None) -> Tensor:
     return t if Q is None else t @ Q
 
@@ -88,7 +155,9 @@ def _layerwise_moments(
 ) -> tuple[Tensor, Tensor] | None:
     f, calls, engine = trace.f, trace.calls, trace.engine
     B = f.shape[0]
-    if any(call.outputs[0].shape[0] != B or type(call.module) not in KFAC_RULES for call in calls):
+    if not all(
+        call.outputs[0].shape[0] == B and layerwise_supported(call.module) for call in calls
+    ):
         return None
     f2 = f.reshape(B, -1)
     C = f2.shape[1]

@@ -39,9 +39,10 @@ class KronLaplace(ParametricLaplace):
         (Q_G \otimes Q_A)^\top .
 
     ``fit`` sums the factors over batches into ``H_facs`` (a :class:`~laplace.utils.matrix.Kron`)
-    and eigen-decomposes them once into ``H`` (a :class:`~laplace.utils.matrix.KronDecomposed`);
-    tuning the prior or σ never re-factorises. The GLM predictive computes ``J P⁻¹ Jᵀ`` from
-    layer inputs and output gradients (:mod:`laplace.kron_glm`) without forming Jacobians.
+    and sets ``H`` to their eigendecomposition (a :class:`~laplace.utils.matrix.KronDecomposed`),
+    computed once, when the posterior is first used; tuning the prior or σ never re-factorises.
+    The GLM predictive computes ``J P⁻¹ Jᵀ`` from layer inputs and output gradients
+    (:mod:`laplace.kron_glm`) without forming Jacobians.
 
     Supported layers: ``nn.Linear`` and ``nn.Conv1d/2d/3d`` (ungrouped), also inside larger
     modules. Any other module owning a trainable parameter (normalisation layers, embeddings,
@@ -121,7 +122,7 @@ class KronLaplace(ParametricLaplace):
         progress_bar: bool = False,
         distributed: bool | None = None,
     ) -> None:
-        """Sum the KFAC factors over ``train_loader`` and eigen-decompose them.
+        """Sum the KFAC factors over ``train_loader``; ``H`` is their deferred eigendecomposition.
 
         With ``override=False`` the factors of earlier fits are kept: input factors are
         normalised by the total data count, so the result equals one fit on all the data.
@@ -140,7 +141,7 @@ class KronLaplace(ParametricLaplace):
             )
         super().fit(train_loader, override, progress_bar, distributed)
         self.H_facs = self.H
-        self.H = self.H_facs.decompose(damping=self.damping)
+        self.H = self.H_facs.decompose(damping=self.damping, deferred=True)
 
     @staticmethod
     def _rescale_inputs(H: Kron, scale: float) -> Kron:
@@ -154,7 +155,7 @@ class KronLaplace(ParametricLaplace):
 
     # ------------------------------------------------------------------------ predictive
     def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
-        trace = self.backend._trace(X, create_graph=self.enable_backprop)
+        trace = self.backend.trace(X, create_graph=self.enable_backprop)
         moments = kron_functional_moments(trace, self.posterior_precision, self.enable_backprop)
         if moments is None:
             return super()._functional_moments(X)

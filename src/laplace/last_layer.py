@@ -43,14 +43,14 @@ def output_curvature(backend: Any, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor
 
     Args:
         backend: A GGN or EF :class:`~laplace.curvature.CurvatureInterface`; its output columns
-            ``vₖ`` (``_curvature_columns``) define the curvature.
+            ``vₖ`` (``curvature_columns``) define the curvature.
         f: Detached outputs, shape (B, C).
         y: Targets of the batch.
 
     Returns:
         The loss (a scalar) and ``M`` of shape (B, C, C).
     """
-    V = torch.stack(list(backend._curvature_columns(f, y)), dim=-1)
+    V = torch.stack(list(backend.curvature_columns(f, y)), dim=-1)
     return backend._loss(f, y), V @ V.transpose(1, 2)
 
 

@@ -167,7 +167,7 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         return (
             self._posterior_cls is type(self)._posterior_cls
             and getattr(backend, route) is getattr(CurvatureInterface, route)
-            and backend._curvature_columns is not CurvatureInterface._curvature_columns
+            and backend.curvature_columns is not CurvatureInterface.curvature_columns
             and not getattr(self.backend, "stochastic", False)
         )
 

@@ -2,10 +2,12 @@ r"""Low-rank Laplace over all weights: ``P = U diag(λ) Uᵀ / (σ²T) + diag(p�
 
 ``(U, λ)`` are the top-k eigenpairs of the curvature summed over the training data (the GGN by
 default; the empirical Fisher, the Monte-Carlo Fisher or the Hessian with the matching backend),
-found matrix-free by Lanczos or LOBPCG on curvature-vector products
-(:mod:`laplace.curvature.eigen`), so it works with every backend, unlike laplace-torch 0.3,
-which needs the unpublished ``asdfghjkl`` package. Internal module; the public path is
-:mod:`laplace.baselaplace`.
+found from curvature–block products (:mod:`laplace.curvature.eigen`): by default from the
+Kronecker eigenvectors of the KFAC curvature refined with the exact curvature (Rayleigh–Ritz,
+then a Nyström step; three passes over the data, products computed natively per layer), or
+randomised block Krylov, or exactly by Lanczos or LOBPCG. It works with every backend, unlike
+laplace-torch 0.3, which needs the unpublished ``asdfghjkl`` package. Internal module; the
+public path is :mod:`laplace.baselaplace`.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ from torch.utils.data import DataLoader
 from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.curvature.eigen import SOLVERS, curvature_operator, top_eigenpairs
-from laplace.data import batch_size_of, check_outputs
+from laplace.curvature.eigen import SOLVERS, STARTS, top_eigenpairs
+from laplace.curvature.products import curvature_product
+from laplace.data import Inputs, batch_size_of, check_outputs
 from laplace.errors import (
     check_bool,
     check_finite_result,
     check_int_at_least,
     check_positive_int,
 )
+from laplace.kron_glm import layerwise_chunk_rows, lowrank_functional_moments
 from laplace.parametric import ParametricLaplace
 from laplace.posterior_scale import PosteriorScaleMixin
 from laplace.posteriors.lowrank import LowRankPosterior
@@ -37,7 +41,17 @@ __all__ = ["LowRankLaplace"]
 
 #: ``backend_kwargs`` entries that configure the eigensolver (not passed to the backend).
 #: ``low_rank`` is the name laplace-torch's ``asdfghjkl`` backend uses for ``n_eigenvalues``.
-SOLVER_OPTIONS = ("n_eigenvalues", "low_rank", "solver", "tol", "max_iter", "seed")
+SOLVER_OPTIONS = (
+    "n_eigenvalues",
+    "low_rank",
+    "solver",
+    "tol",
+    "max_iter",
+    "seed",
+    "oversampling",
+    "start",
+    "candidates",
+)
 
 
 class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
@@ -63,14 +77,28 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         dict_key_x: See :class:`~laplace.base.BaseLaplace`.
         dict_key_y: See :class:`~laplace.base.BaseLaplace`.
         backend_kwargs: Backend options, plus the eigensolver's: ``n_eigenvalues`` (k, default
-            10; ``low_rank`` is accepted as in laplace-torch), ``solver`` (``"lanczos"``,
-            default, ``"lobpcg"``, or ``"randomized"``: block power iterations, far fewer
-            passes over the data for large models), ``tol`` (default 0: machine precision for
-            Lanczos),
-            ``max_iter`` and ``seed`` (start vectors).
+            10; ``low_rank`` is accepted as in laplace-torch); ``solver``: ``"randomized"``
+            (default) on blocks of ``k + oversampling`` vectors (``oversampling`` default 10),
+            from ``start="kfac"`` (default where every layer has a KFAC rule: Rayleigh–Ritz
+            on ``candidates`` Kronecker eigenvectors, default 12 per vector, and one product)
+            or ``"sketch"``, followed by ``max_iter`` block Krylov passes (default 0 after a
+            KFAC start, whose result is then the Nyström approximation; 3 after a sketch),
+            fewer once every error bound is at most ``tol``; or ``"lanczos"`` or ``"lobpcg"``
+            (exact to ``tol``, default 0: machine precision; hundreds of passes); ``seed``
+            (start vectors).
+
+    Attributes:
+        eigenvalue_errors: After :meth:`fit`, a posteriori relative errors of the eigenvalues,
+            shape (k,). After Krylov passes or an exact solver, bounds ``‖H uᵢ − λᵢ uᵢ‖ / λᵢ``
+            measured on the training data: an exact eigenvalue of the curvature lies within
+            ``eigenvalue_errors[i] · λᵢ`` of ``λᵢ``. After the default KFAC start alone, the
+            relative change of each eigenvalue in the Nyström step, an estimate that in
+            practice exceeds the remaining error (:mod:`laplace.curvature.eigen`). None before
+            a fit; saved in :meth:`state_dict`.
 
     Raises:
-        ValueError: For an unknown solver or a non-positive ``n_eigenvalues``.
+        ValueError: For an unknown solver or start, or a bad ``n_eigenvalues``, ``max_iter``,
+            ``tol``, ``seed``, ``oversampling`` or ``candidates``.
 
     Example:
         >>> la = Laplace(model, "classification", subset_of_weights="all",
@@ -96,6 +124,7 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         backend_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self._solver_options = _solver_options(backend_kwargs)
+        self.eigenvalue_errors: Tensor | None = None
         BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
         self._likelihood_model.fit_likelihood.check_low_rank()
 
@@ -144,15 +173,22 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         options = dict(self._solver_options)
         k = int(options.pop("n_eigenvalues"))
         local_n = distributed_utils.data_count(train_loader) if self._distributed else n_data
-        operator, scale = curvature_operator(self.backend, _Batches(self, train_loader), local_n)
+        reduce = distributed_utils.all_reduce_sum if self._distributed else None
+        product = curvature_product(
+            self.backend,
+            _Batches(self, train_loader),
+            local_n,
+            native=options.get("solver", "randomized") == "randomized",
+            reduce=reduce,
+            seed=options.get("seed", 0),
+        )
         if self._distributed:
             loss = distributed_utils.all_reduce_sum(loss)
-            local_matmat = operator._matmat
-            operator._matmat = lambda M: distributed_utils.all_reduce_sum(list(local_matmat(M)))
-        U, eigenvalues = top_eigenpairs(operator, scale, k, **options)
+        U, eigenvalues, errors = top_eigenpairs(product, k, **options)
         if not self._posterior_cls.is_finite((U, eigenvalues)):
             raise RuntimeError("the curvature eigenpairs contain NaN or inf; check the model.")
         self.H = (U, eigenvalues)
+        self.eigenvalue_errors = errors
         self.loss, self.n_data = loss, n_data
         self.mean = mean if self.enable_backprop else mean.detach()
         self._posterior_cache = None
@@ -165,6 +201,20 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         The precision is ``U @ diag(h·λ) @ U.T + diag(p₀)``.
         """
         return self._posterior.precision
+
+    def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
+        posterior = self._posterior
+        trace = self.backend.trace(X, create_graph=self.enable_backprop)
+        moments = lowrank_functional_moments(
+            trace, posterior.prior_diag, posterior.woodbury_basis, self.enable_backprop
+        )
+        if moments is None:
+            return super()._functional_moments(X)
+        f_mu, f_var = moments
+        return (f_mu, f_var) if self.enable_backprop else (f_mu.detach(), f_var.detach())
+
+    def _chunk_rows(self) -> int:
+        return layerwise_chunk_rows(self.model, self.params, super()._chunk_rows())
 
     @property
     def V(self) -> Tensor:
@@ -180,17 +230,32 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
 
     # ------------------------------------------------------------------------------ state
     def _curvature_state(self) -> dict[str, Tensor]:
-        return {"eigenvectors": self.H[0].detach(), "eigenvalues": self.H[1].detach()}
+        state = {"eigenvectors": self.H[0].detach(), "eigenvalues": self.H[1].detach()}
+        if self.eigenvalue_errors is not None:
+            state["eigenvalue_errors"] = self.eigenvalue_errors.detach()
+        return state
 
     def _load_curvature_state(self, state: Any) -> tuple[Tensor, Tensor]:
-        if not isinstance(state, dict) or set(state) != {"eigenvectors", "eigenvalues"}:
-            raise ValueError("state_dict['H'] must hold 'eigenvectors' and 'eigenvalues'.")
+        keys = {"eigenvectors", "eigenvalues"}
+        if not isinstance(state, dict) or not keys <= set(state) <= keys | {"eigenvalue_errors"}:
+            raise ValueError(
+                "state_dict['H'] must hold 'eigenvectors' and 'eigenvalues' (and optionally "
+                "'eigenvalue_errors')."
+            )
         U, eigenvalues = state["eigenvectors"], state["eigenvalues"]
-        if U.dim() != 2 or U.shape[0] != self.n_params or eigenvalues.shape != U.shape[1:]:
+        errors = state.get("eigenvalue_errors")
+        if (
+            U.dim() != 2
+            or U.shape[0] != self.n_params
+            or eigenvalues.shape != U.shape[1:]
+            or (errors is not None and errors.shape != eigenvalues.shape)
+        ):
             raise ValueError(
                 f"state_dict['H'] has eigenvectors {tuple(U.shape)} and eigenvalues "
-                f"{tuple(eigenvalues.shape)}, expected (n_params={self.n_params}, k) and (k,)."
+                f"{tuple(eigenvalues.shape)}, expected (n_params={self.n_params}, k) and (k,) "
+                "(and (k,) error bounds)."
             )
+        self.eigenvalue_errors = None if errors is None else errors.to(self._device, self._dtype)
         return (
             U.to(device=self._device, dtype=self._dtype),
             eigenvalues.to(device=self._device, dtype=self._dtype),
@@ -201,26 +266,36 @@ def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """The eigensolver's entries of ``backend_kwargs``, with ``n_eigenvalues`` (default 10).
 
     Raises:
-        ValueError: For an unknown solver or a non-positive ``n_eigenvalues``.
+        ValueError: For an unknown solver or start, or a bad ``n_eigenvalues``, ``max_iter``,
+            ``tol``, ``seed``, ``oversampling`` or ``candidates``.
     """
     options = dict(backend_kwargs or {})
     solver = {k: options[k] for k in SOLVER_OPTIONS if k in options}
     if "low_rank" in solver:
         solver.setdefault("n_eigenvalues", solver.pop("low_rank"))
     solver.setdefault("n_eigenvalues", 10)
-    if solver.get("solver", "lanczos") not in SOLVERS:
+    if solver.get("solver", "randomized") not in SOLVERS:
         raise ValueError(
             f"backend_kwargs['solver'] must be one of {sorted(SOLVERS)}, got {solver['solver']!r}."
         )
     check_positive_int(solver["n_eigenvalues"], "n_eigenvalues")
     if "max_iter" in solver:
-        check_positive_int(solver["max_iter"], "backend_kwargs['max_iter']")
+        least = 0 if solver.get("solver", "randomized") == "randomized" else 1
+        check_int_at_least(solver["max_iter"], "backend_kwargs['max_iter']", least)
     if "tol" in solver:
         tol = solver["tol"]
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
             raise ValueError(f"backend_kwargs['tol'] must be a number in [0, 1), got {tol!r}.")
     if "seed" in solver:
         check_int_at_least(solver["seed"], "backend_kwargs['seed']", 0)
+    if "oversampling" in solver:
+        check_int_at_least(solver["oversampling"], "backend_kwargs['oversampling']", 0)
+    if "candidates" in solver:
+        check_positive_int(solver["candidates"], "backend_kwargs['candidates']")
+    if solver.get("start", "kfac") not in STARTS:
+        raise ValueError(
+            f"backend_kwargs['start'] must be one of {list(STARTS)}, got {solver['start']!r}."
+        )
     return solver
 
 

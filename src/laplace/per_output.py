@@ -48,8 +48,16 @@ class OutputKron(Kron):
         super().__init__(kfacs)
         self.damping = damping
 
-    def decompose(self, damping: bool = False) -> OutputKron:  # type: ignore[override]
-        """The same factors, to be decomposed per σ with ``damping``."""
+    def decompose(  # type: ignore[override]
+        self, damping: bool = False, deferred: bool = True
+    ) -> OutputKron:
+        """The same factors, to be decomposed per σ with ``damping``.
+
+        Args:
+            damping: See :class:`~laplace.utils.matrix.KronDecomposed`.
+            deferred: Accepted for the interface of :meth:`Kron.decompose`; these factors
+                are always decomposed later, once per σ.
+        """
         return OutputKron(self.kfacs, damping)
 
     def combine(self, weights: Tensor) -> KronDecomposed:
@@ -109,14 +117,14 @@ class PerOutputPosterior(Posterior):
         Raises:
             ValueError: If the model's number of outputs is not C.
         """
-        trace = backend._trace(X)
+        trace = backend.trace(X)
         f = trace.f.detach()
         if f.shape[-1] != cls.n_outputs:
             raise ValueError(
                 f"sigma_noise has {cls.n_outputs} entries (one per output) but the model has "
                 f"{f.shape[-1]} outputs."
             )
-        weights = sum(v.square() for v in backend._curvature_columns(f, y))
+        weights = sum(v.square() for v in backend.curvature_columns(f, y))
         eye = torch.eye(cls.n_outputs, dtype=f.dtype, device=f.device)
         columns = [weights[:, c, None].sqrt() * eye[c] for c in range(cls.n_outputs)]
         parts = [cls._output_curvature(backend, trace, column, n_data) for column in columns]

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from conftest import Oracle, assert_close
-from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
+from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, layer_rules
+from laplace.curvature.block_product import BlockSum, ParameterBlock, SampleVectors
 
 
 class _Scale(nn.Module):
@@ -156,3 +157,40 @@ def test_engine_matches_oracle(model_and_inputs, likelihood):
     assert_close(ef.diag(X, y)[1], oracle.ef(X, y).diagonal())
     for module in model.modules():
         assert not module._forward_hooks
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_block_products_match_oracle(model_and_inputs):
+    """``G V`` and ``Gᵀ W`` of the per-sample vectors ``Jₙᵀ vₙₖ`` against the dense Jacobian."""
+    model, X = model_and_inputs
+    oracle = Oracle(model, "regression")
+    J = oracle.jacobian(X)  # (B, C, P)
+    gen = torch.Generator().manual_seed(2)
+    columns = torch.randn(3, *J.shape[:2], generator=gen, dtype=torch.float64)
+    G = torch.einsum("bcp,kbc->kbp", J, columns)
+    V = torch.randn(J.shape[-1], 4, generator=gen, dtype=torch.float64)
+    W = torch.randn(3, J.shape[0], 4, generator=gen, dtype=torch.float64)
+    trace = CurvlinopsGGN(model, "regression").trace(X)
+    vectors = SampleVectors(trace, columns)
+    assert_close(vectors.project(ParameterBlock(trace.engine, V)), G @ V)
+    total = BlockSum(trace.engine, 4, V)
+    vectors.backproject(W, total)
+    vectors.backproject(2 * W, total)  # accumulates over calls
+    assert_close(total.result(), 3 * torch.einsum("kbp,kbm->pm", G, W))
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize("gather_cost", [0, layer_rules.GATHER_COST], ids=["gather", "default"])
+def test_subnetwork_rows_match_oracle(model_and_inputs, gather_cost, monkeypatch):
+    """Per-sample gradients of chosen entries only (gathers, or the layer's then selected)."""
+    monkeypatch.setattr(layer_rules, "GATHER_COST", gather_cost)
+    model, X = model_and_inputs
+    oracle = Oracle(model, "classification")
+    n_params = len(oracle.theta)
+    idx = torch.randperm(n_params, generator=torch.Generator().manual_seed(3))[: n_params // 3]
+    y = torch.arange(len(X)) % model(X).shape[-1]
+    ggn = CurvlinopsGGN(model, "classification", subnetwork_indices=idx)
+    assert_close(ggn.jacobians(X)[0], oracle.jacobian(X)[:, :, idx])
+    expected = oracle.ggn(X)[idx][:, idx]
+    assert_close(ggn.full(X, y)[1], expected)
+    assert_close(ggn.diag(X, y)[1], expected.diagonal())

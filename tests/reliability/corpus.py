@@ -40,8 +40,7 @@ CURVATURE_ROUTES = (
     "gradients",
     "functorch_jacobians",
     "functorch_gradients",
-    "_curvature_columns",
-    "_trace",
+    "curvature_columns",
     "trace",
 )
 
@@ -114,7 +113,7 @@ def no_curvature() -> Iterator[None]:
                     patch.setattr(cls, route, trap)
         for owner, name in (
             (laplace.lllaplace, "output_curvature"),
-            (laplace.lowranklaplace, "curvature_operator"),
+            (laplace.lowranklaplace, "curvature_product"),
             (laplace.functional.kernel.SubsetKernel, "build"),
         ):
             patch.setattr(owner, name, _trap(name, getattr(owner, name)))

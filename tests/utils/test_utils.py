@@ -516,3 +516,11 @@ def test_fix_prior_prec_structure_errors():
         fix_prior_prec_structure(1.0, "layerwise", 0, 7, "cpu", F64)
     with pytest.raises(ValueError, match="n_params"):
         fix_prior_prec_structure(1.0, "diag", 3, -1, "cpu", F64)
+
+
+@pytest.mark.parametrize("n_cols", [5, 300, 517])
+def test_symmetric_gram_equals_full_product(n_cols):
+    from laplace.utils.linalg import symmetric_gram
+
+    G = torch.randn(40, n_cols, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert_close(symmetric_gram(G, panel=64), G.T @ G)

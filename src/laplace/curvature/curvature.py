@@ -105,7 +105,17 @@ class CurvatureInterface:
         """The module whose parameters are considered."""
         return self.model.last_layer if self.last_layer else self.model
 
-    def _trace(self, x: Inputs, create_graph: bool = False) -> PerSampleTrace:
+    def trace(self, x: Inputs, create_graph: bool = False) -> PerSampleTrace:
+        """One recorded forward pass of the native engine over ``x``.
+
+        The trace turns output columns into per-sample parameter quantities (Jacobians,
+        curvature sums, block products; see :mod:`laplace.curvature.per_sample`), restricted to
+        ``subnetwork_indices`` when set.
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            create_graph: Keep results differentiable w.r.t. ``x`` and the parameters.
+        """
         return self._engine.trace(x, create_graph)
 
     def _loss(self, f: Tensor, y: Tensor) -> Tensor:
@@ -122,7 +132,7 @@ class CurvatureInterface:
         Returns:
             ``Js`` of shape (B, C, P) and outputs ``f`` of shape (B, C).
         """
-        trace = self._trace(x, create_graph=enable_backprop)
+        trace = self.trace(x, create_graph=enable_backprop)
         Js = trace.jacobians()
         return (Js, trace.f) if enable_backprop else (Js.detach(), trace.f.detach())
 
@@ -186,13 +196,17 @@ class CurvatureInterface:
         Returns:
             ``Gs`` of shape (B, P) and the summed batch loss (a scalar).
         """
-        trace = self._trace(x)
+        trace = self.trace(x)
         f = trace.f.detach()
         Gs = trace.per_sample(self._likelihood.loss_gradient(f, y))
         return Gs.detach(), self._loss(f, y)
 
-    def _curvature_columns(
-        self, f: Tensor, y: Tensor, mc_samples: int | None = None
+    def curvature_columns(
+        self,
+        f: Tensor,
+        y: Tensor,
+        generator: torch.Generator | None = None,
+        mc_samples: int | None = None,
     ) -> Iterable[Tensor]:
         """Output-space columns ``vₖ`` (B, C) whose per-sample outer products sum to the curvature.
 
@@ -202,6 +216,8 @@ class CurvatureInterface:
         Args:
             f: Detached outputs of the batch, shape (B, C).
             y: Targets of the batch.
+            generator: Random generator of sampled columns (Monte-Carlo Fisher); torch's global
+                generator when None.
             mc_samples: Monte-Carlo samples per data point, for a stochastic curvature only.
 
         Raises:
@@ -226,10 +242,7 @@ class CurvatureInterface:
             ValueError: For ``mc_samples`` with a curvature that is not sampled, or another
                 keyword argument.
         """
-        mc_samples = _curvature_options(kwargs)
-        trace = self._trace(x)
-        f = trace.f.detach()
-        columns = self._curvature_columns(f, y, mc_samples)
+        trace, f, columns = self._traced_columns(x, y, kwargs)
         return self._loss(f, y), trace.gram(columns).detach()
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
@@ -254,13 +267,10 @@ class CurvatureInterface:
                 unknown keyword argument.
         """
         approx = kwargs.pop("kfac_approx", self.kfac_approx)
-        mc_samples = _curvature_options(kwargs)
         if self.subnetwork_indices is not None:
             raise ValueError("KFAC is defined per layer; it does not support subnetwork_indices.")
-        trace = self._trace(x)
-        f = trace.f.detach()
-        H = kfac(trace, self._curvature_columns(f, y, mc_samples), N, approx, self.factor)
-        return self._loss(f, y), H
+        trace, f, columns = self._traced_columns(x, y, kwargs)
+        return self._loss(f, y), kfac(trace, columns, N, approx, self.factor)
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Diagonal of the batch curvature, summed over data points.
@@ -276,11 +286,17 @@ class CurvatureInterface:
         Raises:
             ValueError: As :meth:`full`.
         """
-        mc_samples = _curvature_options(kwargs)
-        trace = self._trace(x)
-        f = trace.f.detach()
-        columns = self._curvature_columns(f, y, mc_samples)
+        trace, f, columns = self._traced_columns(x, y, kwargs)
         return self._loss(f, y), trace.square_sum(columns).detach()
+
+    def _traced_columns(
+        self, x: Inputs, y: Tensor, kwargs: dict[str, Any]
+    ) -> tuple[PerSampleTrace, Tensor, Iterable[Tensor]]:
+        """The batch's trace, its detached outputs and curvature columns (``mc_samples``)."""
+        mc_samples = _curvature_options(kwargs)
+        trace = self.trace(x)
+        f = trace.f.detach()
+        return trace, f, self.curvature_columns(f, y, mc_samples=mc_samples)
 
 
 class GGNInterface(CurvatureInterface):
@@ -317,18 +333,17 @@ class GGNInterface(CurvatureInterface):
         self.stochastic = stochastic
         self.num_samples = num_samples
 
-    def _curvature_columns(
-        self, f: Tensor, y: Tensor, mc_samples: int | None = None
+    def curvature_columns(
+        self,
+        f: Tensor,
+        y: Tensor,
+        generator: torch.Generator | None = None,
+        mc_samples: int | None = None,
     ) -> Iterator[Tensor]:
         """Columns ``vₖ`` (B, C) with ``Σₖ vₖ vₖᵀ = Λ`` (or its MC estimate) per sample.
 
-        Args:
-            f: Detached outputs of the batch, shape (B, C).
-            y: Targets of the batch (unused: the GGN does not depend on them).
-            mc_samples: Samples per data point (stochastic only); ``num_samples`` when None.
-
-        Raises:
-            ValueError: For ``mc_samples`` without ``stochastic=True``.
+        Arguments as :meth:`CurvatureInterface.curvature_columns` (``y`` is unused; sampled
+        targets use ``generator``, ``mc_samples`` defaults to ``num_samples``).
         """
         if mc_samples is not None and not self.stochastic:
             raise ValueError(
@@ -339,7 +354,7 @@ class GGNInterface(CurvatureInterface):
             n_samples = self.num_samples if mc_samples is None else mc_samples
             scale = 1.0 / math.sqrt(n_samples)
             for _ in range(n_samples):
-                y_hat = self._likelihood.sample_targets(f)
+                y_hat = self._likelihood.sample_targets(f, generator)
                 yield scale * self._likelihood.loss_gradient(f, y_hat)
         else:
             L = self._likelihood.output_hessian_sqrt(f)
@@ -355,23 +370,21 @@ class EFInterface(CurvatureInterface):
     this matrix for regression; classification agrees.
     """
 
-    def _curvature_columns(
-        self, f: Tensor, y: Tensor, mc_samples: int | None = None
+    def curvature_columns(
+        self,
+        f: Tensor,
+        y: Tensor,
+        generator: torch.Generator | None = None,
+        mc_samples: int | None = None,
     ) -> list[Tensor]:
-        """The single column ``∇_f ℓ(fₙ, yₙ)`` (B, C).
-
-        Raises:
-            ValueError: For ``mc_samples``: the empirical Fisher is not sampled.
-        """
+        """The single column ``∇_f ℓ(fₙ, yₙ)`` (B, C); ``mc_samples`` is refused (not sampled)."""
         if mc_samples is not None:
             raise ValueError("mc_samples applies to the Monte-Carlo Fisher, not the EF.")
         return [self._likelihood.loss_gradient(f, y)]
 
 
 def _curvature_options(kwargs: dict[str, Any]) -> int | None:
-    """``mc_samples`` of a curvature call's keyword arguments (None if absent).
-
-    ``N`` is accepted and dropped (laplace-torch passes it to every route).
+    """``mc_samples`` of a curvature call's keyword arguments (None if absent); ``N`` is dropped.
 
     Raises:
         ValueError: For another keyword argument or an ``mc_samples`` that is not positive.

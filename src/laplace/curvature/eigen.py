@@ -1,169 +1,314 @@
-"""Top-k eigenpairs of the curvature summed over a data set, from matrix-vector products only.
+r"""Top-k eigenpairs of the curvature summed over a data set, from block products only.
 
-The curvature of a backend family is wrapped as a curvlinops linear operator over the whole
-training set (GGN, Monte-Carlo Fisher, empirical Fisher or Hessian), rescaled to the library's
-loss (½‖y − f‖² for regression), and its largest eigenpairs are found by an iterative solver
-that only multiplies with it: implicitly restarted Lanczos (ARPACK, ``scipy.sparse.linalg.eigsh``)
-or LOBPCG (``scipy.sparse.linalg.lobpcg``, which multiplies blocks of vectors at once). No
-P × P matrix is formed, so this works for every backend and any model size.
+Solvers take a :class:`~laplace.curvature.products.CurvatureProduct` (``V ↦ H V`` over the whole
+training set) and never form a P × P matrix:
+
+- ``"randomized"`` (default): a start block ``Q₀`` of ``b = k + oversampling`` vectors, then
+  randomised block Krylov (Musco & Musco, 2015) with Rayleigh–Ritz.
+
+  The start (``start="kfac"``, default where every layer has a KFAC rule and the curvature has
+  a native product) is the Rayleigh–Ritz block of ``H`` on the Kronecker eigenvectors of its
+  KFAC approximation (:mod:`laplace.curvature.kfac_start`), three passes over the data that
+  also give ``H Q₀``. With no further passes (``max_iter=0``, the default there) the result is
+  the Nyström approximation ``H ≈ Y (Q₀ᵀ Y)⁻¹ Yᵀ`` with ``Y = H Q₀`` (Tropp et al., 2017),
+  whose eigenvalues are lower bounds of the exact ones.
+
+  Otherwise (``start="sketch"``) the start is a sketch ``Gᵀ Ω`` of the per-sample vectors (half
+  a product) or Gaussian vectors, followed by ``max_iter`` passes (default
+  :data:`DEFAULT_PASSES`). Every pass multiplies the newest block with the curvature,
+  ``K = [Q₀, H Q₀, H² Q₀, …]`` is kept orthonormal (block Gram–Schmidt twice, Cholesky QR) and
+  the Ritz pairs of ``Kᵀ H K`` are the result; ``tol`` stops early once every error bound is
+  below it. Memory: the basis, ``(passes + 1) · b`` vectors of length P, and one batch.
+- ``"lanczos"`` (implicitly restarted, ARPACK's ``eigsh``) and ``"lobpcg"``: exact to ``tol``,
+  at the cost of hundreds of single products.
+
+Every solver reports a posteriori errors. Krylov passes and the exact solvers give bounds
+``εᵢ = ‖H uᵢ − λᵢ uᵢ‖ / λᵢ``: an exact eigenvalue of ``H`` lies within ``εᵢ λᵢ`` of each ``λᵢ``
+(the Krylov solver gets the residuals from its last product, ``H K − K T`` lives in the newest
+block; the exact solvers pay one more product). The Nyström result reports the relative change
+of each eigenvalue in its one product, ``(λᵢ − θᵢ) / λᵢ`` from the Ritz value ``θᵢ`` of the
+start: an estimate, not a bound, which in practice over-estimates the remaining error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
-from curvlinops import (
-    EFLinearOperator,
-    FisherMCLinearOperator,
-    GGNLinearOperator,
-    HessianLinearOperator,
-)
-from scipy.sparse.linalg import eigsh, lobpcg
+from scipy.sparse.linalg import LinearOperator, eigsh, lobpcg
 from torch import Tensor
 
-from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
-from laplace.curvature.curvlinops import CurvlinopsHessian
-from laplace.curvature.registry import available_optional, load_optional
-from laplace.data import batch_size_of
+from laplace.curvature.kfac_start import CANDIDATES_PER_VECTOR, KfacStart, kfac_start
+from laplace.curvature.products import CurvatureProduct, NativeProduct
 
-__all__ = ["EIGENVALUE_THRESHOLD", "SOLVERS", "curvature_operator", "top_eigenpairs"]
+__all__ = [
+    "DEFAULT_OVERSAMPLING",
+    "DEFAULT_PASSES",
+    "EIGENVALUE_THRESHOLD",
+    "SOLVERS",
+    "STARTS",
+    "Eigenpairs",
+    "top_eigenpairs",
+]
 
 #: Eigenvalues at or below this are dropped (as laplace-torch's low-rank backend does).
 EIGENVALUE_THRESHOLD = 1e-6
 
+#: Extra vectors per Krylov block beyond the k wanted.
+DEFAULT_OVERSAMPLING = 10
 
-def _hessian_backends() -> tuple[type[CurvatureInterface], ...]:
-    optional = tuple(load_optional(n) for n in ("AsdlHessian",) if n in available_optional())
-    return (CurvlinopsHessian, *optional)
+#: Block products (passes over the data, after the sketch) of the Krylov solver by default.
+DEFAULT_PASSES = 3
+
+#: Start blocks of the randomized solver.
+STARTS = ("kfac", "sketch")
 
 
-def curvature_operator(
-    backend: CurvatureInterface, data: Iterable[tuple[Any, Tensor]], n_data: int
-) -> tuple[Any, float]:
-    """The backend's curvature over ``data`` as a curvlinops operator, and its scale.
+class Eigenpairs(NamedTuple):
+    """Eigenpairs in descending order with their relative error bounds.
 
-    Args:
-        backend: A GGN (exact or ``stochastic``), empirical-Fisher or Hessian backend.
-        data: Re-iterable batches ``(X, y)`` on the model's device.
-        n_data: Number of data points in ``data``.
-
-    Returns:
-        The operator and the factor that turns it into the library's curvature (the torch
-        losses are ``Σ(y − f)²``; the library's is ``½ Σ‖y − f‖²``).
-
-    Raises:
-        ValueError: For a backend with no matrix-free curvature.
+    Attributes:
+        vectors: Orthonormal eigenvectors, shape (P, k).
+        values: Eigenvalues, shape (k,).
+        errors: ``‖H uᵢ − λᵢ uᵢ‖ / λᵢ``, shape (k,).
     """
-    kwargs: dict[str, Any] = {
-        "check_deterministic": False,
-        "num_data": n_data,
-        "batch_size_fn": lambda X: batch_size_of(X, backend.dict_key_x),
-    }
-    if isinstance(backend, GGNInterface) and getattr(backend, "stochastic", False):
-        operator_cls, scale = FisherMCLinearOperator, backend.factor
-        kwargs["mc_samples"] = backend.num_samples
-    elif isinstance(backend, GGNInterface):
-        operator_cls, scale = GGNLinearOperator, backend.factor
-    elif isinstance(backend, EFInterface):
-        operator_cls, scale = EFLinearOperator, backend.factor**2
-    elif isinstance(backend, _hessian_backends()):
-        operator_cls, scale = HessianLinearOperator, backend.factor
-    else:
-        raise ValueError(
-            f"{type(backend).__name__} has no matrix-free curvature for low-rank Laplace; use "
-            "a GGN, empirical-Fisher or Hessian backend (e.g. CurvlinopsGGN, CurvlinopsEF, "
-            "CurvlinopsHessian, AsdlHessian)."
+
+    vectors: Tensor
+    values: Tensor
+    errors: Tensor
+
+
+def _cholesky_qr(block: Tensor, shift: bool) -> Tensor | None:
+    """``Q`` of ``block = Q R`` from the Cholesky factor of its Gram matrix, or None if it fails.
+
+    A Gram matrix and a triangular solve, both matrix products, instead of Householder QR, which
+    is tens of times slower on tall blocks; a shift (Fukaya et al., 2020) keeps the first
+    factorisation of an ill-conditioned block positive definite.
+    """
+    gram = block.T @ block
+    if shift:
+        eps = torch.finfo(block.dtype).eps
+        size = block.shape[0] * block.shape[1] + block.shape[1] ** 2
+        gram = gram + 11 * size * eps * gram.diagonal().sum() * torch.eye(
+            block.shape[1], dtype=block.dtype, device=block.device
         )
-    operator = operator_cls(backend.model, backend.lossfunc, backend.params, data, **kwargs)
-    return operator, scale
+    L, info = torch.linalg.cholesky_ex(gram)
+    if int(info) != 0:
+        return None
+    return torch.linalg.solve_triangular(L.T, block, upper=True, left=False)
 
 
-def _lanczos(operator: Any, k: int, tol: float, max_iter: int | None, rng) -> np.ndarray:
-    scipy_op = _scipy(operator)
-    v0 = rng.standard_normal(operator.shape[0]).astype(scipy_op.dtype)
-    return eigsh(scipy_op, k=k, which="LA", tol=tol, maxiter=max_iter, v0=v0)
+def _orthonormal(block: Tensor, basis: Tensor | None) -> Tensor:
+    """Orthonormal columns spanning ``block`` projected off ``basis`` (twice, for stability).
 
-
-def _lobpcg(operator: Any, k: int, tol: float, max_iter: int | None, rng) -> np.ndarray:
-    scipy_op = _scipy(operator)
-    X = rng.standard_normal((operator.shape[0], k)).astype(scipy_op.dtype)
-    return lobpcg(scipy_op, X, largest=True, tol=tol or None, maxiter=max_iter or 200)
-
-
-def _randomized(operator: Any, k: int, tol: float, max_iter: int | None, rng) -> np.ndarray:
-    """Randomised block subspace iteration with Rayleigh–Ritz (Halko et al., 2011, alg. 5.3).
-
-    Every pass over the data multiplies a whole block of ``k + oversampling`` vectors, which
-    costs little more than one vector, so ``max_iter`` (default 4) power iterations need only
-    ``max_iter + 2`` passes, against the hundreds of single products of Lanczos. The top
-    eigenpairs are accurate when the spectrum decays past the k-th eigenvalue, as curvature
-    spectra of networks do; ``tol`` is unused.
+    Shifted Cholesky QR, then Cholesky QR twice; Householder QR when the block is numerically
+    rank deficient (it then completes the columns with arbitrary orthonormal directions).
     """
-    dtype, device = operator.dtype, operator.device
-    n_block = min(operator.shape[0], k + max(10, k))
-    start = rng.standard_normal((operator.shape[0], n_block))
-    Q = torch.as_tensor(start, dtype=dtype, device=device)
-    for _ in range(4 if max_iter is None else max_iter):
-        Q, _ = torch.linalg.qr(operator @ Q)
-    AQ = operator @ Q
-    values, small = torch.linalg.eigh(Q.T @ AQ)
-    top = values.argsort(descending=True)[:k]
-    return values[top].cpu().numpy(), (Q @ small[:, top]).cpu().numpy()
+    Q: Tensor | None = block
+    for step in range(3):
+        if basis is not None and step < 2 and Q is not None:
+            Q = torch.addmm(Q, basis, basis.T @ Q, alpha=-1)
+        Q = _cholesky_qr(Q, shift=step == 0) if Q is not None else None
+    eye = torch.eye(block.shape[1], dtype=block.dtype, device=block.device)
+    tolerance = 100 * torch.finfo(block.dtype).eps * block.shape[1]
+    if Q is None or not _orthonormal_to(Q, basis, eye, tolerance):
+        Q = block
+        for _ in range(2):
+            if basis is not None:
+                Q = torch.addmm(Q, basis, basis.T @ Q, alpha=-1)
+            Q = torch.linalg.qr(Q).Q
+    return Q
 
 
-def _scipy(operator: Any) -> Any:
-    return operator.to_scipy(dtype=np.float64 if operator.dtype == torch.float64 else np.float32)
+def _orthonormal_to(Q: Tensor, basis: Tensor | None, eye: Tensor, tolerance: float) -> bool:
+    """Whether ``Q`` has orthonormal columns, orthogonal to ``basis``, to ``tolerance``."""
+    if not bool(((Q.T @ Q - eye).abs() <= tolerance).all()):
+        return False
+    return basis is None or bool(((basis.T @ Q).abs() <= tolerance).all())
 
 
-#: Solver name → function ``(operator, k, tol, max_iter, rng) -> (eigenvalues, vectors)``.
-SOLVERS: dict[str, Callable[..., Any]] = {
+def _symmetric(T: Tensor) -> Tensor:
+    return (T + T.T) / 2
+
+
+def _ritz(T: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    values, vectors = torch.linalg.eigh(_symmetric(T))
+    return values.flip(0)[:k], vectors.flip(1)[:, :k]
+
+
+def _nystrom(start: KfacStart, k: int) -> Eigenpairs:
+    """Eigenpairs of ``Y (Q₀ᵀ Y)⁻¹ Yᵀ`` from ``Q₀`` (P, b) and ``Y = H Q₀``, with estimates.
+
+    The shift ``ν`` of Tropp et al. (2017) keeps ``Q₀ᵀ Y`` positive definite in floating point;
+    directions with no curvature are dropped.
+    """
+    Q, Y = start.Q, start.HQ
+    nu = torch.finfo(Y.dtype).eps * Y.norm()
+    Y = Y.add_(Q, alpha=float(nu))  # in place: H Q₀ is not needed afterwards
+    w, W = torch.linalg.eigh(_symmetric(Q.T @ Y))
+    keep = w > w.max() * torch.finfo(w.dtype).eps * len(w)
+    F = Y @ (W[:, keep] * w[keep].rsqrt())  # F Fᵀ = Y (Q₀ᵀ Y)⁻¹ Yᵀ
+    del Q, Y
+    # F = U S Vᵀ from the eigenpairs of Fᵀ F: each eigenvalue to eps · λ_max, as the Ritz values
+    # of the Krylov solver; small ones lose relative accuracy, where they matter least.
+    squares, V = torch.linalg.eigh(_symmetric(F.T @ F))
+    squares, V = squares.flip(0)[:k], V.flip(1)[:, :k]
+    values = (squares - nu).clamp(min=0)
+    U = F @ (V / squares.clamp(min=torch.finfo(squares.dtype).tiny).sqrt())
+    ritz = start.values[: len(values)]
+    errors = (values - ritz).clamp(min=0) / values.clamp(min=torch.finfo(values.dtype).tiny)
+    return Eigenpairs(U, values, errors)
+
+
+def _block_krylov(
+    product: CurvatureProduct,
+    k: int,
+    tol: float,
+    max_iter: int | None,
+    seed: int,
+    oversampling: int,
+    start: str = "kfac",
+    candidates: int | None = None,
+) -> Eigenpairs:
+    """Randomised block Krylov with Rayleigh–Ritz and residual bounds (see the module)."""
+    P = product.n_params
+    width = min(k + oversampling, P)
+    begun = None
+    if start == "kfac" and isinstance(product, NativeProduct):
+        begun = kfac_start(product, width, candidates or CANDIDATES_PER_VECTOR * width)
+    if begun is not None and not max_iter:
+        return _nystrom(begun, k)
+    if begun is None:
+        generator = torch.Generator(device=product.device).manual_seed(seed)
+        first = product.sketch(width, generator)
+        if first is None:
+            first = torch.randn(
+                P, width, generator=generator, device=product.device, dtype=product.dtype
+            )
+        first = _orthonormal(first, None)
+        n_passes = DEFAULT_PASSES if max_iter is None else max(1, max_iter)
+    else:
+        first, n_passes = begun.Q, 1 + max_iter
+    storage = first.new_empty(P, min(P, n_passes * width))  # the basis K, filled block by block
+    d = width
+    storage[:, :d] = first
+    Q = storage[:, :d]  # the newest block, a view of the basis
+    T = Q.new_zeros(0, 0)
+    for step in range(n_passes):
+        basis, b = storage[:, :d], Q.shape[1]
+        rest = begun.HQ if step == 0 and begun is not None else product.matmat(Q)
+        coefficients = basis.T @ rest  # (d, b): the new columns of T = Kᵀ H K
+        rest.addmm_(basis, coefficients, alpha=-1)
+        T = torch.cat([torch.cat([T, coefficients[: d - b].T], 0), coefficients], 1)
+        values, W = _ritz(T, k)
+        # H K − K T lives in the newest block: H Q − K (Kᵀ H Q) = rest, so ‖r_i‖ = ‖rest w_i‖.
+        residuals = (rest @ W[d - b :]).norm(dim=0)
+        errors = residuals / values.abs().clamp(min=torch.finfo(values.dtype).tiny)
+        room = storage.shape[1] - d
+        done = room == 0 or (tol > 0 and bool((errors <= tol).all()))
+        if done or step == n_passes - 1:
+            break
+        b = min(width, room)
+        storage[:, d : d + b] = _orthonormal(rest[:, :b], basis)
+        Q = storage[:, d : d + b]
+        d += b
+    return Eigenpairs(storage[:, :d] @ W, values, errors)
+
+
+def _scipy(product: CurvatureProduct) -> LinearOperator:
+    np_dtype = np.float64 if product.dtype == torch.float64 else np.float32
+
+    def matmat(M: np.ndarray) -> np.ndarray:
+        V = torch.as_tensor(np.ascontiguousarray(M), dtype=product.dtype, device=product.device)
+        return product.matmat(V.reshape(product.n_params, -1)).cpu().numpy()
+
+    return LinearOperator(
+        (product.n_params, product.n_params),
+        matvec=lambda v: matmat(v).reshape(v.shape),
+        matmat=matmat,
+        dtype=np_dtype,
+    )
+
+
+def _with_errors(product: CurvatureProduct, values: np.ndarray, vectors: np.ndarray) -> Eigenpairs:
+    """Eigenpairs of an exact solver in descending order, with one product for the bounds."""
+    order = np.argsort(values)[::-1]
+    values = torch.as_tensor(values[order].copy(), dtype=product.dtype, device=product.device)
+    U = torch.as_tensor(vectors[:, order].copy(), dtype=product.dtype, device=product.device)
+    residuals = (product.matmat(U) - U * values).norm(dim=0)
+    errors = residuals / values.abs().clamp(min=torch.finfo(values.dtype).tiny)
+    return Eigenpairs(U, values, errors)
+
+
+def _lanczos(product, k, tol, max_iter, seed, oversampling, **_) -> Eigenpairs:
+    op = _scipy(product)
+    v0 = np.random.default_rng(seed).standard_normal(product.n_params).astype(op.dtype)
+    return _with_errors(product, *eigsh(op, k=k, which="LA", tol=tol, maxiter=max_iter, v0=v0))
+
+
+def _lobpcg(product, k, tol, max_iter, seed, oversampling, **_) -> Eigenpairs:
+    op = _scipy(product)
+    X = np.random.default_rng(seed).standard_normal((product.n_params, k)).astype(op.dtype)
+    values, vectors = lobpcg(op, X, largest=True, tol=tol or None, maxiter=max_iter or 200)
+    return _with_errors(product, values, vectors)
+
+
+#: Solver name → ``(product, k, tol, max_iter, seed, oversampling, **start) -> Eigenpairs``.
+SOLVERS: dict[str, Callable[..., Eigenpairs]] = {
+    "randomized": _block_krylov,
     "lanczos": _lanczos,
     "lobpcg": _lobpcg,
-    "randomized": _randomized,
 }
 
 
 def top_eigenpairs(
-    operator: Any,
-    scale: float,
+    product: CurvatureProduct,
     k: int,
-    solver: str = "lanczos",
+    solver: str = "randomized",
     tol: float = 0.0,
     max_iter: int | None = None,
     seed: int = 0,
-) -> tuple[Tensor, Tensor]:
-    """Largest k eigenpairs of ``scale · operator``, eigenvalues above the threshold only.
+    oversampling: int = DEFAULT_OVERSAMPLING,
+    start: str = "kfac",
+    candidates: int | None = None,
+) -> Eigenpairs:
+    """Largest k eigenpairs of the curvature, eigenvalues above the threshold only.
 
     Args:
-        operator: A curvlinops linear operator (P × P, symmetric).
-        scale: Factor applied to the eigenvalues.
+        product: The curvature over the data set.
         k: Number of eigenpairs, 1 ≤ k < P.
-        solver: ``"lanczos"``, ``"lobpcg"`` or ``"randomized"`` (block power iterations).
-        tol: Relative accuracy of the eigenvalues; 0 asks for machine precision (Lanczos).
-        max_iter: Iteration limit of the solver (its default when None).
+        solver: ``"randomized"`` (block Krylov), ``"lanczos"`` or ``"lobpcg"``.
+        tol: Lanczos/LOBPCG: relative accuracy (0: machine precision). Randomized: stop
+            before ``max_iter`` passes once every error bound is at most ``tol`` (0: never).
+        max_iter: Iteration limit; for the randomized solver the number of block products
+            after the start: 0 (Nyström) after a KFAC start, :data:`DEFAULT_PASSES` after a
+            sketch, when None.
         seed: Seed of the random start vectors.
+        oversampling: Extra vectors per Krylov block (randomized solver).
+        start: Start block of the randomized solver, ``"kfac"`` (where it applies, else a
+            sketch) or ``"sketch"``.
+        candidates: Kronecker candidates of the KFAC start,
+            :data:`~laplace.curvature.kfac_start.CANDIDATES_PER_VECTOR` per vector when None.
 
     Returns:
-        Eigenvectors (P, k') and eigenvalues (k',) in descending order, with k' ≤ k the number
-        above :data:`EIGENVALUE_THRESHOLD`.
+        Eigenvectors (P, k'), eigenvalues (k',) in descending order and their relative errors
+        (k', see the module), with k' ≤ k the number above :data:`EIGENVALUE_THRESHOLD`.
 
     Raises:
-        ValueError: For an unknown solver or k outside [1, P).
+        ValueError: For an unknown solver or start, or k outside [1, P).
     """
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {sorted(SOLVERS)}, got {solver!r}.")
-    n_params = operator.shape[0]
+    n_params = product.n_params
     if not 1 <= k < n_params:
         raise ValueError(
             f"n_eigenvalues must be between 1 and n_params - 1 = {n_params - 1}, got {k}."
         )
-    dtype, device = operator.dtype, operator.device
-    values, vectors = SOLVERS[solver](operator, k, tol, max_iter, np.random.default_rng(seed))
-    order = np.argsort(values)[::-1]
-    values = torch.as_tensor(values[order].copy(), dtype=dtype, device=device) * scale
-    vectors = torch.as_tensor(vectors[:, order].copy(), dtype=dtype, device=device)
-    keep = values > EIGENVALUE_THRESHOLD
-    return vectors[:, keep], values[keep]
+    if start not in STARTS:
+        raise ValueError(f"start must be one of {list(STARTS)}, got {start!r}.")
+    options = {"start": start, "candidates": candidates}
+    pairs = SOLVERS[solver](product, k, tol, max_iter, seed, oversampling, **options)
+    keep = pairs.values > EIGENVALUE_THRESHOLD
+    return Eigenpairs(pairs.vectors[:, keep], pairs.values[keep], pairs.errors[keep])

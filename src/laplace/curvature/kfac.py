@@ -24,7 +24,7 @@ without groups); every other module that owns a parameter of interest is refused
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -32,16 +32,14 @@ from torch import Tensor, nn
 
 from laplace.curvature.capture import OutputGradients
 from laplace.curvature.layer_rules import ModuleCall, _conv_patches
-from laplace.curvature.per_sample import PerSampleTrace
+from laplace.curvature.per_sample import COLUMNS_PER_BACKWARD, PerSampleTrace
+from laplace.utils.linalg import symmetric_gram
 from laplace.utils.matrix import Kron
 
 __all__ = ["KFAC_APPROXIMATIONS", "KFAC_RULES", "KfacRule", "check_kfac_support", "kfac"]
 
 #: The weight-sharing approximations of Eschenhagen et al. (2023).
 KFAC_APPROXIMATIONS = ("expand", "reduce")
-
-#: Output columns differentiated together by one vectorised backward pass.
-_COLUMNS_PER_BACKWARD = 16
 
 
 class KfacRule(NamedTuple):
@@ -110,22 +108,62 @@ def check_kfac_support(model: nn.Module, params: Iterable[Tensor]) -> None:
             )
 
 
-def _gram(t: Tensor, approx: str, mean: bool) -> Tensor:
-    """Σ of outer products of (R, T, D) rows, shape (D, D), without copying them to (R·T, D).
+def _gram(t: Tensor, approx: str, mean: bool, scale: float = 1.0) -> Tensor:
+    """``scale ·`` Σ of outer products of (R, T, D) rows, shape (D, D), without copying them.
 
-    Expand sums over every position; reduce over the per-row sum (or mean) over positions.
+    Expand sums over every position; reduce over the per-row sum (or mean) over positions. Rows
+    laid out contiguously go through one symmetric Gram product (each off-diagonal block once),
+    scaled before the product where they are fewer numbers than the result; strided ones (the
+    gradients of a convolution, (R, D, T) in memory) through a batched product.
     """
-    if approx == "reduce":
-        rows = t.mean(1) if mean else t.sum(1)
-        return rows.T @ rows
-    if t.shape[1] == 1:
-        rows = t[:, 0]
-        return rows.T @ rows
-    return torch.bmm(t.transpose(1, 2), t).sum(0)
+    if approx == "reduce" or t.shape[1] == 1 or t.is_contiguous():
+        if approx == "reduce":
+            rows = t.mean(1) if mean else t.sum(1)
+        else:
+            rows = t.reshape(-1, t.shape[-1])  # a view: every position is a row
+        if scale != 1 and rows.numel() < rows.shape[1] ** 2:
+            return symmetric_gram(rows * math.sqrt(scale))
+        gram = symmetric_gram(rows)
+    else:
+        gram = torch.bmm(t.transpose(1, 2), t).sum(0)
+    return gram if scale == 1 else gram.mul_(scale)
+
+
+def _column_gradients(
+    trace: PerSampleTrace, columns: list[Tensor]
+) -> Iterator[tuple[int, Tensor]]:
+    """``(call index, gradient w.r.t. its output)`` for chunks of columns, rows (k·B, ...).
+
+    Columns go through one vectorised backward per chunk of :data:`COLUMNS_PER_BACKWARD`,
+    except with a convolution in the model: the batching rule of its backward loops over the
+    columns and copies, so one plain backward per column is faster there.
+    """
+    output_grads = OutputGradients(trace.f, trace.calls)
+    if any(isinstance(call.module, nn.modules.conv._ConvNd) for call in trace.calls):
+        for v in columns:
+            for i, (g,) in enumerate(output_grads(v)):
+                yield i, g.detach()
+        return
+    for start in range(0, len(columns), COLUMNS_PER_BACKWARD):
+        chunk = torch.stack(columns[start : start + COLUMNS_PER_BACKWARD])
+        for i, (g,) in enumerate(output_grads.stacked(chunk)):
+            yield i, g.detach().flatten(0, 1)
+
+
+def _add(sums: dict[nn.Module, Tensor], module: nn.Module, value: Tensor) -> None:
+    if module in sums:
+        sums[module] += value
+    else:
+        sums[module] = value
 
 
 def kfac(
-    trace: PerSampleTrace, columns: Iterable[Tensor], n_data: int, approx: str, factor: float
+    trace: PerSampleTrace,
+    columns: Iterable[Tensor],
+    n_data: int,
+    approx: str,
+    factor: float,
+    gradients: list[list[Tensor]] | None = None,
 ) -> Kron:
     """KFAC factors of one batch, normalised for a data set of ``n_data`` points.
 
@@ -135,6 +173,8 @@ def kfac(
         n_data: Number of data points N of the whole data set.
         approx: ``"expand"`` or ``"reduce"``.
         factor: The backend's loss factor ``c`` (sets the split of each block between factors).
+        gradients: The columns' gradients w.r.t. each call's outputs, each (K, B, ...), where
+            already taken (else they are taken here).
 
     Returns:
         One block per parameter in ``trace.engine.needed`` order.
@@ -149,22 +189,28 @@ def kfac(
         check_kfac_support(call.module, [getattr(call.module, n) for n in call.names])
     A: dict[nn.Module, Tensor] = {}
     G: dict[nn.Module, Tensor] = {}
+    root = math.sqrt(factor)
     for call in calls:
         if "weight" in call.names:
             a = KFAC_RULES[type(call.module)].inputs(call).detach()
-            gram = _gram(a, approx, mean=True) / (a.shape[1] if approx == "expand" else 1)
-            A[call.module] = A[call.module] + gram if call.module in A else gram
-    output_grads = OutputGradients(trace.f, calls)
-    columns = list(columns)
-    for start in range(0, len(columns), _COLUMNS_PER_BACKWARD):
-        # One vectorised backward for a chunk of columns; one Gram matrix per call and chunk.
-        chunk = torch.stack(columns[start : start + _COLUMNS_PER_BACKWARD])
-        for call, (g,) in zip(calls, output_grads.stacked(chunk)):
-            g = KFAC_RULES[type(call.module)].grads(call, g.detach().flatten(0, 1))
-            gram = _gram(g, approx, mean=False)
-            G[call.module] = G[call.module] + gram if call.module in G else gram
+            positions = a.shape[1] if approx == "expand" else 1
+            _add(A, call.module, _gram(a, approx, mean=True, scale=root / (n_data * positions)))
+    rows: dict[int, list[Tensor]] = {}
+    if gradients is None:
+        stream = _column_gradients(trace, list(columns))
+    else:
+        stream = ((i, g.detach().flatten(0, 1)) for i, (g,) in enumerate(gradients))
+    for i, g in stream:
+        # Gradients of one position per row are gathered into one Gram product per call; those
+        # of many positions (convolutions) are large, so their Gram is added chunk by chunk.
+        g = KFAC_RULES[type(calls[i].module)].grads(calls[i], g)
+        if g.shape[1] == 1 or approx == "reduce":
+            rows.setdefault(i, []).append(g.sum(1))
+        else:
+            _add(G, calls[i].module, _gram(g, approx, mean=False))
+    for i, gs in rows.items():
+        _add(G, calls[i].module, symmetric_gram(torch.cat(gs)))
     blocks: list[list[Tensor] | None] = [None] * len(engine.needed)
-    root = math.sqrt(factor)
     for module, names in engine.owners.items():
         for name in names:
             slot = engine.slot[module, name]
@@ -173,7 +219,7 @@ def kfac(
                 G[module] = p.new_zeros(p.shape[0], p.shape[0])
             if name == "weight":
                 a_factor = A.get(module, p.new_zeros(p[0].numel(), p[0].numel()))
-                blocks[slot] = [G[module] / root, a_factor * (root / n_data)]
+                blocks[slot] = [G[module] / root, a_factor]
             else:
                 blocks[slot] = [G[module]]
     return Kron(blocks)

@@ -34,13 +34,23 @@ import torch
 from torch import Tensor, nn
 
 from laplace.curvature.capture import OutputGradients, record_forward
-from laplace.curvature.layer_rules import SQUARE_SUM_RULES, ModuleCall, per_sample_grads
+from laplace.curvature.layer_rules import (
+    SELECTED_RULES,
+    SQUARE_SUM_RULES,
+    ModuleCall,
+    per_sample_grads,
+    selected_per_sample_grads,
+)
 from laplace.data import Inputs
+from laplace.utils.linalg import symmetric_gram
 
-__all__ = ["PerSampleEngine", "PerSampleTrace"]
+__all__ = ["COLUMNS_PER_BACKWARD", "PerSampleEngine", "PerSampleTrace"]
 
 #: Data points per vectorised backward pass in the batched fallback.
 BATCHED_BACKWARD_CHUNK = 32
+
+#: Output columns differentiated together by one vectorised backward pass.
+COLUMNS_PER_BACKWARD = 16
 
 
 class PerSampleEngine:
@@ -72,6 +82,22 @@ class PerSampleEngine:
             starts[needed] = sizes[needed].cumsum(0) - sizes[needed]
             self.indices = starts[owner] + indices - offsets[owner]
         self.needed = [self.params[i] for i in needed]
+        #: Subnetwork only: per slot of ``needed``, the selected entries of the flattened
+        #: parameter and their positions in the subnetwork vector (on the parameters' device).
+        self.selected: dict[int, tuple[Tensor, Tensor]] = {}
+        #: Subnetwork only: slots whose positions are consecutive, with their (start, end).
+        self.spans: dict[int, tuple[int, int]] = {}
+        if indices is not None:
+            device = self.params[0].device
+            for slot, i in enumerate(needed):
+                positions = (owner == i).nonzero().squeeze(1)
+                local = indices[positions] - offsets[i]
+                self.selected[slot] = (local.to(device), positions.to(device))
+                start, end = int(positions[0]), int(positions[-1]) + 1
+                if end - start == len(positions):
+                    self.spans[slot] = (start, end)
+        #: Length of the engine's parameter vector: P, or the number of subnetwork entries.
+        self.n_entries = int(sizes.sum()) if self.indices is None else len(self.indices)
         position = {id(p): i for i, p in enumerate(self.needed)}
         self.owners: dict[nn.Module, list[str]] = {}
         self.slot: dict[tuple[nn.Module, str], int] = {}
@@ -124,6 +150,37 @@ class PerSampleTrace:
             for call in calls
         ]
 
+    def drop_graph(self) -> None:
+        """Detach the outputs from the autograd graph and free it.
+
+        Output gradients cannot be taken afterwards; the layer rules, which need only the
+        recorded inputs, still apply.
+        """
+        self.f = self.f.detach()
+        self._grads = None
+        for call in self.calls:
+            call.outputs = [z.detach() for z in call.outputs]
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether per-layer rules apply.
+
+        They do when every layer sees the data points along dim 0 and no subnetwork restricts
+        the parameters; otherwise products use the per-sample rows of the whole model.
+        """
+        return not self._batched and self.engine.indices is None
+
+    def output_gradients(self, columns: Tensor) -> list[list[Tensor]]:
+        """Gradients of several output columns w.r.t. every recorded layer output.
+
+        Args:
+            columns: Output columns, shape (K, *f.shape).
+
+        Returns:
+            Per recorded call, one tensor of shape (K, *z.shape) per recorded output.
+        """
+        return [] if self._grads is None else self._grads.stacked(columns)
+
     def _zeros(self) -> list[Tensor]:
         return [self.f.new_zeros(p.shape) for p in self.engine.needed]
 
@@ -154,15 +211,72 @@ class PerSampleTrace:
         """
         if self._batched:
             return self._batched_per_sample(v)
-        found = (
-            {} if self._grads is None else self._per_param(self._grads(v), range(len(self.calls)))
-        )
+        return self._rows([] if self._grads is None else self._grads(v))
+
+    def per_sample_columns(self, columns: Tensor, dim: int = 0) -> Tensor:
+        """Per-sample gradients ``Jₙᵀ vₙₖ`` for several output columns.
+
+        The columns are differentiated :data:`COLUMNS_PER_BACKWARD` at a time by one vectorised
+        backward pass.
+
+        Args:
+            columns: Output columns, shape (K, *f.shape).
+            dim: Axis of the columns in the result: 0 gives (K, B, P), 1 gives (B, K, P).
+
+        Returns:
+            The gradients (P restricted to the subnetwork when one is set).
+        """
+        if self._batched:
+            return torch.stack([self._batched_per_sample(v) for v in columns], dim)
+        rows = []
+        for start in range(0, len(columns), COLUMNS_PER_BACKWARD):
+            chunk = columns[start : start + COLUMNS_PER_BACKWARD]
+            stacked = self.output_gradients(chunk)
+            if self.engine.indices is not None:
+                rows.append(self._selected_rows(stacked, len(chunk)))
+                continue
+            for k in range(len(chunk)):
+                rows.append(self._rows([[g[k] for g in per_call] for per_call in stacked])[None])
+        return torch.cat([r.transpose(0, dim) for r in rows], dim)
+
+    def _rows(self, g_calls: list[list[Tensor]]) -> Tensor:
+        """Per-sample gradients (B, P) from the gradients w.r.t. every recorded call's outputs."""
+        if self.engine.indices is not None:
+            return self._selected_rows([[g[None] for g in grads] for grads in g_calls], 1)[0]
+        found = self._per_param(g_calls, range(len(g_calls)))
         batch = self.f.shape[0]
         per_param = [
             found[slot] if slot in found else self.f.new_zeros(batch, *p.shape)
             for slot, p in enumerate(self.engine.needed)
         ]
         return self._flatten(per_param, 1)
+
+    def _selected_rows(self, stacked: list[list[Tensor]], n_columns: int) -> Tensor:
+        """Per-sample gradients of the subnetwork entries only, (K, B, n_entries).
+
+        Args:
+            stacked: Per call, gradients w.r.t. its outputs for K columns, each (K, B, ...).
+            n_columns: K.
+        """
+        out = self.f.new_zeros(n_columns, self.f.shape[0], self.engine.n_entries)
+        slot, selected = self.engine.slot, self.engine.selected
+        for call, grads in zip(self.calls, stacked):
+            entries = {name: selected[slot[call.module, name]][0] for name in call.names}
+            if type(call.module) is nn.Linear and call.args[0].dim() == 2:  # all K at once
+                values = SELECTED_RULES[nn.Linear](call, grads, entries)
+            else:
+                per_column = [
+                    selected_per_sample_grads(call, [g[k] for g in grads], entries)
+                    for k in range(n_columns)
+                ]
+                values = {name: torch.stack([c[name] for c in per_column]) for name in entries}
+            for name, value in values.items():
+                span = self.engine.spans.get(slot[call.module, name])
+                if span is None:
+                    out.index_add_(2, selected[slot[call.module, name]][1], value)
+                else:  # consecutive positions (sorted indices): a slice, no scatter
+                    out[..., span[0] : span[1]] += value
+        return out
 
     def _batched_per_sample(self, v: Tensor) -> Tensor:
         """Per-sample gradients by one vectorised backward pass per data point, shape (B, P)."""
@@ -202,8 +316,8 @@ class PerSampleTrace:
             Shape (P,).
         """
         total = self._zeros()
-        if self._batched:
-            return sum(self.per_sample(v).square().sum(0) for v in columns)
+        if self._batched or self.engine.indices is not None:
+            return self.per_sample_columns(torch.stack(list(columns))).square().sum((0, 1))
         if self._grads is None:
             return self._flatten(total, 0)
         fast = [i for i, is_fast in enumerate(self._fast) if is_fast]
@@ -235,17 +349,15 @@ class PerSampleTrace:
         Raises:
             ValueError: If ``columns`` is empty.
         """
-        result = None
-        for v in columns:
-            G = self.per_sample(v)
-            result = G.T @ G if result is None else result.addmm_(G.T, G)
-        if result is None:
+        columns = list(columns)
+        if not columns:
             raise ValueError("gram needs at least one output column.")
-        return result
+        rows = self.per_sample_columns(torch.stack(columns))
+        return symmetric_gram(rows.reshape(-1, rows.shape[-1]))
 
     def jacobians(self) -> Tensor:
         """Jacobians of the outputs w.r.t. the parameters, shape (B, C, P)."""
         f = self.f.reshape(self.f.shape[0], -1)
         eye = torch.eye(f.shape[1], dtype=f.dtype, device=f.device)
-        rows = [self.per_sample(e.expand_as(f).reshape(self.f.shape)) for e in eye]
-        return torch.stack(rows, dim=1)
+        columns = eye[:, None, :].expand(-1, f.shape[0], -1).reshape(-1, *self.f.shape)
+        return self.per_sample_columns(columns, dim=1)

@@ -15,6 +15,7 @@ from laplace.likelihoods.gaussian import GaussianRegression
 from laplace.likelihoods.prediction import ProbabilityPredictions
 from laplace.predictive import LINKS, probit_logits
 from laplace.utils.enums import HessianStructure, Likelihood
+from laplace.utils.linalg import softmax_hessian_factor
 
 __all__ = ["Categorical", "RewardModeling"]
 
@@ -51,10 +52,8 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
 
     @override
     def output_hessian_sqrt(self, f: Tensor) -> Tensor:
-        # Λ = diag(p) − p pᵀ = L Lᵀ with L = diag(√p) − p √pᵀ, because Σ p = 1.
-        p = torch.softmax(f, dim=-1)
-        sqrt_p = p.sqrt()
-        return torch.diag_embed(sqrt_p) - p.unsqueeze(-1) * sqrt_p.unsqueeze(-2)
+        """A rank-(C − 1) factor of ``Λ = diag(p) − p pᵀ`` (:func:`softmax_hessian_factor`)."""
+        return softmax_hessian_factor(torch.softmax(f, dim=-1))
 
     @override
     def output_hessian(self, f: Tensor) -> Tensor:

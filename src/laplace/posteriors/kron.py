@@ -54,8 +54,11 @@ class KronPosterior(Posterior):
     @override
     @staticmethod
     def is_finite(H: Kron) -> bool:
-        # A sum is finite iff every summand is (barring overflow): one reduction per factor.
-        return bool(torch.stack([F.sum() for block in H.kfacs for F in block]).isfinite().all())
+        # Factors are Gram matrices Σ a aᵀ: a NaN or inf in any a shows on the diagonal, so the
+        # traces decide (one short reduction per factor instead of one over every entry).
+        factors = [F for block in H.kfacs for F in block]
+        traces = [F.diagonal().sum() if F.ndim > 1 else F.sum() for F in factors]
+        return bool(torch.stack(traces).isfinite().all())
 
     @cached_property
     def block_deltas(self) -> Tensor:

@@ -4,8 +4,10 @@ With ``D = diag(p₀)``, ``W = D^{-1/2} U diag(h·λ)^{1/2}`` (P, k) and the k �
 ``M = I + WᵀW = L Lᵀ``:
 
 - ``log det P = Σ log p₀ + log det M`` (matrix determinant lemma);
-- ``P⁻¹ = D^{-1/2} (I − W M⁻¹ Wᵀ) D^{-1/2}`` (Woodbury), so
-  ``J P⁻¹ Jᵀ = ĴĴᵀ − (L⁻¹ Wᵀ Ĵᵀ)ᵀ (L⁻¹ Wᵀ Ĵᵀ)`` with ``Ĵ = J D^{-1/2}``;
+- ``P⁻¹ = D^{-1/2} (I − W M⁻¹ Wᵀ) D^{-1/2} = D⁻¹ − Z Zᵀ`` (Woodbury) with the (P, k) basis
+  ``Z = D^{-1/2} W L⁻ᵀ``, so ``J P⁻¹ Jᵀ = J D⁻¹ Jᵀ − (J Z)(J Z)ᵀ``: the diagonal posterior's
+  functional variance minus k directions (:mod:`laplace.kron_glm` computes both from layer
+  quantities, without Jacobians);
 - samples ``D^{-1/2} (I + WWᵀ)^{-1/2} z`` with
   ``(I + WWᵀ)^{-1/2} = I + W Q diag(c) Qᵀ Wᵀ``, ``WᵀW = Q diag(s) Qᵀ`` and
   ``c = −1 / (√(1+s) (1 + √(1+s)))``.
@@ -94,25 +96,21 @@ class LowRankPosterior(Posterior):
             projected.square() * self.scaled_eigenvalues
         ).sum()
 
-    def _whitened(self, Js: Tensor) -> tuple[Tensor, Tensor]:
-        """``Ĵ = J D^{-1/2}`` (N, P) and ``A = L⁻¹ Wᵀ Ĵᵀ`` (k, N) for Jacobian rows (N, P)."""
-        J_hat = Js * self._inv_sqrt_prior
-        A = torch.linalg.solve_triangular(
-            self.capacitance_cholesky, self.W.T @ J_hat.T, upper=False
-        )
-        return J_hat, A
+    @cached_property
+    def woodbury_basis(self) -> Tensor:
+        """``Z = D^{-1/2} W L⁻ᵀ`` with ``P⁻¹ = D⁻¹ − Z Zᵀ``, shape (P, k)."""
+        scaled = self.W * self._inv_sqrt_prior[:, None]
+        return torch.linalg.solve_triangular(self.capacitance_cholesky, scaled.T, upper=False).T
 
     @override
     def functional_variance(self, Js: Tensor) -> Tensor:
-        B, C, _ = Js.shape
-        J_hat, A = self._whitened(Js.reshape(B * C, -1))
-        J_hat, A = J_hat.reshape(B, C, -1), A.T.reshape(B, C, -1)
-        return J_hat @ J_hat.transpose(1, 2) - A @ A.transpose(1, 2)
+        JZ = Js @ self.woodbury_basis
+        return (Js / self.prior_diag) @ Js.transpose(1, 2) - JZ @ JZ.transpose(1, 2)
 
     @override
     def functional_covariance(self, Js: Tensor) -> Tensor:
-        J_hat, A = self._whitened(Js)
-        return J_hat @ J_hat.T - A.T @ A
+        JZ = Js @ self.woodbury_basis
+        return (Js / self.prior_diag) @ Js.T - JZ @ JZ.T
 
     @override
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:

@@ -13,7 +13,9 @@ __all__ = [
     "invsqrt_precision",
     "kron",
     "normal_samples",
+    "softmax_hessian_factor",
     "symeig",
+    "symmetric_gram",
 ]
 
 logger = logging.getLogger(__name__)
@@ -210,3 +212,57 @@ def normal_samples(
     # (B, C, S): scale the shared standard-normal draws per Gaussian.
     noise = var.sqrt().unsqueeze(-1) * z if diagonal else torch.linalg.cholesky(var) @ z
     return (mean.unsqueeze(-1) + noise).permute(2, 0, 1)
+
+
+def symmetric_gram(G: torch.Tensor, panel: int = 64) -> torch.Tensor:
+    """``Gᵀ G`` for ``G`` of shape (M, P), each off-diagonal block computed once.
+
+    Row panels ``G[:, i:i+b]ᵀ G[:, i:]`` of the upper triangle are large matrix products and the
+    lower triangle is mirrored, so the cost is about ``(1 + b/P)/2`` of ``G.T @ G``.
+
+    Args:
+        G: The matrix, shape (M, P).
+        panel: Columns per row panel.
+
+    Returns:
+        The symmetric (P, P) Gram matrix.
+    """
+    n = G.shape[1]
+    if n <= 2 * panel:
+        return G.T @ G
+    out = G.new_empty(n, n)
+    for i in range(0, n, panel):
+        j = min(n, i + panel)
+        out[i:j, i:] = G[:, i:j].T @ G[:, i:]
+        out[j:, i:j] = out[i:j, j:].T
+    return out
+
+
+def softmax_hessian_factor(p: torch.Tensor) -> torch.Tensor:
+    r"""A rank-(C − 1) factor ``L`` of ``Λ = diag(p) − p pᵀ = L Lᵀ``, shape (..., C, C − 1).
+
+    ``Λ 1 = 0``, so with a reference class ``r`` (the most probable one, for conditioning)
+    ``vᵀ Λ v = wᵀ Λ' w`` for ``wᵢ = vᵢ − v_r`` (``i ≠ r``) and ``Λ'`` the principal block of
+    ``Λ`` without ``r``. ``Λ' = S Sᵀ`` with ``S = diag(√p') − c p' √p'ᵀ``,
+    ``c = 1 / (1 + √p_r)``, and mapping back gives ``L[i, j] = √pᵢ δᵢⱼ − c pᵢ √pⱼ`` for
+    ``i ≠ r`` and ``L[r, j] = −√(p_r pⱼ)``, over the columns ``j ≠ r``. Every curvature built
+    from the factor's columns then needs C − 1 backward passes instead of C.
+
+    Args:
+        p: Class probabilities, shape (..., C); one class gives the (..., 1, 1) factor of
+            ``p − p²``.
+    """
+    sqrt_p = p.sqrt()
+    n_classes = p.shape[-1]
+    if n_classes == 1:
+        return (sqrt_p - p * sqrt_p).unsqueeze(-1)
+    r = p.argmax(-1, keepdim=True)
+    c = 1 / (1 + sqrt_p.gather(-1, r))
+    L = torch.diag_embed(sqrt_p) - (c * p).unsqueeze(-1) * sqrt_p.unsqueeze(-2)
+    reference_row = -sqrt_p.gather(-1, r) * sqrt_p
+    L = L.scatter(
+        -2, r.unsqueeze(-1).expand(*r.shape[:-1], 1, n_classes), reference_row.unsqueeze(-2)
+    )
+    others = torch.arange(n_classes - 1, device=p.device).expand(*r.shape[:-1], -1)
+    others = others + (others >= r).long()
+    return L.gather(-1, others.unsqueeze(-2).expand(*L.shape[:-1], -1))

@@ -75,15 +75,26 @@ class Kron:
             kfacs.append([torch.zeros(s, s, device=device, dtype=dtype) for s in sizes])
         return cls(kfacs)
 
-    def __add__(self, other: Kron) -> Kron:
-        """Factor-wise sum with another ``Kron`` of the same structure."""
+    def _check_same_structure(self, other: Kron) -> None:
         if not isinstance(other, Kron):
             raise ValueError(f"can only add Kron to Kron, got {type(other).__name__}.")
         if [[F.shape for F in b] for b in self.kfacs] != [
             [F.shape for F in b] for b in other.kfacs
         ]:
             raise ValueError("cannot add Kron objects with different block structures.")
+
+    def __add__(self, other: Kron) -> Kron:
+        """Factor-wise sum with another ``Kron`` of the same structure."""
+        self._check_same_structure(other)
         return Kron([[Fi + Fj for Fi, Fj in zip(a, b)] for a, b in zip(self.kfacs, other.kfacs)])
+
+    def __iadd__(self, other: Kron) -> Kron:
+        """Factor-wise sum into this ``Kron``'s own factors (an accumulator that owns them)."""
+        self._check_same_structure(other)
+        for a, b in zip(self.kfacs, other.kfacs):
+            for Fi, Fj in zip(a, b):
+                Fi.add_(Fj)
+        return self
 
     def __mul__(self, scalar: float | Tensor) -> Kron:
         """Multiply every block by ``scalar``: each of its ``k`` factors by ``scalar^(1/k)``."""
@@ -97,8 +108,20 @@ class Kron:
     def __len__(self) -> int:
         return len(self.kfacs)
 
-    def decompose(self, damping: bool = False) -> KronDecomposed:
-        """Eigen-decompose every factor (a 1-D factor is already diagonal)."""
+    def decompose(self, damping: bool = False, deferred: bool = False) -> KronDecomposed:
+        """Eigen-decompose every factor (a 1-D factor is already diagonal).
+
+        Args:
+            damping: See :class:`KronDecomposed`.
+            deferred: Return at once and eigen-decompose when the eigenpairs are first needed
+                (a fit then ends with the sum of the factors; the first posterior query pays).
+        """
+        if deferred:
+            return KronDecomposed.deferred(self, damping)
+        eigenvectors, eigenvalues = self._eigenpairs()
+        return KronDecomposed(eigenvectors, eigenvalues, damping=damping)
+
+    def _eigenpairs(self) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
         eigenvectors, eigenvalues = [], []
         for F in self.kfacs:
             Qs, ls = [], []
@@ -111,7 +134,7 @@ class Kron:
                 ls.append(eigval)
             eigenvectors.append(Qs)
             eigenvalues.append(ls)
-        return KronDecomposed(eigenvectors, eigenvalues, damping=damping)
+        return eigenvectors, eigenvalues
 
     def bmm(self, W: Tensor, exponent: float = 1) -> Tensor:
         """``H W`` per row of ``W`` (shape (P,), (B, P) or (B, K, P); same shape returned).
@@ -184,23 +207,52 @@ class KronDecomposed:
         deltas: Tensor | None = None,
         damping: bool = False,
     ) -> None:
-        self.eigenvectors = eigenvectors
-        self.eigenvalues = eigenvalues
-        reference = eigenvectors[0][0]
-        if deltas is None:
-            deltas = torch.zeros(len(self), device=reference.device, dtype=reference.dtype)
-        else:
-            self._check_deltas(deltas)
-            deltas = deltas.reshape(-1).expand(len(self))
-        self.deltas = deltas
+        self._pending: Kron | None = None
+        self._eigenvectors, self._eigenvalues = eigenvectors, eigenvalues
+        self._init_deltas(len(eigenvalues), eigenvectors[0][0], deltas)
         self.damping = damping
 
-    def _check_deltas(self, deltas: Tensor) -> None:
+    @classmethod
+    def deferred(cls, kron: Kron, damping: bool = False) -> KronDecomposed:
+        """The decomposition of ``kron``, computed when its eigenpairs are first needed."""
+        self = cls.__new__(cls)
+        self._pending, self._eigenvectors, self._eigenvalues = kron, None, None
+        self._init_deltas(len(kron), kron.kfacs[0][0], None)
+        self.damping = damping
+        return self
+
+    def _init_deltas(self, n_blocks: int, reference: Tensor, deltas: Tensor | None) -> None:
+        if deltas is None:
+            deltas = torch.zeros(n_blocks, device=reference.device, dtype=reference.dtype)
+        else:
+            self._check_deltas(deltas, n_blocks)
+            deltas = deltas.reshape(-1).expand(n_blocks)
+        self.deltas = deltas
+
+    def _decompose(self) -> None:
+        if self._pending is not None:
+            self._eigenvectors, self._eigenvalues = self._pending._eigenpairs()
+            self._pending = None
+
+    @property
+    def eigenvectors(self) -> list[list[Tensor]]:
+        """Per block the eigenvector matrices ``Qᵢ`` of its factors."""
+        self._decompose()
+        return self._eigenvectors
+
+    @property
+    def eigenvalues(self) -> list[list[Tensor]]:
+        """Per block the eigenvalues ``λᵢ`` of its factors."""
+        self._decompose()
+        return self._eigenvalues
+
+    def _check_deltas(self, deltas: Tensor, n_blocks: int | None = None) -> None:
+        n_blocks = len(self) if n_blocks is None else n_blocks
         if not isinstance(deltas, Tensor):
             raise ValueError("can only add a torch.Tensor to KronDecomposed.")
-        if not (deltas.numel() == 1 and deltas.ndim <= 1) and tuple(deltas.shape) != (len(self),):
+        if not (deltas.numel() == 1 and deltas.ndim <= 1) and tuple(deltas.shape) != (n_blocks,):
             raise ValueError(
-                f"KronDecomposed accepts a scalar or one value per block ({len(self)}) to add, "
+                f"KronDecomposed accepts a scalar or one value per block ({n_blocks}) to add, "
                 f"got shape {tuple(deltas.shape)}; a diagonal has no Kronecker eigenbasis."
             )
 
@@ -229,7 +281,7 @@ class KronDecomposed:
     __rmul__ = __mul__
 
     def __len__(self) -> int:
-        return len(self.eigenvalues)
+        return len(self.deltas)
 
     def spectrum(self, i: int) -> Tensor:
         """Eigenvalues of block ``i`` with its delta: (p,) or (p_out, p_in) for ``F₀ ⊗ F₁``."""

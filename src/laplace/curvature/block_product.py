@@ -1,0 +1,239 @@
+r"""Per-sample vectors times blocks of parameter vectors, per layer, without forming them.
+
+A recorded batch of B points and K output columns ``vₖ`` define the per-sample vectors
+``gₙₖ = Jₙᵀ vₙₖ``, the rows of a (K·B, P) matrix ``G``; every curvature of the library is a sum
+of ``Gᵀ G`` over batches (:mod:`laplace.curvature.per_sample`). This module multiplies ``G`` and
+``Gᵀ`` with blocks of m vectors:
+
+- ``G V`` (K, B, m): ``⟨gₙₖ, vⱼ⟩`` for a block ``V`` (P, m);
+- ``Gᵀ W`` (P, m): ``Σₙₖ Wₙₖⱼ gₙₖ`` for sample-space weights ``W`` (K, B, m);
+
+so the curvature–block product ``H V = Σ Gᵀ (G V)`` costs one recorded forward, one vectorised
+backward pass over the K columns w.r.t. the layer outputs, and per layer:
+
+- ``nn.Linear`` on (B, D_in) inputs, whose per-sample vectors are outer products
+  ``uₙₖ ⊗ aₙ`` of output gradients and inputs: ``⟨gₙₖ, vⱼ⟩ = uₙₖᵀ Vⱼ aₙ`` and
+  ``Σₙₖ Wₙₖⱼ uₙₖ aₙᵀ``, each one matmul of the inputs with the block, O(B·m·P_layer), with no
+  per-sample gradient ever formed;
+- every other layer (convolutions, sequence inputs, any module): its per-sample gradients
+  (B, P_layer), one column at a time, from the layer rules of
+  :mod:`laplace.curvature.layer_rules`, multiplied with the block; they are kept for ``Gᵀ`` within
+  :data:`PER_SAMPLE_CACHE_BYTES` and recomputed beyond;
+- models whose layers do not see the data points along dim 0 (and subnetworks): the per-sample
+  rows of the whole model from :meth:`~laplace.curvature.per_sample.PerSampleTrace.per_sample`.
+
+Memory: the block, the result and one batch; never the Jacobians of the data set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from laplace.curvature.layer_rules import ModuleCall, per_sample_grads
+from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
+
+__all__ = ["PER_SAMPLE_CACHE_BYTES", "BlockSum", "ParameterBlock", "SampleVectors"]
+
+#: Bytes of per-sample gradients kept between ``G V`` and ``Gᵀ W`` for one batch.
+PER_SAMPLE_CACHE_BYTES = 256 * 2**20
+
+
+def _slot_offsets(engine: PerSampleEngine) -> list[int]:
+    """Start of every parameter slot in the engine's flat vector, and its end."""
+    offsets = [0]
+    for p in engine.needed:
+        offsets.append(offsets[-1] + p.numel())
+    return offsets
+
+
+def _is_plain_linear(call: ModuleCall) -> bool:
+    """A Linear on (B, D_in) inputs: per-sample weight vectors are outer products."""
+    return type(call.module) is nn.Linear and call.args[0].dim() == 2
+
+
+class ParameterBlock:
+    """A block of m parameter vectors ``V`` (P, m), with the per-slot views the rules use.
+
+    Args:
+        engine: The engine whose parameter order (``engine.needed``) ``V`` follows.
+        V: The block, shape (P, m).
+    """
+
+    def __init__(self, engine: PerSampleEngine, V: Tensor) -> None:
+        self.engine, self.V = engine, V
+        self.offsets = _slot_offsets(engine)
+        self._linear: dict[int, Tensor] = {}
+
+    def slot(self, i: int) -> Tensor:
+        """Rows of parameter slot ``i``, shape (n_i, m)."""
+        return self.V[self.offsets[i] : self.offsets[i + 1]]
+
+    def linear(self, i: int) -> Tensor:
+        """A Linear weight's rows laid out as (D_in, D_out·m), made once per block."""
+        if i not in self._linear:
+            d_out, d_in = self.engine.needed[i].shape
+            rows = self.slot(i).reshape(d_out, d_in, -1)
+            self._linear[i] = rows.permute(1, 0, 2).reshape(d_in, -1)
+        return self._linear[i]
+
+
+class BlockSum:
+    """Accumulator of ``Gᵀ W`` over batches: a (P, m) result plus the Linear layouts.
+
+    Args:
+        engine: The engine whose parameter order the result follows.
+        m: Number of vectors in the block.
+        like: A tensor with the result's dtype and device.
+    """
+
+    def __init__(self, engine: PerSampleEngine, m: int, like: Tensor) -> None:
+        self.engine, self.m = engine, m
+        self.total = like.new_zeros(engine.n_entries, m)
+        self.offsets = _slot_offsets(engine)
+        self._linear: dict[int, Tensor] = {}
+
+    def add(self, value: Tensor) -> None:
+        """Add ``value`` (P, m) to the whole result."""
+        self.total += value
+
+    def add_rows(self, i: int, value: Tensor) -> None:
+        """Add ``value`` (n_i, m) to slot ``i``."""
+        self.total[self.offsets[i] : self.offsets[i + 1]] += value
+
+    def add_linear(self, i: int, inputs: Tensor, weights: Tensor) -> None:
+        """Add ``inputsᵀ weights`` ((D_in, B) @ (B, D_out·m)) to Linear weight slot ``i``."""
+        if i in self._linear:
+            self._linear[i].addmm_(inputs.T, weights)
+        else:
+            self._linear[i] = inputs.T @ weights
+
+    def result(self) -> Tensor:
+        """The accumulated ``Σ Gᵀ W``, shape (P, m)."""
+        for i, value in self._linear.items():
+            d_out, d_in = self.engine.needed[i].shape
+            rows = value.reshape(d_in, d_out, self.m).permute(1, 0, 2).reshape(-1, self.m)
+            self.add_rows(i, rows)
+        self._linear.clear()
+        return self.total
+
+
+class SampleVectors:
+    """The per-sample vectors ``gₙₖ = Jₙᵀ vₙₖ`` of one recorded batch as a (K·B, P) map ``G``.
+
+    Args:
+        trace: A recorded forward pass.
+        columns: Output columns ``vₖ``, shape (K, *f.shape).
+    """
+
+    def __init__(self, trace: PerSampleTrace, columns: Tensor) -> None:
+        self.trace, self.columns = trace, columns
+        self.K, self.B = columns.shape[0], trace.f.shape[0]
+        self.layerwise = trace.layerwise
+        #: Per recorded call, the columns' gradients w.r.t. its outputs, each (K, B, ...) (empty
+        #: unless ``layerwise``).
+        self.output_gradients = trace.output_gradients(columns) if self.layerwise else []
+        # Linear layers on (B, D) inputs contract per data point: their gradients as (B, K, D).
+        self._by_point = {
+            i: self.output_gradients[i][0].transpose(0, 1).contiguous()
+            for i, call in enumerate(trace.calls)
+            if self.layerwise and _is_plain_linear(call)
+        }
+        self._cache: dict[tuple[int, int], Any] = {}
+        self._cached_bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the recorded batch: layer inputs, outputs and output gradients."""
+        tensors = [self.columns, self.trace.f, *self._by_point.values()]
+        tensors += [g for grads in self.output_gradients for g in grads]
+        for call in self.trace.calls:
+            tensors += [a for a in call.args if isinstance(a, Tensor)] + list(call.outputs)
+            tensors += list(call.cache.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def drop_graph(self) -> None:
+        """Free the autograd graph of the batch; the layer rules need only what was recorded."""
+        self.trace.drop_graph()
+
+    def clear_cache(self) -> None:
+        """Forget the per-sample gradients kept between ``G V`` and ``Gᵀ W``."""
+        self._cache.clear()
+        self._cached_bytes = 0
+
+    # ----------------------------------------------------------------- per-sample gradients
+    def _keep(self, key: tuple[int, int], value: Any, nbytes: int) -> None:
+        if self._cached_bytes + nbytes <= PER_SAMPLE_CACHE_BYTES:
+            self._cache[key] = value
+            self._cached_bytes += nbytes
+
+    def _layer_grads(self, i: int, k: int) -> dict[int, Tensor]:
+        """Per-sample gradients (B, n) of call ``i`` for column ``k``, by parameter slot."""
+        if (i, k) in self._cache:
+            return self._cache[i, k]
+        call = self.trace.calls[i]
+        grads = per_sample_grads(call, [g[k] for g in self.output_gradients[i]])
+        out = {
+            self.trace.engine.slot[call.module, name]: grad.reshape(self.B, -1)
+            for name, grad in grads.items()
+        }
+        self._keep((i, k), out, sum(t.numel() * t.element_size() for t in out.values()))
+        return out
+
+    def _rows(self, k: int) -> Tensor:
+        """Per-sample rows (B, P) of the whole model for column ``k`` (fallback route)."""
+        if (-1, k) in self._cache:
+            return self._cache[-1, k]
+        rows = self.trace.per_sample(self.columns[k])
+        self._keep((-1, k), rows, rows.numel() * rows.element_size())
+        return rows
+
+    # ---------------------------------------------------------------------------- products
+    def project(self, block: ParameterBlock) -> Tensor:
+        """``G V``: inner products of every per-sample vector with the block, (K, B, m)."""
+        V = block.V
+        if not self.layerwise:
+            return torch.stack([self._rows(k) @ V for k in range(self.K)])
+        out = V.new_zeros(self.K, self.B, V.shape[1])
+        slot = self.trace.engine.slot
+        for i, call in enumerate(self.trace.calls):
+            if i in self._by_point:
+                g = self._by_point[i]  # (B, K, D_out)
+                for name in call.names:
+                    j = slot[call.module, name]
+                    if name == "weight":
+                        t = call.args[0] @ block.linear(j)  # (B, D_out·m)
+                        out += torch.bmm(g, t.reshape(self.B, g.shape[-1], -1)).transpose(0, 1)
+                    else:
+                        out += (g @ block.slot(j)).transpose(0, 1)
+                continue
+            for k in range(self.K):
+                for j, grad in self._layer_grads(i, k).items():
+                    out[k] += grad @ block.slot(j)
+        return out
+
+    def backproject(self, W: Tensor, total: BlockSum) -> None:
+        """Add ``Gᵀ W = Σₙₖ Wₙₖ gₙₖ`` for weights ``W`` (K, B, m) to ``total``."""
+        if not self.layerwise:
+            for k in range(self.K):
+                total.add(self._rows(k).T @ W[k])
+            return
+        slot = self.trace.engine.slot
+        by_point = W.transpose(0, 1).contiguous()  # (B, K, m)
+        for i, call in enumerate(self.trace.calls):
+            if i in self._by_point:
+                g = self._by_point[i]  # (B, K, D_out)
+                for name in call.names:
+                    j = slot[call.module, name]
+                    if name == "weight":
+                        u = torch.bmm(g.transpose(1, 2), by_point)  # (B, D_out, m)
+                        total.add_linear(j, call.args[0], u.reshape(self.B, -1))
+                    else:
+                        flat = g.reshape(-1, g.shape[-1])
+                        total.add_rows(j, flat.T @ by_point.reshape(-1, W.shape[-1]))
+                continue
+            for k in range(self.K):
+                for j, grad in self._layer_grads(i, k).items():
+                    total.add_rows(j, grad.T @ W[k])
