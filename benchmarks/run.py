@@ -10,7 +10,8 @@ Usage: ``python benchmarks/run.py [--cases NAME ...] [--repeats R] [--threads T]
 [--clock wall|cpu]``; prints a table and writes
 ``benchmarks/results/run.json``. ``--backends`` instead times ``fit`` per curvature backend ×
 structure on both models and writes ``benchmarks/results/backends.json``. The scaling table
-(N and width) is ``benchmarks/scaling.py``.
+(N and width) is ``benchmarks/scaling.py``. The ``binary-*`` cases time
+``likelihood="binary_classification"`` against ``"classification"`` on the MLP.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from pathlib import Path
 import torch
 from frontier import FRONTIER_CASES
 from harness import (
+    BATCH,
     MODELS,
+    N_CLASSES,
     N_TEST,
+    N_TRAIN,
     PeakRSS,
     data,
     forward_pass,
@@ -40,6 +44,7 @@ from harness import (
     training_loader,
     use_clock,
 )
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -230,6 +235,56 @@ def case_evaluate(model_name: str, structure: str, repeats: int, n_test: int = 1
     }
 
 
+def case_binary_vs_classification(model_name: str, structure: str, repeats: int) -> dict:
+    """Fit and GLM probit predictive of ``binary_classification`` against ``classification``.
+
+    The same network and inputs, its 10 outputs read as 10 independent labels (one-hot
+    targets) or as 10 classes; the two are timed in turns in one process (the machine is
+    shared, so the medians count), with the forward + 10 backward baseline of ``case_fit``.
+    """
+    from laplace import Laplace
+
+    model = MODELS[model_name]().eval()
+    X, y = data(model_name, N_TRAIN, 0)
+    loaders = {
+        "classification": DataLoader(TensorDataset(X, y), batch_size=BATCH),
+        "binary_classification": DataLoader(
+            TensorDataset(X, nn.functional.one_hot(y, N_CLASSES).float()), batch_size=BATCH
+        ),
+    }
+    X_test, _ = data(model_name, N_TEST, 1)
+    las = {name: Laplace(model, name, "all", structure) for name in loaders}
+    fit_s: dict[str, list[float]] = {name: [] for name in las}
+    predict_s: dict[str, list[float]] = {name: [] for name in las}
+    baseline_s = []
+    with PeakRSS() as mem:
+        for _ in range(repeats):
+            baseline_s.append(
+                timed(lambda: forward_plus_10_backward(model, loaders["classification"]), 1)
+            )
+            for name, la in las.items():
+                fit_s[name].append(timed(lambda la=la, name=name: la.fit(loaders[name]), 1))
+                la(X_test[:10])  # warm the posterior factorisation
+                predict_s[name].append(timed(lambda la=la: la(X_test, link_approx="probit"), 1))
+    fit = {name: statistics.median(times) for name, times in fit_s.items()}
+    predict = {name: statistics.median(times) for name, times in predict_s.items()}
+    baseline = statistics.median(baseline_s)
+    binary, categorical = "binary_classification", "classification"
+    return {
+        "case": f"binary vs classification {structure} {model_name}",
+        "n_params": las[binary].n_params,
+        "seconds": fit[binary],
+        "fit_s": fit,
+        "predict_s": predict,
+        "baseline_fwd_10bwd_s": baseline,
+        "fit_ratio_to_baseline": {name: value / baseline for name, value in fit.items()},
+        "ratio": fit[binary] / fit[categorical],
+        "predict_ratio": predict[binary] / predict[categorical],
+        "repeats_s": {"fit": fit_s, "predict": predict_s, "baseline": baseline_s},
+        "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
 CASES = {
     "fit-diag-mlp": (case_fit, "mlp", "diag"),
     "fit-diag-cnn": (case_fit, "cnn", "diag"),
@@ -250,6 +305,8 @@ CASES = {
     "marglik-training-kron-mlp": (case_marglik_training, "mlp", "kron"),
     "predict-gp-sod-mlp": (case_predict_gp, "mlp", 100),
     "evaluate-kron-cnn": (case_evaluate, "cnn", "kron"),
+    "binary-diag-mlp": (case_binary_vs_classification, "mlp", "diag"),
+    "binary-kron-mlp": (case_binary_vs_classification, "mlp", "kron"),
 }
 
 
@@ -269,6 +326,11 @@ def format_row(row: dict) -> str:
         extras = f"  {row['ratio']:6.2f}x {row.get('floor', '1 fwd + 10 bwd')}"
     if "ratio_to_predictive" in row:
         extras = f"  {row['ratio_to_predictive']:6.3f}x the predictive alone"
+    if "predict_ratio" in row:
+        extras = (
+            f"  binary / classification: fit {row['ratio']:.2f}, "
+            f"predictive {row['predict_ratio']:.2f}"
+        )
     if "note" in row:
         extras += f"  {row['note']}"
     params = f"P={row['n_params']:>7d}" if "n_params" in row else " " * 9

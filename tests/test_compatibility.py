@@ -62,13 +62,20 @@ def test_hyperparameter_assignment_and_numpy_scalars():
         DiagLaplace(case.model, "regression", temperature="1")
 
 
-@pytest.mark.parametrize("sigma", [torch.ones(1, 1), torch.ones(2), torch.ones(1, 1, 1)])
-def test_sigma_noise_with_more_than_one_entry_or_dimension(sigma):
+@pytest.mark.parametrize("sigma", [torch.ones(1, 1), torch.ones(1, 1, 1), torch.ones(0)])
+def test_sigma_noise_with_more_than_one_dimension(sigma):
     case = CASE_BUILDERS["mlp_regression_1out"]()
     with pytest.raises(ValueError, match="sigma_noise must be a scalar"):
         DiagLaplace(case.model, "regression", sigma_noise=sigma)
     la = DiagLaplace(case.model, "regression", sigma_noise=torch.ones(1))
     assert la.sigma_noise.shape == (1,)
+
+
+def test_one_sigma_per_output_must_match_the_outputs():
+    case = CASE_BUILDERS["mlp_regression_1out"]()
+    la = DiagLaplace(case.model, "regression", sigma_noise=torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"sigma_noise has 2 entries .* model has 1 outputs"):
+        la.fit(case.loader())
 
 
 @pytest.mark.parametrize("structure", ["full", "kron"])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import assert_close
+from laplace.errors import UnsupportedError
 from laplace.likelihoods import make_likelihood
 from laplace.predictive import probit, probit_logits
 from laplace.utils.enums import HessianStructure
@@ -70,6 +71,33 @@ def test_structure_support(structure):
             reward.check_structure(structure)
 
 
+@pytest.mark.parametrize(
+    ("name", "n_out", "targets"),
+    [
+        ("binary_classification", 3, lambda g: (torch.rand(B, 3, generator=g) > 0.5).double()),
+        ("heteroscedastic_regression", 4, lambda g: torch.randn(B, 2, generator=g).double()),
+    ],
+)
+def test_summed_loss_module_is_the_loss_of_the_new_likelihoods(name, n_out, targets):
+    likelihood = make_likelihood(name)
+    generator = torch.Generator().manual_seed(1)
+    f = torch.randn(B, n_out, dtype=torch.float64, generator=generator)
+    y = targets(generator)
+    summed = likelihood.loss_module(reduction="sum")(f, y)
+    assert_close(likelihood.loss_scale * summed, likelihood.loss(f, y))
+    grad = torch.func.grad(lambda ff: likelihood.loss(ff, y))(f)
+    assert_close(likelihood.loss_gradient(f, y), grad)
+
+
+def test_the_enum_and_the_protocol_are_different_names():
+    from laplace.likelihoods import Likelihood as Protocol
+    from laplace.utils.enums import Likelihood as Names
+
+    assert Names.BINARY_CLASSIFICATION == "binary_classification"
+    assert [m.value for m in Names][:3] == ["regression", "classification", "reward_modeling"]
+    assert isinstance(Protocol, type) and not issubclass(Protocol, str)
+
+
 g = torch.Generator().manual_seed(0)
 F = torch.randn(5, 3, dtype=torch.float64, generator=g)
 J = torch.randn(5, 3, 4, dtype=torch.float64, generator=g)
@@ -77,20 +105,33 @@ ROOT = torch.randn(5, 3, 3, dtype=torch.float64, generator=g)
 COV = ROOT @ ROOT.transpose(1, 2)
 
 
+NAMES = (
+    "regression",
+    "classification",
+    "reward_modeling",
+    "binary_classification",
+    "heteroscedastic_regression",
+)
+
+
 def test_properties_describe_each_likelihood():
     table = {
         name: (model.has_noise_hyperparameter, model.pairwise)
-        for name in ("regression", "classification", "reward_modeling")
+        for name in NAMES
         for model in [make_likelihood(name)]
     }
     assert table == {
         "regression": (True, False),
         "classification": (False, False),
         "reward_modeling": (False, True),
+        "binary_classification": (False, False),
+        "heteroscedastic_regression": (False, False),
     }
 
 
-@pytest.mark.parametrize("name", ["regression", "classification", "reward_modeling"])
+@pytest.mark.parametrize(
+    "name", ["regression", "classification", "reward_modeling", "binary_classification"]
+)
 def test_ggn_is_the_sum_of_jacobian_output_hessian_products(name):
     likelihood = make_likelihood(name)
     expected = torch.einsum("bck,bcd,bdl->kl", J, likelihood.output_hessian(F), J)
@@ -115,6 +156,12 @@ def test_class_probability_nll_is_the_probit_cross_entropy(name):
     assert_close(nll, expected)
     one_hot = torch.nn.functional.one_hot(y, 3).double()
     assert_close(make_likelihood(name).predictive_nll(F, COV, one_hot, torch.ones(1)), expected)
+
+
+@pytest.mark.parametrize("name", ["binary_classification", "heteroscedastic_regression"])
+def test_likelihoods_without_a_function_space_validation_score_refuse_one(name):
+    with pytest.raises(UnsupportedError, match=name):
+        make_likelihood(name).predictive_nll(F[:, :2], COV[:, :2, :2], F[:, :2], torch.ones(1))
 
 
 def test_probit_logits_scale_the_means_by_the_variances():

@@ -31,7 +31,7 @@ from laplace.priors import (
 from laplace.subsets import AllWeights, check_parameters
 from laplace.transaction import Transactional
 from laplace.tuning import PriorTuning
-from laplace.utils.enums import Likelihood
+from laplace.utils.enums import FunctionalApproximation, Likelihood
 
 __all__ = ["BaseLaplace", "arguments_for"]
 
@@ -50,8 +50,13 @@ class BaseLaplace(PriorTuning, Transactional):
     Args:
         model: The trained network; only parameters with ``requires_grad=True`` are treated
             probabilistically.
-        likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"``.
-        sigma_noise: Observation noise σ (regression only; must be 1 for classification).
+        likelihood: ``"classification"``, ``"regression"``, ``"reward_modeling"``,
+            ``"binary_classification"``, ``"heteroscedastic_regression"`` (see
+            :class:`~laplace.utils.enums.Likelihood`), or your own
+            :class:`laplace.likelihoods.Likelihood` instance.
+        sigma_noise: Observation noise σ (regression only; must be 1 otherwise): one number,
+            or one per output (shape (C,)) with the structures that keep each output's
+            curvature (full, diag, kron).
         prior_precision: Gaussian prior precision: scalar, one per parameter tensor, or diagonal.
         prior_mean: Prior mean: scalar or one value per parameter.
         temperature: Likelihood temperature T; the curvature is scaled by 1/(σ²T).
@@ -73,6 +78,8 @@ class BaseLaplace(PriorTuning, Transactional):
 
     #: Set in the body of an abstract class: what to use instead.
     _abstract: str | None = None
+    #: The function-space (GP) approximation of the class; None: a weight-space one.
+    _function_space: FunctionalApproximation | None = None
 
     def __init__(
         self,
@@ -95,6 +102,8 @@ class BaseLaplace(PriorTuning, Transactional):
         check_parameters([(n, p) for n, p in model.named_parameters() if p.is_meta])
         self._likelihood_model = make_likelihood(likelihood)
         self.likelihood = self._likelihood_model.kind
+        if self._function_space is not None:
+            self._likelihood_model.check_function_space(self._function_space)
         # DistributedDataParallel: curvature of the inner module.
         self.model = self._prepare_model(unwrap_model(model))
         self._subset = self._make_subset(self.model)
@@ -102,10 +111,10 @@ class BaseLaplace(PriorTuning, Transactional):
         self.temperature = check_temperature(temperature)
         self.enable_backprop = enable_backprop
         self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
-        self.sigma_noise = sigma_noise
         self.prior_precision = prior_precision
         self.prior_mean = prior_mean
         self._backend_cls = _backend_class(backend)
+        self._likelihood_model.fit_likelihood.check_backend(self._backend_cls)
         self.backend_kwargs = backend_kwargs
         self.asdl_fisher_kwargs = asdl_fisher_kwargs
         options = check_mapping(backend_kwargs, "backend_kwargs")
@@ -117,6 +126,7 @@ class BaseLaplace(PriorTuning, Transactional):
         self.n_data = 0
         self.n_outputs = 0
         self._fitted = False
+        self.sigma_noise = sigma_noise
         self._init_state()
 
     # ----------------------------------------------------------- hooks of the subclasses
@@ -163,7 +173,7 @@ class BaseLaplace(PriorTuning, Transactional):
                 kwargs["asdl_fisher_kwargs"] = self._asdl_fisher_kwargs
             self._backend = self._backend_cls(
                 self.model,
-                self._likelihood_model.fit_likelihood.kind,
+                self._likelihood_model.fit_likelihood,
                 dict_key_x=self.dict_key_x,
                 dict_key_y=self.dict_key_y,
                 **kwargs,
@@ -173,14 +183,27 @@ class BaseLaplace(PriorTuning, Transactional):
     # ------------------------------------------------------------------------ hyperparameters
     @property
     def sigma_noise(self) -> Tensor:
-        """Observation noise σ, shape (1,) as given or ()."""
+        """Observation noise σ: shape () or (1,) as given, or (C,) with one σ per output."""
         return self._sigma_noise
 
     @sigma_noise.setter
     def sigma_noise(self, value: float | Tensor) -> None:
-        self._sigma_noise = as_sigma_noise(
-            value, self._likelihood_model, self._device, self._dtype
-        )
+        sigma = as_sigma_noise(value, self._likelihood_model, self._device, self._dtype)
+        self._accept_sigma_noise(sigma)
+        self._sigma_noise = sigma
+
+    def _accept_sigma_noise(self, sigma: Tensor) -> None:
+        """Prepare for a new σ, or refuse it before anything changes (one σ per output here).
+
+        Raises:
+            ValueError: For one σ per output, which parametric structures alone support.
+        """
+        if sigma.numel() > 1:
+            raise ValueError(
+                f"{type(self).__name__} takes one sigma_noise for all outputs; one σ per output "
+                "is supported by parametric Laplace with hessian_structure 'full', 'diag' or "
+                "'kron'."
+            )
 
     @property
     def prior_precision(self) -> Tensor:

@@ -7,6 +7,7 @@ never materialises the whole (B, C, P) Jacobian.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch import Tensor
 from laplace.data import Inputs, batch_size_of, check_outputs, input_chunks, prepare_inputs
 from laplace.errors import check_generator, check_positive_int
 from laplace.likelihoods import LikelihoodModel
-from laplace.predictive import LINKS, gaussian_output_samples
+from laplace.predictive import gaussian_output_samples
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
 
 __all__ = ["GLMPredictiveMixin", "jacobian_chunk_rows"]
@@ -60,12 +61,17 @@ class GLMPredictiveMixin:
             **model_kwargs: Extra keyword arguments for the model's forward (NN predictive).
 
         Returns:
-            Classification: probabilities (B, C). Regression: ``(f_mu, f_var)``.
+            What the likelihood predicts: classification class probabilities (B, C); binary
+            classification label probabilities (B, K); regression ``(f_mu, f_var)``;
+            heteroscedastic regression a
+            :class:`~laplace.likelihoods.HeteroscedasticPrediction`; your own likelihood what
+            its ``predictive`` returns.
 
         Raises:
-            ValueError: For unknown or incompatible ``pred_type`` / ``link_approx``, an
-                ``n_samples`` that is not a positive integer where samples are drawn,
-                ``joint=True`` with class probabilities, or empty or non-finite inputs.
+            ValueError: For unknown or incompatible ``pred_type`` / ``link_approx`` (binary
+                classification takes ``"probit"`` or ``"mc"``), an ``n_samples`` that is not
+                a positive integer where samples are drawn, ``joint=True`` with a predictive
+                other than regression's, or empty or non-finite inputs.
             RuntimeError: Before :meth:`fit`.
         """
         pred_type = parse_enum(PredType, pred_type, "pred_type")
@@ -81,22 +87,16 @@ class GLMPredictiveMixin:
             check_positive_int(n_samples, "n_samples")
         check_generator(generator)
         likelihood = self._prediction_likelihood(fitting)
-        if joint and likelihood.predicts_probabilities:
-            raise ValueError(
-                "joint=True gives the joint Gaussian over the outputs of a regression GLM "
-                "predictive; class probabilities have no joint form (use joint=False)."
-            )
+        likelihood.check_prediction(link_approx, joint)
         self._check_fitted("prediction")
         x = prepare_inputs(x, self.dict_key_x, self._device, "prediction")
         if pred_type == PredType.NN:
             f = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
-            if likelihood.predicts_probabilities:
-                return torch.softmax(f, dim=-1).mean(dim=0)
-            return f.mean(dim=0), f.var(dim=0)
-        if likelihood.predicts_probabilities:
-            f_mu, f_var = self._glm_predictive_distribution(x)
-            return LINKS[link_approx](f_mu, f_var, n_samples=n_samples, generator=generator)
-        return self._glm_predictive_distribution(x, joint, diagonal_output)
+            return likelihood.sampled_predictive(f)
+        moments = partial(self._glm_predictive_distribution, x)
+        return likelihood.predict(
+            moments, joint, diagonal_output, link_approx, n_samples, generator
+        )
 
     def predictive(self, x: Inputs, pred_type="glm", link_approx="probit", n_samples=100):
         """Alias of ``__call__`` kept from older laplace-torch versions."""
@@ -177,19 +177,24 @@ class GLMPredictiveMixin:
         diagonal_output: bool = False,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Samples of the predictive: probabilities for classification, outputs otherwise.
+        """Samples of the predictive: probabilities for classification, outputs for regression.
+
+        Heteroscedastic regression draws ``y = μ + e^{s/2} ε`` per sampled output (the noise
+        included); your own likelihood applies its ``inverse_link``.
 
         Returns:
             Samples, shape (S, B, C).
         """
         f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator)
-        return self._link_samples(f)
+        return self._link_samples(f, generator)
 
-    def _link_samples(self, f: Tensor) -> Tensor:
-        """Output samples (S, B, C) as predictions: softmax probabilities or the outputs."""
-        if self._likelihood_model.predictive_likelihood.predicts_probabilities:
-            return torch.softmax(f, dim=-1)
-        return f
+    def _link_samples(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """Output samples (S, B, C) as predictive draws of the likelihood.
+
+        Softmax or sigmoid probabilities for classification, the outputs for regression, draws
+        of ``y`` for heteroscedastic regression.
+        """
+        return self._likelihood_model.predictive_likelihood.predictive_sample(f, generator)
 
     # ------------------------------------------------------------------------------ NN
     def _nn_functional_samples(
@@ -220,5 +225,5 @@ class GLMPredictiveMixin:
         """
         X = prepare_inputs(X, self.dict_key_x, self._device, "_nn_predictive_samples")
         return self._link_samples(
-            self._nn_functional_samples(X, n_samples, generator, **model_kwargs)
+            self._nn_functional_samples(X, n_samples, generator, **model_kwargs), generator
         )

@@ -175,8 +175,8 @@ class KronLaplace(ParametricLaplace):
         return [[F.detach() for F in block] for block in factors.kfacs]
 
     def _load_curvature_state(self, state: Any) -> KronDecomposed:
-        expected = self._posterior_cls.zeros(self.params).kfacs
-        shapes = [[tuple(F.shape) for F in block] for block in expected]
+        zeros = self._posterior_cls.zeros(self.params)
+        shapes = [[tuple(F.shape) for F in block] for block in zeros.kfacs]
         if not isinstance(state, list) or not all(
             isinstance(block, list) and all(isinstance(F, Tensor) for F in block)
             for block in state
@@ -187,7 +187,7 @@ class KronLaplace(ParametricLaplace):
             raise ValueError(
                 f"state_dict['H'] has Kronecker factors of shapes {found}, expected {shapes}."
             )
-        self.H_facs = Kron(
+        self.H_facs = type(zeros)(
             [[F.to(device=self._device, dtype=self._dtype) for F in block] for block in state]
         )
         return self.H_facs.decompose(damping=self.damping)

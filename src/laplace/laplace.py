@@ -76,7 +76,9 @@ def Laplace(
 
     Args:
         model: The trained network.
-        likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"``.
+        likelihood: ``"classification"``, ``"regression"``, ``"reward_modeling"``,
+            ``"binary_classification"``, ``"heteroscedastic_regression"``, or an instance of a
+            :class:`laplace.likelihoods.Likelihood` subclass (your own).
         subset_of_weights: ``"all"``, ``"last_layer"`` or ``"subnetwork"``.
         hessian_structure: ``"full"``, ``"kron"``, ``"diag"``, ``"lowrank"`` or ``"gp"``.
         *args: Passed on to the chosen class.
@@ -94,7 +96,7 @@ def Laplace(
             required argument of the subnetwork classes); also a ``ValueError``.
         NotImplementedError: For a supported combination that a later release adds.
     """
-    likelihood = parse_enum(Likelihood, likelihood, "likelihood")
+    likelihood_model = make_likelihood(likelihood)
     subset = parse_enum(SubsetOfWeights, subset_of_weights, "subset_of_weights")
     structure = parse_enum(HessianStructure, hessian_structure, "hessian_structure")
     approximation = parse_enum(
@@ -124,7 +126,7 @@ def Laplace(
             f"hessian_structure={structure.value!r}; valid structures for this subset: "
             f"{', '.join(v.split('/')[1] for v in valid)}."
         )
-    make_likelihood(likelihood).check_structure(structure)
+    likelihood_model.check_structure(structure)
     if subset == S.SUBNETWORK and not args and "subnetwork_indices" not in kwargs:
         raise ArgumentTypeError(MISSING_SUBNETWORK_INDICES)
     if key in PLANNED:

@@ -158,11 +158,15 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
 
     # ---------------------------------------------------------------------------- curvature
     def _uses_closed_form(self) -> bool:
-        """Whether the backend's curvature is the native GGN/EF route the closed form equals."""
+        """Whether the backend's curvature is the native GGN/EF route the closed form equals.
+
+        With one σ per output the per-output structure computes each output's curvature.
+        """
         backend = type(self.backend)
         route = self._backend_route
         return (
-            getattr(backend, route) is getattr(CurvatureInterface, route)
+            self._posterior_cls is type(self)._posterior_cls
+            and getattr(backend, route) is getattr(CurvatureInterface, route)
             and backend.curvature_columns is not CurvatureInterface.curvature_columns
             and not getattr(self.backend, "stochastic", False)
         )

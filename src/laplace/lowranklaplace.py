@@ -126,6 +126,7 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         self._solver_options = _solver_options(backend_kwargs)
         self.eigenvalue_errors: Tensor | None = None
         BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
+        self._likelihood_model.fit_likelihood.check_low_rank()
 
     def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in backend_kwargs.items() if k not in SOLVER_OPTIONS}
@@ -305,4 +306,6 @@ class _Batches:
         self.la, self.loader = la, loader
 
     def __iter__(self) -> Iterator[tuple[Any, Tensor]]:
-        return self.la._batches(self.loader)
+        likelihood = self.la._likelihood_model.fit_likelihood
+        for X, y in self.la._batches(self.loader):
+            yield X, likelihood.loss_targets(y, self.la._dtype)

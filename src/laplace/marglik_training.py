@@ -21,7 +21,6 @@ from copy import deepcopy
 from numbers import Number
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.optim import Adam, Optimizer
@@ -50,13 +49,28 @@ __all__ = ["default_backend", "marglik_training"]
 logger = logging.getLogger(__name__)
 
 
-def default_backend() -> type[CurvatureInterface]:
-    """laplace-torch's default ``AsdlGGN`` when ASDL is installed, else ``CurvlinopsGGN``.
+def default_backend(
+    likelihood: Any = Likelihood.CLASSIFICATION, sigma_noise_init: float | Tensor = 1.0
+) -> type[CurvatureInterface]:
+    """laplace-torch's default ``AsdlGGN`` where it applies, else ``CurvlinopsGGN``.
 
     ASDL is an optional extra of laplace-ng; without it the exact GGN of ``CurvlinopsGGN`` is
-    used, which gives the same curvature (ASDL's KFAC and ours agree to round-off).
+    used, which gives the same curvature (ASDL's KFAC and ours agree to round-off). So is it
+    for what ASDL cannot compute: likelihoods other than regression and classification, and
+    one σ per output.
+
+    Args:
+        likelihood: The ``likelihood`` argument of :func:`marglik_training`.
+        sigma_noise_init: Its ``sigma_noise_init``.
     """
-    return load_optional("AsdlGGN") if "AsdlGGN" in available_optional() else CurvlinopsGGN
+    if "AsdlGGN" not in available_optional() or torch.as_tensor(sigma_noise_init).numel() > 1:
+        return CurvlinopsGGN
+    asdl = load_optional("AsdlGGN")
+    try:
+        make_likelihood(likelihood).fit_likelihood.check_backend(asdl)
+    except ValueError:
+        return CurvlinopsGGN
+    return asdl
 
 
 def marglik_training(
@@ -76,7 +90,7 @@ def marglik_training(
     n_hypersteps: int = 10,
     marglik_frequency: int = 1,
     prior_prec_init: float = 1.0,
-    sigma_noise_init: float = 1.0,
+    sigma_noise_init: float | Tensor = 1.0,
     temperature: float = 1.0,
     fix_sigma_noise: bool = False,
     progress_bar: bool = False,
@@ -90,11 +104,14 @@ def marglik_training(
     Args:
         model: The network (returns logits for classification); trained in place.
         train_loader: Training batches; ``len(train_loader.dataset)`` is N.
-        likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"`` (trained
-            with cross-entropy on pairs, like classification).
+        likelihood: ``"classification"``, ``"regression"``, ``"reward_modeling"`` (trained
+            with cross-entropy on pairs, like classification), ``"binary_classification"``,
+            ``"heteroscedastic_regression"``, or your own
+            :class:`laplace.likelihoods.Likelihood` (trained with its loss).
         hessian_structure: ``"full"``, ``"kron"`` or ``"diag"`` over all weights.
         backend: Curvature backend; None means laplace-torch's default ``AsdlGGN`` when the
-            ``asdl`` extra is installed and ``CurvlinopsGGN`` otherwise (same curvature).
+            ``asdl`` extra is installed and ``CurvlinopsGGN`` otherwise (same curvature), see
+            :func:`default_backend`.
         optimizer_cls: Optimiser of the network weights.
         optimizer_kwargs: Its keyword arguments; ``weight_decay`` is set to 0 (the prior
             precision is the weight decay and is learnt).
@@ -107,7 +124,9 @@ def marglik_training(
         n_hypersteps: Hyperparameter steps per marginal-likelihood estimate.
         marglik_frequency: Estimate the marginal likelihood every this many epochs.
         prior_prec_init: Initial prior precision (multiplied by ``temperature``).
-        sigma_noise_init: Initial observation noise (regression).
+        sigma_noise_init: Initial observation noise (regression): a number, or a tensor of
+            shape (C,) to learn one σ per output (with ``hessian_structure`` ``"full"``,
+            ``"diag"`` or ``"kron"``).
         temperature: Likelihood temperature.
         fix_sigma_noise: Keep σ at ``sigma_noise_init`` instead of learning it.
         progress_bar: Show a progress bar over epochs.
@@ -134,7 +153,7 @@ def marglik_training(
             an error that is a ``ValueError`` and a ``TypeError``).
         TypeError: For a model that is not a module or an optimiser that is not a class.
     """
-    likelihood = parse_enum(Likelihood, likelihood, "likelihood")
+    likelihood_model = make_likelihood(likelihood)
     hessian_structure = parse_enum(HessianStructure, hessian_structure, "hessian_structure")
     prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
     if hessian_structure == HessianStructure.GP:
@@ -164,7 +183,7 @@ def marglik_training(
     )
     if n_data == 0:
         raise ValueError("train_loader is empty: marglik_training needs data.")
-    backend = default_backend() if backend is None else backend
+    backend = default_backend(likelihood, sigma_noise_init) if backend is None else backend
 
     def make_laplace(prior_prec: Tensor, sigma: Tensor | float, backprop: bool) -> BaseLaplace:
         return Laplace(
@@ -194,7 +213,6 @@ def marglik_training(
     params = [p for p in model.parameters() if p.requires_grad]
     device, dtype = params[0].device, params[0].dtype
     n_params = sum(p.numel() for p in params)
-    likelihood_model = make_likelihood(likelihood)
     has_noise = likelihood_model.has_noise_hyperparameter
     learn_sigma = has_noise and not fix_sigma_noise
     # Mean losses (MSE over all outputs, or cross-entropy); targets shaped as the library does.
@@ -205,7 +223,9 @@ def marglik_training(
         temperature * prior_prec_init, prior_structure, len(params), n_params, device, dtype
     ).log()
     log_prior_prec.requires_grad_(True)
-    log_sigma = torch.full((1,), float(np.log(sigma_noise_init)), device=device, dtype=dtype)
+    # One σ, or one per output (C,): log σ in float64, then in the model's dtype.
+    init = torch.as_tensor(sigma_noise_init).detach().to(torch.float64).reshape(-1)
+    log_sigma = init.log().to(device=device, dtype=dtype)
     log_sigma.requires_grad_(learn_sigma)
     hyper_optimizer = Adam([log_prior_prec, *([log_sigma] if learn_sigma else [])], lr=lr_hyp)
 
@@ -225,16 +245,25 @@ def marglik_training(
         model.train()
         for batch in train_loader:
             X, y = prepare_batch(batch, dict_key_x, dict_key_y, device)
-            sigma = sigma_noise()
-            sigma2 = float(sigma.detach().square()) if torch.is_tensor(sigma) else sigma**2
+            sigma = _detached(sigma_noise())
+            optimizer.zero_grad()
+            f = model(X)
+            targets = target_model.prepare_targets(f, y)
+            if torch.is_tensor(sigma) and sigma.numel() > 1:
+                # One σ per output: outputs and targets scaled by σ̄/σ_c weigh the squared
+                # error of output c by σ̄²/σ_c², with σ̄² = 1/mean(1/σ²) in the prior term.
+                precision = sigma.square().reciprocal()
+                weights = (precision / precision.mean()).sqrt()
+                f, targets = f * weights, targets * weights
+                sigma2 = float(1 / precision.mean())
+            else:
+                sigma2 = float(sigma.square()) if torch.is_tensor(sigma) else sigma**2
             # The log joint per data point, in units of the mean loss: ½θᵀP₀θ · c / N with
             # c = σ² / (loss_scale · T), i.e. 2σ²/T for the MSE and 1/T for cross-entropy.
             prior_scale = sigma2 / target_model.loss_scale / temperature
             delta = expand_prior_precision(log_prior_prec.detach().exp(), model)
             theta = torch.cat([p.reshape(-1) for p in params])
-            optimizer.zero_grad()
-            f = model(X)
-            data_loss = criterion(f, target_model.prepare_targets(f, y))
+            data_loss = criterion(f, targets)
             loss = data_loss + 0.5 * (delta * theta) @ theta * prior_scale / n_data
             loss.backward()
             optimizer.step()

@@ -16,6 +16,7 @@ from laplace.errors import NotFittedError, check_generator, check_positive_int
 from laplace.glm import GLMPredictiveMixin
 from laplace.kron_glm import diag_functional_moments, layerwise_chunk_rows
 from laplace.parametric_fit import CurvatureFitMixin
+from laplace.per_output import noise_structure
 from laplace.posterior_scale import PosteriorScaleMixin
 from laplace.posteriors import (
     DensePosterior,
@@ -49,6 +50,24 @@ class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, B
         self._posterior_cache: tuple[Any, Tensor, Tensor, Posterior] | None = None
         if self._subset.resolved:
             self._init_H()
+
+    def _accept_sigma_noise(self, sigma: Tensor) -> None:
+        """Switch to the per-output variant of the structure for one σ per output.
+
+        Raises:
+            ValueError: See :func:`laplace.per_output.noise_structure`.
+        """
+        structure = noise_structure(
+            type(self)._posterior_cls,
+            self._posterior_cls,
+            sigma.numel(),
+            self._fitted,
+            self._backend_cls,
+        )
+        if structure is not self._posterior_cls:
+            self._posterior_cls = structure
+            if getattr(self, "H", None) is not None:
+                self._init_H()
 
     def _transaction_rebuild(self) -> dict[str, Any]:
         # The zero curvature of an unfitted approximation is freed while a first fit sums
@@ -242,7 +261,8 @@ class FullLaplace(PosteriorScaleMixin, ParametricLaplace):
     def log_det_posterior_precision(self) -> Tensor:
         """``log det P``."""
         prior, h_factor = self.prior_precision, self._H_factor
-        if len(prior) == 1 and (prior.requires_grad or h_factor.requires_grad):
+        one_curvature = isinstance(self.H, Tensor) and self.H.dim() == 2  # not one per output
+        if one_curvature and len(prior) == 1 and (prior.requires_grad or h_factor.requires_grad):
             spectrum = h_factor * self._curvature_eigenvalues() + prior
             if bool((spectrum.detach() > 0).all()):
                 return spectrum.log().sum()

@@ -1,12 +1,15 @@
 """Predictive links: from a Gaussian over outputs ``N(f_μ, Σ_f)`` to predictions.
 
-Pure functions of ``(f_mu, f_var)``; the Laplace classes compute the moments and pick the link.
+Pure functions of ``(f_mu, f_var)``; the Laplace classes compute the moments and the likelihood
+object picks the link: :data:`LINKS` for the softmax of categorical classification,
+:data:`BERNOULLI_LINKS` for the independent sigmoids of binary (multi-label) classification.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -14,13 +17,16 @@ from torch import Tensor
 from laplace.utils.enums import LinkApprox
 
 __all__ = [
+    "BERNOULLI_LINKS",
     "LINKS",
     "draw_gaussian",
     "gaussian_output_samples",
     "laplace_bridge",
+    "monte_carlo_sigmoid",
     "monte_carlo_softmax",
     "probit",
     "probit_logits",
+    "probit_sigmoid",
 ]
 
 
@@ -157,8 +163,7 @@ def monte_carlo_softmax(
     **_: object,
 ) -> Tensor:
     """Monte-Carlo average of ``softmax(f)`` over ``f ~ N(f_μ, Σ_f)``, shape (B, C)."""
-    samples = gaussian_output_samples(f_mu, f_var, n_samples, generator)
-    return torch.softmax(samples, dim=-1).mean(dim=0)
+    return _monte_carlo_mean(partial(torch.softmax, dim=-1), f_mu, f_var, n_samples, generator)
 
 
 LINKS: dict[LinkApprox, Callable[..., Tensor]] = {
@@ -166,4 +171,45 @@ LINKS: dict[LinkApprox, Callable[..., Tensor]] = {
     LinkApprox.BRIDGE: laplace_bridge,
     LinkApprox.BRIDGE_NORM: lambda f_mu, f_var, **kw: laplace_bridge(f_mu, f_var, True),
     LinkApprox.MC: monte_carlo_softmax,
+}
+
+
+def probit_sigmoid(f_mu: Tensor, f_var: Tensor, **_: object) -> Tensor:
+    """Probit approximation of ``E[sigmoid(f)]`` per output: ``σ(f_μ / √(1 + π v / 8))``.
+
+    Args:
+        f_mu: Means (B, K).
+        f_var: Covariances (B, K, K) or variances ``v`` (B, K); only the variances are used.
+
+    Returns:
+        Label probabilities, shape (B, K).
+    """
+    return torch.sigmoid(probit_logits(f_mu, f_var))
+
+
+def monte_carlo_sigmoid(
+    f_mu: Tensor,
+    f_var: Tensor,
+    n_samples: int = 100,
+    generator: torch.Generator | None = None,
+    **_: object,
+) -> Tensor:
+    """Monte-Carlo average of ``sigmoid(f)`` over ``f ~ N(f_μ, Σ_f)``, shape (B, K)."""
+    return _monte_carlo_mean(torch.sigmoid, f_mu, f_var, n_samples, generator)
+
+
+def _monte_carlo_mean(
+    link: Callable[[Tensor], Tensor],
+    f_mu: Tensor,
+    f_var: Tensor,
+    n_samples: int,
+    generator: torch.Generator | None,
+) -> Tensor:
+    """``(1/S) Σₛ link(fₛ)`` over ``S = n_samples`` draws ``fₛ ~ N(f_μ, Σ_f)``."""
+    return link(gaussian_output_samples(f_mu, f_var, n_samples, generator)).mean(dim=0)
+
+
+BERNOULLI_LINKS: dict[LinkApprox, Callable[..., Tensor]] = {
+    LinkApprox.PROBIT: probit_sigmoid,
+    LinkApprox.MC: monte_carlo_sigmoid,
 }

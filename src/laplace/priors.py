@@ -159,25 +159,28 @@ def expand_to_diagonal(prior_precision: Tensor, layer_sizes: list[int]) -> Tenso
 
 
 def as_sigma_noise(value: float | Tensor, likelihood: LikelihoodModel, device, dtype) -> Tensor:
-    """Check the observation noise σ: a positive scalar, 1 unless the likelihood has one.
+    """Check the observation noise σ: positive, 1 unless the likelihood has a noise σ.
+
+    One σ is a number or a tensor of shape () or (1,) (kept as given); one σ per output is a
+    tensor of shape (C,), checked against the model's C outputs at fit.
 
     Raises:
-        ValueError: For a tensor with more than one entry or dimension, a non-positive σ, or
-            σ ≠ 1 for classification; a wrong type raises an error that is a ``ValueError``
-            and a ``TypeError``.
+        ValueError: For a tensor of more than one dimension, a non-positive σ, or σ ≠ 1 for a
+            likelihood without observation noise; a wrong type raises an error that is a
+            ``ValueError`` and a ``TypeError``.
     """
     sigma = as_float_tensor(value, "sigma_noise", device, dtype)
-    if sigma.dim() > 1 or sigma.numel() != 1:
+    if sigma.dim() > 1 or sigma.numel() == 0:
         raise ValueError(
-            "sigma_noise must be a scalar (homoscedastic noise): a number or a tensor of shape "
-            f"() or (1,), got shape {tuple(sigma.shape)}."
+            "sigma_noise must be a scalar (one σ: a number or a tensor of shape () or (1,)) or "
+            f"a vector of shape (C,) (one σ per output), got shape {tuple(sigma.shape)}."
         )
-    if not bool(sigma.detach() > 0) or not bool(torch.isfinite(sigma.detach()).all()):
-        raise ValueError(f"sigma_noise must be positive and finite, got {sigma.item()}.")
-    if not likelihood.has_noise_hyperparameter and not bool(sigma.detach() == 1):
+    if not bool((sigma.detach() > 0).all()) or not bool(torch.isfinite(sigma.detach()).all()):
+        raise ValueError(f"sigma_noise must be positive and finite, got {sigma.tolist()}.")
+    if not likelihood.has_noise_hyperparameter and not bool((sigma.detach() == 1).all()):
         raise ValueError(
-            f"sigma_noise must be 1 for likelihood={likelihood.kind.value!r}; observation noise "
-            "only applies to regression."
+            f"sigma_noise must be 1 for likelihood={likelihood.name!r}; the observation noise "
+            "σ is a hyperparameter of likelihood='regression' only."
         )
     return sigma
 

@@ -166,7 +166,7 @@ class StateDict:
     # ------------------------------------------------------------------ hooks of the classes
     def _state_identity(self) -> dict[str, Any]:
         """Entries a loaded state must equal (class and likelihood, by default)."""
-        return {"cls_name": type(self).__name__, "likelihood": self.likelihood.value}
+        return {"cls_name": type(self).__name__, "likelihood": self._likelihood_model.name}
 
     def _state_value_keys(self) -> tuple[str, ...]:
         """The entries :meth:`_state_values` writes."""

@@ -26,12 +26,11 @@ from laplace.errors import (
     check_positive_float,
     check_positive_int,
 )
-from laplace.evaluation.tasks import validation_metric
+from laplace.evaluation.registry import validation_metric
 from laplace.likelihoods import LikelihoodModel
 from laplace.posteriors import NotPositiveDefiniteError
 from laplace.priors import as_prior_precision, fix_prior_prec_structure
 from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMethod, parse_enum
-from laplace.utils.metrics import RunningNLLMetric
 from laplace.utils.validation import validate
 
 __all__ = [
@@ -80,14 +79,18 @@ def maximize_marglik(
 def default_validation_loss(
     likelihood: LikelihoodModel, n_outputs: int, device: torch.device
 ) -> torchmetrics.Metric:
-    """Running NLL for probability outputs, running mean squared error otherwise.
+    """The likelihood's default validation loss; running mean squared error when it has none.
 
-    Grid search validates with ``fitting=True``, so the likelihood the model was fitted with
-    decides (reward modelling predicts pair probabilities there): pass the fit likelihood.
+    Classification and binary classification validate by their running NLL, heteroscedastic
+    regression by the Gaussian NLL of its predictive, regression (as in laplace-torch) and
+    your own likelihoods by the MSE of the predictive mean. Grid search validates with
+    ``fitting=True``, so the likelihood the model was fitted with decides (reward modelling
+    predicts pair probabilities there): pass the fit likelihood.
     """
-    if likelihood.predicts_probabilities:
-        return RunningNLLMetric().to(device)
-    return torchmetrics.MeanSquaredError(num_outputs=n_outputs).to(device)
+    if likelihood.default_validation_loss is None:
+        return torchmetrics.MeanSquaredError(num_outputs=n_outputs).to(device)
+    name = likelihood.default_validation_loss
+    return validation_metric(name, likelihood.kind, n_outputs).to(device)
 
 
 def validation_loss(

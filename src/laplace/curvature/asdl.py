@@ -59,6 +59,7 @@ class AsdlInterface(CurvatureInterface):
 
     #: ``Laplace(..., asdl_fisher_kwargs=...)`` reaches only backends that set this.
     accepts_asdl_fisher_kwargs = True
+    supported_losses = (nn.MSELoss, nn.CrossEntropyLoss)
 
     def __init__(
         self,
@@ -78,7 +79,7 @@ class AsdlInterface(CurvatureInterface):
     @property
     def loss_type(self) -> str:
         """ASDL's name of the loss: ``"mse"`` or ``"cross_entropy"``."""
-        return LOSS_MSE if self.likelihood == Likelihood.REGRESSION else LOSS_CROSS_ENTROPY
+        return LOSS_MSE if isinstance(self.lossfunc, nn.MSELoss) else LOSS_CROSS_ENTROPY
 
     def _targets(self, y: Tensor) -> Tensor:
         """Targets shaped for ``lossfunc`` on (B, C) outputs: (B, C) values or (B,) classes."""

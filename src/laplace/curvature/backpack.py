@@ -82,6 +82,7 @@ class BackPackInterface(CurvatureInterface):
     """Base of the BackPACK backends (see :class:`CurvatureInterface` for the arguments)."""
 
     accepts_dict_inputs = False
+    supported_losses = (nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss)
 
     def _target(self, x: Inputs) -> TargetCall:
         check_dict_inputs(type(self), x)
@@ -191,6 +192,11 @@ class BackPackInterface(CurvatureInterface):
         self._require_chain(target, quantity)
         with _extended(target.module, self.lossfunc):
             f = target.module(target.inputs)
+            if isinstance(self.lossfunc, nn.BCEWithLogitsLoss) and f.shape[-1] != 1:
+                raise ValueError(
+                    f"BackPACK computes {quantity} of the binary cross-entropy for one output "
+                    f"only; the model has {f.shape[-1]} labels: use backend=CurvlinopsGGN."
+                )
             loss = self._torch_loss(f, y)
             with backpack(extension):
                 loss.backward()

@@ -25,7 +25,7 @@ from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
 from laplace.data import Inputs
 from laplace.errors import check_module, check_positive_int
 from laplace.likelihoods import make_likelihood
-from laplace.utils.enums import Likelihood, parse_enum
+from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron
 
 __all__ = ["CurvatureInterface", "EFInterface", "GGNInterface", "check_dict_inputs"]
@@ -54,8 +54,10 @@ class CurvatureInterface:
     Args:
         model: The network, or a feature extractor exposing ``last_layer`` and
             ``forward_with_features(x) -> (f, phi)`` when ``last_layer=True``.
-        likelihood: ``"regression"``, ``"classification"`` or ``"reward_modeling"`` (fitted as
-            classification).
+        likelihood: A likelihood name (``"regression"``, ``"classification"``,
+            ``"reward_modeling"``, fitted as classification, ``"binary_classification"``,
+            ``"heteroscedastic_regression"``) or a likelihood object (see
+            :func:`laplace.likelihoods.make_likelihood`).
         last_layer: Restrict to the parameters of ``model.last_layer``.
         subnetwork_indices: LongTensor of indices into the flattened trainable parameters;
             results are restricted to these entries.
@@ -64,7 +66,7 @@ class CurvatureInterface:
 
     Attributes:
         params: The trainable parameters (``requires_grad``) considered, in model order.
-        lossfunc: The summed torch loss (``MSELoss`` or ``CrossEntropyLoss``).
+        lossfunc: The likelihood's summed torch loss (``MSELoss``, ``CrossEntropyLoss``, ...).
         factor: ``lossfunc`` times ``factor`` is the library's loss (½ for regression, else 1).
         kfac_approx: Weight-sharing approximation of :meth:`kron`, ``"expand"`` or ``"reduce"``.
     """
@@ -72,29 +74,29 @@ class CurvatureInterface:
     kfac_approx: str = "expand"
     #: Whether the model may take dict-like (HuggingFace) inputs with this backend.
     accepts_dict_inputs: bool = True
+    #: The torch losses (likelihoods' ``loss_module``) a third-party library supports; None: all.
+    supported_losses: tuple[type[nn.Module], ...] | None = None
 
     def __init__(
         self,
         model: nn.Module,
-        likelihood: Likelihood | str,
+        likelihood: Likelihood | str | Any,
         last_layer: bool = False,
         subnetwork_indices: torch.LongTensor | None = None,
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
     ) -> None:
-        self.likelihood = parse_enum(Likelihood, likelihood, "likelihood")
+        likelihood_model = make_likelihood(likelihood)
+        self.likelihood = likelihood_model.kind
         self.model = check_module(model)
         self.last_layer = last_layer
         self.subnetwork_indices = subnetwork_indices
         self.dict_key_x = dict_key_x
         self.dict_key_y = dict_key_y
-        self._likelihood = make_likelihood(self.likelihood).fit_likelihood
-        if self.likelihood == Likelihood.REGRESSION:
-            self.lossfunc: nn.Module = nn.MSELoss(reduction="sum")
-            self.factor = 0.5
-        else:
-            self.lossfunc = nn.CrossEntropyLoss(reduction="sum")
-            self.factor = 1.0
+        self._likelihood = likelihood_model.fit_likelihood
+        self._likelihood.check_backend(type(self))
+        self.lossfunc: nn.Module = self._likelihood.loss_module(reduction="sum")
+        self.factor = self._likelihood.loss_scale
         self.params: list[nn.Parameter] = [p for p in self._model.parameters() if p.requires_grad]
         self._engine = PerSampleEngine(model, self.params, subnetwork_indices)
 

@@ -129,7 +129,7 @@ class CurvlinopsHessian(CurvlinopsInterface):
             self.model,
             self.lossfunc,
             self.params,
-            [(x, y)],
+            [(x, self._likelihood.loss_targets(y, self.params[0].dtype))],
             check_deterministic=False,
             **data_kwargs,
         )

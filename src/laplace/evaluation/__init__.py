@@ -12,6 +12,8 @@ from laplace.evaluation.evaluate import evaluate
 from laplace.evaluation.gaussian import (
     GaussianCRPS,
     GaussianNLL,
+    HeteroscedasticCRPS,
+    HeteroscedasticNLL,
     PITCalibration,
     gaussian_crps,
     gaussian_entropy,
@@ -31,14 +33,13 @@ from laplace.evaluation.plots import (
     plot_predictive_band,
     plot_reliability_diagram,
 )
+from laplace.evaluation.registry import EVALUATIONS, VALIDATION_LOSSES, validation_metric
 from laplace.evaluation.tasks import (
-    EVALUATIONS,
-    VALIDATION_LOSSES,
     BernoulliEvaluation,
     CategoricalEvaluation,
     Evaluation,
     GaussianEvaluation,
-    validation_metric,
+    HeteroscedasticEvaluation,
 )
 
 __all__ = [
@@ -53,6 +54,9 @@ __all__ = [
     "GaussianCRPS",
     "GaussianEvaluation",
     "GaussianNLL",
+    "HeteroscedasticCRPS",
+    "HeteroscedasticEvaluation",
+    "HeteroscedasticNLL",
     "PITCalibration",
     "PerLabelCalibrationError",
     "ReliabilityBins",

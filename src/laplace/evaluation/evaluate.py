@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from laplace import distributed as distributed_utils
 from laplace.data import Inputs, move_inputs, split_batch
-from laplace.evaluation.tasks import N_BINS, Evaluation, evaluation_class, make_evaluation
+from laplace.evaluation.registry import evaluation_class, make_evaluation
+from laplace.evaluation.tasks import N_BINS, Evaluation
 
 __all__ = ["evaluate", "model_device", "noise_of"]
 
@@ -134,7 +135,7 @@ def evaluate(
         ood_loader: Out-of-distribution inputs: ``(X, y)`` pairs, ``X`` alone (a tensor or a
             1-tuple) or dict batches.
         likelihood: ``"classification"``, ``"regression"`` (or another key of
-            :data:`~laplace.evaluation.tasks.EVALUATIONS`); default ``la.likelihood``, else
+            :data:`~laplace.evaluation.registry.EVALUATIONS`); default ``la.likelihood``, else
             inferred from the predictions (a pair: regression, a tensor: classification).
         n_bins: Calibration bins (classification) or points of the PIT curve (regression).
         coverage_levels: Levels of the central predictive intervals (regression).

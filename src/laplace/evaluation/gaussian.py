@@ -25,11 +25,14 @@ from laplace.evaluation.metrics import SumMetric
 __all__ = [
     "GaussianCRPS",
     "GaussianNLL",
+    "HeteroscedasticCRPS",
+    "HeteroscedasticNLL",
     "PITCalibration",
     "gaussian_crps",
     "gaussian_entropy",
     "gaussian_nll",
     "gaussian_predictive",
+    "heteroscedastic_moments",
     "targets_like",
 ]
 
@@ -127,7 +130,7 @@ class _GaussianMetric(SumMetric):
 
     def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.sigma_noise = float(torch.as_tensor(sigma_noise).detach())
+        self.sigma_noise = torch.as_tensor(sigma_noise, dtype=torch.float64).detach().clone()
 
     def update(self, f_mu: Tensor, f_var: Tensor, target: Tensor) -> None:
         """Add a batch: means (B, C), covariances (B, C, C) or variances (B, C), targets."""
@@ -181,6 +184,37 @@ class GaussianCRPS(_GaussianMeanScore):
 
     def _scores(self, mean: Tensor, cov: Tensor, target: Tensor) -> Tensor:
         return gaussian_crps(mean, _variances(cov).sqrt(), target)
+
+
+def heteroscedastic_moments(
+    mean: Tensor, epistemic_variance: Tensor, aleatoric_variance: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Mean and covariance ``epistemic + diag(aleatoric)`` of heteroscedastic predictions.
+
+    Returns variances (B, C) when the epistemic part is given as variances.
+    """
+    if epistemic_variance.dim() == mean.dim():
+        return mean, epistemic_variance + aleatoric_variance
+    return mean, epistemic_variance + torch.diag_embed(aleatoric_variance)
+
+
+class _HeteroscedasticUpdate:
+    """Metrics updated with heteroscedastic predictions ``(mean, epistemic, aleatoric)``."""
+
+    def update(
+        self, mean: Tensor, epistemic_variance: Tensor, aleatoric_variance: Tensor, target: Tensor
+    ) -> None:
+        """Add a batch: means (B, C), epistemic (co)variances, aleatoric variances (B, C)."""
+        moments = heteroscedastic_moments(mean, epistemic_variance, aleatoric_variance)
+        super().update(*moments, target)
+
+
+class HeteroscedasticNLL(_HeteroscedasticUpdate, GaussianNLL):
+    """:class:`GaussianNLL` of heteroscedastic predictions (their variance includes the noise)."""
+
+
+class HeteroscedasticCRPS(_HeteroscedasticUpdate, GaussianCRPS):
+    """:class:`GaussianCRPS` of heteroscedastic predictions (their variance includes the noise)."""
 
 
 class PITCalibration(_GaussianMetric):

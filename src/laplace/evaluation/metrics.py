@@ -17,6 +17,7 @@ from torchmetrics.functional.classification import binary_calibration_error
 from torchmetrics.utilities import dim_zero_cat
 
 __all__ = [
+    "BernoulliAccuracy",
     "BernoulliBrier",
     "BernoulliNLL",
     "BrierScore",
@@ -147,6 +148,14 @@ class BernoulliNLL(_PerLabelMean):
     @staticmethod
     def _score(probs: Tensor, target: Tensor) -> Tensor:
         return -torch.special.xlogy(target, probs) - torch.special.xlogy(1 - target, 1 - probs)
+
+
+class BernoulliAccuracy(_PerLabelMean):
+    """Per-label accuracy ``(1/N) Σ_n 1[(p > ½) = y]`` of independent labels (any K ≥ 1)."""
+
+    @staticmethod
+    def _score(probs: Tensor, target: Tensor) -> Tensor:
+        return ((probs > 0.5) == (target > 0.5)).to(probs.dtype)
 
 
 class BernoulliBrier(_PerLabelMean):

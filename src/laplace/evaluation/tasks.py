@@ -1,10 +1,11 @@
-"""What to measure for each kind of predictive: one evaluation object per likelihood.
+"""What to measure for each kind of predictive: one evaluation class per kind of prediction.
 
-:data:`EVALUATIONS` maps a likelihood name to the evaluation of its predictive, so a new
-likelihood is one entry (a multi-label ``"binary_classification"`` likelihood whose predictive
-gives independent label probabilities (B, K) is ``BernoulliEvaluation``). Each evaluation also
-names the validation losses it offers to grid search
-(``optimize_prior_precision(method="gridsearch", loss="ece")``), see :func:`validation_metric`.
+Class probabilities (:class:`CategoricalEvaluation`), independent label probabilities
+(:class:`BernoulliEvaluation`), Gaussian predictives (:class:`GaussianEvaluation`) and
+heteroscedastic ones (:class:`HeteroscedasticEvaluation`). Each evaluation also names the
+validation losses it offers to grid search
+(``optimize_prior_precision(method="gridsearch", loss="ece")``). Which likelihood is evaluated
+by which class is the table of :mod:`laplace.evaluation.registry`.
 """
 
 from __future__ import annotations
@@ -16,21 +17,21 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 from torchmetrics import MeanSquaredError, Metric
-from torchmetrics.classification import (
-    MulticlassAccuracy,
-    MulticlassCalibrationError,
-    MultilabelAccuracy,
-)
+from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
 
 from laplace.evaluation.gaussian import (
     GaussianCRPS,
     GaussianNLL,
+    HeteroscedasticCRPS,
+    HeteroscedasticNLL,
     PITCalibration,
     gaussian_entropy,
     gaussian_predictive,
+    heteroscedastic_moments,
     targets_like,
 )
 from laplace.evaluation.metrics import (
+    BernoulliAccuracy,
     BernoulliBrier,
     BernoulliNLL,
     BrierScore,
@@ -42,14 +43,13 @@ from laplace.evaluation.metrics import (
 from laplace.utils.metrics import RunningNLLMetric
 
 __all__ = [
-    "EVALUATIONS",
-    "VALIDATION_LOSSES",
     "BernoulliEvaluation",
     "CategoricalEvaluation",
     "Evaluation",
     "GaussianEvaluation",
-    "make_evaluation",
-    "validation_metric",
+    "HeteroscedasticEvaluation",
+    "MetricFactory",
+    "to_plain",
 ]
 
 #: Builds a validation metric from ``(n_outputs, sigma_noise, **torchmetrics_kwargs)``.
@@ -235,7 +235,7 @@ class BernoulliEvaluation(Evaluation):
     def _build(self, prediction: Tensor, kwargs: dict[str, Any]) -> dict[str, Metric]:
         n_labels = prediction.shape[-1]
         return {
-            "accuracy": MultilabelAccuracy(n_labels, average="none", **kwargs),
+            "accuracy": BernoulliAccuracy(n_labels, **kwargs),  # torchmetrics' needs K > 1
             "nll": BernoulliNLL(n_labels, **kwargs),
             "brier": BernoulliBrier(n_labels, **kwargs),
             "ece": PerLabelCalibrationError(n_labels, self.n_bins, "l1", **kwargs),
@@ -272,13 +272,17 @@ class GaussianEvaluation(Evaluation):
         "crps": lambda n_outputs, sigma_noise, **kw: GaussianCRPS(sigma_noise, **kw),
     }
 
-    def _checked(self, prediction: Any, target: Tensor) -> tuple[Any, Tensor]:
+    def _moments(self, prediction: Any) -> tuple[Tensor, Tensor]:
+        """The predictive mean and (co)variance of a batch of predictions."""
         if not (isinstance(prediction, tuple) and len(prediction) == 2):
             raise ValueError(
                 "regression predictions must be a (mean, variance) pair; got "
                 f"{type(prediction).__name__}."
             )
-        mean, cov = gaussian_predictive(*prediction, self.sigma_noise)
+        return gaussian_predictive(*prediction, self.sigma_noise)
+
+    def _checked(self, prediction: Any, target: Tensor) -> tuple[Any, Tensor]:
+        mean, cov = self._moments(prediction)
         return (mean, cov), targets_like(target, mean)
 
     def _build(self, prediction: Any, kwargs: dict[str, Any]) -> dict[str, Metric]:
@@ -308,77 +312,25 @@ class GaussianEvaluation(Evaluation):
         return result
 
     def entropy(self, prediction: Any) -> Tensor:
-        """Differential entropy of each point's predictive ``N(μ, f_var + σ²I)``, shape (B,)."""
-        return gaussian_entropy(gaussian_predictive(*prediction, self.sigma_noise)[1])
+        """Differential entropy of each point's predictive Gaussian, shape (B,)."""
+        return gaussian_entropy(self._moments(prediction)[1])
 
 
-#: The evaluation of each likelihood's predictive, by likelihood name.
-EVALUATIONS: dict[str, type[Evaluation]] = {
-    "classification": CategoricalEvaluation,
-    "regression": GaussianEvaluation,
-    "reward_modeling": GaussianEvaluation,  # its predictive is a regression on rewards
-    "binary_classification": BernoulliEvaluation,  # independent labels, probabilities (B, K)
-}
+class HeteroscedasticEvaluation(GaussianEvaluation):
+    """Heteroscedastic predictions ``(mean, epistemic, aleatoric)`` against targets.
 
-#: Every validation loss name accepted by grid search.
-VALIDATION_LOSSES: tuple[str, ...] = tuple(
-    sorted({name for cls in EVALUATIONS.values() for name in cls.validation_losses})
-)
-
-
-def _likelihood_name(likelihood: Any) -> str:
-    return str(getattr(likelihood, "value", likelihood))
-
-
-def evaluation_class(likelihood: Any) -> type[Evaluation]:
-    """The evaluation of a likelihood (an enum member or its name).
-
-    Raises:
-        ValueError: For a likelihood without an evaluation, listing those with one.
+    Evaluated as the Gaussian ``N(mean, epistemic + diag(aleatoric))``; no ``sigma_noise``.
     """
-    name = _likelihood_name(likelihood)
-    if name not in EVALUATIONS:
-        accepted = ", ".join(repr(key) for key in EVALUATIONS)
-        raise ValueError(f"likelihood={name!r} cannot be evaluated; accepted values: {accepted}.")
-    return EVALUATIONS[name]
 
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {
+        "nll": lambda n_outputs, sigma_noise, **kw: HeteroscedasticNLL(**kw),
+        "crps": lambda n_outputs, sigma_noise, **kw: HeteroscedasticCRPS(**kw),
+    }
 
-def make_evaluation(likelihood: Any, **kwargs: Any) -> Evaluation:
-    """Build the evaluation of ``likelihood`` with the keyword arguments of :class:`Evaluation`."""
-    return evaluation_class(likelihood)(**kwargs)
-
-
-def validation_metric(
-    name: str,
-    likelihood: Any,
-    n_outputs: int,
-    sigma_noise: float | Tensor = 0.0,
-    **kwargs: Any,
-) -> Metric:
-    """The running validation metric called ``name`` for a likelihood's predictions.
-
-    Args:
-        name: One of :data:`VALIDATION_LOSSES` (``"nll"``, ``"ece"``, ``"brier"``,
-            ``"crps"``); lower is better for all.
-        likelihood: The likelihood whose predictions the metric scores.
-        n_outputs: Number of classes, labels or regression outputs.
-        sigma_noise: Observation noise σ (regression).
-        **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
-
-    Raises:
-        ValueError: For an unknown name, or one the likelihood does not offer.
-    """
-    if name not in VALIDATION_LOSSES:
-        accepted = ", ".join(repr(key) for key in VALIDATION_LOSSES)
-        raise ValueError(
-            f"loss={name!r} is not supported; accepted names: {accepted} (or a "
-            "torchmetrics.Metric or a callable)."
-        )
-    losses = evaluation_class(likelihood).validation_losses
-    if name not in losses:
-        accepted = ", ".join(repr(key) for key in losses)
-        raise ValueError(
-            f"loss={name!r} does not apply to likelihood={_likelihood_name(likelihood)!r}; "
-            f"accepted names: {accepted}."
-        )
-    return losses[name](n_outputs, sigma_noise, **kwargs)
+    def _moments(self, prediction: Any) -> tuple[Tensor, Tensor]:
+        if not (isinstance(prediction, tuple) and len(prediction) == 3):
+            raise ValueError(
+                "heteroscedastic predictions must be (mean, epistemic_variance, "
+                f"aleatoric_variance); got {type(prediction).__name__}."
+            )
+        return heteroscedastic_moments(*prediction)

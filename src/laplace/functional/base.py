@@ -17,6 +17,7 @@ Internal module; the public path is :mod:`laplace.baselaplace`.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,10 +30,10 @@ from laplace.errors import UnsupportedError, check_generator, check_positive_int
 from laplace.functional.scoring import ValidationNLL
 from laplace.glm import jacobian_chunk_rows
 from laplace.likelihoods import LikelihoodModel
-from laplace.predictive import LINKS, gaussian_output_samples
+from laplace.predictive import gaussian_output_samples
 from laplace.priors import as_scalar_prior_precision, check_temperature
 from laplace.serialization import StateDict
-from laplace.utils.enums import LinkApprox, PredType, parse_enum
+from laplace.utils.enums import FunctionalApproximation, LinkApprox, PredType, parse_enum
 
 __all__ = ["BaseFunctionalLaplace", "IsotropicPriorMixin", "ValidationTunedMixin"]
 
@@ -59,6 +60,8 @@ class BaseFunctionalLaplace(StateDict, BaseLaplace):
     or with ``joint=True`` means (B·C,) and one covariance (B·C, B·C). Observation noise is
     never included.
     """
+
+    _function_space = FunctionalApproximation.SOD
 
     def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
@@ -187,17 +190,13 @@ class BaseFunctionalLaplace(StateDict, BaseLaplace):
         if link_approx == LinkApprox.MC:
             check_positive_int(n_samples, "n_samples")
         check_generator(generator)
-        probabilities = self._prediction_likelihood(fitting).predicts_probabilities
-        if joint and probabilities:
-            raise ValueError(
-                "joint=True gives the joint Gaussian over the outputs of a regression "
-                "predictive; class probabilities have no joint form (use joint=False)."
-            )
+        likelihood = self._prediction_likelihood(fitting)
+        likelihood.check_prediction(link_approx, joint)
         x = self._checked_inputs(x, "prediction")
-        if probabilities:
-            f_mu, f_var = self._latent_moments(x, joint=False)
-            return LINKS[link_approx](f_mu, f_var, n_samples=n_samples, generator=generator)
-        return self._glm_predictive_distribution(x, joint, diagonal_output)
+        moments = partial(self._glm_predictive_distribution, x)
+        return likelihood.predict(
+            moments, joint, diagonal_output, link_approx, n_samples, generator
+        )
 
     def _glm_predictive_distribution(
         self, X: Inputs, joint: bool = False, diagonal_output: bool = False
@@ -268,9 +267,7 @@ class BaseFunctionalLaplace(StateDict, BaseLaplace):
             Samples, shape (S, B, C).
         """
         f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator, joint)
-        if self._prediction_likelihood(fitting).predicts_probabilities:
-            return torch.softmax(f, dim=-1)
-        return f
+        return self._prediction_likelihood(fitting).predictive_sample(f, generator)
 
     def _prediction_likelihood(self, fitting: bool) -> LikelihoodModel:
         model = self._likelihood_model

@@ -55,6 +55,7 @@ from laplace.posteriors import DensePosterior
 from laplace.transaction import preserve_model_gradients
 from laplace.tuning import grid_candidates
 from laplace.utils.enums import (
+    FunctionalApproximation,
     Likelihood,
     LinkApprox,
     PredType,
@@ -107,6 +108,8 @@ class ELLA(
         ...              subsample_size=100, n_eigenvalues=20)  # doctest: +SKIP
         >>> la.fit(train_loader); f_mu, f_var = la(x)  # doctest: +SKIP
     """
+
+    _function_space = FunctionalApproximation.NYSTROM
 
     _state_plain = (
         "subsample_size",

@@ -36,7 +36,7 @@ from laplace.functional.valla_objective import (
 )
 from laplace.likelihoods import make_likelihood
 from laplace.transaction import preserve_model_gradients
-from laplace.utils.enums import Likelihood
+from laplace.utils.enums import FunctionalApproximation, Likelihood
 
 __all__ = ["VaLLA"]
 
@@ -94,6 +94,8 @@ class VaLLA(InducingPosteriorMixin, ValidationTunedMixin, BaseFunctionalLaplace)
             wrong shape, a non-scalar prior precision, a non-zero prior mean, a bad ``alpha`` or
             ``mc_softmax_samples`` (``alpha != 1`` needs MC samples for classification).
     """
+
+    _function_space = FunctionalApproximation.VARIATIONAL
 
     _state_plain = ("temperature", "alpha", "mc_softmax_samples", "seed", "n_data", "n_outputs")
     _state_parameters = ("L", "log_prior_precision", "log_noise_variance")

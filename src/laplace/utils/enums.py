@@ -43,11 +43,18 @@ class HessianStructure(str, Enum):
 
 
 class Likelihood(str, Enum):
-    """Observation model of the data."""
+    """Observation model of the data (the built-in ones; see :mod:`laplace.likelihoods`).
+
+    ``BINARY_CLASSIFICATION`` (independent Bernoulli labels, multi-label for several outputs)
+    and ``HETEROSCEDASTIC_REGRESSION`` (the network predicts its mean and log-variance) are
+    laplace-ng additions; laplace-torch's three members keep their values.
+    """
 
     REGRESSION = "regression"
     CLASSIFICATION = "classification"
     REWARD_MODELING = "reward_modeling"
+    BINARY_CLASSIFICATION = "binary_classification"
+    HETEROSCEDASTIC_REGRESSION = "heteroscedastic_regression"
 
 
 class PredType(str, Enum):

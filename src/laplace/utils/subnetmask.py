@@ -249,7 +249,7 @@ class LargestVarianceSWAGSubnetMask(ScoreBasedSubnetMask):
         if likelihood_model.is_composite:  # SWAG trains on one loss
             raise ValueError(
                 "LargestVarianceSWAGSubnetMask supports likelihood 'classification' or "
-                f"'regression', got {likelihood_model.kind.value!r}."
+                f"'regression', got {likelihood_model.name!r}."
             )
         super().__init__(model, n_params_subnet)
         self.likelihood = likelihood_model.kind
@@ -260,10 +260,12 @@ class LargestVarianceSWAGSubnetMask(ScoreBasedSubnetMask):
 
     def compute_param_scores(self, train_loader: DataLoader | None) -> Tensor:
         """Diagonal SWAG variances, shape (P,)."""
+        likelihood = self._likelihood_model
+        loss = likelihood.loss_module()
         return fit_diagonal_swag_var(
             self.model,
             _require_loader(train_loader),
-            self._likelihood_model.loss_module(),
+            lambda f, y: loss(f, likelihood.loss_targets(y, f.dtype)),
             n_snapshots_total=self.swag_n_snapshots,
             snapshot_freq=self.swag_snapshot_freq,
             lr=self.swag_lr,

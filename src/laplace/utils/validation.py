@@ -13,7 +13,6 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from laplace.data import prepare_batch
-from laplace.likelihoods import Categorical
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
 
 __all__ = ["Predictor", "get_nll", "validate"]
@@ -165,8 +164,8 @@ def validate(
     n_batches = 0
     for data in val_loader:
         X, y = prepare_batch(data, getattr(laplace, "dict_key_x", "input_ids"), dict_key_y, device)
-        if probabilities:  # labels in [0, C), before the predictive's Jacobians
-            Categorical().check_targets(y, (len(y), laplace.n_outputs))
+        if probabilities:  # labels of the outputs, before the predictive's Jacobians
+            likelihood.fit_likelihood.check_targets(y, (len(y), laplace.n_outputs))
         out = laplace(
             X, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples, fitting=True
         )

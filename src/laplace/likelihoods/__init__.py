@@ -1,0 +1,80 @@
+"""Likelihood objects: loss, output-space curvature and predictive link of each observation model.
+
+The built-in ones, by ``likelihood=`` name (:class:`laplace.utils.enums.Likelihood`):
+``"regression"`` (:class:`GaussianRegression`, one σ or one σ per output),
+``"classification"`` (:class:`Categorical`), ``"reward_modeling"`` (:class:`RewardModeling`),
+``"binary_classification"`` (:class:`Bernoulli`, binary and multi-label) and
+``"heteroscedastic_regression"`` (:class:`HeteroscedasticGaussian`). Your own observation
+model is a subclass of :class:`Likelihood` (the public protocol), passed as
+``likelihood=MyLikelihood()``. Adding a built-in one is a class and an entry in
+``_LIKELIHOODS``; the rest of the library asks the object, never its name.
+
+``laplace.utils.enums.Likelihood`` (laplace-torch's string enum of the names) and
+``laplace.likelihoods.Likelihood`` (the protocol of an object) are different things.
+"""
+
+from __future__ import annotations
+
+from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.bernoulli import Bernoulli
+from laplace.likelihoods.categorical import Categorical, RewardModeling
+from laplace.likelihoods.custom import CustomLikelihood
+from laplace.likelihoods.gaussian import GaussianRegression
+from laplace.likelihoods.heteroscedastic import (
+    HeteroscedasticGaussian,
+    HeteroscedasticGaussianNLLLoss,
+    HeteroscedasticPrediction,
+)
+from laplace.likelihoods.protocol import Likelihood
+from laplace.utils import enums
+
+__all__ = [
+    "Bernoulli",
+    "Categorical",
+    "CustomLikelihood",
+    "GaussianRegression",
+    "HeteroscedasticGaussian",
+    "HeteroscedasticGaussianNLLLoss",
+    "HeteroscedasticPrediction",
+    "Likelihood",
+    "LikelihoodModel",
+    "RewardModeling",
+    "make_likelihood",
+]
+
+_LIKELIHOODS: dict[enums.Likelihood, type[LikelihoodModel]] = {
+    enums.Likelihood.REGRESSION: GaussianRegression,
+    enums.Likelihood.CLASSIFICATION: Categorical,
+    enums.Likelihood.REWARD_MODELING: RewardModeling,
+    enums.Likelihood.BINARY_CLASSIFICATION: Bernoulli,
+    enums.Likelihood.HETEROSCEDASTIC_REGRESSION: HeteroscedasticGaussian,
+}
+
+
+def make_likelihood(
+    likelihood: enums.Likelihood | str | Likelihood | LikelihoodModel,
+) -> LikelihoodModel:
+    """Build the likelihood object for a user's ``likelihood`` argument.
+
+    Args:
+        likelihood: A name (:class:`laplace.utils.enums.Likelihood` member or its string), an
+            instance of a :class:`Likelihood` subclass, or a likelihood object (returned as is).
+
+    Returns:
+        The :class:`LikelihoodModel`.
+
+    Raises:
+        ValueError: If ``likelihood`` is none of these, listing the accepted names.
+        TypeError: For a :class:`Likelihood` that lacks a method it must implement.
+    """
+    if isinstance(likelihood, LikelihoodModel):
+        return likelihood
+    if isinstance(likelihood, Likelihood):
+        return CustomLikelihood(likelihood)
+    if isinstance(likelihood, str) and likelihood not in enums.Likelihood._value2member_map_:
+        accepted = ", ".join(repr(m.value) for m in enums.Likelihood)
+        raise ValueError(
+            f"likelihood={likelihood!r} is not supported; accepted values: {accepted}, or an "
+            "instance of a laplace.likelihoods.Likelihood subclass (your own likelihood)."
+        )
+    return _LIKELIHOODS[enums.parse_enum(enums.Likelihood, likelihood, "likelihood")]()

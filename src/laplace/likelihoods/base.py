@@ -1,0 +1,246 @@
+"""``LikelihoodModel``: what the library asks of an observation model ``p(y | f)``.
+
+The rest of the library asks a likelihood object instead of branching on its name: its loss and
+output-space curvature for the fit, whether it has an observation noise σ, its torch loss module,
+the Hessian structures it can be fitted with, and how a Gaussian over the outputs (GLM) or
+sampled outputs (NN) become predictions. Losses follow laplace-torch's conventions: the summed
+loss, ``½ Σ‖y − f‖²`` for regression (σ-free, so the output Hessian is the identity) and
+``Σ CE`` for classification.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from laplace.errors import UnsupportedError
+from laplace.likelihoods.prediction import OutputPredictions
+from laplace.utils.enums import FunctionalApproximation, HessianStructure
+
+__all__ = ["LikelihoodModel"]
+
+
+class LikelihoodModel(OutputPredictions, ABC):
+    """An observation model ``p(y | f)`` over network outputs ``f`` of shape (B, C).
+
+    How it predicts comes from :class:`~laplace.likelihoods.prediction.OutputPredictions`
+    (the outputs' Gaussian moments by default, Gaussian regression's predictive).
+    """
+
+    #: The user's ``likelihood`` argument this object stands for (an enum member for built-ins).
+    kind: Any
+    #: Whether predictions are probabilities (classification) or Gaussian moments.
+    predicts_probabilities: bool
+    #: Whether the model has an observation noise σ (a hyperparameter); otherwise σ must be 1.
+    has_noise_hyperparameter: bool = False
+    #: The per-sample loss is ``loss_scale`` times the summed :meth:`loss_module` (½ for MSE).
+    loss_scale: float = 1.0
+    #: The Hessian structures it can be fitted with; None: every structure.
+    hessian_structures: tuple[HessianStructure, ...] | None = None
+    #: Whether the fit data are pairs of items (B, 2, ...) that the likelihood compares.
+    pairwise: bool = False
+    #: Grid search's default validation loss (a name of its evaluation's losses); None: MSE.
+    default_validation_loss: str | None = None
+    #: Whether curvlinops' operators on :meth:`loss_module` give its curvature (low-rank).
+    loss_module_curvature: bool = True
+    #: The function-space (GP) approximations that support it.
+    function_space: tuple[FunctionalApproximation, ...] = tuple(FunctionalApproximation)
+
+    @property
+    def name(self) -> str:
+        """The likelihood's name, as stored in a ``state_dict`` and shown in messages."""
+        return self.kind.value
+
+    @property
+    def fit_likelihood(self) -> LikelihoodModel:
+        """The likelihood used to fit the curvature (differs for reward modelling)."""
+        return self
+
+    @property
+    def predictive_likelihood(self) -> LikelihoodModel:
+        """The likelihood used for predictions (differs for reward modelling)."""
+        return self
+
+    @property
+    def is_composite(self) -> bool:
+        """Whether it fits one observation model and predicts another (reward modelling)."""
+        return self.fit_likelihood is not self.predictive_likelihood
+
+    def check_structure(self, structure: HessianStructure) -> None:
+        """Refuse a Hessian structure this likelihood cannot be fitted with.
+
+        Raises:
+            ValueError: Naming the likelihood and the structures it supports.
+        """
+        if self.hessian_structures is not None and structure not in self.hessian_structures:
+            raise ValueError(
+                f"likelihood={self.name!r} supports hessian_structure in "
+                f"{[h.value for h in self.hessian_structures]}, got {structure.value!r}."
+            )
+
+    def check_function_space(self, approximation: FunctionalApproximation) -> None:
+        """Refuse a function-space (GP) approximation that does not support this likelihood.
+
+        Raises:
+            ValueError: Naming the approximations (or weight-space structures) that work.
+        """
+        if approximation not in self.function_space:
+            alternatives = (
+                f"functional_approximation in {[a.value for a in self.function_space]}"
+                if self.function_space
+                else "hessian_structure='full', 'diag' or 'kron'"
+            )
+            raise ValueError(
+                f"likelihood={self.name!r} has no function-space Laplace with "
+                f"functional_approximation={approximation.value!r} in laplace-ng; use "
+                f"{alternatives}."
+            )
+
+    def check_backend(self, backend_cls: type) -> None:
+        """Refuse a curvature backend whose ``supported_losses`` exclude :meth:`loss_module`.
+
+        Third-party libraries (ASDL, BackPACK) backpropagate only the torch losses they know.
+
+        Raises:
+            ValueError: Naming the native backends, which work with every likelihood.
+        """
+        supported = backend_cls.supported_losses
+        loss = type(self.loss_module("sum"))
+        if supported is not None and loss not in supported:
+            raise ValueError(
+                f"{backend_cls.__name__} supports the likelihoods whose loss is one of "
+                f"{[cls.__name__ for cls in supported]}; likelihood={self.name!r} uses "
+                f"{loss.__name__}. Use backend=CurvlinopsGGN (or CurvlinopsEF), which work "
+                "with every likelihood."
+            )
+
+    def check_low_rank(self) -> None:
+        """Refuse the matrix-free (low-rank) curvature when :meth:`loss_module` cannot give it.
+
+        Raises:
+            ValueError: Naming the structures that work.
+        """
+        if not self.loss_module_curvature:
+            raise ValueError(
+                f"likelihood={self.name!r} has no low-rank Laplace: the eigensolver multiplies "
+                "with curvlinops' operators of the torch loss, whose output Hessian is not this "
+                "likelihood's curvature; use hessian_structure='full', 'diag' or 'kron'."
+            )
+
+    # ------------------------------------------------------------------------------ fit
+    @abstractmethod
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        """The loss as a torch module (``nn.MSELoss``, ``nn.CrossEntropyLoss``) for SGD loops.
+
+        Args:
+            reduction: ``"mean"``, ``"sum"`` or ``"none"``, as torch's losses take it.
+        """
+
+    @abstractmethod
+    def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
+        """Negative log-likelihood up to constants, shape (B,)."""
+
+    def loss(self, f: Tensor, y: Tensor) -> Tensor:
+        """Summed loss over the batch, a scalar."""
+        return self.per_sample_loss(f, y).sum()
+
+    @abstractmethod
+    def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        """Gradient of the per-sample loss w.r.t. ``f``, shape (B, C)."""
+
+    @abstractmethod
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        """A factor ``L`` of the output Hessian ``Λ = L Lᵀ``, shape (B, C, K)."""
+
+    def output_hessian(self, f: Tensor) -> Tensor:
+        """Hessian (or Fisher) of the per-sample loss w.r.t. ``f``, shape (B, C, C)."""
+        L = self.output_hessian_sqrt(f)
+        return L @ L.transpose(-1, -2)
+
+    def ggn(self, J: Tensor, f: Tensor) -> Tensor:
+        """Generalised Gauss-Newton ``Σₙ Jₙᵀ Λₙ Jₙ`` of per-point Jacobians.
+
+        Args:
+            J: Jacobians of the outputs (B, C, K) w.r.t. K parameters or features.
+            f: Outputs (B, C) at which the output Hessians ``Λₙ`` are taken.
+
+        Returns:
+            Shape (K, K).
+        """
+        return torch.einsum("bck,bcd,bdl->kl", J, self.output_hessian(f), J)
+
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        """Summed negative log-likelihood of targets under the predictive of ``N(f_mu, f_var)``.
+
+        The validation score of the function-space approximations that tune by it (ELLA,
+        VaLLA), which refuse the likelihoods without one (see :attr:`function_space`).
+
+        Args:
+            f_mu: Latent means (B, C).
+            f_var: Latent covariances (B, C, C).
+            y: Targets of the batch.
+            sigma_noise: Observation noise σ (used by likelihoods that have one).
+
+        Returns:
+            A scalar.
+
+        Raises:
+            UnsupportedError: For a likelihood that does not define it.
+        """
+        raise UnsupportedError(
+            f"likelihood={self.name!r} has no predictive negative log-likelihood of a Gaussian "
+            "over its outputs in laplace-ng."
+        )
+
+    @abstractmethod
+    def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """Draw targets ``y ~ p(y | f)`` (for Monte-Carlo Fisher estimates)."""
+
+    def log_likelihood(
+        self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
+    ) -> Tensor:
+        """Log-likelihood of the training data from its summed loss: ``−loss/T`` by default.
+
+        The default is right for a loss that is the whole negative log-likelihood (no constant
+        left out, no σ): classification, binary classification, your own likelihood.
+        """
+        return -loss / temperature
+
+    def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
+        """Check targets against the outputs and bring them to the shape the loss expects.
+
+        Raises:
+            ValueError: See :meth:`check_targets`.
+        """
+        self.check_targets(y, f.shape)
+        return y
+
+    def loss_targets(self, y: Tensor, dtype: torch.dtype) -> Tensor:
+        """Targets of a batch in the form :meth:`loss_module` takes them, without the outputs.
+
+        For code that hands batches to curvlinops' operators. As given by default.
+
+        Args:
+            y: Targets of a batch.
+            dtype: The model's floating-point type.
+        """
+        return y
+
+    @abstractmethod
+    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        """Refuse targets that cannot belong to outputs of shape ``output_shape`` (B, C, ...).
+
+        Cheap (no model call): the data loops run it on every batch before any curvature work,
+        with the output shape of the first batch (the batch size is not compared).
+
+        Raises:
+            ValueError: Naming the problem (shape, label range); a :class:`DataError` (also a
+                ``RuntimeError``) for targets of the wrong kind, a :class:`LabelError` (also an
+                ``IndexError``) for a class label outside ``[0, C)``.
+        """

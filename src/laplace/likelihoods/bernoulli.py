@@ -1,0 +1,118 @@
+"""Binary and multi-label classification: an independent Bernoulli per output (sigmoid link)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from typing_extensions import override
+
+from laplace.errors import DataError, LabelError
+from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.prediction import ProbabilityPredictions
+from laplace.predictive import BERNOULLI_LINKS
+from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood
+
+__all__ = ["Bernoulli"]
+
+
+class Bernoulli(ProbabilityPredictions, LikelihoodModel):
+    r"""Independent Bernoulli labels ``yₖ ~ Bernoulli(σ(fₖ))`` for logits ``f`` of shape (B, K).
+
+    K = 1 is binary classification, K > 1 multi-label classification. The loss is the summed
+    binary cross-entropy ``Σₖ −yₖ log σ(fₖ) − (1 − yₖ) log(1 − σ(fₖ))`` (torch's
+    ``BCEWithLogitsLoss``), its output Hessian ``Λ = diag(p(1 − p))`` with ``p = σ(f)`` (equal to
+    the Fisher), and the predictive the probability that each label is 1, (B, K):
+    ``link_approx="probit"`` gives ``σ(μ/√(1 + π v/8))`` per label, ``"mc"`` a Monte-Carlo
+    average of ``σ(f)``. Targets have the outputs' shape (or (B,) for K = 1) and hold 0/1
+    (integers, booleans or floats; floats in [0, 1] are soft labels).
+    """
+
+    kind = Likelihood.BINARY_CLASSIFICATION
+    predicts_probabilities = True
+    default_validation_loss = "nll"
+    link_approximations = BERNOULLI_LINKS
+    predictions = "label probabilities"
+    #: Subset-of-data GP: its output curvature is diagonal, so the GP uses it exactly.
+    function_space = (FunctionalApproximation.SOD,)
+    hessian_structures = (
+        HessianStructure.FULL,
+        HessianStructure.DIAG,
+        HessianStructure.KRON,
+        HessianStructure.LOWRANK,
+        HessianStructure.GP,
+    )
+
+    @override
+    @staticmethod
+    def link(f: Tensor) -> Tensor:
+        return torch.sigmoid(f)
+
+    @override
+    def diagonal_moments(self, diagonal_output: bool) -> bool:
+        return True  # independent labels: each probability needs only its own variance
+
+    @override
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        return nn.BCEWithLogitsLoss(reduction=reduction)
+
+    @override
+    def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
+        y = self.prepare_targets(f, y)
+        return F.binary_cross_entropy_with_logits(f, y, reduction="none").flatten(1).sum(1)
+
+    @override
+    def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        return torch.sigmoid(f) - self.prepare_targets(f, y)
+
+    @override
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        return torch.diag_embed(_bernoulli_variance(f).sqrt())
+
+    @override
+    def output_hessian(self, f: Tensor) -> Tensor:
+        return torch.diag_embed(_bernoulli_variance(f))
+
+    @override
+    def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        return torch.bernoulli(torch.sigmoid(f.detach()), generator=generator)
+
+    @override
+    def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
+        self.check_targets(y, f.shape)
+        return y.reshape(f.shape).to(f.dtype)
+
+    @override
+    def loss_targets(self, y: Tensor, dtype: torch.dtype) -> Tensor:
+        return y.reshape(len(y), -1).to(dtype)
+
+    @override
+    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        n_labels = output_shape[-1]
+        one_label = n_labels == 1 and y.dim() == 1
+        if y.is_complex() or not (one_label or tuple(y.shape[1:]) == tuple(output_shape[1:])):
+            raise DataError(
+                f"binary classification targets must have the outputs' shape (B, {n_labels})"
+                + (" or (B,)" if n_labels == 1 else "")
+                + f" and hold 0/1 labels; got {y.dtype} targets of shape {tuple(y.shape)}."
+            )
+        if y.numel() == 0 or y.dtype == torch.bool:
+            return
+        low, high = float(y.min()), float(y.max())
+        if y.dtype.is_floating_point and (low < 0 or high > 1):
+            raise ValueError(
+                f"binary classification targets must lie in [0, 1] (labels 0/1, or soft "
+                f"labels); got values in [{low:g}, {high:g}]."
+            )
+        if not y.dtype.is_floating_point and (low < 0 or high > 1):
+            raise LabelError(
+                f"binary label {int(low if low < 0 else high)} is not 0 or 1; each of the "
+                f"K={n_labels} outputs is an independent 0/1 label."
+            )
+
+
+def _bernoulli_variance(f: Tensor) -> Tensor:
+    """``p (1 − p)`` with ``p = σ(f)``, as ``σ(f) σ(−f)`` (no cancellation for large |f|)."""
+    return torch.sigmoid(f) * torch.sigmoid(-f)

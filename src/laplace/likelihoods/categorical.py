@@ -1,0 +1,195 @@
+"""Categorical (softmax) classification, and reward modelling fitted as classification on pairs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from typing_extensions import override
+
+from laplace.errors import DataError, LabelError
+from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.gaussian import GaussianRegression
+from laplace.likelihoods.prediction import ProbabilityPredictions
+from laplace.predictive import LINKS, probit_logits
+from laplace.utils.enums import HessianStructure, Likelihood
+from laplace.utils.linalg import softmax_hessian_factor
+
+__all__ = ["Categorical", "RewardModeling"]
+
+
+class Categorical(ProbabilityPredictions, LikelihoodModel):
+    """Categorical likelihood with a softmax link; targets are class indices or probabilities."""
+
+    kind = Likelihood.CLASSIFICATION
+    predicts_probabilities = True
+    default_validation_loss = "nll"
+    link_approximations = LINKS
+    predictions = "class probabilities"
+
+    @override
+    @staticmethod
+    def link(f: Tensor) -> Tensor:
+        return torch.softmax(f, dim=-1)
+
+    @override
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        return nn.CrossEntropyLoss(reduction=reduction)
+
+    @override
+    def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(f, self.prepare_targets(f, y), reduction="none")
+
+    @override
+    def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        y = self.prepare_targets(f, y)
+        p = torch.softmax(f, dim=-1)
+        if y.dtype.is_floating_point:
+            return p - y
+        return p - F.one_hot(y, f.shape[-1]).to(f.dtype)
+
+    @override
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        """A rank-(C − 1) factor of ``Λ = diag(p) − p pᵀ`` (:func:`softmax_hessian_factor`)."""
+        return softmax_hessian_factor(torch.softmax(f, dim=-1))
+
+    @override
+    def output_hessian(self, f: Tensor) -> Tensor:
+        p = torch.softmax(f, dim=-1)
+        return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+
+    @override
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        """Cross-entropy of the logits of the probit approximation (:func:`probit_logits`)."""
+        logits = probit_logits(f_mu, f_var)
+        return F.cross_entropy(logits, self.class_indices(y), reduction="sum")
+
+    @staticmethod
+    def class_indices(y: Tensor) -> Tensor:
+        """Class indices (B,) as ``long`` from indices (B,), a column (B, 1) or one-hot (B, C).
+
+        Class probabilities (B, C) give their most likely class.
+
+        Raises:
+            ValueError: For any other shape.
+        """
+        if y.dim() == 2:
+            y = y[:, 0] if y.shape[1] == 1 else y.argmax(-1)
+        if y.dim() != 1:
+            raise ValueError(
+                f"classification targets must have shape (B,) or (B, C), got {tuple(y.shape)}."
+            )
+        return y.long()
+
+    @override
+    def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        p = torch.softmax(f.detach(), dim=-1)
+        return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+
+    @override
+    def diagonal_moments(self, diagonal_output: bool) -> bool:
+        return False  # the bridge and Monte-Carlo links use the covariance between classes
+
+    @override
+    def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
+        self.check_targets(y, f.shape)
+        if y.dtype.is_floating_point and y.shape == f.shape:
+            return y
+        y = y.reshape(-1)
+        if y.shape[0] != f.shape[0]:
+            raise ValueError(
+                f"classification targets of shape {tuple(y.shape)} do not match the batch of "
+                f"{f.shape[0]} outputs."
+            )
+        return y.long()
+
+    @override
+    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        n_classes = output_shape[-1]
+        if y.numel() == 0 or (y.dtype.is_floating_point and y.shape[1:] == output_shape[1:]):
+            return  # class probabilities
+        if y.dtype.is_floating_point or y.dtype == torch.bool or y.is_complex():
+            raise DataError(
+                f"classification targets must be integer class labels of shape (B,) or class "
+                f"probabilities of shape (B, {n_classes}); got {y.dtype} targets of shape "
+                f"{tuple(y.shape)} (convert labels with y.long())."
+            )
+        low, high = int(y.min()), int(y.max())
+        if low < 0 or high >= n_classes:
+            bad = low if low < 0 else high
+            raise LabelError(
+                f"class label {bad} is outside [0, C) for the model's C={n_classes} outputs; "
+                "labels must be integers 0, ..., C-1."
+            )
+
+
+class RewardModeling(LikelihoodModel):
+    """Bradley–Terry reward model: fitted as classification on pairs, predicted as regression."""
+
+    kind = Likelihood.REWARD_MODELING
+    predicts_probabilities = False
+    #: The structures laplace-torch supports for reward modelling.
+    hessian_structures = (HessianStructure.KRON, HessianStructure.DIAG)
+    pairwise = True
+
+    def __init__(self) -> None:
+        self._fit = Categorical()
+        self._predict = GaussianRegression()
+
+    @override
+    @property
+    def fit_likelihood(self) -> LikelihoodModel:
+        return self._fit
+
+    @override
+    @property
+    def predictive_likelihood(self) -> LikelihoodModel:
+        return self._predict
+
+    @override
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        return self._fit.loss_module(reduction)
+
+    @override
+    def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
+        return self._fit.per_sample_loss(f, y)
+
+    @override
+    def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        return self._fit.loss_gradient(f, y)
+
+    @override
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        return self._fit.output_hessian_sqrt(f)
+
+    @override
+    def output_hessian(self, f: Tensor) -> Tensor:
+        return self._fit.output_hessian(f)
+
+    @override
+    def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        return self._fit.sample_targets(f, generator)
+
+    @override
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        return self._fit.predictive_nll(f_mu, f_var, y, sigma_noise)
+
+    @override
+    def log_likelihood(
+        self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
+    ) -> Tensor:
+        return self._fit.log_likelihood(loss, n_data, n_outputs, sigma_noise, temperature)
+
+    @override
+    def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
+        return self._fit.prepare_targets(f, y)
+
+    @override
+    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        self._fit.check_targets(y, output_shape)

@@ -1,0 +1,141 @@
+"""``CustomLikelihood``: your :class:`~laplace.likelihoods.Likelihood` as a likelihood object."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from typing_extensions import override
+
+from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.protocol import Likelihood
+from laplace.utils.enums import HessianStructure, LinkApprox
+
+__all__ = ["CustomLikelihood", "LossModule"]
+
+
+class LossModule(nn.Module):
+    """A likelihood object's summed negative log-likelihood as a torch loss ``(f, y) → loss``.
+
+    Args:
+        likelihood: The likelihood object.
+        reduction: ``"mean"`` (over data points), ``"sum"`` or ``"none"`` (shape (B,)).
+    """
+
+    def __init__(self, likelihood: LikelihoodModel, reduction: str = "mean") -> None:
+        super().__init__()
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}.")
+        self.likelihood, self.reduction = likelihood, reduction
+
+    def forward(self, f: Tensor, y: Tensor) -> Tensor:
+        """The loss of outputs ``f`` (B, C) and targets ``y``."""
+        loss = self.likelihood.per_sample_loss(f, y)
+        if self.reduction == "mean":
+            return loss.mean()
+        return loss.sum() if self.reduction == "sum" else loss
+
+
+def _overrides(obj: Likelihood, method: str) -> bool:
+    return getattr(type(obj), method) is not getattr(Likelihood, method)
+
+
+class CustomLikelihood(LikelihoodModel):
+    """The likelihood object of a user's :class:`Likelihood` subclass instance.
+
+    Its curvature, loss and predictive come from the user's methods; gradients of the loss
+    w.r.t. the outputs (empirical Fisher, per-sample gradients) by autograd.
+
+    Args:
+        likelihood: The user's likelihood.
+
+    Raises:
+        TypeError: If it implements neither ``output_hessian`` nor ``output_hessian_sqrt``,
+            or not ``loss``.
+    """
+
+    hessian_structures = (HessianStructure.FULL, HessianStructure.DIAG, HessianStructure.KRON)
+    loss_module_curvature = False
+    function_space = ()
+
+    def __init__(self, likelihood: Likelihood) -> None:
+        missing = [m for m in ("loss",) if not _overrides(likelihood, m)]
+        hessians = ("output_hessian", "output_hessian_sqrt")
+        if not any(_overrides(likelihood, method) for method in hessians):
+            missing.append("output_hessian or output_hessian_sqrt")
+        if missing:
+            raise TypeError(
+                f"likelihood {type(likelihood).__name__} must implement {' and '.join(missing)} "
+                "(see laplace.likelihoods.Likelihood)."
+            )
+        self.kind = likelihood
+        self.predicts_probabilities = bool(likelihood.predicts_probabilities)
+
+    @property
+    def name(self) -> str:
+        """The user's ``name``."""
+        return str(self.kind.name)
+
+    @property
+    def predictions(self) -> str:
+        """What the predictive returns, for messages."""
+        return f"the predictions of {self.name}"
+
+    @override
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        return LossModule(self, reduction)
+
+    @override
+    def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
+        y = self.prepare_targets(f, y)
+        return self.kind.loss(f, y) + self.kind.log_normalizer(y).to(f)
+
+    @override
+    def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        y = self.prepare_targets(f, y)
+        with torch.enable_grad():
+            leaf = f.detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(self.kind.loss(leaf, y).sum(), leaf)
+        return grad
+
+    @override
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        return self.kind.output_hessian_sqrt(f)
+
+    @override
+    def output_hessian(self, f: Tensor) -> Tensor:
+        return self.kind.output_hessian(f)
+
+    @override
+    def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        return self.kind.sample(f.detach(), generator)
+
+    @override
+    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        self.kind.check_targets(y, output_shape)
+
+    @override
+    def diagonal_moments(self, diagonal_output: bool) -> bool:
+        return False  # the user's predictive receives covariances (B, C, C)
+
+    @override
+    def glm_predictive(
+        self,
+        f_mu: Tensor,
+        f_var: Tensor,
+        link_approx: LinkApprox = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        diagonal_output: bool = False,
+    ) -> Any:
+        return self.kind.predictive(f_mu, f_var, n_samples=n_samples, generator=generator)
+
+    @override
+    def sampled_predictive(self, f: Tensor) -> Tensor:
+        return self.kind.inverse_link(f).mean(dim=0)
+
+    @override
+    def predictive_sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        return self.kind.inverse_link(f)

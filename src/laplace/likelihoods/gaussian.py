@@ -1,0 +1,141 @@
+"""Homoscedastic Gaussian regression, with one σ for all outputs or one σ per output."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from typing_extensions import override
+
+from laplace.errors import DataError
+from laplace.likelihoods.base import LikelihoodModel
+from laplace.utils.enums import Likelihood
+
+__all__ = ["GaussianRegression"]
+
+
+class GaussianRegression(LikelihoodModel):
+    r"""Gaussian ``N(y; f, diag(σ²))``; the stored loss and curvature are σ-free.
+
+    ``σ`` is one number or one per output (shape (C,)). With one σ per output the library keeps
+    the loss and the curvature of each output apart (``ℓ_c = ½ Σₙ (yₙ_c − fₙ_c)²``,
+    ``H_c = Σₙ Jₙ_cᵀ Jₙ_c``), so that the posterior precision
+    ``Σ_c H_c / (σ_c² T) + P₀`` and the log-likelihood
+
+    .. math::
+        \log p(\mathcal{D}) = -\sum_c \Big(\frac{\ell_c}{\sigma_c^2 T}
+        + \frac{N}{2} \log(2\pi\sigma_c^2)\Big)
+
+    stay differentiable in every ``σ_c``.
+    """
+
+    kind = Likelihood.REGRESSION
+    predicts_probabilities = False
+    has_noise_hyperparameter = True
+    loss_scale = 0.5
+    supports_joint = True
+
+    @override
+    def loss_module(self, reduction: str = "mean") -> nn.Module:
+        return nn.MSELoss(reduction=reduction)
+
+    @override
+    def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
+        y = self.prepare_targets(f, y)
+        return 0.5 * (y - f).square().flatten(1).sum(1)
+
+    @override
+    def ggn(self, J: Tensor, f: Tensor) -> Tensor:
+        return torch.einsum("bck,bcl->kl", J, J)
+
+    @override
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        """Gaussian NLL with the latent variances plus ``σ²``, summed over outputs and points."""
+        y = self.prepare_targets(f_mu, y.to(f_mu.dtype))
+        var = f_var.diagonal(dim1=-2, dim2=-1) + sigma_noise.square()
+        return 0.5 * ((y - f_mu).square() / var + var.log() + math.log(2 * math.pi)).sum()
+
+    def loss_per_output(self, f: Tensor, y: Tensor) -> Tensor:
+        """Summed loss of each output ``½ Σₙ (yₙ_c − fₙ_c)²``, shape (C,)."""
+        y = self.prepare_targets(f, y)
+        return 0.5 * (y - f).square().sum(0)
+
+    @override
+    def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        return f - self.prepare_targets(f, y)
+
+    @override
+    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
+        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
+        return eye.expand(f.shape[0], -1, -1)
+
+    @override
+    def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        noise = torch.randn(f.shape, dtype=f.dtype, device=f.device, generator=generator)
+        return f + noise
+
+    @override
+    def log_likelihood(
+        self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
+    ) -> Tensor:
+        """Log-likelihood from the summed loss: one number, or one per output (C,).
+
+        Raises:
+            ValueError: For one σ per output with a loss summed over the outputs (the losses
+                of the outputs cannot be told apart).
+        """
+        sigma2 = sigma_noise.square()
+        loss = torch.as_tensor(loss, dtype=sigma2.dtype, device=sigma2.device)
+        if sigma2.numel() == 1 and loss.numel() == 1:
+            normaliser = 0.5 * n_data * n_outputs * torch.log(2 * math.pi * sigma2)
+            return -loss / (sigma2 * temperature) - normaliser
+        if loss.numel() != n_outputs:
+            raise ValueError(
+                f"sigma_noise has {sigma2.numel()} entries (one per output) but the loss was "
+                "summed over the outputs; fit the approximation with this sigma_noise to keep "
+                "the loss of each output."
+            )
+        sigma2 = sigma2.reshape(-1).expand(n_outputs)
+        normaliser = 0.5 * n_data * torch.log(2 * math.pi * sigma2).sum()
+        return -(loss.reshape(-1) / sigma2).sum() / temperature - normaliser
+
+    @override
+    def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
+        self.check_targets(y, f.shape)
+        if y.shape != f.shape:
+            raise ValueError(f"a batch of {len(y)} regression targets for {len(f)} model outputs.")
+        return y
+
+    @override
+    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        check_real_targets(y, output_shape, "regression")
+
+
+def check_real_targets(
+    y: Tensor, target_shape: Sequence[int], what: str, source: str = "the model output"
+) -> None:
+    """Refuse targets that are not real numbers of shape (B, ...) like ``target_shape``.
+
+    Args:
+        y: The targets.
+        target_shape: The shape they must have (the batch size is not compared).
+        what: The likelihood, for the message.
+        source: Where ``target_shape`` comes from, for the message.
+
+    Raises:
+        DataError: For boolean or complex targets (a ``ValueError`` and a ``RuntimeError``).
+        ValueError: For targets of another shape.
+    """
+    if y.dtype == torch.bool or y.is_complex():
+        raise DataError(f"{what} targets must be real numbers, got {y.dtype} targets.")
+    if y.dim() != len(target_shape) or tuple(y.shape[1:]) != tuple(target_shape[1:]):
+        raise ValueError(
+            f"{what} targets of shape {tuple(y.shape)} do not match {source} "
+            f"of shape {tuple(target_shape)} (B = batch size): give targets of shape "
+            f"(B, {', '.join(str(d) for d in target_shape[1:])}), e.g. y.reshape(len(y), -1) "
+            "for one output; they are not reshaped silently."
+        )

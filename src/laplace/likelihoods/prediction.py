@@ -1,0 +1,161 @@
+"""How a likelihood turns the network's outputs into predictions.
+
+:class:`OutputPredictions` holds the prediction hooks of every likelihood object, with the
+Gaussian regression predictive as default (the outputs' moments, or their samples);
+:class:`ProbabilityPredictions` those of likelihoods whose predictions are probabilities of a
+link of the outputs (softmax, sigmoid).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from laplace.utils.enums import LinkApprox
+
+__all__ = ["OutputPredictions", "ProbabilityPredictions"]
+
+
+class OutputPredictions:
+    """Prediction hooks of a likelihood: from a Gaussian or samples of the outputs ``f``."""
+
+    #: The ``link_approx`` values its GLM predictive accepts; None: the link is not used.
+    links: tuple[LinkApprox, ...] | None = None
+    #: Whether ``joint=True`` (the joint Gaussian over test outputs) applies to its predictive.
+    supports_joint: bool = False
+    #: What the predictive returns, for messages.
+    predictions: str = "predictions"
+    #: The likelihood's name, for messages (see ``LikelihoodModel.name``).
+    name: str
+
+    def check_prediction(self, link_approx: LinkApprox, joint: bool) -> None:
+        """Refuse predictive options that do not apply, before any work.
+
+        Raises:
+            ValueError: For ``joint=True`` without a joint form, or a ``link_approx`` outside
+                :attr:`links`.
+        """
+        if joint and not self.supports_joint:
+            raise ValueError(
+                "joint=True gives the joint Gaussian over the outputs of a regression GLM "
+                f"predictive; {self.predictions} have no joint form (use joint=False)."
+            )
+        if self.links is not None and link_approx not in self.links:
+            raise ValueError(
+                f"likelihood={self.name!r} accepts link_approx in "
+                f"{[link.value for link in self.links]}, got {link_approx.value!r}."
+            )
+
+    def predict(
+        self,
+        moments: Callable[..., tuple[Tensor, Tensor]],
+        joint: bool,
+        diagonal_output: bool,
+        link_approx: LinkApprox,
+        n_samples: int,
+        generator: torch.Generator | None,
+    ) -> Any:
+        """The GLM predictive from a function giving the Gaussian over the outputs.
+
+        Args:
+            moments: ``moments(joint=..., diagonal_output=...)`` → ``(f_mu, f_var)`` at the
+                test inputs (``_glm_predictive_distribution`` of a Laplace approximation).
+            joint: Return the joint Gaussian over all test outputs (checked beforehand by
+                :meth:`check_prediction`).
+            diagonal_output: Whether the caller asked for variances.
+            link_approx: See :meth:`glm_predictive`.
+            n_samples: See :meth:`glm_predictive`.
+            generator: See :meth:`glm_predictive`.
+        """
+        if joint:
+            return moments(joint=True)
+        f_mu, f_var = moments(diagonal_output=self.diagonal_moments(diagonal_output))
+        return self.glm_predictive(f_mu, f_var, link_approx, n_samples, generator, diagonal_output)
+
+    def diagonal_moments(self, diagonal_output: bool) -> bool:
+        """Whether :meth:`glm_predictive` needs only the output variances (B, C)."""
+        return diagonal_output
+
+    def glm_predictive(
+        self,
+        f_mu: Tensor,
+        f_var: Tensor,
+        link_approx: LinkApprox = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        diagonal_output: bool = False,
+    ) -> Any:
+        """Predictions from a Gaussian over the outputs (the linearised network).
+
+        Args:
+            f_mu: Output means (B, C).
+            f_var: Output covariances (B, C, C), or variances (B, C) when
+                :meth:`diagonal_moments` said so.
+            link_approx: The link approximation (for likelihoods with :attr:`links`).
+            n_samples: Monte-Carlo samples of ``"mc"``.
+            generator: Random number generator of ``"mc"``.
+            diagonal_output: Whether the caller asked for variances instead of covariances.
+
+        Returns:
+            ``(f_mu, f_var)`` by default (Gaussian regression).
+        """
+        return f_mu, f_var
+
+    def sampled_predictive(self, f: Tensor) -> Any:
+        """Predictions from sampled networks' outputs ``f`` (S, B, C) (``pred_type="nn"``).
+
+        Returns:
+            The mean (B, C) and variance (B, C) over the samples by default.
+        """
+        return f.mean(dim=0), f.var(dim=0)
+
+    def predictive_sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """One predictive draw per output sample ``f`` (S, B, C): the outputs by default."""
+        return f
+
+
+class ProbabilityPredictions(OutputPredictions):
+    """Predictions that are probabilities ``link(f)`` of the outputs.
+
+    The GLM predictive approximates ``E[link(f)]`` under the Gaussian over the outputs by one of
+    the functions of :attr:`link_approximations`; sampled networks and predictive samples apply
+    :meth:`link` to each draw.
+    """
+
+    #: ``link_approx`` → function of ``(f_mu, f_var, n_samples=, generator=)``.
+    link_approximations: dict[LinkApprox, Callable[..., Tensor]]
+
+    @staticmethod
+    @abstractmethod
+    def link(f: Tensor) -> Tensor:
+        """The probabilities of outputs ``f`` (..., C)."""
+
+    @property
+    def links(self) -> tuple[LinkApprox, ...]:  # type: ignore[override]
+        """The link approximations the GLM predictive accepts."""
+        return tuple(self.link_approximations)
+
+    def glm_predictive(
+        self,
+        f_mu: Tensor,
+        f_var: Tensor,
+        link_approx: LinkApprox = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        diagonal_output: bool = False,
+    ) -> Tensor:
+        """Probabilities (B, C) by the link approximation ``link_approx``."""
+        approximation = self.link_approximations[link_approx]
+        return approximation(f_mu, f_var, n_samples=n_samples, generator=generator)
+
+    def sampled_predictive(self, f: Tensor) -> Tensor:
+        """The mean probabilities over sampled outputs (S, B, C), shape (B, C)."""
+        return self.link(f).mean(dim=0)
+
+    def predictive_sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """The probabilities of each output sample."""
+        return self.link(f)

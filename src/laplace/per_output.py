@@ -1,0 +1,283 @@
+r"""Posteriors with one observation noise per output (regression with a vector ``sigma_noise``).
+
+With ``σ = (σ₁, …, σ_C)`` the output Hessian of Gaussian regression, ``diag(1/σ²)``, is diagonal,
+so the GGN splits into one curvature per output,
+
+.. math::
+    H(\sigma) = \sum_c H_c / \sigma_c^2, \qquad H_c = \sum_n m_{nc}\, J_{nc}^\top J_{nc},
+
+with ``J_nc`` the Jacobian row of output c and ``m_nc = 1`` for the exact GGN (the Monte-Carlo
+Fisher samples it: ``m_nc = Σ_k v_nkc²`` over its sampled output columns, an unbiased estimate
+of each output's block). The per-output structures keep the ``H_c`` apart along a leading output
+axis in the base structure's form (dense (C, P, P), diagonal (C, P), Kronecker with one
+output-gradient factor per output (C, p_out, p_out) and the input factor shared), and the
+posterior at any σ is the base structure's posterior of ``Σ_c h_c H_c`` with
+``h_c = 1/(σ_c² T)``: the marginal likelihood stays differentiable in every ``σ_c``. Memory is
+C times the base structure's (Kronecker input factors excepted).
+
+Only the native GGN routes of :class:`~laplace.curvature.GGNInterface` backends expose the
+per-output columns; the empirical Fisher ``Σ gₙ gₙᵀ`` mixes the outputs (``∇ℓ ∇ℓᵀ`` is not
+diagonal in them) and is refused, and so are low-rank and function-space posteriors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from laplace.curvature import CurvatureInterface, GGNInterface
+from laplace.curvature.kfac import kfac
+from laplace.posteriors import DensePosterior, DiagonalPosterior, KronPosterior, Posterior
+from laplace.utils.matrix import Kron, KronDecomposed
+
+__all__ = ["OutputKron", "PerOutputPosterior", "noise_structure"]
+
+
+class OutputKron(Kron):
+    """Kronecker factors whose output-gradient factors are kept per output: (C, p_out, p_out).
+
+    ``decompose`` only records ``damping``: the factors are combined and eigen-decomposed for
+    each σ by :class:`PerOutputPosterior`.
+    """
+
+    def __init__(self, kfacs: list[list[Tensor]], damping: bool = False) -> None:
+        super().__init__(kfacs)
+        self.damping = damping
+
+    def decompose(  # type: ignore[override]
+        self, damping: bool = False, deferred: bool = True
+    ) -> OutputKron:
+        """The same factors, to be decomposed per σ with ``damping``.
+
+        Args:
+            damping: See :class:`~laplace.utils.matrix.KronDecomposed`.
+            deferred: Accepted for the interface of :meth:`Kron.decompose`; these factors
+                are always decomposed later, once per σ.
+        """
+        return OutputKron(self.kfacs, damping)
+
+    def combine(self, weights: Tensor) -> KronDecomposed:
+        """``Σ_c w_c G_c ⊗ A`` per block, eigen-decomposed; ``weights`` of shape (C,)."""
+        summed = [[torch.einsum("c,cij->ij", weights, F[0]), *F[1:]] for F in self.kfacs]
+        return Kron(summed).decompose(damping=self.damping)
+
+
+class PerOutputPosterior(Posterior):
+    """Posterior of ``P = Σ_c h_c H_c + diag(p₀)`` from per-output curvatures ``H`` (C, ...).
+
+    Concrete classes come from :func:`noise_structure`; every posterior quantity is that of the
+    base structure on the combined curvature (attributes it has, e.g. ``covariance``, are
+    forwarded to it).
+
+    Args:
+        H: Per-output curvature, stacked along the first axis.
+        h_factor: ``1/(σ²T)``, shape (C,), or one value for every output.
+        prior_diag: Diagonal of the prior precision, shape (P,).
+    """
+
+    #: The structure of each output's curvature and of the posterior.
+    structure: ClassVar[type[Posterior]]
+    #: The backend route of the structure (``"full"``, ``"diag"`` or ``"kron"``).
+    route: ClassVar[str]
+    #: Number of outputs C.
+    n_outputs: ClassVar[int]
+
+    def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
+        self.H = H
+        self.h_factor = h_factor.reshape(-1).expand(self.n_outputs)
+        self.prior_diag = prior_diag
+        one = torch.ones((), dtype=prior_diag.dtype, device=prior_diag.device)
+        self.inner = self.structure(self._combine(H, self.h_factor), one, prior_diag)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @staticmethod
+    def _combine(H: Any, weights: Tensor) -> Any:
+        """``Σ_c w_c H_c`` in the base structure's representation."""
+        return torch.tensordot(weights, H, dims=1)
+
+    # ---------------------------------------------------------------- curvature accumulation
+    @classmethod
+    def zeros(cls, params: Sequence[Tensor]) -> Any:
+        """Zero curvature of every output, stacked (C, ...)."""
+        zero = cls.structure.zeros(params)
+        return zero.new_zeros(cls.n_outputs, *zero.shape)
+
+    @classmethod
+    def batch_curvature(cls, backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
+        """``(loss (C,), H_batch (C, ...))``: each output's loss and curvature.
+
+        Raises:
+            ValueError: If the model's number of outputs is not C.
+        """
+        trace = backend.trace(X)
+        f = trace.f.detach()
+        if f.shape[-1] != cls.n_outputs:
+            raise ValueError(
+                f"sigma_noise has {cls.n_outputs} entries (one per output) but the model has "
+                f"{f.shape[-1]} outputs."
+            )
+        weights = sum(v.square() for v in backend.curvature_columns(f, y))
+        eye = torch.eye(cls.n_outputs, dtype=f.dtype, device=f.device)
+        columns = [weights[:, c, None].sqrt() * eye[c] for c in range(cls.n_outputs)]
+        parts = [cls._output_curvature(backend, trace, column, n_data) for column in columns]
+        return backend._likelihood.loss_per_output(f, y), cls._stack(parts)
+
+    @staticmethod
+    def _output_curvature(backend: Any, trace: Any, column: Tensor, n_data: int) -> Any:
+        """The curvature of one output column in the base structure's form."""
+        return trace.gram([column]).detach()
+
+    @staticmethod
+    def _stack(parts: list[Any]) -> Any:
+        return torch.stack(parts)
+
+    # ------------------------------------------------------------------------ the posterior
+    @property
+    def precision(self) -> Any:
+        """The posterior precision in the base structure's representation."""
+        return self.inner.precision
+
+    @property
+    def log_det(self) -> Tensor:
+        """``log det P``, a scalar."""
+        return self.inner.log_det
+
+    def square_form(self, delta: Tensor) -> Tensor:
+        """``Δᵀ P Δ``."""
+        return self.inner.square_form(delta)
+
+    def functional_variance(self, Js: Tensor) -> Tensor:
+        """``J P⁻¹ Jᵀ`` per point, (B, C, P) → (B, C, C)."""
+        return self.inner.functional_variance(Js)
+
+    def functional_covariance(self, Js: Tensor) -> Tensor:
+        """Joint ``J P⁻¹ Jᵀ`` over the rows of ``Js`` (N, P)."""
+        return self.inner.functional_covariance(Js)
+
+    def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
+        """Draws of ``θ − θ_MAP``, shape (n_samples, P)."""
+        return self.inner.sample_deviations(n_samples, generator)
+
+
+class _PerOutputDense(PerOutputPosterior):
+    structure = DensePosterior
+    route = "full"
+
+
+class _PerOutputDiagonal(PerOutputPosterior):
+    structure = DiagonalPosterior
+    route = "diag"
+
+    @staticmethod
+    def _output_curvature(backend: Any, trace: Any, column: Tensor, n_data: int) -> Tensor:
+        return trace.square_sum([column]).detach()
+
+
+class _PerOutputKron(PerOutputPosterior):
+    structure = KronPosterior
+    route = "kron"
+
+    @staticmethod
+    def _combine(H: OutputKron, weights: Tensor) -> KronDecomposed:
+        return H.combine(weights)
+
+    @classmethod
+    def zeros(cls, params: Sequence[Tensor]) -> OutputKron:
+        """Zero factors with one output-gradient factor per output."""
+        zero = KronPosterior.zeros(params)
+        return OutputKron(
+            [[F[0].expand(cls.n_outputs, -1, -1).clone(), *F[1:]] for F in zero.kfacs]
+        )
+
+    @staticmethod
+    def finalize(H: Kron) -> OutputKron:
+        return OutputKron(H.kfacs)
+
+    @staticmethod
+    def is_finite(H: Kron) -> bool:
+        return KronPosterior.is_finite(H)
+
+    @staticmethod
+    def _output_curvature(backend: Any, trace: Any, column: Tensor, n_data: int) -> Kron:
+        return kfac(trace, [column], n_data, backend.kfac_approx, backend.factor)
+
+    @staticmethod
+    def _stack(parts: list[Kron]) -> OutputKron:
+        blocks = zip(*(part.kfacs for part in parts), strict=True)
+        return OutputKron([[torch.stack([b[0] for b in bl]), *bl[0][1:]] for bl in blocks])
+
+
+_FAMILIES: dict[type[Posterior], type[PerOutputPosterior]] = {
+    DensePosterior: _PerOutputDense,
+    DiagonalPosterior: _PerOutputDiagonal,
+    KronPosterior: _PerOutputKron,
+}
+
+
+@cache
+def _per_output(structure: type[Posterior], n_outputs: int) -> type[PerOutputPosterior]:
+    family = _FAMILIES[structure]
+    return type(f"PerOutput{structure.__name__}", (family,), {"n_outputs": n_outputs})
+
+
+def noise_structure(
+    structure: type[Posterior],
+    current: type[Posterior],
+    n_sigma: int,
+    fitted: bool,
+    backend_cls: type[CurvatureInterface],
+) -> type[Posterior]:
+    """The posterior structure for ``n_sigma`` noise values (one, or one per output).
+
+    Args:
+        structure: The class's own structure.
+        current: The structure in use now.
+        n_sigma: Number of entries of the new ``sigma_noise``.
+        fitted: Whether the curvature was fitted with ``current``.
+        backend_cls: The curvature backend.
+
+    Returns:
+        ``structure`` for one σ, its per-output variant for C > 1, or ``current`` when it
+        serves (a fitted per-output curvature also serves one σ).
+
+    Raises:
+        ValueError: For a structure without a per-output variant (low-rank), a backend that
+            cannot give the per-output curvature, or a fitted curvature that does not fit.
+    """
+    if current is structure and n_sigma == 1:
+        return current
+    if fitted:
+        if issubclass(current, PerOutputPosterior) and n_sigma in (1, current.n_outputs):
+            return current
+        raise ValueError(
+            f"sigma_noise has {n_sigma} entries, but this approximation was fitted with "
+            f"{'one σ per output' if current is not structure else 'one σ'}: one σ per output "
+            "needs the curvature of each output. Set sigma_noise first, then fit."
+        )
+    if n_sigma == 1:
+        return structure
+    if structure not in _FAMILIES:
+        raise ValueError(
+            "one sigma_noise per output is supported with hessian_structure 'full', 'diag' and "
+            "'kron' (the curvature of each output is kept); this approximation is "
+            f"{structure.__name__}."
+        )
+    route = _FAMILIES[structure].route
+    if not issubclass(backend_cls, GGNInterface) or getattr(backend_cls, route) is not getattr(
+        CurvatureInterface, route
+    ):
+        raise ValueError(
+            "one sigma_noise per output needs the curvature of each output, which only the "
+            "GGN of backend=CurvlinopsGGN (exact, or stochastic=True) gives: the empirical "
+            "Fisher and the Hessian mix the outputs, ASDL and BackPACK return their sum; got "
+            f"{backend_cls.__name__}."
+        )
+    return _per_output(structure, n_sigma)
