@@ -163,10 +163,6 @@ class HeteroscedasticGaussian(LikelihoodModel):
         )
 
     @override
-    def diagonal_moments(self, diagonal_output: bool) -> bool:
-        return diagonal_output
-
-    @override
     def glm_predictive(
         self,
         f_mu: Tensor,
