@@ -3,7 +3,9 @@
 ``AllWeights`` covers every parameter with ``requires_grad=True``; ``Subnetwork`` chosen entries
 of their flattened vector; ``LastLayer`` the linear head of a
 :class:`~laplace.utils.feature_extractor.FeatureExtractor`, which may only be found on the first
-forward pass (``resolved`` tells). All implement the same small interface.
+forward pass (``resolved`` tells). All implement the same small interface, including
+``linearize``: the model's outputs and Jacobian in the kind (:mod:`laplace.jacobians`) that suits
+the posterior, for the GLM predictive.
 """
 
 from __future__ import annotations
