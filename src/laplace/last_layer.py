@@ -51,7 +51,7 @@ def output_curvature(backend: Any, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor
         The loss (a scalar) and ``M`` of shape (B, C, C).
     """
     V = torch.stack(list(backend.curvature_columns(f, y)), dim=-1)
-    return backend._loss(f, y), V @ V.transpose(1, 2)
+    return backend.batch_loss(f, y), V @ V.transpose(1, 2)
 
 
 def full_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:

@@ -168,7 +168,7 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
             for X, y in self._batches(train_loader, progress_bar, desc="fit"):
                 f = check_outputs(self.model(X), batch_size_of(X, self.dict_key_x))
                 self.n_outputs = int(f.shape[-1])
-                loss = loss + self.backend._loss(f, y)
+                loss = loss + self.backend.batch_loss(f, y)
         check_finite_result(loss, "loss of the training data")  # before any eigensolver pass
         options = dict(self._solver_options)
         k = int(options.pop("n_eigenvalues"))

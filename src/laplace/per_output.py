@@ -128,7 +128,7 @@ class PerOutputPosterior(Posterior):
         eye = torch.eye(cls.n_outputs, dtype=f.dtype, device=f.device)
         columns = [weights[:, c, None].sqrt() * eye[c] for c in range(cls.n_outputs)]
         parts = [cls._output_curvature(backend, trace, column, n_data) for column in columns]
-        return backend._likelihood.loss_per_output(f, y), cls._stack(parts)
+        return backend.fit_likelihood.loss_per_output(f, y), cls._stack(parts)
 
     @staticmethod
     def _output_curvature(backend: Any, trace: Any, column: Tensor, n_data: int) -> Any:
