@@ -18,19 +18,23 @@ rotation of the features. No per-sample autograd and no (B, C, P) Jacobian is in
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from laplace.posteriors import DensePosterior, DiagonalPosterior, KronPosterior
+from laplace.curvature import CurvatureInterface
+from laplace.posteriors import DensePosterior, DiagonalPosterior, KronPosterior, Posterior
 from laplace.utils.matrix import Kron
 
 __all__ = [
+    "HEAD_CURVATURES",
     "diag_curvature",
     "diag_head_variance",
     "full_curvature",
     "full_head_variance",
+    "head_curvature",
     "head_jacobians",
     "kron_curvature",
     "kron_head_variance",
@@ -118,6 +122,43 @@ def kron_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: floa
     if bias:
         blocks.append([G])
     return Kron(blocks)
+
+
+#: Per posterior structure: the backend route its closed form gives, and the closed form
+#: ``(φ (N, D), M (N, C, C), bias, n_data, factor) -> curvature`` in the structure's form.
+HEAD_CURVATURES: dict[type[Posterior], tuple[str, Callable[..., Any]]] = {
+    DensePosterior: ("full", lambda phi, M, bias, n_data, factor: full_curvature(phi, M, bias)),
+    DiagonalPosterior: ("diag", lambda phi, M, bias, n_data, factor: diag_curvature(phi, M, bias)),
+    KronPosterior: ("kron", kron_curvature),
+}
+
+
+def head_curvature(structure: type[Posterior], backend: Any) -> Callable[..., Any] | None:
+    """The closed form of the backend's curvature of a linear head in ``structure``'s form.
+
+    One exists where the backend's route for the structure is the native one of
+    :class:`~laplace.curvature.CurvatureInterface`, ``Σₙ Jₙᵀ Mₙ Jₙ`` over the backend's
+    deterministic curvature columns (GGN and EF families): not for routes of their own (ASDL,
+    BackPACK, the Hessian), the Monte-Carlo Fisher (its columns are sampled per batch), or the
+    per-output structures (they keep each output's curvature).
+
+    Args:
+        structure: The posterior structure (a :class:`~laplace.posteriors.Posterior` class).
+        backend: The curvature backend instance.
+
+    Returns:
+        ``(φ, M, bias, n_data, factor) -> curvature`` (see :data:`HEAD_CURVATURES`), or None.
+    """
+    if structure not in HEAD_CURVATURES:
+        return None
+    route, closed_form = HEAD_CURVATURES[structure]
+    backend_cls = type(backend)
+    native = (
+        getattr(backend_cls, route) is getattr(CurvatureInterface, route)
+        and backend_cls.curvature_columns is not CurvatureInterface.curvature_columns
+        and not getattr(backend, "stochastic", False)
+    )
+    return closed_form if native else None
 
 
 def head_jacobians(phi: Tensor, n_out: int, bias: bool) -> Tensor:

@@ -31,7 +31,13 @@ from torch import Tensor
 
 from laplace.curvature import CurvatureInterface, GGNInterface
 from laplace.curvature.kfac import kfac
-from laplace.posteriors import DensePosterior, DiagonalPosterior, KronPosterior, Posterior
+from laplace.posteriors import (
+    DensePosterior,
+    DiagonalPosterior,
+    KronAccumulator,
+    KronPosterior,
+    Posterior,
+)
 from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = ["OutputKron", "PerOutputPosterior", "noise_structure"]
@@ -181,7 +187,7 @@ class _PerOutputDiagonal(PerOutputPosterior):
         return trace.square_sum([column]).detach()
 
 
-class _PerOutputKron(PerOutputPosterior):
+class _PerOutputKron(KronAccumulator, PerOutputPosterior):
     structure = KronPosterior
     route = "kron"
 
@@ -198,12 +204,14 @@ class _PerOutputKron(PerOutputPosterior):
         )
 
     @staticmethod
-    def finalize(H: Kron) -> OutputKron:
-        return OutputKron(H.kfacs)
+    def finalize(H: Kron, damping: bool = False) -> OutputKron:
+        """The summed factors, decomposed per σ (see :class:`OutputKron`)."""
+        return OutputKron(H.kfacs, damping)
 
     @staticmethod
-    def is_finite(H: Kron) -> bool:
-        return KronPosterior.is_finite(H)
+    def factors(H: OutputKron) -> OutputKron:
+        """The fitted factors are kept as they are."""
+        return H
 
     @staticmethod
     def _output_curvature(backend: Any, trace: Any, column: Tensor, n_data: int) -> Kron:

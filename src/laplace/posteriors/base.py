@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -32,12 +32,20 @@ class Posterior(ABC):
         prior_diag: Diagonal of the prior precision, shape (P,).
     """
 
+    #: Why ``fit(override=False)`` cannot update a fit of this structure; None: it can.
+    update_refusal: ClassVar[str | None] = None
+
     def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
         self.H = H
         self.h_factor = h_factor.reshape(())
         self.prior_diag = prior_diag
 
     # ---------------------------------------------------------------- curvature accumulation
+    # A fit is a sum over batches in the structure's representation: ``zeros`` is the empty
+    # sum, ``batch_curvature`` a batch's summand from a backend (a parameter subset may give it
+    # in closed form instead), ``add`` sums it in; ``merge`` adds a new sum to an earlier fit
+    # (``fit(override=False)``), ``finalize`` turns a sum into the stored curvature, and
+    # ``state`` / ``load_state`` write and read the stored curvature as plain tensors.
     @staticmethod
     @abstractmethod
     def zeros(params: Sequence[Tensor]) -> Any:
@@ -56,9 +64,10 @@ class Posterior(ABC):
         """
 
     @staticmethod
-    def finalize(H: Any) -> Any:
-        """The curvature as stored after a fit (e.g. eigen-decomposed); identity by default."""
-        return H
+    def add(total: Any, H: Any) -> Any:
+        """``total + H``, summed into ``total`` (a sum the caller owns) where it can be."""
+        total += H
+        return total
 
     @staticmethod
     def is_finite(H: Any) -> bool:
@@ -67,6 +76,53 @@ class Posterior(ABC):
         A sum is finite iff every summand is (barring overflow), so one reduction suffices.
         """
         return bool(torch.isfinite(H.sum()))
+
+    @staticmethod
+    def merge(previous: Any, H: Any, n_before: int, n_data: int) -> Any:
+        """The sum of a stored fit over ``n_before`` points and a new sum, over ``n_data`` points.
+
+        Args:
+            previous: The stored curvature of the earlier fits.
+            H: The new sum (normalised, where the structure normalises, for ``n_data`` points).
+            n_before: Data points of the earlier fits.
+            n_data: Data points of the earlier fits and the new sum together.
+        """
+        return previous + H
+
+    @staticmethod
+    def finalize(H: Any, **options: Any) -> Any:
+        """The curvature as stored after a fit (e.g. eigen-decomposed); identity by default.
+
+        Args:
+            H: The summed curvature.
+            **options: The structure's options (Kronecker: ``damping``).
+        """
+        return H
+
+    @staticmethod
+    def state(H: Any) -> Any:
+        """The stored curvature as detached tensors (nested in lists or dicts), for a state."""
+        return H.detach()
+
+    @classmethod
+    def load_state(cls, state: Any, zeros: Any, **options: Any) -> Any:
+        """The stored curvature from :meth:`state`'s value, checked against ``zeros``.
+
+        Args:
+            state: The saved value.
+            zeros: :meth:`zeros` of the parameters (shapes, device and dtype to load into).
+            **options: As :meth:`finalize`.
+
+        Raises:
+            ValueError: If ``state`` does not have the structure or the shapes of ``zeros``.
+        """
+        if not isinstance(state, Tensor):
+            raise ValueError("state_dict['H'] must be a tensor for this structure.")
+        if tuple(state.shape) != tuple(zeros.shape):
+            raise ValueError(
+                f"state_dict['H'] has shape {tuple(state.shape)}, expected {tuple(zeros.shape)}."
+            )
+        return state.to(device=zeros.device, dtype=zeros.dtype)
 
     # ------------------------------------------------------------------------ the posterior
     @property
