@@ -47,7 +47,7 @@ from laplace.likelihoods import make_likelihood
 from laplace.priors import expand_prior_precision, fix_prior_prec_structure
 from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure, parse_enum
 
-__all__ = ["TrainingEpoch", "default_backend", "marglik_training"]
+__all__ = ["default_backend", "marglik_training"]
 
 logger = logging.getLogger(__name__)
 
