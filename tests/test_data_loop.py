@@ -86,6 +86,19 @@ def test_cycle_restarts_the_loader_and_refuses_an_empty_one():
         list(DataLoop(None, "labels", CPU).cycle(empty, 2))
 
 
+def test_passes_is_re_iterable_with_prepared_batches_and_a_step():
+    data = DataLoader(DictDataset(torch.arange(6.0).reshape(3, 2), torch.arange(3)), batch_size=2)
+    passes = DataLoop("input_ids", "labels", CPU).passes(data, lambda X, y: (X["input_ids"], y))
+    first, second = list(passes), list(passes)
+    assert [y.tolist() for _, y in first] == [[0, 1], [2]]
+    for (X1, y1), (X2, y2) in zip(first, second, strict=True):
+        assert_close(X1, X2)
+        assert torch.equal(y1, y2)
+    bad = DataLoader(TensorDataset(torch.full((2, 2), float("nan")), torch.zeros(2)))
+    with pytest.raises(ValueError, match="NaN"):
+        list(DataLoop(None, "labels", CPU).passes(bad))
+
+
 def test_training_indices_and_subset_loader():
     data = loader(10, 3)
     assert training_indices(data).tolist() == list(range(10))
