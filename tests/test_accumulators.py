@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import CASE_BUILDERS, Case, Oracle, assert_close
-from laplace import Laplace, marglik_training
+from laplace import Laplace
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian
 from laplace.data_loop import DataLoop
 from laplace.last_layer import head_curvature
@@ -216,47 +216,3 @@ def test_a_head_has_a_closed_form_where_it_is_the_backends_curvature(backend, kw
     for structure in [*STRUCTURES.values(), LowRankPosterior]:
         closed_form = head_curvature(structure, instance)
         assert (closed_form is not None) == (structure in structures.values()), structure
-
-
-# ---------------------------------------------------------------- every fit is one data loop
-@pytest.mark.parametrize(
-    ("subset", "structure", "passes"),
-    [
-        ("all", "kron", ["CurvatureSum"]),
-        ("subnetwork", "full", ["CurvatureSum"]),
-        ("last_layer", "full", ["HeadCurvatureSum"]),
-        ("all", "lowrank", ["TopEigenpairs"]),
-    ],
-)
-def test_every_fit_is_one_pass_of_the_data_loop(monkeypatch, subset, structure, passes):
-    case = CASE_BUILDERS["mlp_classification"]()
-    runs = []
-    original = DataLoop.run
-
-    def counted(self, data):
-        runs.append(type(self).__name__)
-        return original(self, data)
-
-    monkeypatch.setattr(DataLoop, "run", counted)
-    kwargs = {"subnetwork_indices": torch.arange(0, 30, 3)} if subset == "subnetwork" else {}
-    Laplace(case.model, case.likelihood, subset, structure, **kwargs).fit(case.loader())
-    assert runs == passes
-
-
-def test_marglik_training_epochs_are_data_loops(monkeypatch):
-    case = CASE_BUILDERS["mlp_classification"]()
-    model = case.model.float()
-    loader = DataLoader(TensorDataset(case.X.float(), case.y), batch_size=5)
-    runs = []
-    original = DataLoop.run
-
-    def counted(self, data):
-        runs.append(type(self).__name__)
-        return original(self, data)
-
-    monkeypatch.setattr(DataLoop, "run", counted)
-    marglik_training(
-        model, loader, hessian_structure="diag", backend=CurvlinopsGGN, n_epochs=2, n_hypersteps=1
-    )
-    epoch = ["TrainingEpoch", "CurvatureSum"]  # training, then the Laplace fit for the marglik
-    assert runs == [*epoch, *epoch, "CurvatureSum"]
