@@ -31,7 +31,7 @@ from laplace.errors import (
 )
 from laplace.kron_glm import layerwise_chunk_rows, lowrank_functional_moments
 from laplace.parametric import ParametricLaplace
-from laplace.parametric_fit import CurvatureSum
+from laplace.parametric_fit import FitPass
 from laplace.posterior_scale import PosteriorScaleMixin
 from laplace.posteriors.lowrank import LowRankPosterior
 from laplace.utils.enums import Likelihood
@@ -246,10 +246,10 @@ def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return solver
 
 
-class TopEigenpairs(CurvatureSum):
+class TopEigenpairs(FitPass):
     """The pass of a low-rank fit: the summed loss, then the top-k curvature eigenpairs.
 
-    One pass sums the loss (checking outputs and targets, as :class:`CurvatureSum` does) before
+    One pass sums the loss (checking each batch's outputs and targets) before
     any solver work; then :func:`~laplace.curvature.eigen.top_eigenpairs` multiplies the
     curvature over the data with blocks of vectors (:func:`curvature_product`), one more pass
     over the batches (:meth:`~laplace.data_loop.DataLoop.passes`) per product.
@@ -258,7 +258,7 @@ class TopEigenpairs(CurvatureSum):
         *args: See :class:`~laplace.data_loop.DataLoop`.
         solver: The eigensolver's options, with ``n_eigenvalues`` (see :func:`_solver_options`).
         local_n: Data points of this rank's shard (all of them when not distributed).
-        **options: See :class:`CurvatureSum`.
+        **options: See :class:`~laplace.parametric_fit.FitPass`.
 
     Attributes:
         errors: After :meth:`run`, the a posteriori relative errors of the eigenvalues (k,).
@@ -269,10 +269,6 @@ class TopEigenpairs(CurvatureSum):
         self.solver, self.local_n = dict(solver), local_n
         self.errors: Tensor | None = None
 
-    def start(self) -> None:
-        """The loss sum starts with the first batch's."""
-        return None
-
     def step(self, X: Inputs, y: Tensor) -> Tensor:
         """The summed loss of a batch, after checking its outputs and targets."""
         with torch.no_grad():
@@ -282,10 +278,6 @@ class TopEigenpairs(CurvatureSum):
     def check(self, stats: Tensor) -> None:
         """Refuse a non-finite loss (before any eigensolver pass)."""
         check_finite_result(stats, "loss of a training batch")
-
-    def add(self, total: Tensor | None, stats: Tensor) -> Tensor:
-        """Add a batch's loss."""
-        return stats if total is None else total + stats
 
     def run(self, loader: DataLoader) -> tuple[tuple[Tensor, Tensor], Tensor]:
         """``((U (P, k), λ (k,)), loss)`` over ``loader``.

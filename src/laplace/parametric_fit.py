@@ -25,7 +25,7 @@ from laplace.data_loop import DataLoop
 from laplace.errors import check_bool, check_finite_result
 from laplace.posteriors import Posterior
 
-__all__ = ["CurvatureFitMixin", "CurvatureSum", "FitPieces"]
+__all__ = ["CurvatureFitMixin", "CurvatureSum", "FitPass", "FitPieces"]
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,8 @@ class FitPieces:
     n_data: int
 
 
-class CurvatureSum(DataLoop):
-    """The pass of a parametric fit: ``(curvature, loss)`` summed over the batches.
-
-    Per batch the likelihood checks the targets (against the outputs' shape, found with one
-    forward pass on the first batch), the posterior structure asks the backend for the batch's
-    loss and curvature in its form (``batch_curvature``) and its accumulator adds them up.
+class FitPass(DataLoop):
+    """A pass of a fit over the data: the pieces it wires and the checks of each batch.
 
     Args:
         *args: See :class:`~laplace.data_loop.DataLoop`.
@@ -71,6 +67,28 @@ class CurvatureSum(DataLoop):
         self.n_outputs: int | None = None
         self._output_shape: Sequence[int] | None = None
 
+    def check_batch(self, X: Inputs, y: Tensor, f: Any) -> Tensor:
+        """Check the outputs ``f`` of a batch and its targets; the first sets ``n_outputs``.
+
+        Raises:
+            ModelOutputError, DataError: See :func:`laplace.data.check_outputs`.
+            ValueError: For targets the likelihood refuses.
+        """
+        f = check_outputs(f, batch_size_of(X, self.dict_key_x))
+        self._output_shape, self.n_outputs = f.shape, int(f.shape[-1])
+        self.pieces.likelihood.check_targets(y, f.shape)
+        return f
+
+
+class CurvatureSum(FitPass):
+    """The pass of a parametric fit: ``(curvature, loss)`` summed over the batches.
+
+    Per batch the likelihood checks the targets (against the outputs' shape, found with one
+    forward pass on the first batch), the posterior structure asks the backend for the batch's
+    loss and curvature in its form (``batch_curvature``) and its accumulator adds them up.
+    Arguments as :class:`FitPass`.
+    """
+
     def start(self) -> list[Any]:
         """Zero curvature and loss."""
         return [self.pieces.zeros(), 0.0]
@@ -84,18 +102,6 @@ class CurvatureSum(DataLoop):
             self.pieces.likelihood.check_targets(y, self._output_shape)
         pieces = self.pieces
         return pieces.posterior.batch_curvature(pieces.backend, X, y, pieces.n_data)
-
-    def check_batch(self, X: Inputs, y: Tensor, f: Any) -> Tensor:
-        """Check the outputs ``f`` of a batch and its targets; the first sets ``n_outputs``.
-
-        Raises:
-            ModelOutputError, DataError: See :func:`laplace.data.check_outputs`.
-            ValueError: For targets the likelihood refuses.
-        """
-        f = check_outputs(f, batch_size_of(X, self.dict_key_x))
-        self._output_shape, self.n_outputs = f.shape, int(f.shape[-1])
-        self.pieces.likelihood.check_targets(y, f.shape)
-        return f
 
     def check(self, stats: tuple[Tensor, Any]) -> None:
         """Refuse a non-finite curvature or loss."""
@@ -123,8 +129,8 @@ class CurvatureFitMixin:
     name another pass over the data than :class:`CurvatureSum`.
     """
 
-    #: The pass over the data that sums the curvature (a :class:`CurvatureSum`).
-    _curvature_pass: type[CurvatureSum] = CurvatureSum
+    #: The pass over the data that sums the curvature.
+    _curvature_pass: type[FitPass] = CurvatureSum
 
     @property
     def _structure_options(self) -> dict[str, Any]:

@@ -1,10 +1,11 @@
 """The contract every posterior structure (dense, diagonal, Kronecker, low-rank) implements.
 
-A structure owns two things: how the curvature of a batch is obtained from a backend and summed
-over batches, and the Gaussian posterior ``N(θ_MAP, P⁻¹)`` with ``P = h·H + diag(p₀)`` once the
-curvature ``H``, the likelihood factor ``h = 1/(σ²T)`` and the prior precision ``p₀`` are known.
-Predictives, the marginal likelihood and hyperparameter tuning only talk to this interface, so they
-never branch on the structure.
+A structure owns two things: the accumulator of a fit (how the curvature of a batch is obtained
+from a backend, summed over batches, added to an earlier fit, stored and saved), and the Gaussian
+posterior ``N(θ_MAP, P⁻¹)`` with ``P = h·H + diag(p₀)`` once the curvature ``H``, the likelihood
+factor ``h = 1/(σ²T)`` and the prior precision ``p₀`` are known. Fits, predictives, the marginal
+likelihood, hyperparameter tuning and saved states only talk to this interface, so they never
+branch on the structure.
 """
 
 from __future__ import annotations
