@@ -11,7 +11,7 @@ forms, :class:`laplace.lllaplace.HeadCurvatureSum`). Internal module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,6 @@ class FitPieces:
         posterior: The posterior structure, whose accumulator sums the curvature.
         backend: The curvature backend.
         likelihood: The likelihood the targets are checked with.
-        zeros: The zero curvature in the structure's form (a fresh sum on every call).
         n_data: Number of data points the summed curvature covers (KFAC normalises by it).
     """
 
@@ -45,8 +44,11 @@ class FitPieces:
     posterior: type[Posterior]
     backend: Any
     likelihood: Any
-    zeros: Callable[[], Any]
     n_data: int
+
+    def zeros(self) -> Any:
+        """A fresh zero curvature in the structure's form, over the subset's curvature tensors."""
+        return self.posterior.zeros(self.subset.curvature_params)
 
 
 class FitPass(DataLoop):
@@ -225,7 +227,6 @@ class CurvatureFitMixin:
             posterior=self._posterior_cls,
             backend=self.backend,
             likelihood=self._likelihood_model.fit_likelihood,
-            zeros=self._zero_curvature,
             n_data=n_data,
         )
 
