@@ -12,7 +12,6 @@ from torch.utils.data import DataLoader
 
 from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace, arguments_for
-from laplace.curvature.kfac import check_kfac_support
 from laplace.data import Inputs
 from laplace.kron_glm import kron_functional_moments
 from laplace.parametric import ParametricLaplace
@@ -44,10 +43,15 @@ class KronLaplace(ParametricLaplace):
     The GLM predictive computes ``J P⁻¹ Jᵀ`` from layer inputs and output gradients
     (:mod:`laplace.kron_glm`) without forming Jacobians.
 
-    Supported layers: ``nn.Linear`` and ``nn.Conv1d/2d/3d`` (ungrouped), also inside larger
-    modules. Any other module owning a trainable parameter (normalisation layers, embeddings,
-    attention projections held as raw parameters, ...) is refused with its name; freeze it or
-    use a diagonal or full structure.
+    Every parameterised layer is supported, each parameter tensor with a block of its own (see
+    :mod:`laplace.curvature.kfac_rules`): Kronecker factors for ``nn.Linear``,
+    ``nn.Conv1d/2d/3d``, transformers' ``Conv1D`` and ``nn.Embedding`` (whose vocabulary factor,
+    the token counts, is diagonal); the exact curvature block of every other parameter
+    (LayerNorm, RMSNorm, GroupNorm and BatchNorm affine parameters, attention projections held
+    as raw parameters, any module), dense up to ``backend_kwargs={"kfac_dense_limit": n}``
+    entries (default :data:`~laplace.curvature.kfac_rules.KFAC_DENSE_LIMIT`) and diagonal
+    above, all in one posterior. The ASDL and BackPACK backends factor Linear and convolution
+    layers only and refuse other modules by name.
 
     Args:
         model: See :class:`~laplace.base.BaseLaplace`.
@@ -61,14 +65,16 @@ class KronLaplace(ParametricLaplace):
         dict_key_x: See :class:`~laplace.base.BaseLaplace`.
         dict_key_y: See :class:`~laplace.base.BaseLaplace`.
         backend: See :class:`~laplace.base.BaseLaplace`; a GGN or EF backend. Its
-            ``backend_kwargs`` may set ``kfac_approx`` (``"expand"`` or ``"reduce"``).
+            ``backend_kwargs`` may set ``kfac_approx`` (``"expand"`` or ``"reduce"``) and
+            ``kfac_dense_limit`` (the native backends).
         damping: Mix the prior into each factor: a weight block's spectrum becomes
             ``(√h·λ_G + √δ)(√h·λ_A + √δ)ᵀ`` instead of ``h·λ_G λ_Aᵀ + δ``.
         backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
         asdl_fisher_kwargs: See :class:`~laplace.base.BaseLaplace`.
 
     Raises:
-        ValueError: For a module KFAC cannot model or a diagonal prior precision.
+        ValueError: For a module the backend cannot Kronecker-factor (ASDL, BackPACK) or a
+            diagonal prior precision.
     """
 
     _posterior_cls = KronPosterior
@@ -95,8 +101,10 @@ class KronLaplace(ParametricLaplace):
     def _init_state(self) -> None:
         self.H_facs: Kron | None = None
         super()._init_state()
-        if self.params is not None:
-            check_kfac_support(self.model, self.params)
+
+    def _zero_curvature(self) -> Kron:
+        """Zero factors of the backend's blocks (it refuses modules it cannot factor)."""
+        return self._posterior_cls.zeros(self._subset.params, self.backend.kron_shapes())
 
     def _init_H(self) -> None:
         """Reset ``H`` to zero Kronecker factors (and forget the fitted ``H_facs``)."""
@@ -145,7 +153,7 @@ class KronLaplace(ParametricLaplace):
 
     @staticmethod
     def _rescale_inputs(H: Kron, scale: float) -> Kron:
-        """Copy of ``H`` with the input factor of every weight block scaled by ``scale``."""
+        """Copy of ``H`` with the data-normalised (second) factor of two-factor blocks scaled."""
         return Kron([[F[0], F[1] * scale] if len(F) == 2 else list(F) for F in H.kfacs])
 
     @property
@@ -175,8 +183,8 @@ class KronLaplace(ParametricLaplace):
         return [[F.detach() for F in block] for block in factors.kfacs]
 
     def _load_curvature_state(self, state: Any) -> KronDecomposed:
-        zeros = self._posterior_cls.zeros(self.params)
-        shapes = [[tuple(F.shape) for F in block] for block in zeros.kfacs]
+        zeros = self._zero_curvature()
+        shapes = zeros.shapes
         if not isinstance(state, list) or not all(
             isinstance(block, list) and all(isinstance(F, Tensor) for F in block)
             for block in state

@@ -43,8 +43,12 @@ class KronPosterior(Posterior):
 
     @override
     @staticmethod
-    def zeros(params: Sequence[Tensor]) -> Kron:
-        return Kron.init_from_model(params, params[0].device, params[0].dtype)
+    def zeros(params: Sequence[Tensor], shapes: list | None = None) -> Kron:
+        """Zero factors: of the backend's block ``shapes`` (``G ⊗ A`` per weight when None)."""
+        device, dtype = params[0].device, params[0].dtype
+        if shapes is None:
+            return Kron.init_from_model(params, device, dtype)
+        return Kron.zeros(shapes, device, dtype)
 
     @override
     @staticmethod
