@@ -174,3 +174,87 @@ def test_decomposed_refuses_a_diagonal_delta():
     K = random_kron(0)
     with pytest.raises(ValueError, match="one value per block"):
         K.decompose() + torch.ones(K.to_matrix().shape[0], dtype=torch.float64)
+
+
+# ------------------------------------------------- mixed blocks: diagonal factors and blocks
+def _positive(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.rand(n, generator=gen, dtype=torch.float64) + 0.2
+
+
+def mixed_kron(seed: int = 0) -> Kron:
+    """Diagonal ⊗ dense (an embedding), dense ⊗ diagonal, both diagonal, dense, diagonal."""
+    gen = torch.Generator().manual_seed(seed)
+    return Kron(
+        [
+            [_positive(5, gen), _spd(3, gen)],
+            [_spd(2, gen), _positive(4, gen)],
+            [_positive(2, gen), _positive(3, gen)],
+            [_spd(4, gen)],
+            [_positive(6, gen)],
+        ]
+    )
+
+
+def _dense(F: torch.Tensor) -> torch.Tensor:
+    return F if F.ndim == 2 else torch.diag(F)
+
+
+def mixed_dense_blocks(K: Kron) -> list[torch.Tensor]:
+    return [_dense(F[0]) if len(F) == 1 else torch.kron(*map(_dense, F)) for F in K.kfacs]
+
+
+def test_mixed_kron_dense_views_products_and_shapes():
+    K = mixed_kron(0)
+    dense = torch.block_diag(*mixed_dense_blocks(K))
+    assert K.shapes == [[(5,), (3, 3)], [(2, 2), (4,)], [(2,), (3,)], [(4, 4)], [(6,)]]
+    assert_close(K.to_matrix(), dense)
+    assert_close(K.diag(), dense.diagonal())
+    assert_close(K.logdet(), torch.linalg.slogdet(dense)[1])
+    W = torch.randn(3, 2, dense.shape[0], dtype=torch.float64)
+    assert_close(K.bmm(W), W @ dense)
+    zeros = Kron.zeros(K.shapes, torch.device("cpu"), torch.float64)
+    assert zeros.shapes == K.shapes and not zeros.to_matrix().any()
+    zeros += K
+    assert_close(zeros.to_matrix(), dense)
+
+
+@pytest.mark.parametrize("exponent", EXPONENTS)
+def test_mixed_decomposed_matches_dense_powers(exponent):
+    K = mixed_kron(1)
+    deltas = torch.tensor([0.3, 1.1, 0.5, 2.0, 0.7], dtype=torch.float64)
+    D = K.decompose() * 1.3 + deltas
+    # a diagonal factor keeps no eigenvector matrix
+    assert [[Q is None for Q in Qs] for Qs in D.eigenvectors] == [
+        [True, False],
+        [False, True],
+        [True, True],
+        [False],
+        [True],
+    ]
+    expected = dense_power([1.3 * b for b in mixed_dense_blocks(K)], deltas, exponent)
+    assert_close(D.to_matrix(exponent), expected, rtol=1e-7, atol=1e-9)
+    assert_close(D.diag(exponent), expected.diagonal(), rtol=1e-7, atol=1e-9)
+    W = torch.randn(3, 2, expected.shape[0], dtype=torch.float64)
+    assert_close(D.bmm(W, exponent), W @ expected, rtol=1e-7, atol=1e-9)
+    if exponent == -1:
+        assert_close(D.inv_square_form(W), W @ expected @ W.transpose(1, 2))
+        assert_close(D.logdet(), -torch.linalg.slogdet(expected)[1])
+
+
+def test_mixed_decomposed_damping_and_deferred():
+    K = mixed_kron(2)
+    delta = torch.tensor(0.4, dtype=torch.float64)
+    root = delta.sqrt()
+    blocks = []
+    for F in K.kfacs:
+        Fs = [_dense(Fi) for Fi in F]
+        eye = [torch.eye(len(Fi), dtype=Fi.dtype) for Fi in Fs]
+        if len(F) == 1:
+            blocks.append(Fs[0] + delta * eye[0])
+        else:
+            blocks.append(torch.kron(Fs[0] + root * eye[0], Fs[1] + root * eye[1]))
+    dense = torch.block_diag(*blocks)
+    for deferred in (False, True):
+        D = K.decompose(damping=True, deferred=deferred) + delta
+        assert_close(D.to_matrix(), dense)
+        assert_close(D.logdet(), torch.linalg.slogdet(dense)[1])

@@ -37,6 +37,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from laplace.curvature.capture import OutputGradients
 from laplace.curvature.kfac_rules import (
@@ -139,9 +140,45 @@ def _add(sums: dict, key: object, value: Tensor) -> None:
         sums[key] = value
 
 
+def _check_batch_rows(trace: PerSampleTrace) -> None:
+    """Refuse layers whose outputs have fewer rows than the batch (broadcast over it).
+
+    Per-sample quantities are read off every layer's output gradients row by row; a layer whose
+    output is shared by the data points (a position embedding looked up once, (1, T, D)) has
+    their gradients summed. Rows beyond the batch (folded batches) are taken as positions.
+
+    Raises:
+        ValueError: Naming the first such layer and the alternatives.
+    """
+    batch = trace.f.shape[0]
+    for call in trace.calls:
+        rows = call.outputs[0].shape[0] if call.outputs[0].dim() else 0
+        if rows < batch:
+            names = {m: name for name, m in trace.engine.model.named_modules()}
+            raise ValueError(
+                f"module {names.get(call.module, '?')!r} ({type(call.module).__name__}) returns "
+                f"outputs of shape {tuple(call.outputs[0].shape)} for a batch of {batch}: shared "
+                "by the data points, they give no per-sample gradients for KFAC. Freeze its "
+                "parameters (requires_grad=False) or use hessian_structure='diag' or 'full'."
+            )
+
+
 def _or_zeros(sums: dict, key: object, like: Tensor, shape: tuple[int, ...]) -> Tensor:
     """``sums[key]``, or zeros of ``shape`` for a module not called on the batch."""
     return sums[key] if key in sums else like.new_zeros(shape)
+
+
+def _tiled(call: ModuleCall, k: int) -> ModuleCall:
+    """The call repeated for ``k`` output columns: inputs with its rows along dim 0 tiled."""
+    rows = call.outputs[0].shape[0]
+
+    def tile(v: object) -> object:
+        if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == rows:
+            return v.unsqueeze(0).expand(k, *v.shape).reshape(k * rows, *v.shape[1:])
+        return v
+
+    args, kwargs = tree_map(tile, call.args), tree_map(tile, call.kwargs)
+    return ModuleCall(call.module, args, kwargs, call.outputs, call.output_slots, call.names)
 
 
 class _ExactBlocks:
@@ -162,25 +199,27 @@ class _ExactBlocks:
         if not self.calls:
             return
         slot = self.trace.engine.slot
-        dense: dict[int, list[Tensor]] = {}
-        for k in range(len(grads[self.calls[0][0]][0])):
-            rows: dict[int, list[Tensor]] = {}  # per slot, per call, the per-sample gradients
-            for i, call in self.calls:
-                for name, u in per_sample_grads(call, [g[k] for g in grads[i]]).items():
-                    s = slot[call.module, name]
-                    if self.plan[s].kind in ("dense", "diag"):
-                        rows.setdefault(s, []).append(u.detach().flatten(1))
-            for s, us in rows.items():
-                # a parameter used by several calls: its per-sample gradient is their sum (calls
-                # over other rows than the data points, as folded batches, stay apart)
-                same = all(u.shape == us[0].shape for u in us)
-                u = torch.stack(us).sum(0) if same else torch.cat(us)
-                if self.plan[s].kind == "diag":
-                    _add(self.sums, s, u.square().sum(0))
-                else:
-                    dense.setdefault(s, []).append(u)
-        for s, us in dense.items():
-            _add(self.sums, s, symmetric_gram(torch.cat(us)))
+        rows: dict[int, list[Tensor]] = {}  # per slot, per call, the per-sample gradients
+        for i, call in self.calls:
+            k = len(grads[i][0])  # the chunk's columns, as more rows: (k·R, ...)
+            tiled = _tiled(call, k) if k > 1 else call
+            for name, u in per_sample_grads(tiled, [g.flatten(0, 1) for g in grads[i]]).items():
+                s = slot[call.module, name]
+                if self.plan[s].kind in ("dense", "diag"):
+                    rows.setdefault(s, []).append(u.detach().flatten(1))
+        for s, us in rows.items():
+            # a parameter used by several calls: its per-sample gradient is their sum (calls
+            # over other rows than the data points, as folded batches, stay apart)
+            u = (
+                torch.stack(us).sum(0)
+                if all(u.shape == us[0].shape for u in us)
+                else torch.cat(us)
+            )
+            _add(
+                self.sums,
+                s,
+                u.square().sum(0) if self.plan[s].kind == "diag" else symmetric_gram(u),
+            )
 
 
 def kfac(
@@ -209,12 +248,14 @@ def kfac(
         (:func:`~laplace.curvature.kfac_rules.plan_blocks`).
 
     Raises:
-        ValueError: For an unknown ``approx`` or a trace restricted to a subnetwork.
+        ValueError: For an unknown ``approx``, a trace restricted to a subnetwork, or a layer
+            whose outputs have fewer rows than the batch.
     """
     if approx not in KFAC_APPROXIMATIONS:
         raise ValueError(f"kfac_approx must be one of {KFAC_APPROXIMATIONS}, got {approx!r}.")
     if trace.engine.indices is not None:
         raise ValueError("KFAC is defined per layer; it does not support subnetwork_indices.")
+    _check_batch_rows(trace)
     engine, calls = trace.engine, trace.calls
     plan = plan_blocks(engine, dense_limit)
     kron_rules = {b.module: b.rule for b in plan if b.kind in ("kron", "bias")}
