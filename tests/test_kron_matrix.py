@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_close
+from conftest import assert_close, kron_dense_blocks
 from laplace.utils.matrix import Kron
 
 EXPONENTS = [1, -1, 0.5, -0.5]
@@ -40,6 +40,19 @@ def dense_power(blocks: list[torch.Tensor], deltas, exponent: float) -> torch.Te
         w, V = torch.linalg.eigh(block + delta * torch.eye(len(block), dtype=block.dtype))
         powered.append((V * w.pow(exponent)) @ V.T)
     return torch.block_diag(*powered)
+
+
+def damped_dense(K: Kron, delta: torch.Tensor) -> torch.Tensor:
+    """Dense ``(F₀ + √δ I) ⊗ (F₁ + √δ I)`` per two-factor block, ``F + δ I`` per one-factor one."""
+    root, blocks = delta.sqrt(), []
+    for F in K.kfacs:
+        Fs = [Fi if Fi.ndim == 2 else torch.diag(Fi) for Fi in F]
+        eye = [torch.eye(len(Fi), dtype=Fi.dtype) for Fi in Fs]
+        if len(F) == 1:
+            blocks.append(Fs[0] + delta * eye[0])
+        else:
+            blocks.append(torch.kron(Fs[0] + root * eye[0], Fs[1] + root * eye[1]))
+    return torch.block_diag(*blocks)
 
 
 def test_init_from_model_shapes_and_zeros():
@@ -149,15 +162,7 @@ def test_decomposed_damping_mixes_the_prior_into_each_factor():
     K = random_kron(5)
     delta = torch.tensor(0.4, dtype=torch.float64)
     D = K.decompose(damping=True) + delta
-    root = delta.sqrt()
-    blocks = []
-    for F in K.kfacs:
-        eye = [torch.eye(len(Fi), dtype=Fi.dtype) for Fi in F]
-        if len(F) == 1:
-            blocks.append(F[0] + delta * eye[0])
-        else:
-            blocks.append(torch.kron(F[0] + root * eye[0], F[1] + root * eye[1]))
-    dense = torch.block_diag(*blocks)
+    dense = damped_dense(K, delta)
     assert_close(D.to_matrix(), dense)
     assert_close(D.logdet(), torch.linalg.slogdet(dense)[1])
     assert (D * 2.0).damping and (D + delta).damping
@@ -195,17 +200,9 @@ def mixed_kron(seed: int = 0) -> Kron:
     )
 
 
-def _dense(F: torch.Tensor) -> torch.Tensor:
-    return F if F.ndim == 2 else torch.diag(F)
-
-
-def mixed_dense_blocks(K: Kron) -> list[torch.Tensor]:
-    return [_dense(F[0]) if len(F) == 1 else torch.kron(*map(_dense, F)) for F in K.kfacs]
-
-
 def test_mixed_kron_dense_views_products_and_shapes():
     K = mixed_kron(0)
-    dense = torch.block_diag(*mixed_dense_blocks(K))
+    dense = torch.block_diag(*kron_dense_blocks(K))
     assert K.shapes == [[(5,), (3, 3)], [(2, 2), (4,)], [(2,), (3,)], [(4, 4)], [(6,)]]
     assert_close(K.to_matrix(), dense)
     assert_close(K.diag(), dense.diagonal())
@@ -231,7 +228,7 @@ def test_mixed_decomposed_matches_dense_powers(exponent):
         [False],
         [True],
     ]
-    expected = dense_power([1.3 * b for b in mixed_dense_blocks(K)], deltas, exponent)
+    expected = dense_power([1.3 * b for b in kron_dense_blocks(K)], deltas, exponent)
     assert_close(D.to_matrix(exponent), expected, rtol=1e-7, atol=1e-9)
     assert_close(D.diag(exponent), expected.diagonal(), rtol=1e-7, atol=1e-9)
     W = torch.randn(3, 2, expected.shape[0], dtype=torch.float64)
@@ -244,16 +241,7 @@ def test_mixed_decomposed_matches_dense_powers(exponent):
 def test_mixed_decomposed_damping_and_deferred():
     K = mixed_kron(2)
     delta = torch.tensor(0.4, dtype=torch.float64)
-    root = delta.sqrt()
-    blocks = []
-    for F in K.kfacs:
-        Fs = [_dense(Fi) for Fi in F]
-        eye = [torch.eye(len(Fi), dtype=Fi.dtype) for Fi in Fs]
-        if len(F) == 1:
-            blocks.append(Fs[0] + delta * eye[0])
-        else:
-            blocks.append(torch.kron(Fs[0] + root * eye[0], Fs[1] + root * eye[1]))
-    dense = torch.block_diag(*blocks)
+    dense = damped_dense(K, delta)
     for deferred in (False, True):
         D = K.decompose(damping=True, deferred=deferred) + delta
         assert_close(D.to_matrix(), dense)

@@ -16,12 +16,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import Oracle, assert_close
+from conftest import Oracle, assert_close, kron_dense_blocks
 from laplace import DiagLaplace, FullLaplace, KronLaplace
 from laplace.curvature import AsdlGGN, BackPackGGN, CurvlinopsGGN
 from laplace.glm import GLMPredictiveMixin
 from laplace.kron_glm import diag_functional_moments, kron_functional_moments
-from laplace.utils.matrix import Kron
 
 Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
 
@@ -88,13 +87,6 @@ def loader(X, y, batch_size: int = 4) -> DataLoader:
     return DataLoader(TensorDataset(X, y), batch_size=batch_size)
 
 
-def dense_blocks(H: Kron) -> list[torch.Tensor]:
-    def dense(F):
-        return F if F.ndim == 2 else torch.diag(F)
-
-    return [dense(F[0]) if len(F) == 1 else torch.kron(dense(F[0]), dense(F[1])) for F in H.kfacs]
-
-
 def oracle_blocks(model: nn.Module, matrix: torch.Tensor) -> list[torch.Tensor]:
     sizes = [p.numel() for p in model.parameters()]
     starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]
@@ -117,7 +109,7 @@ def test_every_block_is_the_exact_ggn_block_for_one_point_at_one_position(approx
     kinds = [("kron-diag" if F[0].ndim == 1 else "kron") if len(F) == 2 else "x" for F in H.kfacs]
     assert kinds == [k if k.startswith("kron") else "x" for k in MIXED_KINDS]
     expected = oracle_blocks(model, Oracle(model, "classification").ggn(X))
-    for got, want in zip(dense_blocks(H), expected, strict=True):
+    for got, want in zip(kron_dense_blocks(H), expected, strict=True):
         assert_close(got, want, rtol=RTOL, atol=ATOL)
 
 
@@ -129,7 +121,7 @@ def test_exact_blocks_are_exact_over_many_points_and_positions(approx):
     exact = [i for i, kind in enumerate(MIXED_KINDS) if kind == "exact"]
     ggn = Oracle(model, "classification").ggn(X)
     for i in exact:
-        assert_close(dense_blocks(la.H_facs)[i], oracle_blocks(model, ggn)[i], RTOL, ATOL)
+        assert_close(kron_dense_blocks(la.H_facs)[i], oracle_blocks(model, ggn)[i], RTOL, ATOL)
     # above the dense limit the exact diagonal (here: every exact block)
     diag = fitted(model, X, y, backend_kwargs={"kfac_dense_limit": 0})
     for i in exact:
@@ -298,6 +290,18 @@ def test_an_embedding_never_holds_a_vocabulary_square():
     assert la.sample(2).shape == (2, la.n_params)
 
 
+def test_one_sigma_per_output_combines_exact_blocks_too():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)).double()
+    X, y = torch.randn(10, 3, dtype=torch.float64), torch.randn(10, 2, dtype=torch.float64)
+    shared = fitted(model, X, y, "regression", sigma_noise=0.7)
+    per_output = fitted(model, X, y, "regression", sigma_noise=torch.tensor([0.7, 0.7]))
+    assert_close(per_output.log_marginal_likelihood(), shared.log_marginal_likelihood())
+    # (separate eigendecompositions of each output's sum: round-off as for Linear layers alone)
+    f_var = per_output._functional_moments(X)[1]
+    assert_close(f_var, shared._functional_moments(X)[1], rtol=1e-6, atol=1e-12)
+
+
 # --------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("backend", [AsdlGGN, BackPackGGN])
 @pytest.mark.parametrize(
@@ -336,7 +340,7 @@ def test_errors_name_the_module():
         KronLaplace(model, "regression", backend_kwargs={"kfac_dense_limit": -1})
     bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double().train()
     backend = CurvlinopsGGN(bn, "classification")
-    with pytest.raises(ValueError, match=r"BatchNorm1d.*batch statistics.*model.eval\(\)"):
+    with pytest.raises(ValueError, match=r"'1'.*BatchNorm1d.*batch statistics.*model.eval\(\)"):
         backend.kron(torch.randn(6, 3, dtype=torch.float64), y, N=6)
 
 

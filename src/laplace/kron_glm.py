@@ -23,7 +23,8 @@ each entry. A low-rank precision ``P = U diag(h·λ) Uᵀ + D`` has ``P⁻¹ = D
 inner product of every output's per-sample gradient with the k columns of ``Z``
 (:class:`~laplace.curvature.block_product.SampleVectors`, per layer). All of it comes from one
 recorded forward pass and one backward pass per output (w.r.t. layer outputs only): the memory
-is that of the activations, never the (B, C, P) Jacobian.
+is that of the activations per output, never the (B, C, P) Jacobian (the ``Mc`` of a layer at
+several positions, as large as its Jacobian rows, are formed a block of test points at a time).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from laplace.utils.matrix import KronDecomposed
 
 __all__ = [
     "LAYERWISE_CHUNK_ROWS",
+    "SHARED_LAYER_BLOCK_BYTES",
     "diag_functional_moments",
     "kron_functional_moments",
     "layerwise_chunk_rows",
@@ -50,6 +52,10 @@ __all__ = [
 
 #: Test points per chunk of the layer-wise GLM predictive (it holds activations, not Jacobians).
 LAYERWISE_CHUNK_ROWS = 256
+
+#: Bytes of the per-output (out × in) matrices of a layer applied at several positions formed at
+#: once (the test points of a chunk are taken a block at a time).
+SHARED_LAYER_BLOCK_BYTES = 64 * 2**20
 
 #: Per parameter slot: the eigenvectors of its factors (None: identity) and the inverse
 #: spectrum, (m, n) for a two-factor block, (p,) for a one-factor block.
@@ -108,8 +114,8 @@ def layerwise_chunk_rows(model: nn.Module, params: list[Tensor], jacobian_rows: 
     """Test points per chunk of a GLM predictive that takes the layer-wise route when it can.
 
     Parameters of layers with a Kronecker rule cost activations per test point; the others
-    their per-sample gradients, (rows, C, p) each, a part of the Jacobian that the Jacobian
-    route's chunks bound.
+    (and parameters shared by several layers) their per-sample gradients, (rows, C, p) each, a
+    part of the Jacobian that the Jacobian route's chunks bound.
 
     Args:
         model: The network.
@@ -120,13 +126,13 @@ def layerwise_chunk_rows(model: nn.Module, params: list[Tensor], jacobian_rows: 
         :data:`LAYERWISE_CHUNK_ROWS`, fewer where the per-sample gradients of the parameters
         without a rule would outgrow the Jacobian route's chunks.
     """
-    wanted = {id(p) for p in params}
-    exact = sum(
-        p.numel()
-        for m in model.modules()
-        for p in m.parameters(recurse=False)
-        if id(p) in wanted and kfac_rule(m) is None
-    )
+    sizes = {id(p): p.numel() for p in params}
+    owners: dict[int, list[nn.Module]] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if id(p) in sizes:
+                owners.setdefault(id(p), []).append(m)
+    exact = sum(sizes[i] for i, ms in owners.items() if len(ms) > 1 or kfac_rule(ms[0]) is None)
     if exact == 0:
         return LAYERWISE_CHUNK_ROWS
     total = sum(p.numel() for p in params)
@@ -184,7 +190,6 @@ class _Slot:
 
     def __init__(self, kind, module, name, rule: KfacRule | None, Qs, inv: Tensor) -> None:
         self.kind, self.module, self.name, self.rule, self.inv = kind, module, name, rule, inv
-        self.Qs = Qs
         self.rows: list[Tensor] = []
         if kind == "kron":  # the factor on the output gradients, and the one on the inputs
             self.Q_out, self.Q_in = (Qs[1], Qs[0]) if rule.inputs_first else (Qs[0], Qs[1])
@@ -197,27 +202,41 @@ class _Slot:
             self.rows.append(_rotate(u, self.Q_out))
         elif self.kind == "bias":
             self.rows.append(_rotate(g.sum(1), self.Q_out))
-        elif self.rule.one_hot:
-            self.rows.append(_rotate(g, self.Q_out))  # (R, T, D), summed per token later
-        elif a.shape[1] == 1:
+        elif a.shape[1] == 1 and not self.rule.one_hot:
             self.rows.append(_rotate(g[:, 0], self.Q_out))
-        else:
-            g = _rotate(g, self.Q_out)
-            M = a.transpose(1, 2) @ g if self.rule.inputs_first else g.transpose(1, 2) @ a
-            self.rows.append(M.flatten(1))
+        else:  # (R, T, D_out): combined with the inputs once every output's rows are in
+            self.rows.append(_rotate(g, self.Q_out))
 
-    def variance(self, a: Tensor | None, B: int) -> Tensor:
-        """``Σ U w Uᵀ`` over the rows of every output, (B, C, C)."""
+    def variance(self, a: Tensor | None) -> Tensor:
+        """``Σ U w Uᵀ`` over the rows of every output, (B, C, C); the rows are freed."""
+        if self.kind == "kron" and not self.rule.one_hot and a.shape[1] > 1:
+            return self._shared_variance(a)
         U = torch.stack(self.rows, dim=1)  # (B, C, k), or (B, C, T, D) for an embedding
+        self.rows.clear()
         if self.kind != "kron":
             return (U * self.inv) @ U.transpose(1, 2)
         if self.rule.one_hot:
             return _token_variance(self.module, a, U, self.inv)
-        if a.shape[1] == 1:  # one position: w = ã² (1/s), shape (B, out)
-            a2 = a[:, 0].square()
-            weights = a2 @ self.inv if self.rule.inputs_first else a2 @ self.inv.T
-            return (U * weights.unsqueeze(1)) @ U.transpose(1, 2)
-        return (U * self.inv.flatten()) @ U.transpose(1, 2)
+        # one position: w = ã² (1/s), shape (B, out)
+        a2 = a[:, 0].square()
+        weights = a2 @ self.inv if self.rule.inputs_first else a2 @ self.inv.T
+        return (U * weights.unsqueeze(1)) @ U.transpose(1, 2)
+
+    def _shared_variance(self, a: Tensor) -> Tensor:
+        """``Σ U w Uᵀ`` of a layer at several positions, a block of test points at a time.
+
+        ``Mc = Σₜ g̃cₜ ãₜᵀ`` per output and point is as large as the layer's Jacobian rows.
+        """
+        inv, parts, C = self.inv.flatten(), [], len(self.rows)
+        step = max(1, SHARED_LAYER_BLOCK_BYTES // (C * inv.numel() * a.element_size()))
+        for start in range(0, len(a), step):
+            g = torch.stack([rows[start : start + step] for rows in self.rows], 1)
+            x = a[start : start + step].unsqueeze(1)  # (b, 1, T, in); g: (b, C, T, out)
+            M = x.transpose(2, 3) @ g if self.rule.inputs_first else g.transpose(2, 3) @ x
+            M = M.flatten(2)
+            parts.append((M * inv) @ M.transpose(1, 2))
+        self.rows.clear()
+        return torch.cat(parts)
 
 
 def _token_variance(module: nn.Embedding, tokens: Tensor, U: Tensor, inv: Tensor) -> Tensor:
@@ -302,5 +321,5 @@ def _layerwise_moments(
     f_var = f.new_zeros(B, C, C)
     for slot in slots:
         if slot.rows:
-            f_var = f_var + slot.variance(inputs.get(slot.module), B)
+            f_var = f_var + slot.variance(inputs.get(slot.module))
     return f2, f_var

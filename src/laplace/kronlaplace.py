@@ -13,16 +13,13 @@ from torch.utils.data import DataLoader
 from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace, arguments_for
 from laplace.data import Inputs
-from laplace.kron_glm import kron_functional_moments
+from laplace.kron_glm import kron_functional_moments, layerwise_chunk_rows
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors import KronPosterior
 from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = ["KronLaplace"]
-
-#: Test points per chunk of the Jacobian-free GLM predictive.
-KRON_CHUNK_ROWS = 256
 
 
 class KronLaplace(ParametricLaplace):
@@ -173,9 +170,9 @@ class KronLaplace(ParametricLaplace):
         return f_mu, f_var
 
     def _chunk_rows(self) -> int:
-        # Per test point the route holds activations and, for weight-sharing layers, one
-        # (out × in) matrix per output: far less than a Jacobian row. 256 points at a time.
-        return KRON_CHUNK_ROWS
+        # Per test point the route holds activations per output: far less than a Jacobian row,
+        # but for parameters without a Kronecker rule (their per-sample gradients).
+        return layerwise_chunk_rows(self.model, self.params, super()._chunk_rows())
 
     # ----------------------------------------------------------------------------- state
     def _curvature_state(self) -> list[list[Tensor]]:

@@ -140,6 +140,12 @@ def _add(sums: dict, key: object, value: Tensor) -> None:
         sums[key] = value
 
 
+def _name(trace: PerSampleTrace, call: ModuleCall) -> str:
+    """The name of a call's module in the model."""
+    names = {module: name for name, module in trace.engine.model.named_modules()}
+    return names.get(call.module) or "<root>"
+
+
 def _check_batch_rows(trace: PerSampleTrace) -> None:
     """Refuse layers whose outputs have fewer rows than the batch (broadcast over it).
 
@@ -154,9 +160,8 @@ def _check_batch_rows(trace: PerSampleTrace) -> None:
     for call in trace.calls:
         rows = call.outputs[0].shape[0] if call.outputs[0].dim() else 0
         if rows < batch:
-            names = {m: name for name, m in trace.engine.model.named_modules()}
             raise ValueError(
-                f"module {names.get(call.module, '?')!r} ({type(call.module).__name__}) returns "
+                f"module {_name(trace, call)!r} ({type(call.module).__name__}) returns "
                 f"outputs of shape {tuple(call.outputs[0].shape)} for a batch of {batch}: shared "
                 "by the data points, they give no per-sample gradients for KFAC. Freeze its "
                 "parameters (requires_grad=False) or use hessian_structure='diag' or 'full'."
@@ -203,23 +208,21 @@ class _ExactBlocks:
         for i, call in self.calls:
             k = len(grads[i][0])  # the chunk's columns, as more rows: (k·R, ...)
             tiled = _tiled(call, k) if k > 1 else call
-            for name, u in per_sample_grads(tiled, [g.flatten(0, 1) for g in grads[i]]).items():
+            try:
+                per_sample = per_sample_grads(tiled, [g.flatten(0, 1) for g in grads[i]])
+            except ValueError as error:  # a rule refusing the call: name the module
+                raise ValueError(f"module {_name(self.trace, call)!r}: {error}") from error
+            for name, u in per_sample.items():
                 s = slot[call.module, name]
                 if self.plan[s].kind in ("dense", "diag"):
                     rows.setdefault(s, []).append(u.detach().flatten(1))
         for s, us in rows.items():
             # a parameter used by several calls: its per-sample gradient is their sum (calls
             # over other rows than the data points, as folded batches, stay apart)
-            u = (
-                torch.stack(us).sum(0)
-                if all(u.shape == us[0].shape for u in us)
-                else torch.cat(us)
-            )
-            _add(
-                self.sums,
-                s,
-                u.square().sum(0) if self.plan[s].kind == "diag" else symmetric_gram(u),
-            )
+            same_rows = all(u.shape == us[0].shape for u in us)
+            u = torch.stack(us).sum(0) if same_rows else torch.cat(us)
+            diagonal = self.plan[s].kind == "diag"
+            _add(self.sums, s, u.square().sum(0) if diagonal else symmetric_gram(u))
 
 
 def kfac(
