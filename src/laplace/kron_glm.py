@@ -188,7 +188,15 @@ class _Slot:
         inv: Inverse spectrum of the block.
     """
 
-    def __init__(self, kind, module, name, rule: KfacRule | None, Qs, inv: Tensor) -> None:
+    def __init__(
+        self,
+        kind: str,
+        module: nn.Module,
+        name: str,
+        rule: KfacRule | None,
+        Qs: list[Tensor | None],
+        inv: Tensor,
+    ) -> None:
         self.kind, self.module, self.name, self.rule, self.inv = kind, module, name, rule, inv
         self.rows: list[Tensor] = []
         if kind == "kron":  # the factor on the output gradients, and the one on the inputs
@@ -268,7 +276,9 @@ def _slots(trace: PerSampleTrace, block_inverse: BlockInverse) -> list[_Slot] | 
         Qs, inv = block_inverse(i)
         (module, name), shared = owners[i][0], len(owners[i]) > 1
         rule = None if shared else kfac_rule(module)
-        if len(Qs) == 2 and (rule is None or name != "weight"):
+        if len(Qs) == 2 and (
+            rule is None or name != "weight" or (rule.one_hot and Qs[0] is not None)
+        ):  # no rule, or an embedding whose vocabulary factor is not diagonal
             return None
         if len(Qs) == 2:
             kind = "kron"
