@@ -22,10 +22,13 @@ of four kinds, chosen per module by :func:`plan_blocks`:
   through ``torch.func``);
 - ``"diag"``: every other parameter above that size, the exact diagonal of its block.
 
+The weight and the bias of a normalisation layer are two blocks, as a Linear layer's are (the
+cross terms between them dropped), so that a layer-wise prior precision keeps one value per
+tensor; each is the exact GGN block of its tensor, for any data, whatever ``kfac_approx``.
 The fallback also takes what a rule declines (a grouped convolution, an embedding with
 ``scale_grad_by_freq``) and a parameter shared by several modules (tied weights), whose
-per-sample gradient sums over its uses. ``dense_limit`` is the ``kfac_dense_limit`` keyword of
-the native backends (``backend_kwargs={"kfac_dense_limit": ...}``).
+per-sample gradient sums over its uses. The size limit, per parameter tensor, is the
+``kfac_dense_limit`` keyword of the native backends (``backend_kwargs={"kfac_dense_limit": n}``).
 """
 
 from __future__ import annotations
