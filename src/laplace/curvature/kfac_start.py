@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from laplace.curvature.kfac import kfac
-from laplace.curvature.kfac_rules import check_kronecker_layers, kfac_rule
+from laplace.curvature.kfac_rules import check_kronecker_layers, kfac_rule, plan_blocks
 from laplace.curvature.per_sample import PerSampleTrace
 from laplace.curvature.products import NativeProduct
 from laplace.utils.linalg import symeig, symmetric_gram
@@ -170,9 +170,10 @@ def kfac_start(product: NativeProduct, width: int, n_candidates: int) -> KfacSta
         return None
     factors, offsets, n_data = None, [0], 0
     for vectors in product.batches():
-        if not vectors.layerwise:
-            return None
         trace, gradients = vectors.trace, vectors.output_gradients
+        exact = any(block.kind not in ("kron", "bias") for block in plan_blocks(trace.engine))
+        if not vectors.layerwise or exact:  # exact: tied weights
+            return None
         batch = kfac(trace, list(vectors.columns), 1, "expand", backend.factor, gradients)
         n_data += vectors.B
         if factors is None:
