@@ -44,10 +44,10 @@ from laplace.utils.matrix import KronDecomposed
 __all__ = [
     "LAYERWISE_CHUNK_ROWS",
     "SHARED_LAYER_BLOCK_BYTES",
-    "diag_functional_moments",
-    "kron_functional_moments",
+    "diag_functional_variance",
+    "kron_functional_variance",
     "layerwise_chunk_rows",
-    "lowrank_functional_moments",
+    "lowrank_functional_variance",
 ]
 
 #: Test points per chunk of the layer-wise GLM predictive (it holds activations, not Jacobians).
@@ -62,10 +62,10 @@ SHARED_LAYER_BLOCK_BYTES = 64 * 2**20
 BlockInverse = Callable[[int], tuple[list[Tensor | None], Tensor]]
 
 
-def kron_functional_moments(
+def kron_functional_variance(
     trace: PerSampleTrace, precision: KronDecomposed, create_graph: bool = False
-) -> tuple[Tensor, Tensor] | None:
-    """``(f_mu (B, C), f_var (B, C, C))`` of the linearised network from a recorded forward.
+) -> Tensor | None:
+    """``f_var = J P⁻¹ Jᵀ`` (B, C, C) of the linearised network from a recorded forward.
 
     Args:
         trace: Recorded forward over the test inputs (all parameters, no subnetwork).
@@ -73,7 +73,7 @@ def kron_functional_moments(
         create_graph: Keep the result differentiable w.r.t. the inputs.
 
     Returns:
-        The moments, or None when a layer does not see the data points along its first
+        The covariances, or None when a layer does not see the data points along its first
         dimension or a two-factor block has no Kronecker rule (the caller then falls back to
         Jacobians).
     """
@@ -81,16 +81,16 @@ def kron_functional_moments(
     def block(i: int) -> tuple[list[Tensor | None], Tensor]:
         return precision.eigenvectors[i], precision.spectrum(i).reciprocal()
 
-    return _layerwise_moments(trace, block, create_graph)
+    return _layerwise_variance(trace, block, create_graph)
 
 
-def diag_functional_moments(
+def diag_functional_variance(
     trace: PerSampleTrace, precision: Tensor, create_graph: bool = False
-) -> tuple[Tensor, Tensor] | None:
-    """Same as :func:`kron_functional_moments` for a diagonal precision (P,).
+) -> Tensor | None:
+    """Same as :func:`kron_functional_variance` for a diagonal precision (P,).
 
     Returns:
-        The moments, or None for a subnetwork or when a layer does not see the data points
+        The covariances, or None for a subnetwork or when a layer does not see the data points
         along its first dimension (the caller then falls back to Jacobians).
     """
     if trace.engine.indices is not None:  # a subnetwork: blocks are not whole tensors
@@ -107,7 +107,7 @@ def diag_functional_moments(
             return [None, None], inv.reshape(params[i].shape[0], -1)
         return [None], inv
 
-    return _layerwise_moments(trace, block, create_graph)
+    return _layerwise_variance(trace, block, create_graph)
 
 
 def layerwise_chunk_rows(model: nn.Module, params: list[Tensor], jacobian_rows: int) -> int:
@@ -139,10 +139,10 @@ def layerwise_chunk_rows(model: nn.Module, params: list[Tensor], jacobian_rows: 
     return min(LAYERWISE_CHUNK_ROWS, max(1, jacobian_rows * total // exact))
 
 
-def lowrank_functional_moments(
+def lowrank_functional_variance(
     trace: PerSampleTrace, prior_diag: Tensor, basis: Tensor, create_graph: bool = False
-) -> tuple[Tensor, Tensor] | None:
-    """Same as :func:`kron_functional_moments` for ``P⁻¹ = diag(prior_diag)⁻¹ − Z Zᵀ``.
+) -> Tensor | None:
+    """Same as :func:`kron_functional_variance` for ``P⁻¹ = diag(prior_diag)⁻¹ − Z Zᵀ``.
 
     Args:
         trace: Recorded forward over the test inputs (all parameters).
@@ -151,19 +151,18 @@ def lowrank_functional_moments(
         create_graph: Keep the result differentiable w.r.t. the inputs.
 
     Returns:
-        The moments, or None when the diagonal route does not apply (the caller then falls
-        back to Jacobians).
+        The covariances, or None when the diagonal route does not apply (the caller then
+        falls back to Jacobians).
     """
-    moments = diag_functional_moments(trace, prior_diag, create_graph)
-    if moments is None:
+    f_var = diag_functional_variance(trace, prior_diag, create_graph)
+    if f_var is None:
         return None
-    f2, f_var = moments
-    B, C = f2.shape
-    eye = torch.eye(C, dtype=f2.dtype, device=f2.device)
+    B, C, _ = f_var.shape
+    eye = torch.eye(C, dtype=f_var.dtype, device=f_var.device)
     columns = eye[:, None, :].expand(C, B, C).reshape(C, *trace.f.shape)
     JZ = SampleVectors(trace, columns).project(ParameterBlock(trace.engine, basis))
     JZ = JZ.transpose(0, 1)  # (B, C, k)
-    return f2, f_var - JZ @ JZ.transpose(1, 2)
+    return f_var - JZ @ JZ.transpose(1, 2)
 
 
 def _rotate(t: Tensor, Q: Tensor | None) -> Tensor:
@@ -288,16 +287,15 @@ def _slots(trace: PerSampleTrace, block_inverse: BlockInverse) -> list[_Slot] | 
     return slots
 
 
-def _layerwise_moments(
+def _layerwise_variance(
     trace: PerSampleTrace, block_inverse: BlockInverse, create_graph: bool
-) -> tuple[Tensor, Tensor] | None:
+) -> Tensor | None:
     f, calls, engine = trace.f, trace.calls, trace.engine
     B = f.shape[0]
     slots = _slots(trace, block_inverse)
     if slots is None or any(call.outputs[0].shape[0] != B for call in calls):
         return None
-    f2 = f.reshape(B, -1)
-    C = f2.shape[1]
+    C = f.reshape(B, -1).shape[1]
     factored = {s.module: s for s in slots if s.kind == "kron"}
     ruled = {s.module: s.rule for s in slots if s.kind != "exact"}
     exact = {engine.slot[s.module, s.name]: s for s in slots if s.kind == "exact"}
@@ -332,4 +330,4 @@ def _layerwise_moments(
     for slot in slots:
         if slot.rows:
             f_var = f_var + slot.variance(inputs.get(slot.module))
-    return f2, f_var
+    return f_var

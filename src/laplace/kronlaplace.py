@@ -12,8 +12,6 @@ from torch.utils.data import DataLoader
 
 from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace, arguments_for
-from laplace.data import Inputs
-from laplace.kron_glm import kron_functional_moments, layerwise_chunk_rows
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors import KronPosterior
 from laplace.utils.enums import Likelihood
@@ -38,7 +36,8 @@ class KronLaplace(ParametricLaplace):
     and sets ``H`` to their eigendecomposition (a :class:`~laplace.utils.matrix.KronDecomposed`),
     computed once, when the posterior is first used; tuning the prior or σ never re-factorises.
     The GLM predictive computes ``J P⁻¹ Jᵀ`` from layer inputs and output gradients
-    (:mod:`laplace.kron_glm`) without forming Jacobians.
+    (:mod:`laplace.kron_glm`, through :class:`~laplace.posteriors.KronPosterior`) without forming
+    Jacobians.
 
     Every parameterised layer is supported, each parameter tensor with a block of its own (see
     :mod:`laplace.curvature.kfac_rules`): Kronecker factors for ``nn.Linear``,
@@ -157,22 +156,6 @@ class KronLaplace(ParametricLaplace):
     def posterior_precision(self) -> KronDecomposed:
         """Posterior precision ``H/(σ²T) + δ`` as a ``KronDecomposed``."""
         return self._posterior.precision
-
-    # ------------------------------------------------------------------------ predictive
-    def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
-        trace = self.backend.trace(X, create_graph=self.enable_backprop)
-        moments = kron_functional_moments(trace, self.posterior_precision, self.enable_backprop)
-        if moments is None:
-            return super()._functional_moments(X)
-        f_mu, f_var = moments
-        if not self.enable_backprop:
-            f_mu, f_var = f_mu.detach(), f_var.detach()
-        return f_mu, f_var
-
-    def _chunk_rows(self) -> int:
-        # Per test point the route holds activations per output: far less than a Jacobian row,
-        # but for parameters without a Kronecker rule (their per-sample gradients).
-        return layerwise_chunk_rows(self.model, self.params, super()._chunk_rows())
 
     # ----------------------------------------------------------------------------- state
     def _curvature_state(self) -> list[list[Tensor]]:
