@@ -1,16 +1,11 @@
 r"""Block-diagonal Kronecker-factored matrices: ``Kron`` (to sum) and ``KronDecomposed`` (to use).
 
-One block per parameter tensor, in parameter order, in one of three forms (mixed freely, as
-nngeometry's ``PMatMixed``):
-
-- two factors ``F₀ ⊗ F₁``, ``F₀`` (m × m) acting on the first dimension of the parameter and ``F₁``
-  (n × n) on the flattened others, matching the row-major flattening of a parameter of shape
-  (m, ...): a Linear or convolution weight (``F₀`` over its outputs, ``F₁`` over its inputs), an
-  embedding table (``F₀`` over the vocabulary, ``F₁`` over the embedding dimension);
-- one factor, dense (p × p: a bias, the exact block of a small parameter) or diagonal (p,).
-
-Every factor is a dense matrix (2-D) or a diagonal (the 1-D tensor of its entries): a diagonal
-factor of size V never costs V × V memory (only the dense views ``to_matrix`` expand it). In a
+One block per parameter tensor, in parameter order, of one of these forms (mixed freely, as
+nngeometry's ``PMatMixed``): two factors ``F₀ ⊗ F₁``, ``F₀`` (m × m) on the first dimension of
+a parameter of shape (m, ...) and ``F₁`` (n × n) on the flattened others (a Linear weight: its
+outputs ⊗ inputs; an embedding: its vocabulary ⊗ its dimension), or one factor (p × p: a bias,
+the exact block of a small parameter). A factor is a dense matrix (2-D) or a diagonal (the 1-D
+tensor of its entries), which never costs V × V memory (only ``to_matrix`` expands it). In a
 fitted curvature ``F₀`` of a two-factor block is summed over the data and ``F₁`` normalised by
 the number of data points (see :mod:`laplace.curvature.kfac`).
 
@@ -24,8 +19,8 @@ every factor, ``Fᵢ = Qᵢ diag(λᵢ) Qᵢᵀ``, into a ``KronDecomposed``. Th
 for any exponent ``e`` (a diagonal factor is its own eigenvalues, ``Qᵢ = I``, stored as None),
 so adding a scalar or layer-wise prior ``δ``, multiplying by a temperature, log-determinants,
 ``W P⁻¹ Wᵀ``, products with ``P^{±1}``, ``P^{±1/2}``, diagonals and dense views never
-re-factorise. With ``damping=True`` a weight block's spectrum is
-``(λ₀ + √δ)(λ₁ + √δ)ᵀ`` instead (the prior is mixed into each factor).
+re-factorise. With ``damping=True`` a weight block's spectrum is ``(λ₀ + √δ)(λ₁ + √δ)ᵀ``
+instead (the prior is mixed into each factor).
 """
 
 from __future__ import annotations
@@ -103,9 +98,7 @@ class Kron:
         return cls.zeros(shapes, device, dtype)
 
     @classmethod
-    def zeros(
-        cls, shapes: Iterable[Iterable[tuple[int, ...]]], device: torch.device, dtype: torch.dtype
-    ) -> Kron:
+    def zeros(cls, shapes: list[list[tuple]], device: torch.device, dtype: torch.dtype) -> Kron:
         """Zero factors of the given shapes: per block one or two shapes (m, m) or (m,)."""
         return cls(
             [[torch.zeros(shape, device=device, dtype=dtype) for shape in F] for F in shapes]
