@@ -1,7 +1,8 @@
 """Benchmarks: fit time against a forward/backward floor, and predictive time and peak memory.
 
 Models, data and the measuring rules are in ``benchmarks/harness.py``; the low-rank,
-subnetwork and Kronecker cases of the performance-frontier issue in ``benchmarks/frontier.py``.
+subnetwork and Kronecker cases of the performance-frontier issue in ``benchmarks/frontier.py``;
+all-weights Kron on tiny transformers in ``benchmarks/transformer.py``.
 Each case runs in its own subprocess so peak memory is its own; times are medians over the
 repeats and a fit's ratio to its floor is the median of per-repeat ratios, floor and fit
 alternating (see the harness).
@@ -46,6 +47,7 @@ from harness import (
 )
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from transformer import TRANSFORMER_CASES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -302,6 +304,7 @@ CASES = {
     "marglik-fullll-mlp": (case_marglik_ll, "mlp", "full"),
     "predict-ll-kron-cnn": (partial(case_predict, subset="last_layer"), "cnn", "kron"),
     **FRONTIER_CASES,
+    **TRANSFORMER_CASES,
     "marglik-training-kron-mlp": (case_marglik_training, "mlp", "kron"),
     "predict-gp-sod-mlp": (case_predict_gp, "mlp", 100),
     "evaluate-kron-cnn": (case_evaluate, "cnn", "kron"),

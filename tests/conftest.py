@@ -224,6 +224,15 @@ class Oracle:
         return G.T @ G
 
 
+def kron_dense_blocks(K) -> list[torch.Tensor]:
+    """The dense blocks of a ``Kron``: ``F₀ ⊗ F₁`` or ``F``, a 1-D factor read as a diagonal."""
+
+    def dense(F: torch.Tensor) -> torch.Tensor:
+        return F if F.ndim == 2 else torch.diag(F)
+
+    return [dense(F[0]) if len(F) == 1 else torch.kron(dense(F[0]), dense(F[1])) for F in K.kfacs]
+
+
 @pytest.fixture
 def oracle_for() -> Callable[[Case], Oracle]:
     return lambda case: Oracle(case.model, case.likelihood)

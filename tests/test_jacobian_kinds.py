@@ -141,7 +141,7 @@ def test_per_output_noise_posteriors_dispatch_to_their_structure():
 
 # --------------------------------------------------------------- one forward pass per chunk
 class LayerNormNet(nn.Module):
-    """A LayerNorm owns parameters: the diagonal and low-rank layer-wise routes decline."""
+    """A LayerNorm owns parameters: the layer-wise routes use their per-sample gradients."""
 
     def __init__(self):
         super().__init__()
@@ -174,6 +174,7 @@ def _forward_calls(model: nn.Module) -> list[int]:
     [
         (LayerNormNet, "all", "diag"),
         (LayerNormNet, "all", "lowrank"),
+        (RowFolding, "all", "lowrank"),
         (RowFolding, "all", "kron"),
         (LayerNormNet, "subnetwork", "diag"),
         (LayerNormNet, "all", "full"),
@@ -210,7 +211,7 @@ def test_a_declined_layer_wise_route_reuses_the_recorded_pass(net, subset, struc
         ("cnn_classification", "all", "full", False),
         ("cnn_classification", "last_layer", "kron", False),
         ("cnn_classification", "subnetwork", "diag", False),
-        ("layer_norm", "all", "diag", False),
+        ("layer_norm", "all", "diag", True),
     ],
 )
 def test_the_chunk_size_comes_from_the_kind(case_name, subset, structure, layerwise):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_close
+from conftest import assert_close, kron_dense_blocks
 from laplace.utils.matrix import Kron
 
 EXPONENTS = [1, -1, 0.5, -0.5]
@@ -40,6 +40,19 @@ def dense_power(blocks: list[torch.Tensor], deltas, exponent: float) -> torch.Te
         w, V = torch.linalg.eigh(block + delta * torch.eye(len(block), dtype=block.dtype))
         powered.append((V * w.pow(exponent)) @ V.T)
     return torch.block_diag(*powered)
+
+
+def damped_dense(K: Kron, delta: torch.Tensor) -> torch.Tensor:
+    """Dense ``(F₀ + √δ I) ⊗ (F₁ + √δ I)`` per two-factor block, ``F + δ I`` per one-factor one."""
+    root, blocks = delta.sqrt(), []
+    for F in K.kfacs:
+        Fs = [Fi if Fi.ndim == 2 else torch.diag(Fi) for Fi in F]
+        eye = [torch.eye(len(Fi), dtype=Fi.dtype) for Fi in Fs]
+        if len(F) == 1:
+            blocks.append(Fs[0] + delta * eye[0])
+        else:
+            blocks.append(torch.kron(Fs[0] + root * eye[0], Fs[1] + root * eye[1]))
+    return torch.block_diag(*blocks)
 
 
 def test_init_from_model_shapes_and_zeros():
@@ -149,15 +162,7 @@ def test_decomposed_damping_mixes_the_prior_into_each_factor():
     K = random_kron(5)
     delta = torch.tensor(0.4, dtype=torch.float64)
     D = K.decompose(damping=True) + delta
-    root = delta.sqrt()
-    blocks = []
-    for F in K.kfacs:
-        eye = [torch.eye(len(Fi), dtype=Fi.dtype) for Fi in F]
-        if len(F) == 1:
-            blocks.append(F[0] + delta * eye[0])
-        else:
-            blocks.append(torch.kron(F[0] + root * eye[0], F[1] + root * eye[1]))
-    dense = torch.block_diag(*blocks)
+    dense = damped_dense(K, delta)
     assert_close(D.to_matrix(), dense)
     assert_close(D.logdet(), torch.linalg.slogdet(dense)[1])
     assert (D * 2.0).damping and (D + delta).damping
@@ -174,3 +179,70 @@ def test_decomposed_refuses_a_diagonal_delta():
     K = random_kron(0)
     with pytest.raises(ValueError, match="one value per block"):
         K.decompose() + torch.ones(K.to_matrix().shape[0], dtype=torch.float64)
+
+
+# ------------------------------------------------- mixed blocks: diagonal factors and blocks
+def _positive(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.rand(n, generator=gen, dtype=torch.float64) + 0.2
+
+
+def mixed_kron(seed: int = 0) -> Kron:
+    """Diagonal ⊗ dense (an embedding), dense ⊗ diagonal, both diagonal, dense, diagonal."""
+    gen = torch.Generator().manual_seed(seed)
+    return Kron(
+        [
+            [_positive(5, gen), _spd(3, gen)],
+            [_spd(2, gen), _positive(4, gen)],
+            [_positive(2, gen), _positive(3, gen)],
+            [_spd(4, gen)],
+            [_positive(6, gen)],
+        ]
+    )
+
+
+def test_mixed_kron_dense_views_products_and_shapes():
+    K = mixed_kron(0)
+    dense = torch.block_diag(*kron_dense_blocks(K))
+    assert K.shapes == [[(5,), (3, 3)], [(2, 2), (4,)], [(2,), (3,)], [(4, 4)], [(6,)]]
+    assert_close(K.to_matrix(), dense)
+    assert_close(K.diag(), dense.diagonal())
+    assert_close(K.logdet(), torch.linalg.slogdet(dense)[1])
+    W = torch.randn(3, 2, dense.shape[0], dtype=torch.float64)
+    assert_close(K.bmm(W), W @ dense)
+    zeros = Kron.zeros(K.shapes, torch.device("cpu"), torch.float64)
+    assert zeros.shapes == K.shapes and not zeros.to_matrix().any()
+    zeros += K
+    assert_close(zeros.to_matrix(), dense)
+
+
+@pytest.mark.parametrize("exponent", EXPONENTS)
+def test_mixed_decomposed_matches_dense_powers(exponent):
+    K = mixed_kron(1)
+    deltas = torch.tensor([0.3, 1.1, 0.5, 2.0, 0.7], dtype=torch.float64)
+    D = K.decompose() * 1.3 + deltas
+    # a diagonal factor keeps no eigenvector matrix
+    assert [[Q is None for Q in Qs] for Qs in D.eigenvectors] == [
+        [True, False],
+        [False, True],
+        [True, True],
+        [False],
+        [True],
+    ]
+    expected = dense_power([1.3 * b for b in kron_dense_blocks(K)], deltas, exponent)
+    assert_close(D.to_matrix(exponent), expected, rtol=1e-7, atol=1e-9)
+    assert_close(D.diag(exponent), expected.diagonal(), rtol=1e-7, atol=1e-9)
+    W = torch.randn(3, 2, expected.shape[0], dtype=torch.float64)
+    assert_close(D.bmm(W, exponent), W @ expected, rtol=1e-7, atol=1e-9)
+    if exponent == -1:
+        assert_close(D.inv_square_form(W), W @ expected @ W.transpose(1, 2))
+        assert_close(D.logdet(), -torch.linalg.slogdet(expected)[1])
+
+
+def test_mixed_decomposed_damping_and_deferred():
+    K = mixed_kron(2)
+    delta = torch.tensor(0.4, dtype=torch.float64)
+    dense = damped_dense(K, delta)
+    for deferred in (False, True):
+        D = K.decompose(damping=True, deferred=deferred) + delta
+        assert_close(D.to_matrix(), dense)
+        assert_close(D.logdet(), torch.linalg.slogdet(dense)[1])

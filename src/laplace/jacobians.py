@@ -118,10 +118,11 @@ class LayerTrace(Jacobian):
 
     @classmethod
     def chunk_rows(cls, jacobian_rows: int, model: nn.Module, params: list[Tensor]) -> int:
-        """Layer-wise rows when every layer owning ``params`` has a rule, else Jacobian rows.
+        """Layer-wise rows, fewer where parameters without a Kronecker rule are many.
 
-        The layer-wise closed forms hold activations, not Jacobian rows; a model with another
-        layer takes the dense rows (see :func:`laplace.kron_glm.layerwise_chunk_rows`).
+        The layer-wise closed forms hold activations, not Jacobian rows, but for parameters
+        without a Kronecker rule their per-sample gradients (see
+        :func:`laplace.kron_glm.layerwise_chunk_rows`).
         """
         return layerwise_chunk_rows(model, params, jacobian_rows)
 

@@ -10,13 +10,21 @@ output ``c`` w.r.t. its outputs, the Jacobian of ``fₙc`` w.r.t. the weight is
 - several positions: ``Mc = Σₜ g̃cₜ ãₜᵀ`` (out × in) and ``Jc P⁻¹ Jdᵀ = Σᵢⱼ Mcᵢⱼ Mdᵢⱼ / sᵢⱼ``;
 - bias: ``ḡc = Q_Gᵀ Σₜ gcₜ`` and ``Σᵢ ḡcᵢ ḡdᵢ / sᵢ``.
 
-A diagonal precision is the special case ``Q_G = I``, ``Q_A = I`` with ``s`` the precision of
-each weight entry. A low-rank precision ``P = U diag(h·λ) Uᵀ + D`` has ``P⁻¹ = D⁻¹ − Z Zᵀ``
+Blocks ``A ⊗ G`` (transformers' ``Conv1D``) are the same with the roles of the factors swapped.
+An embedding's input is one-hot, ``ã`` the row of its token (its factor is diagonal): per data
+point and token ``v`` the row ``Σ_{t: xₜ = v} g̃cₜ`` of ``Mc`` is all there is, so the rows of the
+(data point, token) pairs that occur are summed and weighted by ``1/s[v]``. Every other
+parameter (its exact block, dense or diagonal) uses its per-sample gradients ``uₙc``
+(:data:`~laplace.curvature.layer_rules.PER_SAMPLE_RULES`): ``Σᵢ ũcᵢ ũdᵢ / sᵢ`` with ``ũ = Qᵀ u``.
+
+A diagonal precision is the special case of identity eigenvectors with ``s`` the precision of
+each entry. A low-rank precision ``P = U diag(h·λ) Uᵀ + D`` has ``P⁻¹ = D⁻¹ − Z Zᵀ``
 (Woodbury, ``Z`` of shape (P, k)): the diagonal case minus ``(J Z)(J Z)ᵀ``, where ``J Z`` is the
 inner product of every output's per-sample gradient with the k columns of ``Z``
 (:class:`~laplace.curvature.block_product.SampleVectors`, per layer). All of it comes from one
 recorded forward pass and one backward pass per output (w.r.t. layer outputs only): the memory
-is that of the activations, never the (B, C, P) Jacobian.
+is that of the activations per output, never the (B, C, P) Jacobian (the ``Mc`` of a layer at
+several positions, as large as its Jacobian rows, are formed a block of test points at a time).
 """
 
 from __future__ import annotations
@@ -28,24 +36,30 @@ from torch import Tensor, nn
 
 from laplace.curvature.block_product import ParameterBlock, SampleVectors
 from laplace.curvature.capture import OutputGradients
-from laplace.curvature.kfac import KFAC_RULES
+from laplace.curvature.kfac_rules import KfacRule, kfac_rule, plan_blocks
+from laplace.curvature.layer_rules import per_sample_grads
 from laplace.curvature.per_sample import PerSampleTrace
 from laplace.utils.matrix import KronDecomposed
 
 __all__ = [
     "LAYERWISE_CHUNK_ROWS",
+    "SHARED_LAYER_BLOCK_BYTES",
     "diag_functional_variance",
     "kron_functional_variance",
     "layerwise_chunk_rows",
-    "layerwise_supported",
     "lowrank_functional_variance",
 ]
 
 #: Test points per chunk of the layer-wise GLM predictive (it holds activations, not Jacobians).
 LAYERWISE_CHUNK_ROWS = 256
 
-#: Per parameter slot: (Q_G or None, Q_A or None, inverse spectrum (out, in) or (out,)).
-BlockInverse = Callable[[int], tuple[Tensor | None, Tensor | None, Tensor]]
+#: Bytes of the per-output (out × in) matrices of a layer applied at several positions formed at
+#: once (the test points of a chunk are taken a block at a time).
+SHARED_LAYER_BLOCK_BYTES = 64 * 2**20
+
+#: Per parameter slot: the eigenvectors of its factors (None: identity) and the inverse
+#: spectrum, (m, n) for a two-factor block, (p,) for a one-factor block.
+BlockInverse = Callable[[int], tuple[list[Tensor | None], Tensor]]
 
 
 def kron_functional_variance(
@@ -60,12 +74,12 @@ def kron_functional_variance(
 
     Returns:
         The covariances, or None when a layer does not see the data points along its first
-        dimension (the caller then falls back to Jacobians).
+        dimension or a two-factor block has no Kronecker rule (the caller then falls back to
+        Jacobians).
     """
 
-    def block(i: int) -> tuple[Tensor | None, Tensor | None, Tensor]:
-        Qs = precision.eigenvectors[i]
-        return Qs[0], Qs[1] if len(Qs) > 1 else None, precision.spectrum(i).reciprocal()
+    def block(i: int) -> tuple[list[Tensor | None], Tensor]:
+        return precision.eigenvectors[i], precision.spectrum(i).reciprocal()
 
     return _layerwise_variance(trace, block, create_graph)
 
@@ -76,32 +90,32 @@ def diag_functional_variance(
     """Same as :func:`kron_functional_variance` for a diagonal precision (P,).
 
     Returns:
-        The covariances, or None when a layer is not Linear/Conv or does not see the data points
+        The covariances, or None for a subnetwork or when a layer does not see the data points
         along its first dimension (the caller then falls back to Jacobians).
     """
     if trace.engine.indices is not None:  # a subnetwork: blocks are not whole tensors
         return None
     params = trace.engine.needed
+    plan = plan_blocks(trace.engine)
     offsets = [0]
     for p in params:
         offsets.append(offsets[-1] + p.numel())
 
-    def block(i: int) -> tuple[Tensor | None, Tensor | None, Tensor]:
-        p = params[i]
+    def block(i: int) -> tuple[list[Tensor | None], Tensor]:
         inv = precision[offsets[i] : offsets[i + 1]].reciprocal()
-        return None, None, inv.reshape(p.shape[0], -1) if p.dim() > 1 else inv
+        if plan[i].kind == "kron":
+            return [None, None], inv.reshape(params[i].shape[0], -1)
+        return [None], inv
 
     return _layerwise_variance(trace, block, create_graph)
 
 
-def layerwise_supported(module: nn.Module) -> bool:
-    """Whether the layer-wise route models ``module`` (ungrouped Linear and Conv layers)."""
-    rule = KFAC_RULES.get(type(module))
-    return rule is not None and rule.check(module) is None
-
-
 def layerwise_chunk_rows(model: nn.Module, params: list[Tensor], jacobian_rows: int) -> int:
     """Test points per chunk of a GLM predictive that takes the layer-wise route when it can.
+
+    Parameters of layers with a Kronecker rule cost activations per test point; the others
+    (and parameters shared by several layers) their per-sample gradients, (rows, C, p) each, a
+    part of the Jacobian that the Jacobian route's chunks bound.
 
     Args:
         model: The network.
@@ -109,14 +123,20 @@ def layerwise_chunk_rows(model: nn.Module, params: list[Tensor], jacobian_rows: 
         jacobian_rows: Rows per chunk of the Jacobian route (the fallback).
 
     Returns:
-        :data:`LAYERWISE_CHUNK_ROWS` when every module owning one of ``params`` is supported
-        (chunks then hold activations, not Jacobians), else ``jacobian_rows``.
+        :data:`LAYERWISE_CHUNK_ROWS`, fewer where the per-sample gradients of the parameters
+        without a rule would outgrow the Jacobian route's chunks.
     """
-    wanted = {id(p) for p in params}
-    owners = [
-        m for m in model.modules() if any(id(p) in wanted for p in m.parameters(recurse=False))
-    ]
-    return LAYERWISE_CHUNK_ROWS if all(map(layerwise_supported, owners)) else jacobian_rows
+    sizes = {id(p): p.numel() for p in params}
+    owners: dict[int, list[nn.Module]] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if id(p) in sizes:
+                owners.setdefault(id(p), []).append(m)
+    exact = sum(sizes[i] for i, ms in owners.items() if len(ms) > 1 or kfac_rule(ms[0]) is None)
+    if exact == 0:
+        return LAYERWISE_CHUNK_ROWS
+    total = sum(p.numel() for p in params)
+    return min(LAYERWISE_CHUNK_ROWS, max(1, jacobian_rows * total // exact))
 
 
 def lowrank_functional_variance(
@@ -149,62 +169,165 @@ def _rotate(t: Tensor, Q: Tensor | None) -> Tensor:
     return t if Q is None else t @ Q
 
 
+def _cat(parts: dict[nn.Module, Tensor], module: nn.Module, value: Tensor) -> None:
+    """Concatenate the positions of a module called repeatedly."""
+    parts[module] = torch.cat([parts[module], value], 1) if module in parts else value
+
+
+class _Slot:
+    """One parameter's share of ``J P⁻¹ Jᵀ``: its rows per output, then their weighted Gram.
+
+    Args:
+        kind: ``"kron"`` (two factors), ``"bias"`` (a layer's bias) or ``"exact"`` (its
+            per-sample gradients).
+        module: The layer owning the parameter.
+        name: The parameter's name in the layer.
+        rule: The layer's KFAC rule (None for ``"exact"``).
+        Qs: Eigenvectors of the block's factors (None: identity).
+        inv: Inverse spectrum of the block.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        module: nn.Module,
+        name: str,
+        rule: KfacRule | None,
+        Qs: list[Tensor | None],
+        inv: Tensor,
+    ) -> None:
+        self.kind, self.module, self.name, self.rule, self.inv = kind, module, name, rule, inv
+        self.rows: list[Tensor] = []
+        if kind == "kron":  # the factor on the output gradients, and the one on the inputs
+            self.Q_out, self.Q_in = (Qs[1], Qs[0]) if rule.inputs_first else (Qs[0], Qs[1])
+        else:
+            self.Q_out, self.Q_in = Qs[0], None
+
+    def add(self, g: Tensor | None, a: Tensor | None, u: Tensor | None) -> None:
+        """Rows of one output: from ``g`` (R, T, D_out) and ``a``, or from ``u`` (R, p)."""
+        if self.kind == "exact":
+            self.rows.append(_rotate(u, self.Q_out))
+        elif self.kind == "bias":
+            self.rows.append(_rotate(g.sum(1), self.Q_out))
+        elif a.shape[1] == 1 and not self.rule.one_hot:
+            self.rows.append(_rotate(g[:, 0], self.Q_out))
+        else:  # (R, T, D_out): combined with the inputs once every output's rows are in
+            self.rows.append(_rotate(g, self.Q_out))
+
+    def variance(self, a: Tensor | None) -> Tensor:
+        """``Σ U w Uᵀ`` over the rows of every output, (B, C, C); the rows are freed."""
+        if self.kind == "kron" and not self.rule.one_hot and a.shape[1] > 1:
+            return self._shared_variance(a)
+        U = torch.stack(self.rows, dim=1)  # (B, C, k), or (B, C, T, D) for an embedding
+        self.rows.clear()
+        if self.kind != "kron":
+            return (U * self.inv) @ U.transpose(1, 2)
+        if self.rule.one_hot:
+            return _token_variance(self.module, a, U, self.inv)
+        # one position: w = ã² (1/s), shape (B, out)
+        a2 = a[:, 0].square()
+        weights = a2 @ self.inv if self.rule.inputs_first else a2 @ self.inv.T
+        return (U * weights.unsqueeze(1)) @ U.transpose(1, 2)
+
+    def _shared_variance(self, a: Tensor) -> Tensor:
+        """``Σ U w Uᵀ`` of a layer at several positions, a block of test points at a time.
+
+        ``Mc = Σₜ g̃cₜ ãₜᵀ`` per output and point is as large as the layer's Jacobian rows.
+        """
+        inv, parts, C = self.inv.flatten(), [], len(self.rows)
+        step = max(1, SHARED_LAYER_BLOCK_BYTES // (C * inv.numel() * a.element_size()))
+        for start in range(0, len(a), step):
+            g = torch.stack([rows[start : start + step] for rows in self.rows], 1)
+            x = a[start : start + step].unsqueeze(1)  # (b, 1, T, in); g: (b, C, T, out)
+            M = x.transpose(2, 3) @ g if self.rule.inputs_first else g.transpose(2, 3) @ x
+            M = M.flatten(2)
+            parts.append((M * inv) @ M.transpose(1, 2))
+        self.rows.clear()
+        return torch.cat(parts)
+
+
+def _token_variance(module: nn.Embedding, tokens: Tensor, U: Tensor, inv: Tensor) -> Tensor:
+    """``J P⁻¹ Jᵀ`` of an embedding from its tokens (B, T) and rotated gradients (B, C, T, D).
+
+    The Jacobian row of output c for data point n and token v is ``Σ_{t: xₙₜ = v} g̃cₜ``; those of
+    the (data point, token) pairs present are summed by one scatter and weighted by ``1/s[v]``.
+    """
+    B, C, T, D = U.shape
+    V = module.num_embeddings
+    keys = tokens + V * torch.arange(B, device=tokens.device).unsqueeze(1)
+    pairs, index = torch.unique(keys, return_inverse=True)
+    rows = U.new_zeros(len(pairs), C, D)
+    rows = rows.index_add(0, index.flatten(), U.permute(0, 2, 1, 3).reshape(B * T, C, D))
+    weights = inv[pairs % V]  # (n_pairs, D)
+    if module.padding_idx is not None:  # its row gets no gradient
+        weights = weights * (pairs % V != module.padding_idx).unsqueeze(1)
+    per_pair = (rows * weights.unsqueeze(1)) @ rows.transpose(1, 2)
+    return U.new_zeros(B, C, C).index_add(0, pairs // V, per_pair)
+
+
+def _slots(trace: PerSampleTrace, block_inverse: BlockInverse) -> list[_Slot] | None:
+    """The slots of the trace's parameters, or None where a two-factor block has no rule."""
+    engine, slots = trace.engine, []
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for key, i in engine.slot.items():
+        owners.setdefault(i, []).append(key)
+    for i in range(len(engine.needed)):
+        Qs, inv = block_inverse(i)
+        (module, name), shared = owners[i][0], len(owners[i]) > 1
+        rule = None if shared else kfac_rule(module)
+        if len(Qs) == 2 and (
+            rule is None or name != "weight" or (rule.one_hot and Qs[0] is not None)
+        ):  # no rule, or an embedding whose vocabulary factor is not diagonal
+            return None
+        if len(Qs) == 2:
+            kind = "kron"
+        else:
+            kind = "bias" if rule is not None and name == "bias" else "exact"
+        slots.append(_Slot(kind, module, name, rule if kind != "exact" else None, Qs, inv))
+    return slots
+
+
 def _layerwise_variance(
     trace: PerSampleTrace, block_inverse: BlockInverse, create_graph: bool
 ) -> Tensor | None:
     f, calls, engine = trace.f, trace.calls, trace.engine
     B = f.shape[0]
-    if not all(
-        call.outputs[0].shape[0] == B and layerwise_supported(call.module) for call in calls
-    ):
+    slots = _slots(trace, block_inverse)
+    if slots is None or any(call.outputs[0].shape[0] != B for call in calls):
         return None
     C = f.reshape(B, -1).shape[1]
-    rule = {call.module: KFAC_RULES[type(call.module)] for call in calls}
+    factored = {s.module: s for s in slots if s.kind == "kron"}
+    ruled = {s.module: s.rule for s in slots if s.kind != "exact"}
+    exact = {engine.slot[s.module, s.name]: s for s in slots if s.kind == "exact"}
     inputs: dict[nn.Module, Tensor] = {}
-    for call in calls:  # a module called repeatedly: its positions are concatenated
-        if "weight" in call.names:
-            a = rule[call.module].inputs(call)
-            inputs[call.module] = (
-                torch.cat([inputs[call.module], a], 1) if call.module in inputs else a
-            )
-    blocks = {
-        (module, name): engine.slot[module, name]
-        for module, names in engine.owners.items()
-        for name in names
-    }
-    inverse = {key: block_inverse(i) for key, i in blocks.items()}
-    rotated_a = {module: _rotate(a, inverse[module, "weight"][1]) for module, a in inputs.items()}
-    per_output: dict[tuple[nn.Module, str], list[Tensor]] = {key: [] for key in blocks}
+    for call in calls:
+        if call.module in factored:
+            _cat(inputs, call.module, factored[call.module].rule.inputs(call))
+    for module, a in inputs.items():
+        if not factored[module].rule.one_hot:
+            inputs[module] = _rotate(a, factored[module].Q_in)
     grads = OutputGradients(f, calls, create_graph)
     eye = torch.eye(C, dtype=f.dtype, device=f.device)
     for c in range(C):
         g_calls = grads(eye[c].expand(B, C).reshape(f.shape))
         gs: dict[nn.Module, Tensor] = {}
-        for call, (g,) in zip(calls, g_calls):
-            g = rule[call.module].grads(call, g)
-            gs[call.module] = torch.cat([gs[call.module], g], 1) if call.module in gs else g
-        for module, name in blocks:
-            if module not in gs:
-                continue
-            Q_G = inverse[module, name][0]
-            if name == "bias":
-                per_output[module, name].append(_rotate(gs[module].sum(1), Q_G))
-            elif rotated_a[module].shape[1] == 1:
-                per_output[module, name].append(_rotate(gs[module][:, 0], Q_G))
-            else:
-                M = _rotate(gs[module], Q_G).transpose(1, 2) @ rotated_a[module]
-                per_output[module, name].append(M.flatten(1))
+        us: dict[int, Tensor] = {}
+        for call, g in zip(calls, g_calls):
+            if call.module in ruled:
+                _cat(gs, call.module, ruled[call.module].grads(call, g[0]))
+            if any(engine.slot[call.module, n] in exact for n in call.names):
+                for name, u in per_sample_grads(call, g).items():
+                    i = engine.slot[call.module, name]
+                    if i in exact:
+                        us[i] = us[i] + u.flatten(1) if i in us else u.flatten(1)
+        for i, slot in enumerate(slots):
+            if slot.kind == "exact":
+                u = us.get(i, f.new_zeros(B, engine.needed[i].numel()))
+                slot.add(None, None, u)
+            elif slot.module in gs:
+                slot.add(gs[slot.module], inputs.get(slot.module), None)
     f_var = f.new_zeros(B, C, C)
-    for module, name in blocks:
-        if not per_output[module, name]:
-            continue
-        U = torch.stack(per_output[module, name], dim=1)  # (B, C, out) or (B, C, out·in)
-        inv = inverse[module, name][2]
-        if name == "bias":
-            weights = inv.expand(B, -1)
-        elif rotated_a[module].shape[1] == 1:  # one position: w = ã² (1/s)ᵀ, shape (B, out)
-            weights = rotated_a[module][:, 0].square() @ inv.T
-        else:
-            weights = inv.flatten().expand(B, -1)
-        f_var = f_var + (U * weights.unsqueeze(1)) @ U.transpose(1, 2)
+    for slot in slots:
+        if slot.rows:
+            f_var = f_var + slot.variance(inputs.get(slot.module))
     return f_var

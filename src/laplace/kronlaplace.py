@@ -10,7 +10,6 @@ from typing import Any
 from torch import Tensor, nn
 
 from laplace.base import BaseLaplace, arguments_for
-from laplace.curvature.kfac import check_kfac_support
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors import KronPosterior
 from laplace.utils.enums import Likelihood
@@ -38,10 +37,15 @@ class KronLaplace(ParametricLaplace):
     (:mod:`laplace.kron_glm`, through :class:`~laplace.posteriors.KronPosterior`) without forming
     Jacobians.
 
-    Supported layers: ``nn.Linear`` and ``nn.Conv1d/2d/3d`` (ungrouped), also inside larger
-    modules. Any other module owning a trainable parameter (normalisation layers, embeddings,
-    attention projections held as raw parameters, ...) is refused with its name; freeze it or
-    use a diagonal or full structure.
+    Every parameterised layer is supported, each parameter tensor with a block of its own (see
+    :mod:`laplace.curvature.kfac_rules`): Kronecker factors for ``nn.Linear``,
+    ``nn.Conv1d/2d/3d``, transformers' ``Conv1D`` and ``nn.Embedding`` (whose vocabulary factor,
+    the token counts, is diagonal); the exact curvature block of every other parameter
+    (LayerNorm, RMSNorm, GroupNorm and BatchNorm affine parameters, attention projections held
+    as raw parameters, any module), dense up to ``backend_kwargs={"kfac_dense_limit": n}``
+    entries (default :data:`~laplace.curvature.kfac_rules.KFAC_DENSE_LIMIT`) and diagonal
+    above, all in one posterior. The ASDL and BackPACK backends factor Linear and convolution
+    layers only and refuse other modules by name.
 
     Args:
         model: See :class:`~laplace.base.BaseLaplace`.
@@ -55,14 +59,16 @@ class KronLaplace(ParametricLaplace):
         dict_key_x: See :class:`~laplace.base.BaseLaplace`.
         dict_key_y: See :class:`~laplace.base.BaseLaplace`.
         backend: See :class:`~laplace.base.BaseLaplace`; a GGN or EF backend. Its
-            ``backend_kwargs`` may set ``kfac_approx`` (``"expand"`` or ``"reduce"``).
+            ``backend_kwargs`` may set ``kfac_approx`` (``"expand"`` or ``"reduce"``) and
+            ``kfac_dense_limit`` (the native backends).
         damping: Mix the prior into each factor: a weight block's spectrum becomes
             ``(√h·λ_G + √δ)(√h·λ_A + √δ)ᵀ`` instead of ``h·λ_G λ_Aᵀ + δ``.
         backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
         asdl_fisher_kwargs: See :class:`~laplace.base.BaseLaplace`.
 
     Raises:
-        ValueError: For a module KFAC cannot model or a diagonal prior precision.
+        ValueError: For a module the backend cannot Kronecker-factor (ASDL, BackPACK) or a
+            diagonal prior precision.
     """
 
     _posterior_cls = KronPosterior
@@ -86,10 +92,9 @@ class KronLaplace(ParametricLaplace):
         self.damping = damping
         BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
 
-    def _init_state(self) -> None:
-        super()._init_state()
-        if self.params is not None:
-            check_kfac_support(self.model, self.params)
+    def _zero_curvature(self) -> Kron:
+        """Zero factors of the backend's blocks (it refuses modules it cannot factor)."""
+        return self._posterior_cls.zeros(self._subset.curvature_params, self.backend.kron_shapes())
 
     @BaseLaplace.prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:

@@ -284,9 +284,9 @@ class FullLaplace(PosteriorScaleMixin, ParametricLaplace):
 class DiagLaplace(ParametricLaplace):
     """Laplace approximation with a diagonal curvature and posterior precision (P,).
 
-    The GLM predictive of networks made of Linear and Conv layers is computed without Jacobians
-    (:func:`laplace.kron_glm.diag_functional_variance`); other layers use the Jacobian rows of
-    the same recorded pass.
+    The GLM predictive is computed without Jacobians
+    (:func:`laplace.kron_glm.diag_functional_variance`, every layer); models whose layers do not
+    see the data points along dim 0 use the Jacobian rows of the same recorded pass.
     """
 
     _posterior_cls = DiagonalPosterior

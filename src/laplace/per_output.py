@@ -31,6 +31,7 @@ from torch import Tensor
 
 from laplace.curvature import CurvatureInterface, GGNInterface
 from laplace.curvature.kfac import kfac
+from laplace.curvature.kfac_rules import check_gradient_factor_first
 from laplace.jacobians import Jacobian
 from laplace.posteriors import (
     DensePosterior,
@@ -70,7 +71,7 @@ class OutputKron(Kron):
 
     def combine(self, weights: Tensor) -> KronDecomposed:
         """``Σ_c w_c G_c ⊗ A`` per block, eigen-decomposed; ``weights`` of shape (C,)."""
-        summed = [[torch.einsum("c,cij->ij", weights, F[0]), *F[1:]] for F in self.kfacs]
+        summed = [[torch.tensordot(weights, F[0], dims=1), *F[1:]] for F in self.kfacs]
         return Kron(summed).decompose(damping=self.damping)
 
 
@@ -207,11 +208,11 @@ class _PerOutputKron(KronAccumulator, PerOutputPosterior):
         return H.combine(weights)
 
     @classmethod
-    def zeros(cls, params: Sequence[Tensor]) -> OutputKron:
+    def zeros(cls, params: Sequence[Tensor], shapes: list | None = None) -> OutputKron:
         """Zero factors with one output-gradient factor per output."""
-        zero = KronPosterior.zeros(params)
+        zero = KronPosterior.zeros(params, shapes)
         return OutputKron(
-            [[F[0].expand(cls.n_outputs, -1, -1).clone(), *F[1:]] for F in zero.kfacs]
+            [[F[0].expand(cls.n_outputs, *F[0].shape).clone(), *F[1:]] for F in zero.kfacs]
         )
 
     @staticmethod
@@ -226,7 +227,9 @@ class _PerOutputKron(KronAccumulator, PerOutputPosterior):
 
     @staticmethod
     def _output_curvature(backend: Any, trace: Any, column: Tensor, n_data: int) -> Kron:
-        return kfac(trace, [column], n_data, backend.kfac_approx, backend.factor)
+        check_gradient_factor_first(trace.engine, "one sigma_noise per output")
+        limit = backend.kfac_dense_limit
+        return kfac(trace, [column], n_data, backend.kfac_approx, backend.factor, None, limit)
 
     @staticmethod
     def _stack(parts: list[Kron]) -> OutputKron:

@@ -23,7 +23,7 @@ from laplace import (
     VaLLA,
 )
 from laplace.baselaplace import ParametricLaplace
-from laplace.curvature import CurvlinopsEF, CurvlinopsHessian
+from laplace.curvature import BackPackGGN, CurvlinopsEF, CurvlinopsHessian
 from laplace.errors import ArgumentTypeError, MetaDeviceError, MissingKeyError
 from laplace.lllaplace import LLLaplace
 from laplace.subnetlaplace import SubnetLaplace
@@ -181,9 +181,10 @@ SPECIFIC = [
     BadInput("constructor", "Kron with a diagonal prior",
              lambda c: KronLaplace(c.model, "regression", prior_precision=torch.ones(26)),
              ValueError, ("KronLaplace", "scalar or layer-wise", "n_layers=4"), setup=reg),
-    BadInput("constructor", "Kron of a model with LayerNorm",
-             lambda _: KronLaplace(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4)), "regression"),
-             ValueError, ("LayerNorm", "KFAC", "Linear")),
+    BadInput("constructor", "BackPACK Kron of a model with LayerNorm",
+             lambda _: KronLaplace(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4)), "regression",
+                                   backend=BackPackGGN),
+             ValueError, ("LayerNorm", "BackPACK", "Linear", "CurvlinopsGGN")),
     BadInput("constructor", "low-rank with n_eigenvalues=0",
              lambda c: LowRankLaplace(c.model, "regression", backend_kwargs={"n_eigenvalues": 0}),
              ValueError, ("n_eigenvalues", "positive integer"), setup=reg),

@@ -1,10 +1,10 @@
 """ASDL backends (``asdl`` module of the ``asdfghjkl==0.1a4`` package).
 
-ASDL computes per-sample gradients, the exact / Monte-Carlo / empirical Fisher in full,
-diagonal and Kronecker form, and the Hessian, by module hooks on ``nn.Linear``, ``nn.Conv2d``,
-``nn.BatchNorm``, ``nn.LayerNorm`` and ``nn.Embedding``. It is the backend laplace-torch advises
-for large models with parameter-efficient fine-tuning (frozen weights cost nothing) and for
-dict-input (HuggingFace-style) models.
+ASDL computes per-sample gradients, the exact / Monte-Carlo / empirical Fisher in full and
+diagonal form, and the Hessian, by hooks on Linear, Conv2d, BatchNorm, LayerNorm and Embedding
+layers; the Kronecker form on Linear and convolution layers only (its embedding factor is a
+dense V × V matrix, refused here). laplace-torch advises it for large models with
+parameter-efficient fine-tuning (frozen weights cost nothing) and dict (HuggingFace) inputs.
 
 Conventions, as in the rest of the library: the curvature is σ-free and of the library loss
 (``½ Σ‖y − f‖²`` or ``Σ CE``), the EF is ``Σ gₙ gₙᵀ`` of that loss's per-sample gradients.
@@ -20,6 +20,7 @@ want them from a third-party library.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from torch import Tensor, nn
 
 from laplace.curvature.asdl_support import check_asdl_support, diag_vector, kron_from_asdl, quiet
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
-from laplace.curvature.third_party import TargetCall, isolated, target_call
+from laplace.curvature.third_party import KroneckerLayersOnly, TargetCall, isolated, target_call
 from laplace.data import Inputs, batch_size_of
 from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron
@@ -40,7 +41,7 @@ from laplace.utils.matrix import Kron
 __all__ = ["AsdlEF", "AsdlGGN", "AsdlHessian", "AsdlInterface"]
 
 
-class AsdlInterface(CurvatureInterface):
+class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
     """Base of the ASDL backends (see :class:`CurvatureInterface` for the arguments).
 
     Args:
@@ -60,6 +61,7 @@ class AsdlInterface(CurvatureInterface):
     #: ``Laplace(..., asdl_fisher_kwargs=...)`` reaches only backends that set this.
     accepts_asdl_fisher_kwargs = True
     supported_losses = (nn.MSELoss, nn.CrossEntropyLoss)
+    library = "ASDL"
 
     def __init__(
         self,
@@ -248,14 +250,12 @@ class AsdlInterface(CurvatureInterface):
             The summed batch loss and a :class:`~laplace.utils.matrix.Kron`.
 
         Raises:
-            ValueError: With a subnetwork, which has no Kronecker structure.
+            ValueError: For a subnetwork or a layer ASDL cannot factor (before any work).
         """
         if self.subnetwork_indices is not None:
             raise ValueError("a subnetwork has no Kronecker structure; use diag or full.")
-
-        def extract(module: nn.Module, scale: float) -> Kron:
-            return kron_from_asdl(module, N, self.factor, scale)
-
+        self.kron_shapes()  # refuses layers ASDL cannot factor
+        extract = partial(kron_from_asdl, n_data=N, factor=self.factor)
         return self._fisher(x, y, SHAPE_KRON, extract, **kwargs)
 
 

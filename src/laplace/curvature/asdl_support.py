@@ -15,7 +15,6 @@ import torch
 from asdl.core import _supported_module_classes
 from torch import Tensor, nn
 
-from laplace.curvature.kfac import check_kfac_support
 from laplace.curvature.third_party import kron_blocks
 from laplace.utils.matrix import Kron
 
@@ -77,22 +76,20 @@ def diag_vector(module: nn.Module, attr: str) -> Tensor:
     return torch.cat(parts)
 
 
-def kron_from_asdl(module: nn.Module, n_data: int, factor: float, scale: float) -> Kron:
+def kron_from_asdl(module: nn.Module, scale: float, n_data: int, factor: float) -> Kron:
     """The :class:`Kron` of ASDL's Kronecker factors stored on ``module``'s layers.
 
     ASDL's ``kron.B`` (p_out, p_out) is the output-gradient factor of the σ-free curvature and
     ``kron.A`` (p_in, p_in) the input factor, both summed over the batch; a bias block is ``B``.
+    Only Linear and convolution layers are read (see
+    :class:`~laplace.curvature.third_party.KroneckerLayersOnly`).
 
     Args:
         module: The module ASDL ran on.
+        scale: Factor from ASDL's ``B`` to the library's output-gradient factor.
         n_data: Number of data points N of the whole data set.
         factor: The backend's loss factor.
-        scale: Factor from ASDL's ``B`` to the library's output-gradient factor.
-
-    Raises:
-        ValueError: For a layer KFAC does not support.
     """
-    check_kfac_support(module, [p for _, _, p in _trainable(module)])
     blocks = []
     for sub, name, _ in _trainable(module):
         kron = sub.fisher.kron

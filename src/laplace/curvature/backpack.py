@@ -42,8 +42,14 @@ from laplace.curvature.curvature import (
     GGNInterface,
     check_dict_inputs,
 )
-from laplace.curvature.kfac import check_kfac_support
-from laplace.curvature.third_party import TargetCall, isolated, kron_blocks, target_call
+from laplace.curvature.kfac_rules import check_kronecker_layers
+from laplace.curvature.third_party import (
+    KroneckerLayersOnly,
+    TargetCall,
+    isolated,
+    kron_blocks,
+    target_call,
+)
 from laplace.data import Inputs
 from laplace.likelihoods import LikelihoodModel
 from laplace.utils.matrix import Kron
@@ -78,9 +84,10 @@ def _extended(*modules: nn.Module) -> Iterator[None]:
         yield
 
 
-class BackPackInterface(CurvatureInterface):
+class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
     """Base of the BackPACK backends (see :class:`CurvatureInterface` for the arguments)."""
 
+    library = "BackPACK"
     accepts_dict_inputs = False
     supported_losses = (nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss)
 
@@ -294,7 +301,7 @@ class BackPackGGN(BackPackInterface, GGNInterface):
         extension, attr = (
             (KFAC(mc_samples=self.num_samples), "kfac") if self.stochastic else (KFLR(), "kflr")
         )
-        check_kfac_support(self._model, self.params)
+        check_kronecker_layers(self._model, self.params, self.library)
 
         def read(module: nn.Module) -> Kron:
             # BackPACK's factors: G of the unscaled loss (1/c times ours) summed over the

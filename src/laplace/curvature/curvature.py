@@ -20,7 +20,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
-from laplace.curvature.kfac import kfac
+from laplace.curvature.kfac import kfac, kfac_shapes
+from laplace.curvature.kfac_rules import KFAC_DENSE_LIMIT
 from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
 from laplace.data import Inputs
 from laplace.errors import check_module, check_positive_int
@@ -73,6 +74,7 @@ class CurvatureInterface:
     """
 
     kfac_approx: str = "expand"
+    kfac_dense_limit: int = KFAC_DENSE_LIMIT  #: Largest exact kron block kept dense.
     #: Whether the model may take dict-like (HuggingFace) inputs with this backend.
     accepts_dict_inputs: bool = True
     #: The torch losses (likelihoods' ``loss_module``) a third-party library supports; None: all.
@@ -248,29 +250,28 @@ class CurvatureInterface:
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
         """Kronecker-factored batch curvature (KFAC) of the family's curvature columns.
 
-        The factors are normalised for a data set of ``N`` points (see
-        :mod:`laplace.curvature.kfac`), so the factors of all batches sum to those of the data.
-
         Args:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
-            N: Number of data points of the whole data set.
+            N: Number of data points of the whole data set (normalises the factors, see
+                :mod:`laplace.curvature.kfac`, so those of all batches sum to the data's).
             **kwargs: ``kfac_approx`` (``"expand"`` or ``"reduce"``) overrides the backend's;
                 ``mc_samples`` (stochastic GGN only) overrides its ``num_samples``.
 
         Returns:
-            The summed batch loss and a :class:`~laplace.utils.matrix.Kron` with one block per
-            parameter.
+            The summed batch loss and the :class:`~laplace.utils.matrix.Kron` of the batch.
 
         Raises:
-            ValueError: With ``subnetwork_indices``, for a layer KFAC cannot model, or an
-                unknown keyword argument.
+            ValueError: With ``subnetwork_indices`` or an unknown keyword argument.
         """
         approx = kwargs.pop("kfac_approx", self.kfac_approx)
-        if self.subnetwork_indices is not None:
-            raise ValueError("KFAC is defined per layer; it does not support subnetwork_indices.")
         trace, f, columns = self._traced_columns(x, y, kwargs)
-        return self.batch_loss(f, y), kfac(trace, columns, N, approx, self.factor)
+        blocks = kfac(trace, columns, N, approx, self.factor, dense_limit=self.kfac_dense_limit)
+        return self.batch_loss(f, y), blocks
+
+    def kron_shapes(self) -> list[list[tuple[int, ...]]]:
+        """Per parameter the shapes of its :meth:`kron` block's factors (:mod:`.kfac_rules`)."""
+        return kfac_shapes(self._engine, self.kfac_dense_limit)
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Diagonal of the batch curvature, summed over data points.
@@ -293,8 +294,7 @@ class CurvatureInterface:
         self, x: Inputs, y: Tensor, kwargs: dict[str, Any]
     ) -> tuple[PerSampleTrace, Tensor, Iterable[Tensor]]:
         """The batch's trace, its detached outputs and curvature columns (``mc_samples``)."""
-        mc_samples = _curvature_options(kwargs)
-        trace = self.trace(x)
+        mc_samples, trace = _curvature_options(kwargs), self.trace(x)
         f = trace.f.detach()
         return trace, f, self.curvature_columns(f, y, mc_samples=mc_samples)
 

@@ -20,8 +20,9 @@ from torch import Tensor, nn
 
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.kfac import KFAC_APPROXIMATIONS
+from laplace.curvature.kfac_rules import KFAC_DENSE_LIMIT
 from laplace.data import Inputs, batch_size_of
-from laplace.errors import check_positive_int
+from laplace.errors import check_int_at_least, check_positive_int
 from laplace.utils.enums import Likelihood
 
 __all__ = ["CurvlinopsEF", "CurvlinopsGGN", "CurvlinopsHessian", "CurvlinopsInterface"]
@@ -42,9 +43,15 @@ class CurvlinopsInterface(CurvatureInterface):
         dict_key_y: See :class:`CurvatureInterface`.
         kfac_approx: Weight-sharing approximation of KFAC (:meth:`kron`): ``"expand"``
             (default) or ``"reduce"``; a ``backend_kwargs`` entry (keyword only).
+        kfac_dense_limit: Largest parameter outside Linear, convolution and embedding layers
+            (normalisation layers, any other module) whose :meth:`kron` block is its exact dense
+            block; larger ones get the exact diagonal. Default
+            :data:`~laplace.curvature.kfac_rules.KFAC_DENSE_LIMIT`; a ``backend_kwargs`` entry
+            (keyword only).
 
     Raises:
-        ValueError: For an unknown ``kfac_approx``.
+        ValueError: For an unknown ``kfac_approx`` or a ``kfac_dense_limit`` that is not a
+            non-negative integer.
     """
 
     def __init__(
@@ -57,13 +64,16 @@ class CurvlinopsInterface(CurvatureInterface):
         dict_key_y: str = "labels",
         *,
         kfac_approx: str = "expand",
+        kfac_dense_limit: int = KFAC_DENSE_LIMIT,
     ) -> None:
         if kfac_approx not in KFAC_APPROXIMATIONS:
             raise ValueError(
                 f"kfac_approx must be one of {KFAC_APPROXIMATIONS}, got {kfac_approx!r}."
             )
+        check_int_at_least(kfac_dense_limit, "kfac_dense_limit", 0)
         super().__init__(model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y)
         self.kfac_approx = kfac_approx
+        self.kfac_dense_limit = kfac_dense_limit
 
 
 class CurvlinopsGGN(CurvlinopsInterface, GGNInterface):
@@ -80,6 +90,7 @@ class CurvlinopsGGN(CurvlinopsInterface, GGNInterface):
         num_samples: See :class:`GGNInterface`; ``full``, ``diag`` and ``kron`` also take
             ``mc_samples=k`` per call, as in laplace-torch.
         kfac_approx: See :class:`CurvlinopsInterface`.
+        kfac_dense_limit: See :class:`CurvlinopsInterface`.
     """
 
     def __init__(
@@ -94,6 +105,7 @@ class CurvlinopsGGN(CurvlinopsInterface, GGNInterface):
         num_samples: int = 1,
         *,
         kfac_approx: str = "expand",
+        kfac_dense_limit: int = KFAC_DENSE_LIMIT,
     ) -> None:
         super().__init__(
             model,
@@ -103,6 +115,7 @@ class CurvlinopsGGN(CurvlinopsInterface, GGNInterface):
             dict_key_x,
             dict_key_y,
             kfac_approx=kfac_approx,
+            kfac_dense_limit=kfac_dense_limit,
         )
         self.stochastic = stochastic
         self.num_samples = check_positive_int(num_samples, "num_samples")

@@ -16,96 +16,46 @@ batches gives the factors of the data set. For one linear layer with one output,
 exact GGN block. The factors are split like laplace-torch's (``G/√c ⊗ √c·A`` with ``c`` the
 backend's loss factor, ½ for regression), so its per-factor numbers, and thereby damping, agree.
 
-Supported layers: :data:`KFAC_RULES` (``nn.Linear`` on inputs of any rank, ``nn.Conv1d/2d/3d``
-without groups); every other module that owns a parameter of interest is refused by
-:func:`check_kfac_support` with its name.
+Layers whose weight is laid out (D_in, D_out) (transformers' ``Conv1D``, ``nn.Embedding`` with
+(V, D)) get ``√c·N·A ⊗ G/(√c·N)`` in that order: in every two-factor block the first factor is
+summed over the data and the second normalised by N (what an online fit rescales). An embedding
+looks up one-hot rows, so its ``A`` is diagonal: the token counts (expand: ``(1/(N·T))`` times
+how often each token occurs; reduce: the diagonal of the reduce factor, ``(1/N) Σₙ (cₙ/T)²`` with
+``cₙ`` the counts of row n), never a V × V matrix. One data point at one position makes every
+Kronecker block the exact GGN block.
+
+Every other parameter (normalisation layers, tied weights, modules without a rule; see
+:mod:`laplace.curvature.kfac_rules`) gets its exact block ``Σₖₙ uₙₖ uₙₖᵀ`` from its per-sample
+gradients ``uₙₖ`` (summed over every call of the module), dense up to ``dense_limit`` entries
+and its diagonal ``Σₖₙ uₙₖ²`` above: exact whatever ``approx`` says.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from laplace.curvature.capture import OutputGradients
-from laplace.curvature.layer_rules import ModuleCall, _conv_patches
-from laplace.curvature.per_sample import COLUMNS_PER_BACKWARD, PerSampleTrace
+from laplace.curvature.kfac_rules import (
+    KFAC_DENSE_LIMIT,
+    Block,
+    KfacRule,
+    block_shapes,
+    plan_blocks,
+)
+from laplace.curvature.layer_rules import ModuleCall, per_sample_grads
+from laplace.curvature.per_sample import COLUMNS_PER_BACKWARD, PerSampleEngine, PerSampleTrace
 from laplace.utils.linalg import symmetric_gram
 from laplace.utils.matrix import Kron
 
-__all__ = ["KFAC_APPROXIMATIONS", "KFAC_RULES", "KfacRule", "check_kfac_support", "kfac"]
+__all__ = ["KFAC_APPROXIMATIONS", "kfac", "kfac_shapes"]
 
 #: The weight-sharing approximations of Eschenhagen et al. (2023).
 KFAC_APPROXIMATIONS = ("expand", "reduce")
-
-
-class KfacRule(NamedTuple):
-    """How a layer type exposes its inputs and output gradients per position.
-
-    Attributes:
-        inputs: Recorded call → layer inputs (R, T, D_in), patches for convolutions.
-        grads: Recorded call and the gradient w.r.t. its output → (R, T, D_out).
-        check: Module → reason it cannot be Kronecker-factored, or None.
-    """
-
-    inputs: Callable[[ModuleCall], Tensor]
-    grads: Callable[[ModuleCall, Tensor], Tensor]
-    check: Callable[[nn.Module], str | None]
-
-
-def _rows(t: Tensor) -> Tensor:
-    return t.reshape(t.shape[0], -1, t.shape[-1])
-
-
-def _conv_inputs(call: ModuleCall) -> Tensor:
-    return _conv_patches(call)[:, 0]
-
-
-def _conv_grads(call: ModuleCall, g: Tensor) -> Tensor:
-    return g.flatten(2).transpose(1, 2)
-
-
-def _conv_check(module: nn.Module) -> str | None:
-    return "grouped convolutions have no single Kronecker factor" if module.groups != 1 else None
-
-
-_LINEAR = KfacRule(lambda call: _rows(call.args[0]), lambda call, g: _rows(g), lambda m: None)
-_CONV = KfacRule(_conv_inputs, _conv_grads, _conv_check)
-
-#: KFAC rules keyed by exact module type.
-KFAC_RULES: dict[type[nn.Module], KfacRule] = {
-    nn.Linear: _LINEAR,
-    nn.Conv1d: _CONV,
-    nn.Conv2d: _CONV,
-    nn.Conv3d: _CONV,
-}
-
-
-def check_kfac_support(model: nn.Module, params: Iterable[Tensor]) -> None:
-    """Refuse parameters that KFAC cannot model, naming the module that owns them.
-
-    Raises:
-        ValueError: If a module with a KFAC-unsupported type owns one of ``params``.
-    """
-    wanted = {id(p) for p in params}
-    for name, module in model.named_modules():
-        if not any(id(p) in wanted for p in module.parameters(recurse=False)):
-            continue
-        rule = KFAC_RULES.get(type(module))
-        reason = (
-            f"KFAC supports only {sorted(t.__name__ for t in KFAC_RULES)}"
-            if rule is None
-            else rule.check(module)
-        )
-        if reason:
-            raise ValueError(
-                f"module {name or '<root>'!r} ({type(module).__name__}) owns parameters that "
-                f"KFAC cannot model: {reason}. Freeze them (requires_grad=False) or use "
-                "hessian_structure='diag' or 'full'."
-            )
 
 
 def _gram(t: Tensor, approx: str, mean: bool, scale: float = 1.0) -> Tensor:
@@ -129,10 +79,45 @@ def _gram(t: Tensor, approx: str, mean: bool, scale: float = 1.0) -> Tensor:
     return gram if scale == 1 else gram.mul_(scale)
 
 
+def _token_counts(module: nn.Embedding, tokens: Tensor, approx: str, dtype: torch.dtype) -> Tensor:
+    """Diagonal input factor of an embedding: ``Σₙₜ`` one-hot rows (expand) or ``Σₙ cₙ²`` (reduce).
+
+    Args:
+        module: The embedding (its vocabulary size and padding index).
+        tokens: The indices looked up, (R, T).
+        approx: ``"expand"`` or ``"reduce"``.
+        dtype: Floating-point type of the result.
+
+    Returns:
+        Shape (V,), not yet divided by the positions.
+    """
+    V = module.num_embeddings
+    if approx == "expand" or tokens.shape[1] == 1:
+        counts = torch.bincount(tokens.flatten(), minlength=V).to(dtype)
+    else:  # per (row, token) pair its count in the row, squared and summed over the rows
+        rows = torch.arange(len(tokens), device=tokens.device).unsqueeze(1)
+        pairs, per_pair = torch.unique(tokens + V * rows, return_counts=True)
+        counts = torch.zeros(V, dtype=dtype, device=tokens.device)
+        counts.index_add_(0, pairs % V, per_pair.to(dtype).square())
+    if module.padding_idx is not None:  # its row gets no gradient
+        counts[module.padding_idx] = 0
+    return counts
+
+
+def _input_factor(rule: KfacRule, call: ModuleCall, approx: str, root: float, n: int) -> Tensor:
+    """``root/n ·`` the input factor of one call: (D_in, D_in), or (V,) for an embedding."""
+    a = rule.inputs(call).detach()
+    T = a.shape[1]
+    if rule.one_hot:  # reduce: the rows' mean one-hot vectors (counts / T), squared
+        counts = _token_counts(call.module, a, approx, call.outputs[0].dtype)
+        return counts.mul_(root / (n * (T if approx == "expand" else T**2)))
+    return _gram(a, approx, mean=True, scale=root / (n * (T if approx == "expand" else 1)))
+
+
 def _column_gradients(
     trace: PerSampleTrace, columns: list[Tensor]
-) -> Iterator[tuple[int, Tensor]]:
-    """``(call index, gradient w.r.t. its output)`` for chunks of columns, rows (k·B, ...).
+) -> Iterator[list[list[Tensor]]]:
+    """Per chunk of columns, per recorded call, the gradients w.r.t. its outputs, (k, *z.shape).
 
     Columns go through one vectorised backward per chunk of :data:`COLUMNS_PER_BACKWARD`,
     except with a convolution in the model: the batching rule of its backward loops over the
@@ -141,20 +126,103 @@ def _column_gradients(
     output_grads = OutputGradients(trace.f, trace.calls)
     if any(isinstance(call.module, nn.modules.conv._ConvNd) for call in trace.calls):
         for v in columns:
-            for i, (g,) in enumerate(output_grads(v)):
-                yield i, g.detach()
+            yield [[g.detach().unsqueeze(0) for g in grads] for grads in output_grads(v)]
         return
     for start in range(0, len(columns), COLUMNS_PER_BACKWARD):
         chunk = torch.stack(columns[start : start + COLUMNS_PER_BACKWARD])
-        for i, (g,) in enumerate(output_grads.stacked(chunk)):
-            yield i, g.detach().flatten(0, 1)
+        yield [[g.detach() for g in grads] for grads in output_grads.stacked(chunk)]
 
 
-def _add(sums: dict[nn.Module, Tensor], module: nn.Module, value: Tensor) -> None:
-    if module in sums:
-        sums[module] += value
+def _add(sums: dict, key: object, value: Tensor) -> None:
+    if key in sums:
+        sums[key] += value
     else:
-        sums[module] = value
+        sums[key] = value
+
+
+def _name(trace: PerSampleTrace, call: ModuleCall) -> str:
+    """The name of a call's module in the model."""
+    names = {module: name for name, module in trace.engine.model.named_modules()}
+    return names.get(call.module) or "<root>"
+
+
+def _check_batch_rows(trace: PerSampleTrace) -> None:
+    """Refuse layers whose outputs have fewer rows than the batch (broadcast over it).
+
+    Per-sample quantities are read off every layer's output gradients row by row; a layer whose
+    output is shared by the data points (a position embedding looked up once, (1, T, D)) has
+    their gradients summed. Rows beyond the batch (folded batches) are taken as positions.
+
+    Raises:
+        ValueError: Naming the first such layer and the alternatives.
+    """
+    batch = trace.f.shape[0]
+    for call in trace.calls:
+        rows = call.outputs[0].shape[0] if call.outputs[0].dim() else 0
+        if rows < batch:
+            raise ValueError(
+                f"module {_name(trace, call)!r} ({type(call.module).__name__}) returns "
+                f"outputs of shape {tuple(call.outputs[0].shape)} for a batch of {batch}: shared "
+                "by the data points, they give no per-sample gradients for KFAC. Freeze its "
+                "parameters (requires_grad=False) or use hessian_structure='diag' or 'full'."
+            )
+
+
+def _or_zeros(sums: dict, key: object, like: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``sums[key]``, or zeros of ``shape`` for a module not called on the batch."""
+    return sums[key] if key in sums else like.new_zeros(shape)
+
+
+def _tiled(call: ModuleCall, k: int) -> ModuleCall:
+    """The call repeated for ``k`` output columns: inputs with its rows along dim 0 tiled."""
+    rows = call.outputs[0].shape[0]
+
+    def tile(v: object) -> object:
+        if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == rows:
+            return v.unsqueeze(0).expand(k, *v.shape).reshape(k * rows, *v.shape[1:])
+        return v
+
+    args, kwargs = tree_map(tile, call.args), tree_map(tile, call.kwargs)
+    return ModuleCall(call.module, args, kwargs, call.outputs, call.output_slots, call.names)
+
+
+class _ExactBlocks:
+    """Sums of the exact blocks (dense or diagonal) from per-sample gradients, by slot."""
+
+    def __init__(self, trace: PerSampleTrace, plan: list[Block]) -> None:
+        self.trace, self.plan = trace, plan
+        self.sums: dict[int, Tensor] = {}
+        slot = trace.engine.slot
+        self.calls = [
+            (i, call)
+            for i, call in enumerate(trace.calls)
+            if any(plan[slot[call.module, name]].kind in ("dense", "diag") for name in call.names)
+        ]
+
+    def add(self, grads: list[list[Tensor]]) -> None:
+        """Add the blocks of a chunk of columns, ``grads`` as :func:`_column_gradients` gives."""
+        if not self.calls:
+            return
+        slot = self.trace.engine.slot
+        rows: dict[int, list[Tensor]] = {}  # per slot, per call, the per-sample gradients
+        for i, call in self.calls:
+            k = len(grads[i][0])  # the chunk's columns, as more rows: (k·R, ...)
+            tiled = _tiled(call, k) if k > 1 else call
+            try:
+                per_sample = per_sample_grads(tiled, [g.flatten(0, 1) for g in grads[i]])
+            except ValueError as error:  # a rule refusing the call: name the module
+                raise ValueError(f"module {_name(self.trace, call)!r}: {error}") from error
+            for name, u in per_sample.items():
+                s = slot[call.module, name]
+                if self.plan[s].kind in ("dense", "diag"):
+                    rows.setdefault(s, []).append(u.detach().flatten(1))
+        for s, us in rows.items():
+            # a parameter used by several calls: its per-sample gradient is their sum (calls
+            # over other rows than the data points, as folded batches, stay apart)
+            same_rows = all(u.shape == us[0].shape for u in us)
+            u = torch.stack(us).sum(0) if same_rows else torch.cat(us)
+            diagonal = self.plan[s].kind == "diag"
+            _add(self.sums, s, u.square().sum(0) if diagonal else symmetric_gram(u))
 
 
 def kfac(
@@ -164,6 +232,7 @@ def kfac(
     approx: str,
     factor: float,
     gradients: list[list[Tensor]] | None = None,
+    dense_limit: int = KFAC_DENSE_LIMIT,
 ) -> Kron:
     """KFAC factors of one batch, normalised for a data set of ``n_data`` points.
 
@@ -175,51 +244,70 @@ def kfac(
         factor: The backend's loss factor ``c`` (sets the split of each block between factors).
         gradients: The columns' gradients w.r.t. each call's outputs, each (K, B, ...), where
             already taken (else they are taken here).
+        dense_limit: Largest parameter without a Kronecker rule whose exact block is dense.
 
     Returns:
-        One block per parameter in ``trace.engine.needed`` order.
+        One block per parameter in ``trace.engine.needed`` order
+        (:func:`~laplace.curvature.kfac_rules.plan_blocks`).
 
     Raises:
-        ValueError: For an unknown ``approx`` or an unsupported layer.
+        ValueError: For an unknown ``approx``, a trace restricted to a subnetwork, or a layer
+            whose outputs have fewer rows than the batch.
     """
     if approx not in KFAC_APPROXIMATIONS:
         raise ValueError(f"kfac_approx must be one of {KFAC_APPROXIMATIONS}, got {approx!r}.")
+    if trace.engine.indices is not None:
+        raise ValueError("KFAC is defined per layer; it does not support subnetwork_indices.")
+    _check_batch_rows(trace)
     engine, calls = trace.engine, trace.calls
-    for call in calls:
-        check_kfac_support(call.module, [getattr(call.module, n) for n in call.names])
+    plan = plan_blocks(engine, dense_limit)
+    kron_rules = {b.module: b.rule for b in plan if b.kind in ("kron", "bias")}
     A: dict[nn.Module, Tensor] = {}
     G: dict[nn.Module, Tensor] = {}
     root = math.sqrt(factor)
     for call in calls:
-        if "weight" in call.names:
-            a = KFAC_RULES[type(call.module)].inputs(call).detach()
-            positions = a.shape[1] if approx == "expand" else 1
-            _add(A, call.module, _gram(a, approx, mean=True, scale=root / (n_data * positions)))
+        rule = kron_rules.get(call.module)
+        if rule is not None and "weight" in call.names:
+            n = 1 if rule.inputs_first else n_data
+            _add(A, call.module, _input_factor(rule, call, approx, root, n))
+    exact = _ExactBlocks(trace, plan)
     rows: dict[int, list[Tensor]] = {}
     if gradients is None:
         stream = _column_gradients(trace, list(columns))
     else:
-        stream = ((i, g.detach().flatten(0, 1)) for i, (g,) in enumerate(gradients))
-    for i, g in stream:
-        # Gradients of one position per row are gathered into one Gram product per call; those
-        # of many positions (convolutions) are large, so their Gram is added chunk by chunk.
-        g = KFAC_RULES[type(calls[i].module)].grads(calls[i], g)
-        if g.shape[1] == 1 or approx == "reduce":
-            rows.setdefault(i, []).append(g.sum(1))
-        else:
-            _add(G, calls[i].module, _gram(g, approx, mean=False))
+        stream = iter([[[g.detach() for g in grads] for grads in gradients]])
+    for chunk in stream:
+        exact.add(chunk)
+        for i, call in enumerate(calls):
+            rule = kron_rules.get(call.module)
+            if rule is None:
+                continue
+            # Gradients of one position per row are gathered into one Gram product per call;
+            # those of many positions (convolutions) are large, so their Gram is added chunk by
+            # chunk.
+            g = rule.grads(call, chunk[i][0].flatten(0, 1))
+            if g.shape[1] == 1 or approx == "reduce":
+                rows.setdefault(i, []).append(g.sum(1))
+            else:
+                _add(G, call.module, _gram(g, approx, mean=False))
     for i, gs in rows.items():
         _add(G, calls[i].module, symmetric_gram(torch.cat(gs)))
-    blocks: list[list[Tensor] | None] = [None] * len(engine.needed)
-    for module, names in engine.owners.items():
-        for name in names:
-            slot = engine.slot[module, name]
-            p = engine.needed[slot]
-            if module not in G:  # the module was not called on this batch
-                G[module] = p.new_zeros(p.shape[0], p.shape[0])
-            if name == "weight":
-                a_factor = A.get(module, p.new_zeros(p[0].numel(), p[0].numel()))
-                blocks[slot] = [G[module] / root, a_factor]
-            else:
-                blocks[slot] = [G[module]]
+    shapes = block_shapes(plan, engine.needed)
+    blocks: list[list[Tensor]] = []
+    for slot, (block, p, shape) in enumerate(zip(plan, engine.needed, shapes)):
+        if block.kind in ("dense", "diag"):
+            blocks.append([_or_zeros(exact.sums, slot, p, shape[0])])
+        elif block.kind == "bias":
+            blocks.append([_or_zeros(G, block.module, p, shape[0])])
+        elif block.rule.inputs_first:
+            G_m = _or_zeros(G, block.module, p, shape[1])
+            blocks.append([_or_zeros(A, block.module, p, shape[0]), G_m / (root * n_data)])
+        else:
+            G_m = _or_zeros(G, block.module, p, shape[0])
+            blocks.append([G_m / root, _or_zeros(A, block.module, p, shape[1])])
     return Kron(blocks)
+
+
+def kfac_shapes(engine: PerSampleEngine, dense_limit: int = KFAC_DENSE_LIMIT) -> list[list[tuple]]:
+    """Per parameter of ``engine`` the shapes of the factors :func:`kfac` gives its block."""
+    return block_shapes(plan_blocks(engine, dense_limit), engine.needed)

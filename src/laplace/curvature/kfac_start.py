@@ -24,7 +24,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from laplace.curvature.kfac import KFAC_RULES, check_kfac_support, kfac
+from laplace.curvature.kfac import kfac
+from laplace.curvature.kfac_rules import check_kronecker_layers, kfac_rule, plan_blocks
 from laplace.curvature.per_sample import PerSampleTrace
 from laplace.curvature.products import NativeProduct
 from laplace.utils.linalg import symeig, symmetric_gram
@@ -110,7 +111,7 @@ class _Candidates:
         out = trace.f.new_zeros(K, B, self.n)
         by_slot = {block.slot: block for block in self.blocks}
         for call, (g,) in zip(trace.calls, grads):
-            rule = KFAC_RULES[type(call.module)]
+            rule = kfac_rule(call.module)
             rows = rule.grads(call, g.detach().flatten(0, 1))  # (K·B, T, p_out)
             for name in call.names:
                 block = by_slot.get(trace.engine.slot[call.module, name])
@@ -159,19 +160,20 @@ def kfac_start(product: NativeProduct, width: int, n_candidates: int) -> KfacSta
 
     Returns:
         The block, its product with ``H`` and its Ritz values; None where KFAC does not apply
-        (a layer without a KFAC rule, a model whose layers do not see the data points along
-        dim 0, a subnetwork).
+        (a layer other than Linear and convolution layers, a model whose layers do not see the
+        data points along dim 0, a subnetwork).
     """
     backend = product.backend
-    try:
-        check_kfac_support(backend.model, backend.params)
+    try:  # candidates need G ⊗ A blocks of dense inputs: Linear and convolution layers only
+        check_kronecker_layers(backend.model, backend.params, "the KFAC start")
     except ValueError:
         return None
     factors, offsets, n_data = None, [0], 0
     for vectors in product.batches():
-        if not vectors.layerwise:
-            return None
         trace, gradients = vectors.trace, vectors.output_gradients
+        exact = any(block.kind not in ("kron", "bias") for block in plan_blocks(trace.engine))
+        if not vectors.layerwise or exact:  # exact: tied weights
+            return None
         batch = kfac(trace, list(vectors.columns), 1, "expand", backend.factor, gradients)
         n_data += vectors.B
         if factors is None:

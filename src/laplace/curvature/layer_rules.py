@@ -4,7 +4,9 @@ A module call ``z = m(a; θ_m)`` recorded during a forward pass, together with t
 ``g = ∂(vᵀ f)/∂z`` of some output column ``v`` (shape (B, *z.shape[1:])), determines the
 per-sample gradients ``∂(vₙᵀ fₙ)/∂θ_m`` of the module's *direct* parameters. Layers with a closed
 form get a rule in :data:`PER_SAMPLE_RULES` (a dispatch table keyed by exact module type, so a
-subclass with its own ``forward`` falls back safely); every other module goes through
+subclass with its own ``forward`` falls back safely): Linear and convolution layers, embeddings,
+and the affine parameters of LayerNorm, RMSNorm, GroupNorm and BatchNorm (with its running
+statistics, as in evaluation mode); every other module goes through
 :func:`generic_per_sample`, which differentiates the module alone with ``torch.func`` and so is
 exact for any module whose output for sample ``n`` depends only on input ``n``.
 
@@ -120,6 +122,73 @@ def _conv(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def _embedding(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Per-sample gradients of ``nn.Embedding``: each position's gradient added to its row."""
+    m, x, g = call.module, call.args[0], grads[0]
+    if m.scale_grad_by_freq:  # the gradient depends on the token frequencies of the call
+        return generic_per_sample(call, grads)
+    index = x.reshape(len(x), -1, 1).expand(-1, -1, m.embedding_dim)
+    out = g.new_zeros(len(x), m.num_embeddings, m.embedding_dim)
+    out.scatter_add_(1, index, g.reshape(len(x), -1, m.embedding_dim))
+    if m.padding_idx is not None:
+        out[:, m.padding_idx] = 0
+    return {"weight": out}
+
+
+def _affine(call: ModuleCall, g: Tensor, x_hat: Tensor, param_dims: int) -> dict[str, Tensor]:
+    """Per-sample gradients of ``z = weight ⊙ x̂ + bias`` over the trailing ``param_dims`` dims.
+
+    ``Σₜ gₜ ⊙ x̂ₜ`` for the weight and ``Σₜ gₜ`` for the bias, summed over the positions between
+    the batch dimension and the parameter's dimensions.
+    """
+    positions = tuple(range(1, g.dim() - param_dims))
+    out = {}
+    if "weight" in call.names:
+        out["weight"] = (g * x_hat).sum(positions) if positions else g * x_hat
+    if "bias" in call.names:
+        out["bias"] = g.sum(positions) if positions else g
+    return out
+
+
+def _layer_norm(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Per-sample gradients of ``nn.LayerNorm`` from the normalised inputs."""
+    m = call.module
+    x_hat = F.layer_norm(call.args[0], m.normalized_shape, None, None, m.eps)
+    return _affine(call, grads[0], x_hat, len(m.normalized_shape))
+
+
+def _rms_norm(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Per-sample gradients of ``nn.RMSNorm`` from the normalised inputs."""
+    m = call.module
+    x_hat = F.rms_norm(call.args[0], m.normalized_shape, None, m.eps)
+    return _affine(call, grads[0], x_hat, len(m.normalized_shape))
+
+
+def _group_norm(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Per-sample gradients of ``nn.GroupNorm`` (channels along dim 1)."""
+    m = call.module
+    x_hat = F.group_norm(call.args[0], m.num_groups, None, None, m.eps)
+    return _affine(call, grads[0].movedim(1, -1), x_hat.movedim(1, -1), 1)
+
+
+def _batch_norm(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Per-sample gradients of ``nn.BatchNorm1d/2d/3d`` normalising with running statistics.
+
+    Raises:
+        ValueError: When the layer normalises with batch statistics (training mode, or no
+            running statistics): its outputs then couple the data points of a batch.
+    """
+    m = call.module
+    if m.training or m.running_mean is None:
+        raise ValueError(
+            f"{type(m).__name__} normalises with batch statistics (training mode or "
+            "track_running_stats=False), which couple the data points of a batch: per-sample "
+            "gradients need its running statistics; call model.eval() first."
+        )
+    x_hat = F.batch_norm(call.args[0], m.running_mean, m.running_var, eps=m.eps)
+    return _affine(call, grads[0].movedim(1, -1), x_hat.movedim(1, -1), 1)
+
+
 def _batch_dims(tree: Any, batch_size: int) -> Any:
     """``vmap`` in-dims for a pytree: 0 for tensors with a leading batch dim, else None."""
     return tree_map(
@@ -186,6 +255,13 @@ PER_SAMPLE_RULES: dict[type[nn.Module], Rule] = {
     nn.Conv1d: _conv,
     nn.Conv2d: _conv,
     nn.Conv3d: _conv,
+    nn.Embedding: _embedding,
+    nn.LayerNorm: _layer_norm,
+    nn.RMSNorm: _rms_norm,
+    nn.GroupNorm: _group_norm,
+    nn.BatchNorm1d: _batch_norm,
+    nn.BatchNorm2d: _batch_norm,
+    nn.BatchNorm3d: _batch_norm,
 }
 
 #: Rules for ``Σₙ (∂θ)²`` straight from ``Σ_c g²``: (applies to the call?, reduce).

@@ -9,8 +9,9 @@ the hooks it was handed, deletes every attribute added to the modules and parame
 torch's per-module backward-hook mode flag and the parameters' ``.grad``.
 
 :func:`target_call` picks what the library is run on (the model, or the last layer on
-features) and :func:`kron_blocks` brings Kronecker factors to the library's normalisation
-(that of :mod:`laplace.curvature.kfac`).
+features), :func:`kron_blocks` brings Kronecker factors to the library's normalisation
+(that of :mod:`laplace.curvature.kfac`) and :class:`KroneckerLayersOnly` states which layers
+the libraries' KFAC takes.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from laplace.curvature.kfac_rules import check_kronecker_layers
 from laplace.utils.matrix import Kron
 
-__all__ = ["TargetCall", "isolated", "kron_blocks", "target_call"]
+__all__ = ["KroneckerLayersOnly", "TargetCall", "isolated", "kron_blocks", "target_call"]
 
 
 class _Snapshot:
@@ -122,3 +124,27 @@ def kron_blocks(blocks: list[tuple[Tensor, Tensor | None]], n_data: int, factor:
     """
     root = math.sqrt(factor)
     return Kron([[G] if A is None else [G / root, A * (root / n_data)] for G, A in blocks])
+
+
+class KroneckerLayersOnly:
+    """The ``kron`` blocks of a library whose KFAC takes Linear and convolution layers only.
+
+    A mixin of the third-party backends: unlike the native KFAC, ASDL's and BackPACK's have no
+    exact fallback blocks, and ASDL's embedding factor is a dense V × V matrix.
+    """
+
+    #: The library's name, for messages.
+    library: str = "this backend"
+
+    def kron_shapes(self) -> list[list[tuple[int, ...]]]:
+        """Per parameter the shapes of its ``kron`` block's factors: ``G ⊗ A``, or ``G``.
+
+        Raises:
+            ValueError: Naming a module (owning a parameter of interest) of another kind, and
+                the alternatives.
+        """
+        check_kronecker_layers(self._model, self.params, self.library)
+        return [
+            [(p.shape[0],) * 2] if p.ndim == 1 else [(p.shape[0],) * 2, (p[0].numel(),) * 2]
+            for p in self.params
+        ]

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from laplace.curvature.capture import OutputGradients
-from laplace.curvature.kfac import KFAC_RULES
+from laplace.curvature.kfac_rules import kfac_rule
 from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
 from laplace.data import Inputs
 
@@ -274,11 +274,11 @@ def layer_factors(trace: PerSampleTrace) -> FactoredJacobian | None:
     if (
         not calls
         or len(set(modules)) != len(modules)
-        or any(type(m) not in KFAC_RULES or KFAC_RULES[type(m)].check(m) for m in modules)
+        or any(kfac_rule(m) is None or not kfac_rule(m).plain for m in modules)
         or any(len(call.outputs) != 1 or call.outputs[0].shape[:1] != (B,) for call in calls)
     ):
         return None
-    rules = [KFAC_RULES[type(m)] for m in modules]
+    rules = [kfac_rule(m) for m in modules]
     inputs = [rule.inputs(call) for rule, call in zip(rules, calls, strict=True)]
     if any(a.shape[1] != 1 for a in inputs):
         return None

@@ -29,7 +29,7 @@ def _trace_variance(posterior: DiagonalPosterior, J: LayerTrace) -> Tensor | Non
 class DiagonalPosterior(Posterior):
     """Gaussian posterior with independent parameters; every operation is O(P) per row.
 
-    The functional variance of a recorded pass over Linear and Conv layers needs no Jacobian
+    The functional variance of a recorded pass needs no Jacobian
     (:func:`laplace.kron_glm.diag_functional_variance`).
     """
 

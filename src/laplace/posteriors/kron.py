@@ -54,8 +54,10 @@ class KronAccumulator:
     def merge(cls, previous: Any, H: Kron, n_before: int, n_data: int) -> Kron:
         """The earlier fit's factors plus ``H``: the factors of one fit on all the data.
 
-        Input factors are means over the data (:mod:`laplace.curvature.kfac`): the earlier
-        ones are renormalised from ``n_before`` to ``n_data`` points first.
+        The second factor of a two-factor block is normalised by the data count (the input
+        factor of a Linear layer, the gradient factor of an embedding; see
+        :mod:`laplace.curvature.kfac`): the earlier ones are renormalised from ``n_before`` to
+        ``n_data`` points first.
         """
         scale = n_before / n_data
         factors = cls.factors(previous).kfacs
@@ -134,8 +136,12 @@ class KronPosterior(KronAccumulator, Posterior):
 
     @override
     @staticmethod
-    def zeros(params: Sequence[Tensor]) -> Kron:
-        return Kron.init_from_model(params, params[0].device, params[0].dtype)
+    def zeros(params: Sequence[Tensor], shapes: list | None = None) -> Kron:
+        """Zero factors: of the backend's block ``shapes`` (``G ⊗ A`` per weight when None)."""
+        device, dtype = params[0].device, params[0].dtype
+        if shapes is None:
+            return Kron.init_from_model(params, device, dtype)
+        return Kron.zeros(shapes, device, dtype)
 
     @override
     @staticmethod

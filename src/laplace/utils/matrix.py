@@ -1,10 +1,13 @@
 r"""Block-diagonal Kronecker-factored matrices: ``Kron`` (to sum) and ``KronDecomposed`` (to use).
 
-One block per parameter tensor, in parameter order. A weight block is ``F₀ ⊗ F₁`` with ``F₀``
-(p_out × p_out) acting on the output dimension and ``F₁`` (p_in × p_in) on the flattened input
-dimensions, matching the row-major flattening of a weight of shape (p_out, ...). A block of a
-1-D parameter (a bias) has a single dense factor. A factor may also be a 1-D tensor, read as a
-diagonal matrix.
+One block per parameter tensor, in parameter order, of one of these forms (mixed freely, as
+nngeometry's ``PMatMixed``): two factors ``F₀ ⊗ F₁``, ``F₀`` (m × m) on the first dimension of
+a parameter of shape (m, ...) and ``F₁`` (n × n) on the flattened others (a Linear weight: its
+outputs ⊗ inputs; an embedding: its vocabulary ⊗ its dimension), or one factor (p × p: a bias,
+the exact block of a small parameter). A factor is a dense matrix (2-D) or a diagonal (the 1-D
+tensor of its entries), which never costs V × V memory (only ``to_matrix`` expands it). In a
+fitted curvature ``F₀`` of a two-factor block is summed over the data and ``F₁`` normalised by
+the number of data points (see :mod:`laplace.curvature.kfac`).
 
 ``Kron`` sums factors (as KFAC accumulates them over batches); ``Kron.decompose`` eigen-decomposes
 every factor, ``Fᵢ = Qᵢ diag(λᵢ) Qᵢᵀ``, into a ``KronDecomposed``. There
@@ -13,10 +16,11 @@ every factor, ``Fᵢ = Qᵢ diag(λᵢ) Qᵢᵀ``, into a ``KronDecomposed``. Th
     (F_0 \otimes F_1 + \delta I)^{e} = (Q_0 \otimes Q_1)\,
     (\lambda_0 \lambda_1^\top + \delta)^{e}\,(Q_0 \otimes Q_1)^\top
 
-for any exponent ``e``, so adding a scalar or layer-wise prior ``δ``, multiplying by a
-temperature, log-determinants, ``W P⁻¹ Wᵀ``, products with ``P^{±1}``, ``P^{±1/2}``, diagonals and
-dense views never re-factorise. With ``damping=True`` a weight block's spectrum is
-``(λ₀ + √δ)(λ₁ + √δ)ᵀ`` instead (the prior is mixed into each factor).
+for any exponent ``e`` (a diagonal factor is its own eigenvalues, ``Qᵢ = I``, stored as None),
+so adding a scalar or layer-wise prior ``δ``, multiplying by a temperature, log-determinants,
+``W P⁻¹ Wᵀ``, products with ``P^{±1}``, ``P^{±1/2}``, diagonals and dense views never
+re-factorise. With ``damping=True`` a weight block's spectrum is ``(λ₀ + √δ)(λ₁ + √δ)ᵀ``
+instead (the prior is mixed into each factor).
 """
 
 from __future__ import annotations
@@ -32,8 +36,26 @@ from laplace.utils.linalg import block_diag, kron, symeig
 __all__ = ["Kron", "KronDecomposed"]
 
 
-def _as_matrix(F: Tensor) -> Tensor:
-    return F if F.ndim > 1 else torch.diag(F)
+def _times(F: Tensor, X: Tensor) -> Tensor:
+    """``F X`` for a dense or diagonal factor ``F`` (m, m) and ``X`` (..., m, n)."""
+    return F @ X if F.ndim > 1 else F.unsqueeze(-1) * X
+
+
+def _times_transposed(X: Tensor, F: Tensor) -> Tensor:
+    """``X Fᵀ`` for ``X`` (..., m, n) and a dense or diagonal factor ``F`` (n, n)."""
+    return X @ F.T if F.ndim > 1 else X * F
+
+
+def _into_eigenbasis(X: Tensor, Q0: Tensor | None, Q1: Tensor | None) -> Tensor:
+    """``Q₀ᵀ X Q₁`` for ``X`` (..., m, n); a None eigenvector matrix is the identity."""
+    X = X if Q0 is None else Q0.T @ X
+    return X if Q1 is None else X @ Q1
+
+
+def _from_eigenbasis(X: Tensor, Q0: Tensor | None, Q1: Tensor | None) -> Tensor:
+    """``Q₀ X Q₁ᵀ`` for ``X`` (..., m, n); a None eigenvector matrix is the identity."""
+    X = X if Q0 is None else Q0 @ X
+    return X if Q1 is None else X @ Q1.T
 
 
 def _check_W(W: Tensor) -> tuple[Tensor, tuple[int, ...]]:
@@ -47,8 +69,8 @@ class Kron:
     """Block-diagonal matrix of Kronecker products, one block per parameter tensor.
 
     Args:
-        kfacs: Per block a list of one factor (p, p) or two factors ``[F₀ (p_out, p_out),
-            F₁ (p_in, p_in)]`` for the block ``F₀ ⊗ F₁``.
+        kfacs: Per block a list of one factor (p, p) or (p,), or two factors ``[F₀, F₁]`` for
+            the block ``F₀ ⊗ F₁``, each (m, m) or (m,).
     """
 
     def __init__(self, kfacs: list[list[Tensor]]) -> None:
@@ -67,20 +89,30 @@ class Kron:
             ValueError: For a 0-dimensional parameter.
         """
         params = model.parameters() if isinstance(model, nn.Module) else model
-        kfacs = []
+        shapes = []
         for p in params:
             if p.ndim == 0:
                 raise ValueError("Kron needs parameters with at least one dimension.")
             sizes = [p.shape[0]] if p.ndim == 1 else [p.shape[0], p[0].numel()]
-            kfacs.append([torch.zeros(s, s, device=device, dtype=dtype) for s in sizes])
-        return cls(kfacs)
+            shapes.append([(s, s) for s in sizes])
+        return cls.zeros(shapes, device, dtype)
+
+    @classmethod
+    def zeros(cls, shapes: list[list[tuple]], device: torch.device, dtype: torch.dtype) -> Kron:
+        """Zero factors of the given shapes: per block one or two shapes (m, m) or (m,)."""
+        return cls(
+            [[torch.zeros(shape, device=device, dtype=dtype) for shape in F] for F in shapes]
+        )
+
+    @property
+    def shapes(self) -> list[list[tuple[int, ...]]]:
+        """Per block the shapes of its factors."""
+        return [[tuple(F.shape) for F in block] for block in self.kfacs]
 
     def _check_same_structure(self, other: Kron) -> None:
         if not isinstance(other, Kron):
             raise ValueError(f"can only add Kron to Kron, got {type(other).__name__}.")
-        if [[F.shape for F in b] for b in self.kfacs] != [
-            [F.shape for F in b] for b in other.kfacs
-        ]:
+        if self.shapes != other.shapes:
             raise ValueError("cannot add Kron objects with different block structures.")
 
     def __add__(self, other: Kron) -> Kron:
@@ -121,15 +153,12 @@ class Kron:
         eigenvectors, eigenvalues = self._eigenpairs()
         return KronDecomposed(eigenvectors, eigenvalues, damping=damping)
 
-    def _eigenpairs(self) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
+    def _eigenpairs(self) -> tuple[list[list[Tensor | None]], list[list[Tensor]]]:
         eigenvectors, eigenvalues = [], []
         for F in self.kfacs:
             Qs, ls = [], []
             for Fi in F:
-                if Fi.ndim > 1:
-                    eigval, Q = symeig(Fi)
-                else:
-                    eigval, Q = Fi, torch.eye(len(Fi), dtype=Fi.dtype, device=Fi.device)
+                eigval, Q = symeig(Fi) if Fi.ndim > 1 else (Fi, None)
                 Qs.append(Q)
                 ls.append(eigval)
             eigenvectors.append(Qs)
@@ -149,12 +178,12 @@ class Kron:
         for F in self.kfacs:
             if len(F) == 1:
                 p = len(F[0])
-                out.append(flat[:, start : start + p] @ _as_matrix(F[0]).T)
+                out.append(_times_transposed(flat[:, start : start + p], F[0]))
             else:
-                F0, F1 = (_as_matrix(Fi) for Fi in F)
+                F0, F1 = F
                 p = len(F0) * len(F1)
                 block = flat[:, start : start + p].reshape(-1, len(F0), len(F1))
-                out.append((F0 @ block @ F1.T).flatten(1))
+                out.append(_times_transposed(_times(F0, block), F1).flatten(1))
             start += p
         return torch.cat(out, dim=1).reshape(shape)
 
@@ -185,7 +214,7 @@ class Kron:
         """Dense (P, P) matrix; for tests and small models only."""
         blocks = []
         for F in self.kfacs:
-            Fs = [_as_matrix(Fi) for Fi in F]
+            Fs = [Fi if Fi.ndim > 1 else torch.diag(Fi) for Fi in F]
             blocks.append(Fs[0] if len(Fs) == 1 else kron(Fs[0], Fs[1]))
         return block_diag(blocks)
 
@@ -194,7 +223,8 @@ class KronDecomposed:
     """Eigen-decomposed ``Kron`` plus one scalar ``δ`` per block (a prior precision).
 
     Args:
-        eigenvectors: Per block the eigenvector matrices ``Qᵢ`` of its factors.
+        eigenvectors: Per block the eigenvector matrices ``Qᵢ`` of its factors (None for a
+            diagonal factor: the identity).
         eigenvalues: Per block the eigenvalues ``λᵢ`` of its factors.
         deltas: Added to each block: a scalar (shape () or (1,)) or one value per block.
         damping: Use the damped spectrum ``(λ₀ + √δ)(λ₁ + √δ)ᵀ`` for weight blocks.
@@ -206,14 +236,14 @@ class KronDecomposed:
 
     def __init__(
         self,
-        eigenvectors: list[list[Tensor]],
+        eigenvectors: list[list[Tensor | None]],
         eigenvalues: list[list[Tensor]],
         deltas: Tensor | None = None,
         damping: bool = False,
     ) -> None:
         self.factors: Kron | None = None
         self._eigenvectors, self._eigenvalues = eigenvectors, eigenvalues
-        self._init_deltas(len(eigenvalues), eigenvectors[0][0], deltas)
+        self._init_deltas(len(eigenvalues), eigenvalues[0][0], deltas)
         self.damping = damping
 
     @classmethod
@@ -241,8 +271,8 @@ class KronDecomposed:
             self._eigenvectors, self._eigenvalues = self.factors._eigenpairs()
 
     @property
-    def eigenvectors(self) -> list[list[Tensor]]:
-        """Per block the eigenvector matrices ``Qᵢ`` of its factors."""
+    def eigenvectors(self) -> list[list[Tensor | None]]:
+        """Per block the eigenvector matrices ``Qᵢ`` of its factors (None: the identity)."""
         self._decompose()
         return self._eigenvectors
 
@@ -309,16 +339,15 @@ class KronDecomposed:
         out, start = [], 0
         for i, Qs in enumerate(self.eigenvectors):
             scale = self.spectrum(i).pow(exponent)
+            p = scale.numel()
             if len(Qs) == 1:
-                Q = Qs[0]
-                p = len(Q)
-                out.append(((flat[:, start : start + p] @ Q) * scale) @ Q.T)
+                Q, part = Qs[0], flat[:, start : start + p]
+                out.append(part * scale if Q is None else ((part @ Q) * scale) @ Q.T)
             else:
                 Q0, Q1 = Qs
-                p = len(Q0) * len(Q1)
-                block = flat[:, start : start + p].reshape(-1, len(Q0), len(Q1))
-                block = (Q0.T @ block @ Q1) * scale
-                out.append((Q0 @ block @ Q1.T).flatten(1))
+                block = flat[:, start : start + p].reshape(-1, *scale.shape)
+                block = _into_eigenbasis(block, Q0, Q1) * scale
+                out.append(_from_eigenbasis(block, Q0, Q1).flatten(1))
             start += p
         return torch.cat(out, dim=1).reshape(shape)
 
@@ -335,14 +364,14 @@ class KronDecomposed:
         parts, start = [], 0
         for i, Qs in enumerate(self.eigenvectors):
             scale = self.spectrum(i).rsqrt()
+            p = scale.numel()
             if len(Qs) == 1:
-                p = len(Qs[0])
-                parts.append((flat[:, start : start + p] @ Qs[0]) * scale)
+                part = flat[:, start : start + p]
+                parts.append((part if Qs[0] is None else part @ Qs[0]) * scale)
             else:
                 Q0, Q1 = Qs
-                p = len(Q0) * len(Q1)
-                block = flat[:, start : start + p].reshape(-1, len(Q0), len(Q1))
-                parts.append(((Q0.T @ block @ Q1) * scale).flatten(1))
+                block = flat[:, start : start + p].reshape(-1, *scale.shape)
+                parts.append((_into_eigenbasis(block, Q0, Q1) * scale).flatten(1))
             start += p
         half = torch.cat(parts, dim=1).reshape(*W.shape[:2], -1)
         return half @ half.transpose(1, 2)
@@ -352,16 +381,19 @@ class KronDecomposed:
         diags = []
         for i, Qs in enumerate(self.eigenvectors):
             scale = self.spectrum(i).pow(exponent)
+            squares = [None if Q is None else Q.square() for Q in Qs]
             if len(Qs) == 1:
-                diags.append(Qs[0].square() @ scale)
+                diags.append(scale if squares[0] is None else squares[0] @ scale)
             else:
-                diags.append((Qs[0].square() @ scale @ Qs[1].square().T).flatten())
+                diags.append(_from_eigenbasis(scale, *squares).flatten())
         return torch.cat(diags)
 
     def to_matrix(self, exponent: float = 1) -> Tensor:
         """Dense ``M^exponent``, shape (P, P); for tests and small models only."""
         blocks = []
         for i, Qs in enumerate(self.eigenvectors):
+            values = self.eigenvalues[i]
+            Qs = [torch.ones_like(v).diag() if Q is None else Q for Q, v in zip(Qs, values)]
             Q = Qs[0] if len(Qs) == 1 else kron(Qs[0], Qs[1])
             blocks.append((Q * self.spectrum(i).pow(exponent).flatten()) @ Q.T)
         return block_diag(blocks)

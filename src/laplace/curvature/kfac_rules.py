@@ -1,0 +1,254 @@
+r"""Which block of the Kronecker-factored curvature each parameter gets: the KFAC dispatch table.
+
+Every parameter tensor of interest gets one block (:class:`~laplace.utils.matrix.Kron`), of one
+of four kinds, chosen per module by :func:`plan_blocks`:
+
+- ``"kron"``: the weight of a layer with a rule in :data:`KFAC_RULES`, ``F₀ ⊗ F₁`` from its
+  inputs and output gradients (:mod:`laplace.curvature.kfac`):
+
+  ============================  ==============  ===================================
+  layer                         weight          block
+  ============================  ==============  ===================================
+  ``nn.Linear``, ``nn.Conv*d``  (out, in, ...)  ``G ⊗ A`` (outputs ⊗ inputs)
+  transformers' ``Conv1D``      (in, out)       ``A ⊗ G``
+  ``nn.Embedding``              (V, D)          ``diag(token counts) ⊗ G``, never V × V
+  ============================  ==============  ===================================
+
+- ``"bias"``: the bias of such a layer, its output-gradient factor ``G`` (dense);
+- ``"dense"``: every other parameter of at most ``dense_limit`` entries (default
+  :data:`KFAC_DENSE_LIMIT`) gets its exact curvature block, the Gram matrix of its per-sample
+  gradients (from :data:`~laplace.curvature.layer_rules.PER_SAMPLE_RULES`: the affine
+  parameters of LayerNorm, RMSNorm, GroupNorm and BatchNorm in closed form, any other module
+  through ``torch.func``);
+- ``"diag"``: every other parameter above that size, the exact diagonal of its block.
+
+The weight and the bias of a normalisation layer are two blocks, as a Linear layer's are (the
+cross terms between them dropped), so that a layer-wise prior precision keeps one value per
+tensor; each is the exact GGN block of its tensor, for any data, whatever ``kfac_approx``.
+The fallback also takes what a rule declines (a grouped convolution, an embedding with
+``scale_grad_by_freq``) and a parameter shared by several modules (tied weights), whose
+per-sample gradient sums over its uses. The size limit, per parameter tensor, is the
+``kfac_dense_limit`` keyword of the native backends (``backend_kwargs={"kfac_dense_limit": n}``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from torch import Tensor, nn
+
+from laplace.curvature.layer_rules import ModuleCall, _conv_patches
+
+__all__ = [
+    "KFAC_DENSE_LIMIT",
+    "KFAC_RULES",
+    "OPTIONAL_KFAC_RULES",
+    "Block",
+    "KfacRule",
+    "block_shapes",
+    "check_gradient_factor_first",
+    "check_kronecker_layers",
+    "kfac_rule",
+    "plan_blocks",
+]
+
+#: Largest parameter (entries) outside a Kronecker rule whose exact block is kept dense; larger
+#: ones keep the exact diagonal (a dense block of 2048 entries is 4M numbers, 16 MB in float32).
+KFAC_DENSE_LIMIT = 2048
+
+
+@dataclass(frozen=True)
+class KfacRule:
+    """How a layer type exposes its inputs and output gradients per position.
+
+    Attributes:
+        inputs: Recorded call → layer inputs (R, T, D_in) (patches for convolutions), or the
+            indices (R, T) of the rows an embedding looks up (``one_hot``).
+        grads: Recorded call and the gradient w.r.t. its output → (R, T, D_out).
+        check: Module → reason the rule does not apply (the exact fallback then takes the
+            module), or None.
+        inputs_first: The weight is laid out (D_in, D_out), so its block is ``A ⊗ G``.
+        one_hot: The inputs are one-hot rows (given as indices): ``A`` is diagonal, the token
+            counts.
+    """
+
+    inputs: Callable[[ModuleCall], Tensor]
+    grads: Callable[[ModuleCall, Tensor], Tensor]
+    check: Callable[[nn.Module], str | None]
+    inputs_first: bool = False
+    one_hot: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """Whether the block is ``G ⊗ A`` of dense inputs (Linear and convolution layers)."""
+        return not (self.inputs_first or self.one_hot)
+
+
+def _rows(t: Tensor) -> Tensor:
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def _conv_inputs(call: ModuleCall) -> Tensor:
+    return _conv_patches(call)[:, 0]
+
+
+def _conv_grads(call: ModuleCall, g: Tensor) -> Tensor:
+    return g.flatten(2).transpose(1, 2)
+
+
+def _conv_check(module: nn.Module) -> str | None:
+    return "grouped convolutions have no single Kronecker factor" if module.groups != 1 else None
+
+
+def _embedding_check(module: nn.Module) -> str | None:
+    if module.scale_grad_by_freq:
+        return "scale_grad_by_freq makes its gradient depend on the batch's token frequencies"
+    return None
+
+
+def _always(module: nn.Module) -> None:
+    return None
+
+
+_LINEAR = KfacRule(lambda call: _rows(call.args[0]), lambda call, g: _rows(g), _always)
+_CONV = KfacRule(_conv_inputs, _conv_grads, _conv_check)
+_EMBEDDING = KfacRule(
+    lambda call: call.args[0].reshape(len(call.args[0]), -1),
+    lambda call, g: _rows(g),
+    _embedding_check,
+    inputs_first=True,
+    one_hot=True,
+)
+_CONV1D = KfacRule(_LINEAR.inputs, _LINEAR.grads, _always, inputs_first=True)
+
+#: KFAC rules keyed by exact module type.
+KFAC_RULES: dict[type[nn.Module], KfacRule] = {
+    nn.Linear: _LINEAR,
+    nn.Conv1d: _CONV,
+    nn.Conv2d: _CONV,
+    nn.Conv3d: _CONV,
+    nn.Embedding: _EMBEDDING,
+}
+
+#: Rules for classes of optional libraries, by module path and class name; a class is looked up
+#: only in a library the process has already imported (a model using it has).
+OPTIONAL_KFAC_RULES: dict[str, dict[str, KfacRule]] = {
+    "transformers.pytorch_utils": {"Conv1D": _CONV1D},
+}
+
+
+def kfac_rule(module: nn.Module) -> KfacRule | None:
+    """The KFAC rule of ``module``'s exact type if it applies to the module, else None."""
+    rule = KFAC_RULES.get(type(module))
+    if rule is None:
+        for path, rules in OPTIONAL_KFAC_RULES.items():
+            library = sys.modules.get(path)
+            for name, candidate in rules.items():
+                if library is not None and type(module) is getattr(library, name, None):
+                    rule = candidate
+    return rule if rule is not None and rule.check(module) is None else None
+
+
+class Block(NamedTuple):
+    """The block of one parameter: its kind and, for ``"kron"``/``"bias"``, the layer's rule.
+
+    Attributes:
+        kind: ``"kron"``, ``"bias"``, ``"dense"`` or ``"diag"`` (see the module).
+        module: The layer owning the parameter (None for the exact kinds).
+        rule: Its KFAC rule (None for the exact kinds).
+    """
+
+    kind: str
+    module: nn.Module | None = None
+    rule: KfacRule | None = None
+
+
+def plan_blocks(engine: Any, dense_limit: int = KFAC_DENSE_LIMIT) -> list[Block]:
+    """The block of every parameter of a per-sample engine, in ``engine.needed`` order.
+
+    Args:
+        engine: A :class:`~laplace.curvature.per_sample.PerSampleEngine`.
+        dense_limit: Largest parameter outside a Kronecker rule whose exact block is dense.
+    """
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    for (module, name), slot in engine.slot.items():
+        uses.setdefault(slot, []).append((module, name))
+    plan = []
+    for slot, p in enumerate(engine.needed):
+        owners = uses.get(slot, [])
+        rule = kfac_rule(owners[0][0]) if len(owners) == 1 else None
+        name = owners[0][1] if owners else None
+        if rule is not None and name in ("weight", "bias"):
+            plan.append(Block("kron" if name == "weight" else "bias", owners[0][0], rule))
+        else:
+            plan.append(Block("dense" if p.numel() <= dense_limit else "diag"))
+    return plan
+
+
+def block_shapes(plan: list[Block], params: Iterable[Tensor]) -> list[list[tuple[int, ...]]]:
+    """The factor shapes of every block of ``plan`` for the parameters ``params``."""
+    shapes = []
+    for block, p in zip(plan, params, strict=True):
+        n = p.numel()
+        if block.kind == "diag":
+            shapes.append([(n,)])
+        elif block.kind != "kron":
+            shapes.append([(n, n)])
+        else:
+            m, rest = p.shape[0], n // p.shape[0]
+            shapes.append([(m,) if block.rule.one_hot else (m, m), (rest, rest)])
+    return shapes
+
+
+def check_kronecker_layers(model: nn.Module, params: Iterable[Tensor], backend: str) -> None:
+    """Refuse parameters outside Linear and convolution layers for a third-party KFAC.
+
+    Args:
+        model: The model (or the part of it the backend runs on).
+        params: Parameters of interest.
+        backend: Name of the backend, for the message.
+
+    Raises:
+        ValueError: Naming the first module that owns one of ``params`` and has no plain
+            Kronecker rule, and the alternatives.
+    """
+    wanted = {id(p) for p in params}
+    for name, module in model.named_modules():
+        if not any(id(p) in wanted for p in module.parameters(recurse=False)):
+            continue
+        rule = kfac_rule(module)
+        if rule is None or not rule.plain:
+            base = KFAC_RULES.get(type(module))
+            reason = base.check(module) if base is not None and base.plain else None
+            raise ValueError(
+                f"module {name or '<root>'!r} ({type(module).__name__}) owns parameters that "
+                f"{backend} cannot Kronecker-factor"
+                f"{': ' + reason if reason else ' (it factors Linear and Conv layers only)'}. "
+                "Use backend=CurvlinopsGGN, whose KFAC takes every layer (embeddings, "
+                "normalisation layers, any module through exact blocks), or "
+                "hessian_structure='diag', or freeze them (requires_grad=False)."
+            )
+
+
+def check_gradient_factor_first(engine: Any, why: str) -> None:
+    """Refuse Kronecker blocks ``A ⊗ G`` (output-gradient factor second) of an engine's layers.
+
+    Args:
+        engine: A :class:`~laplace.curvature.per_sample.PerSampleEngine`.
+        why: What needs the output-gradient factor first, for the message.
+
+    Raises:
+        ValueError: Naming the first such layer (an embedding, transformers' ``Conv1D``).
+    """
+    names = {module: name for name, module in engine.model.named_modules()}
+    for block in plan_blocks(engine):
+        if block.kind == "kron" and block.rule.inputs_first:
+            raise ValueError(
+                f"{why} needs the output-gradient factor first in every Kronecker block, but "
+                f"module {names.get(block.module, '?')!r} ({type(block.module).__name__}) has "
+                "it second; use one sigma_noise for all outputs, or hessian_structure='diag' "
+                "or 'full'."
+            )
