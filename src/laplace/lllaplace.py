@@ -167,7 +167,7 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         return (
             self._posterior_cls is type(self)._posterior_cls
             and getattr(backend, route) is getattr(CurvatureInterface, route)
-            and backend.curvature_columns is not CurvatureInterface.curvature_columns
+            and backend.row_columns is not CurvatureInterface.row_columns
             and not getattr(self.backend, "stochastic", False)
         )
 

@@ -13,7 +13,7 @@ The default routes use the native per-sample engine (:mod:`laplace.curvature.per
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
 from laplace.curvature.kfac import kfac
-from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
+from laplace.curvature.per_sample import Columns, PerSampleEngine, PerSampleTrace
 from laplace.data import Inputs
 from laplace.errors import check_module, check_positive_int
 from laplace.likelihoods import make_likelihood
@@ -198,8 +198,13 @@ class CurvatureInterface:
         """
         trace = self.trace(x)
         f = trace.f.detach()
-        Gs = trace.per_sample(self._likelihood.loss_gradient(f, y))
+        Gs = trace.per_sample(self._likelihood.output_gradient(f, y))
         return Gs.detach(), self._loss(f, y)
+
+    #: Whether a row's columns are the square root of that row's own curvature (the exact
+    #: GGN), so every position of outputs with extra dimensions gets columns of its own;
+    #: otherwise a column covers the summed loss of a data point (loss gradients).
+    separable_columns: bool = False
 
     def curvature_columns(
         self,
@@ -207,21 +212,49 @@ class CurvatureInterface:
         y: Tensor,
         generator: torch.Generator | None = None,
         mc_samples: int | None = None,
-    ) -> Iterable[Tensor]:
-        """Output-space columns ``vₖ`` (B, C) whose per-sample outer products sum to the curvature.
+        separate_positions: bool = True,
+    ) -> Columns:
+        """Output-space columns ``vₖ`` whose per-sample outer products sum to the curvature.
 
         The dense and diagonal curvatures are ``Σₙ Σₖ (Jₙᵀ vₖₙ)(Jₙᵀ vₖₙ)ᵀ``; a family (GGN, EF)
-        only says which columns it uses.
+        only says which columns each row of the outputs has (:meth:`row_columns`). For outputs
+        with extra dimensions (:mod:`laplace.outputs`) positions an ``ignore_index`` drops get
+        zero columns, and with ``separate_positions`` the exact GGN gets one column per
+        position and row column (the GGN of the summed per-position loss; KFAC's weight
+        sharing instead lets each column cover all positions).
 
         Args:
-            f: Detached outputs of the batch, shape (B, C).
+            f: Detached outputs of the batch, shape (B, ...).
             y: Targets of the batch.
             generator: Random generator of sampled columns (Monte-Carlo Fisher); torch's global
                 generator when None.
             mc_samples: Monte-Carlo samples per data point, for a stochastic curvature only.
+            separate_positions: Give positions columns of their own where the family's are
+                per row (:attr:`separable_columns`).
+
+        Returns:
+            The columns, sliced and iterated like a tensor (K, B, ...).
 
         Raises:
             ValueError: For ``mc_samples`` with a curvature that is not sampled.
+        """
+        layout = self._likelihood.layout(f.shape, y)
+        rows, targets, keep = layout.split(f, y)
+        V = self.row_columns(rows, targets, generator, mc_samples)
+        if keep is not None:
+            V = V * keep[:, None, None]
+        return layout.columns(V, separate_positions and self.separable_columns)
+
+    def row_columns(
+        self,
+        f: Tensor,
+        y: Tensor,
+        generator: torch.Generator | None = None,
+        mc_samples: int | None = None,
+    ) -> Tensor:
+        """The family's columns of rows ``f`` (R, C) with targets ``y``, shape (R, C, K).
+
+        Arguments as :meth:`curvature_columns`.
         """
         raise NotImplementedError(f"{type(self).__name__} defines no curvature.")
 
@@ -269,7 +302,7 @@ class CurvatureInterface:
         approx = kwargs.pop("kfac_approx", self.kfac_approx)
         if self.subnetwork_indices is not None:
             raise ValueError("KFAC is defined per layer; it does not support subnetwork_indices.")
-        trace, f, columns = self._traced_columns(x, y, kwargs)
+        trace, f, columns = self._traced_columns(x, y, kwargs, separate_positions=False)
         return self._loss(f, y), kfac(trace, columns, N, approx, self.factor)
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
@@ -290,13 +323,16 @@ class CurvatureInterface:
         return self._loss(f, y), trace.square_sum(columns).detach()
 
     def _traced_columns(
-        self, x: Inputs, y: Tensor, kwargs: dict[str, Any]
-    ) -> tuple[PerSampleTrace, Tensor, Iterable[Tensor]]:
+        self, x: Inputs, y: Tensor, kwargs: dict[str, Any], separate_positions: bool = True
+    ) -> tuple[PerSampleTrace, Tensor, Columns]:
         """The batch's trace, its detached outputs and curvature columns (``mc_samples``)."""
         mc_samples = _curvature_options(kwargs)
         trace = self.trace(x)
         f = trace.f.detach()
-        return trace, f, self.curvature_columns(f, y, mc_samples=mc_samples)
+        columns = self.curvature_columns(
+            f, y, mc_samples=mc_samples, separate_positions=separate_positions
+        )
+        return trace, f, columns
 
 
 class GGNInterface(CurvatureInterface):
@@ -333,14 +369,19 @@ class GGNInterface(CurvatureInterface):
         self.stochastic = stochastic
         self.num_samples = num_samples
 
-    def curvature_columns(
+    @property
+    def separable_columns(self) -> bool:  # type: ignore[override]
+        """The exact GGN's columns are per row; sampled loss gradients are not."""
+        return not self.stochastic
+
+    def row_columns(
         self,
         f: Tensor,
         y: Tensor,
         generator: torch.Generator | None = None,
         mc_samples: int | None = None,
-    ) -> Iterator[Tensor]:
-        """Columns ``vₖ`` (B, C) with ``Σₖ vₖ vₖᵀ = Λ`` (or its MC estimate) per sample.
+    ) -> Tensor:
+        """Columns (R, C, K) with ``Σₖ vₖ vₖᵀ = Λ`` (or its MC estimate) per row.
 
         Arguments as :meth:`CurvatureInterface.curvature_columns` (``y`` is unused; sampled
         targets use ``generator``, ``mc_samples`` defaults to ``num_samples``).
@@ -350,15 +391,16 @@ class GGNInterface(CurvatureInterface):
                 "mc_samples needs the Monte-Carlo Fisher (backend_kwargs={'stochastic': True}); "
                 "the exact GGN is not sampled."
             )
-        if self.stochastic:
-            n_samples = self.num_samples if mc_samples is None else mc_samples
-            scale = 1.0 / math.sqrt(n_samples)
-            for _ in range(n_samples):
-                y_hat = self._likelihood.sample_targets(f, generator)
-                yield scale * self._likelihood.loss_gradient(f, y_hat)
-        else:
-            L = self._likelihood.output_hessian_sqrt(f)
-            yield from L.unbind(-1)
+        if not self.stochastic:
+            return self._likelihood.output_hessian_sqrt(f)
+        n_samples = self.num_samples if mc_samples is None else mc_samples
+        scale = 1.0 / math.sqrt(n_samples)
+        draws = [
+            scale
+            * self._likelihood.loss_gradient(f, self._likelihood.sample_targets(f, generator))
+            for _ in range(n_samples)
+        ]
+        return torch.stack(draws, dim=-1)
 
 
 class EFInterface(CurvatureInterface):
@@ -370,17 +412,17 @@ class EFInterface(CurvatureInterface):
     this matrix for regression; classification agrees.
     """
 
-    def curvature_columns(
+    def row_columns(
         self,
         f: Tensor,
         y: Tensor,
         generator: torch.Generator | None = None,
         mc_samples: int | None = None,
-    ) -> list[Tensor]:
-        """The single column ``∇_f ℓ(fₙ, yₙ)`` (B, C); ``mc_samples`` is refused (not sampled)."""
+    ) -> Tensor:
+        """The single column ``∇_f ℓ(fₙ, yₙ)`` (R, C, 1); ``mc_samples`` is refused."""
         if mc_samples is not None:
             raise ValueError("mc_samples applies to the Monte-Carlo Fisher, not the EF.")
-        return [self._likelihood.loss_gradient(f, y)]
+        return self._likelihood.loss_gradient(f, y).unsqueeze(-1)
 
 
 def _curvature_options(kwargs: dict[str, Any]) -> int | None:

@@ -15,6 +15,8 @@ model is a subclass of :class:`Likelihood` (the public protocol), passed as
 
 from __future__ import annotations
 
+import copy
+
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.bernoulli import Bernoulli
 from laplace.likelihoods.categorical import Categorical, RewardModeling
@@ -26,6 +28,7 @@ from laplace.likelihoods.heteroscedastic import (
     HeteroscedasticPrediction,
 )
 from laplace.likelihoods.protocol import Likelihood
+from laplace.outputs import IGNORE_INDEX, OutputAdapter
 from laplace.utils import enums
 
 __all__ = [
@@ -53,12 +56,18 @@ _LIKELIHOODS: dict[enums.Likelihood, type[LikelihoodModel]] = {
 
 def make_likelihood(
     likelihood: enums.Likelihood | str | Likelihood | LikelihoodModel,
+    class_dim: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
 ) -> LikelihoodModel:
     """Build the likelihood object for a user's ``likelihood`` argument.
 
     Args:
         likelihood: A name (:class:`laplace.utils.enums.Likelihood` member or its string), an
-            instance of a :class:`Likelihood` subclass, or a likelihood object (returned as is).
+            instance of a :class:`Likelihood` subclass, or a likelihood object (returned as is,
+            or as a copy when it has other output options).
+        class_dim: The class dimension of outputs with extra dimensions (see
+            :class:`~laplace.outputs.OutputAdapter`).
+        ignore_index: The class label whose positions are dropped.
 
     Returns:
         The :class:`LikelihoodModel`.
@@ -67,14 +76,21 @@ def make_likelihood(
         ValueError: If ``likelihood`` is none of these, listing the accepted names.
         TypeError: For a :class:`Likelihood` that lacks a method it must implement.
     """
+    outputs = OutputAdapter(class_dim, ignore_index)
     if isinstance(likelihood, LikelihoodModel):
-        return likelihood
-    if isinstance(likelihood, Likelihood):
-        return CustomLikelihood(likelihood)
-    if isinstance(likelihood, str) and likelihood not in enums.Likelihood._value2member_map_:
+        current = likelihood.outputs
+        if (current.class_dim, current.ignore_index) == (class_dim, ignore_index):
+            return likelihood
+        model = copy.copy(likelihood)
+    elif isinstance(likelihood, Likelihood):
+        model = CustomLikelihood(likelihood)
+    elif isinstance(likelihood, str) and likelihood not in enums.Likelihood._value2member_map_:
         accepted = ", ".join(repr(m.value) for m in enums.Likelihood)
         raise ValueError(
             f"likelihood={likelihood!r} is not supported; accepted values: {accepted}, or an "
             "instance of a laplace.likelihoods.Likelihood subclass (your own likelihood)."
         )
-    return _LIKELIHOODS[enums.parse_enum(enums.Likelihood, likelihood, "likelihood")]()
+    else:
+        model = _LIKELIHOODS[enums.parse_enum(enums.Likelihood, likelihood, "likelihood")]()
+    model.outputs = outputs
+    return model

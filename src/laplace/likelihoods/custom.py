@@ -70,6 +70,7 @@ class CustomLikelihood(LikelihoodModel):
                 f"likelihood {type(likelihood).__name__} must implement {' and '.join(missing)} "
                 "(see laplace.likelihoods.Likelihood)."
             )
+        super().__init__()
         self.kind = likelihood
         self.predicts_probabilities = bool(likelihood.predicts_probabilities)
 
@@ -113,7 +114,7 @@ class CustomLikelihood(LikelihoodModel):
         return self.kind.sample(f.detach(), generator)
 
     @override
-    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+    def check_row_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
         self.kind.check_targets(y, output_shape)
 
     @override
