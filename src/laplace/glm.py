@@ -108,7 +108,8 @@ class GLMPredictiveMixin:
 
     # ----------------------------------------------------------------------------- GLM
     def _chunk_rows(self) -> int:
-        return jacobian_chunk_rows(self.n_outputs, self.n_params, self._dtype)
+        outputs = self._likelihood_model.outputs.per_point(self.n_outputs)
+        return jacobian_chunk_rows(outputs, self.n_params, self._dtype)
 
     def _glm_predictive_distribution(
         self, X: Inputs, joint: bool = False, diagonal_output: bool = False
@@ -134,10 +135,14 @@ class GLMPredictiveMixin:
     def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
         """``(f_mu (B, C), f_var (B, C, C))`` of the linearised network on one chunk of inputs.
 
+        Outputs with extra dimensions give ``f_mu`` in their shape (B, …) and the covariances
+        of their rows (B·T, C, C) (:mod:`laplace.outputs`).
+
         By default from Jacobians and :meth:`functional_variance`; structures with a closed form
         that avoids the (B, C, P) Jacobian (last layer, Kronecker factors) override this.
         """
         Js, f_mu = self._jacobians(X)
+        Js = self._likelihood_model.layout(f_mu.shape).jacobian_rows(Js)
         return f_mu, self.functional_variance(Js)
 
     def _jacobians(self, X: Inputs) -> tuple[Tensor, Tensor]:
@@ -167,7 +172,10 @@ class GLMPredictiveMixin:
         if pred_type == PredType.NN:
             return self._nn_functional_samples(x, n_samples, generator)
         f_mu, f_var = self._glm_predictive_distribution(x, diagonal_output=diagonal_output)
-        return gaussian_output_samples(f_mu, f_var, n_samples, generator)
+        layout = self._likelihood_model.layout(f_mu.shape)
+        return layout.restore(
+            gaussian_output_samples(layout.rows(f_mu), f_var, n_samples, generator)
+        )
 
     def predictive_samples(
         self,

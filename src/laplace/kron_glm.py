@@ -60,7 +60,8 @@ def kron_functional_moments(
 
     Returns:
         The moments, or None when a layer does not see the data points along its first
-        dimension (the caller then falls back to Jacobians).
+        dimension or the outputs have extra dimensions (the caller then falls back to
+        Jacobians, whose rows give the covariance of each position).
     """
 
     def block(i: int) -> tuple[Tensor | None, Tensor | None, Tensor]:
@@ -155,7 +156,7 @@ def _layerwise_moments(
 ) -> tuple[Tensor, Tensor] | None:
     f, calls, engine = trace.f, trace.calls, trace.engine
     B = f.shape[0]
-    if not all(
+    if f.dim() > 2 or not all(
         call.outputs[0].shape[0] == B and layerwise_supported(call.module) for call in calls
     ):
         return None

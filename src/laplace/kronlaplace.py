@@ -15,6 +15,7 @@ from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature.kfac import check_kfac_support
 from laplace.data import Inputs
 from laplace.kron_glm import kron_functional_moments
+from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors import KronPosterior
 from laplace.utils.enums import Likelihood
@@ -66,6 +67,8 @@ class KronLaplace(ParametricLaplace):
             ``(√h·λ_G + √δ)(√h·λ_A + √δ)ᵀ`` instead of ``h·λ_G λ_Aᵀ + δ``.
         backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
         asdl_fisher_kwargs: See :class:`~laplace.base.BaseLaplace`.
+        class_dim: See :class:`~laplace.base.BaseLaplace`.
+        ignore_index: See :class:`~laplace.base.BaseLaplace`.
 
     Raises:
         ValueError: For a module KFAC cannot model or a diagonal prior precision.
@@ -88,6 +91,8 @@ class KronLaplace(ParametricLaplace):
         damping: bool = False,
         backend_kwargs: dict[str, Any] | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
+        class_dim: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         self.damping = damping
         BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))

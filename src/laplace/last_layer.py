@@ -32,6 +32,7 @@ __all__ = [
     "full_curvature",
     "full_head_variance",
     "head_jacobians",
+    "head_rows",
     "kron_curvature",
     "kron_head_variance",
     "output_curvature",
@@ -52,6 +53,33 @@ def output_curvature(backend: Any, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor
     """
     V = torch.stack(list(backend.curvature_columns(f, y)), dim=-1)
     return backend._loss(f, y), V @ V.transpose(1, 2)
+
+
+def head_rows(
+    likelihood: Any, backend: Any, f: Tensor, phi: Tensor, y: Tensor
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Outputs, features and targets of one batch as rows of the head, where closed forms apply.
+
+    Outputs with extra dimensions (B, …) whose head sees one feature vector per position
+    (B, …, D) become independent rows (:mod:`laplace.outputs`): the head's curvature is a sum
+    over rows when the backend's columns are per row (the exact GGN; the empirical and
+    Monte-Carlo Fisher of the summed loss of a data point are not).
+
+    Args:
+        likelihood: The likelihood object (its ``layout``).
+        backend: The curvature backend (its ``separable_columns``).
+        f: Outputs (B, …).
+        phi: Head inputs.
+        y: Targets.
+
+    Returns:
+        ``(f (R, C), φ (R, D), y)`` of the rows, or None (the caller then uses autograd).
+    """
+    layout = likelihood.layout(f.shape, y)
+    features = layout.feature_rows(phi, len(f))
+    if features is None or not (layout.plain or backend.separable_columns):
+        return None
+    return layout.rows(f), features, layout.targets(y)
 
 
 def full_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:

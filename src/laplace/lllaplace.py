@@ -4,9 +4,12 @@ The network is wrapped in a :class:`~laplace.utils.feature_extractor.FeatureExtr
 (``la.model``); the body ``φ`` stays at its trained weights. Because the head is linear, the
 curvature, the marginal likelihood and the GLM predictive have closed forms in the features
 (:mod:`laplace.last_layer`): fitting costs one forward pass over the data plus a few products of
-the features, and predicting one forward pass per test batch. When the head sees several rows
-per data point (sequence features without ``feature_reduction``, reward-model pairs), the
-backend's autograd routes are used instead, which handle any such layout exactly. Backends
+the features, and predicting one forward pass per test batch. Outputs with extra dimensions
+whose head sees one feature vector per position (token logits (B, T, C) from features
+(B, T, D), pixel logits) are rows of the head like data points (:mod:`laplace.outputs`;
+the exact GGN only: the empirical and Monte-Carlo Fisher of a data point's summed loss couple
+its positions). Otherwise (sequence features whose outputs the model reduces, reward-model
+pairs) the backend's autograd routes are used, which handle any such layout exactly. Backends
 with their own curvature routes (ASDL, BackPACK, the exact Hessian, Monte-Carlo Fisher) are used
 as they are.
 
@@ -35,10 +38,12 @@ from laplace.last_layer import (
     full_curvature,
     full_head_variance,
     head_jacobians,
+    head_rows,
     kron_curvature,
     kron_head_variance,
     output_curvature,
 )
+from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.serialization import check_state_dict
 from laplace.subsets import LastLayerMixin
@@ -57,15 +62,6 @@ __all__ = [
 
 #: Feature and output-curvature entries buffered before they are turned into curvature.
 BUFFER_ELEMENTS = 2**24
-
-
-def _one_row_per_point(f: Tensor, phi: Tensor) -> bool:
-    """Whether the head maps each data point's features (B, D) to its outputs (B, C).
-
-    Otherwise (sequence features (B, T, D), reward pairs reshaped to (2B, D) inside the model)
-    the closed forms do not apply.
-    """
-    return phi.dim() == 2 and phi.shape[0] == f.shape[0]
 
 
 class LLLaplace(LastLayerMixin, ParametricLaplace):
@@ -96,6 +92,8 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         last_layer_name: Name of the last layer in ``model.named_modules()``.
         backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
         asdl_fisher_kwargs: Not supported for last-layer Laplace (must be None).
+        class_dim: See :class:`~laplace.base.BaseLaplace`.
+        ignore_index: See :class:`~laplace.base.BaseLaplace`.
 
     Raises:
         ValueError: For ``asdl_fisher_kwargs``, or a ``last_layer_name`` that is not a linear
@@ -122,6 +120,8 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         last_layer_name: str | None = None,
         backend_kwargs: dict[str, Any] | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
+        class_dim: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         if asdl_fisher_kwargs is not None:
             raise ValueError("last-layer Laplace does not support asdl_fisher_kwargs.")
@@ -186,11 +186,14 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
             with torch.no_grad():
                 f, phi = self._subset.outputs_and_features(X)
             check_outputs(f, batch_size_of(X, self.dict_key_x))
-            self.n_outputs = int(f.shape[-1])
+            self.n_outputs = self._likelihood_model.output_count(f.shape, y)
             self._likelihood_model.check_targets(y, f.shape)
-            if not _one_row_per_point(f, phi):  # several head rows per data point: autograd
+            rows = head_rows(self._likelihood_model, self.backend, f, phi, y)
+            if rows is None:  # the closed forms do not apply: autograd
                 yield self._batch_curvature(X, y, n_data)
                 continue
+            n_rows = n_data * (len(rows[1]) // len(f))  # KFAC's expand: positions as data
+            f, phi, y = rows
             with torch.no_grad():
                 batch_loss, M = output_curvature(self.backend, f.detach(), y)
             phis.append(phi.detach())
@@ -200,11 +203,11 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
             if buffered >= BUFFER_ELEMENTS:
                 yield (
                     loss,
-                    self._head_curvature(torch.cat(phis), torch.cat(Ms), bias, n_data, factor),
+                    self._head_curvature(torch.cat(phis), torch.cat(Ms), bias, n_rows, factor),
                 )
                 phis, Ms, loss, buffered = [], [], 0.0, 0
         if phis:
-            yield loss, self._head_curvature(torch.cat(phis), torch.cat(Ms), bias, n_data, factor)
+            yield loss, self._head_curvature(torch.cat(phis), torch.cat(Ms), bias, n_rows, factor)
 
     @staticmethod
     def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Any:
@@ -225,10 +228,12 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
         with context:
             f, phi = self._subset.outputs_and_features(X)
-            if not _one_row_per_point(f, phi):
+            layout = self._likelihood_model.layout(f.shape)
+            features = layout.feature_rows(phi, len(f))
+            if features is None:
                 return super()._functional_moments(X)
             bias = self._subset.layer.bias is not None
-            f_var = self._head_variance(self._posterior, phi, f.shape[-1], bias)
+            f_var = self._head_variance(self._posterior, features, layout.n_classes, bias)
         if not self.enable_backprop:
             f, f_var = f.detach(), f_var.detach()
         return f, f_var
@@ -237,9 +242,10 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
         with context:
             f, phi = self._subset.outputs_and_features(X)
-            if not _one_row_per_point(f, phi):
-                return super()._jacobians(X)
-            Js = head_jacobians(phi, f.shape[-1], self._subset.layer.bias is not None)
+            layout = self._likelihood_model.layout(f.shape)
+            if not layout.plain or layout.feature_rows(phi, len(f)) is None:
+                return super()._jacobians(X)  # in the outputs' order, for joint covariances
+            Js = head_jacobians(phi, layout.n_classes, self._subset.layer.bias is not None)
         if not self.enable_backprop:
             f, Js = f.detach(), Js.detach()
         return Js, f
@@ -252,7 +258,8 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         """
         self._check_fitted("functional_variance_fast")
         f_mu, f_var = self._functional_moments(move_inputs(X, self._device))
-        return f_mu, f_var.diagonal(dim1=-2, dim2=-1)
+        layout = self._likelihood_model.layout(f_mu.shape)
+        return f_mu, layout.restore(f_var.diagonal(dim1=-2, dim2=-1))
 
     # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -331,6 +338,8 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         damping: bool = False,
         backend_kwargs: dict[str, Any] | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
+        class_dim: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         self.damping = damping
         LLLaplace.__init__(self, **arguments_for(LLLaplace.__init__, locals()))

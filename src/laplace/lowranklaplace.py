@@ -32,6 +32,7 @@ from laplace.errors import (
     check_positive_int,
 )
 from laplace.kron_glm import layerwise_chunk_rows, lowrank_functional_moments
+from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import ParametricLaplace
 from laplace.posterior_scale import PosteriorScaleMixin
 from laplace.posteriors.lowrank import LowRankPosterior
@@ -86,6 +87,8 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
             fewer once every error bound is at most ``tol``; or ``"lanczos"`` or ``"lobpcg"``
             (exact to ``tol``, default 0: machine precision; hundreds of passes); ``seed``
             (start vectors).
+        class_dim: See :class:`~laplace.base.BaseLaplace`.
+        ignore_index: See :class:`~laplace.base.BaseLaplace`.
 
     Attributes:
         eigenvalue_errors: After :meth:`fit`, a posteriori relative errors of the eigenvalues,
@@ -122,6 +125,8 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
         backend_kwargs: dict[str, Any] | None = None,
+        class_dim: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         self._solver_options = _solver_options(backend_kwargs)
         self.eigenvalue_errors: Tensor | None = None
@@ -167,7 +172,7 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         with torch.no_grad(), distributed_utils.guard(self._distributed, "fit"):
             for X, y in self._batches(train_loader, progress_bar, desc="fit"):
                 f = check_outputs(self.model(X), batch_size_of(X, self.dict_key_x))
-                self.n_outputs = int(f.shape[-1])
+                self.n_outputs = self._likelihood_model.output_count(f.shape, y)
                 loss = loss + self.backend._loss(f, y)
         check_finite_result(loss, "loss of the training data")  # before any eigensolver pass
         options = dict(self._solver_options)

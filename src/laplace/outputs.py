@@ -252,6 +252,8 @@ class OutputAdapter:
         self._found: tuple[int, int] | None = None
         #: Outputs per data point of the last layout with extra dimensions (chunk sizes).
         self.last_size: int | None = None
+        #: The backend that takes outputs (B, C) only, if the likelihood is fitted with one.
+        self.plain_only: str | None = None
 
     def layout(
         self,
@@ -277,6 +279,12 @@ class OutputAdapter:
         shape = tuple(int(d) for d in output_shape[1:])
         labels = targets == PositionTargets.LABELS
         ignore = self.ignore_index if labels else None
+        if rank > 2 and self.plain_only is not None:
+            raise ValueError(
+                f"backend={self.plain_only} takes model outputs of shape (B, C); the model "
+                f"returned outputs of shape {tuple(output_shape)}. Use backend=CurvlinopsGGN "
+                "(or CurvlinopsEF, CurvlinopsHessian), which take outputs with extra dimensions."
+            )
         if rank > 2 and targets is None:
             raise ValueError(
                 f"likelihood={name!r} takes model outputs of shape (B, C); the model returned "
@@ -305,6 +313,25 @@ class OutputAdapter:
             self._found = (rank, dim)
         self.last_size = math.prod(shape)
         return OutputLayout(shape, dim, ignore)
+
+    @staticmethod
+    def require_plain(output_shape: Sequence[int], what: str) -> None:
+        """Refuse outputs with extra dimensions where ``what`` takes outputs (B, C) only.
+
+        Raises:
+            ValueError: Naming the weight-space structures that take them.
+        """
+        if len(output_shape) > 2:
+            raise ValueError(
+                f"{what} takes model outputs of shape (B, C); the model returned outputs of "
+                f"shape {tuple(output_shape)}. Outputs with extra dimensions work with the "
+                "weight-space Laplace approximations (hessian_structure='full', 'diag', "
+                "'kron' or 'lowrank')."
+            )
+
+    def per_point(self, n_outputs: int) -> int:
+        """Outputs per data point, for chunk sizes: T·C of outputs with extra dimensions."""
+        return n_outputs if self.last_size is None else self.last_size
 
     def _normalised(self, class_dim: int, rank: int) -> int:
         """``class_dim`` as an index into the per-point shape (without the batch dimension)."""

@@ -201,7 +201,7 @@ class CurvatureFitMixin:
                 with torch.no_grad():
                     f = self.model(X)
                 output_shape = check_outputs(f, batch_size_of(X, self.dict_key_x)).shape
-                self.n_outputs = int(output_shape[-1])
+                self.n_outputs = self._likelihood_model.output_count(output_shape, y)
             self._likelihood_model.check_targets(y, output_shape)
             yield self._batch_curvature(X, y, n_data)
 

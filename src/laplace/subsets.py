@@ -309,7 +309,7 @@ class LastLayer(_FlatParameters):
     def forward_samples(self, thetas: Tensor, X: Inputs, **model_kwargs: Any) -> Tensor:
         """Outputs for head samples thetas (S, P) → (S, B, C), from one feature pass."""
         f, phi = self.outputs_and_features(X, **model_kwargs)
-        if phi.dim() == 2 and phi.shape[0] == f.shape[0]:
+        if f.dim() == 2 and phi.dim() == 2 and phi.shape[0] == f.shape[0]:
             return self.head(thetas, phi)
         net = self.model.model
         return torch.stack(

@@ -76,6 +76,8 @@ class CurvatureInterface:
     accepts_dict_inputs: bool = True
     #: The torch losses (likelihoods' ``loss_module``) a third-party library supports; None: all.
     supported_losses: tuple[type[nn.Module], ...] | None = None
+    #: Whether it takes outputs with extra dimensions (B, C, d₁, …) (:mod:`laplace.outputs`).
+    extra_output_dims: bool = True
 
     def __init__(
         self,

@@ -106,7 +106,8 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
     def check_backend(self, backend_cls: type) -> None:
         """Refuse a curvature backend whose ``supported_losses`` exclude :meth:`loss_module`.
 
-        Third-party libraries (ASDL, BackPACK) backpropagate only the torch losses they know.
+        Third-party libraries (ASDL, BackPACK) backpropagate only the torch losses they know,
+        on outputs (B, C): outputs with extra dimensions are then refused when first seen.
 
         Raises:
             ValueError: Naming the native backends, which work with every likelihood.
@@ -120,6 +121,8 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
                 f"{loss.__name__}. Use backend=CurvlinopsGGN (or CurvlinopsEF), which work "
                 "with every likelihood."
             )
+        if not getattr(backend_cls, "extra_output_dims", True):
+            self.outputs.plain_only = backend_cls.__name__
 
     def check_low_rank(self) -> None:
         """Refuse the matrix-free (low-rank) curvature when :meth:`loss_module` cannot give it.

@@ -14,11 +14,11 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Sequence
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from laplace.outputs import OutputAdapter, OutputLayout, PositionTargets
 
-__all__ = ["OutputRows"]
+__all__ = ["LossModule", "OutputRows"]
 
 
 class OutputRows:
@@ -65,9 +65,19 @@ class OutputRows:
 
     def loss(self, f: Tensor, y: Tensor) -> Tensor:
         """Summed loss of a batch of outputs (B, …) over its data points and kept positions."""
+        return self.point_losses(f, y).sum()
+
+    def point_losses(self, f: Tensor, y: Tensor) -> Tensor:
+        """Loss of each data point of a batch of outputs (B, …), summed over its kept positions.
+
+        Returns:
+            Shape (B,).
+        """
         rows, targets, keep = self.layout(f.shape, y).split(f, y)
         per_row = self.per_sample_loss(rows, targets)
-        return per_row.sum() if keep is None else per_row[keep].sum()
+        if keep is not None:
+            per_row = per_row * keep
+        return per_row.reshape(len(f), -1).sum(1)
 
     def output_gradient(self, f: Tensor, y: Tensor) -> Tensor:
         """Gradient of the summed loss w.r.t. the outputs, shape of ``f`` (B, …)."""
@@ -93,3 +103,28 @@ class OutputRows:
         Raises:
             ValueError: As :meth:`check_targets`.
         """
+
+
+class LossModule(nn.Module):
+    """A likelihood object's negative log-likelihood as a torch loss ``(f, y) → loss``.
+
+    For the torch-loss routes (curvlinops' operators, training loops) of likelihoods without a
+    torch loss of their own, and of outputs of any layout.
+
+    Args:
+        likelihood: The likelihood object.
+        reduction: ``"mean"`` (over data points), ``"sum"`` or ``"none"`` (shape (B,)).
+    """
+
+    def __init__(self, likelihood: OutputRows, reduction: str = "mean") -> None:
+        super().__init__()
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}.")
+        self.likelihood, self.reduction = likelihood, reduction
+
+    def forward(self, f: Tensor, y: Tensor) -> Tensor:
+        """The loss of outputs ``f`` (B, …) and targets ``y``."""
+        loss = self.likelihood.point_losses(f, y)
+        if self.reduction == "mean":
+            return loss.mean()
+        return loss.sum() if self.reduction == "sum" else loss
