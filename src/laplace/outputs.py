@@ -357,12 +357,15 @@ class OutputAdapter:
         if chosen is not None and chosen in candidates:
             return chosen
         if chosen is not None or not candidates:
-            expected = (
-                " (the outputs' shape without dimension "
-                f"{chosen + 1}: {(output_shape[0], *_without(output_shape[1:], chosen))})"
-                if chosen is not None
-                else ""
-            )
+            expected = ""
+            if chosen is not None:
+                source = (
+                    f"class_dim={self.class_dim}"
+                    if explicit is not None
+                    else "the class dimension of earlier batches"
+                )
+                shape = (output_shape[0], *_without(output_shape[1:], chosen))
+                expected = f" ({source}: targets of shape {shape})"
             raise DataError(
                 f"classification {shapes} do not fit: the targets must have the outputs' shape "
                 f"without the class dimension{expected}, e.g. outputs (B, C, H, W) with targets "

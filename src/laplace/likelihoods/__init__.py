@@ -15,8 +15,6 @@ model is a subclass of :class:`Likelihood` (the public protocol), passed as
 
 from __future__ import annotations
 
-import copy
-
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.bernoulli import Bernoulli
 from laplace.likelihoods.categorical import Categorical, RewardModeling
@@ -64,7 +62,7 @@ def make_likelihood(
     Args:
         likelihood: A name (:class:`laplace.utils.enums.Likelihood` member or its string), an
             instance of a :class:`Likelihood` subclass, or a likelihood object (returned as is,
-            or as a copy when it has other output options).
+            with its own output options).
         class_dim: The class dimension of outputs with extra dimensions (see
             :class:`~laplace.outputs.OutputAdapter`).
         ignore_index: The class label whose positions are dropped.
@@ -76,14 +74,10 @@ def make_likelihood(
         ValueError: If ``likelihood`` is none of these, listing the accepted names.
         TypeError: For a :class:`Likelihood` that lacks a method it must implement.
     """
-    outputs = OutputAdapter(class_dim, ignore_index)
     if isinstance(likelihood, LikelihoodModel):
-        current = likelihood.outputs
-        if (current.class_dim, current.ignore_index) == (class_dim, ignore_index):
-            return likelihood
-        model = copy.copy(likelihood)
-    elif isinstance(likelihood, Likelihood):
-        model = CustomLikelihood(likelihood)
+        return likelihood
+    if isinstance(likelihood, Likelihood):
+        model: LikelihoodModel = CustomLikelihood(likelihood)
     elif isinstance(likelihood, str) and likelihood not in enums.Likelihood._value2member_map_:
         accepted = ", ".join(repr(m.value) for m in enums.Likelihood)
         raise ValueError(
@@ -92,5 +86,5 @@ def make_likelihood(
         )
     else:
         model = _LIKELIHOODS[enums.parse_enum(enums.Likelihood, likelihood, "likelihood")]()
-    model.outputs = outputs
+    model.outputs = OutputAdapter(class_dim, ignore_index)
     return model
