@@ -23,9 +23,10 @@ from conftest import (
     assert_close,
     freeze_all_but,
 )
-from laplace import Laplace, curvature
+from laplace import Laplace, curvature, marglik_training
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian
 from laplace.errors import DataError
+from laplace.utils import RunningNLLMetric, validate
 
 #: Subnetwork entries of the position cases (both layers of every model).
 SUBNET = torch.tensor([0, 3, 7, 12, 20, 25, 31])
@@ -227,3 +228,38 @@ def test_what_takes_outputs_b_c_only_says_so(likelihood, kwargs, message):
     la = Laplace(case.model, likelihood, "all", structure, **kwargs)
     with pytest.raises(ValueError, match=message):
         la.fit(loader)
+
+
+def test_low_rank_eigenpairs_are_those_of_the_summed_position_ggn():
+    case = POSITION_CASES["pixel_classification"]()
+    options = {"n_eigenvalues": 6, "max_iter": 8}
+    la = _fit(case, structure="lowrank", backend_kwargs=options)
+    eigenvalues = torch.linalg.eigvalsh(_oracle(case).ggn(case.X, case.y)).flip(0)[:6]
+    assert_close(la.H[1], eigenvalues, rtol=1e-6)
+
+
+def test_validation_scores_the_positions_that_count():
+    case = POSITION_CASES["token_classification"]()
+    la = _fit(case, structure="diag")
+    score = validate(la, case.loader(), RunningNLLMetric())
+    rows, labels = la(case.X).reshape(-1, 4), case.y.reshape(-1)
+    kept = labels != -100
+    expected = -rows[kept, labels[kept]].log().mean()
+    assert_close(torch.tensor(score), expected)
+    la.optimize_prior_precision(method="gridsearch", val_loader=case.loader(), grid_size=3)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda c: marglik_training(c.model, c.loader(), n_epochs=1), "marglik_training takes"),
+        (
+            lambda c: _fit(c, structure="lowrank", backend_kwargs={"solver": "lanczos"}),
+            "solver='randomized'",
+        ),
+    ],
+    ids=["marglik_training", "lowrank_operators"],
+)
+def test_routes_without_outputs_with_extra_dimensions_name_the_one_to_use(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(POSITION_CASES["pixel_classification"]())

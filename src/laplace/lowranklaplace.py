@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace, arguments_for
-from laplace.curvature import CurvatureInterface
+from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.eigen import SOLVERS, STARTS, top_eigenpairs
 from laplace.curvature.products import curvature_product
 from laplace.data import Inputs, batch_size_of, check_outputs
@@ -39,6 +39,9 @@ from laplace.posteriors.lowrank import LowRankPosterior
 from laplace.utils.enums import Likelihood
 
 __all__ = ["LowRankLaplace"]
+
+#: What takes outputs with extra dimensions where the curvlinops operators do not.
+_NATIVE_ROUTE = "solver='randomized' (the default) with a GGN or EF backend"
 
 #: ``backend_kwargs`` entries that configure the eigensolver (not passed to the backend).
 #: ``low_rank`` is the name laplace-torch's ``asdfghjkl`` backend uses for ``n_eigenvalues``.
@@ -169,13 +172,20 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         self.model.eval()
         mean = self._subset.vector()
         loss = torch.zeros((), device=self._device, dtype=self._dtype)
+        options = dict(self._solver_options)
+        native = options.get("solver", "randomized") == "randomized" and isinstance(
+            self.backend, (GGNInterface, EFInterface)
+        )
         with torch.no_grad(), distributed_utils.guard(self._distributed, "fit"):
             for X, y in self._batches(train_loader, progress_bar, desc="fit"):
                 f = check_outputs(self.model(X), batch_size_of(X, self.dict_key_x))
                 self.n_outputs = self._likelihood_model.output_count(f.shape, y)
+                if not native:  # curvlinops' operators see the torch loss of outputs (B, C)
+                    self._likelihood_model.outputs.require_plain(
+                        f.shape, "LowRankLaplace's operator route", _NATIVE_ROUTE
+                    )
                 loss = loss + self.backend._loss(f, y)
         check_finite_result(loss, "loss of the training data")  # before any eigensolver pass
-        options = dict(self._solver_options)
         k = int(options.pop("n_eigenvalues"))
         local_n = distributed_utils.data_count(train_loader) if self._distributed else n_data
         reduce = distributed_utils.all_reduce_sum if self._distributed else None
@@ -183,7 +193,7 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
             self.backend,
             _Batches(self, train_loader),
             local_n,
-            native=options.get("solver", "randomized") == "randomized",
+            native=native,
             reduce=reduce,
             seed=options.get("seed", 0),
         )

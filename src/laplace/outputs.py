@@ -147,8 +147,6 @@ class OutputLayout:
         """Mask (rows,) of rows whose label is not ``ignore_index``; None when none is dropped."""
         if self.ignore_index is None or targets.is_floating_point() or targets.dtype == torch.bool:
             return None
-        if targets.numel() == 0 or targets.numel() != len(targets):
-            return None
         keep = targets.reshape(-1) != self.ignore_index
         return None if bool(keep.all()) else keep
 
@@ -315,18 +313,22 @@ class OutputAdapter:
         return OutputLayout(shape, dim, ignore)
 
     @staticmethod
-    def require_plain(output_shape: Sequence[int], what: str) -> None:
+    def require_plain(
+        output_shape: Sequence[int],
+        what: str,
+        alternative: str = "the weight-space Laplace approximations (hessian_structure="
+        "'full', 'diag', 'kron' or 'lowrank')",
+    ) -> None:
         """Refuse outputs with extra dimensions where ``what`` takes outputs (B, C) only.
 
         Raises:
-            ValueError: Naming the weight-space structures that take them.
+            ValueError: Naming ``alternative``, which takes them.
         """
         if len(output_shape) > 2:
             raise ValueError(
                 f"{what} takes model outputs of shape (B, C); the model returned outputs of "
-                f"shape {tuple(output_shape)}. Outputs with extra dimensions work with the "
-                "weight-space Laplace approximations (hessian_structure='full', 'diag', "
-                "'kron' or 'lowrank')."
+                f"shape {tuple(output_shape)}. Outputs with extra dimensions work with "
+                f"{alternative}."
             )
 
     def per_point(self, n_outputs: int) -> int:

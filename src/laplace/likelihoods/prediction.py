@@ -127,6 +127,16 @@ class OutputPredictions:
         """
         return f_mu, f_var
 
+    def validation_rows(self, prediction: Any, y: Tensor) -> tuple[Any, Tensor]:
+        """Predictions and targets of a validation batch as the validation metrics take them.
+
+        Gaussian moments by default: means and variances flattened per data point (B, T·C)
+        for outputs with extra dimensions (as given for outputs (B, C)).
+        """
+        if not isinstance(prediction, tuple) or self.layout(prediction[0].shape).plain:
+            return prediction, y
+        return tuple(p.reshape(len(p), -1) for p in prediction), y.reshape(len(y), -1)
+
     def sampled_predictive(self, f: Tensor) -> Any:
         """Predictions from sampled networks' outputs ``f`` (S, B, C) (``pred_type="nn"``).
 
@@ -186,3 +196,10 @@ class ProbabilityPredictions(OutputPredictions):
     def restore_prediction(self, prediction: Tensor, layout: OutputLayout) -> Tensor:
         """Probabilities of rows (B·T, C) in the outputs' shape."""
         return layout.restore(prediction)
+
+    def validation_rows(self, prediction: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """Probabilities (B·T, C) and labels of the positions that count (not dropped)."""
+        layout = self.layout(prediction.shape, y)
+        targets, keep = layout.labelled(y)
+        rows = layout.rows(prediction)
+        return (rows, targets) if keep is None else (rows[keep], targets[keep])
