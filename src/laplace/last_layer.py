@@ -21,16 +21,16 @@ import math
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from laplace.posteriors import DensePosterior, DiagonalPosterior, KronPosterior
-from laplace.utils.matrix import Kron
+from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = [
     "diag_curvature",
     "diag_head_variance",
     "full_curvature",
     "full_head_variance",
+    "head_features",
     "head_jacobians",
     "head_rows",
     "kron_curvature",
@@ -56,18 +56,19 @@ def output_curvature(backend: Any, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor
 
 
 def head_rows(
-    likelihood: Any, backend: Any, f: Tensor, phi: Tensor, y: Tensor
+    likelihood: Any, backend: Any, layer: nn.Linear, f: Tensor, phi: Tensor, y: Tensor
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """Outputs, features and targets of one batch as rows of the head, where closed forms apply.
 
     Outputs with extra dimensions (B, …) whose head sees one feature vector per position
-    (B, …, D) become independent rows (:mod:`laplace.outputs`): the head's curvature is a sum
-    over rows when the backend's columns are per row (the exact GGN; the empirical and
-    Monte-Carlo Fisher of the summed loss of a data point are not).
+    become independent rows (:mod:`laplace.outputs`, :func:`head_features`): the head's
+    curvature is a sum over rows when the backend's columns are per row (the exact GGN; the
+    empirical and Monte-Carlo Fisher of the summed loss of a data point are not).
 
     Args:
         likelihood: The likelihood object (its ``layout``).
         backend: The curvature backend (its ``separable_columns``).
+        layer: The head.
         f: Outputs (B, …).
         phi: Head inputs.
         y: Targets.
@@ -76,10 +77,47 @@ def head_rows(
         ``(f (R, C), φ (R, D), y)`` of the rows, or None (the caller then uses autograd).
     """
     layout = likelihood.layout(f.shape, y)
-    features = layout.feature_rows(phi, len(f))
-    if features is None or not (layout.plain or backend.separable_columns):
+    if layout.plain:
+        features = phi if phi.dim() == 2 and len(phi) == len(f) else None
+    elif backend.separable_columns:
+        features = head_features(layer, phi, layout.rows(f), layout.n_positions)
+    else:
         return None
-    return layout.rows(f), features, layout.targets(y)
+    return None if features is None else (layout.rows(f), features, layout.targets(y))
+
+
+#: Rows at most :func:`head_features` recomputes to check that features and outputs match.
+CHECKED_ROWS = 16
+
+
+def head_features(layer: nn.Linear, phi: Tensor, rows: Tensor, n_positions: int) -> Tensor | None:
+    """Head inputs (B, *positions, D) as the rows (B·T, D) of outputs with extra dimensions.
+
+    The head applies to every position (token features (B, T, D) for logits (B, T, C); pixel
+    features (B, H, W, D) for logits moved to (B, C, H, W)); its positions must be the outputs'
+    positions in the same order, with the class dimension the head's outputs. That is checked
+    on a few rows (the head recomputed there) instead of assumed.
+
+    Args:
+        layer: The head.
+        phi: Its inputs.
+        rows: The outputs' rows (B·T, C) (``OutputLayout.rows``).
+        n_positions: T.
+
+    Returns:
+        The feature rows, or None when they are not the rows of the outputs.
+    """
+    batch = len(rows) // max(1, n_positions)
+    if phi.dim() < 3 or phi.shape[0] != batch or math.prod(phi.shape[1:-1]) != n_positions:
+        return None
+    features = phi.reshape(-1, phi.shape[-1])
+    if layer.out_features != rows.shape[-1]:
+        return None
+    step = max(1, len(rows) // CHECKED_ROWS)
+    with torch.no_grad():
+        recomputed, expected = layer(features[::step]), rows[::step].detach()
+    tolerance = 1e-4 * float(expected.abs().max().clamp_min(1))
+    return features if torch.allclose(recomputed, expected, rtol=1e-4, atol=tolerance) else None
 
 
 def full_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:
@@ -158,40 +196,38 @@ def head_jacobians(phi: Tensor, n_out: int, bias: bool) -> Tensor:
     return Js
 
 
-def full_head_variance(posterior: DensePosterior, phi: Tensor, n_out: int, bias: bool) -> Tensor:
-    """``Jₙ Σ Jₙᵀ`` from the dense posterior covariance ``Σ``: (B, D) → (B, C, C)."""
+def full_head_variance(covariance: Tensor, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+    """``Jₙ Σ Jₙᵀ`` from the dense posterior covariance ``Σ`` (P, P): (B, D) → (B, C, C)."""
     D, C = phi.shape[1], n_out
     n_w = C * D
-    S = posterior.covariance
-    S_W = S[:n_w, :n_w].reshape(C, D, C, D)
+    S_W = covariance[:n_w, :n_w].reshape(C, D, C, D)
     left = torch.einsum("nd,cdke->ncke", phi, S_W)
     f_var = torch.einsum("ncke,ne->nck", left, phi)
     if bias:
-        cross = phi @ S[:n_w, n_w:].reshape(C, D, C).permute(1, 0, 2).reshape(D, C * C)
+        cross = phi @ covariance[:n_w, n_w:].reshape(C, D, C).permute(1, 0, 2).reshape(D, C * C)
         cross = cross.reshape(-1, C, C)
-        f_var = f_var + cross + cross.transpose(1, 2) + S[n_w:, n_w:]
+        f_var = f_var + cross + cross.transpose(1, 2) + covariance[n_w:, n_w:]
     return f_var
 
 
-def diag_head_variance(
-    posterior: DiagonalPosterior, phi: Tensor, n_out: int, bias: bool
-) -> Tensor:
-    """``Jₙ diag(σ²) Jₙᵀ`` (diagonal in the outputs): (B, D) → (B, C, C)."""
+def diag_head_variance(variance: Tensor, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+    """``Jₙ diag(σ²) Jₙᵀ`` from the posterior variances σ² (P,): (B, D) → (B, C, C).
+
+    The result is diagonal in the outputs.
+    """
     D = phi.shape[1]
-    variance = posterior.variance
     f_var = phi.square() @ variance[: n_out * D].reshape(n_out, D).T
     if bias:
         f_var = f_var + variance[n_out * D :]
     return torch.diag_embed(f_var)
 
 
-def kron_head_variance(posterior: KronPosterior, phi: Tensor, n_out: int, bias: bool) -> Tensor:
-    """``Jₙ P⁻¹ Jₙᵀ`` for a Kronecker posterior, in the eigenbasis: (B, D) → (B, C, C).
+def kron_head_variance(precision: KronDecomposed, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+    """``Jₙ P⁻¹ Jₙᵀ`` for a Kronecker precision, in the eigenbasis: (B, D) → (B, C, C).
 
     With ``P_W = (Q_G ⊗ Q_A) diag(s) (Q_G ⊗ Q_A)ᵀ`` and ``φ̃ = Q_Aᵀ φ``, the weight part is
     ``Q_G diag(wₙ) Q_Gᵀ`` with ``wₙᵢ = Σⱼ φ̃ₙⱼ² / sᵢⱼ``; the bias adds ``Q_b diag(1/s_b) Q_bᵀ``.
     """
-    precision = posterior.precision
     Q_G, Q_A = precision.eigenvectors[0]
     w = (phi @ Q_A).square() @ precision.spectrum(0).reciprocal().T
     f_var = (Q_G * w.unsqueeze(1)) @ Q_G.T

@@ -34,19 +34,15 @@ from laplace.functional import FunctionalLLLaplace
 from laplace.kronlaplace import KronLaplace
 from laplace.last_layer import (
     diag_curvature,
-    diag_head_variance,
     full_curvature,
-    full_head_variance,
-    head_jacobians,
     head_rows,
     kron_curvature,
-    kron_head_variance,
     output_curvature,
 )
+from laplace.last_layer_mixin import LastLayerMixin
 from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.serialization import check_state_dict
-from laplace.subsets import LastLayerMixin
 from laplace.utils.enums import Likelihood
 from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
 
@@ -188,7 +184,8 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
             check_outputs(f, batch_size_of(X, self.dict_key_x))
             self.n_outputs = self._likelihood_model.output_count(f.shape, y)
             self._likelihood_model.check_targets(y, f.shape)
-            rows = head_rows(self._likelihood_model, self.backend, f, phi, y)
+            layer = self._subset.layer
+            rows = head_rows(self._likelihood_model, self.backend, layer, f, phi, y)
             if rows is None:  # the closed forms do not apply: autograd
                 yield self._batch_curvature(X, y, n_data)
                 continue
@@ -215,41 +212,6 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         raise NotImplementedError
 
     # --------------------------------------------------------------------------- predictive
-    @staticmethod
-    def _head_variance(posterior: Any, phi: Tensor, n_out: int, bias: bool) -> Tensor:
-        """Closed-form ``Jₙ P⁻¹ Jₙᵀ`` (B, C, C) of the head from features (B, D)."""
-        raise NotImplementedError
-
-    def _chunk_rows(self) -> int:
-        # The closed forms hold about C·P numbers per test point, like a Jacobian row.
-        return ParametricLaplace._chunk_rows(self)
-
-    def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
-        context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
-        with context:
-            f, phi = self._subset.outputs_and_features(X)
-            layout = self._likelihood_model.layout(f.shape)
-            features = layout.feature_rows(phi, len(f))
-            if features is None:
-                return super()._functional_moments(X)
-            bias = self._subset.layer.bias is not None
-            f_var = self._head_variance(self._posterior, features, layout.n_classes, bias)
-        if not self.enable_backprop:
-            f, f_var = f.detach(), f_var.detach()
-        return f, f_var
-
-    def _jacobians(self, X: Inputs) -> tuple[Tensor, Tensor]:
-        context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
-        with context:
-            f, phi = self._subset.outputs_and_features(X)
-            layout = self._likelihood_model.layout(f.shape)
-            if not layout.plain or layout.feature_rows(phi, len(f)) is None:
-                return super()._jacobians(X)  # in the outputs' order, for joint covariances
-            Js = head_jacobians(phi, layout.n_classes, self._subset.layer.bias is not None)
-        if not self.enable_backprop:
-            f, Js = f.detach(), Js.detach()
-        return Js, f
-
     def functional_variance_fast(self, X: Inputs) -> tuple[Tensor, Tensor]:
         """Output means (B, C) and variances (B, C) of the GLM predictive, from the features.
 
@@ -296,8 +258,6 @@ class FullLLLaplace(LLLaplace, FullLaplace):
     def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Tensor:
         return full_curvature(phi, M, bias)
 
-    _head_variance = staticmethod(full_head_variance)
-
 
 class DiagLLLaplace(LLLaplace, DiagLaplace):
     """Last-layer Laplace with a diagonal curvature of the head."""
@@ -307,8 +267,6 @@ class DiagLLLaplace(LLLaplace, DiagLaplace):
     @staticmethod
     def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Tensor:
         return diag_curvature(phi, M, bias)
-
-    _head_variance = staticmethod(diag_head_variance)
 
 
 class KronLLLaplace(LLLaplace, KronLaplace):
@@ -347,5 +305,3 @@ class KronLLLaplace(LLLaplace, KronLaplace):
     @staticmethod
     def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Any:
         return kron_curvature(phi, M, bias, n_data, factor)
-
-    _head_variance = staticmethod(kron_head_variance)

@@ -170,22 +170,6 @@ class OutputLayout:
         grid = Js.reshape(Js.shape[0], *self.shape, Js.shape[-1]).movedim(-1, 0)
         return self.rows(grid).movedim(0, -1)
 
-    def feature_rows(self, phi: Tensor, batch: int) -> Tensor | None:
-        """Last-layer features (B, *positions, D) as rows (B·T, D), one per output row.
-
-        Returns:
-            The rows, or None when the features are not one (B, D) or (B, ..., D) tensor with
-            one feature vector per output row (reward pairs, a head before a reduction over
-            positions); the caller then differentiates the model instead.
-        """
-        if phi.dim() < 2 or phi.shape[0] != batch:
-            return None
-        if self.plain:
-            return phi if phi.dim() == 2 else None
-        if math.prod(phi.shape[1:-1]) != self.n_positions:
-            return None
-        return phi.reshape(-1, phi.shape[-1])
-
 
 class PositionColumns:
     """The T·K position-separated columns of a block-diagonal output Hessian, formed lazily.

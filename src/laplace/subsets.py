@@ -3,11 +3,14 @@
 ``AllWeights`` covers every parameter with ``requires_grad=True``; ``Subnetwork`` chosen entries
 of their flattened vector; ``LastLayer`` the linear head of a
 :class:`~laplace.utils.feature_extractor.FeatureExtractor`, which may only be found on the first
-forward pass (``resolved`` tells). All implement the same small interface.
+forward pass (``resolved`` tells). All implement the same small interface, including
+``linearize``: the model's outputs and Jacobian in the kind (:mod:`laplace.jacobians`) that suits
+the posterior, for the GLM predictive.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -16,17 +19,21 @@ from torch.func import functional_call
 
 from laplace.data import Inputs
 from laplace.errors import ArgumentTypeError, MetaDeviceError, NotFittedError
-from laplace.utils.feature_extractor import (
-    FeatureExtractor,
-    FeatureReduction,
-    as_feature_extractor,
+from laplace.jacobians import (
+    HeadFeatures,
+    Jacobian,
+    JacobianRows,
+    backend_kind,
+    backend_linearization,
 )
+from laplace.last_layer import head_features
+from laplace.outputs import OutputLayout
+from laplace.utils.feature_extractor import FeatureExtractor
 
 __all__ = [
     "MISSING_SUBNETWORK_INDICES",
     "AllWeights",
     "LastLayer",
-    "LastLayerMixin",
     "Subnetwork",
     "check_parameters",
     "check_subnetwork_indices",
@@ -151,6 +158,24 @@ class AllWeights(_FlatParameters):
         """Model outputs for each weight sample: thetas (S, P) → (S, B, C)."""
         return torch.stack([self.forward_with(theta, X, **model_kwargs) for theta in thetas])
 
+    def jacobian_kind(self, closed_forms: Collection[type[Jacobian]]) -> type[Jacobian]:
+        """The Jacobian kind :meth:`linearize` returns, given the posterior's closed forms."""
+        return backend_kind(closed_forms)
+
+    def linearize(
+        self, X: Inputs, backend: Any, closed_forms: Collection[type[Jacobian]], backprop: bool
+    ) -> tuple[Tensor, Jacobian]:
+        """Outputs ``f`` (B, C) and Jacobian ``J`` of the model from one forward pass.
+
+        Args:
+            X: Inputs (B, ...), or a dict-like batch.
+            backend: The curvature backend over these parameters.
+            closed_forms: The Jacobian kinds the posterior has closed forms for.
+            backprop: Keep the results differentiable w.r.t. the inputs.
+        """
+        kind = self.jacobian_kind(closed_forms)
+        return backend_linearization(backend, X, kind, backprop)
+
 
 def check_subnetwork_indices(indices: Any, n_params: int) -> Tensor:
     """Validate subnetwork indices into a flattened parameter vector of length ``n_params``.
@@ -226,16 +251,27 @@ class Subnetwork(AllWeights):
         full[:, self.indices] = subnet_values
         return full
 
+    def jacobian_kind(self, closed_forms: Collection[type[Jacobian]]) -> type[Jacobian]:
+        """Dense rows: the layer-wise closed forms cover whole parameter tensors only."""
+        return JacobianRows
+
 
 class LastLayer(_FlatParameters):
     """Weight and bias of a linear head ``f = W φ + b``, flattened as W (C, D) row-major, b (C,).
 
     Args:
         extractor: The wrapped model; its last layer may still be unknown (``resolved``).
+        layout: The rows of outputs of a shape (the likelihood's ``layout``), for outputs
+            with extra dimensions (:mod:`laplace.outputs`); None: outputs (B, C) only.
     """
 
-    def __init__(self, extractor: FeatureExtractor) -> None:
+    def __init__(
+        self,
+        extractor: FeatureExtractor,
+        layout: Callable[[Sequence[int]], OutputLayout] | None = None,
+    ) -> None:
         self.model = extractor
+        self.layout = layout
 
     @property
     def resolved(self) -> bool:
@@ -309,54 +345,46 @@ class LastLayer(_FlatParameters):
     def forward_samples(self, thetas: Tensor, X: Inputs, **model_kwargs: Any) -> Tensor:
         """Outputs for head samples thetas (S, P) → (S, B, C), from one feature pass."""
         f, phi = self.outputs_and_features(X, **model_kwargs)
-        if f.dim() == 2 and phi.dim() == 2 and phi.shape[0] == f.shape[0]:
+        if self.one_row_per_point(f, phi):
             return self.head(thetas, phi)
         net = self.model.model
         return torch.stack(
             [functional_call(net, self.unflatten(t), (X,), model_kwargs) for t in thetas]
         )
 
+    @staticmethod
+    def one_row_per_point(f: Tensor, phi: Tensor) -> bool:
+        """Whether the head maps each data point's features φ (B, D) to its outputs (B, C).
 
-class LastLayerMixin:
-    """Hooks of the Laplace classes over the last layer: wrap the model, use its head's weights.
+        Otherwise (sequence features (B, T, D), reward pairs reshaped to (2B, D) inside the
+        model) the closed forms in the features do not apply.
+        """
+        return f.dim() == 2 and phi.dim() == 2 and phi.shape[0] == f.shape[0]
 
-    The class sets ``self._feature_options = (last_layer_name, feature_reduction)`` before
-    :class:`~laplace.base.BaseLaplace` builds it; ``la.model`` is then a
-    :class:`~laplace.utils.feature_extractor.FeatureExtractor` and the backend works on the
-    last layer.
-    """
+    def jacobian_kind(self, closed_forms: Collection[type[Jacobian]]) -> type[Jacobian]:
+        """The head's features (when it sees one row per data point)."""
+        return HeadFeatures
 
-    _feature_options: tuple[str | None, FeatureReduction | str | None]
-    model: FeatureExtractor
+    def linearize(
+        self, X: Inputs, backend: Any, closed_forms: Collection[type[Jacobian]], backprop: bool
+    ) -> tuple[Tensor, Jacobian]:
+        """Outputs ``f`` (B, C) and the head's features φ (B, D), from one forward pass.
 
-    def _prepare_model(self, model: nn.Module) -> FeatureExtractor:
-        return as_feature_extractor(model, *self._feature_options)
-
-    def _make_subset(self, model: FeatureExtractor) -> LastLayer:
-        return LastLayer(model)
-
-    def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {**backend_kwargs, "last_layer": True}
-
-    def _transaction_parts(self) -> tuple[Any, ...]:
-        # A failed fit forgets a last layer it found (the extractor holds it).
-        return (*super()._transaction_parts(), self.model)
-
-    @property
-    def last_layer_name(self) -> str | None:
-        """Name of the last layer in the model (None until it is found)."""
-        return self.model.last_layer_name
-
-    @property
-    def feature_reduction(self) -> FeatureReduction | None:
-        """How features of shape (B, ..., D) are reduced to (B, D); see ``FeatureExtractor``."""
-        return self.model.feature_reduction
-
-    @property
-    def enable_backprop(self) -> bool:
-        """Keep predictives (and the features) differentiable w.r.t. the inputs."""
-        return self.model.enable_backprop
-
-    @enable_backprop.setter
-    def enable_backprop(self, value: bool) -> None:
-        self.model.enable_backprop = bool(value)
+        Outputs with extra dimensions (B, …) whose head sees one feature vector per position
+        give the features of their rows (B·T, D) (:func:`~laplace.last_layer.position_features`)
+        where the posterior has a closed form for them. A head that sees several rows per data
+        point otherwise takes what the backend linearises into
+        (:func:`~laplace.jacobians.backend_linearization`). Arguments as for
+        :meth:`AllWeights.linearize`.
+        """
+        with torch.enable_grad() if backprop else torch.no_grad():
+            f, phi = self.outputs_and_features(X)
+        bias = self.layer.bias is not None
+        if self.one_row_per_point(f, phi):
+            return f, HeadFeatures(phi, f.shape[-1], bias)
+        if f.dim() > 2 and self.layout is not None and HeadFeatures in closed_forms:
+            layout = self.layout(f.shape)
+            rows = head_features(self.layer, phi, layout.rows(f), layout.n_positions)
+            if rows is not None:
+                return f, HeadFeatures(rows, layout.n_classes, bias)
+        return backend_linearization(backend, X, backend_kind(closed_forms), backprop)

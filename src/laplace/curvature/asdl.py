@@ -60,7 +60,6 @@ class AsdlInterface(CurvatureInterface):
     #: ``Laplace(..., asdl_fisher_kwargs=...)`` reaches only backends that set this.
     accepts_asdl_fisher_kwargs = True
     supported_losses = (nn.MSELoss, nn.CrossEntropyLoss)
-    extra_output_dims = False
 
     def __init__(
         self,

@@ -83,7 +83,6 @@ class BackPackInterface(CurvatureInterface):
 
     accepts_dict_inputs = False
     supported_losses = (nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss)
-    extra_output_dims = False
 
     def _target(self, x: Inputs) -> TargetCall:
         check_dict_inputs(type(self), x)

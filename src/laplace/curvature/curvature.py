@@ -20,10 +20,11 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
+from laplace.curvature.columns import OutputColumns
 from laplace.curvature.kfac import kfac
-from laplace.curvature.per_sample import Columns, PerSampleEngine, PerSampleTrace
+from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
 from laplace.data import Inputs
-from laplace.errors import check_module, check_positive_int
+from laplace.errors import check_module
 from laplace.likelihoods import make_likelihood
 from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron
@@ -48,7 +49,7 @@ def check_dict_inputs(backend_cls: type[CurvatureInterface], x: Any) -> None:
         )
 
 
-class CurvatureInterface:
+class CurvatureInterface(OutputColumns):
     """Access to curvature of a model under a likelihood.
 
     Args:
@@ -76,8 +77,6 @@ class CurvatureInterface:
     accepts_dict_inputs: bool = True
     #: The torch losses (likelihoods' ``loss_module``) a third-party library supports; None: all.
     supported_losses: tuple[type[nn.Module], ...] | None = None
-    #: Whether it takes outputs with extra dimensions (B, C, d₁, …) (:mod:`laplace.outputs`).
-    extra_output_dims: bool = True
 
     def __init__(
         self,
@@ -203,63 +202,6 @@ class CurvatureInterface:
         Gs = trace.per_sample(self._likelihood.output_gradient(f, y))
         return Gs.detach(), self._loss(f, y)
 
-    #: Whether a row's columns are the square root of that row's own curvature (the exact
-    #: GGN), so every position of outputs with extra dimensions gets columns of its own;
-    #: otherwise a column covers the summed loss of a data point (loss gradients).
-    separable_columns: bool = False
-
-    def curvature_columns(
-        self,
-        f: Tensor,
-        y: Tensor,
-        generator: torch.Generator | None = None,
-        mc_samples: int | None = None,
-        separate_positions: bool = True,
-    ) -> Columns:
-        """Output-space columns ``vₖ`` whose per-sample outer products sum to the curvature.
-
-        The dense and diagonal curvatures are ``Σₙ Σₖ (Jₙᵀ vₖₙ)(Jₙᵀ vₖₙ)ᵀ``; a family (GGN, EF)
-        only says which columns each row of the outputs has (:meth:`row_columns`). For outputs
-        with extra dimensions (:mod:`laplace.outputs`) positions an ``ignore_index`` drops get
-        zero columns, and with ``separate_positions`` the exact GGN gets one column per
-        position and row column (the GGN of the summed per-position loss; KFAC's weight
-        sharing instead lets each column cover all positions).
-
-        Args:
-            f: Detached outputs of the batch, shape (B, ...).
-            y: Targets of the batch.
-            generator: Random generator of sampled columns (Monte-Carlo Fisher); torch's global
-                generator when None.
-            mc_samples: Monte-Carlo samples per data point, for a stochastic curvature only.
-            separate_positions: Give positions columns of their own where the family's are
-                per row (:attr:`separable_columns`).
-
-        Returns:
-            The columns, sliced and iterated like a tensor (K, B, ...).
-
-        Raises:
-            ValueError: For ``mc_samples`` with a curvature that is not sampled.
-        """
-        layout = self._likelihood.layout(f.shape, y)
-        rows, targets, keep = layout.split(f, y)
-        V = self.row_columns(rows, targets, generator, mc_samples)
-        if keep is not None:
-            V = V * keep[:, None, None]
-        return layout.columns(V, separate_positions and self.separable_columns)
-
-    def row_columns(
-        self,
-        f: Tensor,
-        y: Tensor,
-        generator: torch.Generator | None = None,
-        mc_samples: int | None = None,
-    ) -> Tensor:
-        """The family's columns of rows ``f`` (R, C) with targets ``y``, shape (R, C, K).
-
-        Arguments as :meth:`curvature_columns`.
-        """
-        raise NotImplementedError(f"{type(self).__name__} defines no curvature.")
-
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Dense batch curvature, summed over data points.
 
@@ -323,18 +265,6 @@ class CurvatureInterface:
         """
         trace, f, columns = self._traced_columns(x, y, kwargs)
         return self._loss(f, y), trace.square_sum(columns).detach()
-
-    def _traced_columns(
-        self, x: Inputs, y: Tensor, kwargs: dict[str, Any], separate_positions: bool = True
-    ) -> tuple[PerSampleTrace, Tensor, Columns]:
-        """The batch's trace, its detached outputs and curvature columns (``mc_samples``)."""
-        mc_samples = _curvature_options(kwargs)
-        trace = self.trace(x)
-        f = trace.f.detach()
-        columns = self.curvature_columns(
-            f, y, mc_samples=mc_samples, separate_positions=separate_positions
-        )
-        return trace, f, columns
 
 
 class GGNInterface(CurvatureInterface):
@@ -425,20 +355,3 @@ class EFInterface(CurvatureInterface):
         if mc_samples is not None:
             raise ValueError("mc_samples applies to the Monte-Carlo Fisher, not the EF.")
         return self._likelihood.loss_gradient(f, y).unsqueeze(-1)
-
-
-def _curvature_options(kwargs: dict[str, Any]) -> int | None:
-    """``mc_samples`` of a curvature call's keyword arguments (None if absent); ``N`` is dropped.
-
-    Raises:
-        ValueError: For another keyword argument or an ``mc_samples`` that is not positive.
-    """
-    options = dict(kwargs)
-    options.pop("N", None)
-    mc_samples = options.pop("mc_samples", None)
-    if options:
-        raise ValueError(
-            f"unknown keyword arguments {sorted(options)}; the curvature routes accept "
-            "mc_samples (stochastic GGN), kfac_approx (kron) and N."
-        )
-    return None if mc_samples is None else check_positive_int(mc_samples, "mc_samples")

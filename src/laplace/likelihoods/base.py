@@ -121,7 +121,7 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
                 f"{loss.__name__}. Use backend=CurvlinopsGGN (or CurvlinopsEF), which work "
                 "with every likelihood."
             )
-        if not getattr(backend_cls, "extra_output_dims", True):
+        if supported is not None:  # a third-party library: outputs (B, C) only
             self.outputs.plain_only = backend_cls.__name__
 
     def check_low_rank(self) -> None:
