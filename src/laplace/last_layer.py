@@ -18,18 +18,25 @@ rotation of the features. No per-sample autograd and no (B, C, P) Jacobian is in
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from laplace.curvature import CurvatureInterface
 from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = [
+    "DIAG_HEAD_CURVATURE",
+    "FULL_HEAD_CURVATURE",
+    "KRON_HEAD_CURVATURE",
+    "HeadCurvature",
     "diag_curvature",
     "diag_head_variance",
     "full_curvature",
     "full_head_variance",
+    "head_curvature",
     "head_features",
     "head_jacobians",
     "head_rows",
@@ -52,7 +59,7 @@ def output_curvature(backend: Any, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor
         The loss (a scalar) and ``M`` of shape (B, C, C).
     """
     V = torch.stack(list(backend.curvature_columns(f, y)), dim=-1)
-    return backend._loss(f, y), V @ V.transpose(1, 2)
+    return backend.batch_loss(f, y), V @ V.transpose(1, 2)
 
 
 def head_rows(
@@ -184,6 +191,53 @@ def kron_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: floa
     if bias:
         blocks.append([G])
     return Kron(blocks)
+
+
+#: A closed form ``(φ (N, D), M (N, C, C), bias, n_data, factor) -> curvature`` of the head in a
+#: structure's form, with the backend route (``"full"``, ``"diag"``, ``"kron"``) it equals.
+HeadCurvature = tuple[str, Callable[..., Any]]
+
+#: The closed forms of the head's curvature; a posterior structure names its own as its
+#: ``head_curvature`` class attribute.
+FULL_HEAD_CURVATURE: HeadCurvature = (
+    "full",
+    lambda phi, M, bias, n_data, factor: full_curvature(phi, M, bias),
+)
+DIAG_HEAD_CURVATURE: HeadCurvature = (
+    "diag",
+    lambda phi, M, bias, n_data, factor: diag_curvature(phi, M, bias),
+)
+KRON_HEAD_CURVATURE: HeadCurvature = ("kron", kron_curvature)
+
+
+def head_curvature(structure: type, backend: Any) -> Callable[..., Any] | None:
+    """The closed form of the backend's curvature of a linear head in ``structure``'s form.
+
+    One exists where the backend's route for the structure is the native one of
+    :class:`~laplace.curvature.CurvatureInterface`, ``Σₙ Jₙᵀ Mₙ Jₙ`` over the backend's
+    deterministic curvature columns (GGN and EF families): not for routes of their own (ASDL,
+    BackPACK, the Hessian), the Monte-Carlo Fisher (its columns are sampled per batch), or the
+    per-output structures (they keep each output's curvature).
+
+    Args:
+        structure: The posterior structure (a :class:`~laplace.posteriors.Posterior` class);
+            its ``head_curvature`` attribute names its closed form, if it has one.
+        backend: The curvature backend instance.
+
+    Returns:
+        ``(φ, M, bias, n_data, factor) -> curvature`` (see :data:`HeadCurvature`), or None.
+    """
+    entry = getattr(structure, "head_curvature", None)
+    if entry is None:
+        return None
+    route, closed_form = entry
+    backend_cls = type(backend)
+    native = (
+        getattr(backend_cls, route) is getattr(CurvatureInterface, route)
+        and backend_cls.row_columns is not CurvatureInterface.row_columns
+        and not getattr(backend, "stochastic", False)
+    )
+    return closed_form if native else None
 
 
 def head_jacobians(phi: Tensor, n_out: int, bias: bool) -> Tensor:

@@ -29,19 +29,18 @@ from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, batch_size_of, check_outputs, move_inputs, split_batch
+from laplace.data import Inputs, move_inputs, split_batch
 from laplace.functional import FunctionalLLLaplace
 from laplace.kronlaplace import KronLaplace
 from laplace.last_layer import (
-    diag_curvature,
-    full_curvature,
+    head_curvature,
     head_rows,
-    kron_curvature,
     output_curvature,
 )
 from laplace.last_layer_mixin import LastLayerMixin
 from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
+from laplace.parametric_fit import CurvatureSum
 from laplace.serialization import check_state_dict
 from laplace.utils.enums import Likelihood
 from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
@@ -58,6 +57,62 @@ __all__ = [
 
 #: Feature and output-curvature entries buffered before they are turned into curvature.
 BUFFER_ELEMENTS = 2**24
+
+
+class HeadCurvatureSum(CurvatureSum):
+    """The pass of a last-layer fit: the curvature of the linear head from its features.
+
+    Where the posterior structure has a closed form of the backend's curvature
+    (:func:`laplace.last_layer.head_curvature`), a batch's statistics are the head's features
+    φ (B, D) and the output-space curvature M (B, C, C) of the backend (one forward pass, no
+    autograd); they are buffered up to :data:`BUFFER_ELEMENTS` entries and turned into the
+    structure's curvature by the closed form, which the structure's accumulator sums. Outputs
+    with extra dimensions whose head sees one feature vector per position give one row per
+    position (:func:`laplace.last_layer.head_rows`; KFAC normalised over their N·T rows). A
+    batch whose head sees several rows per data point otherwise, and every batch where there
+    is no closed
+    form (per-output structures, ASDL, BackPACK, Hessian or Monte-Carlo backends), gives the
+    backend's batch curvature as in :class:`~laplace.parametric_fit.CurvatureSum`.
+    """
+
+    def summands(self, loader: DataLoader) -> Iterator[tuple[Tensor, Any]]:
+        """The ``(loss, H)`` summands: one per buffer of features (or per batch without)."""
+        pieces = self.pieces
+        closed_form = head_curvature(pieces.posterior, pieces.backend)
+        if closed_form is None:
+            yield from super().summands(loader)
+            return
+        subset, backend, n_data = pieces.subset, pieces.backend, pieces.n_data
+        bias = subset.layer.bias is not None
+
+        def flush(loss: Tensor | float, phis: list[Tensor], Ms: list[Tensor]) -> tuple[Any, Any]:
+            H = closed_form(torch.cat(phis), torch.cat(Ms), bias, n_rows, backend.factor)
+            return loss, H
+
+        phis: list[Tensor] = []
+        Ms: list[Tensor] = []
+        loss, buffered = 0.0, 0
+        for X, y in self.batches(loader):
+            with torch.no_grad():
+                f, phi = subset.outputs_and_features(X)
+            self.check_batch(X, y, f)
+            rows = head_rows(pieces.likelihood, backend, subset.layer, f, phi, y)
+            if rows is None:  # the closed forms do not apply to this batch: autograd
+                yield pieces.posterior.batch_curvature(backend, X, y, n_data)
+                continue
+            n_rows = n_data * (len(rows[1]) // len(f))  # KFAC's expand: positions as data
+            f, phi, y = rows
+            with torch.no_grad():
+                batch_loss, M = output_curvature(backend, f.detach(), y)
+            phis.append(phi.detach())
+            Ms.append(M)
+            loss = loss + batch_loss
+            buffered += phi.numel() + M.numel()
+            if buffered >= BUFFER_ELEMENTS:
+                yield flush(loss, phis, Ms)
+                phis, Ms, loss, buffered = [], [], 0.0, 0
+        if phis:
+            yield flush(loss, phis, Ms)
 
 
 class LLLaplace(LastLayerMixin, ParametricLaplace):
@@ -97,8 +152,7 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
     """
 
     _abstract = "use FullLLLaplace, KronLLLaplace or DiagLLLaplace."
-    #: The backend route the closed-form curvature replaces (``"full"``, ``"diag"``, ``"kron"``).
-    _backend_route: str
+    _curvature_pass = HeadCurvatureSum
 
     def __init__(
         self,
@@ -152,65 +206,6 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         self.prior_mean = self.prior_mean
         self._init_state()
 
-    # ---------------------------------------------------------------------------- curvature
-    def _uses_closed_form(self) -> bool:
-        """Whether the backend's curvature is the native GGN/EF route the closed form equals.
-
-        With one σ per output the per-output structure computes each output's curvature.
-        """
-        backend = type(self.backend)
-        route = self._backend_route
-        return (
-            self._posterior_cls is type(self)._posterior_cls
-            and getattr(backend, route) is getattr(CurvatureInterface, route)
-            and backend.row_columns is not CurvatureInterface.row_columns
-            and not getattr(self.backend, "stochastic", False)
-        )
-
-    def _curvature_stream(
-        self, train_loader: DataLoader, n_data: int, progress_bar: bool
-    ) -> Iterator[tuple[Tensor, Any]]:
-        if not self._uses_closed_form():
-            yield from super()._curvature_stream(train_loader, n_data, progress_bar)
-            return
-        bias = self._subset.layer.bias is not None
-        factor = self.backend.factor
-        phis: list[Tensor] = []
-        Ms: list[Tensor] = []
-        loss, buffered = 0.0, 0
-        for X, y in self._batches(train_loader, progress_bar, desc="fit"):
-            with torch.no_grad():
-                f, phi = self._subset.outputs_and_features(X)
-            check_outputs(f, batch_size_of(X, self.dict_key_x))
-            self.n_outputs = self._likelihood_model.output_count(f.shape, y)
-            self._likelihood_model.check_targets(y, f.shape)
-            layer = self._subset.layer
-            rows = head_rows(self._likelihood_model, self.backend, layer, f, phi, y)
-            if rows is None:  # the closed forms do not apply: autograd
-                yield self._batch_curvature(X, y, n_data)
-                continue
-            n_rows = n_data * (len(rows[1]) // len(f))  # KFAC's expand: positions as data
-            f, phi, y = rows
-            with torch.no_grad():
-                batch_loss, M = output_curvature(self.backend, f.detach(), y)
-            phis.append(phi.detach())
-            Ms.append(M)
-            loss = loss + batch_loss
-            buffered += phi.numel() + M.numel()
-            if buffered >= BUFFER_ELEMENTS:
-                yield (
-                    loss,
-                    self._head_curvature(torch.cat(phis), torch.cat(Ms), bias, n_rows, factor),
-                )
-                phis, Ms, loss, buffered = [], [], 0.0, 0
-        if phis:
-            yield loss, self._head_curvature(torch.cat(phis), torch.cat(Ms), bias, n_rows, factor)
-
-    @staticmethod
-    def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Any:
-        """Closed-form curvature of the head in the structure's representation."""
-        raise NotImplementedError
-
     # --------------------------------------------------------------------------- predictive
     def functional_variance_fast(self, X: Inputs) -> tuple[Tensor, Tensor]:
         """Output means (B, C) and variances (B, C) of the GLM predictive, from the features.
@@ -252,21 +247,9 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
 class FullLLLaplace(LLLaplace, FullLaplace):
     """Last-layer Laplace with a dense (P, P) curvature of the head."""
 
-    _backend_route = "full"
-
-    @staticmethod
-    def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Tensor:
-        return full_curvature(phi, M, bias)
-
 
 class DiagLLLaplace(LLLaplace, DiagLaplace):
     """Last-layer Laplace with a diagonal curvature of the head."""
-
-    _backend_route = "diag"
-
-    @staticmethod
-    def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Tensor:
-        return diag_curvature(phi, M, bias)
 
 
 class KronLLLaplace(LLLaplace, KronLaplace):
@@ -276,8 +259,6 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         damping: Mix the prior into each Kronecker factor (see :class:`KronLaplace`). The
             other arguments are those of :class:`LLLaplace`.
     """
-
-    _backend_route = "kron"
 
     def __init__(
         self,
@@ -301,7 +282,3 @@ class KronLLLaplace(LLLaplace, KronLaplace):
     ) -> None:
         self.damping = damping
         LLLaplace.__init__(self, **arguments_for(LLLaplace.__init__, locals()))
-
-    @staticmethod
-    def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Any:
-        return kron_curvature(phi, M, bias, n_data, factor)

@@ -25,7 +25,7 @@ __all__ = ["OutputColumns"]
 class OutputColumns:
     """The curvature columns of a backend family; the backend provides ``trace``."""
 
-    _likelihood: LikelihoodModel
+    fit_likelihood: LikelihoodModel
     #: One recorded forward pass over inputs (``CurvatureInterface.trace``).
     trace: Callable[[Inputs], PerSampleTrace]
 
@@ -66,7 +66,7 @@ class OutputColumns:
         Raises:
             ValueError: For ``mc_samples`` with a curvature that is not sampled.
         """
-        layout = self._likelihood.layout(f.shape, y)
+        layout = self.fit_likelihood.layout(f.shape, y)
         rows, targets, keep = layout.split(f, y)
         V = self.row_columns(rows, targets, generator, mc_samples)
         if keep is not None:

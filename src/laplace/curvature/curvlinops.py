@@ -130,7 +130,7 @@ class CurvlinopsHessian(CurvlinopsInterface):
             data_kwargs["batch_size_fn"] = lambda xx: batch_size_of(xx, self.dict_key_x)
         operator = HessianLinearOperator(
             self.model,
-            LossModule(self._likelihood, reduction="sum"),
+            LossModule(self.fit_likelihood, reduction="sum"),
             self.params,
             [(x, y)],
             check_deterministic=False,
@@ -152,7 +152,7 @@ class CurvlinopsHessian(CurvlinopsInterface):
                 yield start, (operator @ unit)[selected]
 
         with torch.no_grad():
-            loss = self._likelihood.loss(self.model(x), y)
+            loss = self.fit_likelihood.loss(self.model(x), y)
         return loss, columns()
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:

@@ -11,7 +11,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from laplace.jacobians import HeadFeatures, Jacobian
-from laplace.last_layer import full_head_variance
+from laplace.last_layer import FULL_HEAD_CURVATURE, HeadCurvature, full_head_variance
 from laplace.posteriors.base import ClosedForm, NotPositiveDefiniteError, Posterior
 
 __all__ = ["DensePosterior"]
@@ -30,6 +30,7 @@ class DensePosterior(Posterior):
     """
 
     closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {HeadFeatures: _head_variance}
+    head_curvature: ClassVar[HeadCurvature | None] = FULL_HEAD_CURVATURE
 
     @override
     @staticmethod
