@@ -333,8 +333,7 @@ class PerSampleTrace:
     def square_sum(self, columns: Columns) -> Tensor:
         """``Σₖ Σₙ (Jₙᵀ vₙₖ)²``: the diagonal of ``Σₖ Σₙ gₙₖ gₙₖᵀ``.
 
-        Columns are differentiated :data:`COLUMNS_PER_BACKWARD` at a time; linear layers sum
-        their squared gradients straight from the output gradients (:data:`SQUARE_SUM_RULES`).
+        Columns are differentiated :data:`COLUMNS_PER_BACKWARD` at a time.
 
         Args:
             columns: Output columns, sliced like a tensor (K, *f.shape).
