@@ -28,13 +28,12 @@ backward passes for the diagonal and Jacobians that Laplace approximations need.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Protocol
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from laplace.curvature.capture import OutputGradients, record_forward
+from laplace.curvature.capture import Columns, OutputGradients, column_chunks, record_forward
 from laplace.curvature.layer_rules import (
     SELECTED_RULES,
     SQUARE_SUM_RULES,
@@ -45,7 +44,7 @@ from laplace.curvature.layer_rules import (
 from laplace.data import Inputs
 from laplace.utils.linalg import symmetric_gram
 
-__all__ = ["COLUMNS_PER_BACKWARD", "Columns", "PerSampleEngine", "PerSampleTrace", "column_chunks"]
+__all__ = ["COLUMNS_PER_BACKWARD", "Columns", "PerSampleEngine", "PerSampleTrace"]
 
 #: Data points per vectorised backward pass in the batched fallback.
 BATCHED_BACKWARD_CHUNK = 32
@@ -55,27 +54,6 @@ COLUMNS_PER_BACKWARD = 16
 
 #: Bytes of per-sample rows (columns × data points × parameters) summed into a Gram at once.
 GRAM_CHUNK_BYTES = 64 * 2**20
-
-
-class Columns(Protocol):
-    """Output columns sliced like a tensor (K, B, ...).
-
-    A tensor, or columns formed a chunk at a time
-    (:class:`laplace.outputs.PositionColumns`: one per position of outputs with extra
-    dimensions).
-    """
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, key: slice) -> Tensor: ...
-
-
-def column_chunks(columns: Columns | Sequence[Tensor], size: int) -> Iterator[Tensor]:
-    """Consecutive chunks (k ≤ size, B, ...) of output columns (a list is stacked first)."""
-    if isinstance(columns, (list, tuple)):
-        columns = torch.stack(list(columns)) if columns else torch.empty(0)
-    for start in range(0, len(columns), size):
-        yield columns[start : start + size]
 
 
 class PerSampleEngine:
@@ -204,7 +182,7 @@ class PerSampleTrace:
         Returns:
             Per recorded call, one tensor of shape (K, *z.shape) per recorded output.
         """
-        return [] if self._grads is None else self._grads.stacked(columns)
+        return [] if self._grads is None else self._grads.columns(columns)
 
     def _zeros(self) -> list[Tensor]:
         return [self.f.new_zeros(p.shape) for p in self.engine.needed]
@@ -352,7 +330,8 @@ class PerSampleTrace:
         fast = [i for i, is_fast in enumerate(self._fast) if is_fast]
         slow = [i for i, is_fast in enumerate(self._fast) if not is_fast]
         squares: dict[int, Tensor] = {}
-        for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD):
+        size = COLUMNS_PER_BACKWARD if self._grads.vectorised else 1
+        for chunk in column_chunks(columns, size):
             stacked = self.output_gradients(chunk)
             for i in fast:
                 sq = stacked[i][0].square().sum(0)
