@@ -70,9 +70,9 @@ class HeadCurvatureSum(CurvatureSum):
     with extra dimensions whose head sees one feature vector per position give one row per
     position (:func:`laplace.last_layer.head_rows`; KFAC normalised over their N·T rows). A
     batch whose head sees several rows per data point otherwise, and every batch where there
-    is no closed
-    form (per-output structures, ASDL, BackPACK, Hessian or Monte-Carlo backends), gives the
-    backend's batch curvature as in :class:`~laplace.parametric_fit.CurvatureSum`.
+    is no closed form (per-output structures, ASDL, BackPACK, Hessian or Monte-Carlo
+    backends), gives the backend's batch curvature as in
+    :class:`~laplace.parametric_fit.CurvatureSum`.
     """
 
     def summands(self, loader: DataLoader) -> Iterator[tuple[Tensor, Any]]:

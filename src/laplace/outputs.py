@@ -12,7 +12,7 @@ Hessian's square root), the other where predictions get the outputs' shape back.
   ``ignore_index`` and resolves the class dimension of classification outputs: the dimension the
   targets lack (PyTorch's loss convention), or ``class_dim`` where that is ambiguous.
 - :class:`OutputLayout` is the resolved layout of one output shape: rows, the targets of the
-  rows and the rows an ``ignore_index`` drops, restoring a shape, Jacobian and feature rows.
+  rows and the rows an ``ignore_index`` drops, restoring a shape, the rows of Jacobians.
 - :class:`PositionColumns` are the output-space columns of the exact GGN of the *summed*
   per-position loss. Positions of one data point share the network (a transformer mixes
   them), so ``Jₙᵀ Λₙ Jₙ`` with a block-diagonal ``Λₙ = diag(Λₙ₁, …, Λₙ_T)`` needs one column

@@ -381,7 +381,7 @@ class LastLayer(_FlatParameters):
         """Outputs ``f`` (B, C) and the head's features φ (B, D), from one forward pass.
 
         Outputs with extra dimensions (B, …) whose head sees one feature vector per position
-        give the features of their rows (B·T, D) (:func:`~laplace.last_layer.position_features`)
+        give the features of their rows (B·T, D) (:func:`~laplace.last_layer.head_features`)
         where the posterior has a closed form for them. A head that sees several rows per data
         point otherwise takes what the backend linearises into
         (:func:`~laplace.jacobians.backend_linearization`). Arguments as for
