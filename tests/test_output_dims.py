@@ -77,11 +77,13 @@ def test_hessian_backend_differentiates_the_summed_position_loss():
 def test_monte_carlo_fisher_of_positions_is_unbiased_and_drops_ignored_positions():
     case = POSITION_CASES["token_classification"]()
     torch.manual_seed(0)
-    options = {"stochastic": True, "num_samples": 4000}
+    n_samples = 1000
+    options = {"stochastic": True, "num_samples": n_samples}
     la = _fit(case, "last_layer", backend=CurvlinopsGGN, backend_kwargs=options)
     ggn = _oracle(case, "last_layer").ggn(case.X, case.y)
-    # Each entry is a mean of 4000 draws of a bounded product: a loose Monte-Carlo tolerance.
-    assert_close(la.H, ggn, rtol=0.0, atol=12 * ggn.abs().max().item() / math.sqrt(4000))
+    # Each entry is a mean of bounded products: its error shrinks like 1/√S (0.5·max/√S seen
+    # here); counting the dropped positions would move the largest entries by 0.2·max.
+    assert_close(la.H, ggn, rtol=0.0, atol=3 * ggn.abs().max().item() / math.sqrt(n_samples))
 
 
 def test_ignored_positions_count_nothing():
