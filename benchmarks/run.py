@@ -12,7 +12,8 @@ Usage: ``python benchmarks/run.py [--cases NAME ...] [--repeats R] [--threads T]
 ``benchmarks/results/run.json``. ``--backends`` instead times ``fit`` per curvature backend ×
 structure on both models and writes ``benchmarks/results/backends.json``. The scaling table
 (N and width) is ``benchmarks/scaling.py``. The ``binary-*`` cases time
-``likelihood="binary_classification"`` against ``"classification"`` on the MLP.
+``likelihood="binary_classification"`` against ``"classification"`` on the MLP; the
+``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from harness import (
     training_loader,
     use_clock,
 )
+from positions import POSITION_CASES
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from transformer import TRANSFORMER_CASES
@@ -310,6 +312,7 @@ CASES = {
     "evaluate-kron-cnn": (case_evaluate, "cnn", "kron"),
     "binary-diag-mlp": (case_binary_vs_classification, "mlp", "diag"),
     "binary-kron-mlp": (case_binary_vs_classification, "mlp", "kron"),
+    **POSITION_CASES,
 }
 
 

@@ -282,3 +282,111 @@ def transformer_case(reduction: str, n: int = 14, seq: int = 5) -> tuple[nn.Modu
     X = torch.randint(0, 11, (n, seq))
     y = torch.randint(0, 3, (n,))
     return model, DataLoader(DictDataset(X, y), batch_size=4)
+
+
+# ------------------------------------------------------------ outputs with extra dimensions
+
+
+class PixelClassifier(nn.Module):
+    """Per-pixel outputs (B, C, H, W): a convolution (mixing neighbouring pixels), then a
+    linear head on every pixel's features (B, H, W, D), moved to PyTorch's class dimension."""
+
+    def __init__(self, n_out: int = 3, width: int = 4):
+        super().__init__()
+        self.conv = nn.Conv2d(1, width, 3, padding=1)
+        self.head = nn.Linear(width, n_out)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x)).permute(0, 2, 3, 1)
+        return self.head(h).permute(0, 3, 1, 2)
+
+
+class TokenClassifier(nn.Module):
+    """Token logits (B, T, C) as Hugging Face returns them: a position-wise layer, a mixing of
+    the positions (every token sees the whole sequence), a linear head on every token."""
+
+    def __init__(self, d_in: int = 3, width: int = 5, n_out: int = 4):
+        super().__init__()
+        self.embed = nn.Linear(d_in, width)
+        self.head = nn.Linear(width, n_out)
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        return self.head(h + h.mean(1, keepdim=True))
+
+
+@dataclass
+class PositionCase(Case):
+    """A :class:`Case` with outputs (B, …) whose class dimension is ``class_dim``."""
+
+    class_dim: int = 1
+
+
+def _pixel_case(likelihood: str) -> PositionCase:
+    torch.manual_seed(6)
+    n_out = 3 if likelihood == "classification" else 2
+    model = PixelClassifier(n_out).double()
+    X = torch.randn(7, 1, 5, 4, dtype=torch.float64)
+    if likelihood == "classification":
+        y = torch.randint(0, n_out, (7, 5, 4))
+        y[0, 1, :] = -100  # dropped positions: a row of pixels, a whole image
+        y[3] = -100
+    else:
+        y = torch.randn(7, n_out, 5, 4, dtype=torch.float64)
+    return PositionCase(f"pixel_{likelihood}", likelihood, model, X, y, 3, class_dim=1)
+
+
+def _token_case() -> PositionCase:
+    torch.manual_seed(7)
+    model = TokenClassifier().double()
+    X = torch.randn(8, 5, 3, dtype=torch.float64)
+    y = torch.randint(0, 4, (8, 5))
+    y[:, -2:][torch.rand(8, 2) < 0.5] = -100  # padding at the end of some sequences
+    return PositionCase("token_classification", "classification", model, X, y, 3, class_dim=2)
+
+
+POSITION_CASES: dict[str, Callable[[], PositionCase]] = {
+    "pixel_classification": lambda: _pixel_case("classification"),
+    "token_classification": _token_case,
+    "pixel_regression": lambda: _pixel_case("regression"),
+}
+
+
+class PositionOracle(Oracle):
+    """Dense references for outputs (B, …) whose every position is an independent observation.
+
+    The curvature is the GGN of the loss summed over positions, ``Σₙ Jₙᵀ diag(Λₙₜ) Jₙ``, with
+    positions labelled ``ignore_index`` dropped from the loss and the curvature.
+    """
+
+    def __init__(self, model: nn.Module, likelihood: str, class_dim: int, ignore_index=-100):
+        super().__init__(model, likelihood)
+        self.class_dim, self.ignore_index = class_dim, ignore_index
+
+    def rows(self, t: torch.Tensor, jacobian: bool = False) -> torch.Tensor:
+        """Outputs (B, …) as rows (B·T, C); Jacobians (B, …, P) as rows (B·T, C, P)."""
+        if jacobian:
+            moved = t.movedim(self.class_dim, -2)
+            return moved.reshape(-1, *moved.shape[-2:])
+        moved = t.movedim(self.class_dim, -1)
+        return moved.reshape(-1, moved.shape[-1])
+
+    def kept(self, y: torch.Tensor, n_rows: int) -> torch.Tensor:
+        if self.likelihood == "regression":
+            return torch.ones(n_rows, dtype=torch.bool)
+        return y.reshape(-1) != self.ignore_index
+
+    def ggn(self, X, y) -> torch.Tensor:
+        f = self.f(self.theta, X).detach()
+        J, f_rows = self.rows(self.jacobian(X), jacobian=True), self.rows(f)
+        Lam = super().output_hessian(f_rows) * self.kept(y, len(f_rows))[:, None, None]
+        return torch.einsum("rcp,rcd,rdq->pq", J, Lam, J)
+
+    def per_sample_loss(self, f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.likelihood == "regression":
+            return 0.5 * ((y - f) ** 2).flatten(1).sum(1)
+        logits = f.movedim(self.class_dim, 1)
+        losses = nn.functional.cross_entropy(
+            logits, y, ignore_index=self.ignore_index, reduction="none"
+        )
+        return losses.flatten(1).sum(1)

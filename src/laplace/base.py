@@ -21,6 +21,7 @@ from laplace.data_loop import DataLoop
 from laplace.distributed import unwrap_model
 from laplace.errors import AbstractClassError, NotFittedError, check_mapping, check_module
 from laplace.likelihoods import make_likelihood
+from laplace.outputs import IGNORE_INDEX
 from laplace.priors import (
     as_prior_mean,
     as_prior_precision,
@@ -67,6 +68,13 @@ class BaseLaplace(PriorTuning, Transactional):
             stands for its class); ``CurvlinopsGGN`` (exact GGN) when None.
         backend_kwargs: Keyword arguments for the backend's constructor.
         asdl_fisher_kwargs: Keyword arguments for ASDL's Fisher (ASDL backends only).
+        class_dim: For outputs with extra dimensions (see :mod:`laplace.outputs`): the
+            dimension of the outputs (B, …) that holds the classes (outputs), counted like
+            torch's ``dim`` (``1`` for (B, C, H, W), ``-1`` for (B, T, C)). None: the one the
+            classification targets lack, the last one for regression; needed only where that
+            is ambiguous (an error says so).
+        ignore_index: Classification: the label whose positions (or data points) are dropped
+            from the loss and the curvature, as in ``nn.CrossEntropyLoss`` and Hugging Face.
 
     Raises:
         ValueError: For an unknown likelihood, a non-positive σ or T, or a bad prior; an
@@ -95,13 +103,16 @@ class BaseLaplace(PriorTuning, Transactional):
         backend: type[CurvatureInterface] | CurvatureInterface | None = None,
         backend_kwargs: dict[str, Any] | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
+        class_dim: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         if type(self).__dict__.get("_abstract"):
             raise AbstractClassError(f"{type(self).__name__} is abstract: {type(self)._abstract}")
         check_module(model)
         check_parameters([(n, p) for n, p in model.named_parameters() if p.is_meta])
-        self._likelihood_model = make_likelihood(likelihood)
+        self._likelihood_model = make_likelihood(likelihood, class_dim, ignore_index)
         self.likelihood = self._likelihood_model.kind
+        self.class_dim, self.ignore_index = class_dim, ignore_index
         if self._function_space is not None:
             self._likelihood_model.check_function_space(self._function_space)
         # DistributedDataParallel: curvature of the inner module.

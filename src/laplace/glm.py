@@ -18,6 +18,7 @@ from torch import Tensor
 
 from laplace.data import Inputs, batch_size_of, check_outputs, input_chunks, prepare_inputs
 from laplace.errors import check_generator, check_positive_int
+from laplace.jacobians import position_rows, row_kind
 from laplace.likelihoods import LikelihoodModel
 from laplace.predictive import gaussian_output_samples
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
@@ -112,9 +113,10 @@ class GLMPredictiveMixin:
     # ----------------------------------------------------------------------------- GLM
     def _chunk_rows(self) -> int:
         """Test points per chunk, from the Jacobian kind the subset gives this posterior."""
-        posterior, subset = self._posterior, self._subset
-        kind = subset.jacobian_kind(posterior.closed_forms)
-        rows = jacobian_chunk_rows(self.n_outputs, len(posterior.prior_diag), self._dtype)
+        posterior, subset, outputs = self._posterior, self._subset, self._likelihood_model.outputs
+        kind = row_kind(subset.jacobian_kind(posterior.closed_forms), outputs)
+        per_point = outputs.per_point(self.n_outputs)
+        rows = jacobian_chunk_rows(per_point, len(posterior.prior_diag), self._dtype)
         return kind.chunk_rows(rows, subset.model, subset.params)
 
     def _glm_predictive_distribution(
@@ -142,12 +144,15 @@ class GLMPredictiveMixin:
         """``(f_mu (B, C), f_var (B, C, C))`` of the linearised network on one chunk of inputs.
 
         The subset linearises the model into the Jacobian kind the posterior has a closed form
-        for (else dense rows), and the posterior computes ``J P⁻¹ Jᵀ`` for it.
+        for (else dense rows), and the posterior computes ``J P⁻¹ Jᵀ`` for it. Outputs with
+        extra dimensions give ``f_mu`` in their shape (B, …) and the covariances of their rows
+        (B·T, C, C) (:mod:`laplace.outputs`).
         """
         posterior = self._posterior
         f_mu, J = self._subset.linearize(
             X, self.backend, posterior.closed_forms, self.enable_backprop
         )
+        J = position_rows(J, self._likelihood_model.layout(f_mu.shape))
         return self._detached(f_mu, posterior.functional_variance(J))
 
     def _detached(self, f_mu: Tensor, f_var: Tensor) -> tuple[Tensor, Tensor]:
@@ -175,7 +180,10 @@ class GLMPredictiveMixin:
         if pred_type == PredType.NN:
             return self._nn_functional_samples(x, n_samples, generator)
         f_mu, f_var = self._glm_predictive_distribution(x, diagonal_output=diagonal_output)
-        return gaussian_output_samples(f_mu, f_var, n_samples, generator)
+        layout = self._likelihood_model.layout(f_mu.shape)
+        return layout.restore(
+            gaussian_output_samples(layout.rows(f_mu), f_var, n_samples, generator)
+        )
 
     def predictive_samples(
         self,

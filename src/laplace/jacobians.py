@@ -13,7 +13,14 @@ kind               holds                                       dense rows (B, C,
 ``HeadFeatures``   features φ (B, D) of a linear head           ``[I_C ⊗ φᵀ, I_C]``
 ``LayerTrace``     one recorded forward pass (layer inputs,    the same pass (one backward per
                    outputs)                                    output, no second forward)
+``PositionRows``   another kind of outputs with extra          its dense rows, split into the
+                   dimensions (B, …)                           rows of the positions
 =================  ==========================================  ===============================
+
+Outputs with extra dimensions (:mod:`laplace.outputs`) are predicted position by position: the
+Jacobian of their rows (B·T, C, P) gives each position's covariance. A linear head that sees one
+feature vector per position gives its :class:`HeadFeatures` per row; any other kind is wrapped
+in :class:`PositionRows` (:func:`position_rows`), which no posterior has a closed form for.
 
 Each kind also says how many test points a chunk may hold (:meth:`Jacobian.chunk_rows`): its
 closed forms and its fallback to dense rows must both fit the memory budget.
@@ -32,14 +39,18 @@ from laplace.curvature.per_sample import PerSampleTrace
 from laplace.data import Inputs
 from laplace.kron_glm import layerwise_chunk_rows
 from laplace.last_layer import head_jacobians
+from laplace.outputs import OutputAdapter, OutputLayout
 
 __all__ = [
     "HeadFeatures",
     "Jacobian",
     "JacobianRows",
     "LayerTrace",
+    "PositionRows",
     "backend_kind",
     "backend_linearization",
+    "position_rows",
+    "row_kind",
 ]
 
 
@@ -125,6 +136,44 @@ class LayerTrace(Jacobian):
         :func:`laplace.kron_glm.layerwise_chunk_rows`).
         """
         return layerwise_chunk_rows(model, params, jacobian_rows)
+
+
+@dataclass(frozen=True)
+class PositionRows(Jacobian):
+    """The Jacobian of outputs with extra dimensions, as the rows of their positions.
+
+    Attributes:
+        jacobian: The Jacobian of the outputs (B, …) flattened per data point.
+        layout: The outputs' layout.
+    """
+
+    jacobian: Jacobian
+    layout: OutputLayout
+
+    def dense(self) -> Tensor:
+        """The rows (B·T, C, P) of the positions."""
+        return self.layout.jacobian_rows(self.jacobian.dense())
+
+
+def position_rows(jacobian: Jacobian, layout: OutputLayout) -> Jacobian:
+    """The Jacobian the GLM predictive of outputs of ``layout`` computes with.
+
+    ``jacobian`` as it is for outputs (B, C) and for a head's features (one per row);
+    :class:`PositionRows` otherwise.
+    """
+    if layout.plain or isinstance(jacobian, HeadFeatures):
+        return jacobian
+    return PositionRows(jacobian, layout)
+
+
+def row_kind(kind: type[Jacobian], outputs: OutputAdapter) -> type[Jacobian]:
+    """The kind :func:`position_rows` gives ``kind`` once outputs with extra dimensions are seen.
+
+    Chunks of :class:`PositionRows` hold dense Jacobian rows (``outputs.last_size`` per point).
+    """
+    if outputs.last_size is None or kind is HeadFeatures:
+        return kind
+    return PositionRows
 
 
 def backend_kind(closed_forms: Collection[type[Jacobian]]) -> type[LayerTrace | JacobianRows]:

@@ -10,6 +10,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from laplace.base import BaseLaplace, arguments_for
+from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors import KronPosterior
 from laplace.utils.enums import Likelihood
@@ -65,6 +66,8 @@ class KronLaplace(ParametricLaplace):
             ``(√h·λ_G + √δ)(√h·λ_A + √δ)ᵀ`` instead of ``h·λ_G λ_Aᵀ + δ``.
         backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
         asdl_fisher_kwargs: See :class:`~laplace.base.BaseLaplace`.
+        class_dim: See :class:`~laplace.base.BaseLaplace`.
+        ignore_index: See :class:`~laplace.base.BaseLaplace`.
 
     Raises:
         ValueError: For a module the backend cannot Kronecker-factor (ASDL, BackPACK) or a
@@ -88,6 +91,8 @@ class KronLaplace(ParametricLaplace):
         damping: bool = False,
         backend_kwargs: dict[str, Any] | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
+        class_dim: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         self.damping = damping
         BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from laplace.curvature import CurvatureInterface
 from laplace.utils.matrix import Kron, KronDecomposed
@@ -37,7 +37,9 @@ __all__ = [
     "full_curvature",
     "full_head_variance",
     "head_curvature",
+    "head_features",
     "head_jacobians",
+    "head_rows",
     "kron_curvature",
     "kron_head_variance",
     "output_curvature",
@@ -58,6 +60,71 @@ def output_curvature(backend: Any, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor
     """
     V = torch.stack(list(backend.curvature_columns(f, y)), dim=-1)
     return backend.batch_loss(f, y), V @ V.transpose(1, 2)
+
+
+def head_rows(
+    likelihood: Any, backend: Any, layer: nn.Linear, f: Tensor, phi: Tensor, y: Tensor
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Outputs, features and targets of one batch as rows of the head, where closed forms apply.
+
+    Outputs with extra dimensions (B, …) whose head sees one feature vector per position
+    become independent rows (:mod:`laplace.outputs`, :func:`head_features`): the head's
+    curvature is a sum over rows when the backend's columns are per row (the exact GGN; the
+    empirical and Monte-Carlo Fisher of the summed loss of a data point are not).
+
+    Args:
+        likelihood: The likelihood object (its ``layout``).
+        backend: The curvature backend (its ``separable_columns``).
+        layer: The head.
+        f: Outputs (B, …).
+        phi: Head inputs.
+        y: Targets.
+
+    Returns:
+        ``(f (R, C), φ (R, D), y)`` of the rows, or None (the caller then uses autograd).
+    """
+    layout = likelihood.layout(f.shape, y)
+    if layout.plain:
+        features = phi if phi.dim() == 2 and len(phi) == len(f) else None
+    elif backend.separable_columns:
+        features = head_features(layer, phi, layout.rows(f), layout.n_positions)
+    else:
+        return None
+    return None if features is None else (layout.rows(f), features, layout.targets(y))
+
+
+#: Rows at most :func:`head_features` recomputes to check that features and outputs match.
+CHECKED_ROWS = 16
+
+
+def head_features(layer: nn.Linear, phi: Tensor, rows: Tensor, n_positions: int) -> Tensor | None:
+    """Head inputs (B, *positions, D) as the rows (B·T, D) of outputs with extra dimensions.
+
+    The head applies to every position (token features (B, T, D) for logits (B, T, C); pixel
+    features (B, H, W, D) for logits moved to (B, C, H, W)); its positions must be the outputs'
+    positions in the same order, with the class dimension the head's outputs. That is checked
+    on a few rows (the head recomputed there) instead of assumed.
+
+    Args:
+        layer: The head.
+        phi: Its inputs.
+        rows: The outputs' rows (B·T, C) (``OutputLayout.rows``).
+        n_positions: T.
+
+    Returns:
+        The feature rows, or None when they are not the rows of the outputs.
+    """
+    batch = len(rows) // max(1, n_positions)
+    if phi.dim() < 3 or phi.shape[0] != batch or math.prod(phi.shape[1:-1]) != n_positions:
+        return None
+    features = phi.reshape(-1, phi.shape[-1])
+    if layer.out_features != rows.shape[-1]:
+        return None
+    step = max(1, len(rows) // CHECKED_ROWS)
+    with torch.no_grad():
+        recomputed, expected = layer(features[::step]), rows[::step].detach()
+    tolerance = 1e-4 * float(expected.abs().max().clamp_min(1))
+    return features if torch.allclose(recomputed, expected, rtol=1e-4, atol=tolerance) else None
 
 
 def full_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:
@@ -167,7 +234,7 @@ def head_curvature(structure: type, backend: Any) -> Callable[..., Any] | None:
     backend_cls = type(backend)
     native = (
         getattr(backend_cls, route) is getattr(CurvatureInterface, route)
-        and backend_cls.curvature_columns is not CurvatureInterface.curvature_columns
+        and backend_cls.row_columns is not CurvatureInterface.row_columns
         and not getattr(backend, "stochastic", False)
     )
     return closed_form if native else None

@@ -32,7 +32,7 @@ class LastLayerMixin:
         return as_feature_extractor(model, *self._feature_options)
 
     def _make_subset(self, model: FeatureExtractor) -> LastLayer:
-        return LastLayer(model)
+        return LastLayer(model, self._likelihood_model.layout)
 
     def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
         return {**backend_kwargs, "last_layer": True}

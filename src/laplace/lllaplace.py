@@ -4,9 +4,12 @@ The network is wrapped in a :class:`~laplace.utils.feature_extractor.FeatureExtr
 (``la.model``); the body ``φ`` stays at its trained weights. Because the head is linear, the
 curvature, the marginal likelihood and the GLM predictive have closed forms in the features
 (:mod:`laplace.last_layer`): fitting costs one forward pass over the data plus a few products of
-the features, and predicting one forward pass per test batch. When the head sees several rows
-per data point (sequence features without ``feature_reduction``, reward-model pairs), the
-backend's autograd routes are used instead, which handle any such layout exactly. Backends
+the features, and predicting one forward pass per test batch. Outputs with extra dimensions
+whose head sees one feature vector per position (token logits (B, T, C) from features
+(B, T, D), pixel logits) are rows of the head like data points (:mod:`laplace.outputs`;
+the exact GGN only: the empirical and Monte-Carlo Fisher of a data point's summed loss couple
+its positions). Otherwise (sequence features whose outputs the model reduces, reward-model
+pairs) the backend's autograd routes are used, which handle any such layout exactly. Backends
 with their own curvature routes (ASDL, BackPACK, the exact Hessian, Monte-Carlo Fisher) are used
 as they are.
 
@@ -31,9 +34,11 @@ from laplace.functional import FunctionalLLLaplace
 from laplace.kronlaplace import KronLaplace
 from laplace.last_layer import (
     head_curvature,
+    head_rows,
     output_curvature,
 )
 from laplace.last_layer_mixin import LastLayerMixin
+from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.parametric_fit import CurvatureSum
 from laplace.serialization import check_state_dict
@@ -61,10 +66,13 @@ class HeadCurvatureSum(CurvatureSum):
     (:func:`laplace.last_layer.head_curvature`), a batch's statistics are the head's features
     φ (B, D) and the output-space curvature M (B, C, C) of the backend (one forward pass, no
     autograd); they are buffered up to :data:`BUFFER_ELEMENTS` entries and turned into the
-    structure's curvature by the closed form, which the structure's accumulator sums. A batch
-    whose head sees several rows per data point, and every batch where there is no closed
-    form (per-output structures, ASDL, BackPACK, Hessian or Monte-Carlo backends), gives the
-    backend's batch curvature as in :class:`~laplace.parametric_fit.CurvatureSum`.
+    structure's curvature by the closed form, which the structure's accumulator sums. Outputs
+    with extra dimensions whose head sees one feature vector per position give one row per
+    position (:func:`laplace.last_layer.head_rows`; KFAC normalised over their N·T rows). A
+    batch whose head sees several rows per data point otherwise, and every batch where there
+    is no closed form (per-output structures, ASDL, BackPACK, Hessian or Monte-Carlo
+    backends), gives the backend's batch curvature as in
+    :class:`~laplace.parametric_fit.CurvatureSum`.
     """
 
     def summands(self, loader: DataLoader) -> Iterator[tuple[Tensor, Any]]:
@@ -78,7 +86,7 @@ class HeadCurvatureSum(CurvatureSum):
         bias = subset.layer.bias is not None
 
         def flush(loss: Tensor | float, phis: list[Tensor], Ms: list[Tensor]) -> tuple[Any, Any]:
-            H = closed_form(torch.cat(phis), torch.cat(Ms), bias, n_data, backend.factor)
+            H = closed_form(torch.cat(phis), torch.cat(Ms), bias, n_rows, backend.factor)
             return loss, H
 
         phis: list[Tensor] = []
@@ -88,9 +96,12 @@ class HeadCurvatureSum(CurvatureSum):
             with torch.no_grad():
                 f, phi = subset.outputs_and_features(X)
             self.check_batch(X, y, f)
-            if not subset.one_row_per_point(f, phi):  # several head rows per point: autograd
+            rows = head_rows(pieces.likelihood, backend, subset.layer, f, phi, y)
+            if rows is None:  # the closed forms do not apply to this batch: autograd
                 yield pieces.posterior.batch_curvature(backend, X, y, n_data)
                 continue
+            n_rows = n_data * (len(rows[1]) // len(f))  # KFAC's expand: positions as data
+            f, phi, y = rows
             with torch.no_grad():
                 batch_loss, M = output_curvature(backend, f.detach(), y)
             phis.append(phi.detach())
@@ -132,6 +143,8 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         last_layer_name: Name of the last layer in ``model.named_modules()``.
         backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
         asdl_fisher_kwargs: Not supported for last-layer Laplace (must be None).
+        class_dim: See :class:`~laplace.base.BaseLaplace`.
+        ignore_index: See :class:`~laplace.base.BaseLaplace`.
 
     Raises:
         ValueError: For ``asdl_fisher_kwargs``, or a ``last_layer_name`` that is not a linear
@@ -157,6 +170,8 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         last_layer_name: str | None = None,
         backend_kwargs: dict[str, Any] | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
+        class_dim: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         if asdl_fisher_kwargs is not None:
             raise ValueError("last-layer Laplace does not support asdl_fisher_kwargs.")
@@ -200,7 +215,8 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         """
         self._check_fitted("functional_variance_fast")
         f_mu, f_var = self._functional_moments(move_inputs(X, self._device))
-        return f_mu, f_var.diagonal(dim1=-2, dim2=-1)
+        layout = self._likelihood_model.layout(f_mu.shape)
+        return f_mu, layout.restore(f_var.diagonal(dim1=-2, dim2=-1))
 
     # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -261,6 +277,8 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         damping: bool = False,
         backend_kwargs: dict[str, Any] | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
+        class_dim: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         self.damping = damping
         LLLaplace.__init__(self, **arguments_for(LLLaplace.__init__, locals()))

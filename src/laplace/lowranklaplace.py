@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace, arguments_for
-from laplace.curvature import CurvatureInterface
+from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.eigen import SOLVERS, STARTS, top_eigenpairs
 from laplace.curvature.products import curvature_product
 from laplace.data import Inputs
@@ -29,6 +29,7 @@ from laplace.errors import (
     check_int_at_least,
     check_positive_int,
 )
+from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import ParametricLaplace
 from laplace.parametric_fit import FitPass
 from laplace.posterior_scale import PosteriorScaleMixin
@@ -36,6 +37,9 @@ from laplace.posteriors.lowrank import LowRankPosterior
 from laplace.utils.enums import Likelihood
 
 __all__ = ["LowRankLaplace"]
+
+#: What takes outputs with extra dimensions where the curvlinops operators do not.
+_NATIVE_ROUTE = "solver='randomized' (the default) with a GGN or EF backend"
 
 #: ``backend_kwargs`` entries that configure the eigensolver (not passed to the backend).
 #: ``low_rank`` is the name laplace-torch's ``asdfghjkl`` backend uses for ``n_eigenvalues``.
@@ -84,6 +88,8 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
             fewer once every error bound is at most ``tol``; or ``"lanczos"`` or ``"lobpcg"``
             (exact to ``tol``, default 0: machine precision; hundreds of passes); ``seed``
             (start vectors).
+        class_dim: See :class:`~laplace.base.BaseLaplace`.
+        ignore_index: See :class:`~laplace.base.BaseLaplace`.
 
     Attributes:
         eigenvalue_errors: After :meth:`fit`, a posteriori relative errors of the eigenvalues,
@@ -120,6 +126,8 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
         backend_kwargs: dict[str, Any] | None = None,
+        class_dim: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         self._solver_options = _solver_options(backend_kwargs)
         self.eigenvalue_errors: Tensor | None = None
@@ -253,11 +261,24 @@ class TopEigenpairs(FitPass):
         super().__init__(*args, **options)
         self.solver, self.local_n = dict(solver), local_n
         self.errors: Tensor | None = None
+        #: Whether the products are the native ones (else curvlinops' operators).
+        self.native = self.solver.get("solver", "randomized") == "randomized" and isinstance(
+            self.pieces.backend, (GGNInterface, EFInterface)
+        )
 
     def step(self, X: Inputs, y: Tensor) -> Tensor:
-        """The summed loss of a batch, after checking its outputs and targets."""
+        """The summed loss of a batch, after checking its outputs and targets.
+
+        Raises:
+            ValueError: For outputs with extra dimensions on curvlinops' operators, which see
+                the torch loss of outputs (B, C).
+        """
         with torch.no_grad():
             f = self.check_batch(X, y, self.pieces.subset.model(X))
+            if not self.native:
+                self.pieces.likelihood.outputs.require_plain(
+                    f.shape, "LowRankLaplace's operator route", _NATIVE_ROUTE
+                )
             return self.pieces.backend.batch_loss(f, y)
 
     def check(self, stats: Tensor) -> None:
@@ -279,7 +300,7 @@ class TopEigenpairs(FitPass):
             backend,
             self.passes(loader, lambda X, y: (X, loss_targets(y, dtype))),
             self.local_n,
-            native=options.get("solver", "randomized") == "randomized",
+            native=self.native,
             reduce=distributed_utils.all_reduce_sum if self.distributed else None,
             seed=options.get("seed", 0),
         )

@@ -52,6 +52,13 @@ __all__ = ["default_backend", "marglik_training"]
 logger = logging.getLogger(__name__)
 
 
+#: What takes outputs with extra dimensions where ``marglik_training`` does not.
+_FIT_INSTEAD = (
+    "a Laplace approximation of the trained network: Laplace(...).fit(train_loader), then "
+    "optimize_prior_precision(method='marglik')"
+)
+
+
 def default_backend(
     likelihood: Any = Likelihood.CLASSIFICATION, sigma_noise_init: float | Tensor = 1.0
 ) -> type[CurvatureInterface]:
@@ -343,6 +350,7 @@ class TrainingEpoch(DataLoop):
         sigma, delta = self.hyperparameters()
         self.optimizer.zero_grad()
         f = self.model(X)
+        self.likelihood.outputs.require_plain(f.shape, "marglik_training", _FIT_INSTEAD)
         targets = self.likelihood.prepare_targets(f, y)
         if torch.is_tensor(sigma) and sigma.numel() > 1:
             # One σ per output: outputs and targets scaled by σ̄/σ_c weigh the squared

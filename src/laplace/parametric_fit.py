@@ -11,7 +11,7 @@ forms, :class:`laplace.lllaplace.HeadCurvatureSum`). Internal module.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,8 @@ class FitPieces:
         posterior: The posterior structure, whose accumulator sums the curvature.
         backend: The curvature backend.
         likelihood: The likelihood the targets are checked with.
+        zeros: A fresh zero curvature in the structure's form on every call (the class's
+            ``_zero_curvature``: Kron's block shapes depend on the backend).
         n_data: Number of data points the summed curvature covers (KFAC normalises by it).
     """
 
@@ -44,11 +46,8 @@ class FitPieces:
     posterior: type[Posterior]
     backend: Any
     likelihood: Any
+    zeros: Callable[[], Any]
     n_data: int
-
-    def zeros(self) -> Any:
-        """A fresh zero curvature in the structure's form, over the subset's curvature tensors."""
-        return self.posterior.zeros(self.subset.curvature_params)
 
 
 class FitPass(DataLoop):
@@ -77,7 +76,8 @@ class FitPass(DataLoop):
             ValueError: For targets the likelihood refuses.
         """
         f = check_outputs(f, batch_size_of(X, self.dict_key_x))
-        self._output_shape, self.n_outputs = f.shape, int(f.shape[-1])
+        self._output_shape = f.shape
+        self.n_outputs = self.pieces.likelihood.output_count(f.shape, y)
         self.pieces.likelihood.check_targets(y, f.shape)
         return f
 
@@ -227,6 +227,7 @@ class CurvatureFitMixin:
             posterior=self._posterior_cls,
             backend=self.backend,
             likelihood=self._likelihood_model.fit_likelihood,
+            zeros=self._zero_curvature,
             n_data=n_data,
         )
 

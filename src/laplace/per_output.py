@@ -124,10 +124,12 @@ class PerOutputPosterior(Posterior):
         """``(loss (C,), H_batch (C, ...))``: each output's loss and curvature.
 
         Raises:
-            ValueError: If the model's number of outputs is not C.
+            ValueError: If the model's number of outputs is not C, or its outputs have extra
+                dimensions.
         """
         trace = backend.trace(X)
         f = trace.f.detach()
+        backend.fit_likelihood.outputs.require_plain(f.shape, "sigma_noise with one σ per output")
         if f.shape[-1] != cls.n_outputs:
             raise ValueError(
                 f"sigma_noise has {cls.n_outputs} entries (one per output) but the model has "

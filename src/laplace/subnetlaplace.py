@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
+from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.priors import expand_to_diagonal
 from laplace.serialization import check_state_dict
@@ -58,6 +59,8 @@ class SubnetLaplace(ParametricLaplace):
             subnetwork Laplace has none).
         dict_key_x: See :class:`~laplace.base.BaseLaplace` (keyword only).
         dict_key_y: See :class:`~laplace.base.BaseLaplace` (keyword only).
+        class_dim: See :class:`~laplace.base.BaseLaplace` (keyword only).
+        ignore_index: See :class:`~laplace.base.BaseLaplace` (keyword only).
 
     Raises:
         TypeError: Without ``subnetwork_indices`` (None raises an error that is a
@@ -84,6 +87,8 @@ class SubnetLaplace(ParametricLaplace):
         enable_backprop: bool = False,
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
+        class_dim: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         if asdl_fisher_kwargs is not None:
             raise ValueError("subnetwork Laplace does not support asdl_fisher_kwargs.")

@@ -10,7 +10,7 @@ the posterior, for the GLM predictive.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,8 @@ from laplace.jacobians import (
     backend_kind,
     backend_linearization,
 )
+from laplace.last_layer import head_features
+from laplace.outputs import OutputLayout
 from laplace.utils.feature_extractor import FeatureExtractor
 
 __all__ = [
@@ -269,10 +271,17 @@ class LastLayer(_FlatParameters):
 
     Args:
         extractor: The wrapped model; its last layer may still be unknown (``resolved``).
+        layout: The rows of outputs of a shape (the likelihood's ``layout``), for outputs
+            with extra dimensions (:mod:`laplace.outputs`); None: outputs (B, C) only.
     """
 
-    def __init__(self, extractor: FeatureExtractor) -> None:
+    def __init__(
+        self,
+        extractor: FeatureExtractor,
+        layout: Callable[[Sequence[int]], OutputLayout] | None = None,
+    ) -> None:
         self.model = extractor
+        self.layout = layout
 
     @property
     def resolved(self) -> bool:
@@ -360,7 +369,7 @@ class LastLayer(_FlatParameters):
         Otherwise (sequence features (B, T, D), reward pairs reshaped to (2B, D) inside the
         model) the closed forms in the features do not apply.
         """
-        return phi.dim() == 2 and phi.shape[0] == f.shape[0]
+        return f.dim() == 2 and phi.dim() == 2 and phi.shape[0] == f.shape[0]
 
     def jacobian_kind(self, closed_forms: Collection[type[Jacobian]]) -> type[Jacobian]:
         """The head's features (when it sees one row per data point)."""
@@ -371,12 +380,21 @@ class LastLayer(_FlatParameters):
     ) -> tuple[Tensor, Jacobian]:
         """Outputs ``f`` (B, C) and the head's features φ (B, D), from one forward pass.
 
-        A head that sees several rows per data point takes what the backend linearises into
-        instead (:func:`~laplace.jacobians.backend_linearization`). Arguments as for
+        Outputs with extra dimensions (B, …) whose head sees one feature vector per position
+        give the features of their rows (B·T, D) (:func:`~laplace.last_layer.head_features`)
+        where the posterior has a closed form for them. A head that sees several rows per data
+        point otherwise takes what the backend linearises into
+        (:func:`~laplace.jacobians.backend_linearization`). Arguments as for
         :meth:`AllWeights.linearize`.
         """
         with torch.enable_grad() if backprop else torch.no_grad():
             f, phi = self.outputs_and_features(X)
+        bias = self.layer.bias is not None
         if self.one_row_per_point(f, phi):
-            return f, HeadFeatures(phi, f.shape[-1], self.layer.bias is not None)
+            return f, HeadFeatures(phi, f.shape[-1], bias)
+        if f.dim() > 2 and self.layout is not None and HeadFeatures in closed_forms:
+            layout = self.layout(f.shape)
+            rows = head_features(self.layer, phi, layout.rows(f), layout.n_positions)
+            if rows is not None:
+                return f, HeadFeatures(rows, layout.n_classes, bias)
         return backend_linearization(backend, X, backend_kind(closed_forms), backprop)

@@ -8,8 +8,8 @@ column w.r.t. *layer outputs* (not weights) can be taken afterwards with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -18,7 +18,28 @@ from torch.utils._pytree import tree_flatten, tree_map
 from laplace.curvature.layer_rules import ModuleCall
 from laplace.data import Inputs
 
-__all__ = ["OutputGradients", "record_forward"]
+__all__ = ["Columns", "OutputGradients", "column_chunks", "record_forward"]
+
+
+class Columns(Protocol):
+    """Output columns sliced like a tensor (K, B, ...).
+
+    A tensor, or columns formed a chunk at a time
+    (:class:`laplace.outputs.PositionColumns`: one per position of outputs with extra
+    dimensions).
+    """
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, key: slice) -> Tensor: ...
+
+
+def column_chunks(columns: Columns | Sequence[Tensor], size: int) -> Iterator[Tensor]:
+    """Consecutive chunks (k ≤ size, B, ...) of output columns (a list is stacked first)."""
+    if isinstance(columns, (list, tuple)):
+        columns = torch.stack(list(columns)) if columns else torch.empty(0)
+    for start in range(0, len(columns), size):
+        yield columns[start : start + size]
 
 
 def _tensor_leaves(tree: Any) -> list[Tensor]:
@@ -105,6 +126,11 @@ class OutputGradients:
         self.calls = list(calls)
         self.create_graph = create_graph
         self._outputs = [z for call in self.calls for z in call.outputs]
+        #: Whether several columns go through one vectorised backward pass; not through a
+        #: convolution, whose batching rule loops over the columns and copies.
+        self.vectorised = not any(
+            isinstance(call.module, nn.modules.conv._ConvNd) for call in self.calls
+        )
 
     def __call__(self, v: Tensor) -> list[list[Tensor]]:
         """Gradients of ``Σ v ⊙ f`` w.r.t. each call's outputs.
@@ -149,16 +175,24 @@ class OutputGradients:
                 is_grads_batched=True,
             )
         except RuntimeError:
-            per_column = [self(v) for v in columns]
-            return [
-                [torch.stack([col[i][j] for col in per_column]) for j in range(len(call.outputs))]
-                for i, call in enumerate(self.calls)
-            ]
+            return self.one_by_one(columns)
         grads = [
             z.new_zeros(len(columns), *z.shape) if g is None else g
             for z, g in zip(self._outputs, grads)
         ]
         return self._split(grads)
+
+    def columns(self, columns: Tensor) -> list[list[Tensor]]:
+        """As :meth:`stacked`, or :meth:`one_by_one` where not :attr:`vectorised`."""
+        return self.stacked(columns) if self.vectorised else self.one_by_one(columns)
+
+    def one_by_one(self, columns: Tensor) -> list[list[Tensor]]:
+        """As :meth:`stacked`, by one plain backward pass per column."""
+        per_column = [self(v) for v in columns]
+        return [
+            [torch.stack([col[i][j] for col in per_column]) for j in range(len(call.outputs))]
+            for i, call in enumerate(self.calls)
+        ]
 
     def _split(self, grads: list[Tensor]) -> list[list[Tensor]]:
         per_call, start = [], 0

@@ -13,18 +13,19 @@ The default routes use the native per-sample engine (:mod:`laplace.curvature.per
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
+from laplace.curvature.columns import OutputColumns
 from laplace.curvature.kfac import kfac, kfac_shapes
 from laplace.curvature.kfac_rules import KFAC_DENSE_LIMIT
 from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
 from laplace.data import Inputs
-from laplace.errors import check_module, check_positive_int
+from laplace.errors import check_module
 from laplace.likelihoods import make_likelihood
 from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron
@@ -49,7 +50,7 @@ def check_dict_inputs(backend_cls: type[CurvatureInterface], x: Any) -> None:
         )
 
 
-class CurvatureInterface:
+class CurvatureInterface(OutputColumns):
     """Access to curvature of a model under a likelihood.
 
     Args:
@@ -200,32 +201,8 @@ class CurvatureInterface:
         """
         trace = self.trace(x)
         f = trace.f.detach()
-        Gs = trace.per_sample(self.fit_likelihood.loss_gradient(f, y))
+        Gs = trace.per_sample(self.fit_likelihood.output_gradient(f, y))
         return Gs.detach(), self.batch_loss(f, y)
-
-    def curvature_columns(
-        self,
-        f: Tensor,
-        y: Tensor,
-        generator: torch.Generator | None = None,
-        mc_samples: int | None = None,
-    ) -> Iterable[Tensor]:
-        """Output-space columns ``vₖ`` (B, C) whose per-sample outer products sum to the curvature.
-
-        The dense and diagonal curvatures are ``Σₙ Σₖ (Jₙᵀ vₖₙ)(Jₙᵀ vₖₙ)ᵀ``; a family (GGN, EF)
-        only says which columns it uses.
-
-        Args:
-            f: Detached outputs of the batch, shape (B, C).
-            y: Targets of the batch.
-            generator: Random generator of sampled columns (Monte-Carlo Fisher); torch's global
-                generator when None.
-            mc_samples: Monte-Carlo samples per data point, for a stochastic curvature only.
-
-        Raises:
-            ValueError: For ``mc_samples`` with a curvature that is not sampled.
-        """
-        raise NotImplementedError(f"{type(self).__name__} defines no curvature.")
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Dense batch curvature, summed over data points.
@@ -265,7 +242,7 @@ class CurvatureInterface:
             ValueError: With ``subnetwork_indices`` or an unknown keyword argument.
         """
         approx = kwargs.pop("kfac_approx", self.kfac_approx)
-        trace, f, columns = self._traced_columns(x, y, kwargs)
+        trace, f, columns = self._traced_columns(x, y, kwargs, separate_positions=False)
         blocks = kfac(trace, columns, N, approx, self.factor, dense_limit=self.kfac_dense_limit)
         return self.batch_loss(f, y), blocks
 
@@ -289,14 +266,6 @@ class CurvatureInterface:
         """
         trace, f, columns = self._traced_columns(x, y, kwargs)
         return self.batch_loss(f, y), trace.square_sum(columns).detach()
-
-    def _traced_columns(
-        self, x: Inputs, y: Tensor, kwargs: dict[str, Any]
-    ) -> tuple[PerSampleTrace, Tensor, Iterable[Tensor]]:
-        """The batch's trace, its detached outputs and curvature columns (``mc_samples``)."""
-        mc_samples, trace = _curvature_options(kwargs), self.trace(x)
-        f = trace.f.detach()
-        return trace, f, self.curvature_columns(f, y, mc_samples=mc_samples)
 
 
 class GGNInterface(CurvatureInterface):
@@ -333,14 +302,19 @@ class GGNInterface(CurvatureInterface):
         self.stochastic = stochastic
         self.num_samples = num_samples
 
-    def curvature_columns(
+    @property
+    def separable_columns(self) -> bool:  # type: ignore[override]
+        """The exact GGN's columns are per row; sampled loss gradients are not."""
+        return not self.stochastic
+
+    def row_columns(
         self,
         f: Tensor,
         y: Tensor,
         generator: torch.Generator | None = None,
         mc_samples: int | None = None,
-    ) -> Iterator[Tensor]:
-        """Columns ``vₖ`` (B, C) with ``Σₖ vₖ vₖᵀ = Λ`` (or its MC estimate) per sample.
+    ) -> Tensor:
+        """Columns (R, C, K) with ``Σₖ vₖ vₖᵀ = Λ`` (or its MC estimate) per row.
 
         Arguments as :meth:`CurvatureInterface.curvature_columns` (``y`` is unused; sampled
         targets use ``generator``, ``mc_samples`` defaults to ``num_samples``).
@@ -350,15 +324,18 @@ class GGNInterface(CurvatureInterface):
                 "mc_samples needs the Monte-Carlo Fisher (backend_kwargs={'stochastic': True}); "
                 "the exact GGN is not sampled."
             )
-        if self.stochastic:
-            n_samples = self.num_samples if mc_samples is None else mc_samples
-            scale = 1.0 / math.sqrt(n_samples)
-            for _ in range(n_samples):
-                y_hat = self.fit_likelihood.sample_targets(f, generator)
-                yield scale * self.fit_likelihood.loss_gradient(f, y_hat)
-        else:
-            L = self.fit_likelihood.output_hessian_sqrt(f)
-            yield from L.unbind(-1)
+        if not self.stochastic:
+            return self.fit_likelihood.output_hessian_sqrt(f)
+        n_samples = self.num_samples if mc_samples is None else mc_samples
+        scale = 1.0 / math.sqrt(n_samples)
+        draws = [
+            scale
+            * self.fit_likelihood.loss_gradient(
+                f, self.fit_likelihood.sample_targets(f, generator)
+            )
+            for _ in range(n_samples)
+        ]
+        return torch.stack(draws, dim=-1)
 
 
 class EFInterface(CurvatureInterface):
@@ -370,31 +347,14 @@ class EFInterface(CurvatureInterface):
     this matrix for regression; classification agrees.
     """
 
-    def curvature_columns(
+    def row_columns(
         self,
         f: Tensor,
         y: Tensor,
         generator: torch.Generator | None = None,
         mc_samples: int | None = None,
-    ) -> list[Tensor]:
-        """The single column ``∇_f ℓ(fₙ, yₙ)`` (B, C); ``mc_samples`` is refused (not sampled)."""
+    ) -> Tensor:
+        """The single column ``∇_f ℓ(fₙ, yₙ)`` (R, C, 1); ``mc_samples`` is refused."""
         if mc_samples is not None:
             raise ValueError("mc_samples applies to the Monte-Carlo Fisher, not the EF.")
-        return [self.fit_likelihood.loss_gradient(f, y)]
-
-
-def _curvature_options(kwargs: dict[str, Any]) -> int | None:
-    """``mc_samples`` of a curvature call's keyword arguments (None if absent); ``N`` is dropped.
-
-    Raises:
-        ValueError: For another keyword argument or an ``mc_samples`` that is not positive.
-    """
-    options = dict(kwargs)
-    options.pop("N", None)
-    mc_samples = options.pop("mc_samples", None)
-    if options:
-        raise ValueError(
-            f"unknown keyword arguments {sorted(options)}; the curvature routes accept "
-            "mc_samples (stochastic GGN), kfac_approx (kron) and N."
-        )
-    return None if mc_samples is None else check_positive_int(mc_samples, "mc_samples")
+        return self.fit_likelihood.loss_gradient(f, y).unsqueeze(-1)

@@ -23,6 +23,7 @@ from laplace.curvature.kfac import KFAC_APPROXIMATIONS
 from laplace.curvature.kfac_rules import KFAC_DENSE_LIMIT
 from laplace.data import Inputs, batch_size_of
 from laplace.errors import check_int_at_least, check_positive_int
+from laplace.likelihoods.rows import LossModule
 from laplace.utils.enums import Likelihood
 
 __all__ = ["CurvlinopsEF", "CurvlinopsGGN", "CurvlinopsHessian", "CurvlinopsInterface"]
@@ -130,7 +131,9 @@ class CurvlinopsHessian(CurvlinopsInterface):
 
     Both ``full`` and ``diag`` multiply ``curvlinops.HessianLinearOperator`` with unit vectors
     (chunks of identity columns), so each costs one Hessian-vector product per parameter; with
-    ``subnetwork_indices`` only the selected columns are formed, never the P × P matrix.
+    ``subnetwork_indices`` only the selected columns are formed, never the P × P matrix. The
+    operator differentiates the likelihood's own loss, so outputs with extra dimensions and
+    ``ignore_index`` work as in the other routes.
     """
 
     def _selected_columns(self, x: Inputs, y: Tensor) -> tuple[Tensor, Any]:
@@ -140,9 +143,9 @@ class CurvlinopsHessian(CurvlinopsInterface):
             data_kwargs["batch_size_fn"] = lambda xx: batch_size_of(xx, self.dict_key_x)
         operator = HessianLinearOperator(
             self.model,
-            self.lossfunc,
+            LossModule(self.fit_likelihood, reduction="sum"),
             self.params,
-            [(x, self.fit_likelihood.loss_targets(y, self.params[0].dtype))],
+            [(x, y)],
             check_deterministic=False,
             **data_kwargs,
         )
@@ -159,7 +162,7 @@ class CurvlinopsHessian(CurvlinopsInterface):
                 chunk = selected[start : start + _HVP_CHUNK]
                 unit = torch.zeros(n_params, len(chunk), dtype=p.dtype, device=p.device)
                 unit[chunk, torch.arange(len(chunk), device=p.device)] = 1.0
-                yield start, self.factor * (operator @ unit)[selected]
+                yield start, (operator @ unit)[selected]
 
         with torch.no_grad():
             loss = self.fit_likelihood.loss(self.model(x), y)

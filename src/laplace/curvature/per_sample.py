@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from laplace.curvature.capture import OutputGradients, record_forward
+from laplace.curvature.capture import Columns, OutputGradients, column_chunks, record_forward
 from laplace.curvature.layer_rules import (
     SELECTED_RULES,
     SQUARE_SUM_RULES,
@@ -44,13 +44,16 @@ from laplace.curvature.layer_rules import (
 from laplace.data import Inputs
 from laplace.utils.linalg import symmetric_gram
 
-__all__ = ["COLUMNS_PER_BACKWARD", "PerSampleEngine", "PerSampleTrace"]
+__all__ = ["COLUMNS_PER_BACKWARD", "Columns", "PerSampleEngine", "PerSampleTrace"]
 
 #: Data points per vectorised backward pass in the batched fallback.
 BATCHED_BACKWARD_CHUNK = 32
 
 #: Output columns differentiated together by one vectorised backward pass.
 COLUMNS_PER_BACKWARD = 16
+
+#: Bytes of per-sample rows (columns × data points × parameters) summed into a Gram at once.
+GRAM_CHUNK_BYTES = 64 * 2**20
 
 
 class PerSampleEngine:
@@ -179,7 +182,7 @@ class PerSampleTrace:
         Returns:
             Per recorded call, one tensor of shape (K, *z.shape) per recorded output.
         """
-        return [] if self._grads is None else self._grads.stacked(columns)
+        return [] if self._grads is None else self._grads.columns(columns)
 
     def _zeros(self) -> list[Tensor]:
         return [self.f.new_zeros(p.shape) for p in self.engine.needed]
@@ -213,7 +216,7 @@ class PerSampleTrace:
             return self._batched_per_sample(v)
         return self._rows([] if self._grads is None else self._grads(v))
 
-    def per_sample_columns(self, columns: Tensor, dim: int = 0) -> Tensor:
+    def per_sample_columns(self, columns: Columns, dim: int = 0) -> Tensor:
         """Per-sample gradients ``Jₙᵀ vₙₖ`` for several output columns.
 
         The columns are differentiated :data:`COLUMNS_PER_BACKWARD` at a time by one vectorised
@@ -229,8 +232,7 @@ class PerSampleTrace:
         if self._batched:
             return torch.stack([self._batched_per_sample(v) for v in columns], dim)
         rows = []
-        for start in range(0, len(columns), COLUMNS_PER_BACKWARD):
-            chunk = columns[start : start + COLUMNS_PER_BACKWARD]
+        for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD):
             stacked = self.output_gradients(chunk)
             if self.engine.indices is not None:
                 rows.append(self._selected_rows(stacked, len(chunk)))
@@ -306,30 +308,38 @@ class PerSampleTrace:
             )
         return torch.cat(rows)
 
-    def square_sum(self, columns: Iterable[Tensor]) -> Tensor:
+    def square_sum(self, columns: Columns) -> Tensor:
         """``Σₖ Σₙ (Jₙᵀ vₙₖ)²``: the diagonal of ``Σₖ Σₙ gₙₖ gₙₖᵀ``.
 
+        Columns are differentiated :data:`COLUMNS_PER_BACKWARD` at a time.
+
         Args:
-            columns: Output columns ``vₖ``, each of shape (B, C).
+            columns: Output columns, sliced like a tensor (K, *f.shape).
 
         Returns:
             Shape (P,).
         """
-        total = self._zeros()
         if self._batched or self.engine.indices is not None:
-            return self.per_sample_columns(torch.stack(list(columns))).square().sum((0, 1))
+            total = self.f.new_zeros(self.engine.n_entries)
+            for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD):
+                total += self.per_sample_columns(chunk).square().sum((0, 1))
+            return total
+        total = self._zeros()
         if self._grads is None:
             return self._flatten(total, 0)
         fast = [i for i, is_fast in enumerate(self._fast) if is_fast]
         slow = [i for i, is_fast in enumerate(self._fast) if not is_fast]
         squares: dict[int, Tensor] = {}
-        for v in columns:
-            g_calls = self._grads(v)
+        size = COLUMNS_PER_BACKWARD if self._grads.vectorised else 1
+        for chunk in column_chunks(columns, size):
+            stacked = self.output_gradients(chunk)
             for i in fast:
-                sq = g_calls[i][0].square()
+                sq = stacked[i][0].square().sum(0)
                 squares[i] = squares[i] + sq if i in squares else sq
-            for slot, grad in self._per_param(g_calls, slow).items():
-                total[slot] = total[slot] + grad.square().sum(0)
+            for k in range(len(chunk) if slow else 0):
+                g_calls = [[g[k] for g in per_call] for per_call in stacked]
+                for slot, grad in self._per_param(g_calls, slow).items():
+                    total[slot] = total[slot] + grad.square().sum(0)
         for i, sq in squares.items():
             call = self.calls[i]
             for name, value in SQUARE_SUM_RULES[type(call.module)][1](call, sq).items():
@@ -337,23 +347,27 @@ class PerSampleTrace:
                 total[slot] = total[slot] + value
         return self._flatten(total, 0)
 
-    def gram(self, columns: Iterable[Tensor]) -> Tensor:
+    def gram(self, columns: Columns) -> Tensor:
         """``Σₖ Σₙ gₙₖ gₙₖᵀ`` with ``gₙₖ = Jₙᵀ vₙₖ``.
 
+        The per-sample rows of a chunk of columns are summed into the Gram matrix before the
+        next chunk is formed (at most :data:`GRAM_CHUNK_BYTES` of them at once).
+
         Args:
-            columns: Output columns ``vₖ`` (at least one), each of shape (B, C).
+            columns: Output columns, sliced like a tensor (K, *f.shape).
 
         Returns:
-            Shape (P, P).
-
-        Raises:
-            ValueError: If ``columns`` is empty.
+            Shape (P, P); zero without columns.
         """
-        columns = list(columns)
-        if not columns:
-            raise ValueError("gram needs at least one output column.")
-        rows = self.per_sample_columns(torch.stack(columns))
-        return symmetric_gram(rows.reshape(-1, rows.shape[-1]))
+        n, batch = self.engine.n_entries, self.f.shape[0]
+        itemsize = self.f.element_size()
+        size = max(COLUMNS_PER_BACKWARD, GRAM_CHUNK_BYTES // max(1, batch * n * itemsize))
+        total = None
+        for chunk in column_chunks(columns, size):
+            rows = self.per_sample_columns(chunk)
+            gram = symmetric_gram(rows.reshape(-1, rows.shape[-1]))
+            total = gram if total is None else total.add_(gram)
+        return self.f.new_zeros(n, n) if total is None else total
 
     def jacobians(self) -> Tensor:
         """Jacobians of the outputs w.r.t. the parameters, shape (B, C, P)."""

@@ -92,10 +92,12 @@ class BaseFunctionalLaplace(StateDict, BaseLaplace):
             The shape of the outputs (B, C).
 
         Raises:
-            ValueError: For outputs that are not (B, C) or targets that do not fit them.
+            ValueError: For outputs that are not (B, C) (extra dimensions included) or targets
+                that do not fit them.
         """
         with torch.no_grad():
             f = check_outputs(self.model(X), batch_size_of(X, self.dict_key_x))
+        self._likelihood_model.outputs.require_plain(f.shape, type(self).__name__)
         self._likelihood_model.check_targets(y, f.shape)
         self.n_outputs = f.shape[-1]
         return f.shape

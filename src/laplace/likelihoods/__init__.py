@@ -26,6 +26,7 @@ from laplace.likelihoods.heteroscedastic import (
     HeteroscedasticPrediction,
 )
 from laplace.likelihoods.protocol import Likelihood
+from laplace.outputs import IGNORE_INDEX, OutputAdapter
 from laplace.utils import enums
 
 __all__ = [
@@ -53,12 +54,18 @@ _LIKELIHOODS: dict[enums.Likelihood, type[LikelihoodModel]] = {
 
 def make_likelihood(
     likelihood: enums.Likelihood | str | Likelihood | LikelihoodModel,
+    class_dim: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
 ) -> LikelihoodModel:
     """Build the likelihood object for a user's ``likelihood`` argument.
 
     Args:
         likelihood: A name (:class:`laplace.utils.enums.Likelihood` member or its string), an
-            instance of a :class:`Likelihood` subclass, or a likelihood object (returned as is).
+            instance of a :class:`Likelihood` subclass, or a likelihood object (returned as is,
+            with its own output options).
+        class_dim: The class dimension of outputs with extra dimensions (see
+            :class:`~laplace.outputs.OutputAdapter`).
+        ignore_index: The class label whose positions are dropped.
 
     Returns:
         The :class:`LikelihoodModel`.
@@ -70,11 +77,14 @@ def make_likelihood(
     if isinstance(likelihood, LikelihoodModel):
         return likelihood
     if isinstance(likelihood, Likelihood):
-        return CustomLikelihood(likelihood)
-    if isinstance(likelihood, str) and likelihood not in enums.Likelihood._value2member_map_:
+        model: LikelihoodModel = CustomLikelihood(likelihood)
+    elif isinstance(likelihood, str) and likelihood not in enums.Likelihood._value2member_map_:
         accepted = ", ".join(repr(m.value) for m in enums.Likelihood)
         raise ValueError(
             f"likelihood={likelihood!r} is not supported; accepted values: {accepted}, or an "
             "instance of a laplace.likelihoods.Likelihood subclass (your own likelihood)."
         )
-    return _LIKELIHOODS[enums.parse_enum(enums.Likelihood, likelihood, "likelihood")]()
+    else:
+        model = _LIKELIHOODS[enums.parse_enum(enums.Likelihood, likelihood, "likelihood")]()
+    model.outputs = OutputAdapter(class_dim, ignore_index)
+    return model

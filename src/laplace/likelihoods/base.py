@@ -11,7 +11,6 @@ loss, ``½ Σ‖y − f‖²`` for regression (σ-free, so the output Hessian is
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,13 +18,17 @@ from torch import Tensor, nn
 
 from laplace.errors import UnsupportedError
 from laplace.likelihoods.prediction import OutputPredictions
+from laplace.likelihoods.rows import OutputRows
 from laplace.utils.enums import FunctionalApproximation, HessianStructure
 
 __all__ = ["LikelihoodModel"]
 
 
-class LikelihoodModel(OutputPredictions, ABC):
+class LikelihoodModel(OutputRows, OutputPredictions, ABC):
     """An observation model ``p(y | f)`` over network outputs ``f`` of shape (B, C).
+
+    Its maths is written for rows (B, C); outputs with extra dimensions reach it as rows
+    through :class:`~laplace.likelihoods.rows.OutputRows`.
 
     How it predicts comes from :class:`~laplace.likelihoods.prediction.OutputPredictions`
     (the outputs' Gaussian moments by default, Gaussian regression's predictive).
@@ -103,7 +106,8 @@ class LikelihoodModel(OutputPredictions, ABC):
     def check_backend(self, backend_cls: type) -> None:
         """Refuse a curvature backend whose ``supported_losses`` exclude :meth:`loss_module`.
 
-        Third-party libraries (ASDL, BackPACK) backpropagate only the torch losses they know.
+        Third-party libraries (ASDL, BackPACK) backpropagate only the torch losses they know,
+        on outputs (B, C): outputs with extra dimensions are then refused when first seen.
 
         Raises:
             ValueError: Naming the native backends, which work with every likelihood.
@@ -117,6 +121,8 @@ class LikelihoodModel(OutputPredictions, ABC):
                 f"{loss.__name__}. Use backend=CurvlinopsGGN (or CurvlinopsEF), which work "
                 "with every likelihood."
             )
+        if supported is not None:  # a third-party library: outputs (B, C) only
+            self.outputs.plain_only = backend_cls.__name__
 
     def check_low_rank(self) -> None:
         """Refuse the matrix-free (low-rank) curvature when :meth:`loss_module` cannot give it.
@@ -139,18 +145,6 @@ class LikelihoodModel(OutputPredictions, ABC):
         Args:
             reduction: ``"mean"``, ``"sum"`` or ``"none"``, as torch's losses take it.
         """
-
-    @abstractmethod
-    def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
-        """Negative log-likelihood up to constants, shape (B,)."""
-
-    def loss(self, f: Tensor, y: Tensor) -> Tensor:
-        """Summed loss over the batch, a scalar."""
-        return self.per_sample_loss(f, y).sum()
-
-    @abstractmethod
-    def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
-        """Gradient of the per-sample loss w.r.t. ``f``, shape (B, C)."""
 
     @abstractmethod
     def output_hessian_sqrt(self, f: Tensor) -> Tensor:
@@ -216,9 +210,9 @@ class LikelihoodModel(OutputPredictions, ABC):
         """Check targets against the outputs and bring them to the shape the loss expects.
 
         Raises:
-            ValueError: See :meth:`check_targets`.
+            ValueError: See :meth:`check_row_targets`.
         """
-        self.check_targets(y, f.shape)
+        self.check_row_targets(y, f.shape)
         return y
 
     def loss_targets(self, y: Tensor, dtype: torch.dtype) -> Tensor:
@@ -231,16 +225,3 @@ class LikelihoodModel(OutputPredictions, ABC):
             dtype: The model's floating-point type.
         """
         return y
-
-    @abstractmethod
-    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
-        """Refuse targets that cannot belong to outputs of shape ``output_shape`` (B, C, ...).
-
-        Cheap (no model call): the data loops run it on every batch before any curvature work,
-        with the output shape of the first batch (the batch size is not compared).
-
-        Raises:
-            ValueError: Naming the problem (shape, label range); a :class:`DataError` (also a
-                ``RuntimeError``) for targets of the wrong kind, a :class:`LabelError` (also an
-                ``IndexError``) for a class label outside ``[0, C)``.
-        """

@@ -12,6 +12,7 @@ from typing_extensions import override
 from laplace.errors import DataError, LabelError
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.prediction import ProbabilityPredictions
+from laplace.outputs import PositionTargets
 from laplace.predictive import BERNOULLI_LINKS
 from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood
 
@@ -35,6 +36,7 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
     default_validation_loss = "nll"
     link_approximations = BERNOULLI_LINKS
     predictions = "label probabilities"
+    position_targets = PositionTargets.VALUES
     #: Subset-of-data GP: its output curvature is diagonal, so the GP uses it exactly.
     function_space = (FunctionalApproximation.SOD,)
     hessian_structures = (
@@ -81,7 +83,7 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
 
     @override
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
-        self.check_targets(y, f.shape)
+        self.check_row_targets(y, f.shape)
         return y.reshape(f.shape).to(f.dtype)
 
     @override
@@ -89,7 +91,7 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
         return y.reshape(len(y), -1).to(dtype)
 
     @override
-    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+    def check_row_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
         n_labels = output_shape[-1]
         one_label = n_labels == 1 and y.dim() == 1
         if y.is_complex() or not (one_label or tuple(y.shape[1:]) == tuple(output_shape[1:])):

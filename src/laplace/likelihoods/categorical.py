@@ -13,6 +13,7 @@ from laplace.errors import DataError, LabelError
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.gaussian import GaussianRegression
 from laplace.likelihoods.prediction import ProbabilityPredictions
+from laplace.outputs import PositionTargets
 from laplace.predictive import LINKS, probit_logits
 from laplace.utils.enums import HessianStructure, Likelihood
 from laplace.utils.linalg import softmax_hessian_factor
@@ -28,6 +29,7 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
     default_validation_loss = "nll"
     link_approximations = LINKS
     predictions = "class probabilities"
+    position_targets = PositionTargets.LABELS
 
     @override
     @staticmethod
@@ -96,7 +98,7 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
 
     @override
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
-        self.check_targets(y, f.shape)
+        self.check_row_targets(y, f.shape)
         if y.dtype.is_floating_point and y.shape == f.shape:
             return y
         y = y.reshape(-1)
@@ -108,7 +110,7 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
         return y.long()
 
     @override
-    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+    def check_row_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
         n_classes = output_shape[-1]
         if y.numel() == 0 or (y.dtype.is_floating_point and y.shape[1:] == output_shape[1:]):
             return  # class probabilities
@@ -137,6 +139,7 @@ class RewardModeling(LikelihoodModel):
     pairwise = True
 
     def __init__(self) -> None:
+        super().__init__()
         self._fit = Categorical()
         self._predict = GaussianRegression()
 
@@ -191,5 +194,5 @@ class RewardModeling(LikelihoodModel):
         return self._fit.prepare_targets(f, y)
 
     @override
-    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
-        self._fit.check_targets(y, output_shape)
+    def check_row_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        self._fit.check_row_targets(y, output_shape)

@@ -11,31 +11,10 @@ from typing_extensions import override
 
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.protocol import Likelihood
+from laplace.likelihoods.rows import LossModule
 from laplace.utils.enums import HessianStructure, LinkApprox
 
-__all__ = ["CustomLikelihood", "LossModule"]
-
-
-class LossModule(nn.Module):
-    """A likelihood object's summed negative log-likelihood as a torch loss ``(f, y) → loss``.
-
-    Args:
-        likelihood: The likelihood object.
-        reduction: ``"mean"`` (over data points), ``"sum"`` or ``"none"`` (shape (B,)).
-    """
-
-    def __init__(self, likelihood: LikelihoodModel, reduction: str = "mean") -> None:
-        super().__init__()
-        if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}.")
-        self.likelihood, self.reduction = likelihood, reduction
-
-    def forward(self, f: Tensor, y: Tensor) -> Tensor:
-        """The loss of outputs ``f`` (B, C) and targets ``y``."""
-        loss = self.likelihood.per_sample_loss(f, y)
-        if self.reduction == "mean":
-            return loss.mean()
-        return loss.sum() if self.reduction == "sum" else loss
+__all__ = ["CustomLikelihood"]
 
 
 def _overrides(obj: Likelihood, method: str) -> bool:
@@ -70,6 +49,7 @@ class CustomLikelihood(LikelihoodModel):
                 f"likelihood {type(likelihood).__name__} must implement {' and '.join(missing)} "
                 "(see laplace.likelihoods.Likelihood)."
             )
+        super().__init__()
         self.kind = likelihood
         self.predicts_probabilities = bool(likelihood.predicts_probabilities)
 
@@ -113,7 +93,7 @@ class CustomLikelihood(LikelihoodModel):
         return self.kind.sample(f.detach(), generator)
 
     @override
-    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+    def check_row_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
         self.kind.check_targets(y, output_shape)
 
     @override

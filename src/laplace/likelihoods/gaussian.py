@@ -11,6 +11,7 @@ from typing_extensions import override
 
 from laplace.errors import DataError
 from laplace.likelihoods.base import LikelihoodModel
+from laplace.outputs import PositionTargets
 from laplace.utils.enums import Likelihood
 
 __all__ = ["GaussianRegression"]
@@ -36,6 +37,12 @@ class GaussianRegression(LikelihoodModel):
     has_noise_hyperparameter = True
     loss_scale = 0.5
     supports_joint = True
+    position_targets = PositionTargets.VALUES
+
+    @override
+    def output_count(self, output_shape: Sequence[int], y: Tensor | None = None) -> int:
+        """Every output is an observation: T·C per data point (the normaliser's count)."""
+        return self.layout(output_shape, y).size
 
     @override
     def loss_module(self, reduction: str = "mean") -> nn.Module:
@@ -105,13 +112,13 @@ class GaussianRegression(LikelihoodModel):
 
     @override
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
-        self.check_targets(y, f.shape)
+        self.check_row_targets(y, f.shape)
         if y.shape != f.shape:
             raise ValueError(f"a batch of {len(y)} regression targets for {len(f)} model outputs.")
         return y
 
     @override
-    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+    def check_row_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
         check_real_targets(y, output_shape, "regression")
 
 

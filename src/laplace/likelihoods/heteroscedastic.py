@@ -145,13 +145,13 @@ class HeteroscedasticGaussian(LikelihoodModel):
 
     @override
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
-        self.check_targets(y, f.shape)
+        self.check_row_targets(y, f.shape)
         if len(y) != len(f):
             raise ValueError(f"a batch of {len(y)} regression targets for {len(f)} model outputs.")
         return y
 
     @override
-    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+    def check_row_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
         if output_shape[-1] % 2:
             raise ValueError(
                 "heteroscedastic regression needs model outputs (B, 2C): C means, then C "

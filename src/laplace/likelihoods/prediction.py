@@ -4,6 +4,9 @@
 Gaussian regression predictive as default (the outputs' moments, or their samples);
 :class:`ProbabilityPredictions` those of likelihoods whose predictions are probabilities of a
 link of the outputs (softmax, sigmoid).
+
+Outputs with extra dimensions (see :mod:`laplace.outputs`) are predicted row by row, each
+position an independent observation, and the predictions get the outputs' shape back.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from laplace.outputs import OutputLayout
 from laplace.utils.enums import LinkApprox
 
 __all__ = ["OutputPredictions", "ProbabilityPredictions"]
@@ -31,6 +35,8 @@ class OutputPredictions:
     predictions: str = "predictions"
     #: The likelihood's name, for messages (see ``LikelihoodModel.name``).
     name: str
+    #: The rows of outputs of a shape (``OutputRows.layout`` of the likelihood object).
+    layout: Callable[..., OutputLayout]
 
     def check_prediction(self, link_approx: LinkApprox, joint: bool) -> None:
         """Refuse predictive options that do not apply, before any work.
@@ -63,7 +69,9 @@ class OutputPredictions:
 
         Args:
             moments: ``moments(joint=..., diagonal_output=...)`` → ``(f_mu, f_var)`` at the
-                test inputs (``_glm_predictive_distribution`` of a Laplace approximation).
+                test inputs (``_glm_predictive_distribution`` of a Laplace approximation): the
+                output means in the outputs' shape (B, …) and the covariances (or variances)
+                of their rows (B·T, C, C) (see :mod:`laplace.outputs`).
             joint: Return the joint Gaussian over all test outputs (checked beforehand by
                 :meth:`check_prediction`).
             diagonal_output: Whether the caller asked for variances.
@@ -74,7 +82,21 @@ class OutputPredictions:
         if joint:
             return moments(joint=True)
         f_mu, f_var = moments(diagonal_output=self.diagonal_moments(diagonal_output))
-        return self.glm_predictive(f_mu, f_var, link_approx, n_samples, generator, diagonal_output)
+        layout = self.layout(f_mu.shape)
+        prediction = self.glm_predictive(
+            layout.rows(f_mu), f_var, link_approx, n_samples, generator, diagonal_output
+        )
+        return prediction if layout.plain else self.restore_prediction(prediction, layout)
+
+    def restore_prediction(self, prediction: Any, layout: OutputLayout) -> Any:
+        """Predictions of rows in the outputs' shape (outputs with extra dimensions).
+
+        Gaussian moments by default: the means (B, …) and each output's variance (B, …).
+        """
+        f_mu, f_var = prediction
+        if f_var.dim() == f_mu.dim() + 1:
+            f_var = f_var.diagonal(dim1=-2, dim2=-1)
+        return layout.restore(f_mu), layout.restore(f_var)
 
     def diagonal_moments(self, diagonal_output: bool) -> bool:
         """Whether :meth:`glm_predictive` needs only the output variances (B, C)."""
@@ -104,6 +126,16 @@ class OutputPredictions:
             ``(f_mu, f_var)`` by default (Gaussian regression).
         """
         return f_mu, f_var
+
+    def validation_rows(self, prediction: Any, y: Tensor) -> tuple[Any, Tensor]:
+        """Predictions and targets of a validation batch as the validation metrics take them.
+
+        Gaussian moments by default: means and variances flattened per data point (B, T·C)
+        for outputs with extra dimensions (as given for outputs (B, C)).
+        """
+        if not isinstance(prediction, tuple) or self.layout(prediction[0].shape).plain:
+            return prediction, y
+        return tuple(p.reshape(len(p), -1) for p in prediction), y.reshape(len(y), -1)
 
     def sampled_predictive(self, f: Tensor) -> Any:
         """Predictions from sampled networks' outputs ``f`` (S, B, C) (``pred_type="nn"``).
@@ -153,9 +185,21 @@ class ProbabilityPredictions(OutputPredictions):
         return approximation(f_mu, f_var, n_samples=n_samples, generator=generator)
 
     def sampled_predictive(self, f: Tensor) -> Tensor:
-        """The mean probabilities over sampled outputs (S, B, C), shape (B, C)."""
-        return self.link(f).mean(dim=0)
+        """The mean probabilities over sampled outputs (S, B, …), shape (B, …)."""
+        return self.predictive_sample(f).mean(dim=0)
 
     def predictive_sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """The probabilities of each output sample."""
-        return self.link(f)
+        """The probabilities of each output sample (S, B, …), along the class dimension."""
+        layout = self.layout(f.shape[1:])
+        return layout.restore(self.link(layout.rows(f)))
+
+    def restore_prediction(self, prediction: Tensor, layout: OutputLayout) -> Tensor:
+        """Probabilities of rows (B·T, C) in the outputs' shape."""
+        return layout.restore(prediction)
+
+    def validation_rows(self, prediction: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """Probabilities (B·T, C) and labels of the positions that count (not dropped)."""
+        layout = self.layout(prediction.shape, y)
+        targets, keep = layout.labelled(y)
+        rows = layout.rows(prediction)
+        return (rows, targets) if keep is None else (rows[keep], targets[keep])

@@ -169,6 +169,8 @@ def validate(
         out = laplace(
             X, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples, fitting=True
         )
+        if likelihood is not None:  # positions of outputs with extra dimensions as rows
+            out, y = likelihood.fit_likelihood.validation_rows(out, y)
         n_batches += 1
         if running:
             if isinstance(out, tuple):
