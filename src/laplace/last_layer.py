@@ -13,6 +13,10 @@ form ``Σₙ Jₙᵀ Mₙ Jₙ`` with an output-space matrix ``Mₙ = Σₖ vₙ
 The GLM output covariance ``Jₙ Σ Jₙᵀ`` of a posterior covariance ``Σ`` is likewise
 ``Σ_{c,c'} φₙᵀ Σ_{(c,·),(c',·)} φₙ`` plus bias terms; for a Kronecker posterior it costs one
 rotation of the features. No per-sample autograd and no (B, C, P) Jacobian is involved.
+
+Above :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs, ``Mₙ`` is kept as a
+diagonal plus low rank (a :class:`~laplace.utils.diag_lowrank.DiagLowRankBatch`) and the
+functions here hand over to :mod:`laplace.large_output` (output variances (B, C) only).
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from laplace import large_output
+from laplace.large_output import is_large_output
 from laplace.posteriors import DensePosterior, DiagonalPosterior, KronPosterior
+from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.matrix import Kron
 
 __all__ = [
+    "cat_output_curvatures",
     "diag_curvature",
     "diag_head_variance",
     "full_curvature",
@@ -38,7 +46,9 @@ __all__ = [
 ]
 
 
-def output_curvature(backend: Any, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+def output_curvature(
+    backend: Any, f: Tensor, y: Tensor
+) -> tuple[Tensor, Tensor | DiagLowRankBatch]:
     """Summed batch loss and output-space curvature ``Mₙ = Σₖ vₙₖ vₙₖᵀ`` of a backend.
 
     Args:
@@ -48,10 +58,18 @@ def output_curvature(backend: Any, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor
         y: Targets of the batch.
 
     Returns:
-        The loss (a scalar) and ``M`` of shape (B, C, C).
+        The loss (a scalar) and ``M`` of shape (B, C, C), or above the large-output threshold
+        the backend's ``output_curvatures`` (diagonal plus low rank).
     """
+    if is_large_output(f.shape[-1]):
+        return backend._loss(f, y), backend.output_curvatures(f, y)
     V = torch.stack(list(backend.curvature_columns(f, y)), dim=-1)
     return backend._loss(f, y), V @ V.transpose(1, 2)
+
+
+def cat_output_curvatures(Ms: list[Tensor | DiagLowRankBatch]) -> Tensor | DiagLowRankBatch:
+    """The output curvatures of several batches (of one kind) together."""
+    return DiagLowRankBatch.cat(Ms) if isinstance(Ms[0], DiagLowRankBatch) else torch.cat(Ms)
 
 
 def full_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:
@@ -65,6 +83,8 @@ def full_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:
         M: Output-space curvature, shape (N, C, C).
         bias: Whether the head has a bias.
     """
+    if isinstance(M, DiagLowRankBatch):
+        return large_output.full_curvature(phi, M, bias)
     D, C = phi.shape[1], M.shape[-1]
     n_w = C * D
     H = phi.new_zeros(n_w + (C if bias else 0), n_w + (C if bias else 0))
@@ -94,7 +114,7 @@ def diag_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:
         M: Output-space curvature, shape (N, C, C).
         bias: Whether the head has a bias.
     """
-    m = M.diagonal(dim1=1, dim2=2)
+    m = M.diagonal() if isinstance(M, DiagLowRankBatch) else M.diagonal(dim1=1, dim2=2)
     parts = [(m.T @ phi.square()).flatten()]
     if bias:
         parts.append(m.sum(0))
@@ -112,6 +132,8 @@ def kron_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: floa
         factor: The backend's loss factor ``c``; blocks are ``[G/√c, √c·A/N]`` as in
             :func:`laplace.curvature.kfac.kfac`.
     """
+    if isinstance(M, DiagLowRankBatch):
+        return large_output.kron_curvature(phi, M, bias, n_data, factor)
     G = M.sum(0)
     root = math.sqrt(factor)
     blocks = [[G / root, (phi.T @ phi) * (root / n_data)]]
@@ -131,7 +153,12 @@ def head_jacobians(phi: Tensor, n_out: int, bias: bool) -> Tensor:
 
 
 def full_head_variance(posterior: DensePosterior, phi: Tensor, n_out: int, bias: bool) -> Tensor:
-    """``Jₙ Σ Jₙᵀ`` from the dense posterior covariance ``Σ``: (B, D) → (B, C, C)."""
+    """``Jₙ Σ Jₙᵀ`` from the dense posterior covariance ``Σ``: (B, D) → (B, C, C).
+
+    Above the large-output threshold only the variances (B, C).
+    """
+    if is_large_output(n_out):
+        return large_output.full_head_variance(posterior, phi, n_out, bias)
     D, C = phi.shape[1], n_out
     n_w = C * D
     S = posterior.covariance
@@ -148,13 +175,16 @@ def full_head_variance(posterior: DensePosterior, phi: Tensor, n_out: int, bias:
 def diag_head_variance(
     posterior: DiagonalPosterior, phi: Tensor, n_out: int, bias: bool
 ) -> Tensor:
-    """``Jₙ diag(σ²) Jₙᵀ`` (diagonal in the outputs): (B, D) → (B, C, C)."""
+    """``Jₙ diag(σ²) Jₙᵀ`` (diagonal in the outputs): (B, D) → (B, C, C).
+
+    Above the large-output threshold only the variances (B, C).
+    """
     D = phi.shape[1]
     variance = posterior.variance
     f_var = phi.square() @ variance[: n_out * D].reshape(n_out, D).T
     if bias:
         f_var = f_var + variance[n_out * D :]
-    return torch.diag_embed(f_var)
+    return f_var if is_large_output(n_out) else torch.diag_embed(f_var)
 
 
 def kron_head_variance(posterior: KronPosterior, phi: Tensor, n_out: int, bias: bool) -> Tensor:
@@ -162,7 +192,10 @@ def kron_head_variance(posterior: KronPosterior, phi: Tensor, n_out: int, bias: 
 
     With ``P_W = (Q_G ⊗ Q_A) diag(s) (Q_G ⊗ Q_A)ᵀ`` and ``φ̃ = Q_Aᵀ φ``, the weight part is
     ``Q_G diag(wₙ) Q_Gᵀ`` with ``wₙᵢ = Σⱼ φ̃ₙⱼ² / sᵢⱼ``; the bias adds ``Q_b diag(1/s_b) Q_bᵀ``.
+    Above the large-output threshold only the variances (B, C), through the structured factors.
     """
+    if is_large_output(n_out):
+        return large_output.kron_head_variance(posterior, phi, n_out, bias)
     precision = posterior.precision
     Q_G, Q_A = precision.eigenvectors[0]
     w = (phi @ Q_A).square() @ precision.spectrum(0).reciprocal().T

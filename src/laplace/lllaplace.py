@@ -24,12 +24,17 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from laplace import large_output
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, batch_size_of, check_outputs, move_inputs, split_batch
+from laplace.errors import check_positive_int
 from laplace.functional import FunctionalLLLaplace
+from laplace.glm import jacobian_chunk_rows
 from laplace.kronlaplace import KronLaplace
+from laplace.large_output import OUTPUT_FACTOR_RANK, is_large_output, large_output_structure
 from laplace.last_layer import (
+    cat_output_curvatures,
     diag_curvature,
     diag_head_variance,
     full_curvature,
@@ -40,6 +45,7 @@ from laplace.last_layer import (
     output_curvature,
 )
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
+from laplace.posteriors import Posterior
 from laplace.serialization import check_state_dict
 from laplace.subsets import LastLayerMixin
 from laplace.utils.enums import Likelihood
@@ -105,6 +111,8 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
     _abstract = "use FullLLLaplace, KronLLLaplace or DiagLLLaplace."
     #: The backend route the closed-form curvature replaces (``"full"``, ``"diag"``, ``"kron"``).
     _backend_route: str
+    #: Rank kept of a structured output factor above the large-output threshold (kron only).
+    output_factor_rank: int | None = None
 
     def __init__(
         self,
@@ -150,11 +158,23 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         self._on_resolved()
 
     def _on_resolved(self) -> None:
-        """Bind the found layer and check the hyperparameters given before it was known."""
+        """Bind the found layer and check the hyperparameters given before it was known.
+
+        The number of outputs is then known, and with it the structure (see
+        :mod:`laplace.large_output`).
+        """
         self._bind_subset()
         self.prior_precision = self.prior_precision
         self.prior_mean = self.prior_mean
+        self.sigma_noise = self.sigma_noise
         self._init_state()
+
+    def _own_structure(self) -> type[Posterior]:
+        structure = super()._own_structure()
+        if not self._subset.resolved:
+            return structure
+        n_out = self._subset.layer.out_features
+        return large_output_structure(structure, n_out, self.output_factor_rank)
 
     # ---------------------------------------------------------------------------- curvature
     def _uses_closed_form(self) -> bool:
@@ -165,7 +185,7 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         backend = type(self.backend)
         route = self._backend_route
         return (
-            self._posterior_cls is type(self)._posterior_cls
+            self._posterior_cls is self._own_structure()
             and getattr(backend, route) is getattr(CurvatureInterface, route)
             and backend.curvature_columns is not CurvatureInterface.curvature_columns
             and not getattr(self.backend, "stochastic", False)
@@ -200,11 +220,14 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
             if buffered >= BUFFER_ELEMENTS:
                 yield (
                     loss,
-                    self._head_curvature(torch.cat(phis), torch.cat(Ms), bias, n_data, factor),
+                    self._head_curvature(
+                        torch.cat(phis), cat_output_curvatures(Ms), bias, n_data, factor
+                    ),
                 )
                 phis, Ms, loss, buffered = [], [], 0.0, 0
         if phis:
-            yield loss, self._head_curvature(torch.cat(phis), torch.cat(Ms), bias, n_data, factor)
+            M = cat_output_curvatures(Ms)
+            yield loss, self._head_curvature(torch.cat(phis), M, bias, n_data, factor)
 
     @staticmethod
     def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Any:
@@ -214,11 +237,27 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
     # --------------------------------------------------------------------------- predictive
     @staticmethod
     def _head_variance(posterior: Any, phi: Tensor, n_out: int, bias: bool) -> Tensor:
-        """Closed-form ``Jₙ P⁻¹ Jₙᵀ`` (B, C, C) of the head from features (B, D)."""
+        """Closed-form ``Jₙ P⁻¹ Jₙᵀ`` (B, C, C) of the head from features (B, D).
+
+        Above the large-output threshold only the variances (B, C).
+        """
         raise NotImplementedError
 
+    def _output_variances_only(self) -> str | None:
+        if not is_large_output(self.n_outputs):
+            return None
+        return (
+            f"the model has C={self.n_outputs} outputs, more than LARGE_OUTPUT_THRESHOLD="
+            f"{large_output.LARGE_OUTPUT_THRESHOLD}, so the last-layer GLM predictive computes "
+            "only output variances (B, C), no (B, C, C) covariance"
+        )
+
     def _chunk_rows(self) -> int:
-        # The closed forms hold about C·P numbers per test point, like a Jacobian row.
+        # The closed forms hold about C·P numbers per test point, like a Jacobian row; with
+        # output variances only about C·(D + 1).
+        if self._output_variances_only():
+            n_in = self._subset.layer.in_features
+            return jacobian_chunk_rows(self.n_outputs, n_in + 1, self._dtype)
         return ParametricLaplace._chunk_rows(self)
 
     def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
@@ -252,7 +291,7 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         """
         self._check_fitted("functional_variance_fast")
         f_mu, f_var = self._functional_moments(move_inputs(X, self._device))
-        return f_mu, f_var.diagonal(dim1=-2, dim2=-1)
+        return f_mu, f_var if f_var.dim() == 2 else f_var.diagonal(dim1=-2, dim2=-1)
 
     # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -307,9 +346,25 @@ class DiagLLLaplace(LLLaplace, DiagLaplace):
 class KronLLLaplace(LLLaplace, KronLaplace):
     """Last-layer Laplace with a Kronecker-factored (KFAC) curvature of the head.
 
+    Above :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs (LLM vocabularies) the
+    output-side factor ``G = Σₙ Λₙ`` of the weight and bias blocks is never a dense C × C
+    matrix: it is kept as a diagonal plus a low-rank term (for a softmax exactly
+    ``diag(Σ p) − P Pᵀ``), whose low-rank part keeps at most ``output_factor_rank`` columns,
+    the top singular directions of ``P``. While the data give no more rank than that it is
+    exact; beyond, ``G`` is over-estimated by a positive semi-definite part of trace
+    ``H_facs.kfacs[0][0].dropped``. Marginal likelihood, GLM variances and samples are computed
+    through that structure, and the GLM predictive gives output variances only (see
+    :mod:`laplace.large_output`).
+
     Args:
-        damping: Mix the prior into each Kronecker factor (see :class:`KronLaplace`). The
-            other arguments are those of :class:`LLLaplace`.
+        damping: Mix the prior into each Kronecker factor (see :class:`KronLaplace`).
+        output_factor_rank: Largest rank of the low-rank term of the output factor above the
+            large-output threshold (default :data:`~laplace.large_output.OUTPUT_FACTOR_RANK`);
+            a marginal-likelihood step costs O(D·C·k²) for D features, C outputs, rank k.
+            The other arguments are those of :class:`LLLaplace`.
+
+    Raises:
+        ValueError: For an ``output_factor_rank`` that is not a positive integer.
     """
 
     _backend_route = "kron"
@@ -331,8 +386,10 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         damping: bool = False,
         backend_kwargs: dict[str, Any] | None = None,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
+        output_factor_rank: int = OUTPUT_FACTOR_RANK,
     ) -> None:
         self.damping = damping
+        self.output_factor_rank = check_positive_int(output_factor_rank, "output_factor_rank")
         LLLaplace.__init__(self, **arguments_for(LLLaplace.__init__, locals()))
 
     @staticmethod

@@ -1,0 +1,357 @@
+r"""Kronecker factors whose output factor is diagonal plus low rank (many outputs).
+
+A weight block ``G ⊗ A`` with ``G = diag(d) + s·U Uᵀ`` (C × C, a
+:class:`~laplace.utils.diag_lowrank.DiagLowRank`, never dense) and a dense input
+factor ``A = Q_A diag(a) Q_Aᵀ`` (D × D): rotating the weight matrix ``W`` (C × D) to
+``W̃ = W Q_A`` makes the posterior precision ``h·(G ⊗ A) + δ I`` block-diagonal over the input
+eigenvalues, one C × C block per ``aⱼ``,
+
+.. math::
+    P_j = h a_j G + \delta I = \operatorname{diag}(e_j) + s \beta_j U U^\top,
+    \qquad e_j = h a_j d + \delta,\ \beta_j = h a_j
+
+(with ``damping=True``: ``P_j = (√h aⱼ + √δ)(√h G + √δ I)``, again of that form). With the
+k × k matrices ``Kⱼ = Uᵀ diag(1/eⱼ) U`` and ``Mⱼ = I + s βⱼ Kⱼ`` (positive definite whenever
+``Pⱼ`` is), every posterior quantity is exact and costs O(D·C·k²) at most:
+
+- ``log det P = Σⱼ (Σ_c log e_jc + log det Mⱼ)`` (matrix determinant lemma per ``aⱼ``);
+- ``Pⱼ⁻¹ = Eⱼ⁻¹ − s βⱼ Eⱼ⁻¹ U Mⱼ⁻¹ Uᵀ Eⱼ⁻¹`` (Woodbury), its diagonal from ``Mⱼ⁻¹``;
+- a square root ``Rⱼ = Eⱼ^{-½} (I + s βⱼ Vⱼ Vⱼᵀ)^{-½}``, ``Vⱼ = Eⱼ^{-½} U``, with
+  ``Rⱼ Rⱼᵀ = Pⱼ⁻¹``, from the eigen-decomposition of ``Kⱼ = VⱼᵀVⱼ`` (for sampling; it is not the
+  symmetric root).
+
+A bias block is ``γ G + δ I``, the case of one input eigenvalue 1. Blocks whose factors are all
+dense are handled exactly as :class:`~laplace.utils.matrix.KronDecomposed` does.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from laplace.errors import is_real_scalar
+from laplace.utils.diag_lowrank import DiagLowRank
+from laplace.utils.matrix import Kron, KronDecomposed
+
+__all__ = ["StructuredKron", "StructuredKronDecomposed"]
+
+
+def _dense(F: Tensor | DiagLowRank) -> Tensor:
+    return F.to_dense() if isinstance(F, DiagLowRank) else F
+
+
+class StructuredKron(Kron):
+    """A :class:`~laplace.utils.matrix.Kron` some of whose output factors are ``DiagLowRank``.
+
+    Sums, scaling, ``bmm``, ``logdet`` and ``diag`` work as for ``Kron`` (the structured factor
+    supports them); :meth:`decompose` keeps the structured factors and eigen-decomposes only
+    the others.
+    """
+
+    def decompose(self, damping: bool = False, deferred: bool = False) -> StructuredKronDecomposed:
+        """Eigen-decompose the dense factors; keep the structured ones.
+
+        Args:
+            damping: See :class:`~laplace.utils.matrix.KronDecomposed`.
+            deferred: Ignored: the dense factors left are input factors (D × D), cheap to
+                decompose at once.
+        """
+        blocks: list[_Structured | tuple[list[Tensor], list[Tensor]]] = []
+        for F in self.kfacs:
+            if isinstance(F[0], DiagLowRank):
+                eigen = Kron([F[1:]]).decompose() if len(F) == 2 else None
+                blocks.append(
+                    _Structured(
+                        F[0],
+                        None if eigen is None else eigen.eigenvectors[0][0],
+                        None if eigen is None else eigen.eigenvalues[0][0],
+                    )
+                )
+            else:
+                eigen = Kron([F]).decompose()
+                blocks.append((eigen.eigenvectors[0], eigen.eigenvalues[0]))
+        return StructuredKronDecomposed(blocks, damping=damping)
+
+    def to_matrix(self) -> Tensor:
+        """Dense (P, P) matrix; for tests and small models only."""
+        return Kron([[_dense(F) for F in block] for block in self.kfacs]).to_matrix()
+
+
+class _Structured(NamedTuple):
+    """A block ``G ⊗ A`` (or ``G`` alone: ``Q`` and ``a`` None) with a structured ``G``."""
+
+    G: DiagLowRank
+    Q: Tensor | None
+    a: Tensor | None
+
+
+class StructuredKronDecomposed(KronDecomposed):
+    """Block-diagonal Kronecker posterior precision with structured output factors.
+
+    The interface of :class:`~laplace.utils.matrix.KronDecomposed` (``+`` deltas, ``*`` a
+    scalar, ``logdet``, ``bmm``, ``inv_square_form``, ``diag``, ``to_matrix``), computed as the
+    module docstring describes. ``bmm(W, exponent=-0.5)`` applies a square root ``R`` with
+    ``R Rᵀ = P⁻¹`` (not the symmetric one) to structured blocks; exponents other than 1, -1
+    and -0.5 are refused for them.
+
+    Args:
+        blocks: Per block a structured block, or ``(eigenvectors, eigenvalues)`` of a dense one.
+        deltas: See :class:`~laplace.utils.matrix.KronDecomposed`.
+        damping: See :class:`~laplace.utils.matrix.KronDecomposed`.
+        scales: Per block the scalars multiplying its factors (all 1 by default).
+    """
+
+    def __init__(
+        self,
+        blocks: list,
+        deltas: Tensor | None = None,
+        damping: bool = False,
+        scales: list[list[Tensor]] | None = None,
+    ) -> None:
+        self._pending = None
+        self.blocks, self.damping = blocks, damping
+        reference = next(b.G.diag if isinstance(b, _Structured) else b[0][0] for b in blocks)
+        self._init_deltas(len(blocks), reference, deltas)
+        one = torch.ones((), dtype=reference.dtype, device=reference.device)
+        self.scales = scales or [[one] * self._n_factors(b) for b in blocks]
+        self._cache: dict[tuple[str, int], tuple[Tensor, ...]] = {}
+
+    @staticmethod
+    def _n_factors(block) -> int:
+        return (1 if block.a is None else 2) if isinstance(block, _Structured) else len(block[0])
+
+    # ---------------------------------------------------------------------- construction
+    @property
+    def eigenvectors(self) -> list[list[Tensor]]:
+        """Not available: a structured factor is not eigen-decomposed.
+
+        Raises:
+            ValueError: Always.
+        """
+        raise ValueError(
+            "a Kronecker precision with a structured (diagonal-plus-low-rank) output factor has "
+            "no eigenvectors; use its logdet, bmm, inv_square_form and diag."
+        )
+
+    eigenvalues = eigenvectors
+
+    def block_sizes(self) -> list[int]:
+        """Number of parameters of each block."""
+        sizes = []
+        for b in self.blocks:
+            if isinstance(b, _Structured):
+                sizes.append(len(b.G) * (1 if b.a is None else len(b.a)))
+            else:
+                sizes.append(int(torch.tensor([len(Q) for Q in b[0]]).prod()))
+        return sizes
+
+    def __add__(self, deltas: Tensor) -> StructuredKronDecomposed:
+        """Add a scalar or one scalar per block to the blocks."""
+        self._check_deltas(deltas)
+        return StructuredKronDecomposed(
+            self.blocks, self.deltas + deltas.reshape(-1), self.damping, self.scales
+        )
+
+    def __mul__(self, scalar: float | Tensor) -> StructuredKronDecomposed:
+        """Scale every block by ``scalar`` (each of its ``k`` factors by ``scalar^(1/k)``)."""
+        if not is_real_scalar(scalar):
+            raise ValueError("KronDecomposed can only be multiplied by a scalar.")
+        scalar = torch.as_tensor(scalar, dtype=self.deltas.dtype, device=self.deltas.device)
+        scalar = scalar.reshape(())
+        scales = [[s * scalar ** (1 / len(ss)) for s in ss] for ss in self.scales]
+        return StructuredKronDecomposed(self.blocks, self.deltas, self.damping, scales)
+
+    __radd__ = __add__
+    __rmul__ = __mul__
+
+    def detach(self) -> StructuredKronDecomposed:
+        """Detach the deltas and scales in place (the factors are never part of a graph)."""
+        self.deltas = self.deltas.detach()
+        self.scales = [[s.detach() for s in ss] for ss in self.scales]
+        self._cache.clear()
+        return self
+
+    def _dense_block(self, i: int) -> KronDecomposed:
+        """Block ``i`` (dense factors) as a one-block ``KronDecomposed``."""
+        Qs, ls = self.blocks[i]
+        ls = [s * li for s, li in zip(self.scales[i], ls)]
+        return KronDecomposed([Qs], [ls], self.deltas[i : i + 1], self.damping)
+
+    def spectrum(self, i: int) -> Tensor:
+        """Eigenvalues of a dense block ``i`` with its delta.
+
+        Raises:
+            ValueError: For a block with a structured factor.
+        """
+        if isinstance(self.blocks[i], _Structured):
+            raise ValueError(f"block {i} has a structured output factor and no spectrum.")
+        return self._dense_block(i).spectrum(0)
+
+    # ------------------------------------------------------------- per input eigenvalue
+    def _coefficients(self, i: int) -> tuple[Tensor, Tensor]:
+        """``E`` (m, C) and ``β`` (m,) with the rotated block ``j`` = ``diag(Eⱼ) + s βⱼ UUᵀ``."""
+        cached = self._cache.get(("coefficients", i))
+        if cached is not None:
+            return cached
+        block, delta = self.blocks[i], self.deltas[i]
+        d = block.G.diag
+        if block.a is None:
+            (gamma,) = self.scales[i]
+            E, beta = (gamma * d + delta).unsqueeze(0), gamma.reshape(1)
+        elif self.damping:
+            gamma, alpha = self.scales[i]
+            root = delta.sqrt()
+            c = alpha * block.a + root
+            E, beta = c.unsqueeze(1) * (gamma * d + root), c * gamma
+        else:
+            gamma, alpha = self.scales[i]
+            t = gamma * alpha * block.a
+            E, beta = t.unsqueeze(1) * d + delta, t
+        self._cache["coefficients", i] = (E, beta)
+        return E, beta
+
+    def _inner(self, i: int) -> tuple[Tensor, Tensor]:
+        """``Kⱼ = Uᵀ diag(1/eⱼ) U`` and the Cholesky factors of ``Mⱼ = I + s βⱼ Kⱼ`` (m, k, k)."""
+        cached = self._cache.get(("inner", i))
+        if cached is not None:
+            return cached
+        G = self.blocks[i].G
+        E, beta = self._coefficients(i)
+        K = G.weighted_grams(E.reciprocal())
+        eye = torch.eye(G.rank, dtype=K.dtype, device=K.device)
+        L, _ = torch.linalg.cholesky_ex(eye + G.sign * beta[:, None, None] * K)
+        self._cache["inner", i] = (K, L)
+        return K, L
+
+    def _rotate(self, i: int, flat: Tensor) -> Tensor:
+        """A block's rows (R, p) in the input eigenbasis, (R, C, m)."""
+        Q = self.blocks[i].Q
+        X = flat.reshape(flat.shape[0], len(self.blocks[i].G), -1)
+        return X if Q is None else X @ Q
+
+    def _rotate_back(self, i: int, X: Tensor) -> Tensor:
+        Q = self.blocks[i].Q
+        return (X if Q is None else X @ Q.T).flatten(1)
+
+    def _apply(self, i: int, X: Tensor, exponent: float) -> Tensor:
+        """``Pⱼ^exponent`` (a root ``Rⱼ`` for -½) on each column j of ``X`` (R, C, m)."""
+        G = self.blocks[i].G
+        E, beta = self._coefficients(i)
+        E, U, s = E.T, G.U, G.sign
+        if exponent == 1:
+            T = torch.einsum("ck,rcm->rkm", U, X) * beta
+            return X * E + s * torch.einsum("ck,rkm->rcm", U, T)
+        if exponent == -1:
+            X = X / E
+            _, L = self._inner(i)
+            T = torch.einsum("ck,rcm->mkr", U, X)
+            T = torch.cholesky_solve(T, L).permute(2, 1, 0) * beta
+            return X - s * torch.einsum("ck,rkm->rcm", U, T) / E
+        if exponent == -0.5:
+            X = X / E.sqrt()
+            values, vectors = self._root_factors(i)
+            T = torch.einsum("ck,rcm->rmk", U, X)
+            T = torch.einsum("mkl,rmk->rml", vectors, T) * values
+            T = torch.einsum("mkl,rml->rkm", vectors, T)
+            return X + torch.einsum("ck,rkm->rcm", U, T) / E
+        raise ValueError(
+            f"a block with a structured output factor supports exponent 1, -1 or -0.5, got "
+            f"{exponent}."
+        )
+
+    def _root_factors(self, i: int) -> tuple[Tensor, Tensor]:
+        """Eigenvectors ``X`` of ``Kⱼ = X diag(λ) Xᵀ`` and ``g(λ) = ((1 + sβλ)^{-½} − 1)/λ``."""
+        cached = self._cache.get(("root", i))
+        if cached is not None:
+            return cached
+        K, _ = self._inner(i)
+        _, beta = self._coefficients(i)
+        values, vectors = torch.linalg.eigh(K)
+        values = values.clamp_min(0)
+        scaled = self.blocks[i].G.sign * beta.unsqueeze(1)
+        change = torch.expm1(-0.5 * torch.log1p(scaled * values))
+        tiny = torch.finfo(K.dtype).tiny
+        g = torch.where(values > 0, change / values.clamp_min(tiny), -scaled / 2)
+        self._cache["root", i] = (g, vectors)
+        return g, vectors
+
+    def rotated_inverse_diagonal(self, i: int) -> tuple[Tensor, Tensor | None]:
+        """``diag(Pⱼ⁻¹)`` for every input eigenvalue j of structured block ``i``.
+
+        Returns:
+            The diagonals (m, C) and the input eigenvectors ``Q_A`` (D, D) (None for a block of
+            one factor): ``diag(P⁻¹)`` at ``(c, d)`` is ``Σⱼ Q_A[d, j]² diag(Pⱼ⁻¹)[c]``.
+        """
+        cached = self._cache.get(("inverse diagonal", i))
+        if cached is None:
+            G = self.blocks[i].G
+            E, beta = self._coefficients(i)
+            _, L = self._inner(i)
+            quadratic = G.quadratic_diagonals(torch.cholesky_inverse(L))
+            cached = (E.reciprocal() - G.sign * beta[:, None] * quadratic / E.square(),)
+            self._cache["inverse diagonal", i] = cached
+        return cached[0], self.blocks[i].Q
+
+    # ------------------------------------------------------------------------- queries
+    def logdet(self) -> Tensor:
+        """``log det`` of the whole matrix, deltas included."""
+        total = 0
+        for i, block in enumerate(self.blocks):
+            if isinstance(block, _Structured):
+                E, _ = self._coefficients(i)
+                _, L = self._inner(i)
+                total = total + E.log().sum() + 2 * L.diagonal(dim1=-2, dim2=-1).log().sum()
+            else:
+                total = total + self._dense_block(i).logdet()
+        return total
+
+    def bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
+        """``M^exponent W`` per row of ``W`` (shape (P,), (B, P) or (B, K, P); same shape out)."""
+        if W.ndim not in (1, 2, 3):
+            raise ValueError(f"W must have shape (P,), (B, P) or (B, K, P), got {tuple(W.shape)}.")
+        flat = W.reshape(-1, W.shape[-1])
+        out, start = [], 0
+        for i, size in enumerate(self.block_sizes()):
+            segment = flat[:, start : start + size]
+            if isinstance(self.blocks[i], _Structured):
+                X = self._apply(i, self._rotate(i, segment), exponent)
+                out.append(self._rotate_back(i, X))
+            else:
+                out.append(self._dense_block(i).bmm(segment, exponent))
+            start += size
+        return torch.cat(out, dim=1).reshape(W.shape)
+
+    def inv_square_form(self, W: Tensor) -> Tensor:
+        """``W M⁻¹ Wᵀ`` per batch entry: ``W`` (B, K, P) → (B, K, K)."""
+        if W.ndim != 3:
+            raise ValueError(f"inv_square_form needs W of shape (B, K, P), got {tuple(W.shape)}.")
+        return W @ self.bmm(W, exponent=-1).mT
+
+    def diag(self, exponent: float = 1) -> Tensor:
+        """Diagonal of ``M^exponent`` (exponent 1 or -1 for structured blocks), shape (P,)."""
+        diags = []
+        for i, block in enumerate(self.blocks):
+            if not isinstance(block, _Structured):
+                diags.append(self._dense_block(i).diag(exponent))
+                continue
+            if exponent == -1:
+                rotated, Q = self.rotated_inverse_diagonal(i)
+            elif exponent == 1:
+                E, beta = self._coefficients(i)
+                row_norms = block.G.U.square().sum(1)
+                rotated, Q = E + block.G.sign * beta[:, None] * row_norms, block.Q
+            else:
+                raise ValueError(
+                    f"the diagonal of a structured block supports exponent 1 or -1, got "
+                    f"{exponent}."
+                )
+            diags.append((rotated.T if Q is None else rotated.T @ Q.square().T).flatten())
+        return torch.cat(diags)
+
+    def to_matrix(self, exponent: float = 1) -> Tensor:
+        """Dense ``M^exponent`` (a root for -0.5), (P, P); for tests and small models only."""
+        size = sum(self.block_sizes())
+        eye = torch.eye(size, dtype=self.deltas.dtype, device=self.deltas.device)
+        return self.bmm(eye, exponent).T
