@@ -17,6 +17,7 @@ from laplace.data import Inputs
 from laplace.kron_glm import kron_functional_moments
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors import KronPosterior
+from laplace.utils.diag_lowrank import factor_from_state, factor_shape, factor_state
 from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron, KronDecomposed
 
@@ -146,7 +147,7 @@ class KronLaplace(ParametricLaplace):
     @staticmethod
     def _rescale_inputs(H: Kron, scale: float) -> Kron:
         """Copy of ``H`` with the input factor of every weight block scaled by ``scale``."""
-        return Kron([[F[0], F[1] * scale] if len(F) == 2 else list(F) for F in H.kfacs])
+        return type(H)([[F[0], F[1] * scale] if len(F) == 2 else list(F) for F in H.kfacs])
 
     @property
     def posterior_precision(self) -> KronDecomposed:
@@ -172,22 +173,25 @@ class KronLaplace(ParametricLaplace):
     # ----------------------------------------------------------------------------- state
     def _curvature_state(self) -> list[list[Tensor]]:
         factors = self.H_facs if self.H_facs is not None else self.H
-        return [[F.detach() for F in block] for block in factors.kfacs]
+        return [[factor_state(F) for F in block] for block in factors.kfacs]
 
     def _load_curvature_state(self, state: Any) -> KronDecomposed:
         zeros = self._posterior_cls.zeros(self.params)
         shapes = [[tuple(F.shape) for F in block] for block in zeros.kfacs]
         if not isinstance(state, list) or not all(
-            isinstance(block, list) and all(isinstance(F, Tensor) for F in block)
+            isinstance(block, list) and all(isinstance(F, Tensor | dict) for F in block)
             for block in state
         ):
             raise ValueError("state_dict['H'] must be a list of lists of Kronecker factors.")
-        found = [[tuple(F.shape) for F in block] for block in state]
+        found = [[factor_shape(F) for F in block] for block in state]
         if found != shapes:
             raise ValueError(
                 f"state_dict['H'] has Kronecker factors of shapes {found}, expected {shapes}."
             )
         self.H_facs = type(zeros)(
-            [[F.to(device=self._device, dtype=self._dtype) for F in block] for block in state]
+            [
+                [factor_from_state(F, like) for F, like in zip(block, zero_block)]
+                for block, zero_block in zip(state, zeros.kfacs)
+            ]
         )
         return self.H_facs.decompose(damping=self.damping)

@@ -35,7 +35,13 @@ from torch import Tensor
 
 from laplace.errors import is_real_scalar
 
-__all__ = ["DiagLowRank", "DiagLowRankBatch"]
+__all__ = [
+    "DiagLowRank",
+    "DiagLowRankBatch",
+    "factor_from_state",
+    "factor_shape",
+    "factor_state",
+]
 
 
 def _check_sign(sign: int) -> int:
@@ -310,11 +316,11 @@ class DiagLowRank:
         )
 
     def state(self) -> dict[str, Tensor]:
-        """Plain tensors for a ``state_dict`` (``torch.load(weights_only=True)`` reads them)."""
+        """Floating-point tensors for a ``state_dict`` (``torch.load(weights_only=True)``)."""
         return {
             "diag": self.diag.detach(),
             "U": self.U.detach(),
-            "sign": torch.tensor(self.sign),
+            "sign": torch.tensor(float(self.sign), dtype=self.dtype),
             "dropped": self.dropped.detach(),
         }
 
@@ -329,3 +335,35 @@ class DiagLowRank:
         if missing:
             raise ValueError(f"a DiagLowRank state needs the entries {sorted(missing)}.")
         return cls(state["diag"], state["U"], int(state["sign"]), max_rank, state["dropped"])
+
+
+def factor_state(F: Tensor | DiagLowRank) -> Tensor | dict[str, Tensor]:
+    """A Kronecker factor as plain tensors for a ``state_dict``."""
+    return F.state() if isinstance(F, DiagLowRank) else F.detach()
+
+
+def factor_shape(state: Tensor | dict[str, Tensor]) -> tuple[int, ...]:
+    """The shape of the factor a :func:`factor_state` entry stands for."""
+    if isinstance(state, dict):
+        return (len(state.get("diag", ())),) * 2
+    return tuple(state.shape)
+
+
+def factor_from_state(
+    state: Tensor | dict[str, Tensor], like: Tensor | DiagLowRank
+) -> Tensor | DiagLowRank:
+    """The factor saved by :func:`factor_state`, of the same kind as ``like``.
+
+    Raises:
+        ValueError: If ``state`` is of another kind than ``like`` (a structured factor saved
+            for a dense one or the reverse).
+    """
+    if isinstance(like, DiagLowRank) and isinstance(state, dict):
+        return DiagLowRank.from_state(state, like.max_rank).to(like.device, like.dtype)
+    if isinstance(like, Tensor) and isinstance(state, Tensor):
+        return state.to(like.device, like.dtype)
+    kinds = {True: "a diagonal-plus-low-rank factor (a dict)", False: "a dense factor (a tensor)"}
+    raise ValueError(
+        f"state_dict['H'] holds {kinds[isinstance(state, dict)]} where this approximation keeps "
+        f"{kinds[isinstance(like, DiagLowRank)]} (see laplace.large_output)."
+    )
