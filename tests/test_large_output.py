@@ -22,7 +22,12 @@ from laplace.errors import TooLargeError
 from laplace.likelihoods import make_likelihood
 from laplace.likelihoods.categorical import Categorical
 from laplace.predictive import laplace_bridge
-from laplace.utils.diag_lowrank import DiagLowRank, DiagLowRankBatch
+from laplace.utils.diag_lowrank import (
+    DiagLowRank,
+    DiagLowRankBatch,
+    factor_from_state,
+    factor_state,
+)
 from laplace.utils.matrix import Kron
 from laplace.utils.structured_kron import StructuredKron, StructuredKronDecomposed
 
@@ -127,11 +132,12 @@ def test_sums_accumulate_in_place_and_bound_the_rank():
 
 def test_state_round_trip_keeps_the_factor():
     G = softmax_batch().sum(max_rank=2)
-    again = DiagLowRank.from_state(G.state(), max_rank=2)
+    like = DiagLowRank.zeros(len(G), max_rank=2, dtype=torch.float64)
+    again = factor_from_state(factor_state(G), like)
     assert_close(again.to_dense(), G.to_dense())
     assert_close(again.dropped, G.dropped)
-    with pytest.raises(ValueError, match="entries"):
-        DiagLowRank.from_state({"diag": G.diag})
+    with pytest.raises(ValueError, match="lacks the entries"):
+        factor_from_state({"diag": G.diag}, like)
 
 
 # ------------------------------------------------------------ the structured Kronecker posterior

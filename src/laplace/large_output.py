@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from laplace.curvature import CurvatureInterface, GGNInterface
+from laplace.likelihoods import LikelihoodModel
 from laplace.posteriors import DensePosterior, KronPosterior, Posterior
 from laplace.posteriors.structured_kron import structured_kron_posterior
 from laplace.utils.diag_lowrank import DiagLowRankBatch
@@ -48,6 +50,8 @@ __all__ = [
     "kron_curvature",
     "kron_head_variance",
     "large_output_structure",
+    "output_curvatures",
+    "variances_only_reason",
 ]
 
 #: Number of outputs C above which last-layer curvatures are kept diagonal plus low rank and the
@@ -67,6 +71,17 @@ def is_large_output(n_outputs: int) -> bool:
     return n_outputs > LARGE_OUTPUT_THRESHOLD
 
 
+def variances_only_reason(n_outputs: int) -> str | None:
+    """Why a last layer's GLM predictive gives only output variances; None at or below."""
+    if not is_large_output(n_outputs):
+        return None
+    return (
+        f"the model has C={n_outputs} outputs, more than LARGE_OUTPUT_THRESHOLD="
+        f"{LARGE_OUTPUT_THRESHOLD}, so the last-layer GLM predictive computes only output "
+        "variances (B, C), no (B, C, C) covariance"
+    )
+
+
 def large_output_structure(
     structure: type[Posterior], n_outputs: int, rank: int | None
 ) -> type[Posterior]:
@@ -78,6 +93,28 @@ def large_output_structure(
     if is_large_output(n_outputs) and structure is KronPosterior:
         return structured_kron_posterior(rank)
     return structure
+
+
+def output_curvatures(
+    backend: CurvatureInterface, likelihood: LikelihoodModel, f: Tensor, y: Tensor
+) -> DiagLowRankBatch:
+    """A backend's per-point output curvatures ``Mₙ`` as ``diag(dₙ) + s·Vₙ Vₙᵀ``.
+
+    The exact GGN takes the likelihood's own form (:meth:`LikelihoodModel.
+    structured_output_hessian`: ``(p, p, −1)`` for a softmax, O(C) per point instead of C − 1
+    columns of C); other curvatures (empirical Fisher, Monte-Carlo GGN) are their few output
+    columns ``vₖ`` (``d = 0``, ``s = +1``).
+
+    Args:
+        backend: A GGN or EF backend with the native curvature routes.
+        likelihood: The likelihood the backend fits (``fit_likelihood``).
+        f: Detached outputs of the batch, shape (B, C).
+        y: Targets of the batch.
+    """
+    if isinstance(backend, GGNInterface) and not backend.stochastic:
+        return likelihood.structured_output_hessian(f)
+    V = torch.stack(list(backend.curvature_columns(f, y)), dim=-1)
+    return DiagLowRankBatch(V.new_zeros(V.shape[:2]), V, 1)
 
 
 def full_curvature(phi: Tensor, M: DiagLowRankBatch, bias: bool) -> Tensor:
@@ -117,14 +154,19 @@ def full_curvature(phi: Tensor, M: DiagLowRankBatch, bias: bool) -> Tensor:
 
 
 def kron_curvature(
-    phi: Tensor, M: DiagLowRankBatch, bias: bool, n_data: int, factor: float
+    phi: Tensor,
+    M: DiagLowRankBatch,
+    bias: bool,
+    n_data: int,
+    factor: float,
+    max_rank: int | None = None,
 ) -> StructuredKron:
     """KFAC blocks of a linear head with structured output factors ``G = Σₙ Mₙ``.
 
-    Arguments as :func:`laplace.last_layer.kron_curvature`; ``G`` is not truncated here (the
-    accumulator it is added to keeps its rank bounded).
+    Arguments as :func:`laplace.last_layer.kron_curvature`; ``G`` keeps at most ``max_rank``
+    low-rank columns (truncated once for the weight and the bias block).
     """
-    G = M.sum()
+    G = M.sum(max_rank)
     root = factor**0.5
     blocks = [[G / root, (phi.T @ phi) * (root / n_data)]]
     if bias:

@@ -47,7 +47,7 @@ __all__ = [
 
 
 def output_curvature(
-    backend: Any, f: Tensor, y: Tensor
+    backend: Any, f: Tensor, y: Tensor, likelihood: Any
 ) -> tuple[Tensor, Tensor | DiagLowRankBatch]:
     """Summed batch loss and output-space curvature ``Mₙ = Σₖ vₙₖ vₙₖᵀ`` of a backend.
 
@@ -56,13 +56,15 @@ def output_curvature(
             ``vₖ`` (``curvature_columns``) define the curvature.
         f: Detached outputs, shape (B, C).
         y: Targets of the batch.
+        likelihood: The likelihood the backend fits (its structured output Hessian serves
+            above the large-output threshold).
 
     Returns:
         The loss (a scalar) and ``M`` of shape (B, C, C), or above the large-output threshold
-        the backend's ``output_curvatures`` (diagonal plus low rank).
+        a diagonal plus low rank (:func:`laplace.large_output.output_curvatures`).
     """
     if is_large_output(f.shape[-1]):
-        return backend._loss(f, y), backend.output_curvatures(f, y)
+        return backend._loss(f, y), large_output.output_curvatures(backend, likelihood, f, y)
     V = torch.stack(list(backend.curvature_columns(f, y)), dim=-1)
     return backend._loss(f, y), V @ V.transpose(1, 2)
 
@@ -121,7 +123,14 @@ def diag_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:
     return torch.cat(parts)
 
 
-def kron_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Kron:
+def kron_curvature(
+    phi: Tensor,
+    M: Tensor | DiagLowRankBatch,
+    bias: bool,
+    n_data: int,
+    factor: float,
+    max_rank: int | None = None,
+) -> Kron:
     """KFAC blocks of a linear head, normalised for a data set of ``n_data`` points.
 
     Args:
@@ -131,9 +140,10 @@ def kron_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: floa
         n_data: Number of data points of the whole data set.
         factor: The backend's loss factor ``c``; blocks are ``[G/√c, √c·A/N]`` as in
             :func:`laplace.curvature.kfac.kfac`.
+        max_rank: For structured output curvatures, the rank kept of ``G``.
     """
     if isinstance(M, DiagLowRankBatch):
-        return large_output.kron_curvature(phi, M, bias, n_data, factor)
+        return large_output.kron_curvature(phi, M, bias, n_data, factor, max_rank)
     G = M.sum(0)
     root = math.sqrt(factor)
     blocks = [[G / root, (phi.T @ phi) * (root / n_data)]]

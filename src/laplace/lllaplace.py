@@ -24,7 +24,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace import large_output
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, batch_size_of, check_outputs, move_inputs, split_batch
@@ -32,7 +31,11 @@ from laplace.errors import check_positive_int
 from laplace.functional import FunctionalLLLaplace
 from laplace.glm import jacobian_chunk_rows
 from laplace.kronlaplace import KronLaplace
-from laplace.large_output import OUTPUT_FACTOR_RANK, is_large_output, large_output_structure
+from laplace.large_output import (
+    OUTPUT_FACTOR_RANK,
+    large_output_structure,
+    variances_only_reason,
+)
 from laplace.last_layer import (
     cat_output_curvatures,
     diag_curvature,
@@ -212,7 +215,8 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
                 yield self._batch_curvature(X, y, n_data)
                 continue
             with torch.no_grad():
-                batch_loss, M = output_curvature(self.backend, f.detach(), y)
+                likelihood = self._likelihood_model.fit_likelihood
+                batch_loss, M = output_curvature(self.backend, f.detach(), y, likelihood)
             phis.append(phi.detach())
             Ms.append(M)
             loss = loss + batch_loss
@@ -244,13 +248,7 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         raise NotImplementedError
 
     def _output_variances_only(self) -> str | None:
-        if not is_large_output(self.n_outputs):
-            return None
-        return (
-            f"the model has C={self.n_outputs} outputs, more than LARGE_OUTPUT_THRESHOLD="
-            f"{large_output.LARGE_OUTPUT_THRESHOLD}, so the last-layer GLM predictive computes "
-            "only output variances (B, C), no (B, C, C) covariance"
-        )
+        return variances_only_reason(self.n_outputs)
 
     def _chunk_rows(self) -> int:
         # The closed forms hold about C·P numbers per test point, like a Jacobian row; with
@@ -346,15 +344,12 @@ class DiagLLLaplace(LLLaplace, DiagLaplace):
 class KronLLLaplace(LLLaplace, KronLaplace):
     """Last-layer Laplace with a Kronecker-factored (KFAC) curvature of the head.
 
-    Above :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs (LLM vocabularies) the
-    output-side factor ``G = Σₙ Λₙ`` of the weight and bias blocks is never a dense C × C
-    matrix: it is kept as a diagonal plus a low-rank term (for a softmax exactly
-    ``diag(Σ p) − P Pᵀ``), whose low-rank part keeps at most ``output_factor_rank`` columns,
-    the top singular directions of ``P``. While the data give no more rank than that it is
-    exact; beyond, ``G`` is over-estimated by a positive semi-definite part of trace
-    ``H_facs.kfacs[0][0].dropped``. Marginal likelihood, GLM variances and samples are computed
-    through that structure, and the GLM predictive gives output variances only (see
-    :mod:`laplace.large_output`).
+    Above :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs the output-side factor
+    ``G = Σₙ Λₙ`` is never a dense C × C matrix but ``diag(Σ p) − U Uᵀ`` (softmax), ``U`` the
+    top ``output_factor_rank`` singular directions of ``P = [p₁ … p_N]`` (exact while the data
+    give no more rank; beyond, ``G`` is over-estimated by a PSD part of trace
+    ``H_facs.kfacs[0][0].dropped``); the posterior and GLM variances go through that structure
+    (see :mod:`laplace.large_output`).
 
     Args:
         damping: Mix the prior into each Kronecker factor (see :class:`KronLaplace`).
@@ -392,8 +387,9 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         self.output_factor_rank = check_positive_int(output_factor_rank, "output_factor_rank")
         LLLaplace.__init__(self, **arguments_for(LLLaplace.__init__, locals()))
 
-    @staticmethod
-    def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Any:
-        return kron_curvature(phi, M, bias, n_data, factor)
+    def _head_curvature(
+        self, phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float
+    ) -> Any:
+        return kron_curvature(phi, M, bias, n_data, factor, self.output_factor_rank)
 
     _head_variance = staticmethod(kron_head_variance)

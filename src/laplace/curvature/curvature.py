@@ -25,7 +25,6 @@ from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
 from laplace.data import Inputs
 from laplace.errors import check_module, check_positive_int
 from laplace.likelihoods import make_likelihood
-from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron
 
@@ -226,20 +225,6 @@ class CurvatureInterface:
         """
         raise NotImplementedError(f"{type(self).__name__} defines no curvature.")
 
-    def output_curvatures(self, f: Tensor, y: Tensor) -> DiagLowRankBatch:
-        """The per-point output curvatures ``Mₙ = Σₖ vₙₖ vₙₖᵀ`` as diagonal plus low rank.
-
-        The columns of :meth:`curvature_columns` (``d = 0``, ``s = +1``) by default; the exact
-        GGN takes the likelihood's own form, which for a softmax is O(C) per point instead of
-        C − 1 columns of C.
-
-        Args:
-            f: Detached outputs of the batch, shape (B, C).
-            y: Targets of the batch.
-        """
-        V = torch.stack(list(self.curvature_columns(f, y)), dim=-1)
-        return DiagLowRankBatch(V.new_zeros(V.shape[:2]), V, 1)
-
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Dense batch curvature, summed over data points.
 
@@ -374,12 +359,6 @@ class GGNInterface(CurvatureInterface):
         else:
             L = self._likelihood.output_hessian_sqrt(f)
             yield from L.unbind(-1)
-
-    def output_curvatures(self, f: Tensor, y: Tensor) -> DiagLowRankBatch:
-        """See :meth:`CurvatureInterface.output_curvatures`; the likelihood's output Hessians."""
-        if self.stochastic:
-            return super().output_curvatures(f, y)
-        return self._likelihood.structured_output_hessian(f)
 
 
 class EFInterface(CurvatureInterface):

@@ -34,6 +34,7 @@ from torch import Tensor
 from laplace.errors import is_real_scalar
 from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.matrix import Kron, KronDecomposed
+from laplace.utils.structured_block import StructuredBlock
 
 __all__ = ["StructuredKron", "StructuredKronDecomposed"]
 
@@ -116,7 +117,7 @@ class StructuredKronDecomposed(KronDecomposed):
         self._init_deltas(len(blocks), reference, deltas)
         one = torch.ones((), dtype=reference.dtype, device=reference.device)
         self.scales = scales or [[one] * self._n_factors(b) for b in blocks]
-        self._cache: dict[tuple[str, int], tuple[Tensor, ...]] = {}
+        self._cache: dict[int, StructuredBlock | KronDecomposed] = {}
 
     @staticmethod
     def _n_factors(block) -> int:
@@ -179,6 +180,17 @@ class StructuredKronDecomposed(KronDecomposed):
         ls = [s * li for s, li in zip(self.scales[i], ls)]
         return KronDecomposed([Qs], [ls], self.deltas[i : i + 1], self.damping)
 
+    def _block(self, i: int) -> StructuredBlock | KronDecomposed:
+        """Block ``i`` with its scales and delta: a ``StructuredBlock`` or a ``KronDecomposed``."""
+        if i not in self._cache:
+            block = self.blocks[i]
+            self._cache[i] = (
+                StructuredBlock(*block, self.scales[i], self.deltas[i], self.damping)
+                if isinstance(block, _Structured)
+                else self._dense_block(i)
+            )
+        return self._cache[i]
+
     def spectrum(self, i: int) -> Tensor:
         """Eigenvalues of a dense block ``i`` with its delta.
 
@@ -187,95 +199,7 @@ class StructuredKronDecomposed(KronDecomposed):
         """
         if isinstance(self.blocks[i], _Structured):
             raise ValueError(f"block {i} has a structured output factor and no spectrum.")
-        return self._dense_block(i).spectrum(0)
-
-    # ------------------------------------------------------------- per input eigenvalue
-    def _coefficients(self, i: int) -> tuple[Tensor, Tensor]:
-        """``E`` (m, C) and ``β`` (m,) with the rotated block ``j`` = ``diag(Eⱼ) + s βⱼ UUᵀ``."""
-        cached = self._cache.get(("coefficients", i))
-        if cached is not None:
-            return cached
-        block, delta = self.blocks[i], self.deltas[i]
-        d = block.G.diag
-        if block.a is None:
-            (gamma,) = self.scales[i]
-            E, beta = (gamma * d + delta).unsqueeze(0), gamma.reshape(1)
-        elif self.damping:
-            gamma, alpha = self.scales[i]
-            root = delta.sqrt()
-            c = alpha * block.a + root
-            E, beta = c.unsqueeze(1) * (gamma * d + root), c * gamma
-        else:
-            gamma, alpha = self.scales[i]
-            t = gamma * alpha * block.a
-            E, beta = t.unsqueeze(1) * d + delta, t
-        self._cache["coefficients", i] = (E, beta)
-        return E, beta
-
-    def _inner(self, i: int) -> tuple[Tensor, Tensor]:
-        """``Kⱼ = Uᵀ diag(1/eⱼ) U`` and the Cholesky factors of ``Mⱼ = I + s βⱼ Kⱼ`` (m, k, k)."""
-        cached = self._cache.get(("inner", i))
-        if cached is not None:
-            return cached
-        G = self.blocks[i].G
-        E, beta = self._coefficients(i)
-        K = G.weighted_grams(E.reciprocal())
-        eye = torch.eye(G.rank, dtype=K.dtype, device=K.device)
-        L, _ = torch.linalg.cholesky_ex(eye + G.sign * beta[:, None, None] * K)
-        self._cache["inner", i] = (K, L)
-        return K, L
-
-    def _rotate(self, i: int, flat: Tensor) -> Tensor:
-        """A block's rows (R, p) in the input eigenbasis, (R, C, m)."""
-        Q = self.blocks[i].Q
-        X = flat.reshape(flat.shape[0], len(self.blocks[i].G), -1)
-        return X if Q is None else X @ Q
-
-    def _rotate_back(self, i: int, X: Tensor) -> Tensor:
-        Q = self.blocks[i].Q
-        return (X if Q is None else X @ Q.T).flatten(1)
-
-    def _apply(self, i: int, X: Tensor, exponent: float) -> Tensor:
-        """``Pⱼ^exponent`` (a root ``Rⱼ`` for -½) on each column j of ``X`` (R, C, m)."""
-        G = self.blocks[i].G
-        E, beta = self._coefficients(i)
-        E, U, s = E.T, G.U, G.sign
-        if exponent == 1:
-            T = torch.einsum("ck,rcm->rkm", U, X) * beta
-            return X * E + s * torch.einsum("ck,rkm->rcm", U, T)
-        if exponent == -1:
-            X = X / E
-            _, L = self._inner(i)
-            T = torch.einsum("ck,rcm->mkr", U, X)
-            T = torch.cholesky_solve(T, L).permute(2, 1, 0) * beta
-            return X - s * torch.einsum("ck,rkm->rcm", U, T) / E
-        if exponent == -0.5:
-            X = X / E.sqrt()
-            values, vectors = self._root_factors(i)
-            T = torch.einsum("ck,rcm->rmk", U, X)
-            T = torch.einsum("mkl,rmk->rml", vectors, T) * values
-            T = torch.einsum("mkl,rml->rkm", vectors, T)
-            return X + torch.einsum("ck,rkm->rcm", U, T) / E
-        raise ValueError(
-            f"a block with a structured output factor supports exponent 1, -1 or -0.5, got "
-            f"{exponent}."
-        )
-
-    def _root_factors(self, i: int) -> tuple[Tensor, Tensor]:
-        """Eigenvectors ``X`` of ``Kⱼ = X diag(λ) Xᵀ`` and ``g(λ) = ((1 + sβλ)^{-½} − 1)/λ``."""
-        cached = self._cache.get(("root", i))
-        if cached is not None:
-            return cached
-        K, _ = self._inner(i)
-        _, beta = self._coefficients(i)
-        values, vectors = torch.linalg.eigh(K)
-        values = values.clamp_min(0)
-        scaled = self.blocks[i].G.sign * beta.unsqueeze(1)
-        change = torch.expm1(-0.5 * torch.log1p(scaled * values))
-        tiny = torch.finfo(K.dtype).tiny
-        g = torch.where(values > 0, change / values.clamp_min(tiny), -scaled / 2)
-        self._cache["root", i] = (g, vectors)
-        return g, vectors
+        return self._block(i).spectrum(0)
 
     def rotated_inverse_diagonal(self, i: int) -> tuple[Tensor, Tensor | None]:
         """``diag(Pⱼ⁻¹)`` for every input eigenvalue j of structured block ``i``.
@@ -284,28 +208,13 @@ class StructuredKronDecomposed(KronDecomposed):
             The diagonals (m, C) and the input eigenvectors ``Q_A`` (D, D) (None for a block of
             one factor): ``diag(P⁻¹)`` at ``(c, d)`` is ``Σⱼ Q_A[d, j]² diag(Pⱼ⁻¹)[c]``.
         """
-        cached = self._cache.get(("inverse diagonal", i))
-        if cached is None:
-            G = self.blocks[i].G
-            E, beta = self._coefficients(i)
-            _, L = self._inner(i)
-            quadratic = G.quadratic_diagonals(torch.cholesky_inverse(L))
-            cached = (E.reciprocal() - G.sign * beta[:, None] * quadratic / E.square(),)
-            self._cache["inverse diagonal", i] = cached
-        return cached[0], self.blocks[i].Q
+        block = self._block(i)
+        return block.inverse_diagonal, block.Q
 
     # ------------------------------------------------------------------------- queries
     def logdet(self) -> Tensor:
         """``log det`` of the whole matrix, deltas included."""
-        total = 0
-        for i, block in enumerate(self.blocks):
-            if isinstance(block, _Structured):
-                E, _ = self._coefficients(i)
-                _, L = self._inner(i)
-                total = total + E.log().sum() + 2 * L.diagonal(dim1=-2, dim2=-1).log().sum()
-            else:
-                total = total + self._dense_block(i).logdet()
-        return total
+        return sum(self._block(i).logdet() for i in range(len(self.blocks)))
 
     def bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
         """``M^exponent W`` per row of ``W`` (shape (P,), (B, P) or (B, K, P); same shape out)."""
@@ -314,12 +223,11 @@ class StructuredKronDecomposed(KronDecomposed):
         flat = W.reshape(-1, W.shape[-1])
         out, start = [], 0
         for i, size in enumerate(self.block_sizes()):
-            segment = flat[:, start : start + size]
-            if isinstance(self.blocks[i], _Structured):
-                X = self._apply(i, self._rotate(i, segment), exponent)
-                out.append(self._rotate_back(i, X))
+            segment, block = flat[:, start : start + size], self._block(i)
+            if isinstance(block, StructuredBlock):
+                out.append(block.rotate_back(block.apply(block.rotate(segment), exponent)))
             else:
-                out.append(self._dense_block(i).bmm(segment, exponent))
+                out.append(block.bmm(segment, exponent))
             start += size
         return torch.cat(out, dim=1).reshape(W.shape)
 
@@ -332,22 +240,12 @@ class StructuredKronDecomposed(KronDecomposed):
     def diag(self, exponent: float = 1) -> Tensor:
         """Diagonal of ``M^exponent`` (exponent 1 or -1 for structured blocks), shape (P,)."""
         diags = []
-        for i, block in enumerate(self.blocks):
-            if not isinstance(block, _Structured):
-                diags.append(self._dense_block(i).diag(exponent))
-                continue
-            if exponent == -1:
-                rotated, Q = self.rotated_inverse_diagonal(i)
-            elif exponent == 1:
-                E, beta = self._coefficients(i)
-                row_norms = block.G.U.square().sum(1)
-                rotated, Q = E + block.G.sign * beta[:, None] * row_norms, block.Q
+        for i in range(len(self.blocks)):
+            block = self._block(i)
+            if isinstance(block, StructuredBlock):
+                diags.append(block.diagonal(exponent))
             else:
-                raise ValueError(
-                    f"the diagonal of a structured block supports exponent 1 or -1, got "
-                    f"{exponent}."
-                )
-            diags.append((rotated.T if Q is None else rotated.T @ Q.square().T).flatten())
+                diags.append(block.diag(exponent))
         return torch.cat(diags)
 
     def to_matrix(self, exponent: float = 1) -> Tensor:
