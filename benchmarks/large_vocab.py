@@ -13,7 +13,8 @@ Sequence outputs (B, T, C) are fed as rows (BÂ·T, C): the per-token features (BÂ
 through the body and head row by row, the same curvature as a sequence model's head.
 
 Usage: ``python benchmarks/large_vocab.py [--structure kron|diag] [--rank K] [--threads T]``;
-prints one line and writes ``benchmarks/results/large_vocab.json``.
+prints one line and writes ``benchmarks/results/large_vocab.json``. ``benchmarks/run.py`` runs
+it as the case ``large-vocab-ll-kron``.
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ def case_large_vocab(structure: str = "kron", rank: int | None = None) -> dict:
         G = la.H_facs.kfacs[0][0]
         row["note"] = f"output factor rank {G.rank}, dropped trace {float(G.dropped):.3g}"
     return row
+
+
+#: The case of ``benchmarks/run.py`` (one run: the marginal-likelihood steps dominate).
+LARGE_VOCAB_CASES = {
+    "large-vocab-ll-kron": (lambda _, structure, repeats: case_large_vocab(structure), "", "kron")
+}
 
 
 def main() -> None:

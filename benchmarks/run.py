@@ -11,7 +11,8 @@ Usage: ``python benchmarks/run.py [--cases NAME ...] [--repeats R] [--threads T]
 ``benchmarks/results/run.json``. ``--backends`` instead times ``fit`` per curvature backend ×
 structure on both models and writes ``benchmarks/results/backends.json``. The scaling table
 (N and width) is ``benchmarks/scaling.py``. The ``binary-*`` cases time
-``likelihood="binary_classification"`` against ``"classification"`` on the MLP.
+``likelihood="binary_classification"`` against ``"classification"`` on the MLP;
+``large-vocab-ll-kron`` is the 32,000-class head of ``benchmarks/large_vocab.py``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from harness import (
     training_loader,
     use_clock,
 )
+from large_vocab import LARGE_VOCAB_CASES
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -307,6 +309,7 @@ CASES = {
     "evaluate-kron-cnn": (case_evaluate, "cnn", "kron"),
     "binary-diag-mlp": (case_binary_vs_classification, "mlp", "diag"),
     "binary-kron-mlp": (case_binary_vs_classification, "mlp", "kron"),
+    **LARGE_VOCAB_CASES,
 }
 
 

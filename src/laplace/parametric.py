@@ -111,13 +111,12 @@ class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, B
     def _posterior(self) -> Posterior:
         """The posterior at the current hyperparameters, cached while they do not change.
 
-        Before :meth:`fit` it is the prior (``H`` is zero). The cache is keyed by the prior
-        precision as given (scalar, layer-wise or diagonal), not its expansion to (P,).
+        Before :meth:`fit` it is the prior (``H`` is zero).
         """
-        h_factor, prior = self._H_factor, self.prior_precision
+        h_factor, prior_diag = self._H_factor, self.prior_precision_diag
         if self.H is None:
             raise NotFittedError("the posterior needs fit() first (or a call to _init_H()).")
-        differentiable = h_factor.requires_grad or prior.requires_grad
+        differentiable = h_factor.requires_grad or prior_diag.requires_grad
         curvature_key = (id(self.H), getattr(self.H, "_version", None))
         cache = self._posterior_cache
         if (
@@ -125,12 +124,17 @@ class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, B
             and cache is not None
             and cache[0] == curvature_key
             and torch.equal(cache[1], h_factor)
-            and torch.equal(cache[2], prior)
+            and torch.equal(cache[2], prior_diag)
         ):
             return cache[3]
-        posterior = self._posterior_cls(self.H, h_factor, self.prior_precision_diag)
+        posterior = self._posterior_cls(self.H, h_factor, prior_diag)
         if not differentiable:
-            self._posterior_cache = (curvature_key, h_factor.clone(), prior.clone(), posterior)
+            self._posterior_cache = (
+                curvature_key,
+                h_factor.clone(),
+                prior_diag.clone(),
+                posterior,
+            )
         return posterior
 
     @property

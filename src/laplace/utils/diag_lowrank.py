@@ -168,6 +168,11 @@ class DiagLowRank:
         return self.diag.device
 
     @property
+    def T(self) -> DiagLowRank:
+        """The transpose: ``G`` itself (it is symmetric)."""
+        return self
+
+    @property
     def rank(self) -> int:
         """Number of low-rank columns k."""
         return self.U.shape[1]
