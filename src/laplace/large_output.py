@@ -10,7 +10,8 @@ for Kronecker factors the sum ``G = diag(Σ pₙ) − P Pᵀ``. What each struct
   columns (default :data:`OUTPUT_FACTOR_RANK`): exact while the data give no more than that
   rank, otherwise the top singular directions of ``P`` are kept and ``G`` is over-estimated by
   a positive semi-definite ``R`` of trace ``dropped`` (so ``0 ≤ log det P_approx − log det P ≤
-  h·(tr A + 1)·dropped / δ`` for prior precision ``δ``, ``h = 1/(σ²T)`` and input factor ``A``).
+  h·(tr A·tr R_weight + tr R_bias) / δ`` for prior precision ``δ``, ``h = 1/(σ²T)`` and input
+  factor ``A``).
   Log-determinant, marginal likelihood, predictive variances and samples go through the
   structure (:class:`~laplace.utils.structured_kron.StructuredKronDecomposed`): the cost of a
   marginal-likelihood step is O(D·C·k²) for D features, C classes and rank k.
@@ -100,10 +101,10 @@ def output_curvatures(
 ) -> DiagLowRankBatch:
     """A backend's per-point output curvatures ``Mₙ`` as ``diag(dₙ) + s·Vₙ Vₙᵀ``.
 
-    The exact GGN takes the likelihood's own form (:meth:`LikelihoodModel.
-    structured_output_hessian`: ``(p, p, −1)`` for a softmax, O(C) per point instead of C − 1
-    columns of C); other curvatures (empirical Fisher, Monte-Carlo GGN) are their few output
-    columns ``vₖ`` (``d = 0``, ``s = +1``).
+    The exact GGN takes the likelihood's own form (its ``structured_output_hessian``:
+    ``(p, p, −1)`` for a softmax, O(C) per point instead of C − 1 columns of C); other
+    curvatures (empirical Fisher, Monte-Carlo GGN) are their few output columns ``vₖ``
+    (``d = 0``, ``s = +1``).
 
     Args:
         backend: A GGN or EF backend with the native curvature routes.

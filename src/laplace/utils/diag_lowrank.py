@@ -17,11 +17,12 @@ a diagonal minus a low-rank Gram matrix. Every output curvature of this library 
 with the columns of all ``Vₙ`` in ``U`` (C, k). Memory is O(C·(k + 1)) instead of O(C²).
 
 **Bounded rank.** Summed over a data set, ``U`` would grow by K columns per point. With
-``max_rank`` set, a sum whose ``U`` has more columns keeps only its top ``max_rank`` singular
-directions (an exact truncated SVD of ``U``, through the eigen-decomposition of the small Gram
-``UᵀU``), as batches arrive. The removed part ``R = Σ (dropped σᵢ² uᵢuᵢᵀ)`` is positive
-semi-definite, so the kept matrix is ``G − s·R``: for a softmax it is ``G + R ⪰ G ⪰ 0``
-(never indefinite), and the error is known exactly in the nuclear norm,
+``max_rank`` set, columns are folded in as they come: the kept columns and the next ones are
+reduced to their top ``max_rank`` singular directions (an exact truncated SVD of those columns,
+through the eigen-decomposition of their small Gram matrix). The removed part
+``R = Σ (dropped σᵢ² uᵢuᵢᵀ)`` is positive semi-definite, so the kept matrix is ``G − s·R``: for
+a softmax it is ``G + R ⪰ G ⪰ 0`` (never indefinite), and the error is known exactly in the
+nuclear norm,
 ``‖G_kept − G‖_* = tr R =`` :attr:`DiagLowRank.dropped`. While the true rank is at most
 ``max_rank`` nothing is dropped and the representation is exact.
 """
