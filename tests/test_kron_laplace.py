@@ -16,7 +16,6 @@ from conftest import CASE_BUILDERS, Case, Oracle, assert_close
 from laplace import KronLaplace, Laplace
 from laplace.baselaplace import FullLaplace
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian
-from laplace.glm import GLMPredictiveMixin
 from laplace.likelihoods import make_likelihood
 from laplace.utils.matrix import Kron, KronDecomposed
 
@@ -209,7 +208,7 @@ def test_glm_predictive_matches_dense_and_jacobian_routes(case):
     f_mu, f_var = la._functional_moments(case.X)
     assert_close(f_var, expected, rtol=1e-8, atol=1e-12)
     assert_close(f_mu, case.model(case.X))
-    _, f_var_jac = GLMPredictiveMixin._functional_moments(la, case.X)
+    f_var_jac = la.functional_variance(la.backend.jacobians(case.X)[0])
     assert_close(f_var, f_var_jac, rtol=1e-8, atol=1e-12)
     if case.likelihood == "regression":
         _, f_cov = la(case.X[:4], joint=True)
@@ -224,10 +223,12 @@ def test_glm_predictive_is_differentiable_in_the_inputs():
     la = fitted(case, enable_backprop=True)
     X = case.X[:5].clone().requires_grad_(True)
     grads = []
-    for moments in (
-        la._functional_moments,
-        lambda x: GLMPredictiveMixin._functional_moments(la, x),
-    ):
+
+    def jacobian_route(x):
+        Js, f_mu = la.backend.jacobians(x, enable_backprop=True)
+        return f_mu, la.functional_variance(Js)
+
+    for moments in (la._functional_moments, jacobian_route):
         f_mu, f_var = moments(X)
         grads.append(torch.autograd.grad(f_mu.sum() + f_var.sum(), X)[0])
     assert_close(grads[0], grads[1], rtol=1e-8, atol=1e-12)

@@ -1,8 +1,11 @@
 """Predictives of parametric Laplace approximations: linearised (GLM) and sampled-network (NN).
 
-The GLM predictive needs Jacobians of the outputs w.r.t. the weights. They are computed in
-chunks of test points whose Jacobian stays under a memory budget, so predicting on many points
-never materialises the whole (B, C, P) Jacobian.
+The GLM predictive needs ``J P⁻¹ Jᵀ`` for the Jacobian ``J`` of the outputs w.r.t. the weights.
+Per chunk of test points the parameter subset linearises the model into a Jacobian kind
+(``subset.linearize``: dense rows, a linear head's features, or a recorded layer trace; see
+:mod:`laplace.jacobians`) and the posterior computes ``J P⁻¹ Jᵀ`` for that kind
+(``posterior.functional_variance``). The chunks are as large as the kind allows within a memory
+budget, so predicting on many points never materialises the whole (B, C, P) Jacobian.
 """
 
 from __future__ import annotations
@@ -111,7 +114,11 @@ class GLMPredictiveMixin:
 
     # ----------------------------------------------------------------------------- GLM
     def _chunk_rows(self) -> int:
-        return jacobian_chunk_rows(self.n_outputs, self.n_params, self._dtype)
+        """Test points per chunk, from the Jacobian kind the subset gives this posterior."""
+        posterior, subset = self._posterior, self._subset
+        kind = subset.jacobian_kind(posterior.closed_forms)
+        rows = jacobian_chunk_rows(self.n_outputs, len(posterior.prior_diag), self._dtype)
+        return kind.chunk_rows(rows, subset.model, subset.params)
 
     def _output_variances_only(self) -> str | None:
         """Why the GLM predictive computes only output variances (B, C); None if it does not."""
@@ -127,8 +134,8 @@ class GLMPredictiveMixin:
             ``(f_mu (B·C,), f_cov (B·C, B·C))`` if ``joint``.
         """
         if joint:
-            Js, f_mu = self._jacobians(X)
-            return f_mu.reshape(-1), self.functional_covariance(Js)
+            f_mu, J = self._subset.linearize(X, self.backend, (), self.enable_backprop)
+            return self._detached(f_mu.reshape(-1), self.functional_covariance(J.dense()))
         means, variances = [], []
         for chunk in input_chunks(X, self._chunk_rows(), self.dict_key_x):
             f_mu, f_var = self._functional_moments(chunk)
@@ -143,17 +150,18 @@ class GLMPredictiveMixin:
     def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
         """``(f_mu (B, C), f_var (B, C, C))`` of the linearised network on one chunk of inputs.
 
-        By default from Jacobians and :meth:`functional_variance`; structures with a closed form
-        that avoids the (B, C, P) Jacobian (last layer, Kronecker factors) override this.
+        The subset linearises the model into the Jacobian kind the posterior has a closed form
+        for (else dense rows), and the posterior computes ``J P⁻¹ Jᵀ`` for it.
         """
-        Js, f_mu = self._jacobians(X)
-        return f_mu, self.functional_variance(Js)
+        posterior = self._posterior
+        f_mu, J = self._subset.linearize(
+            X, self.backend, posterior.closed_forms, self.enable_backprop
+        )
+        return self._detached(f_mu, posterior.functional_variance(J))
 
-    def _jacobians(self, X: Inputs) -> tuple[Tensor, Tensor]:
-        Js, f_mu = self.backend.jacobians(X, enable_backprop=self.enable_backprop)
-        if not self.enable_backprop:
-            Js, f_mu = Js.detach(), f_mu.detach()
-        return Js, f_mu
+    def _detached(self, f_mu: Tensor, f_var: Tensor) -> tuple[Tensor, Tensor]:
+        """The moments, detached from the graph unless ``enable_backprop``."""
+        return (f_mu, f_var) if self.enable_backprop else (f_mu.detach(), f_var.detach())
 
     def functional_samples(
         self,

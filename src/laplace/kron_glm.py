@@ -34,11 +34,11 @@ from laplace.utils.matrix import KronDecomposed
 
 __all__ = [
     "LAYERWISE_CHUNK_ROWS",
-    "diag_functional_moments",
-    "kron_functional_moments",
+    "diag_functional_variance",
+    "kron_functional_variance",
     "layerwise_chunk_rows",
     "layerwise_supported",
-    "lowrank_functional_moments",
+    "lowrank_functional_variance",
 ]
 
 #: Test points per chunk of the layer-wise GLM predictive (it holds activations, not Jacobians).
@@ -48,10 +48,10 @@ LAYERWISE_CHUNK_ROWS = 256
 BlockInverse = Callable[[int], tuple[Tensor | None, Tensor | None, Tensor]]
 
 
-def kron_functional_moments(
+def kron_functional_variance(
     trace: PerSampleTrace, precision: KronDecomposed, create_graph: bool = False
-) -> tuple[Tensor, Tensor] | None:
-    """``(f_mu (B, C), f_var (B, C, C))`` of the linearised network from a recorded forward.
+) -> Tensor | None:
+    """``f_var = J P⁻¹ Jᵀ`` (B, C, C) of the linearised network from a recorded forward.
 
     Args:
         trace: Recorded forward over the test inputs (all parameters, no subnetwork).
@@ -59,7 +59,7 @@ def kron_functional_moments(
         create_graph: Keep the result differentiable w.r.t. the inputs.
 
     Returns:
-        The moments, or None when a layer does not see the data points along its first
+        The covariances, or None when a layer does not see the data points along its first
         dimension (the caller then falls back to Jacobians).
     """
 
@@ -67,16 +67,16 @@ def kron_functional_moments(
         Qs = precision.eigenvectors[i]
         return Qs[0], Qs[1] if len(Qs) > 1 else None, precision.spectrum(i).reciprocal()
 
-    return _layerwise_moments(trace, block, create_graph)
+    return _layerwise_variance(trace, block, create_graph)
 
 
-def diag_functional_moments(
+def diag_functional_variance(
     trace: PerSampleTrace, precision: Tensor, create_graph: bool = False
-) -> tuple[Tensor, Tensor] | None:
-    """Same as :func:`kron_functional_moments` for a diagonal precision (P,).
+) -> Tensor | None:
+    """Same as :func:`kron_functional_variance` for a diagonal precision (P,).
 
     Returns:
-        The moments, or None when a layer is not Linear/Conv or does not see the data points
+        The covariances, or None when a layer is not Linear/Conv or does not see the data points
         along its first dimension (the caller then falls back to Jacobians).
     """
     if trace.engine.indices is not None:  # a subnetwork: blocks are not whole tensors
@@ -91,7 +91,7 @@ def diag_functional_moments(
         inv = precision[offsets[i] : offsets[i + 1]].reciprocal()
         return None, None, inv.reshape(p.shape[0], -1) if p.dim() > 1 else inv
 
-    return _layerwise_moments(trace, block, create_graph)
+    return _layerwise_variance(trace, block, create_graph)
 
 
 def layerwise_supported(module: nn.Module) -> bool:
@@ -119,10 +119,10 @@ def layerwise_chunk_rows(model: nn.Module, params: list[Tensor], jacobian_rows: 
     return LAYERWISE_CHUNK_ROWS if all(map(layerwise_supported, owners)) else jacobian_rows
 
 
-def lowrank_functional_moments(
+def lowrank_functional_variance(
     trace: PerSampleTrace, prior_diag: Tensor, basis: Tensor, create_graph: bool = False
-) -> tuple[Tensor, Tensor] | None:
-    """Same as :func:`kron_functional_moments` for ``P⁻¹ = diag(prior_diag)⁻¹ − Z Zᵀ``.
+) -> Tensor | None:
+    """Same as :func:`kron_functional_variance` for ``P⁻¹ = diag(prior_diag)⁻¹ − Z Zᵀ``.
 
     Args:
         trace: Recorded forward over the test inputs (all parameters).
@@ -131,36 +131,34 @@ def lowrank_functional_moments(
         create_graph: Keep the result differentiable w.r.t. the inputs.
 
     Returns:
-        The moments, or None when the diagonal route does not apply (the caller then falls
-        back to Jacobians).
+        The covariances, or None when the diagonal route does not apply (the caller then
+        falls back to Jacobians).
     """
-    moments = diag_functional_moments(trace, prior_diag, create_graph)
-    if moments is None:
+    f_var = diag_functional_variance(trace, prior_diag, create_graph)
+    if f_var is None:
         return None
-    f2, f_var = moments
-    B, C = f2.shape
-    eye = torch.eye(C, dtype=f2.dtype, device=f2.device)
+    B, C, _ = f_var.shape
+    eye = torch.eye(C, dtype=f_var.dtype, device=f_var.device)
     columns = eye[:, None, :].expand(C, B, C).reshape(C, *trace.f.shape)
     JZ = SampleVectors(trace, columns).project(ParameterBlock(trace.engine, basis))
     JZ = JZ.transpose(0, 1)  # (B, C, k)
-    return f2, f_var - JZ @ JZ.transpose(1, 2)
+    return f_var - JZ @ JZ.transpose(1, 2)
 
 
 def _rotate(t: Tensor, Q: Tensor | None) -> Tensor:
     return t if Q is None else t @ Q
 
 
-def _layerwise_moments(
+def _layerwise_variance(
     trace: PerSampleTrace, block_inverse: BlockInverse, create_graph: bool
-) -> tuple[Tensor, Tensor] | None:
+) -> Tensor | None:
     f, calls, engine = trace.f, trace.calls, trace.engine
     B = f.shape[0]
     if not all(
         call.outputs[0].shape[0] == B and layerwise_supported(call.module) for call in calls
     ):
         return None
-    f2 = f.reshape(B, -1)
-    C = f2.shape[1]
+    C = f.reshape(B, -1).shape[1]
     rule = {call.module: KFAC_RULES[type(call.module)] for call in calls}
     inputs: dict[nn.Module, Tensor] = {}
     for call in calls:  # a module called repeatedly: its positions are concatenated
@@ -209,4 +207,4 @@ def _layerwise_moments(
         else:
             weights = inv.flatten().expand(B, -1)
         f_var = f_var + (U * weights.unsqueeze(1)) @ U.transpose(1, 2)
-    return f2, f_var
+    return f_var

@@ -13,8 +13,6 @@ from torch.utils.data import DataLoader
 from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature.kfac import check_kfac_support
-from laplace.data import Inputs
-from laplace.kron_glm import kron_functional_moments
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors import KronPosterior
 from laplace.utils.diag_lowrank import factor_from_state, factor_shape, factor_state
@@ -22,9 +20,6 @@ from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = ["KronLaplace"]
-
-#: Test points per chunk of the Jacobian-free GLM predictive.
-KRON_CHUNK_ROWS = 256
 
 
 class KronLaplace(ParametricLaplace):
@@ -43,7 +38,8 @@ class KronLaplace(ParametricLaplace):
     and sets ``H`` to their eigendecomposition (a :class:`~laplace.utils.matrix.KronDecomposed`),
     computed once, when the posterior is first used; tuning the prior or σ never re-factorises.
     The GLM predictive computes ``J P⁻¹ Jᵀ`` from layer inputs and output gradients
-    (:mod:`laplace.kron_glm`) without forming Jacobians.
+    (:mod:`laplace.kron_glm`, through :class:`~laplace.posteriors.KronPosterior`) without forming
+    Jacobians.
 
     Supported layers: ``nn.Linear`` and ``nn.Conv1d/2d/3d`` (ungrouped), also inside larger
     modules. Any other module owning a trainable parameter (normalisation layers, embeddings,
@@ -153,22 +149,6 @@ class KronLaplace(ParametricLaplace):
     def posterior_precision(self) -> KronDecomposed:
         """Posterior precision ``H/(σ²T) + δ`` as a ``KronDecomposed``."""
         return self._posterior.precision
-
-    # ------------------------------------------------------------------------ predictive
-    def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
-        trace = self.backend.trace(X, create_graph=self.enable_backprop)
-        moments = kron_functional_moments(trace, self.posterior_precision, self.enable_backprop)
-        if moments is None:
-            return super()._functional_moments(X)
-        f_mu, f_var = moments
-        if not self.enable_backprop:
-            f_mu, f_var = f_mu.detach(), f_var.detach()
-        return f_mu, f_var
-
-    def _chunk_rows(self) -> int:
-        # Per test point the route holds activations and, for weight-sharing layers, one
-        # (out × in) matrix per output: far less than a Jacobian row. 256 points at a time.
-        return KRON_CHUNK_ROWS
 
     # ----------------------------------------------------------------------------- state
     def _curvature_state(self) -> list[list[Tensor]]:

@@ -30,17 +30,13 @@ At or below the threshold everything is computed as before (dense output curvatu
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from laplace.curvature import CurvatureInterface, GGNInterface
 from laplace.likelihoods import LikelihoodModel
-from laplace.posteriors import DensePosterior, KronPosterior, Posterior
-from laplace.posteriors.structured_kron import structured_kron_posterior
 from laplace.utils.diag_lowrank import DiagLowRankBatch
-from laplace.utils.structured_kron import StructuredKron
+from laplace.utils.structured_kron import StructuredKron, StructuredKronDecomposed
 
 __all__ = [
     "LARGE_OUTPUT_THRESHOLD",
@@ -50,7 +46,6 @@ __all__ = [
     "is_large_output",
     "kron_curvature",
     "kron_head_variance",
-    "large_output_structure",
     "output_curvatures",
     "variances_only_reason",
 ]
@@ -81,19 +76,6 @@ def variances_only_reason(n_outputs: int) -> str | None:
         f"{LARGE_OUTPUT_THRESHOLD}, so the last-layer GLM predictive computes only output "
         "variances (B, C), no (B, C, C) covariance"
     )
-
-
-def large_output_structure(
-    structure: type[Posterior], n_outputs: int, rank: int | None
-) -> type[Posterior]:
-    """The posterior structure a last layer with ``n_outputs`` outputs uses.
-
-    Kronecker factors get structured output factors (keeping at most ``rank`` low-rank
-    columns) above the threshold; dense and diagonal posteriors are unchanged.
-    """
-    if is_large_output(n_outputs) and structure is KronPosterior:
-        return structured_kron_posterior(rank)
-    return structure
 
 
 def output_curvatures(
@@ -175,10 +157,10 @@ def kron_curvature(
     return StructuredKron(blocks)
 
 
-def full_head_variance(posterior: DensePosterior, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+def full_head_variance(covariance: Tensor, phi: Tensor, n_out: int, bias: bool) -> Tensor:
     """Output variances ``diag(Jₙ Σ Jₙᵀ)`` from the dense covariance ``Σ``: (B, D) → (B, C)."""
     D, n_w = phi.shape[1], n_out * phi.shape[1]
-    S = posterior.covariance
+    S = covariance
     class_blocks = S[:n_w, :n_w].reshape(n_out, D, n_out, D).diagonal(dim1=0, dim2=2)
     f_var = torch.einsum("nd,dec,ne->nc", phi, class_blocks, phi)
     if bias:
@@ -187,13 +169,14 @@ def full_head_variance(posterior: DensePosterior, phi: Tensor, n_out: int, bias:
     return f_var
 
 
-def kron_head_variance(posterior: Any, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+def kron_head_variance(
+    precision: StructuredKronDecomposed, phi: Tensor, n_out: int, bias: bool
+) -> Tensor:
     """Output variances ``diag(Jₙ P⁻¹ Jₙᵀ)`` with structured output factors: (B, D) → (B, C).
 
     ``Σⱼ φ̃ₙⱼ² diag(Pⱼ⁻¹)`` with ``φ̃ = Q_Aᵀ φ`` (plus the bias block's diagonal); the diagonals
-    of the ``Pⱼ⁻¹`` are computed once per posterior.
+    of the ``Pⱼ⁻¹`` are computed once per precision.
     """
-    precision = posterior.precision
     inverse_diagonals, Q = precision.rotated_inverse_diagonal(0)
     f_var = (phi @ Q).square() @ inverse_diagonals
     if bias:

@@ -29,9 +29,8 @@ from torch import Tensor
 
 from laplace import large_output
 from laplace.large_output import is_large_output
-from laplace.posteriors import DensePosterior, DiagonalPosterior, KronPosterior
 from laplace.utils.diag_lowrank import DiagLowRankBatch
-from laplace.utils.matrix import Kron
+from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = [
     "cat_output_curvatures",
@@ -162,51 +161,46 @@ def head_jacobians(phi: Tensor, n_out: int, bias: bool) -> Tensor:
     return Js
 
 
-def full_head_variance(posterior: DensePosterior, phi: Tensor, n_out: int, bias: bool) -> Tensor:
-    """``Jₙ Σ Jₙᵀ`` from the dense posterior covariance ``Σ``: (B, D) → (B, C, C).
+def full_head_variance(covariance: Tensor, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+    """``Jₙ Σ Jₙᵀ`` from the dense posterior covariance ``Σ`` (P, P): (B, D) → (B, C, C).
 
     Above the large-output threshold only the variances (B, C).
     """
     if is_large_output(n_out):
-        return large_output.full_head_variance(posterior, phi, n_out, bias)
+        return large_output.full_head_variance(covariance, phi, n_out, bias)
     D, C = phi.shape[1], n_out
     n_w = C * D
-    S = posterior.covariance
-    S_W = S[:n_w, :n_w].reshape(C, D, C, D)
+    S_W = covariance[:n_w, :n_w].reshape(C, D, C, D)
     left = torch.einsum("nd,cdke->ncke", phi, S_W)
     f_var = torch.einsum("ncke,ne->nck", left, phi)
     if bias:
-        cross = phi @ S[:n_w, n_w:].reshape(C, D, C).permute(1, 0, 2).reshape(D, C * C)
+        cross = phi @ covariance[:n_w, n_w:].reshape(C, D, C).permute(1, 0, 2).reshape(D, C * C)
         cross = cross.reshape(-1, C, C)
-        f_var = f_var + cross + cross.transpose(1, 2) + S[n_w:, n_w:]
+        f_var = f_var + cross + cross.transpose(1, 2) + covariance[n_w:, n_w:]
     return f_var
 
 
-def diag_head_variance(
-    posterior: DiagonalPosterior, phi: Tensor, n_out: int, bias: bool
-) -> Tensor:
-    """``Jₙ diag(σ²) Jₙᵀ`` (diagonal in the outputs): (B, D) → (B, C, C).
+def diag_head_variance(variance: Tensor, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+    """``Jₙ diag(σ²) Jₙᵀ`` from the posterior variances σ² (P,): (B, D) → (B, C, C).
 
-    Above the large-output threshold only the variances (B, C).
+    The result is diagonal in the outputs; above the large-output threshold only the variances
+    (B, C).
     """
     D = phi.shape[1]
-    variance = posterior.variance
     f_var = phi.square() @ variance[: n_out * D].reshape(n_out, D).T
     if bias:
         f_var = f_var + variance[n_out * D :]
     return f_var if is_large_output(n_out) else torch.diag_embed(f_var)
 
 
-def kron_head_variance(posterior: KronPosterior, phi: Tensor, n_out: int, bias: bool) -> Tensor:
-    """``Jₙ P⁻¹ Jₙᵀ`` for a Kronecker posterior, in the eigenbasis: (B, D) → (B, C, C).
+def kron_head_variance(precision: KronDecomposed, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+    """``Jₙ P⁻¹ Jₙᵀ`` for a Kronecker precision, in the eigenbasis: (B, D) → (B, C, C).
 
     With ``P_W = (Q_G ⊗ Q_A) diag(s) (Q_G ⊗ Q_A)ᵀ`` and ``φ̃ = Q_Aᵀ φ``, the weight part is
     ``Q_G diag(wₙ) Q_Gᵀ`` with ``wₙᵢ = Σⱼ φ̃ₙⱼ² / sᵢⱼ``; the bias adds ``Q_b diag(1/s_b) Q_bᵀ``.
-    Above the large-output threshold only the variances (B, C), through the structured factors.
+    (A structured output factor has its own closed form, :func:`laplace.large_output.
+    kron_head_variance`.)
     """
-    if is_large_output(n_out):
-        return large_output.kron_head_variance(posterior, phi, n_out, bias)
-    precision = posterior.precision
     Q_G, Q_A = precision.eigenvectors[0]
     w = (phi @ Q_A).square() @ precision.spectrum(0).reciprocal().T
     f_var = (Q_G * w.unsqueeze(1)) @ Q_G.T

@@ -31,26 +31,19 @@ from laplace.errors import check_positive_int
 from laplace.functional import FunctionalLLLaplace
 from laplace.glm import jacobian_chunk_rows
 from laplace.kronlaplace import KronLaplace
-from laplace.large_output import (
-    OUTPUT_FACTOR_RANK,
-    large_output_structure,
-    variances_only_reason,
-)
+from laplace.large_output import OUTPUT_FACTOR_RANK, variances_only_reason
 from laplace.last_layer import (
     cat_output_curvatures,
     diag_curvature,
-    diag_head_variance,
     full_curvature,
-    full_head_variance,
-    head_jacobians,
     kron_curvature,
-    kron_head_variance,
     output_curvature,
 )
+from laplace.last_layer_mixin import LastLayerMixin
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.posteriors import Posterior
+from laplace.posteriors.structured_kron import large_output_structure
 from laplace.serialization import check_state_dict
-from laplace.subsets import LastLayerMixin
 from laplace.utils.enums import Likelihood
 from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
 
@@ -239,47 +232,15 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         raise NotImplementedError
 
     # --------------------------------------------------------------------------- predictive
-    @staticmethod
-    def _head_variance(posterior: Any, phi: Tensor, n_out: int, bias: bool) -> Tensor:
-        """Closed-form ``Jₙ P⁻¹ Jₙᵀ`` (B, C, C) of the head from features (B, D).
-
-        Above the large-output threshold only the variances (B, C).
-        """
-        raise NotImplementedError
-
     def _output_variances_only(self) -> str | None:
         return variances_only_reason(self.n_outputs)
 
     def _chunk_rows(self) -> int:
-        # The closed forms hold about C·P numbers per test point, like a Jacobian row; with
-        # output variances only about C·(D + 1).
+        # With output variances only, the closed forms hold about C·(D + 1) numbers per point.
         if self._output_variances_only():
             n_in = self._subset.layer.in_features
             return jacobian_chunk_rows(self.n_outputs, n_in + 1, self._dtype)
-        return ParametricLaplace._chunk_rows(self)
-
-    def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
-        context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
-        with context:
-            f, phi = self._subset.outputs_and_features(X)
-            if not _one_row_per_point(f, phi):
-                return super()._functional_moments(X)
-            bias = self._subset.layer.bias is not None
-            f_var = self._head_variance(self._posterior, phi, f.shape[-1], bias)
-        if not self.enable_backprop:
-            f, f_var = f.detach(), f_var.detach()
-        return f, f_var
-
-    def _jacobians(self, X: Inputs) -> tuple[Tensor, Tensor]:
-        context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
-        with context:
-            f, phi = self._subset.outputs_and_features(X)
-            if not _one_row_per_point(f, phi):
-                return super()._jacobians(X)
-            Js = head_jacobians(phi, f.shape[-1], self._subset.layer.bias is not None)
-        if not self.enable_backprop:
-            f, Js = f.detach(), Js.detach()
-        return Js, f
+        return super()._chunk_rows()
 
     def functional_variance_fast(self, X: Inputs) -> tuple[Tensor, Tensor]:
         """Output means (B, C) and variances (B, C) of the GLM predictive, from the features.
@@ -326,8 +287,6 @@ class FullLLLaplace(LLLaplace, FullLaplace):
     def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Tensor:
         return full_curvature(phi, M, bias)
 
-    _head_variance = staticmethod(full_head_variance)
-
 
 class DiagLLLaplace(LLLaplace, DiagLaplace):
     """Last-layer Laplace with a diagonal curvature of the head."""
@@ -337,8 +296,6 @@ class DiagLLLaplace(LLLaplace, DiagLaplace):
     @staticmethod
     def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Tensor:
         return diag_curvature(phi, M, bias)
-
-    _head_variance = staticmethod(diag_head_variance)
 
 
 class KronLLLaplace(LLLaplace, KronLaplace):
@@ -391,5 +348,3 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         self, phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float
     ) -> Any:
         return kron_curvature(phi, M, bias, n_data, factor, self.output_factor_rank)
-
-    _head_variance = staticmethod(kron_head_variance)

@@ -24,14 +24,13 @@ from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.curvature.eigen import SOLVERS, STARTS, top_eigenpairs
 from laplace.curvature.products import curvature_product
-from laplace.data import Inputs, batch_size_of, check_outputs
+from laplace.data import batch_size_of, check_outputs
 from laplace.errors import (
     check_bool,
     check_finite_result,
     check_int_at_least,
     check_positive_int,
 )
-from laplace.kron_glm import layerwise_chunk_rows, lowrank_functional_moments
 from laplace.parametric import ParametricLaplace
 from laplace.posterior_scale import PosteriorScaleMixin
 from laplace.posteriors.lowrank import LowRankPosterior
@@ -201,20 +200,6 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         The precision is ``U @ diag(h·λ) @ U.T + diag(p₀)``.
         """
         return self._posterior.precision
-
-    def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
-        posterior = self._posterior
-        trace = self.backend.trace(X, create_graph=self.enable_backprop)
-        moments = lowrank_functional_moments(
-            trace, posterior.prior_diag, posterior.woodbury_basis, self.enable_backprop
-        )
-        if moments is None:
-            return super()._functional_moments(X)
-        f_mu, f_var = moments
-        return (f_mu, f_var) if self.enable_backprop else (f_mu.detach(), f_var.detach())
-
-    def _chunk_rows(self) -> int:
-        return layerwise_chunk_rows(self.model, self.params, super()._chunk_rows())
 
     @property
     def V(self) -> Tensor:

@@ -11,10 +11,8 @@ import torch
 from torch import Tensor
 
 from laplace.base import BaseLaplace
-from laplace.data import Inputs
 from laplace.errors import NotFittedError, check_generator, check_positive_int
 from laplace.glm import GLMPredictiveMixin
-from laplace.kron_glm import diag_functional_moments, layerwise_chunk_rows
 from laplace.parametric_fit import CurvatureFitMixin
 from laplace.per_output import noise_structure
 from laplace.posterior_scale import PosteriorScaleMixin
@@ -291,23 +289,11 @@ class DiagLaplace(ParametricLaplace):
     """Laplace approximation with a diagonal curvature and posterior precision (P,).
 
     The GLM predictive of networks made of Linear and Conv layers is computed without Jacobians
-    (:func:`laplace.kron_glm.diag_functional_moments`); other layers use the Jacobian route.
+    (:func:`laplace.kron_glm.diag_functional_variance`); other layers use the Jacobian rows of
+    the same recorded pass.
     """
 
     _posterior_cls = DiagonalPosterior
-
-    def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
-        trace = self.backend.trace(X, create_graph=self.enable_backprop)
-        moments = diag_functional_moments(trace, self.posterior_precision, self.enable_backprop)
-        if moments is None:
-            return super()._functional_moments(X)
-        f_mu, f_var = moments
-        if not self.enable_backprop:
-            f_mu, f_var = f_mu.detach(), f_var.detach()
-        return f_mu, f_var
-
-    def _chunk_rows(self) -> int:
-        return layerwise_chunk_rows(self.model, self.params, super()._chunk_rows())
 
     @property
     def posterior_scale(self) -> Tensor:

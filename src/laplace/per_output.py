@@ -22,7 +22,7 @@ diagonal in them) and is refused, and so are low-rank and function-space posteri
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any, ClassVar
 
@@ -31,7 +31,9 @@ from torch import Tensor
 
 from laplace.curvature import CurvatureInterface, GGNInterface
 from laplace.curvature.kfac import kfac
+from laplace.jacobians import Jacobian
 from laplace.posteriors import DensePosterior, DiagonalPosterior, KronPosterior, Posterior
+from laplace.posteriors.base import ClosedForm
 from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = ["OutputKron", "PerOutputPosterior", "noise_structure"]
@@ -154,9 +156,18 @@ class PerOutputPosterior(Posterior):
         """``Δᵀ P Δ``."""
         return self.inner.square_form(delta)
 
-    def functional_variance(self, Js: Tensor) -> Tensor:
+    @property
+    def closed_forms(self) -> Mapping[type[Jacobian], ClosedForm]:  # type: ignore[override]
+        """The base structure's closed forms of ``J P⁻¹ Jᵀ``."""
+        return self.inner.closed_forms
+
+    def functional_variance(self, J: Tensor | Jacobian) -> Tensor:
+        """``J P⁻¹ Jᵀ`` per point (B, C, C), for any Jacobian kind (see the base structure)."""
+        return self.inner.functional_variance(J)
+
+    def rows_variance(self, Js: Tensor) -> Tensor:
         """``J P⁻¹ Jᵀ`` per point, (B, C, P) → (B, C, C)."""
-        return self.inner.functional_variance(Js)
+        return self.inner.rows_variance(Js)
 
     def functional_covariance(self, Js: Tensor) -> Tensor:
         """Joint ``J P⁻¹ Jᵀ`` over the rows of ``Js`` (N, P)."""

@@ -29,7 +29,6 @@ from torch import Tensor, nn
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
-from laplace.glm import jacobian_chunk_rows
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.priors import expand_to_diagonal
 from laplace.serialization import check_state_dict
@@ -171,9 +170,6 @@ class SubnetLaplace(ParametricLaplace):
         if value.shape[-1] == self.n_params and self.n_params != self.n_params_subnet:
             value = self._subset.select(value)
         return self._posterior.square_form(value - self.mean_subnet)
-
-    def _chunk_rows(self) -> int:
-        return jacobian_chunk_rows(self.n_outputs, self.n_params_subnet, self._dtype)
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -3,11 +3,14 @@
 ``AllWeights`` covers every parameter with ``requires_grad=True``; ``Subnetwork`` chosen entries
 of their flattened vector; ``LastLayer`` the linear head of a
 :class:`~laplace.utils.feature_extractor.FeatureExtractor`, which may only be found on the first
-forward pass (``resolved`` tells). All implement the same small interface.
+forward pass (``resolved`` tells). All implement the same small interface, including
+``linearize``: the model's outputs and Jacobian in the kind (:mod:`laplace.jacobians`) that suits
+the posterior, for the GLM predictive.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -16,17 +19,19 @@ from torch.func import functional_call
 
 from laplace.data import Inputs
 from laplace.errors import ArgumentTypeError, MetaDeviceError, NotFittedError
-from laplace.utils.feature_extractor import (
-    FeatureExtractor,
-    FeatureReduction,
-    as_feature_extractor,
+from laplace.jacobians import (
+    HeadFeatures,
+    Jacobian,
+    JacobianRows,
+    backend_kind,
+    backend_linearization,
 )
+from laplace.utils.feature_extractor import FeatureExtractor
 
 __all__ = [
     "MISSING_SUBNETWORK_INDICES",
     "AllWeights",
     "LastLayer",
-    "LastLayerMixin",
     "Subnetwork",
     "check_parameters",
     "check_subnetwork_indices",
@@ -151,6 +156,24 @@ class AllWeights(_FlatParameters):
         """Model outputs for each weight sample: thetas (S, P) → (S, B, C)."""
         return torch.stack([self.forward_with(theta, X, **model_kwargs) for theta in thetas])
 
+    def jacobian_kind(self, closed_forms: Collection[type[Jacobian]]) -> type[Jacobian]:
+        """The Jacobian kind :meth:`linearize` returns, given the posterior's closed forms."""
+        return backend_kind(closed_forms)
+
+    def linearize(
+        self, X: Inputs, backend: Any, closed_forms: Collection[type[Jacobian]], backprop: bool
+    ) -> tuple[Tensor, Jacobian]:
+        """Outputs ``f`` (B, C) and Jacobian ``J`` of the model from one forward pass.
+
+        Args:
+            X: Inputs (B, ...), or a dict-like batch.
+            backend: The curvature backend over these parameters.
+            closed_forms: The Jacobian kinds the posterior has closed forms for.
+            backprop: Keep the results differentiable w.r.t. the inputs.
+        """
+        kind = self.jacobian_kind(closed_forms)
+        return backend_linearization(backend, X, kind, backprop)
+
 
 def check_subnetwork_indices(indices: Any, n_params: int) -> Tensor:
     """Validate subnetwork indices into a flattened parameter vector of length ``n_params``.
@@ -225,6 +248,10 @@ class Subnetwork(AllWeights):
         full = theta.expand(len(subnet_values), -1).clone()
         full[:, self.indices] = subnet_values
         return full
+
+    def jacobian_kind(self, closed_forms: Collection[type[Jacobian]]) -> type[Jacobian]:
+        """Dense rows: the layer-wise closed forms cover whole parameter tensors only."""
+        return JacobianRows
 
 
 class LastLayer(_FlatParameters):
@@ -309,54 +336,37 @@ class LastLayer(_FlatParameters):
     def forward_samples(self, thetas: Tensor, X: Inputs, **model_kwargs: Any) -> Tensor:
         """Outputs for head samples thetas (S, P) → (S, B, C), from one feature pass."""
         f, phi = self.outputs_and_features(X, **model_kwargs)
-        if phi.dim() == 2 and phi.shape[0] == f.shape[0]:
+        if self.one_row_per_point(f, phi):
             return self.head(thetas, phi)
         net = self.model.model
         return torch.stack(
             [functional_call(net, self.unflatten(t), (X,), model_kwargs) for t in thetas]
         )
 
+    @staticmethod
+    def one_row_per_point(f: Tensor, phi: Tensor) -> bool:
+        """Whether the head maps each data point's features φ (B, D) to its outputs (B, C).
 
-class LastLayerMixin:
-    """Hooks of the Laplace classes over the last layer: wrap the model, use its head's weights.
+        Otherwise (sequence features (B, T, D), reward pairs reshaped to (2B, D) inside the
+        model) the closed forms in the features do not apply.
+        """
+        return phi.dim() == 2 and phi.shape[0] == f.shape[0]
 
-    The class sets ``self._feature_options = (last_layer_name, feature_reduction)`` before
-    :class:`~laplace.base.BaseLaplace` builds it; ``la.model`` is then a
-    :class:`~laplace.utils.feature_extractor.FeatureExtractor` and the backend works on the
-    last layer.
-    """
+    def jacobian_kind(self, closed_forms: Collection[type[Jacobian]]) -> type[Jacobian]:
+        """The head's features (when it sees one row per data point)."""
+        return HeadFeatures
 
-    _feature_options: tuple[str | None, FeatureReduction | str | None]
-    model: FeatureExtractor
+    def linearize(
+        self, X: Inputs, backend: Any, closed_forms: Collection[type[Jacobian]], backprop: bool
+    ) -> tuple[Tensor, Jacobian]:
+        """Outputs ``f`` (B, C) and the head's features φ (B, D), from one forward pass.
 
-    def _prepare_model(self, model: nn.Module) -> FeatureExtractor:
-        return as_feature_extractor(model, *self._feature_options)
-
-    def _make_subset(self, model: FeatureExtractor) -> LastLayer:
-        return LastLayer(model)
-
-    def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {**backend_kwargs, "last_layer": True}
-
-    def _transaction_parts(self) -> tuple[Any, ...]:
-        # A failed fit forgets a last layer it found (the extractor holds it).
-        return (*super()._transaction_parts(), self.model)
-
-    @property
-    def last_layer_name(self) -> str | None:
-        """Name of the last layer in the model (None until it is found)."""
-        return self.model.last_layer_name
-
-    @property
-    def feature_reduction(self) -> FeatureReduction | None:
-        """How features of shape (B, ..., D) are reduced to (B, D); see ``FeatureExtractor``."""
-        return self.model.feature_reduction
-
-    @property
-    def enable_backprop(self) -> bool:
-        """Keep predictives (and the features) differentiable w.r.t. the inputs."""
-        return self.model.enable_backprop
-
-    @enable_backprop.setter
-    def enable_backprop(self, value: bool) -> None:
-        self.model.enable_backprop = bool(value)
+        A head that sees several rows per data point takes what the backend linearises into
+        instead (:func:`~laplace.jacobians.backend_linearization`). Arguments as for
+        :meth:`AllWeights.linearize`.
+        """
+        with torch.enable_grad() if backprop else torch.no_grad():
+            f, phi = self.outputs_and_features(X)
+        if self.one_row_per_point(f, phi):
+            return f, HeadFeatures(phi, f.shape[-1], self.layer.bias is not None)
+        return backend_linearization(backend, X, backend_kind(closed_forms), backprop)

@@ -14,7 +14,7 @@ from laplace.base import arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.data import move_inputs, split_batch
 from laplace.functional.sod import FunctionalLaplace
-from laplace.subsets import LastLayerMixin
+from laplace.last_layer_mixin import LastLayerMixin
 from laplace.utils.enums import Likelihood
 from laplace.utils.feature_extractor import FeatureReduction
 

@@ -5,18 +5,29 @@ over batches, and the Gaussian posterior ``N(θ_MAP, P⁻¹)`` with ``P = h·H +
 curvature ``H``, the likelihood factor ``h = 1/(σ²T)`` and the prior precision ``p₀`` are known.
 Predictives, the marginal likelihood and hyperparameter tuning only talk to this interface, so they
 never branch on the structure.
+
+The functional variance ``J P⁻¹ Jᵀ`` is a double dispatch: a parameter subset linearises the model
+into one of a few Jacobian kinds (:mod:`laplace.jacobians`), and each structure maps the kinds it
+has a closed form for to that closed form (``closed_forms``); any other kind, or a closed form
+that does not apply (returns None), goes through the kind's dense rows
+(:meth:`Posterior.rows_variance`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["NotPositiveDefiniteError", "Posterior"]
+from laplace.jacobians import Jacobian
+
+__all__ = ["ClosedForm", "NotPositiveDefiniteError", "Posterior"]
+
+#: ``J P⁻¹ Jᵀ`` (B, C, C) of a posterior for one Jacobian kind, or None where it does not apply.
+ClosedForm = Callable[[Any, Any], Tensor | None]
 
 
 class NotPositiveDefiniteError(RuntimeError):
@@ -31,6 +42,9 @@ class Posterior(ABC):
         h_factor: Scalar likelihood factor ``h = 1/(σ²T)``, shape () or (1,).
         prior_diag: Diagonal of the prior precision, shape (P,).
     """
+
+    #: Closed forms of ``J P⁻¹ Jᵀ`` by Jacobian kind; other kinds go through their dense rows.
+    closed_forms: ClassVar[Mapping[type[Jacobian], ClosedForm]] = {}
 
     def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
         self.H = H
@@ -83,9 +97,22 @@ class Posterior(ABC):
     def square_form(self, delta: Tensor) -> Tensor:
         """``Δᵀ P Δ`` for ``delta`` of shape (P,), a scalar."""
 
+    def functional_variance(self, J: Tensor | Jacobian) -> Tensor:
+        """``J P⁻¹ Jᵀ`` per point, shape (B, C, C).
+
+        Args:
+            J: Dense Jacobian rows (B, C, P), or a Jacobian kind: its closed form in
+                ``closed_forms`` where there is one that applies, else its dense rows.
+        """
+        if isinstance(J, Tensor):
+            return self.rows_variance(J)
+        closed_form = self.closed_forms.get(type(J))
+        f_var = None if closed_form is None else closed_form(self, J)
+        return self.rows_variance(J.dense()) if f_var is None else f_var
+
     @abstractmethod
-    def functional_variance(self, Js: Tensor) -> Tensor:
-        """``J P⁻¹ Jᵀ`` per point: ``Js`` (B, C, P) → (B, C, C)."""
+    def rows_variance(self, Js: Tensor) -> Tensor:
+        """``J P⁻¹ Jᵀ`` per point from dense Jacobian rows: ``Js`` (B, C, P) → (B, C, C)."""
 
     @abstractmethod
     def functional_covariance(self, Js: Tensor) -> Tensor:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
 from laplace.errors import TooLargeError
-from laplace.posteriors.base import NotPositiveDefiniteError, Posterior
+from laplace.jacobians import HeadFeatures, Jacobian
+from laplace.last_layer import full_head_variance
+from laplace.posteriors.base import ClosedForm, NotPositiveDefiniteError, Posterior
 
 __all__ = ["DensePosterior", "check_dense_size", "device_memory"]
 
@@ -43,12 +45,19 @@ def check_dense_size(n_params: int, dtype: torch.dtype, device: torch.device) ->
         )
 
 
+def _head_variance(posterior: DensePosterior, J: HeadFeatures) -> Tensor:
+    return full_head_variance(posterior.covariance, J.phi, J.n_out, J.bias)
+
+
 class DensePosterior(Posterior):
     """Full-covariance Gaussian posterior, factorised once by a Cholesky decomposition.
 
     ``log det P``, ``J P⁻¹ Jᵀ`` and samples all reuse the lower Cholesky factor ``L`` of
-    ``P = L Lᵀ``; the covariance ``P⁻¹`` and its scale are built only when asked for.
+    ``P = L Lᵀ``; the covariance ``P⁻¹`` and its scale are built only when asked for (the
+    functional variance of a linear head's features uses the covariance).
     """
+
+    closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {HeadFeatures: _head_variance}
 
     @override
     @staticmethod
@@ -114,7 +123,7 @@ class DensePosterior(Posterior):
         return torch.linalg.solve_triangular(self.cholesky, flat, upper=False)
 
     @override
-    def functional_variance(self, Js: Tensor) -> Tensor:
+    def rows_variance(self, Js: Tensor) -> Tensor:
         B, C, _ = Js.shape
         W = self._whitened(Js).T.reshape(B, C, -1)
         return W @ W.transpose(1, 2)

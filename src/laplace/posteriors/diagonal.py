@@ -4,19 +4,39 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from laplace.posteriors.base import Posterior
+from laplace.jacobians import HeadFeatures, Jacobian, LayerTrace
+from laplace.kron_glm import diag_functional_variance
+from laplace.last_layer import diag_head_variance
+from laplace.posteriors.base import ClosedForm, Posterior
 
 __all__ = ["DiagonalPosterior"]
 
 
+def _head_variance(posterior: DiagonalPosterior, J: HeadFeatures) -> Tensor:
+    return diag_head_variance(posterior.variance, J.phi, J.n_out, J.bias)
+
+
+def _trace_variance(posterior: DiagonalPosterior, J: LayerTrace) -> Tensor | None:
+    return diag_functional_variance(J.trace, posterior.precision, J.trace.create_graph)
+
+
 class DiagonalPosterior(Posterior):
-    """Gaussian posterior with independent parameters; every operation is O(P) per row."""
+    """Gaussian posterior with independent parameters; every operation is O(P) per row.
+
+    The functional variance of a recorded pass over Linear and Conv layers needs no Jacobian
+    (:func:`laplace.kron_glm.diag_functional_variance`).
+    """
+
+    closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {
+        HeadFeatures: _head_variance,
+        LayerTrace: _trace_variance,
+    }
 
     @override
     @staticmethod
@@ -54,7 +74,7 @@ class DiagonalPosterior(Posterior):
         return (delta.square() * self.precision).sum()
 
     @override
-    def functional_variance(self, Js: Tensor) -> Tensor:
+    def rows_variance(self, Js: Tensor) -> Tensor:
         scaled = Js * self.variance
         return scaled @ Js.transpose(1, 2)
 

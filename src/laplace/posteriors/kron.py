@@ -10,16 +10,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from laplace.posteriors.base import Posterior
+from laplace.jacobians import HeadFeatures, Jacobian, LayerTrace
+from laplace.kron_glm import kron_functional_variance
+from laplace.last_layer import kron_head_variance
+from laplace.posteriors.base import ClosedForm, Posterior
 from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = ["KronPosterior"]
+
+
+def _head_variance(posterior: KronPosterior, J: HeadFeatures) -> Tensor:
+    return kron_head_variance(posterior.precision, J.phi, J.n_out, J.bias)
+
+
+def _trace_variance(posterior: KronPosterior, J: LayerTrace) -> Tensor | None:
+    return kron_functional_variance(J.trace, posterior.precision, J.trace.create_graph)
 
 
 class KronPosterior(Posterior):
@@ -28,13 +39,21 @@ class KronPosterior(Posterior):
     The prior must be constant on every block (a scalar or one value per parameter tensor); the
     per-block value ``δ`` is read from ``prior_diag`` at the first entry of each block, so it stays
     differentiable. ``log det P``, ``J P⁻¹ Jᵀ``, ``Δᵀ P Δ`` and samples
-    ``P^{-1/2} z`` cost a few products with the eigenvector matrices of each block.
+    ``P^{-1/2} z`` cost a few products with the eigenvector matrices of each block; ``J P⁻¹ Jᵀ``
+    of a recorded pass or of a linear head's features needs no Jacobian
+    (:func:`laplace.kron_glm.kron_functional_variance`,
+    :func:`laplace.last_layer.kron_head_variance`).
 
     Args:
         H: Fitted curvature, a ``KronDecomposed`` (a ``Kron`` is decomposed without damping).
         h_factor: Scalar likelihood factor ``h = 1/(σ²T)``.
         prior_diag: Prior precision expanded to the diagonal, shape (P,), block-wise constant.
     """
+
+    closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {
+        HeadFeatures: _head_variance,
+        LayerTrace: _trace_variance,
+    }
 
     def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
         if isinstance(H, Kron):
@@ -85,7 +104,7 @@ class KronPosterior(Posterior):
         return delta @ self.precision.bmm(delta, exponent=1)
 
     @override
-    def functional_variance(self, Js: Tensor) -> Tensor:
+    def rows_variance(self, Js: Tensor) -> Tensor:
         return self.precision.inv_square_form(Js)
 
     @override

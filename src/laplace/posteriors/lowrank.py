@@ -19,19 +19,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from laplace.posteriors.base import Posterior
+from laplace.jacobians import Jacobian, LayerTrace
+from laplace.kron_glm import lowrank_functional_variance
+from laplace.posteriors.base import ClosedForm, Posterior
 
 __all__ = ["LowRankPosterior"]
 
 
+def _trace_variance(posterior: LowRankPosterior, J: LayerTrace) -> Tensor | None:
+    return lowrank_functional_variance(
+        J.trace, posterior.prior_diag, posterior.woodbury_basis, J.trace.create_graph
+    )
+
+
 class LowRankPosterior(Posterior):
     """Gaussian posterior whose curvature is ``U diag(λ) Uᵀ``: ``H = (U (P, k), λ (k,))``."""
+
+    closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {LayerTrace: _trace_variance}
 
     @override
     @staticmethod
@@ -103,7 +113,7 @@ class LowRankPosterior(Posterior):
         return torch.linalg.solve_triangular(self.capacitance_cholesky, scaled.T, upper=False).T
 
     @override
-    def functional_variance(self, Js: Tensor) -> Tensor:
+    def rows_variance(self, Js: Tensor) -> Tensor:
         JZ = Js @ self.woodbury_basis
         return (Js / self.prior_diag) @ Js.transpose(1, 2) - JZ @ JZ.transpose(1, 2)
 

@@ -17,11 +17,18 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from laplace import large_output
+from laplace.jacobians import HeadFeatures, Jacobian
+from laplace.posteriors.base import ClosedForm, Posterior
 from laplace.posteriors.kron import KronPosterior
 from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.structured_kron import StructuredKron
 
-__all__ = ["StructuredKronPosterior", "structured_kron_posterior"]
+__all__ = ["StructuredKronPosterior", "large_output_structure", "structured_kron_posterior"]
+
+
+def _head_variance(posterior: StructuredKronPosterior, J: HeadFeatures) -> Tensor:
+    return large_output.kron_head_variance(posterior.precision, J.phi, J.n_out, J.bias)
 
 
 class StructuredKronPosterior(KronPosterior):
@@ -34,6 +41,8 @@ class StructuredKronPosterior(KronPosterior):
 
     #: Largest number of low-rank columns of an output factor kept while summing.
     max_rank: ClassVar[int | None] = None
+    #: Output variances (B, C) of a linear head (the only Jacobian kind of a last layer).
+    closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {HeadFeatures: _head_variance}
 
     @override
     @classmethod
@@ -80,3 +89,17 @@ class StructuredKronPosterior(KronPosterior):
 def structured_kron_posterior(max_rank: int | None) -> type[StructuredKronPosterior]:
     """The :class:`StructuredKronPosterior` that keeps at most ``max_rank`` low-rank columns."""
     return type("StructuredKronPosterior", (StructuredKronPosterior,), {"max_rank": max_rank})
+
+
+def large_output_structure(
+    structure: type[Posterior], n_outputs: int, rank: int | None
+) -> type[Posterior]:
+    """The posterior structure of a last layer with ``n_outputs`` outputs.
+
+    Above :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` a Kronecker posterior gets
+    structured output factors keeping at most ``rank`` low-rank columns; dense and diagonal
+    posteriors are unchanged (their closed forms take the structured output curvatures).
+    """
+    if large_output.is_large_output(n_outputs) and structure is KronPosterior:
+        return structured_kron_posterior(rank)
+    return structure
