@@ -7,7 +7,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import CASE_BUILDERS, DictDataset, assert_close
-from laplace import FullLaplace
+from laplace import FullLaplace, Laplace, marglik_training
+from laplace.curvature import CurvlinopsGGN
 from laplace.data_loop import DataLoop, Gather, subset_loader, training_indices
 
 CPU = torch.device("cpu")
@@ -86,6 +87,19 @@ def test_cycle_restarts_the_loader_and_refuses_an_empty_one():
         list(DataLoop(None, "labels", CPU).cycle(empty, 2))
 
 
+def test_passes_is_re_iterable_with_prepared_batches_and_a_step():
+    data = DataLoader(DictDataset(torch.arange(6.0).reshape(3, 2), torch.arange(3)), batch_size=2)
+    passes = DataLoop("input_ids", "labels", CPU).passes(data, lambda X, y: (X["input_ids"], y))
+    first, second = list(passes), list(passes)
+    assert [y.tolist() for _, y in first] == [[0, 1], [2]]
+    for (X1, y1), (X2, y2) in zip(first, second, strict=True):
+        assert_close(X1, X2)
+        assert torch.equal(y1, y2)
+    bad = DataLoader(TensorDataset(torch.full((2, 2), float("nan")), torch.zeros(2)))
+    with pytest.raises(ValueError, match="NaN"):
+        list(DataLoop(None, "labels", CPU).passes(bad))
+
+
 def test_training_indices_and_subset_loader():
     data = loader(10, 3)
     assert training_indices(data).tolist() == list(range(10))
@@ -93,8 +107,9 @@ def test_training_indices_and_subset_loader():
     assert [y.tolist() for _, y in subset] == [[7, 2, 5]]
 
 
-def test_the_parametric_fit_is_one_pass_of_the_data_loop(monkeypatch):
-    case = CASE_BUILDERS["mlp_regression_1out"]()
+@pytest.fixture
+def loop_runs(monkeypatch) -> list[str]:
+    """The class names of the data loops run, in order."""
     runs = []
     original = DataLoop.run
 
@@ -103,5 +118,37 @@ def test_the_parametric_fit_is_one_pass_of_the_data_loop(monkeypatch):
         return original(self, data)
 
     monkeypatch.setattr(DataLoop, "run", counted)
+    return runs
+
+
+def test_the_parametric_fit_is_one_pass_of_the_data_loop(loop_runs):
+    case = CASE_BUILDERS["mlp_regression_1out"]()
     FullLaplace(case.model, "regression").fit(case.loader())
-    assert runs == ["CurvatureSum"]
+    assert loop_runs == ["CurvatureSum"]
+
+
+@pytest.mark.parametrize(
+    ("subset", "structure", "expected"),
+    [
+        ("all", "kron", ["CurvatureSum"]),
+        ("subnetwork", "full", ["CurvatureSum"]),
+        ("last_layer", "full", ["HeadCurvatureSum"]),
+        ("all", "lowrank", ["TopEigenpairs"]),
+    ],
+)
+def test_every_fit_is_one_pass_of_the_data_loop(loop_runs, subset, structure, expected):
+    case = CASE_BUILDERS["mlp_classification"]()
+    kwargs = {"subnetwork_indices": torch.arange(0, 30, 3)} if subset == "subnetwork" else {}
+    Laplace(case.model, case.likelihood, subset, structure, **kwargs).fit(case.loader())
+    assert loop_runs == expected
+
+
+def test_marglik_training_epochs_are_data_loops(loop_runs):
+    case = CASE_BUILDERS["mlp_classification"]()
+    model = case.model.float()
+    data = DataLoader(TensorDataset(case.X.float(), case.y), batch_size=5)
+    marglik_training(
+        model, data, hessian_structure="diag", backend=CurvlinopsGGN, n_epochs=2, n_hypersteps=1
+    )
+    epoch = ["TrainingEpoch", "CurvatureSum"]  # training, then the Laplace fit for the marglik
+    assert loop_runs == [*epoch, *epoch, "CurvatureSum"]

@@ -129,3 +129,16 @@ def test_bad_options():
         marglik_training(mlp(), sinusoid(10), "regression", prior_structure="blocks")
     with pytest.raises(ValueError, match="marglik_frequency"):
         marglik_training(mlp(), sinusoid(10), "regression", marglik_frequency=0)
+
+
+def test_a_diverging_training_loss_is_refused_naming_the_training():
+    class Exploding(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(1, 1)
+
+        def forward(self, x):
+            return self.linear(x) * float("inf")
+
+    with pytest.raises(RuntimeError, match="marglik training contains NaN or inf"):
+        marglik_training(Exploding(), sinusoid(20), "regression", "diag", n_epochs=1)

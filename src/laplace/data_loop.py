@@ -14,7 +14,8 @@ Every pass over a ``DataLoader`` does the same things around the work that diffe
 :class:`DataLoop` is that template method; a loop implements :meth:`DataLoop.step` (the
 statistics of one batch) and overrides the other hooks where it differs. :class:`Gather` keeps
 per-batch values and concatenates them instead of summing. :meth:`DataLoop.batches` is steps
-1–2 alone, and :meth:`DataLoop.cycle` the loop of an optimiser that takes one batch per step.
+1–2 alone, :meth:`DataLoop.cycle` the loop of an optimiser that takes one batch per step, and
+:meth:`DataLoop.passes` a re-iterable of the batches for solvers that take several passes.
 
 Transactional calls (:mod:`laplace.transaction`) rely on the loop accumulating into the fresh
 value :meth:`DataLoop.start` returns (in place is fine there) and returning it: the caller
@@ -31,7 +32,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -139,6 +140,20 @@ class DataLoop:
                 raise ValueError(self.empty_message or "the data loader yielded no batches.")
             yield batch
 
+    def passes(
+        self, loader: DataLoader, step: Callable[[Inputs, Tensor], Any] | None = None
+    ) -> Iterable[Any]:
+        """A re-iterable of the prepared batches: every iteration is one more pass over them.
+
+        For solvers that go over the data several times (the eigensolvers of low-rank
+        Laplace, curvlinops' operators); no progress bar.
+
+        Args:
+            loader: The data loader.
+            step: What to yield per batch, ``(X, y) -> value``; None: ``(X, y)``.
+        """
+        return _Passes(self, loader, step)
+
     def run(self, loader: DataLoader) -> Any:
         """One pass over ``loader``; returns :meth:`finish` of the accumulated statistics.
 
@@ -225,6 +240,19 @@ class Gather(DataLoop):
     def finish(self, total: list[tuple[Any, ...]]) -> tuple[Any, ...]:
         """Each value concatenated over the batches."""
         return tuple(concatenate_rows(list(field)) for field in zip(*total, strict=True))
+
+
+class _Passes:
+    """See :meth:`DataLoop.passes`."""
+
+    def __init__(
+        self, loop: DataLoop, loader: DataLoader, step: Callable[[Inputs, Tensor], Any] | None
+    ) -> None:
+        self.loop, self.loader, self.step = loop, loader, step
+
+    def __iter__(self) -> Iterator[Any]:
+        for X, y in self.loop.batches(self.loader, progress_bar=False):
+            yield (X, y) if self.step is None else self.step(X, y)
 
 
 def training_indices(loader: DataLoader) -> Tensor:

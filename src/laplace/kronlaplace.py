@@ -8,14 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
-from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature.kfac import check_kfac_support
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors import KronPosterior
-from laplace.utils.diag_lowrank import factor_from_state, factor_shape, factor_state
 from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron, KronDecomposed
 
@@ -90,15 +87,9 @@ class KronLaplace(ParametricLaplace):
         BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
 
     def _init_state(self) -> None:
-        self.H_facs: Kron | None = None
         super()._init_state()
         if self.params is not None:
             check_kfac_support(self.model, self.params)
-
-    def _init_H(self) -> None:
-        """Reset ``H`` to zero Kronecker factors (and forget the fitted ``H_facs``)."""
-        self.H_facs = None
-        super()._init_H()
 
     @BaseLaplace.prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
@@ -112,66 +103,21 @@ class KronLaplace(ParametricLaplace):
                 "eigenbasis; use hessian_structure='diag' or 'full' for one."
             )
 
-    def fit(
-        self,
-        train_loader: DataLoader,
-        override: bool = True,
-        progress_bar: bool = False,
-        distributed: bool | None = None,
-    ) -> None:
-        """Sum the KFAC factors over ``train_loader``; ``H`` is their deferred eigendecomposition.
+    @property
+    def H_facs(self) -> Kron | None:
+        """The Kronecker factors summed over the data (None before :meth:`fit`).
 
-        With ``override=False`` the factors of earlier fits are kept: input factors are
-        normalised by the total data count, so the result equals one fit on all the data.
-
-        Args:
-            train_loader: See :meth:`ParametricLaplace.fit`.
-            override: Start from zero (True) or add to the previous fit.
-            progress_bar: Show a progress bar over batches.
-            distributed: See :meth:`ParametricLaplace.fit`.
+        ``H`` is their eigendecomposition; with ``fit(override=False)`` the factors of the
+        earlier fits are kept (input factors renormalised by the total data count), so the
+        result equals one fit on all the data.
         """
-        if not override and self.H_facs is not None:
-            self._distributed = distributed_utils.resolve(distributed, train_loader)
-            n_old = self.n_data
-            self.H = self._rescale_inputs(
-                self.H_facs, n_old / (n_old + self._data_count(train_loader))
-            )
-        super().fit(train_loader, override, progress_bar, distributed)
-        self.H_facs = self.H
-        self.H = self.H_facs.decompose(damping=self.damping, deferred=True)
+        return self._posterior_cls.factors(self.H) if self._fitted else None
 
-    @staticmethod
-    def _rescale_inputs(H: Kron, scale: float) -> Kron:
-        """Copy of ``H`` with the input factor of every weight block scaled by ``scale``."""
-        return type(H)([[F[0], F[1] * scale] if len(F) == 2 else list(F) for F in H.kfacs])
+    @property
+    def _structure_options(self) -> dict[str, Any]:
+        return {"damping": self.damping}
 
     @property
     def posterior_precision(self) -> KronDecomposed:
         """Posterior precision ``H/(σ²T) + δ`` as a ``KronDecomposed``."""
         return self._posterior.precision
-
-    # ----------------------------------------------------------------------------- state
-    def _curvature_state(self) -> list[list[Tensor]]:
-        factors = self.H_facs if self.H_facs is not None else self.H
-        return [[factor_state(F) for F in block] for block in factors.kfacs]
-
-    def _load_curvature_state(self, state: Any) -> KronDecomposed:
-        zeros = self._posterior_cls.zeros(self.params)
-        shapes = [[tuple(F.shape) for F in block] for block in zeros.kfacs]
-        if not isinstance(state, list) or not all(
-            isinstance(block, list) and all(isinstance(F, Tensor | dict) for F in block)
-            for block in state
-        ):
-            raise ValueError("state_dict['H'] must be a list of lists of Kronecker factors.")
-        found = [[factor_shape(F) for F in block] for block in state]
-        if found != shapes:
-            raise ValueError(
-                f"state_dict['H'] has Kronecker factors of shapes {found}, expected {shapes}."
-            )
-        self.H_facs = type(zeros)(
-            [
-                [factor_from_state(F, like) for F, like in zip(block, zero_block)]
-                for block, zero_block in zip(state, zeros.kfacs)
-            ]
-        )
-        return self.H_facs.decompose(damping=self.damping)

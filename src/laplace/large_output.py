@@ -34,7 +34,6 @@ import torch
 from torch import Tensor
 
 from laplace.curvature import CurvatureInterface, GGNInterface
-from laplace.likelihoods import LikelihoodModel
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.structured_kron import StructuredKron, StructuredKronDecomposed
 
@@ -78,24 +77,21 @@ def variances_only_reason(n_outputs: int) -> str | None:
     )
 
 
-def output_curvatures(
-    backend: CurvatureInterface, likelihood: LikelihoodModel, f: Tensor, y: Tensor
-) -> DiagLowRankBatch:
+def output_curvatures(backend: CurvatureInterface, f: Tensor, y: Tensor) -> DiagLowRankBatch:
     """A backend's per-point output curvatures ``Mₙ`` as ``diag(dₙ) + s·Vₙ Vₙᵀ``.
 
-    The exact GGN takes the likelihood's own form (its ``structured_output_hessian``:
-    ``(p, p, −1)`` for a softmax, O(C) per point instead of C − 1 columns of C); other
-    curvatures (empirical Fisher, Monte-Carlo GGN) are their few output columns ``vₖ``
-    (``d = 0``, ``s = +1``).
+    The exact GGN takes its likelihood's own form (``structured_output_hessian`` of
+    ``backend.fit_likelihood``: ``(p, p, −1)`` for a softmax, O(C) per point instead of C − 1
+    columns of C); other curvatures (empirical Fisher, Monte-Carlo GGN) are their few output
+    columns ``vₖ`` (``d = 0``, ``s = +1``).
 
     Args:
         backend: A GGN or EF backend with the native curvature routes.
-        likelihood: The likelihood the backend fits (``fit_likelihood``).
         f: Detached outputs of the batch, shape (B, C).
         y: Targets of the batch.
     """
     if isinstance(backend, GGNInterface) and not backend.stochastic:
-        return likelihood.structured_output_hessian(f)
+        return backend.fit_likelihood.structured_output_hessian(f)
     V = torch.stack(list(backend.curvature_columns(f, y)), dim=-1)
     return DiagLowRankBatch(V.new_zeros(V.shape[:2]), V, 1)
 

@@ -22,22 +22,29 @@ functions here hand over to :mod:`laplace.large_output` (output variances (B, C)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from laplace import large_output
+from laplace.curvature import CurvatureInterface
 from laplace.large_output import is_large_output
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = [
+    "DIAG_HEAD_CURVATURE",
+    "FULL_HEAD_CURVATURE",
+    "KRON_HEAD_CURVATURE",
+    "HeadCurvature",
     "cat_output_curvatures",
     "diag_curvature",
     "diag_head_variance",
     "full_curvature",
     "full_head_variance",
+    "head_curvature",
     "head_jacobians",
     "kron_curvature",
     "kron_head_variance",
@@ -46,7 +53,7 @@ __all__ = [
 
 
 def output_curvature(
-    backend: Any, f: Tensor, y: Tensor, likelihood: Any
+    backend: Any, f: Tensor, y: Tensor
 ) -> tuple[Tensor, Tensor | DiagLowRankBatch]:
     """Summed batch loss and output-space curvature ``Mₙ = Σₖ vₙₖ vₙₖᵀ`` of a backend.
 
@@ -55,17 +62,15 @@ def output_curvature(
             ``vₖ`` (``curvature_columns``) define the curvature.
         f: Detached outputs, shape (B, C).
         y: Targets of the batch.
-        likelihood: The likelihood the backend fits (its structured output Hessian serves
-            above the large-output threshold).
 
     Returns:
         The loss (a scalar) and ``M`` of shape (B, C, C), or above the large-output threshold
         a diagonal plus low rank (:func:`laplace.large_output.output_curvatures`).
     """
     if is_large_output(f.shape[-1]):
-        return backend._loss(f, y), large_output.output_curvatures(backend, likelihood, f, y)
+        return backend.batch_loss(f, y), large_output.output_curvatures(backend, f, y)
     V = torch.stack(list(backend.curvature_columns(f, y)), dim=-1)
-    return backend._loss(f, y), V @ V.transpose(1, 2)
+    return backend.batch_loss(f, y), V @ V.transpose(1, 2)
 
 
 def cat_output_curvatures(Ms: list[Tensor | DiagLowRankBatch]) -> Tensor | DiagLowRankBatch:
@@ -122,15 +127,11 @@ def diag_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:
     return torch.cat(parts)
 
 
-def kron_curvature(
-    phi: Tensor,
-    M: Tensor | DiagLowRankBatch,
-    bias: bool,
-    n_data: int,
-    factor: float,
-    max_rank: int | None = None,
-) -> Kron:
+def kron_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Kron:
     """KFAC blocks of a linear head, normalised for a data set of ``n_data`` points.
+
+    (Structured output curvatures have their own closed form,
+    :func:`laplace.large_output.kron_curvature`.)
 
     Args:
         phi: Features, shape (N, D).
@@ -139,16 +140,60 @@ def kron_curvature(
         n_data: Number of data points of the whole data set.
         factor: The backend's loss factor ``c``; blocks are ``[G/√c, √c·A/N]`` as in
             :func:`laplace.curvature.kfac.kfac`.
-        max_rank: For structured output curvatures, the rank kept of ``G``.
     """
-    if isinstance(M, DiagLowRankBatch):
-        return large_output.kron_curvature(phi, M, bias, n_data, factor, max_rank)
     G = M.sum(0)
     root = math.sqrt(factor)
     blocks = [[G / root, (phi.T @ phi) * (root / n_data)]]
     if bias:
         blocks.append([G])
     return Kron(blocks)
+
+
+#: A closed form ``(φ (N, D), M (N, C, C), bias, n_data, factor) -> curvature`` of the head in a
+#: structure's form, with the backend route (``"full"``, ``"diag"``, ``"kron"``) it equals.
+HeadCurvature = tuple[str, Callable[..., Any]]
+
+#: The closed forms of the head's curvature; a posterior structure names its own as its
+#: ``head_curvature`` class attribute.
+FULL_HEAD_CURVATURE: HeadCurvature = (
+    "full",
+    lambda phi, M, bias, n_data, factor: full_curvature(phi, M, bias),
+)
+DIAG_HEAD_CURVATURE: HeadCurvature = (
+    "diag",
+    lambda phi, M, bias, n_data, factor: diag_curvature(phi, M, bias),
+)
+KRON_HEAD_CURVATURE: HeadCurvature = ("kron", kron_curvature)
+
+
+def head_curvature(structure: type, backend: Any) -> Callable[..., Any] | None:
+    """The closed form of the backend's curvature of a linear head in ``structure``'s form.
+
+    One exists where the backend's route for the structure is the native one of
+    :class:`~laplace.curvature.CurvatureInterface`, ``Σₙ Jₙᵀ Mₙ Jₙ`` over the backend's
+    deterministic curvature columns (GGN and EF families): not for routes of their own (ASDL,
+    BackPACK, the Hessian), the Monte-Carlo Fisher (its columns are sampled per batch), or the
+    per-output structures (they keep each output's curvature).
+
+    Args:
+        structure: The posterior structure (a :class:`~laplace.posteriors.Posterior` class);
+            its ``head_curvature`` attribute names its closed form, if it has one.
+        backend: The curvature backend instance.
+
+    Returns:
+        ``(φ, M, bias, n_data, factor) -> curvature`` (see :data:`HeadCurvature`), or None.
+    """
+    entry = getattr(structure, "head_curvature", None)
+    if entry is None:
+        return None
+    route, closed_form = entry
+    backend_cls = type(backend)
+    native = (
+        getattr(backend_cls, route) is getattr(CurvatureInterface, route)
+        and backend_cls.curvature_columns is not CurvatureInterface.curvature_columns
+        and not getattr(backend, "stochastic", False)
+    )
+    return closed_form if native else None
 
 
 def head_jacobians(phi: Tensor, n_out: int, bias: bool) -> Tensor:

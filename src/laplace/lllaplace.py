@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, batch_size_of, check_outputs, move_inputs, split_batch
+from laplace.data import Inputs, move_inputs, split_batch
 from laplace.errors import check_positive_int
 from laplace.functional import FunctionalLLLaplace
 from laplace.glm import jacobian_chunk_rows
@@ -34,13 +34,12 @@ from laplace.kronlaplace import KronLaplace
 from laplace.large_output import OUTPUT_FACTOR_RANK, variances_only_reason
 from laplace.last_layer import (
     cat_output_curvatures,
-    diag_curvature,
-    full_curvature,
-    kron_curvature,
+    head_curvature,
     output_curvature,
 )
 from laplace.last_layer_mixin import LastLayerMixin
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
+from laplace.parametric_fit import CurvatureSum
 from laplace.posteriors import Posterior
 from laplace.posteriors.structured_kron import large_output_structure
 from laplace.serialization import check_state_dict
@@ -61,13 +60,56 @@ __all__ = [
 BUFFER_ELEMENTS = 2**24
 
 
-def _one_row_per_point(f: Tensor, phi: Tensor) -> bool:
-    """Whether the head maps each data point's features (B, D) to its outputs (B, C).
+class HeadCurvatureSum(CurvatureSum):
+    """The pass of a last-layer fit: the curvature of the linear head from its features.
 
-    Otherwise (sequence features (B, T, D), reward pairs reshaped to (2B, D) inside the model)
-    the closed forms do not apply.
+    Where the posterior structure has a closed form of the backend's curvature
+    (:func:`laplace.last_layer.head_curvature`), a batch's statistics are the head's features
+    φ (B, D) and the output-space curvature M (B, C, C) of the backend (one forward pass, no
+    autograd; above the large-output threshold M is diagonal plus low rank, see
+    :mod:`laplace.large_output`); they are buffered up to :data:`BUFFER_ELEMENTS` entries and
+    turned into the structure's curvature by the closed form, which the structure's accumulator
+    sums. A batch whose head sees several rows per data point, and every batch where there is no
+    closed form (per-output structures, ASDL, BackPACK, Hessian or Monte-Carlo backends), gives
+    the backend's batch curvature as in :class:`~laplace.parametric_fit.CurvatureSum`.
     """
-    return phi.dim() == 2 and phi.shape[0] == f.shape[0]
+
+    def summands(self, loader: DataLoader) -> Iterator[tuple[Tensor, Any]]:
+        """The ``(loss, H)`` summands: one per buffer of features (or per batch without)."""
+        pieces = self.pieces
+        closed_form = head_curvature(pieces.posterior, pieces.backend)
+        if closed_form is None:
+            yield from super().summands(loader)
+            return
+        subset, backend, n_data = pieces.subset, pieces.backend, pieces.n_data
+        bias = subset.layer.bias is not None
+
+        def flush(loss: Tensor | float, phis: list[Tensor], Ms: list[Tensor]) -> tuple[Any, Any]:
+            M = cat_output_curvatures(Ms)
+            H = closed_form(torch.cat(phis), M, bias, n_data, backend.factor)
+            return loss, H
+
+        phis: list[Tensor] = []
+        Ms: list[Tensor] = []
+        loss, buffered = 0.0, 0
+        for X, y in self.batches(loader):
+            with torch.no_grad():
+                f, phi = subset.outputs_and_features(X)
+            self.check_batch(X, y, f)
+            if not subset.one_row_per_point(f, phi):  # several head rows per point: autograd
+                yield pieces.posterior.batch_curvature(backend, X, y, n_data)
+                continue
+            with torch.no_grad():
+                batch_loss, M = output_curvature(backend, f.detach(), y)
+            phis.append(phi.detach())
+            Ms.append(M)
+            loss = loss + batch_loss
+            buffered += phi.numel() + M.numel()
+            if buffered >= BUFFER_ELEMENTS:
+                yield flush(loss, phis, Ms)
+                phis, Ms, loss, buffered = [], [], 0.0, 0
+        if phis:
+            yield flush(loss, phis, Ms)
 
 
 class LLLaplace(LastLayerMixin, ParametricLaplace):
@@ -105,8 +147,7 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
     """
 
     _abstract = "use FullLLLaplace, KronLLLaplace or DiagLLLaplace."
-    #: The backend route the closed-form curvature replaces (``"full"``, ``"diag"``, ``"kron"``).
-    _backend_route: str
+    _curvature_pass = HeadCurvatureSum
     #: Rank kept of a structured output factor above the large-output threshold (kron only).
     output_factor_rank: int | None = None
 
@@ -172,65 +213,6 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         n_out = self._subset.layer.out_features
         return large_output_structure(structure, n_out, self.output_factor_rank)
 
-    # ---------------------------------------------------------------------------- curvature
-    def _uses_closed_form(self) -> bool:
-        """Whether the backend's curvature is the native GGN/EF route the closed form equals.
-
-        With one σ per output the per-output structure computes each output's curvature.
-        """
-        backend = type(self.backend)
-        route = self._backend_route
-        return (
-            self._posterior_cls is self._own_structure()
-            and getattr(backend, route) is getattr(CurvatureInterface, route)
-            and backend.curvature_columns is not CurvatureInterface.curvature_columns
-            and not getattr(self.backend, "stochastic", False)
-        )
-
-    def _curvature_stream(
-        self, train_loader: DataLoader, n_data: int, progress_bar: bool
-    ) -> Iterator[tuple[Tensor, Any]]:
-        if not self._uses_closed_form():
-            yield from super()._curvature_stream(train_loader, n_data, progress_bar)
-            return
-        bias = self._subset.layer.bias is not None
-        factor = self.backend.factor
-        phis: list[Tensor] = []
-        Ms: list[Tensor] = []
-        loss, buffered = 0.0, 0
-        for X, y in self._batches(train_loader, progress_bar, desc="fit"):
-            with torch.no_grad():
-                f, phi = self._subset.outputs_and_features(X)
-            check_outputs(f, batch_size_of(X, self.dict_key_x))
-            self.n_outputs = int(f.shape[-1])
-            self._likelihood_model.check_targets(y, f.shape)
-            if not _one_row_per_point(f, phi):  # several head rows per data point: autograd
-                yield self._batch_curvature(X, y, n_data)
-                continue
-            with torch.no_grad():
-                likelihood = self._likelihood_model.fit_likelihood
-                batch_loss, M = output_curvature(self.backend, f.detach(), y, likelihood)
-            phis.append(phi.detach())
-            Ms.append(M)
-            loss = loss + batch_loss
-            buffered += phi.numel() + M.numel()
-            if buffered >= BUFFER_ELEMENTS:
-                yield (
-                    loss,
-                    self._head_curvature(
-                        torch.cat(phis), cat_output_curvatures(Ms), bias, n_data, factor
-                    ),
-                )
-                phis, Ms, loss, buffered = [], [], 0.0, 0
-        if phis:
-            M = cat_output_curvatures(Ms)
-            yield loss, self._head_curvature(torch.cat(phis), M, bias, n_data, factor)
-
-    @staticmethod
-    def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Any:
-        """Closed-form curvature of the head in the structure's representation."""
-        raise NotImplementedError
-
     # --------------------------------------------------------------------------- predictive
     def _output_variances_only(self) -> str | None:
         return variances_only_reason(self.n_outputs)
@@ -281,21 +263,9 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
 class FullLLLaplace(LLLaplace, FullLaplace):
     """Last-layer Laplace with a dense (P, P) curvature of the head."""
 
-    _backend_route = "full"
-
-    @staticmethod
-    def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Tensor:
-        return full_curvature(phi, M, bias)
-
 
 class DiagLLLaplace(LLLaplace, DiagLaplace):
     """Last-layer Laplace with a diagonal curvature of the head."""
-
-    _backend_route = "diag"
-
-    @staticmethod
-    def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Tensor:
-        return diag_curvature(phi, M, bias)
 
 
 class KronLLLaplace(LLLaplace, KronLaplace):
@@ -319,8 +289,6 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         ValueError: For an ``output_factor_rank`` that is not a positive integer.
     """
 
-    _backend_route = "kron"
-
     def __init__(
         self,
         model: nn.Module,
@@ -343,8 +311,3 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         self.damping = damping
         self.output_factor_rank = check_positive_int(output_factor_rank, "output_factor_rank")
         LLLaplace.__init__(self, **arguments_for(LLLaplace.__init__, locals()))
-
-    def _head_curvature(
-        self, phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float
-    ) -> Any:
-        return kron_curvature(phi, M, bias, n_data, factor, self.output_factor_rank)

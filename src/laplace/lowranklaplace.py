@@ -12,7 +12,6 @@ public path is :mod:`laplace.baselaplace`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,14 +23,14 @@ from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.curvature.eigen import SOLVERS, STARTS, top_eigenpairs
 from laplace.curvature.products import curvature_product
-from laplace.data import batch_size_of, check_outputs
+from laplace.data import Inputs
 from laplace.errors import (
-    check_bool,
     check_finite_result,
     check_int_at_least,
     check_positive_int,
 )
 from laplace.parametric import ParametricLaplace
+from laplace.parametric_fit import FitPass
 from laplace.posterior_scale import PosteriorScaleMixin
 from laplace.posteriors.lowrank import LowRankPosterior
 from laplace.utils.enums import Likelihood
@@ -130,68 +129,29 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
     def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in backend_kwargs.items() if k not in SOLVER_OPTIONS}
 
-    def fit(
-        self,
-        train_loader: DataLoader,
-        override: bool = True,
-        progress_bar: bool = False,
-        distributed: bool | None = None,
-    ):
-        """Find the top-k curvature eigenpairs over ``train_loader`` and the summed loss.
+    def _accumulate(
+        self, train_loader: DataLoader, n_data: int, progress_bar: bool
+    ) -> tuple[tuple[Tensor, Tensor], Tensor, int]:
+        """The top-k curvature eigenpairs over ``train_loader``, the summed loss, the outputs.
 
-        Args:
-            train_loader: Batches ``(X, y)`` or dict-like; iterated once per solver product.
-            override: Must be True: eigenpairs of a sum are not sums of eigenpairs.
-            progress_bar: Show a progress bar over the loss pass.
-            distributed: See :meth:`ParametricLaplace.fit`; every curvature-vector product is
-                then summed over the ranks, which all run the same eigensolver.
-
-        Raises:
-            ValueError: With ``override=False``, an empty loader or non-finite data.
-            RuntimeError: If the eigenpairs are not finite.
+        ``train_loader`` is iterated once per product of the eigensolver; in a distributed fit
+        every product is summed over the ranks, which all run the same solver. Also sets
+        :attr:`eigenvalue_errors`.
         """
-        if not check_bool(override, "override"):
-            raise ValueError(
-                "LowRankLaplace cannot update a fit (override=False): the top eigenpairs of a "
-                "sum are not the sum of the top eigenpairs; fit again on all the data."
-            )
-        self._distributed = distributed_utils.resolve(distributed, train_loader)
-        self._check_ranks_agree()
-        n_data = self._data_count(train_loader)
-        if n_data == 0:
-            raise ValueError("train_loader is empty: fit needs at least one data point.")
-        self.model.eval()
-        mean = self._subset.vector()
-        loss = torch.zeros((), device=self._device, dtype=self._dtype)
-        with torch.no_grad(), distributed_utils.guard(self._distributed, "fit"):
-            for X, y in self._batches(train_loader, progress_bar, desc="fit"):
-                f = check_outputs(self.model(X), batch_size_of(X, self.dict_key_x))
-                self.n_outputs = int(f.shape[-1])
-                loss = loss + self.backend._loss(f, y)
-        check_finite_result(loss, "loss of the training data")  # before any eigensolver pass
-        options = dict(self._solver_options)
-        k = int(options.pop("n_eigenvalues"))
         local_n = distributed_utils.data_count(train_loader) if self._distributed else n_data
-        reduce = distributed_utils.all_reduce_sum if self._distributed else None
-        product = curvature_product(
-            self.backend,
-            _Batches(self, train_loader),
-            local_n,
-            native=options.get("solver", "randomized") == "randomized",
-            reduce=reduce,
-            seed=options.get("seed", 0),
+        loop = self._data_loop(
+            TopEigenpairs,
+            pieces=self._fit_pieces(n_data),
+            solver=self._solver_options,
+            local_n=local_n,
+            progress_bar=progress_bar,
+            desc="fit",
+            distributed=self._distributed,
+            empty_message="train_loader yielded no batches: fit needs at least one batch.",
         )
-        if self._distributed:
-            loss = distributed_utils.all_reduce_sum(loss)
-        U, eigenvalues, errors = top_eigenpairs(product, k, **options)
-        if not self._posterior_cls.is_finite((U, eigenvalues)):
-            raise RuntimeError("the curvature eigenpairs contain NaN or inf; check the model.")
-        self.H = (U, eigenvalues)
-        self.eigenvalue_errors = errors
-        self.loss, self.n_data = loss, n_data
-        self.mean = mean if self.enable_backprop else mean.detach()
-        self._posterior_cache = None
-        self._fitted = True
+        H, loss = loop.run(train_loader)
+        self.eigenvalue_errors = loop.errors
+        return H, loss, loop.n_outputs
 
     @property
     def posterior_precision(self) -> tuple[tuple[Tensor, Tensor], Tensor]:
@@ -215,36 +175,23 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
 
     # ------------------------------------------------------------------------------ state
     def _curvature_state(self) -> dict[str, Tensor]:
-        state = {"eigenvectors": self.H[0].detach(), "eigenvalues": self.H[1].detach()}
+        state = super()._curvature_state()
         if self.eigenvalue_errors is not None:
             state["eigenvalue_errors"] = self.eigenvalue_errors.detach()
         return state
 
     def _load_curvature_state(self, state: Any) -> tuple[Tensor, Tensor]:
-        keys = {"eigenvectors", "eigenvalues"}
-        if not isinstance(state, dict) or not keys <= set(state) <= keys | {"eigenvalue_errors"}:
+        errors = state.get("eigenvalue_errors") if isinstance(state, dict) else None
+        if errors is not None:
+            state = {k: v for k, v in state.items() if k != "eigenvalue_errors"}
+        U, eigenvalues = super()._load_curvature_state(state)
+        if errors is not None and errors.shape != eigenvalues.shape:
             raise ValueError(
-                "state_dict['H'] must hold 'eigenvectors' and 'eigenvalues' (and optionally "
-                "'eigenvalue_errors')."
-            )
-        U, eigenvalues = state["eigenvectors"], state["eigenvalues"]
-        errors = state.get("eigenvalue_errors")
-        if (
-            U.dim() != 2
-            or U.shape[0] != self.n_params
-            or eigenvalues.shape != U.shape[1:]
-            or (errors is not None and errors.shape != eigenvalues.shape)
-        ):
-            raise ValueError(
-                f"state_dict['H'] has eigenvectors {tuple(U.shape)} and eigenvalues "
-                f"{tuple(eigenvalues.shape)}, expected (n_params={self.n_params}, k) and (k,) "
-                "(and (k,) error bounds)."
+                f"state_dict['H'] has eigenvalue errors {tuple(errors.shape)}, expected "
+                f"{tuple(eigenvalues.shape)} (one per eigenvalue)."
             )
         self.eigenvalue_errors = None if errors is None else errors.to(self._device, self._dtype)
-        return (
-            U.to(device=self._device, dtype=self._dtype),
-            eigenvalues.to(device=self._device, dtype=self._dtype),
-        )
+        return U, eigenvalues
 
 
 def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -284,13 +231,59 @@ def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return solver
 
 
-class _Batches:
-    """Re-iterable ``(X, y)`` batches of a loader on the model's device (for the operator)."""
+class TopEigenpairs(FitPass):
+    """The pass of a low-rank fit: the summed loss, then the top-k curvature eigenpairs.
 
-    def __init__(self, la: LowRankLaplace, loader: DataLoader) -> None:
-        self.la, self.loader = la, loader
+    One pass sums the loss (checking each batch's outputs and targets) before
+    any solver work; then :func:`~laplace.curvature.eigen.top_eigenpairs` multiplies the
+    curvature over the data with blocks of vectors (:func:`curvature_product`), one more pass
+    over the batches (:meth:`~laplace.data_loop.DataLoop.passes`) per product.
 
-    def __iter__(self) -> Iterator[tuple[Any, Tensor]]:
-        likelihood = self.la._likelihood_model.fit_likelihood
-        for X, y in self.la._batches(self.loader):
-            yield X, likelihood.loss_targets(y, self.la._dtype)
+    Args:
+        *args: See :class:`~laplace.data_loop.DataLoop`.
+        solver: The eigensolver's options, with ``n_eigenvalues`` (see :func:`_solver_options`).
+        local_n: Data points of this rank's shard (all of them when not distributed).
+        **options: See :class:`~laplace.parametric_fit.FitPass`.
+
+    Attributes:
+        errors: After :meth:`run`, the a posteriori relative errors of the eigenvalues (k,).
+    """
+
+    def __init__(self, *args: Any, solver: dict[str, Any], local_n: int, **options: Any) -> None:
+        super().__init__(*args, **options)
+        self.solver, self.local_n = dict(solver), local_n
+        self.errors: Tensor | None = None
+
+    def step(self, X: Inputs, y: Tensor) -> Tensor:
+        """The summed loss of a batch, after checking its outputs and targets."""
+        with torch.no_grad():
+            f = self.check_batch(X, y, self.pieces.subset.model(X))
+            return self.pieces.backend.batch_loss(f, y)
+
+    def check(self, stats: Tensor) -> None:
+        """Refuse a non-finite loss (before any eigensolver pass)."""
+        check_finite_result(stats, "loss of a training batch")
+
+    def run(self, loader: DataLoader) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        """``((U (P, k), λ (k,)), loss)`` over ``loader``.
+
+        Raises:
+            RuntimeError: If the eigenpairs are not finite.
+        """
+        loss = super().run(loader)
+        options = dict(self.solver)
+        k = int(options.pop("n_eigenvalues"))
+        backend, dtype = self.pieces.backend, self.pieces.subset.dtype
+        loss_targets = self.pieces.likelihood.loss_targets
+        product = curvature_product(
+            backend,
+            self.passes(loader, lambda X, y: (X, loss_targets(y, dtype))),
+            self.local_n,
+            native=options.get("solver", "randomized") == "randomized",
+            reduce=distributed_utils.all_reduce_sum if self.distributed else None,
+            seed=options.get("seed", 0),
+        )
+        U, eigenvalues, self.errors = top_eigenpairs(product, k, **options)
+        if not self.pieces.posterior.is_finite((U, eigenvalues)):
+            raise RuntimeError("the curvature eigenpairs contain NaN or inf; check the model.")
+        return (U, eigenvalues), loss

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from copy import deepcopy
 from numbers import Number
 from typing import Any
@@ -32,8 +33,10 @@ from laplace import distributed as distributed_utils
 from laplace.base import BaseLaplace
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.registry import available_optional, load_optional
-from laplace.data import dataset_size, prepare_batch
+from laplace.data import Inputs, dataset_size
+from laplace.data_loop import DataLoop
 from laplace.errors import (
+    check_finite_result,
     check_int_at_least,
     check_mapping,
     check_module,
@@ -215,9 +218,7 @@ def marglik_training(
     n_params = sum(p.numel() for p in params)
     has_noise = likelihood_model.has_noise_hyperparameter
     learn_sigma = has_noise and not fix_sigma_noise
-    # Mean losses (MSE over all outputs, or cross-entropy); targets shaped as the library does.
     target_model = likelihood_model.fit_likelihood
-    criterion = target_model.loss_module()
 
     log_prior_prec = fix_prior_prec_structure(
         temperature * prior_prec_init, prior_structure, len(params), n_params, device, dtype
@@ -237,42 +238,30 @@ def marglik_training(
     optimizer = optimizer_cls(model.parameters(), **optimizer_kwargs)
     scheduler = scheduler_cls(optimizer, **scheduler_kwargs) if scheduler_cls else None
 
+    epoch_loop = TrainingEpoch(
+        dict_key_x,
+        dict_key_y,
+        device,
+        distributed=distributed,
+        what="marglik training",
+        empty_message="train_loader yielded no batches: marglik_training needs data.",
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        likelihood=target_model,
+        hyperparameters=lambda: (
+            _detached(sigma_noise()),
+            expand_prior_precision(log_prior_prec.detach().exp(), model),
+        ),
+        temperature=temperature,
+        n_data=n_data,
+    )
     best: tuple[float, dict[str, Tensor], Tensor, Tensor | float] | None = None
     margliks: list[Number] = []
     losses: list[Number] = []
     for epoch in trange(1, n_epochs + 1, disable=not progress_bar, desc="marglik training"):
-        epoch_loss = 0.0
         model.train()
-        for batch in train_loader:
-            X, y = prepare_batch(batch, dict_key_x, dict_key_y, device)
-            sigma = _detached(sigma_noise())
-            optimizer.zero_grad()
-            f = model(X)
-            targets = target_model.prepare_targets(f, y)
-            if torch.is_tensor(sigma) and sigma.numel() > 1:
-                # One σ per output: outputs and targets scaled by σ̄/σ_c weigh the squared
-                # error of output c by σ̄²/σ_c², with σ̄² = 1/mean(1/σ²) in the prior term.
-                precision = sigma.square().reciprocal()
-                weights = (precision / precision.mean()).sqrt()
-                f, targets = f * weights, targets * weights
-                sigma2 = float(1 / precision.mean())
-            else:
-                sigma2 = float(sigma.square()) if torch.is_tensor(sigma) else sigma**2
-            # The log joint per data point, in units of the mean loss: ½θᵀP₀θ · c / N with
-            # c = σ² / (loss_scale · T), i.e. 2σ²/T for the MSE and 1/T for cross-entropy.
-            prior_scale = sigma2 / target_model.loss_scale / temperature
-            delta = expand_prior_precision(log_prior_prec.detach().exp(), model)
-            theta = torch.cat([p.reshape(-1) for p in params])
-            data_loss = criterion(f, targets)
-            loss = data_loss + 0.5 * (delta * theta) @ theta * prior_scale / n_data
-            loss.backward()
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-            epoch_loss += loss.item() * len(y)
-        if distributed:
-            epoch_loss = distributed_utils.all_reduce_sum(float(epoch_loss))
-        losses.append(epoch_loss / n_data)
+        losses.append(epoch_loop.run(train_loader) / n_data)
         logger.info("marglik training, epoch %d: loss %.4g", epoch, losses[-1])
         if epoch % marglik_frequency != 0 or epoch < n_epochs_burnin:
             continue
@@ -303,6 +292,82 @@ def marglik_training(
     la = make_laplace(prior_prec, sigma, enable_backprop)
     la.fit(train_loader, distributed=distributed)
     return la, model, margliks, losses
+
+
+class TrainingEpoch(DataLoop):
+    """One epoch of MAP training: an optimiser step on the negative log joint per batch.
+
+    A batch's statistics are its mean loss times its size, so :meth:`run` returns the epoch's
+    negative log joint summed over the data points (over all ranks in a distributed run), in
+    units of the mean loss.
+
+    Args:
+        *args: See :class:`~laplace.data_loop.DataLoop`.
+        model: The network, trained in place.
+        optimizer: The optimiser of its weights.
+        scheduler: A learning-rate scheduler stepped after every batch, or None.
+        likelihood: The fit likelihood (targets, torch loss and its scale).
+        hyperparameters: ``() -> (σ, δ)``: the current observation noise (a number, or a
+            tensor of shape () or (C,)) and the prior precision expanded to the weights (P,).
+        temperature: Likelihood temperature T.
+        n_data: Number of training data points N (all ranks').
+        **options: See :class:`~laplace.data_loop.DataLoop`.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        model: nn.Module,
+        optimizer: Optimizer,
+        scheduler: LRScheduler | None,
+        likelihood: Any,
+        hyperparameters: Callable[[], tuple[Tensor | float, Tensor]],
+        temperature: float,
+        n_data: int,
+        **options: Any,
+    ) -> None:
+        super().__init__(*args, **options)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.likelihood, self.hyperparameters = likelihood, hyperparameters
+        self.temperature, self.n_data = temperature, n_data
+        # Mean losses (MSE over all outputs, or cross-entropy), targets shaped by the likelihood.
+        self.criterion = likelihood.loss_module()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def start(self) -> float:
+        """The epoch's loss starts at zero."""
+        return 0.0
+
+    def step(self, X: Inputs, y: Tensor) -> float:
+        """One optimiser step on a batch; its loss times its size."""
+        sigma, delta = self.hyperparameters()
+        self.optimizer.zero_grad()
+        f = self.model(X)
+        targets = self.likelihood.prepare_targets(f, y)
+        if torch.is_tensor(sigma) and sigma.numel() > 1:
+            # One σ per output: outputs and targets scaled by σ̄/σ_c weigh the squared
+            # error of output c by σ̄²/σ_c², with σ̄² = 1/mean(1/σ²) in the prior term.
+            precision = sigma.square().reciprocal()
+            weights = (precision / precision.mean()).sqrt()
+            f, targets = f * weights, targets * weights
+            sigma2 = float(1 / precision.mean())
+        else:
+            sigma2 = float(sigma.square()) if torch.is_tensor(sigma) else sigma**2
+        # The log joint per data point, in units of the mean loss: ½θᵀP₀θ · c / N with
+        # c = σ² / (loss_scale · T), i.e. 2σ²/T for the MSE and 1/T for cross-entropy.
+        prior_scale = sigma2 / self.likelihood.loss_scale / self.temperature
+        theta = torch.cat([p.reshape(-1) for p in self.params])
+        data_loss = self.criterion(f, targets)
+        loss = data_loss + 0.5 * (delta * theta) @ theta * prior_scale / self.n_data
+        loss.backward()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return loss.item() * len(y)
+
+    def check(self, stats: float) -> None:
+        """Refuse a non-finite loss (a diverging optimiser), naming the training."""
+        check_finite_result(stats, "loss of a batch of marglik training")
 
 
 def _detached(value: Tensor | float) -> Tensor | float:

@@ -1,14 +1,18 @@
 """``fit`` of the parametric Laplace classes: the curvature and loss summed over the data.
 
-A fit is a sum over batches of per-batch statistics (the curvature in the posterior structure's
-form and the summed loss), so ``fit(override=False)`` (online Laplace) and distributed fits
-(all-reduce of the sums) are small additions. Internal module.
+A fit is a sum over batches of per-batch statistics, summed by the accumulator of the posterior
+structure (:class:`~laplace.posteriors.Posterior`: ``zeros``, ``add``, ``merge``, ``finalize``),
+so ``fit(override=False)`` (online Laplace) and distributed fits (all-reduce of the sums) are
+small additions. The pass over the data is a :class:`~laplace.data_loop.DataLoop`: by default
+:class:`CurvatureSum`, where the backend gives each batch's curvature in the structure's form;
+a class whose parameter subset has its own statistics names another pass (a last layer's closed
+forms, :class:`laplace.lllaplace.HeadCurvatureSum`). Internal module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from functools import partial
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,44 +23,90 @@ from laplace import distributed as distributed_utils
 from laplace.data import Inputs, batch_size_of, check_outputs, dataset_size
 from laplace.data_loop import DataLoop
 from laplace.errors import check_bool, check_finite_result
+from laplace.posteriors import Posterior
 
-__all__ = ["CurvatureFitMixin", "CurvatureSum"]
+__all__ = ["CurvatureFitMixin", "CurvatureSum", "FitPass", "FitPieces"]
 
 
-class CurvatureSum(DataLoop):
-    """The pass of a parametric fit: ``(curvature, loss)`` summed over the summands of a stream.
+@dataclass(frozen=True)
+class FitPieces:
+    """What a fit pass wires together.
 
-    Args:
-        stream: ``loader -> iterator of (loss, H)`` summands (one per batch, or per few batches
-            for streams that buffer), over batches prepared as :meth:`DataLoop.batches` does.
-        zeros: The zero curvature of the posterior's structure (the fresh sum).
-        is_finite: Whether a curvature summand is finite.
-        **options: See :class:`~laplace.data_loop.DataLoop`.
+    Attributes:
+        subset: The parameter subset (its ``model``; a last layer's features).
+        posterior: The posterior structure, whose accumulator sums the curvature.
+        backend: The curvature backend.
+        likelihood: The likelihood the targets are checked with.
+        zeros: The zero curvature in the structure's form (a fresh sum on every call).
+        n_data: Number of data points the summed curvature covers (KFAC normalises by it).
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        stream: Callable[[DataLoader], Iterator[tuple[Tensor, Any]]],
-        zeros: Callable[[], Any],
-        is_finite: Callable[[Any], bool],
-        **options: Any,
-    ) -> None:
+    subset: Any
+    posterior: type[Posterior]
+    backend: Any
+    likelihood: Any
+    zeros: Callable[[], Any]
+    n_data: int
+
+
+class FitPass(DataLoop):
+    """A pass of a fit over the data: the pieces it wires and the checks of each batch.
+
+    Args:
+        *args: See :class:`~laplace.data_loop.DataLoop`.
+        pieces: The pieces of the fit.
+        **options: See :class:`~laplace.data_loop.DataLoop`.
+
+    Attributes:
+        n_outputs: The model's number of outputs, known after the first batch.
+    """
+
+    def __init__(self, *args: Any, pieces: FitPieces, **options: Any) -> None:
         super().__init__(*args, **options)
-        self._stream, self._zeros, self._is_finite = stream, zeros, is_finite
+        self.pieces = pieces
+        self.n_outputs: int | None = None
+        self._output_shape: Sequence[int] | None = None
+
+    def check_batch(self, X: Inputs, y: Tensor, f: Any) -> Tensor:
+        """Check the outputs ``f`` of a batch and its targets; the first sets ``n_outputs``.
+
+        Raises:
+            ModelOutputError, DataError: See :func:`laplace.data.check_outputs`.
+            ValueError: For targets the likelihood refuses.
+        """
+        f = check_outputs(f, batch_size_of(X, self.dict_key_x))
+        self._output_shape, self.n_outputs = f.shape, int(f.shape[-1])
+        self.pieces.likelihood.check_targets(y, f.shape)
+        return f
+
+
+class CurvatureSum(FitPass):
+    """The pass of a parametric fit: ``(curvature, loss)`` summed over the batches.
+
+    Per batch the likelihood checks the targets (against the outputs' shape, found with one
+    forward pass on the first batch), the posterior structure asks the backend for the batch's
+    loss and curvature in its form (``batch_curvature``) and its accumulator adds them up.
+    Arguments as :class:`FitPass`.
+    """
 
     def start(self) -> list[Any]:
         """Zero curvature and loss."""
-        return [self._zeros(), 0.0]
+        return [self.pieces.zeros(), 0.0]
 
-    def summands(self, loader: DataLoader) -> Iterator[tuple[Tensor, Any]]:
-        """The ``(loss, H)`` summands of the stream."""
-        return self._stream(loader)
+    def step(self, X: Inputs, y: Tensor) -> tuple[Tensor, Any]:
+        """``(loss, H_batch)`` of a batch from the backend, after checking its targets."""
+        if self._output_shape is None:
+            with torch.no_grad():
+                self.check_batch(X, y, self.pieces.subset.model(X))
+        else:
+            self.pieces.likelihood.check_targets(y, self._output_shape)
+        pieces = self.pieces
+        return pieces.posterior.batch_curvature(pieces.backend, X, y, pieces.n_data)
 
     def check(self, stats: tuple[Tensor, Any]) -> None:
         """Refuse a non-finite curvature or loss."""
         loss, H = stats
-        if not self._is_finite(H):
+        if not self.pieces.posterior.is_finite(H):
             raise RuntimeError(
                 "the curvature of a training batch contains NaN or inf; check the model's "
                 "outputs and the data."
@@ -64,20 +114,28 @@ class CurvatureSum(DataLoop):
         check_finite_result(loss, "loss of a training batch")
 
     def add(self, total: list[Any], stats: tuple[Tensor, Any]) -> list[Any]:
-        """Add a summand to the sums."""
+        """Add a batch's curvature (in place: one dense sum less in memory) and loss."""
         loss, H = stats
-        total[0] += H  # in place where it can be: one dense sum less in memory
+        total[0] = self.pieces.posterior.add(total[0], H)
         total[1] = total[1] + loss.detach()
         return total
 
 
 class CurvatureFitMixin:
-    """:meth:`fit` and its data loop for a parametric Laplace class.
+    """:meth:`fit` of a parametric Laplace class: wires its pieces into a pass over the data.
 
-    The class provides ``_posterior_cls`` (its posterior structure), the parameter subset, the
-    likelihood and backend of :class:`~laplace.base.BaseLaplace`, and ``_init_H`` (its zero
-    curvature).
+    The class provides ``_posterior_cls`` (its posterior structure) and the parameter subset,
+    likelihood and backend of :class:`~laplace.base.BaseLaplace`; its ``_curvature_pass`` may
+    name another pass over the data than :class:`CurvatureSum`.
     """
+
+    #: The pass over the data that sums the curvature.
+    _curvature_pass: type[FitPass] = CurvatureSum
+
+    @property
+    def _structure_options(self) -> dict[str, Any]:
+        """Options of the posterior structure's ``finalize`` / ``load_state`` (Kron: damping)."""
+        return {}
 
     def fit(
         self,
@@ -101,12 +159,18 @@ class CurvatureFitMixin:
         :mod:`laplace.transaction`).
 
         Raises:
-            ValueError: If the loader is empty or a batch contains non-finite values.
+            ValueError: If the loader is empty or a batch contains non-finite values, or for
+                ``override=False`` with a structure that cannot update a fit (low-rank).
             RuntimeError: If the curvature of a batch is not finite.
             DistributedFitError: If another rank failed during a distributed fit, or the ranks
                 hold different hyperparameters.
         """
-        check_bool(override, "override")
+        structure = self._posterior_cls
+        if not check_bool(override, "override") and structure.update_refusal is not None:
+            raise ValueError(
+                f"{type(self).__name__} cannot update a fit (override=False): "
+                f"{structure.update_refusal}"
+            )
         self._distributed = distributed_utils.resolve(distributed, train_loader)
         n_data = self._data_count(train_loader)
         if n_data == 0:
@@ -120,19 +184,22 @@ class CurvatureFitMixin:
         mean = self._subset.vector()
         if not self._fitted:
             self.H = None  # the prior's zero curvature: freed while summing, rebuilt on failure
-        H_new, loss_new = self._accumulate(train_loader, n_before + n_data, progress_bar)
+        H_new, loss_new, n_outputs = self._accumulate(
+            train_loader, n_before + n_data, progress_bar
+        )
         if update:
-            H_new, loss_new = self.H + H_new, self.loss + loss_new
-        self.H = self._posterior_cls.finalize(H_new)
-        self.loss, self.n_data = loss_new, n_before + n_data
+            H_new = structure.merge(self.H, H_new, n_before, n_before + n_data)
+            loss_new = self.loss + loss_new
+        self.H = structure.finalize(H_new, **self._structure_options)
+        self.loss, self.n_data, self.n_outputs = loss_new, n_before + n_data, n_outputs
         self.mean = mean if self.enable_backprop else mean.detach()
         self._posterior_cache = None
         self._fitted = True
 
     def _accumulate(
         self, train_loader: DataLoader, n_data: int, progress_bar: bool
-    ) -> tuple[Any, Tensor | float]:
-        """The curvature and the loss summed over ``train_loader`` (this rank's part).
+    ) -> tuple[Any, Tensor | float, int]:
+        """The curvature and the loss summed over ``train_loader``, and the number of outputs.
 
         Args:
             train_loader: The training data.
@@ -141,14 +208,26 @@ class CurvatureFitMixin:
             progress_bar: Show a progress bar over batches.
         """
         loop = self._data_loop(
-            CurvatureSum,
-            stream=partial(self._curvature_stream, n_data=n_data, progress_bar=progress_bar),
-            zeros=self._zero_curvature,
-            is_finite=self._posterior_cls.is_finite,
+            self._curvature_pass,
+            pieces=self._fit_pieces(n_data),
+            progress_bar=progress_bar,
+            desc="fit",
             distributed=self._distributed,
             empty_message="train_loader yielded no batches: fit needs at least one batch.",
         )
-        return loop.run(train_loader)
+        H, loss = loop.run(train_loader)
+        return H, loss, loop.n_outputs
+
+    def _fit_pieces(self, n_data: int) -> FitPieces:
+        """The pieces a pass over the data wires together, for ``n_data`` data points."""
+        return FitPieces(
+            subset=self._subset,
+            posterior=self._posterior_cls,
+            backend=self.backend,
+            likelihood=self._likelihood_model.fit_likelihood,
+            zeros=self._zero_curvature,
+            n_data=n_data,
+        )
 
     def _check_ranks_agree(self) -> None:
         """In a distributed fit, refuse ranks built with different hyperparameters.
@@ -177,34 +256,7 @@ class CurvatureFitMixin:
 
     def _zero_curvature(self) -> Any:
         """Empty curvature in the posterior's structure and dimension."""
-        return self._posterior_cls.zeros(self._subset.params)
+        return self._posterior_cls.zeros(self._subset.curvature_params)
 
     def _resolve_subset(self, train_loader: DataLoader) -> None:
         """Make sure the parameter subset is known before fitting (all weights: always)."""
-
-    def _curvature_stream(
-        self, train_loader: DataLoader, n_data: int, progress_bar: bool
-    ) -> Iterator[tuple[Tensor, Any]]:
-        """Yield ``(loss, H)`` summands over the training data (one per batch by default).
-
-        Also sets ``n_outputs`` from the first batch, and checks the targets of every batch
-        before its curvature is computed.
-
-        Args:
-            train_loader: The training data.
-            n_data: Number of data points the summed curvature covers (KFAC normalisation).
-            progress_bar: Show a progress bar over batches.
-        """
-        output_shape = None
-        for X, y in self._batches(train_loader, progress_bar, desc="fit"):
-            if output_shape is None:
-                with torch.no_grad():
-                    f = self.model(X)
-                output_shape = check_outputs(f, batch_size_of(X, self.dict_key_x)).shape
-                self.n_outputs = int(output_shape[-1])
-            self._likelihood_model.check_targets(y, output_shape)
-            yield self._batch_curvature(X, y, n_data)
-
-    def _batch_curvature(self, X: Inputs, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
-        """``(loss, H_batch)`` of one batch; from the backend in the posterior's structure."""
-        return self._posterior_cls.batch_curvature(self.backend, X, y, n_data)

@@ -32,7 +32,13 @@ from torch import Tensor
 from laplace.curvature import CurvatureInterface, GGNInterface
 from laplace.curvature.kfac import kfac
 from laplace.jacobians import Jacobian
-from laplace.posteriors import DensePosterior, DiagonalPosterior, KronPosterior, Posterior
+from laplace.posteriors import (
+    DensePosterior,
+    DiagonalPosterior,
+    KronAccumulator,
+    KronPosterior,
+    Posterior,
+)
 from laplace.posteriors.base import ClosedForm
 from laplace.utils.matrix import Kron, KronDecomposed
 
@@ -130,7 +136,7 @@ class PerOutputPosterior(Posterior):
         eye = torch.eye(cls.n_outputs, dtype=f.dtype, device=f.device)
         columns = [weights[:, c, None].sqrt() * eye[c] for c in range(cls.n_outputs)]
         parts = [cls._output_curvature(backend, trace, column, n_data) for column in columns]
-        return backend._likelihood.loss_per_output(f, y), cls._stack(parts)
+        return backend.fit_likelihood.loss_per_output(f, y), cls._stack(parts)
 
     @staticmethod
     def _output_curvature(backend: Any, trace: Any, column: Tensor, n_data: int) -> Any:
@@ -192,7 +198,7 @@ class _PerOutputDiagonal(PerOutputPosterior):
         return trace.square_sum([column]).detach()
 
 
-class _PerOutputKron(PerOutputPosterior):
+class _PerOutputKron(KronAccumulator, PerOutputPosterior):
     structure = KronPosterior
     route = "kron"
 
@@ -209,12 +215,14 @@ class _PerOutputKron(PerOutputPosterior):
         )
 
     @staticmethod
-    def finalize(H: Kron) -> OutputKron:
-        return OutputKron(H.kfacs)
+    def finalize(H: Kron, damping: bool = False) -> OutputKron:
+        """The summed factors, decomposed per σ (see :class:`OutputKron`)."""
+        return OutputKron(H.kfacs, damping)
 
     @staticmethod
-    def is_finite(H: Kron) -> bool:
-        return KronPosterior.is_finite(H)
+    def factors(H: OutputKron) -> OutputKron:
+        """The fitted factors are kept as they are."""
+        return H
 
     @staticmethod
     def _output_curvature(backend: Any, trace: Any, column: Tensor, n_data: int) -> Kron:

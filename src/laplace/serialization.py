@@ -247,12 +247,11 @@ class StateDictMixin(StateDict):
         self._posterior_cache = None
 
     def _curvature_state(self) -> Any:
-        return self.H.detach()
+        """The fitted curvature as the posterior structure saves it."""
+        return self._posterior_cls.state(self.H)
 
     def _load_curvature_state(self, state: Any) -> Any:
-        if not isinstance(state, Tensor):
-            raise ValueError("state_dict['H'] must be a tensor for this structure.")
-        shape = tuple(self._zero_curvature().shape)
-        if tuple(state.shape) != shape:
-            raise ValueError(f"state_dict['H'] has shape {tuple(state.shape)}, expected {shape}.")
-        return state.to(device=self._device, dtype=self._dtype)
+        """The fitted curvature from a saved one, checked by the posterior structure."""
+        return self._posterior_cls.load_state(
+            state, self._zero_curvature(), **self._structure_options
+        )

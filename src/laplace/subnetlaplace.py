@@ -118,9 +118,6 @@ class SubnetLaplace(ParametricLaplace):
         """MAP values of the subnetwork, shape (K,)."""
         return self._subset.select(self.mean)
 
-    def _zero_curvature(self) -> Tensor:
-        return self._posterior_cls.zeros([self.mean_subnet])
-
     def _prior_mean_vector(self) -> Tensor:
         """Weights (P,) with the subnetwork at its prior mean and the rest at the MAP."""
         prior = torch.broadcast_to(self.prior_mean, (self._subset.n_subnet,))

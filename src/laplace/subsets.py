@@ -114,6 +114,11 @@ class _FlatParameters:
         """Floating-point type of the parameters."""
         return self.params[0].dtype
 
+    @property
+    def curvature_params(self) -> list[Tensor]:
+        """Tensors shaped as the blocks of the curvature over the subset: its parameters."""
+        return self.params
+
     def vector(self) -> Tensor:
         """The current weights as one vector, shape (P,)."""
         return torch.cat([p.reshape(-1) for p in self.params])
@@ -238,6 +243,11 @@ class Subnetwork(AllWeights):
     def n_subnet(self) -> int:
         """Number K of parameters in the subnetwork."""
         return len(self.indices)
+
+    @property
+    def curvature_params(self) -> list[Tensor]:
+        """One vector of K entries: the curvature covers the subnetwork only."""
+        return [self.params[0].new_empty(self.n_subnet)]
 
     def select(self, theta: Tensor) -> Tensor:
         """Subnetwork entries of full vectors: (..., P) → (..., K)."""

@@ -199,7 +199,7 @@ class AsdlInterface(CurvatureInterface):
             maker.setup_loss_call(self.lossfunc, dummy, self._targets(y))
             f, _ = maker.forward_and_backward()
             result = extract(target.module, self._fisher_scale(config))
-        return self._loss(f, y), result
+        return self.batch_loss(f, y), result
 
     @property
     def _default_fisher_kwargs(self) -> dict[str, Any]:
@@ -378,7 +378,7 @@ class AsdlHessian(_KeywordSubnetwork):
                 H = self._select(self._select(target.module.hessian.data).T)
             else:
                 H = self._select(diag_vector(target.module, "hessian"))
-        return self._loss(f, y), (self.factor * H).detach()
+        return self.batch_loss(f, y), (self.factor * H).detach()
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Dense Hessian of the summed batch loss, shape (P, P), with the loss."""

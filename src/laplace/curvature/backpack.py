@@ -166,7 +166,7 @@ class BackPackInterface(CurvatureInterface):
 
     def _torch_loss(self, f: Tensor, y: Tensor) -> Tensor:
         """``lossfunc`` (the module BackPACK hooks) with targets shaped like the outputs."""
-        likelihood: LikelihoodModel = self._likelihood
+        likelihood: LikelihoodModel = self.fit_likelihood
         return self.lossfunc(f, likelihood.prepare_targets(f, y))
 
     def gradients(self, x: Inputs, y: Tensor) -> tuple[Tensor, Tensor]:

@@ -66,6 +66,7 @@ class CurvatureInterface:
 
     Attributes:
         params: The trainable parameters (``requires_grad``) considered, in model order.
+        fit_likelihood: The likelihood object the curvature and the loss are computed with.
         lossfunc: The likelihood's summed torch loss (``MSELoss``, ``CrossEntropyLoss``, ...).
         factor: ``lossfunc`` times ``factor`` is the library's loss (½ for regression, else 1).
         kfac_approx: Weight-sharing approximation of :meth:`kron`, ``"expand"`` or ``"reduce"``.
@@ -91,12 +92,11 @@ class CurvatureInterface:
         self.model = check_module(model)
         self.last_layer = last_layer
         self.subnetwork_indices = subnetwork_indices
-        self.dict_key_x = dict_key_x
-        self.dict_key_y = dict_key_y
-        self._likelihood = likelihood_model.fit_likelihood
-        self._likelihood.check_backend(type(self))
-        self.lossfunc: nn.Module = self._likelihood.loss_module(reduction="sum")
-        self.factor = self._likelihood.loss_scale
+        self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
+        self.fit_likelihood = likelihood_model.fit_likelihood
+        self.fit_likelihood.check_backend(type(self))
+        self.lossfunc: nn.Module = self.fit_likelihood.loss_module(reduction="sum")
+        self.factor = self.fit_likelihood.loss_scale
         self.params: list[nn.Parameter] = [p for p in self._model.parameters() if p.requires_grad]
         self._engine = PerSampleEngine(model, self.params, subnetwork_indices)
 
@@ -118,9 +118,9 @@ class CurvatureInterface:
         """
         return self._engine.trace(x, create_graph)
 
-    def _loss(self, f: Tensor, y: Tensor) -> Tensor:
-        """Summed library loss of a batch, detached."""
-        return self._likelihood.loss(f.detach(), y)
+    def batch_loss(self, f: Tensor, y: Tensor) -> Tensor:
+        """Summed library loss of a batch with outputs ``f`` (B, C), detached."""
+        return self.fit_likelihood.loss(f.detach(), y)
 
     def jacobians(self, x: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
         """Jacobians of the outputs w.r.t. the parameters at their current values.
@@ -198,8 +198,8 @@ class CurvatureInterface:
         """
         trace = self.trace(x)
         f = trace.f.detach()
-        Gs = trace.per_sample(self._likelihood.loss_gradient(f, y))
-        return Gs.detach(), self._loss(f, y)
+        Gs = trace.per_sample(self.fit_likelihood.loss_gradient(f, y))
+        return Gs.detach(), self.batch_loss(f, y)
 
     def curvature_columns(
         self,
@@ -243,7 +243,7 @@ class CurvatureInterface:
                 keyword argument.
         """
         trace, f, columns = self._traced_columns(x, y, kwargs)
-        return self._loss(f, y), trace.gram(columns).detach()
+        return self.batch_loss(f, y), trace.gram(columns).detach()
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
         """Kronecker-factored batch curvature (KFAC) of the family's curvature columns.
@@ -270,7 +270,7 @@ class CurvatureInterface:
         if self.subnetwork_indices is not None:
             raise ValueError("KFAC is defined per layer; it does not support subnetwork_indices.")
         trace, f, columns = self._traced_columns(x, y, kwargs)
-        return self._loss(f, y), kfac(trace, columns, N, approx, self.factor)
+        return self.batch_loss(f, y), kfac(trace, columns, N, approx, self.factor)
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Diagonal of the batch curvature, summed over data points.
@@ -287,7 +287,7 @@ class CurvatureInterface:
             ValueError: As :meth:`full`.
         """
         trace, f, columns = self._traced_columns(x, y, kwargs)
-        return self._loss(f, y), trace.square_sum(columns).detach()
+        return self.batch_loss(f, y), trace.square_sum(columns).detach()
 
     def _traced_columns(
         self, x: Inputs, y: Tensor, kwargs: dict[str, Any]
@@ -354,10 +354,10 @@ class GGNInterface(CurvatureInterface):
             n_samples = self.num_samples if mc_samples is None else mc_samples
             scale = 1.0 / math.sqrt(n_samples)
             for _ in range(n_samples):
-                y_hat = self._likelihood.sample_targets(f, generator)
-                yield scale * self._likelihood.loss_gradient(f, y_hat)
+                y_hat = self.fit_likelihood.sample_targets(f, generator)
+                yield scale * self.fit_likelihood.loss_gradient(f, y_hat)
         else:
-            L = self._likelihood.output_hessian_sqrt(f)
+            L = self.fit_likelihood.output_hessian_sqrt(f)
             yield from L.unbind(-1)
 
 
@@ -380,7 +380,7 @@ class EFInterface(CurvatureInterface):
         """The single column ``∇_f ℓ(fₙ, yₙ)`` (B, C); ``mc_samples`` is refused (not sampled)."""
         if mc_samples is not None:
             raise ValueError("mc_samples applies to the Monte-Carlo Fisher, not the EF.")
-        return [self._likelihood.loss_gradient(f, y)]
+        return [self.fit_likelihood.loss_gradient(f, y)]
 
 
 def _curvature_options(kwargs: dict[str, Any]) -> int | None:

@@ -129,7 +129,7 @@ class CurvlinopsHessian(CurvlinopsInterface):
             self.model,
             self.lossfunc,
             self.params,
-            [(x, self._likelihood.loss_targets(y, self.params[0].dtype))],
+            [(x, self.fit_likelihood.loss_targets(y, self.params[0].dtype))],
             check_deterministic=False,
             **data_kwargs,
         )
@@ -149,7 +149,7 @@ class CurvlinopsHessian(CurvlinopsInterface):
                 yield start, self.factor * (operator @ unit)[selected]
 
         with torch.no_grad():
-            loss = self._likelihood.loss(self.model(x), y)
+            loss = self.fit_likelihood.loss(self.model(x), y)
         return loss, columns()
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:

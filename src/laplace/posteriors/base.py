@@ -1,10 +1,11 @@
 """The contract every posterior structure (dense, diagonal, Kronecker, low-rank) implements.
 
-A structure owns two things: how the curvature of a batch is obtained from a backend and summed
-over batches, and the Gaussian posterior ``N(θ_MAP, P⁻¹)`` with ``P = h·H + diag(p₀)`` once the
-curvature ``H``, the likelihood factor ``h = 1/(σ²T)`` and the prior precision ``p₀`` are known.
-Predictives, the marginal likelihood and hyperparameter tuning only talk to this interface, so they
-never branch on the structure.
+A structure owns two things: the accumulator of a fit (how the curvature of a batch is obtained
+from a backend, summed over batches, added to an earlier fit, stored and saved), and the Gaussian
+posterior ``N(θ_MAP, P⁻¹)`` with ``P = h·H + diag(p₀)`` once the curvature ``H``, the likelihood
+factor ``h = 1/(σ²T)`` and the prior precision ``p₀`` are known. Fits, predictives, the marginal
+likelihood, hyperparameter tuning and saved states only talk to this interface, so they never
+branch on the structure.
 
 The functional variance ``J P⁻¹ Jᵀ`` is a double dispatch: a parameter subset linearises the model
 into one of a few Jacobian kinds (:mod:`laplace.jacobians`), and each structure maps the kinds it
@@ -45,6 +46,11 @@ class Posterior(ABC):
 
     #: Closed forms of ``J P⁻¹ Jᵀ`` by Jacobian kind; other kinds go through their dense rows.
     closed_forms: ClassVar[Mapping[type[Jacobian], ClosedForm]] = {}
+    #: Why ``fit(override=False)`` cannot update a fit of this structure; None: it can.
+    update_refusal: ClassVar[str | None] = None
+    #: The closed form of a linear head's curvature in this structure's form, with the backend
+    #: route it equals (:func:`laplace.last_layer.head_curvature`); None: no closed form.
+    head_curvature: ClassVar[tuple[str, Any] | None] = None
 
     def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
         self.H = H
@@ -52,6 +58,11 @@ class Posterior(ABC):
         self.prior_diag = prior_diag
 
     # ---------------------------------------------------------------- curvature accumulation
+    # A fit is a sum over batches in the structure's representation: ``zeros`` is the empty
+    # sum, ``batch_curvature`` a batch's summand from a backend (a parameter subset may give it
+    # in closed form instead), ``add`` sums it in; ``merge`` adds a new sum to an earlier fit
+    # (``fit(override=False)``), ``finalize`` turns a sum into the stored curvature, and
+    # ``state`` / ``load_state`` write and read the stored curvature as plain tensors.
     @staticmethod
     @abstractmethod
     def zeros(params: Sequence[Tensor]) -> Any:
@@ -70,9 +81,10 @@ class Posterior(ABC):
         """
 
     @staticmethod
-    def finalize(H: Any) -> Any:
-        """The curvature as stored after a fit (e.g. eigen-decomposed); identity by default."""
-        return H
+    def add(total: Any, H: Any) -> Any:
+        """``total + H``, summed into ``total`` (a sum the caller owns) where it can be."""
+        total += H
+        return total
 
     @staticmethod
     def is_finite(H: Any) -> bool:
@@ -81,6 +93,53 @@ class Posterior(ABC):
         A sum is finite iff every summand is (barring overflow), so one reduction suffices.
         """
         return bool(torch.isfinite(H.sum()))
+
+    @staticmethod
+    def merge(previous: Any, H: Any, n_before: int, n_data: int) -> Any:
+        """The sum of a stored fit over ``n_before`` points and a new sum, over ``n_data`` points.
+
+        Args:
+            previous: The stored curvature of the earlier fits.
+            H: The new sum (normalised, where the structure normalises, for ``n_data`` points).
+            n_before: Data points of the earlier fits.
+            n_data: Data points of the earlier fits and the new sum together.
+        """
+        return previous + H
+
+    @staticmethod
+    def finalize(H: Any, **options: Any) -> Any:
+        """The curvature as stored after a fit (e.g. eigen-decomposed); identity by default.
+
+        Args:
+            H: The summed curvature.
+            **options: The structure's options (Kronecker: ``damping``).
+        """
+        return H
+
+    @staticmethod
+    def state(H: Any) -> Any:
+        """The stored curvature as detached tensors (nested in lists or dicts), for a state."""
+        return H.detach()
+
+    @classmethod
+    def load_state(cls, state: Any, zeros: Any, **options: Any) -> Any:
+        """The stored curvature from :meth:`state`'s value, checked against ``zeros``.
+
+        Args:
+            state: The saved value.
+            zeros: :meth:`zeros` of the parameters (shapes, device and dtype to load into).
+            **options: As :meth:`finalize`.
+
+        Raises:
+            ValueError: If ``state`` does not have the structure or the shapes of ``zeros``.
+        """
+        if not isinstance(state, Tensor):
+            raise ValueError("state_dict['H'] must be a tensor for this structure.")
+        if tuple(state.shape) != tuple(zeros.shape):
+            raise ValueError(
+                f"state_dict['H'] has shape {tuple(state.shape)}, expected {tuple(zeros.shape)}."
+            )
+        return state.to(device=zeros.device, dtype=zeros.dtype)
 
     # ------------------------------------------------------------------------ the posterior
     @property

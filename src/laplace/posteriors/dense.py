@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from laplace.errors import TooLargeError
 from laplace.jacobians import HeadFeatures, Jacobian
-from laplace.last_layer import full_head_variance
+from laplace.last_layer import FULL_HEAD_CURVATURE, HeadCurvature, full_head_variance
 from laplace.posteriors.base import ClosedForm, NotPositiveDefiniteError, Posterior
 
 __all__ = ["DensePosterior", "check_dense_size", "device_memory"]
@@ -58,6 +58,7 @@ class DensePosterior(Posterior):
     """
 
     closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {HeadFeatures: _head_variance}
+    head_curvature: ClassVar[HeadCurvature | None] = FULL_HEAD_CURVATURE
 
     @override
     @staticmethod

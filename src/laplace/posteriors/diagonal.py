@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from laplace.jacobians import HeadFeatures, Jacobian, LayerTrace
 from laplace.kron_glm import diag_functional_variance
-from laplace.last_layer import diag_head_variance
+from laplace.last_layer import DIAG_HEAD_CURVATURE, HeadCurvature, diag_head_variance
 from laplace.posteriors.base import ClosedForm, Posterior
 
 __all__ = ["DiagonalPosterior"]
@@ -37,6 +37,7 @@ class DiagonalPosterior(Posterior):
         HeadFeatures: _head_variance,
         LayerTrace: _trace_variance,
     }
+    head_curvature: ClassVar[HeadCurvature | None] = DIAG_HEAD_CURVATURE
 
     @override
     @staticmethod

@@ -42,6 +42,10 @@ class LowRankPosterior(Posterior):
     """Gaussian posterior whose curvature is ``U diag(λ) Uᵀ``: ``H = (U (P, k), λ (k,))``."""
 
     closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {LayerTrace: _trace_variance}
+    update_refusal = (
+        "the top eigenpairs of a sum are not the sum of the top eigenpairs; fit again on all "
+        "the data."
+    )
 
     @override
     @staticmethod
@@ -61,6 +65,28 @@ class LowRankPosterior(Posterior):
     @staticmethod
     def is_finite(H: tuple[Tensor, Tensor]) -> bool:
         return bool(torch.isfinite(H[0]).all() and torch.isfinite(H[1]).all())
+
+    @override
+    @staticmethod
+    def state(H: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
+        return {"eigenvectors": H[0].detach(), "eigenvalues": H[1].detach()}
+
+    @override
+    @classmethod
+    def load_state(
+        cls, state: Any, zeros: tuple[Tensor, Tensor], **options: Any
+    ) -> tuple[Tensor, Tensor]:
+        if not isinstance(state, dict) or set(state) != {"eigenvectors", "eigenvalues"}:
+            raise ValueError("state_dict['H'] must hold 'eigenvectors' and 'eigenvalues'.")
+        U, eigenvalues = state["eigenvectors"], state["eigenvalues"]
+        n_params = zeros[0].shape[0]
+        if U.dim() != 2 or U.shape[0] != n_params or eigenvalues.shape != U.shape[1:]:
+            raise ValueError(
+                f"state_dict['H'] has eigenvectors {tuple(U.shape)} and eigenvalues "
+                f"{tuple(eigenvalues.shape)}, expected (n_params={n_params}, k) and (k,)."
+            )
+        like = zeros[1]
+        return U.to(like.device, like.dtype), eigenvalues.to(like.device, like.dtype)
 
     @property
     def eigenvectors(self) -> Tensor:

@@ -10,7 +10,7 @@ classes carry the largest rank kept for ``U`` (:func:`structured_kron_posterior`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache, cached_property
+from functools import cache, cached_property, partial
 from typing import Any, ClassVar
 
 import torch
@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from laplace import large_output
 from laplace.jacobians import HeadFeatures, Jacobian
+from laplace.last_layer import HeadCurvature
 from laplace.posteriors.base import ClosedForm, Posterior
 from laplace.posteriors.kron import KronPosterior
 from laplace.utils.diag_lowrank import DiagLowRank
@@ -43,6 +44,8 @@ class StructuredKronPosterior(KronPosterior):
     max_rank: ClassVar[int | None] = None
     #: Output variances (B, C) of a linear head (the only Jacobian kind of a last layer).
     closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {HeadFeatures: _head_variance}
+    #: The head's curvature from structured output curvatures (rank unbounded here).
+    head_curvature: ClassVar[HeadCurvature | None] = ("kron", large_output.kron_curvature)
 
     @override
     @classmethod
@@ -88,7 +91,9 @@ class StructuredKronPosterior(KronPosterior):
 @cache
 def structured_kron_posterior(max_rank: int | None) -> type[StructuredKronPosterior]:
     """The :class:`StructuredKronPosterior` that keeps at most ``max_rank`` low-rank columns."""
-    return type("StructuredKronPosterior", (StructuredKronPosterior,), {"max_rank": max_rank})
+    closed_form = partial(large_output.kron_curvature, max_rank=max_rank)
+    attributes = {"max_rank": max_rank, "head_curvature": ("kron", closed_form)}
+    return type("StructuredKronPosterior", (StructuredKronPosterior,), attributes)
 
 
 def large_output_structure(

@@ -200,6 +200,10 @@ class KronDecomposed:
         eigenvalues: Per block the eigenvalues ``λᵢ`` of its factors.
         deltas: Added to each block: a scalar (shape () or (1,)) or one value per block.
         damping: Use the damped spectrum ``(λ₀ + √δ)(λ₁ + √δ)ᵀ`` for weight blocks.
+
+    Attributes:
+        factors: The ``Kron`` this is the decomposition of (see :meth:`deferred`); None when
+            built from eigenpairs.
     """
 
     def __init__(
@@ -209,16 +213,19 @@ class KronDecomposed:
         deltas: Tensor | None = None,
         damping: bool = False,
     ) -> None:
-        self._pending: Kron | None = None
+        self.factors: Kron | None = None
         self._eigenvectors, self._eigenvalues = eigenvectors, eigenvalues
         self._init_deltas(len(eigenvalues), eigenvectors[0][0], deltas)
         self.damping = damping
 
     @classmethod
     def deferred(cls, kron: Kron, damping: bool = False) -> KronDecomposed:
-        """The decomposition of ``kron``, computed when its eigenpairs are first needed."""
+        """The decomposition of ``kron``, computed when its eigenpairs are first needed.
+
+        ``kron`` stays available as :attr:`factors`.
+        """
         self = cls.__new__(cls)
-        self._pending, self._eigenvectors, self._eigenvalues = kron, None, None
+        self.factors, self._eigenvectors, self._eigenvalues = kron, None, None
         self._init_deltas(len(kron), kron.kfacs[0][0], None)
         self.damping = damping
         return self
@@ -232,9 +239,8 @@ class KronDecomposed:
         self.deltas = deltas
 
     def _decompose(self) -> None:
-        if self._pending is not None:
-            self._eigenvectors, self._eigenvalues = self._pending._eigenpairs()
-            self._pending = None
+        if self._eigenvectors is None:
+            self._eigenvectors, self._eigenvalues = self.factors._eigenpairs()
 
     @property
     def eigenvectors(self) -> list[list[Tensor]]:

@@ -73,7 +73,9 @@ class StructuredKron(Kron):
             else:
                 eigen = Kron([F]).decompose()
                 blocks.append((eigen.eigenvectors[0], eigen.eigenvalues[0]))
-        return StructuredKronDecomposed(blocks, damping=damping)
+        decomposed = StructuredKronDecomposed(blocks, damping=damping)
+        decomposed.factors = self
+        return decomposed
 
     def to_matrix(self) -> Tensor:
         """Dense (P, P) matrix; for tests and small models only."""
@@ -102,6 +104,10 @@ class StructuredKronDecomposed(KronDecomposed):
         deltas: See :class:`~laplace.utils.matrix.KronDecomposed`.
         damping: See :class:`~laplace.utils.matrix.KronDecomposed`.
         scales: Per block the scalars multiplying its factors (all 1 by default).
+
+    Attributes:
+        factors: The ``StructuredKron`` this is the decomposition of; None for one derived from
+            it by ``+`` or ``*``.
     """
 
     def __init__(
@@ -111,7 +117,7 @@ class StructuredKronDecomposed(KronDecomposed):
         damping: bool = False,
         scales: list[list[Tensor]] | None = None,
     ) -> None:
-        self._pending = None
+        self.factors = None
         self.blocks, self.damping = blocks, damping
         reference = next(b.G.diag if isinstance(b, _Structured) else b[0][0] for b in blocks)
         self._init_deltas(len(blocks), reference, deltas)
