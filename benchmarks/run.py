@@ -13,7 +13,8 @@ Usage: ``python benchmarks/run.py [--cases NAME ...] [--repeats R] [--threads T]
 structure on both models and writes ``benchmarks/results/backends.json``. The scaling table
 (N and width) is ``benchmarks/scaling.py``. The ``binary-*`` cases time
 ``likelihood="binary_classification"`` against ``"classification"`` on the MLP; the
-``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions.
+``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions;
+``large-vocab-ll-kron`` is the 32,000-class head of ``benchmarks/large_vocab.py``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from harness import (
     training_loader,
     use_clock,
 )
+from large_vocab import LARGE_VOCAB_CASES
 from positions import POSITION_CASES
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -313,6 +315,7 @@ CASES = {
     "binary-diag-mlp": (case_binary_vs_classification, "mlp", "diag"),
     "binary-kron-mlp": (case_binary_vs_classification, "mlp", "kron"),
     **POSITION_CASES,
+    **LARGE_VOCAB_CASES,
 }
 
 

@@ -11,6 +11,7 @@ import os
 import socket
 import time
 import traceback
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -20,11 +21,12 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from conftest import CASE_BUILDERS, assert_close
-from laplace import Laplace, marglik_training
+from laplace import Laplace, large_output, marglik_training
 from laplace.curvature import CurvlinopsGGN
 from laplace.distributed import DistributedFitError, all_gather, shard_dataset
 from laplace.evaluation import evaluate
 from laplace.utils.matrix import KronDecomposed
+from laplace.utils.structured_kron import StructuredKron
 
 WORLD = 2
 RTOL, ATOL = 1e-9, 1e-10
@@ -41,6 +43,7 @@ CONFIGS = [
     ("ll-full", "last_layer", "full", "mlp_classification", "uneven"),
     ("ll-diag", "last_layer", "diag", "mlp_classification", "uneven"),
     ("ll-kron", "last_layer", "kron", "mlp_classification", "uneven"),
+    ("ll-kron-large", "last_layer", "kron", "mlp_classification", "uneven"),
     ("subnet-full", "subnetwork", "full", "mlp_classification", "uneven"),
     ("subnet-diag", "subnetwork", "diag", "mlp_classification", "uneven"),
     ("all-lowrank", "all", "lowrank", "mlp_classification", "uneven"),
@@ -48,6 +51,20 @@ CONFIGS = [
     ("all-diag-ddp", "all", "diag", "mlp_classification", "ddp"),
 ]
 IDS = [c[0] for c in CONFIGS]
+#: Configurations fitted with the large-output threshold lowered below their 4 classes.
+LARGE_OUTPUT = {"ll-kron-large"}
+
+
+@contextmanager
+def _large_output_threshold(config):
+    """Lower ``LARGE_OUTPUT_THRESHOLD`` for the configurations in :data:`LARGE_OUTPUT`."""
+    saved = large_output.LARGE_OUTPUT_THRESHOLD
+    if config[0] in LARGE_OUTPUT:
+        large_output.LARGE_OUTPUT_THRESHOLD = 2
+    try:
+        yield
+    finally:
+        large_output.LARGE_OUTPUT_THRESHOLD = saved
 
 
 def _free_port() -> int:
@@ -135,32 +152,39 @@ def _worker(rank: int, port: int, out_dir: str, configs, fail: str | None) -> No
             if config == MARGLIK_TRAINING:
                 results[config] = _marglik_training(rank)
                 continue
-            case, kwargs, X_test = _build(config)
-            train, val = _local_loaders(case, config, rank)
-            model = case.model
-            if config[4] == "ddp":
-                model = torch.nn.parallel.DistributedDataParallel(model)
-            la = _laplace(case, model, config, kwargs)
-            distributed = None if config[4] == "sampler" else True
-            la.fit(train, distributed=distributed)
-            shard = X_test[rank::WORLD]
-            res = {
-                "precision": _precision(la).detach().clone(),
-                "marglik": la.log_marginal_likelihood().detach().clone(),
-                "n_data": la.n_data,
-                "pred": all_gather(_predict(la, shard)),
-            }
-            la.optimize_prior_precision(method="marglik", n_steps=15)
-            res["prior_marglik"] = la.prior_precision.detach().clone()
-            if val is not None:
-                la.optimize_prior_precision(method="gridsearch", val_loader=val, grid_size=7)
-                res["prior_grid"] = la.prior_precision.detach().clone()
-                res.update(_calibration(la, case, val, distributed=True))
-            results[config[0]] = res
+            with _large_output_threshold(config):
+                results[config[0]] = _distributed_fit(rank, config)
     except Exception:  # reported to the parent through the results file
         results["error"] = traceback.format_exc()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _distributed_fit(rank: int, config) -> dict:
+    """This rank's fit of ``config`` on its shard, and what it then computes."""
+    case, kwargs, X_test = _build(config)
+    train, val = _local_loaders(case, config, rank)
+    model = case.model
+    if config[4] == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    la = _laplace(case, model, config, kwargs)
+    distributed = None if config[4] == "sampler" else True
+    la.fit(train, distributed=distributed)
+    shard = X_test[rank::WORLD]
+    res = {
+        "precision": _precision(la).detach().clone(),
+        "marglik": la.log_marginal_likelihood().detach().clone(),
+        "n_data": la.n_data,
+        "pred": all_gather(_predict(la, shard)),
+        "structured_factor": isinstance(getattr(la, "H_facs", None), StructuredKron),
+    }
+    la.optimize_prior_precision(method="marglik", n_steps=15)
+    res["prior_marglik"] = la.prior_precision.detach().clone()
+    if val is not None:
+        la.optimize_prior_precision(method="gridsearch", val_loader=val, grid_size=7)
+        res["prior_grid"] = la.prior_precision.detach().clone()
+        res.update(_calibration(la, case, val, distributed=True))
+    return res
 
 
 MARGLIK_TRAINING = "marglik_training"
@@ -250,7 +274,9 @@ def distributed_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
-def test_distributed_fit_equals_single_process(config, distributed_results):
+def test_distributed_fit_equals_single_process(config, distributed_results, monkeypatch):
+    if config[0] in LARGE_OUTPUT:
+        monkeypatch.setattr(large_output, "LARGE_OUTPUT_THRESHOLD", 2)
     case, kwargs, X_test = _build(config)
     la = _laplace(case, case.model, config, kwargs)
     la.fit(case.loader(5))
@@ -277,6 +303,8 @@ def test_distributed_fit_equals_single_process(config, distributed_results):
                 assert_close(got[key], expected[key], rtol=RTOL_F32, atol=RTOL_F32)
             elif key != "n_data":
                 assert_close(got[key], expected[key], rtol=rtol, atol=atol)
+    structured = [results[config[0]]["structured_factor"] for results in distributed_results]
+    assert structured == [config[0] in LARGE_OUTPUT] * WORLD
     # every rank holds bitwise the same posterior
     for key in ("precision", "marglik", "prior_marglik"):
         assert torch.equal(

@@ -115,8 +115,10 @@ def all_reduce_sum(value: Any, device: torch.device | None = None) -> Any:
 
     ``value`` is a tensor, a Python number, a :class:`~laplace.utils.matrix.Kron` or a
     (nested) list/tuple of these. Tensors of one dtype are reduced in a single flat buffer.
-    The inputs are not modified.
+    A :class:`~laplace.utils.diag_lowrank.DiagLowRank` factor sums its diagonal and gathers its
+    low-rank columns (then truncated to its rank as any sum). The inputs are not modified.
     """
+    from laplace.utils.diag_lowrank import DiagLowRank
     from laplace.utils.matrix import Kron
 
     if isinstance(value, (int, float)):
@@ -130,6 +132,9 @@ def all_reduce_sum(value: Any, device: torch.device | None = None) -> Any:
     def collect(v: Any) -> None:
         if isinstance(v, Kron):
             collect(v.kfacs)
+        elif isinstance(v, DiagLowRank):  # the sign of a rank with columns wins the sum
+            sign = v.diag.new_tensor([float(v.sign) if v.rank else 0.0])
+            leaves.extend([v.diag.detach(), v.dropped.detach().reshape(1), sign])
         elif isinstance(v, (list, tuple)):
             for item in v:
                 collect(item)
@@ -153,7 +158,11 @@ def all_reduce_sum(value: Any, device: torch.device | None = None) -> Any:
 
     def rebuild(v: Any) -> Any:
         if isinstance(v, Kron):
-            return Kron(rebuild(v.kfacs))
+            return type(v)(rebuild(v.kfacs))
+        if isinstance(v, DiagLowRank):
+            diag, dropped, sign = next(it), next(it), next(it)
+            U = all_gather(v.U.detach().T.contiguous()).T
+            return DiagLowRank(diag, U, -1 if sign < 0 else 1, v.max_rank, dropped.reshape(()))
         if isinstance(v, (list, tuple)):
             return type(v)(rebuild(item) for item in v)
         return next(it)

@@ -49,6 +49,7 @@ __all__ = [
     "MissingKeyError",
     "ModelOutputError",
     "NotFittedError",
+    "TooLargeError",
     "UnsupportedError",
     "check_bool",
     "check_finite_result",
@@ -94,6 +95,14 @@ class DataError(ValueError, RuntimeError):
 
 class MetaDeviceError(DataError, NotImplementedError):
     """Tensors on the ``meta`` device (no values); also a ``NotImplementedError`` as in torch."""
+
+
+class TooLargeError(ValueError, RuntimeError):
+    """A dense matrix larger than the device's memory.
+
+    A ``RuntimeError`` as torch's allocation failure, and a ``ValueError`` (the structure chosen
+    does not fit the model).
+    """
 
 
 class LabelError(ValueError, IndexError):

@@ -93,6 +93,9 @@ class GLMPredictiveMixin:
         likelihood = self._prediction_likelihood(fitting)
         likelihood.check_prediction(link_approx, joint)
         self._check_fitted("prediction")
+        reason = self._output_variances_only()
+        if reason is not None and pred_type == PredType.GLM:
+            likelihood.check_variance_prediction(link_approx, joint, diagonal_output, reason)
         x = prepare_inputs(x, self.dict_key_x, self._device, "prediction")
         if pred_type == PredType.NN:
             f = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
@@ -119,6 +122,10 @@ class GLMPredictiveMixin:
         rows = jacobian_chunk_rows(per_point, len(posterior.prior_diag), self._dtype)
         return kind.chunk_rows(rows, subset.model, subset.params)
 
+    def _output_variances_only(self) -> str | None:
+        """Why the GLM predictive computes only output variances (B, C); None if it does not."""
+        return None
+
     def _glm_predictive_distribution(
         self, X: Inputs, joint: bool = False, diagonal_output: bool = False
     ) -> tuple[Tensor, Tensor]:
@@ -137,7 +144,9 @@ class GLMPredictiveMixin:
             check_outputs(f_mu, batch_size_of(chunk, self.dict_key_x))
             self._checked_finite(f_var, "predictive variance")
             means.append(f_mu)
-            variances.append(f_var.diagonal(dim1=-2, dim2=-1) if diagonal_output else f_var)
+            if diagonal_output and f_var.dim() == 3:
+                f_var = f_var.diagonal(dim1=-2, dim2=-1)
+            variances.append(f_var)
         return torch.cat(means), torch.cat(variances)
 
     def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
@@ -170,12 +179,20 @@ class GLMPredictiveMixin:
         """Samples of the network outputs ``f`` (before any link), shape (S, B, C).
 
         Raises:
-            ValueError: For an unknown ``pred_type`` or a non-positive ``n_samples``.
+            ValueError: For an unknown ``pred_type`` or a non-positive ``n_samples``, or GLM
+                samples without ``diagonal_output=True`` where only output variances are
+                computed.
         """
         pred_type = parse_enum(PredType, pred_type, "pred_type")
         check_positive_int(n_samples, "n_samples")
         check_generator(generator)
         self._check_fitted("functional_samples")
+        reason = self._output_variances_only()
+        if reason is not None and pred_type == PredType.GLM and not diagonal_output:
+            raise ValueError(
+                f"{reason}: GLM samples need diagonal_output=True (independent outputs), or "
+                "use pred_type='nn', which samples the weights from the posterior."
+            )
         x = prepare_inputs(x, self.dict_key_x, self._device, "functional_samples")
         if pred_type == PredType.NN:
             return self._nn_functional_samples(x, n_samples, generator)

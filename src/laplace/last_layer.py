@@ -13,6 +13,10 @@ form ``Σₙ Jₙᵀ Mₙ Jₙ`` with an output-space matrix ``Mₙ = Σₖ vₙ
 The GLM output covariance ``Jₙ Σ Jₙᵀ`` of a posterior covariance ``Σ`` is likewise
 ``Σ_{c,c'} φₙᵀ Σ_{(c,·),(c',·)} φₙ`` plus bias terms; for a Kronecker posterior it costs one
 rotation of the features. No per-sample autograd and no (B, C, P) Jacobian is involved.
+
+Above :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs, ``Mₙ`` is kept as a
+diagonal plus low rank (a :class:`~laplace.utils.diag_lowrank.DiagLowRankBatch`) and the
+functions here hand over to :mod:`laplace.large_output` (output variances (B, C) only).
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from laplace import large_output
 from laplace.curvature import CurvatureInterface
+from laplace.large_output import is_large_output
+from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = [
@@ -32,6 +39,7 @@ __all__ = [
     "FULL_HEAD_CURVATURE",
     "KRON_HEAD_CURVATURE",
     "HeadCurvature",
+    "cat_output_curvatures",
     "diag_curvature",
     "diag_head_variance",
     "full_curvature",
@@ -46,7 +54,9 @@ __all__ = [
 ]
 
 
-def output_curvature(backend: Any, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+def output_curvature(
+    backend: Any, f: Tensor, y: Tensor
+) -> tuple[Tensor, Tensor | DiagLowRankBatch]:
     """Summed batch loss and output-space curvature ``Mₙ = Σₖ vₙₖ vₙₖᵀ`` of a backend.
 
     Args:
@@ -56,8 +66,11 @@ def output_curvature(backend: Any, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor
         y: Targets of the batch.
 
     Returns:
-        The loss (a scalar) and ``M`` of shape (B, C, C).
+        The loss (a scalar) and ``M`` of shape (B, C, C), or above the large-output threshold
+        a diagonal plus low rank (:func:`laplace.large_output.output_curvatures`).
     """
+    if is_large_output(f.shape[-1]):
+        return backend.batch_loss(f, y), large_output.output_curvatures(backend, f, y)
     V = torch.stack(list(backend.curvature_columns(f, y)), dim=-1)
     return backend.batch_loss(f, y), V @ V.transpose(1, 2)
 
@@ -127,6 +140,11 @@ def head_features(layer: nn.Linear, phi: Tensor, rows: Tensor, n_positions: int)
     return features if torch.allclose(recomputed, expected, rtol=1e-4, atol=tolerance) else None
 
 
+def cat_output_curvatures(Ms: list[Tensor | DiagLowRankBatch]) -> Tensor | DiagLowRankBatch:
+    """The output curvatures of several batches (of one kind) together."""
+    return DiagLowRankBatch.cat(Ms) if isinstance(Ms[0], DiagLowRankBatch) else torch.cat(Ms)
+
+
 def full_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:
     """Dense ``Σₙ Jₙᵀ Mₙ Jₙ`` of a linear head, shape (P, P).
 
@@ -138,6 +156,8 @@ def full_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:
         M: Output-space curvature, shape (N, C, C).
         bias: Whether the head has a bias.
     """
+    if isinstance(M, DiagLowRankBatch):
+        return large_output.full_curvature(phi, M, bias)
     D, C = phi.shape[1], M.shape[-1]
     n_w = C * D
     H = phi.new_zeros(n_w + (C if bias else 0), n_w + (C if bias else 0))
@@ -167,7 +187,7 @@ def diag_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:
         M: Output-space curvature, shape (N, C, C).
         bias: Whether the head has a bias.
     """
-    m = M.diagonal(dim1=1, dim2=2)
+    m = M.diagonal() if isinstance(M, DiagLowRankBatch) else M.diagonal(dim1=1, dim2=2)
     parts = [(m.T @ phi.square()).flatten()]
     if bias:
         parts.append(m.sum(0))
@@ -176,6 +196,9 @@ def diag_curvature(phi: Tensor, M: Tensor, bias: bool) -> Tensor:
 
 def kron_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Kron:
     """KFAC blocks of a linear head, normalised for a data set of ``n_data`` points.
+
+    (Structured output curvatures have their own closed form,
+    :func:`laplace.large_output.kron_curvature`.)
 
     Args:
         phi: Features, shape (N, D).
@@ -251,7 +274,12 @@ def head_jacobians(phi: Tensor, n_out: int, bias: bool) -> Tensor:
 
 
 def full_head_variance(covariance: Tensor, phi: Tensor, n_out: int, bias: bool) -> Tensor:
-    """``Jₙ Σ Jₙᵀ`` from the dense posterior covariance ``Σ`` (P, P): (B, D) → (B, C, C)."""
+    """``Jₙ Σ Jₙᵀ`` from the dense posterior covariance ``Σ`` (P, P): (B, D) → (B, C, C).
+
+    Above the large-output threshold only the variances (B, C).
+    """
+    if is_large_output(n_out):
+        return large_output.full_head_variance(covariance, phi, n_out, bias)
     D, C = phi.shape[1], n_out
     n_w = C * D
     S_W = covariance[:n_w, :n_w].reshape(C, D, C, D)
@@ -267,13 +295,14 @@ def full_head_variance(covariance: Tensor, phi: Tensor, n_out: int, bias: bool) 
 def diag_head_variance(variance: Tensor, phi: Tensor, n_out: int, bias: bool) -> Tensor:
     """``Jₙ diag(σ²) Jₙᵀ`` from the posterior variances σ² (P,): (B, D) → (B, C, C).
 
-    The result is diagonal in the outputs.
+    The result is diagonal in the outputs; above the large-output threshold only the variances
+    (B, C).
     """
     D = phi.shape[1]
     f_var = phi.square() @ variance[: n_out * D].reshape(n_out, D).T
     if bias:
         f_var = f_var + variance[n_out * D :]
-    return torch.diag_embed(f_var)
+    return f_var if is_large_output(n_out) else torch.diag_embed(f_var)
 
 
 def kron_head_variance(precision: KronDecomposed, phi: Tensor, n_out: int, bias: bool) -> Tensor:
@@ -281,6 +310,8 @@ def kron_head_variance(precision: KronDecomposed, phi: Tensor, n_out: int, bias:
 
     With ``P_W = (Q_G ⊗ Q_A) diag(s) (Q_G ⊗ Q_A)ᵀ`` and ``φ̃ = Q_Aᵀ φ``, the weight part is
     ``Q_G diag(wₙ) Q_Gᵀ`` with ``wₙᵢ = Σⱼ φ̃ₙⱼ² / sᵢⱼ``; the bias adds ``Q_b diag(1/s_b) Q_bᵀ``.
+    (A structured output factor has its own closed form, :func:`laplace.large_output.
+    kron_head_variance`.)
     """
     Q_G, Q_A = precision.eigenvectors[0]
     w = (phi @ Q_A).square() @ precision.spectrum(0).reciprocal().T

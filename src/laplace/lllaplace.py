@@ -30,9 +30,13 @@ from torch.utils.data import DataLoader
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, move_inputs, split_batch
+from laplace.errors import check_positive_int
 from laplace.functional import FunctionalLLLaplace
+from laplace.glm import jacobian_chunk_rows
 from laplace.kronlaplace import KronLaplace
+from laplace.large_output import OUTPUT_FACTOR_RANK, variances_only_reason
 from laplace.last_layer import (
+    cat_output_curvatures,
     head_curvature,
     head_rows,
     output_curvature,
@@ -41,6 +45,8 @@ from laplace.last_layer_mixin import LastLayerMixin
 from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.parametric_fit import CurvatureSum
+from laplace.posteriors import Posterior
+from laplace.posteriors.structured_kron import large_output_structure
 from laplace.serialization import check_state_dict
 from laplace.utils.enums import Likelihood
 from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
@@ -65,14 +71,14 @@ class HeadCurvatureSum(CurvatureSum):
     Where the posterior structure has a closed form of the backend's curvature
     (:func:`laplace.last_layer.head_curvature`), a batch's statistics are the head's features
     φ (B, D) and the output-space curvature M (B, C, C) of the backend (one forward pass, no
-    autograd); they are buffered up to :data:`BUFFER_ELEMENTS` entries and turned into the
-    structure's curvature by the closed form, which the structure's accumulator sums. Outputs
-    with extra dimensions whose head sees one feature vector per position give one row per
-    position (:func:`laplace.last_layer.head_rows`; KFAC normalised over their N·T rows). A
-    batch whose head sees several rows per data point otherwise, and every batch where there
-    is no closed form (per-output structures, ASDL, BackPACK, Hessian or Monte-Carlo
-    backends), gives the backend's batch curvature as in
-    :class:`~laplace.parametric_fit.CurvatureSum`.
+    autograd; above the large-output threshold M is diagonal plus low rank, see
+    :mod:`laplace.large_output`); they are buffered up to :data:`BUFFER_ELEMENTS` entries and
+    turned into the structure's curvature by the closed form, which the structure's accumulator
+    sums. Outputs with extra dimensions whose head sees one feature vector per position give one
+    row per position (:func:`laplace.last_layer.head_rows`; KFAC normalised over their N·T rows).
+    A batch whose head sees several rows per data point otherwise, and every batch where there
+    is no closed form (per-output structures, ASDL, BackPACK, Hessian or Monte-Carlo backends),
+    gives the backend's batch curvature as in :class:`~laplace.parametric_fit.CurvatureSum`.
     """
 
     def summands(self, loader: DataLoader) -> Iterator[tuple[Tensor, Any]]:
@@ -86,7 +92,8 @@ class HeadCurvatureSum(CurvatureSum):
         bias = subset.layer.bias is not None
 
         def flush(loss: Tensor | float, phis: list[Tensor], Ms: list[Tensor]) -> tuple[Any, Any]:
-            H = closed_form(torch.cat(phis), torch.cat(Ms), bias, n_rows, backend.factor)
+            M = cat_output_curvatures(Ms)
+            H = closed_form(torch.cat(phis), M, bias, n_rows, backend.factor)
             return loss, H
 
         phis: list[Tensor] = []
@@ -153,6 +160,8 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
 
     _abstract = "use FullLLLaplace, KronLLLaplace or DiagLLLaplace."
     _curvature_pass = HeadCurvatureSum
+    #: Rank kept of a structured output factor above the large-output threshold (kron only).
+    output_factor_rank: int | None = None
 
     def __init__(
         self,
@@ -200,13 +209,35 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         self._on_resolved()
 
     def _on_resolved(self) -> None:
-        """Bind the found layer and check the hyperparameters given before it was known."""
+        """Bind the found layer and check the hyperparameters given before it was known.
+
+        The number of outputs is then known, and with it the structure (see
+        :mod:`laplace.large_output`).
+        """
         self._bind_subset()
         self.prior_precision = self.prior_precision
         self.prior_mean = self.prior_mean
+        self.sigma_noise = self.sigma_noise
         self._init_state()
 
+    def _own_structure(self) -> type[Posterior]:
+        structure = super()._own_structure()
+        if not self._subset.resolved:
+            return structure
+        n_out = self._subset.layer.out_features
+        return large_output_structure(structure, n_out, self.output_factor_rank)
+
     # --------------------------------------------------------------------------- predictive
+    def _output_variances_only(self) -> str | None:
+        return variances_only_reason(self.n_outputs)
+
+    def _chunk_rows(self) -> int:
+        # With output variances only, the closed forms hold about C·(D + 1) numbers per point.
+        if self._output_variances_only():
+            n_in = self._subset.layer.in_features
+            return jacobian_chunk_rows(self.n_outputs, n_in + 1, self._dtype)
+        return super()._chunk_rows()
+
     def functional_variance_fast(self, X: Inputs) -> tuple[Tensor, Tensor]:
         """Output means (B, C) and variances (B, C) of the GLM predictive, from the features.
 
@@ -216,7 +247,8 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         self._check_fitted("functional_variance_fast")
         f_mu, f_var = self._functional_moments(move_inputs(X, self._device))
         layout = self._likelihood_model.layout(f_mu.shape)
-        return f_mu, layout.restore(f_var.diagonal(dim1=-2, dim2=-1))
+        variances = f_var if f_var.dim() == 2 else f_var.diagonal(dim1=-2, dim2=-1)
+        return f_mu, layout.restore(variances)
 
     # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -255,9 +287,22 @@ class DiagLLLaplace(LLLaplace, DiagLaplace):
 class KronLLLaplace(LLLaplace, KronLaplace):
     """Last-layer Laplace with a Kronecker-factored (KFAC) curvature of the head.
 
+    Above :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs the output-side factor
+    ``G = Σₙ Λₙ`` is never a dense C × C matrix but ``diag(Σ p) − U Uᵀ`` (softmax), ``U`` the
+    top ``output_factor_rank`` singular directions of ``P = [p₁ … p_N]`` (exact while the data
+    give no more rank; beyond, ``G`` is over-estimated by a PSD part of trace
+    ``H_facs.kfacs[0][0].dropped``); the posterior and GLM variances go through that structure
+    (see :mod:`laplace.large_output`).
+
     Args:
-        damping: Mix the prior into each Kronecker factor (see :class:`KronLaplace`). The
-            other arguments are those of :class:`LLLaplace`.
+        damping: Mix the prior into each Kronecker factor (see :class:`KronLaplace`).
+        output_factor_rank: Largest rank of the low-rank term of the output factor above the
+            large-output threshold (default :data:`~laplace.large_output.OUTPUT_FACTOR_RANK`);
+            a marginal-likelihood step costs O(D·C·k²) for D features, C outputs, rank k.
+            The other arguments are those of :class:`LLLaplace`.
+
+    Raises:
+        ValueError: For an ``output_factor_rank`` that is not a positive integer.
     """
 
     def __init__(
@@ -279,6 +324,8 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         asdl_fisher_kwargs: dict[str, Any] | None = None,
         class_dim: int | None = None,
         ignore_index: int = IGNORE_INDEX,
+        output_factor_rank: int = OUTPUT_FACTOR_RANK,
     ) -> None:
         self.damping = damping
+        self.output_factor_rank = check_positive_int(output_factor_rank, "output_factor_rank")
         LLLaplace.__init__(self, **arguments_for(LLLaplace.__init__, locals()))

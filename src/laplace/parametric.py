@@ -56,7 +56,7 @@ class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, B
             ValueError: See :func:`laplace.per_output.noise_structure`.
         """
         structure = noise_structure(
-            type(self)._posterior_cls,
+            self._own_structure(),
             self._posterior_cls,
             sigma.numel(),
             self._fitted,
@@ -66,6 +66,10 @@ class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, B
             self._posterior_cls = structure
             if getattr(self, "H", None) is not None:
                 self._init_H()
+
+    def _own_structure(self) -> type[Posterior]:
+        """The class's posterior structure for one σ (``_posterior_cls`` of the class)."""
+        return type(self)._posterior_cls
 
     def _transaction_rebuild(self) -> dict[str, Any]:
         # The zero curvature of an unfitted approximation is freed while a first fit sums

@@ -138,13 +138,17 @@ def laplace_bridge(f_mu: Tensor, f_var: Tensor, normalize: bool = False, **_: ob
 
     The logits are first conditioned on ``1ᵀf = 0`` (softmax is invariant to a shared shift):
     ``μ ← μ − Σ1 (1ᵀμ) / (1ᵀΣ1)`` and ``Σ ← Σ − Σ11ᵀΣ / (1ᵀΣ1)``. With ``normalize=True`` they
-    are then rescaled by the mean variance (``link_approx="bridge_norm"``).
+    are then rescaled by the mean variance (``link_approx="bridge_norm"``). Variances (B, C)
+    stand for a diagonal ``Σ`` (no (B, C, C) tensor is formed).
     """
-    cov = torch.diag_embed(f_var) if f_var.dim() == f_mu.dim() else f_var
-    row_sums = cov.sum(-1)
+    if f_var.dim() == f_mu.dim():
+        row_sums = column_sums = variances = f_var
+    else:
+        row_sums, column_sums = f_var.sum(-1), f_var.sum(-2)
+        variances = f_var.diagonal(dim1=-2, dim2=-1)
     total = row_sums.sum(-1, keepdim=True)
     f_mu = f_mu - row_sums * f_mu.sum(-1, keepdim=True) / total
-    var = cov.diagonal(dim1=-2, dim2=-1) - row_sums * cov.sum(-2) / total
+    var = variances - row_sums * column_sums / total
     n_classes = f_mu.shape[-1]
     if normalize:
         mean_var = var.mean(dim=-1, keepdim=True) / math.sqrt(n_classes / 2)

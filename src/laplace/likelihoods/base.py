@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from laplace.errors import UnsupportedError
 from laplace.likelihoods.prediction import OutputPredictions
 from laplace.likelihoods.rows import OutputRows
+from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import FunctionalApproximation, HessianStructure
 
 __all__ = ["LikelihoodModel"]
@@ -154,6 +155,16 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
         """Hessian (or Fisher) of the per-sample loss w.r.t. ``f``, shape (B, C, C)."""
         L = self.output_hessian_sqrt(f)
         return L @ L.transpose(-1, -2)
+
+    def structured_output_hessian(self, f: Tensor) -> DiagLowRankBatch:
+        """The output Hessians as ``Λₙ = diag(dₙ) + s·Vₙ Vₙᵀ``, without a (B, C, C) tensor.
+
+        Used above :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs. By default
+        ``d = 0``, ``s = +1`` and ``V`` = :meth:`output_hessian_sqrt`; likelihoods that know a
+        smaller form override it (softmax: ``(p, p, −1)``).
+        """
+        L = self.output_hessian_sqrt(f)
+        return DiagLowRankBatch(L.new_zeros(L.shape[:2]), L, 1)
 
     def ggn(self, J: Tensor, f: Tensor) -> Tensor:
         """Generalised Gauss-Newton ``Σₙ Jₙᵀ Λₙ Jₙ`` of per-point Jacobians.

@@ -14,6 +14,7 @@ from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.prediction import ProbabilityPredictions
 from laplace.outputs import PositionTargets
 from laplace.predictive import BERNOULLI_LINKS
+from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood
 
 __all__ = ["Bernoulli"]
@@ -76,6 +77,11 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
     @override
     def output_hessian(self, f: Tensor) -> Tensor:
         return torch.diag_embed(_bernoulli_variance(f))
+
+    @override
+    def structured_output_hessian(self, f: Tensor) -> DiagLowRankBatch:
+        """``Λₙ = diag(p(1 − p))`` without low-rank part."""
+        return DiagLowRankBatch(_bernoulli_variance(f), f.new_zeros(*f.shape, 0), 1)
 
     @override
     def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:

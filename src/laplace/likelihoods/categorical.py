@@ -15,7 +15,8 @@ from laplace.likelihoods.gaussian import GaussianRegression
 from laplace.likelihoods.prediction import ProbabilityPredictions
 from laplace.outputs import PositionTargets
 from laplace.predictive import LINKS, probit_logits
-from laplace.utils.enums import HessianStructure, Likelihood
+from laplace.utils.diag_lowrank import DiagLowRankBatch
+from laplace.utils.enums import HessianStructure, Likelihood, LinkApprox
 from laplace.utils.linalg import softmax_hessian_factor
 
 __all__ = ["Categorical", "RewardModeling"]
@@ -28,6 +29,7 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
     predicts_probabilities = True
     default_validation_loss = "nll"
     link_approximations = LINKS
+    variance_links = (LinkApprox.PROBIT, LinkApprox.BRIDGE, LinkApprox.BRIDGE_NORM)
     predictions = "class probabilities"
     position_targets = PositionTargets.LABELS
 
@@ -61,6 +63,12 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
     def output_hessian(self, f: Tensor) -> Tensor:
         p = torch.softmax(f, dim=-1)
         return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+
+    @override
+    def structured_output_hessian(self, f: Tensor) -> DiagLowRankBatch:
+        """``Λₙ = diag(pₙ) − pₙ pₙᵀ`` as ``(d, V, s) = (p, p, −1)``: O(C) per point."""
+        p = torch.softmax(f, dim=-1)
+        return DiagLowRankBatch(p, p.unsqueeze(-1), -1)
 
     @override
     def predictive_nll(
@@ -172,6 +180,10 @@ class RewardModeling(LikelihoodModel):
     @override
     def output_hessian(self, f: Tensor) -> Tensor:
         return self._fit.output_hessian(f)
+
+    @override
+    def structured_output_hessian(self, f: Tensor) -> DiagLowRankBatch:
+        return self._fit.structured_output_hessian(f)
 
     @override
     def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:

@@ -12,6 +12,7 @@ from typing_extensions import override
 from laplace.errors import DataError
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.outputs import PositionTargets
+from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import Likelihood
 
 __all__ = ["GaussianRegression"]
@@ -79,6 +80,11 @@ class GaussianRegression(LikelihoodModel):
     def output_hessian_sqrt(self, f: Tensor) -> Tensor:
         eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
         return eye.expand(f.shape[0], -1, -1)
+
+    @override
+    def structured_output_hessian(self, f: Tensor) -> DiagLowRankBatch:
+        """``Λₙ = I`` as a diagonal without low-rank part."""
+        return DiagLowRankBatch(torch.ones_like(f), f.new_zeros(*f.shape, 0), 1)
 
     @override
     def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:

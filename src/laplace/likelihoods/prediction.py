@@ -56,6 +56,26 @@ class OutputPredictions:
                 f"{[link.value for link in self.links]}, got {link_approx.value!r}."
             )
 
+    def check_variance_prediction(
+        self, link_approx: LinkApprox, joint: bool, diagonal_output: bool, reason: str
+    ) -> None:
+        """Refuse options that need covariances between outputs when only variances exist.
+
+        Args:
+            link_approx: The requested link approximation.
+            joint: Whether the joint Gaussian over test outputs was requested.
+            diagonal_output: Whether variances were requested.
+            reason: Why only output variances (B, C) are computed, for the message.
+
+        Raises:
+            ValueError: Unless ``diagonal_output=True`` and ``joint=False``.
+        """
+        if joint or not diagonal_output:
+            raise ValueError(
+                f"{reason}: use diagonal_output=True (and joint=False) for the predictive "
+                "variances, or pred_type='nn' with link_approx='mc' to sample weights."
+            )
+
     def predict(
         self,
         moments: Callable[..., tuple[Tensor, Tensor]],
@@ -160,6 +180,30 @@ class ProbabilityPredictions(OutputPredictions):
 
     #: ``link_approx`` → function of ``(f_mu, f_var, n_samples=, generator=)``.
     link_approximations: dict[LinkApprox, Callable[..., Tensor]]
+    #: The link approximations that work from output variances (B, C) alone.
+    variance_links: tuple[LinkApprox, ...] = (LinkApprox.PROBIT,)
+
+    def check_variance_prediction(
+        self, link_approx: LinkApprox, joint: bool, diagonal_output: bool, reason: str
+    ) -> None:
+        """Refuse a link approximation that needs covariances between outputs.
+
+        Args:
+            link_approx: The requested link approximation.
+            joint: Unused (refused by :meth:`check_prediction`).
+            diagonal_output: Unused (the predictions are probabilities).
+            reason: Why only output variances (B, C) are computed, for the message.
+
+        Raises:
+            ValueError: For a ``link_approx`` outside :attr:`variance_links`.
+        """
+        if link_approx not in self.variance_links:
+            raise ValueError(
+                f"{reason}: link_approx={link_approx.value!r} needs the covariance between "
+                f"outputs; use link_approx in {[link.value for link in self.variance_links]}, "
+                "or pred_type='nn' with link_approx='mc', which samples the weights from the "
+                "posterior."
+            )
 
     @staticmethod
     @abstractmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any, ClassVar
@@ -10,11 +11,38 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from laplace.errors import TooLargeError
 from laplace.jacobians import HeadFeatures, Jacobian
 from laplace.last_layer import FULL_HEAD_CURVATURE, HeadCurvature, full_head_variance
 from laplace.posteriors.base import ClosedForm, NotPositiveDefiniteError, Posterior
 
-__all__ = ["DensePosterior"]
+__all__ = ["DensePosterior", "check_dense_size", "device_memory"]
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Total memory of ``device`` in bytes (physical memory for the CPU); None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def check_dense_size(n_params: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a dense (P, P) matrix larger than the memory of the device it would live on.
+
+    Raises:
+        TooLargeError: (a ``ValueError`` and a ``RuntimeError``) naming the size and the
+            structures that fit.
+    """
+    needed = n_params**2 * (torch.finfo(dtype).bits // 8)
+    available = device_memory(device)
+    if available is not None and needed > available:
+        raise TooLargeError(
+            f"a dense (P, P) curvature of P={n_params:,} parameters needs {needed / 2**30:,.1f} "
+            f"GiB in {dtype}, more than the {available / 2**30:,.1f} GiB of {device}: use "
+            "hessian_structure='kron' or 'diag' (or fewer parameters)."
+        )
 
 
 def _head_variance(posterior: DensePosterior, J: HeadFeatures) -> Tensor:
@@ -35,7 +63,9 @@ class DensePosterior(Posterior):
     @override
     @staticmethod
     def zeros(params: Sequence[Tensor]) -> Tensor:
+        """Zero (P, P) curvature; refused where it cannot fit (:func:`check_dense_size`)."""
         n_params = sum(p.numel() for p in params)
+        check_dense_size(n_params, params[0].dtype, params[0].device)
         return params[0].new_zeros(n_params, n_params)
 
     @override

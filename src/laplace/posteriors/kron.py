@@ -20,6 +20,7 @@ from laplace.jacobians import HeadFeatures, Jacobian, LayerTrace
 from laplace.kron_glm import kron_functional_variance
 from laplace.last_layer import KRON_HEAD_CURVATURE, HeadCurvature, kron_head_variance
 from laplace.posteriors.base import ClosedForm, Posterior
+from laplace.utils.diag_lowrank import factor_from_state, factor_shape, factor_state
 from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = ["KronAccumulator", "KronPosterior"]
@@ -61,7 +62,7 @@ class KronAccumulator:
         """
         scale = n_before / n_data
         factors = cls.factors(previous).kfacs
-        return Kron([[F[0], F[1] * scale] if len(F) == 2 else list(F) for F in factors]) + H
+        return type(H)([[F[0], F[1] * scale] if len(F) == 2 else list(F) for F in factors]) + H
 
     @staticmethod
     def finalize(H: Kron, damping: bool = False) -> Any:
@@ -79,30 +80,33 @@ class KronAccumulator:
         return H.factors
 
     @classmethod
-    def state(cls, H: Any) -> list[list[Tensor]]:
-        """The summed factors, per block."""
-        return [[F.detach() for F in block] for block in cls.factors(H).kfacs]
+    def state(cls, H: Any) -> list[list[Tensor | dict[str, Tensor]]]:
+        """The summed factors, per block (a structured factor as a dict of tensors)."""
+        return [[factor_state(F) for F in block] for block in cls.factors(H).kfacs]
 
     @classmethod
     def load_state(cls, state: Any, zeros: Kron, damping: bool = False) -> Any:
         """The fitted curvature from saved factors of the shapes of ``zeros``.
 
         Raises:
-            ValueError: If ``state`` is not a list of lists of factors of those shapes.
+            ValueError: If ``state`` is not a list of lists of factors of those shapes and kinds
+                (:func:`~laplace.utils.diag_lowrank.factor_from_state`).
         """
         shapes = [[tuple(F.shape) for F in block] for block in zeros.kfacs]
         if not isinstance(state, list) or not all(
-            isinstance(block, list) and all(isinstance(F, Tensor) for F in block)
+            isinstance(block, list) and all(isinstance(F, Tensor | dict) for F in block)
             for block in state
         ):
             raise ValueError("state_dict['H'] must be a list of lists of Kronecker factors.")
-        found = [[tuple(F.shape) for F in block] for block in state]
+        found = [[factor_shape(F) for F in block] for block in state]
         if found != shapes:
             raise ValueError(
                 f"state_dict['H'] has Kronecker factors of shapes {found}, expected {shapes}."
             )
-        reference = zeros.kfacs[0][0]
-        kfacs = [[F.to(device=reference.device, dtype=reference.dtype) for F in b] for b in state]
+        kfacs = [
+            [factor_from_state(F, like) for F, like in zip(block, zero_block)]
+            for block, zero_block in zip(state, zeros.kfacs)
+        ]
         return cls.finalize(type(zeros)(kfacs), damping=damping)
 
 

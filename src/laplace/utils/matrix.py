@@ -118,7 +118,9 @@ class Kron:
     def __add__(self, other: Kron) -> Kron:
         """Factor-wise sum with another ``Kron`` of the same structure."""
         self._check_same_structure(other)
-        return Kron([[Fi + Fj for Fi, Fj in zip(a, b)] for a, b in zip(self.kfacs, other.kfacs)])
+        return type(self)(
+            [[Fi + Fj for Fi, Fj in zip(a, b)] for a, b in zip(self.kfacs, other.kfacs)]
+        )
 
     def __iadd__(self, other: Kron) -> Kron:
         """Factor-wise sum into this ``Kron``'s own factors (an accumulator that owns them)."""
@@ -132,7 +134,7 @@ class Kron:
         """Multiply every block by ``scalar``: each of its ``k`` factors by ``scalar^(1/k)``."""
         if not is_real_scalar(scalar):
             raise ValueError("Kron can only be multiplied by a scalar.")
-        return Kron([[scalar ** (1 / len(F)) * Fi for Fi in F] for F in self.kfacs])
+        return type(self)([[scalar ** (1 / len(F)) * Fi for Fi in F] for F in self.kfacs])
 
     __radd__ = __add__
     __rmul__ = __mul__

@@ -1,0 +1,122 @@
+"""Last-layer Laplace over an LLM-size vocabulary: a head d = 256 → C = 32,000.
+
+The acceptance case of issue 16 (large output dimensions): 64 sequences × 32 tokens of 256
+features, a head onto 32,000 classes (8.2M parameters), last-layer Kron: fit, 100 marginal-
+likelihood steps (``optimize_prior_precision``) and the GLM probit predictive of 8 sequences.
+The dense C × C output factor alone would take 4 GB (float32); the structured factor keeps
+``diag(Σ p) − P Pᵀ`` with a rank-k low-rank part (``output_factor_rank``). Peak memory is the
+resident memory above the level after building the model and the data (``PeakRSS`` of the
+harness), over all three steps together. ``structure="diag"`` runs the same for a diagonal
+last layer.
+
+Sequence outputs (B, T, C) are fed as rows (B·T, C): the per-token features (B·T, 256) go
+through the body and head row by row, the same curvature as a sequence model's head.
+
+Usage: ``python benchmarks/large_vocab.py [--structure kron|diag] [--rank K] [--threads T]``;
+prints one line and writes ``benchmarks/results/large_vocab.json``. ``benchmarks/run.py`` runs
+it as the case ``large-vocab-ll-kron``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from harness import PeakRSS
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+N_SEQUENCES, N_TOKENS, N_FEATURES, VOCABULARY = 64, 32, 256, 32_000
+BATCH_SEQUENCES, TEST_SEQUENCES, MARGLIK_STEPS = 8, 8, 100
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def language_head(seed: int = 0) -> nn.Module:
+    """A body on per-token features and the vocabulary head, with peaked softmax outputs."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(N_FEATURES, N_FEATURES), nn.GELU(), nn.Linear(N_FEATURES, VOCABULARY)
+    )
+    with torch.no_grad():
+        model[-1].weight.mul_(8.0)
+    return model.eval()
+
+
+def token_rows(n_sequences: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token features (n·T, 256) and next-token targets (n·T,), sequences as rows."""
+    gen = torch.Generator().manual_seed(seed)
+    X = torch.randn(n_sequences * N_TOKENS, N_FEATURES, generator=gen)
+    return X, torch.randint(0, VOCABULARY, (n_sequences * N_TOKENS,), generator=gen)
+
+
+def case_large_vocab(structure: str = "kron", rank: int | None = None) -> dict:
+    """Fit, marginal-likelihood tuning and predictive of a last layer over 32,000 classes."""
+    from laplace import Laplace
+
+    model = language_head()
+    X, y = token_rows(N_SEQUENCES, 0)
+    loader = DataLoader(TensorDataset(X, y), batch_size=BATCH_SEQUENCES * N_TOKENS)
+    X_test, _ = token_rows(TEST_SEQUENCES, 1)
+    options = {} if rank is None else {"output_factor_rank": rank}
+    la = Laplace(model, "classification", "last_layer", structure, **options)
+    steps = {
+        "fit": lambda: la.fit(loader),
+        "marglik": lambda: la.optimize_prior_precision(method="marglik", n_steps=MARGLIK_STEPS),
+        "predict": lambda: la(X_test, link_approx="probit"),
+    }
+    times = {}
+    with PeakRSS() as mem:
+        for name, step in steps.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            out = step()
+            times[f"{name}_s"] = time.perf_counter() - wall
+            times[f"{name}_cpu_s"] = time.process_time() - cpu
+    assert out.shape == (TEST_SEQUENCES * N_TOKENS, VOCABULARY)
+    row = {
+        "case": f"large vocabulary last-layer {structure} C={VOCABULARY}",
+        "n_params": la.n_params,
+        "seconds": times["fit_s"] + times["marglik_s"] + times["predict_s"],
+        **times,
+        "peak_extra_MB": mem.extra / 2**20,
+        "dense_output_factor_MB": VOCABULARY**2 * 4 / 2**20,
+        "prior_precision": la.prior_precision.tolist(),
+    }
+    if structure == "kron":
+        G = la.H_facs.kfacs[0][0]
+        row["note"] = f"output factor rank {G.rank}, dropped trace {float(G.dropped):.3g}"
+    return row
+
+
+#: The case of ``benchmarks/run.py`` (one run: the marginal-likelihood steps dominate).
+LARGE_VOCAB_CASES = {
+    "large-vocab-ll-kron": (lambda _, structure, repeats: case_large_vocab(structure), "", "kron")
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--structure", choices=["kron", "diag"], default="kron")
+    parser.add_argument("--rank", type=int, default=None, help="output_factor_rank (kron)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    row = case_large_vocab(args.structure, args.rank)
+    row.update(threads=args.threads, load_avg_1min=os.getloadavg()[0])
+    steps = f"fit / {MARGLIK_STEPS} marglik steps / predictive of {TEST_SEQUENCES} sequences"
+    wall = " / ".join(f"{row[f'{s}_s']:.2f}" for s in ("fit", "marglik", "predict"))
+    cpu = " / ".join(f"{row[f'{s}_cpu_s']:.2f}" for s in ("fit", "marglik", "predict"))
+    print(
+        f"{row['case']}: {steps}: {wall} s wall, {cpu} s CPU; peak +{row['peak_extra_MB']:.0f} "
+        f"MB (dense C x C factor alone {row['dense_output_factor_MB']:.0f} MB); "
+        f"{row.get('note', '')}; load {row['load_avg_1min']:.1f}"
+    )
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "large_vocab.json").write_text(json.dumps(row, indent=2))
+
+
+if __name__ == "__main__":
+    main()

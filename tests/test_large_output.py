@@ -1,0 +1,363 @@
+"""Large output dimensions: diagonal-plus-low-rank output curvatures against dense oracles.
+
+The large-output paths are exercised on the tiny float64 models with
+``LARGE_OUTPUT_THRESHOLD`` lowered (fixture ``large``), and compared with the dense path of the
+same approximation (threshold restored) and with dense matrices built from the oracles.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import (
+    CASE_BUILDERS,
+    POSITION_CASES,
+    Oracle,
+    assert_close,
+    freeze_all_but,
+    transformer_case,
+)
+from laplace import DiagLLLaplace, FullLLLaplace, KronLLLaplace
+from laplace import large_output as large_output_module
+from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
+from laplace.errors import TooLargeError
+from laplace.likelihoods import make_likelihood
+from laplace.likelihoods.categorical import Categorical
+from laplace.predictive import laplace_bridge
+from laplace.utils.diag_lowrank import (
+    DiagLowRank,
+    DiagLowRankBatch,
+    factor_from_state,
+    factor_state,
+)
+from laplace.utils.matrix import Kron
+from laplace.utils.structured_kron import StructuredKron, StructuredKronDecomposed
+
+STRUCTURES = {"kron": KronLLLaplace, "diag": DiagLLLaplace, "full": FullLLLaplace}
+#: (case, backend): softmax GGN (s = −1), softmax EF (s = +1 with columns), regression (d only).
+FITS = {
+    "classification-ggn": ("mlp_classification", CurvlinopsGGN),
+    "classification-ef": ("mlp_classification", CurvlinopsEF),
+    "regression-ggn": ("mlp_regression_3out", CurvlinopsGGN),
+}
+HYPER = {"prior_precision": 0.8, "temperature": 1.3}
+
+
+@pytest.fixture
+def large(monkeypatch):
+    """Lower the threshold so that the tiny models' 3 or 4 outputs count as many."""
+    monkeypatch.setattr(large_output_module, "LARGE_OUTPUT_THRESHOLD", 2)
+    return monkeypatch
+
+
+def use_threshold(monkeypatch, value: int) -> None:
+    monkeypatch.setattr(large_output_module, "LARGE_OUTPUT_THRESHOLD", value)
+
+
+def fit_both(monkeypatch, structure: str, fit: str, **kwargs):
+    """The approximation fitted through the large-output path and through the dense path."""
+    name, backend = FITS[fit]
+    case = CASE_BUILDERS[name]()
+    sigma = {"sigma_noise": 0.7} if case.likelihood == "regression" else {}
+    fitted = []
+    for threshold in (2, 10_000):
+        use_threshold(monkeypatch, threshold)
+        la = STRUCTURES[structure](case.model, case.likelihood, backend=backend, **HYPER, **sigma)
+        la.fit(case.loader(), **kwargs)
+        fitted.append(la)
+    use_threshold(monkeypatch, 2)
+    return case, fitted[0], fitted[1]
+
+
+def softmax_batch(n: int = 6, n_classes: int = 5, seed: int = 0) -> DiagLowRankBatch:
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.softmax(2 * torch.randn(n, n_classes, generator=gen, dtype=torch.float64), -1)
+    return DiagLowRankBatch(p, p.unsqueeze(-1), -1)
+
+
+# ------------------------------------------------------------------------ the structured factor
+@pytest.mark.parametrize(
+    "name", ["classification", "regression", "binary_classification", "reward_modeling"]
+)
+def test_structured_output_hessian_equals_the_dense_one(name):
+    likelihood = make_likelihood(name)
+    f = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    structured = likelihood.structured_output_hessian(f)
+    assert_close(structured.to_dense(), likelihood.output_hessian(f))
+    assert_close(structured.diagonal(), likelihood.output_hessian(f).diagonal(dim1=1, dim2=2))
+
+
+def test_softmax_factor_is_diag_of_summed_p_minus_p_pt():
+    M = softmax_batch()
+    G = M.sum()
+    p = M.diag
+    assert G.sign == -1 and G.rank == len(p)
+    assert_close(G.diag, p.sum(0))
+    assert_close(G.to_dense(), M.to_dense().sum(0))
+    assert_close(G.to_dense(), torch.diag(p.sum(0)) - p.T @ p)
+    X = torch.randn(5, 3, dtype=torch.float64)
+    assert_close(G @ X, G.to_dense() @ X)
+    assert_close(G.diagonal(), G.to_dense().diagonal())
+    shifted = DiagLowRank(G.diag + 1, G.U, -1)  # G + I, positive definite
+    assert_close(shifted.logdet(), torch.logdet(shifted.to_dense()))
+
+
+@pytest.mark.parametrize("sign", [-1, 1])
+def test_truncation_drops_the_smallest_directions_and_counts_them(sign):
+    M = softmax_batch(n=9)
+    M = DiagLowRankBatch(M.diag, M.columns, sign)
+    exact = M.sum()
+    kept = M.sum(max_rank=2)
+    assert kept.rank == 2
+    dropped_part = sign * (exact.to_dense() - kept.to_dense())  # R = Σ dropped σᵢ² uᵢuᵢᵀ ⪰ 0
+    eigenvalues = torch.linalg.eigvalsh(dropped_part)
+    assert bool((eigenvalues > -1e-12).all())
+    assert_close(kept.dropped, dropped_part.trace())
+    singular = torch.linalg.svdvals(exact.U)
+    assert_close(kept.dropped, singular[2:].square().sum())
+    assert_close(eigenvalues.max(), singular[2].square())
+
+
+def test_sums_accumulate_in_place_and_bound_the_rank():
+    total = DiagLowRank.zeros(5, max_rank=3, dtype=torch.float64)
+    parts = [softmax_batch(n=4, seed=s).sum() for s in range(3)]
+    for part in parts:
+        total.add_(part)
+    assert total.rank == 3 and total.sign == -1
+    exact = sum(parts[1:], parts[0])
+    assert exact.rank == 12
+    assert_close(total.diag, exact.diag)
+    assert bool(total.dropped > 0)
+    with pytest.raises(ValueError, match="sign"):
+        total + DiagLowRankBatch(torch.ones(2, 5), torch.ones(2, 5, 1), 1).sum()
+
+
+def test_state_round_trip_keeps_the_factor():
+    G = softmax_batch().sum(max_rank=2)
+    like = DiagLowRank.zeros(len(G), max_rank=2, dtype=torch.float64)
+    again = factor_from_state(factor_state(G), like)
+    assert_close(again.to_dense(), G.to_dense())
+    assert_close(again.dropped, G.dropped)
+    with pytest.raises(ValueError, match="lacks the entries"):
+        factor_from_state({"diag": G.diag}, like)
+
+
+# ------------------------------------------------------------ the structured Kronecker posterior
+@pytest.mark.parametrize("damping", [False, True], ids=["plain", "damped"])
+@pytest.mark.parametrize("sign", [-1, 1])
+def test_structured_kron_posterior_equals_the_dense_kron_posterior(sign, damping):
+    M = softmax_batch(n=8, n_classes=5)
+    M = DiagLowRankBatch(M.diag, M.columns, sign)
+    G = M.sum()
+    phi = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    A = phi.T @ phi / 8
+    # the third block has dense factors: blocks of both kinds in one matrix
+    structured = StructuredKron([[G, A], [G], [G.to_dense(), A]])
+    dense = Kron([[G.to_dense(), A], [G.to_dense()], [G.to_dense(), A]])
+    assert_close(structured.to_matrix(), dense.to_matrix())
+    assert_close(structured.diag(), dense.diag())
+    h, deltas = torch.tensor(1.7, dtype=torch.float64), torch.tensor([0.3, 0.9, 0.5])
+    ours = structured.decompose(damping=damping) * h + deltas.double()
+    theirs = dense.decompose(damping=damping) * h + deltas.double()
+    assert isinstance(ours, StructuredKronDecomposed)
+    P = theirs.to_matrix()
+    covariance = torch.linalg.inv(P)
+    assert_close(ours.logdet(), torch.logdet(P))
+    assert_close(ours.to_matrix(), P)
+    assert_close(ours.to_matrix(-1), covariance)
+    root = ours.to_matrix(-0.5)
+    assert_close(root @ root.T, covariance)
+    assert_close(ours.diag(), P.diagonal())
+    assert_close(ours.diag(-1), covariance.diagonal())
+    W = torch.randn(4, 2, len(P), dtype=torch.float64)
+    assert_close(ours.inv_square_form(W), W @ covariance @ W.mT)
+    assert_close(ours.bmm(W[:, 0], exponent=1), W[:, 0] @ P)
+    with pytest.raises(ValueError, match="exponent"):
+        ours.bmm(W[:, 0], exponent=0.5)
+    with pytest.raises(ValueError, match="no eigenvectors"):
+        _ = ours.eigenvectors
+
+
+def test_log_det_is_differentiable_in_the_prior_precision():
+    G = softmax_batch().sum()
+    A = torch.eye(2, dtype=torch.float64) * 0.6
+    delta = torch.tensor(0.4, dtype=torch.float64, requires_grad=True)
+    ours = StructuredKron([[G, A], [G]]).decompose() + delta
+    theirs = Kron([[G.to_dense(), A], [G.to_dense()]]).decompose() + delta
+    (grad_ours,) = torch.autograd.grad(ours.logdet(), delta)
+    (grad_theirs,) = torch.autograd.grad(theirs.logdet(), delta)
+    assert_close(grad_ours, grad_theirs)
+
+
+# -------------------------------------------------------------------- last-layer Laplace, fit
+@pytest.mark.parametrize("fit", list(FITS))
+def test_kron_last_layer_equals_the_dense_kron_posterior(large, fit):
+    _, ours, theirs = fit_both(large, "kron", fit)
+    assert isinstance(ours.H_facs, StructuredKron)
+    for structured, dense in zip(ours.H_facs.kfacs, theirs.H_facs.kfacs):
+        for a, b in zip(structured, dense):
+            assert_close(a.to_dense() if isinstance(a, DiagLowRank) else a, b)
+    assert_close(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood())
+    P = theirs.posterior_precision.to_matrix()
+    assert_close(ours.posterior_precision.to_matrix(), P)
+    root = ours.posterior_precision.to_matrix(-0.5)
+    assert_close(root @ root.T, torch.linalg.inv(P))
+    gen = torch.Generator().manual_seed(0)
+    assert ours.sample(3, generator=gen).shape == (3, ours.n_params)
+    prior = torch.tensor([0.5, 2.0], dtype=torch.float64, requires_grad=True)
+    grads = [
+        torch.autograd.grad(la.log_marginal_likelihood(prior), prior)[0] for la in (ours, theirs)
+    ]
+    assert_close(*grads)
+
+
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+@pytest.mark.parametrize("fit", list(FITS))
+def test_predictive_variances_equal_those_of_the_dense_posterior(large, structure, fit):
+    case, ours, theirs = fit_both(large, structure, fit)
+    X = case.X[:5]
+    f_mu, f_var = ours.functional_variance_fast(X)
+    if case.likelihood == "classification":
+        probit, bridge = ours(X, link_approx="probit"), ours(X, link_approx="bridge")
+    else:
+        _, predictive_var = ours(X, diagonal_output=True)
+    use_threshold(large, 10_000)
+    ref_mu, ref_cov = theirs._glm_predictive_distribution(X)
+    ref_var = ref_cov.diagonal(dim1=1, dim2=2)
+    assert_close(f_mu, ref_mu)
+    assert_close(f_var, ref_var)
+    if case.likelihood == "classification":
+        assert_close(probit, theirs(X, link_approx="probit"))
+        assert_close(bridge, laplace_bridge(ref_mu, ref_var))  # the bridge of the variances
+    else:
+        assert_close(predictive_var, ref_var)
+
+
+@pytest.mark.parametrize("structure", ["diag", "full"])
+@pytest.mark.parametrize("fit", ["classification-ggn", "regression-ggn"])
+def test_diag_and_full_curvature_equal_the_dense_ggn(large, structure, fit):
+    case, ours, _ = fit_both(large, structure, fit)
+    ggn = Oracle(freeze_all_but(case.model, "2"), case.likelihood).ggn(case.X)
+    assert_close(ours.H, ggn if structure == "full" else ggn.diagonal())
+
+
+def test_no_dense_output_hessian_is_built(large, monkeypatch):
+    def refuse(self, f):
+        raise AssertionError("a (B, C, C) output Hessian was built")
+
+    monkeypatch.setattr(Categorical, "output_hessian", refuse)
+    monkeypatch.setattr(Categorical, "output_hessian_sqrt", refuse)
+    case = CASE_BUILDERS["mlp_classification"]()
+    for cls in STRUCTURES.values():
+        la = cls(case.model, "classification")
+        la.fit(case.loader())
+        assert la(case.X[:3]).shape == (3, 4)
+        la.optimize_prior_precision(method="marglik", n_steps=3)
+
+
+def test_truncated_factor_stays_within_its_log_det_bound(large):
+    case, exact, _ = fit_both(large, "kron", "classification-ggn")
+    truncated = KronLLLaplace(case.model, "classification", output_factor_rank=1, **HYPER)
+    truncated.fit(case.loader())
+    (G, A), (G_bias,) = truncated.H_facs.kfacs
+    assert G.rank == 1 and bool(G.dropped > 0)
+    h, delta = 1 / HYPER["temperature"], HYPER["prior_precision"]
+    bound = h * (A.trace() * G.dropped + G_bias.dropped) / delta
+    error = truncated.log_det_posterior_precision - exact.log_det_posterior_precision
+    assert 0 <= float(error) <= float(bound)
+
+
+def test_online_fit_and_state_dict_round_trip(large):
+    case = CASE_BUILDERS["mlp_classification"]()
+    whole = KronLLLaplace(case.model, "classification", **HYPER)
+    whole.fit(case.loader())
+    first, second = (
+        DataLoader(TensorDataset(case.X[s], case.y[s])) for s in (slice(0, 12), slice(12, None))
+    )
+    online = KronLLLaplace(case.model, "classification", **HYPER)
+    online.fit(first)
+    online.fit(second, override=False)
+    assert_close(online.log_marginal_likelihood(), whole.log_marginal_likelihood())
+    buffer = io.BytesIO()
+    torch.save(whole.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    loaded = KronLLLaplace(case.model, "classification", **HYPER)
+    loaded.load_state_dict(state)
+    assert_close(loaded.log_marginal_likelihood(), whole.log_marginal_likelihood())
+    use_threshold(large, 10_000)
+    dense = KronLLLaplace(case.model, "classification", **HYPER)
+    with pytest.raises(ValueError, match="diagonal-plus-low-rank factor"):
+        dense.load_state_dict(state)
+
+
+# ------------------------------------------------------------------------ refusals and errors
+def test_predictives_that_need_output_covariances_are_refused(large):
+    case = CASE_BUILDERS["mlp_classification"]()
+    la = KronLLLaplace(case.model, "classification")
+    la.fit(case.loader())
+    X = case.X[:3]
+    with pytest.raises(ValueError, match=r"link_approx='mc' needs the covariance.*probit"):
+        la(X, link_approx="mc")
+    with pytest.raises(ValueError, match="diagonal_output=True"):
+        la.functional_samples(X)
+    assert la.functional_samples(X, diagonal_output=True, n_samples=2).shape == (2, 3, 4)
+    assert la(X, pred_type="nn", link_approx="mc", n_samples=3).shape == (3, 4)
+    regression = CASE_BUILDERS["mlp_regression_3out"]()
+    reg = DiagLLLaplace(regression.model, "regression")
+    reg.fit(regression.loader())
+    for kwargs in ({}, {"joint": True}):
+        with pytest.raises(ValueError, match=r"LARGE_OUTPUT_THRESHOLD=2.*diagonal_output=True"):
+            reg(regression.X[:3], **kwargs)
+
+
+def test_backend_routes_that_build_dense_factors_are_refused(large):
+    model, loader = transformer_case("average")
+    la = KronLLLaplace(model, "classification")  # sequence features (B, T, D): no closed form
+    with pytest.raises(ValueError, match=r"closed form.*feature_reduction"):
+        la.fit(loader)
+    with pytest.raises(ValueError, match="output_factor_rank"):
+        KronLLLaplace(model, "classification", output_factor_rank=0)
+
+
+def test_a_dense_head_curvature_larger_than_memory_is_refused_before_any_work():
+    model = nn.Sequential(nn.Linear(3, 16), nn.Linear(16, 200_000))
+    with pytest.raises(TooLargeError, match=r"P=3,400,000 .*GiB.*'kron' or 'diag'"):
+        FullLLLaplace(model, "classification", last_layer_name="1")
+    la = FullLLLaplace(model, "classification")
+
+    class Loader(DataLoader):
+        def __iter__(self):
+            self.batches = getattr(self, "batches", 0) + 1
+            return super().__iter__()
+
+    loader = Loader(TensorDataset(torch.randn(4, 3), torch.zeros(4, dtype=torch.long)))
+    with pytest.raises(TooLargeError):
+        la.fit(loader)
+    assert loader.batches == 1  # only the batch that finds the last layer was drawn
+
+
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+def test_token_outputs_with_dropped_positions_equal_the_dense_path(large, structure):
+    case = POSITION_CASES["token_classification"]()  # (B, T, C) logits, some labels −100
+    fitted = []
+    for threshold in (2, 10_000):
+        use_threshold(large, threshold)
+        la = STRUCTURES[structure](case.model, "classification", **HYPER)
+        la.fit(case.loader())
+        fitted.append(la)
+    ours, theirs = fitted
+    use_threshold(large, 2)
+    dense_H = lambda la: la.H_facs.to_matrix() if structure == "kron" else la.H  # noqa: E731
+    assert_close(dense_H(ours), dense_H(theirs))
+    assert_close(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood())
+    f_mu, f_var = ours.functional_variance_fast(case.X[:3])
+    assert f_var.shape == f_mu.shape == (3, 5, 4)
+    use_threshold(large, 10_000)
+    _, ref_var = theirs.functional_variance_fast(case.X[:3])
+    assert_close(f_var, ref_var)
