@@ -22,6 +22,7 @@ from laplace import distributed as distributed_utils
 from laplace.data import Inputs, move_inputs, split_batch
 from laplace.evaluation.registry import evaluation_class, make_evaluation
 from laplace.evaluation.tasks import N_BINS, Evaluation
+from laplace.outputs import IGNORE_INDEX
 
 __all__ = ["evaluate", "model_device", "noise_of"]
 
@@ -102,6 +103,8 @@ def evaluate(
     sigma_noise: float | Tensor | None = None,
     dict_key_x: str | None = None,
     dict_key_y: str | None = None,
+    class_dim: int | None = None,
+    ignore_index: int | None = None,
     distributed: bool | None = None,
     progress_bar: bool = False,
     **predictive_kwargs: Any,
@@ -111,7 +114,9 @@ def evaluate(
     ``la(X, **predictive_kwargs)`` is called on each batch's inputs (moved to the device of
     ``la.model``); it returns class probabilities (B, C) for classification or a Gaussian
     ``(f_mu (B, C), f_var (B, C, C) or (B, C))`` for regression, as a fitted Laplace
-    approximation does. Any callable that returns the same works, e.g.
+    approximation does; or the same with extra output dimensions (probabilities (B, C, d₁, …)
+    or (B, T, C) for labels (B, d₁, …) / (B, T), a Gaussian with means and variances
+    (B, d₁, …)). Any callable that returns the same works, e.g.
     ``lambda x: model(x).softmax(-1)`` for the MAP network. The predictive runs in the
     caller's autograd mode (wrap a plain network's call in :func:`torch.no_grad` to save its
     graph) and its outputs are detached.
@@ -142,6 +147,11 @@ def evaluate(
         sigma_noise: Observation noise σ of regression; default ``la.sigma_noise`` or 0.
         dict_key_x: Key of the inputs in dict batches; default ``la.dict_key_x``.
         dict_key_y: Key of the targets in dict batches; default ``la.dict_key_y``.
+        class_dim: Classification predictions with extra dimensions, (B, C, d₁, …) or
+            (B, T, C): the class dimension; default ``la.class_dim``, else the dimension the
+            targets lack. Such predictions are scored position by position.
+        ignore_index: Label of the positions (or points) left out; default
+            ``la.ignore_index``, else -100 (as ``CrossEntropyLoss``).
         distributed: Add the metrics over the processes of :mod:`torch.distributed`, each
             evaluating its shard of the data; None: when the process group is initialised and
             the loader uses a ``DistributedSampler`` (see :mod:`laplace.distributed`).
@@ -173,6 +183,10 @@ def evaluate(
         "levels": tuple(float(level) for level in coverage_levels),
         "sigma_noise": noise_of(la, sigma_noise),
         "sync": sync,
+        "class_dim": class_dim if class_dim is not None else getattr(la, "class_dim", None),
+        "ignore_index": ignore_index
+        if ignore_index is not None
+        else getattr(la, "ignore_index", IGNORE_INDEX),
     }
     auroc = BinaryAUROC(sync_on_compute=sync) if ood_loader is not None else None
     task: Evaluation | None = None

@@ -45,8 +45,10 @@ def gaussian_predictive(
     """Predictive moments ``(f_mu, f_var + σ²I)`` of the targets.
 
     Args:
-        f_mu: Means (B, C) or (B,).
-        f_var: Covariances (B, C, C) or variances (B, C) (or (B,) with a (B,) mean).
+        f_mu: Means (B, C) or (B,), or (B, d₁, …) of outputs with extra dimensions.
+        f_var: Covariances (B, C, C) or variances (B, C) (or (B,) with a (B,) mean, or
+            variances (B, d₁, …) of outputs with extra dimensions, evaluated as independent
+            outputs (B, d₁·…)).
         sigma_noise: Observation noise σ added as ``σ²`` to the variances.
 
     Returns:
@@ -58,6 +60,8 @@ def gaussian_predictive(
     """
     if f_mu.dim() == 1:
         f_mu, f_var = f_mu.unsqueeze(-1), f_var.reshape(-1, 1)
+    elif f_mu.dim() > 2 and f_var.shape == f_mu.shape:  # dense outputs: one variance each
+        f_mu, f_var = f_mu.flatten(1), f_var.flatten(1)
     n_outputs = f_mu.shape[-1]
     if f_var.shape not in (f_mu.shape, (*f_mu.shape, n_outputs)):
         raise ValueError(

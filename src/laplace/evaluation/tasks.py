@@ -40,6 +40,7 @@ from laplace.evaluation.metrics import (
     bernoulli_entropy,
     categorical_entropy,
 )
+from laplace.outputs import IGNORE_INDEX, OutputAdapter, OutputLayout, PositionTargets
 from laplace.utils.metrics import RunningNLLMetric
 
 __all__ = [
@@ -82,6 +83,10 @@ class Evaluation(ABC):
         sigma_noise: Observation noise σ added to regression variances.
         sync: Add the metrics' states over the processes of :mod:`torch.distributed` when
             computing (every process must then call :meth:`compute`).
+        class_dim: Classification outputs with extra dimensions (B, C, d₁, …) or (B, T, C):
+            the class dimension, None for the one the targets lack (see
+            :class:`~laplace.outputs.OutputAdapter`).
+        ignore_index: The label of positions (or points) left out of the metrics.
     """
 
     #: Validation losses this predictive offers to grid search, by name.
@@ -93,8 +98,11 @@ class Evaluation(ABC):
         levels: Sequence[float] = (0.5, 0.9, 0.95),
         sigma_noise: float | Tensor = 0.0,
         sync: bool = False,
+        class_dim: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         self.n_bins, self.levels, self.sigma_noise = n_bins, tuple(levels), sigma_noise
+        self.outputs = OutputAdapter(class_dim, ignore_index)
         self._metric_kwargs = {"sync_on_compute": sync}
         self._metrics: dict[str, Metric] | None = None
 
@@ -150,6 +158,10 @@ def _probabilities(prediction: Any, what: str) -> Tensor:
 class CategoricalEvaluation(Evaluation):
     """Class probabilities (B, C) against integer labels (B,).
 
+    Probabilities of outputs with extra dimensions, (B, C, d₁, …) against labels (B, d₁, …)
+    (segmentation) or (B, T, C) against (B, T) (sequences), are scored position by position:
+    ``n`` and every mean count positions. Labels equal to ``ignore_index`` are left out.
+
     Result keys: ``accuracy``, ``nll`` (mean ``−log p_y``), ``brier`` (mean ``Σ_c (p_c −
     1[y = c])²``), ``ece`` and ``mce`` (torchmetrics' expected and maximum calibration error of
     the top-label confidence over ``n_bins`` equal-width bins), ``confidence`` (mean top-label
@@ -166,6 +178,10 @@ class CategoricalEvaluation(Evaluation):
     }
 
     def _checked(self, prediction: Any, target: Tensor) -> tuple[Tensor, Tensor]:
+        if isinstance(prediction, Tensor) and prediction.dim() > 2:
+            target = target.to(prediction.device)
+            layout = self._layout(prediction, target)
+            prediction, target = layout.rows(prediction), layout.targets(target)
         probs = _probabilities(prediction, "classification")
         target = target.reshape(-1).to(probs.device)
         if target.shape[0] != probs.shape[0] or target.dtype.is_floating_point:
@@ -173,7 +189,16 @@ class CategoricalEvaluation(Evaluation):
                 f"classification targets must be {probs.shape[0]} integer labels; got "
                 f"{target.dtype} of shape {tuple(target.shape)}."
             )
+        keep = target != self.outputs.ignore_index
+        if not bool(keep.all()):
+            probs, target = probs[keep], target[keep]
         return probs, target.long()
+
+    def _layout(self, prediction: Tensor, target: Tensor | None) -> OutputLayout:
+        """Where the classes are in probabilities with extra dimensions (from the targets)."""
+        return self.outputs.layout(
+            prediction.shape, target, PositionTargets.LABELS, "classification"
+        )
 
     def _build(self, prediction: Tensor, kwargs: dict[str, Any]) -> dict[str, Metric]:
         n_classes = prediction.shape[-1]
@@ -202,7 +227,13 @@ class CategoricalEvaluation(Evaluation):
         return result
 
     def entropy(self, prediction: Any) -> Tensor:
-        """Entropy ``−Σ_c p_c log p_c`` of each point's class probabilities, shape (B,)."""
+        """Entropy ``−Σ_c p_c log p_c`` of each point's class probabilities, shape (B,).
+
+        With extra dimensions, the mean entropy over a point's positions.
+        """
+        if isinstance(prediction, Tensor) and prediction.dim() > 2:
+            rows = self._layout(prediction, None).rows(prediction)
+            return categorical_entropy(rows).reshape(prediction.shape[0], -1).mean(1)
         return categorical_entropy(_probabilities(prediction, "classification"))
 
 
