@@ -9,8 +9,9 @@ resident memory above the level after building the model and the data (``PeakRSS
 harness), over all three steps together. ``structure="diag"`` runs the same for a diagonal
 last layer.
 
-Sequence outputs (B, T, C) are fed as rows (B·T, C): the per-token features (B·T, 256) go
-through the body and head row by row, the same curvature as a sequence model's head.
+The model maps per-token features (B, T, 256) to sequence logits (B, T, C) with next-token
+targets (B, T), Hugging Face's convention; the last token of every sequence has no next token
+and is labelled −100 (``ignore_index``), so it counts in neither the loss nor the curvature.
 
 Usage: ``python benchmarks/large_vocab.py [--structure kron|diag] [--rank K] [--threads T]``;
 prints one line and writes ``benchmarks/results/large_vocab.json``. ``benchmarks/run.py`` runs
@@ -46,11 +47,13 @@ def language_head(seed: int = 0) -> nn.Module:
     return model.eval()
 
 
-def token_rows(n_sequences: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token features (n·T, 256) and next-token targets (n·T,), sequences as rows."""
+def token_sequences(n_sequences: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token features (n, T, 256) and next-token targets (n, T), the last one −100."""
     gen = torch.Generator().manual_seed(seed)
-    X = torch.randn(n_sequences * N_TOKENS, N_FEATURES, generator=gen)
-    return X, torch.randint(0, VOCABULARY, (n_sequences * N_TOKENS,), generator=gen)
+    X = torch.randn(n_sequences, N_TOKENS, N_FEATURES, generator=gen)
+    y = torch.randint(0, VOCABULARY, (n_sequences, N_TOKENS), generator=gen)
+    y[:, -1] = -100
+    return X, y
 
 
 def case_large_vocab(structure: str = "kron", rank: int | None = None) -> dict:
@@ -58,9 +61,9 @@ def case_large_vocab(structure: str = "kron", rank: int | None = None) -> dict:
     from laplace import Laplace
 
     model = language_head()
-    X, y = token_rows(N_SEQUENCES, 0)
-    loader = DataLoader(TensorDataset(X, y), batch_size=BATCH_SEQUENCES * N_TOKENS)
-    X_test, _ = token_rows(TEST_SEQUENCES, 1)
+    X, y = token_sequences(N_SEQUENCES, 0)
+    loader = DataLoader(TensorDataset(X, y), batch_size=BATCH_SEQUENCES)
+    X_test, _ = token_sequences(TEST_SEQUENCES, 1)
     options = {} if rank is None else {"output_factor_rank": rank}
     la = Laplace(model, "classification", "last_layer", structure, **options)
     steps = {
@@ -75,7 +78,7 @@ def case_large_vocab(structure: str = "kron", rank: int | None = None) -> dict:
             out = step()
             times[f"{name}_s"] = time.perf_counter() - wall
             times[f"{name}_cpu_s"] = time.process_time() - cpu
-    assert out.shape == (TEST_SEQUENCES * N_TOKENS, VOCABULARY)
+    assert out.shape == (TEST_SEQUENCES, N_TOKENS, VOCABULARY)
     row = {
         "case": f"large vocabulary last-layer {structure} C={VOCABULARY}",
         "n_params": la.n_params,

@@ -267,3 +267,33 @@ def test_every_class_is_transactional(name):
         method = getattr(cls, name, None)
         if method is not None:
             assert getattr(method, "_transactional", False), f"{cls.__name__}.{name}"
+
+
+class FailingBackward(torch.autograd.Function):
+    """The identity whose backward pass raises (as an interrupt during a library's backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("backend", ["AsdlGGN", "AsdlEF"])
+def test_a_backend_failing_in_its_backward_pass_leaves_the_model_as_it_was(backend):
+    pytest.importorskip("asdl")
+    from laplace import curvature
+
+    case = CASE_BUILDERS["mlp_classification"]()
+    model = nn.Sequential(case.model, nn.Identity())
+    model[1].forward = FailingBackward.apply
+    frozen = next(model.parameters())
+    frozen.requires_grad_(False)
+    flags = [p.requires_grad for p in model.parameters()]
+    la = Laplace(model, "classification", "all", "diag", backend=getattr(curvature, backend))
+    with pytest.raises(KeyboardInterrupt):
+        la.fit(case.loader())
+    assert [p.requires_grad for p in model.parameters()] == flags
+    assert all(p.grad is None for p in model.parameters())

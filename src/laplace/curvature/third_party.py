@@ -31,7 +31,11 @@ __all__ = ["KroneckerLayersOnly", "TargetCall", "isolated", "kron_blocks", "targ
 
 
 class _Snapshot:
-    """The attributes, hook mode and gradients of some modules and their parameters."""
+    """The attributes, hook mode, gradients and ``requires_grad`` of modules and parameters.
+
+    ``requires_grad`` is kept because ASDL switches it off around its backward passes without
+    restoring it when they raise.
+    """
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self.modules = list(dict.fromkeys(m for root in modules for m in root.modules()))
@@ -40,16 +44,20 @@ class _Snapshot:
         self.hook_modes = [m._is_full_backward_hook for m in self.modules]
         self.param_keys = [set(vars(p)) for p in self.params]
         self.grads = [p.grad for p in self.params]
+        self.requires_grad = [p.requires_grad for p in self.params]
 
     def restore(self) -> None:
         for module, keys, mode in zip(self.modules, self.module_keys, self.hook_modes):
             for key in set(vars(module)) - keys:
                 delattr(module, key)
             module._is_full_backward_hook = mode
-        for param, keys, grad in zip(self.params, self.param_keys, self.grads):
+        for param, keys, grad, flag in zip(
+            self.params, self.param_keys, self.grads, self.requires_grad
+        ):
             for key in set(vars(param)) - keys:
                 delattr(param, key)
             param.grad = grad
+            param.requires_grad_(flag)
 
 
 @contextmanager
