@@ -76,10 +76,12 @@ def case_large_vocab_all(rank: int | None = None) -> dict:
     times = {}
     with PeakRSS() as mem:
         for name, step in steps.items():
-            wall, cpu = time.perf_counter(), time.process_time()
+            start = (time.perf_counter(), time.process_time())
             out = step()
-            times[f"{name}_s"] = time.perf_counter() - wall
-            times[f"{name}_cpu_s"] = time.process_time() - cpu
+            times[f"{name}_s"], times[f"{name}_cpu_s"] = (
+                time.perf_counter() - start[0],
+                time.process_time() - start[1],
+            )
     assert out.shape == (TEST_SEQUENCES, N_TOKENS, VOCABULARY)
     G = la.H_facs.kfacs[-2][0]
     return {
@@ -111,16 +113,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     row = case_large_vocab_all(args.rank)
     row.update(threads=args.threads, load_avg_1min=os.getloadavg()[0])
-    steps = (
-        f"fit / {MARGLIK_STEPS} marglik steps / NN predictive ({N_PREDICTIVE_SAMPLES} samples) "
-        f"of {TEST_SEQUENCES} sequences"
+    steps = {
+        "fit": "fit",
+        "marglik": f"{MARGLIK_STEPS} marglik steps",
+        "predict": f"NN predictive ({N_PREDICTIVE_SAMPLES} samples, {TEST_SEQUENCES} sequences)",
+    }
+    timings = ", ".join(
+        f"{what} {row[f'{key}_s']:.2f} s ({row[f'{key}_cpu_s']:.2f} s CPU)"
+        for key, what in steps.items()
     )
-    wall = " / ".join(f"{row[f'{s}_s']:.2f}" for s in ("fit", "marglik", "predict"))
-    cpu = " / ".join(f"{row[f'{s}_cpu_s']:.2f}" for s in ("fit", "marglik", "predict"))
     print(
-        f"{row['case']}: {steps}: {wall} s wall, {cpu} s CPU; peak +{row['peak_extra_MB']:.0f} "
-        f"MB (dense C x C factor alone {row['dense_output_factor_MB']:.0f} MB); {row['note']}; "
-        f"load {row['load_avg_1min']:.1f}"
+        f"{row['case']}: {timings}; peak +{row['peak_extra_MB']:.0f} MB, the dense C x C "
+        f"factor alone {row['dense_output_factor_MB']:.0f} MB; {row['note']}; load "
+        f"{row['load_avg_1min']:.1f}"
     )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "large_vocab_all.json").write_text(json.dumps(row, indent=2))
