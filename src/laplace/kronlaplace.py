@@ -90,9 +90,9 @@ class KronLaplace(ParametricLaplace):
             (default :data:`~laplace.large_output.OUTPUT_FACTOR_RANK`).
 
     Raises:
-        ValueError: For a module the backend cannot Kronecker-factor (ASDL, BackPACK), a
-            diagonal prior precision, or an ``output_factor_rank`` that is not a positive
-            integer.
+        ValueError: For a module the backend cannot Kronecker-factor (ASDL, BackPACK; a
+            transformers ``Conv1D`` with more outputs than the threshold), a diagonal prior
+            precision, or an ``output_factor_rank`` that is not a positive integer.
     """
 
     _posterior_cls = KronPosterior
