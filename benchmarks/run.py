@@ -48,6 +48,7 @@ from harness import (
     use_clock,
 )
 from large_vocab import LARGE_VOCAB_CASES
+from large_vocab_all import LARGE_VOCAB_ALL_CASES
 from positions import POSITION_CASES
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -316,6 +317,7 @@ CASES = {
     "binary-kron-mlp": (case_binary_vs_classification, "mlp", "kron"),
     **POSITION_CASES,
     **LARGE_VOCAB_CASES,
+    **LARGE_VOCAB_ALL_CASES,
 }
 
 

@@ -316,11 +316,24 @@ def test_predictives_that_need_output_covariances_are_refused(large):
             reg(regression.X[:3], **kwargs)
 
 
-def test_backend_routes_that_build_dense_factors_are_refused(large):
+def test_sequence_features_go_through_the_native_kfac(large):
+    """A head seeing (B, T, D) features has no closed form: the backend's KFAC keeps its
+    output factor low rank from few columns, and refuses the exact GGN's C per position."""
     model, loader = transformer_case("average")
-    la = KronLLLaplace(model, "classification")  # sequence features (B, T, D): no closed form
-    with pytest.raises(ValueError, match=r"closed form.*feature_reduction"):
+    la = KronLLLaplace(model, "classification")
+    with pytest.raises(ValueError, match=r"exact GGN.*stochastic.*CurvlinopsEF"):
         la.fit(loader)
+    fitted = []
+    for threshold in (2, 10_000):
+        use_threshold(large, threshold)
+        la = KronLLLaplace(model, "classification", backend=CurvlinopsEF, **HYPER)
+        la.fit(loader)
+        fitted.append(la)
+    ours, theirs = fitted
+    assert isinstance(ours.H_facs, StructuredKron)
+    assert not isinstance(theirs.H_facs, StructuredKron)
+    assert_close(ours.H_facs.to_matrix(), theirs.H_facs.to_matrix())
+    assert_close(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood())
     with pytest.raises(ValueError, match="output_factor_rank"):
         KronLLLaplace(model, "classification", output_factor_rank=0)
 

@@ -126,6 +126,10 @@ class GLMPredictiveMixin:
         """Why the GLM predictive computes only output variances (B, C); None if it does not."""
         return None
 
+    def _glm_refusal(self) -> str | None:
+        """Why the GLM predictive cannot be computed at all; None if it can."""
+        return None
+
     def _glm_predictive_distribution(
         self, X: Inputs, joint: bool = False, diagonal_output: bool = False
     ) -> tuple[Tensor, Tensor]:
@@ -134,7 +138,13 @@ class GLMPredictiveMixin:
         Returns:
             ``(f_mu (B, C), f_var (B, C, C))``; ``(B, C)`` variances if ``diagonal_output``;
             ``(f_mu (B·C,), f_cov (B·C, B·C))`` if ``joint``.
+
+        Raises:
+            ValueError: Where the approximation refuses the GLM predictive (``_glm_refusal``).
         """
+        refusal = self._glm_refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
         if joint:
             f_mu, J = self._subset.linearize(X, self.backend, (), self.enable_backprop)
             return self._detached(f_mu.reshape(-1), self.functional_covariance(J.dense()))

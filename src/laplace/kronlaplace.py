@@ -9,10 +9,14 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from laplace import large_output
 from laplace.base import BaseLaplace, arguments_for
+from laplace.errors import check_positive_int
+from laplace.jacobians import JacobianRows
 from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import ParametricLaplace
-from laplace.posteriors import KronPosterior
+from laplace.posteriors import KronPosterior, Posterior
+from laplace.posteriors.structured_kron import kron_block_structure
 from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron, KronDecomposed
 
@@ -48,6 +52,20 @@ class KronLaplace(ParametricLaplace):
     above, all in one posterior. The ASDL and BackPACK backends factor Linear and convolution
     layers only and refuse other modules by name.
 
+    **Many outputs** (a vocabulary, :mod:`laplace.large_output`): a Linear or convolution
+    layer with more than :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs keeps its
+    output factor ``G = Σ g gᵀ`` as a :class:`~laplace.utils.diag_lowrank.DiagLowRank` of at
+    most ``output_factor_rank`` columns (its gradient rows, folded as they come), never a dense
+    C × C matrix. ``H_facs`` is then a :class:`~laplace.utils.structured_kron.StructuredKron`
+    and ``H`` a :class:`~laplace.utils.structured_kron.StructuredKronDecomposed` (log-det,
+    marginal likelihood, sampling, ``damping`` and online fits through the structure). This
+    needs the native KFAC with a few curvature columns per data point: the Monte-Carlo Fisher
+    (``backend_kwargs={"stochastic": True}``) or ``backend=CurvlinopsEF``; the exact GGN of
+    that many outputs (C columns per position) is refused at the first batch. When the model
+    has that many outputs the GLM predictive (C Jacobian rows per point) is refused too: use
+    ``pred_type="nn"`` (one forward pass per weight sample), or
+    ``subset_of_weights="last_layer"``.
+
     Args:
         model: See :class:`~laplace.base.BaseLaplace`.
         likelihood: See :class:`~laplace.base.BaseLaplace`.
@@ -68,13 +86,20 @@ class KronLaplace(ParametricLaplace):
         asdl_fisher_kwargs: See :class:`~laplace.base.BaseLaplace`.
         class_dim: See :class:`~laplace.base.BaseLaplace`.
         ignore_index: See :class:`~laplace.base.BaseLaplace`.
+        output_factor_rank: Largest rank of the low-rank term of a large layer's output factor
+            (default :data:`~laplace.large_output.OUTPUT_FACTOR_RANK`).
 
     Raises:
-        ValueError: For a module the backend cannot Kronecker-factor (ASDL, BackPACK) or a
-            diagonal prior precision.
+        ValueError: For a module the backend cannot Kronecker-factor (ASDL, BackPACK; a
+            transformers ``Conv1D`` with more outputs than the threshold), a diagonal prior
+            precision, or an ``output_factor_rank`` that is not a positive integer.
     """
 
     _posterior_cls = KronPosterior
+    #: The backend's block shapes, large output factors marked (found once, on first use).
+    _block_shapes: list | None = None
+    #: The structure those shapes need (found with them).
+    _block_structure: type[Posterior] | None = None
 
     def __init__(
         self,
@@ -93,13 +118,48 @@ class KronLaplace(ParametricLaplace):
         asdl_fisher_kwargs: dict[str, Any] | None = None,
         class_dim: int | None = None,
         ignore_index: int = IGNORE_INDEX,
+        output_factor_rank: int = large_output.OUTPUT_FACTOR_RANK,
     ) -> None:
         self.damping = damping
+        self.output_factor_rank = check_positive_int(output_factor_rank, "output_factor_rank")
         BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
+
+    def _kron_shapes(self) -> list:
+        """The backend's block shapes, large output factors marked (refuses what it cannot)."""
+        if self._block_shapes is None:
+            threshold = large_output.LARGE_OUTPUT_THRESHOLD
+            self._block_shapes = self.backend.kron_shapes(low_rank_above=threshold)
+        return self._block_shapes
+
+    def _own_structure(self) -> type[Posterior]:
+        """Kronecker factors, with structured output factors for layers with many outputs."""
+        structure = super()._own_structure()
+        if not self._subset.resolved:
+            return structure
+        if self._block_structure is None:
+            shapes = self._kron_shapes()
+            self._block_structure = kron_block_structure(
+                structure, shapes, self.output_factor_rank
+            )
+        return self._block_structure
 
     def _zero_curvature(self) -> Kron:
         """Zero factors of the backend's blocks (it refuses modules it cannot factor)."""
-        return self._posterior_cls.zeros(self._subset.curvature_params, self.backend.kron_shapes())
+        return self._posterior_cls.zeros(self._subset.curvature_params, self._kron_shapes())
+
+    def _glm_refusal(self) -> str | None:
+        """Why the GLM predictive is refused: dense Jacobian rows of a vocabulary per point."""
+        if not large_output.is_large_output(self.n_outputs):
+            return None
+        if self._subset.jacobian_kind(self._posterior.closed_forms) is not JacobianRows:
+            return None
+        return (
+            f"the model has C={self.n_outputs} outputs, more than LARGE_OUTPUT_THRESHOLD="
+            f"{large_output.LARGE_OUTPUT_THRESHOLD}: the GLM predictive over all weights with "
+            "diagonal-plus-low-rank output factors needs C Jacobian rows per point (C "
+            "backward passes). Use pred_type='nn' (link_approx='mc'; one forward pass per "
+            "weight sample) or subset_of_weights='last_layer' (output variances in closed form)."
+        )
 
     @BaseLaplace.prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
@@ -119,7 +179,9 @@ class KronLaplace(ParametricLaplace):
 
         ``H`` is their eigendecomposition; with ``fit(override=False)`` the factors of the
         earlier fits are kept (input factors renormalised by the total data count), so the
-        result equals one fit on all the data.
+        result equals one fit on all the data. With large output factors (see the class) a
+        ``StructuredKron`` whose blocks of those layers hold a ``DiagLowRank`` first factor,
+        and ``H`` a ``StructuredKronDecomposed``.
         """
         return self._posterior_cls.factors(self.H) if self._fitted else None
 

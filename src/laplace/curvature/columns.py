@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from laplace.curvature.kfac_rules import check_output_columns
 from laplace.curvature.per_sample import Columns, PerSampleTrace
 from laplace.data import Inputs
 from laplace.errors import check_positive_int
@@ -87,12 +88,25 @@ class OutputColumns:
         raise NotImplementedError(f"{type(self).__name__} defines no curvature.")
 
     def _traced_columns(
-        self, x: Inputs, y: Tensor, kwargs: dict[str, Any], separate_positions: bool = True
+        self,
+        x: Inputs,
+        y: Tensor,
+        kwargs: dict[str, Any],
+        separate_positions: bool = True,
+        column_limit: int | None = None,
     ) -> tuple[PerSampleTrace, Tensor, Columns]:
-        """The batch's trace, its detached outputs and curvature columns (``mc_samples``)."""
+        """The batch's trace, its detached outputs and curvature columns (``mc_samples``).
+
+        With ``column_limit``, columns of each row's own curvature (the exact GGN: one per
+        output) are refused before they are formed where the outputs per position exceed it
+        (:func:`~laplace.curvature.kfac_rules.check_output_columns`).
+        """
         mc_samples = _curvature_options(kwargs)
         trace = self.trace(x)
         f = trace.f.detach()
+        if column_limit is not None and self.separable_columns:
+            n_columns = self.fit_likelihood.layout(f.shape, y).n_classes
+            check_output_columns(trace.engine, n_columns, column_limit)
         columns = self.curvature_columns(
             f, y, mc_samples=mc_samples, separate_positions=separate_positions
         )

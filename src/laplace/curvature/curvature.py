@@ -78,6 +78,9 @@ class CurvatureInterface(OutputColumns):
     kfac_dense_limit: int = KFAC_DENSE_LIMIT  #: Largest exact kron block kept dense.
     #: Whether the model may take dict-like (HuggingFace) inputs with this backend.
     accepts_dict_inputs: bool = True
+    #: Whether :meth:`kron` can keep the output factors of large layers low rank
+    #: (``low_rank_above``); third-party libraries form dense factors.
+    low_rank_kfac: bool = True
     #: The torch losses (likelihoods' ``loss_module``) a third-party library supports; None: all.
     supported_losses: tuple[type[nn.Module], ...] | None = None
 
@@ -233,22 +236,36 @@ class CurvatureInterface(OutputColumns):
             N: Number of data points of the whole data set (normalises the factors, see
                 :mod:`laplace.curvature.kfac`, so those of all batches sum to the data's).
             **kwargs: ``kfac_approx`` (``"expand"`` or ``"reduce"``) overrides the backend's;
-                ``mc_samples`` (stochastic GGN only) overrides its ``num_samples``.
+                ``mc_samples`` (stochastic GGN only) overrides its ``num_samples``;
+                ``low_rank_above`` keeps the output factor of layers with more outputs
+                diagonal plus low rank, of rank at most ``output_factor_rank``
+                (:mod:`laplace.large_output`).
 
         Returns:
-            The summed batch loss and the :class:`~laplace.utils.matrix.Kron` of the batch.
+            The summed batch loss and the :class:`~laplace.utils.matrix.Kron` of the batch
+            (a :class:`~laplace.utils.structured_kron.StructuredKron` with low-rank factors).
 
         Raises:
-            ValueError: With ``subnetwork_indices`` or an unknown keyword argument.
+            ValueError: With ``subnetwork_indices`` or an unknown keyword argument, and for the
+                exact GGN of more outputs per position than ``low_rank_above``.
         """
         approx = kwargs.pop("kfac_approx", self.kfac_approx)
-        trace, f, columns = self._traced_columns(x, y, kwargs, separate_positions=False)
-        blocks = kfac(trace, columns, N, approx, self.factor, dense_limit=self.kfac_dense_limit)
+        above = kwargs.pop("low_rank_above", None)
+        max_rank = kwargs.pop("output_factor_rank", None)
+        trace, f, columns = self._traced_columns(x, y, kwargs, False, column_limit=above)
+        blocks = kfac(
+            trace, columns, N, approx, self.factor, None, self.kfac_dense_limit, above, max_rank
+        )
         return self.batch_loss(f, y), blocks
 
-    def kron_shapes(self) -> list[list[tuple[int, ...]]]:
-        """Per parameter the shapes of its :meth:`kron` block's factors (:mod:`.kfac_rules`)."""
-        return kfac_shapes(self._engine, self.kfac_dense_limit)
+    def kron_shapes(self, low_rank_above: int | None = None) -> list[list[tuple[int, ...]]]:
+        """Per parameter the shapes of its :meth:`kron` block's factors (:mod:`.kfac_rules`).
+
+        Args:
+            low_rank_above: Mark the output factors :meth:`kron` keeps low rank for it
+                (``LowRankShape``).
+        """
+        return kfac_shapes(self._engine, self.kfac_dense_limit, low_rank_above)
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Diagonal of the batch curvature, summed over data points.

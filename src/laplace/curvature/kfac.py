@@ -28,6 +28,14 @@ Every other parameter (normalisation layers, tied weights, modules without a rul
 :mod:`laplace.curvature.kfac_rules`) gets its exact block ``Σₖₙ uₙₖ uₙₖᵀ`` from its per-sample
 gradients ``uₙₖ`` (summed over every call of the module), dense up to ``dense_limit`` entries
 and its diagonal ``Σₖₙ uₙₖ²`` above: exact whatever ``approx`` says.
+
+A layer with many outputs (``low_rank_above``, see :mod:`laplace.curvature.kfac_rules`) keeps
+``G = Σ g gᵀ`` as ``diag(0) + U Uᵀ`` with its gradient rows as the columns of ``U``
+(:class:`~laplace.utils.diag_lowrank.DiagLowRank`, folded to at most ``max_rank`` columns as
+they come), never a C × C matrix: exact for the few columns of the empirical or Monte-Carlo
+Fisher while their number stays within ``max_rank``, otherwise the top singular directions,
+an under-estimate ``G − R`` with ``tr R`` counted in ``dropped``. Such blocks come back in a
+:class:`~laplace.utils.structured_kron.StructuredKron`.
 """
 
 from __future__ import annotations
@@ -44,13 +52,16 @@ from laplace.curvature.kfac_rules import (
     KFAC_DENSE_LIMIT,
     Block,
     KfacRule,
+    LowRankShape,
     block_shapes,
     plan_blocks,
 )
 from laplace.curvature.layer_rules import ModuleCall, per_sample_grads
 from laplace.curvature.per_sample import COLUMNS_PER_BACKWARD, PerSampleEngine, PerSampleTrace
+from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.linalg import symmetric_gram
 from laplace.utils.matrix import Kron
+from laplace.utils.structured_kron import StructuredKron
 
 __all__ = ["KFAC_APPROXIMATIONS", "kfac", "kfac_shapes"]
 
@@ -133,11 +144,21 @@ def _column_gradients(
         yield [[g.detach() for g in grads] for grads in output_grads.stacked(chunk)]
 
 
-def _add(sums: dict, key: object, value: Tensor) -> None:
+def _add(sums: dict, key: object, value: Tensor | DiagLowRank) -> None:
     if key in sums:
         sums[key] += value
     else:
         sums[key] = value
+
+
+def _low_rank_gram(g: Tensor, approx: str, max_rank: int | None) -> DiagLowRank:
+    """``Σ g gᵀ`` of gradient rows (R, T, C) as ``diag(0) + U Uᵀ`` (rank at most ``max_rank``).
+
+    Expand takes every position's row, reduce the per-row sums over positions (as
+    :func:`_gram`); the rows are ``U``'s columns, never multiplied out into a C × C matrix.
+    """
+    rows = g.sum(1) if approx == "reduce" else g.reshape(-1, g.shape[-1])
+    return DiagLowRank(rows.new_zeros(rows.shape[1]), rows.T, 1, max_rank)
 
 
 def _name(trace: PerSampleTrace, call: ModuleCall) -> str:
@@ -168,9 +189,15 @@ def _check_batch_rows(trace: PerSampleTrace) -> None:
             )
 
 
-def _or_zeros(sums: dict, key: object, like: Tensor, shape: tuple[int, ...]) -> Tensor:
+def _or_zeros(
+    sums: dict, key: object, like: Tensor, shape: tuple[int, ...], max_rank: int | None = None
+) -> Tensor | DiagLowRank:
     """``sums[key]``, or zeros of ``shape`` for a module not called on the batch."""
-    return sums[key] if key in sums else like.new_zeros(shape)
+    if key in sums:
+        return sums[key]
+    if isinstance(shape, LowRankShape):
+        return DiagLowRank.zeros(shape[0], 1, max_rank, like.device, like.dtype)
+    return like.new_zeros(shape)
 
 
 def _tiled(call: ModuleCall, k: int) -> ModuleCall:
@@ -233,6 +260,8 @@ def kfac(
     factor: float,
     gradients: list[list[Tensor]] | None = None,
     dense_limit: int = KFAC_DENSE_LIMIT,
+    low_rank_above: int | None = None,
+    max_rank: int | None = None,
 ) -> Kron:
     """KFAC factors of one batch, normalised for a data set of ``n_data`` points.
 
@@ -245,14 +274,19 @@ def kfac(
         gradients: The columns' gradients w.r.t. each call's outputs, each (K, B, ...), where
             already taken (else they are taken here).
         dense_limit: Largest parameter without a Kronecker rule whose exact block is dense.
+        low_rank_above: Layers with more outputs keep their output factor as a
+            ``DiagLowRank`` (None: every factor dense).
+        max_rank: Largest number of low-rank columns such a factor keeps (None: all).
 
     Returns:
         One block per parameter in ``trace.engine.needed`` order
-        (:func:`~laplace.curvature.kfac_rules.plan_blocks`).
+        (:func:`~laplace.curvature.kfac_rules.plan_blocks`); a ``StructuredKron`` where a
+        factor is low rank.
 
     Raises:
-        ValueError: For an unknown ``approx``, a trace restricted to a subnetwork, or a layer
-            whose outputs have fewer rows than the batch.
+        ValueError: For an unknown ``approx``, a trace restricted to a subnetwork, a layer
+            whose outputs have fewer rows than the batch, or a ``Conv1D`` with more than
+            ``low_rank_above`` outputs.
     """
     if approx not in KFAC_APPROXIMATIONS:
         raise ValueError(f"kfac_approx must be one of {KFAC_APPROXIMATIONS}, got {approx!r}.")
@@ -260,8 +294,9 @@ def kfac(
         raise ValueError("KFAC is defined per layer; it does not support subnetwork_indices.")
     _check_batch_rows(trace)
     engine, calls = trace.engine, trace.calls
-    plan = plan_blocks(engine, dense_limit)
+    plan = plan_blocks(engine, dense_limit, low_rank_above)
     kron_rules = {b.module: b.rule for b in plan if b.kind in ("kron", "bias")}
+    low_rank = {b.module for b in plan if b.low_rank}
     A: dict[nn.Module, Tensor] = {}
     G: dict[nn.Module, Tensor] = {}
     root = math.sqrt(factor)
@@ -286,7 +321,9 @@ def kfac(
             # those of many positions (convolutions) are large, so their Gram is added chunk by
             # chunk.
             g = rule.grads(call, chunk[i][0].flatten(0, 1))
-            if g.shape[1] == 1 or approx == "reduce":
+            if call.module in low_rank:
+                _add(G, call.module, _low_rank_gram(g, approx, max_rank))
+            elif g.shape[1] == 1 or approx == "reduce":
                 rows.setdefault(i, []).append(g.sum(1))
             else:
                 _add(G, call.module, _gram(g, approx, mean=False))
@@ -298,16 +335,24 @@ def kfac(
         if block.kind in ("dense", "diag"):
             blocks.append([_or_zeros(exact.sums, slot, p, shape[0])])
         elif block.kind == "bias":
-            blocks.append([_or_zeros(G, block.module, p, shape[0])])
+            blocks.append([_or_zeros(G, block.module, p, shape[0], max_rank)])
         elif block.rule.inputs_first:
             G_m = _or_zeros(G, block.module, p, shape[1])
             blocks.append([_or_zeros(A, block.module, p, shape[0]), G_m / (root * n_data)])
         else:
-            G_m = _or_zeros(G, block.module, p, shape[0])
+            G_m = _or_zeros(G, block.module, p, shape[0], max_rank)
             blocks.append([G_m / root, _or_zeros(A, block.module, p, shape[1])])
-    return Kron(blocks)
+    return StructuredKron(blocks) if low_rank else Kron(blocks)
 
 
-def kfac_shapes(engine: PerSampleEngine, dense_limit: int = KFAC_DENSE_LIMIT) -> list[list[tuple]]:
-    """Per parameter of ``engine`` the shapes of the factors :func:`kfac` gives its block."""
-    return block_shapes(plan_blocks(engine, dense_limit), engine.needed)
+def kfac_shapes(
+    engine: PerSampleEngine,
+    dense_limit: int = KFAC_DENSE_LIMIT,
+    low_rank_above: int | None = None,
+) -> list[list[tuple]]:
+    """Per parameter of ``engine`` the shapes of the factors :func:`kfac` gives its block.
+
+    Low-rank output factors (``low_rank_above``) have a
+    :class:`~laplace.curvature.kfac_rules.LowRankShape`.
+    """
+    return block_shapes(plan_blocks(engine, dense_limit, low_rank_above), engine.needed)

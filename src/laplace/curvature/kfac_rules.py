@@ -22,6 +22,14 @@ of four kinds, chosen per module by :func:`plan_blocks`:
   through ``torch.func``);
 - ``"diag"``: every other parameter above that size, the exact diagonal of its block.
 
+**Many outputs.** Given ``low_rank_above`` (the large-output threshold of
+:mod:`laplace.large_output`), the output-gradient factor ``G`` of a Linear or convolution layer
+with more outputs than that (its weight and bias blocks, ``Block.low_rank``) is kept as a
+diagonal plus a low-rank term (:class:`~laplace.utils.diag_lowrank.DiagLowRank`), never a dense
+C × C matrix; its shape is declared as a :class:`LowRankShape`. A transformers ``Conv1D`` with
+that many outputs (its ``G`` is the second factor) is refused by name; an embedding's ``G`` is
+over its embedding dimension and stays dense.
+
 The weight and the bias of a normalisation layer are two blocks, as a Linear layer's are (the
 cross terms between them dropped), so that a layer-wise prior precision keeps one value per
 tensor; each is the exact GGN block of its tensor, for any data, whatever ``kfac_approx``.
@@ -48,10 +56,12 @@ __all__ = [
     "OPTIONAL_KFAC_RULES",
     "Block",
     "KfacRule",
+    "LowRankShape",
     "block_shapes",
     "check_gradient_factor_first",
     "check_kronecker_layers",
     "kfac_rule",
+    "output_factor_shape",
     "plan_blocks",
 ]
 
@@ -152,6 +162,25 @@ def kfac_rule(module: nn.Module) -> KfacRule | None:
     return rule if rule is not None and rule.check(module) is None else None
 
 
+class LowRankShape(tuple):
+    """The shape ``(m, m)`` of a factor kept as a diagonal plus a low-rank term.
+
+    Equal to the tuple ``(m, m)``; its type tells a zero curvature to hold a
+    :class:`~laplace.utils.diag_lowrank.DiagLowRank` there instead of a dense matrix.
+    """
+
+    def __new__(cls, size: int) -> LowRankShape:
+        """The shape ``(size, size)``."""
+        return super().__new__(cls, (size, size))
+
+
+def output_factor_shape(size: int, low_rank_above: int | None) -> tuple[int, int]:
+    """The shape of an output-gradient factor over ``size`` outputs: low rank above the limit."""
+    if low_rank_above is not None and size > low_rank_above:
+        return LowRankShape(size)
+    return (size, size)
+
+
 class Block(NamedTuple):
     """The block of one parameter: its kind and, for ``"kron"``/``"bias"``, the layer's rule.
 
@@ -159,47 +188,84 @@ class Block(NamedTuple):
         kind: ``"kron"``, ``"bias"``, ``"dense"`` or ``"diag"`` (see the module).
         module: The layer owning the parameter (None for the exact kinds).
         rule: Its KFAC rule (None for the exact kinds).
+        low_rank: Its output-gradient factor is a diagonal plus a low-rank term (many outputs).
     """
 
     kind: str
     module: nn.Module | None = None
     rule: KfacRule | None = None
+    low_rank: bool = False
 
 
-def plan_blocks(engine: Any, dense_limit: int = KFAC_DENSE_LIMIT) -> list[Block]:
+def _many_outputs(name: str, module: nn.Module, rule: KfacRule, size: int, above: int) -> bool:
+    """Whether a Kronecker block's output factor is kept low rank (refuses a ``Conv1D``).
+
+    Raises:
+        ValueError: For a layer laid out (D_in, D_out) with more than ``above`` outputs.
+    """
+    if size <= above or rule.one_hot:
+        return False
+    if rule.inputs_first:
+        raise ValueError(
+            f"module {name!r} ({type(module).__name__}) has {size} outputs, more than "
+            f"LARGE_OUTPUT_THRESHOLD={above}, and its weight is laid out (in, out): its output "
+            "factor cannot be kept diagonal plus low rank. Use subset_of_weights='last_layer', "
+            "hessian_structure='diag', or freeze it (requires_grad=False)."
+        )
+    return True
+
+
+def plan_blocks(
+    engine: Any, dense_limit: int = KFAC_DENSE_LIMIT, low_rank_above: int | None = None
+) -> list[Block]:
     """The block of every parameter of a per-sample engine, in ``engine.needed`` order.
 
     Args:
         engine: A :class:`~laplace.curvature.per_sample.PerSampleEngine`.
         dense_limit: Largest parameter outside a Kronecker rule whose exact block is dense.
+        low_rank_above: Keep the output factor of layers with more outputs low rank (None:
+            never).
+
+    Raises:
+        ValueError: For a ``Conv1D`` with more than ``low_rank_above`` outputs.
     """
     uses: dict[int, list[tuple[nn.Module, str]]] = {}
     for (module, name), slot in engine.slot.items():
         uses.setdefault(slot, []).append((module, name))
+    names = {module: name for name, module in engine.model.named_modules()}
     plan = []
     for slot, p in enumerate(engine.needed):
         owners = uses.get(slot, [])
         rule = kfac_rule(owners[0][0]) if len(owners) == 1 else None
         name = owners[0][1] if owners else None
         if rule is not None and name in ("weight", "bias"):
-            plan.append(Block("kron" if name == "weight" else "bias", owners[0][0], rule))
+            module = owners[0][0]
+            size = p.shape[-1] if rule.inputs_first and name == "weight" else p.shape[0]
+            low_rank = low_rank_above is not None and _many_outputs(
+                names.get(module, "?"), module, rule, size, low_rank_above
+            )
+            plan.append(Block("kron" if name == "weight" else "bias", module, rule, low_rank))
         else:
             plan.append(Block("dense" if p.numel() <= dense_limit else "diag"))
     return plan
 
 
 def block_shapes(plan: list[Block], params: Iterable[Tensor]) -> list[list[tuple[int, ...]]]:
-    """The factor shapes of every block of ``plan`` for the parameters ``params``."""
+    """The factor shapes of every block of ``plan`` for the parameters ``params``.
+
+    A low-rank output factor's shape is a :class:`LowRankShape`.
+    """
     shapes = []
     for block, p in zip(plan, params, strict=True):
         n = p.numel()
         if block.kind == "diag":
             shapes.append([(n,)])
         elif block.kind != "kron":
-            shapes.append([(n, n)])
+            shapes.append([LowRankShape(n) if block.low_rank else (n, n)])
         else:
             m, rest = p.shape[0], n // p.shape[0]
-            shapes.append([(m,) if block.rule.one_hot else (m, m), (rest, rest)])
+            first = LowRankShape(m) if block.low_rank else (m, m)
+            shapes.append([(m,) if block.rule.one_hot else first, (rest, rest)])
     return shapes
 
 
@@ -252,3 +318,42 @@ def check_gradient_factor_first(engine: Any, why: str) -> None:
                 "it second; use one sigma_noise for all outputs, or hessian_structure='diag' "
                 "or 'full'."
             )
+
+
+def check_output_columns(engine: Any, n_columns: int, low_rank_above: int) -> None:
+    """Refuse ``n_columns`` exact-GGN columns per position above the large-output threshold.
+
+    The exact GGN of C outputs has C columns per output position: a (B, C, C) column tensor and
+    C backward passes per batch, out of reach for a vocabulary; a sampled or empirical Fisher
+    has a few.
+
+    Args:
+        engine: A :class:`~laplace.curvature.per_sample.PerSampleEngine`.
+        n_columns: Curvature columns per output position (the outputs per position).
+        low_rank_above: The large-output threshold.
+
+    Raises:
+        ValueError: Naming the first layer with a low-rank output factor, the size and the
+            alternatives, when ``n_columns > low_rank_above``.
+    """
+    if n_columns <= low_rank_above:
+        return
+    names = {module: name for name, module in engine.model.named_modules()}
+    plan = plan_blocks(engine, low_rank_above=low_rank_above)
+    large = [b.module for b in plan if b.low_rank and b.kind == "kron"]
+    # name the output layer: the large layer with as many outputs as the model, else the first
+    large.sort(key=lambda module: module.weight.shape[0] != n_columns)
+    where = (
+        f" (layer {names.get(large[0], '?')!r}, {type(large[0]).__name__}, keeps a "
+        "diagonal-plus-low-rank output factor)"
+        if large
+        else ""
+    )
+    raise ValueError(
+        f"the model has C={n_columns} outputs per position, more than LARGE_OUTPUT_THRESHOLD="
+        f"{low_rank_above}{where}: the exact GGN's Kronecker factors need C curvature columns per "
+        "position (a (B, C, C) tensor and C backward passes per batch). Use the Monte-Carlo "
+        "Fisher (backend_kwargs={'stochastic': True}, num_samples columns per data point), "
+        "backend=CurvlinopsEF (one column), or subset_of_weights='last_layer' (the exact GGN "
+        "of the head in closed form)."
+    )

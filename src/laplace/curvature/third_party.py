@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from laplace.curvature.kfac_rules import check_kronecker_layers
+from laplace.curvature.kfac_rules import check_kronecker_layers, output_factor_shape
 from laplace.utils.matrix import Kron
 
 __all__ = ["KroneckerLayersOnly", "TargetCall", "isolated", "kron_blocks", "target_call"]
@@ -143,9 +143,15 @@ class KroneckerLayersOnly:
 
     #: The library's name, for messages.
     library: str = "this backend"
+    #: The libraries' ``kron`` forms dense output factors only.
+    low_rank_kfac = False
 
-    def kron_shapes(self) -> list[list[tuple[int, ...]]]:
+    def kron_shapes(self, low_rank_above: int | None = None) -> list[list[tuple[int, ...]]]:
         """Per parameter the shapes of its ``kron`` block's factors: ``G ⊗ A``, or ``G``.
+
+        Args:
+            low_rank_above: Mark output factors over more outputs as low rank (a posterior
+                that keeps them so computes them without this backend's ``kron``).
 
         Raises:
             ValueError: Naming a module (owning a parameter of interest) of another kind, and
@@ -153,6 +159,7 @@ class KroneckerLayersOnly:
         """
         check_kronecker_layers(self._model, self.params, self.library)
         return [
-            [(p.shape[0],) * 2] if p.ndim == 1 else [(p.shape[0],) * 2, (p[0].numel(),) * 2]
+            [output_factor_shape(p.shape[0], low_rank_above)]
+            + ([] if p.ndim == 1 else [(p[0].numel(),) * 2])
             for p in self.params
         ]

@@ -1,10 +1,12 @@
 r"""Kronecker posterior whose output-side factors are diagonal plus low rank (many outputs).
 
-The posterior of :class:`~laplace.posteriors.kron.KronPosterior` with every block's output
-factor a :class:`~laplace.utils.diag_lowrank.DiagLowRank` ``G = diag(d) + s·U Uᵀ`` instead of a
-dense C × C matrix; log-determinant, ``J P⁻¹ Jᵀ``, square norms and samples are computed through
-that structure (:class:`~laplace.utils.structured_kron.StructuredKronDecomposed`). Concrete
-classes carry the largest rank kept for ``U`` (:func:`structured_kron_posterior`).
+The posterior of :class:`~laplace.posteriors.kron.KronPosterior` with the output factor of
+every layer with many outputs (a linear head's; over all weights, any Linear or convolution
+layer above the threshold) a :class:`~laplace.utils.diag_lowrank.DiagLowRank`
+``G = diag(d) + s·U Uᵀ`` instead of a dense C × C matrix, the other blocks as they are;
+log-determinant, ``J P⁻¹ Jᵀ``, square norms and samples are computed through that structure
+(:class:`~laplace.utils.structured_kron.StructuredKronDecomposed`). Concrete classes carry the
+largest rank kept for ``U`` and the threshold (:func:`structured_kron_posterior`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from laplace import large_output
+from laplace.curvature.kfac_rules import LowRankShape
 from laplace.jacobians import HeadFeatures, Jacobian
 from laplace.last_layer import HeadCurvature
 from laplace.posteriors.base import ClosedForm, Posterior
@@ -25,7 +28,12 @@ from laplace.posteriors.kron import KronPosterior
 from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.structured_kron import StructuredKron
 
-__all__ = ["StructuredKronPosterior", "large_output_structure", "structured_kron_posterior"]
+__all__ = [
+    "StructuredKronPosterior",
+    "kron_block_structure",
+    "large_output_structure",
+    "structured_kron_posterior",
+]
 
 
 def _head_variance(posterior: StructuredKronPosterior, J: HeadFeatures) -> Tensor:
@@ -33,16 +41,20 @@ def _head_variance(posterior: StructuredKronPosterior, J: HeadFeatures) -> Tenso
 
 
 class StructuredKronPosterior(KronPosterior):
-    """Kronecker posterior with structured output factors, summed from per-point curvatures.
+    """Kronecker posterior whose large output factors are diagonal plus low rank.
 
-    The curvature is not obtained from a backend's ``kron`` (which returns dense C × C factors):
-    it is summed from per-point output curvatures by the last-layer closed form
-    (:mod:`laplace.large_output`).
+    A linear head (last layer) sums its curvature from per-point output curvatures by the
+    closed form (:mod:`laplace.large_output`); over all weights, the native KFAC keeps the
+    output factor of every layer with more than :attr:`low_rank_above` outputs as a
+    ``DiagLowRank`` (the other blocks as :class:`KronPosterior` has them,
+    :mod:`laplace.curvature.kfac`).
     """
 
     #: Largest number of low-rank columns of an output factor kept while summing.
     max_rank: ClassVar[int | None] = None
-    #: Output variances (B, C) of a linear head (the only Jacobian kind of a last layer).
+    #: Layers with more outputs than this keep their output factor low rank.
+    low_rank_above: ClassVar[int | None] = None
+    #: Output variances (B, C) of a linear head (over all weights, dense rows or refused).
     closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {HeadFeatures: _head_variance}
     #: The head's curvature from structured output curvatures (rank unbounded here).
     head_curvature: ClassVar[HeadCurvature | None] = ("kron", large_output.kron_curvature)
@@ -50,38 +62,49 @@ class StructuredKronPosterior(KronPosterior):
     @override
     @classmethod
     def zeros(cls, params: Sequence[Tensor], shapes: list | None = None) -> StructuredKron:
-        """Zero factors: a ``DiagLowRank`` for each output dimension, dense input factors.
+        """Zero factors: a ``DiagLowRank`` where ``shapes`` has a ``LowRankShape``.
 
-        The structure covers a linear head, whose blocks are ``G ⊗ A`` (weight) and ``G``
-        (bias) whatever the backend's ``shapes`` (the signature of :meth:`KronPosterior.zeros`).
+        Args:
+            params: The parameter tensors.
+            shapes: The backend's block shapes (``kron_shapes(low_rank_above)``); None: every
+                parameter a linear head's, ``G ⊗ A`` (weight) or ``G`` (bias), ``G`` low rank.
         """
-        kfacs = []
-        for p in params:
-            factor = DiagLowRank.zeros(
-                p.shape[0], max_rank=cls.max_rank, device=p.device, dtype=p.dtype
-            )
-            if p.ndim == 1:
-                kfacs.append([factor])
-            else:
-                n_in = p[0].numel()
-                kfacs.append([factor, torch.zeros(n_in, n_in, device=p.device, dtype=p.dtype)])
-        return StructuredKron(kfacs)
+        if shapes is None:
+            shapes = [
+                [LowRankShape(p.shape[0])] + ([] if p.ndim == 1 else [(p[0].numel(),) * 2])
+                for p in params
+            ]
+        device, dtype = params[0].device, params[0].dtype
+
+        def zero(shape: tuple[int, ...]) -> Tensor | DiagLowRank:
+            if isinstance(shape, LowRankShape):
+                return DiagLowRank.zeros(shape[0], -1, cls.max_rank, device, dtype)
+            return torch.zeros(shape, device=device, dtype=dtype)
+
+        return StructuredKron([[zero(shape) for shape in block] for block in shapes])
 
     @override
-    @staticmethod
-    def batch_curvature(backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
-        """Refused: a backend's ``kron`` would build the dense C × C output factor.
+    @classmethod
+    def batch_curvature(
+        cls, backend: Any, X: Any, y: Tensor, n_data: int
+    ) -> tuple[Tensor, StructuredKron]:
+        """``(loss, factors)`` of a batch from the native KFAC, large output factors low rank.
 
         Raises:
-            ValueError: Naming what computes the structured factor and the alternatives.
+            ValueError: For a backend whose ``kron`` forms dense output factors (ASDL,
+                BackPACK), naming the alternatives.
         """
-        raise ValueError(
-            "a Kronecker curvature with a diagonal-plus-low-rank output factor (many outputs, "
-            "see laplace.large_output) is computed by the last-layer closed form from the "
-            "head's features, which needs backend=CurvlinopsGGN or CurvlinopsEF and one head "
-            f"row per data point (use feature_reduction for sequence features); "
-            f"{type(backend).__name__} on these inputs would build the dense output factor. "
-            "Use hessian_structure='diag' otherwise."
+        if not getattr(backend, "low_rank_kfac", False):
+            raise ValueError(
+                "a Kronecker curvature with diagonal-plus-low-rank output factors (many "
+                "outputs, see laplace.large_output) needs the native KFAC of "
+                "backend=CurvlinopsEF or CurvlinopsGGN with backend_kwargs={'stochastic': "
+                f"True}}; {type(backend).__name__} would build the dense output factor. Use "
+                "subset_of_weights='last_layer' (one head row per data point; "
+                "feature_reduction for sequence features) or hessian_structure='diag' otherwise."
+            )
+        return backend.kron(
+            X, y, N=n_data, low_rank_above=cls.low_rank_above, output_factor_rank=cls.max_rank
         )
 
     @cached_property
@@ -93,10 +116,21 @@ class StructuredKronPosterior(KronPosterior):
 
 
 @cache
-def structured_kron_posterior(max_rank: int | None) -> type[StructuredKronPosterior]:
-    """The :class:`StructuredKronPosterior` that keeps at most ``max_rank`` low-rank columns."""
+def structured_kron_posterior(
+    max_rank: int | None, low_rank_above: int
+) -> type[StructuredKronPosterior]:
+    """The :class:`StructuredKronPosterior` keeping at most ``max_rank`` low-rank columns.
+
+    Args:
+        max_rank: Largest number of low-rank columns of an output factor.
+        low_rank_above: Layers with more outputs keep a low-rank output factor.
+    """
     closed_form = partial(large_output.kron_curvature, max_rank=max_rank)
-    attributes = {"max_rank": max_rank, "head_curvature": ("kron", closed_form)}
+    attributes = {
+        "max_rank": max_rank,
+        "low_rank_above": low_rank_above,
+        "head_curvature": ("kron", closed_form),
+    }
     return type("StructuredKronPosterior", (StructuredKronPosterior,), attributes)
 
 
@@ -110,5 +144,20 @@ def large_output_structure(
     posteriors are unchanged (their closed forms take the structured output curvatures).
     """
     if large_output.is_large_output(n_outputs) and structure is KronPosterior:
-        return structured_kron_posterior(rank)
+        return structured_kron_posterior(rank, large_output.LARGE_OUTPUT_THRESHOLD)
+    return structure
+
+
+def kron_block_structure(
+    structure: type[Posterior], shapes: list[list[tuple[int, ...]]], rank: int | None
+) -> type[Posterior]:
+    """The posterior structure of Kronecker blocks of ``shapes`` (a backend's ``kron_shapes``).
+
+    Where a factor is a :class:`~laplace.curvature.kfac_rules.LowRankShape` (a layer with more
+    outputs than :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD`) a Kronecker posterior
+    gets structured output factors keeping at most ``rank`` low-rank columns.
+    """
+    low_rank = any(isinstance(shape, LowRankShape) for block in shapes for shape in block)
+    if low_rank and structure is KronPosterior:
+        return structured_kron_posterior(rank, large_output.LARGE_OUTPUT_THRESHOLD)
     return structure

@@ -26,6 +26,7 @@ dense are handled exactly as :class:`~laplace.utils.matrix.KronDecomposed` does.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -119,7 +120,7 @@ class StructuredKronDecomposed(KronDecomposed):
     ) -> None:
         self.factors = None
         self.blocks, self.damping = blocks, damping
-        reference = next(b.G.diag if isinstance(b, _Structured) else b[0][0] for b in blocks)
+        reference = next(b.G.diag if isinstance(b, _Structured) else b[1][0] for b in blocks)
         self._init_deltas(len(blocks), reference, deltas)
         one = torch.ones((), dtype=reference.dtype, device=reference.device)
         self.scales = scales or [[one] * self._n_factors(b) for b in blocks]
@@ -151,7 +152,7 @@ class StructuredKronDecomposed(KronDecomposed):
             if isinstance(b, _Structured):
                 sizes.append(len(b.G) * (1 if b.a is None else len(b.a)))
             else:
-                sizes.append(int(torch.tensor([len(Q) for Q in b[0]]).prod()))
+                sizes.append(math.prod(len(values) for values in b[1]))
         return sizes
 
     def __add__(self, deltas: Tensor) -> StructuredKronDecomposed:

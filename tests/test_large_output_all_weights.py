@@ -1,0 +1,280 @@
+"""All-weights KronLaplace with many outputs: low-rank output factors against the dense path.
+
+``LARGE_OUTPUT_THRESHOLD`` is lowered (fixture ``threshold``) so that the tiny models' layers
+count as large; the structured fit is compared with the dense all-weights Kron fit of the same
+curvature columns (threshold restored; the Monte-Carlo Fisher draws the same targets from the
+same seed) and, for the output layer's factor, with the empirical Fisher written out by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import CASE_BUILDERS, POSITION_CASES, assert_close
+from laplace import KronLaplace
+from laplace import large_output as large_output_module
+from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
+from laplace.curvature.kfac_rules import plan_blocks
+from laplace.likelihoods.categorical import Categorical
+from laplace.utils.diag_lowrank import DiagLowRank
+from laplace.utils.structured_kron import StructuredKron, StructuredKronDecomposed
+
+#: Curvatures with a few columns per data point: empirical Fisher, Monte-Carlo Fisher.
+BACKENDS = {
+    "ef": {"backend": CurvlinopsEF},
+    "mc": {"backend": CurvlinopsGGN, "backend_kwargs": {"stochastic": True, "num_samples": 2}},
+}
+CASES = {
+    "mlp": lambda: CASE_BUILDERS["mlp_classification"](),
+    "tokens": POSITION_CASES["token_classification"],  # (B, T, C), some labels −100
+}
+#: Large enough that nothing is truncated on the tiny data sets.
+EXACT_RANK = 1000
+#: Standard deviations of the Monte-Carlo error allowed for a sample covariance entry.
+MC_SIGMAS = 6.0
+
+
+@pytest.fixture
+def threshold(monkeypatch):
+    """A setter of ``LARGE_OUTPUT_THRESHOLD`` (restored after the test)."""
+
+    def use(value: int) -> None:
+        monkeypatch.setattr(large_output_module, "LARGE_OUTPUT_THRESHOLD", value)
+
+    use(2)
+    return use
+
+
+def fit(case, threshold, value: int, backend: str, rank: int = EXACT_RANK, **kwargs):
+    """A KronLaplace fitted with the threshold at ``value`` (same MC draws for every fit)."""
+    threshold(value)
+    la = KronLaplace(
+        case.model, "classification", output_factor_rank=rank, **BACKENDS[backend], **kwargs
+    )
+    torch.manual_seed(11)
+    la.fit(case.loader())
+    threshold(2)
+    return la
+
+
+def fit_both(case, threshold, backend: str, **kwargs):
+    """The structured fit (every layer large) and the dense fit of the same columns."""
+    return (
+        fit(case, threshold, 2, backend, **kwargs),
+        fit(case, threshold, 10_000, backend, **kwargs),
+    )
+
+
+def layerwise_prior(la) -> torch.Tensor:
+    return torch.linspace(0.4, 2.0, la.n_layers, dtype=torch.float64)
+
+
+# ------------------------------------------------------------------------ posterior equality
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("name", list(CASES))
+def test_structured_all_weights_kron_equals_the_dense_one(threshold, name, backend):
+    case = CASES[name]()
+    ours, theirs = fit_both(case, threshold, backend)
+    assert isinstance(ours.H_facs, StructuredKron) and isinstance(ours.H, StructuredKronDecomposed)
+    assert all(isinstance(block[0], DiagLowRank) for block in ours.H_facs.kfacs)
+    assert not isinstance(theirs.H_facs, StructuredKron)
+    assert_close(ours.H_facs.to_matrix(), theirs.H_facs.to_matrix())
+    assert_close(ours.log_det_posterior_precision, theirs.log_det_posterior_precision)
+    assert_close(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood())
+    grads = []
+    for la in (ours, theirs):
+        prior = layerwise_prior(la).requires_grad_()
+        (grad,) = torch.autograd.grad(la.log_marginal_likelihood(prior), prior)
+        grads.append(grad)
+    assert_close(*grads)
+    P = theirs.posterior_precision.to_matrix()
+    assert_close(ours.posterior_precision.to_matrix(), P)
+    root = ours.posterior_precision.to_matrix(exponent=-0.5)
+    assert_close(root @ root.T, torch.linalg.inv(P))
+
+
+def test_samples_have_the_posterior_covariance(threshold):
+    case = CASES["mlp"]()
+    ours, theirs = fit_both(case, threshold, "ef")
+    n = 20_000
+    samples = ours.sample(n, generator=torch.Generator().manual_seed(3))
+    covariance = torch.linalg.inv(theirs.posterior_precision.to_matrix())
+    deviations = samples - ours.mean
+    sample_covariance = deviations.T @ deviations / n
+    variances = covariance.diagonal()
+    standard_error = ((variances[:, None] * variances[None] + covariance.square()) / n).sqrt()
+    worst = ((sample_covariance - covariance).abs() / standard_error).max()
+    assert worst < MC_SIGMAS, f"sample covariance off by {worst:.1f} standard errors"
+
+
+def test_dropped_positions_contribute_nothing_to_the_output_factor(threshold):
+    """The output layer's G is Σ g gᵀ over the kept positions' loss gradients, nothing else."""
+    case = CASES["tokens"]()
+    ours = fit(case, threshold, 2, "ef")
+    with torch.no_grad():
+        f = case.model(case.X)
+    gradients = torch.softmax(f, -1) - nn.functional.one_hot(case.y.clamp_min(0), f.shape[-1])
+    kept = case.y != -100
+    assert not bool(kept.all())
+    rows = (gradients * kept[..., None]).reshape(-1, f.shape[-1])
+    G_head = ours.H_facs.kfacs[2][0]  # the head's weight block: G ⊗ A, loss factor 1
+    assert_close(G_head.to_dense(), rows.T @ rows)
+    everything = gradients.reshape(-1, f.shape[-1])
+    assert not torch.allclose(G_head.to_dense(), everything.T @ everything)
+
+
+def test_a_large_hidden_layer_mixes_with_dense_blocks_and_keeps_the_glm(threshold):
+    """Threshold 4: the hidden layer (5 outputs) is structured, the 4-class head is not."""
+    case = CASES["mlp"]()
+    backend = {"backend": CurvlinopsGGN}  # the exact GGN of 4 outputs is affordable
+    threshold(4)
+    ours = KronLaplace(case.model, "classification", output_factor_rank=EXACT_RANK, **backend)
+    ours.fit(case.loader())
+    threshold(10_000)
+    theirs = KronLaplace(case.model, "classification", **backend)
+    theirs.fit(case.loader())
+    kinds = [type(block[0]) for block in ours.H_facs.kfacs]
+    assert kinds == [DiagLowRank, DiagLowRank, torch.Tensor, torch.Tensor]
+    assert_close(ours.H_facs.to_matrix(), theirs.H_facs.to_matrix())
+    assert_close(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood())
+    X = case.X[:5]
+    assert_close(ours(X), theirs(X))  # GLM through dense Jacobian rows of 4 outputs
+    mc = [
+        la(X, link_approx="mc", generator=torch.Generator().manual_seed(0))
+        for la in (ours, theirs)
+    ]
+    assert_close(*mc)
+
+
+# ------------------------------------------------------------------- the bounded rank
+def test_truncated_factors_stay_within_their_log_det_bound(threshold):
+    case = CASES["mlp"]()
+    kept = fit(case, threshold, 2, "ef", rank=2)
+    exact = fit(case, threshold, 2, "ef")
+    dropped = [block[0].dropped for block in kept.H_facs.kfacs]
+    assert all(bool(d > 0) for d in dropped)  # 20 gradient columns folded to 2
+    # EF factors are U Uᵀ: the kept ones are G − R, so the log det can only be under-estimated,
+    # by at most h·(tr A·tr R_weight + tr R_bias)/δ per layer (h = 1/(σ²T) = 1 here).
+    delta = kept.prior_precision.item()
+    blocks = kept.H_facs.kfacs
+    bound = (
+        sum((block[1].trace() if len(block) == 2 else 1.0) * block[0].dropped for block in blocks)
+        / delta
+    )
+    gap = exact.log_det_posterior_precision - kept.log_det_posterior_precision
+    assert 0 <= gap <= bound
+    assert gap > 0
+
+
+# --------------------------------------------------------------------- fit variants and state
+def test_online_fit_equals_one_fit_on_all_the_data(threshold):
+    case = CASES["mlp"]()
+    threshold(2)
+    la = KronLaplace(case.model, "classification", backend=CurvlinopsEF, output_factor_rank=99)
+    halves = [DataLoader(TensorDataset(case.X[i::2], case.y[i::2]), batch_size=7) for i in (0, 1)]
+    la.fit(halves[0])
+    la.fit(halves[1], override=False)
+    once = fit(case, threshold, 2, "ef")
+    assert la.n_data == once.n_data
+    assert_close(la.H_facs.to_matrix(), once.H_facs.to_matrix())
+    assert_close(la.log_marginal_likelihood(), once.log_marginal_likelihood())
+
+
+def test_damping_and_state_dict_round_trip(threshold):
+    case = CASES["tokens"]()
+    ours, theirs = fit_both(case, threshold, "ef", damping=True)
+    assert_close(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood())
+    threshold(2)
+    options = {"backend": CurvlinopsEF, "damping": True, "output_factor_rank": EXACT_RANK}
+    loaded = KronLaplace(case.model, "classification", **options)
+    loaded.load_state_dict(ours.state_dict())
+    assert isinstance(loaded.H_facs, StructuredKron)
+    assert_close(loaded.H_facs.to_matrix(), ours.H_facs.to_matrix())
+    assert_close(loaded.log_marginal_likelihood(), ours.log_marginal_likelihood())
+    threshold(10_000)
+    dense = KronLaplace(case.model, "classification", backend=CurvlinopsEF, damping=True)
+    with pytest.raises(ValueError, match="diagonal-plus-low-rank factor"):
+        dense.load_state_dict(ours.state_dict())
+
+
+def test_marglik_tuning_runs_through_the_structure(threshold):
+    case = CASES["tokens"]()
+    ours, theirs = fit_both(case, threshold, "mc")
+    for la in (ours, theirs):
+        la.prior_precision = layerwise_prior(la)
+        la.optimize_prior_precision(method="marglik", n_steps=5)
+    assert_close(ours.prior_precision, theirs.prior_precision, rtol=1e-8, atol=1e-10)
+
+
+# --------------------------------------------------------------------------- predictions
+def test_nn_predictive_of_sequence_logits_has_their_shape(threshold):
+    case = CASES["tokens"]()
+    ours = fit(case, threshold, 2, "mc")
+    probs = ours(case.X[:3], pred_type="nn", link_approx="mc", n_samples=4)
+    assert probs.shape == (3, 5, 4)
+    assert_close(probs.sum(-1), torch.ones(3, 5, dtype=torch.float64))
+    thetas = ours.sample(4, generator=torch.Generator().manual_seed(4))
+    sampled = copy.deepcopy(case.model)
+    expected = []
+    for theta in thetas:  # one forward pass per weight sample
+        nn.utils.vector_to_parameters(theta, sampled.parameters())
+        with torch.no_grad():
+            expected.append(torch.softmax(sampled(case.X[:3]), -1))
+    generator = torch.Generator().manual_seed(4)
+    probs = ours(case.X[:3], pred_type="nn", link_approx="mc", n_samples=4, generator=generator)
+    assert_close(probs, torch.stack(expected).mean(0))
+
+
+def test_glm_predictive_over_a_vocabulary_is_refused(threshold):
+    case = CASES["tokens"]()
+    ours = fit(case, threshold, 2, "ef")
+    refusal = r"C=4 outputs.*LARGE_OUTPUT_THRESHOLD=2.*pred_type='nn'.*last_layer"
+    for call in (
+        lambda: ours(case.X[:2]),
+        lambda: ours(case.X[:2], link_approx="mc"),
+        lambda: ours.functional_samples(case.X[:2], diagonal_output=True),
+    ):
+        with pytest.raises(ValueError, match=refusal):
+            call()
+
+
+# ------------------------------------------------------------------------------- refusals
+def test_exact_ggn_over_a_vocabulary_is_refused_before_its_columns(threshold, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dense output Hessian was built")
+
+    monkeypatch.setattr(Categorical, "output_hessian_sqrt", refuse)
+    case = CASES["tokens"]()
+    la = KronLaplace(case.model, "classification")
+    message = (
+        r"C=4 outputs per position.*LARGE_OUTPUT_THRESHOLD=2 \(layer 'head', Linear.*"
+        r"stochastic.*CurvlinopsEF.*subset_of_weights='last_layer'"
+    )
+    with pytest.raises(ValueError, match=message):
+        la.fit(case.loader())
+    assert not la._fitted
+
+
+def test_third_party_kfac_and_conv1d_are_refused_by_name(threshold):
+    case = CASES["mlp"]()
+    backpack = pytest.importorskip("laplace.curvature.backpack")
+    la = KronLaplace(case.model, "classification", backend=backpack.BackPackEF)
+    with pytest.raises(ValueError, match=r"BackPackEF would build the dense output factor"):
+        la.fit(case.loader())
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    model = nn.Sequential(nn.Linear(3, 2), pytorch_utils.Conv1D(5, 2)).double()
+    with pytest.raises(ValueError, match=r"module '1' \(Conv1D\) has 5 outputs.*last_layer"):
+        KronLaplace(model, "classification", backend=CurvlinopsEF)
+
+
+def test_plan_marks_only_plain_layers_above_the_threshold():
+    model = nn.Sequential(nn.Embedding(9, 6), nn.Linear(6, 3), nn.LayerNorm(3), nn.Linear(3, 7))
+    engine = CurvlinopsEF(model, "classification")._engine
+    marks = [block.low_rank for block in plan_blocks(engine, low_rank_above=5)]
+    assert marks == [False, False, False, False, False, True, True]
+    assert not any(block.low_rank for block in plan_blocks(engine))
