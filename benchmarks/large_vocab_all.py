@@ -93,8 +93,8 @@ def case_large_vocab_all(rank: int | None = None) -> dict:
         "dense_output_factor_MB": VOCABULARY**2 * 4 / 2**20,
         "prior_precision": la.prior_precision.tolist(),
         "note": (
-            f"head output factor rank {G.rank}, trace kept {float(G.U.square().sum()):.3g}, "
-            f"dropped {float(G.dropped):.3g}"
+            f"head output factor rank {G.rank}, trace in the low-rank part "
+            f"{float(G.U.square().sum()):.3g}, moved to the diagonal {float(G.dropped):.3g}"
         ),
     }
 

@@ -114,13 +114,20 @@ def test_truncation_drops_the_smallest_directions_and_counts_them(sign):
     exact = M.sum()
     kept = M.sum(max_rank=2)
     assert kept.rank == 2
-    dropped_part = sign * (exact.to_dense() - kept.to_dense())  # R = Σ dropped σᵢ² uᵢuᵢᵀ ⪰ 0
+    dropped_part = exact.U @ exact.U.T - kept.U @ kept.U.T  # R = Σ dropped σᵢ² uᵢuᵢᵀ ⪰ 0
     eigenvalues = torch.linalg.eigvalsh(dropped_part)
     assert bool((eigenvalues > -1e-12).all())
     assert_close(kept.dropped, dropped_part.trace())
     singular = torch.linalg.svdvals(exact.U)
     assert_close(kept.dropped, singular[2:].square().sum())
     assert_close(eigenvalues.max(), singular[2].square())
+    if sign < 0:  # softmax: G + R ⪰ G, the diagonal part untouched
+        assert_close(kept.diag, exact.diag)
+        assert_close(exact.to_dense() + dropped_part, kept.to_dense())
+    else:  # Fisher: R's diagonal moves into d, so diag(G) stays exact and G_kept ⪰ 0
+        assert_close(kept.diag, exact.diag + dropped_part.diagonal())
+        assert_close(kept.to_dense().diagonal(), exact.to_dense().diagonal())
+        assert bool((torch.linalg.eigvalsh(kept.to_dense()) > -1e-12).all())
 
 
 def test_sums_accumulate_in_place_and_bound_the_rank():

@@ -20,11 +20,14 @@ with the columns of all ``Vₙ`` in ``U`` (C, k). Memory is O(C·(k + 1)) instea
 ``max_rank`` set, columns are folded in as they come: the kept columns and the next ones are
 reduced to their top ``max_rank`` singular directions (an exact truncated SVD of those columns,
 through the eigen-decomposition of their small Gram matrix). The removed part
-``R = Σ (dropped σᵢ² uᵢuᵢᵀ)`` is positive semi-definite, so the kept matrix is ``G − s·R``: for
-a softmax it is ``G + R ⪰ G ⪰ 0`` (never indefinite), and the error is known exactly in the
-nuclear norm,
-``‖G_kept − G‖_* = tr R =`` :attr:`DiagLowRank.dropped`. While the true rank is at most
-``max_rank`` nothing is dropped and the representation is exact.
+``R = Σ (dropped σᵢ² uᵢuᵢᵀ)`` is positive semi-definite, with trace
+:attr:`DiagLowRank.dropped`. For a softmax (``s = −1``) the kept matrix is ``G + R ⪰ G ⪰ 0``
+(never indefinite), at nuclear-norm distance ``tr R`` from ``G``. For ``s = +1`` (the Fisher
+estimates, whose gradient columns are nearly orthogonal over a large vocabulary, so a rank-k
+part may keep little of ``G``) the diagonal of ``R`` moves into ``d``: the kept matrix
+``G − R + diag(R)`` keeps the exact diagonal (and trace) of ``G``, stays positive
+semi-definite, and is at nuclear-norm distance at most ``2 tr R``. While the true rank is at
+most ``max_rank`` nothing is dropped and the representation is exact.
 """
 
 from __future__ import annotations
@@ -144,7 +147,9 @@ class DiagLowRank:
             raise ValueError(f"max_rank must be a non-negative integer or None, got {max_rank}.")
         self.diag, self.sign, self.max_rank = diag, _check_sign(sign), max_rank
         dropped = torch.as_tensor(dropped, dtype=diag.dtype, device=diag.device)
-        self.U, self.dropped = self._truncated(U, dropped)
+        self.U, self.dropped, moved = self._truncated(U, dropped)
+        if moved is not None:
+            self.diag = diag + moved
 
     @classmethod
     def zeros(
@@ -189,8 +194,9 @@ class DiagLowRank:
         return len(self.diag)
 
     # ------------------------------------------------------------------------- arithmetic
-    def _truncated(self, U: Tensor, dropped: Tensor) -> tuple[Tensor, Tensor]:
-        """``U`` reduced to at most ``max_rank`` columns, and the new ``dropped``.
+    def _truncated(self, U: Tensor, dropped: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``U`` reduced to at most ``max_rank`` columns, the new ``dropped``, and for
+        ``s = +1`` the diagonal of what was removed (to be added to ``d``; else None).
 
         The columns are taken in chunks of ``2·max_rank``: each chunk joins the kept columns
         and the top ``max_rank`` right singular directions of the result are kept (from the
@@ -199,8 +205,9 @@ class DiagLowRank:
         cost is O(C·max_rank) per column instead of O(C·m) for all m columns at once.
         """
         if self.max_rank is None or U.shape[1] <= self.max_rank:
-            return U, dropped
+            return U, dropped, None
         kept, chunk = U[:, :0], max(2 * self.max_rank, 16)
+        moved = torch.zeros_like(U[:, 0]) if self.sign > 0 else None
         for start in range(0, U.shape[1], chunk):
             block = torch.cat([kept, U[:, start : start + chunk]], dim=1)
             cut = block.shape[1] - self.max_rank
@@ -209,8 +216,10 @@ class DiagLowRank:
                 continue
             values, vectors = torch.linalg.eigh(block.T @ block)  # ascending σᵢ²
             dropped = dropped + values[:cut].clamp_min(0).sum().to(dropped.device)
+            if moved is not None:
+                moved = moved + (block @ vectors[:, :cut]).square().sum(1)
             kept = block @ vectors[:, cut:]
-        return kept, dropped
+        return kept, dropped, moved
 
     def _sum_sign(self, other: DiagLowRank) -> int:
         """The sign of the sum (that of a term with columns; a term without has no sign)."""
@@ -247,9 +256,11 @@ class DiagLowRank:
         self.sign = self._sum_sign(other)
         self.diag.add_(other.diag)
         self.max_rank = self._merged_rank(other)
-        self.U, self.dropped = self._truncated(
+        self.U, self.dropped, moved = self._truncated(
             torch.cat([self.U, other.U], dim=1), self.dropped + other.dropped
         )
+        if moved is not None:
+            self.diag.add_(moved)
         self.__dict__.pop("pair_products", None)
         return self
 
