@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import CASE_BUILDERS, POSITION_CASES, assert_close
-from laplace import KronLaplace
+from laplace import KronLaplace, Laplace
 from laplace import large_output as large_output_module
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
 from laplace.curvature.kfac_rules import plan_blocks
@@ -240,6 +240,20 @@ def test_glm_predictive_over_a_vocabulary_is_refused(threshold):
     ):
         with pytest.raises(ValueError, match=refusal):
             call()
+
+
+@pytest.mark.parametrize(("subset", "structure"), [("all", "diag"), ("subnetwork", "full")])
+def test_glm_predictive_of_other_structures_over_a_vocabulary_is_refused(
+    threshold, subset, structure
+):
+    case = CASES["mlp"]()
+    threshold(2)
+    extra = {"subnetwork_indices": torch.arange(5)} if subset == "subnetwork" else {}
+    la = Laplace(case.model, "classification", subset, structure, backend=CurvlinopsEF, **extra)
+    la.fit(case.loader())
+    with pytest.raises(ValueError, match=r"LARGE_OUTPUT_THRESHOLD=2.*pred_type='nn'"):
+        la(case.X[:2])
+    assert la(case.X[:2], pred_type="nn", link_approx="mc", n_samples=3).shape[0] == 2
 
 
 # ------------------------------------------------------------------------------- refusals

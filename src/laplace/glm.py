@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from laplace import large_output
 from laplace.data import Inputs, batch_size_of, check_outputs, input_chunks, prepare_inputs
 from laplace.errors import check_generator, check_positive_int
-from laplace.jacobians import position_rows, row_kind
+from laplace.jacobians import HeadFeatures, position_rows, row_kind
 from laplace.likelihoods import LikelihoodModel
 from laplace.predictive import gaussian_output_samples
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
@@ -127,8 +128,23 @@ class GLMPredictiveMixin:
         return None
 
     def _glm_refusal(self) -> str | None:
-        """Why the GLM predictive cannot be computed at all; None if it can."""
-        return None
+        """Why the GLM predictive cannot be computed at all; None if it can.
+
+        Above :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs only a last layer's
+        closed form gives output variances without C backward passes per point and a
+        (B, C, C) covariance.
+        """
+        if not large_output.is_large_output(self.n_outputs):
+            return None
+        if self._subset.jacobian_kind(self._posterior.closed_forms) is HeadFeatures:
+            return None
+        return (
+            f"the model has C={self.n_outputs} outputs, more than LARGE_OUTPUT_THRESHOLD="
+            f"{large_output.LARGE_OUTPUT_THRESHOLD}: the GLM predictive over these weights needs "
+            "C Jacobian rows per point (C backward passes) and a (B, C, C) covariance. Use "
+            "pred_type='nn' (link_approx='mc'; one forward pass per weight sample) or "
+            "subset_of_weights='last_layer' (output variances in closed form)."
+        )
 
     def _glm_predictive_distribution(
         self, X: Inputs, joint: bool = False, diagonal_output: bool = False

@@ -12,7 +12,6 @@ from torch import Tensor, nn
 from laplace import large_output
 from laplace.base import BaseLaplace, arguments_for
 from laplace.errors import check_positive_int
-from laplace.jacobians import JacobianRows
 from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors import KronPosterior, Posterior
@@ -146,20 +145,6 @@ class KronLaplace(ParametricLaplace):
     def _zero_curvature(self) -> Kron:
         """Zero factors of the backend's blocks (it refuses modules it cannot factor)."""
         return self._posterior_cls.zeros(self._subset.curvature_params, self._kron_shapes())
-
-    def _glm_refusal(self) -> str | None:
-        """Why the GLM predictive is refused: dense Jacobian rows of a vocabulary per point."""
-        if not large_output.is_large_output(self.n_outputs):
-            return None
-        if self._subset.jacobian_kind(self._posterior.closed_forms) is not JacobianRows:
-            return None
-        return (
-            f"the model has C={self.n_outputs} outputs, more than LARGE_OUTPUT_THRESHOLD="
-            f"{large_output.LARGE_OUTPUT_THRESHOLD}: the GLM predictive over all weights with "
-            "diagonal-plus-low-rank output factors needs C Jacobian rows per point (C "
-            "backward passes). Use pred_type='nn' (link_approx='mc'; one forward pass per "
-            "weight sample) or subset_of_weights='last_layer' (output variances in closed form)."
-        )
 
     @BaseLaplace.prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:

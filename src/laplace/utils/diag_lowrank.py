@@ -195,8 +195,9 @@ class DiagLowRank:
 
     # ------------------------------------------------------------------------- arithmetic
     def _truncated(self, U: Tensor, dropped: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """``U`` reduced to at most ``max_rank`` columns, the new ``dropped``, and for
-        ``s = +1`` the diagonal of what was removed (to be added to ``d``; else None).
+        """``U`` cut to ``max_rank`` columns, the new ``dropped`` and (``s = +1``) its diagonal.
+
+        The diagonal of what was removed is to be added to ``d`` (None for ``s = −1``).
 
         The columns are taken in chunks of ``2·max_rank``: each chunk joins the kept columns
         and the top ``max_rank`` right singular directions of the result are kept (from the
