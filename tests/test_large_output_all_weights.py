@@ -20,6 +20,7 @@ from laplace import KronLaplace, Laplace
 from laplace import large_output as large_output_module
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
 from laplace.curvature.kfac_rules import plan_blocks
+from laplace.errors import TooLargeError
 from laplace.likelihoods.categorical import Categorical
 from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.structured_kron import StructuredKron, StructuredKronDecomposed
@@ -291,3 +292,14 @@ def test_plan_marks_only_plain_layers_above_the_threshold():
     marks = [block.low_rank for block in plan_blocks(engine, low_rank_above=5)]
     assert marks == [False, False, False, False, False, True, True]
     assert not any(block.low_rank for block in plan_blocks(engine))
+
+
+def test_exact_ggn_columns_larger_than_memory_are_refused_before_they_are_formed():
+    model = nn.Sequential(nn.Linear(3, 200_000))
+    loader = DataLoader(TensorDataset(torch.randn(4, 3), torch.zeros(4, dtype=torch.long)))
+    la = Laplace(model, "classification", "all", "diag")
+    with pytest.raises(TooLargeError, match=r"C=200,000 outputs.*GiB.*stochastic.*CurvlinopsEF"):
+        la.fit(loader)
+    la = Laplace(model, "classification", "all", "diag", backend=CurvlinopsEF)
+    la.fit(loader)  # one gradient column per point
+    assert la.H.shape == (800_000,)

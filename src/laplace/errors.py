@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,12 +54,14 @@ __all__ = [
     "UnsupportedError",
     "check_bool",
     "check_finite_result",
+    "check_fits_in_memory",
     "check_generator",
     "check_int_at_least",
     "check_mapping",
     "check_module",
     "check_positive_float",
     "check_positive_int",
+    "device_memory",
     "is_real_scalar",
 ]
 
@@ -103,6 +106,29 @@ class TooLargeError(ValueError, RuntimeError):
     A ``RuntimeError`` as torch's allocation failure, and a ``ValueError`` (the structure chosen
     does not fit the model).
     """
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Total memory of ``device`` in bytes (physical memory for the CPU); None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def check_fits_in_memory(needed: int, device: torch.device, what: str, instead: str) -> None:
+    """Refuse, before allocating it, a tensor of ``needed`` bytes larger than ``device``'s memory.
+
+    Raises:
+        TooLargeError: ``"{what} needs … GiB …, more than the … GiB of {device}: {instead}"``.
+    """
+    available = device_memory(device)
+    if available is not None and needed > available:
+        raise TooLargeError(
+            f"{what} needs {needed / 2**30:,.1f} GiB, more than the {available / 2**30:,.1f} GiB "
+            f"of {device}: {instead}"
+        )
 
 
 class LabelError(ValueError, IndexError):

@@ -25,7 +25,7 @@ from laplace.curvature.kfac import kfac, kfac_shapes
 from laplace.curvature.kfac_rules import KFAC_DENSE_LIMIT
 from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
 from laplace.data import Inputs
-from laplace.errors import check_module
+from laplace.errors import check_fits_in_memory, check_module
 from laplace.likelihoods import make_likelihood
 from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron
@@ -342,6 +342,16 @@ class GGNInterface(CurvatureInterface):
                 "the exact GGN is not sampled."
             )
         if not self.stochastic:
+            n_rows, n_out = f.shape[0], f.shape[-1]
+            check_fits_in_memory(
+                n_rows * n_out * n_out * f.element_size(),
+                f.device,
+                f"the exact GGN's output-space columns of {n_rows:,} rows of C={n_out:,} outputs "
+                f"((R, C, C) in {f.dtype}; C backward passes per batch)",
+                "use the Monte-Carlo Fisher (backend_kwargs={'stochastic': True}), "
+                "backend=CurvlinopsEF, subset_of_weights='last_layer' (closed forms for many "
+                "outputs) or smaller batches.",
+            )
             return self.fit_likelihood.output_hessian_sqrt(f)
         n_samples = self.num_samples if mc_samples is None else mc_samples
         scale = 1.0 / math.sqrt(n_samples)

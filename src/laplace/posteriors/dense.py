@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any, ClassVar
@@ -11,21 +10,12 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from laplace.errors import TooLargeError
+from laplace.errors import check_fits_in_memory
 from laplace.jacobians import HeadFeatures, Jacobian
 from laplace.last_layer import FULL_HEAD_CURVATURE, HeadCurvature, full_head_variance
 from laplace.posteriors.base import ClosedForm, NotPositiveDefiniteError, Posterior
 
-__all__ = ["DensePosterior", "check_dense_size", "device_memory"]
-
-
-def device_memory(device: torch.device) -> int | None:
-    """Total memory of ``device`` in bytes (physical memory for the CPU); None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    if device.type == "cpu" and hasattr(os, "sysconf"):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return None
+__all__ = ["DensePosterior", "check_dense_size"]
 
 
 def check_dense_size(n_params: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -35,14 +25,12 @@ def check_dense_size(n_params: int, dtype: torch.dtype, device: torch.device) ->
         TooLargeError: (a ``ValueError`` and a ``RuntimeError``) naming the size and the
             structures that fit.
     """
-    needed = n_params**2 * (torch.finfo(dtype).bits // 8)
-    available = device_memory(device)
-    if available is not None and needed > available:
-        raise TooLargeError(
-            f"a dense (P, P) curvature of P={n_params:,} parameters needs {needed / 2**30:,.1f} "
-            f"GiB in {dtype}, more than the {available / 2**30:,.1f} GiB of {device}: use "
-            "hessian_structure='kron' or 'diag' (or fewer parameters)."
-        )
+    check_fits_in_memory(
+        n_params**2 * (torch.finfo(dtype).bits // 8),
+        device,
+        f"a dense (P, P) curvature of P={n_params:,} parameters in {dtype}",
+        "use hessian_structure='kron' or 'diag' (or fewer parameters).",
+    )
 
 
 def _head_variance(posterior: DensePosterior, J: HeadFeatures) -> Tensor:
