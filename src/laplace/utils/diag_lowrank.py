@@ -20,14 +20,12 @@ with the columns of all ``Vₙ`` in ``U`` (C, k). Memory is O(C·(k + 1)) instea
 ``max_rank`` set, columns are folded in as they come: the kept columns and the next ones are
 reduced to their top ``max_rank`` singular directions (an exact truncated SVD of those columns,
 through the eigen-decomposition of their small Gram matrix). The removed part
-``R = Σ (dropped σᵢ² uᵢuᵢᵀ)`` is positive semi-definite, with trace
-:attr:`DiagLowRank.dropped`. For a softmax (``s = −1``) the kept matrix is ``G + R ⪰ G ⪰ 0``
-(never indefinite), at nuclear-norm distance ``tr R`` from ``G``. For ``s = +1`` (the Fisher
-estimates, whose gradient columns are nearly orthogonal over a large vocabulary, so a rank-k
-part may keep little of ``G``) the diagonal of ``R`` moves into ``d``: the kept matrix
-``G − R + diag(R)`` keeps the exact diagonal (and trace) of ``G``, stays positive
-semi-definite, and is at nuclear-norm distance at most ``2 tr R``. While the true rank is at
-most ``max_rank`` nothing is dropped and the representation is exact.
+``R = Σ (dropped σᵢ² uᵢuᵢᵀ)`` is positive semi-definite, with trace :attr:`DiagLowRank.dropped`.
+For a softmax (``s = −1``) the kept matrix is ``G + R ⪰ G ⪰ 0``, at nuclear-norm distance
+``tr R``. For ``s = +1`` (the Fisher estimates, whose gradient columns over a large vocabulary
+are nearly orthogonal) the diagonal of ``R`` moves into ``d``: ``G − R + diag(R)`` keeps the
+exact diagonal of ``G``, stays positive semi-definite and is within ``2 tr R``. While the true
+rank is at most ``max_rank`` nothing is dropped and the representation is exact.
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ every factor, ``Fᵢ = Qᵢ diag(λᵢ) Qᵢᵀ``, into a ``KronDecomposed``. Th
 for any exponent ``e`` (a diagonal factor is its own eigenvalues, ``Qᵢ = I``, stored as None),
 so adding a scalar or layer-wise prior ``δ``, multiplying by a temperature, log-determinants,
 ``W P⁻¹ Wᵀ``, products with ``P^{±1}``, ``P^{±1/2}``, diagonals and dense views never
-re-factorise. With ``damping=True`` a weight block's spectrum is ``(λ₀ + √δ)(λ₁ + √δ)ᵀ``
-instead (the prior is mixed into each factor).
+re-factorise. With ``damping=True`` a weight block's spectrum is ``(λ₀ + √δ)(λ₁ + √δ)ᵀ``.
 """
 
 from __future__ import annotations
