@@ -24,7 +24,9 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from harness import PeakRSS
@@ -56,6 +58,45 @@ def token_sequences(n_sequences: int, seed: int) -> tuple[torch.Tensor, torch.Te
     return X, y
 
 
+def timed_steps(steps: dict[str, Callable[[], Any]]) -> tuple[Any, dict]:
+    """Run the steps in order; the last step's result and a row of their times and peak memory.
+
+    The row has ``{name}_s`` (wall) and ``{name}_cpu_s`` (process CPU) per step, their wall
+    total ``seconds``, the peak resident memory above the start (``peak_extra_MB``) and the
+    size the dense C × C output factor would have (``dense_output_factor_MB``).
+    """
+    times = {}
+    with PeakRSS() as mem:
+        for name, step in steps.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            out = step()
+            times[f"{name}_s"] = time.perf_counter() - wall
+            times[f"{name}_cpu_s"] = time.process_time() - cpu
+    row = {
+        "seconds": sum(times[f"{name}_s"] for name in steps),
+        **times,
+        "peak_extra_MB": mem.extra / 2**20,
+        "dense_output_factor_MB": VOCABULARY**2 * 4 / 2**20,
+    }
+    return out, row
+
+
+def report(row: dict, steps: dict[str, str], threads: int, name: str) -> None:
+    """Print one line for the row (``steps``: step name → description) and write its JSON."""
+    row.update(threads=threads, load_avg_1min=os.getloadavg()[0])
+    timings = ", ".join(
+        f"{what} {row[f'{key}_s']:.2f} s ({row[f'{key}_cpu_s']:.2f} s CPU)"
+        for key, what in steps.items()
+    )
+    print(
+        f"{row['case']}: {timings}; peak +{row['peak_extra_MB']:.0f} MB, the dense C x C "
+        f"factor alone {row['dense_output_factor_MB']:.0f} MB; {row.get('note', '')}; load "
+        f"{row['load_avg_1min']:.1f}"
+    )
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(row, indent=2))
+
+
 def case_large_vocab(structure: str = "kron", rank: int | None = None) -> dict:
     """Fit, marginal-likelihood tuning and predictive of a last layer over 32,000 classes."""
     from laplace import Laplace
@@ -71,21 +112,12 @@ def case_large_vocab(structure: str = "kron", rank: int | None = None) -> dict:
         "marglik": lambda: la.optimize_prior_precision(method="marglik", n_steps=MARGLIK_STEPS),
         "predict": lambda: la(X_test, link_approx="probit"),
     }
-    times = {}
-    with PeakRSS() as mem:
-        for name, step in steps.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            out = step()
-            times[f"{name}_s"] = time.perf_counter() - wall
-            times[f"{name}_cpu_s"] = time.process_time() - cpu
+    out, row = timed_steps(steps)
     assert out.shape == (TEST_SEQUENCES, N_TOKENS, VOCABULARY)
     row = {
         "case": f"large vocabulary last-layer {structure} C={VOCABULARY}",
         "n_params": la.n_params,
-        "seconds": times["fit_s"] + times["marglik_s"] + times["predict_s"],
-        **times,
-        "peak_extra_MB": mem.extra / 2**20,
-        "dense_output_factor_MB": VOCABULARY**2 * 4 / 2**20,
+        **row,
         "prior_precision": la.prior_precision.tolist(),
     }
     if structure == "kron":
@@ -108,17 +140,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     row = case_large_vocab(args.structure, args.rank)
-    row.update(threads=args.threads, load_avg_1min=os.getloadavg()[0])
-    steps = f"fit / {MARGLIK_STEPS} marglik steps / predictive of {TEST_SEQUENCES} sequences"
-    wall = " / ".join(f"{row[f'{s}_s']:.2f}" for s in ("fit", "marglik", "predict"))
-    cpu = " / ".join(f"{row[f'{s}_cpu_s']:.2f}" for s in ("fit", "marglik", "predict"))
-    print(
-        f"{row['case']}: {steps}: {wall} s wall, {cpu} s CPU; peak +{row['peak_extra_MB']:.0f} "
-        f"MB (dense C x C factor alone {row['dense_output_factor_MB']:.0f} MB); "
-        f"{row.get('note', '')}; load {row['load_avg_1min']:.1f}"
-    )
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "large_vocab.json").write_text(json.dumps(row, indent=2))
+    steps = {
+        "fit": "fit",
+        "marglik": f"{MARGLIK_STEPS} marglik steps",
+        "predict": f"GLM probit predictive of {TEST_SEQUENCES} sequences",
+    }
+    report(row, steps, args.threads, "large_vocab")
 
 
 if __name__ == "__main__":

@@ -20,19 +20,21 @@ writes ``benchmarks/results/large_vocab_all.json``. ``benchmarks/run.py`` runs i
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import time
-from pathlib import Path
 
 import torch
-from harness import PeakRSS
-from large_vocab import BATCH_SEQUENCES, N_SEQUENCES, N_TOKENS, TEST_SEQUENCES, VOCABULARY
+from large_vocab import (
+    BATCH_SEQUENCES,
+    N_SEQUENCES,
+    N_TOKENS,
+    TEST_SEQUENCES,
+    VOCABULARY,
+    report,
+    timed_steps,
+)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 WIDTH, MARGLIK_STEPS, N_PREDICTIVE_SAMPLES = 64, 20, 10
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def token_model(seed: int = 0) -> nn.Module:
@@ -73,24 +75,13 @@ def case_large_vocab_all(rank: int | None = None) -> dict:
         "marglik": lambda: la.optimize_prior_precision(method="marglik", n_steps=MARGLIK_STEPS),
         "predict": lambda: la(X_test, **predict),
     }
-    times = {}
-    with PeakRSS() as mem:
-        for name, step in steps.items():
-            start = (time.perf_counter(), time.process_time())
-            out = step()
-            times[f"{name}_s"], times[f"{name}_cpu_s"] = (
-                time.perf_counter() - start[0],
-                time.process_time() - start[1],
-            )
+    out, row = timed_steps(steps)
     assert out.shape == (TEST_SEQUENCES, N_TOKENS, VOCABULARY)
     G = la.H_facs.kfacs[-2][0]
     return {
         "case": f"large vocabulary all-weights kron (MC Fisher) C={VOCABULARY}",
         "n_params": la.n_params,
-        "seconds": times["fit_s"] + times["marglik_s"] + times["predict_s"],
-        **times,
-        "peak_extra_MB": mem.extra / 2**20,
-        "dense_output_factor_MB": VOCABULARY**2 * 4 / 2**20,
+        **row,
         "prior_precision": la.prior_precision.tolist(),
         "note": (
             f"head output factor rank {G.rank}, trace in the low-rank part "
@@ -112,23 +103,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     row = case_large_vocab_all(args.rank)
-    row.update(threads=args.threads, load_avg_1min=os.getloadavg()[0])
     steps = {
         "fit": "fit",
         "marglik": f"{MARGLIK_STEPS} marglik steps",
         "predict": f"NN predictive ({N_PREDICTIVE_SAMPLES} samples, {TEST_SEQUENCES} sequences)",
     }
-    timings = ", ".join(
-        f"{what} {row[f'{key}_s']:.2f} s ({row[f'{key}_cpu_s']:.2f} s CPU)"
-        for key, what in steps.items()
-    )
-    print(
-        f"{row['case']}: {timings}; peak +{row['peak_extra_MB']:.0f} MB, the dense C x C "
-        f"factor alone {row['dense_output_factor_MB']:.0f} MB; {row['note']}; load "
-        f"{row['load_avg_1min']:.1f}"
-    )
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "large_vocab_all.json").write_text(json.dumps(row, indent=2))
+    report(row, steps, args.threads, "large_vocab_all")
 
 
 if __name__ == "__main__":
