@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import CASE_BUILDERS, POSITION_CASES, assert_close
 from laplace import KronLaplace, Laplace
+from laplace import glm as glm_module
 from laplace import large_output as large_output_module
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
 from laplace.curvature.kfac_rules import plan_blocks
@@ -303,3 +304,23 @@ def test_exact_ggn_columns_larger_than_memory_are_refused_before_they_are_formed
     la = Laplace(model, "classification", "all", "diag", backend=CurvlinopsEF)
     la.fit(loader)  # one gradient column per point
     assert la.H.shape == (800_000,)
+
+
+def test_nn_predictive_holds_a_bounded_group_of_samples_at_a_time(monkeypatch):
+    case = CASES["tokens"]()
+    la = KronLaplace(case.model, "classification", backend=CurvlinopsEF)
+    la.fit(case.loader())
+    per_sample = (la.n_params + case.X[:3].shape[0] * 5 * 4) * 8  # weights + (3, T=5, C=4) logits
+    monkeypatch.setattr(glm_module, "NN_SAMPLE_BYTES", 3 * per_sample)
+    groups = []
+    draw = la._nn_functional_samples
+
+    def recorded(*args, **kwargs):
+        groups.append(draw(*args, **kwargs))
+        return groups[-1]
+
+    monkeypatch.setattr(la, "_nn_functional_samples", recorded)
+    probs = la(case.X[:3], pred_type="nn", link_approx="mc", n_samples=10)
+    assert [len(f) for f in groups] == [1, 3, 3, 3]
+    assert_close(probs, torch.cat(groups).softmax(-1).mean(0))
+    assert probs.shape == (3, 5, 4)

@@ -10,6 +10,7 @@ budget, so predicting on many points never materialises the whole (B, C, P) Jaco
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -28,6 +29,9 @@ __all__ = ["GLMPredictiveMixin", "jacobian_chunk_rows"]
 
 #: Bytes of Jacobian held at once by the GLM predictive.
 JACOBIAN_CHUNK_BYTES = 256 * 2**20
+#: Memory of the weight samples and outputs ``pred_type="nn"`` holds at once (one sample at
+#: least).
+NN_SAMPLE_BYTES = 256 * 2**20
 
 
 def jacobian_chunk_rows(n_outputs: int, n_params: int, dtype: torch.dtype) -> int:
@@ -99,8 +103,8 @@ class GLMPredictiveMixin:
             likelihood.check_variance_prediction(link_approx, joint, diagonal_output, reason)
         x = prepare_inputs(x, self.dict_key_x, self._device, "prediction")
         if pred_type == PredType.NN:
-            f = self._nn_functional_samples(x, n_samples, generator, **model_kwargs)
-            return likelihood.sampled_predictive(f)
+            groups = self._nn_sample_groups(x, n_samples, generator, **model_kwargs)
+            return likelihood.sampled_predictive_of(groups)
         moments = partial(self._glm_predictive_distribution, x)
         return likelihood.predict(
             moments, joint, diagonal_output, link_approx, n_samples, generator
@@ -270,6 +274,30 @@ class GLMPredictiveMixin:
             f = self._subset.forward_samples(thetas, X, **model_kwargs)
         check_outputs(f[0], batch_size_of(X, self.dict_key_x))
         return f
+
+    def _nn_sample_groups(
+        self,
+        X: Inputs,
+        n_samples: int,
+        generator: torch.Generator | None = None,
+        **model_kwargs: Any,
+    ) -> Iterator[Tensor]:
+        """Outputs of ``n_samples`` sampled networks, in groups (Sᵢ, B, C) of bounded memory.
+
+        All samples form one group while their weights fit in :data:`NN_SAMPLE_BYTES`; else
+        (an LLM's head: 2M weights, (T, 32,000) logits per sequence) the first group is one
+        sample, and the later ones as many as the weights and outputs of one sample allow.
+        """
+        per_weights = self.n_params * self.mean.element_size()
+        size = n_samples if n_samples * per_weights <= NN_SAMPLE_BYTES else 1
+        done = 0
+        while done < n_samples:
+            f = self._nn_functional_samples(
+                X, min(size, n_samples - done), generator, **model_kwargs
+            )
+            done += len(f)
+            yield f
+            size = max(1, NN_SAMPLE_BYTES // (per_weights + f[0].numel() * f.element_size()))
 
     def _nn_predictive_samples(
         self,

@@ -12,7 +12,7 @@ position an independent observation, and the predictions get the outputs' shape 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -165,6 +165,14 @@ class OutputPredictions:
         """
         return f.mean(dim=0), f.var(dim=0)
 
+    def sampled_predictive_of(self, groups: Iterable[Tensor]) -> Any:
+        """:meth:`sampled_predictive` of outputs that come in groups of samples (Sᵢ, B, …).
+
+        By default the groups are put together first; a prediction that is a mean over the
+        samples overrides this to sum one group at a time.
+        """
+        return self.sampled_predictive(torch.cat(list(groups)))
+
     def predictive_sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """One predictive draw per output sample ``f`` (S, B, C): the outputs by default."""
         return f
@@ -231,6 +239,15 @@ class ProbabilityPredictions(OutputPredictions):
     def sampled_predictive(self, f: Tensor) -> Tensor:
         """The mean probabilities over sampled outputs (S, B, …), shape (B, …)."""
         return self.predictive_sample(f).mean(dim=0)
+
+    def sampled_predictive_of(self, groups: Iterable[Tensor]) -> Tensor:
+        """The mean probabilities over groups of sampled outputs, summed a group at a time."""
+        total, count = None, 0
+        for f in groups:
+            summed = self.predictive_sample(f).sum(dim=0)
+            total = summed if total is None else total + summed
+            count += len(f)
+        return total / count
 
     def predictive_sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """The probabilities of each output sample (S, B, …), along the class dimension."""
