@@ -297,6 +297,9 @@ def test_online_fit_and_state_dict_round_trip(large):
     loaded = KronLLLaplace(case.model, "classification", **HYPER)
     loaded.load_state_dict(state)
     assert_close(loaded.log_marginal_likelihood(), whole.log_marginal_likelihood())
+    lower = KronLLLaplace(case.model, "classification", output_factor_rank=2, **HYPER)
+    with pytest.raises(ValueError, match=r"rank \d+, more than .*output_factor_rank=2"):
+        lower.load_state_dict(state)  # truncating on load would change the posterior
     use_threshold(large, 10_000)
     dense = KronLLLaplace(case.model, "classification", **HYPER)
     with pytest.raises(ValueError, match="diagonal-plus-low-rank factor"):

@@ -265,3 +265,21 @@ def test_validation_scores_the_positions_that_count():
 def test_routes_without_outputs_with_extra_dimensions_name_the_one_to_use(call, message):
     with pytest.raises(ValueError, match=message):
         call(POSITION_CASES["pixel_classification"]())
+
+
+@pytest.mark.parametrize(("subset", "structure"), [("all", "kron"), ("last_layer", "diag")])
+def test_a_loaded_state_predicts_with_the_class_dimension_found_in_the_fit(subset, structure):
+    case = POSITION_CASES["token_classification"]()
+    la = _fit(case, subset, structure)
+    X = case.X[:3]
+    state = la.state_dict()
+    assert state["output_layout"] == [3, 1, 5 * 4]  # rank, class dim of (T, C), outputs per point
+    loaded = Laplace(case.model, "classification", subset, structure)
+    loaded.load_state_dict(state)
+    assert_close(loaded(X), la(X))
+    fresh = Laplace(case.model, "classification", subset, structure)
+    fresh.load_state_dict({k: v for k, v in state.items() if k != "output_layout"})
+    with pytest.raises(ValueError, match="class_dim"):
+        fresh(X)  # without it the class dimension of (B, T, C) = (3, 5, 4) is unknown
+    with pytest.raises(ValueError, match="output layout"):
+        fresh.load_state_dict({**state, "output_layout": [3, 2]})

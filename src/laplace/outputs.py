@@ -296,6 +296,32 @@ class OutputAdapter:
         self.last_size = math.prod(shape)
         return OutputLayout(shape, dim, ignore)
 
+    @property
+    def found(self) -> list[int] | None:
+        """``[rank, class dimension, outputs per point]`` found on training targets, or None.
+
+        What a ``state_dict`` saves, so that a loaded approximation predicts without a fit.
+        """
+        if self._found is None:
+            return None
+        return [*self._found, int(self.last_size or 0)]
+
+    def remember(self, found: Sequence[int] | None) -> None:
+        """Take over what :attr:`found` returned (from a loaded state); None changes nothing.
+
+        Raises:
+            ValueError: For anything but three non-negative ints.
+        """
+        if found is None:
+            return
+        if len(found) != 3 or not all(isinstance(v, int) and v >= 0 for v in found):
+            raise ValueError(
+                f"the saved output layout must be [rank, class_dim, outputs per point], got "
+                f"{found!r}."
+            )
+        rank, dim, size = found
+        self._found, self.last_size = (rank, dim), size or None
+
     @staticmethod
     def require_plain(
         output_shape: Sequence[int],

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from laplace.errors import ArgumentTypeError, MissingKeyError, check_bool, check_positive_int
+from laplace.outputs import OutputAdapter
 from laplace.priors import check_temperature
 
 __all__ = ["StateDict", "StateDictMixin", "check_state_dict"]
@@ -219,7 +220,9 @@ class StateDictMixin(StateDict):
         return PARAMETRIC_VALUES
 
     def _state_values(self) -> dict[str, Any]:
+        layout = self._likelihood_model.outputs.found
         return {
+            **({} if layout is None else {"output_layout": layout}),
             "H": self._curvature_state(),
             "loss": torch.as_tensor(self.loss).detach(),
             "n_data": int(self.n_data),
@@ -233,6 +236,7 @@ class StateDictMixin(StateDict):
 
     def _check_state_values(self, state_dict: dict[str, Any]) -> None:
         check_bool(state_dict["enable_backprop"], "state_dict['enable_backprop']")
+        OutputAdapter().remember(state_dict.get("output_layout"))
 
     def _load_state_values(self, state_dict: dict[str, Any]) -> None:
         self.H = self._load_curvature_state(state_dict["H"])
@@ -244,6 +248,7 @@ class StateDictMixin(StateDict):
         self.sigma_noise = state_dict["sigma_noise"]
         self.temperature = float(check_temperature(state_dict["temperature"]))
         self.enable_backprop = bool(state_dict["enable_backprop"])
+        self._likelihood_model.outputs.remember(state_dict.get("output_layout"))
         self._posterior_cache = None
 
     def _curvature_state(self) -> Any:

@@ -30,6 +30,7 @@ rank is at most ``max_rank`` nothing is dropped and the representation is exact.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cached_property
 
 import torch
@@ -95,8 +96,7 @@ class DiagLowRankBatch:
 
     def sum(self, max_rank: int | None = None) -> DiagLowRank:
         """``Σₙ Mₙ`` as a :class:`DiagLowRank` (rank at most ``max_rank`` if given)."""
-        n_points, n_classes, k = self.columns.shape
-        U = self.columns.permute(1, 0, 2).reshape(n_classes, n_points * k)
+        U = self.columns.permute(1, 0, 2).flatten(1)  # (C, N·K)
         return DiagLowRank(self.diag.sum(0), U, self.sign, max_rank)
 
     def to_dense(self) -> Tensor:
@@ -270,7 +270,7 @@ class DiagLowRank:
             ValueError: For a tensor that is not a scalar, or a negative value.
         """
         if not is_real_scalar(scalar):
-            raise ValueError("DiagLowRank can only be multiplied by a scalar.")
+            raise ValueError(f"DiagLowRank can only be multiplied by a scalar, got {scalar!r}.")
         if isinstance(scalar, Tensor):
             scalar = scalar.reshape(())
         if bool(torch.as_tensor(scalar) < 0):
@@ -288,9 +288,8 @@ class DiagLowRank:
 
     def __matmul__(self, X: Tensor) -> Tensor:
         """``G X`` for ``X`` of shape (C,) or (..., C, m)."""
-        if X.dim() == 1:
-            return self.diag * X + self.sign * (self.U @ (self.U.T @ X))
-        return self.diag.unsqueeze(-1) * X + self.sign * (self.U @ (self.U.T @ X))
+        diag = self.diag if X.dim() == 1 else self.diag.unsqueeze(-1)
+        return diag * X + self.sign * (self.U @ (self.U.T @ X))
 
     # --------------------------------------------------------------------------- queries
     def diagonal(self) -> Tensor:
@@ -338,19 +337,14 @@ class DiagLowRank:
     # ------------------------------------------------------------------------------ state
     def detach(self) -> DiagLowRank:
         """A copy whose tensors are detached."""
-        return DiagLowRank(
-            self.diag.detach(), self.U.detach(), self.sign, self.max_rank, self.dropped.detach()
-        )
+        return self._mapped(Tensor.detach)
 
     def to(self, *args, **kwargs) -> DiagLowRank:
         """Move (and cast) the tensors, as ``Tensor.to``."""
-        return DiagLowRank(
-            self.diag.to(*args, **kwargs),
-            self.U.to(*args, **kwargs),
-            self.sign,
-            self.max_rank,
-            self.dropped.to(*args, **kwargs),
-        )
+        return self._mapped(lambda t: t.to(*args, **kwargs))
+
+    def _mapped(self, fn: Callable[[Tensor], Tensor]) -> DiagLowRank:
+        return DiagLowRank(fn(self.diag), fn(self.U), self.sign, self.max_rank, fn(self.dropped))
 
 
 #: The entries of a ``DiagLowRank`` in a ``state_dict``.
@@ -389,6 +383,12 @@ def factor_from_state(
         if missing:
             raise ValueError(f"state_dict['H'] lacks the entries {missing} of a factor.")
         diag, U, sign, dropped = (state[key] for key in _STATE_KEYS)
+        if like.max_rank is not None and U.shape[-1] > like.max_rank:
+            raise ValueError(
+                f"state_dict['H'] holds a low-rank factor of rank {U.shape[-1]}, more than this "
+                f"approximation's output_factor_rank={like.max_rank}: build it with "
+                f"output_factor_rank={U.shape[-1]} (or more) to load it unchanged."
+            )
         factor = DiagLowRank(diag, U, int(sign), like.max_rank, dropped)
         return factor.to(like.device, like.dtype)
     if isinstance(like, Tensor) and isinstance(state, Tensor):
