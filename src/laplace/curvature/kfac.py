@@ -29,6 +29,16 @@ Every other parameter (normalisation layers, tied weights, modules without a rul
 gradients ``uₙₖ`` (summed over every call of the module), dense up to ``dense_limit`` entries
 and its diagonal ``Σₖₙ uₙₖ²`` above: exact whatever ``approx`` says.
 
+Outputs with extra dimensions (a sequence's T positions, an image's pixels) share one set of
+columns ``vₙₖ`` per data point across their positions, as curvlinops' KFAC does (its type-2
+columns are backpropagated for all rows at once): the curvature every block sees is
+``Σₙₖ Jₙᵀ vₙₖ vₙₖᵀ Jₙ`` with ``vₙₖ`` stacking the positions' columns. For the Monte-Carlo and
+empirical Fisher that is their curvature; for the exact GGN it adds the cross terms
+``Jₙₛᵀ Λₛ^½ Λₜ^½ Jₙₜ`` between positions ``s ≠ t`` to the GGN of the summed per-position loss
+(C − 1 backward passes instead of T·(C − 1)). The factor ``G`` of a layer after which no layer
+mixes positions does not see them; the exact blocks of parameters applied at every position (a
+normalisation layer's) do, so they are the GGN's blocks only for one position per data point.
+
 A layer with many outputs (``low_rank_above``, see :mod:`laplace.curvature.kfac_rules`) keeps
 ``G = Σ g gᵀ`` as ``diag(0) + U Uᵀ`` with its gradient rows as the columns of ``U``
 (:class:`~laplace.utils.diag_lowrank.DiagLowRank`, folded to at most ``max_rank`` columns as

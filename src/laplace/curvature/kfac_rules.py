@@ -32,7 +32,9 @@ over its embedding dimension and stays dense.
 
 The weight and the bias of a normalisation layer are two blocks, as a Linear layer's are (the
 cross terms between them dropped), so that a layer-wise prior precision keeps one value per
-tensor; each is the exact GGN block of its tensor, for any data, whatever ``kfac_approx``.
+tensor; each is the exact block of its tensor of the curvature the Kronecker factors see
+(the GGN for outputs (B, C), whatever ``kfac_approx``; see :mod:`laplace.curvature.kfac` for
+outputs with extra dimensions).
 The fallback also takes what a rule declines (a grouped convolution, an embedding with
 ``scale_grad_by_freq``) and a parameter shared by several modules (tied weights), whose
 per-sample gradient sums over its uses. The size limit, per parameter tensor, is the
