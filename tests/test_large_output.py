@@ -186,7 +186,7 @@ def test_structured_kron_posterior_equals_the_dense_kron_posterior(sign, damping
     assert_close(ours.bmm(W[:, 0], exponent=1), W[:, 0] @ P)
     with pytest.raises(ValueError, match="exponent"):
         ours.bmm(W[:, 0], exponent=0.5)
-    with pytest.raises(ValueError, match="no eigenvectors"):
+    with pytest.raises(ValueError, match="no eigendecomposition"):
         _ = ours.eigenvectors
 
 

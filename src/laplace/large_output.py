@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from laplace.curvature import CurvatureInterface, GGNInterface
+from laplace.curvature import CurvatureInterface
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.structured_kron import StructuredKron, StructuredKronDecomposed
 
@@ -90,7 +90,7 @@ def output_curvatures(backend: CurvatureInterface, f: Tensor, y: Tensor) -> Diag
         f: Detached outputs of the batch, shape (B, C).
         y: Targets of the batch (rows an ``ignore_index`` drops get zero curvature).
     """
-    if isinstance(backend, GGNInterface) and not backend.stochastic:
+    if backend.separable_columns:  # the exact GGN: columns per row are Λ^½
         M = backend.fit_likelihood.structured_output_hessian(f)
         keep = backend.fit_likelihood.layout(f.shape, y).kept(y)
         return M if keep is None else M.masked(keep)

@@ -301,7 +301,10 @@ def kfac(
     if approx not in KFAC_APPROXIMATIONS:
         raise ValueError(f"kfac_approx must be one of {KFAC_APPROXIMATIONS}, got {approx!r}.")
     if trace.engine.indices is not None:
-        raise ValueError("KFAC is defined per layer; it does not support subnetwork_indices.")
+        raise ValueError(
+            "KFAC is defined per layer; it does not support subnetwork_indices: use a "
+            "subnetwork with hessian_structure='full' or 'diag'."
+        )
     _check_batch_rows(trace)
     engine, calls = trace.engine, trace.calls
     plan = plan_blocks(engine, dense_limit, low_rank_above)

@@ -57,8 +57,8 @@ class StructuredKron(Kron):
 
         Args:
             damping: See :class:`~laplace.utils.matrix.KronDecomposed`.
-            deferred: Ignored: the dense factors left are input factors (D × D), cheap to
-                decompose at once.
+            deferred: Accepted for the signature of :meth:`Kron.decompose`; the factors are
+                decomposed at once (the same result, only when the work happens differs).
         """
         blocks: list[_Structured | tuple[list[Tensor], list[Tensor]]] = []
         for F in self.kfacs:
@@ -140,7 +140,8 @@ class StructuredKronDecomposed(KronDecomposed):
         """
         raise ValueError(
             "a Kronecker precision with a structured (diagonal-plus-low-rank) output factor has "
-            "no eigenvectors; use its logdet, bmm, inv_square_form and diag."
+            "no eigendecomposition (eigenvectors, eigenvalues); use its logdet, bmm, "
+            "inv_square_form and diag."
         )
 
     eigenvalues = eigenvectors
