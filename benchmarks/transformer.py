@@ -107,7 +107,36 @@ def case_predict_transformer(name: str, approx: str, repeats: int) -> dict:
     }
 
 
+class TokenBag(nn.Module):
+    """A 32,000-token embedding, averaged over the sequence, and a linear head."""
+
+    def __init__(self, vocabulary: int = 32_000, width: int = 128):
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, width)
+        self.head = nn.Linear(width, N_CLASSES)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens).mean(1))
+
+
+def case_fit_diag_embedding(_: str, __: str, repeats: int) -> dict:
+    """Diagonal GGN over a 32,000 × 128 embedding: squared gradients per (sequence, token)."""
+    from laplace import DiagLaplace
+
+    torch.manual_seed(0)
+    model = TokenBag().eval()
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randint(0, 32_000, (256, 16), generator=gen)
+    y = torch.randint(0, N_CLASSES, (256,), generator=gen)
+    loader = DataLoader(TensorDataset(X, y), batch_size=32)
+    la = DiagLaplace(model, "classification")
+    floor = partial(forward_plus_10_backward, model, loader)
+    case = "fit diag embedding 32,000 x 128, 256 x 16 tokens"
+    return {**measure_fit(la, loader, repeats, case, floor), "floor": "1 fwd + 10 bwd"}
+
+
 TRANSFORMER_CASES = {
+    "fit-diag-embedding": (case_fit_diag_embedding, "", ""),
     "fit-kron-llama": (case_fit_transformer, "llama", "expand"),
     "fit-kron-llama-reduce": (case_fit_transformer, "llama", "reduce"),
     "fit-kron-gpt2": (case_fit_transformer, "gpt2", "expand"),

@@ -39,6 +39,7 @@ from laplace.curvature.capture import OutputGradients
 from laplace.curvature.kfac_rules import KfacRule, kfac_rule, plan_blocks
 from laplace.curvature.layer_rules import per_sample_grads
 from laplace.curvature.per_sample import PerSampleTrace
+from laplace.curvature.square_sums import row_token_pairs
 from laplace.utils.matrix import KronDecomposed
 
 __all__ = [
@@ -254,10 +255,9 @@ def _token_variance(module: nn.Embedding, tokens: Tensor, U: Tensor, inv: Tensor
     """
     B, C, T, D = U.shape
     V = module.num_embeddings
-    keys = tokens + V * torch.arange(B, device=tokens.device).unsqueeze(1)
-    pairs, index = torch.unique(keys, return_inverse=True)
+    pairs, index, _ = row_token_pairs(tokens, V)
     rows = U.new_zeros(len(pairs), C, D)
-    rows = rows.index_add(0, index.flatten(), U.permute(0, 2, 1, 3).reshape(B * T, C, D))
+    rows = rows.index_add(0, index, U.permute(0, 2, 1, 3).reshape(B * T, C, D))
     weights = inv[pairs % V]  # (n_pairs, D)
     if module.padding_idx is not None:  # its row gets no gradient
         weights = weights * (pairs % V != module.padding_idx).unsqueeze(1)

@@ -68,6 +68,7 @@ from laplace.curvature.kfac_rules import (
 )
 from laplace.curvature.layer_rules import ModuleCall, per_sample_grads
 from laplace.curvature.per_sample import COLUMNS_PER_BACKWARD, PerSampleEngine, PerSampleTrace
+from laplace.curvature.square_sums import row_token_pairs
 from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.linalg import symmetric_gram
 from laplace.utils.matrix import Kron
@@ -116,8 +117,7 @@ def _token_counts(module: nn.Embedding, tokens: Tensor, approx: str, dtype: torc
     if approx == "expand" or tokens.shape[1] == 1:
         counts = torch.bincount(tokens.flatten(), minlength=V).to(dtype)
     else:  # per (row, token) pair its count in the row, squared and summed over the rows
-        rows = torch.arange(len(tokens), device=tokens.device).unsqueeze(1)
-        pairs, per_pair = torch.unique(tokens + V * rows, return_counts=True)
+        pairs, _, per_pair = row_token_pairs(tokens, V)
         counts = torch.zeros(V, dtype=dtype, device=tokens.device)
         counts.index_add_(0, pairs % V, per_pair.to(dtype).square())
     if module.padding_idx is not None:  # its row gets no gradient

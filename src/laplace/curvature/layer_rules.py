@@ -10,10 +10,6 @@ statistics, as in evaluation mode); every other module goes through
 :func:`generic_per_sample`, which differentiates the module alone with ``torch.func`` and so is
 exact for any module whose output for sample ``n`` depends only on input ``n``.
 
-:data:`SQUARE_SUM_RULES` holds the layers whose per-sample squared gradients summed over the
-batch need no per-sample gradients at all: for a linear layer on (B, D_in) inputs the squared
-weight gradient summed over samples and output columns is ``(Σ_c g_c²)ᵀ a²``.
-
 :data:`SELECTED_RULES` give the per-sample gradients of chosen entries only (a subnetwork), at a
 cost that does not grow with the layer: the gradient of weight ``(o, i)`` of a linear layer is
 ``Σₜ gₜₒ aₜᵢ``, of a convolution weight the same sum over output positions and input patches
@@ -38,7 +34,6 @@ __all__ = [
     "GATHER_COST",
     "PER_SAMPLE_RULES",
     "SELECTED_RULES",
-    "SQUARE_SUM_RULES",
     "ModuleCall",
     "generic_per_sample",
     "per_sample_grads",
@@ -235,20 +230,6 @@ def generic_per_sample(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, T
     return vmap(single, in_dims=in_dims)(params, call.args, call.kwargs, tuple(grads))
 
 
-def _linear_square_sum(call: ModuleCall, squares: Tensor) -> dict[str, Tensor]:
-    """Σₙ of squared per-sample gradients of a Linear on 2-D input from ``Σ_c g²`` (B, D_out)."""
-    out = {}
-    if "weight" in call.names:
-        out["weight"] = squares.T @ call.args[0].square()
-    if "bias" in call.names:
-        out["bias"] = squares.sum(0)
-    return out
-
-
-def _linear_has_square_sum(call: ModuleCall) -> bool:
-    return call.args[0].dim() == 2
-
-
 #: Closed-form per-sample gradient rules, keyed by exact module type.
 PER_SAMPLE_RULES: dict[type[nn.Module], Rule] = {
     nn.Linear: _linear,
@@ -263,12 +244,6 @@ PER_SAMPLE_RULES: dict[type[nn.Module], Rule] = {
     nn.BatchNorm2d: _batch_norm,
     nn.BatchNorm3d: _batch_norm,
 }
-
-#: Rules for ``Σₙ (∂θ)²`` straight from ``Σ_c g²``: (applies to the call?, reduce).
-SQUARE_SUM_RULES: dict[
-    type[nn.Module],
-    tuple[Callable[[ModuleCall], bool], Callable[[ModuleCall, Tensor], dict[str, Tensor]]],
-] = {nn.Linear: (_linear_has_square_sum, _linear_square_sum)}
 
 
 def _take_last(t: Tensor, index: Tensor) -> Tensor:

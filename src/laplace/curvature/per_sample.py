@@ -36,11 +36,11 @@ from torch import Tensor, nn
 from laplace.curvature.capture import Columns, OutputGradients, column_chunks, record_forward
 from laplace.curvature.layer_rules import (
     SELECTED_RULES,
-    SQUARE_SUM_RULES,
     ModuleCall,
     per_sample_grads,
     selected_per_sample_grads,
 )
+from laplace.curvature.square_sums import SQUARE_SUM_RULES
 from laplace.data import Inputs
 from laplace.utils.linalg import symmetric_gram
 
@@ -329,22 +329,19 @@ class PerSampleTrace:
             return self._flatten(total, 0)
         fast = [i for i, is_fast in enumerate(self._fast) if is_fast]
         slow = [i for i, is_fast in enumerate(self._fast) if not is_fast]
-        squares: dict[int, Tensor] = {}
         size = COLUMNS_PER_BACKWARD if self._grads.vectorised else 1
         for chunk in column_chunks(columns, size):
             stacked = self.output_gradients(chunk)
             for i in fast:
-                sq = stacked[i][0].square().sum(0)
-                squares[i] = squares[i] + sq if i in squares else sq
+                call = self.calls[i]
+                rule = SQUARE_SUM_RULES[type(call.module)][1]
+                for name, value in rule(call, stacked[i][0]).items():
+                    slot = self.engine.slot[call.module, name]
+                    total[slot] = total[slot] + value
             for k in range(len(chunk) if slow else 0):
                 g_calls = [[g[k] for g in per_call] for per_call in stacked]
                 for slot, grad in self._per_param(g_calls, slow).items():
                     total[slot] = total[slot] + grad.square().sum(0)
-        for i, sq in squares.items():
-            call = self.calls[i]
-            for name, value in SQUARE_SUM_RULES[type(call.module)][1](call, sq).items():
-                slot = self.engine.slot[call.module, name]
-                total[slot] = total[slot] + value
         return self._flatten(total, 0)
 
     def gram(self, columns: Columns) -> Tensor:

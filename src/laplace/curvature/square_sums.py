@@ -1,0 +1,83 @@
+"""Squared per-sample gradients summed over a batch, without the per-sample gradients.
+
+The diagonal curvature ``Σₖ Σₙ (∂θ (vₙₖᵀ fₙ))²`` of some layers follows from a chunk of output
+gradients (K, B, …) of the columns ``vₖ`` and the layer's recorded call directly
+(:data:`SQUARE_SUM_RULES`): for a linear layer on (B, D_in) inputs the squared weight gradient
+summed over samples and columns is ``(Σₖ gₖ²)ᵀ a²``; an embedding's sums its positions per
+(sample, token) pair (:func:`row_token_pairs`) and never forms a (B, V, D) gradient. Other layers
+go through :mod:`laplace.curvature.layer_rules`' per-sample gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from laplace.curvature.layer_rules import ModuleCall
+
+__all__ = ["SQUARE_SUM_RULES", "row_token_pairs"]
+
+
+def row_token_pairs(tokens: Tensor, n_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The distinct (row, token) pairs of token indices (R, T), as keys ``row·V + token``.
+
+    A row's gradient w.r.t. an embedding sums the positions holding the same token, so the
+    embedding's per-row quantities live on these pairs (never an (R, V, D) tensor).
+
+    Returns:
+        The keys (n_pairs,) (``key % V`` the token, ``key // V`` the row), the pair of every
+        entry of ``tokens`` (R·T,), and the count of every pair (n_pairs,).
+    """
+    rows = torch.arange(len(tokens), device=tokens.device).unsqueeze(1)
+    keys = tokens.reshape(len(tokens), -1) + n_tokens * rows
+    pairs, inverse, counts = torch.unique(keys, return_inverse=True, return_counts=True)
+    return pairs, inverse.flatten(), counts
+
+
+def _embedding_square_sum(call: ModuleCall, grads: Tensor) -> dict[str, Tensor]:
+    """Σₖₙ squared per-sample gradients of an Embedding from output gradients (K, B, …, D).
+
+    Each (column, sample) is a row of :func:`row_token_pairs`: its positions are summed per
+    token, squared and added to the token's row of the result (V, D).
+    """
+    m, tokens = call.module, call.args[0]
+    D, V = m.embedding_dim, m.num_embeddings
+    rows = tokens.reshape(1, len(tokens), -1).expand(len(grads), -1, -1).flatten(0, 1)
+    pairs, inverse, _ = row_token_pairs(rows, V)
+    summed = grads.new_zeros(len(pairs), D).index_add_(0, inverse, grads.reshape(-1, D))
+    out = grads.new_zeros(V, D).index_add_(0, pairs % V, summed.square())
+    if m.padding_idx is not None:  # its row gets no gradient
+        out[m.padding_idx] = 0
+    return {"weight": out}
+
+
+def _embedding_has_square_sum(call: ModuleCall) -> bool:
+    return not call.module.scale_grad_by_freq
+
+
+def _linear_square_sum(call: ModuleCall, grads: Tensor) -> dict[str, Tensor]:
+    """Σₖₙ squared per-sample gradients of a Linear on 2-D input, from (K, B, D_out) via Σₖ gₖ²."""
+    squares = grads.square().sum(0)
+    out = {}
+    if "weight" in call.names:
+        out["weight"] = squares.T @ call.args[0].square()
+    if "bias" in call.names:
+        out["bias"] = squares.sum(0)
+    return out
+
+
+def _linear_has_square_sum(call: ModuleCall) -> bool:
+    return call.args[0].dim() == 2
+
+
+#: Rules for ``Σₖₙ (∂θ)²`` straight from a chunk of output gradients (K, B, …), without
+#: per-sample gradients: (applies to the call?, reduce).
+SQUARE_SUM_RULES: dict[
+    type[nn.Module],
+    tuple[Callable[[ModuleCall], bool], Callable[[ModuleCall, Tensor], dict[str, Tensor]]],
+] = {
+    nn.Linear: (_linear_has_square_sum, _linear_square_sum),
+    nn.Embedding: (_embedding_has_square_sum, _embedding_square_sum),
+}
