@@ -283,3 +283,16 @@ def test_a_loaded_state_predicts_with_the_class_dimension_found_in_the_fit(subse
         fresh(X)  # without it the class dimension of (B, T, C) = (3, 5, 4) is unknown
     with pytest.raises(ValueError, match="output layout"):
         fresh.load_state_dict({**state, "output_layout": [3, 2]})
+
+
+def test_a_failed_fit_forgets_the_class_dimension_it_found():
+    case = POSITION_CASES["token_classification"]()
+    la = Laplace(case.model, "classification", "all", "diag")
+    bad = case.y.clone()
+    bad[-1, 0] = 99  # a label outside the 4 classes, in the last batch
+    with pytest.raises(ValueError, match="99"):
+        la.fit(DataLoader(TensorDataset(case.X, bad), batch_size=3))
+    with pytest.raises(ValueError, match="class_dim"):
+        la._likelihood_model.layout(torch.Size((2, 5, 4)))  # nothing was kept
+    la.fit(case.loader())
+    assert la._likelihood_model.outputs.found == [3, 1, 20]

@@ -155,6 +155,10 @@ class BaseLaplace(PriorTuning, Transactional):
     def _init_state(self) -> None:
         """Set up what the approximation holds before :meth:`fit` (its unfitted state)."""
 
+    def _transaction_parts(self) -> tuple[Any, ...]:
+        # A failed fit forgets the class dimension it found for outputs with extra dimensions.
+        return (*super()._transaction_parts(), self._likelihood_model.outputs)
+
     def _bind_subset(self) -> None:
         """Expose the subset's ``params``, ``n_params``, ``n_layers`` (None until it is known)."""
         known = self._subset.resolved
