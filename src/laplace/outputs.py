@@ -315,10 +315,8 @@ class OutputAdapter:
         if found is None:
             return
         if len(found) != 3 or not all(isinstance(v, int) and v >= 0 for v in found):
-            raise ValueError(
-                f"the saved output layout must be [rank, class_dim, outputs per point], got "
-                f"{found!r}."
-            )
+            what = "[rank, class_dim, outputs per point]"
+            raise ValueError(f"the saved output layout must be {what}, got {found!r}.")
         rank, dim, size = found
         self._found, self.last_size = (rank, dim), size or None
 
