@@ -207,7 +207,8 @@ def test_embedding_square_sum_equals_the_squared_per_sample_gradients(padding_id
     out = module(tokens)
     grads = torch.randn(5, *out.shape, dtype=torch.float64, generator=gen)  # 5 columns
     call = layer_rules.ModuleCall(module, (tokens,), {}, [out], [0], ["weight"])
-    applies, rule = SQUARE_SUM_RULES[nn.Embedding]
-    assert applies(call)
+    rule = SQUARE_SUM_RULES[nn.Embedding]
+    assert rule.applies(call)
     per_sample = torch.stack([layer_rules.per_sample_grads(call, [g])["weight"] for g in grads])
-    assert_close(rule(call, grads)["weight"], per_sample.square().sum((0, 1)))
+    two_chunks = rule.partial(call, grads[:2]) + rule.partial(call, grads[2:])
+    assert_close(rule.finish(call, two_chunks)["weight"], per_sample.square().sum((0, 1)))

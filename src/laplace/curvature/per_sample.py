@@ -148,7 +148,7 @@ class PerSampleTrace:
         self._batched = any(z.dim() == 0 or z.shape[0] != batch for c in calls for z in c.outputs)
         self._fast = [
             type(call.module) in SQUARE_SUM_RULES
-            and SQUARE_SUM_RULES[type(call.module)][0](call)
+            and SQUARE_SUM_RULES[type(call.module)].applies(call)
             and all(counts[engine.slot[call.module, n]] == 1 for n in call.names)
             for call in calls
         ]
@@ -329,19 +329,24 @@ class PerSampleTrace:
             return self._flatten(total, 0)
         fast = [i for i, is_fast in enumerate(self._fast) if is_fast]
         slow = [i for i, is_fast in enumerate(self._fast) if not is_fast]
+        partials: dict[int, Tensor] = {}
         size = COLUMNS_PER_BACKWARD if self._grads.vectorised else 1
         for chunk in column_chunks(columns, size):
             stacked = self.output_gradients(chunk)
             for i in fast:
-                call = self.calls[i]
-                rule = SQUARE_SUM_RULES[type(call.module)][1]
-                for name, value in rule(call, stacked[i][0]).items():
-                    slot = self.engine.slot[call.module, name]
-                    total[slot] = total[slot] + value
+                part = SQUARE_SUM_RULES[type(self.calls[i].module)].partial(
+                    self.calls[i], stacked[i][0]
+                )
+                partials[i] = partials[i] + part if i in partials else part
             for k in range(len(chunk) if slow else 0):
                 g_calls = [[g[k] for g in per_call] for per_call in stacked]
                 for slot, grad in self._per_param(g_calls, slow).items():
                     total[slot] = total[slot] + grad.square().sum(0)
+        for i, part in partials.items():
+            call = self.calls[i]
+            for name, value in SQUARE_SUM_RULES[type(call.module)].finish(call, part).items():
+                slot = self.engine.slot[call.module, name]
+                total[slot] = total[slot] + value
         return self._flatten(total, 0)
 
     def gram(self, columns: Columns) -> Tensor:

@@ -11,13 +11,14 @@ go through :mod:`laplace.curvature.layer_rules`' per-sample gradients.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from laplace.curvature.layer_rules import ModuleCall
 
-__all__ = ["SQUARE_SUM_RULES", "row_token_pairs"]
+__all__ = ["SQUARE_SUM_RULES", "SquareSumRule", "row_token_pairs"]
 
 
 def row_token_pairs(tokens: Tensor, n_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -36,7 +37,22 @@ def row_token_pairs(tokens: Tensor, n_tokens: int) -> tuple[Tensor, Tensor, Tens
     return pairs, inverse.flatten(), counts
 
 
-def _embedding_square_sum(call: ModuleCall, grads: Tensor) -> dict[str, Tensor]:
+@dataclass(frozen=True)
+class SquareSumRule:
+    """How a layer's ``Σₖₙ (∂θ)²`` follows from its output gradients, a chunk of columns at a time.
+
+    Attributes:
+        applies: Whether the rule takes this call.
+        partial: A chunk's statistic from the output gradients (K, B, …); they add up.
+        finish: The squared gradients per parameter name from the summed statistic.
+    """
+
+    applies: Callable[[ModuleCall], bool]
+    partial: Callable[[ModuleCall, Tensor], Tensor]
+    finish: Callable[[ModuleCall, Tensor], dict[str, Tensor]]
+
+
+def _embedding_square_sum(call: ModuleCall, grads: Tensor) -> Tensor:
     """Σₖₙ squared per-sample gradients of an Embedding from output gradients (K, B, …, D).
 
     Each (column, sample) is a row of :func:`row_token_pairs`: its positions are summed per
@@ -50,16 +66,11 @@ def _embedding_square_sum(call: ModuleCall, grads: Tensor) -> dict[str, Tensor]:
     out = grads.new_zeros(V, D).index_add_(0, pairs % V, summed.square())
     if m.padding_idx is not None:  # its row gets no gradient
         out[m.padding_idx] = 0
-    return {"weight": out}
+    return out
 
 
-def _embedding_has_square_sum(call: ModuleCall) -> bool:
-    return not call.module.scale_grad_by_freq
-
-
-def _linear_square_sum(call: ModuleCall, grads: Tensor) -> dict[str, Tensor]:
-    """Σₖₙ squared per-sample gradients of a Linear on 2-D input, from (K, B, D_out) via Σₖ gₖ²."""
-    squares = grads.square().sum(0)
+def _linear_square_sum(call: ModuleCall, squares: Tensor) -> dict[str, Tensor]:
+    """Σₙ squared per-sample gradients of a Linear on 2-D input from ``Σₖ gₖ²`` (B, D_out)."""
     out = {}
     if "weight" in call.names:
         out["weight"] = squares.T @ call.args[0].square()
@@ -68,16 +79,16 @@ def _linear_square_sum(call: ModuleCall, grads: Tensor) -> dict[str, Tensor]:
     return out
 
 
-def _linear_has_square_sum(call: ModuleCall) -> bool:
-    return call.args[0].dim() == 2
-
-
-#: Rules for ``Σₖₙ (∂θ)²`` straight from a chunk of output gradients (K, B, …), without
-#: per-sample gradients: (applies to the call?, reduce).
-SQUARE_SUM_RULES: dict[
-    type[nn.Module],
-    tuple[Callable[[ModuleCall], bool], Callable[[ModuleCall, Tensor], dict[str, Tensor]]],
-] = {
-    nn.Linear: (_linear_has_square_sum, _linear_square_sum),
-    nn.Embedding: (_embedding_has_square_sum, _embedding_square_sum),
+#: Layers whose ``Σₖₙ (∂θ)²`` needs no per-sample gradients, keyed by exact module type.
+SQUARE_SUM_RULES: dict[type[nn.Module], SquareSumRule] = {
+    nn.Linear: SquareSumRule(
+        applies=lambda call: call.args[0].dim() == 2,
+        partial=lambda call, grads: grads.square().sum(0),
+        finish=_linear_square_sum,
+    ),
+    nn.Embedding: SquareSumRule(
+        applies=lambda call: not call.module.scale_grad_by_freq,
+        partial=_embedding_square_sum,
+        finish=lambda call, total: {"weight": total},
+    ),
 }
