@@ -212,17 +212,22 @@ class _Slot:
             self.rows.append(_rotate(g.sum(1), self.Q_out))
         elif a.shape[1] == 1 and not self.rule.one_hot:
             self.rows.append(_rotate(g[:, 0], self.Q_out))
+        elif not self.rule.one_hot and a.shape[2] < a.shape[1]:
+            # fewer inputs than positions (a convolution's patches): Mc (out × in) is smaller
+            # than the gradients (T × out), so it is formed at once, (R, out·in)
+            self.rows.append(self._products(_rotate(g, self.Q_out).unsqueeze(1), a)[:, 0])
         else:  # (R, T, D_out): combined with the inputs once every output's rows are in
             self.rows.append(_rotate(g, self.Q_out))
 
     def variance(self, a: Tensor | None) -> Tensor:
         """``Σ U w Uᵀ`` over the rows of every output, (B, C, C); the rows are freed."""
-        if self.kind == "kron" and not self.rule.one_hot and a.shape[1] > 1:
+        shared = self.kind == "kron" and not self.rule.one_hot and a.shape[1] > 1
+        if shared and self.rows[0].dim() == 3:  # gradients (R, T, out) of every output
             return self._shared_variance(a)
         U = torch.stack(self.rows, dim=1)  # (B, C, k), or (B, C, T, D) for an embedding
         self.rows.clear()
-        if self.kind != "kron":
-            return (U * self.inv) @ U.transpose(1, 2)
+        if self.kind != "kron" or shared:  # shared: the products Mc, (B, C, out·in)
+            return (U * self.inv.flatten()) @ U.transpose(1, 2)
         if self.rule.one_hot:
             return _token_variance(self.module, a, U, self.inv)
         # one position: w = ã² (1/s), shape (B, out)
@@ -239,12 +244,16 @@ class _Slot:
         step = max(1, SHARED_LAYER_BLOCK_BYTES // (C * inv.numel() * a.element_size()))
         for start in range(0, len(a), step):
             g = torch.stack([rows[start : start + step] for rows in self.rows], 1)
-            x = a[start : start + step].unsqueeze(1)  # (b, 1, T, in); g: (b, C, T, out)
-            M = x.transpose(2, 3) @ g if self.rule.inputs_first else g.transpose(2, 3) @ x
-            M = M.flatten(2)
+            M = self._products(g, a[start : start + step])
             parts.append((M * inv) @ M.transpose(1, 2))
         self.rows.clear()
         return torch.cat(parts)
+
+    def _products(self, g: Tensor, a: Tensor) -> Tensor:
+        """``Mc = Σₜ g̃cₜ ãₜᵀ`` of gradients (b, C, T, out), inputs (b, T, in): (b, C, out·in)."""
+        x = a.unsqueeze(1)
+        M = x.transpose(2, 3) @ g if self.rule.inputs_first else g.transpose(2, 3) @ x
+        return M.flatten(2)
 
 
 def _token_variance(module: nn.Embedding, tokens: Tensor, U: Tensor, inv: Tensor) -> Tensor:
