@@ -150,14 +150,16 @@ def test_what_is_refused():
     la.fit(case.loader())
     with pytest.raises(ValueError, match="label probabilities have no joint form"):
         la(case.X[:3], joint=True)
-    for approximation, kwargs in (
-        ("nystrom", {"subsample_size": 5, "n_eigenvalues": 3}),
-        ("variational", {"num_inducing": 5, "inducing_locations": "random"}),
-    ):
-        with pytest.raises(ValueError, match=r"functional_approximation in \['sod'\]"):
-            Laplace(
-                case.model, BINARY, "all", "gp", functional_approximation=approximation, **kwargs
-            )
+    with pytest.raises(ValueError, match=r"functional_approximation in \['sod', 'nystrom'\]"):
+        Laplace(
+            case.model,
+            BINARY,
+            "all",
+            "gp",
+            functional_approximation="variational",
+            num_inducing=5,
+            inducing_locations="random",
+        )
     with pytest.raises(ValueError, match="sigma_noise must be 1"):
         Laplace(case.model, BINARY, "all", "diag", sigma_noise=0.5)
 
@@ -171,3 +173,29 @@ def test_swag_subnetwork_mask_trains_with_the_binary_loss():
     la = Laplace(case.model, BINARY, "subnetwork", "full", subnetwork_indices=indices)
     la.fit(case.loader())
     assert la.H.shape == (5, 5) and la(case.X[:2]).shape == (2, 1)
+
+
+def test_ella_with_a_complete_basis_is_the_full_laplace_glm_predictive():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()  # 26 weights
+    X = torch.randn(40, 3, dtype=torch.float64)
+    y = (torch.rand(40, 2) < 0.5).double()
+    loader = DataLoader(TensorDataset(X, y), batch_size=7)
+    ella = Laplace(
+        model, BINARY, "all", "gp", functional_approximation="nystrom",
+        subsample_size=40, n_eigenvalues=26, prior_precision=1.7,
+    )  # fmt: skip
+    ella.fit(loader)
+    full = Laplace(model, BINARY, "all", "full", prior_precision=1.7)
+    full.fit(loader)
+    X_test = torch.randn(6, 3, dtype=torch.float64)
+    assert_close(ella(X_test), full(X_test))
+    f_mu, f_var = full._glm_predictive_distribution(X_test)
+    p = torch.sigmoid(f_mu / (1 + torch.pi / 8 * f_var.diagonal(dim1=1, dim2=2)).sqrt())
+    y_test = (torch.rand(6, 2) < 0.5).double()
+    expected = -(y_test * p.log() + (1 - y_test) * (1 - p).log()).sum()
+    likelihood = ella._likelihood_model
+    assert_close(likelihood.predictive_nll(f_mu, f_var, y_test, torch.ones(())), expected)
+    val = DataLoader(TensorDataset(X_test, y_test), batch_size=3)
+    ella.optimize_prior_precision(method="gridsearch", val_loader=val, grid_size=5)
+    assert ella.prior_precision.item() in torch.logspace(-4, 4, 5, dtype=torch.float64).tolist()

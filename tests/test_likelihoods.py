@@ -158,8 +158,8 @@ def test_class_probability_nll_is_the_probit_cross_entropy(name):
     assert_close(make_likelihood(name).predictive_nll(F, COV, one_hot, torch.ones(1)), expected)
 
 
-@pytest.mark.parametrize("name", ["binary_classification", "heteroscedastic_regression"])
-def test_likelihoods_without_a_function_space_validation_score_refuse_one(name):
+def test_likelihoods_without_a_function_space_validation_score_refuse_one():
+    name = "heteroscedastic_regression"
     with pytest.raises(UnsupportedError, match=name):
         make_likelihood(name).predictive_nll(F[:, :2], COV[:, :2, :2], F[:, :2], torch.ones(1))
 

@@ -13,7 +13,7 @@ from laplace.errors import DataError, LabelError
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.prediction import ProbabilityPredictions
 from laplace.outputs import PositionTargets
-from laplace.predictive import BERNOULLI_LINKS
+from laplace.predictive import BERNOULLI_LINKS, probit_logits
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood
 
@@ -38,8 +38,9 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
     link_approximations = BERNOULLI_LINKS
     predictions = "label probabilities"
     position_targets = PositionTargets.VALUES
-    #: Subset-of-data GP: its output curvature is diagonal, so the GP uses it exactly.
-    function_space = (FunctionalApproximation.SOD,)
+    #: Subset-of-data GP (its output curvature is diagonal, so the GP uses it exactly) and ELLA
+    #: (scored by :meth:`predictive_nll`).
+    function_space = (FunctionalApproximation.SOD, FunctionalApproximation.NYSTROM)
     hessian_structures = (
         HessianStructure.FULL,
         HessianStructure.DIAG,
@@ -56,6 +57,15 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
     @override
     def diagonal_moments(self, diagonal_output: bool) -> bool:
         return True  # independent labels: each probability needs only its own variance
+
+    @override
+    def predictive_nll(
+        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
+    ) -> Tensor:
+        """Binary cross-entropy of the per-label probit, ``σ(μ/√(1 + π v/8))``, summed."""
+        logits = probit_logits(f_mu, f_var)
+        targets = self.prepare_targets(f_mu, y)
+        return F.binary_cross_entropy_with_logits(logits, targets, reduction="sum")
 
     @override
     def loss_module(self, reduction: str = "mean") -> nn.Module:
