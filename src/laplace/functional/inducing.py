@@ -153,14 +153,13 @@ def inducing_labels(
 ) -> tuple[Inputs, Tensor]:
     """Candidate inducing inputs of a batch and the output used at each.
 
-    Reward pairs are split into their items (see :func:`pair_items`); likelihoods predicting
-    class probabilities use each point's label, the others output 0.
+    Reward pairs are split into their items (see :func:`pair_items`); the predictive
+    likelihood chooses the output of each point (``inducing_outputs``: classification the
+    point's class, binary classification the labels in turn, regression output 0).
     """
     if likelihood.pairwise:
         X, y = pair_items(X, dict_key_x), y.new_zeros(2 * len(y), dtype=torch.long)
-    if likelihood.predictive_likelihood.predicts_probabilities:
-        return X, likelihood.class_indices(y)
-    return X, torch.zeros(len(y), dtype=torch.long, device=y.device)
+    return X, likelihood.predictive_likelihood.inducing_outputs(y)
 
 
 def choose_inducing(

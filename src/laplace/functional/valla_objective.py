@@ -58,6 +58,7 @@ from laplace.utils.enums import Likelihood
 __all__ = [
     "ALPHA_ENERGIES",
     "InducingPosteriorMixin",
+    "bernoulli_alpha_energy",
     "check_alpha",
     "gaussian_alpha_energy",
     "inducing_covariance",
@@ -157,6 +158,30 @@ def softmax_alpha_energy(
     return (torch.logsumexp(alpha * log_p, 0) - math.log(n_samples)).sum() / alpha
 
 
+def bernoulli_alpha_energy(
+    y: Tensor, mean: Tensor, cov: Tensor, alpha: float, n_samples: int, generator: torch.Generator
+) -> Tensor:
+    """Summed MC estimate of ``ℓ_α(y)`` for independent sigmoid labels (B, K).
+
+    The draws are of the joint ``N(mean, cov)``: for ``α > 0`` the labels' correlations enter.
+    """
+    draws = draw_gaussian(mean, cov, n_samples, generator)  # (S, B, K)
+    targets = y.expand_as(draws)
+    log_p = -nn.functional.binary_cross_entropy_with_logits(draws, targets, reduction="none")
+    log_p = log_p.sum(-1)  # (S, B): all labels of a point
+    if alpha == 0:
+        return log_p.mean(0).sum()
+    return (torch.logsumexp(alpha * log_p, 0) - math.log(n_samples)).sum() / alpha
+
+
+def _bernoulli(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator):
+    y = likelihood.prepare_targets(f, y)
+    if n_samples:
+        return bernoulli_alpha_energy(y, f, cov, alpha, n_samples, generator), len(y)
+    logits = probit_logits(f, cov)  # per-label probit; does not depend on alpha
+    return -nn.functional.binary_cross_entropy_with_logits(logits, y, reduction="sum"), len(y)
+
+
 def _gaussian(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator):
     y = likelihood.prepare_targets(f, y)
     var = cov.diagonal(dim1=-2, dim2=-1)
@@ -176,6 +201,7 @@ def _softmax(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator)
 ALPHA_ENERGIES: dict[Likelihood, Callable[..., tuple[Tensor, int]]] = {
     Likelihood.REGRESSION: _gaussian,
     Likelihood.CLASSIFICATION: _softmax,
+    Likelihood.BINARY_CLASSIFICATION: _bernoulli,
 }
 
 

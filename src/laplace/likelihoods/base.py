@@ -217,6 +217,13 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
         """
         return -loss / temperature
 
+    def inducing_outputs(self, y: Tensor) -> Tensor:
+        """The output (B,) whose Jacobian row an inducing point at each target contributes.
+
+        VaLLA's inducing points each take one output row; by default the first output.
+        """
+        return torch.zeros(len(y), dtype=torch.long, device=y.device)
+
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
         """Check targets against the outputs and bring them to the shape the loss expects.
 

@@ -38,9 +38,10 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
     link_approximations = BERNOULLI_LINKS
     predictions = "label probabilities"
     position_targets = PositionTargets.VALUES
-    #: Subset-of-data GP (its output curvature is diagonal, so the GP uses it exactly) and ELLA
-    #: (scored by :meth:`predictive_nll`).
-    function_space = (FunctionalApproximation.SOD, FunctionalApproximation.NYSTROM)
+    #: Subset-of-data GP (its output curvature is diagonal, so the GP uses it exactly), ELLA
+    #: (scored by :meth:`predictive_nll`) and VaLLA (its energy in
+    #: :mod:`laplace.functional.valla_objective`).
+    function_space = tuple(FunctionalApproximation)
     hessian_structures = (
         HessianStructure.FULL,
         HessianStructure.DIAG,
@@ -66,6 +67,12 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
         logits = probit_logits(f_mu, f_var)
         targets = self.prepare_targets(f_mu, y)
         return F.binary_cross_entropy_with_logits(logits, targets, reduction="sum")
+
+    @override
+    def inducing_outputs(self, y: Tensor) -> Tensor:
+        """The labels in turn (point i takes label i mod K), so every label has inducing rows."""
+        n_labels = y.shape[1] if y.dim() > 1 else 1
+        return torch.arange(len(y), device=y.device) % n_labels
 
     @override
     def loss_module(self, reduction: str = "mean") -> nn.Module:

@@ -78,6 +78,11 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
         logits = probit_logits(f_mu, f_var)
         return F.cross_entropy(logits, self.class_indices(y), reduction="sum")
 
+    @override
+    def inducing_outputs(self, y: Tensor) -> Tensor:
+        """The logit of each point's class."""
+        return self.class_indices(y)
+
     @staticmethod
     def class_indices(y: Tensor) -> Tensor:
         """Class indices (B,) as ``long`` from indices (B,), a column (B, 1) or one-hot (B, C).
