@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import CASE_BUILDERS, POSITION_CASES, assert_close
 from laplace import KronLaplace, Laplace
-from laplace import glm as glm_module
 from laplace import large_output as large_output_module
+from laplace import nn_predictive as nn_predictive_module
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
 from laplace.curvature.kfac_rules import plan_blocks
 from laplace.errors import TooLargeError
@@ -311,7 +311,7 @@ def test_nn_predictive_holds_a_bounded_group_of_samples_at_a_time(monkeypatch):
     la = KronLaplace(case.model, "classification", backend=CurvlinopsEF)
     la.fit(case.loader())
     per_sample = (la.n_params + case.X[:3].shape[0] * 5 * 4) * 8  # weights + (3, T=5, C=4) logits
-    monkeypatch.setattr(glm_module, "NN_SAMPLE_BYTES", 3 * per_sample)
+    monkeypatch.setattr(nn_predictive_module, "NN_SAMPLE_BYTES", 3 * per_sample)
     groups = []
     draw = la._nn_functional_samples
 

@@ -43,10 +43,8 @@ class BaseLaplace(PriorTuning, Transactional):
     This constructor is the one place where the arguments every Laplace class shares are
     checked and stored; the public classes keep laplace-torch's explicit parameter lists and
     hand them here. Each argument is stored under its own name (``la.sigma_noise``,
-    ``la.backend_kwargs``, ...), so a Laplace object can be rebuilt from its attributes.
-    ``fit``, ``load_state_dict``, ``log_marginal_likelihood`` and ``optimize_prior_precision``
-    of every subclass change nothing when they raise
-    (:class:`~laplace.transaction.Transactional`).
+    ``la.backend_kwargs``, ...), so a Laplace object can be rebuilt from its attributes. A
+    failed call changes nothing (:class:`~laplace.transaction.Transactional`).
 
     Args:
         model: The trained network; only parameters with ``requires_grad=True`` are treated

@@ -10,7 +10,6 @@ budget, so predicting on many points never materialises the whole (B, C, P) Jaco
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -22,6 +21,7 @@ from laplace.data import Inputs, batch_size_of, check_outputs, input_chunks, pre
 from laplace.errors import check_generator, check_positive_int
 from laplace.jacobians import HeadFeatures, position_rows, row_kind
 from laplace.likelihoods import LikelihoodModel
+from laplace.nn_predictive import NNPredictiveMixin
 from laplace.predictive import gaussian_output_samples
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
 
@@ -29,9 +29,6 @@ __all__ = ["GLMPredictiveMixin", "jacobian_chunk_rows"]
 
 #: Bytes of Jacobian held at once by the GLM predictive.
 JACOBIAN_CHUNK_BYTES = 256 * 2**20
-#: Memory of the weight samples and outputs ``pred_type="nn"`` holds at once (one sample at
-#: least).
-NN_SAMPLE_BYTES = 256 * 2**20
 
 
 def jacobian_chunk_rows(n_outputs: int, n_params: int, dtype: torch.dtype) -> int:
@@ -40,8 +37,12 @@ def jacobian_chunk_rows(n_outputs: int, n_params: int, dtype: torch.dtype) -> in
     return max(1, JACOBIAN_CHUNK_BYTES // max(1, n_outputs * n_params * itemsize))
 
 
-class GLMPredictiveMixin:
-    """``__call__``, ``predictive_samples`` and ``functional_samples`` of parametric Laplace."""
+class GLMPredictiveMixin(NNPredictiveMixin):
+    """``__call__``, ``predictive_samples`` and ``functional_samples`` of parametric Laplace.
+
+    The linearised (GLM) predictive is here; ``pred_type="nn"`` samples networks through
+    :class:`~laplace.nn_predictive.NNPredictiveMixin`.
+    """
 
     def __call__(
         self,
@@ -132,23 +133,9 @@ class GLMPredictiveMixin:
         return None
 
     def _glm_refusal(self) -> str | None:
-        """Why the GLM predictive cannot be computed at all; None if it can.
-
-        Above :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs only a last layer's
-        closed form gives output variances without C backward passes per point and a
-        (B, C, C) covariance.
-        """
-        if not large_output.is_large_output(self.n_outputs):
-            return None
-        if self._subset.jacobian_kind(self._posterior.closed_forms) is HeadFeatures:
-            return None
-        return (
-            f"the model has C={self.n_outputs} outputs, more than LARGE_OUTPUT_THRESHOLD="
-            f"{large_output.LARGE_OUTPUT_THRESHOLD}: the GLM predictive over these weights needs "
-            "C Jacobian rows per point (C backward passes) and a (B, C, C) covariance. Use "
-            "pred_type='nn' (link_approx='mc'; one forward pass per weight sample) or "
-            "subset_of_weights='last_layer' (output variances in closed form)."
-        )
+        """Why the GLM predictive cannot be computed at all; None if it can."""
+        has_closed_form = self._subset.jacobian_kind(self._posterior.closed_forms) is HeadFeatures
+        return None if has_closed_form else large_output.glm_refusal(self.n_outputs)
 
     def _glm_predictive_distribution(
         self, X: Inputs, joint: bool = False, diagonal_output: bool = False
@@ -250,67 +237,3 @@ class GLMPredictiveMixin:
         """
         f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator)
         return self._link_samples(f, generator)
-
-    def _link_samples(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """Output samples (S, B, C) as predictive draws of the likelihood.
-
-        Softmax or sigmoid probabilities for classification, the outputs for regression, draws
-        of ``y`` for heteroscedastic regression.
-        """
-        return self._likelihood_model.predictive_likelihood.predictive_sample(f, generator)
-
-    # ------------------------------------------------------------------------------ NN
-    def _nn_functional_samples(
-        self,
-        X: Inputs,
-        n_samples: int = 100,
-        generator: torch.Generator | None = None,
-        **model_kwargs: Any,
-    ) -> Tensor:
-        """Outputs of ``n_samples`` networks with weights drawn from the posterior (S, B, C)."""
-        thetas = self.sample(n_samples, generator)
-        context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
-        with context:
-            f = self._subset.forward_samples(thetas, X, **model_kwargs)
-        check_outputs(f[0], batch_size_of(X, self.dict_key_x))
-        return f
-
-    def _nn_sample_groups(
-        self,
-        X: Inputs,
-        n_samples: int,
-        generator: torch.Generator | None = None,
-        **model_kwargs: Any,
-    ) -> Iterator[Tensor]:
-        """Outputs of ``n_samples`` sampled networks, in groups (Sᵢ, B, C) of bounded memory.
-
-        All samples form one group while their weights fit in :data:`NN_SAMPLE_BYTES`; else
-        (an LLM's head: 2M weights, (T, 32,000) logits per sequence) the first group is one
-        sample, and the later ones as many as the weights and outputs of one sample allow.
-        """
-        per_weights = self.n_params * self.mean.element_size()
-        size = n_samples if n_samples * per_weights <= NN_SAMPLE_BYTES else 1
-        done = 0
-        while done < n_samples:
-            f = self._nn_functional_samples(
-                X, min(size, n_samples - done), generator, **model_kwargs
-            )
-            done += len(f)
-            yield f
-            size = max(1, NN_SAMPLE_BYTES // (per_weights + f[0].numel() * f.element_size()))
-
-    def _nn_predictive_samples(
-        self,
-        X: Inputs,
-        n_samples: int = 100,
-        generator: torch.Generator | None = None,
-        **model_kwargs: Any,
-    ) -> Tensor:
-        """Predictive of ``n_samples`` sampled networks (S, B, C): probabilities or outputs.
-
-        laplace-torch's hook, kept for code that calls it.
-        """
-        X = prepare_inputs(X, self.dict_key_x, self._device, "_nn_predictive_samples")
-        return self._link_samples(
-            self._nn_functional_samples(X, n_samples, generator, **model_kwargs), generator
-        )

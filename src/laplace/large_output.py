@@ -42,6 +42,7 @@ __all__ = [
     "OUTPUT_FACTOR_RANK",
     "full_curvature",
     "full_head_variance",
+    "glm_refusal",
     "is_large_output",
     "kron_curvature",
     "kron_head_variance",
@@ -74,6 +75,23 @@ def variances_only_reason(n_outputs: int) -> str | None:
         f"the model has C={n_outputs} outputs, more than LARGE_OUTPUT_THRESHOLD="
         f"{LARGE_OUTPUT_THRESHOLD}, so the last-layer GLM predictive computes only output "
         "variances (B, C), no (B, C, C) covariance"
+    )
+
+
+def glm_refusal(n_outputs: int) -> str | None:
+    """Why a GLM predictive without a last layer's closed form is refused; None at or below.
+
+    Above the threshold it would need C Jacobian rows per point (C backward passes) and a
+    (B, C, C) covariance; only the last layer's closed forms give output variances.
+    """
+    if not is_large_output(n_outputs):
+        return None
+    return (
+        f"the model has C={n_outputs} outputs, more than LARGE_OUTPUT_THRESHOLD="
+        f"{LARGE_OUTPUT_THRESHOLD}: the GLM predictive over these weights needs C Jacobian rows "
+        "per point (C backward passes) and a (B, C, C) covariance. Use pred_type='nn' "
+        "(link_approx='mc'; one forward pass per weight sample) or subset_of_weights="
+        "'last_layer' (output variances in closed form)."
     )
 
 

@@ -40,7 +40,7 @@ from laplace.curvature.layer_rules import (
     per_sample_grads,
     selected_per_sample_grads,
 )
-from laplace.curvature.square_sums import SQUARE_SUM_RULES
+from laplace.curvature.square_sums import SQUARE_SUM_RULES, RuleSquareSums
 from laplace.data import Inputs
 from laplace.utils.linalg import symmetric_gram
 
@@ -329,24 +329,18 @@ class PerSampleTrace:
             return self._flatten(total, 0)
         fast = [i for i, is_fast in enumerate(self._fast) if is_fast]
         slow = [i for i, is_fast in enumerate(self._fast) if not is_fast]
-        partials: dict[int, Tensor] = {}
+        rules = RuleSquareSums([self.calls[i] for i in fast])
         size = COLUMNS_PER_BACKWARD if self._grads.vectorised else 1
         for chunk in column_chunks(columns, size):
             stacked = self.output_gradients(chunk)
-            for i in fast:
-                part = SQUARE_SUM_RULES[type(self.calls[i].module)].partial(
-                    self.calls[i], stacked[i][0]
-                )
-                partials[i] = partials[i] + part if i in partials else part
+            rules.add([stacked[i][0] for i in fast])
             for k in range(len(chunk) if slow else 0):
                 g_calls = [[g[k] for g in per_call] for per_call in stacked]
                 for slot, grad in self._per_param(g_calls, slow).items():
                     total[slot] = total[slot] + grad.square().sum(0)
-        for i, part in partials.items():
-            call = self.calls[i]
-            for name, value in SQUARE_SUM_RULES[type(call.module)].finish(call, part).items():
-                slot = self.engine.slot[call.module, name]
-                total[slot] = total[slot] + value
+        for module, name, value in rules.results():
+            slot = self.engine.slot[module, name]
+            total[slot] = total[slot] + value
         return self._flatten(total, 0)
 
     def gram(self, columns: Columns) -> Tensor:
