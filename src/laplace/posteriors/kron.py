@@ -8,6 +8,7 @@ the eigenbasis ``Q_G ⊗ Q_A`` of each block, where ``P`` is diagonal with spect
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import cached_property
 from typing import Any, ClassVar
@@ -152,13 +153,14 @@ class KronPosterior(KronAccumulator, Posterior):
     def batch_curvature(backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Kron]:
         return backend.kron(X, y, N=n_data)
 
+    def block_sizes(self) -> list[int]:
+        """Number of parameters of each block of ``H``."""
+        return [math.prod(values.numel() for values in ls) for ls in self.H.eigenvalues]
+
     @cached_property
     def block_deltas(self) -> Tensor:
         """Prior precision of each block, shape (n_blocks,)."""
-        sizes = [
-            ls[0].numel() if len(ls) == 1 else ls[0].numel() * ls[1].numel()
-            for ls in self.H.eigenvalues
-        ]
+        sizes = self.block_sizes()
         starts = torch.tensor([0, *sizes[:-1]], device=self.prior_diag.device).cumsum(0)
         return self.prior_diag[starts]
 

@@ -12,7 +12,7 @@ largest rank kept for ``U`` and the threshold (:func:`structured_kron_posterior`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache, cached_property, partial
+from functools import cache, partial
 from typing import Any, ClassVar
 
 import torch
@@ -107,12 +107,9 @@ class StructuredKronPosterior(KronPosterior):
             X, y, N=n_data, low_rank_above=cls.low_rank_above, output_factor_rank=cls.max_rank
         )
 
-    @cached_property
-    def block_deltas(self) -> Tensor:
-        """Prior precision of each block, shape (n_blocks,)."""
-        sizes = self.H.block_sizes()
-        starts = torch.tensor([0, *sizes[:-1]], device=self.prior_diag.device).cumsum(0)
-        return self.prior_diag[starts]
+    @override
+    def block_sizes(self) -> list[int]:
+        return self.H.block_sizes()  # a structured factor has no eigenvalues
 
 
 @cache
