@@ -296,3 +296,22 @@ def test_a_failed_fit_forgets_the_class_dimension_it_found():
         la._likelihood_model.layout(torch.Size((2, 5, 4)))  # nothing was kept
     la.fit(case.loader())
     assert la._likelihood_model.outputs.found == [3, 1, 20]
+
+
+def test_last_layer_kron_normalises_each_batch_by_its_own_positions():
+    case = POSITION_CASES["token_classification"]()
+    X, y = case.X[:6], case.y[:6]
+    batches = [(X[:3], y[:3]), (X[3:, :3], y[3:, :3])]  # T = 5, then 3: padded per batch
+
+    class PaddedPerBatch(DataLoader):
+        def __iter__(self):
+            return iter(batches)
+
+    la = Laplace(case.model, "classification", "last_layer", "kron")
+    la.fit(PaddedPerBatch(TensorDataset(X, y)))
+    expected = 0
+    for Xb, _ in batches:  # expand: A = Σ_batches Σ_rows φφᵀ / (N·T_batch)
+        h = torch.tanh(case.model.embed(Xb))
+        phi = (h + h.mean(1, keepdim=True)).flatten(0, 1).detach()
+        expected = expected + phi.T @ phi / (len(X) * Xb.shape[1])
+    assert_close(la.H_facs.kfacs[0][1], expected)

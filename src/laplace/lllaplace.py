@@ -93,12 +93,11 @@ class HeadCurvatureSum(CurvatureSum):
 
         def flush(loss: Tensor | float, phis: list[Tensor], Ms: list[Tensor]) -> tuple[Any, Any]:
             M = cat_output_curvatures(Ms)
-            H = closed_form(torch.cat(phis), M, bias, n_rows, backend.factor)
-            return loss, H
+            return loss, closed_form(torch.cat(phis), M, bias, buffer_rows, backend.factor)
 
         phis: list[Tensor] = []
         Ms: list[Tensor] = []
-        loss, buffered = 0.0, 0
+        loss, buffered, buffer_rows = 0.0, 0, None
         for X, y in self.batches(loader):
             with torch.no_grad():
                 f, phi = subset.outputs_and_features(X)
@@ -107,7 +106,13 @@ class HeadCurvatureSum(CurvatureSum):
             if rows is None:  # the closed forms do not apply to this batch: autograd
                 yield pieces.posterior.batch_curvature(backend, X, y, n_data)
                 continue
-            n_rows = n_data * (len(rows[1]) // len(f))  # KFAC's expand: positions as data
+            # KFAC's expand: positions as data, N·T rows with this batch's T (a buffer holds
+            # batches of one T, so sequences padded per batch are normalised by their own T)
+            n_rows = n_data * (len(rows[1]) // len(f))
+            if phis and n_rows != buffer_rows:
+                yield flush(loss, phis, Ms)
+                phis, Ms, loss, buffered = [], [], 0.0, 0
+            buffer_rows = n_rows
             f, phi, y = rows
             with torch.no_grad():
                 batch_loss, M = output_curvature(backend, f.detach(), y)
