@@ -45,8 +45,6 @@ from laplace.last_layer_mixin import LastLayerMixin
 from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.parametric_fit import CurvatureSum
-from laplace.posteriors import Posterior
-from laplace.posteriors.structured_kron import large_output_structure
 from laplace.serialization import check_state_dict
 from laplace.utils.enums import Likelihood
 from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
@@ -224,13 +222,6 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         self.prior_mean = self.prior_mean
         self.sigma_noise = self.sigma_noise
         self._init_state()
-
-    def _own_structure(self) -> type[Posterior]:
-        structure = super()._own_structure()
-        if not self._subset.resolved:
-            return structure
-        n_out = self._subset.layer.out_features
-        return large_output_structure(structure, n_out, self.output_factor_rank)
 
     # --------------------------------------------------------------------------- predictive
     def _output_variances_only(self) -> str | None:

@@ -31,7 +31,6 @@ from laplace.utils.structured_kron import StructuredKron
 __all__ = [
     "StructuredKronPosterior",
     "kron_block_structure",
-    "large_output_structure",
     "structured_kron_posterior",
 ]
 
@@ -129,20 +128,6 @@ def structured_kron_posterior(
         "head_curvature": ("kron", closed_form),
     }
     return type("StructuredKronPosterior", (StructuredKronPosterior,), attributes)
-
-
-def large_output_structure(
-    structure: type[Posterior], n_outputs: int, rank: int | None
-) -> type[Posterior]:
-    """The posterior structure of a last layer with ``n_outputs`` outputs.
-
-    Above :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` a Kronecker posterior gets
-    structured output factors keeping at most ``rank`` low-rank columns; dense and diagonal
-    posteriors are unchanged (their closed forms take the structured output curvatures).
-    """
-    if large_output.is_large_output(n_outputs) and structure is KronPosterior:
-        return structured_kron_posterior(rank, large_output.LARGE_OUTPUT_THRESHOLD)
-    return structure
 
 
 def kron_block_structure(
