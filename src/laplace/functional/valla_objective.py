@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from laplace.base import BaseLaplace
 from laplace.data import Inputs
 from laplace.likelihoods import LikelihoodModel
-from laplace.predictive import draw_gaussian, probit_logits
+from laplace.predictive import draw_gaussian
 from laplace.priors import as_scalar_prior_precision
 from laplace.utils.enums import Likelihood
 
@@ -152,10 +152,14 @@ def softmax_alpha_energy(
     """Summed MC estimate of ``ℓ_α(y)`` for the softmax likelihood from ``n_samples`` draws."""
     draws = draw_gaussian(mean, cov, n_samples, generator)  # (S, B, C)
     index = y.view(1, -1, 1).expand(n_samples, -1, 1)
-    log_p = draws.log_softmax(-1).gather(-1, index).squeeze(-1)  # (S, B)
+    return _sampled_energy(draws.log_softmax(-1).gather(-1, index).squeeze(-1), alpha)
+
+
+def _sampled_energy(log_p: Tensor, alpha: float) -> Tensor:
+    """Summed ``ℓ_α`` from the log-likelihoods (S, B) of S draws of every point."""
     if alpha == 0:
         return log_p.mean(0).sum()
-    return (torch.logsumexp(alpha * log_p, 0) - math.log(n_samples)).sum() / alpha
+    return (torch.logsumexp(alpha * log_p, 0) - math.log(len(log_p))).sum() / alpha
 
 
 def bernoulli_alpha_energy(
@@ -168,18 +172,14 @@ def bernoulli_alpha_energy(
     draws = draw_gaussian(mean, cov, n_samples, generator)  # (S, B, K)
     targets = y.expand_as(draws)
     log_p = -nn.functional.binary_cross_entropy_with_logits(draws, targets, reduction="none")
-    log_p = log_p.sum(-1)  # (S, B): all labels of a point
-    if alpha == 0:
-        return log_p.mean(0).sum()
-    return (torch.logsumexp(alpha * log_p, 0) - math.log(n_samples)).sum() / alpha
+    return _sampled_energy(log_p.sum(-1), alpha)  # (S, B): all labels of a point
 
 
 def _bernoulli(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator):
     y = likelihood.prepare_targets(f, y)
     if n_samples:
         return bernoulli_alpha_energy(y, f, cov, alpha, n_samples, generator), len(y)
-    logits = probit_logits(f, cov)  # per-label probit; does not depend on alpha
-    return -nn.functional.binary_cross_entropy_with_logits(logits, y, reduction="sum"), len(y)
+    return -likelihood.predictive_nll(f, cov, y, None), len(y)  # probit: no alpha
 
 
 def _gaussian(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator):
@@ -192,8 +192,7 @@ def _softmax(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator)
     y = likelihood.class_indices(y)
     if n_samples:
         return softmax_alpha_energy(y, f, cov, alpha, n_samples, generator), len(y)
-    logits = probit_logits(f, cov)  # does not depend on alpha
-    return -nn.functional.cross_entropy(logits, y, reduction="sum"), len(y)
+    return -likelihood.predictive_nll(f, cov, y, None), len(y)  # probit: no alpha
 
 
 #: ``(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator) -> (Σ ℓ_α, B)`` by
