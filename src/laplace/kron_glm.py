@@ -302,7 +302,7 @@ def _layerwise_variance(
     f, calls, engine = trace.f, trace.calls, trace.engine
     B = f.shape[0]
     slots = _slots(trace, block_inverse)
-    if slots is None or any(call.outputs[0].shape[0] != B for call in calls):
+    if slots is None or not trace.layerwise:
         return None
     C = f.reshape(B, -1).shape[1]
     factored = {s.module: s for s in slots if s.kind == "kron"}

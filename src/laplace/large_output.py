@@ -112,7 +112,7 @@ def output_curvatures(backend: CurvatureInterface, f: Tensor, y: Tensor) -> Diag
         M = backend.fit_likelihood.structured_output_hessian(f)
         keep = backend.fit_likelihood.layout(f.shape, y).kept(y)
         return M if keep is None else M.masked(keep)
-    V = torch.stack(list(backend.curvature_columns(f, y)), dim=-1)
+    V = backend.curvature_columns(f, y).movedim(0, -1)  # rows (B, C): a (K, B, C) tensor
     return DiagLowRankBatch(V.new_zeros(V.shape[:2]), V, 1)
 
 

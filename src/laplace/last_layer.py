@@ -71,7 +71,7 @@ def output_curvature(
     """
     if is_large_output(f.shape[-1]):
         return backend.batch_loss(f, y), large_output.output_curvatures(backend, f, y)
-    V = torch.stack(list(backend.curvature_columns(f, y)), dim=-1)
+    V = backend.curvature_columns(f, y).movedim(0, -1)  # rows (B, C): a (K, B, C) tensor
     return backend.batch_loss(f, y), V @ V.transpose(1, 2)
 
 

@@ -171,8 +171,10 @@ def kfac_start(product: NativeProduct, width: int, n_candidates: int) -> KfacSta
     factors, offsets, n_data = None, [0], 0
     for vectors in product.batches():
         trace, gradients = vectors.trace, vectors.output_gradients
-        exact = any(block.kind not in ("kron", "bias") for block in plan_blocks(trace.engine))
-        if not vectors.layerwise or exact:  # exact: tied weights
+        if not vectors.layerwise:
+            return None
+        blocks = plan_blocks(trace.engine) if factors is None else ()  # the engine's, once
+        if any(block.kind not in ("kron", "bias") for block in blocks):  # tied weights
             return None
         batch = kfac(trace, list(vectors.columns), 1, "expand", backend.factor, gradients)
         n_data += vectors.B
