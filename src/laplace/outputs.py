@@ -298,27 +298,25 @@ class OutputAdapter:
 
     @property
     def found(self) -> list[int] | None:
-        """``[rank, class dimension, outputs per point]`` found on training targets, or None.
-
-        What a ``state_dict`` saves, so that a loaded approximation predicts without a fit.
-        """
-        if self._found is None:
-            return None
-        return [*self._found, int(self.last_size or 0)]
+        """``[rank, class dim, outputs per point]`` found in the fit, for ``state_dict``."""
+        return None if self._found is None else [*self._found, int(self.last_size or 0)]
 
     def remember(self, found: Sequence[int] | None) -> None:
-        """Take over what :attr:`found` returned (from a loaded state); None changes nothing.
+        """Take over what :attr:`found` returned (from a loaded state); None changes nothing."""
+        if self.check_found(found) is not None:
+            rank, dim, size = found
+            self._found, self.last_size = (rank, dim), size or None
 
-        Raises:
-            ValueError: For anything but three non-negative ints.
-        """
-        if found is None:
-            return
-        if len(found) != 3 or not all(isinstance(v, int) and v >= 0 for v in found):
-            what = "[rank, class_dim, outputs per point]"
-            raise ValueError(f"the saved output layout must be {what}, got {found!r}.")
-        rank, dim, size = found
-        self._found, self.last_size = (rank, dim), size or None
+    @staticmethod
+    def check_found(found: Sequence[int] | None) -> Sequence[int] | None:
+        """``found`` if it is None or what :attr:`found` returns, else a ``ValueError``."""
+        if found is None or (
+            len(found) == 3 and all(isinstance(v, int) and v >= 0 for v in found)
+        ):
+            return found
+        raise ValueError(
+            f"the saved output layout must be [rank, class_dim, size], got {found!r}."
+        )
 
     @staticmethod
     def require_plain(

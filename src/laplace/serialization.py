@@ -236,7 +236,7 @@ class StateDictMixin(StateDict):
 
     def _check_state_values(self, state_dict: dict[str, Any]) -> None:
         check_bool(state_dict["enable_backprop"], "state_dict['enable_backprop']")
-        OutputAdapter().remember(state_dict.get("output_layout"))
+        OutputAdapter.check_found(state_dict.get("output_layout"))
 
     def _load_state_values(self, state_dict: dict[str, Any]) -> None:
         self.H = self._load_curvature_state(state_dict["H"])
