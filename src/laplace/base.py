@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from functools import cache, partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.curvature import check_dict_inputs
 from laplace.curvature.registry import check_backend_kwargs
+from laplace.data import move_inputs, split_batch
 from laplace.data_loop import DataLoop
 from laplace.distributed import unwrap_model
 from laplace.errors import AbstractClassError, NotFittedError, check_mapping, check_module
@@ -29,22 +30,27 @@ from laplace.priors import (
     check_temperature,
     expand_to_diagonal,
 )
+from laplace.serialization import StateFormat, load_state_dict, state_dict
 from laplace.subsets import AllWeights, check_parameters
-from laplace.transaction import Transactional
-from laplace.tuning import PriorTuning
-from laplace.utils.enums import FunctionalApproximation, Likelihood
+from laplace.transaction import TRANSACTIONAL_METHODS, transactional
+from laplace.tuning import optimize_prior_precision
+from laplace.utils.enums import FunctionalApproximation, Likelihood, PriorStructure
 
 __all__ = ["BaseLaplace", "arguments_for"]
 
 
-class BaseLaplace(PriorTuning, Transactional):
-    """Common hyperparameters, data handling and prior tuning of every Laplace approximation.
+class BaseLaplace:
+    """Common hyperparameters, data handling, prior tuning and state of every Laplace.
 
     This constructor is the one place where the arguments every Laplace class shares are
     checked and stored; the public classes keep laplace-torch's explicit parameter lists and
     hand them here. Each argument is stored under its own name (``la.sigma_noise``,
-    ``la.backend_kwargs``, ...), so a Laplace object can be rebuilt from its attributes. A
-    failed call changes nothing (:class:`~laplace.transaction.Transactional`).
+    ``la.backend_kwargs``, ...), so a Laplace object can be rebuilt from its attributes.
+    A class is composed from parts it names as data: its parameter subset (``_subset_kind``,
+    built with ``_subset_options``), its posterior structure, its likelihood object and its
+    state format (``_state_format``). The methods named in
+    :data:`~laplace.transaction.TRANSACTIONAL_METHODS` change nothing when they raise
+    (:mod:`laplace.transaction`), in every subclass.
 
     Args:
         model: The trained network; only parameters with ``requires_grad=True`` are treated
@@ -86,6 +92,33 @@ class BaseLaplace(PriorTuning, Transactional):
     _abstract: str | None = None
     #: The function-space (GP) approximation of the class; None: a weight-space one.
     _function_space: FunctionalApproximation | None = None
+    #: The parameter subset the posterior covers (a class with ``for_model``).
+    _subset_kind: type = AllWeights
+    #: Keyword arguments of ``_subset_kind.for_model`` (a constructor sets its own).
+    _subset_options: ClassVar[dict[str, Any]] = {}
+    #: Entries of ``backend_kwargs`` the class takes itself, not handed to the backend.
+    _own_backend_kwargs: tuple[str, ...] = ()
+    #: Prior structures ``optimize_prior_precision`` refuses, with the reason.
+    _refused_prior_structures: ClassVar[dict[PriorStructure, str]] = {}
+    #: How ``state_dict`` saves the approximation and ``load_state_dict`` restores it.
+    _state_format: StateFormat = StateFormat()
+    #: Attributes the default state format saves (see :class:`~laplace.serialization.StateFormat`).
+    _state_plain: tuple[str, ...] = ()
+    _state_tensors: tuple[str, ...] = ()
+    _state_parameters: tuple[str, ...] = ()
+    _state_other_tensors: tuple[str, ...] = ()
+    _state_counts: tuple[str, ...] = ()
+
+    optimize_prior_precision = transactional(optimize_prior_precision)
+    state_dict = state_dict
+    load_state_dict = transactional(load_state_dict)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in TRANSACTIONAL_METHODS:
+            method = getattr(cls, name, None)
+            if method is not None and not getattr(method, "_transactional", False):
+                setattr(cls, name, transactional(method))
 
     def __init__(
         self,
@@ -114,8 +147,10 @@ class BaseLaplace(PriorTuning, Transactional):
         if self._function_space is not None:
             self._likelihood_model.check_function_space(self._function_space)
         # DistributedDataParallel: curvature of the inner module.
-        self.model = self._prepare_model(unwrap_model(model))
-        self._subset = self._make_subset(self.model)
+        self._subset = self._subset_kind.for_model(
+            unwrap_model(model), self._likelihood_model, **self._subset_options
+        )
+        self.model = self._subset.model
         self._bind_subset()
         self.temperature = check_temperature(temperature)
         self.enable_backprop = enable_backprop
@@ -127,7 +162,9 @@ class BaseLaplace(PriorTuning, Transactional):
         self.backend_kwargs = backend_kwargs
         self.asdl_fisher_kwargs = asdl_fisher_kwargs
         options = check_mapping(backend_kwargs, "backend_kwargs")
-        self._backend_kwargs = self._backend_options(options)
+        own = self._own_backend_kwargs
+        self._backend_kwargs = {k: v for k, v in options.items() if k not in own}
+        self._backend_kwargs.update(self._subset.backend_options)
         self._asdl_fisher_kwargs = check_mapping(asdl_fisher_kwargs, "asdl_fisher_kwargs")
         check_backend_kwargs(self._backend_cls, self._backend_kwargs)
         self._backend: CurvatureInterface | None = None
@@ -136,26 +173,54 @@ class BaseLaplace(PriorTuning, Transactional):
         self.n_outputs = 0
         self._fitted = False
         self.sigma_noise = sigma_noise
-        self._init_state()
+        if self._subset.resolved:
+            self._init_unfitted()
 
-    # ----------------------------------------------------------- hooks of the subclasses
-    def _prepare_model(self, model: nn.Module) -> nn.Module:
-        """The module stored as ``self.model`` (last-layer classes wrap it)."""
-        return model
+    def _init_unfitted(self) -> None:
+        """The unfitted posterior, once the parameters are known: the prior (parametric)."""
+        init_H = getattr(self, "_init_H", None)
+        if init_H is not None:
+            init_H()
 
-    def _make_subset(self, model: nn.Module) -> AllWeights:
-        return AllWeights(model)
-
-    def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Keyword arguments of the backend's constructor, from the user's ``backend_kwargs``."""
-        return backend_kwargs
-
-    def _init_state(self) -> None:
-        """Set up what the approximation holds before :meth:`fit` (its unfitted state)."""
-
+    # ------------------------------------------------------------------------- transactions
     def _transaction_parts(self) -> tuple[Any, ...]:
-        # A failed fit forgets the class dimension it found for outputs with extra dimensions.
-        return (*super()._transaction_parts(), self._likelihood_model.outputs)
+        """The objects whose attributes a transactional call may change (this one first).
+
+        A failed fit forgets the class dimension it found for outputs with extra dimensions
+        and the last layer it found.
+        """
+        return (self, self._likelihood_model.outputs, *self._subset.stateful_parts)
+
+    def _transaction_rebuild(self) -> dict[str, Callable[[], Any]]:
+        """State left out of a snapshot and rebuilt after a failed call.
+
+        The zero curvature of an unfitted approximation is freed while a first fit sums (a
+        dense one is P × P) and rebuilt if that fit fails.
+        """
+        unfitted_prior = not self._fitted and getattr(self, "H", None) is not None
+        return {"H": self._init_H} if unfitted_prior else {}
+
+    def _resolve_subset(self, train_loader: DataLoader) -> None:
+        """Find the parameters on the first batch if they are not known (a last layer)."""
+        if self._subset.resolved:
+            return
+        X, _ = split_batch(next(iter(train_loader)), self.dict_key_x, self.dict_key_y)
+        X = move_inputs(X, self._device)
+        self.model.eval()
+        self._subset.resolve(X[:1] if isinstance(X, Tensor) else X)
+        self._on_resolved()
+
+    def _on_resolved(self) -> None:
+        """Bind the found parameters and check the hyperparameters given before they were known.
+
+        The number of outputs is then known, and with it the structure (see
+        :mod:`laplace.large_output`).
+        """
+        self._bind_subset()
+        self.prior_precision = self.prior_precision
+        self.prior_mean = self.prior_mean
+        self.sigma_noise = self.sigma_noise
+        self._init_unfitted()
 
     def _bind_subset(self) -> None:
         """Expose the subset's ``params``, ``n_params``, ``n_layers`` (None until it is known)."""
@@ -201,22 +266,19 @@ class BaseLaplace(PriorTuning, Transactional):
 
     @sigma_noise.setter
     def sigma_noise(self, value: float | Tensor) -> None:
-        sigma = as_sigma_noise(value, self._likelihood_model, self._device, self._dtype)
-        self._accept_sigma_noise(sigma)
-        self._sigma_noise = sigma
-
-    def _accept_sigma_noise(self, sigma: Tensor) -> None:
-        """Prepare for a new σ, or refuse it before anything changes (one σ per output here).
+        """Set σ; one σ per output is refused here (parametric structures alone take it).
 
         Raises:
-            ValueError: For one σ per output, which parametric structures alone support.
+            ValueError: For one σ per output.
         """
+        sigma = as_sigma_noise(value, self._likelihood_model, self._device, self._dtype)
         if sigma.numel() > 1:
             raise ValueError(
                 f"{type(self).__name__} takes one sigma_noise for all outputs; one σ per output "
                 "is supported by parametric Laplace with hessian_structure 'full', 'diag' or "
                 "'kron'."
             )
+        self._sigma_noise = sigma
 
     @property
     def prior_precision(self) -> Tensor:
@@ -231,8 +293,8 @@ class BaseLaplace(PriorTuning, Transactional):
 
     @property
     def _prior_lengths(self) -> tuple[int | None, int | None]:
-        """Lengths of a layer-wise and of a diagonal prior (n_layers, n_params); None: no such."""
-        return self.n_layers, self.n_params
+        """Lengths of a layer-wise and of a diagonal prior; None: no such (not known yet)."""
+        return self._subset.prior_lengths if self._subset.resolved else (None, None)
 
     @property
     def prior_precision_diag(self) -> Tensor:

@@ -171,10 +171,6 @@ class KronLaplace(ParametricLaplace):
         return self._posterior_cls.factors(self.H) if self._fitted else None
 
     @property
-    def _structure_options(self) -> dict[str, Any]:
-        return {"damping": self.damping}
-
-    @property
     def posterior_precision(self) -> KronDecomposed:
         """Posterior precision ``H/(σ²T) + δ`` as a ``KronDecomposed``."""
         return self._posterior.precision

@@ -29,23 +29,22 @@ from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, move_inputs, split_batch
+from laplace.data import Inputs, move_inputs
 from laplace.errors import check_positive_int
 from laplace.functional import FunctionalLLLaplace
-from laplace.glm import jacobian_chunk_rows
 from laplace.kronlaplace import KronLaplace
-from laplace.large_output import OUTPUT_FACTOR_RANK, variances_only_reason
+from laplace.large_output import OUTPUT_FACTOR_RANK
 from laplace.last_layer import (
     cat_output_curvatures,
     head_curvature,
     head_rows,
     output_curvature,
 )
-from laplace.last_layer_mixin import LastLayerMixin
 from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.parametric_fit import CurvatureSum
 from laplace.serialization import check_state_dict
+from laplace.subsets import LastLayer, extractor_property
 from laplace.utils.enums import Likelihood
 from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
 
@@ -125,7 +124,7 @@ class HeadCurvatureSum(CurvatureSum):
             yield flush(loss, phis, Ms)
 
 
-class LLLaplace(LastLayerMixin, ParametricLaplace):
+class LLLaplace(ParametricLaplace):
     """Base of the last-layer Laplace approximations; subclasses choose the structure.
 
     The posterior covers the parameters of the last layer (an ``nn.Linear``): ``mean``,
@@ -163,6 +162,8 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
 
     _abstract = "use FullLLLaplace, KronLLLaplace or DiagLLLaplace."
     _curvature_pass = HeadCurvatureSum
+    _subset_kind = LastLayer
+    model: FeatureExtractor
     #: Rank kept of a structured output factor above the large-output threshold (kron only).
     output_factor_rank: int | None = None
 
@@ -187,7 +188,10 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
     ) -> None:
         if asdl_fisher_kwargs is not None:
             raise ValueError("last-layer Laplace does not support asdl_fisher_kwargs.")
-        self._feature_options = (last_layer_name, feature_reduction)
+        self._subset_options = {
+            "last_layer_name": last_layer_name,
+            "feature_reduction": feature_reduction,
+        }
         BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
 
     @property
@@ -202,38 +206,19 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
         return ParametricLaplace.backend.fget(self)
 
     # ----------------------------------------------------------------------- the last layer
-    def _resolve_subset(self, train_loader: DataLoader) -> None:
-        if self._subset.resolved:
-            return
-        X, _ = split_batch(next(iter(train_loader)), self.dict_key_x, self.dict_key_y)
-        X = move_inputs(X, self._device)
-        self.model.eval()
-        self._subset.resolve(X[:1] if isinstance(X, Tensor) else X)
-        self._on_resolved()
-
-    def _on_resolved(self) -> None:
-        """Bind the found layer and check the hyperparameters given before it was known.
-
-        The number of outputs is then known, and with it the structure (see
-        :mod:`laplace.large_output`).
-        """
-        self._bind_subset()
-        self.prior_precision = self.prior_precision
-        self.prior_mean = self.prior_mean
-        self.sigma_noise = self.sigma_noise
-        self._init_state()
+    last_layer_name = extractor_property(
+        "last_layer_name", "Name of the last layer in the model (None until it is found)."
+    )
+    feature_reduction = extractor_property(
+        "feature_reduction", "How features (B, ..., D) are reduced to (B, D) (FeatureExtractor)."
+    )
+    enable_backprop = extractor_property(
+        "enable_backprop",
+        "Keep predictives (and features) differentiable w.r.t. the inputs.",
+        True,
+    )
 
     # --------------------------------------------------------------------------- predictive
-    def _output_variances_only(self) -> str | None:
-        return variances_only_reason(self.n_outputs)
-
-    def _chunk_rows(self) -> int:
-        # With output variances only, the closed forms hold about C·(D + 1) numbers per point.
-        if self._output_variances_only():
-            n_in = self._subset.layer.in_features
-            return jacobian_chunk_rows(self.n_outputs, n_in + 1, self._dtype)
-        return super()._chunk_rows()
-
     def functional_variance_fast(self, X: Inputs) -> tuple[Tensor, Tensor]:
         """Output means (B, C) and variances (B, C) of the GLM predictive, from the features.
 
@@ -248,13 +233,13 @@ class LLLaplace(LastLayerMixin, ParametricLaplace):
 
     # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """See :meth:`~laplace.serialization.StateDictMixin.state_dict`; adds the layer name."""
+        """See :meth:`ParametricLaplace.state_dict`; adds the layer name."""
         state = super().state_dict()
         state["last_layer_name"] = self.model.last_layer_name
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """See :meth:`~laplace.serialization.StateDictMixin.load_state_dict`.
+        """See :meth:`ParametricLaplace.load_state_dict`.
 
         Raises:
             ValueError: If the state was saved for another last layer.

@@ -32,8 +32,8 @@ from laplace.errors import (
 from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import ParametricLaplace
 from laplace.parametric_fit import FitPass
-from laplace.posterior_scale import PosteriorScaleMixin
 from laplace.posteriors.lowrank import LowRankPosterior
+from laplace.serialization import ParametricState
 from laplace.utils.enums import Likelihood
 
 __all__ = ["LowRankLaplace"]
@@ -56,7 +56,141 @@ SOLVER_OPTIONS = (
 )
 
 
-class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
+class LowRankState(ParametricState):
+    """The state of a low-rank Laplace: the parametric state, with the eigenvalue errors."""
+
+    def curvature_state(self, la: Any) -> Any:
+        """The eigenpairs, with their a posteriori errors when known."""
+        state = super().curvature_state(la)
+        if la.eigenvalue_errors is not None:
+            state["eigenvalue_errors"] = la.eigenvalue_errors.detach()
+        return state
+
+    def load_curvature(self, la: Any, state: Any) -> Any:
+        """The eigenpairs; sets ``la.eigenvalue_errors`` from the state (None if absent)."""
+        errors = state.get("eigenvalue_errors") if isinstance(state, dict) else None
+        if errors is not None:
+            state = {k: v for k, v in state.items() if k != "eigenvalue_errors"}
+        U, eigenvalues = super().load_curvature(la, state)
+        if errors is not None and errors.shape != eigenvalues.shape:
+            raise ValueError(
+                f"state_dict['H'] has eigenvalue errors {tuple(errors.shape)}, expected "
+                f"{tuple(eigenvalues.shape)} (one per eigenvalue)."
+            )
+        la.eigenvalue_errors = None if errors is None else errors.to(la._device, la._dtype)
+        return U, eigenvalues
+
+
+def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The eigensolver's entries of ``backend_kwargs``, with ``n_eigenvalues`` (default 10).
+
+    Raises:
+        ValueError: For an unknown solver or start, or a bad ``n_eigenvalues``, ``max_iter``,
+            ``tol``, ``seed``, ``oversampling`` or ``candidates``.
+    """
+    options = dict(backend_kwargs or {})
+    solver = {k: options[k] for k in SOLVER_OPTIONS if k in options}
+    if "low_rank" in solver:
+        solver.setdefault("n_eigenvalues", solver.pop("low_rank"))
+    solver.setdefault("n_eigenvalues", 10)
+    if solver.get("solver", "randomized") not in SOLVERS:
+        raise ValueError(
+            f"backend_kwargs['solver'] must be one of {sorted(SOLVERS)}, got {solver['solver']!r}."
+        )
+    check_positive_int(solver["n_eigenvalues"], "n_eigenvalues")
+    if "max_iter" in solver:
+        least = 0 if solver.get("solver", "randomized") == "randomized" else 1
+        check_int_at_least(solver["max_iter"], "backend_kwargs['max_iter']", least)
+    if "tol" in solver:
+        tol = solver["tol"]
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
+            raise ValueError(f"backend_kwargs['tol'] must be a number in [0, 1), got {tol!r}.")
+    if "seed" in solver:
+        check_int_at_least(solver["seed"], "backend_kwargs['seed']", 0)
+    if "oversampling" in solver:
+        check_int_at_least(solver["oversampling"], "backend_kwargs['oversampling']", 0)
+    if "candidates" in solver:
+        check_positive_int(solver["candidates"], "backend_kwargs['candidates']")
+    if solver.get("start", "kfac") not in STARTS:
+        raise ValueError(
+            f"backend_kwargs['start'] must be one of {list(STARTS)}, got {solver['start']!r}."
+        )
+    return solver
+
+
+class TopEigenpairs(FitPass):
+    """The pass of a low-rank fit: the summed loss, then the top-k curvature eigenpairs.
+
+    One pass sums the loss (checking each batch's outputs and targets) before
+    any solver work; then :func:`~laplace.curvature.eigen.top_eigenpairs` multiplies the
+    curvature over the data with blocks of vectors (:func:`curvature_product`), one more pass
+    over the batches (:meth:`~laplace.data_loop.DataLoop.passes`) per product.
+
+    Args:
+        *args: See :class:`~laplace.data_loop.DataLoop`.
+        solver: The eigensolver's options, with ``n_eigenvalues`` (see :func:`_solver_options`).
+        **options: See :class:`~laplace.parametric_fit.FitPass`.
+
+    Attributes:
+        errors: After :meth:`run`, the a posteriori relative errors of the eigenvalues (k,).
+    """
+
+    def __init__(self, *args: Any, solver: dict[str, Any], **options: Any) -> None:
+        super().__init__(*args, **options)
+        self.solver = dict(solver)
+        self.errors: Tensor | None = None
+        #: Whether the products are the native ones (else curvlinops' operators).
+        self.native = self.solver.get("solver", "randomized") == "randomized" and isinstance(
+            self.pieces.backend, (GGNInterface, EFInterface)
+        )
+
+    def step(self, X: Inputs, y: Tensor) -> Tensor:
+        """The summed loss of a batch, after checking its outputs and targets.
+
+        Raises:
+            ValueError: For outputs with extra dimensions on curvlinops' operators, which see
+                the torch loss of outputs (B, C).
+        """
+        with torch.no_grad():
+            f = self.check_batch(X, y, self.pieces.subset.model(X))
+            if not self.native:
+                self.pieces.likelihood.outputs.require_plain(
+                    f.shape, "LowRankLaplace's operator route", _NATIVE_ROUTE
+                )
+            return self.pieces.backend.batch_loss(f, y)
+
+    def check(self, stats: Tensor) -> None:
+        """Refuse a non-finite loss (before any eigensolver pass)."""
+        check_finite_result(stats, "loss of a training batch")
+
+    def run(self, loader: DataLoader) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        """``((U (P, k), λ (k,)), loss)`` over ``loader``.
+
+        Raises:
+            RuntimeError: If the eigenpairs are not finite.
+        """
+        loss = super().run(loader)
+        options = dict(self.solver)
+        k = int(options.pop("n_eigenvalues"))
+        backend, dtype = self.pieces.backend, self.pieces.subset.dtype
+        loss_targets = self.pieces.likelihood.loss_targets
+        local_n = distributed_utils.data_count(loader) if self.distributed else self.pieces.n_data
+        product = curvature_product(
+            backend,
+            self.passes(loader, lambda X, y: (X, loss_targets(y, dtype))),
+            local_n,
+            native=self.native,
+            reduce=distributed_utils.all_reduce_sum if self.distributed else None,
+            seed=options.get("seed", 0),
+        )
+        U, eigenvalues, self.errors = top_eigenpairs(product, k, **options)
+        self.results = {"eigenvalue_errors": self.errors}
+        if not self.pieces.posterior.is_finite((U, eigenvalues)):
+            raise RuntimeError("the curvature eigenpairs contain NaN or inf; check the model.")
+        return (U, eigenvalues), loss
+
+
+class LowRankLaplace(ParametricLaplace):
     """Laplace approximation with a rank-k curvature ``H ≈ U diag(λ) Uᵀ``.
 
     The posterior precision ``P = U diag(h·λ) Uᵀ + diag(p₀)`` (``h = 1/(σ²T)``) is never formed:
@@ -112,6 +246,9 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
     """
 
     _posterior_cls = LowRankPosterior
+    _curvature_pass = TopEigenpairs
+    _own_backend_kwargs = SOLVER_OPTIONS
+    _state_format = LowRankState()
 
     def __init__(
         self,
@@ -129,37 +266,10 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         class_dim: int | None = None,
         ignore_index: int = IGNORE_INDEX,
     ) -> None:
-        self._solver_options = _solver_options(backend_kwargs)
+        self._fit_pass_options = {"solver": _solver_options(backend_kwargs)}
         self.eigenvalue_errors: Tensor | None = None
         BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
         self._likelihood_model.fit_likelihood.check_low_rank()
-
-    def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in backend_kwargs.items() if k not in SOLVER_OPTIONS}
-
-    def _accumulate(
-        self, train_loader: DataLoader, n_data: int, progress_bar: bool
-    ) -> tuple[tuple[Tensor, Tensor], Tensor, int]:
-        """The top-k curvature eigenpairs over ``train_loader``, the summed loss, the outputs.
-
-        ``train_loader`` is iterated once per product of the eigensolver; in a distributed fit
-        every product is summed over the ranks, which all run the same solver. Also sets
-        :attr:`eigenvalue_errors`.
-        """
-        local_n = distributed_utils.data_count(train_loader) if self._distributed else n_data
-        loop = self._data_loop(
-            TopEigenpairs,
-            pieces=self._fit_pieces(n_data),
-            solver=self._solver_options,
-            local_n=local_n,
-            progress_bar=progress_bar,
-            desc="fit",
-            distributed=self._distributed,
-            empty_message="train_loader yielded no batches: fit needs at least one batch.",
-        )
-        H, loss = loop.run(train_loader)
-        self.eigenvalue_errors = loop.errors
-        return H, loss, loop.n_outputs
 
     @property
     def posterior_precision(self) -> tuple[tuple[Tensor, Tensor], Tensor]:
@@ -180,131 +290,3 @@ class LowRankLaplace(PosteriorScaleMixin, ParametricLaplace):
         """Inverse capacitance ``(diag(h·λ)⁻¹ + Uᵀ diag(p₀)⁻¹ U)⁻¹``, shape (k, k)."""
         (U, eigenvalues), _ = self.posterior_precision
         return torch.linalg.inv(torch.diag(eigenvalues.reciprocal()) + U.T @ self.V)
-
-    # ------------------------------------------------------------------------------ state
-    def _curvature_state(self) -> dict[str, Tensor]:
-        state = super()._curvature_state()
-        if self.eigenvalue_errors is not None:
-            state["eigenvalue_errors"] = self.eigenvalue_errors.detach()
-        return state
-
-    def _load_curvature_state(self, state: Any) -> tuple[Tensor, Tensor]:
-        errors = state.get("eigenvalue_errors") if isinstance(state, dict) else None
-        if errors is not None:
-            state = {k: v for k, v in state.items() if k != "eigenvalue_errors"}
-        U, eigenvalues = super()._load_curvature_state(state)
-        if errors is not None and errors.shape != eigenvalues.shape:
-            raise ValueError(
-                f"state_dict['H'] has eigenvalue errors {tuple(errors.shape)}, expected "
-                f"{tuple(eigenvalues.shape)} (one per eigenvalue)."
-            )
-        self.eigenvalue_errors = None if errors is None else errors.to(self._device, self._dtype)
-        return U, eigenvalues
-
-
-def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """The eigensolver's entries of ``backend_kwargs``, with ``n_eigenvalues`` (default 10).
-
-    Raises:
-        ValueError: For an unknown solver or start, or a bad ``n_eigenvalues``, ``max_iter``,
-            ``tol``, ``seed``, ``oversampling`` or ``candidates``.
-    """
-    options = dict(backend_kwargs or {})
-    solver = {k: options[k] for k in SOLVER_OPTIONS if k in options}
-    if "low_rank" in solver:
-        solver.setdefault("n_eigenvalues", solver.pop("low_rank"))
-    solver.setdefault("n_eigenvalues", 10)
-    if solver.get("solver", "randomized") not in SOLVERS:
-        raise ValueError(
-            f"backend_kwargs['solver'] must be one of {sorted(SOLVERS)}, got {solver['solver']!r}."
-        )
-    check_positive_int(solver["n_eigenvalues"], "n_eigenvalues")
-    if "max_iter" in solver:
-        least = 0 if solver.get("solver", "randomized") == "randomized" else 1
-        check_int_at_least(solver["max_iter"], "backend_kwargs['max_iter']", least)
-    if "tol" in solver:
-        tol = solver["tol"]
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
-            raise ValueError(f"backend_kwargs['tol'] must be a number in [0, 1), got {tol!r}.")
-    if "seed" in solver:
-        check_int_at_least(solver["seed"], "backend_kwargs['seed']", 0)
-    if "oversampling" in solver:
-        check_int_at_least(solver["oversampling"], "backend_kwargs['oversampling']", 0)
-    if "candidates" in solver:
-        check_positive_int(solver["candidates"], "backend_kwargs['candidates']")
-    if solver.get("start", "kfac") not in STARTS:
-        raise ValueError(
-            f"backend_kwargs['start'] must be one of {list(STARTS)}, got {solver['start']!r}."
-        )
-    return solver
-
-
-class TopEigenpairs(FitPass):
-    """The pass of a low-rank fit: the summed loss, then the top-k curvature eigenpairs.
-
-    One pass sums the loss (checking each batch's outputs and targets) before
-    any solver work; then :func:`~laplace.curvature.eigen.top_eigenpairs` multiplies the
-    curvature over the data with blocks of vectors (:func:`curvature_product`), one more pass
-    over the batches (:meth:`~laplace.data_loop.DataLoop.passes`) per product.
-
-    Args:
-        *args: See :class:`~laplace.data_loop.DataLoop`.
-        solver: The eigensolver's options, with ``n_eigenvalues`` (see :func:`_solver_options`).
-        local_n: Data points of this rank's shard (all of them when not distributed).
-        **options: See :class:`~laplace.parametric_fit.FitPass`.
-
-    Attributes:
-        errors: After :meth:`run`, the a posteriori relative errors of the eigenvalues (k,).
-    """
-
-    def __init__(self, *args: Any, solver: dict[str, Any], local_n: int, **options: Any) -> None:
-        super().__init__(*args, **options)
-        self.solver, self.local_n = dict(solver), local_n
-        self.errors: Tensor | None = None
-        #: Whether the products are the native ones (else curvlinops' operators).
-        self.native = self.solver.get("solver", "randomized") == "randomized" and isinstance(
-            self.pieces.backend, (GGNInterface, EFInterface)
-        )
-
-    def step(self, X: Inputs, y: Tensor) -> Tensor:
-        """The summed loss of a batch, after checking its outputs and targets.
-
-        Raises:
-            ValueError: For outputs with extra dimensions on curvlinops' operators, which see
-                the torch loss of outputs (B, C).
-        """
-        with torch.no_grad():
-            f = self.check_batch(X, y, self.pieces.subset.model(X))
-            if not self.native:
-                self.pieces.likelihood.outputs.require_plain(
-                    f.shape, "LowRankLaplace's operator route", _NATIVE_ROUTE
-                )
-            return self.pieces.backend.batch_loss(f, y)
-
-    def check(self, stats: Tensor) -> None:
-        """Refuse a non-finite loss (before any eigensolver pass)."""
-        check_finite_result(stats, "loss of a training batch")
-
-    def run(self, loader: DataLoader) -> tuple[tuple[Tensor, Tensor], Tensor]:
-        """``((U (P, k), λ (k,)), loss)`` over ``loader``.
-
-        Raises:
-            RuntimeError: If the eigenpairs are not finite.
-        """
-        loss = super().run(loader)
-        options = dict(self.solver)
-        k = int(options.pop("n_eigenvalues"))
-        backend, dtype = self.pieces.backend, self.pieces.subset.dtype
-        loss_targets = self.pieces.likelihood.loss_targets
-        product = curvature_product(
-            backend,
-            self.passes(loader, lambda X, y: (X, loss_targets(y, dtype))),
-            self.local_n,
-            native=self.native,
-            reduce=distributed_utils.all_reduce_sum if self.distributed else None,
-            seed=options.get("seed", 0),
-        )
-        U, eigenvalues, self.errors = top_eigenpairs(product, k, **options)
-        if not self.pieces.posterior.is_finite((U, eigenvalues)):
-            raise RuntimeError("the curvature eigenpairs contain NaN or inf; check the model.")
-        return (U, eigenvalues), loss

@@ -5,32 +5,56 @@ Internal module; the public path is :mod:`laplace.baselaplace`.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from functools import partial
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader
 
+from laplace import distributed as distributed_utils
+from laplace import glm, large_output
 from laplace.base import BaseLaplace
-from laplace.errors import NotFittedError, check_generator, check_positive_int
-from laplace.glm import GLMPredictiveMixin
-from laplace.parametric_fit import CurvatureFitMixin
+from laplace.data import (
+    Inputs,
+    batch_size_of,
+    check_outputs,
+    dataset_size,
+    input_chunks,
+    prepare_inputs,
+)
+from laplace.errors import NotFittedError, check_bool, check_generator, check_positive_int
+from laplace.glm import jacobian_chunk_rows
+from laplace.jacobians import HeadFeatures, position_rows, row_kind
+from laplace.likelihoods import LikelihoodModel
+from laplace.parametric_fit import CurvatureSum, FitPass, FitPieces
 from laplace.per_output import noise_structure
-from laplace.posterior_scale import PosteriorScaleMixin
 from laplace.posteriors import (
     DensePosterior,
     DiagonalPosterior,
     NotPositiveDefiniteError,
     Posterior,
 )
-from laplace.serialization import StateDictMixin
+from laplace.predictive import gaussian_output_samples
+from laplace.priors import as_sigma_noise
+from laplace.serialization import ParametricState
+from laplace.subsets import LastLayer
+from laplace.utils.enums import LinkApprox, PredType, parse_enum
 
 __all__ = ["DiagLaplace", "FullLaplace", "ParametricLaplace"]
 
 
-class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, BaseLaplace):
+class ParametricLaplace(BaseLaplace):
     """Gaussian posterior ``N(θ_MAP, P⁻¹)`` with ``P = H/(σ²T) + diag(p₀)`` over the weights.
 
-    Subclasses choose the structure of the curvature ``H`` through ``_posterior_cls``.
+    Subclasses choose the structure of the curvature ``H`` through ``_posterior_cls`` (a
+    :class:`~laplace.posteriors.Posterior`). A fit is one pass over the data
+    (``_curvature_pass``, a :class:`~laplace.parametric_fit.FitPass`) summing the backend's
+    curvature in the structure's form; the GLM predictive linearises the model through the
+    parameter subset into the Jacobian kind the structure has a closed form for
+    (:mod:`laplace.jacobians`), a chunk of test points at a time; ``pred_type="nn"`` runs the
+    network with weights sampled from the posterior.
     After :meth:`fit`, ``H`` is the curvature summed over the data, ``loss`` the summed loss,
     ``mean`` the MAP weights (P,). Before it, as in laplace-torch, the posterior is the prior:
     ``H`` is a zero curvature in the structure's form, ``mean`` the prior mean (P,), and
@@ -41,20 +65,26 @@ class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, B
 
     _abstract = "use FullLaplace, DiagLaplace, KronLaplace or LowRankLaplace."
     _posterior_cls: type[Posterior]
+    _state_format = ParametricState()
+    #: The pass over the data that sums the curvature, and its further options.
+    _curvature_pass: type[FitPass] = CurvatureSum
+    _fit_pass_options: ClassVar[dict[str, Any]] = {}
+    #: The fitted curvature; before a fit the zero curvature (None while the parameters are
+    #: not known).
+    H: Any = None
+    _fitted_mean: Tensor | None = None
+    _posterior_cache: tuple[Any, Tensor, Tensor, Posterior] | None = None
+    #: An assigned ``_posterior_scale`` and the posterior object it belongs to.
+    _assigned_scale: tuple[Any, Tensor] | None = None
 
-    def _init_state(self) -> None:
-        self.H: Any = None
-        self._fitted_mean: Tensor | None = None
-        self._posterior_cache: tuple[Any, Tensor, Tensor, Posterior] | None = None
-        if self._subset.resolved:
-            self._init_H()
-
-    def _accept_sigma_noise(self, sigma: Tensor) -> None:
-        """Switch to the per-output variant of the structure for one σ per output.
+    @BaseLaplace.sigma_noise.setter
+    def sigma_noise(self, value: float | Tensor) -> None:
+        """Set σ; one σ per output switches to the per-output variant of the structure.
 
         Raises:
             ValueError: See :func:`laplace.per_output.noise_structure`.
         """
+        sigma = as_sigma_noise(value, self._likelihood_model, self._device, self._dtype)
         structure = noise_structure(
             self._own_structure(),
             self._posterior_cls,
@@ -64,17 +94,13 @@ class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, B
         )
         if structure is not self._posterior_cls:
             self._posterior_cls = structure
-            if getattr(self, "H", None) is not None:
+            if self.H is not None:
                 self._init_H()
+        self._sigma_noise = sigma
 
     def _own_structure(self) -> type[Posterior]:
         """The class's posterior structure for one σ (``_posterior_cls`` of the class)."""
         return type(self)._posterior_cls
-
-    def _transaction_rebuild(self) -> dict[str, Any]:
-        # The zero curvature of an unfitted approximation is freed while a first fit sums
-        # (a dense one is P × P) and rebuilt if that fit fails.
-        return {"H": self._init_H} if not self._fitted and self.H is not None else {}
 
     def _init_H(self) -> None:
         """Reset ``H`` to the zero curvature of the structure (the posterior is then the prior).
@@ -94,15 +120,11 @@ class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, B
             return self._fitted_mean
         if not self._subset.resolved:
             return None
-        return self._prior_mean_vector()
+        return self._subset.prior_mean_vector(self.prior_mean)
 
     @mean.setter
     def mean(self, value: Tensor | None) -> None:
         self._fitted_mean = value
-
-    def _prior_mean_vector(self) -> Tensor:
-        """The prior mean expanded to the posterior's weight vector, shape (P,)."""
-        return torch.broadcast_to(self.prior_mean, (self.n_params,)).clone()
 
     # ------------------------------------------------------------------------- posterior
     @property
@@ -241,11 +263,449 @@ class ParametricLaplace(CurvatureFitMixin, GLMPredictiveMixin, StateDictMixin, B
             self._draw_deviations(n_samples, generator), "posterior samples"
         )
 
+    # ------------------------------------------------------------- posterior scale
+    # laplace-torch caches the scale S (S Sᵀ = P⁻¹) in ``_posterior_scale``, fills it in
+    # ``_compute_scale()`` and samples with it; downstream code reads and assigns it. Here the
+    # posterior structure owns the scale, and an assigned one is used until the curvature or a
+    # hyperparameter changes (a new posterior object), as laplace-torch resets its cache then.
+    @property
+    def posterior_scale(self) -> Tensor:
+        """``S`` (P, P) with ``S Sᵀ = P⁻¹``: the assigned ``_posterior_scale``, else computed."""
+        assigned = self._current_assigned_scale()
+        return assigned if assigned is not None else self._posterior.scale
+
+    def _compute_scale(self) -> None:
+        """Compute the posterior scale (laplace-torch's hook); an assigned one is dropped."""
+        self._assigned_scale = None
+        _ = self._posterior.scale
+
+    @property
+    def _posterior_scale(self) -> Tensor:
+        """The scale laplace-torch caches here; readable and assignable (None resets it)."""
+        return self.posterior_scale
+
+    @_posterior_scale.setter
+    def _posterior_scale(self, value: Tensor | None) -> None:
+        self._assigned_scale = None if value is None else (self._posterior, value)
+
+    def _current_assigned_scale(self) -> Tensor | None:
+        """The assigned scale while the posterior it was assigned for is current."""
+        if self._assigned_scale is None:
+            return None
+        posterior, scale = self._assigned_scale
+        return scale if posterior is self._posterior else None
+
     def _draw_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
-        return self._posterior.sample_deviations(n_samples, generator)
+        assigned = self._current_assigned_scale()
+        if assigned is None:
+            return self._posterior.sample_deviations(n_samples, generator)
+        z = torch.randn(
+            (n_samples, assigned.shape[-1]),
+            generator=generator,
+            device=assigned.device,
+            dtype=assigned.dtype,
+        )
+        return z @ assigned.T
+
+    # ------------------------------------------------------------------------ fit
+    @property
+    def _structure_options(self) -> dict[str, Any]:
+        """Options of the posterior structure's ``finalize`` / ``load_state`` (Kron: damping)."""
+        return {"damping": self.damping} if hasattr(self, "damping") else {}
+
+    def fit(
+        self,
+        train_loader: DataLoader,
+        override: bool = True,
+        progress_bar: bool = False,
+        distributed: bool | None = None,
+    ):
+        """Accumulate the curvature and loss over ``train_loader`` at the current weights.
+
+        Args:
+            train_loader: Batches ``(X, y)`` or dict-like; ``len(train_loader.dataset)`` is N.
+            override: Start from zero (True) or add to the previous fit (online Laplace).
+            progress_bar: Show a progress bar over batches.
+            distributed: All-reduce the sums over the ranks of :mod:`torch.distributed`, each
+                fitting its shard of the data; None: when the process group is initialised
+                and the loader uses a ``DistributedSampler`` (see :mod:`laplace.distributed`).
+
+        When it raises (bad data, an exception from the model or the loader, a
+        ``KeyboardInterrupt``), the approximation is left exactly as before the call (see
+        :mod:`laplace.transaction`).
+
+        Raises:
+            ValueError: If the loader is empty or a batch contains non-finite values, or for
+                ``override=False`` with a structure that cannot update a fit (low-rank).
+            RuntimeError: If the curvature of a batch is not finite.
+            DistributedFitError: If another rank failed during a distributed fit, or the ranks
+                hold different hyperparameters.
+        """
+        structure = self._posterior_cls
+        if not check_bool(override, "override") and structure.update_refusal is not None:
+            raise ValueError(
+                f"{type(self).__name__} cannot update a fit (override=False): "
+                f"{structure.update_refusal}"
+            )
+        self._distributed = distributed_utils.resolve(distributed, train_loader)
+        n_data = self._data_count(train_loader)
+        if n_data == 0:
+            raise ValueError("train_loader is empty: fit needs at least one data point.")
+        with distributed_utils.guard(self._distributed, "fit"):
+            self._resolve_subset(train_loader)
+        self._check_ranks_agree()
+        update = not override and self._fitted
+        n_before = self.n_data if update else 0
+        self.model.eval()
+        mean = self._subset.vector()
+        if not self._fitted:
+            self.H = None  # the prior's zero curvature: freed while summing, rebuilt on failure
+        H_new, loss_new, n_outputs = self._accumulate(
+            train_loader, n_before + n_data, progress_bar
+        )
+        if update:
+            H_new = structure.merge(self.H, H_new, n_before, n_before + n_data)
+            loss_new = self.loss + loss_new
+        self.H = structure.finalize(H_new, **self._structure_options)
+        self.loss, self.n_data, self.n_outputs = loss_new, n_before + n_data, n_outputs
+        self.mean = mean if self.enable_backprop else mean.detach()
+        self._posterior_cache = None
+        self._fitted = True
+
+    def _accumulate(
+        self, train_loader: DataLoader, n_data: int, progress_bar: bool
+    ) -> tuple[Any, Tensor | float, int]:
+        """The curvature and the loss summed over ``train_loader``, and the number of outputs.
+
+        Args:
+            train_loader: The training data.
+            n_data: Number of data points the summed curvature covers (KFAC normalises by the
+                data of earlier fits too).
+            progress_bar: Show a progress bar over batches.
+        """
+        loop = self._data_loop(
+            self._curvature_pass,
+            pieces=self._fit_pieces(n_data),
+            **self._fit_pass_options,
+            progress_bar=progress_bar,
+            desc="fit",
+            distributed=self._distributed,
+            empty_message="train_loader yielded no batches: fit needs at least one batch.",
+        )
+        H, loss = loop.run(train_loader)
+        for name, value in loop.results.items():
+            setattr(self, name, value)
+        return H, loss, loop.n_outputs
+
+    def _fit_pieces(self, n_data: int) -> FitPieces:
+        """The pieces a pass over the data wires together, for ``n_data`` data points."""
+        return FitPieces(
+            subset=self._subset,
+            posterior=self._posterior_cls,
+            backend=self.backend,
+            likelihood=self._likelihood_model.fit_likelihood,
+            zeros=self._zero_curvature,
+            n_data=n_data,
+        )
+
+    def _check_ranks_agree(self) -> None:
+        """In a distributed fit, refuse ranks built with different hyperparameters.
+
+        Raises:
+            DistributedFitError: On every rank, naming what differs.
+        """
+        if self._distributed:
+            distributed_utils.check_consistent(
+                {
+                    "class": type(self).__name__,
+                    "n_params": self.n_params,
+                    "prior_precision": self.prior_precision,
+                    "prior_mean": self.prior_mean,
+                    "sigma_noise": self.sigma_noise,
+                    "temperature": self.temperature,
+                },
+                "fit",
+            )
+
+    def _data_count(self, train_loader: DataLoader) -> int:
+        """Data points of the fit: all ranks' together when distributed."""
+        if not getattr(self, "_distributed", False):
+            return dataset_size(train_loader)
+        return distributed_utils.all_reduce_sum(distributed_utils.data_count(train_loader))
+
+    def _zero_curvature(self) -> Any:
+        """Empty curvature in the posterior's structure and dimension."""
+        return self._posterior_cls.zeros(self._subset.curvature_params)
+
+    # ------------------------------------------------------------------ predictives
+    def __call__(
+        self,
+        x: Inputs,
+        pred_type: PredType | str = PredType.GLM,
+        joint: bool = False,
+        link_approx: LinkApprox | str = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+        fitting: bool = False,
+        **model_kwargs: Any,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Posterior predictive at inputs ``x``.
+
+        Args:
+            x: Test inputs (B, ...) or a dict-like batch.
+            pred_type: ``"glm"`` (linearised network) or ``"nn"`` (sampled weights).
+            joint: Regression GLM only: return the joint ``(f_mu (B·C,), f_cov (B·C, B·C))``.
+            link_approx: Classification link: ``"probit"``, ``"bridge"``, ``"bridge_norm"`` or
+                ``"mc"``; ``pred_type="nn"`` needs ``"mc"``.
+            n_samples: Samples for ``"mc"`` and ``"nn"``.
+            diagonal_output: Regression GLM: return variances (B, C) instead of (B, C, C).
+            generator: Random number generator for sampling.
+            fitting: Reward modelling: predict as during fitting (classification).
+            **model_kwargs: Extra keyword arguments for the model's forward (NN predictive).
+
+        Returns:
+            What the likelihood predicts: classification class probabilities (B, C); binary
+            classification label probabilities (B, K); regression ``(f_mu, f_var)``;
+            heteroscedastic regression a
+            :class:`~laplace.likelihoods.HeteroscedasticPrediction`; your own likelihood what
+            its ``predictive`` returns.
+
+        Raises:
+            ValueError: For unknown or incompatible ``pred_type`` / ``link_approx`` (binary
+                classification takes ``"probit"`` or ``"mc"``), an ``n_samples`` that is not
+                a positive integer where samples are drawn, ``joint=True`` with a predictive
+                other than regression's, or empty or non-finite inputs.
+            RuntimeError: Before :meth:`fit`.
+        """
+        pred_type = parse_enum(PredType, pred_type, "pred_type")
+        link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
+        if pred_type == PredType.GP:
+            raise ValueError("pred_type='gp' needs a functional (GP) Laplace; use 'glm' or 'nn'.")
+        if pred_type == PredType.NN and link_approx != LinkApprox.MC:
+            raise ValueError(
+                "pred_type='nn' samples networks and supports only link_approx='mc' "
+                f"(got {link_approx.value!r})."
+            )
+        if pred_type == PredType.NN or link_approx == LinkApprox.MC:
+            check_positive_int(n_samples, "n_samples")
+        check_generator(generator)
+        likelihood = self._prediction_likelihood(fitting)
+        likelihood.check_prediction(link_approx, joint)
+        self._check_fitted("prediction")
+        reason = self._output_variances_only()
+        if reason is not None and pred_type == PredType.GLM:
+            likelihood.check_variance_prediction(link_approx, joint, diagonal_output, reason)
+        x = prepare_inputs(x, self.dict_key_x, self._device, "prediction")
+        if pred_type == PredType.NN:
+            groups = self._nn_sample_groups(x, n_samples, generator, **model_kwargs)
+            return likelihood.sampled_predictive_of(groups)
+        moments = partial(self._glm_predictive_distribution, x)
+        return likelihood.predict(
+            moments, joint, diagonal_output, link_approx, n_samples, generator
+        )
+
+    def predictive(self, x: Inputs, pred_type="glm", link_approx="probit", n_samples=100):
+        """Alias of ``__call__`` kept from older laplace-torch versions."""
+        return self(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
+
+    def _prediction_likelihood(self, fitting: bool) -> LikelihoodModel:
+        model = self._likelihood_model
+        return model.fit_likelihood if fitting else model.predictive_likelihood
+
+    # ----------------------------------------------------------------------------- GLM
+    def _chunk_rows(self) -> int:
+        """Test points per chunk, from the Jacobian kind the subset gives this posterior."""
+        if self._output_variances_only():
+            # A last layer's closed forms hold about C·(D + 1) numbers per point.
+            n_in = self._subset.layer.in_features
+            return jacobian_chunk_rows(self.n_outputs, n_in + 1, self._dtype)
+        posterior, subset, outputs = self._posterior, self._subset, self._likelihood_model.outputs
+        kind = row_kind(subset.jacobian_kind(posterior.closed_forms), outputs)
+        per_point = outputs.per_point(self.n_outputs)
+        rows = jacobian_chunk_rows(per_point, len(posterior.prior_diag), self._dtype)
+        return kind.chunk_rows(rows, subset.model, subset.params)
+
+    def _output_variances_only(self) -> str | None:
+        """Why the GLM predictive computes only output variances (B, C); None if it does not.
+
+        A last layer with more outputs than the large-output threshold (its closed forms).
+        """
+        if not isinstance(self._subset, LastLayer):
+            return None
+        return large_output.variances_only_reason(self.n_outputs)
+
+    def _glm_refusal(self) -> str | None:
+        """Why the GLM predictive cannot be computed at all; None if it can."""
+        has_closed_form = self._subset.jacobian_kind(self._posterior.closed_forms) is HeadFeatures
+        return None if has_closed_form else large_output.glm_refusal(self.n_outputs)
+
+    def _glm_predictive_distribution(
+        self, X: Inputs, joint: bool = False, diagonal_output: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """Mean and covariance of the linearised network's outputs.
+
+        Returns:
+            ``(f_mu (B, C), f_var (B, C, C))``; ``(B, C)`` variances if ``diagonal_output``;
+            ``(f_mu (B·C,), f_cov (B·C, B·C))`` if ``joint``.
+
+        Raises:
+            ValueError: Where the approximation refuses the GLM predictive (``_glm_refusal``).
+        """
+        refusal = self._glm_refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
+        if joint:
+            f_mu, J = self._subset.linearize(X, self.backend, (), self.enable_backprop)
+            return self._detached(f_mu.reshape(-1), self.functional_covariance(J.dense()))
+        means, variances = [], []
+        for chunk in input_chunks(X, self._chunk_rows(), self.dict_key_x):
+            f_mu, f_var = self._functional_moments(chunk)
+            check_outputs(f_mu, batch_size_of(chunk, self.dict_key_x))
+            self._checked_finite(f_var, "predictive variance")
+            means.append(f_mu)
+            if diagonal_output and f_var.dim() == 3:
+                f_var = f_var.diagonal(dim1=-2, dim2=-1)
+            variances.append(f_var)
+        return torch.cat(means), torch.cat(variances)
+
+    def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
+        """``(f_mu (B, C), f_var (B, C, C))`` of the linearised network on one chunk of inputs.
+
+        The subset linearises the model into the Jacobian kind the posterior has a closed form
+        for (else dense rows), and the posterior computes ``J P⁻¹ Jᵀ`` for it. Outputs with
+        extra dimensions give ``f_mu`` in their shape (B, …) and the covariances of their rows
+        (B·T, C, C) (:mod:`laplace.outputs`).
+        """
+        posterior = self._posterior
+        f_mu, J = self._subset.linearize(
+            X, self.backend, posterior.closed_forms, self.enable_backprop
+        )
+        J = position_rows(J, self._likelihood_model.layout(f_mu.shape))
+        return self._detached(f_mu, posterior.functional_variance(J))
+
+    def _detached(self, f_mu: Tensor, f_var: Tensor) -> tuple[Tensor, Tensor]:
+        """The moments, detached from the graph unless ``enable_backprop``."""
+        return (f_mu, f_var) if self.enable_backprop else (f_mu.detach(), f_var.detach())
+
+    def functional_samples(
+        self,
+        x: Inputs,
+        pred_type: PredType | str = PredType.GLM,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Samples of the network outputs ``f`` (before any link), shape (S, B, C).
+
+        Raises:
+            ValueError: For an unknown ``pred_type`` or a non-positive ``n_samples``, or GLM
+                samples without ``diagonal_output=True`` where only output variances are
+                computed.
+        """
+        pred_type = parse_enum(PredType, pred_type, "pred_type")
+        check_positive_int(n_samples, "n_samples")
+        check_generator(generator)
+        self._check_fitted("functional_samples")
+        reason = self._output_variances_only()
+        if reason is not None and pred_type == PredType.GLM and not diagonal_output:
+            raise ValueError(
+                f"{reason}: GLM samples need diagonal_output=True (independent outputs), or "
+                "use pred_type='nn', which samples the weights from the posterior."
+            )
+        x = prepare_inputs(x, self.dict_key_x, self._device, "functional_samples")
+        if pred_type == PredType.NN:
+            return self._nn_functional_samples(x, n_samples, generator)
+        f_mu, f_var = self._glm_predictive_distribution(x, diagonal_output=diagonal_output)
+        layout = self._likelihood_model.layout(f_mu.shape)
+        return layout.restore(
+            gaussian_output_samples(layout.rows(f_mu), f_var, n_samples, generator)
+        )
+
+    def predictive_samples(
+        self,
+        x: Inputs,
+        pred_type: PredType | str = PredType.GLM,
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Samples of the predictive: probabilities for classification, outputs for regression.
+
+        Heteroscedastic regression draws ``y = μ + e^{s/2} ε`` per sampled output (the noise
+        included); your own likelihood applies its ``inverse_link``.
+
+        Returns:
+            Samples, shape (S, B, C).
+        """
+        f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator)
+        return self._link_samples(f, generator)
+
+    def _link_samples(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """Output samples (S, B, C) as predictive draws of the likelihood.
+
+        Softmax or sigmoid probabilities for classification, the outputs for regression, draws
+        of ``y`` for heteroscedastic regression.
+        """
+        return self._likelihood_model.predictive_likelihood.predictive_sample(f, generator)
+
+    def _nn_functional_samples(
+        self,
+        X: Inputs,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        **model_kwargs: Any,
+    ) -> Tensor:
+        """Outputs of ``n_samples`` networks with weights drawn from the posterior (S, B, C)."""
+        thetas = self.sample(n_samples, generator)
+        context = torch.enable_grad() if self.enable_backprop else torch.no_grad()
+        with context:
+            f = self._subset.forward_samples(thetas, X, **model_kwargs)
+        check_outputs(f[0], batch_size_of(X, self.dict_key_x))
+        return f
+
+    def _nn_sample_groups(
+        self,
+        X: Inputs,
+        n_samples: int,
+        generator: torch.Generator | None = None,
+        **model_kwargs: Any,
+    ) -> Iterator[Tensor]:
+        """Outputs of ``n_samples`` sampled networks, in groups (Sᵢ, B, C) of bounded memory.
+
+        All samples form one group while their weights fit in ``glm.NN_SAMPLE_BYTES``; else (an
+        LLM's head: 2M weights, (T, 32,000) logits per sequence) the first group is one sample,
+        and the later ones as many as the weights and outputs of one sample allow.
+        """
+        per_weights = self.n_params * self.mean.element_size()
+        size = n_samples if n_samples * per_weights <= glm.NN_SAMPLE_BYTES else 1
+        done = 0
+        while done < n_samples:
+            f = self._nn_functional_samples(
+                X, min(size, n_samples - done), generator, **model_kwargs
+            )
+            done += len(f)
+            yield f
+            size = max(1, glm.NN_SAMPLE_BYTES // (per_weights + f[0].numel() * f.element_size()))
+
+    def _nn_predictive_samples(
+        self,
+        X: Inputs,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        **model_kwargs: Any,
+    ) -> Tensor:
+        """Predictive of ``n_samples`` sampled networks (S, B, C): probabilities or outputs.
+
+        laplace-torch's hook, kept for code that calls it.
+        """
+        X = prepare_inputs(X, self.dict_key_x, self._device, "_nn_predictive_samples")
+        return self._link_samples(
+            self._nn_functional_samples(X, n_samples, generator, **model_kwargs), generator
+        )
 
 
-class FullLaplace(PosteriorScaleMixin, ParametricLaplace):
+class FullLaplace(ParametricLaplace):
     """Laplace approximation with a dense (P, P) curvature and posterior precision.
 
     Hyperparameter tuning evaluates ``log det(h·H + δ·I)`` for many ``(h, δ)`` with a scalar
@@ -253,8 +713,7 @@ class FullLaplace(PosteriorScaleMixin, ParametricLaplace):
     eigenvalues ``λ`` of ``H``, found once per fit, instead of one Cholesky factorisation (and
     its backward pass) per step.
 
-    ``posterior_scale`` is the lower-triangular ``S`` (P, P) with ``S Sᵀ = P⁻¹``
-    (see :class:`~laplace.posterior_scale.PosteriorScaleMixin`).
+    ``posterior_scale`` is the lower-triangular ``S`` (P, P) with ``S Sᵀ = P⁻¹``.
     """
 
     _posterior_cls = DensePosterior

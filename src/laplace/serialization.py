@@ -16,7 +16,13 @@ from laplace.errors import ArgumentTypeError, MissingKeyError, check_bool, check
 from laplace.outputs import OutputAdapter
 from laplace.priors import check_temperature
 
-__all__ = ["StateDict", "StateDictMixin", "check_state_dict"]
+__all__ = [
+    "ParametricState",
+    "StateFormat",
+    "check_state_dict",
+    "load_state_dict",
+    "state_dict",
+]
 
 #: Tolerance when checking that the model's weights are the saved posterior mean.
 MEAN_MATCH_ATOL = 1e-6
@@ -93,170 +99,182 @@ def check_state_dict(
         check_positive_int(state_dict[key], f"state_dict[{key!r}]")
 
 
-class StateDict:
-    """``state_dict`` / ``load_state_dict`` of every Laplace approximation.
+def state_dict(la: Any) -> dict[str, Any]:
+    """The fitted state of the Laplace approximation ``la`` (its ``state_dict`` method).
 
-    The state is the identity of the approximation (class, likelihood and what
-    :meth:`_state_identity` adds), the posterior mean (checked against the model's weights when
-    loading) and the entries :meth:`_state_values` returns: by default the attributes named in
-    :attr:`_state_plain` (saved as they are) and :attr:`_state_tensors` (floating-point tensors,
-    saved detached and restored on the model's device and dtype, through their setters) and
-    :attr:`_state_parameters` (trainable ``nn.Parameter`` attributes, restored as new ones).
-    Loading checks the identity, the entries (:func:`check_state_dict`, with
-    :attr:`_state_counts` positive integers), the mean and the values
-    (:meth:`_check_state_values`) before it assigns anything (:meth:`_load_state_values`); a
-    state that fails a check changes nothing (see :mod:`laplace.transaction`).
+    The identity of the approximation (class, likelihood and what its ``_state_format`` adds),
+    the posterior mean and the format's values.
+
+    Returns:
+        A dict of tensors and plain values (loadable with ``weights_only=True``).
+
+    Raises:
+        NotFittedError: Before ``fit``.
+    """
+    la._check_fitted("state_dict")
+    fmt = la._state_format
+    return {**fmt.identity(la), "mean": la.mean.detach(), **fmt.values(la)}
+
+
+def load_state_dict(la: Any, state_dict: dict[str, Any]) -> None:
+    """Restore a state saved by ``state_dict`` into ``la`` (its ``load_state_dict`` method).
+
+    Every check (identity, entries, the mean against the model's weights, the format's values)
+    runs before anything is assigned; a state that fails one changes nothing.
+
+    Raises:
+        ValueError: If the state belongs to another class, likelihood or architecture, if the
+            model's weights are not the saved posterior mean, or if it is not a state
+            ``state_dict`` writes (see :func:`check_state_dict`).
+    """
+    fmt = la._state_format
+    identity = fmt.identity(la)
+    check_state_dict(state_dict, identity, (), ())
+    for key, value in identity.items():
+        if state_dict[key] != value:
+            raise ValueError(
+                f"state_dict does not match this Laplace approximation: its {key} is "
+                f"{state_dict[key]!r}, expected {value!r}."
+            )
+    required = (*identity, "mean", *fmt.value_keys(la))
+    tensors = ("mean", *fmt.tensor_keys(la))
+    check_state_dict(state_dict, required, tensors, fmt.count_keys(la))
+    fmt.prepare(la, state_dict)
+    mean = state_dict["mean"].to(device=la._device, dtype=la._dtype)
+    current = la._subset.vector().detach()
+    if mean.shape != current.shape or not torch.allclose(
+        mean, current, rtol=0, atol=MEAN_MATCH_ATOL
+    ):
+        raise ValueError(
+            "the model's weights differ from the posterior mean stored in state_dict; "
+            "load the model's own state_dict (the MAP weights) before the Laplace state."
+        )
+    fmt.check(la, state_dict)
+    fmt.load(la, state_dict)
+    la.mean = mean
+    la._fitted = True
+
+
+class StateFormat:
+    """What the state of a Laplace class holds besides its identity and mean, and how it loads.
+
+    By default the attributes the class names in ``_state_plain`` (saved as they are),
+    ``_state_tensors`` (floating-point tensors, saved detached and restored on the model's
+    device and dtype, through their setters) and ``_state_parameters`` (trainable
+    ``nn.Parameter`` attributes, restored as new ones); ``_state_other_tensors`` and
+    ``_state_counts`` name further entries that hold floating-point tensors and positive
+    integers. A class whose state needs more passes its own format object.
     """
 
-    #: Attributes saved and restored as they are (plain values).
-    _state_plain: tuple[str, ...] = ()
-    #: Floating-point tensor attributes saved and restored (checked finite when loading).
-    _state_tensors: tuple[str, ...] = ()
-    #: ``nn.Parameter`` attributes (or None) saved detached and restored as new parameters.
-    _state_parameters: tuple[str, ...] = ()
-    #: Other entries holding floating-point tensors, written and read by the class's own hooks.
-    _state_other_tensors: tuple[str, ...] = ()
-    #: Entries holding positive integers.
-    _state_counts: tuple[str, ...] = ()
+    def identity(self, la: Any) -> dict[str, Any]:
+        """Entries a loaded state must equal (class and likelihood)."""
+        return {"cls_name": type(la).__name__, "likelihood": la._likelihood_model.name}
 
-    def state_dict(self) -> dict[str, Any]:
-        """The fitted state.
+    def value_keys(self, la: Any) -> tuple[str, ...]:
+        """The entries :meth:`values` writes."""
+        return (*la._state_plain, *la._state_tensors, *la._state_parameters)
 
-        Returns:
-            A dict of tensors and plain values (loadable with ``weights_only=True``).
-        """
-        self._check_fitted("state_dict")
-        return {**self._state_identity(), "mean": self.mean.detach(), **self._state_values()}
+    def tensor_keys(self, la: Any) -> tuple[str, ...]:
+        """Entries holding floating-point tensors (checked finite before loading)."""
+        return (*la._state_tensors, *la._state_other_tensors)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a state saved by :meth:`state_dict`.
+    def count_keys(self, la: Any) -> tuple[str, ...]:
+        """Entries holding positive integers."""
+        return la._state_counts
 
-        A state that fails a check changes nothing (see :mod:`laplace.transaction`).
-
-        Raises:
-            ValueError: If the state belongs to another class, likelihood or architecture, if
-                the model's weights are not the saved posterior mean, or if it is not a state
-                :meth:`state_dict` writes (see :func:`check_state_dict`).
-        """
-        identity = self._state_identity()
-        check_state_dict(state_dict, identity, (), ())
-        for key, value in identity.items():
-            if state_dict[key] != value:
-                raise ValueError(
-                    f"state_dict does not match this Laplace approximation: its {key} is "
-                    f"{state_dict[key]!r}, expected {value!r}."
-                )
-        required = (*identity, "mean", *self._state_value_keys())
-        tensors = ("mean", *self._state_tensors, *self._state_other_tensors)
-        check_state_dict(state_dict, required, tensors, self._state_counts)
-        self._prepare_state_load(state_dict)
-        mean = state_dict["mean"].to(device=self._device, dtype=self._dtype)
-        current = self._subset.vector().detach()
-        if mean.shape != current.shape or not torch.allclose(
-            mean, current, rtol=0, atol=MEAN_MATCH_ATOL
-        ):
-            raise ValueError(
-                "the model's weights differ from the posterior mean stored in state_dict; "
-                "load the model's own state_dict (the MAP weights) before the Laplace state."
-            )
-        self._check_state_values(state_dict)
-        self._load_state_values(state_dict)
-        self.mean = mean
-        self._fitted = True
-
-    # ------------------------------------------------------------------ hooks of the classes
-    def _state_identity(self) -> dict[str, Any]:
-        """Entries a loaded state must equal (class and likelihood, by default)."""
-        return {"cls_name": type(self).__name__, "likelihood": self._likelihood_model.name}
-
-    def _state_value_keys(self) -> tuple[str, ...]:
-        """The entries :meth:`_state_values` writes."""
-        return (*self._state_plain, *self._state_tensors, *self._state_parameters)
-
-    def _state_values(self) -> dict[str, Any]:
+    def values(self, la: Any) -> dict[str, Any]:
         """The fitted posterior and hyperparameters, besides the identity and the mean."""
-        values = {name: getattr(self, name) for name in self._state_plain}
-        values.update({name: getattr(self, name).detach() for name in self._state_tensors})
-        for name in self._state_parameters:
-            parameter = getattr(self, name)
+        values = {name: getattr(la, name) for name in la._state_plain}
+        values.update({name: getattr(la, name).detach() for name in la._state_tensors})
+        for name in la._state_parameters:
+            parameter = getattr(la, name)
             values[name] = None if parameter is None else parameter.detach().clone()
         return values
 
-    def _check_state_values(self, state_dict: dict[str, Any]) -> None:
-        """Refuse entries :meth:`_load_state_values` cannot take, before anything is loaded."""
-
-    def _prepare_state_load(self, state_dict: dict[str, Any]) -> None:
+    def prepare(self, la: Any, state_dict: dict[str, Any]) -> None:
         """Make the parameters known before the mean is compared (e.g. find the last layer)."""
 
-    def _load_state_values(self, state_dict: dict[str, Any]) -> None:
-        """Assign the checked entries of :meth:`_state_values`."""
-        for name in self._state_plain:
-            setattr(self, name, state_dict[name])
-        for name in self._state_tensors:
-            setattr(self, name, state_dict[name].to(device=self._device, dtype=self._dtype))
-        for name in self._state_parameters:
+    def check(self, la: Any, state_dict: dict[str, Any]) -> None:
+        """Refuse entries :meth:`load` cannot take, before anything is loaded."""
+
+    def load(self, la: Any, state_dict: dict[str, Any]) -> None:
+        """Assign the checked entries of :meth:`values`."""
+        for name in la._state_plain:
+            setattr(la, name, state_dict[name])
+        for name in la._state_tensors:
+            setattr(la, name, state_dict[name].to(device=la._device, dtype=la._dtype))
+        for name in la._state_parameters:
             if state_dict[name] is not None:
-                value = state_dict[name].to(device=self._device, dtype=self._dtype)
-                setattr(self, name, nn.Parameter(value.clone()))
+                value = state_dict[name].to(device=la._device, dtype=la._dtype)
+                setattr(la, name, nn.Parameter(value.clone()))
 
 
-class StateDictMixin(StateDict):
+class ParametricState(StateFormat):
     """The state of a parametric Laplace: the curvature, loss, data count and hyperparameters.
 
-    The identity also holds the names and shapes of the parameters (the architecture).
+    The identity also holds the names and shapes of the parameters (the architecture); the
+    curvature is saved as the posterior structure saves it.
     """
 
-    _state_other_tensors = ("H", "loss", "prior_mean", "prior_precision", "sigma_noise")
-    _state_counts = ("n_data", "n_outputs")
-
-    def _state_identity(self) -> dict[str, Any]:
+    def identity(self, la: Any) -> dict[str, Any]:
+        """Class, likelihood, and the names and shapes of the parameters."""
         return {
-            **super()._state_identity(),
-            "param_names": list(self._subset.names),
-            "param_shapes": [list(p.shape) for p in self._subset.params],
+            **super().identity(la),
+            "param_names": list(la._subset.names),
+            "param_shapes": [list(p.shape) for p in la._subset.params],
         }
 
-    def _state_value_keys(self) -> tuple[str, ...]:
+    def value_keys(self, la: Any) -> tuple[str, ...]:
+        """The parametric entries."""
         return PARAMETRIC_VALUES
 
-    def _state_values(self) -> dict[str, Any]:
-        layout = self._likelihood_model.outputs.found
+    def tensor_keys(self, la: Any) -> tuple[str, ...]:
+        """The curvature, loss and hyperparameters."""
+        return ("H", "loss", "prior_mean", "prior_precision", "sigma_noise")
+
+    def count_keys(self, la: Any) -> tuple[str, ...]:
+        """The data and output counts."""
+        return ("n_data", "n_outputs")
+
+    def values(self, la: Any) -> dict[str, Any]:
+        """The curvature as the structure saves it, the loss, counts and hyperparameters."""
+        layout = la._likelihood_model.outputs.found
         return {
             **({} if layout is None else {"output_layout": layout}),
-            "H": self._curvature_state(),
-            "loss": torch.as_tensor(self.loss).detach(),
-            "n_data": int(self.n_data),
-            "n_outputs": int(self.n_outputs),
-            "prior_mean": self.prior_mean.detach(),
-            "prior_precision": self.prior_precision.detach(),
-            "sigma_noise": self.sigma_noise.detach(),
-            "temperature": float(self.temperature),
-            "enable_backprop": bool(self.enable_backprop),
+            "H": self.curvature_state(la),
+            "loss": torch.as_tensor(la.loss).detach(),
+            "n_data": int(la.n_data),
+            "n_outputs": int(la.n_outputs),
+            "prior_mean": la.prior_mean.detach(),
+            "prior_precision": la.prior_precision.detach(),
+            "sigma_noise": la.sigma_noise.detach(),
+            "temperature": float(la.temperature),
+            "enable_backprop": bool(la.enable_backprop),
         }
 
-    def _check_state_values(self, state_dict: dict[str, Any]) -> None:
+    def check(self, la: Any, state_dict: dict[str, Any]) -> None:
+        """Refuse a non-boolean ``enable_backprop`` or an unknown output layout."""
         check_bool(state_dict["enable_backprop"], "state_dict['enable_backprop']")
         OutputAdapter.check_found(state_dict.get("output_layout"))
 
-    def _load_state_values(self, state_dict: dict[str, Any]) -> None:
-        self.H = self._load_curvature_state(state_dict["H"])
-        self.loss = state_dict["loss"].to(device=self._device, dtype=self._dtype)
-        self.n_data = int(state_dict["n_data"])
-        self.n_outputs = int(state_dict["n_outputs"])
-        self.prior_mean = state_dict["prior_mean"]
-        self.prior_precision = state_dict["prior_precision"]
-        self.sigma_noise = state_dict["sigma_noise"]
-        self.temperature = float(check_temperature(state_dict["temperature"]))
-        self.enable_backprop = bool(state_dict["enable_backprop"])
-        self._likelihood_model.outputs.remember(state_dict.get("output_layout"))
-        self._posterior_cache = None
+    def load(self, la: Any, state_dict: dict[str, Any]) -> None:
+        """Assign the curvature, loss, counts and hyperparameters."""
+        la.H = self.load_curvature(la, state_dict["H"])
+        la.loss = state_dict["loss"].to(device=la._device, dtype=la._dtype)
+        la.n_data = int(state_dict["n_data"])
+        la.n_outputs = int(state_dict["n_outputs"])
+        la.prior_mean = state_dict["prior_mean"]
+        la.prior_precision = state_dict["prior_precision"]
+        la.sigma_noise = state_dict["sigma_noise"]
+        la.temperature = float(check_temperature(state_dict["temperature"]))
+        la.enable_backprop = bool(state_dict["enable_backprop"])
+        la._likelihood_model.outputs.remember(state_dict.get("output_layout"))
+        la._posterior_cache = None
 
-    def _curvature_state(self) -> Any:
+    def curvature_state(self, la: Any) -> Any:
         """The fitted curvature as the posterior structure saves it."""
-        return self._posterior_cls.state(self.H)
+        return la._posterior_cls.state(la.H)
 
-    def _load_curvature_state(self, state: Any) -> Any:
+    def load_curvature(self, la: Any, state: Any) -> Any:
         """The fitted curvature from a saved one, checked by the posterior structure."""
-        return self._posterior_cls.load_state(
-            state, self._zero_curvature(), **self._structure_options
-        )
+        return la._posterior_cls.load_state(state, la._zero_curvature(), **la._structure_options)

@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +34,7 @@ from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.priors import expand_to_diagonal
 from laplace.serialization import check_state_dict
 from laplace.subsets import Subnetwork
-from laplace.utils.enums import Likelihood, PredType, PriorStructure, TuningMethod
+from laplace.utils.enums import Likelihood, PriorStructure
 
 __all__ = ["DiagSubnetLaplace", "FullSubnetLaplace", "SubnetLaplace"]
 
@@ -70,6 +70,11 @@ class SubnetLaplace(ParametricLaplace):
     """
 
     _abstract = "use FullSubnetLaplace or DiagSubnetLaplace."
+    _subset_kind = Subnetwork
+    _refused_prior_structures: ClassVar[dict[PriorStructure, str]] = {
+        PriorStructure.LAYERWISE: "subnetwork Laplace supports prior_structure='scalar' or "
+        "'diag' (one value per subnetwork entry), not 'layerwise'."
+    }
 
     def __init__(
         self,
@@ -99,14 +104,8 @@ class SubnetLaplace(ParametricLaplace):
                 "subnetwork Laplace needs a GGN or empirical-Fisher backend (e.g. CurvlinopsGGN, "
                 f"CurvlinopsEF, AsdlGGN, AsdlEF, BackPackGGN), got {backend!r}."
             )
-        self._subnetwork_indices = subnetwork_indices
+        self._subset_options = {"indices": subnetwork_indices}
         BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
-
-    def _make_subset(self, model: nn.Module) -> Subnetwork:
-        return Subnetwork(model, self._subnetwork_indices)
-
-    def _backend_options(self, backend_kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {**backend_kwargs, "subnetwork_indices": self._subset.indices}
 
     @property
     def subnetwork_indices(self) -> torch.LongTensor:
@@ -123,17 +122,7 @@ class SubnetLaplace(ParametricLaplace):
         """MAP values of the subnetwork, shape (K,)."""
         return self._subset.select(self.mean)
 
-    def _prior_mean_vector(self) -> Tensor:
-        """Weights (P,) with the subnetwork at its prior mean and the rest at the MAP."""
-        prior = torch.broadcast_to(self.prior_mean, (self._subset.n_subnet,))
-        return self._subset.assemble(self._subset.vector().detach(), prior.unsqueeze(0))[0]
-
     # ------------------------------------------------------------------------------ prior
-    @property
-    def _prior_lengths(self) -> tuple[int | None, int | None]:
-        # Scalar or diagonal over the subnetwork; there is no layer-wise prior.
-        return None, self._subset.n_subnet
-
     @property
     def prior_precision_diag(self) -> Tensor:
         """Prior precision expanded to the subnetwork's diagonal, shape (K,)."""
@@ -144,15 +133,6 @@ class SubnetLaplace(ParametricLaplace):
         """``(θ*_S − μ₀)ᵀ diag(p₀) (θ*_S − μ₀)`` over the subnetwork."""
         delta = self.mean_subnet - self.prior_mean
         return (delta.square() * self.prior_precision_diag).sum()
-
-    def _check_tuning(
-        self, method: TuningMethod, pred_type: PredType, prior_structure: PriorStructure
-    ) -> None:
-        if prior_structure == PriorStructure.LAYERWISE:
-            raise ValueError(
-                "subnetwork Laplace supports prior_structure='scalar' or 'diag' (one value per "
-                "subnetwork entry), not 'layerwise'."
-            )
 
     # ------------------------------------------------------------------- samples and values
     def assemble_full_samples(self, subnet_samples: Tensor) -> Tensor:
@@ -175,13 +155,13 @@ class SubnetLaplace(ParametricLaplace):
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """See :meth:`~laplace.serialization.StateDictMixin.state_dict`; adds the indices."""
+        """See :meth:`ParametricLaplace.state_dict`; adds the indices."""
         state = super().state_dict()
         state["subnetwork_indices"] = self._subset.indices.detach().cpu()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """See :meth:`~laplace.serialization.StateDictMixin.load_state_dict`.
+        """See :meth:`ParametricLaplace.load_state_dict`.
 
         Raises:
             ValueError: If the state was saved for other subnetwork indices.

@@ -11,7 +11,7 @@ the posterior, for the GLM predictive.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +28,7 @@ from laplace.jacobians import (
 )
 from laplace.last_layer import head_features
 from laplace.outputs import OutputLayout
-from laplace.utils.feature_extractor import FeatureExtractor
+from laplace.utils.feature_extractor import FeatureExtractor, as_feature_extractor
 
 __all__ = [
     "MISSING_SUBNETWORK_INDICES",
@@ -37,6 +37,7 @@ __all__ = [
     "Subnetwork",
     "check_parameters",
     "check_subnetwork_indices",
+    "extractor_property",
 ]
 
 #: Floating-point types a posterior can be computed in.
@@ -85,11 +86,39 @@ def check_parameters(named: list[tuple[str, Tensor]]) -> None:
         )
 
 
+def extractor_property(name: str, doc: str, settable: bool = False) -> property:
+    """A property of a last-layer approximation read from its feature extractor ``la.model``.
+
+    Args:
+        name: The attribute of :class:`~laplace.utils.feature_extractor.FeatureExtractor`.
+        doc: The property's docstring.
+        settable: Whether assigning it sets the extractor's attribute.
+    """
+
+    def fset(la: Any, value: Any) -> None:
+        setattr(la.model, name, value)
+
+    return property(lambda la: getattr(la.model, name), fset if settable else None, doc=doc)
+
+
 class _FlatParameters:
     """Flattening of ``self.params`` (named ``self.names``) into one vector, in that order."""
 
     params: list[Tensor]
     names: list[str]
+    #: Keyword arguments the subset adds to the backend's constructor.
+    backend_options: ClassVar[dict[str, Any]] = {}
+    #: Objects besides the approximation that a failed call must restore (a last layer found).
+    stateful_parts: tuple[Any, ...] = ()
+
+    @property
+    def prior_lengths(self) -> tuple[int | None, int | None]:
+        """Lengths of a layer-wise and of a diagonal prior (n_layers, n_params)."""
+        return self.n_layers, self.n_params
+
+    def prior_mean_vector(self, prior_mean: Tensor) -> Tensor:
+        """The prior mean expanded to the posterior's weight vector, shape (P,)."""
+        return torch.broadcast_to(prior_mean, (self.n_params,)).clone()
 
     @property
     def sizes(self) -> list[int]:
@@ -143,6 +172,11 @@ class AllWeights(_FlatParameters):
 
     #: The parameters are known from construction.
     resolved = True
+
+    @classmethod
+    def for_model(cls, model: nn.Module, likelihood: Any) -> AllWeights:
+        """The subset of ``model`` a Laplace class builds (``likelihood``: its likelihood)."""
+        return cls(model)
 
     def __init__(self, model: nn.Module) -> None:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -237,14 +271,30 @@ class Subnetwork(AllWeights):
         ValueError: For invalid indices (see :func:`check_subnetwork_indices`).
     """
 
+    @classmethod
+    def for_model(cls, model: nn.Module, likelihood: Any, indices: Tensor) -> Subnetwork:
+        """The subnetwork ``indices`` of ``model`` (see :meth:`AllWeights.for_model`)."""
+        return cls(model, indices)
+
     def __init__(self, model: nn.Module, indices: Tensor) -> None:
         super().__init__(model)
         self.indices = check_subnetwork_indices(indices, self.n_params).to(self.device)
+        self.backend_options = {"subnetwork_indices": self.indices}
 
     @property
     def n_subnet(self) -> int:
         """Number K of parameters in the subnetwork."""
         return len(self.indices)
+
+    @property
+    def prior_lengths(self) -> tuple[int | None, int | None]:
+        """Scalar or diagonal over the subnetwork: no layer-wise prior (None, K)."""
+        return None, self.n_subnet
+
+    def prior_mean_vector(self, prior_mean: Tensor) -> Tensor:
+        """Weights (P,) with the subnetwork at its prior mean and the rest at the MAP."""
+        prior = torch.broadcast_to(prior_mean, (self.n_subnet,))
+        return self.assemble(self.vector().detach(), prior.unsqueeze(0))[0]
 
     @property
     def curvature_params(self) -> list[Tensor]:
@@ -275,6 +325,28 @@ class LastLayer(_FlatParameters):
             with extra dimensions (:mod:`laplace.outputs`); None: outputs (B, C) only.
     """
 
+    backend_options: ClassVar[dict[str, Any]] = {"last_layer": True}
+
+    @classmethod
+    def for_model(
+        cls,
+        model: nn.Module,
+        likelihood: Any,
+        last_layer_name: str | None = None,
+        feature_reduction: Any = None,
+    ) -> LastLayer:
+        """The head of ``model`` wrapped in a feature extractor (see ``AllWeights.for_model``).
+
+        Args:
+            model: The network, or a ``FeatureExtractor`` of it.
+            likelihood: The approximation's likelihood model (its ``layout`` of outputs).
+            last_layer_name: Name of the head in ``model.named_modules()``; None: found on the
+                first forward pass.
+            feature_reduction: How features (B, ..., D) are reduced to (B, D).
+        """
+        extractor = as_feature_extractor(model, last_layer_name, feature_reduction)
+        return cls(extractor, likelihood.layout)
+
     def __init__(
         self,
         extractor: FeatureExtractor,
@@ -282,6 +354,7 @@ class LastLayer(_FlatParameters):
     ) -> None:
         self.model = extractor
         self.layout = layout
+        self.stateful_parts = (extractor,)
 
     @property
     def resolved(self) -> bool:

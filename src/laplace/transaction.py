@@ -20,9 +20,9 @@ A data loop written for these methods must keep that contract: accumulate into f
 (in place is fine there) and assign the results at the end, never modify a stored posterior in
 place.
 
-Every subclass of :class:`Transactional` (every Laplace class) has the methods named in
-:data:`TRANSACTIONAL_METHODS` wrapped by :func:`transactional`, wherever they are defined (a
-mixin, a subclass); nested calls (``super().fit``) share the outermost snapshot.
+Every Laplace class has the methods named in :data:`TRANSACTIONAL_METHODS` wrapped by
+:func:`transactional` (``BaseLaplace.__init_subclass__``), wherever they are defined; nested
+calls (``super().fit``) share the outermost snapshot.
 
 :func:`preserve_model_gradients` is the same promise for the model: a fit that optimises its own
 variables with autograd (VaLLA, ELLA) leaves the ``.grad`` of the model's parameters as it was.
@@ -40,7 +40,6 @@ from torch import nn
 __all__ = [
     "TRANSACTIONAL_METHODS",
     "Snapshot",
-    "Transactional",
     "preserve_model_gradients",
     "transactional",
 ]
@@ -116,29 +115,6 @@ def transactional(method: Callable) -> Callable:
 
     wrapper._transactional = True
     return wrapper
-
-
-class Transactional:
-    """Base of objects whose :data:`TRANSACTIONAL_METHODS` change nothing when they raise.
-
-    Subclasses extend :meth:`_transaction_parts` with the objects they own that a call may
-    change, and :meth:`_transaction_rebuild` with state cheaper to rebuild than to keep.
-    """
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        for name in TRANSACTIONAL_METHODS:
-            method = getattr(cls, name, None)
-            if method is not None and not getattr(method, "_transactional", False):
-                setattr(cls, name, transactional(method))
-
-    def _transaction_parts(self) -> tuple[Any, ...]:
-        """The objects whose attributes a transactional call may change (this one first)."""
-        return (self,)
-
-    def _transaction_rebuild(self) -> dict[str, Callable[[], Any]]:
-        """Attributes of this object left out of the snapshot, with how to rebuild them."""
-        return {}
 
 
 def preserve_model_gradients(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -2,8 +2,8 @@
 
 Both receive what they need as values and callables (the log marginal likelihood as a function
 of the prior precision, the validation loss of a candidate), never the Laplace object, so they
-work with any approximation and never branch on its structure. :class:`PriorTuning`, a mixin
-of every Laplace class, holds ``optimize_prior_precision`` (written once) and wires them.
+work with any approximation and never branch on its structure.
+:func:`optimize_prior_precision`, every Laplace class's method of that name, wires them.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMeth
 from laplace.utils.validation import validate
 
 __all__ = [
-    "PriorTuning",
     "default_validation_loss",
     "grid_candidates",
     "gridsearch",
     "maximize_marglik",
+    "optimize_prior_precision",
     "search_grid",
     "validation_loss",
 ]
@@ -220,135 +220,120 @@ def gridsearch(
     return best.reshape(1)
 
 
-class PriorTuning:
-    """``optimize_prior_precision`` of every Laplace approximation, written once.
+def optimize_prior_precision(
+    la: Any,
+    pred_type: PredType | str = PredType.GLM,
+    method: TuningMethod | str = TuningMethod.MARGLIK,
+    n_steps: int = 100,
+    lr: float = 1e-1,
+    init_prior_prec: float | Tensor = 1.0,
+    prior_structure: PriorStructure | str = PriorStructure.SCALAR,
+    val_loader: DataLoader | None = None,
+    loss: Any = None,
+    log_prior_prec_min: float = -4,
+    log_prior_prec_max: float = 4,
+    grid_size: int = 100,
+    link_approx: LinkApprox | str = LinkApprox.PROBIT,
+    n_samples: int = 100,
+    verbose: bool = False,
+    progress_bar: bool = False,
+    log_prior_prec_base: float = 10.0,
+) -> None:
+    """Tune the prior precision by marginal likelihood or by validation grid search.
 
-    A mixin of :class:`~laplace.base.BaseLaplace`: it wires the functions above to the
-    approximation's log marginal likelihood, prior precision and predictive. A public class
-    whose laplace-torch parameter list differs (other defaults) keeps that list and hands its
-    arguments here with :func:`~laplace.base.arguments_for`; an approximation that supports
-    fewer options refuses them in :meth:`_check_tuning`.
+    The ``optimize_prior_precision`` method of every Laplace approximation ``la``; a class
+    that supports fewer options names them in its ``_refused_prior_structures``.
+
+    Args:
+        la: The Laplace approximation.
+        pred_type: Predictive used by grid search (``"glm"`` or ``"nn"``).
+        method: ``"marglik"`` (Adam on log p₀) or ``"gridsearch"`` (needs ``val_loader``).
+        n_steps: Adam steps for marglik.
+        lr: Adam learning rate for marglik.
+        init_prior_prec: Initial precision for marglik; its structure is kept unless it is
+            a scalar, which is then expanded to ``prior_structure``.
+        prior_structure: ``"scalar"``, ``"layerwise"`` or ``"diag"`` for marglik.
+        val_loader: Validation data for grid search.
+        loss: Validation loss for grid search: a torchmetrics Metric, a callable, or a name
+            (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``; see
+            :mod:`laplace.evaluation`); defaults to running NLL for classification and
+            running MSE for regression.
+        log_prior_prec_min: Lower end of the grid, as an exponent of ``log_prior_prec_base``.
+        log_prior_prec_max: Upper end of the grid.
+        grid_size: Number of grid points.
+        link_approx: Link approximation used by grid search.
+        n_samples: Samples of the predictive for grid search with MC links.
+        verbose: Print the chosen prior precision.
+        progress_bar: Show a progress bar.
+        log_prior_prec_base: Base of the log-spaced grid.
+
+    Raises:
+        ValueError: For an unknown method, structure, pred_type or link_approx, grid
+            search without ``val_loader``, an unknown ``loss`` name, a negative
+            ``n_steps``, a non-positive ``lr`` or ``grid_size``, or a grid that is not
+            finite; a non-integer count raises an error that is a ``ValueError`` and a
+            ``TypeError``.
     """
-
-    def optimize_prior_precision(
-        self,
-        pred_type: PredType | str = PredType.GLM,
-        method: TuningMethod | str = TuningMethod.MARGLIK,
-        n_steps: int = 100,
-        lr: float = 1e-1,
-        init_prior_prec: float | Tensor = 1.0,
-        prior_structure: PriorStructure | str = PriorStructure.SCALAR,
-        val_loader: DataLoader | None = None,
-        loss: Any = None,
-        log_prior_prec_min: float = -4,
-        log_prior_prec_max: float = 4,
-        grid_size: int = 100,
-        link_approx: LinkApprox | str = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        verbose: bool = False,
-        progress_bar: bool = False,
-        log_prior_prec_base: float = 10.0,
-    ) -> None:
-        """Tune the prior precision by marginal likelihood or by validation grid search.
-
-        Args:
-            pred_type: Predictive used by grid search (``"glm"`` or ``"nn"``).
-            method: ``"marglik"`` (Adam on log p₀) or ``"gridsearch"`` (needs ``val_loader``).
-            n_steps: Adam steps for marglik.
-            lr: Adam learning rate for marglik.
-            init_prior_prec: Initial precision for marglik; its structure is kept unless it is
-                a scalar, which is then expanded to ``prior_structure``.
-            prior_structure: ``"scalar"``, ``"layerwise"`` or ``"diag"`` for marglik.
-            val_loader: Validation data for grid search.
-            loss: Validation loss for grid search: a torchmetrics Metric, a callable, or a name
-                (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``; see
-                :mod:`laplace.evaluation`); defaults to running NLL for classification and
-                running MSE for regression.
-            log_prior_prec_min: Lower end of the grid, as an exponent of ``log_prior_prec_base``.
-            log_prior_prec_max: Upper end of the grid.
-            grid_size: Number of grid points.
-            link_approx: Link approximation used by grid search.
-            n_samples: Samples of the predictive for grid search with MC links.
-            verbose: Print the chosen prior precision.
-            progress_bar: Show a progress bar.
-            log_prior_prec_base: Base of the log-spaced grid.
-
-        Raises:
-            ValueError: For an unknown method, structure, pred_type or link_approx, grid
-                search without ``val_loader``, an unknown ``loss`` name, a negative
-                ``n_steps``, a non-positive ``lr`` or ``grid_size``, or a grid that is not
-                finite; a non-integer count raises an error that is a ``ValueError`` and a
-                ``TypeError``.
-        """
-        method = parse_enum(TuningMethod, method, "method")
-        pred_type = parse_enum(PredType, pred_type, "pred_type")
-        link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
-        prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
-        self._check_tuning(method, pred_type, prior_structure)
-        if method == TuningMethod.MARGLIK:
-            check_int_at_least(n_steps, "n_steps", 0)
-            check_positive_float(lr, "lr")
-        self._check_fitted("optimize_prior_precision")
-        if method == TuningMethod.MARGLIK:
-            if torch.is_tensor(init_prior_prec) and init_prior_prec.numel() > 1:
-                init = as_prior_precision(
-                    init_prior_prec, *self._prior_lengths, self._device, self._dtype
-                )
-            else:
-                init = fix_prior_prec_structure(
-                    check_positive_float(init_prior_prec, "init_prior_prec"),
-                    prior_structure,
-                    *self._prior_lengths,
-                    self._device,
-                    self._dtype,
-                )
-            self.prior_precision = maximize_marglik(
-                self.log_marginal_likelihood, init, n_steps, lr, progress_bar
-            )
+    method = parse_enum(TuningMethod, method, "method")
+    pred_type = parse_enum(PredType, pred_type, "pred_type")
+    link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
+    prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
+    refusal = la._refused_prior_structures.get(prior_structure)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if method == TuningMethod.MARGLIK:
+        check_int_at_least(n_steps, "n_steps", 0)
+        check_positive_float(lr, "lr")
+    la._check_fitted("optimize_prior_precision")
+    if method == TuningMethod.MARGLIK:
+        if torch.is_tensor(init_prior_prec) and init_prior_prec.numel() > 1:
+            init = as_prior_precision(init_prior_prec, *la._prior_lengths, la._device, la._dtype)
         else:
-            if val_loader is None:
-                raise ValueError("method='gridsearch' needs a val_loader with validation data.")
-            candidates = grid_candidates(
-                log_prior_prec_min,
-                log_prior_prec_max,
-                grid_size,
-                log_prior_prec_base,
-                self._device,
-                self._dtype,
+            init = fix_prior_prec_structure(
+                check_positive_float(init_prior_prec, "init_prior_prec"),
+                prior_structure,
+                *la._prior_lengths,
+                la._device,
+                la._dtype,
             )
-            distributed = getattr(self, "_distributed", False)
-            loss = validation_loss(
+        la.prior_precision = maximize_marglik(
+            la.log_marginal_likelihood, init, n_steps, lr, progress_bar
+        )
+    else:
+        if val_loader is None:
+            raise ValueError("method='gridsearch' needs a val_loader with validation data.")
+        candidates = grid_candidates(
+            log_prior_prec_min,
+            log_prior_prec_max,
+            grid_size,
+            log_prior_prec_base,
+            la._device,
+            la._dtype,
+        )
+        distributed = getattr(la, "_distributed", False)
+        loss = validation_loss(
+            loss,
+            la._likelihood_model.fit_likelihood,
+            la.n_outputs,
+            la.sigma_noise,
+            distributed,
+            la._device,
+        )
+
+        def validation_score(prior_precision: Tensor) -> float:
+            la.prior_precision = prior_precision
+            return validate(
+                la,
+                val_loader,
                 loss,
-                self._likelihood_model.fit_likelihood,
-                self.n_outputs,
-                self.sigma_noise,
-                distributed,
-                self._device,
+                pred_type,
+                link_approx,
+                n_samples,
+                dict_key_y=la.dict_key_y,
             )
 
-            def validation_score(prior_precision: Tensor) -> float:
-                self.prior_precision = prior_precision
-                return validate(
-                    self,
-                    val_loader,
-                    loss,
-                    pred_type,
-                    link_approx,
-                    n_samples,
-                    dict_key_y=self.dict_key_y,
-                )
-
-            self.prior_precision = gridsearch(
-                candidates, validation_score, val_loader, distributed, progress_bar
-            )
-        if verbose:
-            print(f"Optimized prior precision is {self.prior_precision}.")
-
-    def _check_tuning(
-        self, method: TuningMethod, pred_type: PredType, prior_structure: PriorStructure
-    ) -> None:
-        """Refuse tuning options this approximation cannot use, before any work.
-
-        Called with the parsed options; a subclass that supports fewer (a subnetwork has no
-        layer-wise prior) raises a ``ValueError`` naming the option and the accepted values.
-        """
+        la.prior_precision = gridsearch(
+            candidates, validation_score, val_loader, distributed, progress_bar
+        )
+    if verbose:
+        print(f"Optimized prior precision is {la.prior_precision}.")

@@ -32,10 +32,36 @@ from laplace.glm import jacobian_chunk_rows
 from laplace.likelihoods import LikelihoodModel
 from laplace.predictive import gaussian_output_samples
 from laplace.priors import as_scalar_prior_precision, check_temperature
-from laplace.serialization import StateDict
+from laplace.serialization import StateFormat
 from laplace.utils.enums import FunctionalApproximation, LinkApprox, PredType, parse_enum
 
 __all__ = ["BaseFunctionalLaplace", "IsotropicPriorMixin", "ValidationTunedMixin"]
+
+
+class FunctionalState(StateFormat):
+    """The state of a function-space Laplace: the class's named attributes, T checked."""
+
+    def check(self, la: Any, state_dict: dict[str, Any]) -> None:
+        """Refuse a temperature that is not a positive number."""
+        check_temperature(state_dict["temperature"])
+
+
+class HistoryState(FunctionalState):
+    """The state of ELLA and VaLLA: their named attributes and the fit history."""
+
+    def value_keys(self, la: Any) -> tuple[str, ...]:
+        """The named attributes and ``fit_history``."""
+        return (*super().value_keys(la), "fit_history")
+
+    def values(self, la: Any) -> dict[str, Any]:
+        """The named attributes and a copy of ``fit_history_``."""
+        history = {k: list(v) for k, v in la.fit_history_.items()}
+        return {**super().values(la), "fit_history": history}
+
+    def load(self, la: Any, state_dict: dict[str, Any]) -> None:
+        """Assign the named attributes and the fit history."""
+        super().load(la, state_dict)
+        la.fit_history_ = {k: list(v) for k, v in state_dict["fit_history"].items()}
 
 
 class IsotropicPriorMixin:
@@ -52,7 +78,7 @@ class IsotropicPriorMixin:
     )
 
 
-class BaseFunctionalLaplace(StateDict, BaseLaplace):
+class BaseFunctionalLaplace(BaseLaplace):
     """Predictions and sampling shared by the function-space Laplace approximations.
 
     A subclass implements :meth:`fit` and :meth:`_latent_moments`, which returns the GP
@@ -62,6 +88,7 @@ class BaseFunctionalLaplace(StateDict, BaseLaplace):
     """
 
     _function_space = FunctionalApproximation.SOD
+    _state_format: StateFormat = FunctionalState()
 
     def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
@@ -79,9 +106,6 @@ class BaseFunctionalLaplace(StateDict, BaseLaplace):
         """Joint posterior covariance from Jacobians: (B, C, P) → (B·C, B·C)."""
         self._check_fitted("functional_covariance")
         return self._jacobian_covariance(Js, joint=True)
-
-    def _resolve_subset(self, train_loader: DataLoader) -> None:
-        """Make sure the parameters are known before fitting (all weights: always)."""
 
     def _check_first_batch(self, X: Inputs, y: Tensor) -> torch.Size:
         """Check the model's outputs on ``X`` and the targets ``y`` before any Jacobian.
@@ -110,9 +134,6 @@ class BaseFunctionalLaplace(StateDict, BaseLaplace):
         for chunk in input_chunks(X, rows, self.dict_key_x):
             Js, f = self.backend.jacobians(chunk, enable_backprop=enable_backprop)
             yield (Js, f) if enable_backprop else (Js.detach(), f.detach())
-
-    def _check_state_values(self, state_dict: dict[str, Any]) -> None:
-        check_temperature(state_dict["temperature"])
 
     def _validation_nll(self, loader: DataLoader) -> float:
         """Mean predictive NLL per data point of ``loader`` (laplace-torch's validation score).
@@ -310,14 +331,3 @@ class ValidationTunedMixin:
         raise UnsupportedError(
             f"{type(self).__name__} does not track the training log-likelihood."
         )
-
-    def _state_value_keys(self) -> tuple[str, ...]:
-        return (*super()._state_value_keys(), "fit_history")
-
-    def _state_values(self) -> dict[str, Any]:
-        history = {k: list(v) for k, v in self.fit_history_.items()}
-        return {**super()._state_values(), "fit_history": history}
-
-    def _load_state_values(self, state_dict: dict[str, Any]) -> None:
-        super()._load_state_values(state_dict)
-        self.fit_history_ = {k: list(v) for k, v in state_dict["fit_history"].items()}

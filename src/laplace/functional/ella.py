@@ -40,6 +40,7 @@ from laplace.data_loop import subset_loader
 from laplace.errors import check_positive_int
 from laplace.functional.base import (
     BaseFunctionalLaplace,
+    HistoryState,
     IsotropicPriorMixin,
     ValidationTunedMixin,
 )
@@ -65,6 +66,15 @@ from laplace.utils.enums import (
 )
 
 __all__ = ["ELLA"]
+
+
+class ELLAState(HistoryState):
+    """The state of ELLA: its named attributes and fit history; loading drops the cache."""
+
+    def load(self, la: Any, state_dict: dict[str, Any]) -> None:
+        """Assign the named attributes and the history, and forget the cached posterior."""
+        super().load(la, state_dict)
+        la._posterior_cache = None
 
 
 class ELLA(
@@ -121,6 +131,7 @@ class ELLA(
     )
     _state_tensors = ("dual_directions", "feature_gram", "prior_precision", "sigma_noise")
     _state_counts = ("subsample_size", "n_eigenvalues", "n_data", "n_outputs")
+    _state_format = ELLAState()
 
     def __init__(
         self,
@@ -289,11 +300,6 @@ class ELLA(
         self._check_fitted("optimize_hyperparameters")
         records = tune_hyperparameters(self, grid, lambda: self._validation_nll(val_loader))
         self.fit_history_["tuning"].extend(records)
-
-    # -------------------------------------------------------------------------------- state
-    def _load_state_values(self, state_dict: dict[str, Any]) -> None:
-        super()._load_state_values(state_dict)
-        self._posterior_cache = None
 
 
 def _empty_history() -> dict[str, list[Any]]:

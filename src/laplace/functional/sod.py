@@ -24,7 +24,7 @@ from laplace.curvature.per_sample import PerSampleEngine
 from laplace.data import Inputs, SoDSampler, dataset_size, input_chunks, slice_inputs
 from laplace.data_loop import Gather
 from laplace.errors import check_int_at_least
-from laplace.functional.base import BaseFunctionalLaplace, IsotropicPriorMixin
+from laplace.functional.base import BaseFunctionalLaplace, FunctionalState, IsotropicPriorMixin
 from laplace.functional.kernel import SubsetKernel
 from laplace.functional.ntk import DenseJacobian, FactoredJacobian, trace_jacobian
 from laplace.glm import jacobian_chunk_rows
@@ -39,6 +39,27 @@ from laplace.utils.enums import (
 )
 
 __all__ = ["FunctionalLaplace"]
+
+
+class SubsetGPState(FunctionalState):
+    """The state of a subset-of-data GP Laplace: its named attributes and the GP's factors."""
+
+    def value_keys(self, la: Any) -> tuple[str, ...]:
+        """The named attributes and the kernel's entries."""
+        return (*super().value_keys(la), *SubsetKernel.STATE_KEYS)
+
+    def values(self, la: Any) -> dict[str, Any]:
+        """The named attributes and the kernel's state."""
+        return {**super().values(la), **la._kernel.state()}
+
+    def load(self, la: Any, state_dict: dict[str, Any]) -> None:
+        """Assign the named attributes and rebuild the kernel from its state."""
+        super().load(la, state_dict)
+        la.n_outputs = state_dict["Lambda"].shape[-1]
+        la._kernel = SubsetKernel.from_state(
+            state_dict, la._device, la._dtype, **la._kernel_options()
+        )
+        la.loss = la._kernel.loss
 
 
 class FunctionalLaplace(IsotropicPriorMixin, BaseFunctionalLaplace):
@@ -85,6 +106,7 @@ class FunctionalLaplace(IsotropicPriorMixin, BaseFunctionalLaplace):
     _state_tensors = ("prior_mean", "prior_precision", "sigma_noise")
     _state_other_tensors = SubsetKernel.STATE_TENSORS
     _state_counts = ("n_data", "n_subset")
+    _state_format = SubsetGPState()
 
     def __init__(
         self,
@@ -276,18 +298,3 @@ class FunctionalLaplace(IsotropicPriorMixin, BaseFunctionalLaplace):
             )
         tune = BaseLaplace.optimize_prior_precision
         tune(self, **arguments_for(tune, locals()))
-
-    # -------------------------------------------------------------------------------- state
-    def _state_value_keys(self) -> tuple[str, ...]:
-        return (*super()._state_value_keys(), *SubsetKernel.STATE_KEYS)
-
-    def _state_values(self) -> dict[str, Any]:
-        return {**super()._state_values(), **self._kernel.state()}
-
-    def _load_state_values(self, state_dict: dict[str, Any]) -> None:
-        super()._load_state_values(state_dict)
-        self.n_outputs = state_dict["Lambda"].shape[-1]
-        self._kernel = SubsetKernel.from_state(
-            state_dict, self._device, self._dtype, **self._kernel_options()
-        )
-        self.loss = self._kernel.loss

@@ -8,20 +8,36 @@ from __future__ import annotations
 from typing import Any
 
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
 from laplace.base import arguments_for
 from laplace.curvature import CurvatureInterface
-from laplace.data import move_inputs, split_batch
-from laplace.functional.sod import FunctionalLaplace
-from laplace.last_layer_mixin import LastLayerMixin
+from laplace.functional.sod import FunctionalLaplace, SubsetGPState
+from laplace.subsets import LastLayer, extractor_property
 from laplace.utils.enums import Likelihood
-from laplace.utils.feature_extractor import FeatureReduction
+from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
 
 __all__ = ["FunctionalLLLaplace"]
 
 
-class FunctionalLLLaplace(LastLayerMixin, FunctionalLaplace):
+class LastLayerGPState(SubsetGPState):
+    """The state of a last-layer GP Laplace: the subset-of-data GP's and the layer's name."""
+
+    def value_keys(self, la: Any) -> tuple[str, ...]:
+        """The GP's entries and ``last_layer_name``."""
+        return (*super().value_keys(la), "last_layer_name")
+
+    def values(self, la: Any) -> dict[str, Any]:
+        """The GP's state and the name of the last layer."""
+        return {**super().values(la), "last_layer_name": la.model.last_layer_name}
+
+    def prepare(self, la: Any, state_dict: dict[str, Any]) -> None:
+        """Set the saved last layer if it is not known yet, before the mean is compared."""
+        if not la._subset.resolved:
+            la.model.set_last_layer(state_dict["last_layer_name"])
+        la._bind_subset()
+
+
+class FunctionalLLLaplace(FunctionalLaplace):
     """Subset-of-data GP Laplace over the last (linear) layer only.
 
     The kernel is ``J Jᵀ/δ`` with the head Jacobians ``Jₙ = [I_C ⊗ φₙᵀ, I_C]`` of the features
@@ -36,6 +52,20 @@ class FunctionalLLLaplace(LastLayerMixin, FunctionalLaplace):
     """
 
     _key = ("last_layer", "gp")
+    _subset_kind = LastLayer
+    _state_format = LastLayerGPState()
+    model: FeatureExtractor
+    last_layer_name = extractor_property(
+        "last_layer_name", "Name of the last layer in the model (None until it is found)."
+    )
+    feature_reduction = extractor_property(
+        "feature_reduction", "How features (B, ..., D) are reduced to (B, D) (FeatureExtractor)."
+    )
+    enable_backprop = extractor_property(
+        "enable_backprop",
+        "Keep predictives (and features) differentiable w.r.t. the inputs.",
+        True,
+    )
 
     def __init__(
         self,
@@ -56,25 +86,8 @@ class FunctionalLLLaplace(LastLayerMixin, FunctionalLaplace):
         independent_outputs: bool = False,
         seed: int = 0,
     ) -> None:
-        self._feature_options = (last_layer_name, feature_reduction)
+        self._subset_options = {
+            "last_layer_name": last_layer_name,
+            "feature_reduction": feature_reduction,
+        }
         super().__init__(**arguments_for(FunctionalLaplace.__init__, locals()))
-
-    def _resolve_subset(self, train_loader: DataLoader) -> None:
-        if not self._subset.resolved:
-            X, _ = split_batch(next(iter(train_loader)), self.dict_key_x, self.dict_key_y)
-            X = move_inputs(X, self._device)
-            self.model.eval()
-            self._subset.resolve(X[:1] if isinstance(X, Tensor) else X)
-        self._bind_subset()
-        self.prior_mean = self.prior_mean
-
-    def _state_value_keys(self) -> tuple[str, ...]:
-        return (*super()._state_value_keys(), "last_layer_name")
-
-    def _state_values(self) -> dict[str, Any]:
-        return {**super()._state_values(), "last_layer_name": self.model.last_layer_name}
-
-    def _prepare_state_load(self, state_dict: dict[str, Any]) -> None:
-        if not self._subset.resolved:
-            self.model.set_last_layer(state_dict["last_layer_name"])
-        self._bind_subset()

@@ -19,7 +19,7 @@ from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, dataset_size
 from laplace.data_loop import DataLoop, Gather
 from laplace.errors import check_finite_result, check_positive_int
-from laplace.functional.base import BaseFunctionalLaplace, ValidationTunedMixin
+from laplace.functional.base import BaseFunctionalLaplace, HistoryState, ValidationTunedMixin
 from laplace.functional.inducing import (
     INDUCING_STATE,
     as_inducing,
@@ -39,6 +39,41 @@ from laplace.transaction import preserve_model_gradients
 from laplace.utils.enums import FunctionalApproximation, Likelihood
 
 __all__ = ["VaLLA"]
+
+
+class VaLLAState(HistoryState):
+    """The state of VaLLA: its named attributes, fit history, inducing points and generator."""
+
+    def value_keys(self, la: Any) -> tuple[str, ...]:
+        """The history state's entries, the inducing points' and the generator's."""
+        return (*super().value_keys(la), *INDUCING_STATE, "num_inducing", "generator_state")
+
+    def values(self, la: Any) -> dict[str, Any]:
+        """The history state, the inducing points and the random generator's state."""
+        Z, classes = la.inducing_locations, la.inducing_classes
+        return {
+            **super().values(la),
+            **inducing_state(Z, classes, la._strategy, la._initial),
+            "num_inducing": la.num_inducing,
+            "generator_state": la.generator.get_state().clone(),
+        }
+
+    def check(self, la: Any, state_dict: dict[str, Any]) -> None:
+        """Refuse inducing points or an energy (alpha) the approximation cannot take."""
+        super().check(la, state_dict)
+        noise = la._likelihood_model.has_noise_hyperparameter
+        check_inducing_state(state_dict, noise, la.dict_key_x)
+        check_alpha(state_dict["alpha"], state_dict["mc_softmax_samples"], la._likelihood_model)
+
+    def load(self, la: Any, state_dict: dict[str, Any]) -> None:
+        """Assign the history state, the inducing points and the generator's state."""
+        super().load(la, state_dict)
+        la.num_inducing = state_dict["num_inducing"]
+        la.generator.set_state(state_dict["generator_state"].cpu())
+        Z, la.inducing_classes, la._strategy, la._initial = load_inducing_state(
+            state_dict, la._device, la._dtype
+        )
+        la.inducing_locations = Z
 
 
 class VaLLA(InducingPosteriorMixin, ValidationTunedMixin, BaseFunctionalLaplace):
@@ -100,6 +135,7 @@ class VaLLA(InducingPosteriorMixin, ValidationTunedMixin, BaseFunctionalLaplace)
     _state_plain = ("temperature", "alpha", "mc_softmax_samples", "seed", "n_data", "n_outputs")
     _state_parameters = ("L", "log_prior_precision", "log_noise_variance")
     _state_counts = ("num_inducing", "n_data", "n_outputs")
+    _state_format = VaLLAState()
 
     def __init__(
         self,
@@ -232,31 +268,3 @@ class VaLLA(InducingPosteriorMixin, ValidationTunedMixin, BaseFunctionalLaplace)
     def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
         """Not available: :meth:`fit` learns the prior precision (as in laplace-torch)."""
         raise NotImplementedError("VaLLA learns the prior precision in fit().")
-
-    # -------------------------------------------------------------------------------- state
-    def _state_value_keys(self) -> tuple[str, ...]:
-        return (*super()._state_value_keys(), *INDUCING_STATE, "num_inducing", "generator_state")
-
-    def _state_values(self) -> dict[str, Any]:
-        Z, classes = self.inducing_locations, self.inducing_classes
-        return {
-            **super()._state_values(),
-            **inducing_state(Z, classes, self._strategy, self._initial),
-            "num_inducing": self.num_inducing,
-            "generator_state": self.generator.get_state().clone(),
-        }
-
-    def _check_state_values(self, state_dict: dict[str, Any]) -> None:
-        super()._check_state_values(state_dict)
-        noise = self._likelihood_model.has_noise_hyperparameter
-        check_inducing_state(state_dict, noise, self.dict_key_x)
-        check_alpha(state_dict["alpha"], state_dict["mc_softmax_samples"], self._likelihood_model)
-
-    def _load_state_values(self, state_dict: dict[str, Any]) -> None:
-        super()._load_state_values(state_dict)
-        self.num_inducing = state_dict["num_inducing"]
-        self.generator.set_state(state_dict["generator_state"].cpu())
-        Z, self.inducing_classes, self._strategy, self._initial = load_inducing_state(
-            state_dict, self._device, self._dtype
-        )
-        self.inducing_locations = Z
