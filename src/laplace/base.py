@@ -20,8 +20,15 @@ from laplace.curvature.registry import check_backend_kwargs
 from laplace.data import move_inputs, split_batch
 from laplace.data_loop import DataLoop
 from laplace.distributed import unwrap_model
-from laplace.errors import AbstractClassError, NotFittedError, check_mapping, check_module
-from laplace.likelihoods import make_likelihood
+from laplace.errors import (
+    AbstractClassError,
+    NotFittedError,
+    check_generator,
+    check_mapping,
+    check_module,
+    check_positive_int,
+)
+from laplace.likelihoods import LikelihoodModel, make_likelihood
 from laplace.outputs import IGNORE_INDEX
 from laplace.priors import (
     as_prior_mean,
@@ -34,7 +41,14 @@ from laplace.serialization import StateFormat, load_state_dict, state_dict
 from laplace.subsets import AllWeights, check_parameters
 from laplace.transaction import TRANSACTIONAL_METHODS, transactional
 from laplace.tuning import optimize_prior_precision
-from laplace.utils.enums import FunctionalApproximation, Likelihood, PriorStructure
+from laplace.utils.enums import (
+    FunctionalApproximation,
+    Likelihood,
+    LinkApprox,
+    PredType,
+    PriorStructure,
+    parse_enum,
+)
 
 __all__ = ["BaseLaplace", "arguments_for"]
 
@@ -321,6 +335,48 @@ class BaseLaplace:
         return self._likelihood_model.log_likelihood(
             self.loss, self.n_data, self.n_outputs, self.sigma_noise, self.temperature
         )
+
+    def _parse_prediction(
+        self,
+        pred_type: PredType | str,
+        link_approx: LinkApprox | str,
+        n_samples: int,
+        generator: torch.Generator | None,
+        joint: bool,
+        fitting: bool,
+    ) -> tuple[PredType, LinkApprox, LikelihoodModel]:
+        """The options of a prediction, parsed and checked before any work, and its likelihood.
+
+        Returns:
+            ``(pred_type, link_approx, likelihood)``: the likelihood of the fit when
+            ``fitting`` (reward modelling predicts pairs then), else the predictive one.
+
+        Raises:
+            ValueError: For an unknown or incompatible ``pred_type`` / ``link_approx`` (a
+                weight-space approximation takes ``"glm"`` or ``"nn"``, which needs ``"mc"``;
+                a function-space one ``"gp"``), an ``n_samples`` that is not a positive
+                integer where samples are drawn, or options the likelihood refuses.
+        """
+        pred_type = parse_enum(PredType, pred_type, "pred_type")
+        link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
+        if self._function_space is not None and pred_type != PredType.GP:
+            raise ValueError(
+                f"function-space Laplace predicts with pred_type='gp', got {pred_type.value!r}."
+            )
+        if self._function_space is None and pred_type == PredType.GP:
+            raise ValueError("pred_type='gp' needs a functional (GP) Laplace; use 'glm' or 'nn'.")
+        if pred_type == PredType.NN and link_approx != LinkApprox.MC:
+            raise ValueError(
+                "pred_type='nn' samples networks and supports only link_approx='mc' "
+                f"(got {link_approx.value!r})."
+            )
+        if pred_type == PredType.NN or link_approx == LinkApprox.MC:
+            check_positive_int(n_samples, "n_samples")
+        check_generator(generator)
+        model = self._likelihood_model
+        likelihood = model.fit_likelihood if fitting else model.predictive_likelihood
+        likelihood.check_prediction(link_approx, joint)
+        return pred_type, link_approx, likelihood
 
     def _check_fitted(self, what: str = "this method") -> None:
         if not self._fitted:

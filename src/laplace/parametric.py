@@ -27,7 +27,6 @@ from laplace.data import (
 from laplace.errors import NotFittedError, check_bool, check_generator, check_positive_int
 from laplace.glm import jacobian_chunk_rows
 from laplace.jacobians import HeadFeatures, position_rows, row_kind
-from laplace.likelihoods import LikelihoodModel
 from laplace.parametric_fit import CurvatureSum, FitPass, FitPieces
 from laplace.per_output import noise_structure
 from laplace.posteriors import (
@@ -478,20 +477,9 @@ class ParametricLaplace(BaseLaplace):
                 other than regression's, or empty or non-finite inputs.
             RuntimeError: Before :meth:`fit`.
         """
-        pred_type = parse_enum(PredType, pred_type, "pred_type")
-        link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
-        if pred_type == PredType.GP:
-            raise ValueError("pred_type='gp' needs a functional (GP) Laplace; use 'glm' or 'nn'.")
-        if pred_type == PredType.NN and link_approx != LinkApprox.MC:
-            raise ValueError(
-                "pred_type='nn' samples networks and supports only link_approx='mc' "
-                f"(got {link_approx.value!r})."
-            )
-        if pred_type == PredType.NN or link_approx == LinkApprox.MC:
-            check_positive_int(n_samples, "n_samples")
-        check_generator(generator)
-        likelihood = self._prediction_likelihood(fitting)
-        likelihood.check_prediction(link_approx, joint)
+        pred_type, link_approx, likelihood = self._parse_prediction(
+            pred_type, link_approx, n_samples, generator, joint, fitting
+        )
         self._check_fitted("prediction")
         reason = self._output_variances_only()
         if reason is not None and pred_type == PredType.GLM:
@@ -508,10 +496,6 @@ class ParametricLaplace(BaseLaplace):
     def predictive(self, x: Inputs, pred_type="glm", link_approx="probit", n_samples=100):
         """Alias of ``__call__`` kept from older laplace-torch versions."""
         return self(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
-
-    def _prediction_likelihood(self, fitting: bool) -> LikelihoodModel:
-        model = self._likelihood_model
-        return model.fit_likelihood if fitting else model.predictive_likelihood
 
     # ----------------------------------------------------------------------------- GLM
     def _chunk_rows(self) -> int:

@@ -29,7 +29,6 @@ from laplace.data import Inputs, batch_size_of, check_outputs, input_chunks, pre
 from laplace.errors import UnsupportedError, check_generator, check_positive_int
 from laplace.functional.scoring import ValidationNLL
 from laplace.glm import jacobian_chunk_rows
-from laplace.likelihoods import LikelihoodModel
 from laplace.predictive import gaussian_output_samples
 from laplace.priors import as_scalar_prior_precision, check_temperature
 from laplace.serialization import StateFormat
@@ -204,17 +203,9 @@ class BaseFunctionalLaplace(BaseLaplace):
             ValueError: For a ``pred_type`` other than ``"gp"``, an unknown link, an empty batch.
             RuntimeError: Before :meth:`fit`.
         """
-        pred_type = parse_enum(PredType, pred_type, "pred_type")
-        link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
-        if pred_type != PredType.GP:
-            raise ValueError(
-                f"function-space Laplace predicts with pred_type='gp', got {pred_type.value!r}."
-            )
-        if link_approx == LinkApprox.MC:
-            check_positive_int(n_samples, "n_samples")
-        check_generator(generator)
-        likelihood = self._prediction_likelihood(fitting)
-        likelihood.check_prediction(link_approx, joint)
+        _, link_approx, likelihood = self._parse_prediction(
+            pred_type, link_approx, n_samples, generator, joint, fitting
+        )
         x = self._checked_inputs(x, "prediction")
         moments = partial(self._glm_predictive_distribution, x)
         return likelihood.predict(
@@ -291,10 +282,6 @@ class BaseFunctionalLaplace(BaseLaplace):
         """
         f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator, joint)
         return self._prediction_likelihood(fitting).predictive_sample(f, generator)
-
-    def _prediction_likelihood(self, fitting: bool) -> LikelihoodModel:
-        model = self._likelihood_model
-        return model.fit_likelihood if fitting else model.predictive_likelihood
 
 
 class ValidationTunedMixin:
