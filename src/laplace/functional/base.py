@@ -281,7 +281,9 @@ class BaseFunctionalLaplace(BaseLaplace):
             Samples, shape (S, B, C).
         """
         f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator, joint)
-        return self._prediction_likelihood(fitting).predictive_sample(f, generator)
+        model = self._likelihood_model
+        likelihood = model.fit_likelihood if fitting else model.predictive_likelihood
+        return likelihood.predictive_sample(f, generator)
 
 
 class ValidationTunedMixin:
