@@ -128,14 +128,16 @@ def case_fit_ll(model_name: str, structure: str, repeats: int) -> dict:
     return {**row, "floor": "1 forward"}
 
 
-def case_marglik_ll(model_name: str, structure: str, repeats: int) -> dict:
+def case_marglik(
+    model_name: str, structure: str, repeats: int, subset: str = "last_layer"
+) -> dict:
     from laplace import Laplace
 
     model = MODELS[model_name]().eval()
     loader = training_loader(model_name)
 
     def tune():  # a fresh fit each time, so the one-off factorisation is included
-        la = Laplace(model, "classification", "last_layer", structure)
+        la = Laplace(model, "classification", subset, structure)
         la.fit(loader)
         start = time.perf_counter()
         la.optimize_prior_precision(method="marglik", n_steps=100)
@@ -144,7 +146,7 @@ def case_marglik_ll(model_name: str, structure: str, repeats: int) -> dict:
     with PeakRSS() as mem:
         la, tune_s = min((tune() for _ in range(repeats)), key=lambda r: r[1])
     return {
-        "case": f"marglik 100 steps last-layer {structure} {model_name}",
+        "case": f"marglik 100 steps {subset.replace('_', '-')} {structure} {model_name}",
         "n_params": la.n_params,
         "seconds": tune_s,
         "peak_extra_MB": mem.extra / 2**20,
@@ -306,7 +308,8 @@ CASES = {
     "fit-ll-full-cnn": (case_fit_ll, "cnn", "full"),
     "fit-ll-kron-cnn": (case_fit_ll, "cnn", "kron"),
     "fit-ll-diag-cnn": (case_fit_ll, "cnn", "diag"),
-    "marglik-fullll-mlp": (case_marglik_ll, "mlp", "full"),
+    "marglik-fullll-mlp": (case_marglik, "mlp", "full"),
+    "marglik-diag-mlp": (partial(case_marglik, subset="all"), "mlp", "diag"),
     "predict-ll-kron-cnn": (partial(case_predict, subset="last_layer"), "cnn", "kron"),
     **FRONTIER_CASES,
     **TRANSFORMER_CASES,

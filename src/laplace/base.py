@@ -313,7 +313,7 @@ class BaseLaplace:
     @property
     def prior_precision_diag(self) -> Tensor:
         """Prior precision expanded to the diagonal, shape (P,)."""
-        return expand_to_diagonal(self.prior_precision, self._subset.sizes)
+        return expand_to_diagonal(self.prior_precision, self._subset.prior_sizes)
 
     @property
     def prior_mean(self) -> Tensor:

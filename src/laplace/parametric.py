@@ -36,7 +36,7 @@ from laplace.posteriors import (
     Posterior,
 )
 from laplace.predictive import gaussian_output_samples
-from laplace.priors import as_sigma_noise
+from laplace.priors import as_sigma_noise, prior_log_det, prior_weighted_sum
 from laplace.serialization import ParametricState
 from laplace.subsets import LastLayer
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
@@ -164,13 +164,13 @@ class ParametricLaplace(BaseLaplace):
     @property
     def scatter(self) -> Tensor:
         """``(θ_MAP − μ₀)ᵀ P₀ (θ_MAP − μ₀)``."""
-        prior_diag = self.prior_precision_diag
-        return ((self.mean - self.prior_mean).square() * prior_diag).sum()
+        delta = self.mean - self.prior_mean
+        return prior_weighted_sum(self.prior_precision, delta.square(), self._subset.prior_sizes)
 
     @property
     def log_det_prior_precision(self) -> Tensor:
         """``log det P₀``."""
-        return self.prior_precision_diag.log().sum()
+        return prior_log_det(self.prior_precision, self._subset.prior_sizes)
 
     @property
     def log_det_posterior_precision(self) -> Tensor:

@@ -53,6 +53,8 @@ def as_float_tensor(value: float | Tensor, name: str, device, dtype) -> Tensor:
             raise MetaDeviceError(f"{name} is on the meta device: it holds no values.")
         source = value.detach()
         converted = value.to(device=device, dtype=dtype)
+        if value.dtype == dtype:  # no conversion, nothing to lose (a tuning step's prior)
+            return converted
     else:
         # A number goes straight to the parameters' dtype (via float32 it would lose digits).
         source = torch.tensor(float(value), dtype=torch.float64)
@@ -156,6 +158,32 @@ def expand_to_diagonal(prior_precision: Tensor, layer_sizes: list[int]) -> Tenso
         return prior_precision.expand(n_params)
     sizes = torch.as_tensor(layer_sizes, device=prior_precision.device)
     return torch.repeat_interleave(prior_precision, sizes)
+
+
+def prior_weighted_sum(prior_precision: Tensor, values: Tensor, layer_sizes: list[int]) -> Tensor:
+    """``Σᵢ p₀ᵢ vᵢ`` over the diagonal of a scalar, layer-wise or diagonal ``p₀``, unexpanded.
+
+    Args:
+        prior_precision: Length 1, one value per layer, or ``sum(layer_sizes)``.
+        values: One value per weight, shape (P,).
+        layer_sizes: Weights per layer.
+    """
+    if len(prior_precision) == len(values):
+        return (prior_precision * values).sum()
+    if len(prior_precision) == 1:
+        return (prior_precision * values.sum()).sum()
+    sums = torch.stack([chunk.sum() for chunk in values.split(layer_sizes)])
+    return (prior_precision * sums).sum()
+
+
+def prior_log_det(prior_precision: Tensor, layer_sizes: list[int]) -> Tensor:
+    """``log det diag(p₀)`` of a scalar, layer-wise or diagonal ``p₀``, unexpanded."""
+    n_params = sum(layer_sizes)
+    if len(prior_precision) == n_params:
+        return prior_precision.log().sum()
+    counts = [n_params] if len(prior_precision) == 1 else layer_sizes
+    counts = torch.as_tensor(counts, device=prior_precision.device, dtype=prior_precision.dtype)
+    return (prior_precision.log() * counts).sum()
 
 
 def as_sigma_noise(value: float | Tensor, likelihood: LikelihoodModel, device, dtype) -> Tensor:

@@ -31,7 +31,7 @@ from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
-from laplace.priors import expand_to_diagonal
+from laplace.priors import prior_weighted_sum
 from laplace.serialization import check_state_dict
 from laplace.subsets import Subnetwork
 from laplace.utils.enums import Likelihood, PriorStructure
@@ -124,15 +124,10 @@ class SubnetLaplace(ParametricLaplace):
 
     # ------------------------------------------------------------------------------ prior
     @property
-    def prior_precision_diag(self) -> Tensor:
-        """Prior precision expanded to the subnetwork's diagonal, shape (K,)."""
-        return expand_to_diagonal(self.prior_precision, [self._subset.n_subnet])
-
-    @property
     def scatter(self) -> Tensor:
         """``(θ*_S − μ₀)ᵀ diag(p₀) (θ*_S − μ₀)`` over the subnetwork."""
         delta = self.mean_subnet - self.prior_mean
-        return (delta.square() * self.prior_precision_diag).sum()
+        return prior_weighted_sum(self.prior_precision, delta.square(), [self.n_params_subnet])
 
     # ------------------------------------------------------------------- samples and values
     def assemble_full_samples(self, subnet_samples: Tensor) -> Tensor:

@@ -116,6 +116,11 @@ class _FlatParameters:
         """Lengths of a layer-wise and of a diagonal prior (n_layers, n_params)."""
         return self.n_layers, self.n_params
 
+    @property
+    def prior_sizes(self) -> list[int]:
+        """Weights under each entry of a layer-wise prior (the posterior's layers)."""
+        return self.sizes
+
     def prior_mean_vector(self, prior_mean: Tensor) -> Tensor:
         """The prior mean expanded to the posterior's weight vector, shape (P,)."""
         return torch.broadcast_to(prior_mean, (self.n_params,)).clone()
@@ -290,6 +295,11 @@ class Subnetwork(AllWeights):
     def prior_lengths(self) -> tuple[int | None, int | None]:
         """Scalar or diagonal over the subnetwork: no layer-wise prior (None, K)."""
         return None, self.n_subnet
+
+    @property
+    def prior_sizes(self) -> list[int]:
+        """The prior covers the subnetwork's K entries."""
+        return [self.n_subnet]
 
     def prior_mean_vector(self, prior_mean: Tensor) -> Tensor:
         """Weights (P,) with the subnetwork at its prior mean and the rest at the MAP."""
