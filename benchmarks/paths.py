@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -48,7 +49,7 @@ def main() -> None:
     loader = DataLoader(TensorDataset(X, y), batch_size=64)
     for subset, structure in CASES:
         la = Laplace(model, "classification", subset, structure)
-        for what, operation in (("fit", lambda: la.fit(loader)), ("glm", lambda: la(X[:8]))):
+        for what, operation in (("fit", partial(la.fit, loader)), ("glm", partial(la, X[:8]))):
             modules, calls = modules_entered(operation)
             names = " ".join(m.removeprefix("laplace.") for m in modules)
             print(f"{what} {subset} {structure}: {len(modules)} modules, {calls} calls: {names}")
