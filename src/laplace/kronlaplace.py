@@ -41,29 +41,13 @@ class KronLaplace(ParametricLaplace):
     (:mod:`laplace.kron_glm`, through :class:`~laplace.posteriors.KronPosterior`) without forming
     Jacobians.
 
-    Every parameterised layer is supported, each parameter tensor with a block of its own (see
-    :mod:`laplace.curvature.kfac_rules`): Kronecker factors for ``nn.Linear``,
-    ``nn.Conv1d/2d/3d``, transformers' ``Conv1D`` and ``nn.Embedding`` (whose vocabulary factor,
-    the token counts, is diagonal); the exact curvature block of every other parameter
-    (LayerNorm, RMSNorm, GroupNorm and BatchNorm affine parameters, attention projections held
-    as raw parameters, any module), dense up to ``backend_kwargs={"kfac_dense_limit": n}``
-    entries (default :data:`~laplace.curvature.kfac_rules.KFAC_DENSE_LIMIT`) and diagonal
-    above, all in one posterior. The ASDL and BackPACK backends factor Linear and convolution
-    layers only and refuse other modules by name.
-
-    **Many outputs** (a vocabulary, :mod:`laplace.large_output`): a Linear or convolution
-    layer with more than :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs keeps its
-    output factor ``G = Σ g gᵀ`` as a :class:`~laplace.utils.diag_lowrank.DiagLowRank` of at
-    most ``output_factor_rank`` columns (its gradient rows, folded as they come), never a dense
-    C × C matrix. ``H_facs`` is then a :class:`~laplace.utils.structured_kron.StructuredKron`
-    and ``H`` a :class:`~laplace.utils.structured_kron.StructuredKronDecomposed` (log-det,
-    marginal likelihood, sampling, ``damping`` and online fits through the structure). This
-    needs the native KFAC with a few curvature columns per data point: the Monte-Carlo Fisher
-    (``backend_kwargs={"stochastic": True}``) or ``backend=CurvlinopsEF``; the exact GGN of
-    that many outputs (C columns per position) is refused at the first batch. When the model
-    has that many outputs the GLM predictive (C Jacobian rows per point) is refused too: use
-    ``pred_type="nn"`` (one forward pass per weight sample), or
-    ``subset_of_weights="last_layer"``.
+    Every parameterised layer has a block: Kronecker factors for Linear, convolution,
+    transformers' ``Conv1D`` and embedding layers, the exact (dense or diagonal) block of any
+    other parameter (docs: Backends, "KFAC over every layer"). A layer with more outputs than
+    :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` keeps its output factor as a diagonal
+    plus a rank-``output_factor_rank`` term, never a dense C × C matrix; it needs the
+    Monte-Carlo or empirical Fisher, and the GLM predictive is refused for it (docs: Large
+    output dimensions).
 
     Args:
         model: See :class:`~laplace.base.BaseLaplace`.
