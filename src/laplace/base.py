@@ -43,14 +43,20 @@ from laplace.transaction import TRANSACTIONAL_METHODS, transactional
 from laplace.tuning import optimize_prior_precision
 from laplace.utils.enums import (
     FunctionalApproximation,
+    HessianStructure,
     Likelihood,
     LinkApprox,
     PredType,
     PriorStructure,
+    SubsetOfWeights,
     parse_enum,
 )
 
-__all__ = ["BaseLaplace", "arguments_for"]
+__all__ = ["REGISTRY", "BaseLaplace", "arguments_for"]
+
+#: The Laplace class of each (subset of weights, Hessian structure): every class that names its
+#: ``_key`` (the factory :func:`laplace.Laplace` picks from it).
+REGISTRY: dict[tuple[SubsetOfWeights, HessianStructure], type[BaseLaplace]] = {}
 
 
 class BaseLaplace:
@@ -106,6 +112,8 @@ class BaseLaplace:
     _abstract: str | None = None
     #: The function-space (GP) approximation of the class; None: a weight-space one.
     _function_space: FunctionalApproximation | None = None
+    #: The (subset of weights, Hessian structure) the ``Laplace`` factory builds the class for.
+    _key: tuple[SubsetOfWeights, HessianStructure]
     #: The parameter subset the posterior covers (a class with ``for_model``).
     _subset_kind: type = AllWeights
     #: Keyword arguments of ``_subset_kind.for_model`` (a constructor sets its own).
@@ -129,6 +137,8 @@ class BaseLaplace:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "_key" in cls.__dict__:
+            REGISTRY[cls._key] = cls
         for name in TRANSACTIONAL_METHODS:
             method = getattr(cls, name, None)
             if method is not None and not getattr(method, "_transactional", False):

@@ -16,7 +16,7 @@ from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors import KronPosterior, Posterior
 from laplace.posteriors.structured_kron import kron_block_structure
-from laplace.utils.enums import Likelihood
+from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = ["KronLaplace"]
@@ -77,6 +77,8 @@ class KronLaplace(ParametricLaplace):
             transformers ``Conv1D`` with more outputs than the threshold), a diagonal prior
             precision, or an ``output_factor_rank`` that is not a positive integer.
     """
+
+    _key = (SubsetOfWeights.ALL, HessianStructure.KRON)
 
     _posterior_cls = KronPosterior
     #: The backend's block shapes, large output factors marked (found once, on first use).

@@ -6,20 +6,14 @@ from typing import Any
 
 from torch import nn
 
+from laplace.base import REGISTRY
 from laplace.errors import ArgumentTypeError
-from laplace.functional import (
-    ELLA,
-    BaseFunctionalLaplace,
-    FunctionalLaplace,
-    FunctionalLLLaplace,
-    VaLLA,
-)
-from laplace.kronlaplace import KronLaplace
+from laplace.functional import ELLA, BaseFunctionalLaplace, VaLLA
 from laplace.likelihoods import make_likelihood
-from laplace.lllaplace import DiagLLLaplace, FullLLLaplace, KronLLLaplace
-from laplace.lowranklaplace import LowRankLaplace
-from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
-from laplace.subnetlaplace import DiagSubnetLaplace, FullSubnetLaplace
+from laplace.lllaplace import LLLaplace  # noqa: F401  (registers the last-layer classes)
+from laplace.lowranklaplace import LowRankLaplace  # noqa: F401  (registers the class)
+from laplace.parametric import ParametricLaplace
+from laplace.subnetlaplace import SubnetLaplace  # noqa: F401  (registers the classes)
 from laplace.subsets import MISSING_SUBNETWORK_INDICES
 from laplace.utils.enums import (
     FunctionalApproximation,
@@ -33,34 +27,11 @@ __all__ = ["REGISTRY", "Laplace"]
 
 S, H = SubsetOfWeights, HessianStructure
 
-#: Implemented (subset, structure) combinations.
-REGISTRY: dict[
-    tuple[SubsetOfWeights, HessianStructure], type[ParametricLaplace | BaseFunctionalLaplace]
-] = {
-    (S.ALL, H.FULL): FullLaplace,
-    (S.ALL, H.DIAG): DiagLaplace,
-    (S.ALL, H.KRON): KronLaplace,
-    (S.ALL, H.LOWRANK): LowRankLaplace,
-    (S.LAST_LAYER, H.FULL): FullLLLaplace,
-    (S.LAST_LAYER, H.KRON): KronLLLaplace,
-    (S.LAST_LAYER, H.DIAG): DiagLLLaplace,
-    (S.SUBNETWORK, H.FULL): FullSubnetLaplace,
-    (S.SUBNETWORK, H.DIAG): DiagSubnetLaplace,
-    (S.ALL, H.GP): FunctionalLaplace,  # functional_approximation="sod"
-    (S.LAST_LAYER, H.GP): FunctionalLLLaplace,
-}
-
-#: Combinations laplace-torch supports that later issues add, with the issue that adds them.
-PLANNED: dict[tuple[SubsetOfWeights, HessianStructure], str] = {}
-
 #: Function-space approximations other than subset of data (all weights only).
 FUNCTIONAL: dict[FunctionalApproximation, type[BaseFunctionalLaplace]] = {
     FunctionalApproximation.NYSTROM: ELLA,
     FunctionalApproximation.VARIATIONAL: VaLLA,
 }
-
-#: Function-space approximations not implemented yet.
-PLANNED_FUNCTIONAL: dict[FunctionalApproximation, str] = {}
 
 
 def Laplace(
@@ -112,15 +83,9 @@ def Laplace(
             raise ValueError(
                 f"functional_approximation={approximation.value!r} needs subset_of_weights='all'."
             )
-        if approximation in FUNCTIONAL:
-            return FUNCTIONAL[approximation](model, likelihood, *args, **kwargs)
-        raise NotImplementedError(
-            f"functional_approximation={approximation.value!r} "
-            f"({PLANNED_FUNCTIONAL[approximation]}) is not available yet in laplace-ng; use "
-            "functional_approximation='sod' (FunctionalLaplace)."
-        )
-    if key not in REGISTRY and key not in PLANNED:
-        valid = sorted(f"{s.value}/{h.value}" for s, h in [*REGISTRY, *PLANNED] if s == subset)
+        return FUNCTIONAL[approximation](model, likelihood, *args, **kwargs)
+    if key not in REGISTRY:
+        valid = sorted(f"{s.value}/{h.value}" for s, h in REGISTRY if s == subset)
         raise ValueError(
             f"subset_of_weights={subset.value!r} does not support "
             f"hessian_structure={structure.value!r}; valid structures for this subset: "
@@ -129,10 +94,4 @@ def Laplace(
     likelihood_model.check_structure(structure)
     if subset == S.SUBNETWORK and not args and "subnetwork_indices" not in kwargs:
         raise ArgumentTypeError(MISSING_SUBNETWORK_INDICES)
-    if key in PLANNED:
-        raise NotImplementedError(
-            f"subset_of_weights={subset.value!r} with hessian_structure={structure.value!r} "
-            f"is not available yet in laplace-ng; it arrives with {PLANNED[key]}. "
-            f"Available now: {sorted(f'{s.value}/{h.value}' for s, h in REGISTRY)}."
-        )
     return REGISTRY[key](model, likelihood, *args, **kwargs)

@@ -45,7 +45,7 @@ from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.parametric_fit import CurvatureSum
 from laplace.serialization import check_state_dict
 from laplace.subsets import LastLayer, extractor_property
-from laplace.utils.enums import Likelihood
+from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
 
 __all__ = [
@@ -260,9 +260,13 @@ class LLLaplace(ParametricLaplace):
 class FullLLLaplace(LLLaplace, FullLaplace):
     """Last-layer Laplace with a dense (P, P) curvature of the head."""
 
+    _key = (SubsetOfWeights.LAST_LAYER, HessianStructure.FULL)
+
 
 class DiagLLLaplace(LLLaplace, DiagLaplace):
     """Last-layer Laplace with a diagonal curvature of the head."""
+
+    _key = (SubsetOfWeights.LAST_LAYER, HessianStructure.DIAG)
 
 
 class KronLLLaplace(LLLaplace, KronLaplace):
@@ -285,6 +289,8 @@ class KronLLLaplace(LLLaplace, KronLaplace):
     Raises:
         ValueError: For an ``output_factor_rank`` that is not a positive integer.
     """
+
+    _key = (SubsetOfWeights.LAST_LAYER, HessianStructure.KRON)
 
     def __init__(
         self,

@@ -34,7 +34,7 @@ from laplace.parametric import ParametricLaplace
 from laplace.parametric_fit import FitPass
 from laplace.posteriors.lowrank import LowRankPosterior
 from laplace.serialization import ParametricState
-from laplace.utils.enums import Likelihood
+from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 
 __all__ = ["LowRankLaplace"]
 
@@ -244,6 +244,8 @@ class LowRankLaplace(ParametricLaplace):
         >>> la.fit(train_loader)
         >>> probs = la(x_test, link_approx="probit")
     """
+
+    _key = (SubsetOfWeights.ALL, HessianStructure.LOWRANK)
 
     _posterior_cls = LowRankPosterior
     _curvature_pass = TopEigenpairs

@@ -39,7 +39,7 @@ from laplace.predictive import gaussian_output_samples
 from laplace.priors import as_sigma_noise, prior_log_det, prior_weighted_sum
 from laplace.serialization import ParametricState
 from laplace.subsets import LastLayer
-from laplace.utils.enums import LinkApprox, PredType, parse_enum
+from laplace.utils.enums import HessianStructure, LinkApprox, PredType, SubsetOfWeights, parse_enum
 
 __all__ = ["DiagLaplace", "FullLaplace", "ParametricLaplace"]
 
@@ -164,8 +164,9 @@ class ParametricLaplace(BaseLaplace):
     @property
     def scatter(self) -> Tensor:
         """``(θ_MAP − μ₀)ᵀ P₀ (θ_MAP − μ₀)``."""
+        sizes = self._subset.prior_sizes  # raises while the parameters are not known
         delta = self.mean - self.prior_mean
-        return prior_weighted_sum(self.prior_precision, delta.square(), self._subset.prior_sizes)
+        return prior_weighted_sum(self.prior_precision, delta.square(), sizes)
 
     @property
     def log_det_prior_precision(self) -> Tensor:
@@ -700,6 +701,8 @@ class FullLaplace(ParametricLaplace):
     ``posterior_scale`` is the lower-triangular ``S`` (P, P) with ``S Sᵀ = P⁻¹``.
     """
 
+    _key = (SubsetOfWeights.ALL, HessianStructure.FULL)
+
     _posterior_cls = DensePosterior
 
     @property
@@ -735,6 +738,8 @@ class DiagLaplace(ParametricLaplace):
     (:func:`laplace.kron_glm.diag_functional_variance`, every layer); models whose layers do not
     see the data points along dim 0 use the Jacobian rows of the same recorded pass.
     """
+
+    _key = (SubsetOfWeights.ALL, HessianStructure.DIAG)
 
     _posterior_cls = DiagonalPosterior
 

@@ -34,7 +34,7 @@ from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.priors import prior_weighted_sum
 from laplace.serialization import check_state_dict
 from laplace.subsets import Subnetwork
-from laplace.utils.enums import Likelihood, PriorStructure
+from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure, SubsetOfWeights
 
 __all__ = ["DiagSubnetLaplace", "FullSubnetLaplace", "SubnetLaplace"]
 
@@ -176,6 +176,10 @@ class SubnetLaplace(ParametricLaplace):
 class FullSubnetLaplace(SubnetLaplace, FullLaplace):
     """Subnetwork Laplace with a dense (K, K) curvature and posterior precision."""
 
+    _key = (SubsetOfWeights.SUBNETWORK, HessianStructure.FULL)
+
 
 class DiagSubnetLaplace(SubnetLaplace, DiagLaplace):
     """Subnetwork Laplace with a diagonal (K,) curvature and posterior precision."""
+
+    _key = (SubsetOfWeights.SUBNETWORK, HessianStructure.DIAG)

@@ -30,10 +30,12 @@ from laplace.functional.ntk import DenseJacobian, FactoredJacobian, trace_jacobi
 from laplace.glm import jacobian_chunk_rows
 from laplace.likelihoods import make_likelihood
 from laplace.utils.enums import (
+    HessianStructure,
     Likelihood,
     LinkApprox,
     PredType,
     PriorStructure,
+    SubsetOfWeights,
     TuningMethod,
     parse_enum,
 )
@@ -101,7 +103,7 @@ class FunctionalLaplace(IsotropicPriorMixin, BaseFunctionalLaplace):
         ValueError: For reward modelling, a non-scalar prior precision, or a bad ``n_subset``.
     """
 
-    _key = ("all", "gp")
+    _key = (SubsetOfWeights.ALL, HessianStructure.GP)
     _state_plain = ("n_subset", "independent_outputs", "seed", "n_data", "temperature")
     _state_tensors = ("prior_mean", "prior_precision", "sigma_noise")
     _state_other_tensors = SubsetKernel.STATE_TENSORS

@@ -13,7 +13,7 @@ from laplace.base import arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.functional.sod import FunctionalLaplace, SubsetGPState
 from laplace.subsets import LastLayer, extractor_property
-from laplace.utils.enums import Likelihood
+from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
 
 __all__ = ["FunctionalLLLaplace"]
@@ -51,7 +51,7 @@ class FunctionalLLLaplace(FunctionalLaplace):
             None.
     """
 
-    _key = ("last_layer", "gp")
+    _key = (SubsetOfWeights.LAST_LAYER, HessianStructure.GP)
     _subset_kind = LastLayer
     _state_format = LastLayerGPState()
     model: FeatureExtractor
