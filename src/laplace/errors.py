@@ -1,32 +1,8 @@
-"""Exceptions that keep our messages and laplace-torch's exception types at once.
+"""Exceptions that are also laplace-torch's exception types, and the argument checks.
 
-Code written for laplace-torch catches the types it raises (``except ValueError``,
-``except KeyError``, ``hasattr``). Where the natural type of one of our errors differs, the
-exception derives from both, so either ``except`` clause catches it:
-
-- :class:`ArgumentTypeError` (``ValueError`` and ``TypeError``): an argument of the wrong type,
-  e.g. a string as ``prior_precision`` (laplace-torch raises ``ValueError`` there);
-- :class:`MissingKeyError` (``KeyError`` and ``ValueError``): a key that a mapping or a model does
-  not have, e.g. ``dict_key_y`` missing from a batch or an unknown ``last_layer_name``;
-- :class:`NotFittedError` (``RuntimeError`` and ``AttributeError``): something that needs
-  :meth:`fit` (or a last layer that is not known yet), so ``hasattr(la, name)`` and
-  ``getattr(la, name, default)`` work on properties that cannot be computed yet;
-- :class:`UnsupportedError` (``NotImplementedError`` and ``AttributeError``): a property an
-  approximation does not have (e.g. ELLA's training log-likelihood), for the same reason;
-- :class:`AbstractClassError` (``TypeError`` and ``NotImplementedError``, laplace-torch's type
-  for ``ParametricLaplace(...)``): an abstract class built directly;
-- :class:`DataError` (``ValueError`` and ``RuntimeError``): training or test data the model or
-  the loss cannot use (targets of the wrong kind, NaN values, mismatched batches); torch raises
-  a ``RuntimeError`` for most of them, which laplace-torch lets through;
-- :class:`MetaDeviceError` (a :class:`DataError` and a ``NotImplementedError``): data or
-  parameters on the ``meta`` device, which hold no values (torch's type for copying them);
-- :class:`LabelError` (``ValueError`` and ``IndexError``): a class label outside ``[0, C)``
-  (laplace-torch lets the ``IndexError`` of the cross-entropy through);
-- :class:`ModelOutputError` (``TypeError`` and ``AttributeError``): a model that returns
-  something other than a tensor of outputs (laplace-torch fails with an ``AttributeError``).
-
-The ``check_*`` helpers validate the arguments every entry point shares (counts, rates,
-flags, modules, mappings) once, at the public boundary, with a message naming the argument.
+Each exception derives from the type laplace-torch raises and from the natural one, so either
+``except`` clause catches it (the table is in docs/migration.md). The ``check_*`` helpers
+validate the arguments every entry point shares once, at the public boundary.
 """
 
 from __future__ import annotations
@@ -71,10 +47,7 @@ class ArgumentTypeError(ValueError, TypeError):
 
 
 class MissingKeyError(KeyError, ValueError):
-    """A key that is not there; a ``KeyError`` (as laplace-torch) and a ``ValueError``.
-
-    Its ``str`` is the message itself (``KeyError`` would print it quoted).
-    """
+    """A missing key; a ``KeyError`` (as laplace-torch) and a ``ValueError``, printed unquoted."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
@@ -101,11 +74,7 @@ class MetaDeviceError(DataError, NotImplementedError):
 
 
 class TooLargeError(ValueError, RuntimeError):
-    """A dense matrix larger than the device's memory.
-
-    A ``RuntimeError`` as torch's allocation failure, and a ``ValueError`` (the structure chosen
-    does not fit the model).
-    """
+    """A dense matrix larger than the device's memory; a ``ValueError`` and a ``RuntimeError``."""
 
 
 def device_memory(device: torch.device) -> int | None:
@@ -142,13 +111,8 @@ class ModelOutputError(TypeError, AttributeError):
 def check_int_at_least(value: Any, name: str, minimum: int) -> int:
     """Return ``value`` if it is an integer (``bool`` excluded) of at least ``minimum``.
 
-    Args:
-        value: The candidate, e.g. a number of steps.
-        name: The argument's name, for the message.
-        minimum: The smallest accepted value.
-
     Raises:
-        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) if it is not an integer.
+        ArgumentTypeError: If it is not an integer.
         ValueError: If it is smaller than ``minimum``.
     """
     kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
@@ -160,28 +124,15 @@ def check_int_at_least(value: Any, name: str, minimum: int) -> int:
 
 
 def check_positive_int(value: Any, name: str) -> int:
-    """Return ``value`` if it is a positive integer (``bool`` excluded).
-
-    Args:
-        value: The candidate, e.g. a number of samples.
-        name: The argument's name, for the message.
-
-    Raises:
-        ValueError: If ``value`` is not an integer of at least 1 (a non-integer raises an error
-            that is a ``ValueError`` and a ``TypeError``).
-    """
+    """Return ``value`` if it is a positive integer; see ``check_int_at_least``."""
     return check_int_at_least(value, name, 1)
 
 
 def check_positive_float(value: Any, name: str) -> float:
-    """Return ``value`` as a float if it is a positive, finite real number.
-
-    Args:
-        value: The candidate, e.g. a learning rate; a one-element tensor is accepted.
-        name: The argument's name, for the message.
+    """Return ``value`` (a real number or one-element tensor) as a positive, finite float.
 
     Raises:
-        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) if it is not a real number.
+        ArgumentTypeError: If it is not a real number.
         ValueError: If it is not positive and finite.
     """
     if hasattr(value, "numel") and value.numel() == 1 and not value.is_complex():
@@ -197,7 +148,7 @@ def check_bool(value: Any, name: str) -> bool:
     """Return ``value`` if it is a ``bool`` (a string such as ``"no"`` would be truthy).
 
     Raises:
-        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) for anything else.
+        ArgumentTypeError: For anything else.
     """
     if not isinstance(value, bool):
         raise ArgumentTypeError(f"{name} must be True or False, got {value!r}.")
@@ -219,7 +170,7 @@ def check_mapping(value: Any, name: str) -> dict[str, Any]:
     """A copy of ``value`` as a dict if it is a mapping with string keys (None: empty).
 
     Raises:
-        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) for anything else.
+        ArgumentTypeError: For anything else.
     """
     if value is None:
         return {}
@@ -234,8 +185,7 @@ def check_generator(value: Any) -> Any:
     """Return ``value`` if it is None or a ``torch.Generator``.
 
     Raises:
-        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``, the types torch raises) for
-            anything else, e.g. an integer seed.
+        ArgumentTypeError: For anything else, e.g. an integer seed.
     """
     if value is not None and not isinstance(value, torch.Generator):
         raise ArgumentTypeError(
@@ -248,13 +198,8 @@ def check_generator(value: Any) -> Any:
 def check_finite_result(value: Any, what: str) -> Any:
     """Return ``value`` (a tensor) if every entry is finite.
 
-    Args:
-        value: A quantity computed from the training data, e.g. a batch's loss.
-        what: What it is, for the message.
-
     Raises:
-        RuntimeError: Naming it, for NaN or inf entries (the model's outputs or the data are
-            the usual cause), instead of a posterior that silently holds NaN.
+        RuntimeError: Naming ``what``, for NaN or inf entries.
     """
     if not bool(torch.isfinite(torch.as_tensor(value).detach()).all()):
         raise RuntimeError(
@@ -264,15 +209,7 @@ def check_finite_result(value: Any, what: str) -> Any:
 
 
 def is_real_scalar(value: Any) -> bool:
-    """Whether ``value`` is a real number or a tensor holding exactly one value.
-
-    Args:
-        value: Candidate value.
-
-    Returns:
-        True for real Python/numpy scalars (bools included), 0-d tensors and tensors of
-        shape ``(1,)``; False otherwise (strings, complex numbers, lists, larger tensors).
-    """
+    """Whether ``value`` is a real scalar (bools included) or a tensor of shape () or (1,)."""
     if torch.is_tensor(value):
         return value.ndim == 0 or (value.ndim == 1 and len(value) == 1)
     return bool(np.isscalar(value) and isinstance(value, numbers.Real | np.bool_))
