@@ -1,33 +1,9 @@
-r"""One data loop for every pass over a loader: fits, kernel builds, scoring and training.
+"""One data loop for every pass over a loader: fits, kernel builds, scoring and training.
 
-Every pass over a ``DataLoader`` does the same things around the work that differs:
-
-1. split each batch into inputs and targets (``(X, y)`` tuples or dict-like batches), move them
-   to the model's device and refuse NaN/inf values before any model call
-   (:func:`laplace.data.prepare_batch`), plus the caller's own check of the inputs (e.g. a
-   backend that cannot take dict-like inputs);
-2. show a progress bar;
-3. turn each batch into statistics, refuse non-finite ones, and add them up;
-4. in a distributed pass, make a failure of one rank an error on every rank and all-reduce the
-   sums (:mod:`laplace.distributed`).
-
-:class:`DataLoop` is that template method; a loop implements :meth:`DataLoop.step` (the
-statistics of one batch) and overrides the other hooks where it differs. :class:`Gather` keeps
-per-batch values and concatenates them instead of summing. :meth:`DataLoop.batches` is steps
-1–2 alone, :meth:`DataLoop.cycle` the loop of an optimiser that takes one batch per step, and
-:meth:`DataLoop.passes` a re-iterable of the batches for solvers that take several passes.
-
-Transactional calls (:mod:`laplace.transaction`) rely on the loop accumulating into the fresh
-value :meth:`DataLoop.start` returns (in place is fine there) and returning it: the caller
-assigns the results only after :meth:`DataLoop.run` returns, so a pass that raises changes
-nothing.
-
-Example:
-    >>> class BatchCount(DataLoop):
-    ...     def step(self, X, y):
-    ...         return torch.tensor(float(len(y)))
-    >>> BatchCount("input_ids", "labels", torch.device("cpu")).run(loader)  # doctest: +SKIP
-    tensor(20.)
+``DataLoop`` prepares each batch (``laplace.data.prepare_batch``), shows a progress bar, checks
+and sums the per-batch statistics of its ``step`` into the fresh value ``start`` returns (so a
+pass that raises changes nothing) and all-reduces them in a distributed pass; ``Gather``
+concatenates per-batch values instead. docs/architecture.md ("The data loop") lists the passes.
 """
 
 from __future__ import annotations
@@ -56,14 +32,8 @@ __all__ = ["DataLoop", "Gather", "subset_loader", "training_indices"]
 class DataLoop:
     """Template method of one pass over a data loader.
 
-    :meth:`run` is::
-
-        total = start()
-        for stats in summands(loader):    # by default step(X, y) per prepared batch
-            check(stats)                  # refuse non-finite statistics
-            total = add(total, stats)
-        total = all-reduce(total)         # distributed passes only
-        return finish(total)
+    ``run`` is ``total = start()``, then ``check`` and ``add`` of each of ``summands(loader)``
+    (``step(X, y)`` per prepared batch), the all-reduce of a distributed pass, ``finish(total)``.
 
     Args:
         dict_key_x: Key of the inputs in dict-like batches.
@@ -72,13 +42,12 @@ class DataLoop:
         check_inputs: Called on the inputs of every batch (e.g. a backend refusing dict inputs).
         progress_bar: Show a progress bar over the batches.
         desc: Label of the progress bar.
-        distributed: Sum the totals over the ranks of :mod:`torch.distributed`; a rank that
-            fails makes every rank raise (:func:`laplace.distributed.guard`).
+        distributed: Sum the totals over the ranks of ``torch.distributed``; a rank that
+            fails makes every rank raise.
         what: Name of the pass in error messages (``"fit"``, ...).
         empty_message: Message of the ``ValueError`` raised when the loader yields no batch;
-            None: no error, :meth:`finish` receives :meth:`start`'s value.
-        step: The per-batch statistics as a callable ``(X, y) -> stats``, instead of
-            overriding :meth:`step`.
+            None: no error, ``finish`` receives ``start``'s value.
+        step: The per-batch statistics ``(X, y) -> stats``, instead of overriding ``step``.
     """
 
     def __init__(
@@ -108,12 +77,11 @@ class DataLoop:
         """Yield ``(X, y)`` of each batch on the device, checked before any model call.
 
         Args:
-            loader: Batches ``(X, y)`` or dict-like (see :func:`laplace.data.split_batch`).
+            loader: Batches ``(X, y)`` or dict-like.
             progress_bar: Show a progress bar; None: as the loop was built.
 
         Raises:
-            ValueError: For batches :func:`~laplace.data.prepare_batch` refuses (NaN/inf values,
-                mismatched inputs and targets, missing keys), and what ``check_inputs`` raises.
+            ValueError: For batches ``prepare_batch`` refuses, and what ``check_inputs`` raises.
         """
         show = self.progress_bar if progress_bar is None else progress_bar
         for batch in tqdm(loader, disable=not show, desc=self.desc):
@@ -123,9 +91,7 @@ class DataLoop:
             yield X, y
 
     def cycle(self, loader: DataLoader, n_steps: int) -> Iterator[tuple[Inputs, Tensor]]:
-        """``n_steps`` prepared batches, restarting ``loader`` when it runs out.
-
-        The loop of an optimiser that takes one batch per step; the progress bar counts steps.
+        """``n_steps`` prepared batches (one per optimiser step), restarting ``loader`` as needed.
 
         Raises:
             ValueError: If the loader yields no batch (``empty_message``).
@@ -143,10 +109,7 @@ class DataLoop:
     def passes(
         self, loader: DataLoader, step: Callable[[Inputs, Tensor], Any] | None = None
     ) -> Iterable[Any]:
-        """A re-iterable of the prepared batches: every iteration is one more pass over them.
-
-        For solvers that go over the data several times (the eigensolvers of low-rank
-        Laplace, curvlinops' operators); no progress bar.
+        """A re-iterable of the prepared batches, one pass per iteration (for iterative solvers).
 
         Args:
             loader: The data loader.
@@ -155,7 +118,7 @@ class DataLoop:
         return _Passes(self, loader, step)
 
     def run(self, loader: DataLoader) -> Any:
-        """One pass over ``loader``; returns :meth:`finish` of the accumulated statistics.
+        """One pass over ``loader``; returns ``finish`` of the accumulated statistics.
 
         Raises:
             ValueError: If the loader yields no batch (unless ``empty_message`` is None), or a
@@ -180,7 +143,7 @@ class DataLoop:
         return None
 
     def summands(self, loader: DataLoader) -> Iterator[Any]:
-        """The statistics to add up: :meth:`step` of each prepared batch."""
+        """The statistics to add up: ``step`` of each prepared batch."""
         for X, y in self.batches(loader):
             yield self.step(X, y)
 
@@ -194,7 +157,7 @@ class DataLoop:
         """Refuse statistics with NaN or inf entries.
 
         Raises:
-            RuntimeError: Naming the pass (see :func:`laplace.errors.check_finite_result`).
+            RuntimeError: Naming the pass.
         """
         for value in stats if isinstance(stats, tuple) else (stats,):
             if isinstance(value, Tensor):
@@ -214,11 +177,9 @@ class DataLoop:
 
 
 class Gather(DataLoop):
-    """A pass that keeps the per-batch values and concatenates them row-wise.
+    """A pass that concatenates per-batch values row-wise instead of summing them.
 
-    :meth:`step` returns a tuple of batched values (tensors or inputs); :meth:`run` returns
-    the tuple of their concatenations over the batches (:func:`laplace.data.concatenate_rows`).
-    The default step keeps ``(X, y)``. Nothing is all-reduced.
+    ``run`` returns each of ``step``'s values (default ``(X, y)``) over the batches.
     """
 
     def start(self) -> list[tuple[Any, ...]]:
@@ -243,7 +204,7 @@ class Gather(DataLoop):
 
 
 class _Passes:
-    """See :meth:`DataLoop.passes`."""
+    """The re-iterable of ``DataLoop.passes``."""
 
     def __init__(
         self, loop: DataLoop, loader: DataLoader, step: Callable[[Inputs, Tensor], Any] | None
@@ -258,9 +219,8 @@ class _Passes:
 def training_indices(loader: DataLoader) -> Tensor:
     """Dataset indices the loader's sampler can reach, shape (n,), ``long``.
 
-    A sequential sampler gives ``0..N-1`` (cut to whole batches with ``drop_last``); a random
-    permutation sampler the same without consuming its generator; a ``SubsetRandomSampler`` its
-    indices; any other sampler is iterated once.
+    Sequential and permutation samplers are read without consuming a generator; others are
+    iterated once.
 
     Raises:
         ValueError: For an empty sampler, out-of-range indices, or a ``drop_last`` batch sampler
