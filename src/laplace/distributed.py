@@ -1,35 +1,8 @@
-r"""Fitting and tuning across processes with :mod:`torch.distributed`.
+"""Fitting and tuning across the processes of ``torch.distributed``.
 
-Every fit is a sum over batches, so a fit on several processes is: each rank sums the
-curvature and the loss over its own shard of the data, then the sums are all-reduced, and every
-rank holds the posterior a single process would compute on the whole data.
-
-The rule (one opt-in, the ``distributed`` argument of ``fit``):
-
-* ``distributed=None`` (default): distributed when :mod:`torch.distributed` is initialised with
-  more than one process **and** the loader's sampler is a
-  :class:`~torch.utils.data.distributed.DistributedSampler`. Single-process code never meets
-  this case, so its behaviour is unchanged.
-* ``distributed=True``: distributed (the process group must be initialised); use this for
-  loaders over a pre-sharded dataset, e.g. :func:`shard_dataset`.
-* ``distributed=False``: a local fit on this rank's data only.
-
-The data count of a rank is ``len(loader.sampler)`` for a ``DistributedSampler`` and
-``len(loader.dataset)`` otherwise; the counts are all-reduced before the pass (KFAC normalises
-its input factors by the total count). Note that ``DistributedSampler(drop_last=False)`` pads
-the shards with repeated samples when the data size is not a multiple of the world size: the
-posterior then counts those repeats. :func:`shard_dataset` gives uneven shards without repeats,
-which reproduce the single-process fit exactly (up to float summation order).
-
-Before the pass, :func:`check_consistent` compares the hyperparameters of all ranks: ranks built
-with different prior precisions, noise or structures would otherwise hold different posteriors
-without an error.
-
-Failures: the local pass of every rank runs inside :func:`guard`, which all-reduces a failure
-flag afterwards, so a rank whose local fit raised makes every other rank raise a
-:class:`DistributedFitError` naming it instead of waiting forever in the next collective. A rank
-that dies outright is caught by the process group's timeout
-(``init_process_group(timeout=...)``).
+Each rank sums over its shard of the data, the sums are all-reduced, and every rank holds the
+posterior a single process would compute on the whole data (docs/distributed.md: the opt-in
+rule, shards, failures).
 """
 
 from __future__ import annotations
@@ -67,16 +40,17 @@ class DistributedFitError(RuntimeError):
 
 
 def is_distributed() -> bool:
-    """Whether :mod:`torch.distributed` is initialised with more than one process."""
+    """Whether ``torch.distributed`` is initialised with more than one process."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def resolve(distributed: bool | None, loader: DataLoader | None = None) -> bool:
-    """Apply the opt-in rule of the module docstring.
+    """Whether a pass is distributed (all-reduces its sums).
 
     Args:
-        distributed: The user's choice (None: automatic).
-        loader: The data loader (its sampler decides the automatic case).
+        distributed: The user's choice; None: the process group has several ranks and
+            ``loader``'s sampler is a ``DistributedSampler``.
+        loader: The data loader.
 
     Returns:
         Whether to all-reduce.
@@ -111,12 +85,10 @@ def _reduce(tensor: Tensor, op: Any = None) -> Tensor:
 
 
 def all_reduce_sum(value: Any, device: torch.device | None = None) -> Any:
-    """Sum ``value`` over all ranks; every rank gets the result.
+    """Sum ``value`` over all ranks, without modifying it; every rank gets the result.
 
-    ``value`` is a tensor, a Python number, a :class:`~laplace.utils.matrix.Kron` or a
-    (nested) list/tuple of these. Tensors of one dtype are reduced in a single flat buffer.
-    A :class:`~laplace.utils.diag_lowrank.DiagLowRank` factor sums its diagonal and gathers its
-    low-rank columns (then truncated to its rank as any sum). The inputs are not modified.
+    ``value`` is a tensor, a number, a ``Kron``, a ``DiagLowRank`` (its diagonal summed, its
+    columns gathered) or a nested list/tuple of these; one flat buffer per dtype.
     """
     from laplace.utils.diag_lowrank import DiagLowRank
     from laplace.utils.matrix import Kron
@@ -172,11 +144,9 @@ def all_reduce_sum(value: Any, device: torch.device | None = None) -> Any:
 
 @contextmanager
 def guard(active: bool, what: str = "fit", device: torch.device | None = None) -> Iterator[None]:
-    """Run a local step; afterwards all ranks learn whether any rank's step raised.
+    """Run a local step; then every rank raises if any rank's step raised (when ``active``).
 
-    The rank that failed re-raises its own exception; the others raise
-    :class:`DistributedFitError` naming the failed ranks, instead of hanging in the next
-    collective. Inactive: a plain ``yield``.
+    The failed rank re-raises its own exception, the others a ``DistributedFitError`` naming it.
     """
     if not active:
         yield
@@ -210,13 +180,11 @@ def check_consistent(values: dict[str, Any], what: str = "fit") -> None:
     """Raise on every rank if the ranks hold different ``values`` (e.g. hyperparameters).
 
     Args:
-        values: Name → number, string or tensor; each is compared entry by entry across ranks
-            (strings by a checksum).
+        values: Name → number, string (compared by checksum) or tensor.
         what: The step, for the message.
 
     Raises:
-        DistributedFitError: Naming the values that differ, on every rank (all ranks take the
-            same decision from the same reduced minima and maxima).
+        DistributedFitError: Naming the values that differ, on every rank.
     """
     device = _collective_device(None)
     flat = {
@@ -263,8 +231,7 @@ def _collective_device(device: torch.device | None) -> torch.device:
 def all_gather(tensor: Tensor) -> Tensor:
     """Concatenate ``tensor`` (n_rank, ...) of every rank along dim 0, in rank order.
 
-    The ranks may hold different numbers of rows (uneven test shards); the other dimensions
-    must agree. Without a process group the tensor is returned as it is.
+    Ranks may hold different numbers of rows; without a process group ``tensor`` is returned.
     """
     if not is_distributed():
         return tensor
@@ -281,10 +248,8 @@ def all_gather(tensor: Tensor) -> Tensor:
 
 
 def shard_dataset(dataset: Dataset, rank: int | None = None, world_size: int | None = None):
-    """This rank's shard ``dataset[rank::world_size]`` as a :class:`~torch.utils.data.Subset`.
+    """This rank's shard ``dataset[rank::world_size]`` as a ``Subset`` (no point repeated).
 
-    Shards differ by at most one point and no point is repeated, so a distributed fit
-    (``fit(loader, distributed=True)``) equals the single-process fit on ``dataset``.
     Defaults: the current process group's rank and world size.
     """
     rank = dist.get_rank() if rank is None else rank
