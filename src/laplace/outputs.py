@@ -1,26 +1,9 @@
-r"""Outputs with extra dimensions: how a model's outputs map to the likelihood's independent rows.
+"""Outputs with extra dimensions: how a model's outputs map to the likelihood's independent rows.
 
-A segmentation network returns logits (B, C, H, W) for targets (B, H, W), a Hugging Face
-language model (B, T, C) for targets (B, T), a dense regressor any (B, d₁, …) for targets of the
-same shape. Every position is an independent observation, so the likelihood objects, written
-for outputs (B, C), see *rows*: the outputs with the class dimension moved last and the batch
-and position dimensions flattened, (B·T, C) with T the number of positions. This module is that
-adapter, one edge of which is where outputs meet the likelihood (loss, gradients, the output
-Hessian's square root), the other where predictions get the outputs' shape back.
-
-- :class:`OutputAdapter` (one per likelihood object) holds the user's ``class_dim`` and
-  ``ignore_index`` and resolves the class dimension of classification outputs: the dimension the
-  targets lack (PyTorch's loss convention), or ``class_dim`` where that is ambiguous.
-- :class:`OutputLayout` is the resolved layout of one output shape: rows, the targets of the
-  rows and the rows an ``ignore_index`` drops, restoring a shape, the rows of Jacobians.
-- :class:`PositionColumns` are the output-space columns of the exact GGN of the *summed*
-  per-position loss. Positions of one data point share the network (a transformer mixes
-  them), so ``Jₙᵀ Λₙ Jₙ`` with a block-diagonal ``Λₙ = diag(Λₙ₁, …, Λₙ_T)`` needs one column
-  per (position, column of ``Λₙₜ``'s square root), T·K in all, each zero outside its position.
-  They are formed a chunk at a time, and columns that are zero for every data point (positions
-  every target of the batch ignores) are skipped.
-
-Outputs (B, C) are the plain layout: rows are the outputs themselves and nothing is reshaped.
+Outputs (B, C, H, W) or (B, T, C) are seen by the likelihood as rows (B·T, C): the class
+dimension moved last, batch and positions flattened (docs/outputs.md). ``OutputAdapter`` finds
+the class dimension, ``OutputLayout`` maps one output shape to rows and back, and
+``PositionColumns`` are the output-space columns of the exact GGN of the summed per-position loss.
 """
 
 from __future__ import annotations
@@ -50,9 +33,7 @@ IGNORE_INDEX = -100
 class PositionTargets(str, Enum):
     """How a likelihood's targets relate to outputs with extra dimensions.
 
-    ``LABELS``: class indices, shaped like the outputs without the class dimension (softmax
-    classification); ``VALUES``: the outputs' own shape (regression, multi-label). A likelihood
-    without one takes outputs (B, C) only.
+    ``LABELS`` lack the class dimension (softmax); ``VALUES`` have the outputs' shape.
     """
 
     LABELS = "labels"
@@ -102,7 +83,7 @@ class OutputLayout:
         return moved.reshape(*f.shape[: f.dim() - k - 1], -1, self.n_classes)
 
     def restore(self, rows: Tensor) -> Tensor:
-        """Rows (..., B·T, C) back to outputs (..., B, *shape); inverse of :meth:`rows`."""
+        """Rows (..., B·T, C) back to outputs (..., B, *shape); inverse of ``rows``."""
         if self.plain:
             return rows
         positions = self.shape[: self.class_dim] + self.shape[self.class_dim + 1 :]
@@ -136,7 +117,7 @@ class OutputLayout:
         return (self.rows(f), *self.labelled(y))
 
     def labelled(self, y: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Targets of the rows with dropped labels set to 0, and the mask of :meth:`kept`."""
+        """Targets of the rows with dropped labels set to 0, and the mask of ``kept``."""
         targets = self.targets(y)
         keep = self.kept(targets)
         if keep is not None:
@@ -155,9 +136,8 @@ class OutputLayout:
 
         Args:
             V: Per row, K columns.
-            separate: One column per position and row column (the exact GGN of the summed
-                loss, see :class:`PositionColumns`); otherwise column k covers every position
-                at once (KFAC's weight sharing, empirical and Monte-Carlo Fisher).
+            separate: One column per position and row column (``PositionColumns``, the exact
+                GGN of the summed loss); otherwise column k covers every position at once.
         """
         if separate and not self.plain and self.n_positions > 1:
             return PositionColumns(V, self)
@@ -174,9 +154,8 @@ class OutputLayout:
 class PositionColumns:
     """The T·K position-separated columns of a block-diagonal output Hessian, formed lazily.
 
-    Column ``(t, k)`` holds, for every data point, column k of its row ``t``'s factor and zeros
-    at every other position. Sliced like a tensor of shape (T·K, B, *shape) (the engine takes
-    chunks of columns), iterated column by column.
+    Column ``(t, k)`` is column k of row ``t``'s factor, zero at other positions; columns zero
+    for every data point are skipped. Sliced like a tensor (T·K, B, *shape).
 
     Args:
         V: Row factors (B·T, C, K).
@@ -211,10 +190,8 @@ class OutputAdapter:
     """The user's ``class_dim`` and ``ignore_index``, and the class dimension found from data.
 
     Args:
-        class_dim: Dimension of the outputs (B, …) that holds the classes (outputs), counted
-            with the batch dimension like torch's ``dim`` (``1`` for (B, C, H, W), ``-1`` for
-            (B, T, C)); None: the dimension the targets lack (classification), the last one
-            (regression).
+        class_dim: Dimension of the outputs (B, …) that holds the classes, as torch's ``dim``
+            (``1`` for (B, C, H, W)); None: the one the targets lack, else the last one.
         ignore_index: Class label whose positions are dropped (classification targets).
 
     Raises:
@@ -254,8 +231,8 @@ class OutputAdapter:
 
         Raises:
             ValueError: For extra dimensions a likelihood does not take, a ``class_dim``
-                outside the outputs' dimensions, or an ambiguous class dimension (naming the
-                shapes and ``class_dim``); a :class:`DataError` for targets that do not fit.
+                outside the outputs, or an ambiguous class dimension.
+            DataError: For targets that do not fit the outputs.
         """
         rank = len(output_shape)
         shape = tuple(int(d) for d in output_shape[1:])
@@ -302,14 +279,14 @@ class OutputAdapter:
         return None if self._found is None else [*self._found, int(self.last_size or 0)]
 
     def remember(self, found: Sequence[int] | None) -> None:
-        """Take over what :attr:`found` returned (from a loaded state); None changes nothing."""
+        """Take over what ``found`` returned (from a loaded state); None changes nothing."""
         if self.check_found(found) is not None:
             rank, dim, size = found
             self._found, self.last_size = (rank, dim), size or None
 
     @staticmethod
     def check_found(found: Sequence[int] | None) -> Sequence[int] | None:
-        """``found`` if it is None or what :attr:`found` returns, else a ``ValueError``."""
+        """``found`` if it is None or what ``found`` returns, else a ``ValueError``."""
         if found is None or (
             len(found) == 3 and all(isinstance(v, int) and v >= 0 for v in found)
         ):
