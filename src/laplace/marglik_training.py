@@ -1,16 +1,9 @@
-r"""Marginal-likelihood training: fit the network and its hyperparameters jointly.
+"""Marginal-likelihood training: fit the network and its hyperparameters jointly.
 
-Algorithm 1 of Immer et al., *Scalable Marginal Likelihood Estimation for Model Selection in
-Deep Learning* (ICML 2021). The network weights θ minimise the negative log joint
-
-.. math::
-    \mathcal{L}(\theta) = \tfrac{1}{N}\Big(\ell(\theta) + \tfrac{1}{2}\,\theta^\top P_0\,\theta
-    \cdot \tfrac{c}{T}\Big),
-
-with ``ℓ`` the mean loss times ``N`` (MSE for regression, cross-entropy otherwise) and ``c = 2σ²``
-for regression (1 otherwise), while every ``marglik_frequency`` epochs a Laplace approximation
-is fitted at the current weights and ``n_hypersteps`` Adam steps on ``log p₀`` (and ``log σ``)
-ascend its log marginal likelihood. The weights with the best marginal likelihood are kept.
+Algorithm 1 of Immer et al. (ICML 2021): the weights θ minimise the negative log joint
+``(ℓ(θ) + ½ θᵀP₀θ · c/T) / N`` (ℓ the summed loss, ``c = 2σ²`` for regression, 1 otherwise);
+every ``marglik_frequency`` epochs a Laplace fit at the current weights and ``n_hypersteps`` Adam
+steps on ``log p₀`` (and ``log σ``) ascend its log marginal likelihood; the best weights are kept.
 """
 
 from __future__ import annotations
@@ -62,15 +55,12 @@ _FIT_INSTEAD = (
 def default_backend(
     likelihood: Any = Likelihood.CLASSIFICATION, sigma_noise_init: float | Tensor = 1.0
 ) -> type[CurvatureInterface]:
-    """laplace-torch's default ``AsdlGGN`` where it applies, else ``CurvlinopsGGN``.
+    """laplace-torch's default ``AsdlGGN`` where installed and applicable, else ``CurvlinopsGGN``.
 
-    ASDL is an optional extra of laplace-ng; without it the exact GGN of ``CurvlinopsGGN`` is
-    used, which gives the same curvature (ASDL's KFAC and ours agree to round-off). So is it
-    for what ASDL cannot compute: likelihoods other than regression and classification, and
-    one σ per output.
+    Both give the same curvature; ASDL takes neither other likelihoods nor one σ per output.
 
     Args:
-        likelihood: The ``likelihood`` argument of :func:`marglik_training`.
+        likelihood: The ``likelihood`` argument of ``marglik_training``.
         sigma_noise_init: Its ``sigma_noise_init``.
     """
     if "AsdlGGN" not in available_optional() or torch.as_tensor(sigma_noise_init).numel() > 1:
@@ -114,17 +104,12 @@ def marglik_training(
     Args:
         model: The network (returns logits for classification); trained in place.
         train_loader: Training batches; ``len(train_loader.dataset)`` is N.
-        likelihood: ``"classification"``, ``"regression"``, ``"reward_modeling"`` (trained
-            with cross-entropy on pairs, like classification), ``"binary_classification"``,
-            ``"heteroscedastic_regression"``, or your own
-            :class:`laplace.likelihoods.Likelihood` (trained with its loss).
+        likelihood: A likelihood name (``"classification"``, ``"regression"``, ...) or a
+            ``laplace.likelihoods.Likelihood``; the network is trained with its loss.
         hessian_structure: ``"full"``, ``"kron"`` or ``"diag"`` over all weights.
-        backend: Curvature backend; None means laplace-torch's default ``AsdlGGN`` when the
-            ``asdl`` extra is installed and ``CurvlinopsGGN`` otherwise (same curvature), see
-            :func:`default_backend`.
+        backend: Curvature backend; None: ``default_backend``.
         optimizer_cls: Optimiser of the network weights.
-        optimizer_kwargs: Its keyword arguments; ``weight_decay`` is set to 0 (the prior
-            precision is the weight decay and is learnt).
+        optimizer_kwargs: Its keyword arguments; ``weight_decay`` is set to 0 (the learnt prior).
         scheduler_cls: Optional learning-rate scheduler, stepped after every batch.
         scheduler_kwargs: Its keyword arguments.
         n_epochs: Number of epochs.
@@ -134,33 +119,25 @@ def marglik_training(
         n_hypersteps: Hyperparameter steps per marginal-likelihood estimate.
         marglik_frequency: Estimate the marginal likelihood every this many epochs.
         prior_prec_init: Initial prior precision (multiplied by ``temperature``).
-        sigma_noise_init: Initial observation noise (regression): a number, or a tensor of
-            shape (C,) to learn one σ per output (with ``hessian_structure`` ``"full"``,
-            ``"diag"`` or ``"kron"``).
+        sigma_noise_init: Initial observation noise (regression): a number, or shape (C,) for
+            one σ per output.
         temperature: Likelihood temperature.
         fix_sigma_noise: Keep σ at ``sigma_noise_init`` instead of learning it.
         progress_bar: Show a progress bar over epochs.
         enable_backprop: Make the returned Laplace differentiable w.r.t. its inputs.
         dict_key_x: Key of the inputs in dict-like batches.
         dict_key_y: Key of the targets in dict-like batches.
-        distributed: Train on the shards of several processes (see
-            :mod:`laplace.distributed`; None: when the process group is initialised and the
-            loader uses a ``DistributedSampler``). Wrap ``model`` in
-            ``DistributedDataParallel`` so the weight gradients are averaged; the Laplace fits
-            and the data count are all-reduced, so every rank takes the same hyperparameter
-            steps.
+        distributed: Train on the shards of several processes (docs/distributed.md; wrap
+            ``model`` in ``DistributedDataParallel``); None: automatic.
 
     Returns:
-        ``(la, model, margliks, losses)``: the Laplace approximation fitted at the weights with
-        the best marginal likelihood and with their hyperparameters; the model holding those
-        weights; the negative log marginal likelihood after every hyperparameter step (as in
-        laplace-torch, so it decreases as training improves); the mean training loss (negative
-        log joint per data point) of every epoch.
+        ``(la, model, margliks, losses)``: the Laplace approximation fitted at the best weights
+        and hyperparameters, the model holding those weights, the negative log marginal
+        likelihood of every hyperparameter step, the mean negative log joint of every epoch.
 
     Raises:
-        ValueError: For unknown options, an empty loader, negative counts or non-positive
-            frequencies and rates, before any training step (a value of the wrong type raises
-            an error that is a ``ValueError`` and a ``TypeError``).
+        ValueError: Before any training step, for unknown options, an empty loader, negative
+            counts or non-positive frequencies and rates.
         TypeError: For a model that is not a module or an optimiser that is not a class.
     """
     likelihood_model = make_likelihood(likelihood)
@@ -304,21 +281,19 @@ def marglik_training(
 class TrainingEpoch(DataLoop):
     """One epoch of MAP training: an optimiser step on the negative log joint per batch.
 
-    A batch's statistics are its mean loss times its size, so :meth:`run` returns the epoch's
-    negative log joint summed over the data points (over all ranks in a distributed run), in
-    units of the mean loss.
+    ``run`` returns the negative log joint summed over the data points (and ranks).
 
     Args:
-        *args: See :class:`~laplace.data_loop.DataLoop`.
+        *args: ``DataLoop``'s.
         model: The network, trained in place.
         optimizer: The optimiser of its weights.
         scheduler: A learning-rate scheduler stepped after every batch, or None.
         likelihood: The fit likelihood (targets, torch loss and its scale).
-        hyperparameters: ``() -> (σ, δ)``: the current observation noise (a number, or a
-            tensor of shape () or (C,)) and the prior precision expanded to the weights (P,).
+        hyperparameters: ``() -> (σ, δ)``: the noise (a number, () or (C,)) and the prior
+            precision expanded to the weights (P,).
         temperature: Likelihood temperature T.
         n_data: Number of training data points N (all ranks').
-        **options: See :class:`~laplace.data_loop.DataLoop`.
+        **options: ``DataLoop``'s.
     """
 
     def __init__(
