@@ -52,8 +52,7 @@ def split_batch(batch: Any, dict_key_x: str | None, dict_key_y: str) -> tuple[In
         ``(X, y)``.
 
     Raises:
-        MissingKeyError: (a ``KeyError`` and a ``ValueError``) if a mapping batch lacks
-            ``dict_key_x`` or ``dict_key_y``.
+        MissingKeyError: If a mapping batch lacks ``dict_key_x`` or ``dict_key_y``.
         ValueError: If a tuple batch is not a pair.
     """
     if isinstance(batch, MutableMapping):
@@ -86,9 +85,8 @@ def move_inputs(X: Inputs, device: torch.device) -> Inputs:
     """Move model inputs to ``device``; mappings are moved value by value.
 
     Raises:
-        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) if ``X`` is neither a tensor
-            nor a dict-like batch.
-        MetaDeviceError: For tensors on the ``meta`` device (they hold no values).
+        ArgumentTypeError: If ``X`` is neither a tensor nor a dict-like batch.
+        MetaDeviceError: For tensors on the ``meta`` device.
     """
     if isinstance(X, MutableMapping):
         moved = type(X)() if type(X) is dict else X.__class__(X)
@@ -115,11 +113,7 @@ def _to_device(value: Any, device: torch.device, name: str) -> Any:
 
 
 def to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """Move the tensors of a nested input to ``device``; floating tensors also to ``dtype``.
-
-    Mappings become ``dict``; lists and tuples keep their type; other values are returned as
-    they are.
-    """
+    """Move a nested input's tensors to ``device``, floating ones to ``dtype``; mappings: dict."""
     if isinstance(value, Tensor):
         return value.to(device=device, dtype=dtype if value.is_floating_point() else None)
     if isinstance(value, MutableMapping):
@@ -141,17 +135,14 @@ def slice_inputs(X: Inputs, start: int, stop: int, n: int) -> Inputs:
 
 
 def input_chunks(X: Inputs, rows: int, dict_key_x: str) -> Iterator[Inputs]:
-    """Consecutive chunks of at most ``rows`` data points of ``X`` (see :func:`slice_inputs`)."""
+    """Consecutive chunks of at most ``rows`` data points of ``X``."""
     n = batch_size_of(X, dict_key_x)
     for start in range(0, n, rows):
         yield slice_inputs(X, start, start + rows, n)
 
 
 def select_rows(inputs: Any, indices: Tensor, batch_size: int) -> Any:
-    """Rows ``indices`` of every batched value (leading size ``batch_size``) of ``inputs``.
-
-    Values without that leading size (constants, metadata) are returned unchanged.
-    """
+    """Rows ``indices`` of every value of ``inputs`` with leading size ``batch_size``."""
     if isinstance(inputs, MutableMapping):
         return {k: select_rows(v, indices, batch_size) for k, v in inputs.items()}
     if isinstance(inputs, Tensor):
@@ -162,10 +153,7 @@ def select_rows(inputs: Any, indices: Tensor, batch_size: int) -> Any:
 
 
 def concatenate_rows(chunks: list[Any]) -> Any:
-    """Concatenate batches of inputs row-wise.
-
-    Tensors are concatenated along dim 0, mappings key by key, lists and tuples (one entry per
-    row) chained; other values must be equal in every chunk and are kept once.
+    """Concatenate batches of inputs row-wise (mappings key by key; non-batched values once).
 
     Raises:
         ValueError: For mappings with different keys or differing non-batched values.
@@ -191,11 +179,7 @@ def _tensors(X: Inputs) -> list[Tensor]:
 
 
 def _check_finite(X: Inputs, what: str) -> None:
-    """Refuse floating-point inputs with NaN or inf entries.
-
-    Raises:
-        DataError: (a ``ValueError`` and a ``RuntimeError``) naming ``what``.
-    """
+    """Refuse inputs with NaN, inf or complex entries (a ``DataError`` naming ``what``)."""
     for t in _tensors(X):
         if t.is_complex() or (t.is_floating_point() and not bool(torch.isfinite(t).all())):
             kind = "complex values" if t.is_complex() else "NaN or inf values"
@@ -208,14 +192,13 @@ def prepare_batch(
     """A loader batch as ``(X, y)`` on ``device``, checked before any model call.
 
     Args:
-        batch: ``(X, y)`` or a dict-like batch (see :func:`split_batch`).
+        batch: ``(X, y)`` or a dict-like batch.
         dict_key_x: Key of the inputs in a dict-like batch.
         dict_key_y: Key of the targets in a dict-like batch.
         device: The model's device.
 
     Raises:
-        DataError: (a ``ValueError`` and a ``RuntimeError``) for NaN/inf or complex values, or
-            inputs and targets with different numbers of data points.
+        DataError: For NaN/inf or complex values, or inputs and targets of different lengths.
         ArgumentTypeError: For targets that are not a tensor.
         MetaDeviceError: For tensors on the ``meta`` device.
     """
@@ -238,7 +221,8 @@ def prepare_inputs(X: Inputs, dict_key_x: str, device: torch.device, what: str) 
     """Test inputs on ``device``, checked to hold at least one finite data point.
 
     Raises:
-        ValueError: For an empty batch; a :class:`DataError` for NaN/inf values.
+        ValueError: For an empty batch.
+        DataError: For NaN/inf values.
         ArgumentTypeError: If ``X`` is neither a tensor nor a dict-like batch.
         MetaDeviceError: For tensors on the ``meta`` device.
     """
@@ -253,10 +237,8 @@ def check_outputs(f: Any, n_inputs: int) -> Tensor:
     """Return the model's output ``f`` for ``n_inputs`` data points if it is (B, C, ...).
 
     Raises:
-        ModelOutputError: (a ``TypeError`` and an ``AttributeError``) if it is not a tensor,
-            e.g. a tuple or a dict of outputs.
-        DataError: (a ``ValueError`` and a ``RuntimeError``) if it is not a floating-point
-            tensor with one row per input and an output dimension.
+        ModelOutputError: If it is not a tensor, e.g. a tuple or a dict of outputs.
+        DataError: If it is not a floating-point tensor (B, C, ...) with B = ``n_inputs``.
     """
     if not isinstance(f, Tensor):
         raise ModelOutputError(
@@ -277,8 +259,7 @@ def dataset_size(loader: DataLoader) -> int:
     """``len(loader.dataset)``, with a clear error when the loader has no sized dataset.
 
     Raises:
-        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) if ``loader`` is not a data
-            loader (it has no ``dataset``).
+        ArgumentTypeError: If ``loader`` has no ``dataset``.
         ValueError: If its dataset has no length.
     """
     if not hasattr(loader, "dataset"):
@@ -296,9 +277,7 @@ def dataset_size(loader: DataLoader) -> int:
 
 
 class SoDSampler(Sampler):
-    """Sampler over a fixed random subset of ``M`` out of ``N`` indices (subset of data).
-
-    The subset is drawn once, without replacement, from ``numpy.random.default_rng(seed)``.
+    """Sampler over ``M`` of ``N`` indices drawn once without replacement (subset of data).
 
     Args:
         N: Size of the dataset.
