@@ -1,29 +1,8 @@
-r"""Jacobian kinds: how a parameter subset hands its linearisation of the model to a posterior.
+"""Jacobian kinds: how a parameter subset hands its linearisation of the model to a posterior.
 
-The GLM predictive needs ``J P⁻¹ Jᵀ`` (B, C, C) for the Jacobian ``J`` of the outputs (B, C)
-w.r.t. the P weights of a parameter subset. A subset linearises the model on a chunk of inputs
-(``subset.linearize``) and returns one of these kinds; each posterior structure maps the kinds
-it has a closed form for to that closed form (``Posterior.closed_forms``) and uses the dense
-rows of any other kind (double dispatch: the subset picks the kind, the posterior the maths).
-
-=================  ==========================================  ===============================
-kind               holds                                       dense rows (B, C, P) from
-=================  ==========================================  ===============================
-``JacobianRows``   the rows                                    themselves
-``HeadFeatures``   features φ (B, D) of a linear head           ``[I_C ⊗ φᵀ, I_C]``
-``LayerTrace``     one recorded forward pass (layer inputs,    the same pass (one backward per
-                   outputs)                                    output, no second forward)
-``PositionRows``   another kind of outputs with extra          its dense rows, split into the
-                   dimensions (B, …)                           rows of the positions
-=================  ==========================================  ===============================
-
-Outputs with extra dimensions (:mod:`laplace.outputs`) are predicted position by position: the
-Jacobian of their rows (B·T, C, P) gives each position's covariance. A linear head that sees one
-feature vector per position gives its :class:`HeadFeatures` per row; any other kind is wrapped
-in :class:`PositionRows` (:func:`position_rows`), which no posterior has a closed form for.
-
-Each kind also says how many test points a chunk may hold (:meth:`Jacobian.chunk_rows`): its
-closed forms and its fallback to dense rows must both fit the memory budget.
+The GLM predictive needs ``J P⁻¹ Jᵀ`` (B, C, C). A subset's ``linearize`` returns one of these
+kinds; each posterior structure maps the kinds it has a closed form for to that closed form
+(``closed_forms``) and uses the dense rows of any other (docs/architecture.md has the table).
 """
 
 from __future__ import annotations
@@ -112,10 +91,7 @@ class HeadFeatures(Jacobian):
 
 @dataclass(frozen=True)
 class LayerTrace(Jacobian):
-    """One recorded forward pass of the per-sample engine over the inputs.
-
-    Layer-wise closed forms (:mod:`laplace.kron_glm`) read the layer inputs and output gradients
-    from it; where they do not apply, :meth:`dense` differentiates the same pass.
+    """One recorded forward pass of the per-sample engine (layer inputs, output gradients).
 
     Attributes:
         trace: The recorded pass (its ``create_graph`` keeps results differentiable).
@@ -129,12 +105,7 @@ class LayerTrace(Jacobian):
 
     @classmethod
     def chunk_rows(cls, jacobian_rows: int, model: nn.Module, params: list[Tensor]) -> int:
-        """Layer-wise rows, fewer where parameters without a Kronecker rule are many.
-
-        The layer-wise closed forms hold activations, not Jacobian rows, but for parameters
-        without a Kronecker rule their per-sample gradients (see
-        :func:`laplace.kron_glm.layerwise_chunk_rows`).
-        """
+        """Layer-wise rows: activations, plus per-sample gradients of parameters without a rule."""
         return layerwise_chunk_rows(model, params, jacobian_rows)
 
 
@@ -156,32 +127,21 @@ class PositionRows(Jacobian):
 
 
 def position_rows(jacobian: Jacobian, layout: OutputLayout) -> Jacobian:
-    """The Jacobian the GLM predictive of outputs of ``layout`` computes with.
-
-    ``jacobian`` as it is for outputs (B, C) and for a head's features (one per row);
-    :class:`PositionRows` otherwise.
-    """
+    """``jacobian`` for outputs (B, C) and head features, else its ``PositionRows``."""
     if layout.plain or isinstance(jacobian, HeadFeatures):
         return jacobian
     return PositionRows(jacobian, layout)
 
 
 def row_kind(kind: type[Jacobian], outputs: OutputAdapter) -> type[Jacobian]:
-    """The kind :func:`position_rows` gives ``kind`` once outputs with extra dimensions are seen.
-
-    Chunks of :class:`PositionRows` hold dense Jacobian rows (``outputs.last_size`` per point).
-    """
+    """The kind ``position_rows`` gives ``kind`` once outputs with extra dimensions are seen."""
     if outputs.last_size is None or kind is HeadFeatures:
         return kind
     return PositionRows
 
 
 def backend_kind(closed_forms: Collection[type[Jacobian]]) -> type[LayerTrace | JacobianRows]:
-    """The kind a curvature backend linearises into for a posterior with these closed forms.
-
-    A recorded pass when the posterior has a closed form for one (its dense rows come from the
-    same pass when the closed form does not apply), else dense rows.
-    """
+    """``LayerTrace`` if the posterior has a closed form for it, else ``JacobianRows``."""
     return LayerTrace if LayerTrace in closed_forms else JacobianRows
 
 
@@ -191,10 +151,9 @@ def backend_linearization(
     """Outputs and Jacobian of the parameters a curvature backend covers, from one forward pass.
 
     Args:
-        backend: A :class:`~laplace.curvature.CurvatureInterface`.
+        backend: A ``CurvatureInterface``.
         X: Inputs (B, ...), or a dict-like batch.
-        kind: :class:`LayerTrace` (the backend's recorded pass) or :class:`JacobianRows` (the
-            backend's ``jacobians``), see :func:`backend_kind`.
+        kind: ``LayerTrace`` (the backend's ``trace``) or ``JacobianRows`` (its ``jacobians``).
         enable_backprop: Keep the results differentiable w.r.t. the inputs.
 
     Returns:
