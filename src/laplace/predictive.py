@@ -1,8 +1,8 @@
 """Predictive links: from a Gaussian over outputs ``N(f_μ, Σ_f)`` to predictions.
 
 Pure functions of ``(f_mu, f_var)``; the Laplace classes compute the moments and the likelihood
-object picks the link: :data:`LINKS` for the softmax of categorical classification,
-:data:`BERNOULLI_LINKS` for the independent sigmoids of binary (multi-label) classification.
+object picks the link: ``LINKS`` for the softmax of categorical classification,
+``BERNOULLI_LINKS`` for the independent sigmoids of binary (multi-label) classification.
 """
 
 from __future__ import annotations
@@ -56,10 +56,7 @@ def gaussian_output_samples(
 def draw_gaussian(
     mean: Tensor, covariance: Tensor, n_samples: int, generator: torch.Generator | None
 ) -> Tensor:
-    """Draw from ``N(mean, covariance)``, also when the covariance is singular.
-
-    Differentiable in the mean and the covariance (a singular covariance that requires grad
-    gets the smallest diagonal jitter that makes its Cholesky factor exist).
+    """Draw from ``N(mean, covariance)``, differentiably, also when the covariance is singular.
 
     Args:
         mean: (B, C), or a joint mean (B·C,).

@@ -1,31 +1,10 @@
 """Calls that change nothing when they fail: snapshot the state, restore it on any exception.
 
-A ``fit`` that raises half-way (a NaN batch, an exception from the model or the loader, a
-``KeyboardInterrupt``) must leave the approximation exactly as it was: the fitted posterior, the
-prior, ``n_data``, the caches, the mean, the last layer found so far. So must a
-``load_state_dict`` of a tampered state, a ``log_marginal_likelihood`` with a bad
-hyperparameter, and an ``optimize_prior_precision`` stopped half-way (each step sets the prior).
-
-The snapshot is shallow: the attribute dictionaries of the approximation and of the objects it
-owns that a call may change (``_transaction_parts``, e.g. the feature extractor that finds the
-last layer). That is enough because these calls build new tensors and assign them instead of
-modifying stored ones; the exceptions are ``nn.Parameter`` attributes that a fit optimises in
-place (VaLLA's variational parameters, a few small tensors) and random generators, whose
-values and states are copied too. A snapshot costs a dict copy per call and keeps the previous
-posterior alive until the new one is complete (its memory is needed anyway to restore it).
-State that is cheap to rebuild and large to keep, e.g. the zero curvature of an unfitted
-approximation, is dropped from the snapshot (``_transaction_rebuild``) and rebuilt on failure.
-
-A data loop written for these methods must keep that contract: accumulate into fresh tensors
-(in place is fine there) and assign the results at the end, never modify a stored posterior in
-place.
-
-Every Laplace class has the methods named in :data:`TRANSACTIONAL_METHODS` wrapped by
-:func:`transactional` (``BaseLaplace.__init_subclass__``), wherever they are defined; nested
-calls (``super().fit``) share the outermost snapshot.
-
-:func:`preserve_model_gradients` is the same promise for the model: a fit that optimises its own
-variables with autograd (VaLLA, ELLA) leaves the ``.grad`` of the model's parameters as it was.
+The methods in ``TRANSACTIONAL_METHODS`` are wrapped by ``transactional``; the snapshot is
+shallow (attribute dictionaries, plus the values of ``nn.Parameter`` attributes and generator
+states), so these calls must assign new tensors, never modify a stored posterior in place
+(docs/architecture.md, "Serialization and transactions"). ``preserve_model_gradients`` keeps the
+model's ``.grad`` across a fit that optimises its own variables.
 """
 
 from __future__ import annotations
@@ -91,10 +70,10 @@ class Snapshot:
 
 
 def transactional(method: Callable) -> Callable:
-    """Wrap a method of a Laplace approximation so that it changes nothing when it raises.
+    """Wrap a method so that it changes nothing when it raises; nested calls share a snapshot.
 
-    The object provides ``_transaction_parts()`` (the objects to snapshot) and
-    ``_transaction_rebuild()`` (see :class:`Snapshot`).
+    The object provides ``_transaction_parts()`` and ``_transaction_rebuild()`` (``Snapshot``'s
+    ``parts`` and ``rebuild``).
     """
     if getattr(method, "_transactional", False):
         return method
@@ -120,9 +99,7 @@ def transactional(method: Callable) -> Callable:
 def preserve_model_gradients(method: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a method of an object with a ``model`` so it leaves ``param.grad`` untouched.
 
-    The ``.grad`` of every parameter (``None`` included) is restored after the call, also when
-    it raises: a fit that optimises its own variables with autograd does not disturb the
-    gradients a training loop may hold.
+    Every parameter's ``.grad`` (None included) is restored after the call, also when it raises.
     """
 
     @functools.wraps(method)
