@@ -27,13 +27,10 @@ def _require_square(M: torch.Tensor, name: str) -> None:
 
 
 def invsqrt_precision(M: torch.Tensor) -> torch.Tensor:
-    """Lower-triangular square root of the inverse of a precision matrix.
+    """Lower-triangular ``L`` with ``L Lᵀ = M⁻¹``, without forming ``M⁻¹``.
 
-    Returns the lower-triangular ``L`` with ``L Lᵀ = M⁻¹`` (equivalently ``Lᵀ M L = I``),
-    i.e. the Cholesky factor of the covariance, without forming ``M⁻¹``. With ``J`` the
-    exchange (index-reversal) matrix, factor ``J M J = U Uᵀ`` (``U`` lower triangular); then
-    ``M = R Rᵀ`` with the upper-triangular ``R = J U J``, so ``M⁻¹ = R⁻ᵀ R⁻¹`` and
-    ``L = R⁻ᵀ`` is lower triangular, found by one triangular solve.
+    ``M = R Rᵀ`` with ``R`` upper triangular (the Cholesky factor of the index-reversed ``M``,
+    reversed), and ``L = R⁻ᵀ``: one triangular solve.
 
     Args:
         M: Symmetric positive-definite matrix, shape ``(..., P, P)``.
@@ -55,9 +52,7 @@ def invsqrt_precision(M: torch.Tensor) -> torch.Tensor:
 
 
 def kron(t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
-    """Kronecker product of two matrices.
-
-    ``kron(A, B)[i·p + k, j·q + l] = A[i, j] · B[k, l]`` for ``B`` of shape ``(p, q)``.
+    """Kronecker product ``kron(A, B)[i·p + k, j·q + l] = A[i, j] · B[k, l]`` of two matrices.
 
     Args:
         t1: Matrix of shape ``(m, n)``.
@@ -104,9 +99,7 @@ def diagonal_add_scalar(X: torch.Tensor, value: torch.Tensor | float) -> torch.T
 def symeig(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Robust symmetric eigendecomposition ``M = W diag(L) Wᵀ`` of a PSD matrix.
 
-    Only the upper triangle of ``M`` is read. When the solver does not converge, it is
-    retried on ``M + I`` and 1 is subtracted from the eigenvalues. Eigenvalues are clamped at
-    0 (``M`` is meant to be positive semi-definite) and NaNs are replaced by zeros.
+    Reads the upper triangle; retries on ``M + I`` if the solver does not converge; NaNs → 0.
 
     Args:
         M: Symmetric matrix, shape ``(..., P, P)``.
@@ -170,11 +163,8 @@ def normal_samples(
 ) -> torch.Tensor:
     """Draw samples from a batch of Gaussians with diagonal or full covariance.
 
-    One standard-normal matrix ``Z`` of shape ``(C, S)`` is drawn and shared by all ``B``
-    Gaussians (as in laplace-torch, so a seeded generator gives the same numbers): sample
-    ``s`` of Gaussian ``b`` is ``mean[b] + sqrt(var[b]) ⊙ Z[:, s]`` for a diagonal and
-    ``mean[b] + chol(var[b]) Z[:, s]`` for a full covariance. Each Gaussian's samples are
-    exact; samples of different batch entries are correlated through ``Z``.
+    As laplace-torch, one ``Z`` (C, S) is shared by all B Gaussians: sample ``s`` of Gaussian
+    ``b`` is ``mean[b] + chol(var[b]) Z[:, s]`` (``sqrt(var[b]) ⊙ Z[:, s]`` for a diagonal).
 
     Args:
         mean: Means, shape ``(B, C)``.
@@ -215,10 +205,7 @@ def normal_samples(
 
 
 def symmetric_gram(G: torch.Tensor, panel: int = 64) -> torch.Tensor:
-    """``Gᵀ G`` for ``G`` of shape (M, P), each off-diagonal block computed once.
-
-    Row panels ``G[:, i:i+b]ᵀ G[:, i:]`` of the upper triangle are large matrix products and the
-    lower triangle is mirrored, so the cost is about ``(1 + b/P)/2`` of ``G.T @ G``.
+    """``Gᵀ G`` for ``G`` of shape (M, P): upper-triangle row panels, the lower one mirrored.
 
     Args:
         G: The matrix, shape (M, P).
@@ -239,14 +226,10 @@ def symmetric_gram(G: torch.Tensor, panel: int = 64) -> torch.Tensor:
 
 
 def softmax_hessian_factor(p: torch.Tensor) -> torch.Tensor:
-    r"""A rank-(C − 1) factor ``L`` of ``Λ = diag(p) − p pᵀ = L Lᵀ``, shape (..., C, C − 1).
+    """A rank-(C − 1) factor ``L`` of ``Λ = diag(p) − p pᵀ = L Lᵀ``, shape (..., C, C − 1).
 
-    ``Λ 1 = 0``, so with a reference class ``r`` (the most probable one, for conditioning)
-    ``vᵀ Λ v = wᵀ Λ' w`` for ``wᵢ = vᵢ − v_r`` (``i ≠ r``) and ``Λ'`` the principal block of
-    ``Λ`` without ``r``. ``Λ' = S Sᵀ`` with ``S = diag(√p') − c p' √p'ᵀ``,
-    ``c = 1 / (1 + √p_r)``, and mapping back gives ``L[i, j] = √pᵢ δᵢⱼ − c pᵢ √pⱼ`` for
-    ``i ≠ r`` and ``L[r, j] = −√(p_r pⱼ)``, over the columns ``j ≠ r``. Every curvature built
-    from the factor's columns then needs C − 1 backward passes instead of C.
+    With ``r`` the most probable class and ``c = 1 / (1 + √p_r)``: ``L[i, j] = √pᵢ δᵢⱼ − c pᵢ √pⱼ``
+    for ``i ≠ r``, ``L[r, j] = −√(p_r pⱼ)``, over the columns ``j ≠ r``.
 
     Args:
         p: Class probabilities, shape (..., C); one class gives the (..., 1, 1) factor of
