@@ -1,17 +1,8 @@
 """``FeatureExtractor``: a model wrapper that also returns the inputs of its linear last layer.
 
-Last-layer Laplace treats a network as ``f(x) = W φ(x) + b`` with a deterministic feature map
-``φ`` and a probabilistic linear head ``(W, b)``. The wrapper finds the head (by name, or as the
-last leaf module run in a forward pass) and captures its input ``φ(x)`` with a forward hook that
-lives only for the duration of one call, so the wrapped model is never left modified and the
-wrapper pickles and deep-copies like any module.
-
-Example:
-    >>> net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    >>> extractor = FeatureExtractor(net)
-    >>> f, phi = extractor.forward_with_features(torch.randn(5, 3))
-    >>> f.shape, phi.shape, extractor.last_layer is net[2]
-    (torch.Size([5, 2]), torch.Size([5, 8]), True)
+Last-layer Laplace treats a network as ``f(x) = W φ(x) + b``. The head is found by name or as
+the last leaf module run in a forward pass; ``φ(x)`` is captured by a hook that lives for one
+call only, so the wrapped model is never left modified.
 """
 
 from __future__ import annotations
@@ -47,18 +38,14 @@ class FeatureExtractor(nn.Module):
         last_layer_name: Name of the last layer in ``model.named_modules()``; when None it is
             found on the first forward pass as the last leaf module that runs.
         enable_backprop: Keep the features attached to the graph (for gradients w.r.t. inputs).
-        feature_reduction: For features of shape (B, ..., D) (e.g. (batch, seq, dim) in a
-            transformer whose logits are reduced over the sequence): ``"pick_first"``,
-            ``"pick_last"`` or ``"average"`` over the middle dimensions, giving (B, D). It must
-            mirror the reduction the model applies to its outputs.
+        feature_reduction: ``"pick_first"``, ``"pick_last"`` or ``"average"`` over the middle
+            dimensions of features (B, ..., D), mirroring the model's reduction of its outputs.
 
     Attributes:
-        last_layer: The linear head (None until found); an alias of a submodule of ``model``,
-            not registered a second time, so parameters are not duplicated.
+        last_layer: The linear head (None until found); an unregistered alias of a submodule.
 
     Raises:
-        MissingKeyError: (a ``KeyError`` and a ``ValueError``) for a ``last_layer_name`` that is
-            not a module of the model.
+        MissingKeyError: For a ``last_layer_name`` that is not a module of the model.
         ValueError: For an unknown ``feature_reduction`` or a ``last_layer_name`` that is not a
             linear layer.
     """
@@ -92,8 +79,7 @@ class FeatureExtractor(nn.Module):
         """Use the module called ``last_layer_name`` as the last layer.
 
         Raises:
-            MissingKeyError: (a ``KeyError`` and a ``ValueError``) if the model has no such
-                module.
+            MissingKeyError: If the model has no such module.
             ValueError: If it is not an ``nn.Linear``.
         """
         modules = dict(self.model.named_modules())
@@ -196,16 +182,13 @@ def as_feature_extractor(
     last_layer_name: str | None,
     feature_reduction: FeatureReduction | str | None,
 ) -> FeatureExtractor:
-    """A new :class:`FeatureExtractor` around ``model`` for a last-layer Laplace.
-
-    A ``model`` that is itself a ``FeatureExtractor`` (as ``la.model`` of a last-layer Laplace
-    is, so an approximation can be rebuilt from its attributes) is unwrapped first, and its
-    known last layer is kept when ``last_layer_name`` is None.
+    """A new ``FeatureExtractor`` around ``model`` for a last-layer Laplace.
 
     Args:
-        model: The network, or a ``FeatureExtractor`` around it.
-        last_layer_name: See :class:`FeatureExtractor`.
-        feature_reduction: See :class:`FeatureExtractor`.
+        model: The network, or a ``FeatureExtractor`` around it (unwrapped; its last layer is
+            kept when ``last_layer_name`` is None).
+        last_layer_name: As for ``FeatureExtractor``.
+        feature_reduction: As for ``FeatureExtractor``.
     """
     if isinstance(model, FeatureExtractor):
         last_layer_name = last_layer_name or model.last_layer_name
