@@ -1,11 +1,7 @@
 """Subnetwork masks: ways to choose which weights a subnetwork Laplace treats probabilistically.
 
-Every mask answers :meth:`SubnetMask.select` with a sorted 1-D ``torch.long`` tensor of indices
-into the flattened trainable parameters (``model.named_parameters()`` order, parameters with
-``requires_grad=True``), the ``subnetwork_indices`` of
-:class:`~laplace.subnetlaplace.SubnetLaplace`. Score-based masks keep the ``n_params_subnet``
-highest-scoring weights (|θ|, a random score, or a marginal variance); name-based masks keep
-whole parameter tensors or modules.
+``SubnetMask.select`` returns sorted ``long`` indices into the flattened trainable parameters
+(``model.named_parameters()`` order), the ``subnetwork_indices`` of ``SubnetLaplace``.
 """
 
 from __future__ import annotations
@@ -46,7 +42,7 @@ _MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, t
 
 
 class SubnetMask:
-    """Base of the subnetwork masks; subclasses implement :meth:`get_subnet_mask`.
+    """Base of the subnetwork masks; subclasses implement ``get_subnet_mask``.
 
     Args:
         model: The trained network.
@@ -65,7 +61,7 @@ class SubnetMask:
         """The selected indices, shape (K,).
 
         Raises:
-            AttributeError: Before :meth:`select`.
+            AttributeError: Before ``select``.
         """
         if self._indices is None:
             raise AttributeError("the subnetwork mask is not selected yet: call select() first.")
@@ -150,7 +146,7 @@ class ScoreBasedSubnetMask(SubnetMask):
 
     @property
     def n_params_subnet(self) -> int:
-        """Number K of weights to keep (known before :meth:`select`)."""
+        """Number K of weights to keep (known before ``select``)."""
         return self._n_params_subnet
 
     def compute_param_scores(self, train_loader: DataLoader | None) -> Tensor:
@@ -200,8 +196,7 @@ class LargestVarianceDiagLaplaceSubnetMask(ScoreBasedSubnetMask):
     Args:
         model: The trained network.
         n_params_subnet: Number K of weights to keep.
-        diag_laplace_model: A :class:`~laplace.baselaplace.DiagLaplace` of ``model``; it is
-            fitted on the ``train_loader`` passed to :meth:`select`.
+        diag_laplace_model: A ``DiagLaplace`` of ``model``, fitted on ``select``'s loader.
     """
 
     def __init__(
@@ -319,8 +314,8 @@ class ModuleNameSubnetMask(SubnetMask):
         module_names: Names of leaf modules (without children) that own parameters.
 
     Raises:
-        ValueError: (on :meth:`select`) for an empty list, unknown names, modules with
-            children or without parameters.
+        ValueError: (on ``select``) for an empty list, unknown names, modules with children
+            or without parameters.
     """
 
     def __init__(self, model: nn.Module, module_names: list[str]) -> None:
@@ -351,8 +346,7 @@ class LastLayerSubnetMask(ModuleNameSubnetMask):
 
     Args:
         model: The trained network.
-        last_layer_name: Name of the last layer; found with one forward pass on the first batch
-            of the ``train_loader`` when None.
+        last_layer_name: Name of the last layer; None: found on ``select``'s first batch.
     """
 
     def __init__(self, model: nn.Module, last_layer_name: str | None = None) -> None:
