@@ -1,8 +1,6 @@
 """String enums for every option that users pass as plain strings.
 
-Each enum derives from ``str`` so ``HessianStructure.FULL == "full"`` holds and plain strings
-work at the public boundary; :func:`parse_enum` validates once with a message that lists the
-accepted values.
+``HessianStructure.FULL == "full"`` holds; ``parse_enum`` validates once at the public boundary.
 """
 
 from __future__ import annotations
@@ -43,12 +41,7 @@ class HessianStructure(str, Enum):
 
 
 class Likelihood(str, Enum):
-    """Observation model of the data (the built-in ones; see :mod:`laplace.likelihoods`).
-
-    ``BINARY_CLASSIFICATION`` (independent Bernoulli labels, multi-label for several outputs)
-    and ``HETEROSCEDASTIC_REGRESSION`` (the network predicts its mean and log-variance) are
-    laplace-ng additions; laplace-torch's three members keep their values.
-    """
+    """Observation model of the data (the built-in ones, docs/likelihoods.md)."""
 
     REGRESSION = "regression"
     CLASSIFICATION = "classification"
@@ -109,18 +102,10 @@ E = TypeVar("E", bound=Enum)
 
 
 def parse_enum(enum_cls: type[E], value: E | str, argument: str) -> E:
-    """Convert a user value to a member of ``enum_cls`` or fail naming the accepted values.
-
-    Args:
-        enum_cls: The enum to parse into.
-        value: A member of ``enum_cls`` or its string value.
-        argument: Name of the user-facing argument, used in the error message.
-
-    Returns:
-        The enum member.
+    """The member of ``enum_cls`` for ``value`` (a member or its string).
 
     Raises:
-        ValueError: If ``value`` is not one of the enum's values.
+        ValueError: Naming ``argument`` and the accepted values, for any other value.
     """
     try:
         return enum_cls(value)

@@ -10,24 +10,10 @@ _BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 def parameters_per_layer(model: nn.Module) -> list[int]:
-    """Number of entries of every parameter tensor of ``model`` (frozen ones included).
-
-    Args:
-        model: A torch module.
-
-    Returns:
-        ``[p.numel() for p in model.parameters()]``.
-    """
+    """``[p.numel() for p in model.parameters()]`` (frozen parameters included)."""
     return [p.numel() for p in model.parameters()]
 
 
 def is_batchnorm(module: nn.Module) -> bool:
-    """Whether ``module`` is a 1d, 2d or 3d batch-norm layer.
-
-    Args:
-        module: A torch module.
-
-    Returns:
-        True for ``BatchNorm1d/2d/3d`` instances (and subclasses).
-    """
+    """Whether ``module`` is a ``BatchNorm1d/2d/3d`` (or a subclass)."""
     return isinstance(module, _BATCHNORM_TYPES)

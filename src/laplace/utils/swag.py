@@ -28,10 +28,8 @@ def fit_diagonal_swag_var(
 ) -> Tensor:
     """Marginal variances ``E[θ²] − E[θ]²`` of the weights over snapshots of SGD.
 
-    A copy of ``model`` is trained with SGD (high learning rate) for
-    ``n_snapshots_total · snapshot_freq`` epochs; the trainable weights are recorded after every
-    ``snapshot_freq``-th epoch, and their running first and second moments give the variances.
-    ``model`` itself is not changed.
+    A copy of ``model`` is trained for ``n_snapshots_total · snapshot_freq`` epochs, recorded
+    every ``snapshot_freq`` epochs; ``model`` itself is not changed.
 
     Args:
         model: The trained network.
