@@ -40,16 +40,9 @@ Inputs = Tensor | MutableMapping[str, Any]
 
 
 def split_batch(batch: Any, dict_key_x: str | None, dict_key_y: str) -> tuple[Inputs, Tensor]:
-    """Split a loader batch into model inputs and targets.
+    """Split a loader batch, ``(X, y)`` or a mapping (then the whole model input), into ``(X, y)``.
 
-    Args:
-        batch: ``(X, y)`` (tuple or list) or a mapping holding ``dict_key_x`` and ``dict_key_y``
-            (the whole mapping is then the model input, as HuggingFace models expect).
-        dict_key_x: Key of the input tensor in a mapping batch; None: not checked.
-        dict_key_y: Key of the targets in a mapping batch.
-
-    Returns:
-        ``(X, y)``.
+    ``dict_key_x`` (None: not checked) and ``dict_key_y`` are the keys of a mapping batch.
 
     Raises:
         MissingKeyError: If a mapping batch lacks ``dict_key_x`` or ``dict_key_y``.
@@ -189,13 +182,7 @@ def _check_finite(X: Inputs, what: str) -> None:
 def prepare_batch(
     batch: Any, dict_key_x: str | None, dict_key_y: str, device: torch.device
 ) -> tuple[Inputs, Tensor]:
-    """A loader batch as ``(X, y)`` on ``device``, checked before any model call.
-
-    Args:
-        batch: ``(X, y)`` or a dict-like batch.
-        dict_key_x: Key of the inputs in a dict-like batch.
-        dict_key_y: Key of the targets in a dict-like batch.
-        device: The model's device.
+    """A loader batch as ``(X, y)`` on ``device`` (``split_batch``), checked before any model call.
 
     Raises:
         DataError: For NaN/inf or complex values, or inputs and targets of different lengths.

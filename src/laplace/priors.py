@@ -34,11 +34,9 @@ def as_float_tensor(value: float | Tensor, name: str, device, dtype) -> Tensor:
     """A real number or tensor as a floating-point tensor on ``device`` with ``dtype``.
 
     Raises:
-        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) for anything else, e.g. a
-            string, a list, None, or a complex or boolean tensor.
-        MetaDeviceError: For a tensor on the ``meta`` device (it holds no values).
-        ValueError: For a finite number that overflows ``dtype`` or a non-zero one that
-            becomes zero in it (e.g. 1e-50 in float32).
+        ArgumentTypeError: For anything else, e.g. a string, or a complex or boolean tensor.
+        MetaDeviceError: For a tensor on the ``meta`` device.
+        ValueError: For a value that overflows ``dtype`` or a non-zero one that becomes zero.
     """
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, Tensor)):
         raise ArgumentTypeError(
@@ -84,9 +82,7 @@ def as_prior_precision(
 ) -> Tensor:
     """Check a prior precision and return it as a vector of length 1, ``n_layers`` or ``n_params``.
 
-    Gradients are kept, so a precision with ``requires_grad`` stays differentiable. While the
-    parameters are not known yet (``n_params`` None: a last layer found on the first batch of
-    ``fit``) the length is not checked; it is checked again once they are.
+    Gradients are kept; with ``n_params`` None (last layer not found yet) the length is unchecked.
 
     Raises:
         ValueError: If the length fits none of the three structures or an entry is not positive.
@@ -109,17 +105,10 @@ def as_prior_precision(
 
 
 def as_scalar_prior_precision(value: float | Tensor, owner: str, device, dtype) -> Tensor:
-    """Check an isotropic prior precision ``δ`` and return it with shape (1,).
-
-    Args:
-        value: The candidate.
-        owner: The class that needs a scalar, for the message.
-        device: Device of the result.
-        dtype: Floating-point type of the result.
+    """Check an isotropic prior precision ``δ`` (for the class ``owner``); shape (1,).
 
     Raises:
-        ValueError: If it is not a positive finite scalar (a wrong type raises an error that
-            is a ``ValueError`` and a ``TypeError``).
+        ValueError: If it is not a positive finite scalar.
     """
     tensor = as_prior_precision(value, None, None, device, dtype)
     if len(tensor) != 1:
@@ -161,13 +150,7 @@ def expand_to_diagonal(prior_precision: Tensor, layer_sizes: list[int]) -> Tenso
 
 
 def prior_weighted_sum(prior_precision: Tensor, values: Tensor, layer_sizes: list[int]) -> Tensor:
-    """``Σᵢ p₀ᵢ vᵢ`` over the diagonal of a scalar, layer-wise or diagonal ``p₀``, unexpanded.
-
-    Args:
-        prior_precision: Length 1, one value per layer, or ``sum(layer_sizes)``.
-        values: One value per weight, shape (P,).
-        layer_sizes: Weights per layer.
-    """
+    """``Σᵢ p₀ᵢ vᵢ`` for ``values`` (P,) and a scalar, layer-wise or diagonal ``p₀`` unexpanded."""
     if len(prior_precision) == len(values):
         return (prior_precision * values).sum()
     if len(prior_precision) == 1:
@@ -187,15 +170,11 @@ def prior_log_det(prior_precision: Tensor, layer_sizes: list[int]) -> Tensor:
 
 
 def as_sigma_noise(value: float | Tensor, likelihood: LikelihoodModel, device, dtype) -> Tensor:
-    """Check the observation noise σ: positive, 1 unless the likelihood has a noise σ.
-
-    One σ is a number or a tensor of shape () or (1,) (kept as given); one σ per output is a
-    tensor of shape (C,), checked against the model's C outputs at fit.
+    """Check the observation noise σ (a number, shape () or (1,), or (C,) for one per output).
 
     Raises:
-        ValueError: For a tensor of more than one dimension, a non-positive σ, or σ ≠ 1 for a
-            likelihood without observation noise; a wrong type raises an error that is a
-            ``ValueError`` and a ``TypeError``.
+        ValueError: For more than one dimension, a non-positive σ, or σ ≠ 1 for a likelihood
+            without observation noise.
     """
     sigma = as_float_tensor(value, "sigma_noise", device, dtype)
     if sigma.dim() > 1 or sigma.numel() == 0:
@@ -217,8 +196,7 @@ def check_temperature(temperature: float | Tensor) -> float | Tensor:
     """Return ``temperature`` if it is a positive, finite real number (or one-element tensor).
 
     Raises:
-        ArgumentTypeError: If it is not a real number or a one-element real tensor (a
-            ``ValueError`` and a ``TypeError``).
+        ArgumentTypeError: If it is not a real number or a one-element real tensor.
         ValueError: If it is not positive and finite.
     """
     if isinstance(temperature, Tensor) and (
@@ -240,10 +218,8 @@ def check_temperature(temperature: float | Tensor) -> float | Tensor:
 def expand_prior_precision(prior_prec: torch.Tensor, model: nn.Module) -> torch.Tensor:
     """Expand a scalar, layer-wise or diagonal prior precision to one value per parameter.
 
-    Only parameters with ``requires_grad`` count. A length-1 (or 0-d) ``prior_prec`` is a
-    scalar, a length-``P`` one is already diagonal, and a length-``n_layers`` one holds one
-    value per trainable parameter tensor (the scalar rule wins if lengths coincide, then the
-    diagonal one). Layer-wise values are cast to the parameters' dtype.
+    Only parameters with ``requires_grad`` count; where lengths coincide, scalar wins, then
+    diagonal.
 
     Args:
         prior_prec: Prior precision of shape ``()``, ``(1,)``, ``(n_layers,)`` or ``(P,)``.
@@ -292,8 +268,7 @@ def fix_prior_prec_structure(
         prior_prec_init: Positive value filling the tensor: a number or a one-element tensor.
         prior_structure: ``"scalar"`` (shape ``(1,)``), ``"layerwise"`` (``(n_layers,)``)
             or ``"diag"`` (``(n_params,)``).
-        n_layers: Number of parameter tensors treated probabilistically (callers count
-            those with ``requires_grad``).
+        n_layers: Number of parameter tensors treated probabilistically.
         n_params: Number of parameters treated probabilistically.
         device: Device of the result.
         dtype: Dtype of the result.
