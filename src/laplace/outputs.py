@@ -104,15 +104,11 @@ class OutputLayout:
         return y.reshape(-1)
 
     def split(self, f: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Rows of outputs and targets, and which rows count.
-
-        Args:
-            f: Outputs (B, *shape).
-            y: Targets of the batch.
+        """Rows (B·T, C) of outputs ``f`` (B, *shape), their targets and which rows count.
 
         Returns:
-            The rows (B·T, C), their targets (labels the ``ignore_index`` drops set to 0, a
-            valid class), and a boolean mask (B·T,) of the rows that count, or None when all do.
+            The rows, their targets (dropped labels set to 0), and a boolean mask (B·T,) of the
+            rows that count, or None when all do.
         """
         return (self.rows(f), *self.labelled(y))
 
@@ -224,7 +220,7 @@ class OutputAdapter:
         """The layout of outputs of ``output_shape`` (B, …) for targets ``y``.
 
         Args:
-            output_shape: Shape of a batch of outputs, batch dimension first.
+            output_shape: Shape of a batch of outputs.
             y: Targets of the batch, or None at prediction time.
             targets: The likelihood's target convention; None: outputs (B, C) only.
             name: The likelihood's name, for messages.

@@ -27,16 +27,10 @@ def _require_square(M: torch.Tensor, name: str) -> None:
 
 
 def invsqrt_precision(M: torch.Tensor) -> torch.Tensor:
-    """Lower-triangular ``L`` with ``L Lᵀ = M⁻¹``, without forming ``M⁻¹``.
-
-    ``M = R Rᵀ`` with ``R`` upper triangular (the Cholesky factor of the index-reversed ``M``,
-    reversed), and ``L = R⁻ᵀ``: one triangular solve.
+    """Lower-triangular ``L`` with ``L Lᵀ = M⁻¹``, by a Cholesky and a triangular solve.
 
     Args:
-        M: Symmetric positive-definite matrix, shape ``(..., P, P)``.
-
-    Returns:
-        ``L`` of shape ``(..., P, P)``, lower triangular.
+        M: Symmetric positive-definite matrix, shape ``(..., P, P)`` (so is ``L``).
 
     Raises:
         ValueError: If ``M`` is not a (batch of) square matrices.
@@ -52,14 +46,9 @@ def invsqrt_precision(M: torch.Tensor) -> torch.Tensor:
 
 
 def kron(t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
-    """Kronecker product ``kron(A, B)[i·p + k, j·q + l] = A[i, j] · B[k, l]`` of two matrices.
+    """Kronecker product (m·p, n·q) of matrices ``t1`` (m, n) and ``t2`` (p, q).
 
-    Args:
-        t1: Matrix of shape ``(m, n)``.
-        t2: Matrix of shape ``(p, q)``.
-
-    Returns:
-        The Kronecker product, shape ``(m·p, n·q)``.
+    ``kron(t1, t2)[i·p + k, j·q + l] = t1[i, j] · t2[k, l]``.
 
     Raises:
         ValueError: If either input is not two-dimensional.
@@ -73,14 +62,9 @@ def kron(t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
 
 
 def diagonal_add_scalar(X: torch.Tensor, value: torch.Tensor | float) -> torch.Tensor:
-    """Return a copy of ``X`` with ``value`` added to its main diagonal.
+    """``X + value·I`` out of place (differentiable), for a matrix ``X`` (n, m).
 
-    Args:
-        X: Matrix of shape ``(n, m)``.
-        value: A scalar, or a tensor broadcastable to the diagonal of length ``min(n, m)``.
-
-    Returns:
-        ``X + value·I`` (out of place, differentiable), shape ``(n, m)``.
+    ``value`` is a scalar or broadcasts to the diagonal of length ``min(n, m)``.
 
     Raises:
         ValueError: If ``X`` is not two-dimensional.
@@ -99,14 +83,11 @@ def diagonal_add_scalar(X: torch.Tensor, value: torch.Tensor | float) -> torch.T
 def symeig(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Robust symmetric eigendecomposition ``M = W diag(L) Wᵀ`` of a PSD matrix.
 
-    Reads the upper triangle; retries on ``M + I`` if the solver does not converge; NaNs → 0.
-
-    Args:
-        M: Symmetric matrix, shape ``(..., P, P)``.
+    Reads the upper triangle of ``M`` (..., P, P); retries on ``M + I`` if the solver does not
+    converge; NaNs → 0.
 
     Returns:
-        ``(L, W)``: eigenvalues ``(..., P)`` in ascending order, clamped at 0, and
-        orthonormal eigenvectors as columns, ``(..., P, P)``.
+        ``(L, W)``: ascending eigenvalues (..., P) clamped at 0, eigenvectors as columns.
 
     Raises:
         ValueError: If ``M`` is not a (batch of) square matrices.
@@ -132,13 +113,7 @@ def symeig(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def block_diag(blocks: list[torch.Tensor]) -> torch.Tensor:
-    """Block-diagonal matrix from a sequence of blocks.
-
-    Args:
-        blocks: Non-empty sequence of matrices; block ``k`` has shape ``(p_k, q_k)``.
-
-    Returns:
-        Matrix of shape ``(Σ p_k, Σ q_k)`` with the blocks on the diagonal and zeros elsewhere.
+    """Block-diagonal matrix (Σ p_k, Σ q_k) of a non-empty sequence of blocks (p_k, q_k).
 
     Raises:
         ValueError: If ``blocks`` is empty or a block is not two-dimensional.
@@ -207,12 +182,7 @@ def normal_samples(
 def symmetric_gram(G: torch.Tensor, panel: int = 64) -> torch.Tensor:
     """``Gᵀ G`` for ``G`` of shape (M, P): upper-triangle row panels, the lower one mirrored.
 
-    Args:
-        G: The matrix, shape (M, P).
-        panel: Columns per row panel.
-
-    Returns:
-        The symmetric (P, P) Gram matrix.
+    ``panel`` is the number of columns per row panel.
     """
     n = G.shape[1]
     if n <= 2 * panel:
