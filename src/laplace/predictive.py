@@ -33,16 +33,9 @@ __all__ = [
 def gaussian_output_samples(
     f_mu: Tensor, f_var: Tensor, n_samples: int, generator: torch.Generator | None = None
 ) -> Tensor:
-    """Draw ``f ~ N(f_mu, f_var)`` per point.
+    """Draws (S, B, C) of ``f ~ N(f_mu, f_var)`` per point, S = ``n_samples``.
 
-    Args:
-        f_mu: Means, shape (B, C).
-        f_var: Covariances (B, C, C) or variances (B, C).
-        n_samples: Number of draws S.
-        generator: Random number generator.
-
-    Returns:
-        Samples, shape (S, B, C).
+    ``f_mu`` is (B, C), ``f_var`` covariances (B, C, C) or variances (B, C).
     """
     if f_var.dim() == f_mu.dim():
         z = _standard_normal(f_mu, n_samples, generator)
@@ -58,14 +51,8 @@ def draw_gaussian(
 ) -> Tensor:
     """Draw from ``N(mean, covariance)``, differentiably, also when the covariance is singular.
 
-    Args:
-        mean: (B, C), or a joint mean (B·C,).
-        covariance: (B, C, C), or a joint covariance (B·C, B·C).
-        n_samples: Number of draws S.
-        generator: Random number generator on the device of ``mean``.
-
-    Returns:
-        Draws (S, B, C), or (S, B·C) for a joint mean.
+    Shapes: ``mean`` (B, C) and ``covariance`` (B, C, C) give draws (S, B, C); a joint mean
+    (B·C,) and covariance (B·C, B·C) give (S, B·C).
 
     Raises:
         torch.linalg.LinAlgError: If the covariance has clearly negative eigenvalues.
@@ -176,15 +163,7 @@ LINKS: dict[LinkApprox, Callable[..., Tensor]] = {
 
 
 def probit_sigmoid(f_mu: Tensor, f_var: Tensor, **_: object) -> Tensor:
-    """Probit approximation of ``E[sigmoid(f)]`` per output: ``σ(f_μ / √(1 + π v / 8))``.
-
-    Args:
-        f_mu: Means (B, K).
-        f_var: Covariances (B, K, K) or variances ``v`` (B, K); only the variances are used.
-
-    Returns:
-        Label probabilities, shape (B, K).
-    """
+    """Probit approximation (B, K) of ``E[sigmoid(f)]`` per output: ``σ(f_μ / √(1 + π v / 8))``."""
     return torch.sigmoid(probit_logits(f_mu, f_var))
 
 

@@ -100,10 +100,7 @@ class FeatureExtractor(nn.Module):
         object.__setattr__(self, "last_layer", layer)
 
     def find_last_layer(self, x: Inputs) -> Tensor:
-        """Run ``model(x)`` once and take the last leaf module that ran as the last layer.
-
-        Args:
-            x: One batch of inputs (a tensor or a dict-like batch).
+        """Run ``model(x)`` once, take the last leaf module that ran as the last layer.
 
         Returns:
             The model output of that forward pass.
@@ -124,12 +121,7 @@ class FeatureExtractor(nn.Module):
         return self.model(x, **kwargs)
 
     def forward_with_features(self, x: Inputs, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Model output (B, C) and last-layer features (B, D), reduced if configured.
-
-        Args:
-            x: One batch of inputs (a tensor or a dict-like batch).
-            **kwargs: Extra keyword arguments for the model's forward.
-        """
+        """Model output (B, C) and last-layer features (B, D) of ``model(x, **kwargs)``."""
         if self.last_layer is None:
             out, phi = self._detect(x, **kwargs)
         else:

@@ -73,13 +73,7 @@ class SubnetMask:
         return len(self.indices)
 
     def convert_subnet_mask_to_indices(self, subnet_mask: Tensor) -> Tensor:
-        """Indices of the ones of a binary mask over the flattened parameters.
-
-        Args:
-            subnet_mask: Boolean or 0/1 integer tensor of shape (P,).
-
-        Returns:
-            Sorted ``torch.long`` indices, shape (K,).
+        """Sorted ``long`` indices (K,) of the ones of a boolean or 0/1 mask (P,).
 
         Raises:
             ValueError: If the mask is not a binary 1-D tensor of length P.
@@ -101,13 +95,10 @@ class SubnetMask:
         return subnet_mask.nonzero(as_tuple=True)[0]
 
     def select(self, train_loader: DataLoader | None = None) -> Tensor:
-        """Choose the subnetwork (once).
-
-        Args:
-            train_loader: Training data, for masks that need it.
+        """Choose the subnetwork (once), with ``train_loader`` for masks that need it.
 
         Returns:
-            ``torch.long`` indices into the flattened trainable parameters, shape (K,).
+            ``long`` indices (K,) into the flattened trainable parameters.
 
         Raises:
             ValueError: If called a second time.
@@ -123,11 +114,7 @@ class SubnetMask:
 
 
 class ScoreBasedSubnetMask(SubnetMask):
-    """Keep the ``n_params_subnet`` weights with the highest scores.
-
-    Args:
-        model: The trained network.
-        n_params_subnet: Number K of weights to keep, 1 ≤ K ≤ P.
+    """Keep the ``n_params_subnet`` (K, 1 ≤ K ≤ P) weights of ``model`` with the highest scores.
 
     Raises:
         ValueError: If K is missing or outside [1, P].
@@ -191,12 +178,9 @@ def _require_loader(train_loader: DataLoader | None) -> DataLoader:
 
 
 class LargestVarianceDiagLaplaceSubnetMask(ScoreBasedSubnetMask):
-    """The K weights of largest marginal variance under a diagonal Laplace over all weights.
+    """The K weights of largest marginal variance under ``diag_laplace_model``.
 
-    Args:
-        model: The trained network.
-        n_params_subnet: Number K of weights to keep.
-        diag_laplace_model: A ``DiagLaplace`` of ``model``, fitted on ``select``'s loader.
+    ``diag_laplace_model`` is a ``DiagLaplace`` of ``model``, fitted on ``select``'s loader.
     """
 
     def __init__(
@@ -219,13 +203,8 @@ class LargestVarianceDiagLaplaceSubnetMask(ScoreBasedSubnetMask):
 class LargestVarianceSWAGSubnetMask(ScoreBasedSubnetMask):
     """The K weights of largest marginal variance under diagonal SWAG.
 
-    Args:
-        model: The trained network.
-        n_params_subnet: Number K of weights to keep.
-        likelihood: ``"classification"`` (cross-entropy) or ``"regression"`` (MSE).
-        swag_n_snapshots: Number of SGD snapshots.
-        swag_snapshot_freq: Epochs between snapshots.
-        swag_lr: SGD learning rate.
+    ``likelihood`` is ``"classification"`` or ``"regression"``; the ``swag_*`` arguments are
+    ``fit_diagonal_swag_var``'s number of snapshots, epochs between them and learning rate.
 
     Raises:
         ValueError: For another likelihood.
@@ -283,12 +262,7 @@ def _missing(wanted: list[str], present: list[str], what: str) -> None:
 
 
 class ParamNameSubnetMask(SubnetMask):
-    """Whole parameter tensors chosen by name (as in ``model.named_parameters()``).
-
-    Args:
-        model: The trained network.
-        parameter_names: Names of the parameters forming the subnetwork.
-    """
+    """Whole parameter tensors chosen by ``parameter_names`` (``model.named_parameters()``)."""
 
     def __init__(self, model: nn.Module, parameter_names: list[str]) -> None:
         super().__init__(model)
@@ -307,11 +281,7 @@ class ParamNameSubnetMask(SubnetMask):
 
 
 class ModuleNameSubnetMask(SubnetMask):
-    """All trainable parameters of leaf modules chosen by name (``model.named_modules()``).
-
-    Args:
-        model: The trained network.
-        module_names: Names of leaf modules (without children) that own parameters.
+    """All trainable parameters of the leaf modules named ``module_names``.
 
     Raises:
         ValueError: (on ``select``) for an empty list, unknown names, modules with children
@@ -342,12 +312,7 @@ class ModuleNameSubnetMask(SubnetMask):
 
 
 class LastLayerSubnetMask(ModuleNameSubnetMask):
-    """The parameters of the model's last linear layer.
-
-    Args:
-        model: The trained network.
-        last_layer_name: Name of the last layer; None: found on ``select``'s first batch.
-    """
+    """The parameters of the last linear layer (None: found on ``select``'s first batch)."""
 
     def __init__(self, model: nn.Module, last_layer_name: str | None = None) -> None:
         super().__init__(model, [])
