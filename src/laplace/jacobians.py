@@ -42,26 +42,17 @@ class Jacobian(ABC):
 
     @classmethod
     def chunk_rows(cls, jacobian_rows: int, model: nn.Module, params: list[Tensor]) -> int:
-        """Test points per chunk for this kind.
+        """Test points per chunk of this kind for the subset ``params`` of ``model``.
 
-        Args:
-            jacobian_rows: Points whose (rows, C, P) Jacobian fits the memory budget.
-            model: The network.
-            params: The subset's parameters.
-
-        Returns:
-            ``jacobian_rows``: the kind holds about C·P numbers per point, like a Jacobian row.
+        ``jacobian_rows`` points' (rows, C, P) Jacobian fits the memory budget; the default keeps
+        that number (the kind holds about C·P numbers per point).
         """
         return jacobian_rows
 
 
 @dataclass(frozen=True)
 class JacobianRows(Jacobian):
-    """Dense Jacobian rows.
-
-    Attributes:
-        rows: ``J``, shape (B, C, P).
-    """
+    """Dense Jacobian rows ``rows`` (B, C, P)."""
 
     rows: Tensor
 
@@ -91,11 +82,7 @@ class HeadFeatures(Jacobian):
 
 @dataclass(frozen=True)
 class LayerTrace(Jacobian):
-    """One recorded forward pass of the per-sample engine (layer inputs, output gradients).
-
-    Attributes:
-        trace: The recorded pass (its ``create_graph`` keeps results differentiable).
-    """
+    """``trace``: one recorded forward pass of the per-sample engine (layer inputs, outputs)."""
 
     trace: PerSampleTrace
 
@@ -111,12 +98,7 @@ class LayerTrace(Jacobian):
 
 @dataclass(frozen=True)
 class PositionRows(Jacobian):
-    """The Jacobian of outputs with extra dimensions, as the rows of their positions.
-
-    Attributes:
-        jacobian: The Jacobian of the outputs (B, …) flattened per data point.
-        layout: The outputs' layout.
-    """
+    """``jacobian`` of outputs (B, …) flattened per point, as rows of ``layout``'s positions."""
 
     jacobian: Jacobian
     layout: OutputLayout
@@ -150,14 +132,10 @@ def backend_linearization(
 ) -> tuple[Tensor, LayerTrace | JacobianRows]:
     """Outputs and Jacobian of the parameters a curvature backend covers, from one forward pass.
 
-    Args:
-        backend: A ``CurvatureInterface``.
-        X: Inputs (B, ...), or a dict-like batch.
-        kind: ``LayerTrace`` (the backend's ``trace``) or ``JacobianRows`` (its ``jacobians``).
-        enable_backprop: Keep the results differentiable w.r.t. the inputs.
+    ``kind`` is ``LayerTrace`` (the backend's ``trace``) or ``JacobianRows`` (its ``jacobians``).
 
     Returns:
-        ``(f (B, C), J)``.
+        ``(f (B, C), J)``, differentiable w.r.t. ``X`` with ``enable_backprop``.
     """
     if kind is LayerTrace:
         trace = backend.trace(X, create_graph=enable_backprop)
