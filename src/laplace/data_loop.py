@@ -76,9 +76,7 @@ class DataLoop:
     ) -> Iterator[tuple[Inputs, Tensor]]:
         """Yield ``(X, y)`` of each batch on the device, checked before any model call.
 
-        Args:
-            loader: Batches ``(X, y)`` or dict-like.
-            progress_bar: Show a progress bar; None: as the loop was built.
+        ``progress_bar`` None: as the loop was built.
 
         Raises:
             ValueError: For batches ``prepare_batch`` refuses, and what ``check_inputs`` raises.
@@ -111,9 +109,7 @@ class DataLoop:
     ) -> Iterable[Any]:
         """A re-iterable of the prepared batches, one pass per iteration (for iterative solvers).
 
-        Args:
-            loader: The data loader.
-            step: What to yield per batch, ``(X, y) -> value``; None: ``(X, y)``.
+        Each iteration yields ``step(X, y)`` per batch (None: ``(X, y)``).
         """
         return _Passes(self, loader, step)
 

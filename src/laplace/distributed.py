@@ -47,13 +47,8 @@ def is_distributed() -> bool:
 def resolve(distributed: bool | None, loader: DataLoader | None = None) -> bool:
     """Whether a pass is distributed (all-reduces its sums).
 
-    Args:
-        distributed: The user's choice; None: the process group has several ranks and
-            ``loader``'s sampler is a ``DistributedSampler``.
-        loader: The data loader.
-
-    Returns:
-        Whether to all-reduce.
+    ``distributed`` None: whether the process group has several ranks and ``loader``'s sampler
+    is a ``DistributedSampler``.
 
     Raises:
         RuntimeError: For ``distributed=True`` without an initialised process group.

@@ -1,8 +1,4 @@
-"""laplace-torch's ``laplace.utils`` path: enums, Kronecker matrices, subnetwork masks, helpers.
-
-A façade: every name is re-exported from the module that owns it, and nothing in the package
-imports ``laplace.utils`` itself (internal code imports those modules).
-"""
+"""laplace-torch's ``laplace.utils`` path, a façade re-exporting each name from its owner."""
 
 from laplace.data import SoDSampler
 from laplace.errors import is_real_scalar as _is_valid_scalar
