@@ -213,10 +213,7 @@ class _Passes:
 
 
 def training_indices(loader: DataLoader) -> Tensor:
-    """Dataset indices the loader's sampler can reach, shape (n,), ``long``.
-
-    Sequential and permutation samplers are read without consuming a generator; others are
-    iterated once.
+    """Dataset indices (n,) the loader's sampler can reach (a random permutation's: all, undrawn).
 
     Raises:
         ValueError: For an empty sampler, out-of-range indices, or a ``drop_last`` batch sampler

@@ -63,12 +63,9 @@ class JacobianRows(Jacobian):
 
 @dataclass(frozen=True)
 class HeadFeatures(Jacobian):
-    """Inputs of a linear head ``fₙ = W φₙ + b``: ``Jₙ = [I_C ⊗ φₙᵀ, I_C]``.
+    """Features ``phi`` (B, D) of a linear head ``fₙ = W φₙ + b``: ``Jₙ = [I_C ⊗ φₙᵀ, I_C]``.
 
-    Attributes:
-        phi: Features, shape (B, D).
-        n_out: Number of outputs C.
-        bias: Whether the head has a bias.
+    ``n_out`` is C; ``bias`` whether the head has one.
     """
 
     phi: Tensor

@@ -282,18 +282,9 @@ class TrainingEpoch(DataLoop):
     """One epoch of MAP training: an optimiser step on the negative log joint per batch.
 
     ``run`` returns the negative log joint summed over the data points (and ranks).
-
-    Args:
-        *args: ``DataLoop``'s.
-        model: The network, trained in place.
-        optimizer: The optimiser of its weights.
-        scheduler: A learning-rate scheduler stepped after every batch, or None.
-        likelihood: The fit likelihood (targets, torch loss and its scale).
-        hyperparameters: ``() -> (σ, δ)``: the noise (a number, () or (C,)) and the prior
-            precision expanded to the weights (P,).
-        temperature: Likelihood temperature T.
-        n_data: Number of training data points N (all ranks').
-        **options: ``DataLoop``'s.
+    ``*args`` and ``**options`` are ``DataLoop``'s; ``hyperparameters() -> (σ, δ)`` gives the
+    noise (a number, () or (C,)) and the prior precision expanded to the weights (P,); ``n_data``
+    is N over all ranks; ``scheduler`` (or None) is stepped after every batch.
     """
 
     def __init__(

@@ -142,17 +142,16 @@ def normal_samples(
     ``b`` is ``mean[b] + chol(var[b]) Z[:, s]`` (``sqrt(var[b]) ⊙ Z[:, s]`` for a diagonal).
 
     Args:
-        mean: Means, shape ``(B, C)``.
-        var: Variances ``(B, C)`` or covariances ``(B, C, C)``.
-        n_samples: Number of samples ``S``.
+        mean: Means, shape (B, C).
+        var: Variances (B, C) or covariances (B, C, C).
+        n_samples: Number of samples S.
         generator: Optional random number generator.
 
     Returns:
-        Samples of shape ``(S, B, C)``.
+        Samples of shape (S, B, C).
 
     Raises:
-        ValueError: If the shapes are inconsistent, ``n_samples`` is not positive, or a
-            diagonal variance is negative.
+        ValueError: For inconsistent shapes, ``n_samples < 1`` or a negative variance.
         torch.linalg.LinAlgError: If a covariance is not positive definite.
     """
     if mean.ndim != 2:
