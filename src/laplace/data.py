@@ -264,12 +264,7 @@ def dataset_size(loader: DataLoader) -> int:
 
 
 class SoDSampler(Sampler):
-    """Sampler over ``M`` of ``N`` indices drawn once without replacement (subset of data).
-
-    Args:
-        N: Size of the dataset.
-        M: Size of the subset, ``0 ≤ M ≤ N``.
-        seed: Seed of the numpy generator.
+    """Sampler over ``M`` of ``N`` indices, drawn once without replacement (numpy, ``seed``).
 
     Raises:
         ValueError: If ``M`` is negative or larger than ``N``.

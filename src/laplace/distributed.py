@@ -172,11 +172,7 @@ def guard(active: bool, what: str = "fit", device: torch.device | None = None) -
 
 
 def check_consistent(values: dict[str, Any], what: str = "fit") -> None:
-    """Raise on every rank if the ranks hold different ``values`` (e.g. hyperparameters).
-
-    Args:
-        values: Name → number, string (compared by checksum) or tensor.
-        what: The step, for the message.
+    """Raise on every rank if ranks hold different ``values`` (name → number, string or tensor).
 
     Raises:
         DistributedFitError: Naming the values that differ, on every rank.

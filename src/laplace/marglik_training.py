@@ -57,11 +57,8 @@ def default_backend(
 ) -> type[CurvatureInterface]:
     """laplace-torch's default ``AsdlGGN`` where installed and applicable, else ``CurvlinopsGGN``.
 
-    Both give the same curvature; ASDL takes neither other likelihoods nor one σ per output.
-
-    Args:
-        likelihood: The ``likelihood`` argument of ``marglik_training``.
-        sigma_noise_init: Its ``sigma_noise_init``.
+    Both give the same curvature; ASDL takes neither other likelihoods nor one σ per output
+    (``likelihood`` and ``sigma_noise_init`` as given to ``marglik_training``).
     """
     if "AsdlGGN" not in available_optional() or torch.as_tensor(sigma_noise_init).numel() > 1:
         return CurvlinopsGGN

@@ -150,12 +150,8 @@ class OutputLayout:
 class PositionColumns:
     """The T·K position-separated columns of a block-diagonal output Hessian, formed lazily.
 
-    Column ``(t, k)`` is column k of row ``t``'s factor, zero at other positions; columns zero
-    for every data point are skipped. Sliced like a tensor (T·K, B, *shape).
-
-    Args:
-        V: Row factors (B·T, C, K).
-        layout: The outputs' layout.
+    Column ``(t, k)`` is column k of row ``t``'s factor in ``V`` (B·T, C, K), zero at other
+    positions; all-zero columns are skipped. Sliced like a tensor (T·K, B, *shape).
     """
 
     def __init__(self, V: Tensor, layout: OutputLayout) -> None:

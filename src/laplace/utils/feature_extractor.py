@@ -176,11 +176,7 @@ def as_feature_extractor(
 ) -> FeatureExtractor:
     """A new ``FeatureExtractor`` around ``model`` for a last-layer Laplace.
 
-    Args:
-        model: The network, or a ``FeatureExtractor`` around it (unwrapped; its last layer is
-            kept when ``last_layer_name`` is None).
-        last_layer_name: As for ``FeatureExtractor``.
-        feature_reduction: As for ``FeatureExtractor``.
+    A ``model`` that is a ``FeatureExtractor`` is unwrapped, its last layer kept unless named.
     """
     if isinstance(model, FeatureExtractor):
         last_layer_name = last_layer_name or model.last_layer_name
