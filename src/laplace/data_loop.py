@@ -1,9 +1,8 @@
 """One data loop for every pass over a loader: fits, kernel builds, scoring and training.
 
-``DataLoop`` prepares each batch (``laplace.data.prepare_batch``), shows a progress bar, checks
-and sums the per-batch statistics of its ``step`` into the fresh value ``start`` returns (so a
-pass that raises changes nothing) and all-reduces them in a distributed pass; ``Gather``
-concatenates per-batch values instead. docs/architecture.md ("The data loop") lists the passes.
+``DataLoop`` prepares each batch, checks and sums the statistics of its ``step`` into a fresh
+value (a pass that raises changes nothing) and all-reduces them in a distributed pass;
+``Gather`` concatenates instead. docs/architecture.md ("The data loop") lists the passes.
 """
 
 from __future__ import annotations

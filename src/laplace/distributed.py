@@ -1,8 +1,7 @@
 """Fitting and tuning across the processes of ``torch.distributed``.
 
-Each rank sums over its shard of the data, the sums are all-reduced, and every rank holds the
-posterior a single process would compute on the whole data (docs/distributed.md: the opt-in
-rule, shards, failures).
+Each rank sums over its shard, the sums are all-reduced, and every rank holds the posterior of
+the whole data (docs/distributed.md: the opt-in rule, shards, failures).
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""Validation of the hyperparameters: prior precision and mean, observation noise, temperature.
-
-Also the expansion of a scalar or layer-wise prior precision to the diagonal, and the
-constant prior precision of a given structure that tuning starts from.
-"""
+"""The hyperparameters' checks (prior precision and mean, σ, temperature) and prior expansion."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Calls that change nothing when they fail: snapshot the state, restore it on any exception.
 
-The methods in ``TRANSACTIONAL_METHODS`` are wrapped by ``transactional``; the snapshot is
-shallow (attribute dictionaries, plus the values of ``nn.Parameter`` attributes and generator
-states), so these calls must assign new tensors, never modify a stored posterior in place
-(docs/architecture.md, "Serialization and transactions"). ``preserve_model_gradients`` keeps the
-model's ``.grad`` across a fit that optimises its own variables.
+``transactional`` wraps the ``TRANSACTIONAL_METHODS``; the snapshot is shallow, so they assign
+new tensors, never modify a stored posterior in place (docs/architecture.md, "Serialization and
+transactions"). ``preserve_model_gradients`` keeps the model's ``.grad`` across a fit.
 """
 
 from __future__ import annotations
