@@ -269,9 +269,6 @@ def fix_prior_prec_structure(
         device: Device of the result.
         dtype: Dtype of the result.
 
-    Returns:
-        The prior precision tensor.
-
     Raises:
         ValueError: If ``prior_structure`` is unknown, ``prior_prec_init`` is not positive
             and finite, or the requested length is not a positive integer.

@@ -100,10 +100,7 @@ class FeatureExtractor(nn.Module):
         object.__setattr__(self, "last_layer", layer)
 
     def find_last_layer(self, x: Inputs) -> Tensor:
-        """Run ``model(x)`` once, take the last leaf module that ran as the last layer.
-
-        Returns:
-            The model output of that forward pass.
+        """Return ``model(x)``, taking the last leaf module that ran as the last layer.
 
         Raises:
             ValueError: If the last layer is already known, or the last leaf module that ran

@@ -28,8 +28,7 @@ def fit_diagonal_swag_var(
 ) -> Tensor:
     """Marginal variances ``E[θ²] − E[θ]²`` of the weights over snapshots of SGD.
 
-    A copy of ``model`` is trained for ``n_snapshots_total · snapshot_freq`` epochs, recorded
-    every ``snapshot_freq`` epochs; ``model`` itself is not changed.
+    A copy of ``model`` is trained with SGD; ``model`` itself is not changed.
 
     Args:
         model: The trained network.
