@@ -124,7 +124,12 @@ def check_int_at_least(value: Any, name: str, minimum: int) -> int:
 
 
 def check_positive_int(value: Any, name: str) -> int:
-    """Return ``value`` if it is a positive integer; see ``check_int_at_least``."""
+    """Return ``value`` if it is a positive integer (``bool`` excluded).
+
+    Raises:
+        ArgumentTypeError: If it is not an integer.
+        ValueError: If it is smaller than 1.
+    """
     return check_int_at_least(value, name, 1)
 
 
