@@ -212,7 +212,7 @@ class _Passes:
 
 
 def training_indices(loader: DataLoader) -> Tensor:
-    """Dataset indices (n,) the loader's sampler can reach (a random permutation's: all, undrawn).
+    """Dataset indices (n,) the loader's sampler can reach; a permutation is not drawn.
 
     Raises:
         ValueError: For an empty sampler, out-of-range indices, or a ``drop_last`` batch sampler

@@ -79,7 +79,7 @@ class HeadFeatures(Jacobian):
 
 @dataclass(frozen=True)
 class LayerTrace(Jacobian):
-    """``trace``: one recorded forward pass of the per-sample engine (layer inputs, outputs)."""
+    """``trace``: a recorded pass of the per-sample engine (layer inputs, output gradients)."""
 
     trace: PerSampleTrace
 
@@ -89,7 +89,10 @@ class LayerTrace(Jacobian):
 
     @classmethod
     def chunk_rows(cls, jacobian_rows: int, model: nn.Module, params: list[Tensor]) -> int:
-        """Layer-wise rows: activations, plus per-sample gradients of parameters without a rule."""
+        """Points per chunk of the layer-wise closed forms.
+
+        They hold activations, and per-sample gradients of parameters without a Kronecker rule.
+        """
         return layerwise_chunk_rows(model, params, jacobian_rows)
 
 

@@ -312,7 +312,7 @@ class ModuleNameSubnetMask(SubnetMask):
 
 
 class LastLayerSubnetMask(ModuleNameSubnetMask):
-    """The parameters of the last linear layer (None: found on ``select``'s first batch)."""
+    """The last linear layer's parameters; ``last_layer_name`` None: found on ``select``."""
 
     def __init__(self, model: nn.Module, last_layer_name: str | None = None) -> None:
         super().__init__(model, [])
