@@ -212,7 +212,7 @@ def check_temperature(temperature: float | Tensor) -> float | Tensor:
 
 
 def expand_prior_precision(prior_prec: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    """Expand a scalar, layer-wise or diagonal prior precision to one value per parameter.
+    """Expand a scalar, layer-wise or diagonal prior precision to the diagonal, shape (P,).
 
     Only parameters with ``requires_grad`` count; where lengths coincide, scalar wins, then
     diagonal.
@@ -220,9 +220,6 @@ def expand_prior_precision(prior_prec: torch.Tensor, model: nn.Module) -> torch.
     Args:
         prior_prec: Prior precision of shape ``()``, ``(1,)``, ``(n_layers,)`` or ``(P,)``.
         model: Module whose trainable parameters the prior applies to.
-
-    Returns:
-        Diagonal prior precision of shape ``(P,)``.
 
     Raises:
         ValueError: If ``prior_prec`` has more than one dimension or an unsupported length.

@@ -42,11 +42,7 @@ _MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, t
 
 
 class SubnetMask:
-    """Base of the subnetwork masks; subclasses implement ``get_subnet_mask``.
-
-    Args:
-        model: The trained network.
-    """
+    """Base of the masks of a trained ``model``; subclasses implement ``get_subnet_mask``."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = check_module(model)
