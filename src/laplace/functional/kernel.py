@@ -8,8 +8,10 @@ neither fitting nor predicting holds an unbounded Jacobian. Factored Jacobians (
 output gradients) of a subset are small, so they are all kept and a prediction costs time linear
 in the test points.
 
-The hyperparameters are arguments of the methods: the kernel scale ``s``, the output-curvature
-factor ``h = 1/(σ²T)`` and the observation noise variance ``σ²`` of likelihoods that have one.
+The hyperparameters are the kernel scale ``s``, the output-curvature factor ``h = 1/(σ²T)`` and
+the observation noise variance ``σ²`` of likelihoods that have one: predictions read the current
+``(s, h)`` from the approximation, the marginal likelihood takes them as (differentiable)
+arguments.
 """
 
 from __future__ import annotations
@@ -38,10 +40,14 @@ MAX_INVERSE_CURVATURE = 10.0
 
 #: Inputs and whether to keep the graph → (Jacobian of the points, outputs (B, C)).
 Jacobians = Callable[[Inputs, bool], tuple[DenseJacobian | FactoredJacobian, Tensor]]
+#: The current kernel scale ``s`` and output-curvature factor ``h``.
+Scales = Callable[[], tuple[Tensor, Tensor]]
 
 
 class SubsetKernel:
-    """Kernel, output curvature and scatter vector of a data subset, and the GP posterior.
+    """Kernel, output curvature and scatter vector of a data subset: the SoD GP posterior.
+
+    A :class:`~laplace.functional.base.LatentPosterior`.
 
     Attributes:
         STATE_KEYS: The entries of :meth:`state`.
@@ -58,6 +64,7 @@ class SubsetKernel:
         jacobians: Jacobians and outputs of inputs (see :data:`Jacobians`).
         chunk_rows: Points per Jacobian chunk of the subset.
         dict_key_x: Key of the inputs in dict-like batches.
+        scales: The current ``(s, h)`` of predictions (see :data:`Scales`).
     """
 
     STATE_KEYS = ("X_subset", "K_MM", "Lambda", "mu", "loss")
@@ -74,11 +81,13 @@ class SubsetKernel:
         jacobians: Jacobians,
         chunk_rows: int,
         dict_key_x: str,
+        scales: Scales,
     ) -> None:
         self.X, self.K, self.Lambda, self.mu, self.loss = X, K, Lambda, mu, loss
         self.independent = independent
         self.n_points, self.n_outputs = Lambda.shape
         self._jacobians, self._chunk_rows, self._dict_key_x = jacobians, chunk_rows, dict_key_x
+        self._scales = scales
         self._cache: list[DenseJacobian | FactoredJacobian] = []
         self._factor_key: tuple | None = None
         self._factor: Tensor | None = None
@@ -95,6 +104,7 @@ class SubsetKernel:
         jacobians: Jacobians,
         chunk_rows: int,
         dict_key_x: str,
+        scales: Scales,
     ) -> SubsetKernel:
         """Jacobians, outputs, curvature and scatter terms of the subset ``(X, y)``.
 
@@ -108,6 +118,7 @@ class SubsetKernel:
             jacobians: Jacobians and outputs of inputs.
             chunk_rows: Points per Jacobian chunk.
             dict_key_x: Key of the inputs in dict-like batches.
+            scales: The current ``(s, h)`` of predictions.
 
         Raises:
             RuntimeError: If a fit term contains NaN or inf.
@@ -124,7 +135,7 @@ class SubsetKernel:
         Lambda = likelihood.output_hessian(f).diagonal(dim1=-2, dim2=-1)
         kernel = cls(
             X, None, Lambda, mu, likelihood.loss(f, y), independent, jacobians, chunk_rows,
-            dict_key_x,
+            dict_key_x, scales,
         )  # fmt: skip
         for J in chunks:
             kernel._remember(J)
@@ -234,6 +245,23 @@ class SubsetKernel:
         V = V.T.reshape(B, C, -1)
         return s * J.output_blocks() - V @ V.transpose(1, 2)
 
+    def moments(self, X: Inputs, joint: bool, create_graph: bool) -> tuple[Tensor, Tensor]:
+        """Outputs and :meth:`variance` at ``X``, point chunk by point chunk unless ``joint``."""
+        s, h = self._scales()
+        if joint:
+            J, f = self._jacobians(X, create_graph)
+            return f.reshape(-1), self.variance(J, s, h, joint=True)
+        means, variances = [], []
+        for chunk in input_chunks(X, self.test_chunk_rows(), self._dict_key_x):
+            J, f = self._jacobians(chunk, create_graph)
+            means.append(f)
+            variances.append(self.variance(J, s, h, joint=False))
+        return torch.cat(means), torch.cat(variances)
+
+    def covariance(self, Js: Tensor, joint: bool) -> Tensor:
+        """:meth:`variance` of Jacobian rows (B, C, P)."""
+        return self.variance(DenseJacobian(Js), *self._scales(), joint)
+
     # --------------------------------------------------------------------- marginal lik.
     def _eye(self) -> Tensor:
         n = self.K.shape[-1]
@@ -279,7 +307,8 @@ class SubsetKernel:
         jacobians: Jacobians,
         chunk_rows: int,
         dict_key_x: str,
+        scales: Scales,
     ) -> SubsetKernel:
         """Rebuild from :meth:`state` on ``device`` (floating-point tensors in ``dtype``)."""
         values = [to_device(state[key], device, dtype) for key in cls.STATE_KEYS]
-        return cls(*values, independent, jacobians, chunk_rows, dict_key_x)
+        return cls(*values, independent, jacobians, chunk_rows, dict_key_x, scales)
