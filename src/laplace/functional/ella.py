@@ -258,14 +258,8 @@ class ELLA(BaseFunctionalLaplace):
             )
         if val_loader is None:
             raise ValueError("method='gridsearch' needs a val_loader with validation data.")
-        grid = grid_candidates(  # in the default dtype, as laplace-torch
-            log_prior_prec_min,
-            log_prior_prec_max,
-            grid_size,
-            10.0,
-            "cpu",
-            torch.get_default_dtype(),
-        )
+        bounds = (log_prior_prec_min, log_prior_prec_max, grid_size, 10.0)
+        grid = grid_candidates(*bounds, "cpu", torch.get_default_dtype())  # as laplace-torch
         self.optimize_hyperparameters(val_loader, grid)
 
     def optimize_hyperparameters(self, val_loader: DataLoader, grid: Iterable[Any]) -> None:

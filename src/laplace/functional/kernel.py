@@ -1,17 +1,10 @@
-r"""The subset-of-data GP: kernel ``K_MM = J_M J_Mᵀ``, output curvature, and its posterior.
+"""The subset-of-data GP: kernel ``K_MM = J_M J_Mᵀ``, output curvature, and its posterior.
 
 Rows are ordered point-major (``m·C + c``). The subset's Jacobians (either kind of
-:mod:`laplace.functional.ntk`) come in chunks of points of at most
-:data:`~laplace.glm.JACOBIAN_CHUNK_BYTES` (the GLM predictive's chunking); the leading chunks
-that fit in :data:`CACHE_BYTES` are kept between predictions and the others recomputed, so
-neither fitting nor predicting holds an unbounded Jacobian. Factored Jacobians (layer inputs and
-output gradients) of a subset are small, so they are all kept and a prediction costs time linear
-in the test points.
-
-The hyperparameters are the kernel scale ``s``, the output-curvature factor ``h = 1/(σ²T)`` and
-the observation noise variance ``σ²`` of likelihoods that have one: predictions read the current
-``(s, h)`` from the approximation, the marginal likelihood takes them as (differentiable)
-arguments.
+:mod:`laplace.functional.ntk`) come in chunks of the GLM predictive's size; those that fit in
+:data:`CACHE_BYTES` are kept between predictions, the others recomputed. Predictions read the
+current kernel scale ``s`` and output-curvature factor ``h = 1/(σ²T)`` from the approximation;
+the marginal likelihood takes them and the noise variance ``σ²`` as (differentiable) arguments.
 """
 
 from __future__ import annotations
@@ -77,6 +70,7 @@ class SubsetKernel:
         Lambda: Tensor,
         mu: Tensor,
         loss: Tensor,
+        *,
         independent: bool,
         jacobians: Jacobians,
         chunk_rows: int,
@@ -95,16 +89,7 @@ class SubsetKernel:
     # ---------------------------------------------------------------------------- building
     @classmethod
     def build(
-        cls,
-        X: Inputs,
-        y: Tensor,
-        likelihood: LikelihoodModel,
-        shift: Tensor,
-        independent: bool,
-        jacobians: Jacobians,
-        chunk_rows: int,
-        dict_key_x: str,
-        scales: Scales,
+        cls, X: Inputs, y: Tensor, likelihood: LikelihoodModel, shift: Tensor, **options: Any
     ) -> SubsetKernel:
         """Jacobians, outputs, curvature and scatter terms of the subset ``(X, y)``.
 
@@ -114,18 +99,14 @@ class SubsetKernel:
             likelihood: The likelihood of the fit: loss, output Hessian, and whether the
                 scatter vector holds the residuals (likelihoods with observation noise).
             shift: ``μ₀ − θ*``, shape (P,).
-            independent: Keep only the per-output blocks of the kernel.
-            jacobians: Jacobians and outputs of inputs.
-            chunk_rows: Points per Jacobian chunk.
-            dict_key_x: Key of the inputs in dict-like batches.
-            scales: The current ``(s, h)`` of predictions.
+            **options: The keyword arguments of the constructor.
 
         Raises:
             RuntimeError: If a fit term contains NaN or inf.
         """
         chunks, outputs = [], []
-        for chunk in input_chunks(X, chunk_rows, dict_key_x):
-            J, f = jacobians(chunk, False)
+        for chunk in input_chunks(X, options["chunk_rows"], options["dict_key_x"]):
+            J, f = options["jacobians"](chunk, False)
             chunks.append(J)
             outputs.append(f)
         f = torch.cat(outputs)
@@ -133,10 +114,7 @@ class SubsetKernel:
         Jshift = torch.cat([J.matvec(shift) for J in chunks])
         mu = y - (f + Jshift) if likelihood.has_noise_hyperparameter else -Jshift
         Lambda = likelihood.output_hessian(f).diagonal(dim1=-2, dim2=-1)
-        kernel = cls(
-            X, None, Lambda, mu, likelihood.loss(f, y), independent, jacobians, chunk_rows,
-            dict_key_x, scales,
-        )  # fmt: skip
+        kernel = cls(X, None, Lambda, mu, likelihood.loss(f, y), **options)
         for J in chunks:
             kernel._remember(J)
         kernel.K = kernel._gram(chunks)
@@ -299,16 +277,11 @@ class SubsetKernel:
 
     @classmethod
     def from_state(
-        cls,
-        state: dict[str, Any],
-        device: torch.device,
-        dtype: torch.dtype,
-        independent: bool,
-        jacobians: Jacobians,
-        chunk_rows: int,
-        dict_key_x: str,
-        scales: Scales,
+        cls, state: dict[str, Any], device: torch.device, dtype: torch.dtype, **options: Any
     ) -> SubsetKernel:
-        """Rebuild from :meth:`state` on ``device`` (floating-point tensors in ``dtype``)."""
+        """Rebuild from :meth:`state` on ``device`` (floating-point tensors in ``dtype``).
+
+        ``options`` are the keyword arguments of the constructor.
+        """
         values = [to_device(state[key], device, dtype) for key in cls.STATE_KEYS]
-        return cls(*values, independent, jacobians, chunk_rows, dict_key_x, scales)
+        return cls(*values, **options)

@@ -29,11 +29,7 @@ from laplace.functional.inducing import (
     inducing_state,
     load_inducing_state,
 )
-from laplace.functional.valla_objective import (
-    InducingPosterior,
-    check_alpha,
-    negative_objective,
-)
+from laplace.functional.valla_objective import InducingPosterior, check_alpha, negative_objective
 from laplace.likelihoods import make_likelihood
 from laplace.priors import as_scalar_prior_precision
 from laplace.transaction import preserve_model_gradients
