@@ -111,13 +111,10 @@ class ELLA(BaseFunctionalLaplace):
         backend_kwargs: dict[str, Any] | None = None,
         seed: int = 1234,
     ) -> None:
-        counts = (subsample_size, n_eigenvalues)
-        if not (
-            all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts)
-            and n_eigenvalues <= subsample_size
-        ):
+        check_positive_int(subsample_size, "subsample_size")
+        if check_positive_int(n_eigenvalues, "n_eigenvalues") > subsample_size:
             raise ValueError(
-                "ELLA needs integers 0 < n_eigenvalues <= subsample_size, got "
+                "ELLA needs n_eigenvalues <= subsample_size, got "
                 f"n_eigenvalues={n_eigenvalues!r}, subsample_size={subsample_size!r}."
             )
         super().__init__(**arguments_for(BaseLaplace.__init__, locals()))

@@ -16,7 +16,7 @@ from laplace.curvature import CurvatureInterface
 from laplace.curvature.per_sample import PerSampleEngine
 from laplace.data import Inputs, SoDSampler, dataset_size, slice_inputs
 from laplace.data_loop import Gather
-from laplace.errors import check_int_at_least
+from laplace.errors import check_int_at_least, check_positive_int
 from laplace.functional.base import BaseFunctionalLaplace
 from laplace.functional.kernel import SubsetKernel
 from laplace.functional.ntk import DenseJacobian, FactoredJacobian, trace_jacobian
@@ -92,8 +92,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
                 "hessian_structure='kron' or 'diag', or functional_approximation='nystrom' "
                 "(ELLA) or 'variational' (VaLLA)."
             )
-        if isinstance(n_subset, bool) or not isinstance(n_subset, int) or n_subset < 1:
-            raise ValueError(f"n_subset must be a positive integer, got {n_subset!r}.")
+        check_positive_int(n_subset, "n_subset")
         check_int_at_least(seed, "seed", 0)
         super().__init__(**arguments_for(BaseLaplace.__init__, locals()))
         self.n_subset = n_subset

@@ -204,10 +204,9 @@ class VaLLA(BaseFunctionalLaplace):
         Raises:
             ValueError: For bad optimisation settings or inducing classes.
         """
-        if not (
-            isinstance(iterations, int) and not isinstance(iterations, bool) and iterations > 0
-        ) or not (math.isfinite(lr) and lr > 0):
-            raise ValueError("iterations must be a positive integer and lr positive and finite.")
+        check_positive_int(iterations, "iterations")
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr must be positive and finite, got {lr!r}.")
         if val_steps is not None:
             check_positive_int(val_steps, "val_steps")
         self.model.eval()
