@@ -184,9 +184,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
     def log_det_ratio(self) -> Tensor:
         """``log det(sK + σ²I)`` (regression) or ``log det(I + W sK W)``, ``W = √Λ``."""
         self._check_fitted("log_det_ratio")
-        return self._gp.log_det_ratio(
-            self.gp_kernel_prior_variance, self._H_factor, self._noise_variance
-        )
+        return self._gp.log_det_ratio(*self._kernel_scales(), self._noise_variance)
 
     @property
     def scatter(self) -> Tensor:
