@@ -282,7 +282,7 @@ def test_valla_mc_softmax_objective_is_seeded_and_estimates_the_alpha_energy():
     X, y = next(iter(loader))
     with torch.no_grad():
         estimate = la._objective(X, y)
-        f, cov, A, R = la._moments(X, joint=False, differentiable=False)
+        f, cov, A, R = la._gp.objective_moments(X)
     draws = torch.distributions.MultivariateNormal(f, cov + 1e-12 * torch.eye(4)).sample(
         (MC_SAMPLES,)
     )

@@ -1,8 +1,9 @@
-"""Function-space (GP) Laplace approximations.
+"""Function-space (GP) Laplace approximations (see ``docs/function_space.md``).
 
-:class:`BaseFunctionalLaplace` owns the predictives; :class:`FunctionalLaplace` and
-:class:`FunctionalLLLaplace` approximate the GP posterior on a subset of the data, :class:`ELLA`
-with a Nyström feature map. The public paths are laplace-torch's: :mod:`laplace.baselaplace`,
+:class:`BaseFunctionalLaplace` turns the latent moments of the posterior a class holds into
+predictions: :class:`FunctionalLaplace` and :class:`FunctionalLLLaplace` a GP on a subset of the
+data, :class:`ELLA` a Gaussian over Nyström features, :class:`VaLLA` a variational posterior with
+inducing points. The public paths are laplace-torch's: :mod:`laplace.baselaplace`,
 :mod:`laplace.lllaplace` and :mod:`laplace`.
 """
 

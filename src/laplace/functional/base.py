@@ -1,15 +1,10 @@
 r"""``BaseFunctionalLaplace``: predictives of function-space (GP) Laplace approximations.
 
-Linearising the network at the MAP ``θ*`` turns it into a GLM, ``f(x) ≈ f(x; θ*) + J(x)(θ − θ*)``,
-whose weight-space Gaussian prior ``N(μ₀, P₀⁻¹)`` is a Gaussian process over functions with the
-neural tangent kernel ``k(x, x') = J(x) P₀⁻¹ J(x')ᵀ`` (Khan et al., 2019; Immer et al., 2021).
-Subclasses approximate the GP posterior (subset of data, Nyström, variational) and supply its
-latent moments through :meth:`_latent_moments`; this class turns them into predictions and holds
-what they share: the check of a fit's first outputs and targets, Jacobians in the GLM
-predictive's chunks, the validation score (:class:`~laplace.functional.scoring.ValidationNLL`)
-and the state (:class:`~laplace.serialization.StateDict`). :class:`IsotropicPriorMixin` is the
-scalar prior of FunctionalLaplace and ELLA, :class:`ValidationTunedMixin` what ELLA and VaLLA
-share (a fit history with validation scores, no marginal likelihood).
+Linearising the network at the MAP ``θ*`` makes it a GLM whose Gaussian weight prior is a GP
+over functions with the neural tangent kernel ``k(x, x') = J(x) P₀⁻¹ J(x')ᵀ``. Each subclass
+holds its approximation of the GP posterior as a :class:`LatentPosterior` (subset of data,
+Nyström features, inducing points); this class turns its latent moments into predictions. See
+``docs/function_space.md``.
 
 Internal module; the public path is :mod:`laplace.baselaplace`.
 """
@@ -18,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -34,7 +29,7 @@ from laplace.priors import as_scalar_prior_precision, check_temperature
 from laplace.serialization import StateFormat
 from laplace.utils.enums import FunctionalApproximation, LinkApprox, PredType, parse_enum
 
-__all__ = ["BaseFunctionalLaplace", "IsotropicPriorMixin", "ValidationTunedMixin"]
+__all__ = ["BaseFunctionalLaplace", "LatentPosterior"]
 
 
 class FunctionalState(StateFormat):
@@ -63,48 +58,69 @@ class HistoryState(FunctionalState):
         la.fit_history_ = {k: list(v) for k, v in state_dict["fit_history"].items()}
 
 
-class IsotropicPriorMixin:
-    """A scalar prior precision ``δ`` (the GP prior of function-space approximations)."""
+class LatentPosterior(Protocol):
+    """The GP posterior over the network outputs a function-space approximation holds."""
 
-    def _set_isotropic_prior(self, value: float | Tensor) -> None:
+    def moments(self, X: Inputs, joint: bool, create_graph: bool) -> tuple[Tensor, Tensor]:
+        """Latent means and covariances at ``X``, without observation noise.
+
+        Returns:
+            Means (B, C) and covariances (B, C, C); with ``joint`` means (B·C,) and the
+            covariance (B·C, B·C). Detached unless ``create_graph``.
+        """
+        ...
+
+    def covariance(self, Js: Tensor, joint: bool) -> Tensor:
+        """``J Σ Jᵀ`` of Jacobians (B, C, P): (B, C, C), or (B·C, B·C) with ``joint``."""
+        ...
+
+
+class BaseFunctionalLaplace(BaseLaplace):
+    """Predictions, sampling and validation shared by the function-space approximations.
+
+    A subclass implements :meth:`fit`, which sets ``_gp``: its :class:`LatentPosterior`. The
+    prior precision ``δ`` is a scalar (the GP prior). Approximations tuned by the validation NLL
+    (ELLA, VaLLA) record it in ``fit_history_["val_nll"]`` and, as in laplace-torch, have no
+    Laplace marginal likelihood and do not track the training log-likelihood.
+    """
+
+    _function_space = FunctionalApproximation.SOD
+    _state_format: StateFormat = FunctionalState()
+    _gp: LatentPosterior | None = None
+
+    def _set_scalar_prior(self, value: float | Tensor) -> None:
         name = type(self).__name__
         self._prior_precision = as_scalar_prior_precision(value, name, self._device, self._dtype)
 
     prior_precision = property(
         BaseLaplace.prior_precision.fget,
-        _set_isotropic_prior,
+        _set_scalar_prior,
         doc="Isotropic prior precision ``δ``, shape (1,).",
     )
-
-
-class BaseFunctionalLaplace(BaseLaplace):
-    """Predictions and sampling shared by the function-space Laplace approximations.
-
-    A subclass implements :meth:`fit` and :meth:`_latent_moments`, which returns the GP
-    posterior over the network outputs at test inputs: means (B, C) and covariances (B, C, C),
-    or with ``joint=True`` means (B·C,) and one covariance (B·C, B·C). Observation noise is
-    never included.
-    """
-
-    _function_space = FunctionalApproximation.SOD
-    _state_format: StateFormat = FunctionalState()
-
-    def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
-        raise NotImplementedError
-
-    def _jacobian_covariance(self, Js: Tensor, joint: bool) -> Tensor:
-        """Posterior covariance of the outputs with Jacobians ``Js`` (B, C, P), see below."""
-        raise NotImplementedError
 
     def functional_variance(self, Js: Tensor) -> Tensor:
         """Posterior output covariances from Jacobians: (B, C, P) → (B, C, C)."""
         self._check_fitted("functional_variance")
-        return self._jacobian_covariance(Js, joint=False)
+        return self._gp.covariance(Js, joint=False)
 
     def functional_covariance(self, Js: Tensor) -> Tensor:
         """Joint posterior covariance from Jacobians: (B, C, P) → (B·C, B·C)."""
         self._check_fitted("functional_covariance")
-        return self._jacobian_covariance(Js, joint=True)
+        return self._gp.covariance(Js, joint=True)
+
+    def log_marginal_likelihood(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Not defined (as in laplace-torch): tune by the validation NLL (``fit_history_``)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no Laplace marginal likelihood; its hyperparameters "
+            "are tuned by the validation NLL (see fit_history_)."
+        )
+
+    @property
+    def log_likelihood(self) -> Tensor:
+        """Not tracked (as in laplace-torch)."""
+        raise UnsupportedError(
+            f"{type(self).__name__} does not track the training log-likelihood."
+        )
 
     def _check_first_batch(self, X: Inputs, y: Tensor) -> torch.Size:
         """Check the model's outputs on ``X`` and the targets ``y`` before any Jacobian.
@@ -149,6 +165,20 @@ class BaseFunctionalLaplace(BaseLaplace):
         with torch.no_grad():
             return float(loop.run(loader))
 
+    def _record_validation(
+        self, val_loader: DataLoader | None, val_steps: int | None, step: int, last: bool = False
+    ) -> None:
+        """Append the validation NLL to ``fit_history_`` after ``step`` steps of a fit.
+
+        Recorded when ``val_steps`` divides ``step``; at the ``last`` step unless it just was.
+        """
+        if val_loader is None:
+            return
+        on_schedule = bool(val_steps) and step % val_steps == 0
+        if on_schedule != last:
+            self._fitted = True
+            self.fit_history_["val_nll"].append(self._validation_nll(val_loader))
+
     def _checked_inputs(self, x: Inputs, what: str) -> Inputs:
         self._check_fitted(what)
         return prepare_inputs(x, self.dict_key_x, self._device, what)
@@ -168,7 +198,8 @@ class BaseFunctionalLaplace(BaseLaplace):
             RuntimeError: Before :meth:`fit`.
             ValueError: For an empty batch.
         """
-        return self._latent_moments(self._checked_inputs(x, "predictive_moments"), joint)
+        x = self._checked_inputs(x, "predictive_moments")
+        return self._gp.moments(x, joint, self.enable_backprop)
 
     def __call__(
         self,
@@ -252,7 +283,7 @@ class BaseFunctionalLaplace(BaseLaplace):
         check_positive_int(n_samples, "n_samples")
         check_generator(generator)
         x = self._checked_inputs(x, "functional_samples")
-        f_mu, f_var = self._latent_moments(x, joint=joint)
+        f_mu, f_var = self._gp.moments(x, joint, self.enable_backprop)
         if not joint:
             if diagonal_output:
                 f_var = f_var.diagonal(dim1=-2, dim2=-1)
@@ -284,39 +315,3 @@ class BaseFunctionalLaplace(BaseLaplace):
         model = self._likelihood_model
         likelihood = model.fit_likelihood if fitting else model.predictive_likelihood
         return likelihood.predictive_sample(f, generator)
-
-
-class ValidationTunedMixin:
-    """What ELLA and VaLLA share: a fit history with validation scores, and no marginal likelihood.
-
-    ``fit_history_`` holds lists of values recorded by ``fit`` (``val_nll`` among them) and is
-    part of the state; like laplace-torch's, these approximations have no Laplace marginal
-    likelihood and do not track the training log-likelihood.
-    """
-
-    def _validate(self, val_loader: DataLoader | None, val_steps: int | None, step: int) -> None:
-        """Record the validation NLL after ``step`` steps if ``val_steps`` divides it."""
-        if val_loader is not None and val_steps and step % val_steps == 0:
-            self._fitted = True
-            self.fit_history_["val_nll"].append(self._validation_nll(val_loader))
-
-    def _validate_at_end(
-        self, val_loader: DataLoader | None, val_steps: int | None, steps: int
-    ) -> None:
-        """Record the validation NLL at the end of a fit unless the last step just did."""
-        if val_loader is not None and (not val_steps or steps % val_steps):
-            self.fit_history_["val_nll"].append(self._validation_nll(val_loader))
-
-    def log_marginal_likelihood(self, *args: Any, **kwargs: Any) -> Tensor:
-        """Not defined (as in laplace-torch): tune by the validation NLL (``fit_history_``)."""
-        raise NotImplementedError(
-            f"{type(self).__name__} has no Laplace marginal likelihood; its hyperparameters "
-            "are tuned by the validation NLL (see fit_history_)."
-        )
-
-    @property
-    def log_likelihood(self) -> Tensor:
-        """Not tracked (as in laplace-torch)."""
-        raise UnsupportedError(
-            f"{type(self).__name__} does not track the training log-likelihood."
-        )

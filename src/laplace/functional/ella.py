@@ -1,25 +1,8 @@
 r"""ELLA: linearised Laplace with a Nyström feature map (Deng et al., 2022).
 
-``fit`` draws ``M = subsample_size`` training points (seeded) and one output per point, and stacks
-their Jacobians into ``J_M`` (M, P). With the eigenpairs ``(λ_k, u_k)`` of the
-``K = n_eigenvalues`` largest eigenvalues of ``J_M J_Mᵀ``, the columns of
-
-.. math::
-    V = J_M^\top U_K Λ_K^{-1/2} \in \mathbb{R}^{P \times K}
-
-are orthonormal and span the top-``K`` part of the subset's Jacobian row space. The features
-``φ(x) = J(x) V`` (C, K) define a GLM with prior ``N(0, δ⁻¹ I_K)``; its posterior precision
-accumulates the GGN over the whole training loader,
-
-.. math::
-    A = \frac{1}{σ^2 T} \sum_n φ(x_n)^\top Λ_n φ(x_n) + δ I_K, \qquad
-    f_* \sim \mathcal{N}\big(f(x_*; θ^*),\; φ(x_*) A^{-1} φ(x_*)^\top\big),
-
-with ``Λ_n`` the output Hessian of the loss (``I`` for regression, ``diag(p) − ppᵀ`` for
-classification). When ``V`` spans the whole Jacobian row space of the training data (e.g.
-``M = N``, ``K`` = its rank, one output), this is the GLM predictive of
-:class:`~laplace.baselaplace.FullLaplace` at the training inputs, and everywhere when that rank is
-``P``. The Gaussian over the features is a :class:`~laplace.posteriors.DensePosterior`.
+The features ``φ(x) = J(x) V`` (C, K) on ``K`` orthonormal directions ``V`` of a data subset's
+Jacobians define a GLM with posterior precision ``A = Σ φᵀ Λ φ/(σ²T) + δI`` over the training
+data (see ``docs/function_space.md``).
 
 Internal module; the public paths are :mod:`laplace.baselaplace` and :mod:`laplace`.
 """
@@ -27,6 +10,7 @@ Internal module; the public paths are :mod:`laplace.baselaplace` and :mod:`lapla
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,21 +22,16 @@ from laplace.curvature import CurvatureInterface
 from laplace.data import dataset_size
 from laplace.data_loop import subset_loader
 from laplace.errors import check_positive_int
-from laplace.functional.base import (
-    BaseFunctionalLaplace,
-    HistoryState,
-    IsotropicPriorMixin,
-    ValidationTunedMixin,
-)
+from laplace.functional.base import BaseFunctionalLaplace, HistoryState
 from laplace.functional.nystrom import (
     FeatureGram,
-    NystromPosteriorMixin,
+    NystromPosterior,
     dataset_labels,
     nystrom_basis,
+    nystrom_features,
     nystrom_indices,
 )
 from laplace.functional.scoring import tune_hyperparameters
-from laplace.posteriors import DensePosterior
 from laplace.transaction import preserve_model_gradients
 from laplace.tuning import grid_candidates
 from laplace.utils.enums import (
@@ -69,22 +48,19 @@ __all__ = ["ELLA"]
 
 
 class ELLAState(HistoryState):
-    """The state of ELLA: its named attributes and fit history; loading drops the cache."""
+    """The state of ELLA: its named attributes and fit history; loading rebuilds its posterior."""
 
     def load(self, la: Any, state_dict: dict[str, Any]) -> None:
-        """Assign the named attributes and the history, and forget the cached posterior."""
+        """Assign the named attributes and the history, and rebuild the Nyström posterior."""
         super().load(la, state_dict)
-        la._posterior_cache = None
+        la._gp = la._nystrom_posterior()
 
 
-class ELLA(
-    NystromPosteriorMixin, IsotropicPriorMixin, ValidationTunedMixin, BaseFunctionalLaplace
-):
-    r"""Linearised Laplace on a rank-``K`` Nyström approximation of the neural tangent kernel.
+class ELLA(BaseFunctionalLaplace):
+    """Linearised Laplace on a rank-``K`` Nyström approximation of the neural tangent kernel.
 
-    Features ``φ(x) = J(x) V`` (C, K) on ``K`` orthonormal directions ``V`` of a data subset's
-    Jacobians, with the GLM posterior ``N(0, A⁻¹)``, ``A = Σ φᵀ Λ φ/(σ²T) + δI`` (see
-    :mod:`laplace.functional.ella`). Only the subset's rows (M, P) and ``V`` are stored.
+    The GLM posterior ``N(0, A⁻¹)`` over the features ``φ(x) = J(x) V`` (C, K); see
+    ``docs/function_space.md``.
 
     Args:
         model: The trained network.
@@ -112,11 +88,6 @@ class ELLA(
     Raises:
         ValueError: Unless ``0 < n_eigenvalues <= subsample_size``; for a non-scalar prior
             precision or a non-zero prior mean.
-
-    Example:
-        >>> la = Laplace(model, "regression", "all", "gp", functional_approximation="nystrom",
-        ...              subsample_size=100, n_eigenvalues=20)  # doctest: +SKIP
-        >>> la.fit(train_loader); f_mu, f_var = la(x)  # doctest: +SKIP
     """
 
     _function_space = FunctionalApproximation.NYSTROM
@@ -150,13 +121,10 @@ class ELLA(
         backend_kwargs: dict[str, Any] | None = None,
         seed: int = 1234,
     ) -> None:
-        counts = (subsample_size, n_eigenvalues)
-        if not (
-            all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts)
-            and n_eigenvalues <= subsample_size
-        ):
+        check_positive_int(subsample_size, "subsample_size")
+        if check_positive_int(n_eigenvalues, "n_eigenvalues") > subsample_size:
             raise ValueError(
-                "ELLA needs integers 0 < n_eigenvalues <= subsample_size, got "
+                "ELLA needs n_eigenvalues <= subsample_size, got "
                 f"n_eigenvalues={n_eigenvalues!r}, subsample_size={subsample_size!r}."
             )
         super().__init__(**arguments_for(BaseLaplace.__init__, locals()))
@@ -166,7 +134,24 @@ class ELLA(
         self.dual_directions: Tensor | None = None
         self.feature_gram: Tensor | None = None
         self.fit_history_: dict[str, list[Any]] = _empty_history()
-        self._posterior_cache: tuple[tuple, DensePosterior] | None = None
+
+    @property
+    def chol_precision(self) -> Tensor | None:
+        """Lower Cholesky factor of ``A = Σφᵀ Λ φ/(σ²T) + δI`` (K, K); None before fit."""
+        return None if self._gp is None else self._gp.gaussian.cholesky
+
+    def _nystrom_posterior(self) -> NystromPosterior:
+        """The Gaussian over the features of :attr:`dual_directions` and :attr:`feature_gram`."""
+        return NystromPosterior(
+            self.dual_directions,
+            self.feature_gram,
+            self._jacobian_chunks,
+            self._feature_hyperparameters,
+        )
+
+    def _feature_hyperparameters(self) -> tuple[Tensor, Tensor]:
+        """Prior precision ``δ`` and output-curvature factor ``h = 1/(σ²T)`` of the features."""
+        return self.prior_precision, self._H_factor
 
     # ---------------------------------------------------------------------------------- fit
     @preserve_model_gradients
@@ -211,15 +196,16 @@ class ELLA(
         self.dual_directions = V.to(self._dtype)
 
         def after_batch(step: int, gram: Tensor, n_data: int) -> None:
-            self.feature_gram, self.n_data, self._posterior_cache = gram, n_data, None
+            self.feature_gram, self.n_data = gram, n_data
+            self._gp = self._nystrom_posterior()
             self.fit_history_["processed_examples"].append(float(n_data))
-            self._validate(val_loader, val_steps, step)
+            self._record_validation(val_loader, val_steps, step)
 
         loop = self._data_loop(
             FeatureGram,
             progress_bar=progress_bar,
             desc="ELLA",
-            features=self._features,
+            features=partial(nystrom_features, self._jacobian_chunks, self.dual_directions),
             likelihood=self._likelihood_model,
             output_shape=output_shape,
             after_batch=after_batch,
@@ -227,7 +213,7 @@ class ELLA(
         )
         loop.run(train_loader)
         self._fitted = True
-        self._validate_at_end(val_loader, val_steps, loop.steps)
+        self._record_validation(val_loader, val_steps, loop.steps, last=True)
 
     # ------------------------------------------------------------------------------ tuning
     def optimize_prior_precision(
@@ -279,14 +265,8 @@ class ELLA(
             )
         if val_loader is None:
             raise ValueError("method='gridsearch' needs a val_loader with validation data.")
-        grid = grid_candidates(  # in the default dtype, as laplace-torch
-            log_prior_prec_min,
-            log_prior_prec_max,
-            grid_size,
-            10.0,
-            "cpu",
-            torch.get_default_dtype(),
-        )
+        bounds = (log_prior_prec_min, log_prior_prec_max, grid_size, 10.0)
+        grid = grid_candidates(*bounds, "cpu", torch.get_default_dtype())  # as laplace-torch
         self.optimize_hyperparameters(val_loader, grid)
 
     def optimize_hyperparameters(self, val_loader: DataLoader, grid: Iterable[Any]) -> None:

@@ -25,16 +25,10 @@ __all__ = [
     "STRATEGIES",
     "as_inducing",
     "check_inducing_state",
-    "choose_inducing",
-    "detached_inputs",
     "inducing_from_data",
-    "inducing_labels",
     "inducing_setup",
     "inducing_state",
-    "kmeans",
     "load_inducing_state",
-    "pair_items",
-    "random_candidates",
 ]
 
 #: Strategies that choose the inducing inputs from the training data.

@@ -1,15 +1,10 @@
-r"""The subset-of-data GP: kernel ``K_MM = J_M J_Mᵀ``, output curvature, and its posterior.
+"""The subset-of-data GP: kernel ``K_MM = J_M J_Mᵀ``, output curvature, and its posterior.
 
 Rows are ordered point-major (``m·C + c``). The subset's Jacobians (either kind of
-:mod:`laplace.functional.ntk`) come in chunks of points of at most
-:data:`~laplace.glm.JACOBIAN_CHUNK_BYTES` (the GLM predictive's chunking); the leading chunks
-that fit in :data:`CACHE_BYTES` are kept between predictions and the others recomputed, so
-neither fitting nor predicting holds an unbounded Jacobian. Factored Jacobians (layer inputs and
-output gradients) of a subset are small, so they are all kept and a prediction costs time linear
-in the test points.
-
-The hyperparameters are arguments of the methods: the kernel scale ``s``, the output-curvature
-factor ``h = 1/(σ²T)`` and the observation noise variance ``σ²`` of likelihoods that have one.
+:mod:`laplace.functional.ntk`) come in chunks of the GLM predictive's size; those that fit in
+:data:`CACHE_BYTES` are kept between predictions, the others recomputed. Predictions read the
+current kernel scale ``s`` and output-curvature factor ``h = 1/(σ²T)`` from the approximation;
+the marginal likelihood takes them and the noise variance ``σ²`` as (differentiable) arguments.
 """
 
 from __future__ import annotations
@@ -38,10 +33,14 @@ MAX_INVERSE_CURVATURE = 10.0
 
 #: Inputs and whether to keep the graph → (Jacobian of the points, outputs (B, C)).
 Jacobians = Callable[[Inputs, bool], tuple[DenseJacobian | FactoredJacobian, Tensor]]
+#: The current kernel scale ``s`` and output-curvature factor ``h``.
+Scales = Callable[[], tuple[Tensor, Tensor]]
 
 
 class SubsetKernel:
-    """Kernel, output curvature and scatter vector of a data subset, and the GP posterior.
+    """Kernel, output curvature and scatter vector of a data subset: the SoD GP posterior.
+
+    A :class:`~laplace.functional.base.LatentPosterior`.
 
     Attributes:
         STATE_KEYS: The entries of :meth:`state`.
@@ -58,6 +57,7 @@ class SubsetKernel:
         jacobians: Jacobians and outputs of inputs (see :data:`Jacobians`).
         chunk_rows: Points per Jacobian chunk of the subset.
         dict_key_x: Key of the inputs in dict-like batches.
+        scales: The current ``(s, h)`` of predictions (see :data:`Scales`).
     """
 
     STATE_KEYS = ("X_subset", "K_MM", "Lambda", "mu", "loss")
@@ -70,15 +70,18 @@ class SubsetKernel:
         Lambda: Tensor,
         mu: Tensor,
         loss: Tensor,
+        *,
         independent: bool,
         jacobians: Jacobians,
         chunk_rows: int,
         dict_key_x: str,
+        scales: Scales,
     ) -> None:
         self.X, self.K, self.Lambda, self.mu, self.loss = X, K, Lambda, mu, loss
         self.independent = independent
         self.n_points, self.n_outputs = Lambda.shape
         self._jacobians, self._chunk_rows, self._dict_key_x = jacobians, chunk_rows, dict_key_x
+        self._scales = scales
         self._cache: list[DenseJacobian | FactoredJacobian] = []
         self._factor_key: tuple | None = None
         self._factor: Tensor | None = None
@@ -86,15 +89,7 @@ class SubsetKernel:
     # ---------------------------------------------------------------------------- building
     @classmethod
     def build(
-        cls,
-        X: Inputs,
-        y: Tensor,
-        likelihood: LikelihoodModel,
-        shift: Tensor,
-        independent: bool,
-        jacobians: Jacobians,
-        chunk_rows: int,
-        dict_key_x: str,
+        cls, X: Inputs, y: Tensor, likelihood: LikelihoodModel, shift: Tensor, **options: Any
     ) -> SubsetKernel:
         """Jacobians, outputs, curvature and scatter terms of the subset ``(X, y)``.
 
@@ -104,17 +99,14 @@ class SubsetKernel:
             likelihood: The likelihood of the fit: loss, output Hessian, and whether the
                 scatter vector holds the residuals (likelihoods with observation noise).
             shift: ``μ₀ − θ*``, shape (P,).
-            independent: Keep only the per-output blocks of the kernel.
-            jacobians: Jacobians and outputs of inputs.
-            chunk_rows: Points per Jacobian chunk.
-            dict_key_x: Key of the inputs in dict-like batches.
+            **options: The keyword arguments of the constructor.
 
         Raises:
             RuntimeError: If a fit term contains NaN or inf.
         """
         chunks, outputs = [], []
-        for chunk in input_chunks(X, chunk_rows, dict_key_x):
-            J, f = jacobians(chunk, False)
+        for chunk in input_chunks(X, options["chunk_rows"], options["dict_key_x"]):
+            J, f = options["jacobians"](chunk, False)
             chunks.append(J)
             outputs.append(f)
         f = torch.cat(outputs)
@@ -122,10 +114,7 @@ class SubsetKernel:
         Jshift = torch.cat([J.matvec(shift) for J in chunks])
         mu = y - (f + Jshift) if likelihood.has_noise_hyperparameter else -Jshift
         Lambda = likelihood.output_hessian(f).diagonal(dim1=-2, dim2=-1)
-        kernel = cls(
-            X, None, Lambda, mu, likelihood.loss(f, y), independent, jacobians, chunk_rows,
-            dict_key_x,
-        )  # fmt: skip
+        kernel = cls(X, None, Lambda, mu, likelihood.loss(f, y), **options)
         for J in chunks:
             kernel._remember(J)
         kernel.K = kernel._gram(chunks)
@@ -234,6 +223,23 @@ class SubsetKernel:
         V = V.T.reshape(B, C, -1)
         return s * J.output_blocks() - V @ V.transpose(1, 2)
 
+    def moments(self, X: Inputs, joint: bool, create_graph: bool) -> tuple[Tensor, Tensor]:
+        """Outputs and :meth:`variance` at ``X``, point chunk by point chunk unless ``joint``."""
+        s, h = self._scales()
+        if joint:
+            J, f = self._jacobians(X, create_graph)
+            return f.reshape(-1), self.variance(J, s, h, joint=True)
+        means, variances = [], []
+        for chunk in input_chunks(X, self.test_chunk_rows(), self._dict_key_x):
+            J, f = self._jacobians(chunk, create_graph)
+            means.append(f)
+            variances.append(self.variance(J, s, h, joint=False))
+        return torch.cat(means), torch.cat(variances)
+
+    def covariance(self, Js: Tensor, joint: bool) -> Tensor:
+        """:meth:`variance` of Jacobian rows (B, C, P)."""
+        return self.variance(DenseJacobian(Js), *self._scales(), joint)
+
     # --------------------------------------------------------------------- marginal lik.
     def _eye(self) -> Tensor:
         n = self.K.shape[-1]
@@ -271,15 +277,11 @@ class SubsetKernel:
 
     @classmethod
     def from_state(
-        cls,
-        state: dict[str, Any],
-        device: torch.device,
-        dtype: torch.dtype,
-        independent: bool,
-        jacobians: Jacobians,
-        chunk_rows: int,
-        dict_key_x: str,
+        cls, state: dict[str, Any], device: torch.device, dtype: torch.dtype, **options: Any
     ) -> SubsetKernel:
-        """Rebuild from :meth:`state` on ``device`` (floating-point tensors in ``dtype``)."""
+        """Rebuild from :meth:`state` on ``device`` (floating-point tensors in ``dtype``).
+
+        ``options`` are the keyword arguments of the constructor.
+        """
         values = [to_device(state[key], device, dtype) for key in cls.STATE_KEYS]
-        return cls(*values, independent, jacobians, chunk_rows, dict_key_x)
+        return cls(*values, **options)

@@ -1,26 +1,11 @@
 r"""Jacobian kinds of the function-space approximations: neural tangent kernels between points.
 
-The GP view of a linearised network needs the kernel ``J(x) J(x')ᵀ`` between data points and
-products ``J(x) v``. Two forms of the Jacobian ``J`` of ``B`` points give them:
-
-- :class:`DenseJacobian`: the rows ``J`` (B, C, P); a kernel block costs ``B·C·B'·C·P``.
-- :class:`FactoredJacobian`: for a layer ``z = W a + b`` applied once per data point (a linear
-  layer on (B, D) inputs, a convolution with one output position, the last layer on its
-  features), the Jacobian of output ``c`` w.r.t. ``W`` is ``g_c aᵀ`` and w.r.t. ``b`` is ``g_c``,
-  with ``g_c = ∂f_c/∂z``. From the factors ``G_l`` (B, C, out) and ``a_l`` (B, in) of every layer
-
-  .. math::
-      J_c(x) J_d(x')^\top = \sum_l \big(g_{l,c}(x) \cdot g_{l,d}(x')\big)
-          \big(a_l(x) \cdot a_l(x') + [\text{bias}_l]\big),
-
-  which costs ``Σ_l (out_l + in_l)`` per pair of rows instead of ``P`` and never forms the
-  (B, C, P) rows. :func:`layer_factors` takes them from one recorded forward pass and one
-  batched backward pass w.r.t. the layer outputs (the trace of
-  :mod:`laplace.curvature.per_sample`); :func:`trace_jacobian` falls back to the dense rows of
-  the same pass where the layers do not allow it.
-
-Both kinds implement the same methods, so the GP code never asks which one it holds; a kernel
-between different kinds goes through the dense rows.
+The GP view needs the kernel ``J(x) J(x')ᵀ`` between data points and products ``J(x) v``;
+:class:`DenseJacobian` (the rows (B, C, P)) and :class:`FactoredJacobian` (per-layer output
+gradients ``G_l`` (B, C, out) and inputs ``a_l`` (B, in) of layers applied once per data point,
+``J_c J_dᵀ = Σ_l (g_{l,c} · g_{l,d})(a_l · a_l' + [bias_l])``) implement the same methods, so the
+GP code never asks which one it holds; a kernel between different kinds goes through the dense
+rows. See ``docs/function_space.md``.
 """
 
 from __future__ import annotations

@@ -21,9 +21,10 @@ from laplace.posteriors import DensePosterior
 
 __all__ = [
     "FeatureGram",
-    "NystromPosteriorMixin",
+    "NystromPosterior",
     "dataset_labels",
     "nystrom_basis",
+    "nystrom_features",
     "nystrom_indices",
 ]
 
@@ -167,47 +168,68 @@ class FeatureGram(DataLoop):
         return total
 
 
-class NystromPosteriorMixin:
-    """ELLA's posterior: the Gaussian ``N(0, A⁻¹)`` over the Nyström features and its predictive.
+class NystromPosterior:
+    """ELLA's Gaussian ``N(0, A⁻¹)`` over the Nyström features ``φ(x) = J(x) V`` (C, K).
 
-    ``A = h Σ φᵀ Λ φ + δI`` is a :class:`~laplace.posteriors.DensePosterior` over the K features,
-    rebuilt when the hyperparameters change; the class provides ``dual_directions`` (V),
-    ``feature_gram`` and ``n_eigenvalues``, and sets ``_posterior_cache = None`` when the Gram
-    matrix changes.
+    ``A = h Σ φᵀ Λ φ + δI`` is a :class:`~laplace.posteriors.DensePosterior` over the K
+    features, rebuilt when ``δ`` or ``h`` change. A
+    :class:`~laplace.functional.base.LatentPosterior`.
+
+    Args:
+        directions: ``V`` (P, K).
+        gram: ``Σ φᵀ Λ φ`` (K, K).
+        jacobian_chunks: Inputs and whether to keep the graph → ``(Js (b, C, P), f (b, C))``
+            over chunks of them.
+        hyperparameters: The current prior precision ``δ`` (1,) and ``h = 1/(σ²T)``.
     """
 
-    def _features(self, X: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
-        """Features ``φ = J V`` (B, C, K) and outputs (B, C)."""
-        feats, outs = [], []
-        for Js, f in self._jacobian_chunks(X, enable_backprop):
-            feats.append(Js @ self.dual_directions)
-            outs.append(f)
-        return torch.cat(feats), torch.cat(outs)
+    def __init__(
+        self,
+        directions: Tensor,
+        gram: Tensor,
+        jacobian_chunks: Callable[[Inputs, bool], Iterable[tuple[Tensor, Tensor]]],
+        hyperparameters: Callable[[], tuple[Tensor, Tensor]],
+    ) -> None:
+        self.directions, self.gram = directions, gram
+        self._jacobian_chunks, self._hyperparameters = jacobian_chunks, hyperparameters
+        self._cache: tuple[tuple[float, float], DensePosterior] | None = None
 
     @property
-    def _posterior(self) -> DensePosterior:
-        """The Gaussian over the K features: precision ``A = h Σφᵀ Λ φ + δI``."""
-        key = (float(self.prior_precision), float(self.sigma_noise), self.temperature)
-        if self._posterior_cache is None or self._posterior_cache[0] != key:
-            prior = self.prior_precision.detach().expand(self.n_eigenvalues)
-            posterior = DensePosterior(self.feature_gram, self._H_factor.detach(), prior)
-            self._posterior_cache = (key, posterior)
-        return self._posterior_cache[1]
+    def gaussian(self) -> DensePosterior:
+        """The Gaussian over the K features at the current ``δ`` and ``h``."""
+        delta, h = (value.detach() for value in self._hyperparameters())
+        key = (float(delta), float(h))
+        if self._cache is None or self._cache[0] != key:
+            prior = delta.expand(self.directions.shape[1])
+            self._cache = (key, DensePosterior(self.gram, h, prior))
+        return self._cache[1]
 
-    @property
-    def chol_precision(self) -> Tensor | None:
-        """Lower Cholesky factor of ``A = Σφᵀ Λ φ/(σ²T) + δI`` (K, K); None before fit."""
-        return None if self.feature_gram is None else self._posterior.cholesky
-
-    def _feature_covariance(self, features: Tensor, joint: bool) -> Tensor:
+    def feature_covariance(self, features: Tensor, joint: bool) -> Tensor:
+        """``φ A⁻¹ φᵀ`` of features (B, C, K): (B, C, C), or (B·C, B·C) with ``joint``."""
         if joint:
-            return self._posterior.functional_covariance(features.reshape(-1, self.n_eigenvalues))
-        return self._posterior.functional_variance(features)
+            return self.gaussian.functional_covariance(features.flatten(0, 1))
+        return self.gaussian.functional_variance(features)
 
-    def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
-        features, f = self._features(X, self.enable_backprop)
-        cov = self._feature_covariance(features, joint)
+    def covariance(self, Js: Tensor, joint: bool) -> Tensor:
+        """:meth:`feature_covariance` of the features ``Js V`` of Jacobians (B, C, P)."""
+        return self.feature_covariance(Js @ self.directions, joint)
+
+    def moments(self, X: Inputs, joint: bool, create_graph: bool) -> tuple[Tensor, Tensor]:
+        """Outputs at ``X`` and the :meth:`feature_covariance` of their features."""
+        features, f = nystrom_features(self._jacobian_chunks, self.directions, X, create_graph)
+        cov = self.feature_covariance(features, joint)
         return (f.reshape(-1) if joint else f), cov
 
-    def _jacobian_covariance(self, Js: Tensor, joint: bool) -> Tensor:
-        return self._feature_covariance(Js @ self.dual_directions, joint)
+
+def nystrom_features(
+    jacobian_chunks: Callable[[Inputs, bool], Iterable[tuple[Tensor, Tensor]]],
+    V: Tensor,
+    X: Inputs,
+    create_graph: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Features ``φ = J V`` (B, C, K) and outputs (B, C) at ``X``, chunk by chunk."""
+    feats, outs = [], []
+    for Js, f in jacobian_chunks(X, create_graph):
+        feats.append(Js @ V)
+        outs.append(f)
+    return torch.cat(feats), torch.cat(outs)

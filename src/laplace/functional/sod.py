@@ -1,10 +1,4 @@
-r"""Subset-of-data GP Laplace over all weights: ``FunctionalLaplace``.
-
-Kernels are computed from per-layer factors where the layers allow (Linear and Conv layers
-applied once per data point; see :mod:`laplace.functional.ntk`), never forming Jacobian rows, and
-from Jacobian rows in chunks otherwise; the subset's Jacobians are kept between predictions
-within a memory budget (see :mod:`laplace.functional.kernel`), so predicting costs time linear
-in the test points.
+"""Subset-of-data GP Laplace over all weights: ``FunctionalLaplace``.
 
 Internal module; the public path is :mod:`laplace.baselaplace`.
 """
@@ -14,17 +8,16 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.curvature.per_sample import PerSampleEngine
-from laplace.data import Inputs, SoDSampler, dataset_size, input_chunks, slice_inputs
+from laplace.data import Inputs, SoDSampler, dataset_size, slice_inputs
 from laplace.data_loop import Gather
-from laplace.errors import check_int_at_least
-from laplace.functional.base import BaseFunctionalLaplace, FunctionalState, IsotropicPriorMixin
+from laplace.errors import check_int_at_least, check_positive_int
+from laplace.functional.base import BaseFunctionalLaplace, FunctionalState
 from laplace.functional.kernel import SubsetKernel
 from laplace.functional.ntk import DenseJacobian, FactoredJacobian, trace_jacobian
 from laplace.glm import jacobian_chunk_rows
@@ -52,35 +45,23 @@ class SubsetGPState(FunctionalState):
 
     def values(self, la: Any) -> dict[str, Any]:
         """The named attributes and the kernel's state."""
-        return {**super().values(la), **la._kernel.state()}
+        return {**super().values(la), **la._gp.state()}
 
     def load(self, la: Any, state_dict: dict[str, Any]) -> None:
         """Assign the named attributes and rebuild the kernel from its state."""
         super().load(la, state_dict)
         la.n_outputs = state_dict["Lambda"].shape[-1]
-        la._kernel = SubsetKernel.from_state(
-            state_dict, la._device, la._dtype, **la._kernel_options()
-        )
-        la.loss = la._kernel.loss
+        la._gp = SubsetKernel.from_state(state_dict, la._device, la._dtype, **la._kernel_options())
+        la.loss = la._gp.loss
 
 
-class FunctionalLaplace(IsotropicPriorMixin, BaseFunctionalLaplace):
+class FunctionalLaplace(BaseFunctionalLaplace):
     r"""GP (function-space) Laplace on a random subset of ``M`` of the ``N`` training points.
 
-    With Jacobians ``J_M`` (M·C, P) of the subset, an isotropic prior precision ``δ`` and the
-    kernel ``K = J Jᵀ`` scaled by ``s = (M/N)/δ`` (:attr:`gp_kernel_prior_variance`), the GP
-    posterior over the outputs at test points ``*`` is
-
-    .. math::
-        f_* \sim \mathcal{N}\big(f(x_*; θ^*),\; sK_{**} - sK_{*M}(sK_{MM} + Λ_{MM}^{-1})^{-1}
-        sK_{M*}\big),
-
-    with ``Λ_MM`` the diagonal of the output Hessians of the log-likelihood times ``1/(σ²T)``
-    (classification keeps only the diagonal of ``diag(p) − ppᵀ``, as laplace-torch does). When
-    ``M = N`` and the likelihood is Gaussian this is exactly the GLM predictive of
-    :class:`~laplace.baselaplace.FullLaplace` (Woodbury identity). With
-    ``independent_outputs=True`` only the diagonal ``C×C`` blocks of the kernel are kept (one
-    independent GP per output).
+    With the subset's kernel ``K = J Jᵀ`` scaled by ``s = (M/N)/δ``
+    (:attr:`gp_kernel_prior_variance`) and ``Λ`` the diagonal output Hessians times ``1/(σ²T)``,
+    ``f_* ~ N(f(x_*; θ*), sK_** − sK_*M (sK_MM + Λ⁻¹)⁻¹ sK_M*)``; see
+    ``docs/function_space.md``.
 
     Args:
         model: The trained network.
@@ -133,15 +114,14 @@ class FunctionalLaplace(IsotropicPriorMixin, BaseFunctionalLaplace):
                 "hessian_structure='kron' or 'diag', or functional_approximation='nystrom' "
                 "(ELLA) or 'variational' (VaLLA)."
             )
-        if isinstance(n_subset, bool) or not isinstance(n_subset, int) or n_subset < 1:
-            raise ValueError(f"n_subset must be a positive integer, got {n_subset!r}.")
+        check_positive_int(n_subset, "n_subset")
         check_int_at_least(seed, "seed", 0)
         super().__init__(**arguments_for(BaseLaplace.__init__, locals()))
         self.n_subset = n_subset
         self.independent_outputs = independent_outputs
         self.seed = seed
         self.mean = self._subset.vector().detach() if self._subset.resolved else None
-        self._kernel: SubsetKernel | None = None
+        self._gp: SubsetKernel | None = None
         self._fitted = False
 
     @property
@@ -186,10 +166,10 @@ class FunctionalLaplace(IsotropicPriorMixin, BaseFunctionalLaplace):
         X, y = self._data_loop(Gather, progress_bar=progress_bar, desc="fit").run(subset_loader)
         self._check_first_batch(slice_inputs(X, 0, 1, self.n_subset), y)  # before any Jacobian
         self.n_data = n_data
-        self._kernel = SubsetKernel.build(
+        self._gp = SubsetKernel.build(
             X, y, self._likelihood_model, self.prior_mean - self.mean, **self._kernel_options()
         )
-        self.loss = self._kernel.loss
+        self.loss = self._gp.loss
         noisy = self._likelihood_model.has_noise_hyperparameter
         if self.independent_outputs and noisy and self.n_outputs > 1:
             warnings.warn(
@@ -199,6 +179,10 @@ class FunctionalLaplace(IsotropicPriorMixin, BaseFunctionalLaplace):
             )
         self._fitted = True
 
+    def _kernel_scales(self) -> tuple[Tensor, Tensor]:
+        """Kernel scale ``s`` and output-curvature factor ``h = 1/(σ²T)`` of predictions."""
+        return self.gp_kernel_prior_variance, self._H_factor
+
     def _kernel_options(self) -> dict[str, Any]:
         """How :class:`SubsetKernel` gets Jacobians of this approximation."""
         return {
@@ -206,26 +190,12 @@ class FunctionalLaplace(IsotropicPriorMixin, BaseFunctionalLaplace):
             "jacobians": self._jacobians,
             "chunk_rows": jacobian_chunk_rows(self.n_outputs, self.n_params, self._dtype),
             "dict_key_x": self.dict_key_x,
+            "scales": self._kernel_scales,
         }
 
-    # --------------------------------------------------------------------------- predictive
-    def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
-        s, h = self.gp_kernel_prior_variance, self._H_factor
-        if joint:
-            J, f = self._jacobians(X, self.enable_backprop)
-            return f.reshape(-1), self._kernel.variance(J, s, h, joint=True)
-        means, variances = [], []
-        for chunk in input_chunks(X, self._kernel.test_chunk_rows(), self.dict_key_x):
-            J, f = self._jacobians(chunk, self.enable_backprop)
-            means.append(f)
-            variances.append(self._kernel.variance(J, s, h, joint=False))
-        return torch.cat(means), torch.cat(variances)
-
-    def _jacobian_covariance(self, Js: Tensor, joint: bool) -> Tensor:
-        s, h = self.gp_kernel_prior_variance, self._H_factor
-        return self._kernel.variance(DenseJacobian(Js), s, h, joint)
-
     # ---------------------------------------------------------------------- marginal lik.
+    log_likelihood = BaseLaplace.log_likelihood
+
     @property
     def _noise_variance(self) -> Tensor | None:
         """``σ²`` for likelihoods with observation noise, else None."""
@@ -236,15 +206,13 @@ class FunctionalLaplace(IsotropicPriorMixin, BaseFunctionalLaplace):
     def log_det_ratio(self) -> Tensor:
         """``log det(sK + σ²I)`` (regression) or ``log det(I + W sK W)``, ``W = √Λ``."""
         self._check_fitted("log_det_ratio")
-        return self._kernel.log_det_ratio(
-            self.gp_kernel_prior_variance, self._H_factor, self._noise_variance
-        )
+        return self._gp.log_det_ratio(*self._kernel_scales(), self._noise_variance)
 
     @property
     def scatter(self) -> Tensor:
         """``μᵀ (sK + νI)⁻¹ μ`` with ``ν = σ²`` (regression) or ``1e-5`` (classification)."""
         self._check_fitted("scatter")
-        return self._kernel.scatter(self.gp_kernel_prior_variance, self._noise_variance)
+        return self._gp.scatter(self.gp_kernel_prior_variance, self._noise_variance)
 
     def log_marginal_likelihood(
         self, prior_precision: Tensor | None = None, sigma_noise: Tensor | None = None

@@ -19,7 +19,7 @@ from laplace.curvature import CurvatureInterface
 from laplace.data import Inputs, dataset_size
 from laplace.data_loop import DataLoop, Gather
 from laplace.errors import check_finite_result, check_positive_int
-from laplace.functional.base import BaseFunctionalLaplace, HistoryState, ValidationTunedMixin
+from laplace.functional.base import BaseFunctionalLaplace, HistoryState
 from laplace.functional.inducing import (
     INDUCING_STATE,
     as_inducing,
@@ -29,12 +29,9 @@ from laplace.functional.inducing import (
     inducing_state,
     load_inducing_state,
 )
-from laplace.functional.valla_objective import (
-    InducingPosteriorMixin,
-    check_alpha,
-    negative_objective,
-)
+from laplace.functional.valla_objective import InducingPosterior, check_alpha, negative_objective
 from laplace.likelihoods import make_likelihood
+from laplace.priors import as_scalar_prior_precision
 from laplace.transaction import preserve_model_gradients
 from laplace.utils.enums import FunctionalApproximation, Likelihood
 
@@ -76,32 +73,19 @@ class VaLLAState(HistoryState):
         la.inducing_locations = Z
 
 
-class VaLLA(InducingPosteriorMixin, ValidationTunedMixin, BaseFunctionalLaplace):
+class VaLLA(BaseFunctionalLaplace):
     r"""Linearised Laplace whose posterior is fitted variationally through ``M`` inducing points.
 
-    With the Jacobians ``J_Z`` (M, P) of one output per inducing input ``z_m``, a lower
-    triangular ``L`` (M, M) and the isotropic prior ``N(θ*, δ⁻¹I)``, the posterior over the
-    weights of the linearised network is
-
-    .. math::
-        q(θ) = \mathcal{N}(θ^*, Σ_q), \quad Σ_q = (δ I + J_Z^\top L L^\top J_Z)^{-1}, \qquad
-        f_* \sim \mathcal{N}\big(f(x_*; θ^*),\; J_* Σ_q J_*^\top\big).
-
-    ``fit`` minimises, by Adam on minibatches, the alpha-energy objective
-    ``−(N/B) Σ_b ℓ_α(y_b)/T + KL(q ‖ p)`` over ``L``, ``log δ``, ``log σ²`` (regression) and
-    floating-point inducing inputs (``α = 0``: the negative ELBO); see
-    :mod:`laplace.functional.valla_objective` for ``ℓ_α``, the KL and the float64 QR factor the
-    covariances use (never the P×P matrix).
-
-    Reward modelling fits as classification on pairs (B, 2, ...) → logits (B, 2), with inducing
-    inputs from the pairs' items (output 0), and predicts as regression on items (B, ...).
+    ``q(θ) = N(θ*, (δI + J_Zᵀ L Lᵀ J_Z)⁻¹)`` with the Jacobians ``J_Z`` (M, P) of one output per
+    inducing input; ``fit`` minimises the alpha-energy by Adam over ``L``, ``log δ``, ``log σ²``
+    (regression) and floating-point inducing inputs. Reward modelling fits on pairs and predicts
+    rewards of items. See ``docs/function_space.md``.
 
     Args:
         model: The trained network (kept fixed).
         likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"``.
         inducing_locations: Inputs (M, ...) or a mapping, or ``"random"`` / ``"kmeans"`` to pick
-            ``num_inducing`` training inputs at :meth:`fit` (k-means runs in torch; its centres
-            are snapped to the nearest training inputs; no scikit-learn or SciPy needed).
+            ``num_inducing`` training inputs at :meth:`fit`.
         num_inducing: M; required with a strategy, must match explicit locations.
         inducing_classes: Output used at each inducing input (M,); 0 when None (strategies use
             the training labels for classification).
@@ -172,6 +156,48 @@ class VaLLA(InducingPosteriorMixin, ValidationTunedMixin, BaseFunctionalLaplace)
         self._initial = (initial, self.inducing_classes.clone())
         self._init_factor()
         self.fit_history_: dict[str, list[float]] = {"objective": [], "val_nll": []}
+        self._gp = InducingPosterior(self._jacobian_chunks, self._variational)
+
+    @property
+    def prior_precision(self) -> Tensor:
+        """Scalar prior precision ``δ = exp(log_prior_precision)``, shape (1,)."""
+        return self.log_prior_precision.detach().exp()
+
+    @prior_precision.setter
+    def prior_precision(self, value: float | Tensor) -> None:
+        log = as_scalar_prior_precision(value, type(self).__name__, self._device, self._dtype)
+        self.log_prior_precision = nn.Parameter(log.log().detach().clone())
+
+    @property
+    def sigma_noise(self) -> Tensor:
+        """Observation noise σ (learnt for regression), shape (1,)."""
+        if self.log_noise_variance is None:
+            return self._sigma_noise
+        return (0.5 * self.log_noise_variance.detach()).exp()
+
+    @sigma_noise.setter
+    def sigma_noise(self, value: float | Tensor) -> None:
+        BaseLaplace.sigma_noise.fset(self, value)
+        if self._likelihood_model.has_noise_hyperparameter:
+            self.log_noise_variance = nn.Parameter(2 * self._sigma_noise.detach().log().clone())
+
+    def _init_factor(self) -> None:
+        """``L = I``, stored as the M(M+1)/2 entries of its lower triangle."""
+        rows, cols = torch.tril_indices(self.num_inducing, self.num_inducing)
+        self.L = nn.Parameter((rows == cols).to(self._dtype).to(self._device))
+
+    def _factor_matrix(self) -> Tensor:
+        """``L`` (M, M) from its entries."""
+        M = self.num_inducing
+        rows, cols = torch.tril_indices(M, M, device=self._device)
+        return torch.zeros(M, M, dtype=self._dtype, device=self._device).index_put(
+            (rows, cols), self.L
+        )
+
+    def _variational(self) -> tuple[Inputs, Tensor, Tensor, Tensor]:
+        """The inducing inputs and outputs, ``L`` (M, M) and ``log δ`` of the posterior."""
+        Z, classes = self.inducing_locations, self.inducing_classes
+        return Z, classes, self._factor_matrix(), self.log_prior_precision
 
     # ---------------------------------------------------------------------------------- fit
     def _objective(self, X: Inputs, y: Tensor) -> Tensor:
@@ -179,7 +205,7 @@ class VaLLA(InducingPosteriorMixin, ValidationTunedMixin, BaseFunctionalLaplace)
         return negative_objective(
             self._likelihood_model.fit_likelihood,
             y,
-            self._moments(X, joint=False, differentiable=False),
+            self._gp.objective_moments(X),
             self.n_data,
             self.temperature,
             self.alpha,
@@ -214,10 +240,9 @@ class VaLLA(InducingPosteriorMixin, ValidationTunedMixin, BaseFunctionalLaplace)
         Raises:
             ValueError: For bad optimisation settings or inducing classes.
         """
-        if not (
-            isinstance(iterations, int) and not isinstance(iterations, bool) and iterations > 0
-        ) or not (math.isfinite(lr) and lr > 0):
-            raise ValueError("iterations must be a positive integer and lr positive and finite.")
+        check_positive_int(iterations, "iterations")
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr must be positive and finite, got {lr!r}.")
         if val_steps is not None:
             check_positive_int(val_steps, "val_steps")
         self.model.eval()
@@ -247,9 +272,9 @@ class VaLLA(InducingPosteriorMixin, ValidationTunedMixin, BaseFunctionalLaplace)
             objective.backward()
             optimizer.step()
             self.fit_history_["objective"].append(float(objective.detach()))
-            self._validate(val_loader, val_steps, step)
+            self._record_validation(val_loader, val_steps, step)
         self._fitted = True
-        self._validate_at_end(val_loader, val_steps, iterations)
+        self._record_validation(val_loader, val_steps, iterations, last=True)
 
     def _reset_inducing(self, train_loader: DataLoader) -> None:
         """Start from the initial (or newly chosen) inducing points, ``L = I`` and no history."""

@@ -1,41 +1,11 @@
 r"""The training objective of VaLLA: a minibatch alpha-energy (or ELBO) plus the inducing KL.
 
-For a minibatch ``b`` of size ``B`` out of ``N`` points, with the latent marginals
-``q(f_n) = N(m_n, Σ_n)`` of the linearised network under ``q(θ)``, VaLLA minimises
-
-.. math::
-    \mathcal{L} = -\frac{N}{B\,T} \sum_{n \in b} \ell_α(y_n)
-        + \mathrm{KL}\big(q(θ) \,\|\, p(θ)\big), \qquad
-    \ell_α(y) = \begin{cases}
-        \frac{1}{α} \log \mathbb{E}_{q(f)}\big[p(y \mid f)^α\big] & 0 < α \le 1, \\
-        \mathbb{E}_{q(f)}\big[\log p(y \mid f)\big] & α = 0 \ (\text{the ELBO}).
-    \end{cases}
-
-Gaussian regression with noise ``σ²`` and ``v_n = Σ_n`` has the closed forms
-
-.. math::
-    \ell_α(y) = -\tfrac12 \log(2πσ^2) - \frac{(y - m)^2}{2(σ^2 + α v)}
-        - \frac{1}{2α} \log\Big(1 + \frac{α v}{σ^2}\Big), \qquad
-    \ell_0(y) = -\tfrac12 \log(2πσ^2) - \frac{(y - m)^2 + v}{2σ^2},
-
-the second the limit ``α → 0`` of the first. Classification (and reward modelling, fitted as
-classification on pairs) estimates ``ℓ_α`` with ``S = mc_softmax_samples`` draws
-``f^{(s)} ~ N(m, Σ)`` from the VaLLA ``generator``:
-``ℓ_α ≈ (1/α) log((1/S) Σ_s softmax(f^{(s)})_y^α)`` and ``ℓ_0 ≈ (1/S) Σ_s log softmax(f^{(s)})_y``.
-With ``S = 0`` it uses the probit approximation ``log softmax(m / √(1 + π/8 · diag Σ))_y``
-(which does not depend on ``α``; hence ``α ≠ 1`` needs ``S > 0``).
-
-With ``A = Lᵀ J_Z / √δ`` (M, P) and the R factor of the QR decomposition of ``[Aᵀ; I]``
-(so ``RᵀR = I + AAᵀ``), the KL of ``q(θ) = N(θ*, (δI + δAᵀA)⁻¹)`` from ``p(θ) = N(θ*, δ⁻¹I)`` is
-
-.. math::
-    \mathrm{KL} = \tfrac12 \log\det(I + AA^\top)
-        - \tfrac12 \operatorname{tr}\big(AA^\top(I + AA^\top)^{-1}\big)
-        = \sum_m \log|R_{mm}| - \tfrac12 \|R^{-\top} A\|_F^2 .
-
-The energies are a table keyed by the kind of the fit likelihood (:data:`ALPHA_ENERGIES`); the
-functions take values, not the VaLLA object, and :class:`InducingPosteriorMixin` is the
-variational posterior they define (its parameters, covariances and predictive).
+``−(N/(B T)) Σ_b ℓ_α(y_b) + KL(q ‖ p)`` with ``ℓ_α(y) = (1/α) log E_q[p(y | f)^α]``
+(``α = 0``: ``E_q[log p(y | f)]``, the ELBO); the KL and the covariances use the float64 QR
+factor of ``[Aᵀ; I]``, ``A = Lᵀ J_Z/√δ``, never the P×P matrix (see
+``docs/function_space.md``). The energies are a table keyed by the kind of the fit likelihood
+(:data:`ALPHA_ENERGIES`); the functions take values, not the VaLLA object, and
+:class:`InducingPosterior` is the variational posterior they define.
 
 Internal module.
 """
@@ -43,21 +13,19 @@ Internal module.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
-from laplace.base import BaseLaplace
 from laplace.data import Inputs
 from laplace.likelihoods import LikelihoodModel
 from laplace.predictive import draw_gaussian
-from laplace.priors import as_scalar_prior_precision
 from laplace.utils.enums import Likelihood
 
 __all__ = [
     "ALPHA_ENERGIES",
-    "InducingPosteriorMixin",
+    "InducingPosterior",
     "bernoulli_alpha_energy",
     "check_alpha",
     "gaussian_alpha_energy",
@@ -240,69 +208,48 @@ def negative_objective(
     return -(n_data / batch) * log_lik / temperature + kl
 
 
-class InducingPosteriorMixin:
-    """VaLLA's variational posterior ``q(θ) = N(θ*, (δI + δAᵀA)⁻¹)`` and its predictive.
+class InducingPosterior:
+    """VaLLA's variational posterior ``q(θ) = N(θ*, (δI + δAᵀA)⁻¹)``, ``A = Lᵀ J_Z/√δ``.
 
-    The variational parameters are ``nn.Parameter`` attributes: ``L`` (the M(M+1)/2 entries of a
-    lower triangular matrix), ``log_prior_precision`` (``log δ``) and, for likelihoods with
-    observation noise, ``log_noise_variance`` (``log σ²``); the class provides the inducing
-    inputs (``inducing_locations``, ``inducing_classes``, ``num_inducing``) and Jacobians.
+    A :class:`~laplace.functional.base.LatentPosterior`; the variational parameters are read at
+    every call (the fit changes them in place), so everything stays differentiable in them.
+
+    Args:
+        jacobian_chunks: Inputs and whether to keep the graph → ``(Js (b, C, P), f (b, C))``
+            over chunks of them.
+        variational: The current inducing inputs (M, ...), the output used at each (M,), the
+            lower triangular ``L`` (M, M) and ``log δ`` (1,).
     """
 
-    @property
-    def prior_precision(self) -> Tensor:
-        """Scalar prior precision ``δ = exp(log_prior_precision)``, shape (1,)."""
-        return self.log_prior_precision.detach().exp()
+    def __init__(
+        self,
+        jacobian_chunks: Callable[[Inputs, bool], Iterable[tuple[Tensor, Tensor]]],
+        variational: Callable[[], tuple[Inputs, Tensor, Tensor, Tensor]],
+    ) -> None:
+        self._jacobian_chunks, self._variational = jacobian_chunks, variational
 
-    @prior_precision.setter
-    def prior_precision(self, value: float | Tensor) -> None:
-        log = as_scalar_prior_precision(value, type(self).__name__, self._device, self._dtype)
-        self.log_prior_precision = nn.Parameter(log.log().detach().clone())
+    def factor(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``A``, ``Q``, ``R`` of :func:`inducing_factor` now, and ``log δ``."""
+        Z, classes, L, log_delta = self._variational()
+        JZ = torch.cat([J for J, _ in self._jacobian_chunks(Z, isinstance(Z, nn.Parameter))])
+        return *inducing_factor(JZ[torch.arange(len(classes)), classes], L, log_delta), log_delta
 
-    @property
-    def sigma_noise(self) -> Tensor:
-        """Observation noise σ (learnt for regression), shape (1,)."""
-        if self.log_noise_variance is None:
-            return self._sigma_noise
-        return (0.5 * self.log_noise_variance.detach()).exp()
+    def objective_moments(
+        self, X: Inputs, joint: bool = False, create_graph: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Latent means and covariances at ``X`` (not detached), and ``A``, ``R`` of the factor."""
+        A, Q, R, log_delta = self.factor()
+        Js, f = zip(*self._jacobian_chunks(X, create_graph))
+        return torch.cat(f), inducing_covariance(torch.cat(Js), Q, log_delta, joint), A, R
 
-    @sigma_noise.setter
-    def sigma_noise(self, value: float | Tensor) -> None:
-        BaseLaplace.sigma_noise.fset(self, value)
-        if self._likelihood_model.has_noise_hyperparameter:
-            self.log_noise_variance = nn.Parameter(2 * self._sigma_noise.detach().log().clone())
-
-    def _init_factor(self) -> None:
-        rows, cols = torch.tril_indices(self.num_inducing, self.num_inducing)
-        self.L = nn.Parameter((rows == cols).to(self._dtype).to(self._device))
-
-    def _factor_matrix(self) -> Tensor:
-        M = self.num_inducing
-        rows, cols = torch.tril_indices(M, M, device=self._device)
-        return torch.zeros(M, M, dtype=self._dtype, device=self._device).index_put(
-            (rows, cols), self.L
-        )
-
-    def _inducing_factor(self) -> tuple[Tensor, Tensor, Tensor]:
-        """``A`` and the QR factors of :func:`inducing_factor` at the current inducing points."""
-        trainable = isinstance(self.inducing_locations, nn.Parameter)
-        JZ = torch.cat([J for J, _ in self._jacobian_chunks(self.inducing_locations, trainable)])
-        JZ = JZ[torch.arange(self.num_inducing), self.inducing_classes].to(torch.float64)
-        return inducing_factor(JZ, self._factor_matrix(), self.log_prior_precision)
-
-    def _moments(self, X: Inputs, joint: bool, differentiable: bool) -> tuple[Tensor, ...]:
-        """Latent means and covariances at ``X``, and ``A``, ``R`` of the inducing factor."""
-        A, Q, R = self._inducing_factor()
-        Js, f = zip(*self._jacobian_chunks(X, differentiable))
-        Js, f = torch.cat(Js), torch.cat(f)
-        return f, inducing_covariance(Js, Q, self.log_prior_precision, joint), A, R
-
-    def _latent_moments(self, X: Inputs, joint: bool) -> tuple[Tensor, Tensor]:
-        f, cov, _, _ = self._moments(X, joint, self.enable_backprop)
-        if not self.enable_backprop:
+    def moments(self, X: Inputs, joint: bool, create_graph: bool) -> tuple[Tensor, Tensor]:
+        """Latent means and covariances at ``X``, detached unless ``create_graph``."""
+        f, cov, _, _ = self.objective_moments(X, joint, create_graph)
+        if not create_graph:
             f, cov = f.detach(), cov.detach()
         return (f.reshape(-1) if joint else f), cov
 
-    def _jacobian_covariance(self, Js: Tensor, joint: bool) -> Tensor:
-        Q = self._inducing_factor()[1]
-        return inducing_covariance(Js, Q, self.log_prior_precision, joint).detach()
+    def covariance(self, Js: Tensor, joint: bool) -> Tensor:
+        """``J Σ_q Jᵀ`` of Jacobians (B, C, P), detached."""
+        _, Q, _, log_delta = self.factor()
+        return inducing_covariance(Js, Q, log_delta, joint).detach()
