@@ -11,19 +11,11 @@ For a minibatch ``b`` of size ``B`` out of ``N`` points, with the latent margina
         \mathbb{E}_{q(f)}\big[\log p(y \mid f)\big] & α = 0 \ (\text{the ELBO}).
     \end{cases}
 
-Gaussian regression with noise ``σ²`` and ``v_n = Σ_n`` has the closed forms
-
-.. math::
-    \ell_α(y) = -\tfrac12 \log(2πσ^2) - \frac{(y - m)^2}{2(σ^2 + α v)}
-        - \frac{1}{2α} \log\Big(1 + \frac{α v}{σ^2}\Big), \qquad
-    \ell_0(y) = -\tfrac12 \log(2πσ^2) - \frac{(y - m)^2 + v}{2σ^2},
-
-the second the limit ``α → 0`` of the first. Classification (and reward modelling, fitted as
-classification on pairs) estimates ``ℓ_α`` with ``S = mc_softmax_samples`` draws
-``f^{(s)} ~ N(m, Σ)`` from the VaLLA ``generator``:
-``ℓ_α ≈ (1/α) log((1/S) Σ_s softmax(f^{(s)})_y^α)`` and ``ℓ_0 ≈ (1/S) Σ_s log softmax(f^{(s)})_y``.
-With ``S = 0`` it uses the probit approximation ``log softmax(m / √(1 + π/8 · diag Σ))_y``
-(which does not depend on ``α``; hence ``α ≠ 1`` needs ``S > 0``).
+The likelihood of the fit gives ``Σ_b ℓ_α(y_b)`` (``LikelihoodModel.alpha_energy``): Gaussian
+regression in closed form, classification (reward modelling is fitted as classification on
+pairs) and binary labels by ``S = mc_softmax_samples`` draws ``f^{(s)} ~ N(m, Σ)`` from the
+VaLLA ``generator``, or with ``S = 0`` by the probit approximation, which does not depend on
+``α`` (hence ``α ≠ 1`` needs ``S > 0``).
 
 With ``A = Lᵀ J_Z / √δ`` (M, P) and the R factor of the QR decomposition of ``[Aᵀ; I]``
 (so ``RᵀR = I + AAᵀ``), the KL of ``q(θ) = N(θ*, (δI + δAᵀA)⁻¹)`` from ``p(θ) = N(θ*, δ⁻¹I)`` is
@@ -33,8 +25,7 @@ With ``A = Lᵀ J_Z / √δ`` (M, P) and the R factor of the QR decomposition of
         - \tfrac12 \operatorname{tr}\big(AA^\top(I + AA^\top)^{-1}\big)
         = \sum_m \log|R_{mm}| - \tfrac12 \|R^{-\top} A\|_F^2 .
 
-The energies are a table keyed by the kind of the fit likelihood (:data:`ALPHA_ENERGIES`); the
-functions take values, not the VaLLA object, and :class:`InducingPosteriorMixin` is the
+The functions take values, not the VaLLA object, and :class:`InducingPosteriorMixin` is the
 variational posterior they define (its parameters, covariances and predictive).
 
 Internal module.
@@ -42,29 +33,20 @@ Internal module.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
 from laplace.base import BaseLaplace
 from laplace.data import Inputs
 from laplace.likelihoods import LikelihoodModel
-from laplace.predictive import draw_gaussian
 from laplace.priors import as_scalar_prior_precision
-from laplace.utils.enums import Likelihood
 
 __all__ = [
-    "ALPHA_ENERGIES",
     "InducingPosteriorMixin",
-    "bernoulli_alpha_energy",
     "check_alpha",
-    "gaussian_alpha_energy",
     "inducing_covariance",
     "inducing_factor",
     "negative_objective",
-    "softmax_alpha_energy",
 ]
 
 
@@ -132,78 +114,6 @@ def inducing_covariance(Js: Tensor, Q: Tensor, log_delta: Tensor, joint: bool) -
     return ((cov + cov.transpose(-1, -2)) / 2).to(Js.dtype)
 
 
-def gaussian_alpha_energy(
-    y: Tensor, mean: Tensor, var: Tensor, noise_var: Tensor, alpha: float
-) -> Tensor:
-    """Summed ``ℓ_α(y)`` of Gaussian regression (``alpha = 0``: the expected log-likelihood)."""
-    residual = (y - mean).square()
-    if alpha == 0:
-        energy = (residual + var) / noise_var
-    else:
-        energy = (
-            residual / (noise_var + alpha * var) + torch.log1p(alpha * var / noise_var) / alpha
-        )
-    return -0.5 * (energy + torch.log(2 * math.pi * noise_var)).sum()
-
-
-def softmax_alpha_energy(
-    y: Tensor, mean: Tensor, cov: Tensor, alpha: float, n_samples: int, generator: torch.Generator
-) -> Tensor:
-    """Summed MC estimate of ``ℓ_α(y)`` for the softmax likelihood from ``n_samples`` draws."""
-    draws = draw_gaussian(mean, cov, n_samples, generator)  # (S, B, C)
-    index = y.view(1, -1, 1).expand(n_samples, -1, 1)
-    return _sampled_energy(draws.log_softmax(-1).gather(-1, index).squeeze(-1), alpha)
-
-
-def _sampled_energy(log_p: Tensor, alpha: float) -> Tensor:
-    """Summed ``ℓ_α`` from the log-likelihoods (S, B) of S draws of every point."""
-    if alpha == 0:
-        return log_p.mean(0).sum()
-    return (torch.logsumexp(alpha * log_p, 0) - math.log(len(log_p))).sum() / alpha
-
-
-def bernoulli_alpha_energy(
-    y: Tensor, mean: Tensor, cov: Tensor, alpha: float, n_samples: int, generator: torch.Generator
-) -> Tensor:
-    """Summed MC estimate of ``ℓ_α(y)`` for independent sigmoid labels (B, K).
-
-    The draws are of the joint ``N(mean, cov)``: for ``α > 0`` the labels' correlations enter.
-    """
-    draws = draw_gaussian(mean, cov, n_samples, generator)  # (S, B, K)
-    targets = y.expand_as(draws)
-    log_p = -nn.functional.binary_cross_entropy_with_logits(draws, targets, reduction="none")
-    return _sampled_energy(log_p.sum(-1), alpha)  # (S, B): all labels of a point
-
-
-def _bernoulli(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator):
-    y = likelihood.prepare_targets(f, y)
-    if n_samples:
-        return bernoulli_alpha_energy(y, f, cov, alpha, n_samples, generator), len(y)
-    return -likelihood.predictive_nll(f, cov, y, None), len(y)  # probit: no alpha
-
-
-def _gaussian(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator):
-    y = likelihood.prepare_targets(f, y)
-    var = cov.diagonal(dim1=-2, dim2=-1)
-    return gaussian_alpha_energy(y, f, var, noise_variance, alpha), len(y)
-
-
-def _softmax(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator):
-    y = likelihood.class_indices(y)
-    if n_samples:
-        return softmax_alpha_energy(y, f, cov, alpha, n_samples, generator), len(y)
-    return -likelihood.predictive_nll(f, cov, y, None), len(y)  # probit: no alpha
-
-
-#: ``(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator) -> (Σ ℓ_α, B)`` by
-#: the kind of the fit likelihood.
-ALPHA_ENERGIES: dict[Likelihood, Callable[..., tuple[Tensor, int]]] = {
-    Likelihood.REGRESSION: _gaussian,
-    Likelihood.CLASSIFICATION: _softmax,
-    Likelihood.BINARY_CLASSIFICATION: _bernoulli,
-}
-
-
 def negative_objective(
     likelihood: LikelihoodModel,
     y: Tensor,
@@ -218,7 +128,7 @@ def negative_objective(
     """``−(N/B) Σ_b ℓ_α(y_b)/T + KL`` on a minibatch.
 
     Args:
-        likelihood: The likelihood of the fit.
+        likelihood: The likelihood of the fit (it gives its energy, ``alpha_energy``).
         y: Targets of the minibatch.
         moments: Latent means (B, C) and covariances (B, C, C) of the minibatch, and ``A`` and
             ``R`` of :func:`inducing_factor`.
@@ -233,8 +143,9 @@ def negative_objective(
         The objective, differentiable in whatever the moments and the noise depend on.
     """
     f, cov, A, R = moments
-    energy = ALPHA_ENERGIES[likelihood.kind]
-    log_lik, batch = energy(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator)
+    log_lik, batch = likelihood.alpha_energy(
+        y, f, cov, alpha, noise_variance, n_samples, generator
+    )
     solved = torch.linalg.solve_triangular(R.T, A, upper=False)
     kl = R.diagonal().abs().log().sum() - 0.5 * solved.square().sum()
     return -(n_data / batch) * log_lik / temperature + kl

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -12,12 +13,23 @@ from typing_extensions import override
 from laplace.errors import DataError, LabelError
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.prediction import ProbabilityPredictions
+from laplace.likelihoods.scoring import (
+    N_BINS,
+    BernoulliBrier,
+    BernoulliNLL,
+    Evaluation,
+    PerLabelCalibrationError,
+    bernoulli_entropy,
+    label_evaluation,
+    probabilities,
+    sampled_alpha_energy,
+)
 from laplace.outputs import PositionTargets
-from laplace.predictive import BERNOULLI_LINKS, probit_logits
+from laplace.predictive import BERNOULLI_LINKS, draw_gaussian, probit_logits
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood
 
-__all__ = ["Bernoulli"]
+__all__ = ["Bernoulli", "bernoulli_alpha_energy"]
 
 
 class Bernoulli(ProbabilityPredictions, LikelihoodModel):
@@ -35,12 +47,18 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
     kind = Likelihood.BINARY_CLASSIFICATION
     predicts_probabilities = True
     default_validation_loss = "nll"
+    validation_losses = {  # noqa: RUF012 (read-only)
+        "nll": lambda n_outputs, sigma_noise, **kw: BernoulliNLL(n_outputs, **kw),
+        "brier": lambda n_outputs, sigma_noise, **kw: BernoulliBrier(n_outputs, **kw),
+        "ece": lambda n_outputs, sigma_noise, **kw: PerLabelCalibrationError(
+            n_outputs, N_BINS, "l1", **kw
+        ),
+    }
     link_approximations = BERNOULLI_LINKS
     predictions = "label probabilities"
     position_targets = PositionTargets.VALUES
     #: Subset-of-data GP (its output curvature is diagonal, so the GP uses it exactly), ELLA
-    #: (scored by :meth:`predictive_nll`) and VaLLA (its energy in
-    #: :mod:`laplace.functional.valla_objective`).
+    #: (scored by :meth:`predictive_nll`) and VaLLA (its energy :meth:`alpha_energy`).
     function_space = tuple(FunctionalApproximation)
     hessian_structures = (
         HessianStructure.FULL,
@@ -67,6 +85,47 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
         logits = probit_logits(f_mu, f_var)
         targets = self.prepare_targets(f_mu, y)
         return F.binary_cross_entropy_with_logits(logits, targets, reduction="sum")
+
+    @override
+    def alpha_energy(
+        self,
+        y: Tensor,
+        f: Tensor,
+        cov: Tensor,
+        alpha: float,
+        noise_variance: Tensor | None,
+        n_samples: int,
+        generator: torch.Generator | None,
+    ) -> tuple[Tensor, int]:
+        """:func:`bernoulli_alpha_energy`; without draws the per-label probit NLL (no ``α``)."""
+        y = self.prepare_targets(f, y)
+        if n_samples:
+            return bernoulli_alpha_energy(y, f, cov, alpha, n_samples, generator), len(y)
+        return -self.predictive_nll(f, cov, y, None), len(y)
+
+    @override
+    def evaluation(
+        self,
+        n_bins: int = N_BINS,
+        levels: Sequence[float] = (0.5, 0.9, 0.95),
+        sigma_noise: float | Tensor = 0.0,
+        sync: bool = False,
+    ) -> Evaluation:
+        """Label probabilities (B, K) against 0/1 targets (B, K) (see :func:`label_evaluation`)."""
+
+        def read(prediction: Any, target: Tensor) -> tuple[tuple[Tensor], Tensor]:
+            probs = probabilities(prediction, "multi-label")
+            if target.numel() != probs.numel():
+                raise ValueError(
+                    f"multi-label targets of shape {tuple(target.shape)} do not match the "
+                    f"label probabilities of shape {tuple(probs.shape)}."
+                )
+            return (probs,), target.reshape(probs.shape).to(probs.device).long()
+
+        def entropy(prediction: Any) -> Tensor:
+            return bernoulli_entropy(probabilities(prediction, "multi-label"))
+
+        return label_evaluation(read, entropy, n_bins, sync)
 
     @override
     def inducing_outputs(self, y: Tensor) -> Tensor:
@@ -136,6 +195,19 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
                 f"binary label {int(low if low < 0 else high)} is not 0 or 1; each of the "
                 f"K={n_labels} outputs is an independent 0/1 label."
             )
+
+
+def bernoulli_alpha_energy(
+    y: Tensor, mean: Tensor, cov: Tensor, alpha: float, n_samples: int, generator: torch.Generator
+) -> Tensor:
+    """Summed Monte-Carlo ``ℓ_α(y)`` of independent sigmoid labels (B, K) from ``n_samples`` draws.
+
+    The draws are of the joint ``N(mean, cov)``: for ``α > 0`` the labels' correlations enter.
+    """
+    draws = draw_gaussian(mean, cov, n_samples, generator)  # (S, B, K)
+    targets = y.expand_as(draws)
+    log_p = -F.binary_cross_entropy_with_logits(draws, targets, reduction="none")
+    return sampled_alpha_energy(log_p.sum(-1), alpha)  # (S, B): all labels of a point
 
 
 def _bernoulli_variance(f: Tensor) -> Tensor:

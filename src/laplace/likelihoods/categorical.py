@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torchmetrics.classification import MulticlassCalibrationError
 from typing_extensions import override
 
 from laplace.errors import DataError, LabelError
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.gaussian import GaussianRegression
 from laplace.likelihoods.prediction import ProbabilityPredictions
+from laplace.likelihoods.scoring import (
+    N_BINS,
+    BrierScore,
+    Evaluation,
+    RunningNLLMetric,
+    categorical_entropy,
+    categorical_evaluation,
+    probabilities,
+    sampled_alpha_energy,
+)
 from laplace.outputs import PositionTargets
-from laplace.predictive import LINKS, probit_logits
+from laplace.predictive import LINKS, draw_gaussian, probit_logits
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import HessianStructure, Likelihood, LinkApprox
 from laplace.utils.linalg import softmax_hessian_factor
@@ -28,6 +40,13 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
     kind = Likelihood.CLASSIFICATION
     predicts_probabilities = True
     default_validation_loss = "nll"
+    validation_losses = {  # noqa: RUF012 (read-only)
+        "nll": lambda n_outputs, sigma_noise, **kw: RunningNLLMetric(**kw),
+        "brier": lambda n_outputs, sigma_noise, **kw: BrierScore(**kw),
+        "ece": lambda n_outputs, sigma_noise, **kw: MulticlassCalibrationError(
+            n_outputs, N_BINS, "l1", **kw
+        ),
+    }
     link_approximations = LINKS
     variance_links = (LinkApprox.PROBIT, LinkApprox.BRIDGE, LinkApprox.BRIDGE_NORM)
     predictions = "class probabilities"
@@ -77,6 +96,69 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
         """Cross-entropy of the logits of the probit approximation (:func:`probit_logits`)."""
         logits = probit_logits(f_mu, f_var)
         return F.cross_entropy(logits, self.class_indices(y), reduction="sum")
+
+    @override
+    def alpha_energy(
+        self,
+        y: Tensor,
+        f: Tensor,
+        cov: Tensor,
+        alpha: float,
+        noise_variance: Tensor | None,
+        n_samples: int,
+        generator: torch.Generator | None,
+    ) -> tuple[Tensor, int]:
+        """``(1/α) log((1/S) Σ_s softmax(f_s)_y^α)`` from S draws; without draws the probit NLL.
+
+        The probit approximation does not depend on ``α``.
+        """
+        y = self.class_indices(y)
+        if not n_samples:
+            return -self.predictive_nll(f, cov, y, None), len(y)
+        draws = draw_gaussian(f, cov, n_samples, generator)  # (S, B, C)
+        index = y.view(1, -1, 1).expand(n_samples, -1, 1)
+        log_p = draws.log_softmax(-1).gather(-1, index).squeeze(-1)
+        return sampled_alpha_energy(log_p, alpha), len(y)
+
+    @override
+    def evaluation(
+        self,
+        n_bins: int = N_BINS,
+        levels: Sequence[float] = (0.5, 0.9, 0.95),
+        sigma_noise: float | Tensor = 0.0,
+        sync: bool = False,
+    ) -> Evaluation:
+        """Class probabilities (B, C) against labels (B,) (see :func:`categorical_evaluation`).
+
+        Probabilities (B, C, d₁, …) against labels (B, d₁, …), or (B, T, C) against (B, T),
+        are scored position by position (``n`` and every mean count positions), the labels
+        equal to ``ignore_index`` left out; the entropy of such a point is its positions' mean.
+        """
+
+        def read(prediction: Any, target: Tensor) -> tuple[tuple[Tensor], Tensor]:
+            if isinstance(prediction, Tensor) and prediction.dim() > 2:
+                target = target.to(prediction.device)
+                layout = self.layout(prediction.shape, target)
+                prediction, target = layout.rows(prediction), layout.targets(target)
+            probs = probabilities(prediction, "classification")
+            target = target.reshape(-1).to(probs.device)
+            if target.shape[0] != probs.shape[0] or target.dtype.is_floating_point:
+                raise ValueError(
+                    f"classification targets must be {probs.shape[0]} integer labels; got "
+                    f"{target.dtype} of shape {tuple(target.shape)}."
+                )
+            keep = target != self.outputs.ignore_index
+            if not bool(keep.all()):
+                probs, target = probs[keep], target[keep]
+            return (probs,), target.long()
+
+        def entropy(prediction: Any) -> Tensor:
+            if isinstance(prediction, Tensor) and prediction.dim() > 2:
+                rows = self.layout(prediction.shape).rows(prediction)
+                return categorical_entropy(rows).reshape(prediction.shape[0], -1).mean(1)
+            return categorical_entropy(probabilities(prediction, "classification"))
+
+        return categorical_evaluation(read, entropy, n_bins, sync)
 
     @override
     def inducing_outputs(self, y: Tensor) -> Tensor:

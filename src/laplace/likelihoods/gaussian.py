@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -11,6 +12,14 @@ from typing_extensions import override
 
 from laplace.errors import DataError
 from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.scoring import (
+    N_BINS,
+    Evaluation,
+    GaussianCRPS,
+    GaussianNLL,
+    gaussian_evaluation,
+    gaussian_predictive,
+)
 from laplace.outputs import PositionTargets
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import Likelihood
@@ -39,6 +48,10 @@ class GaussianRegression(LikelihoodModel):
     loss_scale = 0.5
     supports_joint = True
     position_targets = PositionTargets.VALUES
+    validation_losses = {  # noqa: RUF012 (read-only)
+        "nll": lambda n_outputs, sigma_noise, **kw: GaussianNLL(sigma_noise, **kw),
+        "crps": lambda n_outputs, sigma_noise, **kw: GaussianCRPS(sigma_noise, **kw),
+    }
 
     @override
     def output_count(self, output_shape: Sequence[int], y: Tensor | None = None) -> int:
@@ -66,6 +79,54 @@ class GaussianRegression(LikelihoodModel):
         y = self.prepare_targets(f_mu, y.to(f_mu.dtype))
         var = f_var.diagonal(dim1=-2, dim2=-1) + sigma_noise.square()
         return 0.5 * ((y - f_mu).square() / var + var.log() + math.log(2 * math.pi)).sum()
+
+    @override
+    def alpha_energy(
+        self,
+        y: Tensor,
+        f: Tensor,
+        cov: Tensor,
+        alpha: float,
+        noise_variance: Tensor | None,
+        n_samples: int,
+        generator: torch.Generator | None,
+    ) -> tuple[Tensor, int]:
+        r"""The closed form with ``v = diag cov``, ``σ² = noise_variance`` (no draws).
+
+        .. math::
+            \ell_α = -\tfrac12 \log(2πσ^2) - \frac{(y - f)^2}{2(σ^2 + α v)}
+                - \frac{1}{2α} \log\Big(1 + \frac{α v}{σ^2}\Big), \qquad
+            \ell_0 = -\tfrac12 \log(2πσ^2) - \frac{(y - f)^2 + v}{2σ^2}.
+        """
+        y = self.prepare_targets(f, y)
+        var = cov.diagonal(dim1=-2, dim2=-1)
+        residual = (y - f).square()
+        if alpha == 0:
+            energy = (residual + var) / noise_variance
+        else:
+            energy = residual / (noise_variance + alpha * var)
+            energy = energy + torch.log1p(alpha * var / noise_variance) / alpha
+        return -0.5 * (energy + torch.log(2 * math.pi * noise_variance)).sum(), len(y)
+
+    @override
+    def evaluation(
+        self,
+        n_bins: int = N_BINS,
+        levels: Sequence[float] = (0.5, 0.9, 0.95),
+        sigma_noise: float | Tensor = 0.0,
+        sync: bool = False,
+    ) -> Evaluation:
+        """Predictions ``(f_mu, f_var)`` scored as ``N(f_mu, f_var + σ²I)``."""
+
+        def moments(prediction: Any) -> tuple[Tensor, Tensor]:
+            if not (isinstance(prediction, tuple) and len(prediction) == 2):
+                raise ValueError(
+                    "regression predictions must be a (mean, variance) pair; got "
+                    f"{type(prediction).__name__}."
+                )
+            return gaussian_predictive(*prediction, sigma_noise)
+
+        return gaussian_evaluation(moments, levels, n_bins, sync)
 
     def loss_per_output(self, f: Tensor, y: Tensor) -> Tensor:
         """Summed loss of each output ``½ Σₙ (yₙ_c − fₙ_c)²``, shape (C,)."""

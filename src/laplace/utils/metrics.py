@@ -1,79 +1,8 @@
-"""Running metrics for evaluating Laplace predictives batch by batch."""
+"""laplace-torch's ``laplace.utils.metrics`` path: a façade, the metric lives with the others.
 
-from __future__ import annotations
+:mod:`laplace.likelihoods.scoring` holds the running metrics of predictions.
+"""
 
-import torch
-from torchmetrics import Metric
+from laplace.likelihoods.scoring import RunningNLLMetric
 
 __all__ = ["RunningNLLMetric"]
-
-
-class RunningNLLMetric(Metric):
-    """Mean negative log-likelihood of predicted class probabilities, accumulated over batches.
-
-    After updates with probabilities ``p`` and labels ``y`` the metric is
-
-    ``NLL = -(1/N) Σ_{n: y_n ≠ ignore_index} log p_n[y_n]``
-
-    with ``N`` the number of labels different from ``ignore_index``. The states (summed NLL
-    and label count) are summed across processes, so the metric works in distributed
-    evaluation. They are float32 by default, as in laplace-torch; use
-    ``metric.set_dtype(torch.float64)`` for double-precision accumulation.
-
-    Args:
-        ignore_index: Label value whose entries are skipped (e.g. padding tokens).
-        sync_on_compute: Sum the states over all processes before computing (torchmetrics'
-            option); False computes on this process's data only.
-
-    Example:
-        >>> metric = RunningNLLMetric()
-        >>> metric.update(torch.tensor([[0.5, 0.5], [0.1, 0.9]]), torch.tensor([0, 1]))
-        >>> round(metric.compute().item(), 4)
-        0.3993
-    """
-
-    is_differentiable = False
-    higher_is_better = False
-    full_state_update = False
-
-    nll_sum: torch.Tensor
-    n_valid_labels: torch.Tensor
-
-    def __init__(self, ignore_index: int = -100, sync_on_compute: bool = True) -> None:
-        super().__init__(sync_on_compute=sync_on_compute)
-        self.add_state("nll_sum", default=torch.tensor(0.0), dist_reduce_fx="sum")
-        self.add_state("n_valid_labels", default=torch.tensor(0.0), dist_reduce_fx="sum")
-        self.ignore_index: int = ignore_index
-
-    def update(self, probs: torch.Tensor, targets: torch.Tensor) -> None:
-        """Accumulate the NLL of a batch.
-
-        Args:
-            probs: Class probabilities, shape ``(..., C)``.
-            targets: Integer labels, shape ``(...)`` (the leading shape of ``probs``);
-                entries equal to ``ignore_index`` are skipped.
-
-        Raises:
-            ValueError: If the shapes of ``probs`` and ``targets`` do not match.
-        """
-        if probs.ndim < 1 or probs.shape[:-1] != targets.shape:
-            raise ValueError(
-                "targets must have the shape of probs without its last (class) dimension; "
-                f"got probs {tuple(probs.shape)} and targets {tuple(targets.shape)}."
-            )
-        probs = probs.reshape(-1, probs.shape[-1])
-        targets = targets.reshape(-1).long()
-        valid = targets != self.ignore_index
-        safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
-        picked = probs.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
-        nll = torch.where(valid, -picked.log(), torch.zeros_like(picked))
-        self.nll_sum += nll.sum()
-        self.n_valid_labels += valid.sum()
-
-    def compute(self) -> torch.Tensor:
-        """Mean NLL over all non-ignored labels seen since the last reset.
-
-        Returns:
-            A 0-d tensor (NaN if no valid label was seen).
-        """
-        return self.nll_sum / self.n_valid_labels
