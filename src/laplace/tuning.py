@@ -26,11 +26,11 @@ from laplace.errors import (
     check_positive_float,
     check_positive_int,
 )
-from laplace.evaluation.validation import validate
 from laplace.likelihoods import LikelihoodModel
 from laplace.posteriors import NotPositiveDefiniteError
 from laplace.priors import as_prior_precision, fix_prior_prec_structure
 from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMethod, parse_enum
+from laplace.utils.validation import validate
 
 __all__ = [
     "PriorTuning",

@@ -1,10 +1,9 @@
-"""Evaluating calibration: metrics of a predictive on a loader, reliability plots, validation.
+"""Evaluating calibration: metrics of a predictive on a loader, and reliability plots.
 
 ``evaluate(la, loader, **predictive_kwargs)`` returns a JSON-serialisable dict (see
-``docs/evaluation.md``); the plots draw such a result; ``validate`` is grid search's
-validation loss. The metrics and scoring rules are those of the likelihoods
-(:mod:`laplace.likelihoods.scoring`): each likelihood object gives its evaluation and its
-named validation losses (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``).
+``docs/evaluation.md``); the plots draw such a result. The metrics and scoring rules are the
+likelihoods' (:mod:`laplace.likelihoods.scoring`): each likelihood object gives its evaluation
+and its named validation losses (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``).
 """
 
 from laplace.evaluation.evaluate import evaluate
@@ -13,7 +12,6 @@ from laplace.evaluation.plots import (
     plot_predictive_band,
     plot_reliability_diagram,
 )
-from laplace.evaluation.validation import get_nll, validate
 from laplace.likelihoods.scoring import (
     VALIDATION_LOSSES,
     BernoulliBrier,
@@ -55,9 +53,7 @@ __all__ = [
     "gaussian_crps",
     "gaussian_entropy",
     "gaussian_nll",
-    "get_nll",
     "plot_calibration_curve",
     "plot_predictive_band",
     "plot_reliability_diagram",
-    "validate",
 ]

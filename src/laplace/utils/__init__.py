@@ -6,7 +6,6 @@ imports ``laplace.utils`` itself (internal code imports those modules).
 
 from laplace.data import SoDSampler
 from laplace.errors import is_real_scalar as _is_valid_scalar
-from laplace.evaluation.validation import get_nll, validate
 from laplace.priors import expand_prior_precision, fix_prior_prec_structure
 from laplace.utils.enums import (
     FeatureReduction,
@@ -57,6 +56,7 @@ from laplace.utils.subnetmask import (
     SubnetMask,
 )
 from laplace.utils.swag import fit_diagonal_swag_var
+from laplace.utils.validation import get_nll, validate
 
 __all__ = [
     "FeatureExtractor",

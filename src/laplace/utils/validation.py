@@ -35,7 +35,14 @@ class Predictor(Protocol):
 
 
 def get_nll(out_dist: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean NLL ``−(1/B) Σ_b log out_dist[b, targets[b]]`` of probabilities (B, C), labels (B,).
+    """Mean negative log-likelihood ``−(1/B) Σ_b log out_dist[b, targets[b]]``.
+
+    Args:
+        out_dist: Predictive class probabilities, shape (B, C).
+        targets: Integer class labels, shape (B,).
+
+    Returns:
+        A 0-d tensor.
 
     Raises:
         ValueError: If the shapes of ``out_dist`` and ``targets`` do not match.
