@@ -20,8 +20,8 @@ from tqdm.auto import tqdm
 
 from laplace import distributed as distributed_utils
 from laplace.data import Inputs, move_inputs, split_batch
-from laplace.likelihoods import LikelihoodModel, make_likelihood
-from laplace.likelihoods.scoring import N_BINS, Evaluation
+from laplace.likelihoods import make_likelihood
+from laplace.likelihoods.scoring import N_BINS, Evaluation, EvaluationOptions
 from laplace.outputs import IGNORE_INDEX
 
 __all__ = ["evaluate", "model_device"]
@@ -172,10 +172,12 @@ def evaluate(
     if sigma_noise is None:
         sigma_noise = getattr(la, "sigma_noise", 0.0)
 
+    levels = tuple(float(level) for level in coverage_levels)
+    options = EvaluationOptions(int(n_bins), levels, sigma_noise, sync)
+
     def evaluation(name: Any) -> Evaluation:
-        model: LikelihoodModel = make_likelihood(name, class_dim, ignore_index)
-        levels = tuple(float(level) for level in coverage_levels)
-        return model.predictive_likelihood.evaluation(int(n_bins), levels, sigma_noise, sync)
+        model = make_likelihood(name, class_dim, ignore_index)
+        return model.predictive_likelihood.evaluation(options)
 
     likelihood = likelihood if likelihood is not None else getattr(la, "likelihood", None)
     task = evaluation(likelihood) if likelihood is not None else None  # fails before predicting

@@ -11,7 +11,6 @@ loss, ``½ Σ‖y − f‖²`` for regression (σ-free, so the output Hessian is
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -21,7 +20,12 @@ from torchmetrics import MeanSquaredError, Metric
 from laplace.errors import UnsupportedError
 from laplace.likelihoods.prediction import OutputPredictions
 from laplace.likelihoods.rows import OutputRows
-from laplace.likelihoods.scoring import N_BINS, VALIDATION_LOSSES, Evaluation
+from laplace.likelihoods.scoring import (
+    VALIDATION_LOSSES,
+    Evaluation,
+    EvaluationOptions,
+    MetricFactory,
+)
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import FunctionalApproximation, HessianStructure
 
@@ -51,7 +55,7 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
     #: Whether the fit data are pairs of items (B, 2, ...) that the likelihood compares.
     pairwise: bool = False
     #: Grid search's named validation losses: ``(n_outputs, sigma_noise, **kwargs) → Metric``.
-    validation_losses: ClassVar[dict[str, Callable[..., Metric]]] = {}
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {}
     #: Grid search's default validation loss (a key of :attr:`validation_losses`); None: MSE.
     default_validation_loss: str | None = None
     #: Whether curvlinops' operators on :meth:`loss_module` give its curvature (low-rank).
@@ -272,20 +276,8 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
             )
         return self.validation_losses[name](n_outputs, sigma_noise, **kwargs)
 
-    def evaluation(
-        self,
-        n_bins: int = N_BINS,
-        levels: Sequence[float] = (0.5, 0.9, 0.95),
-        sigma_noise: float | Tensor = 0.0,
-        sync: bool = False,
-    ) -> Evaluation:
+    def evaluation(self, options: EvaluationOptions) -> Evaluation:
         """The running metrics that measure this likelihood's predictive (``evaluate``).
-
-        Args:
-            n_bins: Bins of the calibration errors, or points of the PIT curve.
-            levels: Levels of the central predictive intervals whose coverage is measured.
-            sigma_noise: Observation noise σ added to the variances of Gaussian predictions.
-            sync: Add the metrics over the processes of :mod:`torch.distributed` when computing.
 
         Raises:
             ValueError: For a likelihood without an evaluation.

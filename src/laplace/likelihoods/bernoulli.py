@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torchmetrics import Metric
 from typing_extensions import override
 
 from laplace.errors import DataError, LabelError
@@ -15,12 +16,14 @@ from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.prediction import ProbabilityPredictions
 from laplace.likelihoods.scoring import (
     N_BINS,
+    BernoulliAccuracy,
     BernoulliBrier,
     BernoulliNLL,
     Evaluation,
+    EvaluationOptions,
+    MetricFactory,
     PerLabelCalibrationError,
     bernoulli_entropy,
-    label_evaluation,
     probabilities,
     sampled_alpha_energy,
 )
@@ -47,7 +50,7 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
     kind = Likelihood.BINARY_CLASSIFICATION
     predicts_probabilities = True
     default_validation_loss = "nll"
-    validation_losses = {  # noqa: RUF012 (read-only)
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {
         "nll": lambda n_outputs, sigma_noise, **kw: BernoulliNLL(n_outputs, **kw),
         "brier": lambda n_outputs, sigma_noise, **kw: BernoulliBrier(n_outputs, **kw),
         "ece": lambda n_outputs, sigma_noise, **kw: PerLabelCalibrationError(
@@ -104,14 +107,14 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
         return -self.predictive_nll(f, cov, y, None), len(y)
 
     @override
-    def evaluation(
-        self,
-        n_bins: int = N_BINS,
-        levels: Sequence[float] = (0.5, 0.9, 0.95),
-        sigma_noise: float | Tensor = 0.0,
-        sync: bool = False,
-    ) -> Evaluation:
-        """Label probabilities (B, K) against 0/1 targets (B, K) (see :func:`label_evaluation`)."""
+    def evaluation(self, options: EvaluationOptions) -> Evaluation:
+        """Label probabilities (B, K) against 0/1 targets (B, K), each label on its own.
+
+        Result: under ``per_label`` each label's ``accuracy`` (threshold ½), ``nll``, ``brier``
+        and torchmetrics' binary ``ece`` and ``mce`` over ``n_bins`` bins; their means over the
+        labels under the same names; ``n`` (points).
+        """
+        n_bins, kwargs = options.n_bins, {"sync_on_compute": options.sync}
 
         def read(prediction: Any, target: Tensor) -> tuple[tuple[Tensor], Tensor]:
             probs = probabilities(prediction, "multi-label")
@@ -122,10 +125,25 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
                 )
             return (probs,), target.reshape(probs.shape).to(probs.device).long()
 
+        def metrics(inputs: tuple[Tensor, ...]) -> dict[str, Metric]:
+            n_labels = inputs[0].shape[-1]
+            return {
+                "accuracy": BernoulliAccuracy(n_labels, **kwargs),  # torchmetrics' needs K > 1
+                "nll": BernoulliNLL(n_labels, **kwargs),
+                "brier": BernoulliBrier(n_labels, **kwargs),
+                "ece": PerLabelCalibrationError(n_labels, n_bins, "l1", **kwargs),
+                "mce": PerLabelCalibrationError(n_labels, n_bins, "max", **kwargs),
+            }
+
+        def summary(metrics: dict[str, Metric]) -> dict[str, Any]:
+            per_label = {name: metric.compute() for name, metric in metrics.items()}
+            result: dict[str, Any] = {name: value.mean() for name, value in per_label.items()}
+            return {**result, "n": int(metrics["nll"].count), "per_label": per_label}
+
         def entropy(prediction: Any) -> Tensor:
             return bernoulli_entropy(probabilities(prediction, "multi-label"))
 
-        return label_evaluation(read, entropy, n_bins, sync)
+        return Evaluation(read, metrics, summary, entropy)
 
     @override
     def inducing_outputs(self, y: Tensor) -> Tensor:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from torchmetrics.classification import MulticlassCalibrationError
+from torchmetrics import Metric
+from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
 from typing_extensions import override
 
 from laplace.errors import DataError, LabelError
@@ -19,9 +20,10 @@ from laplace.likelihoods.scoring import (
     N_BINS,
     BrierScore,
     Evaluation,
-    RunningNLLMetric,
+    EvaluationOptions,
+    MetricFactory,
+    ReliabilityBins,
     categorical_entropy,
-    categorical_evaluation,
     probabilities,
     sampled_alpha_energy,
 )
@@ -30,6 +32,7 @@ from laplace.predictive import LINKS, draw_gaussian, probit_logits
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import HessianStructure, Likelihood, LinkApprox
 from laplace.utils.linalg import softmax_hessian_factor
+from laplace.utils.metrics import RunningNLLMetric
 
 __all__ = ["Categorical", "RewardModeling"]
 
@@ -40,7 +43,7 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
     kind = Likelihood.CLASSIFICATION
     predicts_probabilities = True
     default_validation_loss = "nll"
-    validation_losses = {  # noqa: RUF012 (read-only)
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {
         "nll": lambda n_outputs, sigma_noise, **kw: RunningNLLMetric(**kw),
         "brier": lambda n_outputs, sigma_noise, **kw: BrierScore(**kw),
         "ece": lambda n_outputs, sigma_noise, **kw: MulticlassCalibrationError(
@@ -121,19 +124,17 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
         return sampled_alpha_energy(log_p, alpha), len(y)
 
     @override
-    def evaluation(
-        self,
-        n_bins: int = N_BINS,
-        levels: Sequence[float] = (0.5, 0.9, 0.95),
-        sigma_noise: float | Tensor = 0.0,
-        sync: bool = False,
-    ) -> Evaluation:
-        """Class probabilities (B, C) against labels (B,) (see :func:`categorical_evaluation`).
+    def evaluation(self, options: EvaluationOptions) -> Evaluation:
+        """Class probabilities (B, C) against labels (B,).
 
-        Probabilities (B, C, d₁, …) against labels (B, d₁, …), or (B, T, C) against (B, T),
-        are scored position by position (``n`` and every mean count positions), the labels
-        equal to ``ignore_index`` left out; the entropy of such a point is its positions' mean.
+        Result: ``accuracy``, ``nll`` (mean ``−log p_y``), ``brier``, ``ece`` and ``mce``
+        (torchmetrics' calibration errors of the top-label confidence over ``n_bins`` bins),
+        ``confidence`` (mean top-label confidence), ``n`` and the ``reliability`` bins.
+        Probabilities (B, C, d₁, …) against labels (B, d₁, …), or (B, T, C) against (B, T), are
+        scored position by position (``n`` and the means count positions, labels equal to
+        ``ignore_index`` left out; a point's entropy is the mean over its positions).
         """
+        n_bins, kwargs = options.n_bins, {"sync_on_compute": options.sync}
 
         def read(prediction: Any, target: Tensor) -> tuple[tuple[Tensor], Tensor]:
             if isinstance(prediction, Tensor) and prediction.dim() > 2:
@@ -152,13 +153,35 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
                 probs, target = probs[keep], target[keep]
             return (probs,), target.long()
 
+        def metrics(inputs: tuple[Tensor, ...]) -> dict[str, Metric]:
+            n_classes = inputs[0].shape[-1]
+            return {
+                "accuracy": MulticlassAccuracy(n_classes, average="micro", **kwargs),
+                "nll": RunningNLLMetric(**kwargs).set_dtype(torch.float64),
+                "brier": BrierScore(**kwargs),
+                "ece": MulticlassCalibrationError(n_classes, n_bins, "l1", **kwargs),
+                "mce": MulticlassCalibrationError(n_classes, n_bins, "max", **kwargs),
+                "reliability": ReliabilityBins(n_bins, **kwargs),
+            }
+
+        def reliability(probs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+            confidence, predicted = probs.max(-1)
+            return confidence, predicted == target
+
+        def summary(metrics: dict[str, Metric]) -> dict[str, Any]:
+            result = {k: metrics[k].compute() for k in ("accuracy", "nll", "brier", "ece", "mce")}
+            bins = metrics["reliability"].compute()
+            n = bins["count"].sum()
+            result.update(confidence=(bins["confidence"] * bins["count"]).sum() / n, n=int(n))
+            return {**result, "reliability": bins}
+
         def entropy(prediction: Any) -> Tensor:
             if isinstance(prediction, Tensor) and prediction.dim() > 2:
                 rows = self.layout(prediction.shape).rows(prediction)
                 return categorical_entropy(rows).reshape(prediction.shape[0], -1).mean(1)
             return categorical_entropy(probabilities(prediction, "classification"))
 
-        return categorical_evaluation(read, entropy, n_bins, sync)
+        return Evaluation(read, metrics, summary, entropy, {"reliability": reliability})
 
     @override
     def inducing_outputs(self, y: Tensor) -> Tensor:

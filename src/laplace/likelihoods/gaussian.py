@@ -3,28 +3,32 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from torchmetrics import MeanSquaredError, Metric
 from typing_extensions import override
 
 from laplace.errors import DataError
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.scoring import (
-    N_BINS,
     Evaluation,
+    EvaluationOptions,
     GaussianCRPS,
     GaussianNLL,
-    gaussian_evaluation,
+    MetricFactory,
+    PITCalibration,
+    gaussian_entropy,
     gaussian_predictive,
+    targets_like,
 )
 from laplace.outputs import PositionTargets
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import Likelihood
 
-__all__ = ["GaussianRegression"]
+__all__ = ["GaussianRegression", "check_real_targets", "gaussian_evaluation"]
 
 
 class GaussianRegression(LikelihoodModel):
@@ -48,7 +52,7 @@ class GaussianRegression(LikelihoodModel):
     loss_scale = 0.5
     supports_joint = True
     position_targets = PositionTargets.VALUES
-    validation_losses = {  # noqa: RUF012 (read-only)
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {
         "nll": lambda n_outputs, sigma_noise, **kw: GaussianNLL(sigma_noise, **kw),
         "crps": lambda n_outputs, sigma_noise, **kw: GaussianCRPS(sigma_noise, **kw),
     }
@@ -109,13 +113,7 @@ class GaussianRegression(LikelihoodModel):
         return -0.5 * (energy + torch.log(2 * math.pi * noise_variance)).sum(), len(y)
 
     @override
-    def evaluation(
-        self,
-        n_bins: int = N_BINS,
-        levels: Sequence[float] = (0.5, 0.9, 0.95),
-        sigma_noise: float | Tensor = 0.0,
-        sync: bool = False,
-    ) -> Evaluation:
+    def evaluation(self, options: EvaluationOptions) -> Evaluation:
         """Predictions ``(f_mu, f_var)`` scored as ``N(f_mu, f_var + σ²I)``."""
 
         def moments(prediction: Any) -> tuple[Tensor, Tensor]:
@@ -124,9 +122,9 @@ class GaussianRegression(LikelihoodModel):
                     "regression predictions must be a (mean, variance) pair; got "
                     f"{type(prediction).__name__}."
                 )
-            return gaussian_predictive(*prediction, sigma_noise)
+            return gaussian_predictive(*prediction, options.sigma_noise)
 
-        return gaussian_evaluation(moments, levels, n_bins, sync)
+        return gaussian_evaluation(moments, options)
 
     def loss_per_output(self, f: Tensor, y: Tensor) -> Tensor:
         """Summed loss of each output ``½ Σₙ (yₙ_c − fₙ_c)²``, shape (C,)."""
@@ -213,3 +211,47 @@ def check_real_targets(
             f"(B, {', '.join(str(d) for d in target_shape[1:])}), e.g. y.reshape(len(y), -1) "
             "for one output; they are not reshaped silently."
         )
+
+
+def gaussian_evaluation(
+    moments: Callable[[Any], tuple[Tensor, Tensor]], options: EvaluationOptions
+) -> Evaluation:
+    """Gaussian predictives against targets (regression and the likelihoods that predict like it).
+
+    Result: ``nll`` (mean joint NLL per point), ``rmse`` (over points and outputs), ``crps``
+    (mean per output), ``coverage`` (``{"0.9": fraction, ...}`` of targets inside each central
+    interval), ``calibration_curve`` (PIT ``expected`` levels and ``observed`` fractions), ``n``.
+
+    Args:
+        moments: A prediction's predictive mean (B, C) and covariances (B, C, C) or variances.
+        options: The evaluation's options (its ``sigma_noise`` is for ``moments`` to add).
+    """
+    levels, kwargs = options.levels, {"sync_on_compute": options.sync}
+
+    def read(prediction: Any, target: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        mean, cov = moments(prediction)
+        return (mean, cov), targets_like(target, mean)
+
+    def metrics(inputs: tuple[Tensor, ...]) -> dict[str, Metric]:
+        return {
+            "nll": GaussianNLL(**kwargs),
+            "rmse": MeanSquaredError(squared=False, **kwargs).set_dtype(torch.float64),
+            "crps": GaussianCRPS(**kwargs),
+            "pit": PITCalibration(levels, options.n_bins, **kwargs),
+        }
+
+    def rows(mean: Tensor, cov: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        return mean.reshape(-1), target.reshape(-1)
+
+    def summary(metrics: dict[str, Metric]) -> dict[str, Any]:
+        result = {name: metrics[name].compute() for name in ("nll", "rmse", "crps")}
+        pit = metrics["pit"].compute()
+        coverage = zip(levels, pit["coverage"], strict=True)
+        result["coverage"] = {f"{level:g}": fraction for level, fraction in coverage}
+        result["calibration_curve"] = {"expected": pit["expected"], "observed": pit["observed"]}
+        return {**result, "n": int(metrics["nll"].count)}
+
+    def entropy(prediction: Any) -> Tensor:
+        return gaussian_entropy(moments(prediction)[1])
+
+    return Evaluation(read, metrics, summary, entropy, {"rmse": rows})

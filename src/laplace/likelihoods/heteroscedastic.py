@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
 from laplace.likelihoods.base import LikelihoodModel
-from laplace.likelihoods.gaussian import check_real_targets
+from laplace.likelihoods.gaussian import check_real_targets, gaussian_evaluation
 from laplace.likelihoods.scoring import (
-    N_BINS,
     Evaluation,
+    EvaluationOptions,
     HeteroscedasticCRPS,
     HeteroscedasticNLL,
-    gaussian_evaluation,
+    MetricFactory,
     heteroscedastic_moments,
 )
 from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood, LinkApprox
@@ -109,7 +109,7 @@ class HeteroscedasticGaussian(LikelihoodModel):
     predicts_probabilities = False
     predictions = "heteroscedastic predictions"
     default_validation_loss = "nll"
-    validation_losses = {  # noqa: RUF012 (read-only)
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {
         "nll": lambda n_outputs, sigma_noise, **kw: HeteroscedasticNLL(**kw),
         "crps": lambda n_outputs, sigma_noise, **kw: HeteroscedasticCRPS(**kw),
     }
@@ -175,13 +175,7 @@ class HeteroscedasticGaussian(LikelihoodModel):
         )
 
     @override
-    def evaluation(
-        self,
-        n_bins: int = N_BINS,
-        levels: Sequence[float] = (0.5, 0.9, 0.95),
-        sigma_noise: float | Tensor = 0.0,
-        sync: bool = False,
-    ) -> Evaluation:
+    def evaluation(self, options: EvaluationOptions) -> Evaluation:
         """Predictions ``(mean, epistemic, aleatoric)`` scored as one Gaussian.
 
         Its covariance is ``epistemic + diag(aleatoric)``, no ``sigma_noise`` added.
@@ -195,7 +189,7 @@ class HeteroscedasticGaussian(LikelihoodModel):
                 )
             return heteroscedastic_moments(*prediction)
 
-        return gaussian_evaluation(moments, levels, n_bins, sync)
+        return gaussian_evaluation(moments, options)
 
     @override
     def glm_predictive(

@@ -2,8 +2,9 @@ r"""How a likelihood's predictions are scored: scoring rules, running metrics, o
 
 A scoring rule is a function of a batch; :class:`MeanScore` keeps the float64 running mean of
 one, summed across processes by torchmetrics (``sync_on_compute``). :class:`Evaluation` runs the
-metrics a likelihood measures its predictive by (``LikelihoodModel.evaluation``); its named
-validation losses (``LikelihoodModel.validation_loss``) are such metrics for grid search. A
+metrics a likelihood measures its predictive by (``LikelihoodModel.evaluation``, written in the
+likelihood's module); its named validation losses (``LikelihoodModel.validation_loss``) are such
+metrics for grid search. A
 Gaussian predictive ``N(μ, Σ_f + σ²I)`` is scored by its NLL, its CRPS per output
 ``s (z (2Φ(z) − 1) + 2φ(z) − 1/√π)`` with ``z = (y − μ)/s``, and the probability integral
 transform ``Φ(z)`` (uniform when calibrated).
@@ -14,16 +15,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torchmetrics import MeanSquaredError, Metric
-from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
+from torchmetrics import Metric
 from torchmetrics.functional.classification import binary_calibration_error
 from torchmetrics.utilities import dim_zero_cat
-
-from laplace.utils.metrics import RunningNLLMetric
 
 __all__ = [
     "N_BINS",
@@ -33,15 +31,16 @@ __all__ = [
     "BernoulliNLL",
     "BrierScore",
     "Evaluation",
+    "EvaluationOptions",
     "GaussianCRPS",
     "GaussianNLL",
     "HeteroscedasticCRPS",
     "HeteroscedasticNLL",
     "MeanScore",
+    "MetricFactory",
     "PITCalibration",
     "PerLabelCalibrationError",
     "ReliabilityBins",
-    "RunningNLLMetric",
     "bernoulli_entropy",
     "categorical_entropy",
     "gaussian_crps",
@@ -54,6 +53,8 @@ __all__ = [
     "to_plain",
 ]
 
+#: A validation loss of grid search: ``(n_outputs, sigma_noise, **metric_kwargs) → Metric``.
+MetricFactory = Callable[..., Metric]
 #: Default number of equal-width bins of the calibration errors and curves.
 N_BINS = 15
 #: Every named validation loss a likelihood may offer grid search (lower is better for all).
@@ -473,6 +474,22 @@ class PITCalibration(_Sums):
 
 
 # ------------------------------------------------------------------------------ evaluation
+class EvaluationOptions(NamedTuple):
+    """What :func:`~laplace.evaluation.evaluate` asks of a likelihood's evaluation.
+
+    Attributes:
+        n_bins: Bins of the calibration errors, or points of the PIT curve.
+        levels: Levels of the central predictive intervals whose coverage is measured.
+        sigma_noise: Observation noise σ added to the variances of Gaussian predictions.
+        sync: Add the metrics over the processes of :mod:`torch.distributed` when computing.
+    """
+
+    n_bins: int = N_BINS
+    levels: tuple[float, ...] = (0.5, 0.9, 0.95)
+    sigma_noise: float | Tensor = 0.0
+    sync: bool = False
+
+
 def to_plain(value: Any) -> Any:
     """Tensors to Python floats (0-d) or lists, recursively through dicts: JSON-serialisable."""
     if isinstance(value, Tensor):
@@ -490,8 +507,7 @@ Batch = tuple[tuple[Tensor, ...], Tensor]
 class Evaluation:
     """Running metrics of a likelihood's predictions, updated batch by batch.
 
-    ``LikelihoodModel.evaluation`` builds it from what its predictions are (see
-    :func:`categorical_evaluation`, :func:`label_evaluation`, :func:`gaussian_evaluation`).
+    ``LikelihoodModel.evaluation`` builds it from what its predictions are.
 
     Args:
         read: ``(prediction, target) → (inputs, targets)``: a checked batch as the metrics take
@@ -548,117 +564,3 @@ def probabilities(prediction: Any, what: str) -> Tensor:
             f"{type(prediction).__name__}" + (f" of shape {shape}." if shape else ".")
         )
     return prediction
-
-
-def categorical_evaluation(
-    read: Callable[[Any, Tensor], Batch], entropy: Callable[[Any], Tensor], n_bins: int, sync: bool
-) -> Evaluation:
-    """Class probabilities (N, C) against labels (N,).
-
-    Result: ``accuracy``, ``nll`` (mean ``−log p_y``), ``brier``, ``ece`` and ``mce``
-    (torchmetrics' calibration errors of the top-label confidence over ``n_bins`` bins),
-    ``confidence`` (mean top-label confidence), ``n`` and the ``reliability`` bins.
-    """
-    kwargs = {"sync_on_compute": sync}
-
-    def metrics(inputs: tuple[Tensor, ...]) -> dict[str, Metric]:
-        n_classes = inputs[0].shape[-1]
-        return {
-            "accuracy": MulticlassAccuracy(n_classes, average="micro", **kwargs),
-            "nll": RunningNLLMetric(**kwargs).set_dtype(torch.float64),
-            "brier": BrierScore(**kwargs),
-            "ece": MulticlassCalibrationError(n_classes, n_bins, "l1", **kwargs),
-            "mce": MulticlassCalibrationError(n_classes, n_bins, "max", **kwargs),
-            "reliability": ReliabilityBins(n_bins, **kwargs),
-        }
-
-    def reliability(probs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-        confidence, predicted = probs.max(-1)
-        return confidence, predicted == target
-
-    def summary(metrics: dict[str, Metric]) -> dict[str, Any]:
-        result = {k: metrics[k].compute() for k in ("accuracy", "nll", "brier", "ece", "mce")}
-        bins = metrics["reliability"].compute()
-        n = bins["count"].sum()
-        result.update(confidence=(bins["confidence"] * bins["count"]).sum() / n, n=int(n))
-        return {**result, "reliability": bins}
-
-    return Evaluation(read, metrics, summary, entropy, {"reliability": reliability})
-
-
-def label_evaluation(
-    read: Callable[[Any, Tensor], Batch], entropy: Callable[[Any], Tensor], n_bins: int, sync: bool
-) -> Evaluation:
-    """Independent label probabilities (B, K) against 0/1 targets (B, K).
-
-    Result: under ``per_label`` each label's ``accuracy`` (threshold ½), ``nll``, ``brier`` and
-    torchmetrics' binary ``ece`` and ``mce`` over ``n_bins`` bins; their means over the labels
-    under the same names; ``n`` (points).
-    """
-    kwargs = {"sync_on_compute": sync}
-
-    def metrics(inputs: tuple[Tensor, ...]) -> dict[str, Metric]:
-        n_labels = inputs[0].shape[-1]
-        return {
-            "accuracy": BernoulliAccuracy(n_labels, **kwargs),  # torchmetrics' needs K > 1
-            "nll": BernoulliNLL(n_labels, **kwargs),
-            "brier": BernoulliBrier(n_labels, **kwargs),
-            "ece": PerLabelCalibrationError(n_labels, n_bins, "l1", **kwargs),
-            "mce": PerLabelCalibrationError(n_labels, n_bins, "max", **kwargs),
-        }
-
-    def summary(metrics: dict[str, Metric]) -> dict[str, Any]:
-        per_label = {name: metric.compute() for name, metric in metrics.items()}
-        result: dict[str, Any] = {name: value.mean() for name, value in per_label.items()}
-        return {**result, "n": int(metrics["nll"].count), "per_label": per_label}
-
-    return Evaluation(read, metrics, summary, entropy)
-
-
-def gaussian_evaluation(
-    moments: Callable[[Any], tuple[Tensor, Tensor]],
-    levels: Sequence[float],
-    n_bins: int,
-    sync: bool,
-) -> Evaluation:
-    """Gaussian predictives against targets.
-
-    Result: ``nll`` (mean joint NLL per point), ``rmse`` (over points and outputs), ``crps``
-    (mean per output), ``coverage`` (``{"0.9": fraction, ...}`` of targets inside each central
-    interval), ``calibration_curve`` (PIT ``expected`` levels and ``observed`` fractions), ``n``.
-
-    Args:
-        moments: A prediction's predictive mean (B, C) and covariances (B, C, C) or variances.
-        levels: Levels of the central intervals whose coverage is measured.
-        n_bins: Points of the PIT curve.
-        sync: Add the metrics over the processes when computing.
-    """
-    kwargs = {"sync_on_compute": sync}
-
-    def read(prediction: Any, target: Tensor) -> Batch:
-        mean, cov = moments(prediction)
-        return (mean, cov), targets_like(target, mean)
-
-    def metrics(inputs: tuple[Tensor, ...]) -> dict[str, Metric]:
-        return {
-            "nll": GaussianNLL(**kwargs),
-            "rmse": MeanSquaredError(squared=False, **kwargs).set_dtype(torch.float64),
-            "crps": GaussianCRPS(**kwargs),
-            "pit": PITCalibration(levels, n_bins, **kwargs),
-        }
-
-    def summary(metrics: dict[str, Metric]) -> dict[str, Any]:
-        result = {name: metrics[name].compute() for name in ("nll", "rmse", "crps")}
-        pit = metrics["pit"].compute()
-        coverage = zip(levels, pit["coverage"], strict=True)
-        result["coverage"] = {f"{level:g}": fraction for level, fraction in coverage}
-        result["calibration_curve"] = {"expected": pit["expected"], "observed": pit["observed"]}
-        return {**result, "n": int(metrics["nll"].count)}
-
-    def rows(mean: Tensor, cov: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-        return mean.reshape(-1), target.reshape(-1)
-
-    def entropy(prediction: Any) -> Tensor:
-        return gaussian_entropy(moments(prediction)[1])
-
-    return Evaluation(read, metrics, summary, entropy, {"rmse": rows})
