@@ -60,8 +60,10 @@ def _inputs(batch: Any, dict_key_x: str, dict_key_y: str) -> Inputs:
     return split_batch(batch, dict_key_x, dict_key_y)[0]
 
 
-def _move(X: Inputs, device: torch.device | None) -> Inputs:
-    return X if device is None else move_inputs(X, device)
+def _predict(la: Callable, X: Inputs, device: torch.device | None, kwargs: dict) -> Any:
+    """``la(X, **kwargs)`` on the model's device, without the autograd graph of its output."""
+    out = la(X if device is None else move_inputs(X, device), **kwargs)
+    return tuple(item.detach() for item in out) if isinstance(out, tuple) else out.detach()
 
 
 def _ood_score(entropy: Tensor) -> Tensor:
@@ -72,13 +74,6 @@ def _ood_score(entropy: Tensor) -> Tensor:
     """
     entropy = entropy.to(torch.float64)
     return 0.5 + 0.5 * entropy / (1 + entropy.abs())
-
-
-def _detached(out: Any) -> Any:
-    """Predictions without their autograd graph (a tensor or a tuple of tensors)."""
-    if isinstance(out, tuple):
-        return tuple(item.detach() for item in out)
-    return out.detach()
 
 
 def evaluate(
@@ -185,7 +180,7 @@ def evaluate(
     n_batches = 0
     for batch in tqdm(loader, disable=not progress_bar, desc="evaluate"):
         X, y = split_batch(batch, key_x, key_y)
-        out = _detached(la(_move(X, device), **predictive_kwargs))
+        out = _predict(la, X, device, predictive_kwargs)
         if task is None:
             task = evaluation("regression" if isinstance(out, tuple) else "classification")
         task.update(out, y)
@@ -198,7 +193,7 @@ def evaluate(
     result = task.compute()
     if auroc is not None:
         for batch in tqdm(ood_loader, disable=not progress_bar, desc="evaluate OOD"):
-            out = _detached(la(_move(_inputs(batch, key_x, key_y), device), **predictive_kwargs))
+            out = _predict(la, _inputs(batch, key_x, key_y), device, predictive_kwargs)
             scores = _ood_score(task.entropy(out))
             auroc.update(scores, torch.ones_like(scores, dtype=torch.long))
         result["ood_auroc"] = float(auroc.compute())
