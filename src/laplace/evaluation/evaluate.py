@@ -109,8 +109,8 @@ def evaluate(
     calibration errors over ``n_bins`` equal-width confidence bins), ``confidence`` (mean
     top-label confidence), ``n`` and the ``reliability`` bins; regression gives ``nll``,
     ``rmse``, ``crps``, ``coverage`` (level → fraction, keys like ``"0.9"``),
-    ``calibration_curve`` (PIT) and ``n``. See the classes of :mod:`laplace.evaluation.tasks`
-    for the exact definitions. The predictive variance of regression is ``f_var + σ²I`` with
+    ``calibration_curve`` (PIT) and ``n``; each likelihood's ``evaluation`` gives the exact
+    definitions. The predictive variance of regression is ``f_var + σ²I`` with
     σ = ``sigma_noise``, which defaults to ``la.sigma_noise`` (0 for a callable without one,
     whose variance is then taken as the whole predictive variance).
 
