@@ -194,7 +194,7 @@ def test_ella_with_a_complete_basis_is_the_full_laplace_glm_predictive():
 
 @pytest.mark.parametrize("alpha", [0.0, 0.5])
 def test_valla_bernoulli_energy_estimates_its_expectation(alpha):
-    from laplace.functional.valla_objective import bernoulli_alpha_energy
+    from laplace.likelihoods.bernoulli import bernoulli_alpha_energy
 
     mean = torch.tensor([[0.3], [-1.2], [2.0]], dtype=torch.float64)
     var = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)

@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import CASE_BUILDERS, POSITION_CASES, assert_close
 from laplace import KronLaplace, Laplace
-from laplace import large_output as large_output_module
 from laplace import glm as nn_predictive_module
+from laplace import large_output as large_output_module
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
 from laplace.curvature.kfac_rules import plan_blocks
 from laplace.errors import TooLargeError

@@ -26,7 +26,6 @@ from laplace.errors import (
     check_positive_float,
     check_positive_int,
 )
-from laplace.evaluation.registry import validation_metric
 from laplace.likelihoods import LikelihoodModel
 from laplace.posteriors import NotPositiveDefiniteError
 from laplace.priors import as_prior_precision, fix_prior_prec_structure
@@ -34,7 +33,6 @@ from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMeth
 from laplace.utils.validation import validate
 
 __all__ = [
-    "default_validation_loss",
     "grid_candidates",
     "gridsearch",
     "maximize_marglik",
@@ -76,23 +74,6 @@ def maximize_marglik(
     return log_prior.detach().exp()
 
 
-def default_validation_loss(
-    likelihood: LikelihoodModel, n_outputs: int, device: torch.device
-) -> torchmetrics.Metric:
-    """The likelihood's default validation loss; running mean squared error when it has none.
-
-    Classification and binary classification validate by their running NLL, heteroscedastic
-    regression by the Gaussian NLL of its predictive, regression (as in laplace-torch) and
-    your own likelihoods by the MSE of the predictive mean. Grid search validates with
-    ``fitting=True``, so the likelihood the model was fitted with decides (reward modelling
-    predicts pair probabilities there): pass the fit likelihood.
-    """
-    if likelihood.default_validation_loss is None:
-        return torchmetrics.MeanSquaredError(num_outputs=n_outputs).to(device)
-    name = likelihood.default_validation_loss
-    return validation_metric(name, likelihood.kind, n_outputs).to(device)
-
-
 def validation_loss(
     loss: Any,
     likelihood: LikelihoodModel,
@@ -103,22 +84,19 @@ def validation_loss(
 ) -> torchmetrics.Metric | Callable:
     """The grid-search loss for the user's ``loss`` argument.
 
-    None gives :func:`default_validation_loss`; a name (``"nll"``, ``"ece"``, ``"brier"``,
-    ``"crps"``, see :func:`laplace.evaluation.validation_metric`) gives that running metric of
-    the predictions grid search validates (those of the fit likelihood, ``likelihood``);
-    anything else is returned as it is. Named metrics of a distributed fit add their sums over
-    all ranks.
+    None gives the likelihood's default, a name (``"nll"``, ``"ece"``, ``"brier"``,
+    ``"crps"``) its running metric (:meth:`~laplace.likelihoods.LikelihoodModel.validation_loss`;
+    pass the fit likelihood, whose predictions grid search validates); anything else is
+    returned as it is. Named metrics of a distributed fit add their sums over all ranks.
 
     Raises:
         ValueError: For an unknown name or one that does not apply to the likelihood.
     """
     if loss is None:
-        return default_validation_loss(likelihood, n_outputs, device)
+        return likelihood.validation_loss(None, n_outputs).to(device)
     if not isinstance(loss, str):
         return loss
-    metric = validation_metric(
-        loss, likelihood.kind, n_outputs, sigma_noise, sync_on_compute=distributed
-    )
+    metric = likelihood.validation_loss(loss, n_outputs, sigma_noise, sync_on_compute=distributed)
     return metric.to(device)
 
 

@@ -1,62 +1,49 @@
-"""Evaluating calibration: metrics of a predictive on a loader, reliability plots, tuning losses.
+"""Evaluating calibration: metrics of a predictive on a loader, and reliability plots.
 
-``evaluate(la, loader, **predictive_kwargs)`` returns a JSON-serialisable dict: ``accuracy``,
-``nll``, ``brier``, ``ece``, ``mce`` for classification; ``nll``, ``rmse``, ``crps``,
-``coverage`` and a PIT ``calibration_curve`` for regression; ``ood_auroc`` with an
-out-of-distribution loader. The plots draw such a result; the metric names ``"nll"``,
-``"ece"``, ``"brier"`` and ``"crps"`` are accepted by
-``optimize_prior_precision(method="gridsearch", loss=...)``.
+``evaluate(la, loader, **predictive_kwargs)`` returns a JSON-serialisable dict (see
+``docs/evaluation.md``); the plots draw such a result. The metrics and scoring rules are the
+likelihoods' (:mod:`laplace.likelihoods.scoring`): each likelihood object gives its evaluation
+and its named validation losses (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``).
 """
 
 from laplace.evaluation.evaluate import evaluate
-from laplace.evaluation.gaussian import (
-    GaussianCRPS,
-    GaussianNLL,
-    HeteroscedasticCRPS,
-    HeteroscedasticNLL,
-    PITCalibration,
-    gaussian_crps,
-    gaussian_entropy,
-    gaussian_nll,
-)
-from laplace.evaluation.metrics import (
-    BernoulliBrier,
-    BernoulliNLL,
-    BrierScore,
-    PerLabelCalibrationError,
-    ReliabilityBins,
-    bernoulli_entropy,
-    categorical_entropy,
-)
 from laplace.evaluation.plots import (
     plot_calibration_curve,
     plot_predictive_band,
     plot_reliability_diagram,
 )
-from laplace.evaluation.registry import EVALUATIONS, VALIDATION_LOSSES, validation_metric
-from laplace.evaluation.tasks import (
-    BernoulliEvaluation,
-    CategoricalEvaluation,
+from laplace.likelihoods.scoring import (
+    VALIDATION_LOSSES,
+    BernoulliBrier,
+    BernoulliNLL,
+    BrierScore,
     Evaluation,
-    GaussianEvaluation,
-    HeteroscedasticEvaluation,
+    GaussianCRPS,
+    GaussianNLL,
+    HeteroscedasticCRPS,
+    HeteroscedasticNLL,
+    MeanScore,
+    PerLabelCalibrationError,
+    PITCalibration,
+    ReliabilityBins,
+    bernoulli_entropy,
+    categorical_entropy,
+    gaussian_crps,
+    gaussian_entropy,
+    gaussian_nll,
 )
 
 __all__ = [
-    "EVALUATIONS",
     "VALIDATION_LOSSES",
     "BernoulliBrier",
-    "BernoulliEvaluation",
     "BernoulliNLL",
     "BrierScore",
-    "CategoricalEvaluation",
     "Evaluation",
     "GaussianCRPS",
-    "GaussianEvaluation",
     "GaussianNLL",
     "HeteroscedasticCRPS",
-    "HeteroscedasticEvaluation",
     "HeteroscedasticNLL",
+    "MeanScore",
     "PITCalibration",
     "PerLabelCalibrationError",
     "ReliabilityBins",
@@ -69,5 +56,4 @@ __all__ = [
     "plot_calibration_curve",
     "plot_predictive_band",
     "plot_reliability_diagram",
-    "validation_metric",
 ]

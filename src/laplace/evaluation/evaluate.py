@@ -1,9 +1,9 @@
 """``evaluate``: calibration metrics of a Laplace predictive, or of any predictive, on a loader.
 
 One pass over the data, batch by batch on the model's device: each batch's predictions update
-running metrics (:mod:`laplace.evaluation.tasks`) and are then dropped, so memory does not grow
-with the data beyond what torchmetrics' calibration error and AUROC keep (one or two numbers
-per point).
+the running metrics of the likelihood's evaluation (``LikelihoodModel.evaluation``) and are then
+dropped, so memory does not grow with the data beyond what torchmetrics' calibration error and
+AUROC keep (one or two numbers per point).
 """
 
 from __future__ import annotations
@@ -20,32 +20,21 @@ from tqdm.auto import tqdm
 
 from laplace import distributed as distributed_utils
 from laplace.data import Inputs, move_inputs, split_batch
-from laplace.evaluation.registry import evaluation_class, make_evaluation
-from laplace.evaluation.tasks import N_BINS, Evaluation
+from laplace.likelihoods import make_likelihood
+from laplace.likelihoods.scoring import N_BINS, Evaluation, EvaluationOptions
 from laplace.outputs import IGNORE_INDEX
 
-__all__ = ["evaluate", "model_device", "noise_of"]
+__all__ = ["evaluate", "model_device"]
 
 
 def model_device(predictive: Callable) -> torch.device | None:
-    """Device of the parameters of ``predictive.model`` (or of ``predictive`` if a module).
-
-    Returns:
-        The device, or None when ``predictive`` carries no parameters (inputs stay put).
-    """
+    """Device of the parameters of ``predictive.model`` (or of ``predictive`` if a module)."""
     model = getattr(predictive, "model", predictive)
     if isinstance(model, nn.Module):
         param = next(model.parameters(), None)
         if param is not None:
             return param.device
     return None
-
-
-def noise_of(predictive: Callable, sigma_noise: float | Tensor | None) -> float | Tensor:
-    """The observation noise σ: as given, else ``predictive.sigma_noise``, else 0."""
-    if sigma_noise is not None:
-        return sigma_noise
-    return getattr(predictive, "sigma_noise", 0.0)
 
 
 def _check_options(n_bins: Any, coverage_levels: Sequence[float], kwargs: dict) -> None:
@@ -71,8 +60,10 @@ def _inputs(batch: Any, dict_key_x: str, dict_key_y: str) -> Inputs:
     return split_batch(batch, dict_key_x, dict_key_y)[0]
 
 
-def _move(X: Inputs, device: torch.device | None) -> Inputs:
-    return X if device is None else move_inputs(X, device)
+def _predict(la: Callable, X: Inputs, device: torch.device | None, kwargs: dict) -> Any:
+    """``la(X, **kwargs)`` on the model's device, without the autograd graph of its output."""
+    out = la(X if device is None else move_inputs(X, device), **kwargs)
+    return tuple(item.detach() for item in out) if isinstance(out, tuple) else out.detach()
 
 
 def _ood_score(entropy: Tensor) -> Tensor:
@@ -83,13 +74,6 @@ def _ood_score(entropy: Tensor) -> Tensor:
     """
     entropy = entropy.to(torch.float64)
     return 0.5 + 0.5 * entropy / (1 + entropy.abs())
-
-
-def _detached(out: Any) -> Any:
-    """Predictions without their autograd graph (a tensor or a tuple of tensors)."""
-    if isinstance(out, tuple):
-        return tuple(item.detach() for item in out)
-    return out.detach()
 
 
 def evaluate(
@@ -125,8 +109,8 @@ def evaluate(
     calibration errors over ``n_bins`` equal-width confidence bins), ``confidence`` (mean
     top-label confidence), ``n`` and the ``reliability`` bins; regression gives ``nll``,
     ``rmse``, ``crps``, ``coverage`` (level → fraction, keys like ``"0.9"``),
-    ``calibration_curve`` (PIT) and ``n``. See the classes of :mod:`laplace.evaluation.tasks`
-    for the exact definitions. The predictive variance of regression is ``f_var + σ²I`` with
+    ``calibration_curve`` (PIT) and ``n``; each likelihood's ``evaluation`` gives the exact
+    definitions. The predictive variance of regression is ``f_var + σ²I`` with
     σ = ``sigma_noise``, which defaults to ``la.sigma_noise`` (0 for a callable without one,
     whose variance is then taken as the whole predictive variance).
 
@@ -139,9 +123,10 @@ def evaluate(
         loader: ``(X, y)`` pairs or dict-like batches.
         ood_loader: Out-of-distribution inputs: ``(X, y)`` pairs, ``X`` alone (a tensor or a
             1-tuple) or dict batches.
-        likelihood: ``"classification"``, ``"regression"`` (or another key of
-            :data:`~laplace.evaluation.registry.EVALUATIONS`); default ``la.likelihood``, else
-            inferred from the predictions (a pair: regression, a tensor: classification).
+        likelihood: ``"classification"``, ``"regression"`` or another built-in likelihood
+            name: the predictive of its likelihood object is evaluated
+            (``LikelihoodModel.evaluation``); default ``la.likelihood``, else inferred from the
+            predictions (a pair: regression, a tensor: classification).
         n_bins: Calibration bins (classification) or points of the PIT curve (regression).
         coverage_levels: Levels of the central predictive intervals (regression).
         sigma_noise: Observation noise σ of regression; default ``la.sigma_noise`` or 0.
@@ -171,41 +156,44 @@ def evaluate(
         >>> result["ece"], result["nll"]  # doctest: +SKIP
     """
     _check_options(n_bins, coverage_levels, predictive_kwargs)
-    likelihood = likelihood if likelihood is not None else getattr(la, "likelihood", None)
-    if likelihood is not None:
-        evaluation_class(likelihood)  # fail on an unknown name before any prediction
     key_x = dict_key_x or getattr(la, "dict_key_x", "input_ids")
     key_y = dict_key_y or getattr(la, "dict_key_y", "labels")
     device = model_device(la)
     sync = distributed_utils.resolve(distributed, loader)
-    options = {
-        "n_bins": int(n_bins),
-        "levels": tuple(float(level) for level in coverage_levels),
-        "sigma_noise": noise_of(la, sigma_noise),
-        "sync": sync,
-        "class_dim": class_dim if class_dim is not None else getattr(la, "class_dim", None),
-        "ignore_index": ignore_index
-        if ignore_index is not None
-        else getattr(la, "ignore_index", IGNORE_INDEX),
-    }
+    if class_dim is None:
+        class_dim = getattr(la, "class_dim", None)
+    if ignore_index is None:
+        ignore_index = getattr(la, "ignore_index", IGNORE_INDEX)
+    if sigma_noise is None:
+        sigma_noise = getattr(la, "sigma_noise", 0.0)
+
+    levels = tuple(float(level) for level in coverage_levels)
+    options = EvaluationOptions(int(n_bins), levels, sigma_noise, sync)
+
+    def evaluation(name: Any) -> Evaluation:
+        model = make_likelihood(name, class_dim, ignore_index)
+        return model.predictive_likelihood.evaluation(options)
+
+    likelihood = likelihood if likelihood is not None else getattr(la, "likelihood", None)
+    task = evaluation(likelihood) if likelihood is not None else None  # fails before predicting
     auroc = BinaryAUROC(sync_on_compute=sync) if ood_loader is not None else None
-    task: Evaluation | None = None
+    n_batches = 0
     for batch in tqdm(loader, disable=not progress_bar, desc="evaluate"):
         X, y = split_batch(batch, key_x, key_y)
-        out = _detached(la(_move(X, device), **predictive_kwargs))
+        out = _predict(la, X, device, predictive_kwargs)
         if task is None:
-            inferred = "regression" if isinstance(out, tuple) else "classification"
-            task = make_evaluation(likelihood or inferred, **options)
+            task = evaluation("regression" if isinstance(out, tuple) else "classification")
         task.update(out, y)
+        n_batches += 1
         if auroc is not None:
             scores = _ood_score(task.entropy(out))
             auroc.update(scores, torch.zeros_like(scores, dtype=torch.long))
-    if task is None:
+    if not n_batches:
         raise ValueError("loader yielded no batches: evaluate needs at least one.")
     result = task.compute()
     if auroc is not None:
         for batch in tqdm(ood_loader, disable=not progress_bar, desc="evaluate OOD"):
-            out = _detached(la(_move(_inputs(batch, key_x, key_y), device), **predictive_kwargs))
+            out = _predict(la, _inputs(batch, key_x, key_y), device, predictive_kwargs)
             scores = _ood_score(task.entropy(out))
             auroc.update(scores, torch.ones_like(scores, dtype=torch.long))
         result["ood_auroc"] = float(auroc.compute())

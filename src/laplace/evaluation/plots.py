@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from laplace.evaluation.evaluate import model_device, noise_of
+from laplace.evaluation.evaluate import model_device
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -197,7 +197,9 @@ def plot_predictive_band(
         raise ValueError("plot_predictive_band needs a predictive (mean, var) with one output.")
     mean = out[0].detach().reshape(-1).double().cpu()
     f_var = out[1].detach().reshape(-1).double().cpu()
-    noise = float(torch.as_tensor(noise_of(la, sigma_noise)).detach()) ** 2
+    if sigma_noise is None:
+        sigma_noise = getattr(la, "sigma_noise", 0.0)
+    noise = float(torch.as_tensor(sigma_noise).detach()) ** 2
     fig, ax = _axes(ax, (6.0, 4.0))
     xs = x_in.reshape(-1).double().cpu()
     total = (f_var + noise).sqrt()

@@ -3,16 +3,15 @@ r"""The training objective of VaLLA: a minibatch alpha-energy (or ELBO) plus the
 ``−(N/(B T)) Σ_b ℓ_α(y_b) + KL(q ‖ p)`` with ``ℓ_α(y) = (1/α) log E_q[p(y | f)^α]``
 (``α = 0``: ``E_q[log p(y | f)]``, the ELBO); the KL and the covariances use the float64 QR
 factor of ``[Aᵀ; I]``, ``A = Lᵀ J_Z/√δ``, never the P×P matrix (see
-``docs/function_space.md``). The energies are a table keyed by the kind of the fit likelihood
-(:data:`ALPHA_ENERGIES`); the functions take values, not the VaLLA object, and
-:class:`InducingPosterior` is the variational posterior they define.
+``docs/function_space.md``). The likelihood of the fit gives ``Σ_b ℓ_α(y_b)``
+(``LikelihoodModel.alpha_energy``); the functions take values, not the VaLLA object, and
+``InducingPosterior`` is the variational posterior they define.
 
 Internal module.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -20,19 +19,13 @@ from torch import Tensor, nn
 
 from laplace.data import Inputs
 from laplace.likelihoods import LikelihoodModel
-from laplace.predictive import draw_gaussian
-from laplace.utils.enums import Likelihood
 
 __all__ = [
-    "ALPHA_ENERGIES",
     "InducingPosterior",
-    "bernoulli_alpha_energy",
     "check_alpha",
-    "gaussian_alpha_energy",
     "inducing_covariance",
     "inducing_factor",
     "negative_objective",
-    "softmax_alpha_energy",
 ]
 
 
@@ -100,78 +93,6 @@ def inducing_covariance(Js: Tensor, Q: Tensor, log_delta: Tensor, joint: bool) -
     return ((cov + cov.transpose(-1, -2)) / 2).to(Js.dtype)
 
 
-def gaussian_alpha_energy(
-    y: Tensor, mean: Tensor, var: Tensor, noise_var: Tensor, alpha: float
-) -> Tensor:
-    """Summed ``ℓ_α(y)`` of Gaussian regression (``alpha = 0``: the expected log-likelihood)."""
-    residual = (y - mean).square()
-    if alpha == 0:
-        energy = (residual + var) / noise_var
-    else:
-        energy = (
-            residual / (noise_var + alpha * var) + torch.log1p(alpha * var / noise_var) / alpha
-        )
-    return -0.5 * (energy + torch.log(2 * math.pi * noise_var)).sum()
-
-
-def softmax_alpha_energy(
-    y: Tensor, mean: Tensor, cov: Tensor, alpha: float, n_samples: int, generator: torch.Generator
-) -> Tensor:
-    """Summed MC estimate of ``ℓ_α(y)`` for the softmax likelihood from ``n_samples`` draws."""
-    draws = draw_gaussian(mean, cov, n_samples, generator)  # (S, B, C)
-    index = y.view(1, -1, 1).expand(n_samples, -1, 1)
-    return _sampled_energy(draws.log_softmax(-1).gather(-1, index).squeeze(-1), alpha)
-
-
-def _sampled_energy(log_p: Tensor, alpha: float) -> Tensor:
-    """Summed ``ℓ_α`` from the log-likelihoods (S, B) of S draws of every point."""
-    if alpha == 0:
-        return log_p.mean(0).sum()
-    return (torch.logsumexp(alpha * log_p, 0) - math.log(len(log_p))).sum() / alpha
-
-
-def bernoulli_alpha_energy(
-    y: Tensor, mean: Tensor, cov: Tensor, alpha: float, n_samples: int, generator: torch.Generator
-) -> Tensor:
-    """Summed MC estimate of ``ℓ_α(y)`` for independent sigmoid labels (B, K).
-
-    The draws are of the joint ``N(mean, cov)``: for ``α > 0`` the labels' correlations enter.
-    """
-    draws = draw_gaussian(mean, cov, n_samples, generator)  # (S, B, K)
-    targets = y.expand_as(draws)
-    log_p = -nn.functional.binary_cross_entropy_with_logits(draws, targets, reduction="none")
-    return _sampled_energy(log_p.sum(-1), alpha)  # (S, B): all labels of a point
-
-
-def _bernoulli(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator):
-    y = likelihood.prepare_targets(f, y)
-    if n_samples:
-        return bernoulli_alpha_energy(y, f, cov, alpha, n_samples, generator), len(y)
-    return -likelihood.predictive_nll(f, cov, y, None), len(y)  # probit: no alpha
-
-
-def _gaussian(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator):
-    y = likelihood.prepare_targets(f, y)
-    var = cov.diagonal(dim1=-2, dim2=-1)
-    return gaussian_alpha_energy(y, f, var, noise_variance, alpha), len(y)
-
-
-def _softmax(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator):
-    y = likelihood.class_indices(y)
-    if n_samples:
-        return softmax_alpha_energy(y, f, cov, alpha, n_samples, generator), len(y)
-    return -likelihood.predictive_nll(f, cov, y, None), len(y)  # probit: no alpha
-
-
-#: ``(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator) -> (Σ ℓ_α, B)`` by
-#: the kind of the fit likelihood.
-ALPHA_ENERGIES: dict[Likelihood, Callable[..., tuple[Tensor, int]]] = {
-    Likelihood.REGRESSION: _gaussian,
-    Likelihood.CLASSIFICATION: _softmax,
-    Likelihood.BINARY_CLASSIFICATION: _bernoulli,
-}
-
-
 def negative_objective(
     likelihood: LikelihoodModel,
     y: Tensor,
@@ -186,7 +107,7 @@ def negative_objective(
     """``−(N/B) Σ_b ℓ_α(y_b)/T + KL`` on a minibatch.
 
     Args:
-        likelihood: The likelihood of the fit.
+        likelihood: The likelihood of the fit (it gives its energy, ``alpha_energy``).
         y: Targets of the minibatch.
         moments: Latent means (B, C) and covariances (B, C, C) of the minibatch, and ``A`` and
             ``R`` of :func:`inducing_factor`.
@@ -201,8 +122,9 @@ def negative_objective(
         The objective, differentiable in whatever the moments and the noise depend on.
     """
     f, cov, A, R = moments
-    energy = ALPHA_ENERGIES[likelihood.kind]
-    log_lik, batch = energy(likelihood, y, f, cov, alpha, noise_variance, n_samples, generator)
+    log_lik, batch = likelihood.alpha_energy(
+        y, f, cov, alpha, noise_variance, n_samples, generator
+    )
     solved = torch.linalg.solve_triangular(R.T, A, upper=False)
     kl = R.diagonal().abs().log().sum() - 0.5 * solved.square().sum()
     return -(n_data / batch) * log_lik / temperature + kl

@@ -44,8 +44,8 @@ __all__ = [
 ]
 
 _LIKELIHOODS: dict[enums.Likelihood, type[LikelihoodModel]] = {
-    enums.Likelihood.REGRESSION: GaussianRegression,
     enums.Likelihood.CLASSIFICATION: Categorical,
+    enums.Likelihood.REGRESSION: GaussianRegression,
     enums.Likelihood.REWARD_MODELING: RewardModeling,
     enums.Likelihood.BINARY_CLASSIFICATION: Bernoulli,
     enums.Likelihood.HETEROSCEDASTIC_REGRESSION: HeteroscedasticGaussian,
@@ -79,7 +79,7 @@ def make_likelihood(
     if isinstance(likelihood, Likelihood):
         model: LikelihoodModel = CustomLikelihood(likelihood)
     elif isinstance(likelihood, str) and likelihood not in enums.Likelihood._value2member_map_:
-        accepted = ", ".join(repr(m.value) for m in enums.Likelihood)
+        accepted = ", ".join(repr(m.value) for m in _LIKELIHOODS)
         raise ValueError(
             f"likelihood={likelihood!r} is not supported; accepted values: {accepted}, or an "
             "instance of a laplace.likelihoods.Likelihood subclass (your own likelihood)."

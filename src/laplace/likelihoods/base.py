@@ -11,14 +11,21 @@ loss, ``½ Σ‖y − f‖²`` for regression (σ-free, so the output Hessian is
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from torchmetrics import MeanSquaredError, Metric
 
 from laplace.errors import UnsupportedError
 from laplace.likelihoods.prediction import OutputPredictions
 from laplace.likelihoods.rows import OutputRows
+from laplace.likelihoods.scoring import (
+    VALIDATION_LOSSES,
+    Evaluation,
+    EvaluationOptions,
+    MetricFactory,
+)
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import FunctionalApproximation, HessianStructure
 
@@ -47,7 +54,9 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
     hessian_structures: tuple[HessianStructure, ...] | None = None
     #: Whether the fit data are pairs of items (B, 2, ...) that the likelihood compares.
     pairwise: bool = False
-    #: Grid search's default validation loss (a name of its evaluation's losses); None: MSE.
+    #: Grid search's named validation losses: ``(n_outputs, sigma_noise, **kwargs) → Metric``.
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {}
+    #: Grid search's default validation loss (a key of :attr:`validation_losses`); None: MSE.
     default_validation_loss: str | None = None
     #: Whether curvlinops' operators on :meth:`loss_module` give its curvature (low-rank).
     loss_module_curvature: bool = True
@@ -201,6 +210,81 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
         raise UnsupportedError(
             f"likelihood={self.name!r} has no predictive negative log-likelihood of a Gaussian "
             "over its outputs in laplace-ng."
+        )
+
+    def alpha_energy(
+        self,
+        y: Tensor,
+        f: Tensor,
+        cov: Tensor,
+        alpha: float,
+        noise_variance: Tensor | None,
+        n_samples: int,
+        generator: torch.Generator | None,
+    ) -> tuple[Tensor, int]:
+        """VaLLA's summed ``ℓ_α(y) = (1/α) log E_{N(f, cov)}[p(y | f)^α]`` of a minibatch.
+
+        ``α = 0`` is the expected log-likelihood (the ELBO's); see
+        :mod:`laplace.functional.valla_objective`.
+
+        Args:
+            y: Targets of the minibatch.
+            f: Latent means (B, C).
+            cov: Latent covariances (B, C, C).
+            alpha: ``α`` in [0, 1].
+            noise_variance: ``σ²`` of a likelihood with observation noise.
+            n_samples: Monte-Carlo draws of the latent outputs (0: a closed form if any).
+            generator: Random number generator of the draws.
+
+        Returns:
+            The summed energy and the number of points B.
+
+        Raises:
+            UnsupportedError: For a likelihood that does not define it.
+        """
+        raise UnsupportedError(f"likelihood={self.name!r} has no VaLLA energy in laplace-ng.")
+
+    def validation_loss(
+        self, name: str | None, n_outputs: int, sigma_noise: float | Tensor = 0.0, **kwargs: Any
+    ) -> Metric:
+        """The running validation loss ``name`` of grid search over this likelihood's predictions.
+
+        Args:
+            name: A key of :attr:`validation_losses`; None: :attr:`default_validation_loss`,
+                else the running mean squared error of the predictive mean (laplace-torch's).
+            n_outputs: Number of classes, labels or regression outputs.
+            sigma_noise: Observation noise σ added to regression variances.
+            **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
+
+        Raises:
+            ValueError: For an unknown name, or one this likelihood does not offer.
+        """
+        if name is None:
+            if self.default_validation_loss is None:
+                return MeanSquaredError(num_outputs=n_outputs, **kwargs)
+            name = self.default_validation_loss
+        if name not in VALIDATION_LOSSES:
+            raise ValueError(
+                f"loss={name!r} is not supported; accepted names: "
+                f"{', '.join(map(repr, VALIDATION_LOSSES))} (or a torchmetrics.Metric or a "
+                "callable)."
+            )
+        if name not in self.validation_losses:
+            raise ValueError(
+                f"loss={name!r} does not apply to likelihood={self.name!r}; accepted names: "
+                f"{', '.join(map(repr, self.validation_losses))}."
+            )
+        return self.validation_losses[name](n_outputs, sigma_noise, **kwargs)
+
+    def evaluation(self, options: EvaluationOptions) -> Evaluation:
+        """The running metrics that measure this likelihood's predictive (``evaluate``).
+
+        Raises:
+            ValueError: For a likelihood without an evaluation.
+        """
+        raise ValueError(
+            f"likelihood={self.name!r} cannot be evaluated; evaluate its predictions as those "
+            "of a built-in likelihood, e.g. likelihood='classification' or 'regression'."
         )
 
     @abstractmethod

@@ -3,21 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torchmetrics import Metric
 from typing_extensions import override
 
 from laplace.errors import DataError, LabelError
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.prediction import ProbabilityPredictions
+from laplace.likelihoods.scoring import (
+    N_BINS,
+    BernoulliAccuracy,
+    BernoulliBrier,
+    BernoulliNLL,
+    Evaluation,
+    EvaluationOptions,
+    MetricFactory,
+    PerLabelCalibrationError,
+    bernoulli_entropy,
+    probabilities,
+    sampled_alpha_energy,
+)
 from laplace.outputs import PositionTargets
-from laplace.predictive import BERNOULLI_LINKS, probit_logits
+from laplace.predictive import BERNOULLI_LINKS, draw_gaussian, probit_logits
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood
 
-__all__ = ["Bernoulli"]
+__all__ = ["Bernoulli", "bernoulli_alpha_energy"]
 
 
 class Bernoulli(ProbabilityPredictions, LikelihoodModel):
@@ -35,12 +50,18 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
     kind = Likelihood.BINARY_CLASSIFICATION
     predicts_probabilities = True
     default_validation_loss = "nll"
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {
+        "nll": lambda n_outputs, sigma_noise, **kw: BernoulliNLL(n_outputs, **kw),
+        "brier": lambda n_outputs, sigma_noise, **kw: BernoulliBrier(n_outputs, **kw),
+        "ece": lambda n_outputs, sigma_noise, **kw: PerLabelCalibrationError(
+            n_outputs, N_BINS, "l1", **kw
+        ),
+    }
     link_approximations = BERNOULLI_LINKS
     predictions = "label probabilities"
     position_targets = PositionTargets.VALUES
     #: Subset-of-data GP (its output curvature is diagonal, so the GP uses it exactly), ELLA
-    #: (scored by :meth:`predictive_nll`) and VaLLA (its energy in
-    #: :mod:`laplace.functional.valla_objective`).
+    #: (scored by :meth:`predictive_nll`) and VaLLA (its energy :meth:`alpha_energy`).
     function_space = tuple(FunctionalApproximation)
     hessian_structures = (
         HessianStructure.FULL,
@@ -67,6 +88,62 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
         logits = probit_logits(f_mu, f_var)
         targets = self.prepare_targets(f_mu, y)
         return F.binary_cross_entropy_with_logits(logits, targets, reduction="sum")
+
+    @override
+    def alpha_energy(
+        self,
+        y: Tensor,
+        f: Tensor,
+        cov: Tensor,
+        alpha: float,
+        noise_variance: Tensor | None,
+        n_samples: int,
+        generator: torch.Generator | None,
+    ) -> tuple[Tensor, int]:
+        """:func:`bernoulli_alpha_energy`; without draws the per-label probit NLL (no ``α``)."""
+        y = self.prepare_targets(f, y)
+        if n_samples:
+            return bernoulli_alpha_energy(y, f, cov, alpha, n_samples, generator), len(y)
+        return -self.predictive_nll(f, cov, y, None), len(y)
+
+    @override
+    def evaluation(self, options: EvaluationOptions) -> Evaluation:
+        """Label probabilities (B, K) against 0/1 targets (B, K), each label on its own.
+
+        Result: under ``per_label`` each label's ``accuracy`` (threshold ½), ``nll``, ``brier``
+        and torchmetrics' binary ``ece`` and ``mce`` over ``n_bins`` bins; their means over the
+        labels under the same names; ``n`` (points).
+        """
+        n_bins, kwargs = options.n_bins, {"sync_on_compute": options.sync}
+
+        def read(prediction: Any, target: Tensor) -> tuple[tuple[Tensor], Tensor]:
+            probs = probabilities(prediction, "multi-label")
+            if target.numel() != probs.numel():
+                raise ValueError(
+                    f"multi-label targets of shape {tuple(target.shape)} do not match the "
+                    f"label probabilities of shape {tuple(probs.shape)}."
+                )
+            return (probs,), target.reshape(probs.shape).to(probs.device).long()
+
+        def metrics(inputs: tuple[Tensor, ...]) -> dict[str, Metric]:
+            n_labels = inputs[0].shape[-1]
+            return {
+                "accuracy": BernoulliAccuracy(n_labels, **kwargs),  # torchmetrics' needs K > 1
+                "nll": BernoulliNLL(n_labels, **kwargs),
+                "brier": BernoulliBrier(n_labels, **kwargs),
+                "ece": PerLabelCalibrationError(n_labels, n_bins, "l1", **kwargs),
+                "mce": PerLabelCalibrationError(n_labels, n_bins, "max", **kwargs),
+            }
+
+        def summary(metrics: dict[str, Metric]) -> dict[str, Any]:
+            per_label = {name: metric.compute() for name, metric in metrics.items()}
+            result: dict[str, Any] = {name: value.mean() for name, value in per_label.items()}
+            return {**result, "n": int(metrics["nll"].count), "per_label": per_label}
+
+        def entropy(prediction: Any) -> Tensor:
+            return bernoulli_entropy(probabilities(prediction, "multi-label"))
+
+        return Evaluation(read, metrics, summary, entropy)
 
     @override
     def inducing_outputs(self, y: Tensor) -> Tensor:
@@ -136,6 +213,19 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
                 f"binary label {int(low if low < 0 else high)} is not 0 or 1; each of the "
                 f"K={n_labels} outputs is an independent 0/1 label."
             )
+
+
+def bernoulli_alpha_energy(
+    y: Tensor, mean: Tensor, cov: Tensor, alpha: float, n_samples: int, generator: torch.Generator
+) -> Tensor:
+    """Summed Monte-Carlo ``ℓ_α(y)`` of independent sigmoid labels (B, K) from ``n_samples`` draws.
+
+    The draws are of the joint ``N(mean, cov)``: for ``α > 0`` the labels' correlations enter.
+    """
+    draws = draw_gaussian(mean, cov, n_samples, generator)  # (S, B, K)
+    targets = y.expand_as(draws)
+    log_p = -F.binary_cross_entropy_with_logits(draws, targets, reduction="none")
+    return sampled_alpha_energy(log_p.sum(-1), alpha)  # (S, B): all labels of a point
 
 
 def _bernoulli_variance(f: Tensor) -> Tensor:

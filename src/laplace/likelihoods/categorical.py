@@ -3,21 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torchmetrics import Metric
+from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
 from typing_extensions import override
 
 from laplace.errors import DataError, LabelError
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.gaussian import GaussianRegression
 from laplace.likelihoods.prediction import ProbabilityPredictions
+from laplace.likelihoods.scoring import (
+    N_BINS,
+    BrierScore,
+    Evaluation,
+    EvaluationOptions,
+    MetricFactory,
+    ReliabilityBins,
+    categorical_entropy,
+    probabilities,
+    sampled_alpha_energy,
+)
 from laplace.outputs import PositionTargets
-from laplace.predictive import LINKS, probit_logits
+from laplace.predictive import LINKS, draw_gaussian, probit_logits
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import HessianStructure, Likelihood, LinkApprox
 from laplace.utils.linalg import softmax_hessian_factor
+from laplace.utils.metrics import RunningNLLMetric
 
 __all__ = ["Categorical", "RewardModeling"]
 
@@ -28,6 +43,13 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
     kind = Likelihood.CLASSIFICATION
     predicts_probabilities = True
     default_validation_loss = "nll"
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {
+        "nll": lambda n_outputs, sigma_noise, **kw: RunningNLLMetric(**kw),
+        "brier": lambda n_outputs, sigma_noise, **kw: BrierScore(**kw),
+        "ece": lambda n_outputs, sigma_noise, **kw: MulticlassCalibrationError(
+            n_outputs, N_BINS, "l1", **kw
+        ),
+    }
     link_approximations = LINKS
     variance_links = (LinkApprox.PROBIT, LinkApprox.BRIDGE, LinkApprox.BRIDGE_NORM)
     predictions = "class probabilities"
@@ -77,6 +99,89 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
         """Cross-entropy of the logits of the probit approximation (:func:`probit_logits`)."""
         logits = probit_logits(f_mu, f_var)
         return F.cross_entropy(logits, self.class_indices(y), reduction="sum")
+
+    @override
+    def alpha_energy(
+        self,
+        y: Tensor,
+        f: Tensor,
+        cov: Tensor,
+        alpha: float,
+        noise_variance: Tensor | None,
+        n_samples: int,
+        generator: torch.Generator | None,
+    ) -> tuple[Tensor, int]:
+        """``(1/α) log((1/S) Σ_s softmax(f_s)_y^α)`` from S draws; without draws the probit NLL.
+
+        The probit approximation does not depend on ``α``.
+        """
+        y = self.class_indices(y)
+        if not n_samples:
+            return -self.predictive_nll(f, cov, y, None), len(y)
+        draws = draw_gaussian(f, cov, n_samples, generator)  # (S, B, C)
+        index = y.view(1, -1, 1).expand(n_samples, -1, 1)
+        log_p = draws.log_softmax(-1).gather(-1, index).squeeze(-1)
+        return sampled_alpha_energy(log_p, alpha), len(y)
+
+    @override
+    def evaluation(self, options: EvaluationOptions) -> Evaluation:
+        """Class probabilities (B, C) against labels (B,).
+
+        Result: ``accuracy``, ``nll`` (mean ``−log p_y``), ``brier``, ``ece`` and ``mce``
+        (torchmetrics' calibration errors of the top-label confidence over ``n_bins`` bins),
+        ``confidence`` (mean top-label confidence), ``n`` and the ``reliability`` bins.
+        Probabilities (B, C, d₁, …) against labels (B, d₁, …), or (B, T, C) against (B, T), are
+        scored position by position (``n`` and the means count positions, labels equal to
+        ``ignore_index`` left out; a point's entropy is the mean over its positions).
+        """
+        n_bins, kwargs = options.n_bins, {"sync_on_compute": options.sync}
+
+        def read(prediction: Any, target: Tensor) -> tuple[tuple[Tensor], Tensor]:
+            if isinstance(prediction, Tensor) and prediction.dim() > 2:
+                target = target.to(prediction.device)
+                layout = self.layout(prediction.shape, target)
+                prediction, target = layout.rows(prediction), layout.targets(target)
+            probs = probabilities(prediction, "classification")
+            target = target.reshape(-1).to(probs.device)
+            if target.shape[0] != probs.shape[0] or target.dtype.is_floating_point:
+                raise ValueError(
+                    f"classification targets must be {probs.shape[0]} integer labels; got "
+                    f"{target.dtype} of shape {tuple(target.shape)}."
+                )
+            keep = target != self.outputs.ignore_index
+            if not bool(keep.all()):
+                probs, target = probs[keep], target[keep]
+            return (probs,), target.long()
+
+        def metrics(inputs: tuple[Tensor, ...]) -> dict[str, Metric]:
+            n_classes = inputs[0].shape[-1]
+            return {
+                "accuracy": MulticlassAccuracy(n_classes, average="micro", **kwargs),
+                "nll": RunningNLLMetric(**kwargs).set_dtype(torch.float64),
+                "brier": BrierScore(**kwargs),
+                "ece": MulticlassCalibrationError(n_classes, n_bins, "l1", **kwargs),
+                "mce": MulticlassCalibrationError(n_classes, n_bins, "max", **kwargs),
+                "reliability": ReliabilityBins(n_bins, **kwargs),
+            }
+
+        def reliability(probs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+            confidence, predicted = probs.max(-1)
+            return confidence, predicted == target
+
+        def summary(metrics: dict[str, Metric]) -> dict[str, Any]:
+            result = {k: metrics[k].compute() for k in ("accuracy", "nll", "brier", "ece", "mce")}
+            bins = metrics["reliability"].compute()
+            n = bins["count"].sum()
+            result.update(confidence=(bins["confidence"] * bins["count"]).sum() / n, n=int(n))
+            return {**result, "reliability": bins}
+
+        def entropy(prediction: Any) -> Tensor:
+            if isinstance(prediction, Tensor) and prediction.dim() > 2:
+                rows = self.layout(prediction.shape).rows(prediction)
+                return categorical_entropy(rows).reshape(prediction.shape[0], -1).mean(1)
+            return categorical_entropy(probabilities(prediction, "classification"))
+
+        return Evaluation(read, metrics, summary, entropy, {"reliability": reliability})
 
     @override
     def inducing_outputs(self, y: Tensor) -> Tensor:

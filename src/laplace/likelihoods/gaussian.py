@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from torchmetrics import MeanSquaredError, Metric
 from typing_extensions import override
 
 from laplace.errors import DataError
 from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.scoring import (
+    Evaluation,
+    EvaluationOptions,
+    GaussianCRPS,
+    GaussianNLL,
+    MetricFactory,
+    PITCalibration,
+    gaussian_entropy,
+    gaussian_predictive,
+    targets_like,
+)
 from laplace.outputs import PositionTargets
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import Likelihood
 
-__all__ = ["GaussianRegression"]
+__all__ = ["GaussianRegression", "check_real_targets", "gaussian_evaluation"]
 
 
 class GaussianRegression(LikelihoodModel):
@@ -39,6 +52,10 @@ class GaussianRegression(LikelihoodModel):
     loss_scale = 0.5
     supports_joint = True
     position_targets = PositionTargets.VALUES
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {
+        "nll": lambda n_outputs, sigma_noise, **kw: GaussianNLL(sigma_noise, **kw),
+        "crps": lambda n_outputs, sigma_noise, **kw: GaussianCRPS(sigma_noise, **kw),
+    }
 
     @override
     def output_count(self, output_shape: Sequence[int], y: Tensor | None = None) -> int:
@@ -66,6 +83,48 @@ class GaussianRegression(LikelihoodModel):
         y = self.prepare_targets(f_mu, y.to(f_mu.dtype))
         var = f_var.diagonal(dim1=-2, dim2=-1) + sigma_noise.square()
         return 0.5 * ((y - f_mu).square() / var + var.log() + math.log(2 * math.pi)).sum()
+
+    @override
+    def alpha_energy(
+        self,
+        y: Tensor,
+        f: Tensor,
+        cov: Tensor,
+        alpha: float,
+        noise_variance: Tensor | None,
+        n_samples: int,
+        generator: torch.Generator | None,
+    ) -> tuple[Tensor, int]:
+        r"""The closed form with ``v = diag cov``, ``σ² = noise_variance`` (no draws).
+
+        .. math::
+            \ell_α = -\tfrac12 \log(2πσ^2) - \frac{(y - f)^2}{2(σ^2 + α v)}
+                - \frac{1}{2α} \log\Big(1 + \frac{α v}{σ^2}\Big), \qquad
+            \ell_0 = -\tfrac12 \log(2πσ^2) - \frac{(y - f)^2 + v}{2σ^2}.
+        """
+        y = self.prepare_targets(f, y)
+        var = cov.diagonal(dim1=-2, dim2=-1)
+        residual = (y - f).square()
+        if alpha == 0:
+            energy = (residual + var) / noise_variance
+        else:
+            energy = residual / (noise_variance + alpha * var)
+            energy = energy + torch.log1p(alpha * var / noise_variance) / alpha
+        return -0.5 * (energy + torch.log(2 * math.pi * noise_variance)).sum(), len(y)
+
+    @override
+    def evaluation(self, options: EvaluationOptions) -> Evaluation:
+        """Predictions ``(f_mu, f_var)`` scored as ``N(f_mu, f_var + σ²I)``."""
+
+        def moments(prediction: Any) -> tuple[Tensor, Tensor]:
+            if not (isinstance(prediction, tuple) and len(prediction) == 2):
+                raise ValueError(
+                    "regression predictions must be a (mean, variance) pair; got "
+                    f"{type(prediction).__name__}."
+                )
+            return gaussian_predictive(*prediction, options.sigma_noise)
+
+        return gaussian_evaluation(moments, options)
 
     def loss_per_output(self, f: Tensor, y: Tensor) -> Tensor:
         """Summed loss of each output ``½ Σₙ (yₙ_c − fₙ_c)²``, shape (C,)."""
@@ -152,3 +211,47 @@ def check_real_targets(
             f"(B, {', '.join(str(d) for d in target_shape[1:])}), e.g. y.reshape(len(y), -1) "
             "for one output; they are not reshaped silently."
         )
+
+
+def gaussian_evaluation(
+    moments: Callable[[Any], tuple[Tensor, Tensor]], options: EvaluationOptions
+) -> Evaluation:
+    """Gaussian predictives against targets (regression and the likelihoods that predict like it).
+
+    Result: ``nll`` (mean joint NLL per point), ``rmse`` (over points and outputs), ``crps``
+    (mean per output), ``coverage`` (``{"0.9": fraction, ...}`` of targets inside each central
+    interval), ``calibration_curve`` (PIT ``expected`` levels and ``observed`` fractions), ``n``.
+
+    Args:
+        moments: A prediction's predictive mean (B, C) and covariances (B, C, C) or variances.
+        options: The evaluation's options (its ``sigma_noise`` is for ``moments`` to add).
+    """
+    levels, kwargs = options.levels, {"sync_on_compute": options.sync}
+
+    def read(prediction: Any, target: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        mean, cov = moments(prediction)
+        return (mean, cov), targets_like(target, mean)
+
+    def metrics(inputs: tuple[Tensor, ...]) -> dict[str, Metric]:
+        return {
+            "nll": GaussianNLL(**kwargs),
+            "rmse": MeanSquaredError(squared=False, **kwargs).set_dtype(torch.float64),
+            "crps": GaussianCRPS(**kwargs),
+            "pit": PITCalibration(levels, options.n_bins, **kwargs),
+        }
+
+    def rows(mean: Tensor, cov: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        return mean.reshape(-1), target.reshape(-1)
+
+    def summary(metrics: dict[str, Metric]) -> dict[str, Any]:
+        result = {name: metrics[name].compute() for name in ("nll", "rmse", "crps")}
+        pit = metrics["pit"].compute()
+        coverage = zip(levels, pit["coverage"], strict=True)
+        result["coverage"] = {f"{level:g}": fraction for level, fraction in coverage}
+        result["calibration_curve"] = {"expected": pit["expected"], "observed": pit["observed"]}
+        return {**result, "n": int(metrics["nll"].count)}
+
+    def entropy(prediction: Any) -> Tensor:
+        return gaussian_entropy(moments(prediction)[1])
+
+    return Evaluation(read, metrics, summary, entropy, {"rmse": rows})

@@ -18,14 +18,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
 from laplace.likelihoods.base import LikelihoodModel
-from laplace.likelihoods.gaussian import check_real_targets
+from laplace.likelihoods.gaussian import check_real_targets, gaussian_evaluation
+from laplace.likelihoods.scoring import (
+    Evaluation,
+    EvaluationOptions,
+    HeteroscedasticCRPS,
+    HeteroscedasticNLL,
+    MetricFactory,
+    heteroscedastic_moments,
+)
 from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood, LinkApprox
 
 __all__ = [
@@ -101,6 +109,10 @@ class HeteroscedasticGaussian(LikelihoodModel):
     predicts_probabilities = False
     predictions = "heteroscedastic predictions"
     default_validation_loss = "nll"
+    validation_losses: ClassVar[dict[str, MetricFactory]] = {
+        "nll": lambda n_outputs, sigma_noise, **kw: HeteroscedasticNLL(**kw),
+        "crps": lambda n_outputs, sigma_noise, **kw: HeteroscedasticCRPS(**kw),
+    }
     loss_module_curvature = False
     #: Subset-of-data GP: its output curvature is diagonal, so the GP uses it exactly.
     function_space = (FunctionalApproximation.SOD,)
@@ -161,6 +173,23 @@ class HeteroscedasticGaussian(LikelihoodModel):
         check_real_targets(
             y, target_shape, "heteroscedastic regression", "the means of the model output"
         )
+
+    @override
+    def evaluation(self, options: EvaluationOptions) -> Evaluation:
+        """Predictions ``(mean, epistemic, aleatoric)`` scored as one Gaussian.
+
+        Its covariance is ``epistemic + diag(aleatoric)``, no ``sigma_noise`` added.
+        """
+
+        def moments(prediction: Any) -> tuple[Tensor, Tensor]:
+            if not (isinstance(prediction, tuple) and len(prediction) == 3):
+                raise ValueError(
+                    "heteroscedastic predictions must be (mean, epistemic_variance, "
+                    f"aleatoric_variance); got {type(prediction).__name__}."
+                )
+            return heteroscedastic_moments(*prediction)
+
+        return gaussian_evaluation(moments, options)
 
     @override
     def glm_predictive(

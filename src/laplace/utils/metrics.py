@@ -1,29 +1,26 @@
-"""Running metrics for evaluating Laplace predictives batch by batch."""
+"""laplace-torch's running NLL of class probabilities, a foundation of the scoring path.
+
+The other running metrics of predictions are in :mod:`laplace.likelihoods.scoring`.
+"""
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 from torchmetrics import Metric
 
 __all__ = ["RunningNLLMetric"]
 
 
 class RunningNLLMetric(Metric):
-    """Mean negative log-likelihood of predicted class probabilities, accumulated over batches.
+    """Mean NLL ``−(1/N) Σ_{n: y_n ≠ ignore_index} log p_n[y_n]`` of class probabilities.
 
-    After updates with probabilities ``p`` and labels ``y`` the metric is
-
-    ``NLL = -(1/N) Σ_{n: y_n ≠ ignore_index} log p_n[y_n]``
-
-    with ``N`` the number of labels different from ``ignore_index``. The states (summed NLL
-    and label count) are summed across processes, so the metric works in distributed
-    evaluation. They are float32 by default, as in laplace-torch; use
-    ``metric.set_dtype(torch.float64)`` for double-precision accumulation.
+    The states (summed NLL and label count) are float32 as in laplace-torch
+    (``metric.set_dtype(torch.float64)`` for double precision) and summed across processes.
 
     Args:
         ignore_index: Label value whose entries are skipped (e.g. padding tokens).
-        sync_on_compute: Sum the states over all processes before computing (torchmetrics'
-            option); False computes on this process's data only.
+        sync_on_compute: Sum the states over all processes before computing.
 
     Example:
         >>> metric = RunningNLLMetric()
@@ -36,8 +33,8 @@ class RunningNLLMetric(Metric):
     higher_is_better = False
     full_state_update = False
 
-    nll_sum: torch.Tensor
-    n_valid_labels: torch.Tensor
+    nll_sum: Tensor
+    n_valid_labels: Tensor
 
     def __init__(self, ignore_index: int = -100, sync_on_compute: bool = True) -> None:
         super().__init__(sync_on_compute=sync_on_compute)
@@ -45,13 +42,8 @@ class RunningNLLMetric(Metric):
         self.add_state("n_valid_labels", default=torch.tensor(0.0), dist_reduce_fx="sum")
         self.ignore_index: int = ignore_index
 
-    def update(self, probs: torch.Tensor, targets: torch.Tensor) -> None:
-        """Accumulate the NLL of a batch.
-
-        Args:
-            probs: Class probabilities, shape ``(..., C)``.
-            targets: Integer labels, shape ``(...)`` (the leading shape of ``probs``);
-                entries equal to ``ignore_index`` are skipped.
+    def update(self, probs: Tensor, targets: Tensor) -> None:
+        """Add probabilities (..., C) and integer labels (...), skipping ``ignore_index``.
 
         Raises:
             ValueError: If the shapes of ``probs`` and ``targets`` do not match.
@@ -70,10 +62,6 @@ class RunningNLLMetric(Metric):
         self.nll_sum += nll.sum()
         self.n_valid_labels += valid.sum()
 
-    def compute(self) -> torch.Tensor:
-        """Mean NLL over all non-ignored labels seen since the last reset.
-
-        Returns:
-            A 0-d tensor (NaN if no valid label was seen).
-        """
+    def compute(self) -> Tensor:
+        """Mean NLL over the labels seen since the last reset (NaN before any)."""
         return self.nll_sum / self.n_valid_labels

@@ -1,4 +1,8 @@
-"""Validation of a Laplace predictive: negative log-likelihood and ``validate``."""
+"""Grid search's validation of a Laplace predictive (laplace-torch's ``validate``, ``get_nll``).
+
+The running metrics are those of the likelihood (``LikelihoodModel.validation_loss``), or the
+user's metric or callable.
+"""
 
 from __future__ import annotations
 
@@ -31,16 +35,14 @@ class Predictor(Protocol):
 
 
 def get_nll(out_dist: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean negative log-likelihood of class probabilities.
-
-    Computes ``-(1/B) Σ_b log out_dist[b, targets[b]]``.
+    """Mean negative log-likelihood ``−(1/B) Σ_b log out_dist[b, targets[b]]``.
 
     Args:
-        out_dist: Predictive class probabilities, shape ``(B, C)``.
-        targets: Integer class labels, shape ``(B,)``.
+        out_dist: Predictive class probabilities, shape (B, C).
+        targets: Integer class labels, shape (B,).
 
     Returns:
-        The mean negative log-likelihood, a 0-d tensor.
+        A 0-d tensor.
 
     Raises:
         ValueError: If the shapes of ``out_dist`` and ``targets`` do not match.
@@ -70,11 +72,7 @@ def _accepts_args(fn: Callable, n_args: int) -> bool | None:
 
 
 def _update_metric(metric: torchmetrics.Metric, out: tuple, y: torch.Tensor) -> None:
-    """Feed a regression predictive ``(f_mu, f_var)`` to a running metric.
-
-    The variance is passed when ``metric.update`` accepts three arguments; otherwise the
-    metric only receives the mean.
-    """
+    """``update(f_mu, f_var, y)`` if the metric takes three arguments, else ``update(f_mu, y)``."""
     accepts = _accepts_args(metric.update, len(out) + 1)
     if accepts is True:
         metric.update(*out, y)
@@ -107,19 +105,14 @@ def validate(
     n_samples: int = 100,
     dict_key_y: str = "labels",
 ) -> float:
-    """Evaluate the Laplace predictive of ``laplace`` on a validation loader.
+    """The validation loss of the predictive of ``laplace`` (model in eval mode) on a loader.
 
-    The model is put in eval mode and the predictive
-    ``laplace(X, pred_type=..., link_approx=..., n_samples=..., fitting=True)`` is run on every
-    batch. Classification predictives are probabilities ``(B, C)``; regression GLM
-    predictives are ``(f_mu (B, C), f_var (B, C, C))``.
-
-    * A :class:`torchmetrics.Metric` is reset, updated batch by batch and its ``compute()``
-      is summed (metrics such as a per-output MSE return one value per output). For
-      regression, ``update(f_mu, f_var, y)`` is used when the metric's ``update`` accepts
-      three arguments and ``update(f_mu, y)`` otherwise.
-    * Any other callable is evaluated once on the concatenated predictions:
-      ``loss(probs, y)`` for classification and ``loss(f_mu, f_var, y)`` for regression.
+    ``laplace(X, pred_type=..., link_approx=..., n_samples=..., fitting=True)`` gives
+    probabilities (B, C) or a regression GLM's ``(f_mu (B, C), f_var (B, C, C))``. A
+    :class:`torchmetrics.Metric` is reset, updated batch by batch (regression: with
+    ``(f_mu, f_var, y)`` if its ``update`` takes three arguments, else ``(f_mu, y)``) and its
+    ``compute()`` summed; another callable gets the concatenated predictions once,
+    ``loss(probs, y)`` or ``loss(f_mu, f_var, y)``.
 
     Args:
         laplace: A Laplace approximation (anything callable like one with a ``model``).
