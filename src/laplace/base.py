@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.curvature import check_dict_inputs
 from laplace.curvature.registry import check_backend_kwargs
-from laplace.data import move_inputs, split_batch
+from laplace.data import Inputs, move_inputs, split_batch
 from laplace.data_loop import DataLoop
 from laplace.distributed import unwrap_model
 from laplace.errors import (
@@ -387,6 +387,28 @@ class BaseLaplace:
         likelihood = model.fit_likelihood if fitting else model.predictive_likelihood
         likelihood.check_prediction(link_approx, joint)
         return pred_type, link_approx, likelihood
+
+    def _glm_prediction(
+        self,
+        x: Inputs,
+        likelihood: LikelihoodModel,
+        joint: bool,
+        diagonal_output: bool,
+        link_approx: LinkApprox,
+        n_samples: int,
+        generator: torch.Generator | None,
+    ) -> Any:
+        """The GLM predictive: the moments ``(f_mu, f_var)``, then the likelihood's prediction.
+
+        ``joint=True`` returns the joint moments ``(f_mu (B·C,), f_cov (B·C, B·C))`` as they are;
+        otherwise the likelihood says whether it needs covariances or variances
+        (``diagonal_moments``) and turns the moments into its prediction.
+        """
+        if joint:
+            return self._glm_predictive_distribution(x, joint=True)
+        diagonal = likelihood.diagonal_moments(diagonal_output)
+        f_mu, f_var = self._glm_predictive_distribution(x, diagonal_output=diagonal)
+        return likelihood.predict(f_mu, f_var, link_approx, n_samples, generator, diagonal_output)
 
     def _check_fitted(self, what: str = "this method") -> None:
         if not self._fitted:

@@ -6,7 +6,6 @@ Internal module; the public path is :mod:`laplace.baselaplace`.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -489,9 +488,8 @@ class ParametricLaplace(BaseLaplace):
         if pred_type == PredType.NN:
             groups = self._nn_sample_groups(x, n_samples, generator, **model_kwargs)
             return likelihood.sampled_predictive_of(groups)
-        moments = partial(self._glm_predictive_distribution, x)
-        return likelihood.predict(
-            moments, joint, diagonal_output, link_approx, n_samples, generator
+        return self._glm_prediction(
+            x, likelihood, joint, diagonal_output, link_approx, n_samples, generator
         )
 
     def predictive(self, x: Inputs, pred_type="glm", link_approx="probit", n_samples=100):

@@ -12,7 +12,6 @@ Internal module; the public path is :mod:`laplace.baselaplace`.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -238,9 +237,8 @@ class BaseFunctionalLaplace(BaseLaplace):
             pred_type, link_approx, n_samples, generator, joint, fitting
         )
         x = self._checked_inputs(x, "prediction")
-        moments = partial(self._glm_predictive_distribution, x)
-        return likelihood.predict(
-            moments, joint, diagonal_output, link_approx, n_samples, generator
+        return self._glm_prediction(
+            x, likelihood, joint, diagonal_output, link_approx, n_samples, generator
         )
 
     def _glm_predictive_distribution(

@@ -78,30 +78,24 @@ class OutputPredictions:
 
     def predict(
         self,
-        moments: Callable[..., tuple[Tensor, Tensor]],
-        joint: bool,
-        diagonal_output: bool,
+        f_mu: Tensor,
+        f_var: Tensor,
         link_approx: LinkApprox,
         n_samples: int,
         generator: torch.Generator | None,
+        diagonal_output: bool,
     ) -> Any:
-        """The GLM predictive from a function giving the Gaussian over the outputs.
+        """The GLM predictive from the Gaussian over the outputs at the test inputs.
 
         Args:
-            moments: ``moments(joint=..., diagonal_output=...)`` → ``(f_mu, f_var)`` at the
-                test inputs (``_glm_predictive_distribution`` of a Laplace approximation): the
-                output means in the outputs' shape (B, …) and the covariances (or variances)
-                of their rows (B·T, C, C) (see :mod:`laplace.outputs`).
-            joint: Return the joint Gaussian over all test outputs (checked beforehand by
-                :meth:`check_prediction`).
-            diagonal_output: Whether the caller asked for variances.
+            f_mu: Output means in the outputs' shape (B, …).
+            f_var: Covariances (B·T, C, C) of their rows (``laplace.outputs``), or variances
+                where :meth:`diagonal_moments` asked for them.
             link_approx: See :meth:`glm_predictive`.
             n_samples: See :meth:`glm_predictive`.
             generator: See :meth:`glm_predictive`.
+            diagonal_output: Whether the caller asked for variances.
         """
-        if joint:
-            return moments(joint=True)
-        f_mu, f_var = moments(diagonal_output=self.diagonal_moments(diagonal_output))
         layout = self.layout(f_mu.shape)
         prediction = self.glm_predictive(
             layout.rows(f_mu), f_var, link_approx, n_samples, generator, diagonal_output
