@@ -13,7 +13,7 @@ for Kronecker factors the sum ``G = diag(Σ pₙ) − P Pᵀ``. What each struct
   h·(tr A·tr R_weight + tr R_bias) / δ`` for prior precision ``δ``, ``h = 1/(σ²T)`` and input
   factor ``A``).
   Log-determinant, marginal likelihood, predictive variances and samples go through the
-  structure (:class:`~laplace.utils.structured_kron.StructuredKronDecomposed`): the cost of a
+  structure (:class:`~laplace.utils.matrix.StructuredKronDecomposed`): the cost of a
   marginal-likelihood step is O(D·C·k²) for D features, C classes and rank k.
 - **diag**: the curvature needs only ``diag(Mₙ)`` (``p − p²``); exact.
 - **full**: the dense (P, P) curvature is built exactly from the structure (a dense P × P that
@@ -35,7 +35,7 @@ from torch import Tensor
 
 from laplace.curvature import CurvatureInterface
 from laplace.utils.diag_lowrank import DiagLowRankBatch
-from laplace.utils.structured_kron import StructuredKron, StructuredKronDecomposed
+from laplace.utils.matrix import StructuredKron, StructuredKronDecomposed
 
 __all__ = [
     "LARGE_OUTPUT_THRESHOLD",
@@ -193,8 +193,8 @@ def kron_head_variance(
     ``Σⱼ φ̃ₙⱼ² diag(Pⱼ⁻¹)`` with ``φ̃ = Q_Aᵀ φ`` (plus the bias block's diagonal); the diagonals
     of the ``Pⱼ⁻¹`` are computed once per precision.
     """
-    inverse_diagonals, Q = precision.rotated_inverse_diagonal(0)
-    f_var = (phi @ Q).square() @ inverse_diagonals
+    weight = precision.low_rank_block(0)
+    f_var = (phi @ weight.Q).square() @ weight.inverse_diagonal
     if bias:
-        f_var = f_var + precision.rotated_inverse_diagonal(1)[0][0]
+        f_var = f_var + precision.low_rank_block(1).inverse_diagonal[0]
     return f_var

@@ -5,7 +5,7 @@ every layer with many outputs (a linear head's; over all weights, any Linear or 
 layer above the threshold) a :class:`~laplace.utils.diag_lowrank.DiagLowRank`
 ``G = diag(d) + s·U Uᵀ`` instead of a dense C × C matrix, the other blocks as they are;
 log-determinant, ``J P⁻¹ Jᵀ``, square norms and samples are computed through that structure
-(:class:`~laplace.utils.structured_kron.StructuredKronDecomposed`). Concrete classes carry the
+(:class:`~laplace.utils.matrix.StructuredKronDecomposed`). Concrete classes carry the
 largest rank kept for ``U`` and the threshold (:func:`structured_kron_posterior`).
 """
 
@@ -26,7 +26,7 @@ from laplace.last_layer import HeadCurvature
 from laplace.posteriors.base import ClosedForm, Posterior
 from laplace.posteriors.kron import KronPosterior
 from laplace.utils.diag_lowrank import DiagLowRank
-from laplace.utils.structured_kron import StructuredKron
+from laplace.utils.matrix import StructuredKron
 
 __all__ = [
     "StructuredKronPosterior",
