@@ -1,4 +1,9 @@
-"""Diagonal posterior: ``P = h·diag(H) + diag(p₀)`` stored as a vector."""
+"""Diagonal posterior: ``P = h·diag(H) + diag(p₀)`` stored as a vector.
+
+A linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, :mod:`laplace.last_layer`) has the
+diagonal ``Σₙ diag(Mₙ) ⊗ φₙ²``, ``Σₙ diag(Mₙ)`` of its curvature and ``Jₙ diag(σ²) Jₙᵀ`` in
+closed form from the features.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,46 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from laplace import large_output
 from laplace.jacobians import HeadFeatures, Jacobian, LayerTrace
 from laplace.kron_glm import diag_functional_variance
-from laplace.last_layer import DIAG_HEAD_CURVATURE, HeadCurvature, diag_head_variance
+from laplace.last_layer import HeadCurvature
 from laplace.posteriors.base import ClosedForm, Posterior
+from laplace.utils.diag_lowrank import DiagLowRankBatch
 
-__all__ = ["DiagonalPosterior"]
+__all__ = ["DiagonalPosterior", "diag_head_curvature", "diag_head_variance"]
+
+
+def diag_head_curvature(
+    phi: Tensor, M: Tensor | DiagLowRankBatch, bias: bool, n_data: int, factor: float
+) -> Tensor:
+    """Diagonal of ``Σₙ Jₙᵀ Mₙ Jₙ`` of a linear head, shape (P,).
+
+    Args:
+        phi: Features, shape (N, D).
+        M: Output-space curvatures, (N, C, C) or diagonal plus low rank.
+        bias: Whether the head has a bias.
+        n_data: Unused (the signature of :data:`~laplace.last_layer.HeadCurvature`).
+        factor: Unused, as ``n_data``.
+    """
+    m = M.diagonal() if isinstance(M, DiagLowRankBatch) else M.diagonal(dim1=1, dim2=2)
+    parts = [(m.T @ phi.square()).flatten()]
+    if bias:
+        parts.append(m.sum(0))
+    return torch.cat(parts)
+
+
+def diag_head_variance(variance: Tensor, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+    """``Jₙ diag(σ²) Jₙᵀ`` from the posterior variances σ² (P,): (B, D) → (B, C, C).
+
+    The result is diagonal in the outputs; above the large-output threshold only the variances
+    (B, C).
+    """
+    D = phi.shape[1]
+    f_var = phi.square() @ variance[: n_out * D].reshape(n_out, D).T
+    if bias:
+        f_var = f_var + variance[n_out * D :]
+    return f_var if large_output.is_large_output(n_out) else torch.diag_embed(f_var)
 
 
 def _head_variance(posterior: DiagonalPosterior, J: HeadFeatures) -> Tensor:
@@ -37,7 +76,7 @@ class DiagonalPosterior(Posterior):
         HeadFeatures: _head_variance,
         LayerTrace: _trace_variance,
     }
-    head_curvature: ClassVar[HeadCurvature | None] = DIAG_HEAD_CURVATURE
+    head_curvature: ClassVar[HeadCurvature | None] = ("diag", diag_head_curvature)
 
     @override
     @staticmethod
