@@ -205,10 +205,6 @@ class PerOutputPosterior(Posterior):
         """``J P⁻¹ Jᵀ`` per point, (B, C, P) → (B, C, C)."""
         return self.inner.rows_variance(Js)
 
-    def functional_covariance(self, Js: Tensor) -> Tensor:
-        """Joint ``J P⁻¹ Jᵀ`` over the rows of ``Js`` (N, P)."""
-        return self.inner.functional_covariance(Js)
-
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
         """Draws of ``θ − θ_MAP``, shape (n_samples, P)."""
         return self.inner.sample_deviations(n_samples, generator)

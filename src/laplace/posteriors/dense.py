@@ -197,21 +197,13 @@ class DensePosterior(Posterior):
     def square_form(self, delta: Tensor) -> Tensor:
         return delta @ self.precision @ delta
 
-    def _whitened(self, Js: Tensor) -> Tensor:
-        """``L⁻¹ Jᵀ`` so that ``J P⁻¹ Jᵀ = (L⁻¹Jᵀ)ᵀ (L⁻¹Jᵀ)``; Js (..., P) → (P, ...)."""
-        flat = Js.reshape(-1, Js.shape[-1]).T
-        return torch.linalg.solve_triangular(self.cholesky, flat, upper=False)
-
     @override
     def rows_variance(self, Js: Tensor) -> Tensor:
+        # W = L⁻¹ Jᵀ, so that J P⁻¹ Jᵀ = Wᵀ W.
         B, C, _ = Js.shape
-        W = self._whitened(Js).T.reshape(B, C, -1)
+        flat = Js.reshape(-1, Js.shape[-1]).T
+        W = torch.linalg.solve_triangular(self.cholesky, flat, upper=False).T.reshape(B, C, -1)
         return W @ W.transpose(1, 2)
-
-    @override
-    def functional_covariance(self, Js: Tensor) -> Tensor:
-        W = self._whitened(Js)
-        return W.T @ W
 
     @override
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:

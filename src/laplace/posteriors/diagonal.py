@@ -119,10 +119,6 @@ class DiagonalPosterior(Posterior):
         return scaled @ Js.transpose(1, 2)
 
     @override
-    def functional_covariance(self, Js: Tensor) -> Tensor:
-        return (Js * self.variance) @ Js.T
-
-    @override
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
         z = self._standard_normal((n_samples, len(self.prior_diag)), generator)
         return z * self.scale

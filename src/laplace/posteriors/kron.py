@@ -286,10 +286,6 @@ class KronPosterior(KronAccumulator, Posterior):
         return self.precision.inv_square_form(Js)
 
     @override
-    def functional_covariance(self, Js: Tensor) -> Tensor:
-        return self.precision.inv_square_form(Js.unsqueeze(0)).squeeze(0)
-
-    @override
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
         z = self._standard_normal((n_samples, len(self.prior_diag)), generator)
         return self.precision.bmm(z, exponent=-0.5)

@@ -144,11 +144,6 @@ class LowRankPosterior(Posterior):
         return (Js / self.prior_diag) @ Js.transpose(1, 2) - JZ @ JZ.transpose(1, 2)
 
     @override
-    def functional_covariance(self, Js: Tensor) -> Tensor:
-        JZ = Js @ self.woodbury_basis
-        return (Js / self.prior_diag) @ Js.T - JZ @ JZ.T
-
-    @override
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
         z = self._standard_normal((len(self.prior_diag), n_samples), generator)
         return self._scale_times(z).T
