@@ -1,31 +1,13 @@
 r"""Diagonal-plus-low-rank matrices: output curvatures over many classes without a C × C matrix.
 
-The output Hessian of a softmax over C classes is ``Λₙ = diag(pₙ) − pₙ pₙᵀ``, and its sum over N
-outputs (data points, sequence positions, pixels) is exactly
-
-.. math::
-    G = \sum_n \big(\operatorname{diag}(p_n) - p_n p_n^\top\big)
-      = \operatorname{diag}\Big(\sum_n p_n\Big) - P P^\top, \qquad P = [p_1, \dots, p_N]
-      \in \mathbb{R}^{C \times N},
-
-a diagonal minus a low-rank Gram matrix. Every output curvature of this library has that form
-``diag(d) + s·U Uᵀ`` with a sign ``s = ±1``: softmax ``(p, p, −1)``, Gaussian regression
-``(1, –, +1)``, the empirical or Monte-Carlo Fisher ``(0, ∇ℓ, +1)``.
-
-:class:`DiagLowRankBatch` holds one such matrix per output point, ``Mₙ = diag(dₙ) + s Vₙ Vₙᵀ``
-(``d`` (N, C), ``V`` (N, C, K)); :class:`DiagLowRank` their sum, ``G = diag(Σ dₙ) + s U Uᵀ``
-with the columns of all ``Vₙ`` in ``U`` (C, k). Memory is O(C·(k + 1)) instead of O(C²).
-
-**Bounded rank.** Summed over a data set, ``U`` would grow by K columns per point. With
-``max_rank`` set, columns are folded in as they come: the kept columns and the next ones are
-reduced to their top ``max_rank`` singular directions (an exact truncated SVD of those columns,
-through the eigen-decomposition of their small Gram matrix). The removed part
-``R = Σ (dropped σᵢ² uᵢuᵢᵀ)`` is positive semi-definite, with trace :attr:`DiagLowRank.dropped`.
-For a softmax (``s = −1``) the kept matrix is ``G + R ⪰ G ⪰ 0``, at nuclear-norm distance
-``tr R``. For ``s = +1`` (the Fisher estimates, whose gradient columns over a large vocabulary
-are nearly orthogonal) the diagonal of ``R`` moves into ``d``: ``G − R + diag(R)`` keeps the
-exact diagonal of ``G``, stays positive semi-definite and is within ``2 tr R``. While the true
-rank is at most ``max_rank`` nothing is dropped and the representation is exact.
+Every output curvature of this library has the form ``diag(d) + s·U Uᵀ`` with a sign
+``s = ±1``: softmax ``(p, p, −1)`` (summed over N points, ``G = diag(Σ pₙ) − P Pᵀ`` exactly),
+Gaussian regression ``(1, –, +1)``, the empirical or Monte-Carlo Fisher ``(0, ∇ℓ, +1)``.
+:class:`DiagLowRankBatch` holds one per output point, :class:`DiagLowRank` their sum (O(C·(k+1))
+memory, its rank bounded by ``max_rank`` through truncated SVDs of the columns as they come),
+and :class:`LowRankKronBlock` the Kronecker block of such a factor, the factor kind of
+:class:`~laplace.utils.matrix.Kron` above the large-output threshold. ``docs/large_outputs.md``
+gives the maths and the error bounds of the truncation.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ nngeometry's ``PMatMixed``): two factors ``F₀ ⊗ F₁``, ``F₀`` (m × m) on
 a parameter of shape (m, ...) and ``F₁`` (n × n) on the flattened others (a Linear weight: its
 outputs ⊗ inputs; an embedding: its vocabulary ⊗ its dimension), or one factor (p × p: a bias,
 the exact block of a small parameter). A factor is a dense matrix (2-D) or a diagonal (the 1-D
-tensor of its entries), which never costs V × V memory (only ``to_matrix`` expands it). In a
+tensor of its entries), which never costs V × V memory (only ``to_matrix`` expands it); the
+output factor of a layer with many outputs may be a diagonal plus low rank
+(:class:`~laplace.utils.diag_lowrank.DiagLowRank`, in a :class:`StructuredKron`), kept as it is
+by ``decompose`` and computed per eigenvalue of the other factor. In a
 fitted curvature ``F₀`` of a two-factor block is summed over the data and ``F₁`` normalised by
 the number of data points (see :mod:`laplace.curvature.kfac`).
 
