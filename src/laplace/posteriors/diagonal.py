@@ -16,13 +16,20 @@ from torch import Tensor
 from typing_extensions import override
 
 from laplace import large_output
+from laplace.curvature.kfac_rules import plan_blocks
+from laplace.curvature.per_sample import PerSampleTrace
 from laplace.jacobians import HeadFeatures, Jacobian, LayerTrace
-from laplace.kron_glm import diag_functional_variance
+from laplace.kron_glm import layerwise_variance
 from laplace.last_layer import HeadCurvature
 from laplace.posteriors.base import ClosedForm, Posterior
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 
-__all__ = ["DiagonalPosterior", "diag_head_curvature", "diag_head_variance"]
+__all__ = [
+    "DiagonalPosterior",
+    "diag_functional_variance",
+    "diag_head_curvature",
+    "diag_head_variance",
+]
 
 
 def diag_head_curvature(
@@ -57,6 +64,35 @@ def diag_head_variance(variance: Tensor, phi: Tensor, n_out: int, bias: bool) ->
     return f_var if large_output.is_large_output(n_out) else torch.diag_embed(f_var)
 
 
+def diag_functional_variance(
+    trace: PerSampleTrace, precision: Tensor, create_graph: bool = False
+) -> Tensor | None:
+    """``J P⁻¹ Jᵀ`` (B, C, C) of a diagonal precision (P,) from a recorded forward pass.
+
+    The layer-wise closed forms (:func:`laplace.kron_glm.layerwise_variance`) with identity
+    eigenvectors and the inverse precision of each entry.
+
+    Returns:
+        The covariances, or None for a subnetwork or when a layer does not see the data points
+        along its first dimension (the caller then falls back to Jacobians).
+    """
+    if trace.engine.indices is not None:  # a subnetwork: blocks are not whole tensors
+        return None
+    params = trace.engine.needed
+    plan = plan_blocks(trace.engine)
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+
+    def block(i: int) -> tuple[list[Tensor | None], Tensor]:
+        inv = precision[offsets[i] : offsets[i + 1]].reciprocal()
+        if plan[i].kind == "kron":
+            return [None, None], inv.reshape(params[i].shape[0], -1)
+        return [None], inv
+
+    return layerwise_variance(trace, block, create_graph)
+
+
 def _head_variance(posterior: DiagonalPosterior, J: HeadFeatures) -> Tensor:
     return diag_head_variance(posterior.variance, J.phi, J.n_out, J.bias)
 
@@ -69,7 +105,7 @@ class DiagonalPosterior(Posterior):
     """Gaussian posterior with independent parameters; every operation is O(P) per row.
 
     The functional variance of a recorded pass needs no Jacobian
-    (:func:`laplace.kron_glm.diag_functional_variance`).
+    (:func:`diag_functional_variance`).
     """
 
     closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {

@@ -26,8 +26,9 @@ from typing_extensions import override
 
 from laplace import large_output
 from laplace.curvature.kfac_rules import LowRankShape
+from laplace.curvature.per_sample import PerSampleTrace
 from laplace.jacobians import HeadFeatures, Jacobian, LayerTrace
-from laplace.kron_glm import kron_functional_variance
+from laplace.kron_glm import layerwise_variance
 from laplace.last_layer import HeadCurvature
 from laplace.posteriors.base import ClosedForm, Posterior
 from laplace.utils.diag_lowrank import (
@@ -43,6 +44,7 @@ __all__ = [
     "KronAccumulator",
     "KronPosterior",
     "kron_block_structure",
+    "kron_functional_variance",
     "kron_head_curvature",
     "kron_head_variance",
 ]
@@ -95,6 +97,31 @@ def kron_head_variance(precision: KronDecomposed, phi: Tensor, n_out: int, bias:
         (Q_b,) = precision.eigenvectors[1]
         f_var = f_var + (Q_b * precision.spectrum(1).reciprocal()) @ Q_b.T
     return f_var
+
+
+def kron_functional_variance(
+    trace: PerSampleTrace, precision: KronDecomposed, create_graph: bool = False
+) -> Tensor | None:
+    """``J P⁻¹ Jᵀ`` (B, C, C) of a Kronecker precision from a recorded forward pass.
+
+    The layer-wise closed forms (:func:`laplace.kron_glm.layerwise_variance`) in the
+    eigenbasis of each block.
+
+    Args:
+        trace: Recorded forward over the test inputs (all parameters, no subnetwork).
+        precision: Posterior precision, one block per parameter in ``trace.engine`` order.
+        create_graph: Keep the result differentiable w.r.t. the inputs.
+
+    Returns:
+        The covariances, or None when a layer does not see the data points along its first
+        dimension or a two-factor block has no Kronecker rule (the caller then falls back to
+        Jacobians).
+    """
+
+    def block(i: int) -> tuple[list[Tensor | None], Tensor]:
+        return precision.eigenvectors[i], precision.spectrum(i).reciprocal()
+
+    return layerwise_variance(trace, block, create_graph)
 
 
 def _head_variance(posterior: KronPosterior, J: HeadFeatures) -> Tensor:
@@ -189,7 +216,7 @@ class KronPosterior(KronAccumulator, Posterior):
     differentiable. ``log det P``, ``J P⁻¹ Jᵀ``, ``Δᵀ P Δ`` and samples
     ``P^{-1/2} z`` cost a few products with the eigenvector matrices of each block; ``J P⁻¹ Jᵀ``
     of a recorded pass or of a linear head's features needs no Jacobian
-    (:func:`laplace.kron_glm.kron_functional_variance`, :func:`kron_head_variance`).
+    (:func:`kron_functional_variance`, :func:`kron_head_variance`).
 
     Args:
         H: Fitted curvature, a ``KronDecomposed`` (a ``Kron`` is decomposed without damping).
