@@ -247,6 +247,7 @@ class DiagLowRank:
         if moved is not None:
             self.diag.add_(moved)
         self.__dict__.pop("pair_products", None)
+        self.scaled_from = None  # no longer a multiple of the matrix it was scaled from
         return self
 
     def __mul__(self, scalar: float | Tensor) -> DiagLowRank:
