@@ -25,8 +25,7 @@ from laplace import Laplace, large_output, marglik_training
 from laplace.curvature import CurvlinopsGGN
 from laplace.distributed import DistributedFitError, all_gather, shard_dataset
 from laplace.evaluation import evaluate
-from laplace.utils.matrix import KronDecomposed
-from laplace.utils.structured_kron import StructuredKron
+from laplace.utils.matrix import KronDecomposed, StructuredKron
 
 WORLD = 2
 RTOL, ATOL = 1e-9, 1e-10

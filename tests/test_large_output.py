@@ -35,8 +35,7 @@ from laplace.utils.diag_lowrank import (
     factor_from_state,
     factor_state,
 )
-from laplace.utils.matrix import Kron
-from laplace.utils.structured_kron import StructuredKron, StructuredKronDecomposed
+from laplace.utils.matrix import Kron, StructuredKron, StructuredKronDecomposed
 
 STRUCTURES = {"kron": KronLLLaplace, "diag": DiagLLLaplace, "full": FullLLLaplace}
 #: (case, backend): softmax GGN (s = −1), softmax EF (s = +1 with columns), regression (d only).

@@ -24,7 +24,7 @@ from laplace.curvature.kfac_rules import plan_blocks
 from laplace.errors import TooLargeError
 from laplace.likelihoods.categorical import Categorical
 from laplace.utils.diag_lowrank import DiagLowRank
-from laplace.utils.structured_kron import StructuredKron, StructuredKronDecomposed
+from laplace.utils.matrix import StructuredKron, StructuredKronDecomposed
 
 #: Curvatures with a few columns per data point: empirical Fisher, Monte-Carlo Fisher.
 BACKENDS = {

@@ -1,4 +1,4 @@
-r"""Jacobian-free GLM output covariance ``J P⁻¹ Jᵀ`` for Kronecker or diagonal precisions.
+r"""Jacobian-free GLM output covariance ``J P⁻¹ Jᵀ`` of block-wise precisions, layer by layer.
 
 For a layer applied at positions ``t`` with inputs ``aₙₜ`` and gradients ``gₙcₜ = ∂fₙc/∂zₙₜ`` of
 output ``c`` w.r.t. its outputs, the Jacobian of ``fₙc`` w.r.t. the weight is
@@ -17,11 +17,8 @@ point and token ``v`` the row ``Σ_{t: xₜ = v} g̃cₜ`` of ``Mc`` is all ther
 parameter (its exact block, dense or diagonal) uses its per-sample gradients ``uₙc``
 (:data:`~laplace.curvature.layer_rules.PER_SAMPLE_RULES`): ``Σᵢ ũcᵢ ũdᵢ / sᵢ`` with ``ũ = Qᵀ u``.
 
-A diagonal precision is the special case of identity eigenvectors with ``s`` the precision of
-each entry. A low-rank precision ``P = U diag(h·λ) Uᵀ + D`` has ``P⁻¹ = D⁻¹ − Z Zᵀ``
-(Woodbury, ``Z`` of shape (P, k)): the diagonal case minus ``(J Z)(J Z)ᵀ``, where ``J Z`` is the
-inner product of every output's per-sample gradient with the k columns of ``Z``
-(:class:`~laplace.curvature.block_product.SampleVectors`, per layer). All of it comes from one
+A diagonal precision is the special case of identity eigenvectors (each structure gives its
+blocks, :data:`BlockInverse`, in its own module). All of it comes from one
 recorded forward pass and one backward pass per output (w.r.t. layer outputs only): the memory
 is that of the activations per output, never the (B, C, P) Jacobian (the ``Mc`` of a layer at
 several positions, as large as its Jacobian rows, are formed a block of test points at a time).
@@ -34,21 +31,18 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from laplace.curvature.block_product import ParameterBlock, SampleVectors
 from laplace.curvature.capture import OutputGradients
-from laplace.curvature.kfac_rules import KfacRule, kfac_rule, plan_blocks
+from laplace.curvature.kfac_rules import KfacRule, kfac_rule
 from laplace.curvature.layer_rules import per_sample_grads
 from laplace.curvature.per_sample import PerSampleTrace
 from laplace.curvature.square_sums import row_token_pairs
-from laplace.utils.matrix import KronDecomposed
 
 __all__ = [
     "LAYERWISE_CHUNK_ROWS",
     "SHARED_LAYER_BLOCK_BYTES",
-    "diag_functional_variance",
-    "kron_functional_variance",
+    "BlockInverse",
     "layerwise_chunk_rows",
-    "lowrank_functional_variance",
+    "layerwise_variance",
 ]
 
 #: Test points per chunk of the layer-wise GLM predictive (it holds activations, not Jacobians).
@@ -61,54 +55,6 @@ SHARED_LAYER_BLOCK_BYTES = 64 * 2**20
 #: Per parameter slot: the eigenvectors of its factors (None: identity) and the inverse
 #: spectrum, (m, n) for a two-factor block, (p,) for a one-factor block.
 BlockInverse = Callable[[int], tuple[list[Tensor | None], Tensor]]
-
-
-def kron_functional_variance(
-    trace: PerSampleTrace, precision: KronDecomposed, create_graph: bool = False
-) -> Tensor | None:
-    """``f_var = J P⁻¹ Jᵀ`` (B, C, C) of the linearised network from a recorded forward.
-
-    Args:
-        trace: Recorded forward over the test inputs (all parameters, no subnetwork).
-        precision: Posterior precision, one block per parameter in ``trace.engine`` order.
-        create_graph: Keep the result differentiable w.r.t. the inputs.
-
-    Returns:
-        The covariances, or None when a layer does not see the data points along its first
-        dimension or a two-factor block has no Kronecker rule (the caller then falls back to
-        Jacobians).
-    """
-
-    def block(i: int) -> tuple[list[Tensor | None], Tensor]:
-        return precision.eigenvectors[i], precision.spectrum(i).reciprocal()
-
-    return _layerwise_variance(trace, block, create_graph)
-
-
-def diag_functional_variance(
-    trace: PerSampleTrace, precision: Tensor, create_graph: bool = False
-) -> Tensor | None:
-    """Same as :func:`kron_functional_variance` for a diagonal precision (P,).
-
-    Returns:
-        The covariances, or None for a subnetwork or when a layer does not see the data points
-        along its first dimension (the caller then falls back to Jacobians).
-    """
-    if trace.engine.indices is not None:  # a subnetwork: blocks are not whole tensors
-        return None
-    params = trace.engine.needed
-    plan = plan_blocks(trace.engine)
-    offsets = [0]
-    for p in params:
-        offsets.append(offsets[-1] + p.numel())
-
-    def block(i: int) -> tuple[list[Tensor | None], Tensor]:
-        inv = precision[offsets[i] : offsets[i + 1]].reciprocal()
-        if plan[i].kind == "kron":
-            return [None, None], inv.reshape(params[i].shape[0], -1)
-        return [None], inv
-
-    return _layerwise_variance(trace, block, create_graph)
 
 
 def layerwise_chunk_rows(model: nn.Module, params: list[Tensor], jacobian_rows: int) -> int:
@@ -138,32 +84,6 @@ def layerwise_chunk_rows(model: nn.Module, params: list[Tensor], jacobian_rows: 
         return LAYERWISE_CHUNK_ROWS
     total = sum(p.numel() for p in params)
     return min(LAYERWISE_CHUNK_ROWS, max(1, jacobian_rows * total // exact))
-
-
-def lowrank_functional_variance(
-    trace: PerSampleTrace, prior_diag: Tensor, basis: Tensor, create_graph: bool = False
-) -> Tensor | None:
-    """Same as :func:`kron_functional_variance` for ``P⁻¹ = diag(prior_diag)⁻¹ − Z Zᵀ``.
-
-    Args:
-        trace: Recorded forward over the test inputs (all parameters).
-        prior_diag: The diagonal ``D`` of the precision, shape (P,).
-        basis: ``Z``, shape (P, k).
-        create_graph: Keep the result differentiable w.r.t. the inputs.
-
-    Returns:
-        The covariances, or None when the diagonal route does not apply (the caller then
-        falls back to Jacobians).
-    """
-    f_var = diag_functional_variance(trace, prior_diag, create_graph)
-    if f_var is None:
-        return None
-    B, C, _ = f_var.shape
-    eye = torch.eye(C, dtype=f_var.dtype, device=f_var.device)
-    columns = eye[:, None, :].expand(C, B, C).reshape(C, *trace.f.shape)
-    JZ = SampleVectors(trace, columns).project(ParameterBlock(trace.engine, basis))
-    JZ = JZ.transpose(0, 1)  # (B, C, k)
-    return f_var - JZ @ JZ.transpose(1, 2)
 
 
 def _rotate(t: Tensor, Q: Tensor | None) -> Tensor:
@@ -296,9 +216,21 @@ def _slots(trace: PerSampleTrace, block_inverse: BlockInverse) -> list[_Slot] | 
     return slots
 
 
-def _layerwise_variance(
+def layerwise_variance(
     trace: PerSampleTrace, block_inverse: BlockInverse, create_graph: bool
 ) -> Tensor | None:
+    """``J P⁻¹ Jᵀ`` (B, C, C) of the linearised network from a recorded forward pass.
+
+    Args:
+        trace: Recorded forward over the test inputs (all parameters, no subnetwork).
+        block_inverse: Per parameter, the eigenvectors and inverse spectrum of its block.
+        create_graph: Keep the result differentiable w.r.t. the inputs.
+
+    Returns:
+        The covariances, or None when a layer does not see the data points along its first
+        dimension or a two-factor block has no Kronecker rule (the caller then falls back to
+        Jacobians).
+    """
     f, calls, engine = trace.f, trace.calls, trace.engine
     B = f.shape[0]
     slots = _slots(trace, block_inverse)

@@ -15,7 +15,7 @@ from laplace.errors import check_positive_int
 from laplace.outputs import IGNORE_INDEX
 from laplace.parametric import ParametricLaplace
 from laplace.posteriors import KronPosterior, Posterior
-from laplace.posteriors.structured_kron import kron_block_structure
+from laplace.posteriors.kron import kron_block_structure
 from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 from laplace.utils.matrix import Kron, KronDecomposed
 

@@ -733,7 +733,7 @@ class DiagLaplace(ParametricLaplace):
     """Laplace approximation with a diagonal curvature and posterior precision (P,).
 
     The GLM predictive is computed without Jacobians
-    (:func:`laplace.kron_glm.diag_functional_variance`, every layer); models whose layers do not
+    (:func:`laplace.posteriors.diagonal.diag_functional_variance`, every layer); models whose layers do not
     see the data points along dim 0 use the Jacobian rows of the same recorded pass.
     """
 

@@ -22,9 +22,9 @@ diagonal in them) and is refused, and so are low-rank and function-space posteri
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -75,6 +75,46 @@ class OutputKron(Kron):
         return Kron(summed).decompose(damping=self.damping)
 
 
+class Family(NamedTuple):
+    """How a base structure keeps one curvature per output, as functions of its values.
+
+    Attributes:
+        route: The backend route of the structure (``"full"``, ``"diag"`` or ``"kron"``).
+        output_curvature: ``(backend, trace, column, n_data) -> H_c``, the curvature of one
+            output column in the structure's form.
+        stack: The curvatures of the C outputs, stacked (C, ...).
+        combine: ``(H (C, ...), w (C,)) -> Σ_c w_c H_c`` in the structure's form.
+    """
+
+    route: str
+    output_curvature: Callable[[Any, Any, Tensor, int], Any]
+    stack: Callable[[list[Any]], Any]
+    combine: Callable[[Any, Tensor], Any]
+
+
+def _gram(backend: Any, trace: Any, column: Tensor, n_data: int) -> Tensor:
+    return trace.gram([column]).detach()
+
+
+def _square_sum(backend: Any, trace: Any, column: Tensor, n_data: int) -> Tensor:
+    return trace.square_sum([column]).detach()
+
+
+def _kfac(backend: Any, trace: Any, column: Tensor, n_data: int) -> Kron:
+    check_gradient_factor_first(trace.engine, "one sigma_noise per output")
+    limit = backend.kfac_dense_limit
+    return kfac(trace, [column], n_data, backend.kfac_approx, backend.factor, None, limit)
+
+
+def _stack_kron(parts: list[Kron]) -> OutputKron:
+    blocks = zip(*(part.kfacs for part in parts), strict=True)
+    return OutputKron([[torch.stack([b[0] for b in bl]), *bl[0][1:]] for bl in blocks])
+
+
+def _weighted_sum(H: Tensor, weights: Tensor) -> Tensor:
+    return torch.tensordot(weights, H, dims=1)
+
+
 class PerOutputPosterior(Posterior):
     """Posterior of ``P = Σ_c h_c H_c + diag(p₀)`` from per-output curvatures ``H`` (C, ...).
 
@@ -90,8 +130,8 @@ class PerOutputPosterior(Posterior):
 
     #: The structure of each output's curvature and of the posterior.
     structure: ClassVar[type[Posterior]]
-    #: The backend route of the structure (``"full"``, ``"diag"`` or ``"kron"``).
-    route: ClassVar[str]
+    #: How that structure keeps the curvature of each output.
+    family: ClassVar[Family]
     #: Number of outputs C.
     n_outputs: ClassVar[int]
 
@@ -100,17 +140,12 @@ class PerOutputPosterior(Posterior):
         self.h_factor = h_factor.reshape(-1).expand(self.n_outputs)
         self.prior_diag = prior_diag
         one = torch.ones((), dtype=prior_diag.dtype, device=prior_diag.device)
-        self.inner = self.structure(self._combine(H, self.h_factor), one, prior_diag)
+        self.inner = self.structure(self.family.combine(H, self.h_factor), one, prior_diag)
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
-
-    @staticmethod
-    def _combine(H: Any, weights: Tensor) -> Any:
-        """``Σ_c w_c H_c`` in the base structure's representation."""
-        return torch.tensordot(weights, H, dims=1)
 
     # ---------------------------------------------------------------- curvature accumulation
     @classmethod
@@ -138,17 +173,9 @@ class PerOutputPosterior(Posterior):
         weights = sum(v.square() for v in backend.curvature_columns(f, y))
         eye = torch.eye(cls.n_outputs, dtype=f.dtype, device=f.device)
         columns = [weights[:, c, None].sqrt() * eye[c] for c in range(cls.n_outputs)]
-        parts = [cls._output_curvature(backend, trace, column, n_data) for column in columns]
-        return backend.fit_likelihood.loss_per_output(f, y), cls._stack(parts)
-
-    @staticmethod
-    def _output_curvature(backend: Any, trace: Any, column: Tensor, n_data: int) -> Any:
-        """The curvature of one output column in the base structure's form."""
-        return trace.gram([column]).detach()
-
-    @staticmethod
-    def _stack(parts: list[Any]) -> Any:
-        return torch.stack(parts)
+        output_curvature = cls.family.output_curvature
+        parts = [output_curvature(backend, trace, column, n_data) for column in columns]
+        return backend.fit_likelihood.loss_per_output(f, y), cls.family.stack(parts)
 
     # ------------------------------------------------------------------------ the posterior
     @property
@@ -178,36 +205,13 @@ class PerOutputPosterior(Posterior):
         """``J P⁻¹ Jᵀ`` per point, (B, C, P) → (B, C, C)."""
         return self.inner.rows_variance(Js)
 
-    def functional_covariance(self, Js: Tensor) -> Tensor:
-        """Joint ``J P⁻¹ Jᵀ`` over the rows of ``Js`` (N, P)."""
-        return self.inner.functional_covariance(Js)
-
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
         """Draws of ``θ − θ_MAP``, shape (n_samples, P)."""
         return self.inner.sample_deviations(n_samples, generator)
 
 
-class _PerOutputDense(PerOutputPosterior):
-    structure = DensePosterior
-    route = "full"
-
-
-class _PerOutputDiagonal(PerOutputPosterior):
-    structure = DiagonalPosterior
-    route = "diag"
-
-    @staticmethod
-    def _output_curvature(backend: Any, trace: Any, column: Tensor, n_data: int) -> Tensor:
-        return trace.square_sum([column]).detach()
-
-
 class _PerOutputKron(KronAccumulator, PerOutputPosterior):
-    structure = KronPosterior
-    route = "kron"
-
-    @staticmethod
-    def _combine(H: OutputKron, weights: Tensor) -> KronDecomposed:
-        return H.combine(weights)
+    """Per-output Kronecker factors: one output-gradient factor per output, inputs shared."""
 
     @classmethod
     def zeros(cls, params: Sequence[Tensor], shapes: list | None = None) -> OutputKron:
@@ -227,29 +231,23 @@ class _PerOutputKron(KronAccumulator, PerOutputPosterior):
         """The fitted factors are kept as they are."""
         return H
 
-    @staticmethod
-    def _output_curvature(backend: Any, trace: Any, column: Tensor, n_data: int) -> Kron:
-        check_gradient_factor_first(trace.engine, "one sigma_noise per output")
-        limit = backend.kfac_dense_limit
-        return kfac(trace, [column], n_data, backend.kfac_approx, backend.factor, None, limit)
 
-    @staticmethod
-    def _stack(parts: list[Kron]) -> OutputKron:
-        blocks = zip(*(part.kfacs for part in parts), strict=True)
-        return OutputKron([[torch.stack([b[0] for b in bl]), *bl[0][1:]] for bl in blocks])
-
-
-_FAMILIES: dict[type[Posterior], type[PerOutputPosterior]] = {
-    DensePosterior: _PerOutputDense,
-    DiagonalPosterior: _PerOutputDiagonal,
-    KronPosterior: _PerOutputKron,
+#: Per base structure: the per-output class to configure and how it keeps each output.
+_FAMILIES: dict[type[Posterior], tuple[type[PerOutputPosterior], Family]] = {
+    DensePosterior: (PerOutputPosterior, Family("full", _gram, torch.stack, _weighted_sum)),
+    DiagonalPosterior: (
+        PerOutputPosterior,
+        Family("diag", _square_sum, torch.stack, _weighted_sum),
+    ),
+    KronPosterior: (_PerOutputKron, Family("kron", _kfac, _stack_kron, OutputKron.combine)),
 }
 
 
 @cache
 def _per_output(structure: type[Posterior], n_outputs: int) -> type[PerOutputPosterior]:
-    family = _FAMILIES[structure]
-    return type(f"PerOutput{structure.__name__}", (family,), {"n_outputs": n_outputs})
+    base, family = _FAMILIES[structure]
+    attributes = {"structure": structure, "family": family, "n_outputs": n_outputs}
+    return type(f"PerOutput{structure.__name__}", (base,), attributes)
 
 
 def noise_structure(
@@ -294,7 +292,7 @@ def noise_structure(
             "'kron' (the curvature of each output is kept); this approximation is "
             f"{structure.__name__}."
         )
-    route = _FAMILIES[structure].route
+    route = _FAMILIES[structure][1].route
     if not issubclass(backend_cls, GGNInterface) or getattr(backend_cls, route) is not getattr(
         CurvatureInterface, route
     ):

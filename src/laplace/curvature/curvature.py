@@ -243,7 +243,7 @@ class CurvatureInterface(OutputColumns):
 
         Returns:
             The summed batch loss and the :class:`~laplace.utils.matrix.Kron` of the batch
-            (a :class:`~laplace.utils.structured_kron.StructuredKron` with low-rank factors).
+            (a :class:`~laplace.utils.matrix.StructuredKron` with low-rank factors).
 
         Raises:
             ValueError: With ``subnetwork_indices`` or an unknown keyword argument, and for the

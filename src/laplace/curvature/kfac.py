@@ -45,7 +45,7 @@ A layer with many outputs (``low_rank_above``, see :mod:`laplace.curvature.kfac_
 they come), never a C × C matrix: exact for the few columns of the empirical or Monte-Carlo
 Fisher while their number stays within ``max_rank``, otherwise the top singular directions,
 an under-estimate ``G − R`` with ``tr R`` counted in ``dropped``. Such blocks come back in a
-:class:`~laplace.utils.structured_kron.StructuredKron`.
+:class:`~laplace.utils.matrix.StructuredKron`.
 """
 
 from __future__ import annotations
@@ -71,8 +71,7 @@ from laplace.curvature.per_sample import COLUMNS_PER_BACKWARD, PerSampleEngine, 
 from laplace.curvature.square_sums import row_token_pairs
 from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.linalg import symmetric_gram
-from laplace.utils.matrix import Kron
-from laplace.utils.structured_kron import StructuredKron
+from laplace.utils.matrix import Kron, StructuredKron
 
 __all__ = ["KFAC_APPROXIMATIONS", "kfac", "kfac_shapes"]
 

@@ -173,9 +173,9 @@ class Posterior(ABC):
     def rows_variance(self, Js: Tensor) -> Tensor:
         """``J P⁻¹ Jᵀ`` per point from dense Jacobian rows: ``Js`` (B, C, P) → (B, C, C)."""
 
-    @abstractmethod
     def functional_covariance(self, Js: Tensor) -> Tensor:
         """Joint ``J P⁻¹ Jᵀ`` over all rows: ``Js`` (N, P) → (N, N)."""
+        return self.rows_variance(Js.unsqueeze(0)).squeeze(0)
 
     @abstractmethod
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:

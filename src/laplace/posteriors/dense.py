@@ -1,4 +1,10 @@
-"""Dense posterior: ``P = h·H + diag(p₀)`` stored as a full (P, P) matrix."""
+"""Dense posterior: ``P = h·H + diag(p₀)`` stored as a full (P, P) matrix.
+
+A linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, :mod:`laplace.last_layer`) has its
+curvature ``Σₙ Jₙᵀ Mₙ Jₙ`` and ``Jₙ Σ Jₙᵀ`` in closed form from the features (above
+:data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs from diagonal-plus-low-rank ``Mₙ``,
+and the output variances only).
+"""
 
 from __future__ import annotations
 
@@ -10,12 +16,17 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from laplace import large_output
 from laplace.errors import check_fits_in_memory
 from laplace.jacobians import HeadFeatures, Jacobian
-from laplace.last_layer import FULL_HEAD_CURVATURE, HeadCurvature, full_head_variance
+from laplace.last_layer import HeadCurvature
 from laplace.posteriors.base import ClosedForm, NotPositiveDefiniteError, Posterior
+from laplace.utils.diag_lowrank import DiagLowRankBatch
 
-__all__ = ["DensePosterior", "check_dense_size"]
+__all__ = ["DensePosterior", "check_dense_size", "full_head_curvature", "full_head_variance"]
+
+#: Rows of the low-rank part of a head curvature formed at once (numbers).
+_ROW_BUDGET = 2**22
 
 
 def check_dense_size(n_params: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -33,6 +44,86 @@ def check_dense_size(n_params: int, dtype: torch.dtype, device: torch.device) ->
     )
 
 
+def full_head_curvature(phi: Tensor, M: Tensor | DiagLowRankBatch, bias: bool) -> Tensor:
+    """Dense ``Σₙ Jₙᵀ Mₙ Jₙ`` of a linear head, shape (P, P).
+
+    Dense ``M``: one weighted Gram matrix ``Φᵀ diag(M_{:,c,c'}) Φ`` per class pair ``c ≤ c'``
+    (pairs whose weights are all zero, e.g. off-diagonal pairs for regression, are skipped).
+    ``Mₙ = diag(dₙ) + s·Vₙ Vₙᵀ``: the blocks ``Σₙ d_nc φₙφₙᵀ`` on the class diagonal plus the
+    Gram matrix of the rows ``Jₙᵀ vₙₖ = [vₙₖ ⊗ φₙ, vₙₖ]``.
+
+    Args:
+        phi: Features, shape (N, D).
+        M: Output-space curvatures, (N, C, C) or diagonal plus low rank.
+        bias: Whether the head has a bias.
+    """
+    D, C = phi.shape[1], M.diag.shape[1] if isinstance(M, DiagLowRankBatch) else M.shape[-1]
+    n_w = C * D
+    size = n_w + (C if bias else 0)
+    H = phi.new_zeros(size, size)
+    if isinstance(M, DiagLowRankBatch):
+        classes = torch.arange(C, device=phi.device)
+        H[:n_w, :n_w].view(C, D, C, D)[classes, :, classes, :] = torch.einsum(
+            "nc,nd,ne->cde", M.diag, phi, phi
+        )
+        if bias:
+            cross = M.diag.T @ phi
+            H[:n_w, n_w:].view(C, D, C)[classes, :, classes] = cross
+            H[n_w:, :n_w].view(C, C, D)[classes, classes, :] = cross
+            H[n_w + classes, n_w + classes] = M.diag.sum(0)
+        chunk = max(1, _ROW_BUDGET // max(1, M.columns.shape[2] * size))
+        for start in range(0, len(phi), chunk):
+            V, p = M.columns[start : start + chunk], phi[start : start + chunk]
+            rows = torch.einsum("nck,nd->nkcd", V, p).reshape(-1, n_w)
+            if bias:
+                rows = torch.cat([rows, V.transpose(1, 2).reshape(-1, C)], dim=1)
+            H.addmm_(rows.T, rows, alpha=M.sign)
+        return H
+    H_W = H[:n_w, :n_w].view(C, D, C, D)
+    active = (M.abs().amax(0) > 0).tolist()
+    for c in range(C):
+        for k in range(c, C):
+            if not active[c][k]:
+                continue
+            block = (phi * M[:, c, k, None]).T @ phi
+            H_W[c, :, k, :] = block
+            if k != c:
+                H_W[k, :, c, :] = block.T
+    if bias:
+        cross = torch.einsum("nck,nd->cdk", M, phi).reshape(n_w, C)
+        H[:n_w, n_w:] = cross
+        H[n_w:, :n_w] = cross.T
+        H[n_w:, n_w:] = M.sum(0)
+    return H
+
+
+def full_head_variance(covariance: Tensor, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+    """``Jₙ Σ Jₙᵀ`` from the posterior covariance ``Σ`` (P, P): (B, D) → (B, C, C).
+
+    Above the large-output threshold only the variances (B, C).
+    """
+    D, C = phi.shape[1], n_out
+    n_w = C * D
+    if large_output.is_large_output(n_out):
+        class_blocks = covariance[:n_w, :n_w].reshape(C, D, C, D).diagonal(dim1=0, dim2=2)
+        f_var = torch.einsum("nd,dec,ne->nc", phi, class_blocks, phi)
+        if bias:
+            cross = covariance[:n_w, n_w:].reshape(C, D, C).diagonal(dim1=0, dim2=2)
+            f_var = f_var + 2 * phi @ cross + covariance[n_w:, n_w:].diagonal()
+        return f_var
+    left = torch.einsum("nd,cdke->ncke", phi, covariance[:n_w, :n_w].reshape(C, D, C, D))
+    f_var = torch.einsum("ncke,ne->nck", left, phi)
+    if bias:
+        cross = phi @ covariance[:n_w, n_w:].reshape(C, D, C).permute(1, 0, 2).reshape(D, C * C)
+        cross = cross.reshape(-1, C, C)
+        f_var = f_var + cross + cross.transpose(1, 2) + covariance[n_w:, n_w:]
+    return f_var
+
+
+def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Tensor:
+    return full_head_curvature(phi, M, bias)
+
+
 def _head_variance(posterior: DensePosterior, J: HeadFeatures) -> Tensor:
     return full_head_variance(posterior.covariance, J.phi, J.n_out, J.bias)
 
@@ -46,7 +137,7 @@ class DensePosterior(Posterior):
     """
 
     closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {HeadFeatures: _head_variance}
-    head_curvature: ClassVar[HeadCurvature | None] = FULL_HEAD_CURVATURE
+    head_curvature: ClassVar[HeadCurvature | None] = ("full", _head_curvature)
 
     @override
     @staticmethod
@@ -106,21 +197,13 @@ class DensePosterior(Posterior):
     def square_form(self, delta: Tensor) -> Tensor:
         return delta @ self.precision @ delta
 
-    def _whitened(self, Js: Tensor) -> Tensor:
-        """``L⁻¹ Jᵀ`` so that ``J P⁻¹ Jᵀ = (L⁻¹Jᵀ)ᵀ (L⁻¹Jᵀ)``; Js (..., P) → (P, ...)."""
-        flat = Js.reshape(-1, Js.shape[-1]).T
-        return torch.linalg.solve_triangular(self.cholesky, flat, upper=False)
-
     @override
     def rows_variance(self, Js: Tensor) -> Tensor:
+        # W = L⁻¹ Jᵀ, so that J P⁻¹ Jᵀ = Wᵀ W.
         B, C, _ = Js.shape
-        W = self._whitened(Js).T.reshape(B, C, -1)
+        flat = Js.reshape(-1, Js.shape[-1]).T
+        W = torch.linalg.solve_triangular(self.cholesky, flat, upper=False).T.reshape(B, C, -1)
         return W @ W.transpose(1, 2)
-
-    @override
-    def functional_covariance(self, Js: Tensor) -> Tensor:
-        W = self._whitened(Js)
-        return W.T @ W
 
     @override
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:

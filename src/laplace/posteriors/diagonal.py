@@ -1,4 +1,9 @@
-"""Diagonal posterior: ``P = h·diag(H) + diag(p₀)`` stored as a vector."""
+"""Diagonal posterior: ``P = h·diag(H) + diag(p₀)`` stored as a vector.
+
+A linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, :mod:`laplace.last_layer`) has the
+diagonal ``Σₙ diag(Mₙ) ⊗ φₙ²``, ``Σₙ diag(Mₙ)`` of its curvature and ``Jₙ diag(σ²) Jₙᵀ`` in
+closed form from the features.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,82 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from laplace import large_output
+from laplace.curvature.kfac_rules import plan_blocks
+from laplace.curvature.per_sample import PerSampleTrace
 from laplace.jacobians import HeadFeatures, Jacobian, LayerTrace
-from laplace.kron_glm import diag_functional_variance
-from laplace.last_layer import DIAG_HEAD_CURVATURE, HeadCurvature, diag_head_variance
+from laplace.kron_glm import layerwise_variance
+from laplace.last_layer import HeadCurvature
 from laplace.posteriors.base import ClosedForm, Posterior
+from laplace.utils.diag_lowrank import DiagLowRankBatch
 
-__all__ = ["DiagonalPosterior"]
+__all__ = [
+    "DiagonalPosterior",
+    "diag_functional_variance",
+    "diag_head_curvature",
+    "diag_head_variance",
+]
+
+
+def diag_head_curvature(
+    phi: Tensor, M: Tensor | DiagLowRankBatch, bias: bool, n_data: int, factor: float
+) -> Tensor:
+    """Diagonal of ``Σₙ Jₙᵀ Mₙ Jₙ`` of a linear head, shape (P,).
+
+    Args:
+        phi: Features, shape (N, D).
+        M: Output-space curvatures, (N, C, C) or diagonal plus low rank.
+        bias: Whether the head has a bias.
+        n_data: Unused (the signature of :data:`~laplace.last_layer.HeadCurvature`).
+        factor: Unused, as ``n_data``.
+    """
+    m = M.diagonal() if isinstance(M, DiagLowRankBatch) else M.diagonal(dim1=1, dim2=2)
+    parts = [(m.T @ phi.square()).flatten()]
+    if bias:
+        parts.append(m.sum(0))
+    return torch.cat(parts)
+
+
+def diag_head_variance(variance: Tensor, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+    """``Jₙ diag(σ²) Jₙᵀ`` from the posterior variances σ² (P,): (B, D) → (B, C, C).
+
+    The result is diagonal in the outputs; above the large-output threshold only the variances
+    (B, C).
+    """
+    D = phi.shape[1]
+    f_var = phi.square() @ variance[: n_out * D].reshape(n_out, D).T
+    if bias:
+        f_var = f_var + variance[n_out * D :]
+    return f_var if large_output.is_large_output(n_out) else torch.diag_embed(f_var)
+
+
+def diag_functional_variance(
+    trace: PerSampleTrace, precision: Tensor, create_graph: bool = False
+) -> Tensor | None:
+    """``J P⁻¹ Jᵀ`` (B, C, C) of a diagonal precision (P,) from a recorded forward pass.
+
+    The layer-wise closed forms (:func:`laplace.kron_glm.layerwise_variance`) with identity
+    eigenvectors and the inverse precision of each entry.
+
+    Returns:
+        The covariances, or None for a subnetwork or when a layer does not see the data points
+        along its first dimension (the caller then falls back to Jacobians).
+    """
+    if trace.engine.indices is not None:  # a subnetwork: blocks are not whole tensors
+        return None
+    params = trace.engine.needed
+    plan = plan_blocks(trace.engine)
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+
+    def block(i: int) -> tuple[list[Tensor | None], Tensor]:
+        inv = precision[offsets[i] : offsets[i + 1]].reciprocal()
+        if plan[i].kind == "kron":
+            return [None, None], inv.reshape(params[i].shape[0], -1)
+        return [None], inv
+
+    return layerwise_variance(trace, block, create_graph)
 
 
 def _head_variance(posterior: DiagonalPosterior, J: HeadFeatures) -> Tensor:
@@ -30,14 +105,14 @@ class DiagonalPosterior(Posterior):
     """Gaussian posterior with independent parameters; every operation is O(P) per row.
 
     The functional variance of a recorded pass needs no Jacobian
-    (:func:`laplace.kron_glm.diag_functional_variance`).
+    (:func:`diag_functional_variance`).
     """
 
     closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {
         HeadFeatures: _head_variance,
         LayerTrace: _trace_variance,
     }
-    head_curvature: ClassVar[HeadCurvature | None] = DIAG_HEAD_CURVATURE
+    head_curvature: ClassVar[HeadCurvature | None] = ("diag", diag_head_curvature)
 
     @override
     @staticmethod
@@ -78,10 +153,6 @@ class DiagonalPosterior(Posterior):
     def rows_variance(self, Js: Tensor) -> Tensor:
         scaled = Js * self.variance
         return scaled @ Js.transpose(1, 2)
-
-    @override
-    def functional_covariance(self, Js: Tensor) -> Tensor:
-        return (Js * self.variance) @ Js.T
 
     @override
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:

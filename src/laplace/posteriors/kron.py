@@ -3,28 +3,125 @@ r"""Kronecker-factored posterior: ``P = h·(G ⊗ A) + δ`` per parameter tensor
 The curvature is a :class:`~laplace.utils.matrix.Kron` while it is summed over batches and a
 :class:`~laplace.utils.matrix.KronDecomposed` once fitted; every posterior quantity then works in
 the eigenbasis ``Q_G ⊗ Q_A`` of each block, where ``P`` is diagonal with spectrum
-``h·λ_G λ_Aᵀ + δ``.
+``h·λ_G λ_Aᵀ + δ``. A layer with many outputs (:mod:`laplace.large_output`) keeps its output
+factor ``G`` diagonal plus low rank (:class:`~laplace.utils.diag_lowrank.DiagLowRank`), a factor
+kind of the same matrices computed per input eigenvalue; :func:`kron_block_structure` configures
+the structure for it.
+
+With a linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, :mod:`laplace.last_layer`) the
+curvature ``Σₙ Jₙᵀ Mₙ Jₙ`` is ``G ⊗ A`` with ``G = Σₙ Mₙ``, ``A = Σₙ φₙφₙᵀ / N`` (bias block
+``G``), and ``Jₙ P⁻¹ Jₙᵀ`` needs one rotation of the features, ``φ̃ = Q_Aᵀ φ``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from functools import cached_property
+from functools import cache, cached_property, partial
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
+from laplace import large_output
+from laplace.curvature.kfac_rules import LowRankShape
+from laplace.curvature.per_sample import PerSampleTrace
 from laplace.jacobians import HeadFeatures, Jacobian, LayerTrace
-from laplace.kron_glm import kron_functional_variance
-from laplace.last_layer import KRON_HEAD_CURVATURE, HeadCurvature, kron_head_variance
+from laplace.kron_glm import layerwise_variance
+from laplace.last_layer import HeadCurvature
 from laplace.posteriors.base import ClosedForm, Posterior
-from laplace.utils.diag_lowrank import factor_from_state, factor_shape, factor_state
-from laplace.utils.matrix import Kron, KronDecomposed
+from laplace.utils.diag_lowrank import (
+    DiagLowRank,
+    DiagLowRankBatch,
+    factor_from_state,
+    factor_shape,
+    factor_state,
+)
+from laplace.utils.matrix import Kron, KronDecomposed, StructuredKron
 
-__all__ = ["KronAccumulator", "KronPosterior"]
+__all__ = [
+    "KronAccumulator",
+    "KronPosterior",
+    "kron_block_structure",
+    "kron_functional_variance",
+    "kron_head_curvature",
+    "kron_head_variance",
+]
+
+
+def kron_head_curvature(
+    phi: Tensor,
+    M: Tensor | DiagLowRankBatch,
+    bias: bool,
+    n_data: int,
+    factor: float,
+    max_rank: int | None = None,
+) -> Kron:
+    """KFAC blocks of a linear head, normalised for a data set of ``n_data`` points.
+
+    Args:
+        phi: Features, shape (N, D).
+        M: Output-space curvatures, (N, C, C) or diagonal plus low rank (then ``G`` keeps at
+            most ``max_rank`` columns, truncated once for the weight and the bias block).
+        bias: Whether the head has a bias.
+        n_data: Number of data points of the whole data set.
+        factor: The backend's loss factor ``c``; blocks are ``[G/√c, √c·A/N]`` as in
+            :func:`laplace.curvature.kfac.kfac`.
+        max_rank: See ``M``.
+    """
+    low_rank = isinstance(M, DiagLowRankBatch)
+    G = M.sum(max_rank) if low_rank else M.sum(0)
+    root = math.sqrt(factor)
+    blocks = [[G / root, (phi.T @ phi) * (root / n_data)]]
+    if bias:
+        blocks.append([G])
+    return (StructuredKron if low_rank else Kron)(blocks)
+
+
+def kron_head_variance(precision: KronDecomposed, phi: Tensor, n_out: int, bias: bool) -> Tensor:
+    """``Jₙ P⁻¹ Jₙᵀ`` of a linear head: (B, D) → (B, C, C), or (B, C) with a low-rank ``G``.
+
+    With ``P_W = (Q_G ⊗ Q_A) diag(s) (Q_G ⊗ Q_A)ᵀ`` the weight part is ``Q_G diag(wₙ) Q_Gᵀ``,
+    ``wₙᵢ = Σⱼ φ̃ₙⱼ² / sᵢⱼ``; the bias adds ``Q_b diag(1/s_b) Q_bᵀ``. A diagonal-plus-low-rank
+    ``G`` gives the variances ``Σⱼ φ̃ₙⱼ² diag(Pⱼ⁻¹)`` (plus the bias block's diagonal).
+    """
+    weight = precision.low_rank_block(0)
+    if weight is not None:
+        f_var = (phi @ weight.Q).square() @ weight.inverse_diagonal
+        return f_var + precision.low_rank_block(1).inverse_diagonal[0] if bias else f_var
+    Q_G, Q_A = precision.eigenvectors[0]
+    w = (phi @ Q_A).square() @ precision.spectrum(0).reciprocal().T
+    f_var = (Q_G * w.unsqueeze(1)) @ Q_G.T
+    if bias:
+        (Q_b,) = precision.eigenvectors[1]
+        f_var = f_var + (Q_b * precision.spectrum(1).reciprocal()) @ Q_b.T
+    return f_var
+
+
+def kron_functional_variance(
+    trace: PerSampleTrace, precision: KronDecomposed, create_graph: bool = False
+) -> Tensor | None:
+    """``J P⁻¹ Jᵀ`` (B, C, C) of a Kronecker precision from a recorded forward pass.
+
+    The layer-wise closed forms (:func:`laplace.kron_glm.layerwise_variance`) in the
+    eigenbasis of each block.
+
+    Args:
+        trace: Recorded forward over the test inputs (all parameters, no subnetwork).
+        precision: Posterior precision, one block per parameter in ``trace.engine`` order.
+        create_graph: Keep the result differentiable w.r.t. the inputs.
+
+    Returns:
+        The covariances, or None when a layer does not see the data points along its first
+        dimension or a two-factor block has no Kronecker rule (the caller then falls back to
+        Jacobians).
+    """
+
+    def block(i: int) -> tuple[list[Tensor | None], Tensor]:
+        return precision.eigenvectors[i], precision.spectrum(i).reciprocal()
+
+    return layerwise_variance(trace, block, create_graph)
 
 
 def _head_variance(posterior: KronPosterior, J: HeadFeatures) -> Tensor:
@@ -119,8 +216,7 @@ class KronPosterior(KronAccumulator, Posterior):
     differentiable. ``log det P``, ``J P⁻¹ Jᵀ``, ``Δᵀ P Δ`` and samples
     ``P^{-1/2} z`` cost a few products with the eigenvector matrices of each block; ``J P⁻¹ Jᵀ``
     of a recorded pass or of a linear head's features needs no Jacobian
-    (:func:`laplace.kron_glm.kron_functional_variance`,
-    :func:`laplace.last_layer.kron_head_variance`).
+    (:func:`kron_functional_variance`, :func:`kron_head_variance`).
 
     Args:
         H: Fitted curvature, a ``KronDecomposed`` (a ``Kron`` is decomposed without damping).
@@ -132,7 +228,11 @@ class KronPosterior(KronAccumulator, Posterior):
         HeadFeatures: _head_variance,
         LayerTrace: _trace_variance,
     }
-    head_curvature: ClassVar[HeadCurvature | None] = KRON_HEAD_CURVATURE
+    head_curvature: ClassVar[HeadCurvature | None] = ("kron", kron_head_curvature)
+    #: Largest number of columns of a diagonal-plus-low-rank output factor kept while summing.
+    max_rank: ClassVar[int | None] = None
+    #: Layers with more outputs keep such a factor; None: every factor dense.
+    low_rank_above: ClassVar[int | None] = None
 
     def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
         if isinstance(H, Kron):
@@ -140,22 +240,52 @@ class KronPosterior(KronAccumulator, Posterior):
         super().__init__(H, h_factor, prior_diag)
 
     @override
-    @staticmethod
-    def zeros(params: Sequence[Tensor], shapes: list | None = None) -> Kron:
-        """Zero factors: of the backend's block ``shapes`` (``G ⊗ A`` per weight when None)."""
+    @classmethod
+    def zeros(cls, params: Sequence[Tensor], shapes: list | None = None) -> Kron:
+        """Zero factors of the backend's block ``shapes`` (``G ⊗ A`` per weight when None).
+
+        A :class:`~laplace.curvature.kfac_rules.LowRankShape` is a zero ``DiagLowRank``.
+        """
         device, dtype = params[0].device, params[0].dtype
         if shapes is None:
             return Kron.init_from_model(params, device, dtype)
-        return Kron.zeros(shapes, device, dtype)
+        if not any(isinstance(shape, LowRankShape) for block in shapes for shape in block):
+            return Kron.zeros(shapes, device, dtype)
+
+        def zero(shape: tuple[int, ...]) -> Tensor | DiagLowRank:
+            if isinstance(shape, LowRankShape):
+                return DiagLowRank.zeros(shape[0], -1, cls.max_rank, device, dtype)
+            return torch.zeros(shape, device=device, dtype=dtype)
+
+        return StructuredKron([[zero(shape) for shape in block] for block in shapes])
 
     @override
-    @staticmethod
-    def batch_curvature(backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Kron]:
-        return backend.kron(X, y, N=n_data)
+    @classmethod
+    def batch_curvature(cls, backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Kron]:
+        """``(loss, factors)`` of a batch from the backend's KFAC.
+
+        Raises:
+            ValueError: With low-rank output factors, for a backend whose ``kron`` forms them
+                dense (ASDL, BackPACK), naming the alternatives.
+        """
+        if cls.low_rank_above is None:
+            return backend.kron(X, y, N=n_data)
+        if not getattr(backend, "low_rank_kfac", False):
+            raise ValueError(
+                "a Kronecker curvature with diagonal-plus-low-rank output factors (many "
+                "outputs, see laplace.large_output) needs the native KFAC of "
+                "backend=CurvlinopsEF or CurvlinopsGGN with backend_kwargs={'stochastic': "
+                f"True}}; {type(backend).__name__} would build the dense output factor. Use "
+                "subset_of_weights='last_layer' (one head row per data point; "
+                "feature_reduction for sequence features) or hessian_structure='diag' otherwise."
+            )
+        return backend.kron(
+            X, y, N=n_data, low_rank_above=cls.low_rank_above, output_factor_rank=cls.max_rank
+        )
 
     def block_sizes(self) -> list[int]:
         """Number of parameters of each block of ``H``."""
-        return [math.prod(values.numel() for values in ls) for ls in self.H.eigenvalues]
+        return self.H.block_sizes()
 
     @cached_property
     def block_deltas(self) -> Tensor:
@@ -183,10 +313,37 @@ class KronPosterior(KronAccumulator, Posterior):
         return self.precision.inv_square_form(Js)
 
     @override
-    def functional_covariance(self, Js: Tensor) -> Tensor:
-        return self.precision.inv_square_form(Js.unsqueeze(0)).squeeze(0)
-
-    @override
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
         z = self._standard_normal((n_samples, len(self.prior_diag)), generator)
         return self.precision.bmm(z, exponent=-0.5)
+
+
+@cache
+def _low_rank_outputs(max_rank: int | None, low_rank_above: int) -> type[KronPosterior]:
+    """``KronPosterior`` keeping output factors of more than ``low_rank_above`` outputs low rank.
+
+    Its only closed form is a linear head's output variances (over all weights the GLM
+    predictive goes through dense rows or is refused).
+    """
+    attributes = {
+        "max_rank": max_rank,
+        "low_rank_above": low_rank_above,
+        "head_curvature": ("kron", partial(kron_head_curvature, max_rank=max_rank)),
+        "closed_forms": {HeadFeatures: _head_variance},
+    }
+    return type("StructuredKronPosterior", (KronPosterior,), attributes)
+
+
+def kron_block_structure(
+    structure: type[Posterior], shapes: list[list[tuple[int, ...]]], rank: int | None
+) -> type[Posterior]:
+    """The posterior structure of Kronecker blocks of ``shapes`` (a backend's ``kron_shapes``).
+
+    Where a factor is a :class:`~laplace.curvature.kfac_rules.LowRankShape` (a layer with more
+    outputs than :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD`) a Kronecker posterior
+    keeps diagonal-plus-low-rank output factors of at most ``rank`` low-rank columns.
+    """
+    low_rank = any(isinstance(shape, LowRankShape) for block in shapes for shape in block)
+    if low_rank and structure is KronPosterior:
+        return _low_rank_outputs(rank, large_output.LARGE_OUTPUT_THRESHOLD)
+    return structure

@@ -25,11 +25,43 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from laplace.curvature.block_product import ParameterBlock, SampleVectors
+from laplace.curvature.per_sample import PerSampleTrace
 from laplace.jacobians import Jacobian, LayerTrace
-from laplace.kron_glm import lowrank_functional_variance
 from laplace.posteriors.base import ClosedForm, Posterior
+from laplace.posteriors.diagonal import diag_functional_variance
 
-__all__ = ["LowRankPosterior"]
+__all__ = ["LowRankPosterior", "lowrank_functional_variance"]
+
+
+def lowrank_functional_variance(
+    trace: PerSampleTrace, prior_diag: Tensor, basis: Tensor, create_graph: bool = False
+) -> Tensor | None:
+    """``J P⁻¹ Jᵀ`` (B, C, C) of ``P⁻¹ = diag(prior_diag)⁻¹ − Z Zᵀ`` from a recorded forward pass.
+
+    The diagonal case (:func:`~laplace.posteriors.diagonal.diag_functional_variance`) minus
+    ``(J Z)(J Z)ᵀ``, ``J Z`` the products of every output's per-sample gradients with the k
+    columns of ``Z`` (:class:`~laplace.curvature.block_product.SampleVectors`, per layer).
+
+    Args:
+        trace: Recorded forward over the test inputs (all parameters).
+        prior_diag: The diagonal ``D`` of the precision, shape (P,).
+        basis: ``Z``, shape (P, k).
+        create_graph: Keep the result differentiable w.r.t. the inputs.
+
+    Returns:
+        The covariances, or None when the diagonal route does not apply (the caller then
+        falls back to Jacobians).
+    """
+    f_var = diag_functional_variance(trace, prior_diag, create_graph)
+    if f_var is None:
+        return None
+    B, C, _ = f_var.shape
+    eye = torch.eye(C, dtype=f_var.dtype, device=f_var.device)
+    columns = eye[:, None, :].expand(C, B, C).reshape(C, *trace.f.shape)
+    JZ = SampleVectors(trace, columns).project(ParameterBlock(trace.engine, basis))
+    JZ = JZ.transpose(0, 1)  # (B, C, k)
+    return f_var - JZ @ JZ.transpose(1, 2)
 
 
 def _trace_variance(posterior: LowRankPosterior, J: LayerTrace) -> Tensor | None:
@@ -142,11 +174,6 @@ class LowRankPosterior(Posterior):
     def rows_variance(self, Js: Tensor) -> Tensor:
         JZ = Js @ self.woodbury_basis
         return (Js / self.prior_diag) @ Js.transpose(1, 2) - JZ @ JZ.transpose(1, 2)
-
-    @override
-    def functional_covariance(self, Js: Tensor) -> Tensor:
-        JZ = Js @ self.woodbury_basis
-        return (Js / self.prior_diag) @ Js.T - JZ @ JZ.T
 
     @override
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:

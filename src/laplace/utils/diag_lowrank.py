@@ -1,31 +1,13 @@
 r"""Diagonal-plus-low-rank matrices: output curvatures over many classes without a C × C matrix.
 
-The output Hessian of a softmax over C classes is ``Λₙ = diag(pₙ) − pₙ pₙᵀ``, and its sum over N
-outputs (data points, sequence positions, pixels) is exactly
-
-.. math::
-    G = \sum_n \big(\operatorname{diag}(p_n) - p_n p_n^\top\big)
-      = \operatorname{diag}\Big(\sum_n p_n\Big) - P P^\top, \qquad P = [p_1, \dots, p_N]
-      \in \mathbb{R}^{C \times N},
-
-a diagonal minus a low-rank Gram matrix. Every output curvature of this library has that form
-``diag(d) + s·U Uᵀ`` with a sign ``s = ±1``: softmax ``(p, p, −1)``, Gaussian regression
-``(1, –, +1)``, the empirical or Monte-Carlo Fisher ``(0, ∇ℓ, +1)``.
-
-:class:`DiagLowRankBatch` holds one such matrix per output point, ``Mₙ = diag(dₙ) + s Vₙ Vₙᵀ``
-(``d`` (N, C), ``V`` (N, C, K)); :class:`DiagLowRank` their sum, ``G = diag(Σ dₙ) + s U Uᵀ``
-with the columns of all ``Vₙ`` in ``U`` (C, k). Memory is O(C·(k + 1)) instead of O(C²).
-
-**Bounded rank.** Summed over a data set, ``U`` would grow by K columns per point. With
-``max_rank`` set, columns are folded in as they come: the kept columns and the next ones are
-reduced to their top ``max_rank`` singular directions (an exact truncated SVD of those columns,
-through the eigen-decomposition of their small Gram matrix). The removed part
-``R = Σ (dropped σᵢ² uᵢuᵢᵀ)`` is positive semi-definite, with trace :attr:`DiagLowRank.dropped`.
-For a softmax (``s = −1``) the kept matrix is ``G + R ⪰ G ⪰ 0``, at nuclear-norm distance
-``tr R``. For ``s = +1`` (the Fisher estimates, whose gradient columns over a large vocabulary
-are nearly orthogonal) the diagonal of ``R`` moves into ``d``: ``G − R + diag(R)`` keeps the
-exact diagonal of ``G``, stays positive semi-definite and is within ``2 tr R``. While the true
-rank is at most ``max_rank`` nothing is dropped and the representation is exact.
+Every output curvature of this library has the form ``diag(d) + s·U Uᵀ`` with a sign
+``s = ±1``: softmax ``(p, p, −1)`` (summed over N points, ``G = diag(Σ pₙ) − P Pᵀ`` exactly),
+Gaussian regression ``(1, –, +1)``, the empirical or Monte-Carlo Fisher ``(0, ∇ℓ, +1)``.
+:class:`DiagLowRankBatch` holds one per output point, :class:`DiagLowRank` their sum (O(C·(k+1))
+memory, its rank bounded by ``max_rank`` through truncated SVDs of the columns as they come),
+and :class:`LowRankKronBlock` the Kronecker block of such a factor, the factor kind of
+:class:`~laplace.utils.matrix.Kron` above the large-output threshold. ``docs/large_outputs.md``
+gives the maths and the error bounds of the truncation.
 """
 
 from __future__ import annotations
@@ -35,12 +17,14 @@ from functools import cached_property
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from laplace.errors import is_real_scalar
 
 __all__ = [
     "DiagLowRank",
     "DiagLowRankBatch",
+    "LowRankKronBlock",
     "factor_from_state",
     "factor_shape",
     "factor_state",
@@ -148,6 +132,8 @@ class DiagLowRank:
         self.U, self.dropped, moved = self._truncated(U, dropped)
         if moved is not None:
             self.diag = diag + moved
+        #: ``(G₀, α)`` when this is ``α G₀``: the pair products are then ``G₀``'s, computed once.
+        self.scaled_from: tuple[DiagLowRank, Tensor | float] | None = None
 
     @classmethod
     def zeros(
@@ -261,6 +247,7 @@ class DiagLowRank:
         if moved is not None:
             self.diag.add_(moved)
         self.__dict__.pop("pair_products", None)
+        self.scaled_from = None  # no longer a multiple of the matrix it was scaled from
         return self
 
     def __mul__(self, scalar: float | Tensor) -> DiagLowRank:
@@ -276,9 +263,12 @@ class DiagLowRank:
         if bool(torch.as_tensor(scalar) < 0):
             raise ValueError("DiagLowRank can only be multiplied by a non-negative scalar.")
         root = scalar**0.5
-        return DiagLowRank(
+        scaled = DiagLowRank(
             self.diag * scalar, self.U * root, self.sign, self.max_rank, self.dropped * scalar
         )
+        base, factor = self.scaled_from or (self, 1)
+        scaled.scaled_from = (base, factor * scalar)
+        return scaled
 
     __rmul__ = __mul__
 
@@ -319,10 +309,15 @@ class DiagLowRank:
         rows, cols = torch.triu_indices(self.rank, self.rank, device=self.device)
         return self.U[:, rows] * self.U[:, cols], rows, cols
 
+    def _scaled_pair_products(self) -> tuple[Tensor, Tensor, Tensor, Tensor | float]:
+        """:attr:`pair_products` of the unscaled matrix and the scale α of ``Z`` (1: none)."""
+        base, scale = self.scaled_from or (self, 1)
+        return (*base.pair_products, scale)
+
     def weighted_grams(self, weights: Tensor) -> Tensor:
         """``Uᵀ diag(wᵢ) U`` for every row ``wᵢ`` of ``weights`` (m, C), shape (m, k, k)."""
-        Z, rows, cols = self.pair_products
-        packed = weights @ Z
+        Z, rows, cols, scale = self._scaled_pair_products()
+        packed = (weights @ Z) * scale
         out = weights.new_zeros(weights.shape[0], self.rank, self.rank)
         out[:, rows, cols] = packed
         out[:, cols, rows] = packed
@@ -330,9 +325,9 @@ class DiagLowRank:
 
     def quadratic_diagonals(self, matrices: Tensor) -> Tensor:
         """``u_cᵀ Mᵢ u_c`` for the rows ``u_c`` of ``U`` and symmetric ``Mᵢ`` (m, k, k): (m, C)."""
-        Z, rows, cols = self.pair_products
+        Z, rows, cols, scale = self._scaled_pair_products()
         off_diagonal = 2 - (rows == cols).to(matrices.dtype)
-        return (matrices[:, rows, cols] * off_diagonal) @ Z.T
+        return ((matrices[:, rows, cols] * off_diagonal) @ Z.T) * scale
 
     # ------------------------------------------------------------------------------ state
     def detach(self) -> DiagLowRank:
@@ -345,6 +340,147 @@ class DiagLowRank:
 
     def _mapped(self, fn: Callable[[Tensor], Tensor]) -> DiagLowRank:
         return DiagLowRank(fn(self.diag), fn(self.U), self.sign, self.max_rank, fn(self.dropped))
+
+
+class _PositiveDefiniteLogDet(torch.autograd.Function):
+    """``log det`` of symmetric positive-definite matrices (m, k, k) by Cholesky, shape (m,).
+
+    Its backward is ``M⁻¹`` from the same factor: torch's own Cholesky backward runs two
+    batched triangular solves, far slower for many small matrices than the forward pass. A
+    matrix that is not positive definite gives NaN.
+    """
+
+    @staticmethod
+    def forward(ctx, M: Tensor) -> Tensor:
+        L, info = torch.linalg.cholesky_ex(M)
+        ctx.save_for_backward(L)
+        value = 2 * L.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+        return torch.where(info == 0, value, torch.nan)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (L,) = ctx.saved_tensors
+        return grad[:, None, None] * torch.cholesky_inverse(L)
+
+
+class LowRankKronBlock:
+    r"""The Kronecker block ``G ⊗ A + δ I`` of a ``DiagLowRank`` ``G``, per input eigenvalue.
+
+    In the eigenbasis ``Q`` of ``A = Q diag(a) Qᵀ`` (D × D) the block is one C × C matrix per
+    ``aⱼ``, :math:`P_j = \operatorname{diag}(e_j) + s \beta_j U U^\top` with ``eⱼ = aⱼ d + δ``,
+    ``βⱼ = aⱼ`` (damped, ``(aⱼ + √δ)(G + √δ I)``: ``eⱼ = (aⱼ + √δ)(d + √δ)``, ``βⱼ = aⱼ + √δ``;
+    a block of ``G`` alone is the case ``a = 1``, ``Q = I``). With ``Kⱼ = Uᵀ diag(1/eⱼ) U`` and
+    ``Mⱼ = I + s βⱼ Kⱼ`` everything is exact and costs O(D·C·k²) at most: ``log det`` by the
+    determinant lemma, ``Pⱼ⁻¹`` by Woodbury, and a root ``Rⱼ Rⱼᵀ = Pⱼ⁻¹`` (not the symmetric
+    one) from the eigenpairs of ``Kⱼ``.
+
+    Args:
+        G: The output factor (C × C).
+        a: Eigenvalues of the input factor (D,); None for a block of ``G`` alone.
+        Q: Eigenvectors of the input factor (D, D); None with ``a``.
+        delta: The scalar added to the block.
+        damping: Mix ``δ`` into each factor instead of adding it to their product.
+    """
+
+    def __init__(
+        self, G: DiagLowRank, a: Tensor | None, Q: Tensor | None, delta: Tensor, damping: bool
+    ) -> None:
+        self.G, self.Q = G, Q
+        if a is None:
+            self.E, self.beta = (G.diag + delta).unsqueeze(0), torch.ones_like(delta).reshape(1)
+        elif damping:
+            root = delta.sqrt()
+            c = a + root
+            self.E, self.beta = c.unsqueeze(1) * (G.diag + root), c
+        else:
+            self.E, self.beta = a.unsqueeze(1) * G.diag + delta, a
+
+    @property
+    def size(self) -> int:
+        """Number of parameters of the block, C·D."""
+        return self.E.numel()
+
+    @cached_property
+    def inner(self) -> tuple[Tensor, Tensor]:
+        """``Kⱼ = Uᵀ diag(1/eⱼ) U`` and ``Mⱼ = I + s βⱼ Kⱼ``, shape (m, k, k) each."""
+        K = self.G.weighted_grams(self.E.reciprocal())
+        eye = torch.eye(self.G.rank, dtype=K.dtype, device=K.device)
+        return K, eye + self.G.sign * self.beta[:, None, None] * K
+
+    @cached_property
+    def cholesky(self) -> Tensor:
+        """Lower Cholesky factors of the ``Mⱼ`` (m, k, k)."""
+        return torch.linalg.cholesky_ex(self.inner[1])[0]
+
+    @cached_property
+    def root_factors(self) -> tuple[Tensor, Tensor]:
+        """``g(λ) = ((1 + sβλ)^{-½} − 1)/λ`` (m, k) and eigenvectors of ``Kⱼ = X diag(λ) Xᵀ``."""
+        values, vectors = torch.linalg.eigh(self.inner[0])
+        values = values.clamp_min(0)
+        scaled = self.G.sign * self.beta.unsqueeze(1)
+        change = torch.expm1(-0.5 * torch.log1p(scaled * values))
+        tiny = torch.finfo(values.dtype).tiny
+        return torch.where(values > 0, change / values.clamp_min(tiny), -scaled / 2), vectors
+
+    @cached_property
+    def inverse_diagonal(self) -> Tensor:
+        """``diag(Pⱼ⁻¹)`` for every input eigenvalue j, shape (m, C)."""
+        quadratic = self.G.quadratic_diagonals(torch.cholesky_inverse(self.cholesky))
+        return self.E.reciprocal() - self.G.sign * self.beta[:, None] * quadratic / self.E.square()
+
+    def logdet(self) -> Tensor:
+        """``log det`` of the block: ``Σⱼ (Σ_c log e_jc + log det Mⱼ)``."""
+        return self.E.log().sum() + _PositiveDefiniteLogDet.apply(self.inner[1]).sum()
+
+    def times(self, flat: Tensor, exponent: float) -> Tensor:
+        """``P^exponent`` (a root ``R`` for -½) on each row of ``flat`` (R, C·D), same shape.
+
+        Raises:
+            ValueError: For an exponent other than 1, -1 and -0.5.
+        """
+        X = flat.reshape(flat.shape[0], len(self.G), -1)
+        X = X if self.Q is None else X @ self.Q
+        E, U, s = self.E.T, self.G.U, self.G.sign
+        if exponent == 1:
+            T = torch.einsum("ck,rcm->rkm", U, X) * self.beta
+            X = X * E + s * torch.einsum("ck,rkm->rcm", U, T)
+        elif exponent == -1:
+            X = X / E
+            T = torch.einsum("ck,rcm->mkr", U, X)
+            T = torch.cholesky_solve(T, self.cholesky).permute(2, 1, 0) * self.beta
+            X = X - s * torch.einsum("ck,rkm->rcm", U, T) / E
+        elif exponent == -0.5:
+            X = X / E.sqrt()
+            g, vectors = self.root_factors
+            T = torch.einsum("ck,rcm->rmk", U, X)
+            T = torch.einsum("mkl,rmk->rml", vectors, T) * g
+            T = torch.einsum("mkl,rml->rkm", vectors, T)
+            X = X + torch.einsum("ck,rkm->rcm", U, T) / E
+        else:
+            raise ValueError(
+                "a block with a diagonal-plus-low-rank factor supports exponent 1, -1 or -0.5, "
+                f"got {exponent}."
+            )
+        return (X if self.Q is None else X @ self.Q.T).flatten(1)
+
+    def diagonal(self, exponent: float) -> Tensor:
+        """Diagonal of the block's ``P^exponent`` (exponent 1 or -1), shape (C·D,).
+
+        Raises:
+            ValueError: For another exponent.
+        """
+        if exponent == -1:
+            rotated = self.inverse_diagonal
+        elif exponent == 1:
+            row_norms = self.G.U.square().sum(1)
+            rotated = self.E + self.G.sign * self.beta[:, None] * row_norms
+        else:
+            raise ValueError(
+                f"the diagonal of a diagonal-plus-low-rank block supports exponent 1 or -1, got "
+                f"{exponent}."
+            )
+        return (rotated.T if self.Q is None else rotated.T @ self.Q.square().T).flatten()
 
 
 #: The entries of a ``DiagLowRank`` in a ``state_dict``.

@@ -5,7 +5,10 @@ nngeometry's ``PMatMixed``): two factors ``F₀ ⊗ F₁``, ``F₀`` (m × m) on
 a parameter of shape (m, ...) and ``F₁`` (n × n) on the flattened others (a Linear weight: its
 outputs ⊗ inputs; an embedding: its vocabulary ⊗ its dimension), or one factor (p × p: a bias,
 the exact block of a small parameter). A factor is a dense matrix (2-D) or a diagonal (the 1-D
-tensor of its entries), which never costs V × V memory (only ``to_matrix`` expands it). In a
+tensor of its entries), which never costs V × V memory (only ``to_matrix`` expands it); the
+output factor of a layer with many outputs may be a diagonal plus low rank
+(:class:`~laplace.utils.diag_lowrank.DiagLowRank`, in a :class:`StructuredKron`), kept as it is
+by ``decompose`` and computed per eigenvalue of the other factor. In a
 fitted curvature ``F₀`` of a two-factor block is summed over the data and ``F₁`` normalised by
 the number of data points (see :mod:`laplace.curvature.kfac`).
 
@@ -24,12 +27,14 @@ re-factorise. With ``damping=True`` a weight block's spectrum is ``(λ₀ + √�
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
 
 from laplace.errors import is_real_scalar
+from laplace.utils.diag_lowrank import DiagLowRank, LowRankKronBlock
 from laplace.utils.linalg import block_diag, kron, symeig
 
 __all__ = ["Kron", "KronDecomposed"]
@@ -159,7 +164,8 @@ class Kron:
         for F in self.kfacs:
             Qs, ls = [], []
             for Fi in F:
-                eigval, Q = symeig(Fi) if Fi.ndim > 1 else (Fi, None)
+                dense = isinstance(Fi, Tensor) and Fi.ndim > 1
+                eigval, Q = symeig(Fi) if dense else (Fi, None)
                 Qs.append(Q)
                 ls.append(eigval)
             eigenvectors.append(Qs)
@@ -215,7 +221,8 @@ class Kron:
         """Dense (P, P) matrix; for tests and small models only."""
         blocks = []
         for F in self.kfacs:
-            Fs = [Fi if Fi.ndim > 1 else torch.diag(Fi) for Fi in F]
+            Fs = [Fi.to_dense() if isinstance(Fi, DiagLowRank) else Fi for Fi in F]
+            Fs = [Fi if Fi.ndim > 1 else torch.diag(Fi) for Fi in Fs]
             blocks.append(Fs[0] if len(Fs) == 1 else kron(Fs[0], Fs[1]))
         return block_diag(blocks)
 
@@ -223,9 +230,14 @@ class Kron:
 class KronDecomposed:
     """Eigen-decomposed ``Kron`` plus one scalar ``δ`` per block (a prior precision).
 
+    A diagonal-plus-low-rank first factor ``G`` (a :class:`~laplace.utils.diag_lowrank.
+    DiagLowRank`, many outputs) is kept as it is, its own "eigenvalues" with eigenvectors None
+    like a diagonal factor; such a block is computed per eigenvalue of its other factor
+    (:class:`~laplace.utils.diag_lowrank.LowRankKronBlock`) and has no :meth:`spectrum`.
+
     Args:
         eigenvectors: Per block the eigenvector matrices ``Qᵢ`` of its factors (None for a
-            diagonal factor: the identity).
+            diagonal or diagonal-plus-low-rank factor: the identity).
         eigenvalues: Per block the eigenvalues ``λᵢ`` of its factors.
         deltas: Added to each block: a scalar (shape () or (1,)) or one value per block.
         damping: Use the damped spectrum ``(λ₀ + √δ)(λ₁ + √δ)ᵀ`` for weight blocks.
@@ -266,22 +278,23 @@ class KronDecomposed:
             self._check_deltas(deltas, n_blocks)
             deltas = deltas.reshape(-1).expand(n_blocks)
         self.deltas = deltas
+        self._low_rank: dict[int, LowRankKronBlock] = {}
 
-    def _decompose(self) -> None:
+    def _pairs(self) -> tuple[list[list[Tensor | None]], list[list[Tensor]]]:
+        """Eigenvectors and eigenvalues per block (decomposing the factors on first use)."""
         if self._eigenvectors is None:
             self._eigenvectors, self._eigenvalues = self.factors._eigenpairs()
+        return self._eigenvectors, self._eigenvalues
 
     @property
     def eigenvectors(self) -> list[list[Tensor | None]]:
         """Per block the eigenvector matrices ``Qᵢ`` of its factors (None: the identity)."""
-        self._decompose()
-        return self._eigenvectors
+        return self._pairs()[0]
 
     @property
     def eigenvalues(self) -> list[list[Tensor]]:
         """Per block the eigenvalues ``λᵢ`` of its factors."""
-        self._decompose()
-        return self._eigenvalues
+        return self._pairs()[1]
 
     def _check_deltas(self, deltas: Tensor, n_blocks: int | None = None) -> None:
         n_blocks = len(self) if n_blocks is None else n_blocks
@@ -296,14 +309,14 @@ class KronDecomposed:
     def detach(self) -> KronDecomposed:
         """Detach the deltas in place (the factors are never part of a graph); returns self."""
         self.deltas = self.deltas.detach()
+        self._low_rank.clear()
         return self
 
     def __add__(self, deltas: Tensor) -> KronDecomposed:
         """Add a scalar or one scalar per block (e.g. a prior precision) to the blocks."""
         self._check_deltas(deltas)
-        return KronDecomposed(
-            self.eigenvectors, self.eigenvalues, self.deltas + deltas.reshape(-1), self.damping
-        )
+        deltas = self.deltas + deltas.reshape(-1)
+        return type(self)(*self._pairs(), deltas, self.damping)
 
     def __mul__(self, scalar: float | Tensor) -> KronDecomposed:
         """Scale every block by ``scalar`` (its ``k`` eigenvalue sets by ``scalar^(1/k)``)."""
@@ -311,8 +324,9 @@ class KronDecomposed:
             raise ValueError("KronDecomposed can only be multiplied by a scalar.")
         if isinstance(scalar, Tensor):
             scalar = scalar.reshape(())
-        eigenvalues = [[scalar ** (1 / len(ls)) * li for li in ls] for ls in self.eigenvalues]
-        return KronDecomposed(self.eigenvectors, eigenvalues, self.deltas, self.damping)
+        eigenvectors, eigenvalues = self._pairs()
+        eigenvalues = [[scalar ** (1 / len(ls)) * li for li in ls] for ls in eigenvalues]
+        return type(self)(eigenvectors, eigenvalues, self.deltas, self.damping)
 
     __radd__ = __add__
     __rmul__ = __mul__
@@ -320,9 +334,30 @@ class KronDecomposed:
     def __len__(self) -> int:
         return len(self.deltas)
 
+    def block_sizes(self) -> list[int]:
+        """Number of parameters of each block."""
+        return [math.prod(len(values) for values in ls) for ls in self._pairs()[1]]
+
+    def low_rank_block(self, i: int) -> LowRankKronBlock | None:
+        """Block ``i`` with its delta if its first factor is diagonal plus low rank, else None."""
+        eigenvectors, eigenvalues = self._pairs()
+        ls = eigenvalues[i]
+        if not isinstance(ls[0], DiagLowRank):
+            return None
+        if i not in self._low_rank:
+            a, Q = (ls[1], eigenvectors[i][1]) if len(ls) == 2 else (None, None)
+            self._low_rank[i] = LowRankKronBlock(ls[0], a, Q, self.deltas[i], self.damping)
+        return self._low_rank[i]
+
     def spectrum(self, i: int) -> Tensor:
-        """Eigenvalues of block ``i`` with its delta: (p,) or (p_out, p_in) for ``F₀ ⊗ F₁``."""
-        ls, delta = self.eigenvalues[i], self.deltas[i]
+        """Eigenvalues of block ``i`` with its delta: (p,) or (p_out, p_in) for ``F₀ ⊗ F₁``.
+
+        Raises:
+            ValueError: For a block with a diagonal-plus-low-rank factor.
+        """
+        ls, delta = self._pairs()[1][i], self.deltas[i]
+        if isinstance(ls[0], DiagLowRank):
+            raise ValueError(f"block {i} has a structured output factor and no spectrum.")
         if len(ls) == 1:
             return ls[0] + delta
         if self.damping:
@@ -332,24 +367,34 @@ class KronDecomposed:
 
     def logdet(self) -> Tensor:
         """``log det`` of the whole matrix, deltas included."""
-        return sum(self.spectrum(i).log().sum() for i in range(len(self)))
+        total = 0
+        for i in range(len(self)):
+            block = self.low_rank_block(i)
+            total = total + (self.spectrum(i).log().sum() if block is None else block.logdet())
+        return total
 
     def bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
-        """``M^exponent W`` per row of ``W`` (shape (P,), (B, P) or (B, K, P); same shape out)."""
+        """``M^exponent W`` per row of ``W`` (shape (P,), (B, P) or (B, K, P); same shape out).
+
+        A block with a diagonal-plus-low-rank factor takes exponents 1, -1 and -0.5 (a root
+        ``R`` with ``R Rᵀ = M⁻¹``, not the symmetric one).
+        """
         flat, shape = _check_W(W)
         out, start = [], 0
-        for i, Qs in enumerate(self.eigenvectors):
+        for i, (Qs, size) in enumerate(zip(self._pairs()[0], self.block_sizes())):
+            part, block = flat[:, start : start + size], self.low_rank_block(i)
+            start += size
+            if block is not None:
+                out.append(block.times(part, exponent))
+                continue
             scale = self.spectrum(i).pow(exponent)
-            p = scale.numel()
             if len(Qs) == 1:
-                Q, part = Qs[0], flat[:, start : start + p]
+                Q = Qs[0]
                 out.append(part * scale if Q is None else ((part @ Q) * scale) @ Q.T)
             else:
                 Q0, Q1 = Qs
-                block = flat[:, start : start + p].reshape(-1, *scale.shape)
-                block = _into_eigenbasis(block, Q0, Q1) * scale
+                block = _into_eigenbasis(part.reshape(-1, *scale.shape), Q0, Q1) * scale
                 out.append(_from_eigenbasis(block, Q0, Q1).flatten(1))
-            start += p
         return torch.cat(out, dim=1).reshape(shape)
 
     def __matmul__(self, W: Tensor) -> Tensor:
@@ -360,27 +405,36 @@ class KronDecomposed:
         """``W M⁻¹ Wᵀ`` per batch entry: ``W`` (B, K, P) → (B, K, K)."""
         if W.ndim != 3:
             raise ValueError(f"inv_square_form needs W of shape (B, K, P), got {tuple(W.shape)}.")
-        # With M = Q diag(s) Qᵀ: W M⁻¹ Wᵀ = (W Q s^-½)(W Q s^-½)ᵀ, no rotation back needed.
+        # With M = Q diag(s) Qᵀ: W M⁻¹ Wᵀ = (W Q s^-½)(W Q s^-½)ᵀ, no rotation back needed; a
+        # diagonal-plus-low-rank block adds W_b (M_b⁻¹ W_b)ᵀ.
         flat = W.reshape(-1, W.shape[-1])
-        parts, start = [], 0
-        for i, Qs in enumerate(self.eigenvectors):
+        parts, start, low_rank = [], 0, 0
+        for i, (Qs, size) in enumerate(zip(self._pairs()[0], self.block_sizes())):
+            part, block = flat[:, start : start + size], self.low_rank_block(i)
+            start += size
+            if block is not None:
+                solved = block.times(part, -1).reshape(*W.shape[:2], -1)
+                low_rank = low_rank + part.reshape(*W.shape[:2], -1) @ solved.mT
+                continue
             scale = self.spectrum(i).rsqrt()
-            p = scale.numel()
             if len(Qs) == 1:
-                part = flat[:, start : start + p]
                 parts.append((part if Qs[0] is None else part @ Qs[0]) * scale)
             else:
-                Q0, Q1 = Qs
-                block = flat[:, start : start + p].reshape(-1, *scale.shape)
-                parts.append((_into_eigenbasis(block, Q0, Q1) * scale).flatten(1))
-            start += p
+                block = part.reshape(-1, *scale.shape)
+                parts.append((_into_eigenbasis(block, *Qs) * scale).flatten(1))
+        if not parts:
+            return low_rank
         half = torch.cat(parts, dim=1).reshape(*W.shape[:2], -1)
-        return half @ half.transpose(1, 2)
+        return half @ half.transpose(1, 2) + low_rank
 
     def diag(self, exponent: float = 1) -> Tensor:
-        """Diagonal of ``M^exponent``, shape (P,)."""
+        """Diagonal of ``M^exponent``, shape (P,) (exponent 1 or -1 for a low-rank block)."""
         diags = []
-        for i, Qs in enumerate(self.eigenvectors):
+        for i, Qs in enumerate(self._pairs()[0]):
+            block = self.low_rank_block(i)
+            if block is not None:
+                diags.append(block.diagonal(exponent))
+                continue
             scale = self.spectrum(i).pow(exponent)
             squares = [None if Q is None else Q.square() for Q in Qs]
             if len(Qs) == 1:
@@ -392,9 +446,54 @@ class KronDecomposed:
     def to_matrix(self, exponent: float = 1) -> Tensor:
         """Dense ``M^exponent``, shape (P, P); for tests and small models only."""
         blocks = []
-        for i, Qs in enumerate(self.eigenvectors):
-            values = self.eigenvalues[i]
-            Qs = [torch.ones_like(v).diag() if Q is None else Q for Q, v in zip(Qs, values)]
+        eigenvectors, eigenvalues = self._pairs()
+        for i, Qs in enumerate(eigenvectors):
+            block = self.low_rank_block(i)
+            if block is not None:
+                eye = torch.eye(block.size, dtype=self.deltas.dtype, device=self.deltas.device)
+                blocks.append(block.times(eye, exponent).T)
+                continue
+            Qs = [
+                torch.ones_like(v).diag() if Q is None else Q for Q, v in zip(Qs, eigenvalues[i])
+            ]
             Q = Qs[0] if len(Qs) == 1 else kron(Qs[0], Qs[1])
             blocks.append((Q * self.spectrum(i).pow(exponent).flatten()) @ Q.T)
         return block_diag(blocks)
+
+
+class StructuredKron(Kron):
+    """A ``Kron`` some of whose first factors are diagonal plus low rank (many outputs).
+
+    Everything is ``Kron``'s; the type tells the fitted curvature apart, and its
+    decomposition is a :class:`StructuredKronDecomposed`.
+    """
+
+    def decompose(self, damping: bool = False, deferred: bool = False) -> StructuredKronDecomposed:
+        """Eigen-decompose the dense factors; keep the diagonal-plus-low-rank ones.
+
+        Args:
+            damping: See :class:`KronDecomposed`.
+            deferred: See :meth:`Kron.decompose`.
+        """
+        if deferred:
+            return StructuredKronDecomposed.deferred(self, damping)
+        return StructuredKronDecomposed(*self._eigenpairs(), damping=damping)
+
+
+class StructuredKronDecomposed(KronDecomposed):
+    """The decomposition of a :class:`StructuredKron`: no eigendecomposition to show."""
+
+    @property
+    def eigenvectors(self) -> list[list[Tensor | None]]:
+        """Not available: a diagonal-plus-low-rank factor is not eigen-decomposed.
+
+        Raises:
+            ValueError: Always.
+        """
+        raise ValueError(
+            "a Kronecker precision with a structured (diagonal-plus-low-rank) output factor has "
+            "no eigendecomposition (eigenvectors, eigenvalues); use its logdet, bmm, "
+            "inv_square_form and diag."
+        )
+
+    eigenvalues = eigenvectors
