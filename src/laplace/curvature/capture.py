@@ -183,8 +183,10 @@ class OutputGradients:
         return self._split(grads)
 
     def columns(self, columns: Tensor) -> list[list[Tensor]]:
-        """As :meth:`stacked`, or :meth:`one_by_one` where not :attr:`vectorised`."""
-        return self.stacked(columns) if self.vectorised else self.one_by_one(columns)
+        """As :meth:`stacked`; :meth:`one_by_one` for one column or if not :attr:`vectorised`."""
+        if self.vectorised and len(columns) > 1:
+            return self.stacked(columns)
+        return self.one_by_one(columns)
 
     def one_by_one(self, columns: Tensor) -> list[list[Tensor]]:
         """As :meth:`stacked`, by one plain backward pass per column."""
