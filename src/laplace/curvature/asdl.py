@@ -175,15 +175,9 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         return self._select(grads), value.detach()
 
     def jacobians(self, x: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
-        """Jacobians by ASDL's per-sample gradients, one backward pass per output.
+        """As :meth:`CurvatureInterface.jacobians`, by ASDL's per-sample gradients per output.
 
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            enable_backprop: Keep ``Js`` and ``f`` differentiable w.r.t. ``x`` (computed by
-                the native engine, since ASDL detaches what it records).
-
-        Returns:
-            ``Js`` of shape (B, C, P) and outputs ``f`` of shape (B, C).
+        With ``enable_backprop`` they come from the native engine (ASDL detaches what it records).
         """
         if enable_backprop:
             return super().jacobians(x, enable_backprop=True)
@@ -203,15 +197,7 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         return torch.stack(rows, dim=1), f
 
     def gradients(self, x: Inputs, y: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-sample gradients of the library loss by ASDL.
-
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            y: Targets, shape (B, ...).
-
-        Returns:
-            ``Gs`` of shape (B, P) and the summed batch loss (a scalar).
-        """
+        """As :meth:`CurvatureInterface.gradients`, by ASDL."""
         target = target_call(self.model, x, self.last_layer)
 
         def closure() -> Tensor:
@@ -270,29 +256,17 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         return self.batch_loss(f, y), result
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Dense batch curvature by ASDL's full Fisher.
+        """As :meth:`CurvatureInterface.full`, by ASDL's full Fisher.
 
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            y: Targets, shape (B, ...).
-            **kwargs: Extra ``FisherConfig`` fields (override ``asdl_fisher_kwargs``).
-
-        Returns:
-            The summed batch loss and the curvature of shape (P, P).
+        Keyword arguments are extra ``FisherConfig`` fields (they override ``asdl_fisher_kwargs``).
         """
         loss, H = self._fisher(x, y, SHAPE_FULL, lambda m, scale: scale * m.fisher.data, **kwargs)
         return loss, self._select(self._select(H).T).detach()
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Diagonal of the batch curvature by ASDL's diagonal Fisher.
+        """As :meth:`CurvatureInterface.diag`, by ASDL's diagonal Fisher.
 
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            y: Targets, shape (B, ...).
-            **kwargs: Extra ``FisherConfig`` fields (override ``asdl_fisher_kwargs``).
-
-        Returns:
-            The summed batch loss and the diagonal of shape (P,).
+        Keyword arguments are extra ``FisherConfig`` fields (they override ``asdl_fisher_kwargs``).
         """
         loss, h = self._fisher(
             x, y, SHAPE_DIAG, lambda m, scale: scale * _diag_vector(m, "fisher"), **kwargs
@@ -300,16 +274,9 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         return loss, self._select(h).detach()
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
-        """Kronecker-factored batch curvature (KFAC) by ASDL's Kronecker Fisher.
+        """As :meth:`CurvatureInterface.kron`, by ASDL's Kronecker-factored Fisher.
 
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            y: Targets, shape (B, ...).
-            N: Number of data points of the whole data set.
-            **kwargs: Extra ``FisherConfig`` fields (override ``asdl_fisher_kwargs``).
-
-        Returns:
-            The summed batch loss and a :class:`~laplace.utils.matrix.Kron`.
+        Keyword arguments are extra ``FisherConfig`` fields (they override ``asdl_fisher_kwargs``).
 
         Raises:
             ValueError: For a subnetwork or a layer ASDL cannot factor (before any work).

@@ -121,14 +121,7 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
         return flat
 
     def jacobians(self, x: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
-        """Jacobians by BackPACK's ``BatchGrad``: one forward pass, one backward per output.
-
-        Args:
-            x: Inputs, shape (B, ...).
-            enable_backprop: Keep ``Js`` and ``f`` differentiable w.r.t. ``x``.
-
-        Returns:
-            ``Js`` of shape (B, C, P) and outputs ``f`` of shape (B, C).
+        """As :meth:`CurvatureInterface.jacobians`, by ``BatchGrad``: one backward pass per output.
 
         Raises:
             ValueError: For dict-like inputs.
@@ -151,14 +144,7 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
         return (Js, f) if enable_backprop else (Js.detach(), f.detach())
 
     def gradients(self, x: Inputs, y: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-sample gradients of the library loss by BackPACK's ``BatchGrad``.
-
-        Args:
-            x: Inputs, shape (B, ...).
-            y: Targets, shape (B, ...).
-
-        Returns:
-            ``Gs`` of shape (B, P) and the summed batch loss (a scalar).
+        """As :meth:`CurvatureInterface.gradients`, by ``BatchGrad``.
 
         Raises:
             ValueError: For dict-like inputs.
@@ -232,15 +218,9 @@ class BackPackGGN(BackPackInterface, GGNInterface):
         return (cls(mc_samples=self.num_samples) if self.stochastic else cls()), attr
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Dense batch GGN ``Vᵀ V`` from BackPACK's GGN square root.
+        """As :meth:`CurvatureInterface.full`: ``Vᵀ V`` from BackPACK's GGN square root ``V``.
 
-        Args:
-            x: Inputs, shape (B, ...).
-            y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and the GGN of shape (P, P).
+        Keyword arguments are accepted and ignored.
 
         Raises:
             ValueError: For dict-like inputs or a non-sequential model.
@@ -255,15 +235,9 @@ class BackPackGGN(BackPackInterface, GGNInterface):
         return loss, (self.factor * H).detach()
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Diagonal of the batch GGN by ``DiagGGNExact`` (or ``DiagGGNMC``).
+        """As :meth:`CurvatureInterface.diag`, by ``DiagGGNExact`` (or ``DiagGGNMC``).
 
-        Args:
-            x: Inputs, shape (B, ...).
-            y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and the diagonal of shape (P,).
+        Keyword arguments are accepted and ignored.
 
         Raises:
             ValueError: For dict-like inputs or a non-sequential model.
@@ -275,19 +249,13 @@ class BackPackGGN(BackPackInterface, GGNInterface):
         return loss, (self.factor * h).detach()
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
-        """Kronecker-factored batch GGN by ``KFLR`` (or the MC ``KFAC``).
+        """As :meth:`CurvatureInterface.kron`, by ``KFLR`` (or the Monte-Carlo ``KFAC``).
 
-        Args:
-            x: Inputs, shape (B, ...).
-            y: Targets, shape (B, ...).
-            N: Number of data points of the whole data set.
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and a :class:`~laplace.utils.matrix.Kron`.
+        Keyword arguments are accepted and ignored.
 
         Raises:
-            ValueError: For dict-like inputs, a non-sequential model or a subnetwork.
+            ValueError: For dict-like inputs, a non-sequential model, a subnetwork or a layer other
+                than Linear and convolution layers.
         """
         if self.subnetwork_indices is not None:
             raise ValueError("a subnetwork has no Kronecker structure; use diag or full.")
@@ -313,30 +281,12 @@ class BackPackEF(BackPackInterface, EFInterface):
     """
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Dense batch EF ``Σ gₙ gₙᵀ`` from BackPACK's per-sample gradients.
-
-        Args:
-            x: Inputs, shape (B, ...).
-            y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and the EF of shape (P, P).
-        """
+        """As :meth:`CurvatureInterface.full`: ``Σ gₙ gₙᵀ`` of ``BatchGrad``'s gradients ``gₙ``."""
         Gs, loss = self.gradients(x, y)
         return loss, Gs.T @ Gs
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Diagonal of the batch EF by ``SumGradSquared``.
-
-        Args:
-            x: Inputs, shape (B, ...).
-            y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and the diagonal of shape (P,).
-        """
+        """As :meth:`CurvatureInterface.diag`, by ``SumGradSquared``."""
         loss, h = self._backpropagate(
             x, y, SumGradSquared(), lambda m: self._collect(m, "sum_grad_squared", 0)
         )
