@@ -191,6 +191,8 @@ class OutputGradients:
     def one_by_one(self, columns: Tensor) -> list[list[Tensor]]:
         """As :meth:`stacked`, by one plain backward pass per column."""
         per_column = [self(v) for v in columns]
+        if len(per_column) == 1:  # views, not copies
+            return [[g.unsqueeze(0) for g in grads] for grads in per_column[0]]
         return [
             [torch.stack([col[i][j] for col in per_column]) for j in range(len(call.outputs))]
             for i, call in enumerate(self.calls)
