@@ -732,9 +732,9 @@ class FullLaplace(ParametricLaplace):
 class DiagLaplace(ParametricLaplace):
     """Laplace approximation with a diagonal curvature and posterior precision (P,).
 
-    The GLM predictive is computed without Jacobians
-    (:func:`laplace.posteriors.diagonal.diag_functional_variance`, every layer); models whose layers do not
-    see the data points along dim 0 use the Jacobian rows of the same recorded pass.
+    The GLM predictive is computed without Jacobians, layer by layer
+    (``laplace.posteriors.diagonal.diag_functional_variance``); models whose layers do not see
+    the data points along dim 0 use the Jacobian rows of the same recorded pass.
     """
 
     _key = (SubsetOfWeights.ALL, HessianStructure.DIAG)

@@ -1,17 +1,10 @@
-"""laplace-torch's backends for the unpublished ``asdfghjkl`` package, kept as names only.
+"""laplace-torch's backends for the unpublished ``asdfghjkl`` fork, kept as names only.
 
-laplace-torch 0.3 ships ``AsdfghjklInterface``, ``AsdfghjklGGN``, ``AsdfghjklEF`` and
-``AsdfghjklHessian`` for an old fork of ASDL that is not on PyPI (``pip install
-git+https://git@github.com/wiseodd/asdl@asdfghjkl``); its ``LowRankLaplace`` needs
-``AsdfghjklHessian``. laplace-ng does not use that fork: the classes here import, subclass and
-``isinstance``-check like laplace-torch's, and creating one raises an ``ImportError`` naming
-what to use instead:
-
-- the ASDL backends (``laplace.curvature.AsdlGGN``, ``AsdlEF``, ``AsdlHessian``, from the
-  published ``asdfghjkl==0.1a4``: ``pip install 'laplace-ng[asdl]'``) or the default
-  ``CurvlinopsGGN`` / ``CurvlinopsEF`` / ``CurvlinopsHessian``;
-- ``hessian_structure="lowrank"`` (:class:`~laplace.baselaplace.LowRankLaplace`), whose
-  eigensolvers work with every backend.
+The classes import, subclass and ``isinstance``-check like laplace-torch's; creating one raises
+an ``ImportError`` naming the replacement: the ``Asdl*`` backends (``pip install
+'laplace-ng[asdl]'``) or the default ``Curvlinops*``; for laplace-torch's ``LowRankLaplace``
+with ``AsdfghjklHessian``, ``hessian_structure="lowrank"``, whose eigensolvers work with every
+backend.
 """
 
 from __future__ import annotations

@@ -1,29 +1,22 @@
-"""ASDL backends (``asdl`` module of the ``asdfghjkl==0.1a4`` package).
+"""ASDL backends (the ``asdl`` module of the ``asdfghjkl==0.1a4`` package).
 
-ASDL computes per-sample gradients, the exact / Monte-Carlo / empirical Fisher in full and
-diagonal form, and the Hessian, by hooks on Linear, Conv2d, BatchNorm, LayerNorm and Embedding
-layers; the Kronecker form on Linear and convolution layers only (its embedding factor is a
-dense V × V matrix, refused here). laplace-torch advises it for large models with
-parameter-efficient fine-tuning (frozen weights cost nothing) and dict (HuggingFace) inputs.
-
-Conventions, as in the rest of the library: the curvature is σ-free and of the library loss
-(``½ Σ‖y − f‖²`` or ``Σ CE``), the EF is ``Σ gₙ gₙᵀ`` of that loss's per-sample gradients.
-Two ASDL quirks are corrected here: its empirical Fisher squares gradients of the unscaled
-squared error (4× ours for regression), and its ``n_mc_samples > 1`` Monte-Carlo Fisher divides
-by the sample count twice. Every call leaves the model clean (:mod:`.third_party`).
-
-ASDL detaches the activations it records, so Jacobians that are differentiable w.r.t. the
-inputs (``enable_backprop=True``) come from the native engine; use BackPACK for those if you
-want them from a third-party library.
+As everywhere in the library, the curvature is σ-free and of the library loss (``½ Σ‖y − f‖²``
+or ``Σ CE``); two ASDL conventions are corrected here (its empirical Fisher squares gradients of
+the unscaled loss, its ``n_mc_samples > 1`` Monte-Carlo Fisher divides by S twice). ASDL stores
+its results on the modules it ran on; every call reads them off and leaves the model clean
+(:func:`~laplace.curvature.third_party.isolated`). See ``docs/backends.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import torch
+from asdl.core import _supported_module_classes
 from asdl.fisher import FisherConfig, get_fisher_maker
 from asdl.grad_maker import LOSS_CROSS_ENTROPY, LOSS_MSE
 from asdl.gradient import batch_gradient
@@ -31,9 +24,14 @@ from asdl.hessian import HessianConfig, HessianMaker
 from asdl.matrices import FISHER_EMP, FISHER_EXACT, FISHER_MC, SHAPE_DIAG, SHAPE_FULL, SHAPE_KRON
 from torch import Tensor, nn
 
-from laplace.curvature.asdl_support import check_asdl_support, diag_vector, kron_from_asdl, quiet
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
-from laplace.curvature.third_party import KroneckerLayersOnly, TargetCall, isolated, target_call
+from laplace.curvature.third_party import (
+    KroneckerLayersOnly,
+    TargetCall,
+    isolated,
+    kron_blocks,
+    target_call,
+)
 from laplace.data import Inputs, batch_size_of
 from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron
@@ -41,8 +39,77 @@ from laplace.utils.matrix import Kron
 __all__ = ["AsdlEF", "AsdlGGN", "AsdlHessian", "AsdlInterface"]
 
 
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence torch's warning about ASDL's (non-full) module backward hooks."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*non-full backward hook.*")
+        yield
+
+
+def _check_asdl_support(model: nn.Module) -> None:
+    """Refuse trainable parameters of modules ASDL has no rules for.
+
+    Raises:
+        ValueError: Naming the unsupported module types and the backend to use instead.
+    """
+    unsupported = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if any(p.requires_grad for p in m.parameters(recurse=False))
+            and not isinstance(m, _supported_module_classes)
+        }
+    )
+    if unsupported:
+        supported = ", ".join(c.__name__ for c in _supported_module_classes)
+        raise ValueError(
+            f"ASDL cannot differentiate the trainable parameters of {unsupported} (it supports "
+            f"{supported}); use backend=CurvlinopsGGN, which handles any module."
+        )
+
+
+def _trainable(module: nn.Module) -> Iterator[tuple[nn.Module, str]]:
+    """Every trainable parameter's owning submodule and name, in ``module.parameters()`` order."""
+    for sub in module.modules():
+        for name, p in sub.named_parameters(recurse=False):
+            if p.requires_grad:
+                yield sub, name
+
+
+def _diag_vector(module: nn.Module, attr: str) -> Tensor:
+    """The per-parameter diagonals ASDL stored as ``<submodule>.<attr>.diag``, shape (P,).
+
+    Raises:
+        ValueError: If ASDL stored nothing for a trainable parameter.
+    """
+    parts = []
+    for sub, name in _trainable(module):
+        value = getattr(getattr(getattr(sub, attr, None), "diag", None), name, None)
+        if value is None:
+            raise ValueError(
+                f"ASDL computed no curvature for parameter {name!r} of {type(sub).__name__}; "
+                "use backend=CurvlinopsGGN."
+            )
+        parts.append(value.flatten())
+    return torch.cat(parts)
+
+
+def _kron_from_asdl(module: nn.Module, scale: float, n_data: int, factor: float) -> Kron:
+    """The :class:`Kron` of ASDL's factors ``kron.B`` (outputs) and ``kron.A`` (inputs).
+
+    Both are summed over the batch; ``scale`` brings ``B`` to the library's curvature, and a
+    bias block is ``B`` alone.
+    """
+    blocks = []
+    for sub, name in _trainable(module):
+        kron = sub.fisher.kron
+        blocks.append((scale * kron.B, kron.A if name == "weight" else None))
+    return kron_blocks(blocks, n_data, factor)
+
+
 class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
-    """Base of the ASDL backends (see :class:`CurvatureInterface` for the arguments).
+    """Base of the ASDL backends.
 
     Args:
         model: See :class:`CurvatureInterface`.
@@ -52,7 +119,8 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         dict_key_x: See :class:`CurvatureInterface`.
         dict_key_y: See :class:`CurvatureInterface`.
         asdl_fisher_kwargs: Extra fields of ASDL's ``FisherConfig`` (e.g. ``n_mc_samples``),
-            used by ``diag`` and ``kron``; the keyword arguments of those calls override them.
+            used by ``full``, ``diag`` and ``kron``; the keyword arguments of those calls
+            override them.
 
     Raises:
         ValueError: If a module owning trainable parameters is not one ASDL supports.
@@ -62,6 +130,8 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
     accepts_asdl_fisher_kwargs = True
     supported_losses = (nn.MSELoss, nn.CrossEntropyLoss)
     library = "ASDL"
+    #: ASDL's Fisher type of the backend's curvature (None: it has no ASDL Fisher).
+    fisher_type: str | None = None
 
     def __init__(
         self,
@@ -76,7 +146,7 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
     ) -> None:
         super().__init__(model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y)
         self.asdl_fisher_kwargs = dict(asdl_fisher_kwargs or {})
-        check_asdl_support(self._model)
+        _check_asdl_support(self._model)
 
     @property
     def loss_type(self) -> str:
@@ -86,10 +156,6 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
     def _targets(self, y: Tensor) -> Tensor:
         """Targets shaped for ``lossfunc`` on (B, C) outputs: (B, C) values or (B,) classes."""
         return y.reshape(len(y), -1) if self.loss_type == LOSS_MSE else y.reshape(-1)
-
-    def _torch_loss(self, f: Tensor, y: Tensor) -> Tensor:
-        """``lossfunc`` (unscaled), the loss ASDL differentiates."""
-        return self.lossfunc(f, self._targets(y))
 
     def _select(self, flat: Tensor) -> Tensor:
         """Restrict the last dimension (the parameter vector) to the subnetwork."""
@@ -102,22 +168,16 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
     ) -> tuple[Tensor, Tensor]:
         """ASDL's per-sample gradients (B, P) of what ``closure`` backpropagates, and its value."""
         batch = batch_size_of(target.inputs, self.dict_key_x)
-        with isolated(target.module), quiet():
+        with isolated(target.module), _quiet():
             grads, value = batch_gradient(
                 target.module, closure, return_outputs=True, batch_size=batch
             )
         return self._select(grads), value.detach()
 
     def jacobians(self, x: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
-        """Jacobians by ASDL's per-sample gradients, one backward pass per output.
+        """As :meth:`CurvatureInterface.jacobians`, by ASDL's per-sample gradients per output.
 
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            enable_backprop: Keep ``Js`` and ``f`` differentiable w.r.t. ``x`` (computed by
-                the native engine, since ASDL detaches what it records).
-
-        Returns:
-            ``Js`` of shape (B, C, P) and outputs ``f`` of shape (B, C).
+        With ``enable_backprop`` they come from the native engine (ASDL detaches what it records).
         """
         if enable_backprop:
             return super().jacobians(x, enable_backprop=True)
@@ -137,33 +197,16 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         return torch.stack(rows, dim=1), f
 
     def gradients(self, x: Inputs, y: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-sample gradients of the library loss by ASDL.
-
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            y: Targets, shape (B, ...).
-
-        Returns:
-            ``Gs`` of shape (B, P) and the summed batch loss (a scalar).
-        """
+        """As :meth:`CurvatureInterface.gradients`, by ASDL."""
         target = target_call(self.model, x, self.last_layer)
 
         def closure() -> Tensor:
-            loss = self.factor * self._torch_loss(target.module(target.inputs), y)
+            f = target.module(target.inputs)
+            loss = self.factor * self.lossfunc(f, self._targets(y))
             loss.backward()
             return loss
 
         return self._batch_gradients(target, closure)
-
-    # ---------------------------------------------------------------------------- Fisher
-    @property
-    def _fisher_type(self) -> str:
-        """ASDL's Fisher type (exact, MC or empirical)."""
-        raise NotImplementedError(f"{type(self).__name__} has no ASDL Fisher type.")
-
-    def _fisher_scale(self, config: FisherConfig) -> float:
-        """Factor from ASDL's Fisher (run with ``config``) to the library's curvature."""
-        return 1.0
 
     def _fisher(
         self,
@@ -185,69 +228,55 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
 
         Returns:
             The summed library loss and what ``extract`` returns.
+
+        Raises:
+            NotImplementedError: For a backend without an ASDL Fisher type.
         """
+        if self.fisher_type is None:
+            raise NotImplementedError(f"{type(self).__name__} has no ASDL Fisher type.")
         kwargs.pop("N", None)
-        target = target_call(self.model, x, self.last_layer)
+        sampled = {"n_mc_samples": self.num_samples} if self.fisher_type == FISHER_MC else {}
         config = FisherConfig(
-            fisher_type=self._fisher_type,
+            fisher_type=self.fisher_type,
             loss_type=self.loss_type,
             fisher_shapes=[shape],
             data_size=1,
-            **{**self._default_fisher_kwargs, **self.asdl_fisher_kwargs, **kwargs},
+            **{**sampled, **self.asdl_fisher_kwargs, **kwargs},
         )
-        with isolated(target.module), quiet():
+        # ASDL divides each sampled loss by S before squaring its gradient (undo one 1/S), and
+        # its EF squares gradients of the unscaled loss (factor² brings them to the library's).
+        scale = {FISHER_MC: float(config.n_mc_samples), FISHER_EMP: self.factor**2}
+        target = target_call(self.model, x, self.last_layer)
+        with isolated(target.module), _quiet():
             maker = get_fisher_maker(target.module, config)
             dummy = maker.setup_model_call(target.module, target.inputs)
             maker.setup_loss_call(self.lossfunc, dummy, self._targets(y))
             f, _ = maker.forward_and_backward()
-            result = extract(target.module, self._fisher_scale(config))
+            result = extract(target.module, scale.get(self.fisher_type, 1.0))
         return self.batch_loss(f, y), result
 
-    @property
-    def _default_fisher_kwargs(self) -> dict[str, Any]:
-        return {}
-
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Dense batch curvature by ASDL's full Fisher.
+        """As :meth:`CurvatureInterface.full`, by ASDL's full Fisher.
 
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            y: Targets, shape (B, ...).
-            **kwargs: Extra ``FisherConfig`` fields (override ``asdl_fisher_kwargs``).
-
-        Returns:
-            The summed batch loss and the curvature of shape (P, P).
+        Keyword arguments are extra ``FisherConfig`` fields (they override ``asdl_fisher_kwargs``).
         """
         loss, H = self._fisher(x, y, SHAPE_FULL, lambda m, scale: scale * m.fisher.data, **kwargs)
         return loss, self._select(self._select(H).T).detach()
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Diagonal of the batch curvature by ASDL's diagonal Fisher.
+        """As :meth:`CurvatureInterface.diag`, by ASDL's diagonal Fisher.
 
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            y: Targets, shape (B, ...).
-            **kwargs: Extra ``FisherConfig`` fields (override ``asdl_fisher_kwargs``).
-
-        Returns:
-            The summed batch loss and the diagonal of shape (P,).
+        Keyword arguments are extra ``FisherConfig`` fields (they override ``asdl_fisher_kwargs``).
         """
         loss, h = self._fisher(
-            x, y, SHAPE_DIAG, lambda m, scale: scale * diag_vector(m, "fisher"), **kwargs
+            x, y, SHAPE_DIAG, lambda m, scale: scale * _diag_vector(m, "fisher"), **kwargs
         )
         return loss, self._select(h).detach()
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
-        """Kronecker-factored batch curvature (KFAC) by ASDL's Kronecker Fisher.
+        """As :meth:`CurvatureInterface.kron`, by ASDL's Kronecker-factored Fisher.
 
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            y: Targets, shape (B, ...).
-            N: Number of data points of the whole data set.
-            **kwargs: Extra ``FisherConfig`` fields (override ``asdl_fisher_kwargs``).
-
-        Returns:
-            The summed batch loss and a :class:`~laplace.utils.matrix.Kron`.
+        Keyword arguments are extra ``FisherConfig`` fields (they override ``asdl_fisher_kwargs``).
 
         Raises:
             ValueError: For a subnetwork or a layer ASDL cannot factor (before any work).
@@ -255,7 +284,7 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         if self.subnetwork_indices is not None:
             raise ValueError("a subnetwork has no Kronecker structure; use diag or full.")
         self.kron_shapes()  # refuses layers ASDL cannot factor
-        extract = partial(kron_from_asdl, n_data=N, factor=self.factor)
+        extract = partial(_kron_from_asdl, n_data=N, factor=self.factor)
         return self._fisher(x, y, SHAPE_KRON, extract, **kwargs)
 
 
@@ -300,24 +329,16 @@ class AsdlGGN(AsdlInterface, GGNInterface):
         self.num_samples = num_samples
 
     @property
-    def _fisher_type(self) -> str:
+    def fisher_type(self) -> str:  # type: ignore[override]
+        """``fisher_mc`` when ``stochastic``, else ``fisher_exact``."""
         return FISHER_MC if self.stochastic else FISHER_EXACT
-
-    @property
-    def _default_fisher_kwargs(self) -> dict[str, Any]:
-        return {"n_mc_samples": self.num_samples} if self.stochastic else {}
-
-    def _fisher_scale(self, config: FisherConfig) -> float:
-        # ASDL divides each sample's loss by S before squaring its gradient: undo one 1/S.
-        return float(config.n_mc_samples) if self.stochastic else 1.0
 
 
 class _KeywordSubnetwork(AsdlInterface):
     """:class:`AsdlInterface` with ``subnetwork_indices`` keyword-only.
 
-    The positional arguments are laplace-torch's for ``AsdlEF`` and ``AsdlHessian``, which have
-    no ``subnetwork_indices`` (so its subnetwork Laplace cannot use ``AsdlEF``); here the
-    curvature is restricted to those entries.
+    laplace-torch's ``AsdlEF`` and ``AsdlHessian`` take no ``subnetwork_indices``; here the
+    curvature is restricted to those entries when given.
     """
 
     def __init__(
@@ -348,28 +369,21 @@ class AsdlEF(_KeywordSubnetwork, EFInterface):
     Takes the arguments of :class:`AsdlInterface`, ``subnetwork_indices`` keyword-only.
     """
 
-    @property
-    def _fisher_type(self) -> str:
-        return FISHER_EMP
-
-    def _fisher_scale(self, config: FisherConfig) -> float:
-        # ASDL squares gradients of the unscaled loss: factor² brings them to the library's.
-        return self.factor**2
+    fisher_type = FISHER_EMP
 
 
 class AsdlHessian(_KeywordSubnetwork):
     """Exact Hessian of the summed library loss by ASDL (full, or its diagonal).
 
-    ASDL forms the Hessian by double backpropagation, one pass per parameter: use it on small
-    models or the last layer. It has no Kronecker form. Takes the arguments of
-    :class:`AsdlInterface`, ``subnetwork_indices`` keyword-only; ``asdl_fisher_kwargs`` is
-    accepted for a uniform interface and unused.
+    One double backpropagation per parameter: small models or the last layer. Takes the
+    arguments of :class:`AsdlInterface`, ``subnetwork_indices`` keyword-only;
+    ``asdl_fisher_kwargs`` is accepted for a uniform interface and unused.
     """
 
     def _hessian(self, x: Inputs, y: Tensor, shape: str) -> tuple[Tensor, Tensor]:
         target = target_call(self.model, x, self.last_layer)
         maker = HessianMaker(target.module, HessianConfig(hessian_shapes=[shape]))
-        with isolated(target.module), quiet():
+        with isolated(target.module), _quiet():
             dummy = maker.setup_model_call(target.module, target.inputs)
             maker.setup_loss_call(self.lossfunc, dummy, self._targets(y))
             maker.forward_and_backward()
@@ -377,7 +391,7 @@ class AsdlHessian(_KeywordSubnetwork):
             if shape == SHAPE_FULL:
                 H = self._select(self._select(target.module.hessian.data).T)
             else:
-                H = self._select(diag_vector(target.module, "hessian"))
+                H = self._select(_diag_vector(target.module, "hessian"))
         return self.batch_loss(f, y), (self.factor * H).detach()
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:

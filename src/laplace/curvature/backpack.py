@@ -1,17 +1,10 @@
 """BackPACK backends (``backpack-for-pytorch``).
 
-BackPACK extends the backward pass of ``nn.Sequential`` models of standard layers with
-per-sample gradients (``BatchGrad``), their squared sum (``SumGradSquared``), the exact and
-Monte-Carlo GGN diagonal (``DiagGGNExact``, ``DiagGGNMC``), a symmetric factorisation of the
-GGN (``SqrtGGNExact``, ``SqrtGGNMC``, for the dense matrix) and KFLR / KFAC Kronecker factors.
-Its per-sample gradients can be built with ``create_graph``, which makes it the backend for
-Jacobians that are differentiated further (``enable_backprop=True``, e.g. Bayesian
-optimisation).
-
-The hooks are installed only for the duration of each call and everything BackPACK writes onto
-modules and parameters is removed afterwards (:mod:`.third_party`), so a model fitted with
-BackPACK can later be fitted with ASDL or curvlinops. Dict inputs and second-order quantities of
-non-sequential models are refused with the backend to use instead.
+BackPACK extends the backward pass of ``nn.Sequential`` models of standard layers; its
+per-sample gradients can be built with ``create_graph`` (Jacobians with
+``enable_backprop=True``). Hooks live only for the duration of each call and everything BackPACK
+writes is removed afterwards (:func:`~laplace.curvature.third_party.isolated`). See
+``docs/backends.md``.
 """
 
 from __future__ import annotations
@@ -51,7 +44,6 @@ from laplace.curvature.third_party import (
     target_call,
 )
 from laplace.data import Inputs
-from laplace.likelihoods import LikelihoodModel
 from laplace.utils.matrix import Kron
 
 __all__ = ["BackPackEF", "BackPackGGN", "BackPackInterface"]
@@ -84,6 +76,14 @@ def _extended(*modules: nn.Module) -> Iterator[None]:
         yield
 
 
+#: BackPACK's extensions and their attributes per form: (exact GGN, Monte-Carlo Fisher).
+_GGN_EXTENSIONS: dict[str, tuple[tuple[type, str], tuple[type, str]]] = {
+    "full": ((SqrtGGNExact, "sqrt_ggn_exact"), (SqrtGGNMC, "sqrt_ggn_mc")),
+    "diag": ((DiagGGNExact, "diag_ggn_exact"), (DiagGGNMC, "diag_ggn_mc")),
+    "kron": ((KFLR, "kflr"), (KFAC, "kfac")),
+}
+
+
 class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
     """Base of the BackPACK backends (see :class:`CurvatureInterface` for the arguments)."""
 
@@ -94,14 +94,6 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
     def _target(self, x: Inputs) -> TargetCall:
         check_dict_inputs(type(self), x)
         return target_call(self.model, x, self.last_layer)
-
-    def _require_chain(self, target: TargetCall, quantity: str) -> None:
-        if not _is_chain(target.module):
-            raise ValueError(
-                f"BackPACK computes {quantity} only for nn.Sequential models of standard "
-                f"layers, not for {type(target.module).__name__}; use backend=CurvlinopsGGN "
-                "or AsdlGGN."
-            )
 
     def _collect(self, module: nn.Module, attr: str, flatten_from: int) -> Tensor:
         """Concatenate the ``attr`` that BackPACK stored on each parameter (in ``params`` order).
@@ -129,14 +121,7 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
         return flat
 
     def jacobians(self, x: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
-        """Jacobians by BackPACK's ``BatchGrad``: one forward pass, one backward per output.
-
-        Args:
-            x: Inputs, shape (B, ...).
-            enable_backprop: Keep ``Js`` and ``f`` differentiable w.r.t. ``x``.
-
-        Returns:
-            ``Js`` of shape (B, C, P) and outputs ``f`` of shape (B, C).
+        """As :meth:`CurvatureInterface.jacobians`, by ``BatchGrad``: one backward pass per output.
 
         Raises:
             ValueError: For dict-like inputs.
@@ -158,57 +143,54 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
         Js = torch.stack(rows, dim=1)
         return (Js, f) if enable_backprop else (Js.detach(), f.detach())
 
-    def _first_order(
-        self, x: Inputs, y: Tensor, extension: BackpropExtension, attr: str, leading: int
-    ) -> tuple[Tensor, Tensor]:
-        """Backpropagate the library loss with a first-order extension and collect ``attr``."""
-        target = self._target(x)
-        with _extended(target.module):
-            f = target.module(target.inputs)
-            loss = self.factor * self._torch_loss(f, y)
-            with backpack(extension):
-                loss.backward()
-            value = self._collect(target.module, attr, leading)
-        return value.detach(), loss.detach()
-
-    def _torch_loss(self, f: Tensor, y: Tensor) -> Tensor:
-        """``lossfunc`` (the module BackPACK hooks) with targets shaped like the outputs."""
-        likelihood: LikelihoodModel = self.fit_likelihood
-        return self.lossfunc(f, likelihood.prepare_targets(f, y))
-
     def gradients(self, x: Inputs, y: Tensor) -> tuple[Tensor, Tensor]:
-        """Per-sample gradients of the library loss by BackPACK's ``BatchGrad``.
-
-        Args:
-            x: Inputs, shape (B, ...).
-            y: Targets, shape (B, ...).
-
-        Returns:
-            ``Gs`` of shape (B, P) and the summed batch loss (a scalar).
+        """As :meth:`CurvatureInterface.gradients`, by ``BatchGrad``.
 
         Raises:
             ValueError: For dict-like inputs.
         """
-        return self._first_order(x, y, BatchGrad(), "grad_batch", 1)
+        loss, Gs = self._backpropagate(
+            x, y, BatchGrad(), lambda m: self._collect(m, "grad_batch", 1)
+        )
+        return Gs.detach(), loss
 
-    def _second_order(
-        self, x: Inputs, y: Tensor, extension: BackpropExtension, read: Any, quantity: str
+    def _backpropagate(
+        self, x: Inputs, y: Tensor, extension: BackpropExtension, read: Any, quantity: str = ""
     ) -> tuple[Tensor, Any]:
-        """Backpropagate ``lossfunc`` with a second-order extension; ``read()`` the result."""
+        """Backpropagate the loss with ``extension`` and ``read(module)`` the result.
+
+        A first-order extension differentiates the library loss; a second-order one (named by
+        ``quantity`` for messages) the torch loss module, which it hooks: its result is of the
+        unscaled loss.
+
+        Returns:
+            The summed library loss and what ``read`` returns.
+
+        Raises:
+            ValueError: For dict-like inputs, and a second-order quantity of a non-sequential
+                model or of the binary cross-entropy of several labels.
+        """
         target = self._target(x)
-        self._require_chain(target, quantity)
-        with _extended(target.module, self.lossfunc):
+        if quantity and not _is_chain(target.module):
+            raise ValueError(
+                f"BackPACK computes {quantity} only for nn.Sequential models of standard "
+                f"layers, not for {type(target.module).__name__}; use backend=CurvlinopsGGN "
+                "or AsdlGGN."
+            )
+        with _extended(target.module, *([self.lossfunc] if quantity else [])):
             f = target.module(target.inputs)
-            if isinstance(self.lossfunc, nn.BCEWithLogitsLoss) and f.shape[-1] != 1:
+            if quantity and isinstance(self.lossfunc, nn.BCEWithLogitsLoss) and f.shape[-1] != 1:
                 raise ValueError(
                     f"BackPACK computes {quantity} of the binary cross-entropy for one output "
                     f"only; the model has {f.shape[-1]} labels: use backend=CurvlinopsGGN."
                 )
-            loss = self._torch_loss(f, y)
+            loss = self.lossfunc(f, self.fit_likelihood.prepare_targets(f, y))
+            if not quantity:
+                loss = self.factor * loss
             with backpack(extension):
                 loss.backward()
             value = read(target.module)
-        return self.factor * loss.detach(), value
+        return (self.factor if quantity else 1) * loss.detach(), value
 
 
 class BackPackGGN(BackPackInterface, GGNInterface):
@@ -230,77 +212,54 @@ class BackPackGGN(BackPackInterface, GGNInterface):
             ``mc_samples``).
     """
 
+    def _extension(self, form: str) -> tuple[BackpropExtension, str]:
+        """BackPACK's extension of the GGN (or MC Fisher) in ``form``, and its attribute."""
+        cls, attr = _GGN_EXTENSIONS[form][self.stochastic]
+        return (cls(mc_samples=self.num_samples) if self.stochastic else cls()), attr
+
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Dense batch GGN ``Vᵀ V`` from BackPACK's GGN square root.
+        """As :meth:`CurvatureInterface.full`: ``Vᵀ V`` from BackPACK's GGN square root ``V``.
 
-        Args:
-            x: Inputs, shape (B, ...).
-            y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and the GGN of shape (P, P).
+        Keyword arguments are accepted and ignored.
 
         Raises:
             ValueError: For dict-like inputs or a non-sequential model.
         """
-        extension, attr = (
-            (SqrtGGNMC(mc_samples=self.num_samples), "sqrt_ggn_mc")
-            if self.stochastic
-            else (SqrtGGNExact(), "sqrt_ggn_exact")
-        )
+        extension, attr = self._extension("full")
 
         def read(module: nn.Module) -> Tensor:
             V = self._collect(module, attr, 2).flatten(0, 1)
             return V.T @ V
 
-        loss, H = self._second_order(x, y, extension, read, "the GGN")
+        loss, H = self._backpropagate(x, y, extension, read, "the GGN")
         return loss, (self.factor * H).detach()
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Diagonal of the batch GGN by ``DiagGGNExact`` (or ``DiagGGNMC``).
+        """As :meth:`CurvatureInterface.diag`, by ``DiagGGNExact`` (or ``DiagGGNMC``).
 
-        Args:
-            x: Inputs, shape (B, ...).
-            y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and the diagonal of shape (P,).
+        Keyword arguments are accepted and ignored.
 
         Raises:
             ValueError: For dict-like inputs or a non-sequential model.
         """
-        extension, attr = (
-            (DiagGGNMC(mc_samples=self.num_samples), "diag_ggn_mc")
-            if self.stochastic
-            else (DiagGGNExact(), "diag_ggn_exact")
-        )
-        loss, h = self._second_order(
+        extension, attr = self._extension("diag")
+        loss, h = self._backpropagate(
             x, y, extension, lambda m: self._collect(m, attr, 0), "the GGN diagonal"
         )
         return loss, (self.factor * h).detach()
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
-        """Kronecker-factored batch GGN by ``KFLR`` (or the MC ``KFAC``).
+        """As :meth:`CurvatureInterface.kron`, by ``KFLR`` (or the Monte-Carlo ``KFAC``).
 
-        Args:
-            x: Inputs, shape (B, ...).
-            y: Targets, shape (B, ...).
-            N: Number of data points of the whole data set.
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and a :class:`~laplace.utils.matrix.Kron`.
+        Keyword arguments are accepted and ignored.
 
         Raises:
-            ValueError: For dict-like inputs, a non-sequential model or a subnetwork.
+            ValueError: For dict-like inputs, a non-sequential model, a subnetwork or a layer other
+                than Linear and convolution layers.
         """
         if self.subnetwork_indices is not None:
             raise ValueError("a subnetwork has no Kronecker structure; use diag or full.")
-        extension, attr = (
-            (KFAC(mc_samples=self.num_samples), "kfac") if self.stochastic else (KFLR(), "kflr")
-        )
+        extension, attr = self._extension("kron")
         check_kronecker_layers(self._model, self.params, self.library)
 
         def read(module: nn.Module) -> Kron:
@@ -311,7 +270,7 @@ class BackPackGGN(BackPackInterface, GGNInterface):
             blocks = [(c * F[0], F[1] * batch if len(F) == 2 else None) for F in factors]
             return kron_blocks(blocks, N, c)
 
-        return self._second_order(x, y, extension, read, "Kronecker factors")
+        return self._backpropagate(x, y, extension, read, "Kronecker factors")
 
 
 class BackPackEF(BackPackInterface, EFInterface):
@@ -322,32 +281,16 @@ class BackPackEF(BackPackInterface, EFInterface):
     """
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Dense batch EF ``Σ gₙ gₙᵀ`` from BackPACK's per-sample gradients.
-
-        Args:
-            x: Inputs, shape (B, ...).
-            y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and the EF of shape (P, P).
-        """
+        """As :meth:`CurvatureInterface.full`: ``Σ gₙ gₙᵀ`` of ``BatchGrad``'s gradients ``gₙ``."""
         Gs, loss = self.gradients(x, y)
         return loss, Gs.T @ Gs
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Diagonal of the batch EF by ``SumGradSquared``.
-
-        Args:
-            x: Inputs, shape (B, ...).
-            y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and the diagonal of shape (P,).
-        """
-        h, loss = self._first_order(x, y, SumGradSquared(), "sum_grad_squared", 0)
-        return loss, h
+        """As :meth:`CurvatureInterface.diag`, by ``SumGradSquared``."""
+        loss, h = self._backpropagate(
+            x, y, SumGradSquared(), lambda m: self._collect(m, "sum_grad_squared", 0)
+        )
+        return loss, h.detach()
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
         """Not available in BackPACK.

@@ -1,28 +1,13 @@
 r"""Per-sample vectors times blocks of parameter vectors, per layer, without forming them.
 
-A recorded batch of B points and K output columns ``vₖ`` define the per-sample vectors
-``gₙₖ = Jₙᵀ vₙₖ``, the rows of a (K·B, P) matrix ``G``; every curvature of the library is a sum
-of ``Gᵀ G`` over batches (:mod:`laplace.curvature.per_sample`). This module multiplies ``G`` and
-``Gᵀ`` with blocks of m vectors:
-
-- ``G V`` (K, B, m): ``⟨gₙₖ, vⱼ⟩`` for a block ``V`` (P, m);
-- ``Gᵀ W`` (P, m): ``Σₙₖ Wₙₖⱼ gₙₖ`` for sample-space weights ``W`` (K, B, m);
-
-so the curvature–block product ``H V = Σ Gᵀ (G V)`` costs one recorded forward, one vectorised
-backward pass over the K columns w.r.t. the layer outputs, and per layer:
-
-- ``nn.Linear`` on (B, D_in) inputs, whose per-sample vectors are outer products
-  ``uₙₖ ⊗ aₙ`` of output gradients and inputs: ``⟨gₙₖ, vⱼ⟩ = uₙₖᵀ Vⱼ aₙ`` and
-  ``Σₙₖ Wₙₖⱼ uₙₖ aₙᵀ``, each one matmul of the inputs with the block, O(B·m·P_layer), with no
-  per-sample gradient ever formed;
-- every other layer (convolutions, sequence inputs, any module): its per-sample gradients
-  (B, P_layer), one column at a time, from the layer rules of
-  :mod:`laplace.curvature.layer_rules`, multiplied with the block; they are kept for ``Gᵀ`` within
-  :data:`PER_SAMPLE_CACHE_BYTES` and recomputed beyond;
-- models whose layers do not see the data points along dim 0 (and subnetworks): the per-sample
-  rows of the whole model from :meth:`~laplace.curvature.per_sample.PerSampleTrace.per_sample`.
-
-Memory: the block, the result and one batch; never the Jacobians of the data set.
+The per-sample vectors ``gₙₖ = Jₙᵀ vₙₖ`` of a recorded batch are the rows of a (K·B, P) matrix
+``G``; this module computes ``G V`` (K, B, m) for a block ``V`` (P, m) and ``Gᵀ W`` (P, m) for
+sample-space weights ``W`` (K, B, m), so ``H V = Σ Gᵀ (G V)`` costs one recorded forward and one
+vectorised backward over the K columns per batch. A Linear layer on (B, D_in) inputs contracts
+``uₙₖᵀ Vⱼ aₙ`` in one matmul with the block; other layers use their per-sample gradients (kept
+between the two products within :data:`PER_SAMPLE_CACHE_BYTES`), and models whose layers do not
+see the data points along dim 0 (and subnetworks) the per-sample rows of the whole model.
+Memory: the block, the result and one batch.
 """
 
 from __future__ import annotations
@@ -32,21 +17,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from laplace.curvature.layer_rules import ModuleCall, per_sample_grads
+from laplace.curvature.layer_rules import ModuleCall
 from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
 
 __all__ = ["PER_SAMPLE_CACHE_BYTES", "BlockSum", "ParameterBlock", "SampleVectors"]
 
 #: Bytes of per-sample gradients kept between ``G V`` and ``Gᵀ W`` for one batch.
 PER_SAMPLE_CACHE_BYTES = 256 * 2**20
-
-
-def _slot_offsets(engine: PerSampleEngine) -> list[int]:
-    """Start of every parameter slot in the engine's flat vector, and its end."""
-    offsets = [0]
-    for p in engine.needed:
-        offsets.append(offsets[-1] + p.numel())
-    return offsets
 
 
 def _is_plain_linear(call: ModuleCall) -> bool:
@@ -64,12 +41,11 @@ class ParameterBlock:
 
     def __init__(self, engine: PerSampleEngine, V: Tensor) -> None:
         self.engine, self.V = engine, V
-        self.offsets = _slot_offsets(engine)
         self._linear: dict[int, Tensor] = {}
 
     def slot(self, i: int) -> Tensor:
         """Rows of parameter slot ``i``, shape (n_i, m)."""
-        return self.V[self.offsets[i] : self.offsets[i + 1]]
+        return self.V[self.engine.offsets[i] : self.engine.offsets[i + 1]]
 
     def linear(self, i: int) -> Tensor:
         """A Linear weight's rows laid out as (D_in, D_out·m), made once per block."""
@@ -92,7 +68,6 @@ class BlockSum:
     def __init__(self, engine: PerSampleEngine, m: int, like: Tensor) -> None:
         self.engine, self.m = engine, m
         self.total = like.new_zeros(engine.n_entries, m)
-        self.offsets = _slot_offsets(engine)
         self._linear: dict[int, Tensor] = {}
 
     def add(self, value: Tensor) -> None:
@@ -101,7 +76,7 @@ class BlockSum:
 
     def add_rows(self, i: int, value: Tensor) -> None:
         """Add ``value`` (n_i, m) to slot ``i``."""
-        self.total[self.offsets[i] : self.offsets[i + 1]] += value
+        self.total[self.engine.offsets[i] : self.engine.offsets[i + 1]] += value
 
     def add_linear(self, i: int, inputs: Tensor, weights: Tensor) -> None:
         """Add ``inputsᵀ weights`` ((D_in, B) @ (B, D_out·m)) to Linear weight slot ``i``."""
@@ -173,12 +148,9 @@ class SampleVectors:
         """Per-sample gradients (B, n) of call ``i`` for column ``k``, by parameter slot."""
         if (i, k) in self._cache:
             return self._cache[i, k]
-        call = self.trace.calls[i]
-        grads = per_sample_grads(call, [g[k] for g in self.output_gradients[i]])
-        out = {
-            self.trace.engine.slot[call.module, name]: grad.reshape(self.B, -1)
-            for name, grad in grads.items()
-        }
+        call, g_call = self.trace.calls[i], self.output_gradients[i]
+        grads = self.trace.slot_grads(call, [g[k] for g in g_call])
+        out = {slot: grad.reshape(self.B, -1) for slot, grad in grads.items()}
         self._keep((i, k), out, sum(t.numel() * t.element_size() for t in out.values()))
         return out
 

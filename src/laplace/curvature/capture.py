@@ -183,12 +183,16 @@ class OutputGradients:
         return self._split(grads)
 
     def columns(self, columns: Tensor) -> list[list[Tensor]]:
-        """As :meth:`stacked`, or :meth:`one_by_one` where not :attr:`vectorised`."""
-        return self.stacked(columns) if self.vectorised else self.one_by_one(columns)
+        """As :meth:`stacked`; :meth:`one_by_one` for one column or if not :attr:`vectorised`."""
+        if self.vectorised and len(columns) > 1:
+            return self.stacked(columns)
+        return self.one_by_one(columns)
 
     def one_by_one(self, columns: Tensor) -> list[list[Tensor]]:
         """As :meth:`stacked`, by one plain backward pass per column."""
         per_column = [self(v) for v in columns]
+        if len(per_column) == 1:  # views, not copies
+            return [[g.unsqueeze(0) for g in grads] for grads in per_column[0]]
         return [
             [torch.stack([col[i][j] for col in per_column]) for j in range(len(call.outputs))]
             for i, call in enumerate(self.calls)

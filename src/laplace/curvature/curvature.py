@@ -6,8 +6,11 @@ curvature (summed over the batch, not normalised) in dense (``full``), Kronecker
 diagonal (``diag``) form, always together with the summed batch loss
 (``½ Σ‖y − f‖²`` for regression, ``Σ CE`` for classification).
 
-The default routes use the native per-sample engine (:mod:`laplace.curvature.per_sample`);
-:meth:`CurvatureInterface.functorch_jacobians` keeps a plain ``torch.func`` route as reference.
+Every curvature of the native routes is ``Σₙ Σₖ (Jₙᵀ vₙₖ)(Jₙᵀ vₙₖ)ᵀ`` for output-space columns
+``vₖ``: a family (GGN, empirical Fisher) says which columns each row of the outputs has
+(:meth:`CurvatureInterface.row_columns`), the output layout (:mod:`laplace.outputs`) turns them
+into columns of the model's outputs, and the native per-sample engine
+(:mod:`laplace.curvature.per_sample`) sums the outer products.
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
-from laplace.curvature.columns import OutputColumns
-from laplace.curvature.kfac import kfac, kfac_shapes
-from laplace.curvature.kfac_rules import KFAC_DENSE_LIMIT
-from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
+from laplace.curvature.kfac import kfac
+from laplace.curvature.kfac_rules import (
+    KFAC_DENSE_LIMIT,
+    block_shapes,
+    check_output_columns,
+    plan_blocks,
+)
+from laplace.curvature.per_sample import Columns, PerSampleEngine, PerSampleTrace
 from laplace.data import Inputs
-from laplace.errors import check_fits_in_memory, check_module
+from laplace.errors import check_fits_in_memory, check_module, check_positive_int
 from laplace.likelihoods import make_likelihood
 from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron
@@ -50,7 +57,7 @@ def check_dict_inputs(backend_cls: type[CurvatureInterface], x: Any) -> None:
         )
 
 
-class CurvatureInterface(OutputColumns):
+class CurvatureInterface:
     """Access to curvature of a model under a likelihood.
 
     Args:
@@ -83,6 +90,10 @@ class CurvatureInterface(OutputColumns):
     low_rank_kfac: bool = True
     #: The torch losses (likelihoods' ``loss_module``) a third-party library supports; None: all.
     supported_losses: tuple[type[nn.Module], ...] | None = None
+    #: Whether a row's columns are the square root of that row's own curvature (the exact
+    #: GGN), so every position of outputs with extra dimensions gets columns of its own;
+    #: otherwise a column covers the summed loss of a data point (loss gradients).
+    separable_columns: bool = False
 
     def __init__(
         self,
@@ -105,6 +116,11 @@ class CurvatureInterface(OutputColumns):
         self.factor = self.fit_likelihood.loss_scale
         self.params: list[nn.Parameter] = [p for p in self._model.parameters() if p.requires_grad]
         self._engine = PerSampleEngine(model, self.params, subnetwork_indices)
+
+    @property
+    def engine(self) -> PerSampleEngine:
+        """The native per-sample engine over :attr:`params` (restricted to the subnetwork)."""
+        return self._engine
 
     @property
     def _model(self) -> nn.Module:
@@ -207,6 +223,94 @@ class CurvatureInterface(OutputColumns):
         Gs = trace.per_sample(self.fit_likelihood.output_gradient(f, y))
         return Gs.detach(), self.batch_loss(f, y)
 
+    def curvature_columns(
+        self,
+        f: Tensor,
+        y: Tensor,
+        generator: torch.Generator | None = None,
+        mc_samples: int | None = None,
+        separate_positions: bool = True,
+    ) -> Columns:
+        """Output-space columns ``vₖ`` whose per-sample outer products sum to the curvature.
+
+        The dense and diagonal curvatures are ``Σₙ Σₖ (Jₙᵀ vₖₙ)(Jₙᵀ vₖₙ)ᵀ``; a family (GGN, EF)
+        only says which columns each row of the outputs has (:meth:`row_columns`). For outputs
+        with extra dimensions (:mod:`laplace.outputs`) positions an ``ignore_index`` drops get
+        zero columns, and with ``separate_positions`` the exact GGN gets one column per
+        position and row column (the GGN of the summed per-position loss; KFAC's weight
+        sharing instead lets each column cover all positions).
+
+        Args:
+            f: Detached outputs of the batch, shape (B, ...).
+            y: Targets of the batch.
+            generator: Random generator of sampled columns (Monte-Carlo Fisher); torch's global
+                generator when None.
+            mc_samples: Monte-Carlo samples per data point, for a stochastic curvature only.
+            separate_positions: Give positions columns of their own where the family's are
+                per row (:attr:`separable_columns`).
+
+        Returns:
+            The columns, sliced and iterated like a tensor (K, B, ...).
+
+        Raises:
+            ValueError: For ``mc_samples`` with a curvature that is not sampled.
+        """
+        layout = self.fit_likelihood.layout(f.shape, y)
+        rows, targets, keep = layout.split(f, y)
+        V = self.row_columns(rows, targets, generator, mc_samples)
+        if keep is not None:
+            V = V * keep[:, None, None]
+        return layout.columns(V, separate_positions and self.separable_columns)
+
+    def row_columns(
+        self,
+        f: Tensor,
+        y: Tensor,
+        generator: torch.Generator | None = None,
+        mc_samples: int | None = None,
+    ) -> Tensor:
+        """The family's columns of rows ``f`` (R, C) with targets ``y``, shape (R, C, K).
+
+        Arguments as :meth:`curvature_columns`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} defines no curvature.")
+
+    def _traced_columns(
+        self,
+        x: Inputs,
+        y: Tensor,
+        kwargs: dict[str, Any],
+        separate_positions: bool = True,
+        column_limit: int | None = None,
+    ) -> tuple[PerSampleTrace, Tensor, Columns]:
+        """The batch's trace, its detached outputs and curvature columns.
+
+        With ``column_limit``, columns of each row's own curvature (the exact GGN: one per
+        output) are refused before they are formed where the outputs per position exceed it
+        (:func:`~laplace.curvature.kfac_rules.check_output_columns`).
+
+        Raises:
+            ValueError: For keyword arguments other than ``mc_samples`` (positive) and ``N``.
+        """
+        options = {key: value for key, value in kwargs.items() if key != "N"}
+        mc_samples = options.pop("mc_samples", None)
+        if options:
+            raise ValueError(
+                f"unknown keyword arguments {sorted(options)}; the curvature routes accept "
+                "mc_samples (stochastic GGN), kfac_approx (kron) and N."
+            )
+        if mc_samples is not None:
+            mc_samples = check_positive_int(mc_samples, "mc_samples")
+        trace = self.trace(x)
+        f = trace.f.detach()
+        if column_limit is not None and self.separable_columns:
+            n_columns = self.fit_likelihood.layout(f.shape, y).n_classes
+            check_output_columns(trace.engine, n_columns, column_limit)
+        columns = self.curvature_columns(
+            f, y, mc_samples=mc_samples, separate_positions=separate_positions
+        )
+        return trace, f, columns
+
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Dense batch curvature, summed over data points.
 
@@ -265,7 +369,8 @@ class CurvatureInterface(OutputColumns):
             low_rank_above: Mark the output factors :meth:`kron` keeps low rank for it
                 (``LowRankShape``).
         """
-        return kfac_shapes(self._engine, self.kfac_dense_limit, low_rank_above)
+        plan = plan_blocks(self._engine, self.kfac_dense_limit, low_rank_above)
+        return block_shapes(plan, self._engine.needed)
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Diagonal of the batch curvature, summed over data points.

@@ -1,17 +1,16 @@
 """The default backend family, named as in laplace-torch (``Curvlinops*``).
 
-Dense and diagonal GGN/EF, Jacobians and per-sample gradients come from the native engine
-(:mod:`laplace.curvature.per_sample`), which is far faster than materialising curvlinops'
-matrix-free operators column by column. KFAC (:mod:`laplace.curvature.kfac`) reuses its
-recorded forward pass and needs only gradients w.r.t. layer outputs, where curvlinops'
-``KFACLinearOperator`` also forms weight gradients and loops over samples for the square roots
-of the output Hessians. curvlinops is used where it is the right tool: the exact Hessian, which
-has no per-sample outer-product structure, is assembled from its Hessian-vector products.
+Despite the name, the GGN and EF backends compute with laplace-ng's own per-layer engine
+(:mod:`laplace.curvature.per_sample`, :mod:`laplace.curvature.kfac`), which is faster than
+curvlinops for the dense, diagonal and Kronecker structures a Laplace approximation needs.
+curvlinops supplies linear operators: the exact Hessian (:class:`CurvlinopsHessian`) and the
+curvature products of the low-rank eigensolvers that multiply with an operator (Lanczos,
+LOBPCG, and any Hessian; :mod:`laplace.curvature.products`). See ``docs/backends.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,6 +79,14 @@ class CurvlinopsInterface(CurvatureInterface):
 class CurvlinopsGGN(CurvlinopsInterface, GGNInterface):
     """Exact GGN (or Monte-Carlo Fisher with ``stochastic=True``); the default backend.
 
+    Computed by laplace-ng's own per-layer engine, not by curvlinops: Jacobians, per-sample
+    gradients and the dense, diagonal and Kronecker-factored GGN come from one recorded forward
+    pass and one backward pass per output column w.r.t. the layer outputs, faster than
+    curvlinops' matrix-free operators (whose dense matrix or diagonal costs one product per
+    parameter) and its ``KFACLinearOperator`` (measured in ``docs/backends.md``). curvlinops'
+    ``GGNLinearOperator`` and ``FisherMCLinearOperator`` serve the low-rank Laplace's Lanczos
+    and LOBPCG eigensolvers.
+
     Args:
         model: See :class:`CurvatureInterface`.
         likelihood: See :class:`CurvatureInterface`.
@@ -123,46 +130,46 @@ class CurvlinopsGGN(CurvlinopsInterface, GGNInterface):
 
 
 class CurvlinopsEF(CurvlinopsInterface, EFInterface):
-    """Empirical Fisher of per-sample loss gradients."""
+    """Empirical Fisher of per-sample loss gradients, by the per-layer engine.
+
+    curvlinops' ``EFLinearOperator`` serves the low-rank Lanczos and LOBPCG eigensolvers.
+    """
 
 
 class CurvlinopsHessian(CurvlinopsInterface):
     """Exact Hessian of the summed library loss w.r.t. the parameters.
 
-    Both ``full`` and ``diag`` multiply ``curvlinops.HessianLinearOperator`` with unit vectors
-    (chunks of identity columns), so each costs one Hessian-vector product per parameter; with
-    ``subnetwork_indices`` only the selected columns are formed, never the P × P matrix. The
-    operator differentiates the likelihood's own loss, so outputs with extra dimensions and
-    ``ignore_index`` work as in the other routes.
+    ``full`` and ``diag`` multiply ``curvlinops.HessianLinearOperator`` with chunks of unit
+    vectors: one Hessian-vector product per parameter (per selected entry with
+    ``subnetwork_indices``; the P × P matrix is never formed). The operator differentiates the
+    likelihood's own loss, so outputs with extra dimensions and ``ignore_index`` work as elsewhere.
     """
 
-    def _selected_columns(self, x: Inputs, y: Tensor) -> tuple[Tensor, Any]:
-        """Loss and a generator of (column indices, Hessian columns restricted to the rows)."""
-        data_kwargs = {}
-        if isinstance(x, MutableMapping):
-            data_kwargs["batch_size_fn"] = lambda xx: batch_size_of(xx, self.dict_key_x)
+    def _selected_columns(self, x: Inputs, y: Tensor) -> tuple[Tensor, Iterator[Tensor]]:
+        """The summed loss and chunks of Hessian columns, rows and columns of the subnetwork.
+
+        The chunk starting at entry ``s`` of the selected parameters holds their diagonal
+        entries on its diagonal ``-s``.
+        """
         operator = HessianLinearOperator(
             self.model,
             LossModule(self.fit_likelihood, reduction="sum"),
             self.params,
             [(x, y)],
             check_deterministic=False,
-            **data_kwargs,
+            batch_size_fn=lambda X: batch_size_of(X, self.dict_key_x),
         )
-        p = self.params[0]
-        n_params = operator.shape[0]
-        selected = (
-            torch.arange(n_params, device=p.device)
-            if self.subnetwork_indices is None
-            else self.subnetwork_indices.to(p.device)
-        )
+        p, n_params = self.params[0], operator.shape[0]
+        selected = torch.arange(n_params, device=p.device)
+        if self.subnetwork_indices is not None:
+            selected = self.subnetwork_indices.to(p.device)
 
-        def columns():
+        def columns() -> Iterator[Tensor]:
             for start in range(0, len(selected), _HVP_CHUNK):
                 chunk = selected[start : start + _HVP_CHUNK]
                 unit = torch.zeros(n_params, len(chunk), dtype=p.dtype, device=p.device)
                 unit[chunk, torch.arange(len(chunk), device=p.device)] = 1.0
-                yield start, (operator @ unit)[selected]
+                yield (operator @ unit)[selected]
 
         with torch.no_grad():
             loss = self.fit_likelihood.loss(self.model(x), y)
@@ -182,33 +189,18 @@ class CurvlinopsHessian(CurvlinopsInterface):
         )
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Dense Hessian of the summed batch loss.
+        """As :meth:`CurvatureInterface.full`: the dense Hessian of the summed batch loss.
 
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and the Hessian of shape (P, P).
+        Keyword arguments are accepted and ignored.
         """
         loss, columns = self._selected_columns(x, y)
-        return loss, torch.cat([block for _, block in columns], dim=1).detach()
+        return loss, torch.cat(list(columns), dim=1).detach()
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Diagonal of the Hessian of the summed batch loss.
+        """As :meth:`CurvatureInterface.diag`: the Hessian's diagonal.
 
-        Args:
-            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
-            y: Targets, shape (B, ...).
-            **kwargs: Ignored (accepted for interface compatibility).
-
-        Returns:
-            The summed batch loss and the Hessian diagonal of shape (P,).
+        Keyword arguments are accepted and ignored.
         """
         loss, columns = self._selected_columns(x, y)
-        parts = []
-        for start, block in columns:
-            rows = torch.arange(start, start + block.shape[1], device=block.device)
-            parts.append(block[rows, torch.arange(block.shape[1], device=block.device)])
-        return loss, torch.cat(parts).detach()
+        diagonals = [block.diagonal(-_HVP_CHUNK * i).clone() for i, block in enumerate(columns)]
+        return loss, torch.cat(diagonals).detach()

@@ -1,33 +1,13 @@
 r"""Top-k eigenpairs of the curvature summed over a data set, from block products only.
 
-Solvers take a :class:`~laplace.curvature.products.CurvatureProduct` (``V ↦ H V`` over the whole
-training set) and never form a P × P matrix:
-
-- ``"randomized"`` (default): a start block ``Q₀`` of ``b = k + oversampling`` vectors, then
-  randomised block Krylov (Musco & Musco, 2015) with Rayleigh–Ritz.
-
-  The start (``start="kfac"``, default where every layer has a KFAC rule and the curvature has
-  a native product) is the Rayleigh–Ritz block of ``H`` on the Kronecker eigenvectors of its
-  KFAC approximation (:mod:`laplace.curvature.kfac_start`), three passes over the data that
-  also give ``H Q₀``. With no further passes (``max_iter=0``, the default there) the result is
-  the Nyström approximation ``H ≈ Y (Q₀ᵀ Y)⁻¹ Yᵀ`` with ``Y = H Q₀`` (Tropp et al., 2017),
-  whose eigenvalues are lower bounds of the exact ones.
-
-  Otherwise (``start="sketch"``) the start is a sketch ``Gᵀ Ω`` of the per-sample vectors (half
-  a product) or Gaussian vectors, followed by ``max_iter`` passes (default
-  :data:`DEFAULT_PASSES`). Every pass multiplies the newest block with the curvature,
-  ``K = [Q₀, H Q₀, H² Q₀, …]`` is kept orthonormal (block Gram–Schmidt twice, Cholesky QR) and
-  the Ritz pairs of ``Kᵀ H K`` are the result; ``tol`` stops early once every error bound is
-  below it. Memory: the basis, ``(passes + 1) · b`` vectors of length P, and one batch.
-- ``"lanczos"`` (implicitly restarted, ARPACK's ``eigsh``) and ``"lobpcg"``: exact to ``tol``,
-  at the cost of hundreds of single products.
-
-Every solver reports a posteriori errors. Krylov passes and the exact solvers give bounds
-``εᵢ = ‖H uᵢ − λᵢ uᵢ‖ / λᵢ``: an exact eigenvalue of ``H`` lies within ``εᵢ λᵢ`` of each ``λᵢ``
-(the Krylov solver gets the residuals from its last product, ``H K − K T`` lives in the newest
-block; the exact solvers pay one more product). The Nyström result reports the relative change
-of each eigenvalue in its one product, ``(λᵢ − θᵢ) / λᵢ`` from the Ritz value ``θᵢ`` of the
-start: an estimate, not a bound, which in practice over-estimates the remaining error.
+Solvers take a :class:`~laplace.curvature.products.CurvatureProduct` and never form a P × P
+matrix: ``"randomized"`` (default) starts from the KFAC Rayleigh–Ritz block
+(:mod:`laplace.curvature.kfac_start`) and returns its Nyström approximation
+``Y (Q₀ᵀ Y)⁻¹ Yᵀ`` (Tropp et al., 2017), or from a sketch runs randomised block Krylov passes
+with Rayleigh–Ritz (Musco & Musco, 2015); ``"lanczos"`` (ARPACK's ``eigsh``) and ``"lobpcg"``
+are exact to ``tol``. Every result carries relative errors: bounds ``‖H uᵢ − λᵢ uᵢ‖ / λᵢ`` after
+Krylov passes and exact solvers, the relative change of each eigenvalue in its one product (an
+estimate) after a Nyström step. See ``docs/backends.md``.
 """
 
 from __future__ import annotations

@@ -1,63 +1,25 @@
 r"""Kronecker-factored curvature (KFAC) from one recorded forward and one backward per column.
 
-For a layer ``z = W a (+ b)`` applied at ``T`` positions per row (``T = 1`` for a linear layer on
-(B, D) inputs, the output pixels of a convolution, the tokens of a sequence), with layer inputs
-``aₙₜ`` (convolution patches) and gradients ``gₙₖₜ = ∂(vₙₖᵀ fₙ)/∂zₙₜ`` of the output columns
-``vₖ`` of the curvature (``Σₖ vₖ vₖᵀ = Λ`` for the exact GGN, sampled loss gradients for the MC
-Fisher, the loss gradient for the empirical Fisher), KFAC approximates the weight block by
-``G ⊗ A`` with, over the N data points of the whole data set,
-
-- expand: ``A = (1/(N·T)) Σₙₜ aₙₜ aₙₜᵀ``,  ``G = Σₖₙₜ gₙₖₜ gₙₖₜᵀ``;
-- reduce: ``A = (1/N) Σₙ āₙ āₙᵀ`` with ``āₙ = (1/T) Σₜ aₙₜ``,  ``G = Σₖₙ ḡₙₖ ḡₙₖᵀ`` with
-  ``ḡₙₖ = Σₜ gₙₖₜ``,
-
-and the bias block by ``G`` (the bias–weight cross terms are dropped). Summing the factors of
-batches gives the factors of the data set. For one linear layer with one output, ``G ⊗ A`` is the
-exact GGN block. The factors are split like laplace-torch's (``G/√c ⊗ √c·A`` with ``c`` the
-backend's loss factor, ½ for regression), so its per-factor numbers, and thereby damping, agree.
-
-Layers whose weight is laid out (D_in, D_out) (transformers' ``Conv1D``, ``nn.Embedding`` with
-(V, D)) get ``√c·N·A ⊗ G/(√c·N)`` in that order: in every two-factor block the first factor is
-summed over the data and the second normalised by N (what an online fit rescales). An embedding
-looks up one-hot rows, so its ``A`` is diagonal: the token counts (expand: ``(1/(N·T))`` times
-how often each token occurs; reduce: the diagonal of the reduce factor, ``(1/N) Σₙ (cₙ/T)²`` with
-``cₙ`` the counts of row n), never a V × V matrix. One data point at one position makes every
-Kronecker block the exact GGN block.
-
-Every other parameter (normalisation layers, tied weights, modules without a rule; see
-:mod:`laplace.curvature.kfac_rules`) gets its exact block ``Σₖₙ uₙₖ uₙₖᵀ`` from its per-sample
-gradients ``uₙₖ`` (summed over every call of the module), dense up to ``dense_limit`` entries
-and its diagonal ``Σₖₙ uₙₖ²`` above: exact whatever ``approx`` says.
-
-Outputs with extra dimensions (a sequence's T positions, an image's pixels) share one set of
-columns ``vₙₖ`` per data point across their positions, as curvlinops' KFAC does (its type-2
-columns are backpropagated for all rows at once): the curvature every block sees is
-``Σₙₖ Jₙᵀ vₙₖ vₙₖᵀ Jₙ`` with ``vₙₖ`` stacking the positions' columns. For the Monte-Carlo and
-empirical Fisher that is their curvature; for the exact GGN it adds the cross terms
-``Jₙₛᵀ Λₛ^½ Λₜ^½ Jₙₜ`` between positions ``s ≠ t`` to the GGN of the summed per-position loss
-(C − 1 backward passes instead of T·(C − 1)). The factor ``G`` of a layer after which no layer
-mixes positions does not see them; the exact blocks of parameters applied at every position (a
-normalisation layer's) do, so they are the GGN's blocks only for one position per data point.
-
-A layer with many outputs (``low_rank_above``, see :mod:`laplace.curvature.kfac_rules`) keeps
-``G = Σ g gᵀ`` as ``diag(0) + U Uᵀ`` with its gradient rows as the columns of ``U``
-(:class:`~laplace.utils.diag_lowrank.DiagLowRank`, folded to at most ``max_rank`` columns as
-they come), never a C × C matrix: exact for the few columns of the empirical or Monte-Carlo
-Fisher while their number stays within ``max_rank``, otherwise the top singular directions,
-an under-estimate ``G − R`` with ``tr R`` counted in ``dropped``. Such blocks come back in a
-:class:`~laplace.utils.matrix.StructuredKron`.
+A layer ``z = W a (+ b)`` applied at T positions per row, with inputs ``aₙₜ`` and gradients
+``gₙₖₜ`` of the curvature's columns, gets ``G ⊗ A`` over the N points of the data set: expand
+``A = (1/(N·T)) Σₙₜ aₙₜ aₙₜᵀ``, ``G = Σₖₙₜ gₙₖₜ gₙₖₜᵀ``; reduce the same of the positions' mean
+input and summed gradient; its bias ``G``. Factors are split ``G/√c ⊗ √c·A`` (c the backend's
+loss factor), ``√c·N·A ⊗ G/(√c·N)`` for weights laid out (D_in, D_out); an embedding's ``A`` is
+the diagonal of token counts. Every other parameter gets its exact block, dense up to
+``dense_limit`` entries, else diagonal (:mod:`laplace.curvature.kfac_rules`); a layer with more
+than ``low_rank_above`` outputs keeps ``G`` as a :class:`~laplace.utils.diag_lowrank.DiagLowRank`
+(in a :class:`~laplace.utils.matrix.StructuredKron`). The conventions in full (outputs
+with extra dimensions, low-rank factors) are in ``docs/backends.md``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from laplace.curvature.capture import OutputGradients
 from laplace.curvature.kfac_rules import (
     KFAC_DENSE_LIMIT,
     Block,
@@ -66,14 +28,14 @@ from laplace.curvature.kfac_rules import (
     block_shapes,
     plan_blocks,
 )
-from laplace.curvature.layer_rules import ModuleCall, per_sample_grads
-from laplace.curvature.per_sample import COLUMNS_PER_BACKWARD, PerSampleEngine, PerSampleTrace
+from laplace.curvature.layer_rules import ModuleCall
+from laplace.curvature.per_sample import Columns, PerSampleTrace
 from laplace.curvature.square_sums import row_token_pairs
 from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.linalg import symmetric_gram
 from laplace.utils.matrix import Kron, StructuredKron
 
-__all__ = ["KFAC_APPROXIMATIONS", "kfac", "kfac_shapes"]
+__all__ = ["KFAC_APPROXIMATIONS", "kfac"]
 
 #: The weight-sharing approximations of Eschenhagen et al. (2023).
 KFAC_APPROXIMATIONS = ("expand", "reduce")
@@ -132,25 +94,6 @@ def _input_factor(rule: KfacRule, call: ModuleCall, approx: str, root: float, n:
         counts = _token_counts(call.module, a, approx, call.outputs[0].dtype)
         return counts.mul_(root / (n * (T if approx == "expand" else T**2)))
     return _gram(a, approx, mean=True, scale=root / (n * (T if approx == "expand" else 1)))
-
-
-def _column_gradients(
-    trace: PerSampleTrace, columns: list[Tensor]
-) -> Iterator[list[list[Tensor]]]:
-    """Per chunk of columns, per recorded call, the gradients w.r.t. its outputs, (k, *z.shape).
-
-    Columns go through one vectorised backward per chunk of :data:`COLUMNS_PER_BACKWARD`,
-    except with a convolution in the model: the batching rule of its backward loops over the
-    columns and copies, so one plain backward per column is faster there.
-    """
-    output_grads = OutputGradients(trace.f, trace.calls)
-    if any(isinstance(call.module, nn.modules.conv._ConvNd) for call in trace.calls):
-        for v in columns:
-            yield [[g.detach().unsqueeze(0) for g in grads] for grads in output_grads(v)]
-        return
-    for start in range(0, len(columns), COLUMNS_PER_BACKWARD):
-        chunk = torch.stack(columns[start : start + COLUMNS_PER_BACKWARD])
-        yield [[g.detach() for g in grads] for grads in output_grads.stacked(chunk)]
 
 
 def _add(sums: dict, key: object, value: Tensor | DiagLowRank) -> None:
@@ -236,20 +179,16 @@ class _ExactBlocks:
         ]
 
     def add(self, grads: list[list[Tensor]]) -> None:
-        """Add the blocks of a chunk of columns, ``grads`` as :func:`_column_gradients` gives."""
-        if not self.calls:
-            return
-        slot = self.trace.engine.slot
+        """Add the blocks of a chunk of columns (per call, gradients (k, R, ...))."""
         rows: dict[int, list[Tensor]] = {}  # per slot, per call, the per-sample gradients
         for i, call in self.calls:
             k = len(grads[i][0])  # the chunk's columns, as more rows: (k·R, ...)
             tiled = _tiled(call, k) if k > 1 else call
             try:
-                per_sample = per_sample_grads(tiled, [g.flatten(0, 1) for g in grads[i]])
+                per_sample = self.trace.slot_grads(tiled, [g.flatten(0, 1) for g in grads[i]])
             except ValueError as error:  # a rule refusing the call: name the module
                 raise ValueError(f"module {_name(self.trace, call)!r}: {error}") from error
-            for name, u in per_sample.items():
-                s = slot[call.module, name]
+            for s, u in per_sample.items():
                 if self.plan[s].kind in ("dense", "diag"):
                     rows.setdefault(s, []).append(u.detach().flatten(1))
         for s, us in rows.items():
@@ -263,7 +202,7 @@ class _ExactBlocks:
 
 def kfac(
     trace: PerSampleTrace,
-    columns: Iterable[Tensor],
+    columns: Columns,
     n_data: int,
     approx: str,
     factor: float,
@@ -276,7 +215,7 @@ def kfac(
 
     Args:
         trace: A recorded forward pass over the batch.
-        columns: Output columns ``vₖ`` (B, C) of the curvature.
+        columns: Output columns ``vₖ`` of the curvature, sliced like a tensor (K, B, ...).
         n_data: Number of data points N of the whole data set.
         approx: ``"expand"`` or ``"reduce"``.
         factor: The backend's loss factor ``c`` (sets the split of each block between factors).
@@ -320,11 +259,8 @@ def kfac(
             _add(A, call.module, _input_factor(rule, call, approx, root, n))
     exact = _ExactBlocks(trace, plan)
     rows: dict[int, list[Tensor]] = {}
-    if gradients is None:
-        stream = _column_gradients(trace, list(columns))
-    else:
-        stream = iter([[[g.detach() for g in grads] for grads in gradients]])
-    for chunk in stream:
+    for stacked in trace.column_gradients(columns) if gradients is None else [gradients]:
+        chunk = [[g.detach() for g in grads] for grads in stacked]
         exact.add(chunk)
         for i, call in enumerate(calls):
             rule = kron_rules.get(call.module)
@@ -356,16 +292,3 @@ def kfac(
             G_m = _or_zeros(G, block.module, p, shape[0], max_rank)
             blocks.append([G_m / root, _or_zeros(A, block.module, p, shape[1])])
     return StructuredKron(blocks) if low_rank else Kron(blocks)
-
-
-def kfac_shapes(
-    engine: PerSampleEngine,
-    dense_limit: int = KFAC_DENSE_LIMIT,
-    low_rank_above: int | None = None,
-) -> list[list[tuple]]:
-    """Per parameter of ``engine`` the shapes of the factors :func:`kfac` gives its block.
-
-    Low-rank output factors (``low_rank_above``) have a
-    :class:`~laplace.curvature.kfac_rules.LowRankShape`.
-    """
-    return block_shapes(plan_blocks(engine, dense_limit, low_rank_above), engine.needed)

@@ -1,44 +1,20 @@
 r"""Which block of the Kronecker-factored curvature each parameter gets: the KFAC dispatch table.
 
-Every parameter tensor of interest gets one block (:class:`~laplace.utils.matrix.Kron`), of one
-of four kinds, chosen per module by :func:`plan_blocks`:
+:func:`plan_blocks` gives every parameter tensor one block (:class:`~laplace.utils.matrix.Kron`)
+of four kinds:
 
-- ``"kron"``: the weight of a layer with a rule in :data:`KFAC_RULES`, ``F₀ ⊗ F₁`` from its
-  inputs and output gradients (:mod:`laplace.curvature.kfac`):
-
-  ============================  ==============  ===================================
-  layer                         weight          block
-  ============================  ==============  ===================================
-  ``nn.Linear``, ``nn.Conv*d``  (out, in, ...)  ``G ⊗ A`` (outputs ⊗ inputs)
-  transformers' ``Conv1D``      (in, out)       ``A ⊗ G``
-  ``nn.Embedding``              (V, D)          ``diag(token counts) ⊗ G``, never V × V
-  ============================  ==============  ===================================
-
-- ``"bias"``: the bias of such a layer, its output-gradient factor ``G`` (dense);
+- ``"kron"``: the weight of a layer with a rule in :data:`KFAC_RULES`: ``G ⊗ A`` for
+  ``nn.Linear`` and ``nn.Conv*d``, ``A ⊗ G`` for transformers' ``Conv1D`` (laid out (in, out)),
+  ``diag(token counts) ⊗ G`` for ``nn.Embedding``;
+- ``"bias"``: the bias of such a layer, its output-gradient factor ``G``;
 - ``"dense"``: every other parameter of at most ``dense_limit`` entries (default
-  :data:`KFAC_DENSE_LIMIT`) gets its exact curvature block, the Gram matrix of its per-sample
-  gradients (from :data:`~laplace.curvature.layer_rules.PER_SAMPLE_RULES`: the affine
-  parameters of LayerNorm, RMSNorm, GroupNorm and BatchNorm in closed form, any other module
-  through ``torch.func``);
-- ``"diag"``: every other parameter above that size, the exact diagonal of its block.
+  :data:`KFAC_DENSE_LIMIT`, the ``kfac_dense_limit`` backend keyword): its exact block, the Gram
+  matrix of its per-sample gradients; this also takes what a rule declines and tied weights;
+- ``"diag"``: every other parameter above that size, its exact diagonal.
 
-**Many outputs.** Given ``low_rank_above`` (the large-output threshold of
-:mod:`laplace.large_output`), the output-gradient factor ``G`` of a Linear or convolution layer
-with more outputs than that (its weight and bias blocks, ``Block.low_rank``) is kept as a
-diagonal plus a low-rank term (:class:`~laplace.utils.diag_lowrank.DiagLowRank`), never a dense
-C × C matrix; its shape is declared as a :class:`LowRankShape`. A transformers ``Conv1D`` with
-that many outputs (its ``G`` is the second factor) is refused by name; an embedding's ``G`` is
-over its embedding dimension and stays dense.
-
-The weight and the bias of a normalisation layer are two blocks, as a Linear layer's are (the
-cross terms between them dropped), so that a layer-wise prior precision keeps one value per
-tensor; each is the exact block of its tensor of the curvature the Kronecker factors see
-(the GGN for outputs (B, C), whatever ``kfac_approx``; see :mod:`laplace.curvature.kfac` for
-outputs with extra dimensions).
-The fallback also takes what a rule declines (a grouped convolution, an embedding with
-``scale_grad_by_freq``) and a parameter shared by several modules (tied weights), whose
-per-sample gradient sums over its uses. The size limit, per parameter tensor, is the
-``kfac_dense_limit`` keyword of the native backends (``backend_kwargs={"kfac_dense_limit": n}``).
+Given ``low_rank_above``, the ``G`` of a Linear or convolution layer with more outputs is kept
+diagonal plus low rank (``Block.low_rank``, shape :class:`LowRankShape`). See
+``docs/backends.md`` for the table and the conventions.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 r"""A start block for the low-rank eigensolver from the Kronecker-factored curvature.
 
-KFAC approximates the block of the curvature ``H`` of every layer by ``G ⊗ A``
-(:mod:`laplace.curvature.kfac`), whose eigenvectors are the Kronecker products
-``q_G,i ⊗ q_A,j`` with eigenvalues ``λ_G,i λ_A,j`` (a bias block: the eigenvectors of ``G``). The
-M of them with the largest eigenvalues over all layers, the columns of ``V`` (P, M), span a
-subspace that holds most of the top eigenvectors of ``H`` itself. Rayleigh–Ritz with the exact
-curvature on that subspace, the eigenpairs of the M × M matrix ``Vᵀ H V``, picks the b best
-directions ``Q₀ = V C``, and one backprojection gives ``Y = H Q₀`` exactly.
-
-Products with Kronecker vectors need no dense block: the per-sample vector of a layer,
-``Σₜ gₜ aₜᵀ`` over its positions, projects onto ``q_G ⊗ q_A`` as ``Σₜ (q_Gᵀ gₜ)(aₜᵀ q_A)``, so
-``G V`` (K·B, M) costs a few small products per layer and ``Vᵀ H V = Σ (G V)ᵀ (G V)`` one
-Gram product per batch.
-
-Passes over the data: one for the KFAC factors, one for ``Vᵀ H V``, one for ``Y``. Memory: the
-factors' eigenvectors, M², and the (P, b) blocks.
+The eigenvectors of a KFAC block ``G ⊗ A`` are ``q_G,i ⊗ q_A,j`` with eigenvalues
+``λ_G,i λ_A,j``; the M with the largest eigenvalues over all layers, the columns of ``V``
+(P, M), span most of the top eigenvectors of ``H``. Rayleigh–Ritz on them (the eigenpairs of
+``Vᵀ H V``) picks the b best directions ``Q₀ = V C``, and one backprojection gives
+``Y = H Q₀``. A layer's per-sample vector ``Σₜ gₜ aₜᵀ`` projects onto ``q_G ⊗ q_A`` as
+``Σₜ (q_Gᵀ gₜ)(aₜᵀ q_A)``, so no dense block is formed. Three passes over the data.
 """
 
 from __future__ import annotations
@@ -168,7 +159,7 @@ def kfac_start(product: NativeProduct, width: int, n_candidates: int) -> KfacSta
         check_kronecker_layers(backend.model, backend.params, "the KFAC start")
     except ValueError:
         return None
-    factors, offsets, n_data = None, [0], 0
+    factors, n_data = None, 0
     for vectors in product.batches():
         trace, gradients = vectors.trace, vectors.output_gradients
         if not vectors.layerwise:
@@ -180,8 +171,6 @@ def kfac_start(product: NativeProduct, width: int, n_candidates: int) -> KfacSta
         n_data += vectors.B
         if factors is None:
             factors = batch
-            for p in trace.engine.needed:
-                offsets.append(offsets[-1] + p.numel())
         else:
             factors += batch
     if factors is None:
@@ -205,5 +194,5 @@ def kfac_start(product: NativeProduct, width: int, n_candidates: int) -> KfacSta
     HQ = product.backproject(
         lambda vectors: candidates.project(vectors.trace, vectors.output_gradients) @ C, width
     )
-    Q = candidates.vectors(C, product.n_params, offsets)
+    Q = candidates.vectors(C, product.n_params, backend.engine.offsets)
     return KfacStart(Q, HQ, values)

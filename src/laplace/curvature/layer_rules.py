@@ -1,20 +1,12 @@
 """Per-sample parameter gradients of one module call, from its inputs and output gradients.
 
-A module call ``z = m(a; θ_m)`` recorded during a forward pass, together with the gradient
-``g = ∂(vᵀ f)/∂z`` of some output column ``v`` (shape (B, *z.shape[1:])), determines the
-per-sample gradients ``∂(vₙᵀ fₙ)/∂θ_m`` of the module's *direct* parameters. Layers with a closed
-form get a rule in :data:`PER_SAMPLE_RULES` (a dispatch table keyed by exact module type, so a
-subclass with its own ``forward`` falls back safely): Linear and convolution layers, embeddings,
-and the affine parameters of LayerNorm, RMSNorm, GroupNorm and BatchNorm (with its running
-statistics, as in evaluation mode); every other module goes through
-:func:`generic_per_sample`, which differentiates the module alone with ``torch.func`` and so is
-exact for any module whose output for sample ``n`` depends only on input ``n``.
-
-:data:`SELECTED_RULES` give the per-sample gradients of chosen entries only (a subnetwork), at a
-cost that does not grow with the layer: the gradient of weight ``(o, i)`` of a linear layer is
-``Σₜ gₜₒ aₜᵢ``, of a convolution weight the same sum over output positions and input patches
-(:func:`selected_per_sample_grads` forms the layer's gradients and selects instead when so many
-entries of a layer applied at several positions are chosen that the matmul is cheaper).
+A recorded call ``z = m(a; θ_m)`` and the gradient ``g = ∂(vᵀ f)/∂z`` of an output column ``v``
+determine the per-sample gradients ``∂(vₙᵀ fₙ)/∂θ_m`` of the module's direct parameters.
+:data:`PER_SAMPLE_RULES`, keyed by exact module type, has closed forms for Linear, convolution,
+embedding and normalisation layers (BatchNorm with its running statistics);
+:func:`generic_per_sample` differentiates any other module alone with ``torch.func``.
+:data:`SELECTED_RULES` give chosen entries only (a subnetwork), at a cost that does not grow
+with the layer.
 """
 
 from __future__ import annotations

@@ -1,34 +1,18 @@
-"""Native per-sample-gradient engine behind the default curvature backend.
+"""Native per-sample-gradient engine behind the default backends.
 
-Every curvature the library needs is a sum of outer products of per-sample vectors
-``gₙₖ = Jₙᵀ vₙₖ`` with one output-space column ``vₙₖ`` per sample and column ``k``:
-
-- Jacobians: ``vₙₖ = e_k`` (one-hot), the rows of ``Jₙ``;
-- exact GGN ``Σₙ Jₙᵀ Λₙ Jₙ``: ``vₙₖ`` = column ``k`` of ``Lₙ`` with ``Λₙ = Lₙ Lₙᵀ``;
-- empirical Fisher: one column, the loss gradient ``∇_f ℓ(fₙ, yₙ)``;
-- Monte-Carlo Fisher: ``∇_f ℓ(fₙ, ŷₙₛ) / √S`` for sampled targets ``ŷₙₛ ~ p(y | fₙ)``.
-
-One hooked forward records each parameter-owning layer's input ``a`` and output ``z``; per column
-one backward pass w.r.t. the layer *outputs* only gives ``g = ∂(vᵀ f)/∂z``, and per-layer rules
-(:mod:`laplace.curvature.layer_rules`) turn ``(a, g)`` into per-sample parameter gradients, or,
-for the diagonal of linear layers, straight into ``Σₙ gₙ²`` without forming them.
-
-The layer rules need every recorded layer output to have the data points along its first
-dimension. A model that folds the batch into other rows (a reward model scoring ``(B, 2, D)``
-pairs as ``2B`` rows) or runs layers sequence-first breaks that; the trace then falls back to
-batched backward passes (``is_grads_batched``) that give the per-sample gradients of any model
-exactly, at the cost of one vectorised backward pass per data point.
-
-Why not curvlinops or ``torch.func`` for these: curvlinops exposes the GGN as a linear operator,
-so its dense matrix or diagonal costs P matrix-vector products (each a forward and backward over
-the data), and per-sample ``torch.func`` Jacobians over the whole model redo the network for
-every sample and output. Both are orders of magnitude slower than a handful of output-gradient
-backward passes for the diagonal and Jacobians that Laplace approximations need.
+Every curvature is a sum of outer products of per-sample vectors ``gₙₖ = Jₙᵀ vₙₖ``, one
+output-space column ``vₙₖ`` per sample and column k (one-hot: Jacobian rows; columns of
+``Λₙ^½``: the GGN; loss gradients: the empirical and Monte-Carlo Fisher). One hooked forward
+records each parameter-owning layer's input ``a`` and output ``z``; one backward pass per column
+w.r.t. the layer outputs gives ``g = ∂(vᵀ f)/∂z``, and per-layer rules
+(:mod:`laplace.curvature.layer_rules`) turn ``(a, g)`` into per-sample gradients. Models whose
+layers do not see the data points along dim 0 fall back to batched backward passes, one per
+data point. See ``docs/backends.md``, "Inside the native engine".
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -54,6 +38,11 @@ COLUMNS_PER_BACKWARD = 16
 
 #: Bytes of per-sample rows (columns × data points × parameters) summed into a Gram at once.
 GRAM_CHUNK_BYTES = 64 * 2**20
+
+
+def _add(sums: dict[int, Tensor], key: int, value: Tensor) -> None:
+    """``sums[key] += value``, out of place; ``value`` starts the sum of a new key."""
+    sums[key] = sums[key] + value if key in sums else value
 
 
 class PerSampleEngine:
@@ -85,6 +74,8 @@ class PerSampleEngine:
             starts[needed] = sizes[needed].cumsum(0) - sizes[needed]
             self.indices = starts[owner] + indices - offsets[owner]
         self.needed = [self.params[i] for i in needed]
+        #: Start of every slot of ``needed`` in the flattened vector of ``needed``, and its end.
+        self.offsets = [0, *torch.tensor([p.numel() for p in self.needed]).cumsum(0).tolist()]
         #: Subnetwork only: per slot of ``needed``, the selected entries of the flattened
         #: parameter and their positions in the subnetwork vector (on the parameters' device).
         self.selected: dict[int, tuple[Tensor, Tensor]] = {}
@@ -184,24 +175,53 @@ class PerSampleTrace:
         """
         return [] if self._grads is None else self._grads.columns(columns)
 
-    def _zeros(self) -> list[Tensor]:
-        return [self.f.new_zeros(p.shape) for p in self.engine.needed]
-
-    def _flatten(self, per_param: list[Tensor], leading: int) -> Tensor:
-        flat = torch.cat([t.reshape(*t.shape[:leading], -1) for t in per_param], dim=-1)
+    def _flatten(self, per_slot: dict[int, Tensor], leading: tuple[int, ...]) -> Tensor:
+        """Per-slot tensors (*leading, *shape) as one (*leading, P) tensor; zeros where missing."""
+        parts = [
+            per_slot[slot] if slot in per_slot else self.f.new_zeros(*leading, *p.shape)
+            for slot, p in enumerate(self.engine.needed)
+        ]
+        flat = torch.cat([part.reshape(*leading, -1) for part in parts], dim=-1)
         if self.engine.indices is None:
             return flat
         return flat[..., self.engine.indices.to(flat.device)]
+
+    def slot_grads(self, call: ModuleCall, grads: Sequence[Tensor]) -> dict[int, Tensor]:
+        """Per-sample gradients (R, *shape) of a call's parameters by slot of ``engine.needed``.
+
+        Args:
+            call: A recorded call (or one built from it, with its module).
+            grads: Gradients w.r.t. ``call.outputs``, each (R, ...).
+        """
+        by_name = per_sample_grads(call, grads)
+        return {self.engine.slot[call.module, name]: grad for name, grad in by_name.items()}
 
     def _per_param(self, g_calls: list[list[Tensor]], calls: Iterable[int]) -> dict[int, Tensor]:
         """Per-sample gradients (B, *shape) by parameter slot, summed over the given calls."""
         out: dict[int, Tensor] = {}
         for i in calls:
-            call = self.calls[i]
-            for name, grad in per_sample_grads(call, g_calls[i]).items():
-                slot = self.engine.slot[call.module, name]
-                out[slot] = out[slot] + grad if slot in out else grad
+            for slot, grad in self.slot_grads(self.calls[i], g_calls[i]).items():
+                _add(out, slot, grad)
         return out
+
+    def column_gradients(self, columns: Columns) -> Iterator[list[list[Tensor]]]:
+        """Per chunk of columns, per recorded call, their gradients w.r.t. its outputs.
+
+        :data:`COLUMNS_PER_BACKWARD` columns go through one vectorised backward pass, one at a
+        time through a convolution, whose batching rule loops over the columns and copies.
+
+        Args:
+            columns: Output columns, sliced like a tensor (K, *f.shape).
+
+        Yields:
+            Per call, one tensor (k, *z.shape) per recorded output; nothing without calls or
+            after :meth:`drop_graph`.
+        """
+        if self._grads is None:
+            return
+        size = COLUMNS_PER_BACKWARD if self._grads.vectorised else 1
+        for chunk in column_chunks(columns, size):
+            yield self.output_gradients(chunk)
 
     def per_sample(self, v: Tensor) -> Tensor:
         """Per-sample gradients ``Jₙᵀ vₙ`` for one output column.
@@ -212,9 +232,7 @@ class PerSampleTrace:
         Returns:
             Shape (B, P) (P restricted to the subnetwork when one is set).
         """
-        if self._batched:
-            return self._batched_per_sample(v)
-        return self._rows([] if self._grads is None else self._grads(v))
+        return self.per_sample_columns(v[None])[0]
 
     def per_sample_columns(self, columns: Columns, dim: int = 0) -> Tensor:
         """Per-sample gradients ``Jₙᵀ vₙₖ`` for several output columns.
@@ -231,27 +249,18 @@ class PerSampleTrace:
         """
         if self._batched:
             return torch.stack([self._batched_per_sample(v) for v in columns], dim)
-        rows = []
+        rows, batch = [], (self.f.shape[0],)
         for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD):
             stacked = self.output_gradients(chunk)
             if self.engine.indices is not None:
                 rows.append(self._selected_rows(stacked, len(chunk)))
                 continue
             for k in range(len(chunk)):
-                rows.append(self._rows([[g[k] for g in per_call] for per_call in stacked])[None])
+                found = self._per_param(
+                    [[g[k] for g in grads] for grads in stacked], range(len(stacked))
+                )
+                rows.append(self._flatten(found, batch)[None])
         return torch.cat([r.transpose(0, dim) for r in rows], dim)
-
-    def _rows(self, g_calls: list[list[Tensor]]) -> Tensor:
-        """Per-sample gradients (B, P) from the gradients w.r.t. every recorded call's outputs."""
-        if self.engine.indices is not None:
-            return self._selected_rows([[g[None] for g in grads] for grads in g_calls], 1)[0]
-        found = self._per_param(g_calls, range(len(g_calls)))
-        batch = self.f.shape[0]
-        per_param = [
-            found[slot] if slot in found else self.f.new_zeros(batch, *p.shape)
-            for slot, p in enumerate(self.engine.needed)
-        ]
-        return self._flatten(per_param, 1)
 
     def _selected_rows(self, stacked: list[list[Tensor]], n_columns: int) -> Tensor:
         """Per-sample gradients of the subnetwork entries only, (K, B, n_entries).
@@ -297,15 +306,8 @@ class PerSampleTrace:
                 create_graph=self.create_graph,
                 allow_unused=True,
             )
-            rows.append(
-                self._flatten(
-                    [
-                        self.f.new_zeros(len(index), *p.shape) if g is None else g
-                        for g, p in zip(grads, self.engine.needed)
-                    ],
-                    1,
-                )
-            )
+            found = {slot: g for slot, g in enumerate(grads) if g is not None}
+            rows.append(self._flatten(found, (len(index),)))
         return torch.cat(rows)
 
     def square_sum(self, columns: Columns) -> Tensor:
@@ -324,24 +326,19 @@ class PerSampleTrace:
             for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD):
                 total += self.per_sample_columns(chunk).square().sum((0, 1))
             return total
-        total = self._zeros()
-        if self._grads is None:
-            return self._flatten(total, 0)
+        total: dict[int, Tensor] = {}
         fast = [i for i, is_fast in enumerate(self._fast) if is_fast]
         slow = [i for i, is_fast in enumerate(self._fast) if not is_fast]
         rules = RuleSquareSums([self.calls[i] for i in fast])
-        size = COLUMNS_PER_BACKWARD if self._grads.vectorised else 1
-        for chunk in column_chunks(columns, size):
-            stacked = self.output_gradients(chunk)
+        for stacked in self.column_gradients(columns):
             rules.add([stacked[i][0] for i in fast])
-            for k in range(len(chunk) if slow else 0):
+            for k in range(len(stacked[slow[0]][0]) if slow else 0):
                 g_calls = [[g[k] for g in per_call] for per_call in stacked]
                 for slot, grad in self._per_param(g_calls, slow).items():
-                    total[slot] = total[slot] + grad.square().sum(0)
+                    _add(total, slot, grad.square().sum(0))
         for module, name, value in rules.results():
-            slot = self.engine.slot[module, name]
-            total[slot] = total[slot] + value
-        return self._flatten(total, 0)
+            _add(total, self.engine.slot[module, name], value)
+        return self._flatten(total, ())
 
     def gram(self, columns: Columns) -> Tensor:
         """``Σₖ Σₙ gₙₖ gₙₖᵀ`` with ``gₙₖ = Jₙᵀ vₙₖ``.

@@ -1,20 +1,11 @@
 r"""The curvature summed over a data set as a map on blocks of parameter vectors.
 
 Eigensolvers (:mod:`laplace.curvature.eigen`) only multiply the curvature ``H`` (P × P) with
-blocks ``V`` (P, m). Two implementations of that product:
-
-- :class:`NativeProduct`, for GGN, Monte-Carlo Fisher and empirical-Fisher backends: per batch,
-  ``Gᵀ (G V)`` with ``G`` the (K·B, P) per-sample vectors ``Jₙᵀ vₙₖ`` of the backend's curvature
-  columns (:mod:`laplace.curvature.block_product`), so one pass over the data multiplies a whole
-  block for little more than the cost of one vector. It also draws sketches ``Gᵀ Ω`` with
-  Gaussian sample-space weights ``Ω``, whose range is weighted towards the top eigenvectors.
-- :class:`OperatorProduct`, any curvlinops operator (the exact Hessian), one product per column.
-
-Both sum over the ranks of :mod:`torch.distributed` through a ``reduce`` callable given to them,
-so every rank multiplies with the curvature of the whole data set. :class:`NativeProduct` keeps
-the batches it records (layer inputs and output gradients) between its passes within
-:data:`PASS_CACHE_BYTES`, so an eigensolver's passes repeat the forward and backward passes
-only for the batches beyond.
+blocks ``V`` (P, m): :class:`NativeProduct` computes ``Σ Gᵀ (G V)`` per batch for GGN and EF
+backends (:mod:`laplace.curvature.block_product`) and draws sketches ``Gᵀ Ω``;
+:class:`OperatorProduct` multiplies with a curvlinops operator (the exact Hessian, Lanczos and
+LOBPCG). Both sum over processes through a ``reduce`` callable; :class:`NativeProduct` keeps the
+batches it records between passes within :data:`PASS_CACHE_BYTES`.
 """
 
 from __future__ import annotations
@@ -153,13 +144,8 @@ class NativeProduct:
 
     def matmat(self, V: Tensor) -> Tensor:
         """``H V`` for ``V`` (P, m): one pass over the data."""
-        block, total = None, None
-        for vectors in self.batches():
-            if block is None:
-                block = ParameterBlock(vectors.trace.engine, V)
-                total = BlockSum(vectors.trace.engine, V.shape[1], V)
-            vectors.backproject(vectors.project(block), total)
-        return self.reduce(V.new_zeros(V.shape) if total is None else total.result())
+        block = ParameterBlock(self.backend.engine, V)
+        return self.backproject(lambda vectors: vectors.project(block), V.shape[1])
 
     def backproject(self, weights: Callable[[SampleVectors], Tensor], m: int) -> Tensor:
         """``Σ Gᵀ W`` over the batches, with sample-space weights ``W = weights(G)`` (K, B, m).
@@ -171,13 +157,10 @@ class NativeProduct:
         Returns:
             Shape (P, m), summed over processes: one pass.
         """
-        total = None
+        like = torch.empty(0, dtype=self.dtype, device=self.device)
+        total = BlockSum(self.backend.engine, m, like)
         for vectors in self.batches():
-            if total is None:
-                total = BlockSum(vectors.trace.engine, m, vectors.trace.f.detach())
             vectors.backproject(weights(vectors), total)
-        if total is None:
-            return torch.zeros(self.n_params, m, dtype=self.dtype, device=self.device)
         return self.reduce(total.result())
 
     def sketch(self, m: int, generator: torch.Generator) -> Tensor:

@@ -1,17 +1,9 @@
-"""Plumbing shared by the third-party (ASDL, BackPACK) adapters.
+"""What the ASDL and BackPACK adapters share: leaving no trace, what they run on, KFAC blocks.
 
-Leave no trace: ASDL and BackPACK work by hooking modules and writing results onto modules
-and parameters (``module.fisher``, ``module.input0``, ``param.grad_batch``, ...).
-laplace-torch leaves BackPACK's hooks installed for good, so a model once fitted with BackPACK
-can no longer be fitted with ASDL (``Cannot use both regular backward hooks and full backward
-hooks on a single Module``). Here every backend call runs inside :func:`isolated`, which removes
-the hooks it was handed, deletes every attribute added to the modules and parameters, restores
-torch's per-module backward-hook mode flag and the parameters' ``.grad``.
-
-:func:`target_call` picks what the library is run on (the model, or the last layer on
-features), :func:`kron_blocks` brings Kronecker factors to the library's normalisation
-(that of :mod:`laplace.curvature.kfac`) and :class:`KroneckerLayersOnly` states which layers
-the libraries' KFAC takes.
+Both libraries hook modules and write their results onto modules and parameters; every backend
+call runs inside :func:`isolated`, which undoes all of it (docs/backends.md). :func:`target_call`
+picks what the library runs on (the model, or the last layer on features), :func:`kron_blocks`
+normalises Kronecker factors like :mod:`laplace.curvature.kfac`.
 """
 
 from __future__ import annotations
@@ -19,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -88,7 +81,7 @@ def isolated(*modules: nn.Module) -> Iterator[list[RemovableHandle]]:
         snapshot.restore()
 
 
-class TargetCall:
+class TargetCall(NamedTuple):
     """The module a library is run on and its input (the whole model, or the last layer).
 
     Attributes:
@@ -96,9 +89,8 @@ class TargetCall:
         inputs: ``x``, or the detached features ``φ(x)`` (B, D) in last-layer mode.
     """
 
-    def __init__(self, module: nn.Module, inputs: object) -> None:
-        self.module = module
-        self.inputs = inputs
+    module: nn.Module
+    inputs: Any
 
 
 def target_call(model: nn.Module, x: object, last_layer: bool) -> TargetCall:
