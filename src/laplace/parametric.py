@@ -37,7 +37,6 @@ from laplace.posteriors import (
 from laplace.predictive import gaussian_output_samples
 from laplace.priors import as_sigma_noise, prior_log_det, prior_weighted_sum
 from laplace.serialization import ParametricState
-from laplace.subsets import LastLayer
 from laplace.utils.enums import HessianStructure, LinkApprox, PredType, SubsetOfWeights, parse_enum
 
 __all__ = ["DiagLaplace", "FullLaplace", "ParametricLaplace"]
@@ -510,13 +509,8 @@ class ParametricLaplace(BaseLaplace):
         return kind.chunk_rows(rows, subset.model, subset.params)
 
     def _output_variances_only(self) -> str | None:
-        """Why the GLM predictive computes only output variances (B, C); None if it does not.
-
-        A last layer with more outputs than the large-output threshold (its closed forms).
-        """
-        if not isinstance(self._subset, LastLayer):
-            return None
-        return large_output.variances_only_reason(self.n_outputs)
+        """Why the GLM predictive computes only output variances (B, C); None if it does not."""
+        return self._subset.variances_only_reason(self.n_outputs)
 
     def _glm_refusal(self) -> str | None:
         """Why the GLM predictive cannot be computed at all; None if it can."""

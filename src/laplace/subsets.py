@@ -26,6 +26,7 @@ from laplace.jacobians import (
     backend_kind,
     backend_linearization,
 )
+from laplace.large_output import variances_only_reason
 from laplace.last_layer import head_features
 from laplace.outputs import OutputLayout
 from laplace.utils.feature_extractor import FeatureExtractor, as_feature_extractor
@@ -124,6 +125,10 @@ class _FlatParameters:
     def prior_mean_vector(self, prior_mean: Tensor) -> Tensor:
         """The prior mean expanded to the posterior's weight vector, shape (P,)."""
         return torch.broadcast_to(prior_mean, (self.n_params,)).clone()
+
+    def variances_only_reason(self, n_outputs: int) -> str | None:
+        """Why the GLM predictive gives only output variances (B, C); None: covariances too."""
+        return None
 
     @property
     def sizes(self) -> list[int]:
@@ -365,6 +370,10 @@ class LastLayer(_FlatParameters):
         self.model = extractor
         self.layout = layout
         self.stateful_parts = (extractor,)
+
+    def variances_only_reason(self, n_outputs: int) -> str | None:
+        """A head above the large-output threshold: its closed forms give output variances."""
+        return variances_only_reason(n_outputs)
 
     @property
     def resolved(self) -> bool:
