@@ -9,7 +9,8 @@ the marginal likelihood takes them and the noise variance ``σ²`` as (different
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -104,27 +105,24 @@ class SubsetKernel:
         Raises:
             RuntimeError: If a fit term contains NaN or inf.
         """
-        chunks, outputs = [], []
-        for chunk in input_chunks(X, options["chunk_rows"], options["dict_key_x"]):
-            J, f = options["jacobians"](chunk, False)
-            chunks.append(J)
-            outputs.append(f)
+        jacobians, rows, key = options["jacobians"], options["chunk_rows"], options["dict_key_x"]
+        chunks, outputs = zip(*(jacobians(chunk, False) for chunk in input_chunks(X, rows, key)))
         f = torch.cat(outputs)
         y = likelihood.prepare_targets(f, y)
         Jshift = torch.cat([J.matvec(shift) for J in chunks])
         mu = y - (f + Jshift) if likelihood.has_noise_hyperparameter else -Jshift
         Lambda = likelihood.output_hessian(f).diagonal(dim1=-2, dim2=-1)
         kernel = cls(X, None, Lambda, mu, likelihood.loss(f, y), **options)
-        for J in chunks:
-            kernel._remember(J)
+        for i, J in enumerate(chunks):
+            kernel._remember(i, J)
         kernel.K = kernel._gram(chunks)
         for name in ("loss", "Lambda", "mu", "K"):
             check_finite_result(getattr(kernel, name), f"GP {name} of the training subset")
         return kernel
 
-    def _remember(self, J: DenseJacobian | FactoredJacobian) -> None:
-        """Keep the next subset chunk if the kept ones stay within :data:`CACHE_BYTES`."""
-        if sum(kept.nbytes for kept in self._cache) + J.nbytes <= CACHE_BYTES:
+    def _remember(self, i: int, J: DenseJacobian | FactoredJacobian) -> None:
+        """Keep subset chunk ``i`` if all before it are kept and :data:`CACHE_BYTES` allows."""
+        if i == len(self._cache) and sum(c.nbytes for c in self._cache) + J.nbytes <= CACHE_BYTES:
             self._cache.append(J)
 
     def _subset_jacobians(self) -> Iterator[DenseJacobian | FactoredJacobian]:
@@ -134,17 +132,14 @@ class SubsetKernel:
                 yield self._cache[i]
                 continue
             J, _ = self._jacobians(chunk, False)
-            if i == len(self._cache):
-                self._remember(J)
+            self._remember(i, J)
             yield J
 
-    def _gram(self, chunks: list[DenseJacobian | FactoredJacobian]) -> Tensor:
+    def _gram(self, chunks: Sequence[DenseJacobian | FactoredJacobian]) -> Tensor:
         """``J_M J_Mᵀ`` from pairs of chunks (upper blocks mirrored)."""
         M, C = self.n_points, self.n_outputs
         K = self.Lambda.new_zeros((C, M, M) if self.independent else (M * C, M * C))
-        starts = [0]
-        for J in chunks:
-            starts.append(starts[-1] + J.shape[0])
+        starts = [0, *accumulate(J.shape[0] for J in chunks)]
         for i, Ji in enumerate(chunks):
             for j in range(i, len(chunks)):
                 block = Ji.cross(chunks[j], self.independent)
@@ -204,10 +199,10 @@ class SubsetKernel:
         """
         L = self.factor(s, h)
         B, C = J.shape
+        blocks = [J.cross(Jm, self.independent) for Jm in self._subset_jacobians()]
+        K_star_M = torch.cat(blocks, dim=-1)  # (C, B, M), or (B·C, M·C)
+        V = torch.linalg.solve_triangular(L, s * K_star_M.transpose(-1, -2), upper=False)
         if self.independent:
-            blocks = [J.cross(Jm, True) for Jm in self._subset_jacobians()]
-            K_star_M = torch.cat(blocks, dim=2)  # (C, B, M)
-            V = torch.linalg.solve_triangular(L, s * K_star_M.transpose(1, 2), upper=False)
             if joint:
                 cov = s * J.cross(J, True) - V.transpose(1, 2) @ V
                 out = cov.new_zeros(B, C, B, C)
@@ -215,9 +210,6 @@ class SubsetKernel:
                 out[:, idx, :, idx] = cov
                 return out.reshape(B * C, B * C)
             return torch.diag_embed(s * J.output_variances() - V.square().sum(1).T)
-        blocks = [J.cross(Jm, False) for Jm in self._subset_jacobians()]
-        K_star_M = torch.cat(blocks, dim=1)  # (B·C, M·C)
-        V = torch.linalg.solve_triangular(L, s * K_star_M.T, upper=False)
         if joint:
             return s * J.cross(J, False) - V.T @ V
         V = V.T.reshape(B, C, -1)
@@ -267,13 +259,9 @@ class SubsetKernel:
     # -------------------------------------------------------------------------------- state
     def state(self) -> dict[str, Any]:
         """Tensors of the fit (the subset's inputs included)."""
-        return {
-            "X_subset": self.X,
-            "K_MM": self.K,
-            "Lambda": self.Lambda,
-            "mu": self.mu,
-            "loss": self.loss.detach(),
-        }
+        return dict(
+            zip(self.STATE_KEYS, (self.X, self.K, self.Lambda, self.mu, self.loss.detach()))
+        )
 
     @classmethod
     def from_state(

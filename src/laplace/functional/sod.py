@@ -15,7 +15,7 @@ from laplace.base import BaseLaplace, arguments_for
 from laplace.curvature import CurvatureInterface
 from laplace.curvature.per_sample import PerSampleEngine
 from laplace.data import Inputs, SoDSampler, dataset_size, slice_inputs
-from laplace.data_loop import Gather
+from laplace.data_loop import Gather, subset_loader
 from laplace.errors import check_int_at_least, check_positive_int
 from laplace.functional.base import BaseFunctionalLaplace, FunctionalState
 from laplace.functional.kernel import SubsetKernel
@@ -121,8 +121,6 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         self.independent_outputs = independent_outputs
         self.seed = seed
         self.mean = self._subset.vector().detach() if self._subset.resolved else None
-        self._gp: SubsetKernel | None = None
-        self._fitted = False
 
     @property
     def gp_kernel_prior_variance(self) -> Tensor:
@@ -157,13 +155,8 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         self._resolve_subset(train_loader)
         self.model.eval()
         self.mean = self._subset.vector().detach()
-        subset_loader = DataLoader(
-            train_loader.dataset,
-            batch_size=train_loader.batch_size or 1,
-            sampler=SoDSampler(n_data, self.n_subset, self.seed),
-            collate_fn=train_loader.collate_fn,
-        )
-        X, y = self._data_loop(Gather, progress_bar=progress_bar, desc="fit").run(subset_loader)
+        subset = subset_loader(train_loader, SoDSampler(n_data, self.n_subset, self.seed).indices)
+        X, y = self._data_loop(Gather, progress_bar=progress_bar, desc="fit").run(subset)
         self._check_first_batch(slice_inputs(X, 0, 1, self.n_subset), y)  # before any Jacobian
         self.n_data = n_data
         self._gp = SubsetKernel.build(
