@@ -146,12 +146,8 @@ class ELLA(BaseFunctionalLaplace):
             self.dual_directions,
             self.feature_gram,
             self._jacobian_chunks,
-            self._feature_hyperparameters,
+            lambda: (self.prior_precision, self._H_factor),  # δ and h = 1/(σ²T)
         )
-
-    def _feature_hyperparameters(self) -> tuple[Tensor, Tensor]:
-        """Prior precision ``δ`` and output-curvature factor ``h = 1/(σ²T)`` of the features."""
-        return self.prior_precision, self._H_factor
 
     # ---------------------------------------------------------------------------------- fit
     @preserve_model_gradients
@@ -184,10 +180,10 @@ class ELLA(BaseFunctionalLaplace):
         self._fitted, self.n_data, self.fit_history_ = False, 0, _empty_history()
         if balanced and not self._likelihood_model.fit_likelihood.predicts_probabilities:
             raise ValueError("balanced=True needs classification (it balances the classes).")
-        labels = dataset_labels(train_loader, self.dict_key_x, self.dict_key_y)
-        indices = nystrom_indices(
-            train_loader, self.subsample_size, self.seed, labels if balanced else None
+        labels = (
+            dataset_labels(train_loader, self.dict_key_x, self.dict_key_y) if balanced else None
         )
+        indices = nystrom_indices(train_loader, self.subsample_size, self.seed, labels)
         subset = subset_loader(train_loader, indices[: self.subsample_size])
         output_shape = self._check_first_batch(*next(self._batches(subset)))
         self.mean = self._subset.vector().detach()
@@ -251,10 +247,11 @@ class ELLA(BaseFunctionalLaplace):
             raise NotImplementedError(
                 "ELLA has no marginal likelihood; use method='gridsearch' with a val_loader."
             )
-        defaults = (n_steps, lr, float(torch.as_tensor(init_prior_prec).reshape(-1)[0]), loss)
+        init = torch.as_tensor(init_prior_prec)
         if (
-            defaults != (100, 1e-1, 1.0, None)
-            or torch.as_tensor(init_prior_prec).numel() != 1
+            (n_steps, lr, loss) != (100, 1e-1, None)
+            or init.numel() != 1
+            or float(init) != 1.0
             or parse_enum(PriorStructure, prior_structure, "prior_structure") != "scalar"
             or parse_enum(LinkApprox, link_approx, "link_approx") != LinkApprox.PROBIT
             or (n_samples, verbose, progress_bar) != (100, False, False)

@@ -228,8 +228,5 @@ def nystrom_features(
     create_graph: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Features ``φ = J V`` (B, C, K) and outputs (B, C) at ``X``, chunk by chunk."""
-    feats, outs = [], []
-    for Js, f in jacobian_chunks(X, create_graph):
-        feats.append(Js @ V)
-        outs.append(f)
-    return torch.cat(feats), torch.cat(outs)
+    features, outputs = zip(*((Js @ V, f) for Js, f in jacobian_chunks(X, create_graph)))
+    return torch.cat(features), torch.cat(outputs)

@@ -273,9 +273,8 @@ class VaLLA(BaseFunctionalLaplace):
         self.mean = self._subset.vector().detach()
         if override or not self._fitted:
             self._reset_inducing(train_loader)
-        if bool(
-            (self.inducing_classes >= self.n_outputs).any() | (self.inducing_classes < 0).any()
-        ):
+        classes = self.inducing_classes
+        if bool((classes >= self.n_outputs).any() | (classes < 0).any()):
             raise ValueError(f"inducing_classes must lie in [0, {self.n_outputs}).")
         variational = (self.L, self.log_prior_precision, self.log_noise_variance)
         params = [
