@@ -139,17 +139,14 @@ class SubsetKernel:
         """``J_M J_Mᵀ`` from pairs of chunks (upper blocks mirrored)."""
         M, C = self.n_points, self.n_outputs
         K = self.Lambda.new_zeros((C, M, M) if self.independent else (M * C, M * C))
-        starts = [0, *accumulate(J.shape[0] for J in chunks)]
+        rows_per_point = 1 if self.independent else C  # rows of K per point
+        starts = [0, *accumulate(rows_per_point * J.shape[0] for J in chunks)]
         for i, Ji in enumerate(chunks):
             for j in range(i, len(chunks)):
                 block = Ji.cross(chunks[j], self.independent)
                 a, b, c, d = starts[i], starts[i + 1], starts[j], starts[j + 1]
-                if self.independent:
-                    K[:, a:b, c:d] = block
-                    K[:, c:d, a:b] = block.transpose(1, 2)
-                else:
-                    K[a * C : b * C, c * C : d * C] = block
-                    K[c * C : d * C, a * C : b * C] = block.T
+                K[..., a:b, c:d] = block
+                K[..., c:d, a:b] = block.transpose(-1, -2)
         return K
 
     def test_chunk_rows(self) -> int:
