@@ -281,10 +281,8 @@ class BaseFunctionalLaplace(BaseLaplace):
         check_positive_int(n_samples, "n_samples")
         check_generator(generator)
         x = self._checked_inputs(x, "functional_samples")
-        f_mu, f_var = self._gp.moments(x, joint, self.enable_backprop)
+        f_mu, f_var = self._glm_predictive_distribution(x, joint, diagonal_output)
         if not joint:
-            if diagonal_output:
-                f_var = f_var.diagonal(dim1=-2, dim2=-1)
             return gaussian_output_samples(f_mu, f_var, n_samples, generator)
         B = batch_size_of(x, self.dict_key_x)
         C = f_mu.numel() // B

@@ -5,7 +5,6 @@ Internal module.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -57,15 +56,13 @@ def nystrom_indices(
     if labels is None:
         return available[torch.randperm(len(available), generator=generator)]
     classes = labels(available)
-    queues = []
+    ranks = torch.empty_like(classes)  # each point's position in its class's seeded order
     for c in classes.unique(sorted=True):
         members = torch.where(classes == c)[0]
-        order = torch.randperm(len(members), generator=generator)
-        queues.append(deque(members[order].tolist()))
-    chosen: list[int] = []
-    while len(chosen) < subsample_size and any(queues):
-        chosen.extend(q.popleft() for q in queues if q)
-    return available[torch.tensor(chosen)]
+        order = members[torch.randperm(len(members), generator=generator)]
+        ranks[order] = torch.arange(len(order))
+    # round-robin: the first point of every class, then the second, ...
+    return available[torch.argsort(ranks * (int(classes.max()) + 1) + classes)]
 
 
 def dataset_labels(
