@@ -10,7 +10,6 @@ Internal module; the public paths are :mod:`laplace.baselaplace` and :mod:`lapla
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import partial
 from typing import Any
 
 import torch
@@ -23,7 +22,6 @@ from laplace.core.tuning import grid_candidates
 from laplace.curvature import CurvatureInterface
 from laplace.functional.base import BaseFunctionalLaplace, HistoryState
 from laplace.functional.nystrom import (
-    FeatureGram,
     NystromPosterior,
     dataset_labels,
     nystrom_basis,
@@ -41,7 +39,7 @@ from laplace.utils.enums import (
     TuningMethod,
     parse_enum,
 )
-from laplace.utils.errors import check_positive_int
+from laplace.utils.errors import check_finite_result, check_positive_int
 
 __all__ = ["ELLA"]
 
@@ -177,7 +175,8 @@ class ELLA(BaseFunctionalLaplace):
         dataset_size(train_loader)
         self.model.eval()
         self._fitted, self.n_data, self.fit_history_ = False, 0, _empty_history()
-        if balanced and not self._likelihood_model.fit_likelihood.predicts_probabilities:
+        likelihood = self._likelihood_model
+        if balanced and not likelihood.fit_likelihood.predicts_probabilities:
             raise ValueError("balanced=True needs classification (it balances the classes).")
         labels = (
             dataset_labels(train_loader, self.dict_key_x, self.dict_key_y) if balanced else None
@@ -189,26 +188,19 @@ class ELLA(BaseFunctionalLaplace):
         inputs = (X for X, _ in self._batches(subset))
         V = nystrom_basis(inputs, self._jacobian_chunks, self.n_eigenvalues, self.seed)
         self.dual_directions = V.to(self._dtype)
-
-        def after_batch(step: int, gram: Tensor, n_data: int) -> None:
-            self.feature_gram, self.n_data = gram, n_data
+        for step, (X, y) in enumerate(self._batches(train_loader, progress_bar, "ELLA"), 1):
+            likelihood.check_targets(y, output_shape)
+            phi, f = nystrom_features(self._jacobian_chunks, self.dual_directions, X)
+            check_finite_result(f, "model output of a training batch")
+            likelihood.prepare_targets(f, y)
+            gram = check_finite_result(likelihood.ggn(phi, f), "GGN of a training batch")
+            self.feature_gram = gram if step == 1 else self.feature_gram + gram
+            self.n_data += len(f)
             self._gp = self._nystrom_posterior()
-            self.fit_history_["processed_examples"].append(float(n_data))
+            self.fit_history_["processed_examples"].append(float(self.n_data))
             self._record_validation(val_loader, val_steps, step)
-
-        loop = self._data_loop(
-            FeatureGram,
-            progress_bar=progress_bar,
-            desc="ELLA",
-            features=partial(nystrom_features, self._jacobian_chunks, self.dual_directions),
-            likelihood=self._likelihood_model,
-            output_shape=output_shape,
-            after_batch=after_batch,
-            empty_message="train_loader is empty: fit needs at least one data point.",
-        )
-        loop.run(train_loader)
         self._fitted = True
-        self._record_validation(val_loader, val_steps, loop.steps, last=True)
+        self._record_validation(val_loader, val_steps, step, last=True)
 
     # ------------------------------------------------------------------------------ tuning
     def optimize_prior_precision(
