@@ -9,6 +9,7 @@ Internal module; the public paths are :mod:`laplace.baselaplace` and :mod:`lapla
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from laplace.core.base import BaseLaplace, arguments_for
 from laplace.core.transaction import preserve_model_gradients
-from laplace.core.tuning import grid_candidates
+from laplace.core.tuning import grid_candidates, search_grid
 from laplace.curvature import CurvatureInterface
 from laplace.functional.base import BaseFunctionalLaplace, HistoryState
 from laplace.functional.nystrom import (
@@ -28,7 +29,7 @@ from laplace.functional.nystrom import (
     nystrom_features,
     nystrom_indices,
 )
-from laplace.functional.scoring import tune_hyperparameters
+from laplace.posteriors import NotPositiveDefiniteError
 from laplace.utils.data import dataset_size, subset_loader
 from laplace.utils.enums import (
     FunctionalApproximation,
@@ -261,12 +262,44 @@ class ELLA(BaseFunctionalLaplace):
         """Set the candidate of ``grid`` with the lowest validation NLL.
 
         Candidates are prior precisions or ``(prior_precision, sigma_noise)`` pairs (regression);
-        one record per candidate (``prior_precision``, ``sigma_noise``, ``val_nll``) is appended
-        to ``fit_history_["tuning"]`` (see
-        :func:`laplace.functional.scoring.tune_hyperparameters`).
+        the first with the lowest finite score wins (:func:`laplace.core.tuning.search_grid`); a
+        candidate whose posterior cannot be factorised scores NaN. One record per candidate
+        (``prior_precision``, ``sigma_noise``, ``val_nll``) is appended to
+        ``fit_history_["tuning"]``.
+
+        Raises:
+            RuntimeError: Before :meth:`fit`.
+            ValueError: For an empty grid, or if no candidate has a finite score (the
+                hyperparameters are then restored).
         """
         self._check_fitted("optimize_hyperparameters")
-        records = tune_hyperparameters(self, grid, lambda: self._validation_nll(val_loader))
+        initial, records = (self.prior_precision, self.sigma_noise), []
+
+        def apply(candidate: Any) -> None:
+            if isinstance(candidate, (tuple, list)):
+                self.prior_precision, self.sigma_noise = candidate
+            else:
+                self.prior_precision = candidate
+
+        def scored(candidate: Any) -> float:
+            apply(candidate)
+            try:
+                value = self._validation_nll(val_loader)
+            except (NotPositiveDefiniteError, torch.linalg.LinAlgError):
+                value = math.nan
+            prior_precision, sigma_noise = float(self.prior_precision), float(self.sigma_noise)
+            records.append(
+                {"prior_precision": prior_precision, "sigma_noise": sigma_noise, "val_nll": value}
+            )
+            return value
+
+        best, _ = search_grid(grid, scored)
+        if best is None:
+            self.prior_precision, self.sigma_noise = initial
+            if not records:
+                raise ValueError("the hyperparameter grid is empty.")
+            raise ValueError("no candidate of the grid gives a finite validation NLL.")
+        apply(best)
         self.fit_history_["tuning"].extend(records)
 
 
