@@ -155,10 +155,9 @@ class SubsetKernel:
         return jacobian_chunk_rows(self.n_outputs, J.row_width + self.K.shape[-1], self.K.dtype)
 
     # --------------------------------------------------------------------------- posterior
-    def _noise(self, h: Tensor) -> Tensor:
-        """``1/(h Λ)`` with vanishing curvature capped, shape (C, M) or (M·C,)."""
-        inv = torch.nan_to_num(1 / (h * self.Lambda), posinf=MAX_INVERSE_CURVATURE)
-        return inv.T if self.independent else inv.reshape(-1)
+    def _rows(self, values: Tensor) -> Tensor:
+        """Per-point values (M, C) in the kernel's row order: (C, M) per output, else (M·C,)."""
+        return values.T if self.independent else values.reshape(-1)
 
     def factor(self, s: Tensor, h: Tensor) -> Tensor:
         """Lower Cholesky factor of ``sK + Λ⁻¹/h``, cached while ``s`` and ``h`` hold.
@@ -169,7 +168,11 @@ class SubsetKernel:
         key = (float(s), float(h))
         differentiable = s.requires_grad or h.requires_grad
         if differentiable or key != self._factor_key:
-            factor, info = torch.linalg.cholesky_ex(s * self.K + torch.diag_embed(self._noise(h)))
+            # Λ⁻¹/h, capped where the output curvature vanishes
+            noise = torch.nan_to_num(1 / (h * self.Lambda), posinf=MAX_INVERSE_CURVATURE)
+            factor, info = torch.linalg.cholesky_ex(
+                s * self.K + torch.diag_embed(self._rows(noise))
+            )
             if bool((info != 0).any()):
                 raise NotPositiveDefiniteError(
                     "the GP posterior matrix sK + Λ⁻¹ is not positive definite; increase the "
@@ -242,15 +245,14 @@ class SubsetKernel:
         sK = s * self.K
         if noise_variance is not None:
             return torch.logdet(sK + noise_variance * self._eye()).sum()
-        W = (h * self.Lambda).sqrt()
-        W = W.T if self.independent else W.reshape(-1)
+        W = self._rows((h * self.Lambda).sqrt())
         return torch.logdet(W.unsqueeze(-1) * sK * W.unsqueeze(-2) + self._eye()).sum()
 
     def scatter(self, s: Tensor, noise_variance: Tensor | None) -> Tensor:
         """``μᵀ (sK + νI)⁻¹ μ``, ``ν`` the observation noise σ² or :data:`SCATTER_JITTER`."""
         noise = SCATTER_JITTER if noise_variance is None else noise_variance
         L = torch.linalg.cholesky(s * self.K + noise * self._eye())
-        mu = self.mu.T.unsqueeze(-1) if self.independent else self.mu.reshape(-1, 1)
+        mu = self._rows(self.mu).unsqueeze(-1)
         return torch.linalg.solve_triangular(L, mu, upper=False).square().sum()
 
     # -------------------------------------------------------------------------------- state
