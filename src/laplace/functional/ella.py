@@ -90,16 +90,9 @@ class ELLA(BaseFunctionalLaplace):
 
     _function_space = FunctionalApproximation.NYSTROM
 
-    _state_plain = (
-        "subsample_size",
-        "n_eigenvalues",
-        "seed",
-        "temperature",
-        "n_data",
-        "n_outputs",
-    )
-    _state_tensors = ("dual_directions", "feature_gram", "prior_precision", "sigma_noise")
     _state_counts = ("subsample_size", "n_eigenvalues", "n_data", "n_outputs")
+    _state_plain = (*_state_counts, "seed", "temperature")
+    _state_tensors = ("dual_directions", "feature_gram", "prior_precision", "sigma_noise")
     _state_format = ELLAState()
 
     def __init__(
