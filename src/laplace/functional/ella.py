@@ -193,6 +193,8 @@ class ELLA(BaseFunctionalLaplace):
             self._gp = self._nystrom_posterior()
             self.fit_history_["processed_examples"].append(float(self.n_data))
             self._record_validation(val_loader, val_steps, step)
+        if self.n_data == 0:
+            raise ValueError("train_loader is empty: fit needs at least one data point.")
         self._fitted = True
         self._record_validation(val_loader, val_steps, step, last=True)
 
