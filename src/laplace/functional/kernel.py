@@ -205,10 +205,8 @@ class SubsetKernel:
         if self.independent:
             if joint:
                 cov = s * J.cross(J, True) - V.transpose(1, 2) @ V
-                out = cov.new_zeros(B, C, B, C)
-                idx = torch.arange(C, device=cov.device)
-                out[:, idx, :, idx] = cov
-                return out.reshape(B * C, B * C)
+                eye = torch.eye(C, dtype=cov.dtype, device=cov.device)  # no cross-output terms
+                return torch.einsum("cbm,cd->bcmd", cov, eye).reshape(B * C, B * C)
             return torch.diag_embed(s * J.output_variances() - V.square().sum(1).T)
         if joint:
             return s * J.cross(J, False) - V.T @ V

@@ -216,9 +216,7 @@ def trace_jacobian(
         The Jacobian and the outputs (B, C).
     """
     trace = engine.trace(X, create_graph)
-    J = layer_factors(trace)
-    if J is None:
-        J = DenseJacobian(trace.jacobians())
+    J = layer_factors(trace) or DenseJacobian(trace.jacobians())
     f = trace.f.reshape(trace.f.shape[0], -1)
     return (J, f) if create_graph else (J.detach(), f.detach())
 

@@ -85,11 +85,8 @@ def inducing_covariance(Js: Tensor, Q: Tensor, log_delta: Tensor, joint: bool) -
     scale = log_delta.to(torch.float64).mul(0.5).exp()
     padded = nn.functional.pad(Js.to(torch.float64).reshape(B * C, P) / scale, (0, Q.shape[1]))
     roots = padded - (padded @ Q) @ Q.T
-    if joint:
-        cov = roots @ roots.T
-    else:
-        roots = roots.reshape(B, C, -1)
-        cov = roots @ roots.transpose(1, 2)
+    roots = roots if joint else roots.reshape(B, C, -1)
+    cov = roots @ roots.transpose(-1, -2)
     return ((cov + cov.transpose(-1, -2)) / 2).to(Js.dtype)
 
 
