@@ -188,10 +188,9 @@ class HeteroscedasticGaussian(LikelihoodModel):
         self,
         f_mu: Tensor,
         f_var: Tensor,
-        link_approx: LinkApprox = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        generator: torch.Generator | None = None,
-        diagonal_output: bool = False,
+        link_approx: LinkApprox,
+        n_samples: int,
+        generator: torch.Generator | None,
     ) -> HeteroscedasticPrediction:
         """Mean, epistemic and expected aleatoric variance from ``N(f_mu, f_var)`` over [μ, s]."""
         m_mu, m_s = split_outputs(f_mu)
