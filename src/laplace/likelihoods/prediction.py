@@ -234,10 +234,9 @@ class ProbabilityPredictions(OutputPredictions):
 
     def sampled_predictive_of(self, groups: Iterable[Tensor]) -> Tensor:
         """The mean probabilities over groups of sampled outputs, summed a group at a time."""
-        total, count = None, 0
+        total, count = 0, 0
         for f in groups:
-            summed = self.predictive_sample(f).sum(dim=0)
-            total = summed if total is None else total + summed
+            total = total + self.predictive_sample(f).sum(dim=0)
             count += len(f)
         return total / count
 
