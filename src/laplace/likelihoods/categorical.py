@@ -119,8 +119,7 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
         if not n_samples:
             return -self.predictive_nll(f, cov, y, None), len(y)
         draws = draw_gaussian(f, cov, n_samples, generator)  # (S, B, C)
-        index = y.view(1, -1, 1).expand(n_samples, -1, 1)
-        log_p = draws.log_softmax(-1).gather(-1, index).squeeze(-1)
+        log_p = draws.log_softmax(-1)[:, torch.arange(len(y), device=y.device), y]  # (S, B)
         return sampled_alpha_energy(log_p, alpha), len(y)
 
     @override
@@ -138,7 +137,6 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
 
         def read(prediction: Any, target: Tensor) -> tuple[tuple[Tensor], Tensor]:
             if isinstance(prediction, Tensor) and prediction.dim() > 2:
-                target = target.to(prediction.device)
                 layout = self.layout(prediction.shape, target)
                 prediction, target = layout.rows(prediction), layout.targets(target)
             probs = probabilities(prediction, "classification")
