@@ -37,6 +37,16 @@ def readme_quickstart() -> tuple[str, str]:
     return found.group(1), found.group(2)
 
 
+def test_readme_fits_a_screen_and_links_absolutely():
+    """At most 150 lines, and every link and image absolute: it is a package index page too."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 150
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert targets, "no links found"
+    relative = [target for target in targets if not target.startswith("https://")]
+    assert not relative, f"relative links in README.md: {relative}"
+
+
 def make_environment(tmp: Path) -> Path:
     """A new virtual environment with laplace-ng installed from a copy of the sources."""
     env_dir = tmp / "env"
