@@ -167,8 +167,17 @@ class FactoredJacobian:
         )
 
     def matvec(self, v: Tensor) -> Tensor:
-        """``J v`` for a parameter vector v (P,), shape (B, C), through the dense rows."""
-        return self.dense() @ v
+        """``J v`` for a parameter vector v (P,), shape (B, C), layer by layer (no dense rows)."""
+        pieces = torch.split(v, [s.numel() for s in self.shapes])
+        total = 0
+        for layer in self.layers:
+            weight, bias = layer.slots
+            if weight is not None:
+                W = pieces[weight].reshape(self.shapes[weight][0], -1)
+                total = total + torch.einsum("bco,bo->bc", layer.G, layer.a @ W.T)
+            if bias is not None:
+                total = total + layer.G @ pieces[bias]
+        return total
 
     def detach(self) -> FactoredJacobian:
         """The same Jacobian outside the autograd graph."""
