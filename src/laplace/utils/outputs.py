@@ -67,7 +67,7 @@ class OutputLayout:
     @property
     def n_positions(self) -> int:
         """T, the number of positions (rows) per data point."""
-        return math.prod(self.shape) // self.n_classes
+        return self.size // self.n_classes
 
     @property
     def size(self) -> int:
@@ -236,17 +236,17 @@ class OutputAdapter:
                 f"returned outputs of shape {tuple(output_shape)}. Use backend=CurvlinopsGGN "
                 "(or CurvlinopsEF, CurvlinopsHessian), which take outputs with extra dimensions."
             )
-        if rank > 2 and targets is None:
-            raise ValueError(
-                f"likelihood={name!r} takes model outputs of shape (B, C); the model returned "
-                f"outputs of shape {tuple(output_shape)}. Outputs with extra dimensions work "
-                "with 'classification', 'regression' and 'binary_classification'."
+        if targets is None:
+            self.require_plain(
+                output_shape,
+                f"likelihood={name!r}",
+                "'classification', 'regression' and 'binary_classification'",
             )
         explicit = None if self.class_dim is None else self._normalised(self.class_dim, rank)
         if rank <= 2:
             return OutputLayout(shape, 0, ignore)
         found = self._found[1] if self._found is not None and self._found[0] == rank else None
-        if labels and y is not None and not _soft_labels(y, shape):
+        if labels and y is not None and not (y.is_floating_point() and y.shape[1:] == shape):
             candidates = [d for d in range(rank - 1) if shape[:d] + shape[d + 1 :] == y.shape[1:]]
             dim = self._class_dim_of_labels(candidates, explicit, found, output_shape, y)
         else:
@@ -341,7 +341,7 @@ class OutputAdapter:
                     if explicit is not None
                     else "the class dimension of earlier batches"
                 )
-                shape = (output_shape[0], *_without(output_shape[1:], chosen))
+                shape = (*output_shape[: chosen + 1], *output_shape[chosen + 2 :])
                 expected = f" ({source}: targets of shape {shape})"
             raise DataError(
                 f"classification {shapes} do not fit: the targets must have the outputs' shape "
@@ -356,11 +356,3 @@ class OutputAdapter:
                 "constructor."
             )
         return candidates[0]
-
-
-def _soft_labels(y: Tensor, shape: tuple[int, ...]) -> bool:
-    return y.is_floating_point() and tuple(y.shape[1:]) == shape
-
-
-def _without(shape: Sequence[int], dim: int) -> tuple[int, ...]:
-    return tuple(shape[:dim]) + tuple(shape[dim + 1 :])
