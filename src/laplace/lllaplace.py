@@ -88,13 +88,15 @@ class HeadCurvatureSum(CurvatureSum):
         subset, backend, n_data = pieces.subset, pieces.backend, pieces.n_data
         bias = subset.layer.bias is not None
 
-        def flush(loss: Tensor | float, phis: list[Tensor], Ms: list[Tensor]) -> tuple[Any, Any]:
-            M = cat_output_curvatures(Ms)
-            return loss, closed_form(torch.cat(phis), M, bias, buffer_rows, backend.factor)
+        buffer: list[tuple[Tensor, Tensor, Any]] = []  # (loss, φ, M) of the buffered batches
+        buffer_rows = None
 
-        phis: list[Tensor] = []
-        Ms: list[Tensor] = []
-        loss, buffered, buffer_rows = 0.0, 0, None
+        def flush() -> tuple[Any, Any]:
+            losses, phis, Ms = zip(*buffer, strict=True)
+            buffer.clear()
+            phi, M = torch.cat(phis), cat_output_curvatures(list(Ms))
+            return sum(losses, 0.0), closed_form(phi, M, bias, buffer_rows, backend.factor)
+
         for X, y in self.batches(loader):
             with torch.no_grad():
                 f, phi = subset.outputs_and_features(X)
@@ -106,22 +108,17 @@ class HeadCurvatureSum(CurvatureSum):
             # KFAC's expand: positions as data, N·T rows with this batch's T (a buffer holds
             # batches of one T, so sequences padded per batch are normalised by their own T)
             n_rows = n_data * (len(rows[1]) // len(f))
-            if phis and n_rows != buffer_rows:
-                yield flush(loss, phis, Ms)
-                phis, Ms, loss, buffered = [], [], 0.0, 0
+            if buffer and n_rows != buffer_rows:
+                yield flush()
             buffer_rows = n_rows
             f, phi, y = rows
             with torch.no_grad():
                 batch_loss, M = output_curvature(backend, f.detach(), y)
-            phis.append(phi.detach())
-            Ms.append(M)
-            loss = loss + batch_loss
-            buffered += phi.numel() + M.numel()
-            if buffered >= BUFFER_ELEMENTS:
-                yield flush(loss, phis, Ms)
-                phis, Ms, loss, buffered = [], [], 0.0, 0
-        if phis:
-            yield flush(loss, phis, Ms)
+            buffer.append((batch_loss, phi.detach(), M))
+            if sum(p.numel() + m.numel() for _, p, m in buffer) >= BUFFER_ELEMENTS:
+                yield flush()
+        if buffer:
+            yield flush()
 
 
 class LLLaplace(ParametricLaplace):

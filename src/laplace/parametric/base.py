@@ -38,7 +38,7 @@ from laplace.utils.data import (
 )
 from laplace.utils.enums import HessianStructure, LinkApprox, PredType, SubsetOfWeights, parse_enum
 from laplace.utils.errors import NotFittedError, check_bool, check_generator, check_positive_int
-from laplace.utils.predictive import gaussian_output_samples
+from laplace.utils.predictive import draws_from_root, gaussian_output_samples
 
 __all__ = ["DiagLaplace", "FullLaplace", "ParametricLaplace"]
 
@@ -133,26 +133,18 @@ class ParametricLaplace(BaseLaplace):
         h_factor, prior_diag = self._H_factor, self.prior_precision_diag
         if self.H is None:
             raise NotFittedError("the posterior needs fit() first (or a call to _init_H()).")
-        differentiable = h_factor.requires_grad or prior_diag.requires_grad
-        curvature_key = (id(self.H), getattr(self.H, "_version", None))
+        if h_factor.requires_grad or prior_diag.requires_grad:
+            return self._posterior_cls(self.H, h_factor, prior_diag)
+        key = (id(self.H), getattr(self.H, "_version", None))
         cache = self._posterior_cache
         if (
-            not differentiable
-            and cache is not None
-            and cache[0] == curvature_key
-            and torch.equal(cache[1], h_factor)
-            and torch.equal(cache[2], prior_diag)
+            cache is None
+            or cache[0] != key
+            or not (torch.equal(cache[1], h_factor) and torch.equal(cache[2], prior_diag))
         ):
-            return cache[3]
-        posterior = self._posterior_cls(self.H, h_factor, prior_diag)
-        if not differentiable:
-            self._posterior_cache = (
-                curvature_key,
-                h_factor.clone(),
-                prior_diag.clone(),
-                posterior,
-            )
-        return posterior
+            posterior = self._posterior_cls(self.H, h_factor, prior_diag)
+            cache = self._posterior_cache = (key, h_factor.clone(), prior_diag.clone(), posterior)
+        return cache[3]
 
     @property
     def posterior_precision(self) -> Any:
@@ -257,9 +249,12 @@ class ParametricLaplace(BaseLaplace):
         check_positive_int(n_samples, "n_samples")
         check_generator(generator)
         self._check_fitted("sample")
-        return self._checked_finite(
-            self._draw_deviations(n_samples, generator), "posterior samples"
-        )
+        scale = self._current_assigned_scale()
+        if scale is None:
+            draws = self._posterior.sample_deviations(n_samples, generator)
+        else:
+            draws = draws_from_root(scale.new_zeros(scale.shape[-1]), scale, n_samples, generator)
+        return self._checked_finite(draws, "posterior samples")
 
     # ------------------------------------------------------------- posterior scale
     # laplace-torch caches the scale S (S Sᵀ = P⁻¹) in ``_posterior_scale``, fills it in
@@ -288,22 +283,8 @@ class ParametricLaplace(BaseLaplace):
 
     def _current_assigned_scale(self) -> Tensor | None:
         """The assigned scale while the posterior it was assigned for is current."""
-        if self._assigned_scale is None:
-            return None
-        posterior, scale = self._assigned_scale
-        return scale if posterior is self._posterior else None
-
-    def _draw_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
-        assigned = self._current_assigned_scale()
-        if assigned is None:
-            return self._posterior.sample_deviations(n_samples, generator)
-        z = torch.randn(
-            (n_samples, assigned.shape[-1]),
-            generator=generator,
-            device=assigned.device,
-            dtype=assigned.dtype,
-        )
-        return z @ assigned.T
+        posterior, scale = self._assigned_scale or (None, None)
+        return scale if scale is not None and posterior is self._posterior else None
 
     # ------------------------------------------------------------------------ fit
     @property
@@ -346,7 +327,11 @@ class ParametricLaplace(BaseLaplace):
                 f"{structure.update_refusal}"
             )
         self._distributed = distributed_utils.resolve(distributed, train_loader)
-        n_data = self._data_count(train_loader)
+        n_data = (  # all ranks' data points together when distributed
+            distributed_utils.all_reduce_sum(distributed_utils.data_count(train_loader))
+            if self._distributed
+            else dataset_size(train_loader)
+        )
         if n_data == 0:
             raise ValueError("train_loader is empty: fit needs at least one data point.")
         with distributed_utils.guard(self._distributed, "fit"):
@@ -381,9 +366,17 @@ class ParametricLaplace(BaseLaplace):
                 data of earlier fits too).
             progress_bar: Show a progress bar over batches.
         """
+        pieces = FitPieces(
+            subset=self._subset,
+            posterior=self._posterior_cls,
+            backend=self.backend,
+            likelihood=self._likelihood_model.fit_likelihood,
+            zeros=self._zero_curvature,
+            n_data=n_data,
+        )
         loop = self._data_loop(
             self._curvature_pass,
-            pieces=self._fit_pieces(n_data),
+            pieces=pieces,
             **self._fit_pass_options,
             progress_bar=progress_bar,
             desc="fit",
@@ -394,17 +387,6 @@ class ParametricLaplace(BaseLaplace):
         for name, value in loop.results.items():
             setattr(self, name, value)
         return H, loss, loop.n_outputs
-
-    def _fit_pieces(self, n_data: int) -> FitPieces:
-        """The pieces a pass over the data wires together, for ``n_data`` data points."""
-        return FitPieces(
-            subset=self._subset,
-            posterior=self._posterior_cls,
-            backend=self.backend,
-            likelihood=self._likelihood_model.fit_likelihood,
-            zeros=self._zero_curvature,
-            n_data=n_data,
-        )
 
     def _check_ranks_agree(self) -> None:
         """In a distributed fit, refuse ranks built with different hyperparameters.
@@ -424,12 +406,6 @@ class ParametricLaplace(BaseLaplace):
                 },
                 "fit",
             )
-
-    def _data_count(self, train_loader: DataLoader) -> int:
-        """Data points of the fit: all ranks' together when distributed."""
-        if not getattr(self, "_distributed", False):
-            return dataset_size(train_loader)
-        return distributed_utils.all_reduce_sum(distributed_utils.data_count(train_loader))
 
     def _zero_curvature(self) -> Any:
         """Empty curvature in the posterior's structure and dimension."""
@@ -480,7 +456,7 @@ class ParametricLaplace(BaseLaplace):
             pred_type, link_approx, n_samples, generator, joint, fitting
         )
         self._check_fitted("prediction")
-        reason = self._output_variances_only()
+        reason = self._subset.variances_only_reason(self.n_outputs)
         if reason is not None and pred_type == PredType.GLM:
             likelihood.check_variance_prediction(link_approx, joint, diagonal_output, reason)
         x = prepare_inputs(x, self.dict_key_x, self._device, "prediction")
@@ -498,7 +474,7 @@ class ParametricLaplace(BaseLaplace):
     # ----------------------------------------------------------------------------- GLM
     def _chunk_rows(self) -> int:
         """Test points per chunk, from the Jacobian kind the subset gives this posterior."""
-        if self._output_variances_only():
+        if self._subset.variances_only_reason(self.n_outputs):
             # A last layer's closed forms hold about C·(D + 1) numbers per point.
             n_in = self._subset.layer.in_features
             return jacobian_chunk_rows(self.n_outputs, n_in + 1, self._dtype)
@@ -507,15 +483,6 @@ class ParametricLaplace(BaseLaplace):
         per_point = outputs.per_point(self.n_outputs)
         rows = jacobian_chunk_rows(per_point, len(posterior.prior_diag), self._dtype)
         return kind.chunk_rows(rows, subset.model, subset.params)
-
-    def _output_variances_only(self) -> str | None:
-        """Why the GLM predictive computes only output variances (B, C); None if it does not."""
-        return self._subset.variances_only_reason(self.n_outputs)
-
-    def _glm_refusal(self) -> str | None:
-        """Why the GLM predictive cannot be computed at all; None if it can."""
-        has_closed_form = self._subset.jacobian_kind(self._posterior.closed_forms) is HeadFeatures
-        return None if has_closed_form else large_output.glm_refusal(self.n_outputs)
 
     def _glm_predictive_distribution(
         self, X: Inputs, joint: bool = False, diagonal_output: bool = False
@@ -527,11 +494,13 @@ class ParametricLaplace(BaseLaplace):
             ``(f_mu (B·C,), f_cov (B·C, B·C))`` if ``joint``.
 
         Raises:
-            ValueError: Where the approximation refuses the GLM predictive (``_glm_refusal``).
+            ValueError: Where the approximation refuses the GLM predictive (many outputs without
+                a last layer's closed form, :func:`laplace.posteriors.large_output.glm_refusal`).
         """
-        refusal = self._glm_refusal()
-        if refusal is not None:
-            raise ValueError(refusal)
+        if self._subset.jacobian_kind(self._posterior.closed_forms) is not HeadFeatures:
+            refusal = large_output.glm_refusal(self.n_outputs)
+            if refusal is not None:
+                raise ValueError(refusal)
         if joint:
             f_mu, J = self._subset.linearize(X, self.backend, (), self.enable_backprop)
             return self._detached(f_mu.reshape(-1), self.functional_covariance(J.dense()))
@@ -584,7 +553,7 @@ class ParametricLaplace(BaseLaplace):
         check_positive_int(n_samples, "n_samples")
         check_generator(generator)
         self._check_fitted("functional_samples")
-        reason = self._output_variances_only()
+        reason = self._subset.variances_only_reason(self.n_outputs)
         if reason is not None and pred_type == PredType.GLM and not diagonal_output:
             raise ValueError(
                 f"{reason}: GLM samples need diagonal_output=True (independent outputs), or "
@@ -616,14 +585,6 @@ class ParametricLaplace(BaseLaplace):
             Samples, shape (S, B, C).
         """
         f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator)
-        return self._link_samples(f, generator)
-
-    def _link_samples(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """Output samples (S, B, C) as predictive draws of the likelihood.
-
-        Softmax or sigmoid probabilities for classification, the outputs for regression, draws
-        of ``y`` for heteroscedastic regression.
-        """
         return self._likelihood_model.predictive_likelihood.predictive_sample(f, generator)
 
     def _nn_functional_samples(
@@ -677,9 +638,8 @@ class ParametricLaplace(BaseLaplace):
         laplace-torch's hook, kept for code that calls it.
         """
         X = prepare_inputs(X, self.dict_key_x, self._device, "_nn_predictive_samples")
-        return self._link_samples(
-            self._nn_functional_samples(X, n_samples, generator, **model_kwargs), generator
-        )
+        f = self._nn_functional_samples(X, n_samples, generator, **model_kwargs)
+        return self._likelihood_model.predictive_likelihood.predictive_sample(f, generator)
 
 
 class FullLaplace(ParametricLaplace):

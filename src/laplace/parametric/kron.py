@@ -15,7 +15,7 @@ from laplace.posteriors import KronPosterior, Posterior, large_output
 from laplace.posteriors.kron import kron_block_structure
 from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 from laplace.utils.errors import check_positive_int
-from laplace.utils.matrix import Kron, KronDecomposed
+from laplace.utils.matrix import Kron
 from laplace.utils.outputs import IGNORE_INDEX
 
 __all__ = ["KronLaplace"]
@@ -36,6 +36,7 @@ class KronLaplace(ParametricLaplace):
     ``fit`` sums the factors over batches into ``H_facs`` (a :class:`~laplace.utils.matrix.Kron`)
     and sets ``H`` to their eigendecomposition (a :class:`~laplace.utils.matrix.KronDecomposed`),
     computed once, when the posterior is first used; tuning the prior or σ never re-factorises.
+    ``posterior_precision`` is ``H/(σ²T) + δ`` as a ``KronDecomposed``.
     The GLM predictive computes ``J P⁻¹ Jᵀ`` from layer inputs and output gradients
     (:mod:`laplace.posteriors.kron_glm`, through :class:`~laplace.posteriors.KronPosterior`)
     without forming Jacobians.
@@ -154,8 +155,3 @@ class KronLaplace(ParametricLaplace):
         and ``H`` a ``StructuredKronDecomposed``.
         """
         return self._posterior_cls.factors(self.H) if self._fitted else None
-
-    @property
-    def posterior_precision(self) -> KronDecomposed:
-        """Posterior precision ``H/(σ²T) + δ`` as a ``KronDecomposed``."""
-        return self._posterior.precision

@@ -98,19 +98,14 @@ def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
             f"backend_kwargs['solver'] must be one of {sorted(SOLVERS)}, got {solver['solver']!r}."
         )
     check_positive_int(solver["n_eigenvalues"], "n_eigenvalues")
-    if "max_iter" in solver:
-        least = 0 if solver.get("solver", "randomized") == "randomized" else 1
-        check_int_at_least(solver["max_iter"], "backend_kwargs['max_iter']", least)
-    if "tol" in solver:
-        tol = solver["tol"]
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
-            raise ValueError(f"backend_kwargs['tol'] must be a number in [0, 1), got {tol!r}.")
-    if "seed" in solver:
-        check_int_at_least(solver["seed"], "backend_kwargs['seed']", 0)
-    if "oversampling" in solver:
-        check_int_at_least(solver["oversampling"], "backend_kwargs['oversampling']", 0)
-    if "candidates" in solver:
-        check_positive_int(solver["candidates"], "backend_kwargs['candidates']")
+    randomized = solver.get("solver", "randomized") == "randomized"
+    least = {"max_iter": 0 if randomized else 1, "seed": 0, "oversampling": 0, "candidates": 1}
+    for key, minimum in least.items():
+        if key in solver:
+            check_int_at_least(solver[key], f"backend_kwargs[{key!r}]", minimum)
+    tol = solver.get("tol", 0)
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
+        raise ValueError(f"backend_kwargs['tol'] must be a number in [0, 1), got {tol!r}.")
     if solver.get("start", "kfac") not in STARTS:
         raise ValueError(
             f"backend_kwargs['start'] must be one of {list(STARTS)}, got {solver['start']!r}."
@@ -195,7 +190,8 @@ class LowRankLaplace(ParametricLaplace):
 
     The posterior precision ``P = U diag(h·λ) Uᵀ + diag(p₀)`` (``h = 1/(σ²T)``) is never formed:
     the log-determinant, ``J P⁻¹ Jᵀ`` and samples use the k × k capacitance matrix
-    (see :class:`~laplace.posteriors.lowrank.LowRankPosterior`), all in O(P k²). Before
+    (see :class:`~laplace.posteriors.lowrank.LowRankPosterior`), all in O(P k²).
+    ``posterior_precision`` is ``((U (P, k), h·λ (k,)), p₀ (P,))``, as in laplace-torch. Before
     :meth:`fit`, ``H`` is an empty eigenbasis ``(U (P, 0), λ (0,))``: the posterior is the prior
     (laplace-torch keeps None there).
 
@@ -272,14 +268,6 @@ class LowRankLaplace(ParametricLaplace):
         self.eigenvalue_errors: Tensor | None = None
         BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
         self._likelihood_model.fit_likelihood.check_low_rank()
-
-    @property
-    def posterior_precision(self) -> tuple[tuple[Tensor, Tensor], Tensor]:
-        """``((U (P, k), h·λ (k,)), p₀ (P,))``, as in laplace-torch.
-
-        The precision is ``U @ diag(h·λ) @ U.T + diag(p₀)``.
-        """
-        return self._posterior.precision
 
     @property
     def V(self) -> Tensor:

@@ -22,7 +22,7 @@ diagonal in them) and is refused, and so are low-rank and function-space posteri
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any, ClassVar, NamedTuple
 
@@ -39,8 +39,6 @@ from laplace.posteriors import (
     KronPosterior,
     Posterior,
 )
-from laplace.posteriors.base import ClosedForm
-from laplace.posteriors.jacobians import Jacobian
 from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = ["OutputKron", "PerOutputPosterior", "noise_structure"]
@@ -115,6 +113,20 @@ def _weighted_sum(H: Tensor, weights: Tensor) -> Tensor:
     return torch.tensordot(weights, H, dims=1)
 
 
+class _FromInner:
+    """An attribute of the base structure's posterior ``inner``.
+
+    For the abstract ones of :class:`~laplace.posteriors.Posterior`, which ``__getattr__`` does
+    not reach.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, posterior: Any, owner: type | None = None) -> Any:
+        return self if posterior is None else getattr(posterior.inner, self.name)
+
+
 class PerOutputPosterior(Posterior):
     """Posterior of ``P = Σ_c h_c H_c + diag(p₀)`` from per-output curvatures ``H`` (C, ...).
 
@@ -178,36 +190,14 @@ class PerOutputPosterior(Posterior):
         return backend.fit_likelihood.loss_per_output(f, y), cls.family.stack(parts)
 
     # ------------------------------------------------------------------------ the posterior
-    @property
-    def precision(self) -> Any:
-        """The posterior precision in the base structure's representation."""
-        return self.inner.precision
-
-    @property
-    def log_det(self) -> Tensor:
-        """``log det P``, a scalar."""
-        return self.inner.log_det
-
-    def square_form(self, delta: Tensor) -> Tensor:
-        """``Δᵀ P Δ``."""
-        return self.inner.square_form(delta)
-
-    @property
-    def closed_forms(self) -> Mapping[type[Jacobian], ClosedForm]:  # type: ignore[override]
-        """The base structure's closed forms of ``J P⁻¹ Jᵀ``."""
-        return self.inner.closed_forms
-
-    def functional_variance(self, J: Tensor | Jacobian) -> Tensor:
-        """``J P⁻¹ Jᵀ`` per point (B, C, C), for any Jacobian kind (see the base structure)."""
-        return self.inner.functional_variance(J)
-
-    def rows_variance(self, Js: Tensor) -> Tensor:
-        """``J P⁻¹ Jᵀ`` per point, (B, C, P) → (B, C, C)."""
-        return self.inner.rows_variance(Js)
-
-    def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
-        """Draws of ``θ − θ_MAP``, shape (n_samples, P)."""
-        return self.inner.sample_deviations(n_samples, generator)
+    #: The posterior quantities: those of the base structure on the combined curvature.
+    precision = _FromInner()
+    log_det = _FromInner()
+    square_form = _FromInner()
+    closed_forms = _FromInner()
+    functional_variance = _FromInner()
+    rows_variance = _FromInner()
+    sample_deviations = _FromInner()
 
 
 class _PerOutputKron(KronAccumulator, PerOutputPosterior):

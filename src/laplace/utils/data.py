@@ -78,8 +78,7 @@ def batch_size_of(X: Inputs, dict_key_x: str) -> int:
     if isinstance(X, MutableMapping):
         if dict_key_x in X:
             return len(X[dict_key_x])
-        first = next(v for v in X.values() if isinstance(v, Tensor))
-        return len(first)
+        return len(next(v for v in X.values() if isinstance(v, Tensor)))
     return len(X)
 
 
@@ -91,7 +90,7 @@ def move_inputs(X: Inputs, device: torch.device) -> Inputs:
         MetaDeviceError: For tensors on the ``meta`` device.
     """
     if isinstance(X, MutableMapping):
-        moved = type(X)() if type(X) is dict else X.__class__(X)
+        moved = X.__class__(X)
         for key, value in X.items():
             moved[key] = _to_device(value, device, f"inputs[{key!r}]")
         return moved
@@ -128,7 +127,7 @@ def to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
 def slice_inputs(X: Inputs, start: int, stop: int, n: int) -> Inputs:
     """Rows ``start:stop`` of inputs with ``n`` rows; mapping values without n rows are kept."""
     if isinstance(X, MutableMapping):
-        out = X.__class__(X) if type(X) is not dict else dict(X)
+        out = X.__class__(X)
         for key, value in X.items():
             if isinstance(value, Tensor) and value.dim() > 0 and len(value) == n:
                 out[key] = value[start:stop]
@@ -174,15 +173,11 @@ def concatenate_rows(chunks: list[Any]) -> Any:
     raise ValueError("non-batched values differ between the batches; cannot concatenate.")
 
 
-def _tensors(X: Inputs) -> list[Tensor]:
-    if isinstance(X, MutableMapping):
-        return [v for v in X.values() if isinstance(v, Tensor)]
-    return [X]
-
-
 def _check_finite(X: Inputs, what: str) -> None:
     """Refuse inputs with NaN, inf or complex entries (a ``DataError`` naming ``what``)."""
-    for t in _tensors(X):
+    for t in X.values() if isinstance(X, MutableMapping) else [X]:
+        if not isinstance(t, Tensor):
+            continue
         if t.is_complex() or (t.is_floating_point() and not bool(torch.isfinite(t).all())):
             kind = "complex values" if t.is_complex() else "NaN or inf values"
             raise DataError(f"the {what} contain {kind}.")

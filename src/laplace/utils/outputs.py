@@ -67,7 +67,7 @@ class OutputLayout:
     @property
     def n_positions(self) -> int:
         """T, the number of positions (rows) per data point."""
-        return math.prod(self.shape) // self.n_classes
+        return self.size // self.n_classes
 
     @property
     def size(self) -> int:
@@ -236,30 +236,29 @@ class OutputAdapter:
                 f"returned outputs of shape {tuple(output_shape)}. Use backend=CurvlinopsGGN "
                 "(or CurvlinopsEF, CurvlinopsHessian), which take outputs with extra dimensions."
             )
-        if rank > 2 and targets is None:
-            raise ValueError(
-                f"likelihood={name!r} takes model outputs of shape (B, C); the model returned "
-                f"outputs of shape {tuple(output_shape)}. Outputs with extra dimensions work "
-                "with 'classification', 'regression' and 'binary_classification'."
+        if targets is None:
+            self.require_plain(
+                output_shape,
+                f"likelihood={name!r}",
+                "'classification', 'regression' and 'binary_classification'",
             )
         explicit = None if self.class_dim is None else self._normalised(self.class_dim, rank)
         if rank <= 2:
             return OutputLayout(shape, 0, ignore)
         found = self._found[1] if self._found is not None and self._found[0] == rank else None
-        if labels and y is not None and not _soft_labels(y, shape):
-            candidates = [d for d in range(rank - 1) if shape[:d] + shape[d + 1 :] == y.shape[1:]]
-            dim = self._class_dim_of_labels(candidates, explicit, found, output_shape, y)
+        chosen = explicit if explicit is not None else found
+        if labels and y is not None and not (y.is_floating_point() and y.shape[1:] == shape):
+            dim = self._class_dim_of_labels(chosen, output_shape, y)
+        elif chosen is None and labels:
+            what = "class probabilities" if y is not None else "no targets (a prediction)"
+            raise ValueError(
+                f"outputs of shape {tuple(output_shape)} with {what}: the class dimension "
+                "cannot be found from targets; pass class_dim=... (e.g. class_dim=1 for "
+                "(B, C, H, W), class_dim=-1 for (B, T, C)) to the Laplace constructor, or "
+                "fit first."
+            )
         else:
-            dim = explicit if explicit is not None else found
-            if dim is None and labels:
-                what = "class probabilities" if y is not None else "no targets (a prediction)"
-                raise ValueError(
-                    f"outputs of shape {tuple(output_shape)} with {what}: the class dimension "
-                    "cannot be found from targets; pass class_dim=... (e.g. class_dim=1 for "
-                    "(B, C, H, W), class_dim=-1 for (B, T, C)) to the Laplace constructor, or "
-                    "fit first."
-                )
-            dim = rank - 2 if dim is None else dim
+            dim = rank - 2 if chosen is None else chosen
         if y is not None:
             self._found = (rank, dim)
         self.last_size = math.prod(shape)
@@ -321,16 +320,15 @@ class OutputAdapter:
         return dim - 1
 
     def _class_dim_of_labels(
-        self,
-        candidates: list[int],
-        explicit: int | None,
-        found: int | None,
-        output_shape: Sequence[int],
-        y: Tensor,
+        self, chosen: int | None, output_shape: Sequence[int], y: Tensor
     ) -> int:
-        """The class dimension of label targets: the one they lack (checked against choices)."""
+        """The class dimension of label targets: the one they lack, checked against ``chosen``.
+
+        ``chosen`` comes from ``class_dim`` or from earlier batches (None: neither).
+        """
+        shape = tuple(output_shape[1:])
+        candidates = [d for d in range(len(shape)) if shape[:d] + shape[d + 1 :] == y.shape[1:]]
         shapes = f"outputs of shape {tuple(output_shape)} and targets of shape {tuple(y.shape)}"
-        chosen = explicit if explicit is not None else found
         if chosen is not None and chosen in candidates:
             return chosen
         if chosen is not None or not candidates:
@@ -338,10 +336,10 @@ class OutputAdapter:
             if chosen is not None:
                 source = (
                     f"class_dim={self.class_dim}"
-                    if explicit is not None
+                    if self.class_dim is not None
                     else "the class dimension of earlier batches"
                 )
-                shape = (output_shape[0], *_without(output_shape[1:], chosen))
+                shape = (*output_shape[: chosen + 1], *output_shape[chosen + 2 :])
                 expected = f" ({source}: targets of shape {shape})"
             raise DataError(
                 f"classification {shapes} do not fit: the targets must have the outputs' shape "
@@ -356,11 +354,3 @@ class OutputAdapter:
                 "constructor."
             )
         return candidates[0]
-
-
-def _soft_labels(y: Tensor, shape: tuple[int, ...]) -> bool:
-    return y.is_floating_point() and tuple(y.shape[1:]) == shape
-
-
-def _without(shape: Sequence[int], dim: int) -> tuple[int, ...]:
-    return tuple(shape[:dim]) + tuple(shape[dim + 1 :])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import partial
 
 import torch
 from torch import Tensor
@@ -20,6 +19,7 @@ __all__ = [
     "BERNOULLI_LINKS",
     "LINKS",
     "draw_gaussian",
+    "draws_from_root",
     "gaussian_output_samples",
     "laplace_bridge",
     "monte_carlo_sigmoid",
@@ -43,7 +43,7 @@ def gaussian_output_samples(
     # A small jitter keeps the factorisation defined for rank-deficient output covariances.
     jitter = 1e-10 * torch.eye(f_var.shape[-1], device=f_var.device, dtype=f_var.dtype)
     scale, _ = torch.linalg.cholesky_ex(f_var + jitter)
-    return _draws_from_root(f_mu, scale, n_samples, generator)
+    return draws_from_root(f_mu, scale, n_samples, generator)
 
 
 def draw_gaussian(
@@ -59,7 +59,7 @@ def draw_gaussian(
         RuntimeError: If a covariance that requires grad cannot be factored with jitter.
     """
     root = _psd_root((covariance + covariance.transpose(-1, -2)) / 2)
-    return _draws_from_root(mean, root, n_samples, generator)
+    return draws_from_root(mean, root, n_samples, generator)
 
 
 def _standard_normal(mean: Tensor, n_samples: int, generator: torch.Generator | None) -> Tensor:
@@ -68,7 +68,7 @@ def _standard_normal(mean: Tensor, n_samples: int, generator: torch.Generator | 
     )
 
 
-def _draws_from_root(
+def draws_from_root(
     mean: Tensor, root: Tensor, n_samples: int, generator: torch.Generator | None
 ) -> Tensor:
     """``mean + R z`` with ``z ~ N(0, I)``: (S, B, C) for means (B, C), (S, n) for (n,)."""
@@ -103,13 +103,10 @@ def _psd_root(cov: Tensor) -> Tensor:
     raise RuntimeError("could not factor the differentiable covariance, even with jitter.")
 
 
-def _variances(f_var: Tensor) -> Tensor:
-    return f_var if f_var.dim() == 2 else f_var.diagonal(dim1=-2, dim2=-1)
-
-
 def probit_logits(f_mu: Tensor, f_var: Tensor) -> Tensor:
     """Logits of the probit approximation, ``f_μ / √(1 + π/8 · diag Σ_f)``, shape (B, C)."""
-    return (1 + math.pi / 8 * _variances(f_var)).rsqrt() * f_mu
+    variances = f_var if f_var.dim() == 2 else f_var.diagonal(dim1=-2, dim2=-1)
+    return (1 + math.pi / 8 * variances).rsqrt() * f_mu
 
 
 def probit(f_mu: Tensor, f_var: Tensor, **_: object) -> Tensor:
@@ -151,7 +148,7 @@ def monte_carlo_softmax(
     **_: object,
 ) -> Tensor:
     """Monte-Carlo average of ``softmax(f)`` over ``f ~ N(f_μ, Σ_f)``, shape (B, C)."""
-    return _monte_carlo_mean(partial(torch.softmax, dim=-1), f_mu, f_var, n_samples, generator)
+    return torch.softmax(gaussian_output_samples(f_mu, f_var, n_samples, generator), -1).mean(0)
 
 
 LINKS: dict[LinkApprox, Callable[..., Tensor]] = {
@@ -175,18 +172,7 @@ def monte_carlo_sigmoid(
     **_: object,
 ) -> Tensor:
     """Monte-Carlo average of ``sigmoid(f)`` over ``f ~ N(f_μ, Σ_f)``, shape (B, K)."""
-    return _monte_carlo_mean(torch.sigmoid, f_mu, f_var, n_samples, generator)
-
-
-def _monte_carlo_mean(
-    link: Callable[[Tensor], Tensor],
-    f_mu: Tensor,
-    f_var: Tensor,
-    n_samples: int,
-    generator: torch.Generator | None,
-) -> Tensor:
-    """``(1/S) Σₛ link(fₛ)`` over ``S = n_samples`` draws ``fₛ ~ N(f_μ, Σ_f)``."""
-    return link(gaussian_output_samples(f_mu, f_var, n_samples, generator)).mean(dim=0)
+    return torch.sigmoid(gaussian_output_samples(f_mu, f_var, n_samples, generator)).mean(0)
 
 
 BERNOULLI_LINKS: dict[LinkApprox, Callable[..., Tensor]] = {
