@@ -12,6 +12,7 @@ data point. See ``docs/backends.md``, "Inside the native engine".
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -130,11 +131,7 @@ class PerSampleTrace:
         self.calls = calls
         self.create_graph = create_graph
         self._grads = OutputGradients(f, calls, create_graph) if calls else None
-        counts: dict[int, int] = {}
-        for call in calls:
-            for name in call.names:
-                slot = engine.slot[call.module, name]
-                counts[slot] = counts.get(slot, 0) + 1
+        counts = Counter(engine.slot[call.module, name] for call in calls for name in call.names)
         batch = f.shape[0]
         self._batched = any(z.dim() == 0 or z.shape[0] != batch for c in calls for z in c.outputs)
         #: Per call whose parameters no other call uses, its rule of :data:`SQUARE_SUM_RULES`.
