@@ -33,8 +33,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from laplace.errors import is_real_scalar
 from laplace.utils.diag_lowrank import DiagLowRank, LowRankKronBlock
+from laplace.utils.errors import is_real_scalar
 from laplace.utils.linalg import block_diag, kron, symeig
 
 __all__ = ["Kron", "KronDecomposed"]

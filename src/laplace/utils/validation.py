@@ -16,7 +16,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader
 
-from laplace.data import prepare_batch
+from laplace.utils.data import prepare_batch
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
 
 __all__ = ["Predictor", "get_nll", "validate"]
