@@ -148,9 +148,7 @@ class CurvlinopsHessian(CurvlinopsInterface):
             batch_size_fn=lambda X: batch_size_of(X, self.dict_key_x),
         )
         p, n_params = self.params[0], operator.shape[0]
-        selected = torch.arange(n_params, device=p.device)
-        if self.subnetwork_indices is not None:
-            selected = self.subnetwork_indices.to(p.device)
+        selected = self._select(torch.arange(n_params, device=p.device))
 
         def columns() -> Iterator[Tensor]:
             for start in range(0, len(selected), _HVP_CHUNK):

@@ -220,7 +220,7 @@ def curvature_operator(
         "num_data": n_data,
         "batch_size_fn": lambda X: batch_size_of(X, backend.dict_key_x),
     }
-    if isinstance(backend, GGNInterface) and getattr(backend, "stochastic", False):
+    if isinstance(backend, GGNInterface) and backend.stochastic:
         operator_cls, scale = FisherMCLinearOperator, backend.factor
         kwargs["mc_samples"] = backend.num_samples
     elif isinstance(backend, GGNInterface):
