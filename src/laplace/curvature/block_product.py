@@ -57,7 +57,7 @@ class ParameterBlock:
 
 
 class BlockSum:
-    """Accumulator of ``Gᵀ W`` over batches: a (P, m) result plus the Linear layouts.
+    """Accumulator of ``Gᵀ W`` over batches, a (P, m) result.
 
     Args:
         engine: The engine whose parameter order the result follows.
@@ -68,11 +68,6 @@ class BlockSum:
     def __init__(self, engine: PerSampleEngine, m: int, like: Tensor) -> None:
         self.engine, self.m = engine, m
         self.total = like.new_zeros(engine.n_entries, m)
-        self._linear: dict[int, Tensor] = {}
-
-    def add(self, value: Tensor) -> None:
-        """Add ``value`` (P, m) to the whole result."""
-        self.total += value
 
     def add_rows(self, i: int, value: Tensor) -> None:
         """Add ``value`` (n_i, m) to slot ``i``."""
@@ -80,18 +75,12 @@ class BlockSum:
 
     def add_linear(self, i: int, inputs: Tensor, weights: Tensor) -> None:
         """Add ``inputsᵀ weights`` ((D_in, B) @ (B, D_out·m)) to Linear weight slot ``i``."""
-        if i in self._linear:
-            self._linear[i].addmm_(inputs.T, weights)
-        else:
-            self._linear[i] = inputs.T @ weights
+        d_out, d_in = self.engine.needed[i].shape
+        value = (inputs.T @ weights).reshape(d_in, d_out, self.m)
+        self.add_rows(i, value.permute(1, 0, 2).reshape(-1, self.m))
 
     def result(self) -> Tensor:
         """The accumulated ``Σ Gᵀ W``, shape (P, m)."""
-        for i, value in self._linear.items():
-            d_out, d_in = self.engine.needed[i].shape
-            rows = value.reshape(d_in, d_out, self.m).permute(1, 0, 2).reshape(-1, self.m)
-            self.add_rows(i, rows)
-        self._linear.clear()
         return self.total
 
 
@@ -190,7 +179,7 @@ class SampleVectors:
         """Add ``Gᵀ W = Σₙₖ Wₙₖ gₙₖ`` for weights ``W`` (K, B, m) to ``total``."""
         if not self.layerwise:
             for k in range(self.K):
-                total.add(self._rows(k).T @ W[k])
+                total.total += self._rows(k).T @ W[k]
             return
         slot = self.trace.engine.slot
         by_point = W.transpose(0, 1).contiguous()  # (B, K, m)

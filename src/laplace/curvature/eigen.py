@@ -133,8 +133,7 @@ def _nystrom(start: KfacStart, k: int) -> Eigenpairs:
     del Q, Y
     # F = U S Vᵀ from the eigenpairs of Fᵀ F: each eigenvalue to eps · λ_max, as the Ritz values
     # of the Krylov solver; small ones lose relative accuracy, where they matter least.
-    squares, V = torch.linalg.eigh(_symmetric(F.T @ F))
-    squares, V = squares.flip(0)[:k], V.flip(1)[:, :k]
+    squares, V = _ritz(F.T @ F, k)
     values = (squares - nu).clamp(min=0)
     U = F @ (V / squares.clamp(min=torch.finfo(squares.dtype).tiny).sqrt())
     ritz = start.values[: len(values)]

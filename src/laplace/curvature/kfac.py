@@ -30,7 +30,7 @@ from laplace.curvature.kfac_rules import (
     plan_blocks,
 )
 from laplace.curvature.layer_rules import ModuleCall
-from laplace.curvature.per_sample import Columns, PerSampleTrace
+from laplace.curvature.per_sample import Columns, PerSampleTrace, _add
 from laplace.curvature.square_sums import row_token_pairs
 from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.linalg import symmetric_gram
@@ -95,13 +95,6 @@ def _input_factor(rule: KfacRule, call: ModuleCall, approx: str, root: float, n:
         counts = _token_counts(call.module, a, approx, call.outputs[0].dtype)
         return counts.mul_(root / (n * (T if approx == "expand" else T**2)))
     return _gram(a, approx, mean=True, scale=root / (n * (T if approx == "expand" else 1)))
-
-
-def _add(sums: dict, key: object, value: Tensor | DiagLowRank) -> None:
-    if key in sums:
-        sums[key] += value
-    else:
-        sums[key] = value
 
 
 def _low_rank_gram(g: Tensor, approx: str, max_rank: int | None) -> DiagLowRank:

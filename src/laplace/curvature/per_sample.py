@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -41,8 +42,8 @@ COLUMNS_PER_BACKWARD = 16
 GRAM_CHUNK_BYTES = 64 * 2**20
 
 
-def _add(sums: dict[int, Tensor], key: int, value: Tensor) -> None:
-    """``sums[key] += value``, out of place; ``value`` starts the sum of a new key."""
+def _add(sums: dict[Any, Any], key: Any, value: Any) -> None:
+    """``sums[key] += value`` out of place (tensors, ``DiagLowRank``); ``value`` starts a key."""
     sums[key] = sums[key] + value if key in sums else value
 
 
@@ -195,13 +196,24 @@ class PerSampleTrace:
         by_name = per_sample_grads(call, grads)
         return {self.engine.slot[call.module, name]: grad for name, grad in by_name.items()}
 
-    def _per_param(self, g_calls: list[list[Tensor]], calls: Iterable[int]) -> dict[int, Tensor]:
-        """Per-sample gradients (B, *shape) by parameter slot, summed over the given calls."""
-        out: dict[int, Tensor] = {}
-        for i in calls:
-            for slot, grad in self.slot_grads(self.calls[i], g_calls[i]).items():
-                _add(out, slot, grad)
-        return out
+    def _per_column(
+        self, stacked: list[list[Tensor]], calls: Iterable[int], n_columns: int
+    ) -> Iterator[dict[int, Tensor]]:
+        """Per column of a chunk, per-sample gradients (B, *shape) by slot, summed over ``calls``.
+
+        Args:
+            stacked: Per call, gradients w.r.t. its outputs, each (K, B, ...).
+            calls: Indices of the calls to take.
+            n_columns: K.
+        """
+        for k in range(n_columns):
+            out: dict[int, Tensor] = {}
+            for i in calls:
+                for slot, grad in self.slot_grads(
+                    self.calls[i], [g[k] for g in stacked[i]]
+                ).items():
+                    _add(out, slot, grad)
+            yield out
 
     def column_gradients(self, columns: Columns) -> Iterator[list[list[Tensor]]]:
         """Per chunk of columns, per recorded call, their gradients w.r.t. its outputs.
@@ -254,10 +266,7 @@ class PerSampleTrace:
             if self.engine.indices is not None:
                 rows.append(self._selected_rows(stacked, len(chunk)))
                 continue
-            for k in range(len(chunk)):
-                found = self._per_param(
-                    [[g[k] for g in grads] for grads in stacked], range(len(stacked))
-                )
+            for found in self._per_column(stacked, range(len(stacked)), len(chunk)):
                 rows.append(self._flatten(found, batch)[None])
         return torch.cat([r.transpose(0, dim) for r in rows], dim)
 
@@ -332,9 +341,8 @@ class PerSampleTrace:
         for stacked in self.column_gradients(columns):
             for i, rule in rules.items():
                 _add(partials, i, rule.partial(self.calls[i], stacked[i][0]))
-            for k in range(len(stacked[slow[0]][0]) if slow else 0):
-                g_calls = [[g[k] for g in per_call] for per_call in stacked]
-                for slot, grad in self._per_param(g_calls, slow).items():
+            for found in self._per_column(stacked, slow, len(stacked[0][0]) if slow else 0):
+                for slot, grad in found.items():
                     _add(total, slot, grad.square().sum(0))
         for i, part in partials.items():
             call = self.calls[i]
