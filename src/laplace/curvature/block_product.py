@@ -17,18 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from laplace.curvature.layer_rules import ModuleCall
 from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
 
 __all__ = ["PER_SAMPLE_CACHE_BYTES", "BlockSum", "ParameterBlock", "SampleVectors"]
 
 #: Bytes of per-sample gradients kept between ``G V`` and ``Gᵀ W`` for one batch.
 PER_SAMPLE_CACHE_BYTES = 256 * 2**20
-
-
-def _is_plain_linear(call: ModuleCall) -> bool:
-    """A Linear on (B, D_in) inputs: per-sample weight vectors are outer products."""
-    return type(call.module) is nn.Linear and call.args[0].dim() == 2
 
 
 class ParameterBlock:
@@ -103,7 +97,7 @@ class SampleVectors:
         self._by_point = {
             i: self.output_gradients[i][0].transpose(0, 1).contiguous()
             for i, call in enumerate(trace.calls)
-            if self.layerwise and _is_plain_linear(call)
+            if self.layerwise and type(call.module) is nn.Linear and call.args[0].dim() == 2
         }
         self._cache: dict[tuple[int, int], Any] = {}
         self._cached_bytes = 0

@@ -42,10 +42,6 @@ def column_chunks(columns: Columns | Sequence[Tensor], size: int) -> Iterator[Te
         yield columns[start : start + size]
 
 
-def _tensor_leaves(tree: Any) -> list[Tensor]:
-    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, Tensor)]
-
-
 def _run_hooked(
     model: nn.Module,
     owners: dict[nn.Module, list[str]],
@@ -57,7 +53,7 @@ def _run_hooked(
     versions: list[int] = []
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        leaves = _tensor_leaves(output)
+        leaves = [leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, Tensor)]
         slots = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
         if not slots:
             return None

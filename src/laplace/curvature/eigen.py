@@ -91,22 +91,18 @@ def _orthonormal(block: Tensor, basis: Tensor | None) -> Tensor:
         if basis is not None and step < 2 and Q is not None:
             Q = torch.addmm(Q, basis, basis.T @ Q, alpha=-1)
         Q = _cholesky_qr(Q, shift=step == 0) if Q is not None else None
-    eye = torch.eye(block.shape[1], dtype=block.dtype, device=block.device)
-    tolerance = 100 * torch.finfo(block.dtype).eps * block.shape[1]
-    if Q is None or not _orthonormal_to(Q, basis, eye, tolerance):
-        Q = block
-        for _ in range(2):
-            if basis is not None:
-                Q = torch.addmm(Q, basis, basis.T @ Q, alpha=-1)
-            Q = torch.linalg.qr(Q).Q
+    if Q is not None:  # accepted when orthonormal and orthogonal to the basis
+        eye = torch.eye(block.shape[1], dtype=block.dtype, device=block.device)
+        errors = [Q.T @ Q - eye, *([] if basis is None else [basis.T @ Q])]
+        tolerance = 100 * torch.finfo(block.dtype).eps * block.shape[1]
+        if all(bool((error.abs() <= tolerance).all()) for error in errors):
+            return Q
+    Q = block
+    for _ in range(2):
+        if basis is not None:
+            Q = torch.addmm(Q, basis, basis.T @ Q, alpha=-1)
+        Q = torch.linalg.qr(Q).Q
     return Q
-
-
-def _orthonormal_to(Q: Tensor, basis: Tensor | None, eye: Tensor, tolerance: float) -> bool:
-    """Whether ``Q`` has orthonormal columns, orthogonal to ``basis``, to ``tolerance``."""
-    if not bool(((Q.T @ Q - eye).abs() <= tolerance).all()):
-        return False
-    return basis is None or bool(((basis.T @ Q).abs() <= tolerance).all())
 
 
 def _symmetric(T: Tensor) -> Tensor:
