@@ -42,19 +42,17 @@ __all__ = ["KFAC_APPROXIMATIONS", "kfac"]
 KFAC_APPROXIMATIONS = ("expand", "reduce")
 
 
-def _gram(t: Tensor, approx: str, mean: bool, scale: float = 1.0) -> Tensor:
+def _gram(t: Tensor, approx: str, scale: float = 1.0) -> Tensor:
     """``scale ·`` Σ of outer products of (R, T, D) rows, shape (D, D), without copying them.
 
-    Expand sums over every position; reduce over the per-row sum (or mean) over positions. Rows
+    Expand sums over every position; reduce over the per-row mean over positions. Rows
     laid out contiguously go through one symmetric Gram product (each off-diagonal block once),
     scaled before the product where they are fewer numbers than the result; strided ones (the
     gradients of a convolution, (R, D, T) in memory) through a batched product.
     """
     if approx == "reduce" or t.shape[1] == 1 or t.is_contiguous():
-        if approx == "reduce":
-            rows = t.mean(1) if mean else t.sum(1)
-        else:
-            rows = t.reshape(-1, t.shape[-1])  # a view: every position is a row
+        # reduce: the rows' means; expand: a view, every position a row
+        rows = t.mean(1) if approx == "reduce" else t.reshape(-1, t.shape[-1])
         if scale != 1 and rows.numel() < rows.shape[1] ** 2:
             return symmetric_gram(rows * math.sqrt(scale))
         gram = symmetric_gram(rows)
@@ -94,7 +92,7 @@ def _input_factor(rule: KfacRule, call: ModuleCall, approx: str, root: float, n:
     if rule.one_hot:  # reduce: the rows' mean one-hot vectors (counts / T), squared
         counts = _token_counts(call.module, a, approx, call.outputs[0].dtype)
         return counts.mul_(root / (n * (T if approx == "expand" else T**2)))
-    return _gram(a, approx, mean=True, scale=root / (n * (T if approx == "expand" else 1)))
+    return _gram(a, approx, scale=root / (n * (T if approx == "expand" else 1)))
 
 
 def _low_rank_gram(g: Tensor, approx: str, max_rank: int | None) -> DiagLowRank:
@@ -265,7 +263,7 @@ def kfac(
             elif g.shape[1] == 1 or approx == "reduce":
                 rows.setdefault(i, []).append(g.sum(1))
             else:
-                _add(G, call.module, _gram(g, approx, mean=False))
+                _add(G, call.module, _gram(g, "expand"))
     for i, gs in rows.items():
         _add(G, calls[i].module, symmetric_gram(torch.cat(gs)))
     shapes = block_shapes(plan, engine.needed)

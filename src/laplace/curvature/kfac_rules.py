@@ -222,15 +222,14 @@ def block_shapes(plan: list[Block], params: Iterable[Tensor]) -> list[list[tuple
     """
     shapes = []
     for block, p in zip(plan, params, strict=True):
-        n = p.numel()
+        n, m = p.numel(), p.shape[0]
+        square = LowRankShape if block.low_rank else lambda size: (size, size)
         if block.kind == "diag":
             shapes.append([(n,)])
         elif block.kind != "kron":
-            shapes.append([LowRankShape(n) if block.low_rank else (n, n)])
+            shapes.append([square(n)])
         else:
-            m, rest = p.shape[0], n // p.shape[0]
-            first = LowRankShape(m) if block.low_rank else (m, m)
-            shapes.append([(m,) if block.rule.one_hot else first, (rest, rest)])
+            shapes.append([(m,) if block.rule.one_hot else square(m), (n // m, n // m)])
     return shapes
 
 
