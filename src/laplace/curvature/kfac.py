@@ -236,13 +236,13 @@ def kfac(
     plan = plan_blocks(engine, dense_limit, low_rank_above)
     kron_rules = {b.module: b.rule for b in plan if b.kind in ("kron", "bias")}
     low_rank = {b.module for b in plan if b.low_rank}
-    kron_weights = {b.module for b in plan if b.kind == "kron"}  # not a tied weight's exact block
+    # the weights with a Kronecker block (not a tied weight's exact block), with their rule
+    kron_weights = {b.module: b.rule for b in plan if b.kind == "kron"}
     A: dict[nn.Module, Tensor] = {}
     G: dict[nn.Module, Tensor] = {}
     root = math.sqrt(factor)
     for call in calls:
-        rule = kron_rules.get(call.module)
-        if rule is not None and call.module in kron_weights and "weight" in call.names:
+        if (rule := kron_weights.get(call.module)) is not None:
             n = 1 if rule.inputs_first else n_data
             _add(A, call.module, _input_factor(rule, call, approx, root, n))
     exact = _ExactBlocks(trace, plan)

@@ -132,10 +132,10 @@ class PerSampleTrace:
         self._batched = any(z.dim() == 0 or z.shape[0] != batch for c in calls for z in c.outputs)
         #: Per call whose parameters no other call uses, its rule of :data:`SQUARE_SUM_RULES`.
         self._square_sum_rules = {
-            i: SQUARE_SUM_RULES[type(call.module)]
+            i: rule
             for i, call in enumerate(calls)
-            if type(call.module) in SQUARE_SUM_RULES
-            and SQUARE_SUM_RULES[type(call.module)].applies(call)
+            if (rule := SQUARE_SUM_RULES.get(type(call.module))) is not None
+            and rule.applies(call)
             and all(counts[engine.slot[call.module, n]] == 1 for n in call.names)
         }
 
