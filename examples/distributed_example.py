@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from laplace import Laplace
-from laplace.distributed import shard_dataset
+from laplace.core.distributed import shard_dataset
 from laplace.evaluation import evaluate
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "outputs" / "distributed_example"

@@ -14,10 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import CASE_BUILDERS, Case, Oracle, assert_close
 from laplace import Laplace
+from laplace.core.data_loop import DataLoop
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian
-from laplace.data_loop import DataLoop
-from laplace.last_layer import head_curvature
-from laplace.per_output import noise_structure
 from laplace.posteriors import (
     DensePosterior,
     DiagonalPosterior,
@@ -25,6 +23,8 @@ from laplace.posteriors import (
     LowRankPosterior,
     Posterior,
 )
+from laplace.posteriors.last_layer import head_curvature
+from laplace.posteriors.per_output import noise_structure
 from laplace.utils.matrix import Kron, KronDecomposed
 
 #: Outputs of the regression case, for the per-output structures.

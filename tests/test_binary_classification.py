@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import assert_close
 from laplace import Laplace, marglik_training
 from laplace.curvature import AsdlGGN, BackPackEF, BackPackGGN, CurvlinopsEF, CurvlinopsHessian
-from laplace.errors import DataError, LabelError
 from laplace.evaluation import evaluate
 from laplace.utils.enums import Likelihood
+from laplace.utils.errors import DataError, LabelError
 from likelihood_cases import binary_case
 
 BINARY = Likelihood.BINARY_CLASSIFICATION

@@ -1,8 +1,8 @@
 """laplace-torch code keeps working: the same exception types, hooks and module paths.
 
 Where our natural exception type differs from laplace-torch's, ours derives from both
-(``laplace.errors``), so code catching either keeps working; the messages name the argument and
-the accepted values.
+(``laplace.utils.errors``), so code catching either keeps working; the messages name the argument
+and the accepted values.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The one data loop (laplace.data_loop): batches, sums, checks, gathering, cycling."""
+"""The one data loop (laplace.core.data_loop): batches, sums, checks, gathering, cycling."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import CASE_BUILDERS, DictDataset, assert_close
 from laplace import FullLaplace, Laplace, marglik_training
+from laplace.core.data_loop import DataLoop, Gather
 from laplace.curvature import CurvlinopsGGN
-from laplace.data_loop import DataLoop, Gather, subset_loader, training_indices
+from laplace.utils.data import subset_loader, training_indices
 
 CPU = torch.device("cpu")
 

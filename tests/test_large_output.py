@@ -23,19 +23,19 @@ from conftest import (
     transformer_case,
 )
 from laplace import DiagLLLaplace, FullLLLaplace, KronLLLaplace
-from laplace import large_output as large_output_module
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
-from laplace.errors import TooLargeError
 from laplace.likelihoods import make_likelihood
 from laplace.likelihoods.categorical import Categorical
-from laplace.predictive import laplace_bridge
+from laplace.posteriors import large_output as large_output_module
 from laplace.utils.diag_lowrank import (
     DiagLowRank,
     DiagLowRankBatch,
     factor_from_state,
     factor_state,
 )
+from laplace.utils.errors import TooLargeError
 from laplace.utils.matrix import Kron, StructuredKron, StructuredKronDecomposed
+from laplace.utils.predictive import laplace_bridge
 
 STRUCTURES = {"kron": KronLLLaplace, "diag": DiagLLLaplace, "full": FullLLLaplace}
 #: (case, backend): softmax GGN (s = −1), softmax EF (s = +1 with columns), regression (d only).

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import assert_close
-from laplace.errors import UnsupportedError
 from laplace.likelihoods import make_likelihood
-from laplace.predictive import probit, probit_logits
 from laplace.utils.enums import HessianStructure
+from laplace.utils.errors import UnsupportedError
+from laplace.utils.predictive import probit, probit_logits
 
 B, C = 5, 3
 

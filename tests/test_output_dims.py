@@ -25,8 +25,8 @@ from conftest import (
 )
 from laplace import Laplace, curvature, marglik_training
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian
-from laplace.errors import DataError
 from laplace.utils import RunningNLLMetric, validate
+from laplace.utils.errors import DataError
 
 #: Subnetwork entries of the position cases (both layers of every model).
 SUBNET = torch.tensor([0, 3, 7, 12, 20, 25, 31])

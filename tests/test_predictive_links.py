@@ -7,7 +7,7 @@ import math
 import torch
 
 from conftest import assert_close
-from laplace.predictive import (
+from laplace.utils.predictive import (
     gaussian_output_samples,
     laplace_bridge,
     monte_carlo_softmax,

@@ -26,7 +26,7 @@ from laplace import (
     KronLLLaplace,
     LowRankLaplace,
 )
-from laplace.errors import NotFittedError
+from laplace.utils.errors import NotFittedError
 from laplace.utils.matrix import Kron
 
 SUBNET = torch.tensor([7, 2, 30, 11])

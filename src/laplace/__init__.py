@@ -6,7 +6,7 @@ module paths (``laplace.baselaplace``, ``laplace.lllaplace``, ``laplace.curvatur
 it, and nothing in the package imports ``laplace`` itself (see ``docs/architecture.md``).
 """
 
-from laplace.base import BaseLaplace
+from laplace.core.base import BaseLaplace
 from laplace.functional import (
     ELLA,
     BaseFunctionalLaplace,
@@ -14,12 +14,12 @@ from laplace.functional import (
     FunctionalLLLaplace,
     VaLLA,
 )
-from laplace.kronlaplace import KronLaplace
 from laplace.laplace import Laplace
 from laplace.lllaplace import DiagLLLaplace, FullLLLaplace, KronLLLaplace, LLLaplace
-from laplace.lowranklaplace import LowRankLaplace
 from laplace.marglik_training import marglik_training
-from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
+from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
+from laplace.parametric.kron import KronLaplace
+from laplace.parametric.lowrank import LowRankLaplace
 from laplace.subnetlaplace import DiagSubnetLaplace, FullSubnetLaplace, SubnetLaplace
 from laplace.utils.enums import (
     FunctionalApproximation,

@@ -6,15 +6,14 @@ from typing import Any
 
 from torch import nn
 
-from laplace.base import REGISTRY
-from laplace.errors import ArgumentTypeError
+from laplace.core.base import REGISTRY
+from laplace.core.subsets import MISSING_SUBNETWORK_INDICES
 from laplace.functional import ELLA, BaseFunctionalLaplace, VaLLA
 from laplace.likelihoods import make_likelihood
 from laplace.lllaplace import LLLaplace  # noqa: F401  (registers the last-layer classes)
-from laplace.lowranklaplace import LowRankLaplace  # noqa: F401  (registers the class)
-from laplace.parametric import ParametricLaplace
+from laplace.parametric.base import ParametricLaplace
+from laplace.parametric.lowrank import LowRankLaplace  # noqa: F401  (registers the class)
 from laplace.subnetlaplace import SubnetLaplace  # noqa: F401  (registers the classes)
-from laplace.subsets import MISSING_SUBNETWORK_INDICES
 from laplace.utils.enums import (
     FunctionalApproximation,
     HessianStructure,
@@ -22,6 +21,7 @@ from laplace.utils.enums import (
     SubsetOfWeights,
     parse_enum,
 )
+from laplace.utils.errors import ArgumentTypeError
 
 __all__ = ["REGISTRY", "Laplace"]
 

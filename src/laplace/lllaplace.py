@@ -3,15 +3,14 @@ r"""Last-layer Laplace: a Gaussian posterior over the linear head ``f = W φ(x) 
 The network is wrapped in a :class:`~laplace.utils.feature_extractor.FeatureExtractor`
 (``la.model``); the body ``φ`` stays at its trained weights. Because the head is linear, the
 curvature, the marginal likelihood and the GLM predictive have closed forms in the features
-(:mod:`laplace.last_layer`): fitting costs one forward pass over the data plus a few products of
-the features, and predicting one forward pass per test batch. Outputs with extra dimensions
-whose head sees one feature vector per position (token logits (B, T, C) from features
-(B, T, D), pixel logits) are rows of the head like data points (:mod:`laplace.outputs`;
-the exact GGN only: the empirical and Monte-Carlo Fisher of a data point's summed loss couple
-its positions). Otherwise (sequence features whose outputs the model reduces, reward-model
-pairs) the backend's autograd routes are used, which handle any such layout exactly. Backends
-with their own curvature routes (ASDL, BackPACK, the exact Hessian, Monte-Carlo Fisher) are used
-as they are.
+(:mod:`laplace.posteriors.last_layer`): fitting costs one forward pass over the data plus a few
+products of the features, and predicting one forward pass per test batch. Outputs with extra
+dimensions whose head sees one feature vector per position (token logits (B, T, C) from features
+(B, T, D), pixel logits) are rows of the head like data points (:mod:`laplace.utils.outputs`; the
+exact GGN only: the empirical and Monte-Carlo Fisher of a data point's summed loss couple its
+positions). Otherwise (sequence features whose outputs the model reduces, reward-model pairs) the
+backend's autograd routes are used, which handle any such layout exactly. Backends with their own
+curvature routes (ASDL, BackPACK, the exact Hessian, Monte-Carlo Fisher) are used as they are.
 
 Unlike laplace-torch 0.3, the model is not deep-copied (the wrapper never modifies it, so two
 copies of, say, a language model are not needed) and ``fit(override=False)`` accumulates like
@@ -27,26 +26,26 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace.base import BaseLaplace, arguments_for
+from laplace.core.base import BaseLaplace, arguments_for
+from laplace.core.serialization import check_state_dict
+from laplace.core.subsets import LastLayer, extractor_property
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, move_inputs
-from laplace.errors import check_positive_int
 from laplace.functional import FunctionalLLLaplace
-from laplace.kronlaplace import KronLaplace
-from laplace.large_output import OUTPUT_FACTOR_RANK
-from laplace.last_layer import (
+from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
+from laplace.parametric.fit import CurvatureSum
+from laplace.parametric.kron import KronLaplace
+from laplace.posteriors.large_output import OUTPUT_FACTOR_RANK
+from laplace.posteriors.last_layer import (
     cat_output_curvatures,
     head_curvature,
     head_rows,
     output_curvature,
 )
-from laplace.outputs import IGNORE_INDEX
-from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
-from laplace.parametric_fit import CurvatureSum
-from laplace.serialization import check_state_dict
-from laplace.subsets import LastLayer, extractor_property
+from laplace.utils.data import Inputs, move_inputs
 from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
+from laplace.utils.errors import check_positive_int
 from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
+from laplace.utils.outputs import IGNORE_INDEX
 
 __all__ = [
     "DiagLLLaplace",
@@ -66,16 +65,17 @@ class HeadCurvatureSum(CurvatureSum):
     """The pass of a last-layer fit: the curvature of the linear head from its features.
 
     Where the posterior structure has a closed form of the backend's curvature
-    (:func:`laplace.last_layer.head_curvature`), a batch's statistics are the head's features
-    φ (B, D) and the output-space curvature M (B, C, C) of the backend (one forward pass, no
-    autograd; above the large-output threshold M is diagonal plus low rank, see
-    :mod:`laplace.large_output`); they are buffered up to :data:`BUFFER_ELEMENTS` entries and
-    turned into the structure's curvature by the closed form, which the structure's accumulator
-    sums. Outputs with extra dimensions whose head sees one feature vector per position give one
-    row per position (:func:`laplace.last_layer.head_rows`; KFAC normalised over their N·T rows).
-    A batch whose head sees several rows per data point otherwise, and every batch where there
-    is no closed form (per-output structures, ASDL, BackPACK, Hessian or Monte-Carlo backends),
-    gives the backend's batch curvature as in :class:`~laplace.parametric_fit.CurvatureSum`.
+    (:func:`laplace.posteriors.last_layer.head_curvature`), a batch's statistics are the head's
+    features φ (B, D) and the output-space curvature M (B, C, C) of the backend (one forward pass,
+    no autograd; above the large-output threshold M is diagonal plus low rank, see
+    :mod:`laplace.posteriors.large_output`); they are buffered up to :data:`BUFFER_ELEMENTS`
+    entries and turned into the structure's curvature by the closed form, which the structure's
+    accumulator sums. Outputs with extra dimensions whose head sees one feature vector per position
+    give one row per position (:func:`laplace.posteriors.last_layer.head_rows`; KFAC normalised
+    over their N·T rows). A batch whose head sees several rows per data point otherwise, and every
+    batch where there is no closed form (per-output structures, ASDL, BackPACK, Hessian or
+    Monte-Carlo backends), gives the backend's batch curvature as in
+    :class:`~laplace.parametric.fit.CurvatureSum`.
     """
 
     def summands(self, loader: DataLoader) -> Iterator[tuple[Tensor, Any]]:
@@ -133,27 +133,27 @@ class LLLaplace(ParametricLaplace):
     on the first batch of :meth:`fit`; until then ``n_params``, ``n_layers``, ``mean`` and ``H``
     are None (as in laplace-torch) and what needs them raises an error that is an
     ``AttributeError``. Once the layer is known the unfitted posterior is the prior (see
-    :class:`~laplace.parametric.ParametricLaplace`).
+    :class:`~laplace.parametric.base.ParametricLaplace`).
 
     Args:
         model: The trained network, ending in a linear layer.
         likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"``.
-        sigma_noise: See :class:`~laplace.base.BaseLaplace`.
-        prior_precision: See :class:`~laplace.base.BaseLaplace`.
-        prior_mean: See :class:`~laplace.base.BaseLaplace`.
-        temperature: See :class:`~laplace.base.BaseLaplace`.
-        enable_backprop: See :class:`~laplace.base.BaseLaplace`.
+        sigma_noise: See :class:`~laplace.core.base.BaseLaplace`.
+        prior_precision: See :class:`~laplace.core.base.BaseLaplace`.
+        prior_mean: See :class:`~laplace.core.base.BaseLaplace`.
+        temperature: See :class:`~laplace.core.base.BaseLaplace`.
+        enable_backprop: See :class:`~laplace.core.base.BaseLaplace`.
         feature_reduction: ``"pick_first"``, ``"pick_last"`` or ``"average"`` for last-layer
             inputs of shape (B, ..., D), see :class:`FeatureExtractor`.
-        dict_key_x: See :class:`~laplace.base.BaseLaplace`.
-        dict_key_y: See :class:`~laplace.base.BaseLaplace`.
-        backend: See :class:`~laplace.base.BaseLaplace`; the default GGN and the empirical
+        dict_key_x: See :class:`~laplace.core.base.BaseLaplace`.
+        dict_key_y: See :class:`~laplace.core.base.BaseLaplace`.
+        backend: See :class:`~laplace.core.base.BaseLaplace`; the default GGN and the empirical
             Fisher use the closed forms.
         last_layer_name: Name of the last layer in ``model.named_modules()``.
-        backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
+        backend_kwargs: See :class:`~laplace.core.base.BaseLaplace`.
         asdl_fisher_kwargs: Not supported for last-layer Laplace (must be None).
-        class_dim: See :class:`~laplace.base.BaseLaplace`.
-        ignore_index: See :class:`~laplace.base.BaseLaplace`.
+        class_dim: See :class:`~laplace.core.base.BaseLaplace`.
+        ignore_index: See :class:`~laplace.core.base.BaseLaplace`.
 
     Raises:
         ValueError: For ``asdl_fisher_kwargs``, or a ``last_layer_name`` that is not a linear
@@ -272,19 +272,20 @@ class DiagLLLaplace(LLLaplace, DiagLaplace):
 class KronLLLaplace(LLLaplace, KronLaplace):
     """Last-layer Laplace with a Kronecker-factored (KFAC) curvature of the head.
 
-    Above :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs the output-side factor
-    ``G = Σₙ Λₙ`` is never a dense C × C matrix but ``diag(Σ p) − U Uᵀ`` (softmax), ``U`` the
-    top ``output_factor_rank`` singular directions of ``P = [p₁ … p_N]`` (exact while the data
+    Above :data:`~laplace.posteriors.large_output.LARGE_OUTPUT_THRESHOLD` outputs the output-side
+    factor ``G = Σₙ Λₙ`` is never a dense C × C matrix but ``diag(Σ p) − U Uᵀ`` (softmax), ``U``
+    the top ``output_factor_rank`` singular directions of ``P = [p₁ … p_N]`` (exact while the data
     give no more rank; beyond, ``G`` is over-estimated by a PSD part of trace
-    ``H_facs.kfacs[0][0].dropped``); the posterior and GLM variances go through that structure
-    (see :mod:`laplace.large_output`).
+    ``H_facs.kfacs[0][0].dropped``); the posterior and GLM variances go through that structure (see
+    :mod:`laplace.posteriors.large_output`).
 
     Args:
         damping: Mix the prior into each Kronecker factor (see :class:`KronLaplace`).
         output_factor_rank: Largest rank of the low-rank term of the output factor above the
-            large-output threshold (default :data:`~laplace.large_output.OUTPUT_FACTOR_RANK`);
-            a marginal-likelihood step costs O(D·C·k²) for D features, C outputs, rank k.
-            The other arguments are those of :class:`LLLaplace`.
+            large-output threshold (default
+            :data:`~laplace.posteriors.large_output.OUTPUT_FACTOR_RANK`); a marginal-likelihood
+            step costs O(D·C·k²) for D features, C outputs, rank k. The other arguments are those
+            of :class:`LLLaplace`.
 
     Raises:
         ValueError: For an ``output_factor_rank`` that is not a positive integer.

@@ -22,23 +22,23 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 from tqdm.auto import trange
 
-from laplace import distributed as distributed_utils
-from laplace.base import BaseLaplace
+from laplace.core import distributed as distributed_utils
+from laplace.core.base import BaseLaplace
+from laplace.core.data_loop import DataLoop
+from laplace.core.priors import expand_prior_precision, fix_prior_prec_structure
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.registry import available_optional, load_optional
-from laplace.data import Inputs, dataset_size
-from laplace.data_loop import DataLoop
-from laplace.errors import (
+from laplace.laplace import Laplace
+from laplace.likelihoods import make_likelihood
+from laplace.utils.data import Inputs, dataset_size
+from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure, parse_enum
+from laplace.utils.errors import (
     check_finite_result,
     check_int_at_least,
     check_mapping,
     check_module,
     check_positive_float,
 )
-from laplace.laplace import Laplace
-from laplace.likelihoods import make_likelihood
-from laplace.priors import expand_prior_precision, fix_prior_prec_structure
-from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure, parse_enum
 
 __all__ = ["default_backend", "marglik_training"]
 

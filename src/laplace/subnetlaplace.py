@@ -27,14 +27,14 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from laplace.base import BaseLaplace, arguments_for
+from laplace.core.base import BaseLaplace, arguments_for
+from laplace.core.priors import prior_weighted_sum
+from laplace.core.serialization import check_state_dict
+from laplace.core.subsets import Subnetwork
 from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
-from laplace.outputs import IGNORE_INDEX
-from laplace.parametric import DiagLaplace, FullLaplace, ParametricLaplace
-from laplace.priors import prior_weighted_sum
-from laplace.serialization import check_state_dict
-from laplace.subsets import Subnetwork
+from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure, SubsetOfWeights
+from laplace.utils.outputs import IGNORE_INDEX
 
 __all__ = ["DiagSubnetLaplace", "FullSubnetLaplace", "SubnetLaplace"]
 
@@ -48,19 +48,19 @@ class SubnetLaplace(ParametricLaplace):
         subnetwork_indices: 1-D ``torch.long`` tensor of K distinct indices into the flattened
             trainable parameters (``model.named_parameters()`` order), e.g. from a
             :class:`~laplace.utils.subnetmask.SubnetMask`.
-        sigma_noise: See :class:`~laplace.base.BaseLaplace`.
+        sigma_noise: See :class:`~laplace.core.base.BaseLaplace`.
         prior_precision: A scalar or one value per subnetwork entry (K,).
         prior_mean: A scalar or one value per subnetwork entry (K,).
-        temperature: See :class:`~laplace.base.BaseLaplace`.
+        temperature: See :class:`~laplace.core.base.BaseLaplace`.
         backend: A GGN or empirical-Fisher backend (default ``CurvlinopsGGN``).
-        backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
+        backend_kwargs: See :class:`~laplace.core.base.BaseLaplace`.
         asdl_fisher_kwargs: Not supported (must be None).
-        enable_backprop: See :class:`~laplace.base.BaseLaplace` (keyword only: laplace-torch's
+        enable_backprop: See :class:`~laplace.core.base.BaseLaplace` (keyword only: laplace-torch's
             subnetwork Laplace has none).
-        dict_key_x: See :class:`~laplace.base.BaseLaplace` (keyword only).
-        dict_key_y: See :class:`~laplace.base.BaseLaplace` (keyword only).
-        class_dim: See :class:`~laplace.base.BaseLaplace` (keyword only).
-        ignore_index: See :class:`~laplace.base.BaseLaplace` (keyword only).
+        dict_key_x: See :class:`~laplace.core.base.BaseLaplace` (keyword only).
+        dict_key_y: See :class:`~laplace.core.base.BaseLaplace` (keyword only).
+        class_dim: See :class:`~laplace.core.base.BaseLaplace` (keyword only).
+        ignore_index: See :class:`~laplace.core.base.BaseLaplace` (keyword only).
 
     Raises:
         TypeError: Without ``subnetwork_indices`` (None raises an error that is a

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import laplace.functional.kernel
 import laplace.lllaplace
-import laplace.lowranklaplace
+import laplace.parametric.lowrank
 from conftest import CASE_BUILDERS, Case
 from laplace import Laplace
 from laplace.curvature import CurvatureInterface
@@ -113,7 +113,7 @@ def no_curvature() -> Iterator[None]:
                     patch.setattr(cls, route, trap)
         for owner, name in (
             (laplace.lllaplace, "output_curvature"),
-            (laplace.lowranklaplace, "curvature_product"),
+            (laplace.parametric.lowrank, "curvature_product"),
             (laplace.functional.kernel.SubsetKernel, "build"),
         ):
             patch.setattr(owner, name, _trap(name, getattr(owner, name)))

@@ -24,9 +24,9 @@ from laplace import (
 )
 from laplace.baselaplace import ParametricLaplace
 from laplace.curvature import BackPackGGN, CurvlinopsEF, CurvlinopsHessian
-from laplace.errors import ArgumentTypeError, MetaDeviceError, MissingKeyError
 from laplace.lllaplace import LLLaplace
 from laplace.subnetlaplace import SubnetLaplace
+from laplace.utils.errors import ArgumentTypeError, MetaDeviceError, MissingKeyError
 
 #: Every public class with the arguments it needs besides the model and the likelihood.
 CLASSES = [

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from conftest import DictDataset, dict_case
 from laplace import Laplace
 from laplace.curvature import AsdlHessian, BackPackGGN, CurvlinopsHessian
-from laplace.errors import (
+from laplace.utils.errors import (
     ArgumentTypeError,
     DataError,
     LabelError,

@@ -17,7 +17,6 @@ from laplace.curvature import (
     CurvlinopsGGN,
     CurvlinopsHessian,
 )
-from laplace.errors import LabelError
 from laplace.utils import (
     FeatureExtractor,
     LargestMagnitudeSubnetMask,
@@ -28,6 +27,7 @@ from laplace.utils import (
     ParamNameSubnetMask,
     RandomSubnetMask,
 )
+from laplace.utils.errors import LabelError
 
 
 def _train(case=None, train_loader=None, **kwargs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from corpus import BadInput, fitted, loader, reg
 
-from laplace.errors import ArgumentTypeError, DataError, LabelError, MetaDeviceError
+from laplace.utils.errors import ArgumentTypeError, DataError, LabelError, MetaDeviceError
 
 #: Fitted approximations the predictive rows run on: (label, subset, structure, extra).
 PREDICTORS = [

@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import CASE_BUILDERS, Oracle, assert_close
 from laplace import DiagLaplace, FullLaplace, Laplace
-from laplace.errors import ArgumentTypeError
 from laplace.posteriors import NotPositiveDefiniteError
+from laplace.utils.errors import ArgumentTypeError
 
 #: Weight-space structures: (subset, structure).
 STRUCTURES = [

@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader, Dataset
 from conftest import CASE_BUILDERS, assert_close
 from laplace import Laplace
 from laplace.baselaplace import BaseLaplace
+from laplace.core.transaction import TRANSACTIONAL_METHODS
 from laplace.functional import BaseFunctionalLaplace
-from laplace.transaction import TRANSACTIONAL_METHODS
 from laplace.utils.matrix import Kron, KronDecomposed
 
 #: First input coordinate of the rows that make the model fail.

@@ -32,7 +32,7 @@ from laplace.curvature.third_party import (
     kron_blocks,
     target_call,
 )
-from laplace.data import Inputs, batch_size_of
+from laplace.utils.data import Inputs, batch_size_of
 from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron
 

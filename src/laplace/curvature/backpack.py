@@ -43,7 +43,7 @@ from laplace.curvature.third_party import (
     kron_blocks,
     target_call,
 )
-from laplace.data import Inputs
+from laplace.utils.data import Inputs
 from laplace.utils.matrix import Kron
 
 __all__ = ["BackPackEF", "BackPackGGN", "BackPackInterface"]

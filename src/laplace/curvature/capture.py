@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from laplace.curvature.layer_rules import ModuleCall
-from laplace.data import Inputs
+from laplace.utils.data import Inputs
 
 __all__ = ["Columns", "OutputGradients", "column_chunks", "record_forward"]
 
@@ -25,7 +25,7 @@ class Columns(Protocol):
     """Output columns sliced like a tensor (K, B, ...).
 
     A tensor, or columns formed a chunk at a time
-    (:class:`laplace.outputs.PositionColumns`: one per position of outputs with extra
+    (:class:`laplace.utils.outputs.PositionColumns`: one per position of outputs with extra
     dimensions).
     """
 

@@ -8,8 +8,8 @@ diagonal (``diag``) form, always together with the summed batch loss
 
 Every curvature of the native routes is ``Σₙ Σₖ (Jₙᵀ vₙₖ)(Jₙᵀ vₙₖ)ᵀ`` for output-space columns
 ``vₖ``: a family (GGN, empirical Fisher) says which columns each row of the outputs has
-(:meth:`CurvatureInterface.row_columns`), the output layout (:mod:`laplace.outputs`) turns them
-into columns of the model's outputs, and the native per-sample engine
+(:meth:`CurvatureInterface.row_columns`), the output layout (:mod:`laplace.utils.outputs`) turns
+them into columns of the model's outputs, and the native per-sample engine
 (:mod:`laplace.curvature.per_sample`) sums the outer products.
 """
 
@@ -31,10 +31,10 @@ from laplace.curvature.kfac_rules import (
     plan_blocks,
 )
 from laplace.curvature.per_sample import Columns, PerSampleEngine, PerSampleTrace
-from laplace.data import Inputs
-from laplace.errors import check_fits_in_memory, check_module, check_positive_int
 from laplace.likelihoods import make_likelihood
+from laplace.utils.data import Inputs
 from laplace.utils.enums import Likelihood
+from laplace.utils.errors import check_fits_in_memory, check_module, check_positive_int
 from laplace.utils.matrix import Kron
 
 __all__ = ["CurvatureInterface", "EFInterface", "GGNInterface", "check_dict_inputs"]
@@ -235,10 +235,10 @@ class CurvatureInterface:
 
         The dense and diagonal curvatures are ``Σₙ Σₖ (Jₙᵀ vₖₙ)(Jₙᵀ vₖₙ)ᵀ``; a family (GGN, EF)
         only says which columns each row of the outputs has (:meth:`row_columns`). For outputs
-        with extra dimensions (:mod:`laplace.outputs`) positions an ``ignore_index`` drops get
-        zero columns, and with ``separate_positions`` the exact GGN gets one column per
-        position and row column (the GGN of the summed per-position loss; KFAC's weight
-        sharing instead lets each column cover all positions).
+        with extra dimensions (:mod:`laplace.utils.outputs`) positions an ``ignore_index`` drops
+        get zero columns, and with ``separate_positions`` the exact GGN gets one column per
+        position and row column (the GGN of the summed per-position loss; KFAC's weight sharing
+        instead lets each column cover all positions).
 
         Args:
             f: Detached outputs of the batch, shape (B, ...).
@@ -343,7 +343,7 @@ class CurvatureInterface:
                 ``mc_samples`` (stochastic GGN only) overrides its ``num_samples``;
                 ``low_rank_above`` keeps the output factor of layers with more outputs
                 diagonal plus low rank, of rank at most ``output_factor_rank``
-                (:mod:`laplace.large_output`).
+                (:mod:`laplace.posteriors.large_output`).
 
         Returns:
             The summed batch loss and the :class:`~laplace.utils.matrix.Kron` of the batch

@@ -25,7 +25,7 @@ from laplace.curvature.layer_rules import (
     selected_per_sample_grads,
 )
 from laplace.curvature.square_sums import SQUARE_SUM_RULES, RuleSquareSums
-from laplace.data import Inputs
+from laplace.utils.data import Inputs
 from laplace.utils.linalg import symmetric_gram
 
 __all__ = ["COLUMNS_PER_BACKWARD", "Columns", "PerSampleEngine", "PerSampleTrace"]

@@ -26,7 +26,7 @@ from laplace.curvature.block_product import BlockSum, ParameterBlock, SampleVect
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.curvlinops import CurvlinopsHessian
 from laplace.curvature.registry import available_optional, load_optional
-from laplace.data import batch_size_of
+from laplace.utils.data import batch_size_of
 
 __all__ = [
     "PASS_CACHE_BYTES",

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from importlib.util import find_spec
 from typing import Any
 
-from laplace.errors import ArgumentTypeError
+from laplace.utils.errors import ArgumentTypeError
 
 __all__ = [
     "OPTIONAL_BACKENDS",

@@ -18,11 +18,11 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import BinaryAUROC
 from tqdm.auto import tqdm
 
-from laplace import distributed as distributed_utils
-from laplace.data import Inputs, move_inputs, split_batch
+from laplace.core import distributed as distributed_utils
 from laplace.likelihoods import make_likelihood
 from laplace.likelihoods.scoring import N_BINS, Evaluation, EvaluationOptions
-from laplace.outputs import IGNORE_INDEX
+from laplace.utils.data import Inputs, move_inputs, split_batch
+from laplace.utils.outputs import IGNORE_INDEX
 
 __all__ = ["evaluate", "model_device"]
 
@@ -139,7 +139,7 @@ def evaluate(
             ``la.ignore_index``, else -100 (as ``CrossEntropyLoss``).
         distributed: Add the metrics over the processes of :mod:`torch.distributed`, each
             evaluating its shard of the data; None: when the process group is initialised and
-            the loader uses a ``DistributedSampler`` (see :mod:`laplace.distributed`).
+            the loader uses a ``DistributedSampler`` (see :mod:`laplace.core.distributed`).
         progress_bar: Show a progress bar over batches.
         **predictive_kwargs: Passed to ``la`` on every batch (``pred_type``, ``link_approx``,
             ``n_samples``, ...).

@@ -18,15 +18,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from laplace.base import BaseLaplace
-from laplace.data import Inputs, batch_size_of, check_outputs, input_chunks, prepare_inputs
-from laplace.errors import UnsupportedError, check_generator, check_positive_int
+from laplace.core.base import BaseLaplace
+from laplace.core.priors import as_scalar_prior_precision, check_temperature
+from laplace.core.serialization import StateFormat
 from laplace.functional.scoring import ValidationNLL
-from laplace.glm import jacobian_chunk_rows
-from laplace.predictive import gaussian_output_samples
-from laplace.priors import as_scalar_prior_precision, check_temperature
-from laplace.serialization import StateFormat
+from laplace.posteriors.glm import jacobian_chunk_rows
+from laplace.utils.data import Inputs, batch_size_of, check_outputs, input_chunks, prepare_inputs
 from laplace.utils.enums import FunctionalApproximation, LinkApprox, PredType, parse_enum
+from laplace.utils.errors import UnsupportedError, check_generator, check_positive_int
+from laplace.utils.predictive import gaussian_output_samples
 
 __all__ = ["BaseFunctionalLaplace", "LatentPosterior"]
 

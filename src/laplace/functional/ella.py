@@ -17,11 +17,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace.base import BaseLaplace, arguments_for
+from laplace.core.base import BaseLaplace, arguments_for
+from laplace.core.transaction import preserve_model_gradients
+from laplace.core.tuning import grid_candidates
 from laplace.curvature import CurvatureInterface
-from laplace.data import dataset_size
-from laplace.data_loop import subset_loader
-from laplace.errors import check_positive_int
 from laplace.functional.base import BaseFunctionalLaplace, HistoryState
 from laplace.functional.nystrom import (
     FeatureGram,
@@ -32,8 +31,7 @@ from laplace.functional.nystrom import (
     nystrom_indices,
 )
 from laplace.functional.scoring import tune_hyperparameters
-from laplace.transaction import preserve_model_gradients
-from laplace.tuning import grid_candidates
+from laplace.utils.data import dataset_size, subset_loader
 from laplace.utils.enums import (
     FunctionalApproximation,
     Likelihood,
@@ -43,6 +41,7 @@ from laplace.utils.enums import (
     TuningMethod,
     parse_enum,
 )
+from laplace.utils.errors import check_positive_int
 
 __all__ = ["ELLA"]
 

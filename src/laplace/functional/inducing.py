@@ -15,10 +15,18 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from laplace.data import Inputs, batch_size_of, move_inputs, select_rows, to_device
-from laplace.data_loop import DataLoop, subset_loader, training_indices
-from laplace.errors import check_positive_int
+from laplace.core.data_loop import DataLoop
 from laplace.likelihoods import LikelihoodModel
+from laplace.utils.data import (
+    Inputs,
+    batch_size_of,
+    move_inputs,
+    select_rows,
+    subset_loader,
+    to_device,
+    training_indices,
+)
+from laplace.utils.errors import check_positive_int
 
 __all__ = [
     "INDUCING_STATE",
@@ -132,7 +140,7 @@ def inducing_from_data(
         seed: Seed of the choice.
         likelihood: The likelihood (pairs, class labels; see :func:`inducing_labels`).
         dict_key_x: Key of the inputs in dict-like batches.
-        gather: Builds the :class:`~laplace.data_loop.Gather` loop of the candidates from its
+        gather: Builds the :class:`~laplace.core.data_loop.Gather` loop of the candidates from its
             ``step`` argument.
     """
     if strategy == "random":

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from laplace.data import Inputs, input_chunks, to_device
-from laplace.errors import check_finite_result
 from laplace.functional.ntk import DenseJacobian, FactoredJacobian
-from laplace.glm import jacobian_chunk_rows
 from laplace.likelihoods import LikelihoodModel
 from laplace.posteriors import NotPositiveDefiniteError
+from laplace.posteriors.glm import jacobian_chunk_rows
+from laplace.utils.data import Inputs, input_chunks, to_device
+from laplace.utils.errors import check_finite_result
 
 __all__ = ["Jacobians", "SubsetKernel"]
 

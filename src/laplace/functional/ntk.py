@@ -18,7 +18,7 @@ from torch import Tensor
 from laplace.curvature.capture import OutputGradients
 from laplace.curvature.kfac_rules import kfac_rule
 from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
-from laplace.data import Inputs
+from laplace.utils.data import Inputs
 
 __all__ = ["DenseJacobian", "FactoredJacobian", "LayerFactor", "layer_factors", "trace_jacobian"]
 

@@ -13,11 +13,11 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from laplace.data import Inputs, split_batch
-from laplace.data_loop import DataLoop, training_indices
-from laplace.errors import check_finite_result
+from laplace.core.data_loop import DataLoop
 from laplace.likelihoods import Categorical, LikelihoodModel
 from laplace.posteriors import DensePosterior
+from laplace.utils.data import Inputs, split_batch, training_indices
+from laplace.utils.errors import check_finite_result
 
 __all__ = [
     "FeatureGram",
@@ -129,13 +129,13 @@ class FeatureGram(DataLoop):
     """ELLA's pass: ``(Σₙ φₙᵀ Λₙ φₙ, n)`` over the training data, with a callback per batch.
 
     Args:
-        *args: See :class:`~laplace.data_loop.DataLoop`.
+        *args: See :class:`~laplace.core.data_loop.DataLoop`.
         features: Inputs → features ``φ`` (B, C, K) and outputs (B, C).
         likelihood: Checks the targets and gives the GGN ``Σ φᵀ Λ φ``.
         output_shape: Shape of the model's outputs on the first batch (targets are checked
             against it before the features are computed).
         after_batch: Called with the batch count and the sums so far.
-        **options: See :class:`~laplace.data_loop.DataLoop`.
+        **options: See :class:`~laplace.core.data_loop.DataLoop`.
     """
 
     def __init__(

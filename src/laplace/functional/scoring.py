@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from laplace.data import Inputs
-from laplace.data_loop import DataLoop
+from laplace.core.data_loop import DataLoop
+from laplace.core.tuning import search_grid
 from laplace.likelihoods import LikelihoodModel
 from laplace.posteriors import NotPositiveDefiniteError
-from laplace.tuning import search_grid
+from laplace.utils.data import Inputs
 
 __all__ = ["ValidationNLL", "tune_hyperparameters"]
 
@@ -30,11 +30,11 @@ class ValidationNLL(DataLoop):
     """A pass over validation data returning the mean predictive NLL per data point.
 
     Args:
-        *args: See :class:`~laplace.data_loop.DataLoop`.
+        *args: See :class:`~laplace.core.data_loop.DataLoop`.
         moments: Latent moments at inputs: means (B, C) and covariances (B, C, C).
         likelihood: The likelihood whose predictive is scored.
         sigma_noise: Observation noise σ (for likelihoods that have one).
-        **options: See :class:`~laplace.data_loop.DataLoop`.
+        **options: See :class:`~laplace.core.data_loop.DataLoop`.
     """
 
     def __init__(
@@ -69,7 +69,8 @@ def tune_hyperparameters(
 ) -> list[dict[str, float]]:
     """Set the candidate of ``grid`` with the lowest ``score`` on ``la``.
 
-    The first candidate with the lowest finite score wins (:func:`laplace.tuning.search_grid`).
+    The first candidate with the lowest finite score wins
+    (:func:`laplace.core.tuning.search_grid`).
 
     Args:
         la: A fitted Laplace approximation.

@@ -11,17 +11,16 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace.base import BaseLaplace, arguments_for
+from laplace.core.base import BaseLaplace, arguments_for
+from laplace.core.data_loop import Gather
 from laplace.curvature import CurvatureInterface
 from laplace.curvature.per_sample import PerSampleEngine
-from laplace.data import Inputs, SoDSampler, dataset_size, slice_inputs
-from laplace.data_loop import Gather
-from laplace.errors import check_int_at_least, check_positive_int
 from laplace.functional.base import BaseFunctionalLaplace, FunctionalState
 from laplace.functional.kernel import SubsetKernel
 from laplace.functional.ntk import DenseJacobian, FactoredJacobian, trace_jacobian
-from laplace.glm import jacobian_chunk_rows
 from laplace.likelihoods import make_likelihood
+from laplace.posteriors.glm import jacobian_chunk_rows
+from laplace.utils.data import Inputs, SoDSampler, dataset_size, slice_inputs
 from laplace.utils.enums import (
     HessianStructure,
     Likelihood,
@@ -32,6 +31,7 @@ from laplace.utils.enums import (
     TuningMethod,
     parse_enum,
 )
+from laplace.utils.errors import check_int_at_least, check_positive_int
 
 __all__ = ["FunctionalLaplace"]
 
@@ -67,16 +67,16 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         model: The trained network.
         likelihood: ``"classification"`` or ``"regression"``.
         n_subset: Number ``M`` of training points in the subset (``1 ≤ M ≤ N``).
-        sigma_noise: See :class:`~laplace.base.BaseLaplace`.
+        sigma_noise: See :class:`~laplace.core.base.BaseLaplace`.
         prior_precision: Isotropic prior precision ``δ`` (a scalar).
-        prior_mean: See :class:`~laplace.base.BaseLaplace`.
-        temperature: See :class:`~laplace.base.BaseLaplace`.
-        enable_backprop: See :class:`~laplace.base.BaseLaplace`.
-        dict_key_x: See :class:`~laplace.base.BaseLaplace`.
-        dict_key_y: See :class:`~laplace.base.BaseLaplace`.
+        prior_mean: See :class:`~laplace.core.base.BaseLaplace`.
+        temperature: See :class:`~laplace.core.base.BaseLaplace`.
+        enable_backprop: See :class:`~laplace.core.base.BaseLaplace`.
+        dict_key_x: See :class:`~laplace.core.base.BaseLaplace`.
+        dict_key_y: See :class:`~laplace.core.base.BaseLaplace`.
         backend: Accepted for compatibility (laplace-torch defaults to ``BackPackGGN``); the
             Jacobians come from the library's per-sample engine, which all backends agree with.
-        backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
+        backend_kwargs: See :class:`~laplace.core.base.BaseLaplace`.
         independent_outputs: Keep only the per-output diagonal of the kernel.
         seed: Seed of the subset's :class:`~laplace.utils.utils.SoDSampler`.
 

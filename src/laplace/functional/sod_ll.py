@@ -9,10 +9,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from laplace.base import arguments_for
+from laplace.core.base import arguments_for
+from laplace.core.subsets import LastLayer, extractor_property
 from laplace.curvature import CurvatureInterface
 from laplace.functional.sod import FunctionalLaplace, SubsetGPState
-from laplace.subsets import LastLayer, extractor_property
 from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
 

@@ -14,11 +14,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace.base import BaseLaplace, arguments_for
+from laplace.core.base import BaseLaplace, arguments_for
+from laplace.core.data_loop import DataLoop, Gather
+from laplace.core.priors import as_scalar_prior_precision
+from laplace.core.transaction import preserve_model_gradients
 from laplace.curvature import CurvatureInterface
-from laplace.data import Inputs, dataset_size
-from laplace.data_loop import DataLoop, Gather
-from laplace.errors import check_finite_result, check_positive_int
 from laplace.functional.base import BaseFunctionalLaplace, HistoryState
 from laplace.functional.inducing import (
     INDUCING_STATE,
@@ -31,9 +31,9 @@ from laplace.functional.inducing import (
 )
 from laplace.functional.valla_objective import InducingPosterior, check_alpha, negative_objective
 from laplace.likelihoods import make_likelihood
-from laplace.priors import as_scalar_prior_precision
-from laplace.transaction import preserve_model_gradients
+from laplace.utils.data import Inputs, dataset_size
 from laplace.utils.enums import FunctionalApproximation, Likelihood
+from laplace.utils.errors import check_finite_result, check_positive_int
 
 __all__ = ["VaLLA"]
 

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from laplace.data import Inputs
 from laplace.likelihoods import LikelihoodModel
+from laplace.utils.data import Inputs
 
 __all__ = [
     "InducingPosterior",

@@ -26,8 +26,8 @@ from laplace.likelihoods.heteroscedastic import (
     HeteroscedasticPrediction,
 )
 from laplace.likelihoods.protocol import Likelihood
-from laplace.outputs import IGNORE_INDEX, OutputAdapter
 from laplace.utils import enums
+from laplace.utils.outputs import IGNORE_INDEX, OutputAdapter
 
 __all__ = [
     "Bernoulli",
@@ -64,7 +64,7 @@ def make_likelihood(
             instance of a :class:`Likelihood` subclass, or a likelihood object (returned as is,
             with its own output options).
         class_dim: The class dimension of outputs with extra dimensions (see
-            :class:`~laplace.outputs.OutputAdapter`).
+            :class:`~laplace.utils.outputs.OutputAdapter`).
         ignore_index: The class label whose positions are dropped.
 
     Returns:

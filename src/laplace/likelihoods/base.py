@@ -17,7 +17,6 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import MeanSquaredError, Metric
 
-from laplace.errors import UnsupportedError
 from laplace.likelihoods.prediction import OutputPredictions
 from laplace.likelihoods.rows import OutputRows
 from laplace.likelihoods.scoring import (
@@ -28,6 +27,7 @@ from laplace.likelihoods.scoring import (
 )
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import FunctionalApproximation, HessianStructure
+from laplace.utils.errors import UnsupportedError
 
 __all__ = ["LikelihoodModel"]
 
@@ -168,9 +168,9 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
     def structured_output_hessian(self, f: Tensor) -> DiagLowRankBatch:
         """The output Hessians as ``Λₙ = diag(dₙ) + s·Vₙ Vₙᵀ``, without a (B, C, C) tensor.
 
-        Used above :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs. By default
-        ``d = 0``, ``s = +1`` and ``V`` = :meth:`output_hessian_sqrt`; likelihoods that know a
-        smaller form override it (softmax: ``(p, p, −1)``).
+        Used above :data:`~laplace.posteriors.large_output.LARGE_OUTPUT_THRESHOLD` outputs. By
+        default ``d = 0``, ``s = +1`` and ``V`` = :meth:`output_hessian_sqrt`; likelihoods that
+        know a smaller form override it (softmax: ``(p, p, −1)``).
         """
         L = self.output_hessian_sqrt(f)
         return DiagLowRankBatch(L.new_zeros(L.shape[:2]), L, 1)

@@ -11,7 +11,6 @@ from torch.nn import functional as F
 from torchmetrics import Metric
 from typing_extensions import override
 
-from laplace.errors import DataError, LabelError
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.prediction import ProbabilityPredictions
 from laplace.likelihoods.scoring import (
@@ -27,10 +26,11 @@ from laplace.likelihoods.scoring import (
     probabilities,
     sampled_alpha_energy,
 )
-from laplace.outputs import PositionTargets
-from laplace.predictive import BERNOULLI_LINKS, draw_gaussian, probit_logits
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood
+from laplace.utils.errors import DataError, LabelError
+from laplace.utils.outputs import PositionTargets
+from laplace.utils.predictive import BERNOULLI_LINKS, draw_gaussian, probit_logits
 
 __all__ = ["Bernoulli", "bernoulli_alpha_energy"]
 

@@ -12,7 +12,6 @@ from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
 from typing_extensions import override
 
-from laplace.errors import DataError, LabelError
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.gaussian import GaussianRegression
 from laplace.likelihoods.prediction import ProbabilityPredictions
@@ -27,12 +26,13 @@ from laplace.likelihoods.scoring import (
     probabilities,
     sampled_alpha_energy,
 )
-from laplace.outputs import PositionTargets
-from laplace.predictive import LINKS, draw_gaussian, probit_logits
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import HessianStructure, Likelihood, LinkApprox
+from laplace.utils.errors import DataError, LabelError
 from laplace.utils.linalg import softmax_hessian_factor
 from laplace.utils.metrics import RunningNLLMetric
+from laplace.utils.outputs import PositionTargets
+from laplace.utils.predictive import LINKS, draw_gaussian, probit_logits
 
 __all__ = ["Categorical", "RewardModeling"]
 

@@ -11,7 +11,6 @@ from torch import Tensor, nn
 from torchmetrics import MeanSquaredError, Metric
 from typing_extensions import override
 
-from laplace.errors import DataError
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.scoring import (
     Evaluation,
@@ -24,9 +23,10 @@ from laplace.likelihoods.scoring import (
     gaussian_predictive,
     targets_like,
 )
-from laplace.outputs import PositionTargets
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import Likelihood
+from laplace.utils.errors import DataError
+from laplace.utils.outputs import PositionTargets
 
 __all__ = ["GaussianRegression", "check_real_targets", "gaussian_evaluation"]
 

@@ -5,7 +5,7 @@ Gaussian regression predictive as default (the outputs' moments, or their sample
 :class:`ProbabilityPredictions` those of likelihoods whose predictions are probabilities of a
 link of the outputs (softmax, sigmoid).
 
-Outputs with extra dimensions (see :mod:`laplace.outputs`) are predicted row by row, each
+Outputs with extra dimensions (see :mod:`laplace.utils.outputs`) are predicted row by row, each
 position an independent observation, and the predictions get the outputs' shape back.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from laplace.outputs import OutputLayout
 from laplace.utils.enums import LinkApprox
+from laplace.utils.outputs import OutputLayout
 
 __all__ = ["OutputPredictions", "ProbabilityPredictions"]
 
@@ -89,7 +89,7 @@ class OutputPredictions:
 
         Args:
             f_mu: Output means in the outputs' shape (B, …).
-            f_var: Covariances (B·T, C, C) of their rows (``laplace.outputs``), or variances
+            f_var: Covariances (B·T, C, C) of their rows (``laplace.utils.outputs``), or variances
                 where :meth:`diagonal_moments` asked for them.
             link_approx: See :meth:`glm_predictive`.
             n_samples: See :meth:`glm_predictive`.

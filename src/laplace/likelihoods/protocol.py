@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from laplace.predictive import gaussian_output_samples
+from laplace.utils.predictive import gaussian_output_samples
 
 __all__ = ["Likelihood"]
 

@@ -4,8 +4,8 @@ A likelihood object writes its maths (:meth:`per_sample_loss`, :meth:`loss_gradi
 output Hessian, target checks) for rows (B, C). :class:`OutputRows` gives it the methods the
 fits and backends call with a batch of model outputs (B, …) — the summed loss, the gradient of
 the summed loss w.r.t. the outputs, the target check, the number of outputs — through its
-:class:`~laplace.outputs.OutputAdapter` (see :mod:`laplace.outputs`): outputs with extra
-dimensions become rows, positions an ``ignore_index`` drops count nothing. Outputs (B, C) are
+:class:`~laplace.utils.outputs.OutputAdapter` (see :mod:`laplace.utils.outputs`): outputs with
+extra dimensions become rows, positions an ``ignore_index`` drops count nothing. Outputs (B, C) are
 their own rows.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
-from laplace.outputs import OutputAdapter, OutputLayout, PositionTargets
+from laplace.utils.outputs import OutputAdapter, OutputLayout, PositionTargets
 
 __all__ = ["LossModule", "OutputRows"]
 
@@ -37,7 +37,7 @@ class OutputRows:
         """The rows of outputs of ``output_shape`` (B, …), for targets ``y`` (None: predicting).
 
         Raises:
-            ValueError: See :meth:`laplace.outputs.OutputAdapter.layout`.
+            ValueError: See :meth:`laplace.utils.outputs.OutputAdapter.layout`.
         """
         return self.outputs.layout(output_shape, y, self.position_targets, self.name)
 
@@ -54,9 +54,9 @@ class OutputRows:
 
         Raises:
             ValueError: Naming the problem (shape, label range, an ambiguous class dimension);
-                a :class:`~laplace.errors.DataError` (also a ``RuntimeError``) for targets of
-                the wrong kind, a :class:`~laplace.errors.LabelError` (also an ``IndexError``)
-                for a class label outside ``[0, C)``.
+                a :class:`~laplace.utils.errors.DataError` (also a ``RuntimeError``) for targets of
+                the wrong kind, a :class:`~laplace.utils.errors.LabelError` (also an
+                ``IndexError``) for a class label outside ``[0, C)``.
         """
         layout = self.layout(output_shape, y)
         targets, _ = layout.labelled(y)

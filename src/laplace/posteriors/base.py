@@ -8,9 +8,9 @@ likelihood, hyperparameter tuning and saved states only talk to this interface, 
 branch on the structure.
 
 The functional variance ``J P⁻¹ Jᵀ`` is a double dispatch: a parameter subset linearises the model
-into one of a few Jacobian kinds (:mod:`laplace.jacobians`), and each structure maps the kinds it
-has a closed form for to that closed form (``closed_forms``); any other kind, or a closed form
-that does not apply (returns None), goes through the kind's dense rows
+into one of a few Jacobian kinds (:mod:`laplace.posteriors.jacobians`), and each structure maps the
+kinds it has a closed form for to that closed form (``closed_forms``); any other kind, or a closed
+form that does not apply (returns None), goes through the kind's dense rows
 (:meth:`Posterior.rows_variance`).
 """
 
@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from laplace.jacobians import Jacobian
+from laplace.posteriors.jacobians import Jacobian
 
 __all__ = ["ClosedForm", "NotPositiveDefiniteError", "Posterior"]
 
@@ -51,7 +51,8 @@ class Posterior(ABC):
     #: Why ``fit(override=False)`` cannot update a fit of this structure; None: it can.
     update_refusal: ClassVar[str | None] = None
     #: The closed form of a linear head's curvature in this structure's form, with the backend
-    #: route it equals (:func:`laplace.last_layer.head_curvature`); None: no closed form.
+    #: route it equals (:func:`laplace.posteriors.last_layer.head_curvature`); None: no closed
+    #: form.
     head_curvature: ClassVar[tuple[str, Any] | None] = None
 
     def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:

@@ -1,9 +1,9 @@
 """Dense posterior: ``P = h·H + diag(p₀)`` stored as a full (P, P) matrix.
 
-A linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, :mod:`laplace.last_layer`) has its
-curvature ``Σₙ Jₙᵀ Mₙ Jₙ`` and ``Jₙ Σ Jₙᵀ`` in closed form from the features (above
-:data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs from diagonal-plus-low-rank ``Mₙ``,
-and the output variances only).
+A linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, :mod:`laplace.posteriors.last_layer`)
+has its curvature ``Σₙ Jₙᵀ Mₙ Jₙ`` and ``Jₙ Σ Jₙᵀ`` in closed form from the features (above
+:data:`~laplace.posteriors.large_output.LARGE_OUTPUT_THRESHOLD` outputs from diagonal-plus-low-rank
+``Mₙ``, and the output variances only).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from laplace import large_output
-from laplace.errors import check_fits_in_memory
-from laplace.jacobians import HeadFeatures, Jacobian
-from laplace.last_layer import HeadCurvature
+from laplace.posteriors import large_output
 from laplace.posteriors.base import ClosedForm, NotPositiveDefiniteError, Posterior
+from laplace.posteriors.jacobians import HeadFeatures, Jacobian
+from laplace.posteriors.last_layer import HeadCurvature
 from laplace.utils.diag_lowrank import DiagLowRankBatch
+from laplace.utils.errors import check_fits_in_memory
 from laplace.utils.linalg import invsqrt_precision
 
 __all__ = ["DensePosterior", "full_head_curvature", "full_head_variance"]

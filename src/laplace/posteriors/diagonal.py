@@ -1,7 +1,7 @@
 """Diagonal posterior: ``P = h·diag(H) + diag(p₀)`` stored as a vector.
 
-A linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, :mod:`laplace.last_layer`) has the
-diagonal ``Σₙ diag(Mₙ) ⊗ φₙ²``, ``Σₙ diag(Mₙ)`` of its curvature and ``Jₙ diag(σ²) Jₙᵀ`` in
+A linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, :mod:`laplace.posteriors.last_layer`)
+has the diagonal ``Σₙ diag(Mₙ) ⊗ φₙ²``, ``Σₙ diag(Mₙ)`` of its curvature and ``Jₙ diag(σ²) Jₙᵀ`` in
 closed form from the features.
 """
 
@@ -15,13 +15,13 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from laplace import large_output
 from laplace.curvature.kfac_rules import plan_blocks
 from laplace.curvature.per_sample import PerSampleTrace
-from laplace.jacobians import HeadFeatures, Jacobian, LayerTrace
-from laplace.kron_glm import layerwise_variance
-from laplace.last_layer import HeadCurvature
+from laplace.posteriors import large_output
 from laplace.posteriors.base import ClosedForm, Posterior
+from laplace.posteriors.jacobians import HeadFeatures, Jacobian, LayerTrace
+from laplace.posteriors.kron_glm import layerwise_variance
+from laplace.posteriors.last_layer import HeadCurvature
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 
 __all__ = [
@@ -41,7 +41,7 @@ def diag_head_curvature(
         phi: Features, shape (N, D).
         M: Output-space curvatures, (N, C, C) or diagonal plus low rank.
         bias: Whether the head has a bias.
-        n_data: Unused (the signature of :data:`~laplace.last_layer.HeadCurvature`).
+        n_data: Unused (the signature of :data:`~laplace.posteriors.last_layer.HeadCurvature`).
         factor: Unused, as ``n_data``.
     """
     m = M.diagonal() if isinstance(M, DiagLowRankBatch) else M.diagonal(dim1=1, dim2=2)
@@ -69,8 +69,8 @@ def diag_functional_variance(
 ) -> Tensor | None:
     """``J P⁻¹ Jᵀ`` (B, C, C) of a diagonal precision (P,) from a recorded forward pass.
 
-    The layer-wise closed forms (:func:`laplace.kron_glm.layerwise_variance`) with identity
-    eigenvectors and the inverse precision of each entry.
+    The layer-wise closed forms (:func:`laplace.posteriors.kron_glm.layerwise_variance`) with
+    identity eigenvectors and the inverse precision of each entry.
 
     Returns:
         The covariances, or None for a subnetwork or when a layer does not see the data points

@@ -3,14 +3,15 @@ r"""Kronecker-factored posterior: ``P = h·(G ⊗ A) + δ`` per parameter tensor
 The curvature is a :class:`~laplace.utils.matrix.Kron` while it is summed over batches and a
 :class:`~laplace.utils.matrix.KronDecomposed` once fitted; every posterior quantity then works in
 the eigenbasis ``Q_G ⊗ Q_A`` of each block, where ``P`` is diagonal with spectrum
-``h·λ_G λ_Aᵀ + δ``. A layer with many outputs (:mod:`laplace.large_output`) keeps its output
-factor ``G`` diagonal plus low rank (:class:`~laplace.utils.diag_lowrank.DiagLowRank`), a factor
-kind of the same matrices computed per input eigenvalue; :func:`kron_block_structure` configures
-the structure for it.
+``h·λ_G λ_Aᵀ + δ``. A layer with many outputs (:mod:`laplace.posteriors.large_output`) keeps its
+output factor ``G`` diagonal plus low rank (:class:`~laplace.utils.diag_lowrank.DiagLowRank`), a
+factor kind of the same matrices computed per input eigenvalue; :func:`kron_block_structure`
+configures the structure for it.
 
-With a linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, :mod:`laplace.last_layer`) the
-curvature ``Σₙ Jₙᵀ Mₙ Jₙ`` is ``G ⊗ A`` with ``G = Σₙ Mₙ``, ``A = Σₙ φₙφₙᵀ / N`` (bias block
-``G``), and ``Jₙ P⁻¹ Jₙᵀ`` needs one rotation of the features, ``φ̃ = Q_Aᵀ φ``.
+With a linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``,
+:mod:`laplace.posteriors.last_layer`) the curvature ``Σₙ Jₙᵀ Mₙ Jₙ`` is ``G ⊗ A`` with ``G = Σₙ
+Mₙ``, ``A = Σₙ φₙφₙᵀ / N`` (bias block ``G``), and ``Jₙ P⁻¹ Jₙᵀ`` needs one rotation of the
+features, ``φ̃ = Q_Aᵀ φ``.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from laplace import large_output
 from laplace.curvature.kfac_rules import LowRankShape
 from laplace.curvature.per_sample import PerSampleTrace
-from laplace.jacobians import HeadFeatures, Jacobian, LayerTrace
-from laplace.kron_glm import layerwise_variance
-from laplace.last_layer import HeadCurvature
+from laplace.posteriors import large_output
 from laplace.posteriors.base import ClosedForm, Posterior
+from laplace.posteriors.jacobians import HeadFeatures, Jacobian, LayerTrace
+from laplace.posteriors.kron_glm import layerwise_variance
+from laplace.posteriors.last_layer import HeadCurvature
 from laplace.utils.diag_lowrank import (
     DiagLowRank,
     DiagLowRankBatch,
@@ -105,7 +106,7 @@ def kron_functional_variance(
 ) -> Tensor | None:
     """``J P⁻¹ Jᵀ`` (B, C, C) of a Kronecker precision from a recorded forward pass.
 
-    The layer-wise closed forms (:func:`laplace.kron_glm.layerwise_variance`) in the
+    The layer-wise closed forms (:func:`laplace.posteriors.kron_glm.layerwise_variance`) in the
     eigenbasis of each block.
 
     Args:
@@ -134,7 +135,8 @@ class KronAccumulator:
 
     The sum is a ``Kron``; the fitted curvature its deferred eigendecomposition, a
     :class:`~laplace.utils.matrix.KronDecomposed` that keeps the factors (:meth:`factors`).
-    Shared by :class:`KronPosterior` and its per-output variant (:mod:`laplace.per_output`).
+    Shared by :class:`KronPosterior` and its per-output variant
+    (:mod:`laplace.posteriors.per_output`).
     """
 
     @staticmethod
@@ -270,7 +272,7 @@ class KronPosterior(KronAccumulator, Posterior):
         if not getattr(backend, "low_rank_kfac", False):
             raise ValueError(
                 "a Kronecker curvature with diagonal-plus-low-rank output factors (many "
-                "outputs, see laplace.large_output) needs the native KFAC of "
+                "outputs, see laplace.posteriors.large_output) needs the native KFAC of "
                 "backend=CurvlinopsEF or CurvlinopsGGN with backend_kwargs={'stochastic': "
                 f"True}}; {type(backend).__name__} would build the dense output factor. Use "
                 "subset_of_weights='last_layer' (one head row per data point; "
@@ -333,8 +335,8 @@ def kron_block_structure(
     """The posterior structure of Kronecker blocks of ``shapes`` (a backend's ``kron_shapes``).
 
     Where a factor is a :class:`~laplace.curvature.kfac_rules.LowRankShape` (a layer with more
-    outputs than :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD`) a Kronecker posterior
-    keeps diagonal-plus-low-rank output factors of at most ``rank`` low-rank columns.
+    outputs than :data:`~laplace.posteriors.large_output.LARGE_OUTPUT_THRESHOLD`) a Kronecker
+    posterior keeps diagonal-plus-low-rank output factors of at most ``rank`` low-rank columns.
     """
     low_rank = any(isinstance(shape, LowRankShape) for block in shapes for shape in block)
     if low_rank and structure is KronPosterior:

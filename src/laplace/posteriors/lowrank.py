@@ -6,8 +6,8 @@ With ``D = diag(p₀)``, ``W = D^{-1/2} U diag(h·λ)^{1/2}`` (P, k) and the k �
 - ``log det P = Σ log p₀ + log det M`` (matrix determinant lemma);
 - ``P⁻¹ = D^{-1/2} (I − W M⁻¹ Wᵀ) D^{-1/2} = D⁻¹ − Z Zᵀ`` (Woodbury) with the (P, k) basis
   ``Z = D^{-1/2} W L⁻ᵀ``, so ``J P⁻¹ Jᵀ = J D⁻¹ Jᵀ − (J Z)(J Z)ᵀ``: the diagonal posterior's
-  functional variance minus k directions (:mod:`laplace.kron_glm` computes both from layer
-  quantities, without Jacobians);
+  functional variance minus k directions (:mod:`laplace.posteriors.kron_glm` computes both from
+  layer quantities, without Jacobians);
 - samples ``D^{-1/2} (I + WWᵀ)^{-1/2} z`` with
   ``(I + WWᵀ)^{-1/2} = I + W Q diag(c) Qᵀ Wᵀ``, ``WᵀW = Q diag(s) Qᵀ`` and
   ``c = −1 / (√(1+s) (1 + √(1+s)))``.
@@ -26,9 +26,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from laplace.curvature.block_product import ParameterBlock, SampleVectors
-from laplace.jacobians import Jacobian, LayerTrace
 from laplace.posteriors.base import ClosedForm, Posterior
 from laplace.posteriors.diagonal import diag_functional_variance
+from laplace.posteriors.jacobians import Jacobian, LayerTrace
 
 __all__ = ["LowRankPosterior", "lowrank_functional_variance"]
 

@@ -1,8 +1,7 @@
 """laplace-torch's ``laplace.utils`` path, a façade re-exporting each name from its owner."""
 
-from laplace.data import SoDSampler
-from laplace.errors import is_real_scalar as _is_valid_scalar
-from laplace.priors import expand_prior_precision, fix_prior_prec_structure
+from laplace.core.priors import expand_prior_precision, fix_prior_prec_structure
+from laplace.utils.data import SoDSampler
 from laplace.utils.enums import (
     FeatureReduction,
     FunctionalApproximation,
@@ -14,6 +13,7 @@ from laplace.utils.enums import (
     SubsetOfWeights,
     TuningMethod,
 )
+from laplace.utils.errors import is_real_scalar as _is_valid_scalar
 from laplace.utils.feature_extractor import FeatureExtractor
 from laplace.utils.functional_utils import (
     batch_size,

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from laplace.errors import is_real_scalar
+from laplace.utils.errors import is_real_scalar
 
 __all__ = [
     "DiagLowRank",
@@ -520,5 +520,5 @@ def factor_from_state(
     kinds = {True: "a diagonal-plus-low-rank factor (a dict)", False: "a dense factor (a tensor)"}
     raise ValueError(
         f"state_dict['H'] holds {kinds[isinstance(state, dict)]} where this approximation keeps "
-        f"{kinds[isinstance(like, DiagLowRank)]} (see laplace.large_output)."
+        f"{kinds[isinstance(like, DiagLowRank)]} (see laplace.posteriors.large_output)."
     )

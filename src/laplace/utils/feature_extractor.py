@@ -11,9 +11,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from laplace.data import Inputs
-from laplace.errors import MissingKeyError, check_module
+from laplace.utils.data import Inputs
 from laplace.utils.enums import FeatureReduction, parse_enum
+from laplace.utils.errors import MissingKeyError, check_module
 
 __all__ = ["FeatureExtractor", "FeatureReduction", "as_feature_extractor"]
 

@@ -12,12 +12,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from laplace import data
-from laplace.data import Inputs, batch_size_of, concatenate_rows, select_rows, to_device
-from laplace.data_loop import subset_loader, training_indices
+from laplace.core.transaction import preserve_model_gradients
 from laplace.likelihoods import Categorical, GaussianRegression
-from laplace.predictive import draw_gaussian
-from laplace.transaction import preserve_model_gradients
+from laplace.utils import data
+from laplace.utils.data import (
+    Inputs,
+    batch_size_of,
+    concatenate_rows,
+    select_rows,
+    subset_loader,
+    to_device,
+    training_indices,
+)
+from laplace.utils.predictive import draw_gaussian
 
 __all__ = [
     "batch_size",

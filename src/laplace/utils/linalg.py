@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from laplace.errors import check_positive_int
+from laplace.utils.errors import check_positive_int
 
 __all__ = [
     "block_diag",

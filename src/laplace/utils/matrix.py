@@ -34,8 +34,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from laplace.errors import is_real_scalar
 from laplace.utils.diag_lowrank import DiagLowRank, LowRankKronBlock
+from laplace.utils.errors import is_real_scalar
 from laplace.utils.linalg import symeig
 
 __all__ = ["Kron", "KronDecomposed"]

@@ -12,19 +12,19 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace.errors import (
+from laplace.likelihoods import make_likelihood
+from laplace.utils.enums import Likelihood
+from laplace.utils.errors import (
     ArgumentTypeError,
     check_module,
     check_positive_float,
     check_positive_int,
 )
-from laplace.likelihoods import make_likelihood
-from laplace.utils.enums import Likelihood
 from laplace.utils.feature_extractor import FeatureExtractor
 from laplace.utils.swag import fit_diagonal_swag_var
 
 if TYPE_CHECKING:
-    from laplace.parametric import DiagLaplace
+    from laplace.parametric.base import DiagLaplace
 
 __all__ = [
     "LargestMagnitudeSubnetMask",

@@ -1,8 +1,8 @@
 """laplace-torch's ``laplace.utils.utils`` path, a façade; docs/architecture.md lists its names."""
 
-from laplace.data import SoDSampler
-from laplace.errors import is_real_scalar as _is_valid_scalar
-from laplace.priors import expand_prior_precision, fix_prior_prec_structure
+from laplace.core.priors import expand_prior_precision, fix_prior_prec_structure
+from laplace.utils.data import SoDSampler
+from laplace.utils.errors import is_real_scalar as _is_valid_scalar
 from laplace.utils.layers import is_batchnorm as _is_batchnorm
 from laplace.utils.layers import parameters_per_layer
 from laplace.utils.linalg import (

@@ -15,9 +15,9 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader
 
-from laplace.data import prepare_batch
-from laplace.errors import check_positive_int
+from laplace.utils.data import prepare_batch
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
+from laplace.utils.errors import check_positive_int
 
 __all__ = ["Predictor", "get_nll", "validate"]
 

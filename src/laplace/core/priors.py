@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from laplace.errors import ArgumentTypeError, MetaDeviceError, is_real_scalar
 from laplace.likelihoods import LikelihoodModel
 from laplace.utils.enums import PriorStructure, parse_enum
+from laplace.utils.errors import ArgumentTypeError, MetaDeviceError, is_real_scalar
 
 __all__ = [
     "as_float_tensor",

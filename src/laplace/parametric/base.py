@@ -12,10 +12,23 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from laplace import distributed as distributed_utils
-from laplace import glm, large_output
-from laplace.base import BaseLaplace
-from laplace.data import (
+from laplace.core import distributed as distributed_utils
+from laplace.core.base import BaseLaplace
+from laplace.core.priors import as_sigma_noise, prior_log_det, prior_weighted_sum
+from laplace.core.serialization import ParametricState
+from laplace.parametric.fit import CurvatureSum, FitPass, FitPieces
+from laplace.posteriors import (
+    DensePosterior,
+    DiagonalPosterior,
+    NotPositiveDefiniteError,
+    Posterior,
+    glm,
+    large_output,
+)
+from laplace.posteriors.glm import jacobian_chunk_rows
+from laplace.posteriors.jacobians import HeadFeatures, position_rows, row_kind
+from laplace.posteriors.per_output import noise_structure
+from laplace.utils.data import (
     Inputs,
     batch_size_of,
     check_outputs,
@@ -23,21 +36,9 @@ from laplace.data import (
     input_chunks,
     prepare_inputs,
 )
-from laplace.errors import NotFittedError, check_bool, check_generator, check_positive_int
-from laplace.glm import jacobian_chunk_rows
-from laplace.jacobians import HeadFeatures, position_rows, row_kind
-from laplace.parametric_fit import CurvatureSum, FitPass, FitPieces
-from laplace.per_output import noise_structure
-from laplace.posteriors import (
-    DensePosterior,
-    DiagonalPosterior,
-    NotPositiveDefiniteError,
-    Posterior,
-)
-from laplace.predictive import gaussian_output_samples
-from laplace.priors import as_sigma_noise, prior_log_det, prior_weighted_sum
-from laplace.serialization import ParametricState
 from laplace.utils.enums import HessianStructure, LinkApprox, PredType, SubsetOfWeights, parse_enum
+from laplace.utils.errors import NotFittedError, check_bool, check_generator, check_positive_int
+from laplace.utils.predictive import gaussian_output_samples
 
 __all__ = ["DiagLaplace", "FullLaplace", "ParametricLaplace"]
 
@@ -47,17 +48,16 @@ class ParametricLaplace(BaseLaplace):
 
     Subclasses choose the structure of the curvature ``H`` through ``_posterior_cls`` (a
     :class:`~laplace.posteriors.Posterior`). A fit is one pass over the data
-    (``_curvature_pass``, a :class:`~laplace.parametric_fit.FitPass`) summing the backend's
+    (``_curvature_pass``, a :class:`~laplace.parametric.fit.FitPass`) summing the backend's
     curvature in the structure's form; the GLM predictive linearises the model through the
     parameter subset into the Jacobian kind the structure has a closed form for
-    (:mod:`laplace.jacobians`), a chunk of test points at a time; ``pred_type="nn"`` runs the
-    network with weights sampled from the posterior.
-    After :meth:`fit`, ``H`` is the curvature summed over the data, ``loss`` the summed loss,
-    ``mean`` the MAP weights (P,). Before it, as in laplace-torch, the posterior is the prior:
-    ``H`` is a zero curvature in the structure's form, ``mean`` the prior mean (P,), and
-    ``posterior_precision``, ``log_prob``, the log-determinants and ``scatter`` follow from
-    them; predictions and samples need :meth:`fit`.
-    See :class:`~laplace.base.BaseLaplace` for the arguments.
+    (:mod:`laplace.posteriors.jacobians`), a chunk of test points at a time; ``pred_type="nn"``
+    runs the network with weights sampled from the posterior. After :meth:`fit`, ``H`` is the
+    curvature summed over the data, ``loss`` the summed loss, ``mean`` the MAP weights (P,). Before
+    it, as in laplace-torch, the posterior is the prior: ``H`` is a zero curvature in the
+    structure's form, ``mean`` the prior mean (P,), and ``posterior_precision``, ``log_prob``, the
+    log-determinants and ``scatter`` follow from them; predictions and samples need :meth:`fit`.
+    See :class:`~laplace.core.base.BaseLaplace` for the arguments.
     """
 
     _abstract = "use FullLaplace, DiagLaplace, KronLaplace or LowRankLaplace."
@@ -79,7 +79,7 @@ class ParametricLaplace(BaseLaplace):
         """Set σ; one σ per output switches to the per-output variant of the structure.
 
         Raises:
-            ValueError: See :func:`laplace.per_output.noise_structure`.
+            ValueError: See :func:`laplace.posteriors.per_output.noise_structure`.
         """
         sigma = as_sigma_noise(value, self._likelihood_model, self._device, self._dtype)
         structure = noise_structure(
@@ -326,11 +326,11 @@ class ParametricLaplace(BaseLaplace):
             progress_bar: Show a progress bar over batches.
             distributed: All-reduce the sums over the ranks of :mod:`torch.distributed`, each
                 fitting its shard of the data; None: when the process group is initialised
-                and the loader uses a ``DistributedSampler`` (see :mod:`laplace.distributed`).
+                and the loader uses a ``DistributedSampler`` (see :mod:`laplace.core.distributed`).
 
         When it raises (bad data, an exception from the model or the loader, a
         ``KeyboardInterrupt``), the approximation is left exactly as before the call (see
-        :mod:`laplace.transaction`).
+        :mod:`laplace.core.transaction`).
 
         Raises:
             ValueError: If the loader is empty or a batch contains non-finite values, or for
@@ -552,7 +552,7 @@ class ParametricLaplace(BaseLaplace):
         The subset linearises the model into the Jacobian kind the posterior has a closed form
         for (else dense rows), and the posterior computes ``J P⁻¹ Jᵀ`` for it. Outputs with
         extra dimensions give ``f_mu`` in their shape (B, …) and the covariances of their rows
-        (B·T, C, C) (:mod:`laplace.outputs`).
+        (B·T, C, C) (:mod:`laplace.utils.outputs`).
         """
         posterior = self._posterior
         f_mu, J = self._subset.linearize(

@@ -19,17 +19,17 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from laplace import distributed as distributed_utils
-from laplace.errors import (
+from laplace.core import distributed as distributed_utils
+from laplace.core.priors import as_prior_precision, fix_prior_prec_structure
+from laplace.likelihoods import LikelihoodModel
+from laplace.posteriors import NotPositiveDefiniteError
+from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMethod, parse_enum
+from laplace.utils.errors import (
     ArgumentTypeError,
     check_int_at_least,
     check_positive_float,
     check_positive_int,
 )
-from laplace.likelihoods import LikelihoodModel
-from laplace.posteriors import NotPositiveDefiniteError
-from laplace.priors import as_prior_precision, fix_prior_prec_structure
-from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMethod, parse_enum
 from laplace.utils.validation import validate
 
 __all__ = [
@@ -157,7 +157,7 @@ def gridsearch(
 
     Candidates whose posterior cannot be factorised or whose loss is not finite are skipped;
     the first of equal losses wins (see :func:`search_grid`). After a distributed fit (see
-    :mod:`laplace.distributed`) each rank validates on its own shard of ``val_loader`` and the
+    :mod:`laplace.core.distributed`) each rank validates on its own shard of ``val_loader`` and the
     losses, taken as means over the shard, are averaged over all validation points, so every
     rank picks the same candidate.
 

@@ -4,8 +4,8 @@
 of their flattened vector; ``LastLayer`` the linear head of a
 :class:`~laplace.utils.feature_extractor.FeatureExtractor`, which may only be found on the first
 forward pass (``resolved`` tells). All implement the same small interface, including
-``linearize``: the model's outputs and Jacobian in the kind (:mod:`laplace.jacobians`) that suits
-the posterior, for the GLM predictive.
+``linearize``: the model's outputs and Jacobian in the kind (:mod:`laplace.posteriors.jacobians`)
+that suits the posterior, for the GLM predictive.
 """
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from laplace.data import Inputs
-from laplace.errors import ArgumentTypeError, MetaDeviceError, NotFittedError
-from laplace.jacobians import (
+from laplace.posteriors.jacobians import (
     HeadFeatures,
     Jacobian,
     JacobianRows,
     backend_kind,
     backend_linearization,
 )
-from laplace.large_output import variances_only_reason
-from laplace.last_layer import head_features
-from laplace.outputs import OutputLayout
+from laplace.posteriors.large_output import variances_only_reason
+from laplace.posteriors.last_layer import head_features
+from laplace.utils.data import Inputs
+from laplace.utils.errors import ArgumentTypeError, MetaDeviceError, NotFittedError
 from laplace.utils.feature_extractor import FeatureExtractor, as_feature_extractor
+from laplace.utils.outputs import OutputLayout
 
 __all__ = [
     "MISSING_SUBNETWORK_INDICES",
@@ -337,7 +337,7 @@ class LastLayer(_FlatParameters):
     Args:
         extractor: The wrapped model; its last layer may still be unknown (``resolved``).
         layout: The rows of outputs of a shape (the likelihood's ``layout``), for outputs
-            with extra dimensions (:mod:`laplace.outputs`); None: outputs (B, C) only.
+            with extra dimensions (:mod:`laplace.utils.outputs`); None: outputs (B, C) only.
     """
 
     backend_options: ClassVar[dict[str, Any]] = {"last_layer": True}
@@ -473,11 +473,11 @@ class LastLayer(_FlatParameters):
         """Outputs ``f`` (B, C) and the head's features φ (B, D), from one forward pass.
 
         Outputs with extra dimensions (B, …) whose head sees one feature vector per position
-        give the features of their rows (B·T, D) (:func:`~laplace.last_layer.head_features`)
-        where the posterior has a closed form for them. A head that sees several rows per data
-        point otherwise takes what the backend linearises into
-        (:func:`~laplace.jacobians.backend_linearization`). Arguments as for
-        :meth:`AllWeights.linearize`.
+        give the features of their rows (B·T, D)
+        (:func:`~laplace.posteriors.last_layer.head_features`) where the posterior has a closed
+        form for them. A head that sees several rows per data point otherwise takes what the
+        backend linearises into (:func:`~laplace.posteriors.jacobians.backend_linearization`).
+        Arguments as for :meth:`AllWeights.linearize`.
         """
         with torch.enable_grad() if backprop else torch.no_grad():
             f, phi = self.outputs_and_features(X)

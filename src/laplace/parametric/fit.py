@@ -3,11 +3,11 @@
 A fit is a sum over batches of per-batch statistics, summed by the accumulator of the posterior
 structure (:class:`~laplace.posteriors.Posterior`: ``zeros``, ``add``, ``merge``, ``finalize``),
 so ``fit(override=False)`` (online Laplace) and distributed fits (all-reduce of the sums) are
-small additions. The pass over the data is a :class:`~laplace.data_loop.DataLoop`: by default
+small additions. The pass over the data is a :class:`~laplace.core.data_loop.DataLoop`: by default
 :class:`CurvatureSum`, where the backend gives each batch's curvature in the structure's form;
 a class whose parameter subset has its own statistics names another pass (a last layer's closed
 forms, :class:`laplace.lllaplace.HeadCurvatureSum`; a low-rank eigensolver,
-:class:`laplace.lowranklaplace.TopEigenpairs`). ``ParametricLaplace.fit`` wires them. Internal
+:class:`laplace.parametric.lowrank.TopEigenpairs`). ``ParametricLaplace.fit`` wires them. Internal
 module.
 """
 
@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from laplace.data import Inputs, batch_size_of, check_outputs
-from laplace.data_loop import DataLoop
-from laplace.errors import check_finite_result
+from laplace.core.data_loop import DataLoop
 from laplace.posteriors import Posterior
+from laplace.utils.data import Inputs, batch_size_of, check_outputs
+from laplace.utils.errors import check_finite_result
 
 __all__ = ["CurvatureSum", "FitPass", "FitPieces"]
 
@@ -54,9 +54,9 @@ class FitPass(DataLoop):
     """A pass of a fit over the data: the pieces it wires and the checks of each batch.
 
     Args:
-        *args: See :class:`~laplace.data_loop.DataLoop`.
+        *args: See :class:`~laplace.core.data_loop.DataLoop`.
         pieces: The pieces of the fit.
-        **options: See :class:`~laplace.data_loop.DataLoop`.
+        **options: See :class:`~laplace.core.data_loop.DataLoop`.
 
     Attributes:
         n_outputs: The model's number of outputs, known after the first batch.
@@ -74,7 +74,7 @@ class FitPass(DataLoop):
         """Check the outputs ``f`` of a batch and its targets; the first sets ``n_outputs``.
 
         Raises:
-            ModelOutputError, DataError: See :func:`laplace.data.check_outputs`.
+            ModelOutputError, DataError: See :func:`laplace.utils.data.check_outputs`.
             ValueError: For targets the likelihood refuses.
         """
         f = check_outputs(f, batch_size_of(X, self.dict_key_x))

@@ -14,33 +14,24 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace.curvature import CurvatureInterface, CurvlinopsGGN
-from laplace.curvature.curvature import check_dict_inputs
-from laplace.curvature.registry import check_backend_kwargs
-from laplace.data import Inputs, move_inputs, split_batch
-from laplace.data_loop import DataLoop
-from laplace.distributed import unwrap_model
-from laplace.errors import (
-    AbstractClassError,
-    NotFittedError,
-    check_generator,
-    check_mapping,
-    check_module,
-    check_positive_int,
-)
-from laplace.likelihoods import LikelihoodModel, make_likelihood
-from laplace.outputs import IGNORE_INDEX
-from laplace.priors import (
+from laplace.core.data_loop import DataLoop
+from laplace.core.distributed import unwrap_model
+from laplace.core.priors import (
     as_prior_mean,
     as_prior_precision,
     as_sigma_noise,
     check_temperature,
     expand_to_diagonal,
 )
-from laplace.serialization import StateFormat, load_state_dict, state_dict
-from laplace.subsets import AllWeights, check_parameters
-from laplace.transaction import TRANSACTIONAL_METHODS, transactional
-from laplace.tuning import optimize_prior_precision
+from laplace.core.serialization import StateFormat, load_state_dict, state_dict
+from laplace.core.subsets import AllWeights, check_parameters
+from laplace.core.transaction import TRANSACTIONAL_METHODS, transactional
+from laplace.core.tuning import optimize_prior_precision
+from laplace.curvature import CurvatureInterface, CurvlinopsGGN
+from laplace.curvature.curvature import check_dict_inputs
+from laplace.curvature.registry import check_backend_kwargs
+from laplace.likelihoods import LikelihoodModel, make_likelihood
+from laplace.utils.data import Inputs, move_inputs, split_batch
 from laplace.utils.enums import (
     FunctionalApproximation,
     HessianStructure,
@@ -51,6 +42,15 @@ from laplace.utils.enums import (
     SubsetOfWeights,
     parse_enum,
 )
+from laplace.utils.errors import (
+    AbstractClassError,
+    NotFittedError,
+    check_generator,
+    check_mapping,
+    check_module,
+    check_positive_int,
+)
+from laplace.utils.outputs import IGNORE_INDEX
 
 __all__ = ["REGISTRY", "BaseLaplace", "arguments_for"]
 
@@ -69,8 +69,8 @@ class BaseLaplace:
     A class is composed from parts it names as data: its parameter subset (``_subset_kind``,
     built with ``_subset_options``), its posterior structure, its likelihood object and its
     state format (``_state_format``). The methods named in
-    :data:`~laplace.transaction.TRANSACTIONAL_METHODS` change nothing when they raise
-    (:mod:`laplace.transaction`), in every subclass.
+    :data:`~laplace.core.transaction.TRANSACTIONAL_METHODS` change nothing when they raise
+    (:mod:`laplace.core.transaction`), in every subclass.
 
     Args:
         model: The trained network; only parameters with ``requires_grad=True`` are treated
@@ -92,7 +92,7 @@ class BaseLaplace:
             stands for its class); ``CurvlinopsGGN`` (exact GGN) when None.
         backend_kwargs: Keyword arguments for the backend's constructor.
         asdl_fisher_kwargs: Keyword arguments for ASDL's Fisher (ASDL backends only).
-        class_dim: For outputs with extra dimensions (see :mod:`laplace.outputs`): the
+        class_dim: For outputs with extra dimensions (see :mod:`laplace.utils.outputs`): the
             dimension of the outputs (B, …) that holds the classes (outputs), counted like
             torch's ``dim`` (``1`` for (B, C, H, W), ``-1`` for (B, T, C)). None: the one the
             classification targets lack, the last one for regression; needed only where that
@@ -124,7 +124,8 @@ class BaseLaplace:
     _refused_prior_structures: ClassVar[dict[PriorStructure, str]] = {}
     #: How ``state_dict`` saves the approximation and ``load_state_dict`` restores it.
     _state_format: StateFormat = StateFormat()
-    #: Attributes the default state format saves (see :class:`~laplace.serialization.StateFormat`).
+    #: Attributes the default state format saves (see
+    #: :class:`~laplace.core.serialization.StateFormat`).
     _state_plain: tuple[str, ...] = ()
     _state_tensors: tuple[str, ...] = ()
     _state_parameters: tuple[str, ...] = ()
@@ -238,7 +239,7 @@ class BaseLaplace:
         """Bind the found parameters and check the hyperparameters given before they were known.
 
         The number of outputs is then known, and with it the structure (see
-        :mod:`laplace.large_output`).
+        :mod:`laplace.posteriors.large_output`).
         """
         self._bind_subset()
         self.prior_precision = self.prior_precision
@@ -418,13 +419,14 @@ class BaseLaplace:
         """Yield ``(X, y)`` of each batch on the model's device, checked before any model call.
 
         Raises:
-            ValueError: For batches :func:`~laplace.data.prepare_batch` refuses, and dict-like
+            ValueError: For batches :func:`~laplace.utils.data.prepare_batch` refuses, and
+            dict-like
                 batches with a backend that cannot take them (BackPACK).
         """
         return self._data_loop(DataLoop, progress_bar=progress_bar, desc=desc).batches(loader)
 
     def _data_loop(self, loop: type[DataLoop], **options: Any) -> DataLoop:
-        """A ``loop`` (a :class:`~laplace.data_loop.DataLoop` class) over this one's batches.
+        """A ``loop`` (a :class:`~laplace.core.data_loop.DataLoop` class) over this one's batches.
 
         ``options`` are its other arguments; the dict keys, the device and the check that the
         backend takes the inputs are this approximation's.

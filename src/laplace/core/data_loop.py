@@ -14,18 +14,14 @@ import torch
 from torch import Tensor
 from torch.utils.data import (
     DataLoader,
-    RandomSampler,
-    SequentialSampler,
-    Subset,
-    SubsetRandomSampler,
 )
 from tqdm.auto import tqdm
 
-from laplace import distributed as distributed_utils
-from laplace.data import Inputs, concatenate_rows, prepare_batch
-from laplace.errors import check_finite_result
+from laplace.core import distributed as distributed_utils
+from laplace.utils.data import Inputs, concatenate_rows, prepare_batch
+from laplace.utils.errors import check_finite_result
 
-__all__ = ["DataLoop", "Gather", "subset_loader", "training_indices"]
+__all__ = ["DataLoop", "Gather"]
 
 
 class DataLoop:
@@ -209,49 +205,3 @@ class _Passes:
     def __iter__(self) -> Iterator[Any]:
         for X, y in self.loop.batches(self.loader, progress_bar=False):
             yield (X, y) if self.step is None else self.step(X, y)
-
-
-def training_indices(loader: DataLoader) -> Tensor:
-    """Dataset indices (n,) the loader's sampler can reach; a permutation is not drawn.
-
-    Raises:
-        ValueError: For an empty sampler, out-of-range indices, or a ``drop_last`` batch sampler
-            without a positive batch size.
-    """
-    batch_sampler = loader.batch_sampler
-    sampler = loader.sampler if batch_sampler is None else getattr(batch_sampler, "sampler", None)
-    n = len(loader.dataset)
-    if sampler is None:
-        indices = [i for batch in batch_sampler for i in batch]
-    elif isinstance(sampler, SequentialSampler):
-        indices = list(range(n))
-        if getattr(batch_sampler, "drop_last", False):
-            size = getattr(batch_sampler, "batch_size", None)
-            if not isinstance(size, int) or size <= 0:
-                raise ValueError("a drop_last batch sampler needs a positive batch_size.")
-            indices = indices[: len(batch_sampler) * size]
-    elif (
-        isinstance(sampler, RandomSampler) and not sampler.replacement and sampler.num_samples == n
-    ):
-        indices = list(range(n))
-    elif isinstance(sampler, SubsetRandomSampler):
-        indices = list(sampler.indices)
-    else:
-        indices = list(sampler)
-    result = torch.as_tensor(indices, dtype=torch.long)
-    if result.dim() != 1 or result.numel() == 0:
-        raise ValueError("the training loader's sampler yields no indices.")
-    if bool((result < 0).any()) or bool((result >= n).any()):
-        raise ValueError(f"the training sampler yields indices outside [0, {n}).")
-    return result
-
-
-def subset_loader(loader: DataLoader, indices: Tensor) -> DataLoader:
-    """A non-shuffled loader over ``loader.dataset[indices]``, same batch size and collate."""
-    size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", 1)
-    return DataLoader(
-        Subset(loader.dataset, indices.cpu().tolist()),
-        batch_size=size,
-        collate_fn=loader.collate_fn,
-        shuffle=False,
-    )

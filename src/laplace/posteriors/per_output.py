@@ -32,7 +32,6 @@ from torch import Tensor
 from laplace.curvature import CurvatureInterface, GGNInterface
 from laplace.curvature.kfac import kfac
 from laplace.curvature.kfac_rules import check_gradient_factor_first
-from laplace.jacobians import Jacobian
 from laplace.posteriors import (
     DensePosterior,
     DiagonalPosterior,
@@ -41,6 +40,7 @@ from laplace.posteriors import (
     Posterior,
 )
 from laplace.posteriors.base import ClosedForm
+from laplace.posteriors.jacobians import Jacobian
 from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = ["OutputKron", "PerOutputPosterior", "noise_structure"]

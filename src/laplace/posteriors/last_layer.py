@@ -7,8 +7,8 @@ the GGN, ``∇ℓ ∇ℓᵀ`` for the empirical Fisher) and the GLM output covar
 functions of the features: each posterior structure keeps its closed forms (its
 ``head_curvature`` and the ``HeadFeatures`` entry of its ``closed_forms``). No per-sample
 autograd and no (B, C, P) Jacobian is involved. Above
-:data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` outputs ``Mₙ`` is a diagonal plus low rank
-(:class:`~laplace.utils.diag_lowrank.DiagLowRankBatch`), never a C × C matrix.
+:data:`~laplace.posteriors.large_output.LARGE_OUTPUT_THRESHOLD` outputs ``Mₙ`` is a diagonal plus
+low rank (:class:`~laplace.utils.diag_lowrank.DiagLowRankBatch`), never a C × C matrix.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from laplace.curvature import CurvatureInterface
-from laplace.large_output import is_large_output
+from laplace.posteriors.large_output import is_large_output
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 
 __all__ = [
@@ -70,7 +70,7 @@ def head_rows(
     """Outputs, features and targets of one batch as rows of the head, where closed forms apply.
 
     Outputs with extra dimensions (B, …) whose head sees one feature vector per position
-    become independent rows (:mod:`laplace.outputs`, :func:`head_features`): the head's
+    become independent rows (:mod:`laplace.utils.outputs`, :func:`head_features`): the head's
     curvature is a sum over rows when the backend's columns are per row (the exact GGN; the
     empirical and Monte-Carlo Fisher of the summed loss of a data point are not).
 

@@ -9,15 +9,14 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from laplace import large_output
-from laplace.base import BaseLaplace, arguments_for
-from laplace.errors import check_positive_int
-from laplace.outputs import IGNORE_INDEX
-from laplace.parametric import ParametricLaplace
-from laplace.posteriors import KronPosterior, Posterior
+from laplace.core.base import BaseLaplace, arguments_for
+from laplace.parametric.base import ParametricLaplace
+from laplace.posteriors import KronPosterior, Posterior, large_output
 from laplace.posteriors.kron import kron_block_structure
 from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
+from laplace.utils.errors import check_positive_int
 from laplace.utils.matrix import Kron, KronDecomposed
+from laplace.utils.outputs import IGNORE_INDEX
 
 __all__ = ["KronLaplace"]
 
@@ -38,39 +37,39 @@ class KronLaplace(ParametricLaplace):
     and sets ``H`` to their eigendecomposition (a :class:`~laplace.utils.matrix.KronDecomposed`),
     computed once, when the posterior is first used; tuning the prior or σ never re-factorises.
     The GLM predictive computes ``J P⁻¹ Jᵀ`` from layer inputs and output gradients
-    (:mod:`laplace.kron_glm`, through :class:`~laplace.posteriors.KronPosterior`) without forming
-    Jacobians.
+    (:mod:`laplace.posteriors.kron_glm`, through :class:`~laplace.posteriors.KronPosterior`)
+    without forming Jacobians.
 
     Every parameterised layer has a block: Kronecker factors for Linear, convolution,
     transformers' ``Conv1D`` and embedding layers, the exact (dense or diagonal) block of any
     other parameter (docs: Backends, "KFAC over every layer"). A layer with more outputs than
-    :data:`~laplace.large_output.LARGE_OUTPUT_THRESHOLD` keeps its output factor as a diagonal
-    plus a rank-``output_factor_rank`` term, never a dense C × C matrix; it needs the
-    Monte-Carlo or empirical Fisher, and the GLM predictive is refused for it (docs: Large
-    output dimensions).
+    :data:`~laplace.posteriors.large_output.LARGE_OUTPUT_THRESHOLD` keeps its output factor as a
+    diagonal plus a rank-``output_factor_rank`` term, never a dense C × C matrix; it needs the
+    Monte-Carlo or empirical Fisher, and the GLM predictive is refused for it (docs: Large output
+    dimensions).
 
     Args:
-        model: See :class:`~laplace.base.BaseLaplace`.
-        likelihood: See :class:`~laplace.base.BaseLaplace`.
-        sigma_noise: See :class:`~laplace.base.BaseLaplace`.
+        model: See :class:`~laplace.core.base.BaseLaplace`.
+        likelihood: See :class:`~laplace.core.base.BaseLaplace`.
+        sigma_noise: See :class:`~laplace.core.base.BaseLaplace`.
         prior_precision: Scalar or one value per parameter tensor (a diagonal prior has no
             Kronecker eigenbasis and is refused).
-        prior_mean: See :class:`~laplace.base.BaseLaplace`.
-        temperature: See :class:`~laplace.base.BaseLaplace`.
-        enable_backprop: See :class:`~laplace.base.BaseLaplace`.
-        dict_key_x: See :class:`~laplace.base.BaseLaplace`.
-        dict_key_y: See :class:`~laplace.base.BaseLaplace`.
-        backend: See :class:`~laplace.base.BaseLaplace`; a GGN or EF backend. Its
+        prior_mean: See :class:`~laplace.core.base.BaseLaplace`.
+        temperature: See :class:`~laplace.core.base.BaseLaplace`.
+        enable_backprop: See :class:`~laplace.core.base.BaseLaplace`.
+        dict_key_x: See :class:`~laplace.core.base.BaseLaplace`.
+        dict_key_y: See :class:`~laplace.core.base.BaseLaplace`.
+        backend: See :class:`~laplace.core.base.BaseLaplace`; a GGN or EF backend. Its
             ``backend_kwargs`` may set ``kfac_approx`` (``"expand"`` or ``"reduce"``) and
             ``kfac_dense_limit`` (the native backends).
         damping: Mix the prior into each factor: a weight block's spectrum becomes
             ``(√h·λ_G + √δ)(√h·λ_A + √δ)ᵀ`` instead of ``h·λ_G λ_Aᵀ + δ``.
-        backend_kwargs: See :class:`~laplace.base.BaseLaplace`.
-        asdl_fisher_kwargs: See :class:`~laplace.base.BaseLaplace`.
-        class_dim: See :class:`~laplace.base.BaseLaplace`.
-        ignore_index: See :class:`~laplace.base.BaseLaplace`.
+        backend_kwargs: See :class:`~laplace.core.base.BaseLaplace`.
+        asdl_fisher_kwargs: See :class:`~laplace.core.base.BaseLaplace`.
+        class_dim: See :class:`~laplace.core.base.BaseLaplace`.
+        ignore_index: See :class:`~laplace.core.base.BaseLaplace`.
         output_factor_rank: Largest rank of the low-rank term of a large layer's output factor
-            (default :data:`~laplace.large_output.OUTPUT_FACTOR_RANK`).
+            (default :data:`~laplace.posteriors.large_output.OUTPUT_FACTOR_RANK`).
 
     Raises:
         ValueError: For a module the backend cannot Kronecker-factor (ASDL, BackPACK; a

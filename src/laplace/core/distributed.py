@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from laplace.data import dataset_size
-from laplace.errors import check_bool
+from laplace.utils.data import dataset_size
+from laplace.utils.errors import check_bool
 
 __all__ = [
     "DistributedFitError",

@@ -15,10 +15,10 @@ from typing import Any
 from torch import Tensor, nn
 
 from laplace.curvature.per_sample import PerSampleTrace
-from laplace.data import Inputs
-from laplace.kron_glm import layerwise_chunk_rows
-from laplace.last_layer import head_jacobians
-from laplace.outputs import OutputAdapter, OutputLayout
+from laplace.posteriors.kron_glm import layerwise_chunk_rows
+from laplace.posteriors.last_layer import head_jacobians
+from laplace.utils.data import Inputs
+from laplace.utils.outputs import OutputAdapter, OutputLayout
 
 __all__ = [
     "HeadFeatures",

@@ -18,23 +18,23 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace import distributed as distributed_utils
-from laplace.base import BaseLaplace, arguments_for
+from laplace.core import distributed as distributed_utils
+from laplace.core.base import BaseLaplace, arguments_for
+from laplace.core.serialization import ParametricState
 from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.eigen import SOLVERS, STARTS, top_eigenpairs
 from laplace.curvature.products import curvature_product
-from laplace.data import Inputs
-from laplace.errors import (
+from laplace.parametric.base import ParametricLaplace
+from laplace.parametric.fit import FitPass
+from laplace.posteriors.lowrank import LowRankPosterior
+from laplace.utils.data import Inputs
+from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
+from laplace.utils.errors import (
     check_finite_result,
     check_int_at_least,
     check_positive_int,
 )
-from laplace.outputs import IGNORE_INDEX
-from laplace.parametric import ParametricLaplace
-from laplace.parametric_fit import FitPass
-from laplace.posteriors.lowrank import LowRankPosterior
-from laplace.serialization import ParametricState
-from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
+from laplace.utils.outputs import IGNORE_INDEX
 
 __all__ = ["LowRankLaplace"]
 
@@ -124,12 +124,12 @@ class TopEigenpairs(FitPass):
     One pass sums the loss (checking each batch's outputs and targets) before
     any solver work; then :func:`~laplace.curvature.eigen.top_eigenpairs` multiplies the
     curvature over the data with blocks of vectors (:func:`curvature_product`), one more pass
-    over the batches (:meth:`~laplace.data_loop.DataLoop.passes`) per product.
+    over the batches (:meth:`~laplace.core.data_loop.DataLoop.passes`) per product.
 
     Args:
-        *args: See :class:`~laplace.data_loop.DataLoop`.
+        *args: See :class:`~laplace.core.data_loop.DataLoop`.
         solver: The eigensolver's options, with ``n_eigenvalues`` (see :func:`_solver_options`).
-        **options: See :class:`~laplace.parametric_fit.FitPass`.
+        **options: See :class:`~laplace.parametric.fit.FitPass`.
 
     Attributes:
         errors: After :meth:`run`, the a posteriori relative errors of the eigenvalues (k,).
@@ -205,13 +205,13 @@ class LowRankLaplace(ParametricLaplace):
         backend: Curvature family: ``CurvlinopsGGN`` (default, exact GGN; ``stochastic=True``
             for the Monte-Carlo Fisher), ``CurvlinopsEF``/``AsdlEF``, or a Hessian backend
             (``CurvlinopsHessian``, ``AsdlHessian``). laplace-torch's default is the Hessian.
-        sigma_noise: See :class:`~laplace.base.BaseLaplace`.
-        prior_precision: See :class:`~laplace.base.BaseLaplace`.
-        prior_mean: See :class:`~laplace.base.BaseLaplace`.
-        temperature: See :class:`~laplace.base.BaseLaplace`.
-        enable_backprop: See :class:`~laplace.base.BaseLaplace`.
-        dict_key_x: See :class:`~laplace.base.BaseLaplace`.
-        dict_key_y: See :class:`~laplace.base.BaseLaplace`.
+        sigma_noise: See :class:`~laplace.core.base.BaseLaplace`.
+        prior_precision: See :class:`~laplace.core.base.BaseLaplace`.
+        prior_mean: See :class:`~laplace.core.base.BaseLaplace`.
+        temperature: See :class:`~laplace.core.base.BaseLaplace`.
+        enable_backprop: See :class:`~laplace.core.base.BaseLaplace`.
+        dict_key_x: See :class:`~laplace.core.base.BaseLaplace`.
+        dict_key_y: See :class:`~laplace.core.base.BaseLaplace`.
         backend_kwargs: Backend options, plus the eigensolver's: ``n_eigenvalues`` (k, default
             10; ``low_rank`` is accepted as in laplace-torch); ``solver``: ``"randomized"``
             (default) on blocks of ``k + oversampling`` vectors (``oversampling`` default 10),
@@ -222,8 +222,8 @@ class LowRankLaplace(ParametricLaplace):
             fewer once every error bound is at most ``tol``; or ``"lanczos"`` or ``"lobpcg"``
             (exact to ``tol``, default 0: machine precision; hundreds of passes); ``seed``
             (start vectors).
-        class_dim: See :class:`~laplace.base.BaseLaplace`.
-        ignore_index: See :class:`~laplace.base.BaseLaplace`.
+        class_dim: See :class:`~laplace.core.base.BaseLaplace`.
+        ignore_index: See :class:`~laplace.core.base.BaseLaplace`.
 
     Attributes:
         eigenvalue_errors: After :meth:`fit`, a posteriori relative errors of the eigenvalues,

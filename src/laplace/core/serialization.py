@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from laplace.errors import ArgumentTypeError, MissingKeyError, check_bool, check_positive_int
-from laplace.outputs import OutputAdapter
-from laplace.priors import check_temperature
+from laplace.core.priors import check_temperature
+from laplace.utils.errors import ArgumentTypeError, MissingKeyError, check_bool, check_positive_int
+from laplace.utils.outputs import OutputAdapter
 
 __all__ = [
     "ParametricState",

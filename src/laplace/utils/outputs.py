@@ -16,7 +16,7 @@ from enum import Enum
 import torch
 from torch import Tensor
 
-from laplace.errors import DataError
+from laplace.utils.errors import DataError
 
 __all__ = [
     "IGNORE_INDEX",
