@@ -248,15 +248,15 @@ class KronPosterior(KronAccumulator, Posterior):
         device, dtype = params[0].device, params[0].dtype
         if shapes is None:
             return Kron.init_from_model(params, device, dtype)
-        if not any(isinstance(shape, LowRankShape) for block in shapes for shape in block):
-            return Kron.zeros(shapes, device, dtype)
 
         def zero(shape: tuple[int, ...]) -> Tensor | DiagLowRank:
             if isinstance(shape, LowRankShape):
                 return DiagLowRank.zeros(shape[0], -1, cls.max_rank, device, dtype)
             return torch.zeros(shape, device=device, dtype=dtype)
 
-        return StructuredKron([[zero(shape) for shape in block] for block in shapes])
+        kfacs = [[zero(shape) for shape in block] for block in shapes]
+        low_rank = any(isinstance(F, DiagLowRank) for block in kfacs for F in block)
+        return (StructuredKron if low_rank else Kron)(kfacs)
 
     @override
     @classmethod

@@ -112,11 +112,6 @@ class LowRankPosterior(Posterior):
         like = zeros[1]
         return U.to(like.device, like.dtype), eigenvalues.to(like.device, like.dtype)
 
-    @property
-    def eigenvectors(self) -> Tensor:
-        """``U``, shape (P, k)."""
-        return self.H[0]
-
     @cached_property
     def scaled_eigenvalues(self) -> Tensor:
         """``h·λ``, shape (k,)."""
@@ -125,7 +120,7 @@ class LowRankPosterior(Posterior):
     @cached_property
     def precision(self) -> tuple[tuple[Tensor, Tensor], Tensor]:
         """``((U, h·λ), p₀)``: ``P = U diag(h·λ) Uᵀ + diag(p₀)``."""
-        return (self.eigenvectors, self.scaled_eigenvalues), self.prior_diag
+        return (self.H[0], self.scaled_eigenvalues), self.prior_diag
 
     @cached_property
     def _inv_sqrt_prior(self) -> Tensor:
@@ -134,7 +129,7 @@ class LowRankPosterior(Posterior):
     @cached_property
     def W(self) -> Tensor:
         """``D^{-1/2} U diag(h·λ)^{1/2}``, shape (P, k)."""
-        return self.eigenvectors * self.scaled_eigenvalues.sqrt() * self._inv_sqrt_prior[:, None]
+        return self.H[0] * self.scaled_eigenvalues.sqrt() * self._inv_sqrt_prior[:, None]
 
     @cached_property
     def capacitance_cholesky(self) -> Tensor:
@@ -151,7 +146,7 @@ class LowRankPosterior(Posterior):
 
     @override
     def square_form(self, delta: Tensor) -> Tensor:
-        projected = self.eigenvectors.T @ delta
+        projected = self.H[0].T @ delta
         return (delta.square() * self.prior_diag).sum() + (
             projected.square() * self.scaled_eigenvalues
         ).sum()

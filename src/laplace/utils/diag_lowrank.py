@@ -375,9 +375,9 @@ class LowRankKronBlock:
         self, G: DiagLowRank, a: Tensor | None, Q: Tensor | None, delta: Tensor, damping: bool
     ) -> None:
         self.G, self.Q = G, Q
-        if a is None:
-            self.E, self.beta = (G.diag + delta).unsqueeze(0), torch.ones_like(delta).reshape(1)
-        elif damping:
+        if a is None:  # a block of G alone: one input eigenvalue 1, never damped
+            a, damping = torch.ones_like(delta).reshape(1), False
+        if damping:
             root = delta.sqrt()
             c = a + root
             self.E, self.beta = c.unsqueeze(1) * (G.diag + root), c
