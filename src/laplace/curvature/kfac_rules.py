@@ -160,27 +160,6 @@ def module_name(model: nn.Module, module: nn.Module) -> str:
     return next((name or "<root>" for name, m in model.named_modules() if m is module), "?")
 
 
-def _many_outputs(
-    model: nn.Module, module: nn.Module, rule: KfacRule, size: int, above: int
-) -> bool:
-    """Whether a Kronecker block's output factor is kept low rank (refuses a ``Conv1D``).
-
-    Raises:
-        ValueError: For a layer laid out (D_in, D_out) with more than ``above`` outputs.
-    """
-    if size <= above or rule.one_hot:
-        return False
-    if rule.inputs_first:
-        raise ValueError(
-            f"module {module_name(model, module)!r} ({type(module).__name__}) has {size} "
-            f"outputs, more than LARGE_OUTPUT_THRESHOLD={above}, and its weight is laid out (in, "
-            "out): its output factor cannot be kept diagonal plus low rank. Use "
-            "subset_of_weights='last_layer', hessian_structure='diag', or freeze it "
-            "(requires_grad=False)."
-        )
-    return True
-
-
 def plan_blocks(
     engine: Any, dense_limit: int = KFAC_DENSE_LIMIT, low_rank_above: int | None = None
 ) -> list[Block]:
@@ -206,9 +185,15 @@ def plan_blocks(
         if rule is not None and name in ("weight", "bias"):
             module = owners[0][0]
             size = p.shape[-1] if rule.inputs_first and name == "weight" else p.shape[0]
-            low_rank = low_rank_above is not None and _many_outputs(
-                engine.model, module, rule, size, low_rank_above
-            )
+            low_rank = low_rank_above is not None and size > low_rank_above and not rule.one_hot
+            if low_rank and rule.inputs_first:  # laid out (D_in, D_out): G is the second factor
+                raise ValueError(
+                    f"module {module_name(engine.model, module)!r} ({type(module).__name__}) "
+                    f"has {size} outputs, more than LARGE_OUTPUT_THRESHOLD={low_rank_above}, and "
+                    "its weight is laid out (in, out): its output factor cannot be kept diagonal "
+                    "plus low rank. Use subset_of_weights='last_layer', hessian_structure='diag', "
+                    "or freeze it (requires_grad=False)."
+                )
             plan.append(Block("kron" if name == "weight" else "bias", module, rule, low_rank))
         else:
             plan.append(Block("dense" if p.numel() <= dense_limit else "diag"))
