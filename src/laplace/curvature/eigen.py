@@ -69,11 +69,8 @@ def _cholesky_qr(block: Tensor, shift: bool) -> Tensor | None:
     """
     gram = block.T @ block
     if shift:
-        eps = torch.finfo(block.dtype).eps
         size = block.shape[0] * block.shape[1] + block.shape[1] ** 2
-        gram = gram + 11 * size * eps * gram.diagonal().sum() * torch.eye(
-            block.shape[1], dtype=block.dtype, device=block.device
-        )
+        gram.diagonal().add_(11 * size * torch.finfo(block.dtype).eps * gram.diagonal().sum())
     L, info = torch.linalg.cholesky_ex(gram)
     if int(info) != 0:
         return None
