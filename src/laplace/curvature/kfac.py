@@ -152,40 +152,39 @@ def _tiled(call: ModuleCall, k: int) -> ModuleCall:
     return ModuleCall(call.module, args, kwargs, call.outputs, call.output_slots, call.names)
 
 
-class _ExactBlocks:
-    """Sums of the exact blocks (dense or diagonal) from per-sample gradients, by slot."""
+def _add_exact_blocks(
+    trace: PerSampleTrace, plan: list[Block], grads: list[list[Tensor]], sums: dict[int, Tensor]
+) -> None:
+    """Add the exact blocks (dense or diagonal) of a chunk of columns to ``sums``, by slot.
 
-    def __init__(self, trace: PerSampleTrace, plan: list[Block]) -> None:
-        self.trace, self.plan = trace, plan
-        self.sums: dict[int, Tensor] = {}
-        slot = trace.engine.slot
-        self.calls = [
-            (i, call)
-            for i, call in enumerate(trace.calls)
-            if any(plan[slot[call.module, name]].kind in ("dense", "diag") for name in call.names)
-        ]
-
-    def add(self, grads: list[list[Tensor]]) -> None:
-        """Add the blocks of a chunk of columns (per call, gradients (k, R, ...))."""
-        rows: dict[int, list[Tensor]] = {}  # per slot, per call, the per-sample gradients
-        for i, call in self.calls:
-            k = len(grads[i][0])  # the chunk's columns, as more rows: (k·R, ...)
-            tiled = _tiled(call, k) if k > 1 else call
-            try:
-                per_sample = self.trace.slot_grads(tiled, [g.flatten(0, 1) for g in grads[i]])
-            except ValueError as error:  # a rule refusing the call: name the module
-                name = module_name(self.trace.engine.model, call.module)
-                raise ValueError(f"module {name!r}: {error}") from error
-            for s, u in per_sample.items():
-                if self.plan[s].kind in ("dense", "diag"):
-                    rows.setdefault(s, []).append(u.detach().flatten(1))
-        for s, us in rows.items():
-            # a parameter used by several calls: its per-sample gradient is their sum (calls
-            # over other rows than the data points, as folded batches, stay apart)
-            same_rows = all(u.shape == us[0].shape for u in us)
-            u = torch.stack(us).sum(0) if same_rows else torch.cat(us)
-            diagonal = self.plan[s].kind == "diag"
-            _add(self.sums, s, u.square().sum(0) if diagonal else symmetric_gram(u))
+    Args:
+        trace: The recorded batch.
+        plan: The block of every parameter slot.
+        grads: Per call, the chunk's gradients w.r.t. its outputs, each (k, R, ...).
+        sums: The blocks summed so far.
+    """
+    exact = {s for s, block in enumerate(plan) if block.kind in ("dense", "diag")}
+    rows: dict[int, list[Tensor]] = {}  # per slot, per call, the per-sample gradients
+    for call, g in zip(trace.calls, grads):
+        if not any(trace.engine.slot[call.module, name] in exact for name in call.names):
+            continue
+        k = len(g[0])  # the chunk's columns, as more rows: (k·R, ...)
+        try:
+            per_sample = trace.slot_grads(
+                _tiled(call, k) if k > 1 else call, [gi.flatten(0, 1) for gi in g]
+            )
+        except ValueError as error:  # a rule refusing the call: name the module
+            name = module_name(trace.engine.model, call.module)
+            raise ValueError(f"module {name!r}: {error}") from error
+        for s, u in per_sample.items():
+            if s in exact:
+                rows.setdefault(s, []).append(u.detach().flatten(1))
+    for s, us in rows.items():
+        # a parameter used by several calls: its per-sample gradient is their sum (calls
+        # over other rows than the data points, as folded batches, stay apart)
+        same_rows = all(u.shape == us[0].shape for u in us)
+        u = torch.stack(us).sum(0) if same_rows else torch.cat(us)
+        _add(sums, s, u.square().sum(0) if plan[s].kind == "diag" else symmetric_gram(u))
 
 
 def kfac(
@@ -245,11 +244,11 @@ def kfac(
         if (rule := kron_weights.get(call.module)) is not None:
             n = 1 if rule.inputs_first else n_data
             _add(A, call.module, _input_factor(rule, call, approx, root, n))
-    exact = _ExactBlocks(trace, plan)
+    exact: dict[int, Tensor] = {}  # the exact blocks' sums, by slot
     rows: dict[int, list[Tensor]] = {}
     for stacked in trace.column_gradients(columns) if gradients is None else [gradients]:
         chunk = [[g.detach() for g in grads] for grads in stacked]
-        exact.add(chunk)
+        _add_exact_blocks(trace, plan, chunk, exact)
         for i, call in enumerate(calls):
             rule = kron_rules.get(call.module)
             if rule is None:
@@ -270,7 +269,7 @@ def kfac(
     blocks: list[list[Tensor]] = []
     for slot, (block, p, shape) in enumerate(zip(plan, engine.needed, shapes)):
         if block.kind in ("dense", "diag"):
-            blocks.append([_or_zeros(exact.sums, slot, p, shape[0])])
+            blocks.append([_or_zeros(exact, slot, p, shape[0])])
         elif block.kind == "bias":
             blocks.append([_or_zeros(G, block.module, p, shape[0], max_rank)])
         elif block.rule.inputs_first:
