@@ -4,8 +4,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
+# Stops a GPU target with one line where torch sees no CUDA device.
+NEED_CUDA = $(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make $@ needs a CUDA GPU: torch ' + torch.__version__ + ' sees none on this machine (torch.cuda.is_available() is False)')"
 
-.PHONY: help install test test-all lint format demo bench bench-scaling bench-compare docs lock clean
+.PHONY: help install test test-all test-gpu lint format demo bench bench-scaling bench-compare bench-gpu docs lock clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
@@ -24,6 +26,11 @@ test: $(STAMP)  ## run the test suite (slow cases excluded)
 test-all: $(STAMP)  ## run every test, slow cases and many more property-test examples included
 	LAPLACE_HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m ''
 
+test-gpu: $(STAMP)  ## on a CUDA GPU: every device-parametrised test on cuda, then the oracle tests in float64 on cuda
+	@$(NEED_CUDA)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m '' -k cuda
+	LAPLACE_TEST_DEVICE=cuda $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m 'oracle and not slow'
+
 lint: $(STAMP)  ## ruff lint and format check
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m ruff format --check src tests benchmarks examples
@@ -39,6 +46,10 @@ demo: $(STAMP)  ## run the regression and calibration examples (PNG + JSON under
 
 bench: $(STAMP)  ## time fit/predict and peak memory (benchmarks/run.py)
 	$(PY) benchmarks/run.py
+
+bench-gpu: $(STAMP)  ## on a CUDA GPU: the benchmark cases on cuda, fits against their floor (results/run-cuda.json)
+	@$(NEED_CUDA)
+	$(PY) benchmarks/run.py --device cuda
 
 bench-scaling: $(STAMP)  ## fit/predict time and memory against N and width, growth exponents (slow)
 	$(PY) benchmarks/scaling.py

@@ -9,6 +9,10 @@ A fit is timed against a *floor* measured in the same process: one forward and 1
 passes (one per class) over the same data, the cost of any curvature that needs each output's
 gradient. Floor and fit alternate, and the ratio reported is the median of the per-repeat ratios,
 so that load from other processes affects both alike.
+
+``use_device("cuda")`` puts the models and data on a GPU: times then wait for the device
+(``torch.cuda.synchronize``) and peak memory is the device's (``torch.cuda.max_memory_allocated``)
+instead of the process's resident memory.
 """
 
 from __future__ import annotations
@@ -24,6 +28,20 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 N_TRAIN, N_TEST, N_CLASSES, BATCH = 2000, 1000, 10, 100
+#: Where models and data live (``use_device``).
+DEVICE = torch.device("cpu")
+
+
+def use_device(name: str) -> None:
+    """Build models and data on ``name`` (``"cpu"`` or ``"cuda"``) from now on."""
+    global DEVICE
+    DEVICE = torch.device(name)
+
+
+def synchronize() -> None:
+    """Wait for the device's queued work, so a clock read after it counts that work."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 def mlp(width: int = 1) -> nn.Module:
@@ -35,7 +53,7 @@ def mlp(width: int = 1) -> nn.Module:
         nn.Linear(hidden, hidden),
         nn.ReLU(),
         nn.Linear(hidden, N_CLASSES),
-    )
+    ).to(DEVICE)
 
 
 def cnn(width: int = 1) -> nn.Module:
@@ -49,7 +67,7 @@ def cnn(width: int = 1) -> nn.Module:
         nn.Linear(c2 * 7 * 7, hidden),
         nn.ReLU(),
         nn.Linear(hidden, N_CLASSES),
-    )
+    ).to(DEVICE)
 
 
 MODELS = {"mlp": mlp, "cnn": cnn}
@@ -59,7 +77,8 @@ INPUT_SHAPES = {"mlp": (64,), "cnn": (1, 28, 28)}
 def data(model_name: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     X = torch.randn(n, *INPUT_SHAPES[model_name], generator=gen)
-    return X, torch.randint(0, N_CLASSES, (n,), generator=gen)
+    y = torch.randint(0, N_CLASSES, (n,), generator=gen)
+    return X.to(DEVICE), y.to(DEVICE)
 
 
 def training_loader(model_name: str, n: int = N_TRAIN) -> DataLoader:
@@ -67,10 +86,18 @@ def training_loader(model_name: str, n: int = N_TRAIN) -> DataLoader:
 
 
 class PeakRSS:
-    """Peak resident memory above the level at entry, sampled every 2 ms (bytes)."""
+    """Peak resident memory above the level at entry, sampled every 2 ms (bytes).
+
+    On a CUDA ``DEVICE``, the peak of the device memory allocated by torch above the level at
+    entry instead.
+    """
 
     def __enter__(self):
         self.base = self.peak = self._rss()
+        if DEVICE.type == "cuda":
+            synchronize()
+            torch.cuda.reset_peak_memory_stats(DEVICE)
+            self.cuda_base = torch.cuda.memory_allocated(DEVICE)
         self._stop = False
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -79,9 +106,14 @@ class PeakRSS:
     def __exit__(self, *exc):
         self._stop = True
         self._thread.join()
+        if DEVICE.type == "cuda":
+            synchronize()
+            self.cuda_peak = torch.cuda.max_memory_allocated(DEVICE)
 
     @property
     def extra(self) -> int:
+        if DEVICE.type == "cuda":
+            return self.cuda_peak - self.cuda_base
         return self.peak - self.base
 
     @staticmethod
@@ -111,8 +143,10 @@ def use_clock(name: str) -> None:
 
 
 def seconds(fn: Callable[[], object]) -> float:
+    synchronize()
     start = _clock()
     fn()
+    synchronize()
     return _clock() - start
 
 

@@ -8,10 +8,13 @@ repeats and a fit's ratio to its floor is the median of per-repeat ratios, floor
 alternating (see the harness).
 
 Usage: ``python benchmarks/run.py [--cases NAME ...] [--repeats R] [--threads T]
-[--clock wall|cpu]``; prints a table and writes
-``benchmarks/results/run.json``. ``--backends`` instead times ``fit`` per curvature backend ×
-structure on both models and writes ``benchmarks/results/backends.json``. The scaling table
-(N and width) is ``benchmarks/scaling.py``. The ``binary-*`` cases time
+[--clock wall|cpu] [--device cpu|cuda]``; prints a table and writes
+``benchmarks/results/run.json``. ``--device cuda`` (``make bench-gpu``) runs the cases whose
+models and data come from the harness (``GPU_CASES``) on a GPU, peak memory being the device's,
+and writes ``benchmarks/results/run-cuda.json``. ``--backends`` instead times ``fit`` per
+curvature backend × structure on both models and writes ``benchmarks/results/backends.json``.
+The scaling
+table (N and width) is ``benchmarks/scaling.py``. The ``binary-*`` cases time
 ``likelihood="binary_classification"`` against ``"classification"`` on the MLP; the
 ``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions;
 ``large-vocab-ll-kron`` is the 32,000-class head of ``benchmarks/large_vocab.py``.
@@ -43,9 +46,11 @@ from harness import (
     forward_plus_10_backward,
     measure_fit,
     measure_predict,
+    synchronize,
     timed,
     training_loader,
     use_clock,
+    use_device,
 )
 from large_vocab import LARGE_VOCAB_CASES
 from large_vocab_all import LARGE_VOCAB_ALL_CASES
@@ -139,8 +144,10 @@ def case_marglik(
     def tune():  # a fresh fit each time, so the one-off factorisation is included
         la = Laplace(model, "classification", subset, structure)
         la.fit(loader)
+        synchronize()
         start = time.perf_counter()
         la.optimize_prior_precision(method="marglik", n_steps=100)
+        synchronize()
         return la, time.perf_counter() - start
 
     with PeakRSS() as mem:
@@ -324,13 +331,40 @@ CASES = {
 }
 
 
-def run_one(name: str, repeats: int, threads: int = 2, clock: str = "wall") -> dict:
+#: The cases whose models and data come from the harness, so that ``--device cuda`` puts them on
+#: the GPU (the others build their own; the Lanczos reference of ``lowrank-accuracy-mlp`` runs
+#: SciPy on the host).
+GPU_CASES = [
+    name
+    for name in CASES
+    if name not in BACKEND_CASES
+    and name not in TRANSFORMER_CASES
+    and name not in POSITION_CASES
+    and name not in LARGE_VOCAB_CASES
+    and name not in LARGE_VOCAB_ALL_CASES
+    and name != "lowrank-accuracy-mlp"
+]
+
+
+def run_one(
+    name: str, repeats: int, threads: int = 2, clock: str = "wall", device: str = "cpu"
+) -> dict:
     torch.set_num_threads(threads)
     use_clock(clock)
+    use_device(device)
     torch.manual_seed(0)
     fn, model_name, structure = CASES[name]
     row = fn(model_name, structure, repeats)
-    return {**row, "threads": threads, "clock": clock, "load_avg_1min": os.getloadavg()[0]}
+    where = {"device": device}
+    if device == "cuda":
+        where["gpu"] = torch.cuda.get_device_name()
+    return {
+        **row,
+        "threads": threads,
+        "clock": clock,
+        **where,
+        "load_avg_1min": os.getloadavg()[0],
+    }
 
 
 def format_row(row: dict) -> str:
@@ -371,16 +405,35 @@ def main() -> None:
         default="wall",
         help="wall time (default) or process CPU time (robust to load with --threads 1)",
     )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: the cases of GPU_CASES on a GPU (default cases: all of them)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda needs a CUDA GPU: torch.cuda.is_available() is False here")
+        if args.clock == "cpu":
+            parser.error("--clock cpu does not count GPU time: use --clock wall on a GPU")
+        if args.backends:
+            parser.error("--backends runs on the CPU only")
+        if "--cases" not in sys.argv:
+            args.cases = GPU_CASES
+        elif unsupported := [name for name in args.cases if name not in GPU_CASES]:
+            parser.error(f"not GPU cases (they build their own models): {', '.join(unsupported)}")
     if args.one:
-        print(json.dumps(run_one(args.one, args.repeats, args.threads, args.clock)))
+        row = run_one(args.one, args.repeats, args.threads, args.clock, args.device)
+        print(json.dumps(row))
         return
     if args.backends:
         args.cases = list(BACKEND_CASES)
     rows = []
     for name in args.cases:
         options = ["--repeats", str(args.repeats), "--threads", str(args.threads)]
+        options += ["--device", args.device]
         out = subprocess.run(
             [sys.executable, __file__, "--one", name, *options, "--clock", args.clock],
             capture_output=True,
@@ -391,7 +444,8 @@ def main() -> None:
         rows.append(row)
         print(format_row(row), flush=True)
     RESULTS.mkdir(exist_ok=True)
-    out_file = RESULTS / ("backends.json" if args.backends else "run.json")
+    stem = "backends" if args.backends else "run" if args.device == "cpu" else "run-cuda"
+    out_file = RESULTS / f"{stem}.json"
     out_file.write_text(json.dumps(rows, indent=2))
     print(f"results written to {out_file}")
 

@@ -8,6 +8,7 @@ Hessian of the summed loss, and the empirical Fisher ``Σ g gᵀ``.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -147,7 +148,30 @@ def dict_case(n: int = 16) -> tuple[nn.Module, DataLoader]:
     return model, DataLoader(DictDataset(X, y), batch_size=5)
 
 
+#: ``LAPLACE_TEST_DEVICE=cuda`` (``make test-gpu``): the ``device`` fixture gives that device only,
+#: and tensors are created on it by default, so the oracle tests run there (float64 on CUDA).
+TEST_DEVICE = os.environ.get("LAPLACE_TEST_DEVICE")
+
+
+def pytest_configure(config):
+    if TEST_DEVICE:
+        if TEST_DEVICE.startswith("cuda") and not torch.cuda.is_available():
+            raise pytest.UsageError(f"LAPLACE_TEST_DEVICE={TEST_DEVICE}: no CUDA device here")
+        torch.set_default_device(TEST_DEVICE)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``oracle`` the tests of modules that compare against the dense oracles."""
+    for item in items:
+        module = getattr(item, "module", None)
+        oracles = hasattr(module, "Oracle") or hasattr(module, "PositionOracle")
+        if oracles or "oracle_for" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.oracle)
+
+
 def _devices() -> list[str]:
+    if TEST_DEVICE:
+        return [TEST_DEVICE]
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 
 

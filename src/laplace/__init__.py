@@ -6,6 +6,8 @@ module paths (``laplace.baselaplace``, ``laplace.lllaplace``, ``laplace.curvatur
 it, and nothing in the package imports ``laplace`` itself (see ``docs/architecture.md``).
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from laplace.core.base import BaseLaplace
 from laplace.functional import (
     ELLA,
@@ -62,3 +64,8 @@ __all__ = [
     "VaLLA",
     "marglik_training",
 ]
+
+try:
+    __version__ = version("laplace-ng")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"

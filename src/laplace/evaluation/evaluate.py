@@ -105,18 +105,11 @@ def evaluate(
     caller's autograd mode (wrap a plain network's call in :func:`torch.no_grad` to save its
     graph) and its outputs are detached.
 
-    Classification gives ``accuracy``, ``nll``, ``brier``, ``ece`` and ``mce`` (torchmetrics'
-    calibration errors over ``n_bins`` equal-width confidence bins), ``confidence`` (mean
-    top-label confidence), ``n`` and the ``reliability`` bins; regression gives ``nll``,
-    ``rmse``, ``crps``, ``coverage`` (level → fraction, keys like ``"0.9"``),
-    ``calibration_curve`` (PIT) and ``n``; each likelihood's ``evaluation`` gives the exact
-    definitions. The predictive variance of regression is ``f_var + σ²I`` with
-    σ = ``sigma_noise``, which defaults to ``la.sigma_noise`` (0 for a callable without one,
-    whose variance is then taken as the whole predictive variance).
-
-    With ``ood_loader``, ``ood_auroc`` is the AUROC of the predictive entropy for telling its
-    points (positives) from those of ``loader``: 1 when every out-of-distribution point is
-    more uncertain than every in-distribution one, ½ for entropy that does not separate them.
+    The result's keys per likelihood (``accuracy``, ``nll``, ``ece``, ... for classification;
+    ``nll``, ``rmse``, ``crps``, ``coverage``, ... for regression) are listed in
+    ``docs/evaluation.md`` and defined by each likelihood's ``evaluation``. With ``ood_loader``,
+    ``ood_auroc`` is the AUROC of the predictive entropy for telling its points (positives) from
+    those of ``loader``.
 
     Args:
         la: A fitted Laplace approximation or any callable returning predictions.
@@ -129,7 +122,8 @@ def evaluate(
             predictions (a pair: regression, a tensor: classification).
         n_bins: Calibration bins (classification) or points of the PIT curve (regression).
         coverage_levels: Levels of the central predictive intervals (regression).
-        sigma_noise: Observation noise σ of regression; default ``la.sigma_noise`` or 0.
+        sigma_noise: Observation noise σ of regression, scored as ``N(f_mu, f_var + σ²I)``;
+            default ``la.sigma_noise`` or 0.
         dict_key_x: Key of the inputs in dict batches; default ``la.dict_key_x``.
         dict_key_y: Key of the targets in dict batches; default ``la.dict_key_y``.
         class_dim: Classification predictions with extra dimensions, (B, C, d₁, …) or

@@ -36,8 +36,7 @@ def _pyplot():
 def _axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
     if ax is not None:
         return ax.figure, ax
-    fig, ax = _pyplot().subplots(figsize=figsize)
-    return fig, ax
+    return _pyplot().subplots(figsize=figsize)
 
 
 def _section(result: Mapping[str, Any], key: str, producer: str) -> Mapping[str, Any]:
@@ -80,32 +79,24 @@ def plot_reliability_diagram(
         _, (ax, hist_ax) = _pyplot().subplots(
             2, 1, figsize=(4.0, 5.0), sharex=True, gridspec_kw={"height_ratios": (3, 1)}
         )
-    edges = torch.tensor(bins["bin_edges"], dtype=torch.float64)
-    centres, widths = ((edges[1:] + edges[:-1]) / 2).tolist(), (edges[1:] - edges[:-1]).tolist()
-    count = torch.tensor(bins["count"], dtype=torch.float64)
-    ax.bar(centres, bins["accuracy"], width=widths, edgecolor="k", label="accuracy")
-    seen = (count > 0).tolist()
-    ax.plot(
-        [c for c, s in zip(centres, seen) if s],
-        [c for c, s in zip(bins["confidence"], seen) if s],
-        "o",
-        color="tab:red",
-        ms=4,
-        label="mean confidence",
+    edges, count, confidence = (
+        torch.tensor(bins[key], dtype=torch.float64)
+        for key in ("bin_edges", "count", "confidence")
     )
+    centres, widths = (edges[1:] + edges[:-1]) / 2, (edges[1:] - edges[:-1]).tolist()
+    ax.bar(centres.tolist(), bins["accuracy"], width=widths, edgecolor="k", label="accuracy")
+    seen = count > 0
+    centres_seen, confidence_seen = centres[seen].tolist(), confidence[seen].tolist()
+    ax.plot(centres_seen, confidence_seen, "o", color="tab:red", ms=4, label="mean confidence")
     ax.plot([0, 1], [0, 1], "k--", lw=1)
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("" if hist_ax is not None else "confidence")  # the histogram's x-axis
-    ax.set_ylabel("accuracy")
+    xlabel = "" if hist_ax is not None else "confidence"  # the histogram's x-axis
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel=xlabel, ylabel="accuracy")
     ece = f"ECE {100 * result['ece']:.1f}%" if "ece" in result else ""
     ax.set_title(f"{title}\n{ece}" if title else ece, fontsize=9)
     if hist_ax is not None:
         fraction = (count / count.sum().clamp_min(1)).tolist()
-        hist_ax.bar(centres, fraction, width=widths, color="0.6", edgecolor="k")
-        hist_ax.set_xlim(0, 1)
-        hist_ax.set_xlabel("confidence")
-        hist_ax.set_ylabel("fraction of points")
+        hist_ax.bar(centres.tolist(), fraction, width=widths, color="0.6", edgecolor="k")
+        hist_ax.set(xlim=(0, 1), xlabel="confidence", ylabel="fraction of points")
     return ax.figure
 
 
@@ -144,9 +135,7 @@ def plot_calibration_curve(
     ax.plot(curve["expected"], curve["observed"], "o-", ms=3, label=entry or None)
     if not any(line.get_label() == "_diagonal" for line in ax.lines):
         ax.plot([0, 1], [0, 1], "k--", lw=1, label="_diagonal")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("expected quantile level")
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="expected quantile level")
     ax.set_ylabel("observed fraction of targets below")
     if entry:
         ax.legend(title="interval coverage", loc="upper left", fontsize=8)
@@ -202,32 +191,20 @@ def plot_predictive_band(
     noise = float(torch.as_tensor(sigma_noise).detach()) ** 2
     fig, ax = _axes(ax, (6.0, 4.0))
     xs = x_in.reshape(-1).double().cpu()
-    total = (f_var + noise).sqrt()
-    ax.fill_between(
-        xs,
-        mean - n_std * total,
-        mean + n_std * total,
-        alpha=0.2,
-        color="tab:blue",
-        label=f"±{n_std:g} std, predictive",
-    )
+    bands = [("predictive", f_var + noise, 0.2, "tab:blue")]
     if noise > 0:
-        epistemic = f_var.sqrt()
+        bands.append(("epistemic", f_var, 0.3, "tab:orange"))
+    for name, variance, alpha, color in bands:
+        half_width = n_std * variance.sqrt()
+        label = f"±{n_std:g} std, {name}"
         ax.fill_between(
-            xs,
-            mean - n_std * epistemic,
-            mean + n_std * epistemic,
-            alpha=0.3,
-            color="tab:orange",
-            label=f"±{n_std:g} std, epistemic",
+            xs, mean - half_width, mean + half_width, alpha=alpha, color=color, label=label
         )
     ax.plot(xs, mean, color="tab:blue", lw=2, label="predictive mean")
     if data is not None:
         X, y = data
         ax.scatter(X.reshape(-1).cpu(), y.reshape(-1).cpu(), s=8, c="k", alpha=0.6, label="data")
-    ax.set_xlim(float(xs.min()), float(xs.max()))
-    ax.set_xlabel("x")
-    ax.set_ylabel("y")
+    ax.set(xlim=(float(xs.min()), float(xs.max())), xlabel="x", ylabel="y")
     if title:
         ax.set_title(title)
     return fig

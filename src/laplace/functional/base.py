@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader
 from laplace.core.base import BaseLaplace
 from laplace.core.priors import as_scalar_prior_precision, check_temperature
 from laplace.core.serialization import StateFormat
-from laplace.functional.scoring import ValidationNLL
 from laplace.posteriors.glm import jacobian_chunk_rows
 from laplace.utils.data import Inputs, batch_size_of, check_outputs, input_chunks, prepare_inputs
 from laplace.utils.enums import FunctionalApproximation, LinkApprox, PredType, parse_enum
@@ -153,16 +152,21 @@ class BaseFunctionalLaplace(BaseLaplace):
         """Mean predictive NLL per data point of ``loader`` (laplace-torch's validation score).
 
         Scored with the likelihood of the fit (pair probabilities for reward modelling): the
-        noisy Gaussian for regression, the probit approximation for class probabilities.
+        noisy Gaussian for regression, the probit approximation for class probabilities. A
+        non-finite score is a result (grid search skips the candidate), not an error.
+
+        Raises:
+            ValueError: If ``loader`` yields no batch.
         """
-        loop = self._data_loop(
-            ValidationNLL,
-            moments=self.predictive_moments,
-            likelihood=self._likelihood_model.fit_likelihood,
-            sigma_noise=self.sigma_noise,
-        )
+        likelihood, total, count = self._likelihood_model.fit_likelihood, 0.0, 0
         with torch.no_grad():
-            return float(loop.run(loader))
+            for X, y in self._batches(loader, desc="validation"):
+                f_mu, f_var = self.predictive_moments(X)
+                total = total + likelihood.predictive_nll(f_mu, f_var, y, self.sigma_noise)
+                count += len(y)
+        if count == 0:
+            raise ValueError("val_loader yielded no batches.")
+        return float(total / count)
 
     def _record_validation(
         self, val_loader: DataLoader | None, val_steps: int | None, step: int, last: bool = False
@@ -281,10 +285,8 @@ class BaseFunctionalLaplace(BaseLaplace):
         check_positive_int(n_samples, "n_samples")
         check_generator(generator)
         x = self._checked_inputs(x, "functional_samples")
-        f_mu, f_var = self._gp.moments(x, joint, self.enable_backprop)
+        f_mu, f_var = self._glm_predictive_distribution(x, joint, diagonal_output)
         if not joint:
-            if diagonal_output:
-                f_var = f_var.diagonal(dim1=-2, dim2=-1)
             return gaussian_output_samples(f_mu, f_var, n_samples, generator)
         B = batch_size_of(x, self.dict_key_x)
         C = f_mu.numel() // B

@@ -9,8 +9,8 @@ Internal module; the public paths are :mod:`laplace.baselaplace` and :mod:`lapla
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from functools import partial
 from typing import Any
 
 import torch
@@ -19,18 +19,17 @@ from torch.utils.data import DataLoader
 
 from laplace.core.base import BaseLaplace, arguments_for
 from laplace.core.transaction import preserve_model_gradients
-from laplace.core.tuning import grid_candidates
+from laplace.core.tuning import grid_candidates, search_grid
 from laplace.curvature import CurvatureInterface
 from laplace.functional.base import BaseFunctionalLaplace, HistoryState
 from laplace.functional.nystrom import (
-    FeatureGram,
     NystromPosterior,
     dataset_labels,
     nystrom_basis,
     nystrom_features,
     nystrom_indices,
 )
-from laplace.functional.scoring import tune_hyperparameters
+from laplace.posteriors import NotPositiveDefiniteError
 from laplace.utils.data import dataset_size, subset_loader
 from laplace.utils.enums import (
     FunctionalApproximation,
@@ -41,7 +40,7 @@ from laplace.utils.enums import (
     TuningMethod,
     parse_enum,
 )
-from laplace.utils.errors import check_positive_int
+from laplace.utils.errors import check_finite_result, check_positive_int
 
 __all__ = ["ELLA"]
 
@@ -91,16 +90,9 @@ class ELLA(BaseFunctionalLaplace):
 
     _function_space = FunctionalApproximation.NYSTROM
 
-    _state_plain = (
-        "subsample_size",
-        "n_eigenvalues",
-        "seed",
-        "temperature",
-        "n_data",
-        "n_outputs",
-    )
-    _state_tensors = ("dual_directions", "feature_gram", "prior_precision", "sigma_noise")
     _state_counts = ("subsample_size", "n_eigenvalues", "n_data", "n_outputs")
+    _state_plain = (*_state_counts, "seed", "temperature")
+    _state_tensors = ("dual_directions", "feature_gram", "prior_precision", "sigma_noise")
     _state_format = ELLAState()
 
     def __init__(
@@ -145,12 +137,8 @@ class ELLA(BaseFunctionalLaplace):
             self.dual_directions,
             self.feature_gram,
             self._jacobian_chunks,
-            self._feature_hyperparameters,
+            lambda: (self.prior_precision, self._H_factor),  # δ and h = 1/(σ²T)
         )
-
-    def _feature_hyperparameters(self) -> tuple[Tensor, Tensor]:
-        """Prior precision ``δ`` and output-curvature factor ``h = 1/(σ²T)`` of the features."""
-        return self.prior_precision, self._H_factor
 
     # ---------------------------------------------------------------------------------- fit
     @preserve_model_gradients
@@ -181,38 +169,34 @@ class ELLA(BaseFunctionalLaplace):
         dataset_size(train_loader)
         self.model.eval()
         self._fitted, self.n_data, self.fit_history_ = False, 0, _empty_history()
-        if balanced and not self._likelihood_model.fit_likelihood.predicts_probabilities:
+        likelihood = self._likelihood_model
+        if balanced and not likelihood.fit_likelihood.predicts_probabilities:
             raise ValueError("balanced=True needs classification (it balances the classes).")
-        labels = dataset_labels(train_loader, self.dict_key_x, self.dict_key_y)
-        indices = nystrom_indices(
-            train_loader, self.subsample_size, self.seed, labels if balanced else None
+        labels = (
+            dataset_labels(train_loader, self.dict_key_x, self.dict_key_y) if balanced else None
         )
+        indices = nystrom_indices(train_loader, self.subsample_size, self.seed, labels)
         subset = subset_loader(train_loader, indices[: self.subsample_size])
         output_shape = self._check_first_batch(*next(self._batches(subset)))
         self.mean = self._subset.vector().detach()
         inputs = (X for X, _ in self._batches(subset))
         V = nystrom_basis(inputs, self._jacobian_chunks, self.n_eigenvalues, self.seed)
         self.dual_directions = V.to(self._dtype)
-
-        def after_batch(step: int, gram: Tensor, n_data: int) -> None:
-            self.feature_gram, self.n_data = gram, n_data
+        for step, (X, y) in enumerate(self._batches(train_loader, progress_bar, "ELLA"), 1):
+            likelihood.check_targets(y, output_shape)
+            phi, f = nystrom_features(self._jacobian_chunks, self.dual_directions, X)
+            check_finite_result(f, "model output of a training batch")
+            likelihood.prepare_targets(f, y)
+            gram = check_finite_result(likelihood.ggn(phi, f), "GGN of a training batch")
+            self.feature_gram = gram if step == 1 else self.feature_gram + gram
+            self.n_data += len(f)
             self._gp = self._nystrom_posterior()
-            self.fit_history_["processed_examples"].append(float(n_data))
+            self.fit_history_["processed_examples"].append(float(self.n_data))
             self._record_validation(val_loader, val_steps, step)
-
-        loop = self._data_loop(
-            FeatureGram,
-            progress_bar=progress_bar,
-            desc="ELLA",
-            features=partial(nystrom_features, self._jacobian_chunks, self.dual_directions),
-            likelihood=self._likelihood_model,
-            output_shape=output_shape,
-            after_batch=after_batch,
-            empty_message="train_loader is empty: fit needs at least one data point.",
-        )
-        loop.run(train_loader)
+        if self.n_data == 0:
+            raise ValueError("train_loader is empty: fit needs at least one data point.")
         self._fitted = True
-        self._record_validation(val_loader, val_steps, loop.steps, last=True)
+        self._record_validation(val_loader, val_steps, step, last=True)
 
     # ------------------------------------------------------------------------------ tuning
     def optimize_prior_precision(
@@ -250,10 +234,11 @@ class ELLA(BaseFunctionalLaplace):
             raise NotImplementedError(
                 "ELLA has no marginal likelihood; use method='gridsearch' with a val_loader."
             )
-        defaults = (n_steps, lr, float(torch.as_tensor(init_prior_prec).reshape(-1)[0]), loss)
+        init = torch.as_tensor(init_prior_prec)
         if (
-            defaults != (100, 1e-1, 1.0, None)
-            or torch.as_tensor(init_prior_prec).numel() != 1
+            (n_steps, lr, loss) != (100, 1e-1, None)
+            or init.numel() != 1
+            or float(init) != 1.0
             or parse_enum(PriorStructure, prior_structure, "prior_structure") != "scalar"
             or parse_enum(LinkApprox, link_approx, "link_approx") != LinkApprox.PROBIT
             or (n_samples, verbose, progress_bar) != (100, False, False)
@@ -272,12 +257,44 @@ class ELLA(BaseFunctionalLaplace):
         """Set the candidate of ``grid`` with the lowest validation NLL.
 
         Candidates are prior precisions or ``(prior_precision, sigma_noise)`` pairs (regression);
-        one record per candidate (``prior_precision``, ``sigma_noise``, ``val_nll``) is appended
-        to ``fit_history_["tuning"]`` (see
-        :func:`laplace.functional.scoring.tune_hyperparameters`).
+        the first with the lowest finite score wins (:func:`laplace.core.tuning.search_grid`); a
+        candidate whose posterior cannot be factorised scores NaN. One record per candidate
+        (``prior_precision``, ``sigma_noise``, ``val_nll``) is appended to
+        ``fit_history_["tuning"]``.
+
+        Raises:
+            RuntimeError: Before :meth:`fit`.
+            ValueError: For an empty grid, or if no candidate has a finite score (the
+                hyperparameters are then restored).
         """
         self._check_fitted("optimize_hyperparameters")
-        records = tune_hyperparameters(self, grid, lambda: self._validation_nll(val_loader))
+        initial, records = (self.prior_precision, self.sigma_noise), []
+
+        def apply(candidate: Any) -> None:
+            if isinstance(candidate, (tuple, list)):
+                self.prior_precision, self.sigma_noise = candidate
+            else:
+                self.prior_precision = candidate
+
+        def scored(candidate: Any) -> float:
+            apply(candidate)
+            try:
+                value = self._validation_nll(val_loader)
+            except (NotPositiveDefiniteError, torch.linalg.LinAlgError):
+                value = math.nan
+            prior_precision, sigma_noise = float(self.prior_precision), float(self.sigma_noise)
+            records.append(
+                {"prior_precision": prior_precision, "sigma_noise": sigma_noise, "val_nll": value}
+            )
+            return value
+
+        best, _ = search_grid(grid, scored)
+        if best is None:
+            self.prior_precision, self.sigma_noise = initial
+            if not records:
+                raise ValueError("the hyperparameter grid is empty.")
+            raise ValueError("no candidate of the grid gives a finite validation NLL.")
+        apply(best)
         self.fit_history_["tuning"].extend(records)
 
 

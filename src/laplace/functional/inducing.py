@@ -23,7 +23,6 @@ from laplace.utils.data import (
     move_inputs,
     select_rows,
     subset_loader,
-    to_device,
     training_indices,
 )
 from laplace.utils.errors import check_positive_int
@@ -32,16 +31,14 @@ __all__ = [
     "INDUCING_STATE",
     "STRATEGIES",
     "as_inducing",
-    "check_inducing_state",
+    "detached_inputs",
     "inducing_from_data",
     "inducing_setup",
-    "inducing_state",
-    "load_inducing_state",
 ]
 
 #: Strategies that choose the inducing inputs from the training data.
 STRATEGIES = ("random", "kmeans")
-#: Entries of :func:`inducing_state`.
+#: The state entries of the inducing points (and those a refit starts from).
 INDUCING_STATE = (
     "inducing_locations",
     "inducing_classes",
@@ -115,13 +112,6 @@ def kmeans(points: Tensor, k: int, generator: torch.Generator) -> Tensor:
     return centres
 
 
-def random_candidates(loader: DataLoader, M: int, seed: int, pairwise: bool) -> Tensor:
-    """Dataset indices of ``M`` seeded training points (``⌈M/2⌉`` pairs when ``pairwise``)."""
-    available = training_indices(loader)
-    order = torch.randperm(len(available), generator=torch.Generator().manual_seed(seed))
-    return available[order][: (M + 1) // 2 if pairwise else M]
-
-
 def inducing_from_data(
     loader: DataLoader,
     strategy: str,
@@ -143,8 +133,11 @@ def inducing_from_data(
         gather: Builds the :class:`~laplace.core.data_loop.Gather` loop of the candidates from its
             ``step`` argument.
     """
-    if strategy == "random":
-        loader = subset_loader(loader, random_candidates(loader, M, seed, likelihood.pairwise))
+    if strategy == "random":  # M seeded training points (⌈M/2⌉ pairs of items)
+        available = training_indices(loader)
+        order = torch.randperm(len(available), generator=torch.Generator().manual_seed(seed))
+        count = (M + 1) // 2 if likelihood.pairwise else M
+        loader = subset_loader(loader, available[order][:count])
     step = partial(inducing_labels, likelihood=likelihood, dict_key_x=dict_key_x)
     X, labels = gather(step=step).run(loader)
     return choose_inducing(X, labels, M, strategy, seed)
@@ -235,55 +228,3 @@ def detached_inputs(X: Inputs | None) -> Inputs | None:
     if isinstance(X, MutableMapping):
         return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in X.items()}
     return None if X is None else X.detach().clone()
-
-
-def inducing_state(
-    Z: Inputs, classes: Tensor, strategy: str | None, initial: tuple[Inputs | None, Tensor]
-) -> dict[str, Any]:
-    """State entries of the inducing points (and those a refit starts from)."""
-    return {
-        "inducing_locations": detached_inputs(Z),
-        "inducing_classes": classes.detach().clone(),
-        "inducing_strategy": strategy,
-        "initial_inducing_locations": detached_inputs(initial[0]),
-        "initial_inducing_classes": initial[1].detach().clone(),
-    }
-
-
-def load_inducing_state(
-    state: dict[str, Any], device: torch.device, dtype: torch.dtype
-) -> tuple[Inputs, Tensor, str | None, tuple[Inputs | None, Tensor]]:
-    """The inducing inputs, outputs, strategy and initial points of :func:`inducing_state`."""
-    initial = state["initial_inducing_locations"]
-    initial = None if initial is None else to_device(initial, device, dtype)
-    return (
-        as_inducing(state["inducing_locations"], device, dtype),
-        state["inducing_classes"].to(device),
-        state["inducing_strategy"],
-        (initial, state["initial_inducing_classes"].to(device)),
-    )
-
-
-def check_inducing_state(state: dict[str, Any], noise: bool, dict_key_x: str) -> None:
-    """Check the shapes of a VaLLA state saved with ``num_inducing = M``.
-
-    ``L`` must have ``M(M+1)/2`` entries, the inducing inputs and classes ``M`` rows, the prior
-    precision one entry, and the noise must be there iff the likelihood has one (``noise``).
-
-    Raises:
-        ValueError: Naming the expected shapes.
-    """
-    M, log_noise = state["num_inducing"], state["log_noise_variance"]
-    if (
-        not isinstance(M, int)
-        or state["L"].shape != (M * (M + 1) // 2,)
-        or state["inducing_classes"].shape != (M,)
-        or batch_size_of(state["inducing_locations"], dict_key_x) != M
-        or (log_noise is not None) != noise
-        or state["log_prior_precision"].numel() != 1
-    ):
-        raise ValueError(
-            f"inconsistent VaLLA state: with num_inducing={M!r}, L needs M(M+1)/2 entries, the "
-            "inducing inputs and classes M rows, the prior precision one entry, and a noise "
-            "only for regression."
-        )

@@ -9,7 +9,8 @@ the marginal likelihood takes them and the noise variance ``σ²`` as (different
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -104,27 +105,24 @@ class SubsetKernel:
         Raises:
             RuntimeError: If a fit term contains NaN or inf.
         """
-        chunks, outputs = [], []
-        for chunk in input_chunks(X, options["chunk_rows"], options["dict_key_x"]):
-            J, f = options["jacobians"](chunk, False)
-            chunks.append(J)
-            outputs.append(f)
+        jacobians, rows, key = options["jacobians"], options["chunk_rows"], options["dict_key_x"]
+        chunks, outputs = zip(*(jacobians(chunk, False) for chunk in input_chunks(X, rows, key)))
         f = torch.cat(outputs)
         y = likelihood.prepare_targets(f, y)
         Jshift = torch.cat([J.matvec(shift) for J in chunks])
         mu = y - (f + Jshift) if likelihood.has_noise_hyperparameter else -Jshift
         Lambda = likelihood.output_hessian(f).diagonal(dim1=-2, dim2=-1)
         kernel = cls(X, None, Lambda, mu, likelihood.loss(f, y), **options)
-        for J in chunks:
-            kernel._remember(J)
+        for i, J in enumerate(chunks):
+            kernel._remember(i, J)
         kernel.K = kernel._gram(chunks)
         for name in ("loss", "Lambda", "mu", "K"):
             check_finite_result(getattr(kernel, name), f"GP {name} of the training subset")
         return kernel
 
-    def _remember(self, J: DenseJacobian | FactoredJacobian) -> None:
-        """Keep the next subset chunk if the kept ones stay within :data:`CACHE_BYTES`."""
-        if sum(kept.nbytes for kept in self._cache) + J.nbytes <= CACHE_BYTES:
+    def _remember(self, i: int, J: DenseJacobian | FactoredJacobian) -> None:
+        """Keep subset chunk ``i`` if all before it are kept and :data:`CACHE_BYTES` allows."""
+        if i == len(self._cache) and sum(c.nbytes for c in self._cache) + J.nbytes <= CACHE_BYTES:
             self._cache.append(J)
 
     def _subset_jacobians(self) -> Iterator[DenseJacobian | FactoredJacobian]:
@@ -134,27 +132,21 @@ class SubsetKernel:
                 yield self._cache[i]
                 continue
             J, _ = self._jacobians(chunk, False)
-            if i == len(self._cache):
-                self._remember(J)
+            self._remember(i, J)
             yield J
 
-    def _gram(self, chunks: list[DenseJacobian | FactoredJacobian]) -> Tensor:
+    def _gram(self, chunks: Sequence[DenseJacobian | FactoredJacobian]) -> Tensor:
         """``J_M J_Mᵀ`` from pairs of chunks (upper blocks mirrored)."""
         M, C = self.n_points, self.n_outputs
         K = self.Lambda.new_zeros((C, M, M) if self.independent else (M * C, M * C))
-        starts = [0]
-        for J in chunks:
-            starts.append(starts[-1] + J.shape[0])
+        rows_per_point = 1 if self.independent else C  # rows of K per point
+        starts = [0, *accumulate(rows_per_point * J.shape[0] for J in chunks)]
         for i, Ji in enumerate(chunks):
             for j in range(i, len(chunks)):
                 block = Ji.cross(chunks[j], self.independent)
                 a, b, c, d = starts[i], starts[i + 1], starts[j], starts[j + 1]
-                if self.independent:
-                    K[:, a:b, c:d] = block
-                    K[:, c:d, a:b] = block.transpose(1, 2)
-                else:
-                    K[a * C : b * C, c * C : d * C] = block
-                    K[c * C : d * C, a * C : b * C] = block.T
+                K[..., a:b, c:d] = block
+                K[..., c:d, a:b] = block.transpose(-1, -2)
         return K
 
     def test_chunk_rows(self) -> int:
@@ -163,10 +155,9 @@ class SubsetKernel:
         return jacobian_chunk_rows(self.n_outputs, J.row_width + self.K.shape[-1], self.K.dtype)
 
     # --------------------------------------------------------------------------- posterior
-    def _noise(self, h: Tensor) -> Tensor:
-        """``1/(h Λ)`` with vanishing curvature capped, shape (C, M) or (M·C,)."""
-        inv = torch.nan_to_num(1 / (h * self.Lambda), posinf=MAX_INVERSE_CURVATURE)
-        return inv.T if self.independent else inv.reshape(-1)
+    def _rows(self, values: Tensor) -> Tensor:
+        """Per-point values (M, C) in the kernel's row order: (C, M) per output, else (M·C,)."""
+        return values.T if self.independent else values.reshape(-1)
 
     def factor(self, s: Tensor, h: Tensor) -> Tensor:
         """Lower Cholesky factor of ``sK + Λ⁻¹/h``, cached while ``s`` and ``h`` hold.
@@ -177,7 +168,11 @@ class SubsetKernel:
         key = (float(s), float(h))
         differentiable = s.requires_grad or h.requires_grad
         if differentiable or key != self._factor_key:
-            factor, info = torch.linalg.cholesky_ex(s * self.K + torch.diag_embed(self._noise(h)))
+            # Λ⁻¹/h, capped where the output curvature vanishes
+            noise = torch.nan_to_num(1 / (h * self.Lambda), posinf=MAX_INVERSE_CURVATURE)
+            factor, info = torch.linalg.cholesky_ex(
+                s * self.K + torch.diag_embed(self._rows(noise))
+            )
             if bool((info != 0).any()):
                 raise NotPositiveDefiniteError(
                     "the GP posterior matrix sK + Λ⁻¹ is not positive definite; increase the "
@@ -204,20 +199,15 @@ class SubsetKernel:
         """
         L = self.factor(s, h)
         B, C = J.shape
+        blocks = [J.cross(Jm, self.independent) for Jm in self._subset_jacobians()]
+        K_star_M = torch.cat(blocks, dim=-1)  # (C, B, M), or (B·C, M·C)
+        V = torch.linalg.solve_triangular(L, s * K_star_M.transpose(-1, -2), upper=False)
         if self.independent:
-            blocks = [J.cross(Jm, True) for Jm in self._subset_jacobians()]
-            K_star_M = torch.cat(blocks, dim=2)  # (C, B, M)
-            V = torch.linalg.solve_triangular(L, s * K_star_M.transpose(1, 2), upper=False)
             if joint:
                 cov = s * J.cross(J, True) - V.transpose(1, 2) @ V
-                out = cov.new_zeros(B, C, B, C)
-                idx = torch.arange(C, device=cov.device)
-                out[:, idx, :, idx] = cov
-                return out.reshape(B * C, B * C)
+                eye = torch.eye(C, dtype=cov.dtype, device=cov.device)  # no cross-output terms
+                return torch.einsum("cbm,cd->bcmd", cov, eye).reshape(B * C, B * C)
             return torch.diag_embed(s * J.output_variances() - V.square().sum(1).T)
-        blocks = [J.cross(Jm, False) for Jm in self._subset_jacobians()]
-        K_star_M = torch.cat(blocks, dim=1)  # (B·C, M·C)
-        V = torch.linalg.solve_triangular(L, s * K_star_M.T, upper=False)
         if joint:
             return s * J.cross(J, False) - V.T @ V
         V = V.T.reshape(B, C, -1)
@@ -253,27 +243,22 @@ class SubsetKernel:
         sK = s * self.K
         if noise_variance is not None:
             return torch.logdet(sK + noise_variance * self._eye()).sum()
-        W = (h * self.Lambda).sqrt()
-        W = W.T if self.independent else W.reshape(-1)
+        W = self._rows((h * self.Lambda).sqrt())
         return torch.logdet(W.unsqueeze(-1) * sK * W.unsqueeze(-2) + self._eye()).sum()
 
     def scatter(self, s: Tensor, noise_variance: Tensor | None) -> Tensor:
         """``μᵀ (sK + νI)⁻¹ μ``, ``ν`` the observation noise σ² or :data:`SCATTER_JITTER`."""
         noise = SCATTER_JITTER if noise_variance is None else noise_variance
         L = torch.linalg.cholesky(s * self.K + noise * self._eye())
-        mu = self.mu.T.unsqueeze(-1) if self.independent else self.mu.reshape(-1, 1)
+        mu = self._rows(self.mu).unsqueeze(-1)
         return torch.linalg.solve_triangular(L, mu, upper=False).square().sum()
 
     # -------------------------------------------------------------------------------- state
     def state(self) -> dict[str, Any]:
         """Tensors of the fit (the subset's inputs included)."""
-        return {
-            "X_subset": self.X,
-            "K_MM": self.K,
-            "Lambda": self.Lambda,
-            "mu": self.mu,
-            "loss": self.loss.detach(),
-        }
+        return dict(
+            zip(self.STATE_KEYS, (self.X, self.K, self.Lambda, self.mu, self.loss.detach()))
+        )
 
     @classmethod
     def from_state(

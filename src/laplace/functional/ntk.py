@@ -92,6 +92,17 @@ class LayerFactor(NamedTuple):
     slots: tuple[int | None, int | None]
 
 
+def _input_products(layer: LayerFactor, other: LayerFactor | None = None) -> Tensor:
+    """``a aₒᵀ + [bias]`` (B, B'), or ``|a|² + [bias]`` per point (B,) without ``other``.
+
+    A layer whose weight is not a parameter of interest (a bias alone) gives ones.
+    """
+    if layer.a is None:
+        return layer.G.new_ones(len(layer.G) if other is None else (len(layer.G), len(other.G)))
+    products = layer.a.square().sum(-1) if other is None else layer.a @ other.a.T
+    return products + 1 if layer.bias else products
+
+
 class FactoredJacobian:
     """The Jacobian of B points as per-layer factors (see the module docstring).
 
@@ -125,59 +136,38 @@ class FactoredJacobian:
             layer.G.nbytes + (0 if layer.a is None else layer.a.nbytes) for layer in self.layers
         )
 
-    def _input_gram(self, layer: LayerFactor, other: LayerFactor) -> Tensor | float:
-        """``a aₒᵀ + [bias]``, (B, B'), or the scalar 1 for a bias alone."""
-        if layer.a is None:
-            return 1.0
-        gram = layer.a @ other.a.T
-        return gram + 1 if layer.bias else gram
-
     def cross(self, other: DenseJacobian | FactoredJacobian, independent: bool) -> Tensor:
         """Kernel ``J Jₒᵀ`` with another point set: (B·C, B'·C), or (C, B, B') per output."""
         if not isinstance(other, FactoredJacobian) or self.slots != other.slots:
             return DenseJacobian(self.dense()).cross(other, independent)
-        total = None
-        for mine, theirs in zip(self.layers, other.layers, strict=True):
-            inputs = self._input_gram(mine, theirs)
-            if independent:
-                block = torch.einsum("bco,mco->cbm", mine.G, theirs.G)
-                block = block * (inputs if isinstance(inputs, float) else inputs[None])
-            else:
-                block = torch.einsum("bco,mdo->bcmd", mine.G, theirs.G)
-                if not isinstance(inputs, float):
-                    block = block * inputs[:, None, :, None]
-            total = block if total is None else total + block
+        pairs = zip(self.layers, other.layers, strict=True)
         if independent:
-            return total
+            return sum(
+                torch.einsum("bco,mco->cbm", mine.G, theirs.G) * _input_products(mine, theirs)
+                for mine, theirs in pairs
+            )
+        total = sum(
+            torch.einsum("bco,mdo->bcmd", mine.G, theirs.G)
+            * _input_products(mine, theirs)[:, None, :, None]
+            for mine, theirs in pairs
+        )
         return total.flatten(2).flatten(0, 1)
-
-    def _input_norms(self, layer: LayerFactor) -> Tensor | float:
-        """``|a|² + [bias]`` per point, (B,), or 1 for a bias alone."""
-        if layer.a is None:
-            return 1.0
-        norms = layer.a.square().sum(-1)
-        return norms + 1 if layer.bias else norms
 
     def output_blocks(self) -> Tensor:
         """``Jₙ Jₙᵀ`` per point, shape (B, C, C)."""
-        total = 0
-        for layer in self.layers:
-            norms = self._input_norms(layer)
-            scale = norms if isinstance(norms, float) else norms[:, None, None]
-            total = total + (layer.G @ layer.G.transpose(1, 2)) * scale
-        return total
+        return sum(
+            (layer.G @ layer.G.transpose(1, 2)) * _input_products(layer)[:, None, None]
+            for layer in self.layers
+        )
 
     def output_variances(self) -> Tensor:
         """The diagonal of :meth:`output_blocks`, shape (B, C)."""
-        total = 0
-        for layer in self.layers:
-            norms = self._input_norms(layer)
-            scale = norms if isinstance(norms, float) else norms[:, None]
-            total = total + layer.G.square().sum(-1) * scale
-        return total
+        return sum(
+            layer.G.square().sum(-1) * _input_products(layer)[:, None] for layer in self.layers
+        )
 
     def matvec(self, v: Tensor) -> Tensor:
-        """``J v`` for a parameter vector v (P,), shape (B, C)."""
+        """``J v`` for a parameter vector v (P,), shape (B, C), layer by layer (no dense rows)."""
         pieces = torch.split(v, [s.numel() for s in self.shapes])
         total = 0
         for layer in self.layers:
@@ -235,9 +225,7 @@ def trace_jacobian(
         The Jacobian and the outputs (B, C).
     """
     trace = engine.trace(X, create_graph)
-    J = layer_factors(trace)
-    if J is None:
-        J = DenseJacobian(trace.jacobians())
+    J = layer_factors(trace) or DenseJacobian(trace.jacobians())
     f = trace.f.reshape(trace.f.shape[0], -1)
     return (J, f) if create_graph else (J.detach(), f.detach())
 

@@ -1,26 +1,21 @@
-r"""ELLA's Nyström features: a seeded data subset, the top eigenvectors of its kernel, the GGN.
+r"""ELLA's Nyström features: a seeded subset, the top eigenvectors of its kernel, the Gaussian.
 
 Internal module.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from laplace.core.data_loop import DataLoop
-from laplace.likelihoods import Categorical, LikelihoodModel
+from laplace.likelihoods import Categorical
 from laplace.posteriors import DensePosterior
 from laplace.utils.data import Inputs, split_batch, training_indices
-from laplace.utils.errors import check_finite_result
 
 __all__ = [
-    "FeatureGram",
     "NystromPosterior",
     "dataset_labels",
     "nystrom_basis",
@@ -57,15 +52,13 @@ def nystrom_indices(
     if labels is None:
         return available[torch.randperm(len(available), generator=generator)]
     classes = labels(available)
-    queues = []
+    ranks = torch.empty_like(classes)  # each point's position in its class's seeded order
     for c in classes.unique(sorted=True):
         members = torch.where(classes == c)[0]
-        order = torch.randperm(len(members), generator=generator)
-        queues.append(deque(members[order].tolist()))
-    chosen: list[int] = []
-    while len(chosen) < subsample_size and any(queues):
-        chosen.extend(q.popleft() for q in queues if q)
-    return available[torch.tensor(chosen)]
+        order = members[torch.randperm(len(members), generator=generator)]
+        ranks[order] = torch.arange(len(order))
+    # round-robin: the first point of every class, then the second, ...
+    return available[torch.argsort(ranks * (int(classes.max()) + 1) + classes)]
 
 
 def dataset_labels(
@@ -123,49 +116,6 @@ def nystrom_basis(
             f"{n_eigenvalues}; lower n_eigenvalues, raise subsample_size or change seed."
         )
     return rows.T @ (vectors[:, order] / values[order].sqrt())
-
-
-class FeatureGram(DataLoop):
-    """ELLA's pass: ``(Σₙ φₙᵀ Λₙ φₙ, n)`` over the training data, with a callback per batch.
-
-    Args:
-        *args: See :class:`~laplace.core.data_loop.DataLoop`.
-        features: Inputs → features ``φ`` (B, C, K) and outputs (B, C).
-        likelihood: Checks the targets and gives the GGN ``Σ φᵀ Λ φ``.
-        output_shape: Shape of the model's outputs on the first batch (targets are checked
-            against it before the features are computed).
-        after_batch: Called with the batch count and the sums so far.
-        **options: See :class:`~laplace.core.data_loop.DataLoop`.
-    """
-
-    def __init__(
-        self,
-        *args: Any,
-        features: Callable[[Inputs], tuple[Tensor, Tensor]],
-        likelihood: LikelihoodModel,
-        output_shape: torch.Size,
-        after_batch: Callable[[int, Tensor, int], None],
-        **options: Any,
-    ) -> None:
-        super().__init__(*args, **options)
-        self._features, self._likelihood = features, likelihood
-        self._output_shape, self._after_batch = output_shape, after_batch
-        self.steps = 0
-
-    def step(self, X: Inputs, y: Tensor) -> tuple[Tensor, int]:
-        """The GGN of the features of a batch and its number of points."""
-        self._likelihood.check_targets(y, self._output_shape)
-        features, f = self._features(X)
-        check_finite_result(f, "model output of a training batch")
-        self._likelihood.prepare_targets(f, y)
-        return self._likelihood.ggn(features, f), len(f)
-
-    def add(self, total: tuple[Tensor, int] | None, stats: tuple[Tensor, int]) -> tuple:
-        """The sums so far, handed to the callback."""
-        total = super().add(total, stats)
-        self.steps += 1
-        self._after_batch(self.steps, *total)
-        return total
 
 
 class NystromPosterior:
@@ -228,8 +178,5 @@ def nystrom_features(
     create_graph: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Features ``φ = J V`` (B, C, K) and outputs (B, C) at ``X``, chunk by chunk."""
-    feats, outs = [], []
-    for Js, f in jacobian_chunks(X, create_graph):
-        feats.append(Js @ V)
-        outs.append(f)
-    return torch.cat(feats), torch.cat(outs)
+    features, outputs = zip(*((Js @ V, f) for Js, f in jacobian_chunks(X, create_graph)))
+    return torch.cat(features), torch.cat(outputs)

@@ -20,7 +20,7 @@ from laplace.functional.kernel import SubsetKernel
 from laplace.functional.ntk import DenseJacobian, FactoredJacobian, trace_jacobian
 from laplace.likelihoods import make_likelihood
 from laplace.posteriors.glm import jacobian_chunk_rows
-from laplace.utils.data import Inputs, SoDSampler, dataset_size, slice_inputs
+from laplace.utils.data import Inputs, SoDSampler, dataset_size, slice_inputs, subset_loader
 from laplace.utils.enums import (
     HessianStructure,
     Likelihood,
@@ -121,8 +121,6 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         self.independent_outputs = independent_outputs
         self.seed = seed
         self.mean = self._subset.vector().detach() if self._subset.resolved else None
-        self._gp: SubsetKernel | None = None
-        self._fitted = False
 
     @property
     def gp_kernel_prior_variance(self) -> Tensor:
@@ -157,13 +155,8 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         self._resolve_subset(train_loader)
         self.model.eval()
         self.mean = self._subset.vector().detach()
-        subset_loader = DataLoader(
-            train_loader.dataset,
-            batch_size=train_loader.batch_size or 1,
-            sampler=SoDSampler(n_data, self.n_subset, self.seed),
-            collate_fn=train_loader.collate_fn,
-        )
-        X, y = self._data_loop(Gather, progress_bar=progress_bar, desc="fit").run(subset_loader)
+        subset = subset_loader(train_loader, SoDSampler(n_data, self.n_subset, self.seed).indices)
+        X, y = self._data_loop(Gather, progress_bar=progress_bar, desc="fit").run(subset)
         self._check_first_batch(slice_inputs(X, 0, 1, self.n_subset), y)  # before any Jacobian
         self.n_data = n_data
         self._gp = SubsetKernel.build(

@@ -5,7 +5,6 @@ Internal module; the public paths are :mod:`laplace.baselaplace` and :mod:`lapla
 
 from __future__ import annotations
 
-import math
 from collections.abc import MutableMapping
 from functools import partial
 from typing import Any
@@ -23,17 +22,15 @@ from laplace.functional.base import BaseFunctionalLaplace, HistoryState
 from laplace.functional.inducing import (
     INDUCING_STATE,
     as_inducing,
-    check_inducing_state,
+    detached_inputs,
     inducing_from_data,
     inducing_setup,
-    inducing_state,
-    load_inducing_state,
 )
-from laplace.functional.valla_objective import InducingPosterior, check_alpha, negative_objective
+from laplace.functional.valla_objective import InducingPosterior, check_alpha, inducing_kl
 from laplace.likelihoods import make_likelihood
-from laplace.utils.data import Inputs, dataset_size
+from laplace.utils.data import Inputs, batch_size_of, dataset_size, to_device
 from laplace.utils.enums import FunctionalApproximation, Likelihood
-from laplace.utils.errors import check_finite_result, check_positive_int
+from laplace.utils.errors import check_finite_result, check_positive_float, check_positive_int
 
 __all__ = ["VaLLA"]
 
@@ -46,20 +43,39 @@ class VaLLAState(HistoryState):
         return (*super().value_keys(la), *INDUCING_STATE, "num_inducing", "generator_state")
 
     def values(self, la: Any) -> dict[str, Any]:
-        """The history state, the inducing points and the random generator's state."""
-        Z, classes = la.inducing_locations, la.inducing_classes
+        """The history state, the inducing points (current and initial) and the generator."""
         return {
             **super().values(la),
-            **inducing_state(Z, classes, la._strategy, la._initial),
+            "inducing_locations": detached_inputs(la.inducing_locations),
+            "inducing_classes": la.inducing_classes.detach().clone(),
+            "inducing_strategy": la._strategy,
+            "initial_inducing_locations": detached_inputs(la._initial[0]),
+            "initial_inducing_classes": la._initial[1].detach().clone(),
             "num_inducing": la.num_inducing,
             "generator_state": la.generator.get_state().clone(),
         }
 
     def check(self, la: Any, state_dict: dict[str, Any]) -> None:
-        """Refuse inducing points or an energy (alpha) the approximation cannot take."""
+        """Refuse inducing points or an energy (alpha) the approximation cannot take.
+
+        ``L`` must have ``M(M+1)/2`` entries, the inducing inputs and classes ``M`` rows, the
+        prior precision one entry, and the noise must be there iff the likelihood has one.
+        """
         super().check(la, state_dict)
-        noise = la._likelihood_model.has_noise_hyperparameter
-        check_inducing_state(state_dict, noise, la.dict_key_x)
+        M, log_noise = state_dict["num_inducing"], state_dict["log_noise_variance"]
+        if (
+            not isinstance(M, int)
+            or state_dict["L"].shape != (M * (M + 1) // 2,)
+            or state_dict["inducing_classes"].shape != (M,)
+            or batch_size_of(state_dict["inducing_locations"], la.dict_key_x) != M
+            or (log_noise is not None) != la._likelihood_model.has_noise_hyperparameter
+            or state_dict["log_prior_precision"].numel() != 1
+        ):
+            raise ValueError(
+                f"inconsistent VaLLA state: with num_inducing={M!r}, L needs M(M+1)/2 entries, "
+                "the inducing inputs and classes M rows, the prior precision one entry, and a "
+                "noise only for regression."
+            )
         check_alpha(state_dict["alpha"], state_dict["mc_softmax_samples"], la._likelihood_model)
 
     def load(self, la: Any, state_dict: dict[str, Any]) -> None:
@@ -67,10 +83,16 @@ class VaLLAState(HistoryState):
         super().load(la, state_dict)
         la.num_inducing = state_dict["num_inducing"]
         la.generator.set_state(state_dict["generator_state"].cpu())
-        Z, la.inducing_classes, la._strategy, la._initial = load_inducing_state(
-            state_dict, la._device, la._dtype
+        la.inducing_locations = as_inducing(
+            state_dict["inducing_locations"], la._device, la._dtype
         )
-        la.inducing_locations = Z
+        la.inducing_classes = state_dict["inducing_classes"].to(la._device)
+        la._strategy = state_dict["inducing_strategy"]
+        initial = state_dict["initial_inducing_locations"]
+        la._initial = (
+            None if initial is None else to_device(initial, la._device, la._dtype),
+            state_dict["initial_inducing_classes"].to(la._device),
+        )
 
 
 class VaLLA(BaseFunctionalLaplace):
@@ -201,18 +223,17 @@ class VaLLA(BaseFunctionalLaplace):
 
     # ---------------------------------------------------------------------------------- fit
     def _objective(self, X: Inputs, y: Tensor) -> Tensor:
-        """The minimised objective on one minibatch (see :func:`negative_objective`)."""
-        return negative_objective(
-            self._likelihood_model.fit_likelihood,
-            y,
-            self._gp.objective_moments(X),
-            self.n_data,
-            self.temperature,
-            self.alpha,
-            None if self.log_noise_variance is None else self.log_noise_variance.exp(),
-            self.mc_softmax_samples,
-            self.generator,
+        """``−(N/B) Σ_b ℓ_α(y_b)/T + KL(q ‖ p)`` on a minibatch.
+
+        Differentiable in the variational parameters, the noise and the inducing inputs (see
+        :mod:`laplace.functional.valla_objective`).
+        """
+        f, cov, A, R = self._gp.objective_moments(X)
+        noise = None if self.log_noise_variance is None else self.log_noise_variance.exp()
+        log_lik, batch = self._likelihood_model.fit_likelihood.alpha_energy(
+            y, f, cov, self.alpha, noise, self.mc_softmax_samples, self.generator
         )
+        return -(self.n_data / batch) * log_lik / self.temperature + inducing_kl(A, R)
 
     @preserve_model_gradients
     def fit(
@@ -241,8 +262,7 @@ class VaLLA(BaseFunctionalLaplace):
             ValueError: For bad optimisation settings or inducing classes.
         """
         check_positive_int(iterations, "iterations")
-        if not (math.isfinite(lr) and lr > 0):
-            raise ValueError(f"lr must be positive and finite, got {lr!r}.")
+        check_positive_float(lr, "lr")
         if val_steps is not None:
             check_positive_int(val_steps, "val_steps")
         self.model.eval()
@@ -253,17 +273,14 @@ class VaLLA(BaseFunctionalLaplace):
         self.mean = self._subset.vector().detach()
         if override or not self._fitted:
             self._reset_inducing(train_loader)
-        if bool(
-            (self.inducing_classes >= self.n_outputs).any() | (self.inducing_classes < 0).any()
-        ):
+        classes = self.inducing_classes
+        if bool((classes >= self.n_outputs).any() | (classes < 0).any()):
             raise ValueError(f"inducing_classes must lie in [0, {self.n_outputs}).")
-        params = (
-            self.L,
-            self.log_prior_precision,
-            self.log_noise_variance,
-            self.inducing_locations,
-        )
-        optimizer = torch.optim.Adam([p for p in params if isinstance(p, nn.Parameter)], lr=lr)
+        variational = (self.L, self.log_prior_precision, self.log_noise_variance)
+        params = [
+            p for p in (*variational, self.inducing_locations) if isinstance(p, nn.Parameter)
+        ]
+        optimizer = torch.optim.Adam(params, lr=lr)
         self._fitted, loop.progress_bar = False, progress_bar
         for step, (X, y) in enumerate(loop.cycle(train_loader, iterations), 1):
             self._likelihood_model.check_targets(y, output_shape)

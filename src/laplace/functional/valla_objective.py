@@ -25,7 +25,7 @@ __all__ = [
     "check_alpha",
     "inducing_covariance",
     "inducing_factor",
-    "negative_objective",
+    "inducing_kl",
 ]
 
 
@@ -85,49 +85,15 @@ def inducing_covariance(Js: Tensor, Q: Tensor, log_delta: Tensor, joint: bool) -
     scale = log_delta.to(torch.float64).mul(0.5).exp()
     padded = nn.functional.pad(Js.to(torch.float64).reshape(B * C, P) / scale, (0, Q.shape[1]))
     roots = padded - (padded @ Q) @ Q.T
-    if joint:
-        cov = roots @ roots.T
-    else:
-        roots = roots.reshape(B, C, -1)
-        cov = roots @ roots.transpose(1, 2)
+    roots = roots if joint else roots.reshape(B, C, -1)
+    cov = roots @ roots.transpose(-1, -2)
     return ((cov + cov.transpose(-1, -2)) / 2).to(Js.dtype)
 
 
-def negative_objective(
-    likelihood: LikelihoodModel,
-    y: Tensor,
-    moments: tuple[Tensor, Tensor, Tensor, Tensor],
-    n_data: int,
-    temperature: float,
-    alpha: float,
-    noise_variance: Tensor | None = None,
-    n_samples: int = 0,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """``−(N/B) Σ_b ℓ_α(y_b)/T + KL`` on a minibatch.
-
-    Args:
-        likelihood: The likelihood of the fit (it gives its energy, ``alpha_energy``).
-        y: Targets of the minibatch.
-        moments: Latent means (B, C) and covariances (B, C, C) of the minibatch, and ``A`` and
-            ``R`` of :func:`inducing_factor`.
-        n_data: Number N of training points.
-        temperature: Likelihood temperature T.
-        alpha: ``α`` of the energy.
-        noise_variance: ``σ²`` of a likelihood with observation noise.
-        n_samples: MC draws of a softmax energy (0: the probit approximation).
-        generator: Random number generator of the draws.
-
-    Returns:
-        The objective, differentiable in whatever the moments and the noise depend on.
-    """
-    f, cov, A, R = moments
-    log_lik, batch = likelihood.alpha_energy(
-        y, f, cov, alpha, noise_variance, n_samples, generator
-    )
+def inducing_kl(A: Tensor, R: Tensor) -> Tensor:
+    """``KL(q ‖ p)`` from ``A`` and ``R`` of :func:`inducing_factor`."""
     solved = torch.linalg.solve_triangular(R.T, A, upper=False)
-    kl = R.diagonal().abs().log().sum() - 0.5 * solved.square().sum()
-    return -(n_data / batch) * log_lik / temperature + kl
+    return R.diagonal().abs().log().sum() - 0.5 * solved.square().sum()
 
 
 class InducingPosterior:

@@ -119,8 +119,7 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
         if not n_samples:
             return -self.predictive_nll(f, cov, y, None), len(y)
         draws = draw_gaussian(f, cov, n_samples, generator)  # (S, B, C)
-        index = y.view(1, -1, 1).expand(n_samples, -1, 1)
-        log_p = draws.log_softmax(-1).gather(-1, index).squeeze(-1)
+        log_p = draws.log_softmax(-1)[:, torch.arange(len(y), device=y.device), y]  # (S, B)
         return sampled_alpha_energy(log_p, alpha), len(y)
 
     @override
@@ -138,7 +137,6 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
 
         def read(prediction: Any, target: Tensor) -> tuple[tuple[Tensor], Tensor]:
             if isinstance(prediction, Tensor) and prediction.dim() > 2:
-                target = target.to(prediction.device)
                 layout = self.layout(prediction.shape, target)
                 prediction, target = layout.rows(prediction), layout.targets(target)
             probs = probabilities(prediction, "classification")
@@ -247,14 +245,19 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
             )
 
 
-class RewardModeling(LikelihoodModel):
-    """Bradley–Terry reward model: fitted as classification on pairs, predicted as regression."""
+class RewardModeling(Categorical):
+    """Bradley–Terry reward model: fitted as classification on pairs, predicted as regression.
+
+    Its loss, curvature and targets are :class:`Categorical`'s (the fit runs on
+    :attr:`fit_likelihood`, a plain one); its predictions are :class:`GaussianRegression`'s.
+    """
 
     kind = Likelihood.REWARD_MODELING
     predicts_probabilities = False
     #: The structures laplace-torch supports for reward modelling.
     hessian_structures = (HessianStructure.KRON, HessianStructure.DIAG)
     pairwise = True
+    position_targets = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -270,51 +273,3 @@ class RewardModeling(LikelihoodModel):
     @property
     def predictive_likelihood(self) -> LikelihoodModel:
         return self._predict
-
-    @override
-    def loss_module(self, reduction: str = "mean") -> nn.Module:
-        return self._fit.loss_module(reduction)
-
-    @override
-    def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
-        return self._fit.per_sample_loss(f, y)
-
-    @override
-    def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
-        return self._fit.loss_gradient(f, y)
-
-    @override
-    def output_hessian_sqrt(self, f: Tensor) -> Tensor:
-        return self._fit.output_hessian_sqrt(f)
-
-    @override
-    def output_hessian(self, f: Tensor) -> Tensor:
-        return self._fit.output_hessian(f)
-
-    @override
-    def structured_output_hessian(self, f: Tensor) -> DiagLowRankBatch:
-        return self._fit.structured_output_hessian(f)
-
-    @override
-    def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        return self._fit.sample_targets(f, generator)
-
-    @override
-    def predictive_nll(
-        self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
-    ) -> Tensor:
-        return self._fit.predictive_nll(f_mu, f_var, y, sigma_noise)
-
-    @override
-    def log_likelihood(
-        self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
-    ) -> Tensor:
-        return self._fit.log_likelihood(loss, n_data, n_outputs, sigma_noise, temperature)
-
-    @override
-    def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
-        return self._fit.prepare_targets(f, y)
-
-    @override
-    def check_row_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
-        self._fit.check_row_targets(y, output_shape)

@@ -105,10 +105,9 @@ class CustomLikelihood(LikelihoodModel):
         self,
         f_mu: Tensor,
         f_var: Tensor,
-        link_approx: LinkApprox = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        generator: torch.Generator | None = None,
-        diagonal_output: bool = False,
+        link_approx: LinkApprox,
+        n_samples: int,
+        generator: torch.Generator | None,
     ) -> Any:
         return self.kind.predictive(f_mu, f_var, n_samples=n_samples, generator=generator)
 

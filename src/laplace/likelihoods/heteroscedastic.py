@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.gaussian import check_real_targets, gaussian_evaluation
+from laplace.likelihoods.rows import ReducedLoss
 from laplace.likelihoods.scoring import (
     Evaluation,
     EvaluationOptions,
@@ -66,7 +67,7 @@ class HeteroscedasticPrediction(NamedTuple):
         return epistemic + self.aleatoric_variance
 
 
-class HeteroscedasticGaussianNLLLoss(nn.Module):
+class HeteroscedasticGaussianNLLLoss(ReducedLoss):
     """``½ ((y − μ)² e^{−s} + s)`` per target entry for outputs ``f = [μ, s]`` of shape (B, 2C).
 
     Args:
@@ -74,19 +75,10 @@ class HeteroscedasticGaussianNLLLoss(nn.Module):
             ``"sum"`` or ``"none"`` (shape (B, C)).
     """
 
-    def __init__(self, reduction: str = "mean") -> None:
-        super().__init__()
-        if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}.")
-        self.reduction = reduction
-
     def forward(self, f: Tensor, y: Tensor) -> Tensor:
         """The loss of outputs (B, 2C) and targets (B, C)."""
         mu, s = split_outputs(f)
-        loss = 0.5 * ((y - mu).square() * torch.exp(-s) + s)
-        if self.reduction == "mean":
-            return loss.mean()
-        return loss.sum() if self.reduction == "sum" else loss
+        return self.reduce(0.5 * ((y - mu).square() * torch.exp(-s) + s))
 
 
 def split_outputs(f: Tensor) -> tuple[Tensor, Tensor]:
@@ -196,10 +188,9 @@ class HeteroscedasticGaussian(LikelihoodModel):
         self,
         f_mu: Tensor,
         f_var: Tensor,
-        link_approx: LinkApprox = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        generator: torch.Generator | None = None,
-        diagonal_output: bool = False,
+        link_approx: LinkApprox,
+        n_samples: int,
+        generator: torch.Generator | None,
     ) -> HeteroscedasticPrediction:
         """Mean, epistemic and expected aleatoric variance from ``N(f_mu, f_var)`` over [μ, s]."""
         m_mu, m_s = split_outputs(f_mu)

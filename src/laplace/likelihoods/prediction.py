@@ -94,11 +94,12 @@ class OutputPredictions:
             link_approx: See :meth:`glm_predictive`.
             n_samples: See :meth:`glm_predictive`.
             generator: See :meth:`glm_predictive`.
-            diagonal_output: Whether the caller asked for variances.
+            diagonal_output: Whether the caller asked for variances (the shape of ``f_var``
+                already says it; :meth:`diagonal_moments` chose it).
         """
         layout = self.layout(f_mu.shape)
         prediction = self.glm_predictive(
-            layout.rows(f_mu), f_var, link_approx, n_samples, generator, diagonal_output
+            layout.rows(f_mu), f_var, link_approx, n_samples, generator
         )
         return prediction if layout.plain else self.restore_prediction(prediction, layout)
 
@@ -120,10 +121,9 @@ class OutputPredictions:
         self,
         f_mu: Tensor,
         f_var: Tensor,
-        link_approx: LinkApprox = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        generator: torch.Generator | None = None,
-        diagonal_output: bool = False,
+        link_approx: LinkApprox,
+        n_samples: int,
+        generator: torch.Generator | None,
     ) -> Any:
         """Predictions from a Gaussian over the outputs (the linearised network).
 
@@ -134,7 +134,6 @@ class OutputPredictions:
             link_approx: The link approximation (for likelihoods with :attr:`links`).
             n_samples: Monte-Carlo samples of ``"mc"``.
             generator: Random number generator of ``"mc"``.
-            diagonal_output: Whether the caller asked for variances instead of covariances.
 
         Returns:
             ``(f_mu, f_var)`` by default (Gaussian regression).
@@ -221,10 +220,9 @@ class ProbabilityPredictions(OutputPredictions):
         self,
         f_mu: Tensor,
         f_var: Tensor,
-        link_approx: LinkApprox = LinkApprox.PROBIT,
-        n_samples: int = 100,
-        generator: torch.Generator | None = None,
-        diagonal_output: bool = False,
+        link_approx: LinkApprox,
+        n_samples: int,
+        generator: torch.Generator | None,
     ) -> Tensor:
         """Probabilities (B, C) by the link approximation ``link_approx``."""
         approximation = self.link_approximations[link_approx]
@@ -236,10 +234,9 @@ class ProbabilityPredictions(OutputPredictions):
 
     def sampled_predictive_of(self, groups: Iterable[Tensor]) -> Tensor:
         """The mean probabilities over groups of sampled outputs, summed a group at a time."""
-        total, count = None, 0
+        total, count = 0, 0
         for f in groups:
-            summed = self.predictive_sample(f).sum(dim=0)
-            total = summed if total is None else total + summed
+            total = total + self.predictive_sample(f).sum(dim=0)
             count += len(f)
         return total / count
 

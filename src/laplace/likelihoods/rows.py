@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from laplace.utils.outputs import OutputAdapter, OutputLayout, PositionTargets
 
-__all__ = ["LossModule", "OutputRows"]
+__all__ = ["LossModule", "OutputRows", "ReducedLoss"]
 
 
 class OutputRows:
@@ -105,7 +105,30 @@ class OutputRows:
         """
 
 
-class LossModule(nn.Module):
+class ReducedLoss(nn.Module):
+    """A torch loss module that reduces a loss of each data point as torch's losses do.
+
+    Args:
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+
+    Raises:
+        ValueError: For another ``reduction``.
+    """
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}.")
+        self.reduction = reduction
+
+    def reduce(self, loss: Tensor) -> Tensor:
+        """The mean or sum of ``loss``, or ``loss`` itself with ``"none"``."""
+        if self.reduction == "mean":
+            return loss.mean()
+        return loss.sum() if self.reduction == "sum" else loss
+
+
+class LossModule(ReducedLoss):
     """A likelihood object's negative log-likelihood as a torch loss ``(f, y) → loss``.
 
     For the torch-loss routes (curvlinops' operators, training loops) of likelihoods without a
@@ -117,14 +140,9 @@ class LossModule(nn.Module):
     """
 
     def __init__(self, likelihood: OutputRows, reduction: str = "mean") -> None:
-        super().__init__()
-        if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}.")
-        self.likelihood, self.reduction = likelihood, reduction
+        super().__init__(reduction)
+        self.likelihood = likelihood
 
     def forward(self, f: Tensor, y: Tensor) -> Tensor:
         """The loss of outputs ``f`` (B, …) and targets ``y``."""
-        loss = self.likelihood.point_losses(f, y)
-        if self.reduction == "mean":
-            return loss.mean()
-        return loss.sum() if self.reduction == "sum" else loss
+        return self.reduce(self.likelihood.point_losses(f, y))
