@@ -211,8 +211,7 @@ def all_gather(tensor: Tensor) -> Tensor:
     """
     if not is_distributed():
         return tensor
-    device = tensor.device
-    sizes = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=device)
+    sizes = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
     all_sizes = [torch.zeros_like(sizes) for _ in range(dist.get_world_size())]
     dist.all_gather(all_sizes, sizes)
     counts = [int(s.item()) for s in all_sizes]
