@@ -230,10 +230,10 @@ class VaLLA(BaseFunctionalLaplace):
         """
         f, cov, A, R = self._gp.objective_moments(X)
         noise = None if self.log_noise_variance is None else self.log_noise_variance.exp()
-        log_lik, batch = self._likelihood_model.fit_likelihood.alpha_energy(
+        log_lik = self._likelihood_model.fit_likelihood.alpha_energy(
             y, f, cov, self.alpha, noise, self.mc_softmax_samples, self.generator
         )
-        return -(self.n_data / batch) * log_lik / self.temperature + inducing_kl(A, R)
+        return -(self.n_data / len(f)) * log_lik / self.temperature + inducing_kl(A, R)
 
     @preserve_model_gradients
     def fit(

@@ -24,13 +24,12 @@ from laplace.likelihoods.scoring import (
     PerLabelCalibrationError,
     bernoulli_entropy,
     probabilities,
-    sampled_alpha_energy,
 )
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood
 from laplace.utils.errors import DataError, LabelError
 from laplace.utils.outputs import PositionTargets
-from laplace.utils.predictive import BERNOULLI_LINKS, draw_gaussian, probit_logits
+from laplace.utils.predictive import BERNOULLI_LINKS, probit_logits
 
 __all__ = ["Bernoulli", "bernoulli_alpha_energy"]
 
@@ -90,21 +89,10 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
         return F.binary_cross_entropy_with_logits(logits, targets, reduction="sum")
 
     @override
-    def alpha_energy(
-        self,
-        y: Tensor,
-        f: Tensor,
-        cov: Tensor,
-        alpha: float,
-        noise_variance: Tensor | None,
-        n_samples: int,
-        generator: torch.Generator | None,
-    ) -> tuple[Tensor, int]:
-        """:func:`bernoulli_alpha_energy`; without draws the per-label probit NLL (no ``α``)."""
-        y = self.prepare_targets(f, y)
-        if n_samples:
-            return bernoulli_alpha_energy(y, f, cov, alpha, n_samples, generator), len(y)
-        return -self.predictive_nll(f, cov, y, None), len(y)
+    def draw_log_likelihood(self, y: Tensor, draws: Tensor) -> Tensor:
+        """The log-likelihood of all labels of a point (of its joint draw)."""
+        targets = self.prepare_targets(draws[0], y).expand_as(draws)
+        return -F.binary_cross_entropy_with_logits(draws, targets, reduction="none").sum(-1)
 
     @override
     def evaluation(self, options: EvaluationOptions) -> Evaluation:
@@ -222,10 +210,7 @@ def bernoulli_alpha_energy(
 
     The draws are of the joint ``N(mean, cov)``: for ``α > 0`` the labels' correlations enter.
     """
-    draws = draw_gaussian(mean, cov, n_samples, generator)  # (S, B, K)
-    targets = y.expand_as(draws)
-    log_p = -F.binary_cross_entropy_with_logits(draws, targets, reduction="none")
-    return sampled_alpha_energy(log_p.sum(-1), alpha)  # (S, B): all labels of a point
+    return Bernoulli().alpha_energy(y, mean, cov, alpha, None, n_samples, generator)
 
 
 def _bernoulli_variance(f: Tensor) -> Tensor:

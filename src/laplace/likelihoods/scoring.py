@@ -48,7 +48,6 @@ __all__ = [
     "gaussian_nll",
     "gaussian_predictive",
     "heteroscedastic_moments",
-    "sampled_alpha_energy",
     "targets_like",
     "to_plain",
 ]
@@ -165,18 +164,6 @@ def gaussian_crps(mean: Tensor, std: Tensor, target: Tensor) -> Tensor:
     z = (target - mean) / std
     pdf = torch.exp(-0.5 * z.square()) / math.sqrt(2 * math.pi)
     return std * (z * (2 * torch.special.ndtr(z) - 1) + 2 * pdf - 1 / math.sqrt(math.pi))
-
-
-def sampled_alpha_energy(log_p: Tensor, alpha: float) -> Tensor:
-    """Summed ``ℓ_α = (1/α) log((1/S) Σ_s p_s^α)`` (``α = 0``: the mean of ``log p``).
-
-    Args:
-        log_p: Log-likelihoods (S, B) of every point under S sampled outputs.
-        alpha: ``α`` in [0, 1].
-    """
-    if alpha == 0:
-        return log_p.mean(0).sum()
-    return (torch.logsumexp(alpha * log_p, 0) - math.log(len(log_p))).sum() / alpha
 
 
 def _brier(probs: Tensor, target: Tensor) -> Tensor:
