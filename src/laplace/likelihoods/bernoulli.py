@@ -26,7 +26,7 @@ from laplace.likelihoods.scoring import (
     probabilities,
 )
 from laplace.utils.diag_lowrank import DiagLowRankBatch
-from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood
+from laplace.utils.enums import Likelihood
 from laplace.utils.errors import DataError, LabelError
 from laplace.utils.outputs import PositionTargets
 from laplace.utils.predictive import BERNOULLI_LINKS, probit_logits
@@ -43,7 +43,8 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
     the Fisher), and the predictive the probability that each label is 1, (B, K):
     ``link_approx="probit"`` gives ``σ(μ/√(1 + π v/8))`` per label, ``"mc"`` a Monte-Carlo
     average of ``σ(f)``. Targets have the outputs' shape (or (B,) for K = 1) and hold 0/1
-    (integers, booleans or floats; floats in [0, 1] are soft labels).
+    (integers, booleans or floats; floats in [0, 1] are soft labels). Every Hessian structure
+    and function-space approximation applies (its output curvature is diagonal).
     """
 
     kind = Likelihood.BINARY_CLASSIFICATION
@@ -59,16 +60,6 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
     link_approximations = BERNOULLI_LINKS
     predictions = "label probabilities"
     position_targets = PositionTargets.VALUES
-    #: Subset-of-data GP (its output curvature is diagonal, so the GP uses it exactly), ELLA
-    #: (scored by :meth:`predictive_nll`) and VaLLA (its energy :meth:`alpha_energy`).
-    function_space = tuple(FunctionalApproximation)
-    hessian_structures = (
-        HessianStructure.FULL,
-        HessianStructure.DIAG,
-        HessianStructure.KRON,
-        HessianStructure.LOWRANK,
-        HessianStructure.GP,
-    )
 
     @override
     @staticmethod
