@@ -227,6 +227,10 @@ class _Sums(Metric):
         default = torch.zeros(() if size is None else (size,), dtype=torch.float64)
         self.add_state(name, default=default, dist_reduce_fx="sum")
 
+    def grid(self, n_bins: int) -> Tensor:
+        """The levels ``k / n_bins``, ``k = 0..n_bins``, in float64 on the metric's device."""
+        return torch.linspace(0, 1, n_bins + 1, dtype=torch.float64, device=self.device)
+
 
 class MeanScore(_Sums):
     """The running mean of a scoring rule over the entries it returns.
@@ -359,9 +363,7 @@ class ReliabilityBins(_Sums):
         """``bin_edges`` (K+1,), mean ``confidence``, ``accuracy`` (0 if empty), ``count`` (K,)."""
         count = self.count.clamp_min(1)
         return {
-            "bin_edges": torch.linspace(
-                0, 1, self.n_bins + 1, dtype=count.dtype, device=count.device
-            ),
+            "bin_edges": self.grid(self.n_bins),
             "confidence": self.confidence / count,
             "accuracy": self.correct / count,
             "count": self.count,
@@ -452,9 +454,7 @@ class PITCalibration(_Sums):
         """``expected`` levels (K+1,), ``observed`` fractions of PIT ≤ level, ``coverage``."""
         observed = torch.cat([self.pit_count.new_zeros(1), self.pit_count.cumsum(0)])
         return {
-            "expected": torch.linspace(
-                0, 1, self.n_bins + 1, dtype=observed.dtype, device=observed.device
-            ),
+            "expected": self.grid(self.n_bins),
             "observed": observed / self.count,
             "coverage": self.covered / self.count,
         }
