@@ -22,6 +22,7 @@ from laplace.core import distributed as distributed_utils
 from laplace.likelihoods import make_likelihood
 from laplace.likelihoods.scoring import N_BINS, Evaluation, EvaluationOptions
 from laplace.utils.data import Inputs, move_inputs, split_batch
+from laplace.utils.errors import check_positive_int
 from laplace.utils.outputs import IGNORE_INDEX
 
 __all__ = ["evaluate", "model_device", "predict_detached"]
@@ -38,8 +39,7 @@ def model_device(predictive: Callable) -> torch.device | None:
 
 
 def _check_options(n_bins: Any, coverage_levels: Sequence[float], kwargs: dict) -> None:
-    if isinstance(n_bins, bool) or not isinstance(n_bins, numbers.Integral) or n_bins < 1:
-        raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}.")
+    check_positive_int(n_bins, "n_bins")
     levels = list(coverage_levels)
     if not levels or not all(isinstance(lv, numbers.Real) and 0 < lv < 1 for lv in levels):
         raise ValueError(
