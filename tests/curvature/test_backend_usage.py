@@ -184,3 +184,15 @@ def test_laplace_accepts_every_backend(row, structure, subset):
         assert_close(la.log_marginal_likelihood(), ref.log_marginal_likelihood())
     f_mu, f_var = la(case.X[:4])
     assert f_mu.shape == (4, 3) and f_var.shape == (4, 3, 3)
+
+
+@pytest.mark.parametrize("backend", [BackPackGGN, BackPackEF], ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("structure", ["diag", "full"])
+def test_backpack_fit_emits_no_backward_hook_warning(backend, structure, recwarn):
+    case = CASE_BUILDERS["mlp_classification"]()
+    loader = DataLoader(TensorDataset(case.X, case.y), batch_size=8)
+    la = Laplace(case.model, "classification", hessian_structure=structure, backend=backend)
+    la.fit(loader)
+    la(case.X[:4])
+    hooks = [w for w in recwarn if "Full backward hook" in str(w.message)]
+    assert not hooks, [str(w.message) for w in hooks]

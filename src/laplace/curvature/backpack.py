@@ -9,6 +9,7 @@ writes is removed afterwards (:func:`~laplace.curvature.third_party.isolated`). 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -65,9 +66,11 @@ def _extended(*modules: nn.Module) -> Iterator[None]:
     """Install BackPACK's hooks on every layer of ``modules`` for the duration of a block.
 
     The hooks are BackPACK's I/O-storing forward hook and extension-running backward hook; a
-    layer is a module without children.
+    layer is a module without children. torch's warning that a full backward hook fires without
+    input gradients is expected here (the first layer's inputs are data) and is silenced.
     """
-    with isolated(*modules) as handles:
+    with isolated(*modules) as handles, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
         for root in modules:
             for module in root.modules():
                 if not (is_no_op(module) or any(True for _ in module.children())):
