@@ -495,12 +495,10 @@ class ParametricLaplace(BaseLaplace):
 
         Raises:
             ValueError: Where the approximation refuses the GLM predictive (many outputs without
-                a last layer's closed form, :func:`laplace.posteriors.large_output.glm_refusal`).
+                a last layer's closed form, :func:`laplace.posteriors.large_output.check_glm`).
         """
         if self._subset.jacobian_kind(self._posterior.closed_forms) is not HeadFeatures:
-            refusal = large_output.glm_refusal(self.n_outputs)
-            if refusal is not None:
-                raise ValueError(refusal)
+            large_output.check_glm(self.n_outputs)
         if joint:
             f_mu, J = self._subset.linearize(X, self.backend, (), self.enable_backprop)
             return self._detached(f_mu.reshape(-1), self.functional_covariance(J.dense()))
