@@ -230,11 +230,11 @@ class OutputAdapter:
         shape = tuple(int(d) for d in output_shape[1:])
         labels = targets == PositionTargets.LABELS
         ignore = self.ignore_index if labels else None
-        if rank > 2 and self.plain_only is not None:
-            raise ValueError(
-                f"backend={self.plain_only} takes model outputs of shape (B, C); the model "
-                f"returned outputs of shape {tuple(output_shape)}. Use backend=CurvlinopsGGN "
-                "(or CurvlinopsEF, CurvlinopsHessian), which take outputs with extra dimensions."
+        if self.plain_only is not None:
+            self.require_plain(
+                output_shape,
+                f"backend={self.plain_only}",
+                "backend=CurvlinopsGGN (or CurvlinopsEF, CurvlinopsHessian)",
             )
         if targets is None:
             self.require_plain(
