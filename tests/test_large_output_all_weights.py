@@ -289,7 +289,7 @@ def test_third_party_kfac_and_conv1d_are_refused_by_name(threshold):
 
 def test_plan_marks_only_plain_layers_above_the_threshold():
     model = nn.Sequential(nn.Embedding(9, 6), nn.Linear(6, 3), nn.LayerNorm(3), nn.Linear(3, 7))
-    engine = CurvlinopsEF(model, "classification")._engine
+    engine = CurvlinopsEF(model, "classification").engine
     marks = [block.low_rank for block in plan_blocks(engine, low_rank_above=5)]
     assert marks == [False, False, False, False, False, True, True]
     assert not any(block.low_rank for block in plan_blocks(engine))

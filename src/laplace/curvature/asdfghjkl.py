@@ -26,8 +26,7 @@ _REPLACEMENTS = {
 }
 
 
-def _refuse(cls: type) -> None:
-    name = next(c.__name__ for c in cls.__mro__ if c.__name__ in _REPLACEMENTS)
+def _refuse(name: str) -> None:
     raise ImportError(
         f"{name} is laplace-torch's backend for the unpublished 'asdfghjkl' fork, which "
         f"laplace-ng does not use. Use backend={_REPLACEMENTS[name]} from laplace.curvature "
@@ -52,7 +51,7 @@ class AsdfghjklInterface(CurvatureInterface):
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
     ) -> None:
-        _refuse(type(self))
+        _refuse("AsdfghjklInterface")
 
 
 class AsdfghjklGGN(AsdfghjklInterface, GGNInterface):
@@ -72,7 +71,7 @@ class AsdfghjklGGN(AsdfghjklInterface, GGNInterface):
         dict_key_y: str = "labels",
         stochastic: bool = False,
     ) -> None:
-        _refuse(type(self))
+        _refuse("AsdfghjklGGN")
 
 
 class AsdfghjklEF(AsdfghjklInterface, EFInterface):
@@ -90,7 +89,7 @@ class AsdfghjklEF(AsdfghjklInterface, EFInterface):
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
     ) -> None:
-        _refuse(type(self))
+        _refuse("AsdfghjklEF")
 
 
 class AsdfghjklHessian(AsdfghjklInterface):
@@ -109,4 +108,4 @@ class AsdfghjklHessian(AsdfghjklInterface):
         dict_key_y: str = "labels",
         low_rank: int = 10,
     ) -> None:
-        _refuse(type(self))
+        _refuse("AsdfghjklHessian")

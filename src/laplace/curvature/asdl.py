@@ -12,7 +12,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
 from typing import Any
 
 import torch
@@ -111,13 +110,9 @@ def _kron_from_asdl(module: nn.Module, scale: float, n_data: int, factor: float)
 class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
     """Base of the ASDL backends.
 
+    Takes the arguments of :class:`CurvatureInterface`, and:
+
     Args:
-        model: See :class:`CurvatureInterface`.
-        likelihood: See :class:`CurvatureInterface`.
-        last_layer: See :class:`CurvatureInterface`.
-        subnetwork_indices: See :class:`CurvatureInterface`.
-        dict_key_x: See :class:`CurvatureInterface`.
-        dict_key_y: See :class:`CurvatureInterface`.
         asdl_fisher_kwargs: Extra fields of ASDL's ``FisherConfig`` (e.g. ``n_mc_samples``),
             used by ``full``, ``diag`` and ``kron``; the keyword arguments of those calls
             override them.
@@ -156,12 +151,6 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
     def _targets(self, y: Tensor) -> Tensor:
         """Targets shaped for ``lossfunc`` on (B, C) outputs: (B, C) values or (B,) classes."""
         return y.reshape(len(y), -1) if self.loss_type == LOSS_MSE else y.reshape(-1)
-
-    def _select(self, flat: Tensor) -> Tensor:
-        """Restrict the last dimension (the parameter vector) to the subnetwork."""
-        if self.subnetwork_indices is None:
-            return flat
-        return flat[..., self.subnetwork_indices.to(flat.device)]
 
     def _batch_gradients(
         self, target: TargetCall, closure: Callable[[], Tensor]
@@ -208,70 +197,83 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
 
         return self._batch_gradients(target, closure)
 
-    def _fisher(
-        self,
-        x: Inputs,
-        y: Tensor,
-        shape: str,
-        extract: Callable[[nn.Module, float], Any],
-        **kwargs: Any,
-    ) -> tuple[Tensor, Any]:
-        """Run ASDL's Fisher of one shape and read it off the modules before they are cleaned.
+    def _maker(
+        self, module: nn.Module, shape: str, options: dict[str, Any]
+    ) -> tuple[Any, str, float]:
+        """ASDL's Fisher maker of the backend's curvature in ``shape`` on ``module``.
 
         Args:
-            x: Inputs.
-            y: Targets.
+            module: The module ASDL runs on.
             shape: ASDL's Fisher shape.
-            extract: ``extract(module, scale)`` reads the result, multiplying it by ``scale``
-                (from ASDL's Fisher to the library's curvature).
-            **kwargs: Extra ``FisherConfig`` fields.
+            options: Extra ``FisherConfig`` fields (``N`` is dropped).
 
         Returns:
-            The summed library loss and what ``extract`` returns.
+            The maker, the attribute ASDL stores its result in, and the factor from ASDL's Fisher
+            to the library's curvature.
 
         Raises:
             NotImplementedError: For a backend without an ASDL Fisher type.
         """
         if self.fisher_type is None:
             raise NotImplementedError(f"{type(self).__name__} has no ASDL Fisher type.")
-        kwargs.pop("N", None)
+        options.pop("N", None)
         sampled = {"n_mc_samples": self.num_samples} if self.fisher_type == FISHER_MC else {}
         config = FisherConfig(
             fisher_type=self.fisher_type,
             loss_type=self.loss_type,
             fisher_shapes=[shape],
             data_size=1,
-            **{**sampled, **self.asdl_fisher_kwargs, **kwargs},
+            **{**sampled, **self.asdl_fisher_kwargs, **options},
         )
         # ASDL divides each sampled loss by S before squaring its gradient (undo one 1/S), and
         # its EF squares gradients of the unscaled loss (factor² brings them to the library's).
         scale = {FISHER_MC: float(config.n_mc_samples), FISHER_EMP: self.factor**2}
+        return get_fisher_maker(module, config), "fisher", scale.get(self.fisher_type, 1.0)
+
+    def _curvature(
+        self, x: Inputs, y: Tensor, shape: str, n_data: int = 1, **options: Any
+    ) -> tuple[Tensor, Any]:
+        """Run ASDL's curvature of one shape and read it off the modules before they are cleaned.
+
+        Args:
+            x: Inputs.
+            y: Targets.
+            shape: ASDL's shape: the dense matrix (P, P), the diagonal (P,) (both restricted to
+                the subnetwork) or the :class:`Kron` of a data set of ``n_data`` points.
+            n_data: Number of data points N of the whole data set (``kron`` only).
+            **options: Extra ``FisherConfig`` fields.
+
+        Returns:
+            The summed library loss and the curvature.
+        """
         target = target_call(self.model, x, self.last_layer)
         with isolated(target.module), _quiet():
-            maker = get_fisher_maker(target.module, config)
+            maker, attr, scale = self._maker(target.module, shape, options)
             dummy = maker.setup_model_call(target.module, target.inputs)
             maker.setup_loss_call(self.lossfunc, dummy, self._targets(y))
-            f, _ = maker.forward_and_backward()
-            result = extract(target.module, scale.get(self.fisher_type, 1.0))
-        return self.batch_loss(f, y), result
+            maker.forward_and_backward()
+            if shape == SHAPE_KRON:
+                result = _kron_from_asdl(target.module, scale, n_data, self.factor)
+            elif shape == SHAPE_FULL:
+                H = getattr(target.module, attr).data
+                result = self._select(self._select(scale * H).T).detach()
+            else:
+                result = self._select(scale * _diag_vector(target.module, attr)).detach()
+        return self.batch_loss(maker.model_output, y), result
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """As :meth:`CurvatureInterface.full`, by ASDL's full Fisher.
+        """As :meth:`CurvatureInterface.full`, by ASDL (its Fisher; AsdlHessian: the Hessian).
 
         Keyword arguments are extra ``FisherConfig`` fields (they override ``asdl_fisher_kwargs``).
         """
-        loss, H = self._fisher(x, y, SHAPE_FULL, lambda m, scale: scale * m.fisher.data, **kwargs)
-        return loss, self._select(self._select(H).T).detach()
+        return self._curvature(x, y, SHAPE_FULL, **kwargs)
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """As :meth:`CurvatureInterface.diag`, by ASDL's diagonal Fisher.
+        """As :meth:`CurvatureInterface.diag`, by ASDL (the diagonal of :meth:`full`'s matrix).
 
         Keyword arguments are extra ``FisherConfig`` fields (they override ``asdl_fisher_kwargs``).
         """
-        loss, h = self._fisher(
-            x, y, SHAPE_DIAG, lambda m, scale: scale * _diag_vector(m, "fisher"), **kwargs
-        )
-        return loss, self._select(h).detach()
+        return self._curvature(x, y, SHAPE_DIAG, **kwargs)
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
         """As :meth:`CurvatureInterface.kron`, by ASDL's Kronecker-factored Fisher.
@@ -284,20 +286,15 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         if self.subnetwork_indices is not None:
             raise ValueError("a subnetwork has no Kronecker structure; use diag or full.")
         self.kron_shapes()  # refuses layers ASDL cannot factor
-        extract = partial(_kron_from_asdl, n_data=N, factor=self.factor)
-        return self._fisher(x, y, SHAPE_KRON, extract, **kwargs)
+        return self._curvature(x, y, SHAPE_KRON, N, **kwargs)
 
 
 class AsdlGGN(AsdlInterface, GGNInterface):
     """Exact GGN by ASDL (``fisher_exact``), or its Monte-Carlo Fisher with ``stochastic=True``.
 
+    Takes the arguments of :class:`CurvatureInterface`, and:
+
     Args:
-        model: See :class:`CurvatureInterface`.
-        likelihood: See :class:`CurvatureInterface`.
-        last_layer: See :class:`CurvatureInterface`.
-        subnetwork_indices: See :class:`CurvatureInterface`.
-        dict_key_x: See :class:`CurvatureInterface`.
-        dict_key_y: See :class:`CurvatureInterface`.
         stochastic: Monte-Carlo Fisher (``fisher_mc``) instead of the exact GGN.
         num_samples: Sampled targets per data point when stochastic (ASDL's ``n_mc_samples``).
         asdl_fisher_kwargs: See :class:`AsdlInterface`.
@@ -380,27 +377,11 @@ class AsdlHessian(_KeywordSubnetwork):
     ``asdl_fisher_kwargs`` is accepted for a uniform interface and unused.
     """
 
-    def _hessian(self, x: Inputs, y: Tensor, shape: str) -> tuple[Tensor, Tensor]:
-        target = target_call(self.model, x, self.last_layer)
-        maker = HessianMaker(target.module, HessianConfig(hessian_shapes=[shape]))
-        with isolated(target.module), _quiet():
-            dummy = maker.setup_model_call(target.module, target.inputs)
-            maker.setup_loss_call(self.lossfunc, dummy, self._targets(y))
-            maker.forward_and_backward()
-            f = maker.model_output
-            if shape == SHAPE_FULL:
-                H = self._select(self._select(target.module.hessian.data).T)
-            else:
-                H = self._select(_diag_vector(target.module, "hessian"))
-        return self.batch_loss(f, y), (self.factor * H).detach()
-
-    def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Dense Hessian of the summed batch loss, shape (P, P), with the loss."""
-        return self._hessian(x, y, SHAPE_FULL)
-
-    def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """Hessian diagonal of the summed batch loss, shape (P,), with the loss."""
-        return self._hessian(x, y, SHAPE_DIAG)
+    def _maker(
+        self, module: nn.Module, shape: str, options: dict[str, Any]
+    ) -> tuple[Any, str, float]:
+        """ASDL's Hessian maker (``options`` unused): of ``lossfunc``, 1/factor times ours."""
+        return HessianMaker(module, HessianConfig(hessian_shapes=[shape])), "hessian", self.factor
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
         """Not available: the Hessian has no Kronecker factorisation.

@@ -115,10 +115,7 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
                     "one of its layers is not supported; use backend=CurvlinopsGGN."
                 )
             parts.append(value.flatten(flatten_from))
-        flat = torch.cat(parts, dim=-1)
-        if self.subnetwork_indices is not None:
-            flat = flat[..., self.subnetwork_indices.to(flat.device)]
-        return flat
+        return self._select(torch.cat(parts, dim=-1))
 
     def jacobians(self, x: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
         """As :meth:`CurvatureInterface.jacobians`, by ``BatchGrad``: one backward pass per output.
@@ -200,13 +197,9 @@ class BackPackGGN(BackPackInterface, GGNInterface):
     ``G = Vᵀ V`` of ``SqrtGGNExact`` / ``SqrtGGNMC`` (V of shape (C·B, P), or (S·B, P) with S
     samples), ``kron`` the ``KFLR`` / ``KFAC`` factors.
 
+    Takes the arguments of :class:`CurvatureInterface`, and:
+
     Args:
-        model: See :class:`CurvatureInterface`.
-        likelihood: See :class:`CurvatureInterface`.
-        last_layer: See :class:`CurvatureInterface`.
-        subnetwork_indices: See :class:`CurvatureInterface`.
-        dict_key_x: See :class:`CurvatureInterface`.
-        dict_key_y: See :class:`CurvatureInterface`.
         stochastic: Monte-Carlo Fisher instead of the exact GGN.
         num_samples: Sampled targets per data point when stochastic (BackPACK's
             ``mc_samples``).

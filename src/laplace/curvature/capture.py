@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from laplace.curvature.layer_rules import ModuleCall
 from laplace.utils.data import Inputs
@@ -62,11 +62,11 @@ def _run_hooked(
         if not slots:
             return None
         if not keep_input_graph:
-            args, kwargs = tree_map(_detach, args), tree_map(_detach, kwargs)
+            args, kwargs = tree_map_only(Tensor, Tensor.detach, (args, kwargs))
         outputs = [leaves[i] for i in slots]
         calls.append(ModuleCall(module, args, kwargs, outputs, slots, owners[module]))
         versions.extend(z._version for z in outputs)
-        return tree_map(_clone, output) if clone_outputs else None
+        return tree_map_only(Tensor, Tensor.clone, output) if clone_outputs else None
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in owners]
     try:
@@ -76,14 +76,6 @@ def _run_hooked(
         for handle in handles:
             handle.remove()
     return f, calls, versions
-
-
-def _detach(v: Any) -> Any:
-    return v.detach() if isinstance(v, Tensor) else v
-
-
-def _clone(v: Any) -> Any:
-    return v.clone() if isinstance(v, Tensor) else v
 
 
 def record_forward(
@@ -141,16 +133,7 @@ class OutputGradients:
         Returns:
             Per call, one gradient per recorded output (zeros where the output is unused).
         """
-        grads = torch.autograd.grad(
-            self.f,
-            self._outputs,
-            grad_outputs=v,
-            retain_graph=True,
-            create_graph=self.create_graph,
-            allow_unused=True,
-        )
-        grads = [torch.zeros_like(z) if g is None else g for z, g in zip(self._outputs, grads)]
-        return self._split(grads)
+        return self._backward(v, batched=False)
 
     def stacked(self, columns: Tensor) -> list[list[Tensor]]:
         """Gradients of several output columns at once, each stacked along a leading axis.
@@ -165,22 +148,9 @@ class OutputGradients:
             Per call, one tensor of shape (K, *z.shape) per recorded output.
         """
         try:
-            grads = torch.autograd.grad(
-                self.f,
-                self._outputs,
-                grad_outputs=columns,
-                retain_graph=True,
-                create_graph=self.create_graph,
-                allow_unused=True,
-                is_grads_batched=True,
-            )
+            return self._backward(columns, batched=True)
         except RuntimeError:
             return self.one_by_one(columns)
-        grads = [
-            z.new_zeros(len(columns), *z.shape) if g is None else g
-            for z, g in zip(self._outputs, grads)
-        ]
-        return self._split(grads)
 
     def columns(self, columns: Tensor) -> list[list[Tensor]]:
         """As :meth:`stacked`; :meth:`one_by_one` for one column or if not :attr:`vectorised`."""
@@ -189,18 +159,26 @@ class OutputGradients:
         return self.one_by_one(columns)
 
     def one_by_one(self, columns: Tensor) -> list[list[Tensor]]:
-        """As :meth:`stacked`, by one plain backward pass per column."""
+        """As :meth:`stacked`, by one plain backward pass per column (one column: views)."""
         per_column = [self(v) for v in columns]
-        if len(per_column) == 1:  # views, not copies
-            return [[g.unsqueeze(0) for g in grads] for grads in per_column[0]]
         return [
-            [torch.stack([col[i][j] for col in per_column]) for j in range(len(call.outputs))]
-            for i, call in enumerate(self.calls)
+            [torch.stack(gs) if len(gs) > 1 else gs[0].unsqueeze(0) for gs in zip(*per_call)]
+            for per_call in zip(*per_column)
         ]
 
-    def _split(self, grads: list[Tensor]) -> list[list[Tensor]]:
-        per_call, start = [], 0
-        for call in self.calls:
-            per_call.append(grads[start : start + len(call.outputs)])
-            start += len(call.outputs)
-        return per_call
+    def _backward(self, grad_outputs: Tensor, batched: bool) -> list[list[Tensor]]:
+        """Gradients w.r.t. every recorded output (zeros where unused), split per call."""
+        grads = torch.autograd.grad(
+            self.f,
+            self._outputs,
+            grad_outputs=grad_outputs,
+            retain_graph=True,
+            create_graph=self.create_graph,
+            allow_unused=True,
+            is_grads_batched=batched,
+        )
+        lead = grad_outputs.shape[:1] if batched else ()
+        found = iter(
+            z.new_zeros(*lead, *z.shape) if g is None else g for z, g in zip(self._outputs, grads)
+        )
+        return [[next(found) for _ in call.outputs] for call in self.calls]

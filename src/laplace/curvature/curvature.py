@@ -75,6 +75,7 @@ class CurvatureInterface:
 
     Attributes:
         params: The trainable parameters (``requires_grad``) considered, in model order.
+        engine: The native per-sample engine over ``params`` (restricted to the subnetwork).
         fit_likelihood: The likelihood object the curvature and the loss are computed with.
         lossfunc: The likelihood's summed torch loss (``MSELoss``, ``CrossEntropyLoss``, ...).
         factor: ``lossfunc`` times ``factor`` is the library's loss (½ for regression, else 1).
@@ -115,17 +116,18 @@ class CurvatureInterface:
         self.lossfunc: nn.Module = self.fit_likelihood.loss_module(reduction="sum")
         self.factor = self.fit_likelihood.loss_scale
         self.params: list[nn.Parameter] = [p for p in self._model.parameters() if p.requires_grad]
-        self._engine = PerSampleEngine(model, self.params, subnetwork_indices)
-
-    @property
-    def engine(self) -> PerSampleEngine:
-        """The native per-sample engine over :attr:`params` (restricted to the subnetwork)."""
-        return self._engine
+        self.engine = PerSampleEngine(model, self.params, subnetwork_indices)
 
     @property
     def _model(self) -> nn.Module:
         """The module whose parameters are considered."""
         return self.model.last_layer if self.last_layer else self.model
+
+    def _select(self, flat: Tensor) -> Tensor:
+        """Restrict the last dimension (the parameter vector) to the subnetwork, if one is set."""
+        if self.subnetwork_indices is None:
+            return flat
+        return flat[..., self.subnetwork_indices.to(flat.device)]
 
     def trace(self, x: Inputs, create_graph: bool = False) -> PerSampleTrace:
         """One recorded forward pass of the native engine over ``x``.
@@ -138,7 +140,7 @@ class CurvatureInterface:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             create_graph: Keep results differentiable w.r.t. ``x`` and the parameters.
         """
-        return self._engine.trace(x, create_graph)
+        return self.engine.trace(x, create_graph)
 
     def batch_loss(self, f: Tensor, y: Tensor) -> Tensor:
         """Summed library loss of a batch with outputs ``f`` (B, C), detached."""
@@ -179,9 +181,7 @@ class CurvatureInterface:
 
         with torch.enable_grad():
             jac, f = jacrev(outputs, has_aux=True)(named)
-        Js = torch.cat([jac[n].flatten(2) for n in named], dim=2)
-        if self.subnetwork_indices is not None:
-            Js = Js[:, :, self.subnetwork_indices.to(Js.device)]
+        Js = self._select(torch.cat([jac[n].flatten(2) for n in named], dim=2))
         return (Js, f) if enable_backprop else (Js.detach(), f.detach())
 
     def last_layer_jacobians(
@@ -369,8 +369,8 @@ class CurvatureInterface:
             low_rank_above: Mark the output factors :meth:`kron` keeps low rank for it
                 (``LowRankShape``).
         """
-        plan = plan_blocks(self._engine, self.kfac_dense_limit, low_rank_above)
-        return block_shapes(plan, self._engine.needed)
+        plan = plan_blocks(self.engine, self.kfac_dense_limit, low_rank_above)
+        return block_shapes(plan, self.engine.needed)
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """Diagonal of the batch curvature, summed over data points.
@@ -398,13 +398,9 @@ class GGNInterface(CurvatureInterface):
     Monte-Carlo estimate ``(1/S) Σₛ ∇_f ℓ(fₙ, ŷₛ) ∇_f ℓ(fₙ, ŷₛ)ᵀ`` with ``ŷₛ ~ p(y | fₙ)``
     drawn from torch's global generator.
 
+    Takes the arguments of :class:`CurvatureInterface`, and:
+
     Args:
-        model: See :class:`CurvatureInterface`.
-        likelihood: See :class:`CurvatureInterface`.
-        last_layer: See :class:`CurvatureInterface`.
-        subnetwork_indices: See :class:`CurvatureInterface`.
-        dict_key_x: See :class:`CurvatureInterface`.
-        dict_key_y: See :class:`CurvatureInterface`.
         stochastic: Use the Monte-Carlo Fisher instead of the exact GGN.
         num_samples: Number of sampled targets ``S`` per data point when stochastic.
     """

@@ -34,13 +34,9 @@ _HVP_CHUNK = 256
 class CurvlinopsInterface(CurvatureInterface):
     """Base of the default backends.
 
+    Takes the arguments of :class:`CurvatureInterface`, and:
+
     Args:
-        model: See :class:`CurvatureInterface`.
-        likelihood: See :class:`CurvatureInterface`.
-        last_layer: See :class:`CurvatureInterface`.
-        subnetwork_indices: See :class:`CurvatureInterface`.
-        dict_key_x: See :class:`CurvatureInterface`.
-        dict_key_y: See :class:`CurvatureInterface`.
         kfac_approx: Weight-sharing approximation of KFAC (:meth:`kron`): ``"expand"``
             (default) or ``"reduce"``; a ``backend_kwargs`` entry (keyword only).
         kfac_dense_limit: Largest parameter outside Linear, convolution and embedding layers
@@ -79,21 +75,13 @@ class CurvlinopsInterface(CurvatureInterface):
 class CurvlinopsGGN(CurvlinopsInterface, GGNInterface):
     """Exact GGN (or Monte-Carlo Fisher with ``stochastic=True``); the default backend.
 
-    Computed by laplace-ng's own per-layer engine, not by curvlinops: Jacobians, per-sample
-    gradients and the dense, diagonal and Kronecker-factored GGN come from one recorded forward
-    pass and one backward pass per output column w.r.t. the layer outputs, faster than
-    curvlinops' matrix-free operators (whose dense matrix or diagonal costs one product per
-    parameter) and its ``KFACLinearOperator`` (measured in ``docs/backends.md``). curvlinops'
-    ``GGNLinearOperator`` and ``FisherMCLinearOperator`` serve the low-rank Laplace's Lanczos
-    and LOBPCG eigensolvers.
+    Computed by laplace-ng's per-layer engine (faster than curvlinops' operators, see
+    ``docs/backends.md``); curvlinops' ``GGNLinearOperator`` and ``FisherMCLinearOperator``
+    serve the low-rank Laplace's Lanczos and LOBPCG eigensolvers.
+
+    Takes the arguments of :class:`CurvatureInterface`, and:
 
     Args:
-        model: See :class:`CurvatureInterface`.
-        likelihood: See :class:`CurvatureInterface`.
-        last_layer: See :class:`CurvatureInterface`.
-        subnetwork_indices: See :class:`CurvatureInterface`.
-        dict_key_x: See :class:`CurvatureInterface`.
-        dict_key_y: See :class:`CurvatureInterface`.
         stochastic: See :class:`GGNInterface`.
         num_samples: See :class:`GGNInterface`; ``full``, ``diag`` and ``kron`` also take
             ``mc_samples=k`` per call, as in laplace-torch.
@@ -160,9 +148,7 @@ class CurvlinopsHessian(CurvlinopsInterface):
             batch_size_fn=lambda X: batch_size_of(X, self.dict_key_x),
         )
         p, n_params = self.params[0], operator.shape[0]
-        selected = torch.arange(n_params, device=p.device)
-        if self.subnetwork_indices is not None:
-            selected = self.subnetwork_indices.to(p.device)
+        selected = self._select(torch.arange(n_params, device=p.device))
 
         def columns() -> Iterator[Tensor]:
             for start in range(0, len(selected), _HVP_CHUNK):

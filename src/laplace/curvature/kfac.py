@@ -26,6 +26,7 @@ from laplace.curvature.kfac_rules import (
     KfacRule,
     LowRankShape,
     block_shapes,
+    module_name,
     plan_blocks,
 )
 from laplace.curvature.layer_rules import ModuleCall
@@ -113,12 +114,6 @@ def _low_rank_gram(g: Tensor, approx: str, max_rank: int | None) -> DiagLowRank:
     return DiagLowRank(rows.new_zeros(rows.shape[1]), rows.T, 1, max_rank)
 
 
-def _name(trace: PerSampleTrace, call: ModuleCall) -> str:
-    """The name of a call's module in the model."""
-    names = {module: name for name, module in trace.engine.model.named_modules()}
-    return names.get(call.module) or "<root>"
-
-
 def _check_batch_rows(trace: PerSampleTrace) -> None:
     """Refuse layers whose outputs have fewer rows than the batch (broadcast over it).
 
@@ -133,8 +128,9 @@ def _check_batch_rows(trace: PerSampleTrace) -> None:
     for call in trace.calls:
         rows = call.outputs[0].shape[0] if call.outputs[0].dim() else 0
         if rows < batch:
+            name = module_name(trace.engine.model, call.module)
             raise ValueError(
-                f"module {_name(trace, call)!r} ({type(call.module).__name__}) returns "
+                f"module {name!r} ({type(call.module).__name__}) returns "
                 f"outputs of shape {tuple(call.outputs[0].shape)} for a batch of {batch}: shared "
                 "by the data points, they give no per-sample gradients for KFAC. Freeze its "
                 "parameters (requires_grad=False) or use hessian_structure='diag' or 'full'."
@@ -187,7 +183,8 @@ class _ExactBlocks:
             try:
                 per_sample = self.trace.slot_grads(tiled, [g.flatten(0, 1) for g in grads[i]])
             except ValueError as error:  # a rule refusing the call: name the module
-                raise ValueError(f"module {_name(self.trace, call)!r}: {error}") from error
+                name = module_name(self.trace.engine.model, call.module)
+                raise ValueError(f"module {name!r}: {error}") from error
             for s, u in per_sample.items():
                 if self.plan[s].kind in ("dense", "diag"):
                     rows.setdefault(s, []).append(u.detach().flatten(1))

@@ -39,6 +39,7 @@ __all__ = [
     "check_gradient_factor_first",
     "check_kronecker_layers",
     "kfac_rule",
+    "module_name",
     "output_factor_shape",
     "plan_blocks",
 ]
@@ -175,7 +176,14 @@ class Block(NamedTuple):
     low_rank: bool = False
 
 
-def _many_outputs(name: str, module: nn.Module, rule: KfacRule, size: int, above: int) -> bool:
+def module_name(model: nn.Module, module: nn.Module) -> str:
+    """The name of ``module`` in ``model``: ``"<root>"`` for the model, ``"?"`` if absent."""
+    return next((name or "<root>" for name, m in model.named_modules() if m is module), "?")
+
+
+def _many_outputs(
+    model: nn.Module, module: nn.Module, rule: KfacRule, size: int, above: int
+) -> bool:
     """Whether a Kronecker block's output factor is kept low rank (refuses a ``Conv1D``).
 
     Raises:
@@ -185,10 +193,11 @@ def _many_outputs(name: str, module: nn.Module, rule: KfacRule, size: int, above
         return False
     if rule.inputs_first:
         raise ValueError(
-            f"module {name!r} ({type(module).__name__}) has {size} outputs, more than "
-            f"LARGE_OUTPUT_THRESHOLD={above}, and its weight is laid out (in, out): its output "
-            "factor cannot be kept diagonal plus low rank. Use subset_of_weights='last_layer', "
-            "hessian_structure='diag', or freeze it (requires_grad=False)."
+            f"module {module_name(model, module)!r} ({type(module).__name__}) has {size} "
+            f"outputs, more than LARGE_OUTPUT_THRESHOLD={above}, and its weight is laid out (in, "
+            "out): its output factor cannot be kept diagonal plus low rank. Use "
+            "subset_of_weights='last_layer', hessian_structure='diag', or freeze it "
+            "(requires_grad=False)."
         )
     return True
 
@@ -210,7 +219,6 @@ def plan_blocks(
     uses: dict[int, list[tuple[nn.Module, str]]] = {}
     for (module, name), slot in engine.slot.items():
         uses.setdefault(slot, []).append((module, name))
-    names = {module: name for name, module in engine.model.named_modules()}
     plan = []
     for slot, p in enumerate(engine.needed):
         owners = uses.get(slot, [])
@@ -220,7 +228,7 @@ def plan_blocks(
             module = owners[0][0]
             size = p.shape[-1] if rule.inputs_first and name == "weight" else p.shape[0]
             low_rank = low_rank_above is not None and _many_outputs(
-                names.get(module, "?"), module, rule, size, low_rank_above
+                engine.model, module, rule, size, low_rank_above
             )
             plan.append(Block("kron" if name == "weight" else "bias", module, rule, low_rank))
         else:
@@ -287,14 +295,13 @@ def check_gradient_factor_first(engine: Any, why: str) -> None:
     Raises:
         ValueError: Naming the first such layer (an embedding, transformers' ``Conv1D``).
     """
-    names = {module: name for name, module in engine.model.named_modules()}
     for block in plan_blocks(engine):
         if block.kind == "kron" and block.rule.inputs_first:
             raise ValueError(
                 f"{why} needs the output-gradient factor first in every Kronecker block, but "
-                f"module {names.get(block.module, '?')!r} ({type(block.module).__name__}) has "
-                "it second; use one sigma_noise for all outputs, or hessian_structure='diag' "
-                "or 'full'."
+                f"module {module_name(engine.model, block.module)!r} "
+                f"({type(block.module).__name__}) has it second; use one sigma_noise for all "
+                "outputs, or hessian_structure='diag' or 'full'."
             )
 
 
@@ -316,13 +323,12 @@ def check_output_columns(engine: Any, n_columns: int, low_rank_above: int) -> No
     """
     if n_columns <= low_rank_above:
         return
-    names = {module: name for name, module in engine.model.named_modules()}
     plan = plan_blocks(engine, low_rank_above=low_rank_above)
     large = [b.module for b in plan if b.low_rank and b.kind == "kron"]
     # name the output layer: the large layer with as many outputs as the model, else the first
     large.sort(key=lambda module: module.weight.shape[0] != n_columns)
     where = (
-        f" (layer {names.get(large[0], '?')!r}, {type(large[0]).__name__}, keeps a "
+        f" (layer {module_name(engine.model, large[0])!r}, {type(large[0]).__name__}, keeps a "
         "diagonal-plus-low-rank output factor)"
         if large
         else ""

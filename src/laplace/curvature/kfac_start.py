@@ -169,10 +169,7 @@ def kfac_start(product: NativeProduct, width: int, n_candidates: int) -> KfacSta
             return None
         batch = kfac(trace, list(vectors.columns), 1, "expand", backend.factor, gradients)
         n_data += vectors.B
-        if factors is None:
-            factors = batch
-        else:
-            factors += batch
+        factors = batch if factors is None else factors + batch
     if factors is None:
         return None
     # Input factors are means over the data (normalised by N, biases' blocks are not).

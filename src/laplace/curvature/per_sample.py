@@ -12,6 +12,7 @@ data point. See ``docs/backends.md``, "Inside the native engine".
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -24,7 +25,7 @@ from laplace.curvature.layer_rules import (
     per_sample_grads,
     selected_per_sample_grads,
 )
-from laplace.curvature.square_sums import SQUARE_SUM_RULES, RuleSquareSums
+from laplace.curvature.square_sums import SQUARE_SUM_RULES
 from laplace.utils.data import Inputs
 from laplace.utils.linalg import symmetric_gram
 
@@ -130,19 +131,17 @@ class PerSampleTrace:
         self.calls = calls
         self.create_graph = create_graph
         self._grads = OutputGradients(f, calls, create_graph) if calls else None
-        counts: dict[int, int] = {}
-        for call in calls:
-            for name in call.names:
-                slot = engine.slot[call.module, name]
-                counts[slot] = counts.get(slot, 0) + 1
+        counts = Counter(engine.slot[call.module, name] for call in calls for name in call.names)
         batch = f.shape[0]
         self._batched = any(z.dim() == 0 or z.shape[0] != batch for c in calls for z in c.outputs)
-        self._fast = [
-            type(call.module) in SQUARE_SUM_RULES
+        #: Per call whose parameters no other call uses, its rule of :data:`SQUARE_SUM_RULES`.
+        self._square_sum_rules = {
+            i: SQUARE_SUM_RULES[type(call.module)]
+            for i, call in enumerate(calls)
+            if type(call.module) in SQUARE_SUM_RULES
             and SQUARE_SUM_RULES[type(call.module)].applies(call)
             and all(counts[engine.slot[call.module, n]] == 1 for n in call.names)
-            for call in calls
-        ]
+        }
 
     def drop_graph(self) -> None:
         """Detach the outputs from the autograd graph and free it.
@@ -321,23 +320,26 @@ class PerSampleTrace:
         Returns:
             Shape (P,).
         """
-        if self._batched or self.engine.indices is not None:
+        if not self.layerwise:
             total = self.f.new_zeros(self.engine.n_entries)
             for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD):
                 total += self.per_sample_columns(chunk).square().sum((0, 1))
             return total
         total: dict[int, Tensor] = {}
-        fast = [i for i, is_fast in enumerate(self._fast) if is_fast]
-        slow = [i for i, is_fast in enumerate(self._fast) if not is_fast]
-        rules = RuleSquareSums([self.calls[i] for i in fast])
+        partials: dict[int, Tensor] = {}  # per call with a rule, its summed statistic
+        rules = self._square_sum_rules
+        slow = [i for i in range(len(self.calls)) if i not in rules]
         for stacked in self.column_gradients(columns):
-            rules.add([stacked[i][0] for i in fast])
+            for i, rule in rules.items():
+                _add(partials, i, rule.partial(self.calls[i], stacked[i][0]))
             for k in range(len(stacked[slow[0]][0]) if slow else 0):
                 g_calls = [[g[k] for g in per_call] for per_call in stacked]
                 for slot, grad in self._per_param(g_calls, slow).items():
                     _add(total, slot, grad.square().sum(0))
-        for module, name, value in rules.results():
-            _add(total, self.engine.slot[module, name], value)
+        for i, part in partials.items():
+            call = self.calls[i]
+            for name, value in rules[i].finish(call, part).items():
+                _add(total, self.engine.slot[call.module, name], value)
         return self._flatten(total, ())
 
     def gram(self, columns: Columns) -> Tensor:

@@ -126,7 +126,9 @@ class NativeProduct:
             f = trace.f.detach()
             columns = torch.stack(list(self.backend.curvature_columns(f, y, generator)))
             vectors = SampleVectors(trace, columns)
-            if keeping and vectors.layerwise and self._room(vectors.nbytes):
+            room = self.cache_bytes - self._kept_bytes
+            if keeping and vectors.layerwise and vectors.nbytes <= room:
+                self._kept_bytes += vectors.nbytes
                 vectors.drop_graph()
                 self._kept.append(vectors)
                 self._resume = generator.get_state()
@@ -135,12 +137,6 @@ class NativeProduct:
             yield vectors
             vectors.clear_cache()
         self._all_kept = keeping
-
-    def _room(self, nbytes: int) -> bool:
-        if self._kept_bytes + nbytes > self.cache_bytes:
-            return False
-        self._kept_bytes += nbytes
-        return True
 
     def matmat(self, V: Tensor) -> Tensor:
         """``H V`` for ``V`` (P, m): one pass over the data."""
@@ -224,7 +220,7 @@ def curvature_operator(
         "num_data": n_data,
         "batch_size_fn": lambda X: batch_size_of(X, backend.dict_key_x),
     }
-    if isinstance(backend, GGNInterface) and getattr(backend, "stochastic", False):
+    if isinstance(backend, GGNInterface) and backend.stochastic:
         operator_cls, scale = FisherMCLinearOperator, backend.factor
         kwargs["mc_samples"] = backend.num_samples
     elif isinstance(backend, GGNInterface):

@@ -10,7 +10,7 @@ go through :mod:`laplace.curvature.layer_rules`' per-sample gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from laplace.curvature.layer_rules import ModuleCall
 
-__all__ = ["SQUARE_SUM_RULES", "RuleSquareSums", "SquareSumRule", "row_token_pairs"]
+__all__ = ["SQUARE_SUM_RULES", "SquareSumRule", "row_token_pairs"]
 
 
 def row_token_pairs(tokens: Tensor, n_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -92,29 +92,3 @@ SQUARE_SUM_RULES: dict[type[nn.Module], SquareSumRule] = {
         finish=lambda call, total: {"weight": total},
     ),
 }
-
-
-class RuleSquareSums:
-    """``Σₖₙ (∂θ)²`` of calls that :data:`SQUARE_SUM_RULES` take, over chunks of columns.
-
-    Args:
-        calls: Recorded calls with a rule whose parameters no other call uses.
-    """
-
-    def __init__(self, calls: list[ModuleCall]) -> None:
-        self.calls = calls
-        self.rules = [SQUARE_SUM_RULES[type(call.module)] for call in calls]
-        self.partials: list[Tensor | None] = [None] * len(calls)
-
-    def add(self, grads: list[Tensor]) -> None:
-        """One chunk's output gradients (K, B, …) of every call."""
-        for j, (call, rule, g) in enumerate(zip(self.calls, self.rules, grads)):
-            part = rule.partial(call, g)
-            self.partials[j] = part if self.partials[j] is None else self.partials[j] + part
-
-    def results(self) -> Iterator[tuple[nn.Module, str, Tensor]]:
-        """``(module, parameter name, Σₖₙ (∂θ)²)`` of every call, once all chunks are added."""
-        for call, rule, part in zip(self.calls, self.rules, self.partials):
-            if part is not None:
-                for name, value in rule.finish(call, part).items():
-                    yield call.module, name, value

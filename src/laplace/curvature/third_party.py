@@ -9,7 +9,7 @@ normalises Kronecker factors like :mod:`laplace.curvature.kfac`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -23,43 +23,15 @@ from laplace.utils.matrix import Kron
 __all__ = ["KroneckerLayersOnly", "TargetCall", "isolated", "kron_blocks", "target_call"]
 
 
-class _Snapshot:
-    """The attributes, hook mode, gradients and ``requires_grad`` of modules and parameters.
-
-    ``requires_grad`` is kept because ASDL switches it off around its backward passes without
-    restoring it when they raise.
-    """
-
-    def __init__(self, modules: Iterable[nn.Module]) -> None:
-        self.modules = list(dict.fromkeys(m for root in modules for m in root.modules()))
-        self.params = list(dict.fromkeys(p for m in self.modules for p in m.parameters(False)))
-        self.module_keys = [set(vars(m)) for m in self.modules]
-        self.hook_modes = [m._is_full_backward_hook for m in self.modules]
-        self.param_keys = [set(vars(p)) for p in self.params]
-        self.grads = [p.grad for p in self.params]
-        self.requires_grad = [p.requires_grad for p in self.params]
-
-    def restore(self) -> None:
-        for module, keys, mode in zip(self.modules, self.module_keys, self.hook_modes):
-            for key in set(vars(module)) - keys:
-                delattr(module, key)
-            module._is_full_backward_hook = mode
-        for param, keys, grad, flag in zip(
-            self.params, self.param_keys, self.grads, self.requires_grad
-        ):
-            for key in set(vars(param)) - keys:
-                delattr(param, key)
-            param.grad = grad
-            param.requires_grad_(flag)
-
-
 @contextmanager
 def isolated(*modules: nn.Module) -> Iterator[list[RemovableHandle]]:
     """Run a block whose hooks and attributes on ``modules`` are all undone afterwards.
 
-    The block runs with gradients enabled: third-party libraries record their quantities by
-    backpropagating, which must work inside a caller's ``torch.no_grad()`` (predictives and
-    grid search run there).
+    The attributes, hook mode, gradients and ``requires_grad`` of the modules and their
+    parameters are restored (``requires_grad`` because ASDL switches it off around its backward
+    passes without restoring it when they raise). The block runs with gradients enabled:
+    third-party libraries record their quantities by backpropagating, which must work inside a
+    caller's ``torch.no_grad()`` (predictives and grid search run there).
 
     Args:
         *modules: The modules (with their submodules and parameters) to keep clean.
@@ -68,8 +40,11 @@ def isolated(*modules: nn.Module) -> Iterator[list[RemovableHandle]]:
         A list to which the block appends the handles of hooks it registers; they are removed
         on exit, even when the block raises.
     """
-    snapshot = _Snapshot(modules)
-    for param in snapshot.params:
+    every = list(dict.fromkeys(m for root in modules for m in root.modules()))
+    params = list(dict.fromkeys(p for m in every for p in m.parameters(False)))
+    module_states = [(m, set(vars(m)), m._is_full_backward_hook) for m in every]
+    param_states = [(p, set(vars(p)), p.grad, p.requires_grad) for p in params]
+    for param in params:
         param.grad = None
     handles: list[RemovableHandle] = []
     try:
@@ -78,7 +53,15 @@ def isolated(*modules: nn.Module) -> Iterator[list[RemovableHandle]]:
     finally:
         for handle in handles:
             handle.remove()
-        snapshot.restore()
+        for module, keys, mode in module_states:
+            for key in set(vars(module)) - keys:
+                delattr(module, key)
+            module._is_full_backward_hook = mode
+        for param, keys, grad, flag in param_states:
+            for key in set(vars(param)) - keys:
+                delattr(param, key)
+            param.grad = grad
+            param.requires_grad_(flag)
 
 
 class TargetCall(NamedTuple):

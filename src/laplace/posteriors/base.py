@@ -44,6 +44,8 @@ class Posterior(ABC):
         prior_diag: Diagonal of the prior precision, shape (P,).
     """
 
+    #: The backend method (``full``, ``diag``) that gives a batch's curvature in this form.
+    backend_route: ClassVar[str]
     #: Closed forms of ``J P⁻¹ Jᵀ`` by Jacobian kind; other kinds go through their dense rows.
     closed_forms: ClassVar[Mapping[type[Jacobian], ClosedForm]] = {}
     #: Why ``fit(override=False)`` cannot update a fit of this structure; None: it can.
@@ -69,10 +71,9 @@ class Posterior(ABC):
     def zeros(params: Sequence[Tensor]) -> Any:
         """Empty curvature for the parameter tensors ``params`` (on their device and dtype)."""
 
-    @staticmethod
-    @abstractmethod
-    def batch_curvature(backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
-        """``(loss, H_batch)`` of one batch from a curvature backend.
+    @classmethod
+    def batch_curvature(cls, backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
+        """``(loss, H_batch)`` of one batch from a curvature backend (its ``backend_route``).
 
         Args:
             backend: A :class:`~laplace.curvature.CurvatureInterface`.
@@ -80,6 +81,7 @@ class Posterior(ABC):
             y: Targets of the batch.
             n_data: Number of data points of the whole training set (KFAC rescaling).
         """
+        return getattr(backend, cls.backend_route)(X, y)
 
     @staticmethod
     def add(total: Any, H: Any) -> Any:

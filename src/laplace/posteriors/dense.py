@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -22,29 +22,17 @@ from laplace.posteriors.jacobians import HeadFeatures, Jacobian
 from laplace.posteriors.last_layer import HeadCurvature
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.errors import check_fits_in_memory
+from laplace.utils.linalg import invsqrt_precision
 
-__all__ = ["DensePosterior", "check_dense_size", "full_head_curvature", "full_head_variance"]
+__all__ = ["DensePosterior", "full_head_curvature", "full_head_variance"]
 
 #: Rows of the low-rank part of a head curvature formed at once (numbers).
 _ROW_BUDGET = 2**22
 
 
-def check_dense_size(n_params: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse a dense (P, P) matrix larger than the memory of the device it would live on.
-
-    Raises:
-        TooLargeError: (a ``ValueError`` and a ``RuntimeError``) naming the size and the
-            structures that fit.
-    """
-    check_fits_in_memory(
-        n_params**2 * (torch.finfo(dtype).bits // 8),
-        device,
-        f"a dense (P, P) curvature of P={n_params:,} parameters in {dtype}",
-        "use hessian_structure='kron' or 'diag' (or fewer parameters).",
-    )
-
-
-def full_head_curvature(phi: Tensor, M: Tensor | DiagLowRankBatch, bias: bool) -> Tensor:
+def full_head_curvature(
+    phi: Tensor, M: Tensor | DiagLowRankBatch, bias: bool, n_data: int, factor: float
+) -> Tensor:
     """Dense ``Σₙ Jₙᵀ Mₙ Jₙ`` of a linear head, shape (P, P).
 
     Dense ``M``: one weighted Gram matrix ``Φᵀ diag(M_{:,c,c'}) Φ`` per class pair ``c ≤ c'``
@@ -56,6 +44,8 @@ def full_head_curvature(phi: Tensor, M: Tensor | DiagLowRankBatch, bias: bool) -
         phi: Features, shape (N, D).
         M: Output-space curvatures, (N, C, C) or diagonal plus low rank.
         bias: Whether the head has a bias.
+        n_data: Unused (the signature of :data:`~laplace.last_layer.HeadCurvature`).
+        factor: Unused, as ``n_data``.
     """
     D, C = phi.shape[1], M.diag.shape[1] if isinstance(M, DiagLowRankBatch) else M.shape[-1]
     n_w = C * D
@@ -97,14 +87,15 @@ def full_head_curvature(phi: Tensor, M: Tensor | DiagLowRankBatch, bias: bool) -
     return H
 
 
-def full_head_variance(covariance: Tensor, phi: Tensor, n_out: int, bias: bool) -> Tensor:
-    """``Jₙ Σ Jₙᵀ`` from the posterior covariance ``Σ`` (P, P): (B, D) → (B, C, C).
+def full_head_variance(posterior: DensePosterior, J: HeadFeatures) -> Tensor:
+    """``Jₙ Σ Jₙᵀ`` from the posterior covariance ``Σ`` (P, P): features (B, D) → (B, C, C).
 
     Above the large-output threshold only the variances (B, C).
     """
-    D, C = phi.shape[1], n_out
+    covariance, phi, bias = posterior.covariance, J.phi, J.bias
+    D, C = phi.shape[1], J.n_out
     n_w = C * D
-    if large_output.is_large_output(n_out):
+    if large_output.is_large_output(C):
         class_blocks = covariance[:n_w, :n_w].reshape(C, D, C, D).diagonal(dim1=0, dim2=2)
         f_var = torch.einsum("nd,dec,ne->nc", phi, class_blocks, phi)
         if bias:
@@ -120,14 +111,6 @@ def full_head_variance(covariance: Tensor, phi: Tensor, n_out: int, bias: bool) 
     return f_var
 
 
-def _head_curvature(phi: Tensor, M: Tensor, bias: bool, n_data: int, factor: float) -> Tensor:
-    return full_head_curvature(phi, M, bias)
-
-
-def _head_variance(posterior: DensePosterior, J: HeadFeatures) -> Tensor:
-    return full_head_variance(posterior.covariance, J.phi, J.n_out, J.bias)
-
-
 class DensePosterior(Posterior):
     """Full-covariance Gaussian posterior, factorised once by a Cholesky decomposition.
 
@@ -136,21 +119,27 @@ class DensePosterior(Posterior):
     functional variance of a linear head's features uses the covariance).
     """
 
-    closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {HeadFeatures: _head_variance}
-    head_curvature: ClassVar[HeadCurvature | None] = ("full", _head_curvature)
+    backend_route = "full"
+    closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {HeadFeatures: full_head_variance}
+    head_curvature: ClassVar[HeadCurvature | None] = ("full", full_head_curvature)
 
     @override
     @staticmethod
     def zeros(params: Sequence[Tensor]) -> Tensor:
-        """Zero (P, P) curvature; refused where it cannot fit (:func:`check_dense_size`)."""
-        n_params = sum(p.numel() for p in params)
-        check_dense_size(n_params, params[0].dtype, params[0].device)
-        return params[0].new_zeros(n_params, n_params)
+        """Zero (P, P) curvature.
 
-    @override
-    @staticmethod
-    def batch_curvature(backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Tensor]:
-        return backend.full(X, y)
+        Raises:
+            TooLargeError: (a ``ValueError`` and a ``RuntimeError``) where it cannot fit in the
+                memory of the device, naming the size and the structures that fit.
+        """
+        n_params, dtype = sum(p.numel() for p in params), params[0].dtype
+        check_fits_in_memory(
+            n_params**2 * (torch.finfo(dtype).bits // 8),
+            params[0].device,
+            f"a dense (P, P) curvature of P={n_params:,} parameters in {dtype}",
+            "use hessian_structure='kron' or 'diag' (or fewer parameters).",
+        )
+        return params[0].new_zeros(n_params, n_params)
 
     @cached_property
     def precision(self) -> Tensor:
@@ -176,17 +165,8 @@ class DensePosterior(Posterior):
 
     @cached_property
     def scale(self) -> Tensor:
-        """(P, P) lower-triangular ``S`` with ``S Sᵀ = P⁻¹``.
-
-        Obtained from the Cholesky factor of the row/column-reversed precision, which avoids
-        forming ``P⁻¹`` before factorising it.
-        """
-        reversed_factor = torch.linalg.cholesky(self.precision.flip(0, 1))
-        eye = torch.eye(
-            len(self.prior_diag), device=reversed_factor.device, dtype=reversed_factor.dtype
-        )
-        inv = torch.linalg.solve_triangular(reversed_factor, eye, upper=False)
-        return inv.T.flip(0, 1)
+        """(P, P) lower-triangular ``S`` with ``S Sᵀ = P⁻¹`` (without forming ``P⁻¹``)."""
+        return invsqrt_precision(self.precision)
 
     @override
     @property

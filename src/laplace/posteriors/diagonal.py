@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -51,17 +51,17 @@ def diag_head_curvature(
     return torch.cat(parts)
 
 
-def diag_head_variance(variance: Tensor, phi: Tensor, n_out: int, bias: bool) -> Tensor:
-    """``Jₙ diag(σ²) Jₙᵀ`` from the posterior variances σ² (P,): (B, D) → (B, C, C).
+def diag_head_variance(posterior: DiagonalPosterior, J: HeadFeatures) -> Tensor:
+    """``Jₙ diag(σ²) Jₙᵀ`` from the posterior variances σ² (P,): features (B, D) → (B, C, C).
 
     The result is diagonal in the outputs; above the large-output threshold only the variances
     (B, C).
     """
-    D = phi.shape[1]
-    f_var = phi.square() @ variance[: n_out * D].reshape(n_out, D).T
-    if bias:
-        f_var = f_var + variance[n_out * D :]
-    return f_var if large_output.is_large_output(n_out) else torch.diag_embed(f_var)
+    variance, n_w = posterior.variance, J.n_out * J.phi.shape[1]
+    f_var = J.phi.square() @ variance[:n_w].reshape(J.n_out, -1).T
+    if J.bias:
+        f_var = f_var + variance[n_w:]
+    return f_var if large_output.is_large_output(J.n_out) else torch.diag_embed(f_var)
 
 
 def diag_functional_variance(
@@ -93,10 +93,6 @@ def diag_functional_variance(
     return layerwise_variance(trace, block, create_graph)
 
 
-def _head_variance(posterior: DiagonalPosterior, J: HeadFeatures) -> Tensor:
-    return diag_head_variance(posterior.variance, J.phi, J.n_out, J.bias)
-
-
 def _trace_variance(posterior: DiagonalPosterior, J: LayerTrace) -> Tensor | None:
     return diag_functional_variance(J.trace, posterior.precision, J.trace.create_graph)
 
@@ -108,8 +104,9 @@ class DiagonalPosterior(Posterior):
     (:func:`diag_functional_variance`).
     """
 
+    backend_route = "diag"
     closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {
-        HeadFeatures: _head_variance,
+        HeadFeatures: diag_head_variance,
         LayerTrace: _trace_variance,
     }
     head_curvature: ClassVar[HeadCurvature | None] = ("diag", diag_head_curvature)
@@ -119,11 +116,6 @@ class DiagonalPosterior(Posterior):
     def zeros(params: Sequence[Tensor]) -> Tensor:
         n_params = sum(p.numel() for p in params)
         return params[0].new_zeros(n_params)
-
-    @override
-    @staticmethod
-    def batch_curvature(backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Tensor]:
-        return backend.diag(X, y)
 
     @cached_property
     def precision(self) -> Tensor:

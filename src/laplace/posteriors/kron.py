@@ -80,13 +80,14 @@ def kron_head_curvature(
     return (StructuredKron if low_rank else Kron)(blocks)
 
 
-def kron_head_variance(precision: KronDecomposed, phi: Tensor, n_out: int, bias: bool) -> Tensor:
-    """``Jₙ P⁻¹ Jₙᵀ`` of a linear head: (B, D) → (B, C, C), or (B, C) with a low-rank ``G``.
+def kron_head_variance(posterior: KronPosterior, J: HeadFeatures) -> Tensor:
+    """``Jₙ P⁻¹ Jₙᵀ`` of a linear head: features (B, D) → (B, C, C) (low-rank ``G``: (B, C)).
 
     With ``P_W = (Q_G ⊗ Q_A) diag(s) (Q_G ⊗ Q_A)ᵀ`` the weight part is ``Q_G diag(wₙ) Q_Gᵀ``,
     ``wₙᵢ = Σⱼ φ̃ₙⱼ² / sᵢⱼ``; the bias adds ``Q_b diag(1/s_b) Q_bᵀ``. A diagonal-plus-low-rank
     ``G`` gives the variances ``Σⱼ φ̃ₙⱼ² diag(Pⱼ⁻¹)`` (plus the bias block's diagonal).
     """
+    precision, phi, bias = posterior.precision, J.phi, J.bias
     weight = precision.low_rank_block(0)
     if weight is not None:
         f_var = (phi @ weight.Q).square() @ weight.inverse_diagonal
@@ -123,10 +124,6 @@ def kron_functional_variance(
         return precision.eigenvectors[i], precision.spectrum(i).reciprocal()
 
     return layerwise_variance(trace, block, create_graph)
-
-
-def _head_variance(posterior: KronPosterior, J: HeadFeatures) -> Tensor:
-    return kron_head_variance(posterior.precision, J.phi, J.n_out, J.bias)
 
 
 def _trace_variance(posterior: KronPosterior, J: LayerTrace) -> Tensor | None:
@@ -192,7 +189,7 @@ class KronAccumulator:
             ValueError: If ``state`` is not a list of lists of factors of those shapes and kinds
                 (:func:`~laplace.utils.diag_lowrank.factor_from_state`).
         """
-        shapes = [[tuple(F.shape) for F in block] for block in zeros.kfacs]
+        shapes = zeros.shapes
         if not isinstance(state, list) or not all(
             isinstance(block, list) and all(isinstance(F, Tensor | dict) for F in block)
             for block in state
@@ -227,7 +224,7 @@ class KronPosterior(KronAccumulator, Posterior):
     """
 
     closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {
-        HeadFeatures: _head_variance,
+        HeadFeatures: kron_head_variance,
         LayerTrace: _trace_variance,
     }
     head_curvature: ClassVar[HeadCurvature | None] = ("kron", kron_head_curvature)
@@ -251,15 +248,15 @@ class KronPosterior(KronAccumulator, Posterior):
         device, dtype = params[0].device, params[0].dtype
         if shapes is None:
             return Kron.init_from_model(params, device, dtype)
-        if not any(isinstance(shape, LowRankShape) for block in shapes for shape in block):
-            return Kron.zeros(shapes, device, dtype)
 
         def zero(shape: tuple[int, ...]) -> Tensor | DiagLowRank:
             if isinstance(shape, LowRankShape):
                 return DiagLowRank.zeros(shape[0], -1, cls.max_rank, device, dtype)
             return torch.zeros(shape, device=device, dtype=dtype)
 
-        return StructuredKron([[zero(shape) for shape in block] for block in shapes])
+        kfacs = [[zero(shape) for shape in block] for block in shapes]
+        low_rank = any(isinstance(F, DiagLowRank) for block in kfacs for F in block)
+        return (StructuredKron if low_rank else Kron)(kfacs)
 
     @override
     @classmethod
@@ -285,14 +282,10 @@ class KronPosterior(KronAccumulator, Posterior):
             X, y, N=n_data, low_rank_above=cls.low_rank_above, output_factor_rank=cls.max_rank
         )
 
-    def block_sizes(self) -> list[int]:
-        """Number of parameters of each block of ``H``."""
-        return self.H.block_sizes()
-
     @cached_property
     def block_deltas(self) -> Tensor:
         """Prior precision of each block, shape (n_blocks,)."""
-        sizes = self.block_sizes()
+        sizes = self.H.block_sizes()
         starts = torch.tensor([0, *sizes[:-1]], device=self.prior_diag.device).cumsum(0)
         return self.prior_diag[starts]
 
@@ -331,7 +324,7 @@ def _low_rank_outputs(max_rank: int | None, low_rank_above: int) -> type[KronPos
         "max_rank": max_rank,
         "low_rank_above": low_rank_above,
         "head_curvature": ("kron", partial(kron_head_curvature, max_rank=max_rank)),
-        "closed_forms": {HeadFeatures: _head_variance},
+        "closed_forms": {HeadFeatures: kron_head_variance},
     }
     return type("StructuredKronPosterior", (KronPosterior,), attributes)
 

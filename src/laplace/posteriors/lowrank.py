@@ -26,7 +26,6 @@ from torch import Tensor
 from typing_extensions import override
 
 from laplace.curvature.block_product import ParameterBlock, SampleVectors
-from laplace.curvature.per_sample import PerSampleTrace
 from laplace.posteriors.base import ClosedForm, Posterior
 from laplace.posteriors.diagonal import diag_functional_variance
 from laplace.posteriors.jacobians import Jacobian, LayerTrace
@@ -34,46 +33,39 @@ from laplace.posteriors.jacobians import Jacobian, LayerTrace
 __all__ = ["LowRankPosterior", "lowrank_functional_variance"]
 
 
-def lowrank_functional_variance(
-    trace: PerSampleTrace, prior_diag: Tensor, basis: Tensor, create_graph: bool = False
-) -> Tensor | None:
-    """``J P⁻¹ Jᵀ`` (B, C, C) of ``P⁻¹ = diag(prior_diag)⁻¹ − Z Zᵀ`` from a recorded forward pass.
+def lowrank_functional_variance(posterior: LowRankPosterior, J: LayerTrace) -> Tensor | None:
+    """``J P⁻¹ Jᵀ`` (B, C, C) of ``P⁻¹ = D⁻¹ − Z Zᵀ`` from a recorded forward pass ``J.trace``.
 
     The diagonal case (:func:`~laplace.posteriors.diagonal.diag_functional_variance`) minus
     ``(J Z)(J Z)ᵀ``, ``J Z`` the products of every output's per-sample gradients with the k
     columns of ``Z`` (:class:`~laplace.curvature.block_product.SampleVectors`, per layer).
 
-    Args:
-        trace: Recorded forward over the test inputs (all parameters).
-        prior_diag: The diagonal ``D`` of the precision, shape (P,).
-        basis: ``Z``, shape (P, k).
-        create_graph: Keep the result differentiable w.r.t. the inputs.
+    ``D`` is the prior precision (P,), ``Z`` the :attr:`~LowRankPosterior.woodbury_basis`
+    (P, k); the result is differentiable w.r.t. the inputs where the trace asks for it.
 
     Returns:
         The covariances, or None when the diagonal route does not apply (the caller then
         falls back to Jacobians).
     """
-    f_var = diag_functional_variance(trace, prior_diag, create_graph)
+    trace = J.trace
+    f_var = diag_functional_variance(trace, posterior.prior_diag, trace.create_graph)
     if f_var is None:
         return None
     B, C, _ = f_var.shape
     eye = torch.eye(C, dtype=f_var.dtype, device=f_var.device)
     columns = eye[:, None, :].expand(C, B, C).reshape(C, *trace.f.shape)
-    JZ = SampleVectors(trace, columns).project(ParameterBlock(trace.engine, basis))
+    basis = ParameterBlock(trace.engine, posterior.woodbury_basis)
+    JZ = SampleVectors(trace, columns).project(basis)
     JZ = JZ.transpose(0, 1)  # (B, C, k)
     return f_var - JZ @ JZ.transpose(1, 2)
-
-
-def _trace_variance(posterior: LowRankPosterior, J: LayerTrace) -> Tensor | None:
-    return lowrank_functional_variance(
-        J.trace, posterior.prior_diag, posterior.woodbury_basis, J.trace.create_graph
-    )
 
 
 class LowRankPosterior(Posterior):
     """Gaussian posterior whose curvature is ``U diag(λ) Uᵀ``: ``H = (U (P, k), λ (k,))``."""
 
-    closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {LayerTrace: _trace_variance}
+    closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {
+        LayerTrace: lowrank_functional_variance
+    }
     update_refusal = (
         "the top eigenpairs of a sum are not the sum of the top eigenpairs; fit again on all "
         "the data."
@@ -120,11 +112,6 @@ class LowRankPosterior(Posterior):
         like = zeros[1]
         return U.to(like.device, like.dtype), eigenvalues.to(like.device, like.dtype)
 
-    @property
-    def eigenvectors(self) -> Tensor:
-        """``U``, shape (P, k)."""
-        return self.H[0]
-
     @cached_property
     def scaled_eigenvalues(self) -> Tensor:
         """``h·λ``, shape (k,)."""
@@ -133,7 +120,7 @@ class LowRankPosterior(Posterior):
     @cached_property
     def precision(self) -> tuple[tuple[Tensor, Tensor], Tensor]:
         """``((U, h·λ), p₀)``: ``P = U diag(h·λ) Uᵀ + diag(p₀)``."""
-        return (self.eigenvectors, self.scaled_eigenvalues), self.prior_diag
+        return (self.H[0], self.scaled_eigenvalues), self.prior_diag
 
     @cached_property
     def _inv_sqrt_prior(self) -> Tensor:
@@ -142,7 +129,7 @@ class LowRankPosterior(Posterior):
     @cached_property
     def W(self) -> Tensor:
         """``D^{-1/2} U diag(h·λ)^{1/2}``, shape (P, k)."""
-        return self.eigenvectors * self.scaled_eigenvalues.sqrt() * self._inv_sqrt_prior[:, None]
+        return self.H[0] * self.scaled_eigenvalues.sqrt() * self._inv_sqrt_prior[:, None]
 
     @cached_property
     def capacitance_cholesky(self) -> Tensor:
@@ -159,7 +146,7 @@ class LowRankPosterior(Posterior):
 
     @override
     def square_form(self, delta: Tensor) -> Tensor:
-        projected = self.eigenvectors.T @ delta
+        projected = self.H[0].T @ delta
         return (delta.square() * self.prior_diag).sum() + (
             projected.square() * self.scaled_eigenvalues
         ).sum()

@@ -127,11 +127,9 @@ class DiagLowRank:
             )
         if max_rank is not None and (isinstance(max_rank, bool) or max_rank < 0):
             raise ValueError(f"max_rank must be a non-negative integer or None, got {max_rank}.")
-        self.diag, self.sign, self.max_rank = diag, _check_sign(sign), max_rank
-        dropped = torch.as_tensor(dropped, dtype=diag.dtype, device=diag.device)
-        self.U, self.dropped, moved = self._truncated(U, dropped)
-        if moved is not None:
-            self.diag = diag + moved
+        self.diag, self.U, self.sign, self.max_rank = diag, U, _check_sign(sign), max_rank
+        self.dropped = torch.as_tensor(dropped, dtype=diag.dtype, device=diag.device)
+        self._truncate()
         #: ``(G₀, α)`` when this is ``α G₀``: the pair products are then ``G₀``'s, computed once.
         self.scaled_from: tuple[DiagLowRank, Tensor | float] | None = None
 
@@ -178,10 +176,10 @@ class DiagLowRank:
         return len(self.diag)
 
     # ------------------------------------------------------------------------- arithmetic
-    def _truncated(self, U: Tensor, dropped: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """``U`` cut to ``max_rank`` columns, the new ``dropped`` and (``s = +1``) its diagonal.
+    def _truncate(self) -> None:
+        """Cut ``U`` to ``max_rank`` columns; ``dropped`` grows by the trace of what is removed.
 
-        The diagonal of what was removed is to be added to ``d`` (None for ``s = −1``).
+        For ``s = +1`` the diagonal of what was removed moves into ``d``.
 
         The columns are taken in chunks of ``2·max_rank``: each chunk joins the kept columns
         and the top ``max_rank`` right singular directions of the result are kept (from the
@@ -189,10 +187,9 @@ class DiagLowRank:
         orthonormal, so what it removes, ``U (I − V Vᵀ) Uᵀ``, is positive semi-definite; the
         cost is O(C·max_rank) per column instead of O(C·m) for all m columns at once.
         """
-        if self.max_rank is None or U.shape[1] <= self.max_rank:
-            return U, dropped, None
-        kept, chunk = U[:, :0], max(2 * self.max_rank, 16)
-        moved = torch.zeros_like(U[:, 0]) if self.sign > 0 else None
+        if self.max_rank is None or self.rank <= self.max_rank:
+            return
+        U, kept, chunk = self.U, self.U[:, :0], max(2 * self.max_rank, 16)
         for start in range(0, U.shape[1], chunk):
             block = torch.cat([kept, U[:, start : start + chunk]], dim=1)
             cut = block.shape[1] - self.max_rank
@@ -200,11 +197,11 @@ class DiagLowRank:
                 kept = block
                 continue
             values, vectors = torch.linalg.eigh(block.T @ block)  # ascending σᵢ²
-            dropped = dropped + values[:cut].clamp_min(0).sum().to(dropped.device)
-            if moved is not None:
-                moved = moved + (block @ vectors[:, :cut]).square().sum(1)
+            self.dropped = self.dropped + values[:cut].clamp_min(0).sum().to(self.dropped.device)
+            if self.sign > 0:
+                self.diag = self.diag + (block @ vectors[:, :cut]).square().sum(1)
             kept = block @ vectors[:, cut:]
-        return kept, dropped, moved
+        self.U = kept
 
     def _sum_sign(self, other: DiagLowRank) -> int:
         """The sign of the sum (that of a term with columns; a term without has no sign)."""
@@ -219,33 +216,24 @@ class DiagLowRank:
             )
         return self.sign if self.rank else other.sign
 
-    def _merged_rank(self, other: DiagLowRank) -> int | None:
-        ranks = [r for r in (self.max_rank, other.max_rank) if r is not None]
-        return min(ranks) if ranks else None
-
     def __add__(self, other: DiagLowRank) -> DiagLowRank:
         """The sum; its rank is truncated to the smaller ``max_rank`` of the two."""
-        sign = self._sum_sign(other)
-        return DiagLowRank(
-            self.diag + other.diag,
-            torch.cat([self.U, other.U], dim=1),
-            sign,
-            self._merged_rank(other),
-            self.dropped + other.dropped,
-        )
+        return self._mapped(Tensor.clone).add_(other)
 
     __radd__ = __add__
 
     def add_(self, other: DiagLowRank) -> DiagLowRank:
-        """Add ``other`` into this matrix (an accumulator that owns its tensors); returns self."""
+        """Add ``other`` into this matrix (an accumulator that owns its tensors); returns self.
+
+        The rank of the sum is truncated to the smaller ``max_rank`` of the two.
+        """
         self.sign = self._sum_sign(other)
         self.diag.add_(other.diag)
-        self.max_rank = self._merged_rank(other)
-        self.U, self.dropped, moved = self._truncated(
-            torch.cat([self.U, other.U], dim=1), self.dropped + other.dropped
-        )
-        if moved is not None:
-            self.diag.add_(moved)
+        ranks = [r for r in (self.max_rank, other.max_rank) if r is not None]
+        self.max_rank = min(ranks) if ranks else None
+        self.U = torch.cat([self.U, other.U], dim=1)
+        self.dropped = self.dropped + other.dropped
+        self._truncate()
         self.__dict__.pop("pair_products", None)
         self.scaled_from = None  # no longer a multiple of the matrix it was scaled from
         return self
@@ -387,9 +375,9 @@ class LowRankKronBlock:
         self, G: DiagLowRank, a: Tensor | None, Q: Tensor | None, delta: Tensor, damping: bool
     ) -> None:
         self.G, self.Q = G, Q
-        if a is None:
-            self.E, self.beta = (G.diag + delta).unsqueeze(0), torch.ones_like(delta).reshape(1)
-        elif damping:
+        if a is None:  # a block of G alone: one input eigenvalue 1, never damped
+            a, damping = torch.ones_like(delta).reshape(1), False
+        if damping:
             root = delta.sqrt()
             c = a + root
             self.E, self.beta = c.unsqueeze(1) * (G.diag + root), c

@@ -30,6 +30,27 @@ class _InputRecorder:
         self.order.append(self.name)
 
 
+def _run_recording_inputs(
+    model: nn.Module, modules: dict[str, nn.Module], x: Inputs, kwargs: dict[str, Any]
+) -> tuple[Tensor, dict[str, Tensor | None], list[str]]:
+    """``model(x, **kwargs)``, the inputs of ``modules`` that ran (by name) and their order.
+
+    The hooks (:class:`_InputRecorder`) live for this call only.
+    """
+    inputs: dict[str, Tensor | None] = {}
+    order: list[str] = []
+    handles = [
+        module.register_forward_hook(_InputRecorder(name, inputs, order))
+        for name, module in modules.items()
+    ]
+    try:
+        out = model(x, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out, inputs, order
+
+
 class FeatureExtractor(nn.Module):
     """Wrap ``model`` to return its output together with the features entering its last layer.
 
@@ -122,37 +143,24 @@ class FeatureExtractor(nn.Module):
         if self.last_layer is None:
             out, phi = self._detect(x, **kwargs)
         else:
-            store: dict[str, Tensor | None] = {}
-            recorder = _InputRecorder(self._last_layer_name, store, [])
-            handle = self.last_layer.register_forward_hook(recorder)
-            try:
-                out = self.model(x, **kwargs)
-            finally:
-                handle.remove()
-            if self._last_layer_name not in store:
-                raise RuntimeError(
-                    f"the last layer {self._last_layer_name!r} did not run in the forward pass."
-                )
-            phi = store[self._last_layer_name]
+            name = self._last_layer_name
+            out, inputs, _ = _run_recording_inputs(self.model, {name: self.last_layer}, x, kwargs)
+            if name not in inputs:
+                raise RuntimeError(f"the last layer {name!r} did not run in the forward pass.")
+            phi = inputs[name]
         return out, self._reduce(phi)
 
     def _detect(self, x: Inputs, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        store: dict[str, Tensor | None] = {}
-        order: list[str] = []
-        handles = [
-            module.register_forward_hook(_InputRecorder(name, store, order))
+        leaves = {
+            name: module
             for name, module in self.model.named_modules()
             if next(module.children(), None) is None
-        ]
-        try:
-            out = self.model(x, **kwargs)
-        finally:
-            for handle in handles:
-                handle.remove()
+        }
+        out, inputs, order = _run_recording_inputs(self.model, leaves, x, kwargs)
         if not order:
             raise ValueError("no leaf module ran in the forward pass: no last layer to find.")
         self.set_last_layer(order[-1])
-        return out, store[order[-1]]
+        return out, inputs[order[-1]]
 
     def _reduce(self, phi: Tensor) -> Tensor:
         if not self.enable_backprop:

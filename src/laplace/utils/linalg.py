@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-import numbers
 
 import torch
+
+from laplace.utils.errors import check_positive_int
 
 __all__ = [
     "block_diag",
@@ -71,12 +72,8 @@ def diagonal_add_scalar(X: torch.Tensor, value: torch.Tensor | float) -> torch.T
     """
     if X.ndim != 2:
         raise ValueError(f"X must be a matrix, got shape {tuple(X.shape)}.")
-    k = min(X.shape)
-    diag = X.new_ones(k) * value
-    if X.shape[0] == X.shape[1]:
-        return X + torch.diag_embed(diag)
     out = X.clone()
-    out.diagonal().add_(diag)
+    out.diagonal().add_(X.new_ones(min(X.shape)) * value)
     return out
 
 
@@ -156,10 +153,7 @@ def normal_samples(
     """
     if mean.ndim != 2:
         raise ValueError(f"mean must have shape (B, C), got {tuple(mean.shape)}.")
-    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral):
-        raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}.")
-    if n_samples < 1:
-        raise ValueError(f"n_samples must be a positive integer, got {n_samples}.")
+    n_samples = check_positive_int(n_samples, "n_samples")
     batch, n_out = mean.shape
     diagonal = var.shape == mean.shape
     if diagonal:
@@ -170,9 +164,7 @@ def normal_samples(
             f"var must have shape {(batch, n_out)} (diagonal) or {(batch, n_out, n_out)} "
             f"(full) for mean of shape {(batch, n_out)}, got {tuple(var.shape)}."
         )
-    z = torch.randn(
-        (n_out, int(n_samples)), device=mean.device, dtype=mean.dtype, generator=generator
-    )
+    z = torch.randn((n_out, n_samples), device=mean.device, dtype=mean.dtype, generator=generator)
     # (B, C, S): scale the shared standard-normal draws per Gaussian.
     noise = var.sqrt().unsqueeze(-1) * z if diagonal else torch.linalg.cholesky(var) @ z
     return (mean.unsqueeze(-1) + noise).permute(2, 0, 1)
@@ -209,12 +201,9 @@ def softmax_hessian_factor(p: torch.Tensor) -> torch.Tensor:
     if n_classes == 1:
         return (sqrt_p - p * sqrt_p).unsqueeze(-1)
     r = p.argmax(-1, keepdim=True)
-    c = 1 / (1 + sqrt_p.gather(-1, r))
+    is_r = torch.arange(n_classes, device=p.device) == r  # (..., C)
+    sqrt_r = sqrt_p.gather(-1, r)
+    c = 1 / (1 + sqrt_r)
     L = torch.diag_embed(sqrt_p) - (c * p).unsqueeze(-1) * sqrt_p.unsqueeze(-2)
-    reference_row = -sqrt_p.gather(-1, r) * sqrt_p
-    L = L.scatter(
-        -2, r.unsqueeze(-1).expand(*r.shape[:-1], 1, n_classes), reference_row.unsqueeze(-2)
-    )
-    others = torch.arange(n_classes - 1, device=p.device).expand(*r.shape[:-1], -1)
-    others = others + (others >= r).long()
-    return L.gather(-1, others.unsqueeze(-2).expand(*L.shape[:-1], -1))
+    L = torch.where(is_r.unsqueeze(-1), (-sqrt_r * sqrt_p).unsqueeze(-2), L)
+    return L.masked_select(~is_r.unsqueeze(-2)).reshape(*p.shape, n_classes - 1)

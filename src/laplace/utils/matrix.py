@@ -28,26 +28,29 @@ re-factorise. With ``damping=True`` a weight block's spectrum is ``(λ₀ + √�
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from laplace.utils.diag_lowrank import DiagLowRank, LowRankKronBlock
 from laplace.utils.errors import is_real_scalar
-from laplace.utils.linalg import block_diag, kron, symeig
+from laplace.utils.linalg import symeig
 
 __all__ = ["Kron", "KronDecomposed"]
 
 
-def _times(F: Tensor, X: Tensor) -> Tensor:
-    """``F X`` for a dense or diagonal factor ``F`` (m, m) and ``X`` (..., m, n)."""
+def _times(F: Tensor | DiagLowRank, X: Tensor) -> Tensor:
+    """``F X`` for ``X`` (..., m, n) and a factor ``F`` (m, m) of any kind."""
     return F @ X if F.ndim > 1 else F.unsqueeze(-1) * X
 
 
-def _times_transposed(X: Tensor, F: Tensor) -> Tensor:
-    """``X Fᵀ`` for ``X`` (..., m, n) and a dense or diagonal factor ``F`` (n, n)."""
-    return X @ F.T if F.ndim > 1 else X * F
+def _pair(block: list[Tensor]) -> list[Tensor]:
+    """A block's factors as a pair ``[F₀, F₁]``: a one-factor block ``F`` is ``[1] ⊗ F``."""
+    if len(block) == 2:
+        return block
+    return [torch.ones(1, dtype=block[0].dtype, device=block[0].device), block[0]]
 
 
 def _into_eigenbasis(X: Tensor, Q0: Tensor | None, Q1: Tensor | None) -> Tensor:
@@ -76,6 +79,9 @@ class Kron:
         kfacs: Per block a list of one factor (p, p) or (p,), or two factors ``[F₀, F₁]`` for
             the block ``F₀ ⊗ F₁``, each (m, m) or (m,).
     """
+
+    #: The class of :meth:`decompose`'s result (assigned below the decomposed classes).
+    decomposition: ClassVar[type[KronDecomposed]]
 
     def __init__(self, kfacs: list[list[Tensor]]) -> None:
         self.kfacs = [list(F) for F in kfacs]
@@ -147,7 +153,7 @@ class Kron:
         return len(self.kfacs)
 
     def decompose(self, damping: bool = False, deferred: bool = False) -> KronDecomposed:
-        """Eigen-decompose every factor (a 1-D factor is already diagonal).
+        """Eigen-decompose every dense factor (1-D and diagonal-plus-low-rank ones are kept).
 
         Args:
             damping: See :class:`KronDecomposed`.
@@ -155,21 +161,17 @@ class Kron:
                 (a fit then ends with the sum of the factors; the first posterior query pays).
         """
         if deferred:
-            return KronDecomposed.deferred(self, damping)
-        eigenvectors, eigenvalues = self._eigenpairs()
-        return KronDecomposed(eigenvectors, eigenvalues, damping=damping)
+            return self.decomposition.deferred(self, damping)
+        return self.decomposition(*self._eigenpairs(), damping=damping)
 
     def _eigenpairs(self) -> tuple[list[list[Tensor | None]], list[list[Tensor]]]:
         eigenvectors, eigenvalues = [], []
-        for F in self.kfacs:
-            Qs, ls = [], []
-            for Fi in F:
-                dense = isinstance(Fi, Tensor) and Fi.ndim > 1
-                eigval, Q = symeig(Fi) if dense else (Fi, None)
-                Qs.append(Q)
-                ls.append(eigval)
-            eigenvectors.append(Qs)
-            eigenvalues.append(ls)
+        for block in self.kfacs:
+            pairs = [
+                symeig(F) if isinstance(F, Tensor) and F.ndim > 1 else (F, None) for F in block
+            ]
+            eigenvalues.append([values for values, _ in pairs])
+            eigenvectors.append([Q for _, Q in pairs])
         return eigenvectors, eigenvalues
 
     def bmm(self, W: Tensor, exponent: float = 1) -> Tensor:
@@ -182,16 +184,11 @@ class Kron:
             raise ValueError("Kron.bmm supports only exponent=1; decompose() for other powers.")
         flat, shape = _check_W(W)
         out, start = [], 0
-        for F in self.kfacs:
-            if len(F) == 1:
-                p = len(F[0])
-                out.append(_times_transposed(flat[:, start : start + p], F[0]))
-            else:
-                F0, F1 = F
-                p = len(F0) * len(F1)
-                block = flat[:, start : start + p].reshape(-1, len(F0), len(F1))
-                out.append(_times_transposed(_times(F0, block), F1).flatten(1))
-            start += p
+        for F0, F1 in map(_pair, self.kfacs):  # (F₀ ⊗ F₁) vec(X) = vec(F₀ X F₁ᵀ)
+            size = len(F0) * len(F1)
+            block = flat[:, start : start + size].reshape(-1, len(F0), len(F1))
+            out.append(_times(F1, _times(F0, block).mT).mT.flatten(1))
+            start += size
         return torch.cat(out, dim=1).reshape(shape)
 
     def __matmul__(self, W: Tensor) -> Tensor:
@@ -201,30 +198,24 @@ class Kron:
     def logdet(self) -> Tensor:
         """``log det`` of the whole block-diagonal matrix."""
         total = 0
-        for F in self.kfacs:
-            logdets = [Fi.logdet() if Fi.ndim > 1 else Fi.log().sum() for Fi in F]
-            if len(F) == 1:
-                total = total + logdets[0]
-            else:  # det(F₀ ⊗ F₁) = det(F₀)^p_in · det(F₁)^p_out
-                total = total + len(F[1]) * logdets[0] + len(F[0]) * logdets[1]
+        for F0, F1 in map(_pair, self.kfacs):  # det(F₀ ⊗ F₁) = det(F₀)^p_in · det(F₁)^p_out
+            logdets = [F.logdet() if F.ndim > 1 else F.log().sum() for F in (F0, F1)]
+            total = total + len(F1) * logdets[0] + len(F0) * logdets[1]
         return total
 
     def diag(self) -> Tensor:
         """Diagonal of the whole matrix, shape (P,)."""
         diags = []
-        for F in self.kfacs:
-            ds = [Fi.diagonal() if Fi.ndim > 1 else Fi for Fi in F]
-            diags.append(ds[0] if len(F) == 1 else torch.outer(ds[0], ds[1]).flatten())
+        for F0, F1 in map(_pair, self.kfacs):
+            diagonals = [F.diagonal() if F.ndim > 1 else F for F in (F0, F1)]
+            diags.append(torch.outer(*diagonals).flatten())
         return torch.cat(diags)
 
     def to_matrix(self) -> Tensor:
         """Dense (P, P) matrix; for tests and small models only."""
-        blocks = []
-        for F in self.kfacs:
-            Fs = [Fi.to_dense() if isinstance(Fi, DiagLowRank) else Fi for Fi in F]
-            Fs = [Fi if Fi.ndim > 1 else torch.diag(Fi) for Fi in Fs]
-            blocks.append(Fs[0] if len(Fs) == 1 else kron(Fs[0], Fs[1]))
-        return block_diag(blocks)
+        P = sum(math.prod(len(F) for F in block) for block in self.kfacs)
+        reference = self.kfacs[0][0]
+        return self.bmm(torch.eye(P, dtype=reference.dtype, device=reference.device)).T
 
 
 class KronDecomposed:
@@ -373,6 +364,18 @@ class KronDecomposed:
             total = total + (self.spectrum(i).log().sum() if block is None else block.logdet())
         return total
 
+    def _eigenbasis(self, i: int) -> tuple[Tensor | None, Tensor | None, Tensor]:
+        """``Q₀``, ``Q₁`` and the spectrum (m, n) of block ``i`` (one factor: ``Q₀ = I₁``)."""
+        spectrum, Qs = self.spectrum(i), self._pairs()[0][i]
+        return (*Qs, spectrum) if len(Qs) == 2 else (None, Qs[0], spectrum.unsqueeze(0))
+
+    def _blocks(self, flat: Tensor) -> Iterator[tuple[int, Tensor, LowRankKronBlock | None]]:
+        """Per block its index, its columns of ``flat`` (R, P) and :meth:`low_rank_block`."""
+        start = 0
+        for i, size in enumerate(self.block_sizes()):
+            yield i, flat[:, start : start + size], self.low_rank_block(i)
+            start += size
+
     def bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
         """``M^exponent W`` per row of ``W`` (shape (P,), (B, P) or (B, K, P); same shape out).
 
@@ -380,21 +383,14 @@ class KronDecomposed:
         ``R`` with ``R Rᵀ = M⁻¹``, not the symmetric one).
         """
         flat, shape = _check_W(W)
-        out, start = [], 0
-        for i, (Qs, size) in enumerate(zip(self._pairs()[0], self.block_sizes())):
-            part, block = flat[:, start : start + size], self.low_rank_block(i)
-            start += size
+        out = []
+        for i, part, block in self._blocks(flat):
             if block is not None:
                 out.append(block.times(part, exponent))
                 continue
-            scale = self.spectrum(i).pow(exponent)
-            if len(Qs) == 1:
-                Q = Qs[0]
-                out.append(part * scale if Q is None else ((part @ Q) * scale) @ Q.T)
-            else:
-                Q0, Q1 = Qs
-                block = _into_eigenbasis(part.reshape(-1, *scale.shape), Q0, Q1) * scale
-                out.append(_from_eigenbasis(block, Q0, Q1).flatten(1))
+            Q0, Q1, spectrum = self._eigenbasis(i)
+            rotated = _into_eigenbasis(part.reshape(-1, *spectrum.shape), Q0, Q1)
+            out.append(_from_eigenbasis(rotated * spectrum.pow(exponent), Q0, Q1).flatten(1))
         return torch.cat(out, dim=1).reshape(shape)
 
     def __matmul__(self, W: Tensor) -> Tensor:
@@ -407,21 +403,15 @@ class KronDecomposed:
             raise ValueError(f"inv_square_form needs W of shape (B, K, P), got {tuple(W.shape)}.")
         # With M = Q diag(s) Qᵀ: W M⁻¹ Wᵀ = (W Q s^-½)(W Q s^-½)ᵀ, no rotation back needed; a
         # diagonal-plus-low-rank block adds W_b (M_b⁻¹ W_b)ᵀ.
-        flat = W.reshape(-1, W.shape[-1])
-        parts, start, low_rank = [], 0, 0
-        for i, (Qs, size) in enumerate(zip(self._pairs()[0], self.block_sizes())):
-            part, block = flat[:, start : start + size], self.low_rank_block(i)
-            start += size
+        parts, low_rank = [], 0
+        for i, part, block in self._blocks(W.reshape(-1, W.shape[-1])):
             if block is not None:
                 solved = block.times(part, -1).reshape(*W.shape[:2], -1)
                 low_rank = low_rank + part.reshape(*W.shape[:2], -1) @ solved.mT
                 continue
-            scale = self.spectrum(i).rsqrt()
-            if len(Qs) == 1:
-                parts.append((part if Qs[0] is None else part @ Qs[0]) * scale)
-            else:
-                block = part.reshape(-1, *scale.shape)
-                parts.append((_into_eigenbasis(block, *Qs) * scale).flatten(1))
+            Q0, Q1, spectrum = self._eigenbasis(i)
+            rotated = _into_eigenbasis(part.reshape(-1, *spectrum.shape), Q0, Q1)
+            parts.append((rotated * spectrum.rsqrt()).flatten(1))
         if not parts:
             return low_rank
         half = torch.cat(parts, dim=1).reshape(*W.shape[:2], -1)
@@ -430,35 +420,22 @@ class KronDecomposed:
     def diag(self, exponent: float = 1) -> Tensor:
         """Diagonal of ``M^exponent``, shape (P,) (exponent 1 or -1 for a low-rank block)."""
         diags = []
-        for i, Qs in enumerate(self._pairs()[0]):
+        for i in range(len(self)):
             block = self.low_rank_block(i)
             if block is not None:
                 diags.append(block.diagonal(exponent))
                 continue
-            scale = self.spectrum(i).pow(exponent)
+            *Qs, spectrum = self._eigenbasis(i)
             squares = [None if Q is None else Q.square() for Q in Qs]
-            if len(Qs) == 1:
-                diags.append(scale if squares[0] is None else squares[0] @ scale)
-            else:
-                diags.append(_from_eigenbasis(scale, *squares).flatten())
+            diags.append(_from_eigenbasis(spectrum.pow(exponent), *squares).flatten())
         return torch.cat(diags)
 
     def to_matrix(self, exponent: float = 1) -> Tensor:
         """Dense ``M^exponent``, shape (P, P); for tests and small models only."""
-        blocks = []
-        eigenvectors, eigenvalues = self._pairs()
-        for i, Qs in enumerate(eigenvectors):
-            block = self.low_rank_block(i)
-            if block is not None:
-                eye = torch.eye(block.size, dtype=self.deltas.dtype, device=self.deltas.device)
-                blocks.append(block.times(eye, exponent).T)
-                continue
-            Qs = [
-                torch.ones_like(v).diag() if Q is None else Q for Q, v in zip(Qs, eigenvalues[i])
-            ]
-            Q = Qs[0] if len(Qs) == 1 else kron(Qs[0], Qs[1])
-            blocks.append((Q * self.spectrum(i).pow(exponent).flatten()) @ Q.T)
-        return block_diag(blocks)
+        eye = torch.eye(
+            sum(self.block_sizes()), dtype=self.deltas.dtype, device=self.deltas.device
+        )
+        return self.bmm(eye, exponent).T  # the rows of bmm are M^e's columns (R: not symmetric)
 
 
 class StructuredKron(Kron):
@@ -467,17 +444,6 @@ class StructuredKron(Kron):
     Everything is ``Kron``'s; the type tells the fitted curvature apart, and its
     decomposition is a :class:`StructuredKronDecomposed`.
     """
-
-    def decompose(self, damping: bool = False, deferred: bool = False) -> StructuredKronDecomposed:
-        """Eigen-decompose the dense factors; keep the diagonal-plus-low-rank ones.
-
-        Args:
-            damping: See :class:`KronDecomposed`.
-            deferred: See :meth:`Kron.decompose`.
-        """
-        if deferred:
-            return StructuredKronDecomposed.deferred(self, damping)
-        return StructuredKronDecomposed(*self._eigenpairs(), damping=damping)
 
 
 class StructuredKronDecomposed(KronDecomposed):
@@ -497,3 +463,7 @@ class StructuredKronDecomposed(KronDecomposed):
         )
 
     eigenvalues = eigenvectors
+
+
+Kron.decomposition = KronDecomposed
+StructuredKron.decomposition = StructuredKronDecomposed

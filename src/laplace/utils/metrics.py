@@ -53,13 +53,10 @@ class RunningNLLMetric(Metric):
                 "targets must have the shape of probs without its last (class) dimension; "
                 f"got probs {tuple(probs.shape)} and targets {tuple(targets.shape)}."
             )
-        probs = probs.reshape(-1, probs.shape[-1])
         targets = targets.reshape(-1).long()
         valid = targets != self.ignore_index
-        safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
-        picked = probs.gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
-        nll = torch.where(valid, -picked.log(), torch.zeros_like(picked))
-        self.nll_sum += nll.sum()
+        picked = probs.reshape(-1, probs.shape[-1])[valid].gather(-1, targets[valid, None])
+        self.nll_sum -= picked.log().sum()
         self.n_valid_labels += valid.sum()
 
     def compute(self) -> Tensor:

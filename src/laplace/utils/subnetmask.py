@@ -249,6 +249,14 @@ def _names(names: Any, what: str) -> list[str]:
     return list(names)
 
 
+def _mask(model: nn.Module, chosen: set[int]) -> Tensor:
+    """Boolean mask (P,) of the trainable parameters whose ``id`` is in ``chosen``."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return torch.cat(
+        [torch.full((p.numel(),), id(p) in chosen, device=p.device) for p in trainable]
+    )
+
+
 def _missing(wanted: list[str], present: list[str], what: str) -> None:
     if len(wanted) == 0:
         raise ValueError(f"the list of {what} names must not be empty.")
@@ -266,14 +274,9 @@ class ParamNameSubnetMask(SubnetMask):
 
     def get_subnet_mask(self, train_loader: DataLoader | None) -> Tensor:
         """Ones on the named parameters' entries."""
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        _missing(self.parameter_names, [n for n, _ in named], "parameter")
-        return torch.cat(
-            [
-                torch.full((p.numel(),), n in self.parameter_names, device=p.device)
-                for n, p in named
-            ]
-        )
+        named = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        _missing(self.parameter_names, list(named), "parameter")
+        return _mask(self.model, {id(named[n]) for n in self.parameter_names})
 
 
 class ModuleNameSubnetMask(SubnetMask):
@@ -297,13 +300,8 @@ class ModuleNameSubnetMask(SubnetMask):
                 raise ValueError(f"module {name!r} has children; name its leaf modules instead.")
             if not any(p.requires_grad for p in modules[name].parameters()):
                 raise ValueError(f"module {name!r} has no trainable parameters.")
-        chosen = {id(p) for n in self.module_names for p in modules[n].parameters()}
-        return torch.cat(
-            [
-                torch.full((p.numel(),), id(p) in chosen, device=p.device)
-                for p in self.model.parameters()
-                if p.requires_grad
-            ]
+        return _mask(
+            self.model, {id(p) for n in self.module_names for p in modules[n].parameters()}
         )
 
 

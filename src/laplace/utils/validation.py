@@ -7,7 +7,6 @@ user's metric or callable.
 from __future__ import annotations
 
 import inspect
-import numbers
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -18,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from laplace.utils.data import prepare_batch
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
+from laplace.utils.errors import check_positive_int
 
 __all__ = ["Predictor", "get_nll", "validate"]
 
@@ -58,39 +58,23 @@ def get_nll(out_dist: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return -picked.log().mean()
 
 
-def _accepts_args(fn: Callable, n_args: int) -> bool | None:
-    """Whether ``fn`` can be called with ``n_args`` positional arguments (None: unknown)."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    try:
-        signature.bind(*range(n_args))
-    except TypeError:
-        return False
-    return True
-
-
 def _update_metric(metric: torchmetrics.Metric, out: tuple, y: torch.Tensor) -> None:
-    """``update(f_mu, f_var, y)`` if the metric takes three arguments, else ``update(f_mu, y)``."""
-    accepts = _accepts_args(metric.update, len(out) + 1)
-    if accepts is True:
-        metric.update(*out, y)
-    elif accepts is False:
+    """``update(*out, y)`` where ``update`` takes that many arguments, else ``update(out[0], y)``.
+
+    Without a signature to read, the full call is tried first.
+    """
+    try:
+        inspect.signature(metric.update).bind(*out, y)
+    except TypeError:
         metric.update(out[0], y)
-    else:  # signature unknown: try the full call first
+        return
+    except ValueError:
         try:
             metric.update(*out, y)
         except TypeError:
             metric.update(out[0], y)
-
-
-def _scalar_result(value: Any) -> float:
-    """Convert a loss value to a Python float, failing clearly on non-scalars."""
-    tensor = torch.as_tensor(value)
-    if tensor.numel() != 1:
-        raise ValueError(f"loss must return a scalar, got a value of shape {tuple(tensor.shape)}.")
-    return float(tensor.item())
+        return
+    metric.update(*out, y)
 
 
 @torch.no_grad()
@@ -138,10 +122,7 @@ def validate(
         )
     pred_type = parse_enum(PredType, pred_type, "pred_type")
     link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
-    if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral):
-        raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}.")
-    if n_samples < 1:
-        raise ValueError(f"n_samples must be a positive integer, got {n_samples}.")
+    check_positive_int(n_samples, "n_samples")
 
     laplace.model.eval()
     device = next(laplace.model.parameters()).device
@@ -151,8 +132,7 @@ def validate(
     if running:
         loss.reset()
 
-    means: list[torch.Tensor] = []
-    variances: list[torch.Tensor] = []
+    outputs: list[tuple[torch.Tensor, ...]] = []  # probabilities, or f_mu and f_var
     targets: list[torch.Tensor] = []
     n_batches = 0
     for data in val_loader:
@@ -165,24 +145,19 @@ def validate(
         if likelihood is not None:  # positions of outputs with extra dimensions as rows
             out, y = likelihood.fit_likelihood.validation_rows(out, y)
         n_batches += 1
+        out = out if isinstance(out, tuple) else (out,)
         if running:
-            if isinstance(out, tuple):
-                _update_metric(loss, out, y)
-            else:
-                loss.update(out, y)
-            continue
-        if isinstance(out, tuple):
-            means.append(out[0])
-            variances.append(out[1])
+            _update_metric(loss, out, y)
         else:
-            means.append(out)
-        targets.append(y)
+            outputs.append(out)
+            targets.append(y)
 
     if n_batches == 0:
         raise ValueError("val_loader yielded no batches.")
     if running:
         return float(loss.compute().sum().item())
-    y_all = torch.cat(targets, dim=0)
-    if variances:
-        return _scalar_result(loss(torch.cat(means, dim=0), torch.cat(variances, dim=0), y_all))
-    return _scalar_result(loss(torch.cat(means, dim=0), y_all))
+    columns = [torch.cat(parts) for parts in zip(*outputs)]
+    value = torch.as_tensor(loss(*columns, torch.cat(targets)))
+    if value.numel() != 1:
+        raise ValueError(f"loss must return a scalar, got a value of shape {tuple(value.shape)}.")
+    return float(value.item())
