@@ -336,7 +336,18 @@ class ParametricLaplace(BaseLaplace):
             raise ValueError("train_loader is empty: fit needs at least one data point.")
         with distributed_utils.guard(self._distributed, "fit"):
             self._resolve_subset(train_loader)
-        self._check_ranks_agree()
+        if self._distributed:  # every rank refuses ranks built with other hyperparameters
+            distributed_utils.check_consistent(
+                {
+                    "class": type(self).__name__,
+                    "n_params": self.n_params,
+                    "prior_precision": self.prior_precision,
+                    "prior_mean": self.prior_mean,
+                    "sigma_noise": self.sigma_noise,
+                    "temperature": self.temperature,
+                },
+                "fit",
+            )
         update = not override and self._fitted
         n_before = self.n_data if update else 0
         self.model.eval()
@@ -387,25 +398,6 @@ class ParametricLaplace(BaseLaplace):
         for name, value in loop.results.items():
             setattr(self, name, value)
         return H, loss, loop.n_outputs
-
-    def _check_ranks_agree(self) -> None:
-        """In a distributed fit, refuse ranks built with different hyperparameters.
-
-        Raises:
-            DistributedFitError: On every rank, naming what differs.
-        """
-        if self._distributed:
-            distributed_utils.check_consistent(
-                {
-                    "class": type(self).__name__,
-                    "n_params": self.n_params,
-                    "prior_precision": self.prior_precision,
-                    "prior_mean": self.prior_mean,
-                    "sigma_noise": self.sigma_noise,
-                    "temperature": self.temperature,
-                },
-                "fit",
-            )
 
     def _zero_curvature(self) -> Any:
         """Empty curvature in the posterior's structure and dimension."""
@@ -495,12 +487,10 @@ class ParametricLaplace(BaseLaplace):
 
         Raises:
             ValueError: Where the approximation refuses the GLM predictive (many outputs without
-                a last layer's closed form, :func:`laplace.posteriors.large_output.glm_refusal`).
+                a last layer's closed form, :func:`laplace.posteriors.large_output.check_glm`).
         """
         if self._subset.jacobian_kind(self._posterior.closed_forms) is not HeadFeatures:
-            refusal = large_output.glm_refusal(self.n_outputs)
-            if refusal is not None:
-                raise ValueError(refusal)
+            large_output.check_glm(self.n_outputs)
         if joint:
             f_mu, J = self._subset.linearize(X, self.backend, (), self.enable_backprop)
             return self._detached(f_mu.reshape(-1), self.functional_covariance(J.dense()))

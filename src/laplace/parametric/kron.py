@@ -83,8 +83,6 @@ class KronLaplace(ParametricLaplace):
     _posterior_cls = KronPosterior
     #: The backend's block shapes, large output factors marked (found once, on first use).
     _block_shapes: list | None = None
-    #: The structure those shapes need (found with them).
-    _block_structure: type[Posterior] | None = None
 
     def __init__(
         self,
@@ -121,12 +119,7 @@ class KronLaplace(ParametricLaplace):
         structure = super()._own_structure()
         if not self._subset.resolved:
             return structure
-        if self._block_structure is None:
-            shapes = self._kron_shapes()
-            self._block_structure = kron_block_structure(
-                structure, shapes, self.output_factor_rank
-            )
-        return self._block_structure
+        return kron_block_structure(structure, self._kron_shapes(), self.output_factor_rank)
 
     def _zero_curvature(self) -> Kron:
         """Zero factors of the backend's blocks (it refuses modules it cannot factor)."""

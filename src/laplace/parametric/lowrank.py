@@ -88,17 +88,17 @@ def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
         ValueError: For an unknown solver or start, or a bad ``n_eigenvalues``, ``max_iter``,
             ``tol``, ``seed``, ``oversampling`` or ``candidates``.
     """
-    options = dict(backend_kwargs or {})
-    solver = {k: options[k] for k in SOLVER_OPTIONS if k in options}
+    solver = {k: v for k, v in (backend_kwargs or {}).items() if k in SOLVER_OPTIONS}
     if "low_rank" in solver:
         solver.setdefault("n_eigenvalues", solver.pop("low_rank"))
     solver.setdefault("n_eigenvalues", 10)
-    if solver.get("solver", "randomized") not in SOLVERS:
+    solver.setdefault("solver", "randomized")
+    if solver["solver"] not in SOLVERS:
         raise ValueError(
             f"backend_kwargs['solver'] must be one of {sorted(SOLVERS)}, got {solver['solver']!r}."
         )
     check_positive_int(solver["n_eigenvalues"], "n_eigenvalues")
-    randomized = solver.get("solver", "randomized") == "randomized"
+    randomized = solver["solver"] == "randomized"
     least = {"max_iter": 0 if randomized else 1, "seed": 0, "oversampling": 0, "candidates": 1}
     for key, minimum in least.items():
         if key in solver:
@@ -135,7 +135,7 @@ class TopEigenpairs(FitPass):
         self.solver = dict(solver)
         self.errors: Tensor | None = None
         #: Whether the products are the native ones (else curvlinops' operators).
-        self.native = self.solver.get("solver", "randomized") == "randomized" and isinstance(
+        self.native = self.solver["solver"] == "randomized" and isinstance(
             self.pieces.backend, (GGNInterface, EFInterface)
         )
 

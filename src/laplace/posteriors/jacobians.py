@@ -12,11 +12,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from laplace.curvature.per_sample import PerSampleTrace
 from laplace.posteriors.kron_glm import layerwise_chunk_rows
-from laplace.posteriors.last_layer import head_jacobians
 from laplace.utils.data import Inputs
 from laplace.utils.outputs import OutputAdapter, OutputLayout
 
@@ -74,7 +74,10 @@ class HeadFeatures(Jacobian):
 
     def dense(self) -> Tensor:
         """``[I_C ⊗ φₙᵀ, I_C]``, shape (B, C, C·D (+ C with a bias))."""
-        return head_jacobians(self.phi, self.n_out, self.bias)
+        phi, B = self.phi, len(self.phi)
+        eye = torch.eye(self.n_out, dtype=phi.dtype, device=phi.device)
+        Js = (eye[None, :, :, None] * phi[:, None, None, :]).reshape(B, self.n_out, -1)
+        return torch.cat([Js, eye.expand(B, -1, -1)], dim=2) if self.bias else Js
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ class _Slot:
             per-sample gradients).
         module: The layer owning the parameter.
         name: The parameter's name in the layer.
-        rule: The layer's KFAC rule (None for ``"exact"``).
+        rule: The layer's KFAC rule (unused for ``"exact"``).
         Qs: Eigenvectors of the block's factors (None: identity).
         inv: Inverse spectrum of the block.
     """
@@ -204,15 +204,13 @@ def _slots(trace: PerSampleTrace, block_inverse: BlockInverse) -> list[_Slot] | 
         Qs, inv = block_inverse(i)
         (module, name), shared = owners[i][0], len(owners[i]) > 1
         rule = None if shared else kfac_rule(module)
-        if len(Qs) == 2 and (
-            rule is None or name != "weight" or (rule.one_hot and Qs[0] is not None)
-        ):  # no rule, or an embedding whose vocabulary factor is not diagonal
-            return None
         if len(Qs) == 2:
+            if rule is None or name != "weight" or (rule.one_hot and Qs[0] is not None):
+                return None  # no rule, or an embedding whose vocabulary factor is not diagonal
             kind = "kron"
         else:
             kind = "bias" if rule is not None and name == "bias" else "exact"
-        slots.append(_Slot(kind, module, name, rule if kind != "exact" else None, Qs, inv))
+        slots.append(_Slot(kind, module, name, rule, Qs, inv))
     return slots
 
 
@@ -239,7 +237,7 @@ def layerwise_variance(
     C = f.reshape(B, -1).shape[1]
     factored = {s.module: s for s in slots if s.kind == "kron"}
     ruled = {s.module: s.rule for s in slots if s.kind != "exact"}
-    exact = {engine.slot[s.module, s.name]: s for s in slots if s.kind == "exact"}
+    exact = {i for i, s in enumerate(slots) if s.kind == "exact"}
     inputs: dict[nn.Module, Tensor] = {}
     for call in calls:
         if call.module in factored:
@@ -260,7 +258,7 @@ def layerwise_variance(
                 for name, u in per_sample_grads(call, g).items():
                     i = engine.slot[call.module, name]
                     if i in exact:
-                        us[i] = us[i] + u.flatten(1) if i in us else u.flatten(1)
+                        us[i] = us.get(i, 0) + u.flatten(1)
         for i, slot in enumerate(slots):
             if slot.kind == "exact":
                 u = us.get(i, f.new_zeros(B, engine.needed[i].numel()))

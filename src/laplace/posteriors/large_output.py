@@ -12,7 +12,7 @@ from __future__ import annotations
 __all__ = [
     "LARGE_OUTPUT_THRESHOLD",
     "OUTPUT_FACTOR_RANK",
-    "glm_refusal",
+    "check_glm",
     "is_large_output",
     "variances_only_reason",
 ]
@@ -42,18 +42,20 @@ def variances_only_reason(n_outputs: int) -> str | None:
     )
 
 
-def glm_refusal(n_outputs: int) -> str | None:
-    """Why a GLM predictive without a last layer's closed form is refused; None at or below.
+def check_glm(n_outputs: int) -> None:
+    """Refuse a GLM predictive without a last layer's closed form above the threshold.
 
-    Above the threshold it would need C Jacobian rows per point (C backward passes) and a
+    Above it the predictive would need C Jacobian rows per point (C backward passes) and a
     (B, C, C) covariance; only the last layer's closed forms give output variances.
+
+    Raises:
+        ValueError: For more than :data:`LARGE_OUTPUT_THRESHOLD` outputs, naming the ways out.
     """
-    if not is_large_output(n_outputs):
-        return None
-    return (
-        f"the model has C={n_outputs} outputs, more than LARGE_OUTPUT_THRESHOLD="
-        f"{LARGE_OUTPUT_THRESHOLD}: the GLM predictive over these weights needs C Jacobian rows "
-        "per point (C backward passes) and a (B, C, C) covariance. Use pred_type='nn' "
-        "(link_approx='mc'; one forward pass per weight sample) or subset_of_weights="
-        "'last_layer' (output variances in closed form)."
-    )
+    if is_large_output(n_outputs):
+        raise ValueError(
+            f"the model has C={n_outputs} outputs, more than LARGE_OUTPUT_THRESHOLD="
+            f"{LARGE_OUTPUT_THRESHOLD}: the GLM predictive over these weights needs C Jacobian "
+            "rows per point (C backward passes) and a (B, C, C) covariance. Use pred_type='nn' "
+            "(link_approx='mc'; one forward pass per weight sample) or subset_of_weights="
+            "'last_layer' (output variances in closed form)."
+        )

@@ -29,7 +29,6 @@ __all__ = [
     "cat_output_curvatures",
     "head_curvature",
     "head_features",
-    "head_jacobians",
     "head_rows",
     "output_curvature",
 ]
@@ -168,13 +167,3 @@ def head_curvature(structure: type, backend: Any) -> Callable[..., Any] | None:
         and not getattr(backend, "stochastic", False)
     )
     return closed_form if native else None
-
-
-def head_jacobians(phi: Tensor, n_out: int, bias: bool) -> Tensor:
-    """``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, shape (B, C, P)."""
-    B = phi.shape[0]
-    eye = torch.eye(n_out, dtype=phi.dtype, device=phi.device)
-    Js = (eye[None, :, :, None] * phi[:, None, None, :]).reshape(B, n_out, -1)
-    if bias:
-        Js = torch.cat([Js, eye.expand(B, -1, -1)], dim=2)
-    return Js

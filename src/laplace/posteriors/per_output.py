@@ -22,9 +22,9 @@ diagonal in them) and is refused, and so are low-rank and function-space posteri
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import cache
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -73,46 +73,6 @@ class OutputKron(Kron):
         return Kron(summed).decompose(damping=self.damping)
 
 
-class Family(NamedTuple):
-    """How a base structure keeps one curvature per output, as functions of its values.
-
-    Attributes:
-        route: The backend route of the structure (``"full"``, ``"diag"`` or ``"kron"``).
-        output_curvature: ``(backend, trace, column, n_data) -> H_c``, the curvature of one
-            output column in the structure's form.
-        stack: The curvatures of the C outputs, stacked (C, ...).
-        combine: ``(H (C, ...), w (C,)) -> Σ_c w_c H_c`` in the structure's form.
-    """
-
-    route: str
-    output_curvature: Callable[[Any, Any, Tensor, int], Any]
-    stack: Callable[[list[Any]], Any]
-    combine: Callable[[Any, Tensor], Any]
-
-
-def _gram(backend: Any, trace: Any, column: Tensor, n_data: int) -> Tensor:
-    return trace.gram([column]).detach()
-
-
-def _square_sum(backend: Any, trace: Any, column: Tensor, n_data: int) -> Tensor:
-    return trace.square_sum([column]).detach()
-
-
-def _kfac(backend: Any, trace: Any, column: Tensor, n_data: int) -> Kron:
-    check_gradient_factor_first(trace.engine, "one sigma_noise per output")
-    limit = backend.kfac_dense_limit
-    return kfac(trace, [column], n_data, backend.kfac_approx, backend.factor, None, limit)
-
-
-def _stack_kron(parts: list[Kron]) -> OutputKron:
-    blocks = zip(*(part.kfacs for part in parts), strict=True)
-    return OutputKron([[torch.stack([b[0] for b in bl]), *bl[0][1:]] for bl in blocks])
-
-
-def _weighted_sum(H: Tensor, weights: Tensor) -> Tensor:
-    return torch.tensordot(weights, H, dims=1)
-
-
 class _FromInner:
     """An attribute of the base structure's posterior ``inner``.
 
@@ -142,8 +102,8 @@ class PerOutputPosterior(Posterior):
 
     #: The structure of each output's curvature and of the posterior.
     structure: ClassVar[type[Posterior]]
-    #: How that structure keeps the curvature of each output.
-    family: ClassVar[Family]
+    #: The backend route of the structure (``"full"`` or ``"diag"``; ``"kron"``).
+    route: ClassVar[str]
     #: Number of outputs C.
     n_outputs: ClassVar[int]
 
@@ -152,7 +112,7 @@ class PerOutputPosterior(Posterior):
         self.h_factor = h_factor.reshape(-1).expand(self.n_outputs)
         self.prior_diag = prior_diag
         one = torch.ones((), dtype=prior_diag.dtype, device=prior_diag.device)
-        self.inner = self.structure(self.family.combine(H, self.h_factor), one, prior_diag)
+        self.inner = self.structure(self.combine(H, self.h_factor), one, prior_diag)
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner":
@@ -185,9 +145,22 @@ class PerOutputPosterior(Posterior):
         weights = sum(v.square() for v in backend.curvature_columns(f, y))
         eye = torch.eye(cls.n_outputs, dtype=f.dtype, device=f.device)
         columns = [weights[:, c, None].sqrt() * eye[c] for c in range(cls.n_outputs)]
-        output_curvature = cls.family.output_curvature
-        parts = [output_curvature(backend, trace, column, n_data) for column in columns]
-        return backend.fit_likelihood.loss_per_output(f, y), cls.family.stack(parts)
+        parts = [cls.output_curvature(backend, trace, column, n_data) for column in columns]
+        return backend.fit_likelihood.loss_per_output(f, y), cls.stack(parts)
+
+    @classmethod
+    def output_curvature(cls, backend: Any, trace: Any, column: Tensor, n_data: int) -> Any:
+        """The curvature ``H_c`` of one output column (B, C) in the structure's form."""
+        products = trace.gram if cls.route == "full" else trace.square_sum
+        return products([column]).detach()
+
+    #: The curvatures of the C outputs, stacked (C, ...).
+    stack = staticmethod(torch.stack)
+
+    @staticmethod
+    def combine(H: Any, weights: Tensor) -> Any:
+        """``Σ_c w_c H_c`` in the structure's form, ``weights`` of shape (C,)."""
+        return torch.tensordot(weights, H, dims=1)
 
     # ------------------------------------------------------------------------ the posterior
     #: The posterior quantities: those of the base structure on the combined curvature.
@@ -221,22 +194,35 @@ class _PerOutputKron(KronAccumulator, PerOutputPosterior):
         """The fitted factors are kept as they are."""
         return H
 
+    @classmethod
+    def output_curvature(cls, backend: Any, trace: Any, column: Tensor, n_data: int) -> Kron:
+        """The Kronecker factors of one output column (B, C)."""
+        check_gradient_factor_first(trace.engine, "one sigma_noise per output")
+        limit = backend.kfac_dense_limit
+        return kfac(trace, [column], n_data, backend.kfac_approx, backend.factor, None, limit)
 
-#: Per base structure: the per-output class to configure and how it keeps each output.
-_FAMILIES: dict[type[Posterior], tuple[type[PerOutputPosterior], Family]] = {
-    DensePosterior: (PerOutputPosterior, Family("full", _gram, torch.stack, _weighted_sum)),
-    DiagonalPosterior: (
-        PerOutputPosterior,
-        Family("diag", _square_sum, torch.stack, _weighted_sum),
-    ),
-    KronPosterior: (_PerOutputKron, Family("kron", _kfac, _stack_kron, OutputKron.combine)),
+    @staticmethod
+    def stack(parts: list[Kron]) -> OutputKron:
+        """The factors of the C outputs, output-gradient factors stacked (C, p_out, p_out)."""
+        blocks = zip(*(part.kfacs for part in parts), strict=True)
+        return OutputKron([[torch.stack([b[0] for b in bl]), *bl[0][1:]] for bl in blocks])
+
+    #: ``Σ_c w_c G_c ⊗ A`` per block, eigen-decomposed (:meth:`OutputKron.combine`).
+    combine = staticmethod(OutputKron.combine)
+
+
+#: Per base structure: the per-output class to configure and the structure's backend route.
+_FAMILIES: dict[type[Posterior], tuple[type[PerOutputPosterior], str]] = {
+    DensePosterior: (PerOutputPosterior, "full"),
+    DiagonalPosterior: (PerOutputPosterior, "diag"),
+    KronPosterior: (_PerOutputKron, "kron"),
 }
 
 
 @cache
 def _per_output(structure: type[Posterior], n_outputs: int) -> type[PerOutputPosterior]:
-    base, family = _FAMILIES[structure]
-    attributes = {"structure": structure, "family": family, "n_outputs": n_outputs}
+    base, route = _FAMILIES[structure]
+    attributes = {"structure": structure, "route": route, "n_outputs": n_outputs}
     return type(f"PerOutput{structure.__name__}", (base,), attributes)
 
 
@@ -282,7 +268,7 @@ def noise_structure(
             "'kron' (the curvature of each output is kept); this approximation is "
             f"{structure.__name__}."
         )
-    route = _FAMILIES[structure][1].route
+    route = _FAMILIES[structure][1]
     if not issubclass(backend_cls, GGNInterface) or getattr(backend_cls, route) is not getattr(
         CurvatureInterface, route
     ):

@@ -37,7 +37,6 @@ __all__ = [
     "check_module",
     "check_positive_float",
     "check_positive_int",
-    "device_memory",
     "is_real_scalar",
 ]
 
@@ -77,22 +76,19 @@ class TooLargeError(ValueError, RuntimeError):
     """A dense matrix larger than the device's memory; a ``ValueError`` and a ``RuntimeError``."""
 
 
-def device_memory(device: torch.device) -> int | None:
-    """Total memory of ``device`` in bytes (physical memory for the CPU); None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    if device.type == "cpu" and hasattr(os, "sysconf"):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return None
-
-
 def check_fits_in_memory(needed: int, device: torch.device, what: str, instead: str) -> None:
     """Refuse, before allocating it, a tensor of ``needed`` bytes larger than ``device``'s memory.
+
+    The memory is the device's for CUDA, the physical memory for the CPU; unknown elsewhere.
 
     Raises:
         TooLargeError: ``"{what} needs … GiB …, more than the … GiB of {device}: {instead}"``.
     """
-    available = device_memory(device)
+    available = None
+    if device.type == "cuda":
+        available = torch.cuda.get_device_properties(device).total_memory
+    elif device.type == "cpu" and hasattr(os, "sysconf"):
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if available is not None and needed > available:
         raise TooLargeError(
             f"{what} needs {needed / 2**30:,.1f} GiB, more than the {available / 2**30:,.1f} GiB "

@@ -230,11 +230,11 @@ class OutputAdapter:
         shape = tuple(int(d) for d in output_shape[1:])
         labels = targets == PositionTargets.LABELS
         ignore = self.ignore_index if labels else None
-        if rank > 2 and self.plain_only is not None:
-            raise ValueError(
-                f"backend={self.plain_only} takes model outputs of shape (B, C); the model "
-                f"returned outputs of shape {tuple(output_shape)}. Use backend=CurvlinopsGGN "
-                "(or CurvlinopsEF, CurvlinopsHessian), which take outputs with extra dimensions."
+        if self.plain_only is not None:
+            self.require_plain(
+                output_shape,
+                f"backend={self.plain_only}",
+                "backend=CurvlinopsGGN (or CurvlinopsEF, CurvlinopsHessian)",
             )
         if targets is None:
             self.require_plain(
@@ -270,21 +270,24 @@ class OutputAdapter:
         return None if self._found is None else [*self._found, int(self.last_size or 0)]
 
     def remember(self, found: Sequence[int] | None) -> None:
-        """Take over what ``found`` returned (from a loaded state); None changes nothing."""
-        if self.check_found(found) is not None:
+        """Take over what ``found`` returned (a loaded state, ``check_found`` first); None: no."""
+        if found is not None:
             rank, dim, size = found
             self._found, self.last_size = (rank, dim), size or None
 
     @staticmethod
-    def check_found(found: Sequence[int] | None) -> Sequence[int] | None:
-        """``found`` if it is None or what ``found`` returns, else a ``ValueError``."""
-        if found is None or (
+    def check_found(found: Sequence[int] | None) -> None:
+        """Refuse a saved layout that is neither None nor what ``found`` returns.
+
+        Raises:
+            ValueError: For anything else.
+        """
+        if found is not None and not (
             len(found) == 3 and all(isinstance(v, int) and v >= 0 for v in found)
         ):
-            return found
-        raise ValueError(
-            f"the saved output layout must be [rank, class_dim, size], got {found!r}."
-        )
+            raise ValueError(
+                f"the saved output layout must be [rank, class_dim, size], got {found!r}."
+            )
 
     @staticmethod
     def require_plain(
