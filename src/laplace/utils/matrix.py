@@ -179,12 +179,12 @@ class Kron:
         if exponent != 1:
             raise ValueError("Kron.bmm supports only exponent=1; decompose() for other powers.")
         flat, shape = _check_W(W)
-        out, start = [], 0
-        for F0, F1 in map(_pair, self.kfacs):  # (F₀ ⊗ F₁) vec(X) = vec(F₀ X F₁ᵀ)
-            size = len(F0) * len(F1)
-            block = flat[:, start : start + size].reshape(-1, len(F0), len(F1))
-            out.append(_times(F1, _times(F0, block).mT).mT.flatten(1))
-            start += size
+        pairs = [_pair(block) for block in self.kfacs]
+        parts = flat.split([len(F0) * len(F1) for F0, F1 in pairs], dim=1)
+        out = [  # (F₀ ⊗ F₁) vec(X) = vec(F₀ X F₁ᵀ)
+            _times(F1, _times(F0, part.reshape(-1, len(F0), len(F1))).mT).mT.flatten(1)
+            for (F0, F1), part in zip(pairs, parts)
+        ]
         return torch.cat(out, dim=1).reshape(shape)
 
     def __matmul__(self, W: Tensor) -> Tensor:
@@ -364,10 +364,8 @@ class KronDecomposed:
 
     def _blocks(self, flat: Tensor) -> Iterator[tuple[int, Tensor, LowRankKronBlock | None]]:
         """Per block its index, its columns of ``flat`` (R, P) and :meth:`low_rank_block`."""
-        start = 0
-        for i, size in enumerate(self.block_sizes()):
-            yield i, flat[:, start : start + size], self.low_rank_block(i)
-            start += size
+        for i, part in enumerate(flat.split(self.block_sizes(), dim=1)):
+            yield i, part, self.low_rank_block(i)
 
     def bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
         """``M^exponent W`` per row of ``W`` (shape (P,), (B, P) or (B, K, P); same shape out).
