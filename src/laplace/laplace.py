@@ -85,11 +85,11 @@ def Laplace(
             )
         return FUNCTIONAL[approximation](model, likelihood, *args, **kwargs)
     if key not in REGISTRY:
-        valid = sorted(f"{s.value}/{h.value}" for s, h in REGISTRY if s == subset)
+        valid = sorted(h.value for s, h in REGISTRY if s == subset)
         raise ValueError(
             f"subset_of_weights={subset.value!r} does not support "
             f"hessian_structure={structure.value!r}; valid structures for this subset: "
-            f"{', '.join(v.split('/')[1] for v in valid)}."
+            f"{', '.join(valid)}."
         )
     likelihood_model.check_structure(structure)
     if subset == S.SUBNETWORK and not args and "subnetwork_indices" not in kwargs:

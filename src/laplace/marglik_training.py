@@ -25,7 +25,8 @@ from tqdm.auto import trange
 from laplace.core import distributed as distributed_utils
 from laplace.core.base import BaseLaplace
 from laplace.core.data_loop import DataLoop
-from laplace.core.priors import expand_prior_precision, fix_prior_prec_structure
+from laplace.core.priors import expand_to_diagonal, fix_prior_prec_structure
+from laplace.core.subsets import AllWeights
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.registry import available_optional, load_optional
 from laplace.laplace import Laplace
@@ -36,7 +37,6 @@ from laplace.utils.errors import (
     check_finite_result,
     check_int_at_least,
     check_mapping,
-    check_module,
     check_positive_float,
 )
 
@@ -153,7 +153,6 @@ def marglik_training(
     ):
         check_int_at_least(value, name, minimum)
     check_positive_float(lr_hyp, "lr_hyp")
-    check_module(model)
     for name, cls in (("optimizer_cls", optimizer_cls), ("scheduler_cls", scheduler_cls)):
         if cls is not None and not callable(cls):
             raise TypeError(f"{name} must be a class (e.g. of torch.optim), got {cls!r}.")
@@ -185,55 +184,52 @@ def marglik_training(
         )
 
     # Every check of the Laplace constructor (backend, likelihood and structure, σ, T, the
-    # prior, trainable parameters) before the first training step.
-    make_laplace(check_positive_float(prior_prec_init, "prior_prec_init"), sigma_noise_init, False)
-    if optimizer_kwargs.get("weight_decay", 0):
+    # prior, trainable parameters) before the first training step; its weights are trained.
+    weights = make_laplace(
+        check_positive_float(prior_prec_init, "prior_prec_init"), sigma_noise_init, False
+    )._subset
+    if optimizer_kwargs.pop("weight_decay", 0):
         warnings.warn(
             "weight_decay is the prior precision, which marglik_training learns; it is set to 0.",
             stacklevel=2,
         )
-    optimizer_kwargs.pop("weight_decay", None)
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    device, dtype = params[0].device, params[0].dtype
-    n_params = sum(p.numel() for p in params)
     has_noise = likelihood_model.has_noise_hyperparameter
     learn_sigma = has_noise and not fix_sigma_noise
-    target_model = likelihood_model.fit_likelihood
-
     log_prior_prec = fix_prior_prec_structure(
-        temperature * prior_prec_init, prior_structure, len(params), n_params, device, dtype
+        temperature * prior_prec_init,
+        prior_structure,
+        *weights.prior_lengths,
+        weights.device,
+        weights.dtype,
     ).log()
     log_prior_prec.requires_grad_(True)
     # One σ, or one per output (C,): log σ in float64, then in the model's dtype.
     init = torch.as_tensor(sigma_noise_init).detach().to(torch.float64).reshape(-1)
-    log_sigma = init.log().to(device=device, dtype=dtype)
+    log_sigma = init.log().to(device=weights.device, dtype=weights.dtype)
     log_sigma.requires_grad_(learn_sigma)
     hyper_optimizer = Adam([log_prior_prec, *([log_sigma] if learn_sigma else [])], lr=lr_hyp)
+    fixed_sigma = _detached(sigma_noise_init) if has_noise else 1.0
 
-    def sigma_noise() -> Tensor | float:
-        if not has_noise:
-            return 1.0
-        return log_sigma.exp() if learn_sigma else sigma_noise_init
+    def hyperparameters() -> tuple[Tensor, Tensor | float]:
+        """The current prior precision and σ, detached."""
+        sigma = log_sigma.detach().exp() if learn_sigma else fixed_sigma
+        return log_prior_prec.detach().exp(), sigma
 
     optimizer = optimizer_cls(model.parameters(), **optimizer_kwargs)
-    scheduler = scheduler_cls(optimizer, **scheduler_kwargs) if scheduler_cls else None
-
     epoch_loop = TrainingEpoch(
         dict_key_x,
         dict_key_y,
-        device,
+        weights.device,
         distributed=distributed,
         what="marglik training",
         empty_message="train_loader yielded no batches: marglik_training needs data.",
         model=model,
+        weights=weights,
         optimizer=optimizer,
-        scheduler=scheduler,
-        likelihood=target_model,
-        hyperparameters=lambda: (
-            _detached(sigma_noise()),
-            expand_prior_precision(log_prior_prec.detach().exp(), model),
-        ),
+        scheduler=scheduler_cls(optimizer, **scheduler_kwargs) if scheduler_cls else None,
+        likelihood=likelihood_model.fit_likelihood,
+        hyperparameters=hyperparameters,
         temperature=temperature,
         n_data=n_data,
     )
@@ -248,12 +244,11 @@ def marglik_training(
             continue
 
         model.eval()
-        la = make_laplace(log_prior_prec.detach().exp(), _detached(sigma_noise()), False)
+        la = make_laplace(*hyperparameters(), False)
         la.fit(train_loader, distributed=distributed)
         for _ in range(n_hypersteps):
             hyper_optimizer.zero_grad()
-            # Hyperparameters at which the last recorded marglik was evaluated.
-            evaluated = (log_prior_prec.detach().exp(), _detached(sigma_noise()))
+            evaluated = hyperparameters()  # those of the marglik recorded last
             neg_marglik = -la.log_marginal_likelihood(
                 log_prior_prec.exp(), log_sigma.exp() if learn_sigma else None
             )
@@ -267,10 +262,7 @@ def marglik_training(
     model.eval()
     if best is not None:
         model.load_state_dict(best[1])
-        prior_prec, sigma = best[2], best[3]
-    else:
-        prior_prec, sigma = log_prior_prec.detach().exp(), _detached(sigma_noise())
-    la = make_laplace(prior_prec, sigma, enable_backprop)
+    la = make_laplace(*(best[2:] if best else hyperparameters()), enable_backprop)
     la.fit(train_loader, distributed=distributed)
     return la, model, margliks, losses
 
@@ -279,30 +271,32 @@ class TrainingEpoch(DataLoop):
     """One epoch of MAP training: an optimiser step on the negative log joint per batch.
 
     ``run`` returns the negative log joint summed over the data points (and ranks).
-    ``*args`` and ``**options`` are ``DataLoop``'s; ``hyperparameters() -> (σ, δ)`` gives the
-    noise (a number, () or (C,)) and the prior precision expanded to the weights (P,); ``n_data``
-    is N over all ranks; ``scheduler`` (or None) is stepped after every batch.
+    ``*args`` and ``**options`` are ``DataLoop``'s; ``weights`` is the parameter subset of all
+    trained weights; ``hyperparameters() -> (δ, σ)`` gives the prior precision (scalar,
+    layer-wise or diagonal) and the noise (a number, () or (C,)); ``n_data`` is N over all
+    ranks; ``scheduler`` (or None) is stepped after every batch.
     """
 
     def __init__(
         self,
         *args: Any,
         model: nn.Module,
+        weights: AllWeights,
         optimizer: Optimizer,
         scheduler: LRScheduler | None,
         likelihood: Any,
-        hyperparameters: Callable[[], tuple[Tensor | float, Tensor]],
+        hyperparameters: Callable[[], tuple[Tensor, Tensor | float]],
         temperature: float,
         n_data: int,
         **options: Any,
     ) -> None:
         super().__init__(*args, **options)
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.model, self.weights = model, weights
+        self.optimizer, self.scheduler = optimizer, scheduler
         self.likelihood, self.hyperparameters = likelihood, hyperparameters
         self.temperature, self.n_data = temperature, n_data
         # Mean losses (MSE over all outputs, or cross-entropy), targets shaped by the likelihood.
         self.criterion = likelihood.loss_module()
-        self.params = [p for p in model.parameters() if p.requires_grad]
 
     def start(self) -> float:
         """The epoch's loss starts at zero."""
@@ -310,7 +304,7 @@ class TrainingEpoch(DataLoop):
 
     def step(self, X: Inputs, y: Tensor) -> float:
         """One optimiser step on a batch; its loss times its size."""
-        sigma, delta = self.hyperparameters()
+        prior_precision, sigma = self.hyperparameters()
         self.optimizer.zero_grad()
         f = self.model(X)
         self.likelihood.outputs.require_plain(f.shape, "marglik_training", _FIT_INSTEAD)
@@ -327,7 +321,8 @@ class TrainingEpoch(DataLoop):
         # The log joint per data point, in units of the mean loss: ½θᵀP₀θ · c / N with
         # c = σ² / (loss_scale · T), i.e. 2σ²/T for the MSE and 1/T for cross-entropy.
         prior_scale = sigma2 / self.likelihood.loss_scale / self.temperature
-        theta = torch.cat([p.reshape(-1) for p in self.params])
+        delta = expand_to_diagonal(prior_precision, self.weights.prior_sizes)
+        theta = self.weights.vector()
         data_loss = self.criterion(f, targets)
         loss = data_loss + 0.5 * (delta * theta) @ theta * prior_scale / self.n_data
         loss.backward()

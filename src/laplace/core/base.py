@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from functools import cache, partial
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -468,9 +468,5 @@ def arguments_for(constructor: Callable, namespace: dict[str, Any]) -> dict[str,
         constructor: The ``__init__`` to call.
         namespace: The caller's ``locals()`` (its arguments).
     """
-    return {name: namespace[name] for name in _parameter_names(constructor) if name in namespace}
-
-
-@cache
-def _parameter_names(constructor: Callable) -> tuple[str, ...]:
-    return tuple(inspect.signature(constructor).parameters)[1:]
+    names = list(inspect.signature(constructor).parameters)[1:]  # after ``self``
+    return {name: namespace[name] for name in names if name in namespace}

@@ -53,17 +53,16 @@ def resolve(distributed: bool | None, loader: DataLoader | None = None) -> bool:
         RuntimeError: For ``distributed=True`` without an initialised process group.
         ArgumentTypeError: For a value other than None, True or False.
     """
-    if distributed is not None:
-        check_bool(distributed, "distributed")
     if distributed is None:
         sampler = getattr(loader, "sampler", None)
         return is_distributed() and isinstance(sampler, DistributedSampler)
+    check_bool(distributed, "distributed")
     if distributed and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "distributed=True needs an initialised process group: call "
             "torch.distributed.init_process_group(...) first (e.g. under torchrun)."
         )
-    return bool(distributed)
+    return distributed
 
 
 def data_count(loader: DataLoader) -> int:
@@ -176,31 +175,18 @@ def check_consistent(values: dict[str, Any], what: str = "fit") -> None:
     Raises:
         DistributedFitError: Naming the values that differ, on every rank.
     """
-    device = _collective_device(None)
-    flat = {
-        name: torch.as_tensor(
-            zlib.crc32(value.encode()) if isinstance(value, str) else value,
-            dtype=torch.float64,
+    digests = [  # of the text, or of the float64 entries (a differing length differs too)
+        zlib.crc32(
+            value.encode()
+            if isinstance(value, str)
+            else torch.as_tensor(value, dtype=torch.float64).detach().cpu().numpy().tobytes()
         )
-        .detach()
-        .reshape(-1)
-        .to(device)
-        for name, value in values.items()
-    }
-    sizes = torch.tensor([len(v) for v in flat.values()], dtype=torch.float64, device=device)
-    entries = torch.cat(list(flat.values()))
-    low, high = _reduce(sizes.clone(), dist.ReduceOp.MIN), _reduce(sizes, dist.ReduceOp.MAX)
-    differ = [name for name, lo, hi in zip(flat, low, high, strict=True) if lo != hi]
-    if not differ:
-        low = _reduce(entries.clone(), dist.ReduceOp.MIN)
-        high = _reduce(entries.clone(), dist.ReduceOp.MAX)
-        bounds = torch.cumsum(sizes.long(), 0).tolist()
-        starts = [0, *bounds[:-1]]
-        differ = [
-            name
-            for name, a, b in zip(flat, starts, bounds, strict=True)
-            if not torch.equal(low[a:b], high[a:b])
-        ]
+        for value in values.values()
+    ]
+    low = torch.tensor(digests, dtype=torch.float64, device=_collective_device(None))
+    high = _reduce(low.clone(), dist.ReduceOp.MAX)
+    _reduce(low, dist.ReduceOp.MIN)
+    differ = [name for name, lo, hi in zip(values, low, high, strict=True) if lo != hi]
     if differ:
         mine = {name: values[name] for name in differ}
         raise DistributedFitError(
@@ -225,8 +211,7 @@ def all_gather(tensor: Tensor) -> Tensor:
     """
     if not is_distributed():
         return tensor
-    device = tensor.device
-    sizes = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=device)
+    sizes = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
     all_sizes = [torch.zeros_like(sizes) for _ in range(dist.get_world_size())]
     dist.all_gather(all_sizes, sizes)
     counts = [int(s.item()) for s in all_sizes]

@@ -5,13 +5,17 @@ from __future__ import annotations
 import math
 import numbers
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from laplace.likelihoods import LikelihoodModel
 from laplace.utils.enums import PriorStructure, parse_enum
-from laplace.utils.errors import ArgumentTypeError, MetaDeviceError, is_real_scalar
+from laplace.utils.errors import (
+    ArgumentTypeError,
+    MetaDeviceError,
+    check_positive_float,
+    check_positive_int,
+)
 
 __all__ = [
     "as_float_tensor",
@@ -272,26 +276,11 @@ def fix_prior_prec_structure(
         TypeError: If ``prior_prec_init`` is not a single real value.
     """
     structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
-    if not is_real_scalar(prior_prec_init):
-        raise TypeError(
-            f"prior_prec_init must be a single real value, got {type(prior_prec_init).__name__}"
-            + (
-                f" of shape {tuple(prior_prec_init.shape)}."
-                if torch.is_tensor(prior_prec_init)
-                else "."
-            )
-        )
-    value = float(torch.as_tensor(prior_prec_init).item())
-    if not (np.isfinite(value) and value > 0):
-        raise ValueError(f"prior_prec_init must be positive and finite, got {value}.")
-    length = {
-        PriorStructure.SCALAR: 1,
-        PriorStructure.LAYERWISE: n_layers,
-        PriorStructure.DIAG: n_params,
-    }[structure]
-    name = {PriorStructure.LAYERWISE: "n_layers", PriorStructure.DIAG: "n_params"}.get(structure)
-    if name is not None and (
-        isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1
-    ):
-        raise ValueError(f"{name} must be a positive integer, got {length!r}.")
+    value = check_positive_float(prior_prec_init, "prior_prec_init")
+    if structure == PriorStructure.SCALAR:
+        length = 1
+    elif structure == PriorStructure.LAYERWISE:
+        length = check_positive_int(n_layers, "n_layers")
+    else:
+        length = check_positive_int(n_params, "n_params")
     return torch.full((int(length),), value, device=device, dtype=dtype)

@@ -27,18 +27,23 @@ __all__ = [
 #: Tolerance when checking that the model's weights are the saved posterior mean.
 MEAN_MATCH_ATOL = 1e-6
 
-#: Entries of a parametric state besides its identity and mean.
-PARAMETRIC_VALUES = (
-    "H",
-    "loss",
-    "n_data",
-    "n_outputs",
-    "prior_mean",
-    "prior_precision",
-    "sigma_noise",
-    "temperature",
-    "enable_backprop",
-)
+
+def _detached_tensor(value: Any) -> Tensor:
+    return torch.as_tensor(value).detach()
+
+
+#: Entries of a parametric state besides its identity, mean and curvature: how each is saved
+#: (and loaded, then through the attribute's setter; the loss moves to the model's device).
+PARAMETRIC_VALUES = {
+    "loss": _detached_tensor,
+    "n_data": int,
+    "n_outputs": int,
+    "prior_mean": _detached_tensor,
+    "prior_precision": _detached_tensor,
+    "sigma_noise": _detached_tensor,
+    "temperature": float,
+    "enable_backprop": bool,
+}
 
 
 def _leaves(value: Any) -> Iterator[Any]:
@@ -225,16 +230,16 @@ class ParametricState(StateFormat):
         }
 
     def value_keys(self, la: Any) -> tuple[str, ...]:
-        """The parametric entries."""
-        return PARAMETRIC_VALUES
+        """The curvature and the parametric entries."""
+        return ("H", *PARAMETRIC_VALUES)
 
     def tensor_keys(self, la: Any) -> tuple[str, ...]:
         """The curvature, loss and hyperparameters."""
-        return ("H", "loss", "prior_mean", "prior_precision", "sigma_noise")
+        return ("H", *[k for k, save in PARAMETRIC_VALUES.items() if save is _detached_tensor])
 
     def count_keys(self, la: Any) -> tuple[str, ...]:
         """The data and output counts."""
-        return ("n_data", "n_outputs")
+        return tuple(k for k, save in PARAMETRIC_VALUES.items() if save is int)
 
     def values(self, la: Any) -> dict[str, Any]:
         """The curvature as the structure saves it, the loss, counts and hyperparameters."""
@@ -242,32 +247,21 @@ class ParametricState(StateFormat):
         return {
             **({} if layout is None else {"output_layout": layout}),
             "H": self.curvature_state(la),
-            "loss": torch.as_tensor(la.loss).detach(),
-            "n_data": int(la.n_data),
-            "n_outputs": int(la.n_outputs),
-            "prior_mean": la.prior_mean.detach(),
-            "prior_precision": la.prior_precision.detach(),
-            "sigma_noise": la.sigma_noise.detach(),
-            "temperature": float(la.temperature),
-            "enable_backprop": bool(la.enable_backprop),
+            **{key: save(getattr(la, key)) for key, save in PARAMETRIC_VALUES.items()},
         }
 
     def check(self, la: Any, state_dict: dict[str, Any]) -> None:
-        """Refuse a non-boolean ``enable_backprop`` or an unknown output layout."""
+        """Refuse a bad temperature, a non-boolean ``enable_backprop``, an unknown layout."""
+        check_temperature(state_dict["temperature"])
         check_bool(state_dict["enable_backprop"], "state_dict['enable_backprop']")
         OutputAdapter.check_found(state_dict.get("output_layout"))
 
     def load(self, la: Any, state_dict: dict[str, Any]) -> None:
         """Assign the curvature, loss, counts and hyperparameters."""
         la.H = self.load_curvature(la, state_dict["H"])
-        la.loss = state_dict["loss"].to(device=la._device, dtype=la._dtype)
-        la.n_data = int(state_dict["n_data"])
-        la.n_outputs = int(state_dict["n_outputs"])
-        la.prior_mean = state_dict["prior_mean"]
-        la.prior_precision = state_dict["prior_precision"]
-        la.sigma_noise = state_dict["sigma_noise"]
-        la.temperature = float(check_temperature(state_dict["temperature"]))
-        la.enable_backprop = bool(state_dict["enable_backprop"])
+        for key, save in PARAMETRIC_VALUES.items():
+            setattr(la, key, save(state_dict[key]))
+        la.loss = la.loss.to(device=la._device, dtype=la._dtype)
         la._likelihood_model.outputs.remember(state_dict.get("output_layout"))
         la._posterior_cache = None
 

@@ -14,14 +14,12 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
-import torchmetrics
 from torch import Tensor
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from laplace.core import distributed as distributed_utils
 from laplace.core.priors import as_prior_precision, fix_prior_prec_structure
-from laplace.likelihoods import LikelihoodModel
 from laplace.posteriors import NotPositiveDefiniteError
 from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMethod, parse_enum
 from laplace.utils.errors import (
@@ -38,7 +36,6 @@ __all__ = [
     "maximize_marglik",
     "optimize_prior_precision",
     "search_grid",
-    "validation_loss",
 ]
 
 T = TypeVar("T")
@@ -72,32 +69,6 @@ def maximize_marglik(
         neg_marglik.backward()
         optimizer.step()
     return log_prior.detach().exp()
-
-
-def validation_loss(
-    loss: Any,
-    likelihood: LikelihoodModel,
-    n_outputs: int,
-    sigma_noise: Tensor,
-    distributed: bool,
-    device: torch.device,
-) -> torchmetrics.Metric | Callable:
-    """The grid-search loss for the user's ``loss`` argument.
-
-    None gives the likelihood's default, a name (``"nll"``, ``"ece"``, ``"brier"``,
-    ``"crps"``) its running metric (:meth:`~laplace.likelihoods.LikelihoodModel.validation_loss`;
-    pass the fit likelihood, whose predictions grid search validates); anything else is
-    returned as it is. Named metrics of a distributed fit add their sums over all ranks.
-
-    Raises:
-        ValueError: For an unknown name or one that does not apply to the likelihood.
-    """
-    if loss is None:
-        return likelihood.validation_loss(None, n_outputs).to(device)
-    if not isinstance(loss, str):
-        return loss
-    metric = likelihood.validation_loss(loss, n_outputs, sigma_noise, sync_on_compute=distributed)
-    return metric.to(device)
 
 
 def grid_candidates(
@@ -289,14 +260,15 @@ def optimize_prior_precision(
             la._dtype,
         )
         distributed = getattr(la, "_distributed", False)
-        loss = validation_loss(
-            loss,
-            la._likelihood_model.fit_likelihood,
-            la.n_outputs,
-            la.sigma_noise,
-            distributed,
-            la._device,
-        )
+        # None: the likelihood's default; a name: its running metric, summed over all ranks
+        # when distributed; anything else is the user's metric or callable.
+        likelihood = la._likelihood_model.fit_likelihood
+        if loss is None:
+            loss = likelihood.validation_loss(None, la.n_outputs).to(la._device)
+        elif isinstance(loss, str):
+            loss = likelihood.validation_loss(
+                loss, la.n_outputs, la.sigma_noise, sync_on_compute=distributed
+            ).to(la._device)
 
         def validation_score(prior_precision: Tensor) -> float:
             la.prior_precision = prior_precision

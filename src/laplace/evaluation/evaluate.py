@@ -22,9 +22,10 @@ from laplace.core import distributed as distributed_utils
 from laplace.likelihoods import make_likelihood
 from laplace.likelihoods.scoring import N_BINS, Evaluation, EvaluationOptions
 from laplace.utils.data import Inputs, move_inputs, split_batch
+from laplace.utils.errors import check_positive_int
 from laplace.utils.outputs import IGNORE_INDEX
 
-__all__ = ["evaluate", "model_device"]
+__all__ = ["evaluate", "model_device", "predict_detached"]
 
 
 def model_device(predictive: Callable) -> torch.device | None:
@@ -38,8 +39,7 @@ def model_device(predictive: Callable) -> torch.device | None:
 
 
 def _check_options(n_bins: Any, coverage_levels: Sequence[float], kwargs: dict) -> None:
-    if isinstance(n_bins, bool) or not isinstance(n_bins, numbers.Integral) or n_bins < 1:
-        raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}.")
+    check_positive_int(n_bins, "n_bins")
     levels = list(coverage_levels)
     if not levels or not all(isinstance(lv, numbers.Real) and 0 < lv < 1 for lv in levels):
         raise ValueError(
@@ -60,7 +60,7 @@ def _inputs(batch: Any, dict_key_x: str, dict_key_y: str) -> Inputs:
     return split_batch(batch, dict_key_x, dict_key_y)[0]
 
 
-def _predict(la: Callable, X: Inputs, device: torch.device | None, kwargs: dict) -> Any:
+def predict_detached(la: Callable, X: Inputs, device: torch.device | None, kwargs: dict) -> Any:
     """``la(X, **kwargs)`` on the model's device, without the autograd graph of its output."""
     out = la(X if device is None else move_inputs(X, device), **kwargs)
     return tuple(item.detach() for item in out) if isinstance(out, tuple) else out.detach()
@@ -174,7 +174,7 @@ def evaluate(
     n_batches = 0
     for batch in tqdm(loader, disable=not progress_bar, desc="evaluate"):
         X, y = split_batch(batch, key_x, key_y)
-        out = _predict(la, X, device, predictive_kwargs)
+        out = predict_detached(la, X, device, predictive_kwargs)
         if task is None:
             task = evaluation("regression" if isinstance(out, tuple) else "classification")
         task.update(out, y)
@@ -187,7 +187,7 @@ def evaluate(
     result = task.compute()
     if auroc is not None:
         for batch in tqdm(ood_loader, disable=not progress_bar, desc="evaluate OOD"):
-            out = _predict(la, _inputs(batch, key_x, key_y), device, predictive_kwargs)
+            out = predict_detached(la, _inputs(batch, key_x, key_y), device, predictive_kwargs)
             scores = _ood_score(task.entropy(out))
             auroc.update(scores, torch.ones_like(scores, dtype=torch.long))
         result["ood_auroc"] = float(auroc.compute())

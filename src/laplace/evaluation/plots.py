@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from laplace.evaluation.evaluate import model_device
+from laplace.evaluation.evaluate import model_device, predict_detached
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -179,18 +179,15 @@ def plot_predictive_band(
     """
     if x.dim() not in (1, 2) or (x.dim() == 2 and x.shape[1] != 1):
         raise ValueError(f"x must have shape (N,) or (N, 1), got {tuple(x.shape)}.")
-    device = model_device(la)
-    x_in = x.reshape(-1, 1)
-    out = la(x_in if device is None else x_in.to(device), **predictive_kwargs)
-    if not (isinstance(out, tuple) and out[0].numel() == x_in.shape[0]):
+    out = predict_detached(la, x.reshape(-1, 1), model_device(la), predictive_kwargs)
+    if not (isinstance(out, tuple) and out[0].numel() == len(x)):
         raise ValueError("plot_predictive_band needs a predictive (mean, var) with one output.")
-    mean = out[0].detach().reshape(-1).double().cpu()
-    f_var = out[1].detach().reshape(-1).double().cpu()
+    mean, f_var = (value.reshape(-1).double().cpu() for value in out[:2])
     if sigma_noise is None:
         sigma_noise = getattr(la, "sigma_noise", 0.0)
     noise = float(torch.as_tensor(sigma_noise).detach()) ** 2
     fig, ax = _axes(ax, (6.0, 4.0))
-    xs = x_in.reshape(-1).double().cpu()
+    xs = x.reshape(-1).double().cpu()
     bands = [("predictive", f_var + noise, 0.2, "tab:blue")]
     if noise > 0:
         bands.append(("epistemic", f_var, 0.3, "tab:orange"))

@@ -40,7 +40,7 @@ class VaLLAState(HistoryState):
 
     def value_keys(self, la: Any) -> tuple[str, ...]:
         """The history state's entries, the inducing points' and the generator's."""
-        return (*super().value_keys(la), *INDUCING_STATE, "num_inducing", "generator_state")
+        return (*super().value_keys(la), *INDUCING_STATE, "generator_state")
 
     def values(self, la: Any) -> dict[str, Any]:
         """The history state, the inducing points (current and initial) and the generator."""
@@ -51,7 +51,6 @@ class VaLLAState(HistoryState):
             "inducing_strategy": la._strategy,
             "initial_inducing_locations": detached_inputs(la._initial[0]),
             "initial_inducing_classes": la._initial[1].detach().clone(),
-            "num_inducing": la.num_inducing,
             "generator_state": la.generator.get_state().clone(),
         }
 
@@ -81,7 +80,6 @@ class VaLLAState(HistoryState):
     def load(self, la: Any, state_dict: dict[str, Any]) -> None:
         """Assign the history state, the inducing points and the generator's state."""
         super().load(la, state_dict)
-        la.num_inducing = state_dict["num_inducing"]
         la.generator.set_state(state_dict["generator_state"].cpu())
         la.inducing_locations = as_inducing(
             state_dict["inducing_locations"], la._device, la._dtype
@@ -138,9 +136,9 @@ class VaLLA(BaseFunctionalLaplace):
 
     _function_space = FunctionalApproximation.VARIATIONAL
 
-    _state_plain = ("temperature", "alpha", "mc_softmax_samples", "seed", "n_data", "n_outputs")
-    _state_parameters = ("L", "log_prior_precision", "log_noise_variance")
     _state_counts = ("num_inducing", "n_data", "n_outputs")
+    _state_plain = ("temperature", "alpha", "mc_softmax_samples", "seed", *_state_counts)
+    _state_parameters = ("L", "log_prior_precision", "log_noise_variance")
     _state_format = VaLLAState()
 
     def __init__(
@@ -230,10 +228,10 @@ class VaLLA(BaseFunctionalLaplace):
         """
         f, cov, A, R = self._gp.objective_moments(X)
         noise = None if self.log_noise_variance is None else self.log_noise_variance.exp()
-        log_lik, batch = self._likelihood_model.fit_likelihood.alpha_energy(
+        log_lik = self._likelihood_model.fit_likelihood.alpha_energy(
             y, f, cov, self.alpha, noise, self.mc_softmax_samples, self.generator
         )
-        return -(self.n_data / batch) * log_lik / self.temperature + inducing_kl(A, R)
+        return -(self.n_data / len(f)) * log_lik / self.temperature + inducing_kl(A, R)
 
     @preserve_model_gradients
     def fit(

@@ -10,6 +10,7 @@ loss, ``½ Σ‖y − f‖²`` for regression (σ-free, so the output Hessian is
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -28,6 +29,7 @@ from laplace.likelihoods.scoring import (
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import FunctionalApproximation, HessianStructure
 from laplace.utils.errors import UnsupportedError
+from laplace.utils.predictive import draw_gaussian
 
 __all__ = ["LikelihoodModel"]
 
@@ -221,11 +223,13 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
         noise_variance: Tensor | None,
         n_samples: int,
         generator: torch.Generator | None,
-    ) -> tuple[Tensor, int]:
+    ) -> Tensor:
         """VaLLA's summed ``ℓ_α(y) = (1/α) log E_{N(f, cov)}[p(y | f)^α]`` of a minibatch.
 
         ``α = 0`` is the expected log-likelihood (the ELBO's); see
-        :mod:`laplace.functional.valla_objective`.
+        :mod:`laplace.functional.valla_objective`. By default the Monte-Carlo
+        ``(1/α) log((1/S) Σ_s p(y | f_s)^α)`` of :meth:`draw_log_likelihood`, and without draws
+        the probit :meth:`predictive_nll` (which does not depend on ``α``).
 
         Args:
             y: Targets of the minibatch.
@@ -233,11 +237,24 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
             cov: Latent covariances (B, C, C).
             alpha: ``α`` in [0, 1].
             noise_variance: ``σ²`` of a likelihood with observation noise.
-            n_samples: Monte-Carlo draws of the latent outputs (0: a closed form if any).
+            n_samples: Monte-Carlo draws S of the latent outputs (0: a closed form if any).
             generator: Random number generator of the draws.
 
         Returns:
-            The summed energy and the number of points B.
+            The summed energy, a scalar.
+
+        Raises:
+            UnsupportedError: For a likelihood that does not define it.
+        """
+        if not n_samples:
+            return -self.predictive_nll(f, cov, y, noise_variance)
+        log_p = self.draw_log_likelihood(y, draw_gaussian(f, cov, n_samples, generator))
+        if alpha == 0:
+            return log_p.mean(0).sum()
+        return (torch.logsumexp(alpha * log_p, 0) - math.log(n_samples)).sum() / alpha
+
+    def draw_log_likelihood(self, y: Tensor, draws: Tensor) -> Tensor:
+        """``log p(y_b | f_{s,b})`` of draws of the outputs (S, B, C), shape (S, B).
 
         Raises:
             UnsupportedError: For a likelihood that does not define it.

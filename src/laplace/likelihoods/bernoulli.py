@@ -24,13 +24,12 @@ from laplace.likelihoods.scoring import (
     PerLabelCalibrationError,
     bernoulli_entropy,
     probabilities,
-    sampled_alpha_energy,
 )
 from laplace.utils.diag_lowrank import DiagLowRankBatch
-from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood
+from laplace.utils.enums import Likelihood
 from laplace.utils.errors import DataError, LabelError
 from laplace.utils.outputs import PositionTargets
-from laplace.utils.predictive import BERNOULLI_LINKS, draw_gaussian, probit_logits
+from laplace.utils.predictive import BERNOULLI_LINKS, probit_logits
 
 __all__ = ["Bernoulli", "bernoulli_alpha_energy"]
 
@@ -44,7 +43,8 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
     the Fisher), and the predictive the probability that each label is 1, (B, K):
     ``link_approx="probit"`` gives ``σ(μ/√(1 + π v/8))`` per label, ``"mc"`` a Monte-Carlo
     average of ``σ(f)``. Targets have the outputs' shape (or (B,) for K = 1) and hold 0/1
-    (integers, booleans or floats; floats in [0, 1] are soft labels).
+    (integers, booleans or floats; floats in [0, 1] are soft labels). Every Hessian structure
+    and function-space approximation applies (its output curvature is diagonal).
     """
 
     kind = Likelihood.BINARY_CLASSIFICATION
@@ -60,16 +60,6 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
     link_approximations = BERNOULLI_LINKS
     predictions = "label probabilities"
     position_targets = PositionTargets.VALUES
-    #: Subset-of-data GP (its output curvature is diagonal, so the GP uses it exactly), ELLA
-    #: (scored by :meth:`predictive_nll`) and VaLLA (its energy :meth:`alpha_energy`).
-    function_space = tuple(FunctionalApproximation)
-    hessian_structures = (
-        HessianStructure.FULL,
-        HessianStructure.DIAG,
-        HessianStructure.KRON,
-        HessianStructure.LOWRANK,
-        HessianStructure.GP,
-    )
 
     @override
     @staticmethod
@@ -90,21 +80,10 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
         return F.binary_cross_entropy_with_logits(logits, targets, reduction="sum")
 
     @override
-    def alpha_energy(
-        self,
-        y: Tensor,
-        f: Tensor,
-        cov: Tensor,
-        alpha: float,
-        noise_variance: Tensor | None,
-        n_samples: int,
-        generator: torch.Generator | None,
-    ) -> tuple[Tensor, int]:
-        """:func:`bernoulli_alpha_energy`; without draws the per-label probit NLL (no ``α``)."""
-        y = self.prepare_targets(f, y)
-        if n_samples:
-            return bernoulli_alpha_energy(y, f, cov, alpha, n_samples, generator), len(y)
-        return -self.predictive_nll(f, cov, y, None), len(y)
+    def draw_log_likelihood(self, y: Tensor, draws: Tensor) -> Tensor:
+        """The log-likelihood of all labels of a point (of its joint draw)."""
+        targets = self.prepare_targets(draws[0], y).expand_as(draws)
+        return -F.binary_cross_entropy_with_logits(draws, targets, reduction="none").sum(-1)
 
     @override
     def evaluation(self, options: EvaluationOptions) -> Evaluation:
@@ -222,10 +201,7 @@ def bernoulli_alpha_energy(
 
     The draws are of the joint ``N(mean, cov)``: for ``α > 0`` the labels' correlations enter.
     """
-    draws = draw_gaussian(mean, cov, n_samples, generator)  # (S, B, K)
-    targets = y.expand_as(draws)
-    log_p = -F.binary_cross_entropy_with_logits(draws, targets, reduction="none")
-    return sampled_alpha_energy(log_p.sum(-1), alpha)  # (S, B): all labels of a point
+    return Bernoulli().alpha_energy(y, mean, cov, alpha, None, n_samples, generator)
 
 
 def _bernoulli_variance(f: Tensor) -> Tensor:

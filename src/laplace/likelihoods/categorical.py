@@ -24,7 +24,6 @@ from laplace.likelihoods.scoring import (
     ReliabilityBins,
     categorical_entropy,
     probabilities,
-    sampled_alpha_energy,
 )
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import HessianStructure, Likelihood, LinkApprox
@@ -32,7 +31,7 @@ from laplace.utils.errors import DataError, LabelError
 from laplace.utils.linalg import softmax_hessian_factor
 from laplace.utils.metrics import RunningNLLMetric
 from laplace.utils.outputs import PositionTargets
-from laplace.utils.predictive import LINKS, draw_gaussian, probit_logits
+from laplace.utils.predictive import LINKS, probit_logits
 
 __all__ = ["Categorical", "RewardModeling"]
 
@@ -101,26 +100,9 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
         return F.cross_entropy(logits, self.class_indices(y), reduction="sum")
 
     @override
-    def alpha_energy(
-        self,
-        y: Tensor,
-        f: Tensor,
-        cov: Tensor,
-        alpha: float,
-        noise_variance: Tensor | None,
-        n_samples: int,
-        generator: torch.Generator | None,
-    ) -> tuple[Tensor, int]:
-        """``(1/α) log((1/S) Σ_s softmax(f_s)_y^α)`` from S draws; without draws the probit NLL.
-
-        The probit approximation does not depend on ``α``.
-        """
+    def draw_log_likelihood(self, y: Tensor, draws: Tensor) -> Tensor:
         y = self.class_indices(y)
-        if not n_samples:
-            return -self.predictive_nll(f, cov, y, None), len(y)
-        draws = draw_gaussian(f, cov, n_samples, generator)  # (S, B, C)
-        log_p = draws.log_softmax(-1)[:, torch.arange(len(y), device=y.device), y]  # (S, B)
-        return sampled_alpha_energy(log_p, alpha), len(y)
+        return draws.log_softmax(-1)[:, torch.arange(len(y), device=y.device), y]
 
     @override
     def evaluation(self, options: EvaluationOptions) -> Evaluation:

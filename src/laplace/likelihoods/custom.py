@@ -102,14 +102,9 @@ class CustomLikelihood(LikelihoodModel):
 
     @override
     def glm_predictive(
-        self,
-        f_mu: Tensor,
-        f_var: Tensor,
-        link_approx: LinkApprox,
-        n_samples: int,
-        generator: torch.Generator | None,
+        self, f_mu: Tensor, f_var: Tensor, link_approx: LinkApprox, **sampling: Any
     ) -> Any:
-        return self.kind.predictive(f_mu, f_var, n_samples=n_samples, generator=generator)
+        return self.kind.predictive(f_mu, f_var, **sampling)
 
     @override
     def sampled_predictive(self, f: Tensor) -> Tensor:

@@ -94,7 +94,7 @@ class GaussianRegression(LikelihoodModel):
         noise_variance: Tensor | None,
         n_samples: int,
         generator: torch.Generator | None,
-    ) -> tuple[Tensor, int]:
+    ) -> Tensor:
         r"""The closed form with ``v = diag cov``, ``σ² = noise_variance`` (no draws).
 
         .. math::
@@ -110,7 +110,7 @@ class GaussianRegression(LikelihoodModel):
         else:
             energy = residual / (noise_variance + alpha * var)
             energy = energy + torch.log1p(alpha * var / noise_variance) / alpha
-        return -0.5 * (energy + torch.log(2 * math.pi * noise_variance)).sum(), len(y)
+        return -0.5 * (energy + torch.log(2 * math.pi * noise_variance)).sum()
 
     @override
     def evaluation(self, options: EvaluationOptions) -> Evaluation:

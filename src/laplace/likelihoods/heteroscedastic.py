@@ -185,12 +185,7 @@ class HeteroscedasticGaussian(LikelihoodModel):
 
     @override
     def glm_predictive(
-        self,
-        f_mu: Tensor,
-        f_var: Tensor,
-        link_approx: LinkApprox,
-        n_samples: int,
-        generator: torch.Generator | None,
+        self, f_mu: Tensor, f_var: Tensor, link_approx: LinkApprox, **sampling: Any
     ) -> HeteroscedasticPrediction:
         """Mean, epistemic and expected aleatoric variance from ``N(f_mu, f_var)`` over [μ, s]."""
         m_mu, m_s = split_outputs(f_mu)

@@ -92,14 +92,14 @@ class OutputPredictions:
             f_var: Covariances (B·T, C, C) of their rows (``laplace.utils.outputs``), or variances
                 where :meth:`diagonal_moments` asked for them.
             link_approx: See :meth:`glm_predictive`.
-            n_samples: See :meth:`glm_predictive`.
-            generator: See :meth:`glm_predictive`.
+            n_samples: Monte-Carlo samples of ``"mc"``.
+            generator: Random number generator of ``"mc"``.
             diagonal_output: Whether the caller asked for variances (the shape of ``f_var``
                 already says it; :meth:`diagonal_moments` chose it).
         """
         layout = self.layout(f_mu.shape)
         prediction = self.glm_predictive(
-            layout.rows(f_mu), f_var, link_approx, n_samples, generator
+            layout.rows(f_mu), f_var, link_approx, n_samples=n_samples, generator=generator
         )
         return prediction if layout.plain else self.restore_prediction(prediction, layout)
 
@@ -118,12 +118,7 @@ class OutputPredictions:
         return diagonal_output
 
     def glm_predictive(
-        self,
-        f_mu: Tensor,
-        f_var: Tensor,
-        link_approx: LinkApprox,
-        n_samples: int,
-        generator: torch.Generator | None,
+        self, f_mu: Tensor, f_var: Tensor, link_approx: LinkApprox, **sampling: Any
     ) -> Any:
         """Predictions from a Gaussian over the outputs (the linearised network).
 
@@ -132,8 +127,7 @@ class OutputPredictions:
             f_var: Output covariances (B, C, C), or variances (B, C) when
                 :meth:`diagonal_moments` said so.
             link_approx: The link approximation (for likelihoods with :attr:`links`).
-            n_samples: Monte-Carlo samples of ``"mc"``.
-            generator: Random number generator of ``"mc"``.
+            **sampling: ``n_samples`` and ``generator`` of Monte-Carlo approximations.
 
         Returns:
             ``(f_mu, f_var)`` by default (Gaussian regression).
@@ -217,16 +211,10 @@ class ProbabilityPredictions(OutputPredictions):
         return tuple(self.link_approximations)
 
     def glm_predictive(
-        self,
-        f_mu: Tensor,
-        f_var: Tensor,
-        link_approx: LinkApprox,
-        n_samples: int,
-        generator: torch.Generator | None,
+        self, f_mu: Tensor, f_var: Tensor, link_approx: LinkApprox, **sampling: Any
     ) -> Tensor:
         """Probabilities (B, C) by the link approximation ``link_approx``."""
-        approximation = self.link_approximations[link_approx]
-        return approximation(f_mu, f_var, n_samples=n_samples, generator=generator)
+        return self.link_approximations[link_approx](f_mu, f_var, **sampling)
 
     def sampled_predictive(self, f: Tensor) -> Tensor:
         """The mean probabilities over sampled outputs (S, B, …), shape (B, …)."""

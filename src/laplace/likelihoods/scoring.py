@@ -48,7 +48,6 @@ __all__ = [
     "gaussian_nll",
     "gaussian_predictive",
     "heteroscedastic_moments",
-    "sampled_alpha_energy",
     "targets_like",
     "to_plain",
 ]
@@ -167,18 +166,6 @@ def gaussian_crps(mean: Tensor, std: Tensor, target: Tensor) -> Tensor:
     return std * (z * (2 * torch.special.ndtr(z) - 1) + 2 * pdf - 1 / math.sqrt(math.pi))
 
 
-def sampled_alpha_energy(log_p: Tensor, alpha: float) -> Tensor:
-    """Summed ``ℓ_α = (1/α) log((1/S) Σ_s p_s^α)`` (``α = 0``: the mean of ``log p``).
-
-    Args:
-        log_p: Log-likelihoods (S, B) of every point under S sampled outputs.
-        alpha: ``α`` in [0, 1].
-    """
-    if alpha == 0:
-        return log_p.mean(0).sum()
-    return (torch.logsumexp(alpha * log_p, 0) - math.log(len(log_p))).sum() / alpha
-
-
 def _brier(probs: Tensor, target: Tensor) -> Tensor:
     picked = probs.gather(-1, target.long().reshape(-1, 1)).squeeze(-1)
     return probs.square().sum(-1) - 2 * picked + 1
@@ -239,6 +226,10 @@ class _Sums(Metric):
         """Register a float64 state of shape () or (size,) that processes add up."""
         default = torch.zeros(() if size is None else (size,), dtype=torch.float64)
         self.add_state(name, default=default, dist_reduce_fx="sum")
+
+    def grid(self, n_bins: int) -> Tensor:
+        """The levels ``k / n_bins``, ``k = 0..n_bins``, in float64 on the metric's device."""
+        return torch.linspace(0, 1, n_bins + 1, dtype=torch.float64, device=self.device)
 
 
 class MeanScore(_Sums):
@@ -372,9 +363,7 @@ class ReliabilityBins(_Sums):
         """``bin_edges`` (K+1,), mean ``confidence``, ``accuracy`` (0 if empty), ``count`` (K,)."""
         count = self.count.clamp_min(1)
         return {
-            "bin_edges": torch.linspace(
-                0, 1, self.n_bins + 1, dtype=count.dtype, device=count.device
-            ),
+            "bin_edges": self.grid(self.n_bins),
             "confidence": self.confidence / count,
             "accuracy": self.correct / count,
             "count": self.count,
@@ -465,9 +454,7 @@ class PITCalibration(_Sums):
         """``expected`` levels (K+1,), ``observed`` fractions of PIT ≤ level, ``coverage``."""
         observed = torch.cat([self.pit_count.new_zeros(1), self.pit_count.cumsum(0)])
         return {
-            "expected": torch.linspace(
-                0, 1, self.n_bins + 1, dtype=observed.dtype, device=observed.device
-            ),
+            "expected": self.grid(self.n_bins),
             "observed": observed / self.count,
             "coverage": self.covered / self.count,
         }
