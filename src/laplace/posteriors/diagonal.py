@@ -80,12 +80,10 @@ def diag_functional_variance(
         return None
     params = trace.engine.needed
     plan = plan_blocks(trace.engine)
-    offsets = [0]
-    for p in params:
-        offsets.append(offsets[-1] + p.numel())
+    blocks = precision.split([p.numel() for p in params])
 
     def block(i: int) -> tuple[list[Tensor | None], Tensor]:
-        inv = precision[offsets[i] : offsets[i + 1]].reciprocal()
+        inv = blocks[i].reciprocal()
         if plan[i].kind == "kron":
             return [None, None], inv.reshape(params[i].shape[0], -1)
         return [None], inv

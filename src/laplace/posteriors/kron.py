@@ -285,9 +285,7 @@ class KronPosterior(KronAccumulator, Posterior):
     @cached_property
     def block_deltas(self) -> Tensor:
         """Prior precision of each block, shape (n_blocks,)."""
-        sizes = self.H.block_sizes()
-        starts = torch.tensor([0, *sizes[:-1]], device=self.prior_diag.device).cumsum(0)
-        return self.prior_diag[starts]
+        return torch.stack([block[0] for block in self.prior_diag.split(self.H.block_sizes())])
 
     @cached_property
     def precision(self) -> KronDecomposed:

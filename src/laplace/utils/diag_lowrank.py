@@ -25,6 +25,7 @@ __all__ = [
     "DiagLowRank",
     "DiagLowRankBatch",
     "LowRankKronBlock",
+    "checked_scalar",
     "factor_from_state",
     "factor_shape",
     "factor_state",
@@ -35,6 +36,17 @@ def _check_sign(sign: int) -> int:
     if sign not in (1, -1):
         raise ValueError(f"sign must be +1 or -1, got {sign!r}.")
     return sign
+
+
+def checked_scalar(value: float | Tensor, owner: str) -> float | Tensor:
+    """``value`` as a number or a 0-d tensor, to multiply a structured matrix with.
+
+    Raises:
+        ValueError: Naming ``owner``, for a tensor that is not a scalar or a non-number.
+    """
+    if not is_real_scalar(value):
+        raise ValueError(f"{owner} can only be multiplied by a scalar, got {value!r}.")
+    return value.reshape(()) if isinstance(value, Tensor) else value
 
 
 class DiagLowRankBatch:
@@ -244,10 +256,7 @@ class DiagLowRank:
         Raises:
             ValueError: For a tensor that is not a scalar, or a negative value.
         """
-        if not is_real_scalar(scalar):
-            raise ValueError(f"DiagLowRank can only be multiplied by a scalar, got {scalar!r}.")
-        if isinstance(scalar, Tensor):
-            scalar = scalar.reshape(())
+        scalar = checked_scalar(scalar, "DiagLowRank")
         if bool(torch.as_tensor(scalar) < 0):
             raise ValueError("DiagLowRank can only be multiplied by a non-negative scalar.")
         root = scalar**0.5

@@ -7,6 +7,7 @@ call only, so the wrapped model is never left modified.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from torch import Tensor, nn
@@ -18,30 +19,24 @@ from laplace.utils.errors import MissingKeyError, check_module
 __all__ = ["FeatureExtractor", "FeatureReduction", "as_feature_extractor"]
 
 
-class _InputRecorder:
-    """Forward hook keeping the first positional input of each call, keyed by module name."""
-
-    def __init__(self, name: str, store: dict[str, Tensor | None], order: list[str]) -> None:
-        self.name, self.store, self.order = name, store, order
-
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        first = args[0] if args else None
-        self.store[self.name] = first if isinstance(first, Tensor) else None
-        self.order.append(self.name)
-
-
 def _run_recording_inputs(
     model: nn.Module, modules: dict[str, nn.Module], x: Inputs, kwargs: dict[str, Any]
 ) -> tuple[Tensor, dict[str, Tensor | None], list[str]]:
     """``model(x, **kwargs)``, the inputs of ``modules`` that ran (by name) and their order.
 
-    The hooks (:class:`_InputRecorder`) live for this call only.
+    Each module's hook keeps the first positional input of its call (None if not a tensor);
+    the hooks live for this call only.
     """
     inputs: dict[str, Tensor | None] = {}
     order: list[str] = []
+
+    def record(name: str, module: nn.Module, args: tuple, output: Any) -> None:
+        first = args[0] if args else None
+        inputs[name] = first if isinstance(first, Tensor) else None
+        order.append(name)
+
     handles = [
-        module.register_forward_hook(_InputRecorder(name, inputs, order))
-        for name, module in modules.items()
+        module.register_forward_hook(partial(record, name)) for name, module in modules.items()
     ]
     try:
         out = model(x, **kwargs)

@@ -57,9 +57,7 @@ def kron(t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
     for name, t in (("t1", t1), ("t2", t2)):
         if t.ndim != 2:
             raise ValueError(f"{name} must be a matrix, got shape {tuple(t.shape)}.")
-    m, n = t1.shape
-    p, q = t2.shape
-    return (t1[:, None, :, None] * t2[None, :, None, :]).reshape(m * p, n * q)
+    return torch.kron(t1, t2)
 
 
 def diagonal_add_scalar(X: torch.Tensor, value: torch.Tensor | float) -> torch.Tensor:

@@ -34,8 +34,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from laplace.utils.diag_lowrank import DiagLowRank, LowRankKronBlock
-from laplace.utils.errors import is_real_scalar
+from laplace.utils.diag_lowrank import DiagLowRank, LowRankKronBlock, checked_scalar
 from laplace.utils.linalg import symeig
 
 __all__ = ["Kron", "KronDecomposed"]
@@ -53,16 +52,14 @@ def _pair(block: list[Tensor]) -> list[Tensor]:
     return [torch.ones(1, dtype=block[0].dtype, device=block[0].device), block[0]]
 
 
-def _into_eigenbasis(X: Tensor, Q0: Tensor | None, Q1: Tensor | None) -> Tensor:
-    """``Q₀ᵀ X Q₁`` for ``X`` (..., m, n); a None eigenvector matrix is the identity."""
-    X = X if Q0 is None else Q0.T @ X
-    return X if Q1 is None else X @ Q1
+def _rotate(X: Tensor, Q0: Tensor | None, Q1: Tensor | None, back: bool = False) -> Tensor:
+    """``Q₀ᵀ X Q₁`` (into the eigenbasis), or ``Q₀ X Q₁ᵀ`` (``back``), for ``X`` (..., m, n).
 
-
-def _from_eigenbasis(X: Tensor, Q0: Tensor | None, Q1: Tensor | None) -> Tensor:
-    """``Q₀ X Q₁ᵀ`` for ``X`` (..., m, n); a None eigenvector matrix is the identity."""
-    X = X if Q0 is None else Q0 @ X
-    return X if Q1 is None else X @ Q1.T
+    A None eigenvector matrix is the identity.
+    """
+    if Q0 is not None:
+        X = (Q0 if back else Q0.T) @ X
+    return X if Q1 is None else X @ (Q1.T if back else Q1)
 
 
 def _check_W(W: Tensor) -> tuple[Tensor, tuple[int, ...]]:
@@ -142,8 +139,7 @@ class Kron:
 
     def __mul__(self, scalar: float | Tensor) -> Kron:
         """Multiply every block by ``scalar``: each of its ``k`` factors by ``scalar^(1/k)``."""
-        if not is_real_scalar(scalar):
-            raise ValueError("Kron can only be multiplied by a scalar.")
+        scalar = checked_scalar(scalar, "Kron")
         return type(self)([[scalar ** (1 / len(F)) * Fi for Fi in F] for F in self.kfacs])
 
     __radd__ = __add__
@@ -183,12 +179,12 @@ class Kron:
         if exponent != 1:
             raise ValueError("Kron.bmm supports only exponent=1; decompose() for other powers.")
         flat, shape = _check_W(W)
-        out, start = [], 0
-        for F0, F1 in map(_pair, self.kfacs):  # (F₀ ⊗ F₁) vec(X) = vec(F₀ X F₁ᵀ)
-            size = len(F0) * len(F1)
-            block = flat[:, start : start + size].reshape(-1, len(F0), len(F1))
-            out.append(_times(F1, _times(F0, block).mT).mT.flatten(1))
-            start += size
+        pairs = [_pair(block) for block in self.kfacs]
+        parts = flat.split([len(F0) * len(F1) for F0, F1 in pairs], dim=1)
+        out = [  # (F₀ ⊗ F₁) vec(X) = vec(F₀ X F₁ᵀ)
+            _times(F1, _times(F0, part.reshape(-1, len(F0), len(F1))).mT).mT.flatten(1)
+            for (F0, F1), part in zip(pairs, parts)
+        ]
         return torch.cat(out, dim=1).reshape(shape)
 
     def __matmul__(self, W: Tensor) -> Tensor:
@@ -311,10 +307,7 @@ class KronDecomposed:
 
     def __mul__(self, scalar: float | Tensor) -> KronDecomposed:
         """Scale every block by ``scalar`` (its ``k`` eigenvalue sets by ``scalar^(1/k)``)."""
-        if not is_real_scalar(scalar):
-            raise ValueError("KronDecomposed can only be multiplied by a scalar.")
-        if isinstance(scalar, Tensor):
-            scalar = scalar.reshape(())
+        scalar = checked_scalar(scalar, "KronDecomposed")
         eigenvectors, eigenvalues = self._pairs()
         eigenvalues = [[scalar ** (1 / len(ls)) * li for li in ls] for ls in eigenvalues]
         return type(self)(eigenvectors, eigenvalues, self.deltas, self.damping)
@@ -371,10 +364,8 @@ class KronDecomposed:
 
     def _blocks(self, flat: Tensor) -> Iterator[tuple[int, Tensor, LowRankKronBlock | None]]:
         """Per block its index, its columns of ``flat`` (R, P) and :meth:`low_rank_block`."""
-        start = 0
-        for i, size in enumerate(self.block_sizes()):
-            yield i, flat[:, start : start + size], self.low_rank_block(i)
-            start += size
+        for i, part in enumerate(flat.split(self.block_sizes(), dim=1)):
+            yield i, part, self.low_rank_block(i)
 
     def bmm(self, W: Tensor, exponent: float = -1) -> Tensor:
         """``M^exponent W`` per row of ``W`` (shape (P,), (B, P) or (B, K, P); same shape out).
@@ -389,8 +380,8 @@ class KronDecomposed:
                 out.append(block.times(part, exponent))
                 continue
             Q0, Q1, spectrum = self._eigenbasis(i)
-            rotated = _into_eigenbasis(part.reshape(-1, *spectrum.shape), Q0, Q1)
-            out.append(_from_eigenbasis(rotated * spectrum.pow(exponent), Q0, Q1).flatten(1))
+            rotated = _rotate(part.reshape(-1, *spectrum.shape), Q0, Q1)
+            out.append(_rotate(rotated * spectrum.pow(exponent), Q0, Q1, back=True).flatten(1))
         return torch.cat(out, dim=1).reshape(shape)
 
     def __matmul__(self, W: Tensor) -> Tensor:
@@ -410,7 +401,7 @@ class KronDecomposed:
                 low_rank = low_rank + part.reshape(*W.shape[:2], -1) @ solved.mT
                 continue
             Q0, Q1, spectrum = self._eigenbasis(i)
-            rotated = _into_eigenbasis(part.reshape(-1, *spectrum.shape), Q0, Q1)
+            rotated = _rotate(part.reshape(-1, *spectrum.shape), Q0, Q1)
             parts.append((rotated * spectrum.rsqrt()).flatten(1))
         if not parts:
             return low_rank
@@ -427,7 +418,7 @@ class KronDecomposed:
                 continue
             *Qs, spectrum = self._eigenbasis(i)
             squares = [None if Q is None else Q.square() for Q in Qs]
-            diags.append(_from_eigenbasis(spectrum.pow(exponent), *squares).flatten())
+            diags.append(_rotate(spectrum.pow(exponent), *squares, back=True).flatten())
         return torch.cat(diags)
 
     def to_matrix(self, exponent: float = 1) -> Tensor:

@@ -21,7 +21,7 @@ from laplace.utils.errors import (
     check_positive_int,
 )
 from laplace.utils.feature_extractor import FeatureExtractor
-from laplace.utils.swag import fit_diagonal_swag_var
+from laplace.utils.swag import fit_diagonal_swag_var, trainable_vector
 
 if TYPE_CHECKING:
     from laplace.parametric.base import DiagLaplace
@@ -46,9 +46,7 @@ class SubnetMask:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = check_module(model)
-        self.parameter_vector = torch.cat(
-            [p.detach().reshape(-1) for p in model.parameters() if p.requires_grad]
-        )
+        self.parameter_vector = trainable_vector(model)
         self._n_params = len(self.parameter_vector)
         self._indices: Tensor | None = None
 

@@ -8,10 +8,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-__all__ = ["fit_diagonal_swag_var"]
+__all__ = ["fit_diagonal_swag_var", "trainable_vector"]
 
 
-def _trainable_vector(model: nn.Module) -> Tensor:
+def trainable_vector(model: nn.Module) -> Tensor:
+    """The detached trainable parameters of ``model``, flattened in order, shape (P,)."""
     return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
 
 
@@ -49,7 +50,7 @@ def fit_diagonal_swag_var(
     device = next(swag_model.parameters()).device
     params = [p for p in swag_model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    mean = torch.zeros_like(_trainable_vector(swag_model))
+    mean = torch.zeros_like(trainable_vector(swag_model))
     sq_mean = torch.zeros_like(mean)
     n_snapshots = 0
     for epoch in range(snapshot_freq * n_snapshots_total):
@@ -58,7 +59,7 @@ def fit_diagonal_swag_var(
             criterion(swag_model(X.to(device)), y.to(device)).backward()
             optimizer.step()
         if epoch % snapshot_freq == 0:
-            theta = _trainable_vector(swag_model)
+            theta = trainable_vector(swag_model)
             n_snapshots += 1
             mean += (theta - mean) / n_snapshots
             sq_mean += (theta.square() - sq_mean) / n_snapshots

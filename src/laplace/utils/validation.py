@@ -65,15 +65,13 @@ def _update_metric(metric: torchmetrics.Metric, out: tuple, y: torch.Tensor) -> 
     """
     try:
         inspect.signature(metric.update).bind(*out, y)
-    except TypeError:
-        metric.update(out[0], y)
-        return
-    except ValueError:
+    except TypeError:  # it takes fewer arguments
+        out = out[:1]
+    except ValueError:  # no signature to read
         try:
-            metric.update(*out, y)
+            return metric.update(*out, y)
         except TypeError:
-            metric.update(out[0], y)
-        return
+            out = out[:1]
     metric.update(*out, y)
 
 
