@@ -32,6 +32,7 @@ from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 from laplace.utils.errors import (
     check_finite_result,
     check_int_at_least,
+    check_mapping,
     check_positive_int,
 )
 from laplace.utils.outputs import IGNORE_INDEX
@@ -85,10 +86,12 @@ def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """The eigensolver's entries of ``backend_kwargs``, with ``n_eigenvalues`` (default 10).
 
     Raises:
+        ArgumentTypeError: For ``backend_kwargs`` that is not a mapping.
         ValueError: For an unknown solver or start, or a bad ``n_eigenvalues``, ``max_iter``,
             ``tol``, ``seed``, ``oversampling`` or ``candidates``.
     """
-    solver = {k: v for k, v in (backend_kwargs or {}).items() if k in SOLVER_OPTIONS}
+    options = check_mapping(backend_kwargs, "backend_kwargs")
+    solver = {k: v for k, v in options.items() if k in SOLVER_OPTIONS}
     if "low_rank" in solver:
         solver.setdefault("n_eigenvalues", solver.pop("low_rank"))
     solver.setdefault("n_eigenvalues", 10)
