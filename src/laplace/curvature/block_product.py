@@ -17,12 +17,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from laplace.curvature.layer_rules import ModuleCall
 from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
 
 __all__ = ["PER_SAMPLE_CACHE_BYTES", "BlockSum", "ParameterBlock", "SampleVectors"]
 
 #: Bytes of per-sample gradients kept between ``G V`` and ``Gᵀ W`` for one batch.
 PER_SAMPLE_CACHE_BYTES = 256 * 2**20
+
+
+def _is_plain_linear(call: ModuleCall) -> bool:
+    """A Linear on (B, D_in) inputs: per-sample weight vectors are outer products."""
+    return type(call.module) is nn.Linear and call.args[0].dim() == 2
 
 
 class ParameterBlock:
@@ -51,7 +57,7 @@ class ParameterBlock:
 
 
 class BlockSum:
-    """Accumulator of ``Gᵀ W`` over batches, a (P, m) result.
+    """Accumulator of ``Gᵀ W`` over batches: a (P, m) result plus the Linear layouts.
 
     Args:
         engine: The engine whose parameter order the result follows.
@@ -62,6 +68,11 @@ class BlockSum:
     def __init__(self, engine: PerSampleEngine, m: int, like: Tensor) -> None:
         self.engine, self.m = engine, m
         self.total = like.new_zeros(engine.n_entries, m)
+        self._linear: dict[int, Tensor] = {}
+
+    def add(self, value: Tensor) -> None:
+        """Add ``value`` (P, m) to the whole result."""
+        self.total += value
 
     def add_rows(self, i: int, value: Tensor) -> None:
         """Add ``value`` (n_i, m) to slot ``i``."""
@@ -69,12 +80,18 @@ class BlockSum:
 
     def add_linear(self, i: int, inputs: Tensor, weights: Tensor) -> None:
         """Add ``inputsᵀ weights`` ((D_in, B) @ (B, D_out·m)) to Linear weight slot ``i``."""
-        d_out, d_in = self.engine.needed[i].shape
-        value = (inputs.T @ weights).reshape(d_in, d_out, self.m)
-        self.add_rows(i, value.permute(1, 0, 2).reshape(-1, self.m))
+        if i in self._linear:
+            self._linear[i].addmm_(inputs.T, weights)
+        else:
+            self._linear[i] = inputs.T @ weights
 
     def result(self) -> Tensor:
         """The accumulated ``Σ Gᵀ W``, shape (P, m)."""
+        for i, value in self._linear.items():
+            d_out, d_in = self.engine.needed[i].shape
+            rows = value.reshape(d_in, d_out, self.m).permute(1, 0, 2).reshape(-1, self.m)
+            self.add_rows(i, rows)
+        self._linear.clear()
         return self.total
 
 
@@ -97,7 +114,7 @@ class SampleVectors:
         self._by_point = {
             i: self.output_gradients[i][0].transpose(0, 1).contiguous()
             for i, call in enumerate(trace.calls)
-            if self.layerwise and type(call.module) is nn.Linear and call.args[0].dim() == 2
+            if self.layerwise and _is_plain_linear(call)
         }
         self._cache: dict[tuple[int, int], Any] = {}
         self._cached_bytes = 0
@@ -122,32 +139,35 @@ class SampleVectors:
         self._cached_bytes = 0
 
     # ----------------------------------------------------------------- per-sample gradients
-    def _per_sample(self, i: int, k: int) -> dict[int, Tensor]:
-        """Per-sample gradients (B, n) of call ``i`` for column ``k``, by parameter slot.
+    def _keep(self, key: tuple[int, int], value: Any, nbytes: int) -> None:
+        if self._cached_bytes + nbytes <= PER_SAMPLE_CACHE_BYTES:
+            self._cache[key] = value
+            self._cached_bytes += nbytes
 
-        ``i = -1`` gives the rows (B, P) of the whole model, under slot -1 (fallback route).
-        Results are kept for the next product within :data:`PER_SAMPLE_CACHE_BYTES`.
-        """
+    def _layer_grads(self, i: int, k: int) -> dict[int, Tensor]:
+        """Per-sample gradients (B, n) of call ``i`` for column ``k``, by parameter slot."""
         if (i, k) in self._cache:
             return self._cache[i, k]
-        if i < 0:
-            out = {-1: self.trace.per_sample(self.columns[k])}
-        else:
-            g_call = [g[k] for g in self.output_gradients[i]]
-            grads = self.trace.slot_grads(self.trace.calls[i], g_call)
-            out = {slot: grad.reshape(self.B, -1) for slot, grad in grads.items()}
-        nbytes = sum(t.numel() * t.element_size() for t in out.values())
-        if self._cached_bytes + nbytes <= PER_SAMPLE_CACHE_BYTES:
-            self._cache[i, k] = out
-            self._cached_bytes += nbytes
+        call, g_call = self.trace.calls[i], self.output_gradients[i]
+        grads = self.trace.slot_grads(call, [g[k] for g in g_call])
+        out = {slot: grad.reshape(self.B, -1) for slot, grad in grads.items()}
+        self._keep((i, k), out, sum(t.numel() * t.element_size() for t in out.values()))
         return out
+
+    def _rows(self, k: int) -> Tensor:
+        """Per-sample rows (B, P) of the whole model for column ``k`` (fallback route)."""
+        if (-1, k) in self._cache:
+            return self._cache[-1, k]
+        rows = self.trace.per_sample(self.columns[k])
+        self._keep((-1, k), rows, rows.numel() * rows.element_size())
+        return rows
 
     # ---------------------------------------------------------------------------- products
     def project(self, block: ParameterBlock) -> Tensor:
         """``G V``: inner products of every per-sample vector with the block, (K, B, m)."""
         V = block.V
         if not self.layerwise:
-            return torch.stack([self._per_sample(-1, k)[-1] @ V for k in range(self.K)])
+            return torch.stack([self._rows(k) @ V for k in range(self.K)])
         out = V.new_zeros(self.K, self.B, V.shape[1])
         slot = self.trace.engine.slot
         for i, call in enumerate(self.trace.calls):
@@ -162,7 +182,7 @@ class SampleVectors:
                         out += (g @ block.slot(j)).transpose(0, 1)
                 continue
             for k in range(self.K):
-                for j, grad in self._per_sample(i, k).items():
+                for j, grad in self._layer_grads(i, k).items():
                     out[k] += grad @ block.slot(j)
         return out
 
@@ -170,7 +190,7 @@ class SampleVectors:
         """Add ``Gᵀ W = Σₙₖ Wₙₖ gₙₖ`` for weights ``W`` (K, B, m) to ``total``."""
         if not self.layerwise:
             for k in range(self.K):
-                total.total += self._per_sample(-1, k)[-1].T @ W[k]
+                total.add(self._rows(k).T @ W[k])
             return
         slot = self.trace.engine.slot
         by_point = W.transpose(0, 1).contiguous()  # (B, K, m)
@@ -187,5 +207,5 @@ class SampleVectors:
                         total.add_rows(j, flat.T @ by_point.reshape(-1, W.shape[-1]))
                 continue
             for k in range(self.K):
-                for j, grad in self._per_sample(i, k).items():
+                for j, grad in self._layer_grads(i, k).items():
                     total.add_rows(j, grad.T @ W[k])

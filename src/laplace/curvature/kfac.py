@@ -30,7 +30,7 @@ from laplace.curvature.kfac_rules import (
     plan_blocks,
 )
 from laplace.curvature.layer_rules import ModuleCall
-from laplace.curvature.per_sample import Columns, PerSampleTrace, _add
+from laplace.curvature.per_sample import Columns, PerSampleTrace
 from laplace.curvature.square_sums import row_token_pairs
 from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.linalg import symmetric_gram
@@ -42,17 +42,19 @@ __all__ = ["KFAC_APPROXIMATIONS", "kfac"]
 KFAC_APPROXIMATIONS = ("expand", "reduce")
 
 
-def _gram(t: Tensor, approx: str, scale: float = 1.0) -> Tensor:
+def _gram(t: Tensor, approx: str, mean: bool, scale: float = 1.0) -> Tensor:
     """``scale ·`` Σ of outer products of (R, T, D) rows, shape (D, D), without copying them.
 
-    Expand sums over every position; reduce over the per-row mean over positions. Rows
+    Expand sums over every position; reduce over the per-row sum (or mean) over positions. Rows
     laid out contiguously go through one symmetric Gram product (each off-diagonal block once),
     scaled before the product where they are fewer numbers than the result; strided ones (the
     gradients of a convolution, (R, D, T) in memory) through a batched product.
     """
     if approx == "reduce" or t.shape[1] == 1 or t.is_contiguous():
-        # reduce: the rows' means; expand: a view, every position a row
-        rows = t.mean(1) if approx == "reduce" else t.reshape(-1, t.shape[-1])
+        if approx == "reduce":
+            rows = t.mean(1) if mean else t.sum(1)
+        else:
+            rows = t.reshape(-1, t.shape[-1])  # a view: every position is a row
         if scale != 1 and rows.numel() < rows.shape[1] ** 2:
             return symmetric_gram(rows * math.sqrt(scale))
         gram = symmetric_gram(rows)
@@ -92,7 +94,14 @@ def _input_factor(rule: KfacRule, call: ModuleCall, approx: str, root: float, n:
     if rule.one_hot:  # reduce: the rows' mean one-hot vectors (counts / T), squared
         counts = _token_counts(call.module, a, approx, call.outputs[0].dtype)
         return counts.mul_(root / (n * (T if approx == "expand" else T**2)))
-    return _gram(a, approx, scale=root / (n * (T if approx == "expand" else 1)))
+    return _gram(a, approx, mean=True, scale=root / (n * (T if approx == "expand" else 1)))
+
+
+def _add(sums: dict, key: object, value: Tensor | DiagLowRank) -> None:
+    if key in sums:
+        sums[key] += value
+    else:
+        sums[key] = value
 
 
 def _low_rank_gram(g: Tensor, approx: str, max_rank: int | None) -> DiagLowRank:
@@ -152,39 +161,40 @@ def _tiled(call: ModuleCall, k: int) -> ModuleCall:
     return ModuleCall(call.module, args, kwargs, call.outputs, call.output_slots, call.names)
 
 
-def _add_exact_blocks(
-    trace: PerSampleTrace, plan: list[Block], grads: list[list[Tensor]], sums: dict[int, Tensor]
-) -> None:
-    """Add the exact blocks (dense or diagonal) of a chunk of columns to ``sums``, by slot.
+class _ExactBlocks:
+    """Sums of the exact blocks (dense or diagonal) from per-sample gradients, by slot."""
 
-    Args:
-        trace: The recorded batch.
-        plan: The block of every parameter slot.
-        grads: Per call, the chunk's gradients w.r.t. its outputs, each (k, R, ...).
-        sums: The blocks summed so far.
-    """
-    exact = {s for s, block in enumerate(plan) if block.kind in ("dense", "diag")}
-    rows: dict[int, list[Tensor]] = {}  # per slot, per call, the per-sample gradients
-    for call, g in zip(trace.calls, grads):
-        if not any(trace.engine.slot[call.module, name] in exact for name in call.names):
-            continue
-        k = len(g[0])  # the chunk's columns, as more rows: (k·R, ...)
-        try:
-            per_sample = trace.slot_grads(
-                _tiled(call, k) if k > 1 else call, [gi.flatten(0, 1) for gi in g]
-            )
-        except ValueError as error:  # a rule refusing the call: name the module
-            name = module_name(trace.engine.model, call.module)
-            raise ValueError(f"module {name!r}: {error}") from error
-        for s, u in per_sample.items():
-            if s in exact:
-                rows.setdefault(s, []).append(u.detach().flatten(1))
-    for s, us in rows.items():
-        # a parameter used by several calls: its per-sample gradient is their sum (calls
-        # over other rows than the data points, as folded batches, stay apart)
-        same_rows = all(u.shape == us[0].shape for u in us)
-        u = torch.stack(us).sum(0) if same_rows else torch.cat(us)
-        _add(sums, s, u.square().sum(0) if plan[s].kind == "diag" else symmetric_gram(u))
+    def __init__(self, trace: PerSampleTrace, plan: list[Block]) -> None:
+        self.trace, self.plan = trace, plan
+        self.sums: dict[int, Tensor] = {}
+        slot = trace.engine.slot
+        self.calls = [
+            (i, call)
+            for i, call in enumerate(trace.calls)
+            if any(plan[slot[call.module, name]].kind in ("dense", "diag") for name in call.names)
+        ]
+
+    def add(self, grads: list[list[Tensor]]) -> None:
+        """Add the blocks of a chunk of columns (per call, gradients (k, R, ...))."""
+        rows: dict[int, list[Tensor]] = {}  # per slot, per call, the per-sample gradients
+        for i, call in self.calls:
+            k = len(grads[i][0])  # the chunk's columns, as more rows: (k·R, ...)
+            tiled = _tiled(call, k) if k > 1 else call
+            try:
+                per_sample = self.trace.slot_grads(tiled, [g.flatten(0, 1) for g in grads[i]])
+            except ValueError as error:  # a rule refusing the call: name the module
+                name = module_name(self.trace.engine.model, call.module)
+                raise ValueError(f"module {name!r}: {error}") from error
+            for s, u in per_sample.items():
+                if self.plan[s].kind in ("dense", "diag"):
+                    rows.setdefault(s, []).append(u.detach().flatten(1))
+        for s, us in rows.items():
+            # a parameter used by several calls: its per-sample gradient is their sum (calls
+            # over other rows than the data points, as folded batches, stay apart)
+            same_rows = all(u.shape == us[0].shape for u in us)
+            u = torch.stack(us).sum(0) if same_rows else torch.cat(us)
+            diagonal = self.plan[s].kind == "diag"
+            _add(self.sums, s, u.square().sum(0) if diagonal else symmetric_gram(u))
 
 
 def kfac(
@@ -235,20 +245,20 @@ def kfac(
     plan = plan_blocks(engine, dense_limit, low_rank_above)
     kron_rules = {b.module: b.rule for b in plan if b.kind in ("kron", "bias")}
     low_rank = {b.module for b in plan if b.low_rank}
-    # the weights with a Kronecker block (not a tied weight's exact block), with their rule
-    kron_weights = {b.module: b.rule for b in plan if b.kind == "kron"}
+    kron_weights = {b.module for b in plan if b.kind == "kron"}  # not a tied weight's exact block
     A: dict[nn.Module, Tensor] = {}
     G: dict[nn.Module, Tensor] = {}
     root = math.sqrt(factor)
     for call in calls:
-        if (rule := kron_weights.get(call.module)) is not None:
+        rule = kron_rules.get(call.module)
+        if rule is not None and call.module in kron_weights and "weight" in call.names:
             n = 1 if rule.inputs_first else n_data
             _add(A, call.module, _input_factor(rule, call, approx, root, n))
-    exact: dict[int, Tensor] = {}  # the exact blocks' sums, by slot
+    exact = _ExactBlocks(trace, plan)
     rows: dict[int, list[Tensor]] = {}
     for stacked in trace.column_gradients(columns) if gradients is None else [gradients]:
         chunk = [[g.detach() for g in grads] for grads in stacked]
-        _add_exact_blocks(trace, plan, chunk, exact)
+        exact.add(chunk)
         for i, call in enumerate(calls):
             rule = kron_rules.get(call.module)
             if rule is None:
@@ -262,14 +272,14 @@ def kfac(
             elif g.shape[1] == 1 or approx == "reduce":
                 rows.setdefault(i, []).append(g.sum(1))
             else:
-                _add(G, call.module, _gram(g, "expand"))
+                _add(G, call.module, _gram(g, approx, mean=False))
     for i, gs in rows.items():
         _add(G, calls[i].module, symmetric_gram(torch.cat(gs)))
     shapes = block_shapes(plan, engine.needed)
     blocks: list[list[Tensor]] = []
     for slot, (block, p, shape) in enumerate(zip(plan, engine.needed, shapes)):
         if block.kind in ("dense", "diag"):
-            blocks.append([_or_zeros(exact, slot, p, shape[0])])
+            blocks.append([_or_zeros(exact.sums, slot, p, shape[0])])
         elif block.kind == "bias":
             blocks.append([_or_zeros(G, block.module, p, shape[0], max_rank)])
         elif block.rule.inputs_first:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -42,8 +41,8 @@ COLUMNS_PER_BACKWARD = 16
 GRAM_CHUNK_BYTES = 64 * 2**20
 
 
-def _add(sums: dict[Any, Any], key: Any, value: Any) -> None:
-    """``sums[key] += value`` out of place (tensors, ``DiagLowRank``); ``value`` starts a key."""
+def _add(sums: dict[int, Tensor], key: int, value: Tensor) -> None:
+    """``sums[key] += value``, out of place; ``value`` starts the sum of a new key."""
     sums[key] = sums[key] + value if key in sums else value
 
 
@@ -65,30 +64,35 @@ class PerSampleEngine:
         self.params = list(params)
         sizes = torch.tensor([p.numel() for p in self.params])
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
-        if indices is not None:
+        if indices is None:
+            needed = list(range(len(self.params)))
+            self.indices = None
+        else:
             indices = torch.as_tensor(indices, dtype=torch.long).cpu()
             owner = torch.bucketize(indices, offsets[1:], right=True)
-        needed = range(len(self.params)) if indices is None else sorted(set(owner.tolist()))
+            needed = sorted(set(owner.tolist()))
+            starts = torch.zeros(len(self.params), dtype=torch.long)
+            starts[needed] = sizes[needed].cumsum(0) - sizes[needed]
+            self.indices = starts[owner] + indices - offsets[owner]
         self.needed = [self.params[i] for i in needed]
         #: Start of every slot of ``needed`` in the flattened vector of ``needed``, and its end.
         self.offsets = [0, *torch.tensor([p.numel() for p in self.needed]).cumsum(0).tolist()]
-        #: Subnetwork only: the positions of its entries in the flattened vector of ``needed``.
-        self.indices = None if indices is None else torch.empty_like(indices)
         #: Subnetwork only: per slot of ``needed``, the selected entries of the flattened
         #: parameter and their positions in the subnetwork vector (on the parameters' device).
         self.selected: dict[int, tuple[Tensor, Tensor]] = {}
         #: Subnetwork only: slots whose positions are consecutive, with their (start, end).
         self.spans: dict[int, tuple[int, int]] = {}
-        for slot, i in enumerate(needed if indices is not None else ()):
-            positions = (owner == i).nonzero().squeeze(1)
-            local = indices[positions] - offsets[i]
-            self.indices[positions] = self.offsets[slot] + local
-            self.selected[slot] = tuple(t.to(self.params[0].device) for t in (local, positions))
-            start, end = int(positions[0]), int(positions[-1]) + 1
-            if end - start == len(positions):
-                self.spans[slot] = (start, end)
+        if indices is not None:
+            device = self.params[0].device
+            for slot, i in enumerate(needed):
+                positions = (owner == i).nonzero().squeeze(1)
+                local = indices[positions] - offsets[i]
+                self.selected[slot] = (local.to(device), positions.to(device))
+                start, end = int(positions[0]), int(positions[-1]) + 1
+                if end - start == len(positions):
+                    self.spans[slot] = (start, end)
         #: Length of the engine's parameter vector: P, or the number of subnetwork entries.
-        self.n_entries = self.offsets[-1] if indices is None else len(indices)
+        self.n_entries = int(sizes.sum()) if self.indices is None else len(self.indices)
         position = {id(p): i for i, p in enumerate(self.needed)}
         self.owners: dict[nn.Module, list[str]] = {}
         self.slot: dict[tuple[nn.Module, str], int] = {}
@@ -132,10 +136,10 @@ class PerSampleTrace:
         self._batched = any(z.dim() == 0 or z.shape[0] != batch for c in calls for z in c.outputs)
         #: Per call whose parameters no other call uses, its rule of :data:`SQUARE_SUM_RULES`.
         self._square_sum_rules = {
-            i: rule
+            i: SQUARE_SUM_RULES[type(call.module)]
             for i, call in enumerate(calls)
-            if (rule := SQUARE_SUM_RULES.get(type(call.module))) is not None
-            and rule.applies(call)
+            if type(call.module) in SQUARE_SUM_RULES
+            and SQUARE_SUM_RULES[type(call.module)].applies(call)
             and all(counts[engine.slot[call.module, n]] == 1 for n in call.names)
         }
 
@@ -191,24 +195,13 @@ class PerSampleTrace:
         by_name = per_sample_grads(call, grads)
         return {self.engine.slot[call.module, name]: grad for name, grad in by_name.items()}
 
-    def _per_column(
-        self, stacked: list[list[Tensor]], calls: Iterable[int], n_columns: int
-    ) -> Iterator[dict[int, Tensor]]:
-        """Per column of a chunk, per-sample gradients (B, *shape) by slot, summed over ``calls``.
-
-        Args:
-            stacked: Per call, gradients w.r.t. its outputs, each (K, B, ...).
-            calls: Indices of the calls to take.
-            n_columns: K.
-        """
-        for k in range(n_columns):
-            out: dict[int, Tensor] = {}
-            for i in calls:
-                for slot, grad in self.slot_grads(
-                    self.calls[i], [g[k] for g in stacked[i]]
-                ).items():
-                    _add(out, slot, grad)
-            yield out
+    def _per_param(self, g_calls: list[list[Tensor]], calls: Iterable[int]) -> dict[int, Tensor]:
+        """Per-sample gradients (B, *shape) by parameter slot, summed over the given calls."""
+        out: dict[int, Tensor] = {}
+        for i in calls:
+            for slot, grad in self.slot_grads(self.calls[i], g_calls[i]).items():
+                _add(out, slot, grad)
+        return out
 
     def column_gradients(self, columns: Columns) -> Iterator[list[list[Tensor]]]:
         """Per chunk of columns, per recorded call, their gradients w.r.t. its outputs.
@@ -261,7 +254,10 @@ class PerSampleTrace:
             if self.engine.indices is not None:
                 rows.append(self._selected_rows(stacked, len(chunk)))
                 continue
-            for found in self._per_column(stacked, range(len(stacked)), len(chunk)):
+            for k in range(len(chunk)):
+                found = self._per_param(
+                    [[g[k] for g in grads] for grads in stacked], range(len(stacked))
+                )
                 rows.append(self._flatten(found, batch)[None])
         return torch.cat([r.transpose(0, dim) for r in rows], dim)
 
@@ -336,8 +332,9 @@ class PerSampleTrace:
         for stacked in self.column_gradients(columns):
             for i, rule in rules.items():
                 _add(partials, i, rule.partial(self.calls[i], stacked[i][0]))
-            for found in self._per_column(stacked, slow, len(stacked[0][0]) if slow else 0):
-                for slot, grad in found.items():
+            for k in range(len(stacked[slow[0]][0]) if slow else 0):
+                g_calls = [[g[k] for g in per_call] for per_call in stacked]
+                for slot, grad in self._per_param(g_calls, slow).items():
                     _add(total, slot, grad.square().sum(0))
         for i, part in partials.items():
             call = self.calls[i]
