@@ -31,9 +31,10 @@ test-gpu: $(STAMP)  ## on a CUDA GPU: every device-parametrised test on cuda, th
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m '' -k cuda
 	LAPLACE_TEST_DEVICE=cuda $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m 'oracle and not slow'
 
-lint: $(STAMP)  ## ruff lint and format check
+lint: $(STAMP)  ## ruff lint and format check; mypy on a user script (tests/typing)
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m ruff format --check src tests benchmarks examples
+	$(PY) -m mypy tests/typing/user_script.py
 
 format: $(STAMP)  ## apply ruff fixes and formatting
 	$(PY) -m ruff check --fix src tests benchmarks examples
@@ -66,4 +67,4 @@ lock: $(STAMP)  ## regenerate requirements/lock.txt from the current venv
 	mv requirements/lock.new requirements/lock.txt
 
 clean:  ## remove the venv and caches
-	rm -rf $(VENV) .pytest_cache .ruff_cache build src/*.egg-info site outputs
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build src/*.egg-info site outputs

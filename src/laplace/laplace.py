@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 from torch import nn
 
 from laplace.core.base import REGISTRY
 from laplace.core.subsets import MISSING_SUBNETWORK_INDICES
-from laplace.functional import ELLA, BaseFunctionalLaplace, VaLLA
+from laplace.functional import ELLA, FunctionalLaplace, VaLLA
 from laplace.likelihoods import make_likelihood
 from laplace.lllaplace import LLLaplace  # noqa: F401  (registers the last-layer classes)
 from laplace.parametric.base import ParametricLaplace
@@ -28,10 +28,74 @@ __all__ = ["REGISTRY", "Laplace"]
 S, H = SubsetOfWeights, HessianStructure
 
 #: Function-space approximations other than subset of data (all weights only).
-FUNCTIONAL: dict[FunctionalApproximation, type[BaseFunctionalLaplace]] = {
+FUNCTIONAL: dict[FunctionalApproximation, type[ELLA] | type[VaLLA]] = {
     FunctionalApproximation.NYSTROM: ELLA,
     FunctionalApproximation.VARIATIONAL: VaLLA,
 }
+
+#: ``hessian_structure`` values that give a weight-space (parametric) approximation.
+WeightSpaceStructure = Literal[
+    "full",
+    "kron",
+    "diag",
+    "lowrank",
+    HessianStructure.FULL,
+    HessianStructure.KRON,
+    HessianStructure.DIAG,
+    HessianStructure.LOWRANK,
+]
+#: ``hessian_structure`` values that give a function-space approximation.
+FunctionSpaceStructure = Literal["gp", HessianStructure.GP]
+#: What ``hessian_structure="gp"`` gives: a function-space approximation that can be fitted.
+FunctionSpaceLaplace = FunctionalLaplace | ELLA | VaLLA
+
+
+@overload
+def Laplace(
+    model: nn.Module,
+    likelihood: Likelihood | str,
+    subset_of_weights: SubsetOfWeights | str = ...,
+    hessian_structure: WeightSpaceStructure = ...,
+    *args: Any,
+    functional_approximation: FunctionalApproximation | str = ...,
+    **kwargs: Any,
+) -> ParametricLaplace: ...
+
+
+@overload
+def Laplace(
+    model: nn.Module,
+    likelihood: Likelihood | str,
+    subset_of_weights: SubsetOfWeights | str,
+    hessian_structure: FunctionSpaceStructure,
+    *args: Any,
+    functional_approximation: FunctionalApproximation | str = ...,
+    **kwargs: Any,
+) -> FunctionSpaceLaplace: ...
+
+
+@overload
+def Laplace(
+    model: nn.Module,
+    likelihood: Likelihood | str,
+    subset_of_weights: SubsetOfWeights | str = ...,
+    *,
+    hessian_structure: FunctionSpaceStructure,
+    functional_approximation: FunctionalApproximation | str = ...,
+    **kwargs: Any,
+) -> FunctionSpaceLaplace: ...
+
+
+@overload
+def Laplace(
+    model: nn.Module,
+    likelihood: Likelihood | str,
+    subset_of_weights: SubsetOfWeights | str = ...,
+    hessian_structure: HessianStructure | str = ...,
+    *args: Any,
+    functional_approximation: FunctionalApproximation | str = ...,
+    **kwargs: Any,
+) -> ParametricLaplace | FunctionSpaceLaplace: ...
 
 
 def Laplace(
@@ -42,7 +106,7 @@ def Laplace(
     *args: Any,
     functional_approximation: FunctionalApproximation | str = FunctionalApproximation.SOD,
     **kwargs: Any,
-) -> ParametricLaplace | BaseFunctionalLaplace:
+) -> ParametricLaplace | FunctionSpaceLaplace:
     """Build the Laplace approximation for a subset of weights and a curvature structure.
 
     Args:
@@ -59,7 +123,9 @@ def Laplace(
         **kwargs: Passed on to the chosen class.
 
     Returns:
-        An instance of the chosen Laplace class.
+        An instance of the chosen Laplace class. For type checkers: a
+        :class:`ParametricLaplace` for the weight-space structures, a function-space class
+        (``FunctionalLaplace``, ``ELLA`` or ``VaLLA``) for ``"gp"``.
 
     Raises:
         ValueError: For unknown options or a combination no Laplace class supports.
@@ -94,4 +160,5 @@ def Laplace(
     likelihood_model.check_structure(structure)
     if subset == S.SUBNETWORK and not args and "subnetwork_indices" not in kwargs:
         raise ArgumentTypeError(MISSING_SUBNETWORK_INDICES)
-    return REGISTRY[key](model, likelihood, *args, **kwargs)
+    laplace = REGISTRY[key](model, likelihood, *args, **kwargs)
+    return cast(ParametricLaplace | FunctionSpaceLaplace, laplace)
