@@ -65,6 +65,7 @@ VOCAB, ACTIVE, SUCCESSORS, SEQ_LEN = 32_000, 1_024, 3, 32
 IGNORE_INDEX = -100
 
 
+# --8<-- [start:model]
 class CausalLM(nn.Module):
     """A Llama language model whose forward takes a dict batch and returns logits (B, T, C)."""
 
@@ -90,6 +91,9 @@ class CausalLM(nn.Module):
             attention_mask=batch["attention_mask"].to(device),
         )
         return out.logits
+
+
+# --8<-- [end:model]
 
 
 def markov_text(n: int, chain: int, seed: int) -> list[dict[str, Tensor]]:
@@ -132,6 +136,7 @@ def train(model: nn.Module, loader: DataLoader, n_epochs: int, lr: float) -> Non
     model.eval()
 
 
+# --8<-- [start:lora]
 def lora_model(base: nn.Module) -> nn.Module:
     """LoRA adapters on the attention projections; the output layer trained in full."""
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], bias="none")
@@ -139,6 +144,9 @@ def lora_model(base: nn.Module) -> nn.Module:
     for p in model.base_model.model.lm.lm_head.parameters():
         p.requires_grad_(True)
     return model
+
+
+# --8<-- [end:lora]
 
 
 def main() -> None:
@@ -165,6 +173,7 @@ def main() -> None:
             return model(batch).softmax(-1)
 
     results = {"MAP (LoRA fine-tuned)": evaluate(map_predictive, test_loader)}
+    # --8<-- [start:lora_laplace]
     fit_data = DataLoader(finetune, batch_size=16)
     start = time.perf_counter()
     la = Laplace(
@@ -182,8 +191,10 @@ def main() -> None:
     results["Laplace (LoRA + head, KFAC)"] = evaluate(
         la, test_loader, pred_type="nn", link_approx="mc", n_samples=args.samples
     )
+    # --8<-- [end:lora_laplace]
 
     start = time.perf_counter()
+    # --8<-- [start:head_laplace]
     head = Laplace(
         model, "classification", subset_of_weights="last_layer", hessian_structure="kron"
     )
@@ -191,6 +202,7 @@ def main() -> None:
     head.optimize_prior_precision(method="gridsearch", link_approx="probit", **grid)
     seconds["head"] = time.perf_counter() - start
     results["Laplace (head, KFAC)"] = evaluate(head, test_loader, link_approx="probit")
+    # --8<-- [end:head_laplace]
 
     args.output.mkdir(parents=True, exist_ok=True)
     summary = {

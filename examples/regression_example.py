@@ -35,6 +35,7 @@ SIGMA_TRUE = 0.3
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "outputs" / "regression_example"
 
 
+# --8<-- [start:data_and_map]
 def sinusoid_data(n: int = 150, seed: int = 711):
     gen = torch.Generator().manual_seed(seed)
     X = torch.rand(n, 1, generator=gen) * 8
@@ -58,6 +59,10 @@ def train_map(loader: DataLoader, n_epochs: int = 1000) -> nn.Module:
     return model
 
 
+# --8<-- [end:data_and_map]
+
+
+# --8<-- [start:tune_evidence]
 def tune_evidence(la, n_steps: int = 1000) -> None:
     """Adam on (log p₀, log σ) ascending the differentiable log marginal likelihood."""
     log_prior, log_sigma = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
@@ -69,6 +74,9 @@ def tune_evidence(la, n_steps: int = 1000) -> None:
         optimizer.step()
     la.prior_precision = log_prior.detach().exp()
     la.sigma_noise = log_sigma.detach().exp()
+
+
+# --8<-- [end:tune_evidence]
 
 
 def decorate(ax, X_test: torch.Tensor) -> None:
@@ -94,13 +102,16 @@ def main() -> None:
     model = train_map(loader)
     train_s = time.perf_counter() - start
     start = time.perf_counter()
+    # --8<-- [start:fit]
     la = Laplace(model, "regression", subset_of_weights="all", hessian_structure="full")
     la.fit(loader)
     tune_evidence(la)
+    # --8<-- [end:fit]
     laplace_s = time.perf_counter() - start
 
     # 2. marglik_training: weights and hyperparameters jointly (Immer et al., 2021).
     start = time.perf_counter()
+    # --8<-- [start:marglik_training]
     la_ml, _, margliks, _ = marglik_training(
         make_model(),
         loader,
@@ -113,9 +124,11 @@ def main() -> None:
         n_hypersteps=50,
         prior_structure="scalar",
     )
+    # --8<-- [end:marglik_training]
     marglik_s = time.perf_counter() - start
 
     # Held-out points from the training range: NLL, RMSE, CRPS, coverage, PIT curve.
+    # --8<-- [start:evaluate]
     levels = (0.5, 0.9, 0.95)
     test = {
         "post-hoc Laplace": evaluate(la, test_loader, coverage_levels=levels),
@@ -123,6 +136,7 @@ def main() -> None:
     }
     _, f_var = la(X_plot)
     pred_std = (f_var.squeeze(-1).squeeze(-1) + la.sigma_noise.square()).sqrt().detach()
+    # --8<-- [end:evaluate]
     inside = (X_plot.squeeze(-1) > 0) & (X_plot.squeeze(-1) < 8)
     metrics = {
         "n_params": la.n_params,
