@@ -1,19 +1,19 @@
 """Laplace after a Hugging Face ``Trainer`` run: a BERT classifier fine-tuned with LoRA (peft).
 
 Nothing is downloaded: a two-layer BERT is built from a ``BertConfig`` with random weights. The
-task is synthetic: does a sequence of random tokens hold more even than odd token ids? LoRA
-adapters (rank 8 on the attention's query and value) and the classification head are trained by
-``transformers.Trainer``; then
+task is synthetic: does a sequence of random tokens hold more ids from the lower half of the
+vocabulary than from the upper half? LoRA adapters (rank 8 on the attention's query and value),
+the token embeddings and the classification head are trained by ``transformers.Trainer``; then
 
-1. a KFAC Laplace approximation over the trainable weights (the adapters and the head; the frozen
-   base stays at its values), fitted on ``trainer.get_train_dataloader()``;
+1. a KFAC Laplace approximation over the trainable weights (the adapters, the embeddings and the
+   head; the frozen base stays at its values), fitted on ``trainer.get_train_dataloader()``;
 2. a last-layer KFAC Laplace approximation over the head alone.
 
 Each has its prior precision tuned by the marginal likelihood and is scored with
 ``laplace.evaluation.evaluate`` on held-out sequences. The only glue is ``HFClassifier``: a module
 whose forward takes the batch dict the Trainer's data loader yields and returns the logits.
 Writes ``metrics.json`` under ``outputs/hf_trainer_example/`` (or ``--output DIR``) and prints
-the folder. About half a minute on 2 CPU cores.
+the folder. About a minute on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "outputs" / "hf_traine
 VOCAB, SEQ_LEN = 1_000, 16
 
 
-def parity_data(n: int, seed: int) -> list[dict[str, Tensor]]:
-    """Random token sequences labelled 1 when they hold more even than odd token ids."""
+def token_data(n: int, seed: int) -> list[dict[str, Tensor]]:
+    """Random token sequences, labelled 1 when most ids lie in the lower half of the vocabulary."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (n, SEQ_LEN), generator=gen)
-    labels = ((ids % 2 == 0).sum(1) > SEQ_LEN // 2).long()
+    labels = ((ids < VOCAB // 2).sum(1) > SEQ_LEN // 2).long()
     mask = torch.ones(SEQ_LEN, dtype=torch.long)
     return [{"input_ids": i, "attention_mask": mask, "labels": y} for i, y in zip(ids, labels)]
 
@@ -71,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--n-train", type=int, default=512)
+    parser.add_argument("--n-train", type=int, default=2048)
     args = parser.parse_args()
     torch.manual_seed(0)
     config = BertConfig(
@@ -84,7 +84,9 @@ def main() -> None:
         num_labels=2,
     )
     # --8<-- [start:trainer]
-    lora = LoraConfig(r=8, target_modules=["query", "value"], modules_to_save=["classifier"])
+    lora = LoraConfig(
+        r=8, target_modules=["query", "value"], modules_to_save=["classifier", "word_embeddings"]
+    )
     model = get_peft_model(BertForSequenceClassification(config), lora)
     with tempfile.TemporaryDirectory() as scratch:
         training = TrainingArguments(
@@ -98,7 +100,7 @@ def main() -> None:
             use_cpu=True,
             disable_tqdm=True,
         )
-        trainer = Trainer(model=model, args=training, train_dataset=parity_data(args.n_train, 0))
+        trainer = Trainer(model=model, args=training, train_dataset=token_data(args.n_train, 0))
         trainer.train()
         train_loader = trainer.get_train_dataloader()
 
@@ -113,7 +115,7 @@ def main() -> None:
         head.optimize_prior_precision(method="marglik")
     # --8<-- [end:trainer]
 
-    test_loader = DataLoader(parity_data(256, 1), batch_size=64)
+    test_loader = DataLoader(token_data(256, 1), batch_size=64)
 
     def map_predictive(batch: Mapping[str, Tensor]) -> Tensor:
         with torch.no_grad():
