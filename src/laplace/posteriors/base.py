@@ -44,7 +44,7 @@ class Posterior(ABC):
         prior_diag: Diagonal of the prior precision, shape (P,).
     """
 
-    #: The backend method (``full``, ``diag``) that gives a batch's curvature in this form.
+    #: The backend method (``full``, ``diag``, ``kron``) giving a batch's curvature in this form.
     backend_route: ClassVar[str]
     #: Closed forms of ``J P⁻¹ Jᵀ`` by Jacobian kind; other kinds go through their dense rows.
     closed_forms: ClassVar[Mapping[type[Jacobian], ClosedForm]] = {}
