@@ -50,10 +50,9 @@ class Posterior(ABC):
     closed_forms: ClassVar[Mapping[type[Jacobian], ClosedForm]] = {}
     #: Why ``fit(override=False)`` cannot update a fit of this structure; None: it can.
     update_refusal: ClassVar[str | None] = None
-    #: The closed form of a linear head's curvature in this structure's form, with the backend
-    #: route it equals (:func:`laplace.posteriors.last_layer.head_curvature`); None: no closed
-    #: form.
-    head_curvature: ClassVar[tuple[str, Any] | None] = None
+    #: The closed form of a linear head's curvature in this structure's form, equal to its
+    #: ``backend_route`` (:func:`laplace.posteriors.last_layer.head_curvature`); None: none.
+    head_curvature: ClassVar[Callable[..., Any] | None] = None
 
     def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
         self.H = H

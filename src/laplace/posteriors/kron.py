@@ -31,7 +31,6 @@ from laplace.posteriors import large_output
 from laplace.posteriors.base import ClosedForm, Posterior
 from laplace.posteriors.jacobians import HeadFeatures, Jacobian, LayerTrace
 from laplace.posteriors.kron_glm import layerwise_variance
-from laplace.posteriors.last_layer import HeadCurvature
 from laplace.utils.diag_lowrank import (
     DiagLowRank,
     DiagLowRankBatch,
@@ -150,7 +149,7 @@ class KronPosterior(Posterior):
         HeadFeatures: kron_head_variance,
         LayerTrace: _trace_variance,
     }
-    head_curvature: ClassVar[HeadCurvature | None] = ("kron", kron_head_curvature)
+    head_curvature = staticmethod(kron_head_curvature)
     #: Largest number of columns of a diagonal-plus-low-rank output factor kept while summing.
     max_rank: ClassVar[int | None] = None
     #: Layers with more outputs keep such a factor; None: every factor dense.
@@ -311,7 +310,7 @@ def _low_rank_outputs(max_rank: int | None, low_rank_above: int) -> type[KronPos
     attributes = {
         "max_rank": max_rank,
         "low_rank_above": low_rank_above,
-        "head_curvature": ("kron", partial(kron_head_curvature, max_rank=max_rank)),
+        "head_curvature": partial(kron_head_curvature, max_rank=max_rank),
         "closed_forms": {HeadFeatures: kron_head_variance},
     }
     return type("StructuredKronPosterior", (KronPosterior,), attributes)
