@@ -3,13 +3,12 @@
 from laplace.posteriors.base import NotPositiveDefiniteError, Posterior
 from laplace.posteriors.dense import DensePosterior
 from laplace.posteriors.diagonal import DiagonalPosterior
-from laplace.posteriors.kron import KronAccumulator, KronPosterior
+from laplace.posteriors.kron import KronPosterior
 from laplace.posteriors.lowrank import LowRankPosterior
 
 __all__ = [
     "DensePosterior",
     "DiagonalPosterior",
-    "KronAccumulator",
     "KronPosterior",
     "LowRankPosterior",
     "NotPositiveDefiniteError",

@@ -44,16 +44,15 @@ class Posterior(ABC):
         prior_diag: Diagonal of the prior precision, shape (P,).
     """
 
-    #: The backend method (``full``, ``diag``) that gives a batch's curvature in this form.
+    #: The backend method (``full``, ``diag``, ``kron``) giving a batch's curvature in this form.
     backend_route: ClassVar[str]
     #: Closed forms of ``J P⁻¹ Jᵀ`` by Jacobian kind; other kinds go through their dense rows.
     closed_forms: ClassVar[Mapping[type[Jacobian], ClosedForm]] = {}
     #: Why ``fit(override=False)`` cannot update a fit of this structure; None: it can.
     update_refusal: ClassVar[str | None] = None
-    #: The closed form of a linear head's curvature in this structure's form, with the backend
-    #: route it equals (:func:`laplace.posteriors.last_layer.head_curvature`); None: no closed
-    #: form.
-    head_curvature: ClassVar[tuple[str, Any] | None] = None
+    #: The closed form of a linear head's curvature in this structure's form, equal to its
+    #: ``backend_route`` (:func:`laplace.posteriors.last_layer.head_curvature`); None: none.
+    head_curvature: ClassVar[Callable[..., Any] | None] = None
 
     def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
         self.H = H

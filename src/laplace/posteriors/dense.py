@@ -19,7 +19,6 @@ from typing_extensions import override
 from laplace.posteriors import large_output
 from laplace.posteriors.base import ClosedForm, NotPositiveDefiniteError, Posterior
 from laplace.posteriors.jacobians import HeadFeatures, Jacobian
-from laplace.posteriors.last_layer import HeadCurvature
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.errors import check_fits_in_memory
 from laplace.utils.linalg import invsqrt_precision
@@ -121,7 +120,7 @@ class DensePosterior(Posterior):
 
     backend_route = "full"
     closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {HeadFeatures: full_head_variance}
-    head_curvature: ClassVar[HeadCurvature | None] = ("full", full_head_curvature)
+    head_curvature = staticmethod(full_head_curvature)
 
     @override
     @staticmethod

@@ -21,7 +21,6 @@ from laplace.posteriors import large_output
 from laplace.posteriors.base import ClosedForm, Posterior
 from laplace.posteriors.jacobians import HeadFeatures, Jacobian, LayerTrace
 from laplace.posteriors.kron_glm import layerwise_variance
-from laplace.posteriors.last_layer import HeadCurvature
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 
 __all__ = [
@@ -107,7 +106,7 @@ class DiagonalPosterior(Posterior):
         HeadFeatures: diag_head_variance,
         LayerTrace: _trace_variance,
     }
-    head_curvature: ClassVar[HeadCurvature | None] = ("diag", diag_head_curvature)
+    head_curvature = staticmethod(diag_head_curvature)
 
     @override
     @staticmethod

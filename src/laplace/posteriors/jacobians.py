@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from laplace.curvature.kfac_rules import kfac_rule
 from laplace.curvature.per_sample import PerSampleTrace
-from laplace.posteriors.kron_glm import layerwise_chunk_rows
+from laplace.posteriors.kron_glm import LAYERWISE_CHUNK_ROWS
 from laplace.utils.data import Inputs
 from laplace.utils.outputs import OutputAdapter, OutputLayout
 
@@ -92,11 +93,30 @@ class LayerTrace(Jacobian):
 
     @classmethod
     def chunk_rows(cls, jacobian_rows: int, model: nn.Module, params: list[Tensor]) -> int:
-        """Points per chunk of the layer-wise closed forms.
+        """Points per chunk of the layer-wise closed forms (:mod:`~laplace.posteriors.kron_glm`).
 
-        They hold activations, and per-sample gradients of parameters without a Kronecker rule.
+        Parameters of layers with a Kronecker rule cost activations per test point; the others
+        (and parameters shared by several layers) their per-sample gradients, (rows, C, p) each,
+        a part of the Jacobian that the Jacobian route's chunks bound.
+
+        Returns:
+            :data:`~laplace.posteriors.kron_glm.LAYERWISE_CHUNK_ROWS`, fewer where the
+            per-sample gradients of the parameters without a rule would outgrow the Jacobian
+            route's chunks (``jacobian_rows`` points).
         """
-        return layerwise_chunk_rows(model, params, jacobian_rows)
+        sizes = {id(p): p.numel() for p in params}
+        owners: dict[int, list[nn.Module]] = {}
+        for m in model.modules():
+            for p in m.parameters(recurse=False):
+                if id(p) in sizes:
+                    owners.setdefault(id(p), []).append(m)
+        exact = sum(
+            sizes[i] for i, ms in owners.items() if len(ms) > 1 or kfac_rule(ms[0]) is None
+        )
+        if exact == 0:
+            return LAYERWISE_CHUNK_ROWS
+        total = sum(p.numel() for p in params)
+        return min(LAYERWISE_CHUNK_ROWS, max(1, jacobian_rows * total // exact))
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,6 @@ from laplace.posteriors import large_output
 from laplace.posteriors.base import ClosedForm, Posterior
 from laplace.posteriors.jacobians import HeadFeatures, Jacobian, LayerTrace
 from laplace.posteriors.kron_glm import layerwise_variance
-from laplace.posteriors.last_layer import HeadCurvature
 from laplace.utils.diag_lowrank import (
     DiagLowRank,
     DiagLowRankBatch,
@@ -42,7 +41,6 @@ from laplace.utils.diag_lowrank import (
 from laplace.utils.matrix import Kron, KronDecomposed, StructuredKron
 
 __all__ = [
-    "KronAccumulator",
     "KronPosterior",
     "kron_block_structure",
     "kron_functional_variance",
@@ -130,14 +128,81 @@ def _trace_variance(posterior: KronPosterior, J: LayerTrace) -> Tensor | None:
     return kron_functional_variance(J.trace, posterior.precision, J.trace.create_graph)
 
 
-class KronAccumulator:
-    """How Kronecker factors are summed over batches, stored and saved.
+class KronPosterior(Posterior):
+    """Gaussian posterior with a block-diagonal Kronecker-factored precision.
 
-    The sum is a ``Kron``; the fitted curvature its deferred eigendecomposition, a
-    :class:`~laplace.utils.matrix.KronDecomposed` that keeps the factors (:meth:`factors`).
-    Shared by :class:`KronPosterior` and its per-output variant
-    (:mod:`laplace.posteriors.per_output`).
+    The prior must be constant on every block (a scalar or one value per parameter tensor); the
+    per-block value ``δ`` is read from ``prior_diag`` at the first entry of each block, so it stays
+    differentiable. ``log det P``, ``J P⁻¹ Jᵀ``, ``Δᵀ P Δ`` and samples
+    ``P^{-1/2} z`` cost a few products with the eigenvector matrices of each block; ``J P⁻¹ Jᵀ``
+    of a recorded pass or of a linear head's features needs no Jacobian
+    (:func:`kron_functional_variance`, :func:`kron_head_variance`).
+
+    Args:
+        H: Fitted curvature, a ``KronDecomposed`` (a ``Kron`` is decomposed without damping).
+        h_factor: Scalar likelihood factor ``h = 1/(σ²T)``.
+        prior_diag: Prior precision expanded to the diagonal, shape (P,), block-wise constant.
     """
+
+    backend_route = "kron"
+    closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {
+        HeadFeatures: kron_head_variance,
+        LayerTrace: _trace_variance,
+    }
+    head_curvature = staticmethod(kron_head_curvature)
+    #: Largest number of columns of a diagonal-plus-low-rank output factor kept while summing.
+    max_rank: ClassVar[int | None] = None
+    #: Layers with more outputs keep such a factor; None: every factor dense.
+    low_rank_above: ClassVar[int | None] = None
+
+    def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
+        if isinstance(H, Kron):
+            H = H.decompose()
+        super().__init__(H, h_factor, prior_diag)
+
+    @override
+    @classmethod
+    def zeros(cls, params: Sequence[Tensor], shapes: list | None = None) -> Kron:
+        """Zero factors of the backend's block ``shapes`` (``G ⊗ A`` per weight when None).
+
+        A :class:`~laplace.curvature.kfac_rules.LowRankShape` is a zero ``DiagLowRank``.
+        """
+        device, dtype = params[0].device, params[0].dtype
+        if shapes is None:
+            return Kron.init_from_model(params, device, dtype)
+
+        def zero(shape: tuple[int, ...]) -> Tensor | DiagLowRank:
+            if isinstance(shape, LowRankShape):
+                return DiagLowRank.zeros(shape[0], -1, cls.max_rank, device, dtype)
+            return torch.zeros(shape, device=device, dtype=dtype)
+
+        kfacs = [[zero(shape) for shape in block] for block in shapes]
+        low_rank = any(isinstance(F, DiagLowRank) for block in kfacs for F in block)
+        return (StructuredKron if low_rank else Kron)(kfacs)
+
+    @override
+    @classmethod
+    def batch_curvature(cls, backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Kron]:
+        """``(loss, factors)`` of a batch from the backend's KFAC.
+
+        Raises:
+            ValueError: With low-rank output factors, for a backend whose ``kron`` forms them
+                dense (ASDL, BackPACK), naming the alternatives.
+        """
+        if cls.low_rank_above is None:
+            return backend.kron(X, y, N=n_data)
+        if not getattr(backend, "low_rank_kfac", False):
+            raise ValueError(
+                "a Kronecker curvature with diagonal-plus-low-rank output factors (many "
+                "outputs, see laplace.posteriors.large_output) needs the native KFAC of "
+                "backend=CurvlinopsEF or CurvlinopsGGN with backend_kwargs={'stochastic': "
+                f"True}}; {type(backend).__name__} would build the dense output factor. Use "
+                "subset_of_weights='last_layer' (one head row per data point; "
+                "feature_reduction for sequence features) or hessian_structure='diag' otherwise."
+            )
+        return backend.kron(
+            X, y, N=n_data, low_rank_above=cls.low_rank_above, output_factor_rank=cls.max_rank
+        )
 
     @staticmethod
     def is_finite(H: Kron) -> bool:
@@ -206,82 +271,6 @@ class KronAccumulator:
         ]
         return cls.finalize(type(zeros)(kfacs), damping=damping)
 
-
-class KronPosterior(KronAccumulator, Posterior):
-    """Gaussian posterior with a block-diagonal Kronecker-factored precision.
-
-    The prior must be constant on every block (a scalar or one value per parameter tensor); the
-    per-block value ``δ`` is read from ``prior_diag`` at the first entry of each block, so it stays
-    differentiable. ``log det P``, ``J P⁻¹ Jᵀ``, ``Δᵀ P Δ`` and samples
-    ``P^{-1/2} z`` cost a few products with the eigenvector matrices of each block; ``J P⁻¹ Jᵀ``
-    of a recorded pass or of a linear head's features needs no Jacobian
-    (:func:`kron_functional_variance`, :func:`kron_head_variance`).
-
-    Args:
-        H: Fitted curvature, a ``KronDecomposed`` (a ``Kron`` is decomposed without damping).
-        h_factor: Scalar likelihood factor ``h = 1/(σ²T)``.
-        prior_diag: Prior precision expanded to the diagonal, shape (P,), block-wise constant.
-    """
-
-    closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {
-        HeadFeatures: kron_head_variance,
-        LayerTrace: _trace_variance,
-    }
-    head_curvature: ClassVar[HeadCurvature | None] = ("kron", kron_head_curvature)
-    #: Largest number of columns of a diagonal-plus-low-rank output factor kept while summing.
-    max_rank: ClassVar[int | None] = None
-    #: Layers with more outputs keep such a factor; None: every factor dense.
-    low_rank_above: ClassVar[int | None] = None
-
-    def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
-        if isinstance(H, Kron):
-            H = H.decompose()
-        super().__init__(H, h_factor, prior_diag)
-
-    @override
-    @classmethod
-    def zeros(cls, params: Sequence[Tensor], shapes: list | None = None) -> Kron:
-        """Zero factors of the backend's block ``shapes`` (``G ⊗ A`` per weight when None).
-
-        A :class:`~laplace.curvature.kfac_rules.LowRankShape` is a zero ``DiagLowRank``.
-        """
-        device, dtype = params[0].device, params[0].dtype
-        if shapes is None:
-            return Kron.init_from_model(params, device, dtype)
-
-        def zero(shape: tuple[int, ...]) -> Tensor | DiagLowRank:
-            if isinstance(shape, LowRankShape):
-                return DiagLowRank.zeros(shape[0], -1, cls.max_rank, device, dtype)
-            return torch.zeros(shape, device=device, dtype=dtype)
-
-        kfacs = [[zero(shape) for shape in block] for block in shapes]
-        low_rank = any(isinstance(F, DiagLowRank) for block in kfacs for F in block)
-        return (StructuredKron if low_rank else Kron)(kfacs)
-
-    @override
-    @classmethod
-    def batch_curvature(cls, backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Kron]:
-        """``(loss, factors)`` of a batch from the backend's KFAC.
-
-        Raises:
-            ValueError: With low-rank output factors, for a backend whose ``kron`` forms them
-                dense (ASDL, BackPACK), naming the alternatives.
-        """
-        if cls.low_rank_above is None:
-            return backend.kron(X, y, N=n_data)
-        if not getattr(backend, "low_rank_kfac", False):
-            raise ValueError(
-                "a Kronecker curvature with diagonal-plus-low-rank output factors (many "
-                "outputs, see laplace.posteriors.large_output) needs the native KFAC of "
-                "backend=CurvlinopsEF or CurvlinopsGGN with backend_kwargs={'stochastic': "
-                f"True}}; {type(backend).__name__} would build the dense output factor. Use "
-                "subset_of_weights='last_layer' (one head row per data point; "
-                "feature_reduction for sequence features) or hessian_structure='diag' otherwise."
-            )
-        return backend.kron(
-            X, y, N=n_data, low_rank_above=cls.low_rank_above, output_factor_rank=cls.max_rank
-        )
-
     @cached_property
     def block_deltas(self) -> Tensor:
         """Prior precision of each block, shape (n_blocks,)."""
@@ -321,7 +310,7 @@ def _low_rank_outputs(max_rank: int | None, low_rank_above: int) -> type[KronPos
     attributes = {
         "max_rank": max_rank,
         "low_rank_above": low_rank_above,
-        "head_curvature": ("kron", partial(kron_head_curvature, max_rank=max_rank)),
+        "head_curvature": partial(kron_head_curvature, max_rank=max_rank),
         "closed_forms": {HeadFeatures: kron_head_variance},
     }
     return type("StructuredKronPosterior", (KronPosterior,), attributes)

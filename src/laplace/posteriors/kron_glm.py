@@ -41,7 +41,6 @@ __all__ = [
     "LAYERWISE_CHUNK_ROWS",
     "SHARED_LAYER_BLOCK_BYTES",
     "BlockInverse",
-    "layerwise_chunk_rows",
     "layerwise_variance",
 ]
 
@@ -55,35 +54,6 @@ SHARED_LAYER_BLOCK_BYTES = 64 * 2**20
 #: Per parameter slot: the eigenvectors of its factors (None: identity) and the inverse
 #: spectrum, (m, n) for a two-factor block, (p,) for a one-factor block.
 BlockInverse = Callable[[int], tuple[list[Tensor | None], Tensor]]
-
-
-def layerwise_chunk_rows(model: nn.Module, params: list[Tensor], jacobian_rows: int) -> int:
-    """Test points per chunk of a GLM predictive that takes the layer-wise route when it can.
-
-    Parameters of layers with a Kronecker rule cost activations per test point; the others
-    (and parameters shared by several layers) their per-sample gradients, (rows, C, p) each, a
-    part of the Jacobian that the Jacobian route's chunks bound.
-
-    Args:
-        model: The network.
-        params: Its parameters of interest.
-        jacobian_rows: Rows per chunk of the Jacobian route (the fallback).
-
-    Returns:
-        :data:`LAYERWISE_CHUNK_ROWS`, fewer where the per-sample gradients of the parameters
-        without a rule would outgrow the Jacobian route's chunks.
-    """
-    sizes = {id(p): p.numel() for p in params}
-    owners: dict[int, list[nn.Module]] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            if id(p) in sizes:
-                owners.setdefault(id(p), []).append(m)
-    exact = sum(sizes[i] for i, ms in owners.items() if len(ms) > 1 or kfac_rule(ms[0]) is None)
-    if exact == 0:
-        return LAYERWISE_CHUNK_ROWS
-    total = sum(p.numel() for p in params)
-    return min(LAYERWISE_CHUNK_ROWS, max(1, jacobian_rows * total // exact))
 
 
 def _rotate(t: Tensor, Q: Tensor | None) -> Tensor:
@@ -102,7 +72,6 @@ class _Slot:
         kind: ``"kron"`` (two factors), ``"bias"`` (a layer's bias) or ``"exact"`` (its
             per-sample gradients).
         module: The layer owning the parameter.
-        name: The parameter's name in the layer.
         rule: The layer's KFAC rule (unused for ``"exact"``).
         Qs: Eigenvectors of the block's factors (None: identity).
         inv: Inverse spectrum of the block.
@@ -112,12 +81,11 @@ class _Slot:
         self,
         kind: str,
         module: nn.Module,
-        name: str,
         rule: KfacRule | None,
         Qs: list[Tensor | None],
         inv: Tensor,
     ) -> None:
-        self.kind, self.module, self.name, self.rule, self.inv = kind, module, name, rule, inv
+        self.kind, self.module, self.rule, self.inv = kind, module, rule, inv
         self.rows: list[Tensor] = []
         if kind == "kron":  # the factor on the output gradients, and the one on the inputs
             self.Q_out, self.Q_in = (Qs[1], Qs[0]) if rule.inputs_first else (Qs[0], Qs[1])
@@ -210,7 +178,7 @@ def _slots(trace: PerSampleTrace, block_inverse: BlockInverse) -> list[_Slot] | 
             kind = "kron"
         else:
             kind = "bias" if rule is not None and name == "bias" else "exact"
-        slots.append(_Slot(kind, module, name, rule, Qs, inv))
+        slots.append(_Slot(kind, module, rule, Qs, inv))
     return slots
 
 

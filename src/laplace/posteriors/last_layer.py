@@ -134,9 +134,9 @@ def cat_output_curvatures(Ms: list[Tensor | DiagLowRankBatch]) -> Tensor | DiagL
 
 
 #: A closed form ``(φ (N, D), M (N, C, C), bias, n_data, factor) -> curvature`` of the head in a
-#: structure's form, with the backend route (``"full"``, ``"diag"``, ``"kron"``) it equals; a
-#: posterior structure names its own as its ``head_curvature`` class attribute.
-HeadCurvature = tuple[str, Callable[..., Any]]
+#: structure's form, equal to its ``backend_route``; a posterior structure names its own as its
+#: ``head_curvature`` class attribute.
+HeadCurvature = Callable[..., Any]
 
 
 def head_curvature(structure: type, backend: Any) -> Callable[..., Any] | None:
@@ -156,10 +156,10 @@ def head_curvature(structure: type, backend: Any) -> Callable[..., Any] | None:
     Returns:
         ``(φ, M, bias, n_data, factor) -> curvature`` (see :data:`HeadCurvature`), or None.
     """
-    entry = getattr(structure, "head_curvature", None)
-    if entry is None:
+    closed_form = structure.head_curvature
+    if closed_form is None:
         return None
-    route, closed_form = entry
+    route = structure.backend_route
     backend_cls = type(backend)
     native = (
         getattr(backend_cls, route) is getattr(CurvatureInterface, route)

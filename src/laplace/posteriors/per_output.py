@@ -23,7 +23,7 @@ diagonal in them) and is refused, and so are low-rank and function-space posteri
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
+from functools import cache, cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -32,13 +32,7 @@ from torch import Tensor
 from laplace.curvature import CurvatureInterface, GGNInterface
 from laplace.curvature.kfac import kfac
 from laplace.curvature.kfac_rules import check_gradient_factor_first
-from laplace.posteriors import (
-    DensePosterior,
-    DiagonalPosterior,
-    KronAccumulator,
-    KronPosterior,
-    Posterior,
-)
+from laplace.posteriors import DensePosterior, DiagonalPosterior, KronPosterior, Posterior
 from laplace.utils.matrix import Kron, KronDecomposed
 
 __all__ = ["OutputKron", "PerOutputPosterior", "noise_structure"]
@@ -73,26 +67,12 @@ class OutputKron(Kron):
         return Kron(summed).decompose(damping=self.damping)
 
 
-class _FromInner:
-    """An attribute of the base structure's posterior ``inner``.
-
-    For the abstract ones of :class:`~laplace.posteriors.Posterior`, which ``__getattr__`` does
-    not reach.
-    """
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, posterior: Any, owner: type | None = None) -> Any:
-        return self if posterior is None else getattr(posterior.inner, self.name)
-
-
 class PerOutputPosterior(Posterior):
     """Posterior of ``P = Σ_c h_c H_c + diag(p₀)`` from per-output curvatures ``H`` (C, ...).
 
-    Concrete classes come from :func:`noise_structure`; every posterior quantity is that of the
-    base structure on the combined curvature (attributes it has, e.g. ``covariance``, are
-    forwarded to it).
+    Concrete classes come from :func:`noise_structure`: they put this accumulation of each
+    output's curvature before the base structure, whose posterior they are, of the combined
+    curvature ``Σ_c h_c H_c`` with a likelihood factor of one.
 
     Args:
         H: Per-output curvature, stacked along the first axis.
@@ -102,24 +82,21 @@ class PerOutputPosterior(Posterior):
 
     #: The structure of each output's curvature and of the posterior.
     structure: ClassVar[type[Posterior]]
-    #: The backend route of the structure (``"full"`` or ``"diag"``; ``"kron"``).
-    route: ClassVar[str]
     #: Number of outputs C.
     n_outputs: ClassVar[int]
+    #: No closed form of a head's summed curvature: each output's curvature is kept.
+    head_curvature: ClassVar[None] = None
 
     def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
-        self.H = H
-        self.h_factor = h_factor.reshape(-1).expand(self.n_outputs)
-        self.prior_diag = prior_diag
+        weights = h_factor.reshape(-1).expand(self.n_outputs)
         one = torch.ones((), dtype=prior_diag.dtype, device=prior_diag.device)
-        self.inner = self.structure(self.combine(H, self.h_factor), one, prior_diag)
+        super().__init__(self.combine(H, weights), one, prior_diag)
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    @cached_property
+    def inner(self) -> Posterior:
+        """The same posterior as an object of the base structure."""
+        return self.structure(self.H, self.h_factor, self.prior_diag)
 
-    # ---------------------------------------------------------------- curvature accumulation
     @classmethod
     def zeros(cls, params: Sequence[Tensor]) -> Any:
         """Zero curvature of every output, stacked (C, ...)."""
@@ -151,7 +128,7 @@ class PerOutputPosterior(Posterior):
     @classmethod
     def output_curvature(cls, backend: Any, trace: Any, column: Tensor, n_data: int) -> Any:
         """The curvature ``H_c`` of one output column (B, C) in the structure's form."""
-        products = trace.gram if cls.route == "full" else trace.square_sum
+        products = trace.gram if cls.backend_route == "full" else trace.square_sum
         return products([column]).detach()
 
     #: The curvatures of the C outputs, stacked (C, ...).
@@ -162,18 +139,8 @@ class PerOutputPosterior(Posterior):
         """``Σ_c w_c H_c`` in the structure's form, ``weights`` of shape (C,)."""
         return torch.tensordot(weights, H, dims=1)
 
-    # ------------------------------------------------------------------------ the posterior
-    #: The posterior quantities: those of the base structure on the combined curvature.
-    precision = _FromInner()
-    log_det = _FromInner()
-    square_form = _FromInner()
-    closed_forms = _FromInner()
-    functional_variance = _FromInner()
-    rows_variance = _FromInner()
-    sample_deviations = _FromInner()
 
-
-class _PerOutputKron(KronAccumulator, PerOutputPosterior):
+class _PerOutputKron(PerOutputPosterior):
     """Per-output Kronecker factors: one output-gradient factor per output, inputs shared."""
 
     @classmethod
@@ -183,11 +150,6 @@ class _PerOutputKron(KronAccumulator, PerOutputPosterior):
         return OutputKron(
             [[F[0].expand(cls.n_outputs, *F[0].shape).clone(), *F[1:]] for F in zero.kfacs]
         )
-
-    @staticmethod
-    def finalize(H: Kron, damping: bool = False) -> OutputKron:
-        """The summed factors, decomposed per σ (see :class:`OutputKron`)."""
-        return OutputKron(H.kfacs, damping)
 
     @staticmethod
     def factors(H: OutputKron) -> OutputKron:
@@ -211,19 +173,18 @@ class _PerOutputKron(KronAccumulator, PerOutputPosterior):
     combine = staticmethod(OutputKron.combine)
 
 
-#: Per base structure: the per-output class to configure and the structure's backend route.
-_FAMILIES: dict[type[Posterior], tuple[type[PerOutputPosterior], str]] = {
-    DensePosterior: (PerOutputPosterior, "full"),
-    DiagonalPosterior: (PerOutputPosterior, "diag"),
-    KronPosterior: (_PerOutputKron, "kron"),
+#: Per base structure: the per-output class placed before it.
+_FAMILIES: dict[type[Posterior], type[PerOutputPosterior]] = {
+    DensePosterior: PerOutputPosterior,
+    DiagonalPosterior: PerOutputPosterior,
+    KronPosterior: _PerOutputKron,
 }
 
 
 @cache
 def _per_output(structure: type[Posterior], n_outputs: int) -> type[PerOutputPosterior]:
-    base, route = _FAMILIES[structure]
-    attributes = {"structure": structure, "route": route, "n_outputs": n_outputs}
-    return type(f"PerOutput{structure.__name__}", (base,), attributes)
+    attributes = {"structure": structure, "n_outputs": n_outputs}
+    return type(f"PerOutput{structure.__name__}", (_FAMILIES[structure], structure), attributes)
 
 
 def noise_structure(
@@ -268,7 +229,7 @@ def noise_structure(
             "'kron' (the curvature of each output is kept); this approximation is "
             f"{structure.__name__}."
         )
-    route = _FAMILIES[structure][1]
+    route = structure.backend_route
     if not issubclass(backend_cls, GGNInterface) or getattr(backend_cls, route) is not getattr(
         CurvatureInterface, route
     ):
