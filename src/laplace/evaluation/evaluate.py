@@ -31,11 +31,8 @@ __all__ = ["evaluate", "model_device", "predict_detached"]
 def model_device(predictive: Callable) -> torch.device | None:
     """Device of the parameters of ``predictive.model`` (or of ``predictive`` if a module)."""
     model = getattr(predictive, "model", predictive)
-    if isinstance(model, nn.Module):
-        param = next(model.parameters(), None)
-        if param is not None:
-            return param.device
-    return None
+    param = next(model.parameters(), None) if isinstance(model, nn.Module) else None
+    return None if param is None else param.device
 
 
 def _check_options(n_bins: Any, coverage_levels: Sequence[float], kwargs: dict) -> None:
@@ -66,14 +63,15 @@ def predict_detached(la: Callable, X: Inputs, device: torch.device | None, kwarg
     return tuple(item.detach() for item in out) if isinstance(out, tuple) else out.detach()
 
 
-def _ood_score(entropy: Tensor) -> Tensor:
-    """Entropy mapped monotonically into (0, 1), in float64.
+def _update_auroc(auroc: BinaryAUROC, entropy: Tensor, ood: bool) -> None:
+    """Add the entropies of a batch, mapped monotonically into (0, 1) in float64, to ``auroc``.
 
     torchmetrics' AUROC passes scores outside [0, 1] through a sigmoid, which rounds large
     entropies to 1 and so ties them; this map keeps their order.
     """
     entropy = entropy.to(torch.float64)
-    return 0.5 + 0.5 * entropy / (1 + entropy.abs())
+    scores = 0.5 + 0.5 * entropy / (1 + entropy.abs())
+    auroc.update(scores, torch.full_like(scores, int(ood), dtype=torch.long))
 
 
 def evaluate(
@@ -180,15 +178,13 @@ def evaluate(
         task.update(out, y)
         n_batches += 1
         if auroc is not None:
-            scores = _ood_score(task.entropy(out))
-            auroc.update(scores, torch.zeros_like(scores, dtype=torch.long))
+            _update_auroc(auroc, task.entropy(out), ood=False)
     if not n_batches:
         raise ValueError("loader yielded no batches: evaluate needs at least one.")
     result = task.compute()
     if auroc is not None:
         for batch in tqdm(ood_loader, disable=not progress_bar, desc="evaluate OOD"):
             out = predict_detached(la, _inputs(batch, key_x, key_y), device, predictive_kwargs)
-            scores = _ood_score(task.entropy(out))
-            auroc.update(scores, torch.ones_like(scores, dtype=torch.long))
+            _update_auroc(auroc, task.entropy(out), ood=True)
         result["ood_auroc"] = float(auroc.compute())
     return result

@@ -120,10 +120,10 @@ class BaseFunctionalLaplace(BaseLaplace):
             f"{type(self).__name__} does not track the training log-likelihood."
         )
 
-    def _check_first_batch(self, X: Inputs, y: Tensor) -> torch.Size:
+    def _start_fit(self, X: Inputs, y: Tensor) -> torch.Size:
         """Check the model's outputs on ``X`` and the targets ``y`` before any Jacobian.
 
-        Sets :attr:`n_outputs`.
+        Sets :attr:`n_outputs` and the posterior mean :attr:`mean` (the current weights).
 
         Returns:
             The shape of the outputs (B, C).
@@ -137,6 +137,7 @@ class BaseFunctionalLaplace(BaseLaplace):
         self._likelihood_model.outputs.require_plain(f.shape, type(self).__name__)
         self._likelihood_model.check_targets(y, f.shape)
         self.n_outputs = f.shape[-1]
+        self.mean = self._subset.vector().detach()
         return f.shape
 
     def _jacobian_chunks(

@@ -45,15 +45,6 @@ from laplace.utils.errors import check_finite_result, check_positive_int
 __all__ = ["ELLA"]
 
 
-class ELLAState(HistoryState):
-    """The state of ELLA: its named attributes and fit history; loading rebuilds its posterior."""
-
-    def load(self, la: Any, state_dict: dict[str, Any]) -> None:
-        """Assign the named attributes and the history, and rebuild the Nyström posterior."""
-        super().load(la, state_dict)
-        la._gp = la._nystrom_posterior()
-
-
 class ELLA(BaseFunctionalLaplace):
     """Linearised Laplace on a rank-``K`` Nyström approximation of the neural tangent kernel.
 
@@ -93,7 +84,7 @@ class ELLA(BaseFunctionalLaplace):
     _state_counts = ("subsample_size", "n_eigenvalues", "n_data", "n_outputs")
     _state_plain = (*_state_counts, "seed", "temperature")
     _state_tensors = ("dual_directions", "feature_gram", "prior_precision", "sigma_noise")
-    _state_format = ELLAState()
+    _state_format = HistoryState()
 
     def __init__(
         self,
@@ -125,20 +116,16 @@ class ELLA(BaseFunctionalLaplace):
         self.dual_directions: Tensor | None = None
         self.feature_gram: Tensor | None = None
         self.fit_history_: dict[str, list[Any]] = _empty_history()
+        self._gp = NystromPosterior(self._jacobian_chunks, self._nystrom_values)
 
     @property
     def chol_precision(self) -> Tensor | None:
         """Lower Cholesky factor of ``A = Σφᵀ Λ φ/(σ²T) + δI`` (K, K); None before fit."""
-        return None if self._gp is None else self._gp.gaussian.cholesky
+        return None if self.feature_gram is None else self._gp.gaussian.cholesky
 
-    def _nystrom_posterior(self) -> NystromPosterior:
-        """The Gaussian over the features of :attr:`dual_directions` and :attr:`feature_gram`."""
-        return NystromPosterior(
-            self.dual_directions,
-            self.feature_gram,
-            self._jacobian_chunks,
-            lambda: (self.prior_precision, self._H_factor),  # δ and h = 1/(σ²T)
-        )
+    def _nystrom_values(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``V``, ``Σ φᵀ Λ φ``, ``δ`` and ``h = 1/(σ²T)`` of the Nyström posterior."""
+        return self.dual_directions, self.feature_gram, self.prior_precision, self._H_factor
 
     # ---------------------------------------------------------------------------------- fit
     @preserve_model_gradients
@@ -177,8 +164,7 @@ class ELLA(BaseFunctionalLaplace):
         )
         indices = nystrom_indices(train_loader, self.subsample_size, self.seed, labels)
         subset = subset_loader(train_loader, indices[: self.subsample_size])
-        output_shape = self._check_first_batch(*next(self._batches(subset)))
-        self.mean = self._subset.vector().detach()
+        output_shape = self._start_fit(*next(self._batches(subset)))
         inputs = (X for X, _ in self._batches(subset))
         V = nystrom_basis(inputs, self._jacobian_chunks, self.n_eigenvalues, self.seed)
         self.dual_directions = V.to(self._dtype)
@@ -190,7 +176,6 @@ class ELLA(BaseFunctionalLaplace):
             gram = check_finite_result(likelihood.ggn(phi, f), "GGN of a training batch")
             self.feature_gram = gram if step == 1 else self.feature_gram + gram
             self.n_data += len(f)
-            self._gp = self._nystrom_posterior()
             self.fit_history_["processed_examples"].append(float(self.n_data))
             self._record_validation(val_loader, val_steps, step)
         if self.n_data == 0:

@@ -8,7 +8,6 @@ Internal module.
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
-from functools import partial
 from typing import Any
 
 import torch
@@ -121,61 +120,42 @@ def inducing_from_data(
     dict_key_x: str,
     gather: Callable[..., DataLoop],
 ) -> tuple[Inputs, Tensor]:
-    """Inducing inputs (M, ...) and outputs (M,) chosen from the training data.
+    """Inducing inputs (M, ...) and outputs (M,) chosen among the training points.
+
+    The candidates are ``M`` seeded training points (``"random"``; ⌈M/2⌉ pairs of items for
+    reward modelling) or all of them (``"kmeans"``), reward pairs split into their items (see
+    :func:`pair_items`); the predictive likelihood chooses the output of each
+    (``inducing_outputs``: classification the point's class, binary classification the labels
+    in turn, regression output 0). ``"random"`` takes ``M`` candidates in a seeded order (as
+    laplace-torch); ``"kmeans"`` runs :func:`kmeans` on the candidates (floating-point tensors
+    only) and takes the one nearest to each centre.
 
     Args:
         loader: The training data.
-        strategy: ``"random"`` (candidates: ``M`` seeded points) or ``"kmeans"`` (all).
+        strategy: ``"random"`` or ``"kmeans"``.
         M: Number of inducing points.
         seed: Seed of the choice.
-        likelihood: The likelihood (pairs, class labels; see :func:`inducing_labels`).
+        likelihood: The likelihood (pairs, class labels).
         dict_key_x: Key of the inputs in dict-like batches.
         gather: Builds the :class:`~laplace.core.data_loop.Gather` loop of the candidates from its
             ``step`` argument.
-    """
-    if strategy == "random":  # M seeded training points (⌈M/2⌉ pairs of items)
-        available = training_indices(loader)
-        order = torch.randperm(len(available), generator=torch.Generator().manual_seed(seed))
-        count = (M + 1) // 2 if likelihood.pairwise else M
-        loader = subset_loader(loader, available[order][:count])
-    step = partial(inducing_labels, likelihood=likelihood, dict_key_x=dict_key_x)
-    X, labels = gather(step=step).run(loader)
-    return choose_inducing(X, labels, M, strategy, seed)
-
-
-def inducing_labels(
-    X: Inputs, y: Tensor, likelihood: LikelihoodModel, dict_key_x: str
-) -> tuple[Inputs, Tensor]:
-    """Candidate inducing inputs of a batch and the output used at each.
-
-    Reward pairs are split into their items (see :func:`pair_items`); the predictive
-    likelihood chooses the output of each point (``inducing_outputs``: classification the
-    point's class, binary classification the labels in turn, regression output 0).
-    """
-    if likelihood.pairwise:
-        X, y = pair_items(X, dict_key_x), y.new_zeros(2 * len(y), dtype=torch.long)
-    return X, likelihood.predictive_likelihood.inducing_outputs(y)
-
-
-def choose_inducing(
-    X: Inputs, labels: Tensor, M: int, strategy: str, seed: int
-) -> tuple[Inputs, Tensor]:
-    """Inducing inputs (M, ...) and their outputs (M,) among candidates.
-
-    ``"random"`` takes ``M`` candidates in a seeded order; ``"kmeans"`` runs :func:`kmeans` on
-    the candidates (floating-point tensors only) and takes the one nearest to each centre.
-
-    Args:
-        X: Candidate inputs (n, ...).
-        labels: Their outputs (n,).
-        M: Number of inducing points.
-        strategy: ``"random"`` or ``"kmeans"``.
-        seed: Seed of the order or the initial centres.
 
     Raises:
         ValueError: If there are fewer than ``M`` candidates, or ``"kmeans"`` gets non-float or
             dict-like inputs.
     """
+    if strategy == "random":
+        available = training_indices(loader)
+        order = torch.randperm(len(available), generator=torch.Generator().manual_seed(seed))
+        count = (M + 1) // 2 if likelihood.pairwise else M
+        loader = subset_loader(loader, available[order][:count])
+
+    def candidates(X: Inputs, y: Tensor) -> tuple[Inputs, Tensor]:
+        if likelihood.pairwise:
+            X, y = pair_items(X, dict_key_x), y.new_zeros(2 * len(y), dtype=torch.long)
+        return X, likelihood.predictive_likelihood.inducing_outputs(y)
+
+    X, labels = gather(step=candidates).run(loader)
     if len(labels) < M:
         raise ValueError(f"num_inducing={M} exceeds the {len(labels)} training points.")
     generator = torch.Generator().manual_seed(seed)
@@ -184,7 +164,7 @@ def choose_inducing(
             raise ValueError("inducing_locations='kmeans' needs floating-point tensor inputs.")
         flat = X.detach().reshape(len(X), -1)
         chosen = torch.cdist(kmeans(flat.cpu(), M, generator).to(flat), flat).argmin(1)
-    else:  # a seeded order of the drawn points (as laplace-torch)
+    else:
         chosen = torch.randperm(len(labels), generator=generator)[:M].to(labels.device)
     return select_rows(X, chosen, len(labels)), labels[chosen]
 

@@ -71,10 +71,6 @@ class DenseJacobian:
         """``J v`` for a parameter vector v (P,), shape (B, C)."""
         return self.rows @ v
 
-    def detach(self) -> DenseJacobian:
-        """The same Jacobian outside the autograd graph."""
-        return DenseJacobian(self.rows.detach())
-
 
 class LayerFactor(NamedTuple):
     """The Jacobian factors of one layer applied once per data point.
@@ -120,11 +116,6 @@ class FactoredJacobian:
         return tuple(self.layers[0].G.shape[:2])
 
     @property
-    def slots(self) -> list[tuple[int | None, int | None]]:
-        """The parameters of each layer (factors of point sets with other layers differ)."""
-        return [layer.slots for layer in self.layers]
-
-    @property
     def row_width(self) -> int:
         """Entries held per point and output (the output gradients of all layers)."""
         return sum(layer.G.shape[-1] for layer in self.layers)
@@ -135,6 +126,11 @@ class FactoredJacobian:
         return sum(
             layer.G.nbytes + (0 if layer.a is None else layer.a.nbytes) for layer in self.layers
         )
+
+    @property
+    def slots(self) -> list[tuple[int | None, int | None]]:
+        """The parameters of each layer (factors of point sets with other layers differ)."""
+        return [layer.slots for layer in self.layers]
 
     def cross(self, other: DenseJacobian | FactoredJacobian, independent: bool) -> Tensor:
         """Kernel ``J Jₒᵀ`` with another point set: (B·C, B'·C), or (C, B, B') per output."""
@@ -179,14 +175,6 @@ class FactoredJacobian:
                 total = total + layer.G @ pieces[bias]
         return total
 
-    def detach(self) -> FactoredJacobian:
-        """The same Jacobian outside the autograd graph."""
-        layers = [
-            layer._replace(G=layer.G.detach(), a=None if layer.a is None else layer.a.detach())
-            for layer in self.layers
-        ]
-        return FactoredJacobian(layers, self.shapes)
-
     def dense(self) -> Tensor:
         """The Jacobian rows (B, C, P), zero for parameters no layer call reached."""
         B, C = self.shape
@@ -225,9 +213,12 @@ def trace_jacobian(
         The Jacobian and the outputs (B, C).
     """
     trace = engine.trace(X, create_graph)
-    J = layer_factors(trace) or DenseJacobian(trace.jacobians())
     f = trace.f.reshape(trace.f.shape[0], -1)
-    return (J, f) if create_graph else (J.detach(), f.detach())
+    if create_graph:
+        return layer_factors(trace) or DenseJacobian(trace.jacobians()), f
+    # without a graph, factors come from detached inputs and gradients; the dense rows of a
+    # generic layer (``torch.func``) may still depend on its parameters
+    return layer_factors(trace) or DenseJacobian(trace.jacobians().detach()), f.detach()
 
 
 def layer_factors(trace: PerSampleTrace) -> FactoredJacobian | None:

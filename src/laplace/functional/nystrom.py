@@ -122,37 +122,38 @@ class NystromPosterior:
     """ELLA's Gaussian ``N(0, A⁻¹)`` over the Nyström features ``φ(x) = J(x) V`` (C, K).
 
     ``A = h Σ φᵀ Λ φ + δI`` is a :class:`~laplace.posteriors.DensePosterior` over the K
-    features, rebuilt when ``δ`` or ``h`` change. A
-    :class:`~laplace.functional.base.LatentPosterior`.
+    features, rebuilt when ``Σ φᵀ Λ φ``, ``δ`` or ``h`` change. A
+    :class:`~laplace.functional.base.LatentPosterior`; the fitted values are read at every call.
 
     Args:
-        directions: ``V`` (P, K).
-        gram: ``Σ φᵀ Λ φ`` (K, K).
         jacobian_chunks: Inputs and whether to keep the graph → ``(Js (b, C, P), f (b, C))``
             over chunks of them.
-        hyperparameters: The current prior precision ``δ`` (1,) and ``h = 1/(σ²T)``.
+        fitted: The current ``V`` (P, K), ``Σ φᵀ Λ φ`` (K, K), prior precision ``δ`` (1,) and
+            ``h = 1/(σ²T)``.
     """
 
     def __init__(
         self,
-        directions: Tensor,
-        gram: Tensor,
         jacobian_chunks: Callable[[Inputs, bool], Iterable[tuple[Tensor, Tensor]]],
-        hyperparameters: Callable[[], tuple[Tensor, Tensor]],
+        fitted: Callable[[], tuple[Tensor, Tensor, Tensor, Tensor]],
     ) -> None:
-        self.directions, self.gram = directions, gram
-        self._jacobian_chunks, self._hyperparameters = jacobian_chunks, hyperparameters
-        self._cache: tuple[tuple[float, float], DensePosterior] | None = None
+        self._jacobian_chunks, self._fitted = jacobian_chunks, fitted
+        self._cache: tuple[tuple[float, float], Tensor, DensePosterior] | None = None
+
+    @property
+    def directions(self) -> Tensor:
+        """``V`` (P, K)."""
+        return self._fitted()[0]
 
     @property
     def gaussian(self) -> DensePosterior:
-        """The Gaussian over the K features at the current ``δ`` and ``h``."""
-        delta, h = (value.detach() for value in self._hyperparameters())
+        """The Gaussian over the K features at the current ``Σ φᵀ Λ φ``, ``δ`` and ``h``."""
+        _, gram, delta, h = self._fitted()
+        delta, h = delta.detach(), h.detach()
         key = (float(delta), float(h))
-        if self._cache is None or self._cache[0] != key:
-            prior = delta.expand(self.directions.shape[1])
-            self._cache = (key, DensePosterior(self.gram, h, prior))
-        return self._cache[1]
+        if self._cache is None or self._cache[0] != key or self._cache[1] is not gram:
+            self._cache = (key, gram, DensePosterior(gram, h, delta.expand(len(gram))))
+        return self._cache[2]
 
     def feature_covariance(self, features: Tensor, joint: bool) -> Tensor:
         """``φ A⁻¹ φᵀ`` of features (B, C, K): (B, C, C), or (B·C, B·C) with ``joint``."""

@@ -154,10 +154,9 @@ class FunctionalLaplace(BaseFunctionalLaplace):
             )
         self._resolve_subset(train_loader)
         self.model.eval()
-        self.mean = self._subset.vector().detach()
         subset = subset_loader(train_loader, SoDSampler(n_data, self.n_subset, self.seed).indices)
         X, y = self._data_loop(Gather, progress_bar=progress_bar, desc="fit").run(subset)
-        self._check_first_batch(slice_inputs(X, 0, 1, self.n_subset), y)  # before any Jacobian
+        self._start_fit(slice_inputs(X, 0, 1, self.n_subset), y)  # before any Jacobian
         self.n_data = n_data
         self._gp = SubsetKernel.build(
             X, y, self._likelihood_model, self.prior_mean - self.mean, **self._kernel_options()

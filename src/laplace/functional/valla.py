@@ -267,8 +267,7 @@ class VaLLA(BaseFunctionalLaplace):
         self.n_data = dataset_size(train_loader)
         empty = "train_loader is empty: fit needs at least one data point."
         loop = self._data_loop(DataLoop, desc="VaLLA", empty_message=empty)
-        output_shape = self._check_first_batch(*next(loop.cycle(train_loader, 1)))
-        self.mean = self._subset.vector().detach()
+        output_shape = self._start_fit(*next(loop.cycle(train_loader, 1)))
         if override or not self._fitted:
             self._reset_inducing(train_loader)
         classes = self.inducing_classes
