@@ -130,27 +130,17 @@ class LLLaplace(ParametricLaplace):
     on the first batch of :meth:`fit`; until then ``n_params``, ``n_layers``, ``mean`` and ``H``
     are None (as in laplace-torch) and what needs them raises an error that is an
     ``AttributeError``. Once the layer is known the unfitted posterior is the prior (see
-    :class:`~laplace.parametric.base.ParametricLaplace`).
+    :class:`~laplace.parametric.base.ParametricLaplace`). Arguments not listed below are those
+    of :class:`~laplace.core.base.BaseLaplace`.
 
     Args:
         model: The trained network, ending in a linear layer.
         likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"``.
-        sigma_noise: See :class:`~laplace.core.base.BaseLaplace`.
-        prior_precision: See :class:`~laplace.core.base.BaseLaplace`.
-        prior_mean: See :class:`~laplace.core.base.BaseLaplace`.
-        temperature: See :class:`~laplace.core.base.BaseLaplace`.
-        enable_backprop: See :class:`~laplace.core.base.BaseLaplace`.
         feature_reduction: ``"pick_first"``, ``"pick_last"`` or ``"average"`` for last-layer
             inputs of shape (B, ..., D), see :class:`FeatureExtractor`.
-        dict_key_x: See :class:`~laplace.core.base.BaseLaplace`.
-        dict_key_y: See :class:`~laplace.core.base.BaseLaplace`.
-        backend: See :class:`~laplace.core.base.BaseLaplace`; the default GGN and the empirical
-            Fisher use the closed forms.
+        backend: The default GGN and the empirical Fisher use the closed forms.
         last_layer_name: Name of the last layer in ``model.named_modules()``.
-        backend_kwargs: See :class:`~laplace.core.base.BaseLaplace`.
         asdl_fisher_kwargs: Not supported for last-layer Laplace (must be None).
-        class_dim: See :class:`~laplace.core.base.BaseLaplace`.
-        ignore_index: See :class:`~laplace.core.base.BaseLaplace`.
 
     Raises:
         ValueError: For ``asdl_fisher_kwargs``, or a ``last_layer_name`` that is not a linear

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
 from copy import deepcopy
 from numbers import Number
 from typing import Any
@@ -26,12 +25,11 @@ from laplace.core import distributed as distributed_utils
 from laplace.core.base import BaseLaplace
 from laplace.core.data_loop import DataLoop
 from laplace.core.priors import expand_to_diagonal, fix_prior_prec_structure
-from laplace.core.subsets import AllWeights
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.registry import available_optional, load_optional
 from laplace.laplace import Laplace
 from laplace.likelihoods import make_likelihood
-from laplace.utils.data import Inputs, dataset_size
+from laplace.utils.data import Inputs
 from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure, parse_enum
 from laplace.utils.errors import (
     check_finite_result,
@@ -159,11 +157,7 @@ def marglik_training(
     optimizer_kwargs = check_mapping(optimizer_kwargs, "optimizer_kwargs")
     scheduler_kwargs = check_mapping(scheduler_kwargs, "scheduler_kwargs")
     distributed = distributed_utils.resolve(distributed, train_loader)
-    n_data = (
-        distributed_utils.all_reduce_sum(distributed_utils.data_count(train_loader))
-        if distributed
-        else dataset_size(train_loader)
-    )
+    n_data = distributed_utils.total_data_count(train_loader, distributed)
     if n_data == 0:
         raise ValueError("train_loader is empty: marglik_training needs data.")
     backend = default_backend(likelihood, sigma_noise_init) if backend is None else backend
@@ -209,7 +203,9 @@ def marglik_training(
     log_sigma = init.log().to(device=weights.device, dtype=weights.dtype)
     log_sigma.requires_grad_(learn_sigma)
     hyper_optimizer = Adam([log_prior_prec, *([log_sigma] if learn_sigma else [])], lr=lr_hyp)
-    fixed_sigma = _detached(sigma_noise_init) if has_noise else 1.0
+    fixed_sigma = sigma_noise_init if has_noise else 1.0
+    if torch.is_tensor(fixed_sigma):
+        fixed_sigma = fixed_sigma.detach().clone()
 
     def hyperparameters() -> tuple[Tensor, Tensor | float]:
         """The current prior precision and σ, detached."""
@@ -217,6 +213,40 @@ def marglik_training(
         return log_prior_prec.detach().exp(), sigma
 
     optimizer = optimizer_cls(model.parameters(), **optimizer_kwargs)
+    scheduler = scheduler_cls(optimizer, **scheduler_kwargs) if scheduler_cls else None
+    fit_likelihood = likelihood_model.fit_likelihood
+    # Mean losses (MSE over all outputs, or cross-entropy), targets shaped by the likelihood.
+    criterion = fit_likelihood.loss_module()
+
+    def training_step(X: Inputs, y: Tensor) -> float:
+        """One optimiser step on a batch; its loss times its size."""
+        prior_precision, sigma = hyperparameters()
+        optimizer.zero_grad()
+        f = model(X)
+        fit_likelihood.outputs.require_plain(f.shape, "marglik_training", _FIT_INSTEAD)
+        targets = fit_likelihood.prepare_targets(f, y)
+        if torch.is_tensor(sigma) and sigma.numel() > 1:
+            # One σ per output: outputs and targets scaled by σ̄/σ_c weigh the squared
+            # error of output c by σ̄²/σ_c², with σ̄² = 1/mean(1/σ²) in the prior term.
+            precision = sigma.square().reciprocal()
+            output_weights = (precision / precision.mean()).sqrt()
+            f, targets = f * output_weights, targets * output_weights
+            sigma2 = float(1 / precision.mean())
+        else:
+            sigma2 = float(sigma.square()) if torch.is_tensor(sigma) else sigma**2
+        # The log joint per data point, in units of the mean loss: ½θᵀP₀θ · c / N with
+        # c = σ² / (loss_scale · T), i.e. 2σ²/T for the MSE and 1/T for cross-entropy.
+        prior_scale = sigma2 / fit_likelihood.loss_scale / temperature
+        delta = expand_to_diagonal(prior_precision, weights.prior_sizes)
+        theta = weights.vector()
+        data_loss = criterion(f, targets)
+        loss = data_loss + 0.5 * (delta * theta) @ theta * prior_scale / n_data
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        return loss.item() * len(y)
+
     epoch_loop = TrainingEpoch(
         dict_key_x,
         dict_key_y,
@@ -224,14 +254,7 @@ def marglik_training(
         distributed=distributed,
         what="marglik training",
         empty_message="train_loader yielded no batches: marglik_training needs data.",
-        model=model,
-        weights=weights,
-        optimizer=optimizer,
-        scheduler=scheduler_cls(optimizer, **scheduler_kwargs) if scheduler_cls else None,
-        likelihood=likelihood_model.fit_likelihood,
-        hyperparameters=hyperparameters,
-        temperature=temperature,
-        n_data=n_data,
+        step=training_step,
     )
     best: tuple[float, dict[str, Tensor], Tensor, Tensor | float] | None = None
     margliks: list[Number] = []
@@ -268,73 +291,16 @@ def marglik_training(
 
 
 class TrainingEpoch(DataLoop):
-    """One epoch of MAP training: an optimiser step on the negative log joint per batch.
+    """One epoch of MAP training, summing what ``step`` returns over the data (and ranks).
 
-    ``run`` returns the negative log joint summed over the data points (and ranks).
-    ``*args`` and ``**options`` are ``DataLoop``'s; ``weights`` is the parameter subset of all
-    trained weights; ``hyperparameters() -> (δ, σ)`` gives the prior precision (scalar,
-    layer-wise or diagonal) and the noise (a number, () or (C,)); ``n_data`` is N over all
-    ranks; ``scheduler`` (or None) is stepped after every batch.
+    ``step`` takes an optimiser step on the negative log joint of a batch and returns it times
+    the batch size.
     """
-
-    def __init__(
-        self,
-        *args: Any,
-        model: nn.Module,
-        weights: AllWeights,
-        optimizer: Optimizer,
-        scheduler: LRScheduler | None,
-        likelihood: Any,
-        hyperparameters: Callable[[], tuple[Tensor, Tensor | float]],
-        temperature: float,
-        n_data: int,
-        **options: Any,
-    ) -> None:
-        super().__init__(*args, **options)
-        self.model, self.weights = model, weights
-        self.optimizer, self.scheduler = optimizer, scheduler
-        self.likelihood, self.hyperparameters = likelihood, hyperparameters
-        self.temperature, self.n_data = temperature, n_data
-        # Mean losses (MSE over all outputs, or cross-entropy), targets shaped by the likelihood.
-        self.criterion = likelihood.loss_module()
 
     def start(self) -> float:
         """The epoch's loss starts at zero."""
         return 0.0
 
-    def step(self, X: Inputs, y: Tensor) -> float:
-        """One optimiser step on a batch; its loss times its size."""
-        prior_precision, sigma = self.hyperparameters()
-        self.optimizer.zero_grad()
-        f = self.model(X)
-        self.likelihood.outputs.require_plain(f.shape, "marglik_training", _FIT_INSTEAD)
-        targets = self.likelihood.prepare_targets(f, y)
-        if torch.is_tensor(sigma) and sigma.numel() > 1:
-            # One σ per output: outputs and targets scaled by σ̄/σ_c weigh the squared
-            # error of output c by σ̄²/σ_c², with σ̄² = 1/mean(1/σ²) in the prior term.
-            precision = sigma.square().reciprocal()
-            weights = (precision / precision.mean()).sqrt()
-            f, targets = f * weights, targets * weights
-            sigma2 = float(1 / precision.mean())
-        else:
-            sigma2 = float(sigma.square()) if torch.is_tensor(sigma) else sigma**2
-        # The log joint per data point, in units of the mean loss: ½θᵀP₀θ · c / N with
-        # c = σ² / (loss_scale · T), i.e. 2σ²/T for the MSE and 1/T for cross-entropy.
-        prior_scale = sigma2 / self.likelihood.loss_scale / self.temperature
-        delta = expand_to_diagonal(prior_precision, self.weights.prior_sizes)
-        theta = self.weights.vector()
-        data_loss = self.criterion(f, targets)
-        loss = data_loss + 0.5 * (delta * theta) @ theta * prior_scale / self.n_data
-        loss.backward()
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        return loss.item() * len(y)
-
     def check(self, stats: float) -> None:
         """Refuse a non-finite loss (a diverging optimiser), naming the training."""
         check_finite_result(stats, "loss of a batch of marglik training")
-
-
-def _detached(value: Tensor | float) -> Tensor | float:
-    return value.detach().clone() if torch.is_tensor(value) else value

@@ -42,25 +42,19 @@ __all__ = ["DiagSubnetLaplace", "FullSubnetLaplace", "SubnetLaplace"]
 class SubnetLaplace(ParametricLaplace):
     """Base of the subnetwork Laplace approximations; subclasses choose the structure.
 
+    Arguments not listed are those of :class:`~laplace.core.base.BaseLaplace`;
+    ``enable_backprop``, ``dict_key_x``, ``dict_key_y``, ``class_dim`` and ``ignore_index`` are
+    keyword only (laplace-torch's subnetwork Laplace has none of them).
+
     Args:
-        model: The trained network.
         likelihood: ``"classification"`` or ``"regression"``.
         subnetwork_indices: 1-D ``torch.long`` tensor of K distinct indices into the flattened
             trainable parameters (``model.named_parameters()`` order), e.g. from a
             :class:`~laplace.utils.subnetmask.SubnetMask`.
-        sigma_noise: See :class:`~laplace.core.base.BaseLaplace`.
         prior_precision: A scalar or one value per subnetwork entry (K,).
         prior_mean: A scalar or one value per subnetwork entry (K,).
-        temperature: See :class:`~laplace.core.base.BaseLaplace`.
         backend: A GGN or empirical-Fisher backend (default ``CurvlinopsGGN``).
-        backend_kwargs: See :class:`~laplace.core.base.BaseLaplace`.
         asdl_fisher_kwargs: Not supported (must be None).
-        enable_backprop: See :class:`~laplace.core.base.BaseLaplace` (keyword only: laplace-torch's
-            subnetwork Laplace has none).
-        dict_key_x: See :class:`~laplace.core.base.BaseLaplace` (keyword only).
-        dict_key_y: See :class:`~laplace.core.base.BaseLaplace` (keyword only).
-        class_dim: See :class:`~laplace.core.base.BaseLaplace` (keyword only).
-        ignore_index: See :class:`~laplace.core.base.BaseLaplace` (keyword only).
 
     Raises:
         TypeError: Without ``subnetwork_indices`` (None raises an error that is a

@@ -30,6 +30,7 @@ __all__ = [
     "is_distributed",
     "resolve",
     "shard_dataset",
+    "total_data_count",
     "unwrap_model",
 ]
 
@@ -70,6 +71,11 @@ def data_count(loader: DataLoader) -> int:
     if isinstance(getattr(loader, "sampler", None), DistributedSampler):
         return len(loader.sampler)
     return dataset_size(loader)
+
+
+def total_data_count(loader: DataLoader, distributed: bool) -> int:
+    """Data points of all ranks together when ``distributed``, else those of ``loader``."""
+    return all_reduce_sum(data_count(loader)) if distributed else dataset_size(loader)
 
 
 def _reduce(tensor: Tensor, op: Any = None) -> Tensor:

@@ -28,24 +28,6 @@ __all__ = [
 MEAN_MATCH_ATOL = 1e-6
 
 
-def _detached_tensor(value: Any) -> Tensor:
-    return torch.as_tensor(value).detach()
-
-
-#: Entries of a parametric state besides its identity, mean and curvature: how each is saved
-#: (and loaded, then through the attribute's setter; the loss moves to the model's device).
-PARAMETRIC_VALUES = {
-    "loss": _detached_tensor,
-    "n_data": int,
-    "n_outputs": int,
-    "prior_mean": _detached_tensor,
-    "prior_precision": _detached_tensor,
-    "sigma_noise": _detached_tensor,
-    "temperature": float,
-    "enable_backprop": bool,
-}
-
-
 def _leaves(value: Any) -> Iterator[Any]:
     """The tensors (and anything else that is not a container) in nested lists and dicts."""
     if isinstance(value, Mapping):
@@ -230,16 +212,12 @@ class ParametricState(StateFormat):
         }
 
     def value_keys(self, la: Any) -> tuple[str, ...]:
-        """The curvature and the parametric entries."""
-        return ("H", *PARAMETRIC_VALUES)
+        """The curvature and the class's entries."""
+        return ("H", *super().value_keys(la))
 
     def tensor_keys(self, la: Any) -> tuple[str, ...]:
-        """The curvature, loss and hyperparameters."""
-        return ("H", *[k for k, save in PARAMETRIC_VALUES.items() if save is _detached_tensor])
-
-    def count_keys(self, la: Any) -> tuple[str, ...]:
-        """The data and output counts."""
-        return tuple(k for k, save in PARAMETRIC_VALUES.items() if save is int)
+        """The curvature and the class's tensors (loss and hyperparameters)."""
+        return ("H", *super().tensor_keys(la))
 
     def values(self, la: Any) -> dict[str, Any]:
         """The curvature as the structure saves it, the loss, counts and hyperparameters."""
@@ -247,7 +225,7 @@ class ParametricState(StateFormat):
         return {
             **({} if layout is None else {"output_layout": layout}),
             "H": self.curvature_state(la),
-            **{key: save(getattr(la, key)) for key, save in PARAMETRIC_VALUES.items()},
+            **super().values(la),
         }
 
     def check(self, la: Any, state_dict: dict[str, Any]) -> None:
@@ -259,9 +237,7 @@ class ParametricState(StateFormat):
     def load(self, la: Any, state_dict: dict[str, Any]) -> None:
         """Assign the curvature, loss, counts and hyperparameters."""
         la.H = self.load_curvature(la, state_dict["H"])
-        for key, save in PARAMETRIC_VALUES.items():
-            setattr(la, key, save(state_dict[key]))
-        la.loss = la.loss.to(device=la._device, dtype=la._dtype)
+        super().load(la, state_dict)
         la._likelihood_model.outputs.remember(state_dict.get("output_layout"))
         la._posterior_cache = None
 

@@ -199,13 +199,11 @@ class AllWeights(_FlatParameters):
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
 
-    def forward_with(self, theta: Tensor, X: Any, **model_kwargs: Any) -> Tensor:
-        """Model output at weights ``theta`` (P,) without modifying the model."""
-        return functional_call(self.model, self.unflatten(theta), (X,), model_kwargs)
-
     def forward_samples(self, thetas: Tensor, X: Any, **model_kwargs: Any) -> Tensor:
-        """Model outputs for each weight sample: thetas (S, P) → (S, B, C)."""
-        return torch.stack([self.forward_with(theta, X, **model_kwargs) for theta in thetas])
+        """Model outputs for weight samples (S, P) → (S, B, C), leaving the model unchanged."""
+        return torch.stack(
+            [functional_call(self.model, self.unflatten(t), (X,), model_kwargs) for t in thetas]
+        )
 
     def jacobian_kind(self, closed_forms: Collection[type[Jacobian]]) -> type[Jacobian]:
         """The Jacobian kind :meth:`linearize` returns, given the posterior's closed forms."""
@@ -268,9 +266,9 @@ def check_subnetwork_indices(indices: Any, n_params: int) -> Tensor:
 class Subnetwork(AllWeights):
     """Chosen entries ``θ[indices]`` of the flattened trainable parameters; the rest stay at MAP.
 
-    ``params``, ``names``, ``vector()`` and ``forward_with`` refer to the whole trainable vector
-    (length P, as ``la.mean`` in laplace-torch); :meth:`select` and :meth:`assemble` move
-    between it and the subnetwork values (length K, in the order of ``indices``).
+    ``params``, ``names``, ``vector()`` and ``forward_samples`` refer to the whole trainable
+    vector (length P, as ``la.mean`` in laplace-torch); :meth:`select` and :meth:`assemble`
+    move between it and the subnetwork values (length K, in the order of ``indices``).
 
     Args:
         model: The network.
@@ -439,10 +437,6 @@ class LastLayer(_FlatParameters):
         if self.layer.bias is not None:
             f = f + thetas[:, n_out * n_in :].unsqueeze(1)
         return f
-
-    def forward_with(self, theta: Tensor, X: Inputs, **model_kwargs: Any) -> Tensor:
-        """Model output with head weights ``theta`` (P,), shape (B, C)."""
-        return self.forward_samples(theta.unsqueeze(0), X, **model_kwargs)[0]
 
     def forward_samples(self, thetas: Tensor, X: Inputs, **model_kwargs: Any) -> Tensor:
         """Outputs for head samples thetas (S, P) → (S, B, C), from one feature pass."""

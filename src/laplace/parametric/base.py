@@ -32,7 +32,6 @@ from laplace.utils.data import (
     Inputs,
     batch_size_of,
     check_outputs,
-    dataset_size,
     input_chunks,
     prepare_inputs,
 )
@@ -63,6 +62,9 @@ class ParametricLaplace(BaseLaplace):
     _abstract = "use FullLaplace, DiagLaplace, KronLaplace or LowRankLaplace."
     _posterior_cls: type[Posterior]
     _state_format = ParametricState()
+    _state_plain = ("n_data", "n_outputs", "temperature", "enable_backprop")
+    _state_tensors = ("loss", "prior_mean", "prior_precision", "sigma_noise")
+    _state_counts = ("n_data", "n_outputs")
     #: The pass over the data that sums the curvature, and its further options.
     _curvature_pass: type[FitPass] = CurvatureSum
     _fit_pass_options: ClassVar[dict[str, Any]] = {}
@@ -327,11 +329,7 @@ class ParametricLaplace(BaseLaplace):
                 f"{structure.update_refusal}"
             )
         self._distributed = distributed_utils.resolve(distributed, train_loader)
-        n_data = (  # all ranks' data points together when distributed
-            distributed_utils.all_reduce_sum(distributed_utils.data_count(train_loader))
-            if self._distributed
-            else dataset_size(train_loader)
-        )
+        n_data = distributed_utils.total_data_count(train_loader, self._distributed)
         if n_data == 0:
             raise ValueError("train_loader is empty: fit needs at least one data point.")
         with distributed_utils.guard(self._distributed, "fit"):
@@ -354,36 +352,13 @@ class ParametricLaplace(BaseLaplace):
         mean = self._subset.vector()
         if not self._fitted:
             self.H = None  # the prior's zero curvature: freed while summing, rebuilt on failure
-        H_new, loss_new, n_outputs = self._accumulate(
-            train_loader, n_before + n_data, progress_bar
-        )
-        if update:
-            H_new = structure.merge(self.H, H_new, n_before, n_before + n_data)
-            loss_new = self.loss + loss_new
-        self.H = structure.finalize(H_new, **self._structure_options)
-        self.loss, self.n_data, self.n_outputs = loss_new, n_before + n_data, n_outputs
-        self.mean = mean if self.enable_backprop else mean.detach()
-        self._posterior_cache = None
-        self._fitted = True
-
-    def _accumulate(
-        self, train_loader: DataLoader, n_data: int, progress_bar: bool
-    ) -> tuple[Any, Tensor | float, int]:
-        """The curvature and the loss summed over ``train_loader``, and the number of outputs.
-
-        Args:
-            train_loader: The training data.
-            n_data: Number of data points the summed curvature covers (KFAC normalises by the
-                data of earlier fits too).
-            progress_bar: Show a progress bar over batches.
-        """
         pieces = FitPieces(
             subset=self._subset,
             posterior=self._posterior_cls,
             backend=self.backend,
             likelihood=self._likelihood_model.fit_likelihood,
             zeros=self._zero_curvature,
-            n_data=n_data,
+            n_data=n_before + n_data,  # KFAC normalises by the data of earlier fits too
         )
         loop = self._data_loop(
             self._curvature_pass,
@@ -394,10 +369,17 @@ class ParametricLaplace(BaseLaplace):
             distributed=self._distributed,
             empty_message="train_loader yielded no batches: fit needs at least one batch.",
         )
-        H, loss = loop.run(train_loader)
+        H_new, loss_new = loop.run(train_loader)
         for name, value in loop.results.items():
             setattr(self, name, value)
-        return H, loss, loop.n_outputs
+        if update:
+            H_new = structure.merge(self.H, H_new, n_before, n_before + n_data)
+            loss_new = self.loss + loss_new
+        self.H = structure.finalize(H_new, **self._structure_options)
+        self.loss, self.n_data, self.n_outputs = loss_new, n_before + n_data, loop.n_outputs
+        self.mean = mean if self.enable_backprop else mean.detach()
+        self._posterior_cache = None
+        self._fitted = True
 
     def _zero_curvature(self) -> Any:
         """Empty curvature in the posterior's structure and dimension."""

@@ -49,26 +49,15 @@ class KronLaplace(ParametricLaplace):
     Monte-Carlo or empirical Fisher, and the GLM predictive is refused for it (docs: Large output
     dimensions).
 
+    Arguments not listed are those of :class:`~laplace.core.base.BaseLaplace`.
+
     Args:
-        model: See :class:`~laplace.core.base.BaseLaplace`.
-        likelihood: See :class:`~laplace.core.base.BaseLaplace`.
-        sigma_noise: See :class:`~laplace.core.base.BaseLaplace`.
         prior_precision: Scalar or one value per parameter tensor (a diagonal prior has no
             Kronecker eigenbasis and is refused).
-        prior_mean: See :class:`~laplace.core.base.BaseLaplace`.
-        temperature: See :class:`~laplace.core.base.BaseLaplace`.
-        enable_backprop: See :class:`~laplace.core.base.BaseLaplace`.
-        dict_key_x: See :class:`~laplace.core.base.BaseLaplace`.
-        dict_key_y: See :class:`~laplace.core.base.BaseLaplace`.
-        backend: See :class:`~laplace.core.base.BaseLaplace`; a GGN or EF backend. Its
-            ``backend_kwargs`` may set ``kfac_approx`` (``"expand"`` or ``"reduce"``) and
-            ``kfac_dense_limit`` (the native backends).
+        backend: A GGN or EF backend. Its ``backend_kwargs`` may set ``kfac_approx``
+            (``"expand"`` or ``"reduce"``) and ``kfac_dense_limit`` (the native backends).
         damping: Mix the prior into each factor: a weight block's spectrum becomes
             ``(√h·λ_G + √δ)(√h·λ_A + √δ)ᵀ`` instead of ``h·λ_G λ_Aᵀ + δ``.
-        backend_kwargs: See :class:`~laplace.core.base.BaseLaplace`.
-        asdl_fisher_kwargs: See :class:`~laplace.core.base.BaseLaplace`.
-        class_dim: See :class:`~laplace.core.base.BaseLaplace`.
-        ignore_index: See :class:`~laplace.core.base.BaseLaplace`.
         output_factor_rank: Largest rank of the low-rank term of a large layer's output factor
             (default :data:`~laplace.posteriors.large_output.OUTPUT_FACTOR_RANK`).
 

@@ -198,19 +198,13 @@ class LowRankLaplace(ParametricLaplace):
     :meth:`fit`, ``H`` is an empty eigenbasis ``(U (P, 0), λ (0,))``: the posterior is the prior
     (laplace-torch keeps None there).
 
+    Arguments not listed are those of :class:`~laplace.core.base.BaseLaplace`.
+
     Args:
-        model: The trained network.
         likelihood: ``"classification"`` or ``"regression"``.
         backend: Curvature family: ``CurvlinopsGGN`` (default, exact GGN; ``stochastic=True``
             for the Monte-Carlo Fisher), ``CurvlinopsEF``/``AsdlEF``, or a Hessian backend
             (``CurvlinopsHessian``, ``AsdlHessian``). laplace-torch's default is the Hessian.
-        sigma_noise: See :class:`~laplace.core.base.BaseLaplace`.
-        prior_precision: See :class:`~laplace.core.base.BaseLaplace`.
-        prior_mean: See :class:`~laplace.core.base.BaseLaplace`.
-        temperature: See :class:`~laplace.core.base.BaseLaplace`.
-        enable_backprop: See :class:`~laplace.core.base.BaseLaplace`.
-        dict_key_x: See :class:`~laplace.core.base.BaseLaplace`.
-        dict_key_y: See :class:`~laplace.core.base.BaseLaplace`.
         backend_kwargs: Backend options, plus the eigensolver's: ``n_eigenvalues`` (k, default
             10; ``low_rank`` is accepted as in laplace-torch); ``solver``: ``"randomized"``
             (default) on blocks of ``k + oversampling`` vectors (``oversampling`` default 10),
@@ -221,8 +215,6 @@ class LowRankLaplace(ParametricLaplace):
             fewer once every error bound is at most ``tol``; or ``"lanczos"`` or ``"lobpcg"``
             (exact to ``tol``, default 0: machine precision; hundreds of passes); ``seed``
             (start vectors).
-        class_dim: See :class:`~laplace.core.base.BaseLaplace`.
-        ignore_index: See :class:`~laplace.core.base.BaseLaplace`.
 
     Attributes:
         eigenvalue_errors: After :meth:`fit`, a posteriori relative errors of the eigenvalues,
