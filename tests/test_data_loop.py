@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import laplace
 from conftest import CASE_BUILDERS, DictDataset, assert_close
 from laplace import FullLaplace, Laplace, marglik_training
 from laplace.core.data_loop import DataLoop, Gather
@@ -153,3 +158,43 @@ def test_marglik_training_epochs_are_data_loops(loop_runs):
     )
     epoch = ["TrainingEpoch", "CurvatureSum"]  # training, then the Laplace fit for the marglik
     assert loop_runs == [*epoch, *epoch, "CurvatureSum"]
+
+
+# ---------------------------------------------------------------- the global progress-bar switch
+@pytest.fixture
+def progress_switch():
+    """Restores the per-call flags after a test that sets the global switch."""
+    yield laplace.set_progress_bars
+    laplace.set_progress_bars(None)
+
+
+@pytest.mark.parametrize(
+    ("switch", "per_call", "shown"),
+    [(None, True, True), (None, False, False), (False, True, False), (True, False, True)],
+)
+def test_the_global_switch_overrides_the_per_call_progress_bar_flag(
+    progress_switch, capsys, switch, per_call, shown
+):
+    case = CASE_BUILDERS["mlp_regression_1out"]()
+    progress_switch(switch)
+    la = Laplace(case.model, "regression", subset_of_weights="all", hessian_structure="diag")
+    la.fit(case.loader(), progress_bar=per_call)
+    la.optimize_prior_precision(method="marglik", n_steps=3, progress_bar=per_call)
+    err = capsys.readouterr().err
+    assert ("fit" in err and "marglik tuning" in err) is shown, err
+
+
+def test_the_switch_refuses_what_is_not_a_bool_or_none(progress_switch):
+    with pytest.raises(TypeError, match="True, False or None"):
+        progress_switch("yes")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("0", "False"), ("on", "True"), ("", "None"), ("maybe", "LAPLACE_PROGRESS_BARS='maybe'")],
+)
+def test_the_environment_variable_sets_the_switch_at_import(value, expected):
+    code = "import laplace.core.data_loop as d; print(d._progress_bars)"
+    env = {**os.environ, "LAPLACE_PROGRESS_BARS": value}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert expected in result.stdout + result.stderr

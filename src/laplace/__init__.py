@@ -9,6 +9,7 @@ it, and nothing in the package imports ``laplace`` itself (see ``docs/architectu
 from importlib.metadata import PackageNotFoundError, version
 
 from laplace.core.base import BaseLaplace
+from laplace.core.data_loop import set_progress_bars
 from laplace.functional import (
     ELLA,
     BaseFunctionalLaplace,
@@ -63,6 +64,7 @@ __all__ = [
     "TuningMethod",
     "VaLLA",
     "marglik_training",
+    "set_progress_bars",
 ]
 
 try:

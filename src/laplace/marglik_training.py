@@ -19,11 +19,10 @@ from torch import Tensor, nn
 from torch.optim import Adam, Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
-from tqdm.auto import trange
 
 from laplace.core import distributed as distributed_utils
 from laplace.core.base import BaseLaplace
-from laplace.core.data_loop import DataLoop
+from laplace.core.data_loop import DataLoop, progress
 from laplace.core.priors import expand_to_diagonal, fix_prior_prec_structure
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.registry import available_optional, load_optional
@@ -259,7 +258,7 @@ def marglik_training(
     best: tuple[float, dict[str, Tensor], Tensor, Tensor | float] | None = None
     margliks: list[Number] = []
     losses: list[Number] = []
-    for epoch in trange(1, n_epochs + 1, disable=not progress_bar, desc="marglik training"):
+    for epoch in progress(range(1, n_epochs + 1), progress_bar, "marglik training"):
         model.train()
         losses.append(epoch_loop.run(train_loader) / n_data)
         logger.info("marglik training, epoch %d: loss %.4g", epoch, losses[-1])

@@ -7,8 +7,9 @@ value (a pass that raises changes nothing) and all-reduces them in a distributed
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -21,7 +22,45 @@ from laplace.core import distributed as distributed_utils
 from laplace.utils.data import Inputs, concatenate_rows, prepare_batch
 from laplace.utils.errors import check_finite_result
 
-__all__ = ["DataLoop", "Gather"]
+__all__ = ["DataLoop", "Gather", "progress", "set_progress_bars"]
+
+T = TypeVar("T")
+SWITCH_VALUES = {"0": False, "false": False, "off": False, "1": True, "true": True, "on": True}
+
+
+def _switch_from_environment() -> bool | None:
+    """``LAPLACE_PROGRESS_BARS`` read as a switch: unset/empty gives None (per-call flags)."""
+    value = os.environ.get("LAPLACE_PROGRESS_BARS", "").strip().lower()
+    if value and value not in SWITCH_VALUES:
+        raise ValueError(
+            f"LAPLACE_PROGRESS_BARS={value!r}: expected one of {', '.join(SWITCH_VALUES)} "
+            "(or unset, so that each call's progress_bar flag decides)."
+        )
+    return SWITCH_VALUES.get(value)
+
+
+_progress_bars: bool | None = _switch_from_environment()
+
+
+def set_progress_bars(enabled: bool | None) -> None:
+    """Show (True) or hide (False) every progress bar of laplace-ng, whatever a call asks.
+
+    None gives the decision back to each call's ``progress_bar`` flag (the default). The
+    environment variable ``LAPLACE_PROGRESS_BARS`` (``1``/``0``) sets the same switch at import.
+
+    Raises:
+        TypeError: If ``enabled`` is not a bool or None.
+    """
+    global _progress_bars
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True, False or None, got {enabled!r}.")
+    _progress_bars = enabled
+
+
+def progress(iterable: Iterable[T], show: bool, desc: str) -> Iterable[T]:
+    """``iterable`` with a tqdm bar when the global switch, or else ``show``, says so."""
+    enabled = show if _progress_bars is None else _progress_bars
+    return tqdm(iterable, disable=not enabled, desc=desc)
 
 
 class DataLoop:
@@ -77,7 +116,7 @@ class DataLoop:
             ValueError: For batches ``prepare_batch`` refuses, and what ``check_inputs`` raises.
         """
         show = self.progress_bar if progress_bar is None else progress_bar
-        for batch in tqdm(loader, disable=not show, desc=self.desc):
+        for batch in progress(loader, show, self.desc):
             X, y = prepare_batch(batch, self.dict_key_x, self.dict_key_y, self.device)
             if self.check_inputs is not None:
                 self.check_inputs(X)
@@ -90,7 +129,7 @@ class DataLoop:
             ValueError: If the loader yields no batch (``empty_message``).
         """
         source: Iterator[tuple[Inputs, Tensor]] = iter(())
-        for _ in tqdm(range(n_steps), disable=not self.progress_bar, desc=self.desc):
+        for _ in progress(range(n_steps), self.progress_bar, self.desc):
             batch = next(source, None)
             if batch is None:
                 source = self.batches(loader, progress_bar=False)

@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from laplace.core import distributed as distributed_utils
+from laplace.core.data_loop import progress
 from laplace.core.priors import as_prior_precision, fix_prior_prec_structure
 from laplace.posteriors import NotPositiveDefiniteError
 from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMethod, parse_enum
@@ -63,7 +63,7 @@ def maximize_marglik(
     """
     log_prior = init.detach().log().requires_grad_(True)
     optimizer = torch.optim.Adam([log_prior], lr=lr)
-    for _ in tqdm(range(n_steps), disable=not progress_bar, desc="marglik tuning"):
+    for _ in progress(range(n_steps), progress_bar, "marglik tuning"):
         optimizer.zero_grad()
         neg_marglik = -log_marginal_likelihood(log_prior.exp())
         neg_marglik.backward()
@@ -109,7 +109,7 @@ def search_grid(
         The best candidate (None when no score is finite) and the scores in candidate order.
     """
     best, best_score, scores = None, math.inf, []
-    for candidate in tqdm(candidates, disable=not progress_bar, desc="gridsearch"):
+    for candidate in progress(candidates, progress_bar, "gridsearch"):
         value = score(candidate)
         scores.append(value)
         if math.isfinite(value) and value < best_score:

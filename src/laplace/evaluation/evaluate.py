@@ -16,9 +16,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torchmetrics.classification import BinaryAUROC
-from tqdm.auto import tqdm
 
 from laplace.core import distributed as distributed_utils
+from laplace.core.data_loop import progress
 from laplace.likelihoods import make_likelihood
 from laplace.likelihoods.scoring import N_BINS, Evaluation, EvaluationOptions
 from laplace.utils.data import Inputs, move_inputs, split_batch
@@ -170,7 +170,7 @@ def evaluate(
     task = evaluation(likelihood) if likelihood is not None else None  # fails before predicting
     auroc = BinaryAUROC(sync_on_compute=sync) if ood_loader is not None else None
     n_batches = 0
-    for batch in tqdm(loader, disable=not progress_bar, desc="evaluate"):
+    for batch in progress(loader, progress_bar, "evaluate"):
         X, y = split_batch(batch, key_x, key_y)
         out = predict_detached(la, X, device, predictive_kwargs)
         if task is None:
@@ -183,7 +183,7 @@ def evaluate(
         raise ValueError("loader yielded no batches: evaluate needs at least one.")
     result = task.compute()
     if auroc is not None:
-        for batch in tqdm(ood_loader, disable=not progress_bar, desc="evaluate OOD"):
+        for batch in progress(ood_loader, progress_bar, "evaluate OOD"):
             out = predict_detached(la, _inputs(batch, key_x, key_y), device, predictive_kwargs)
             _update_auroc(auroc, task.entropy(out), ood=True)
         result["ood_auroc"] = float(auroc.compute())
