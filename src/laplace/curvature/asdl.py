@@ -94,19 +94,6 @@ def _diag_vector(module: nn.Module, attr: str) -> Tensor:
     return torch.cat(parts)
 
 
-def _kron_from_asdl(module: nn.Module, scale: float, n_data: int, factor: float) -> Kron:
-    """The :class:`Kron` of ASDL's factors ``kron.B`` (outputs) and ``kron.A`` (inputs).
-
-    Both are summed over the batch; ``scale`` brings ``B`` to the library's curvature, and a
-    bias block is ``B`` alone.
-    """
-    blocks = []
-    for sub, name in _trainable(module):
-        kron = sub.fisher.kron
-        blocks.append((scale * kron.B, kron.A if name == "weight" else None))
-    return kron_blocks(blocks, n_data, factor)
-
-
 class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
     """Base of the ASDL backends.
 
@@ -252,8 +239,10 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
             dummy = maker.setup_model_call(target.module, target.inputs)
             maker.setup_loss_call(self.lossfunc, dummy, self._targets(y))
             maker.forward_and_backward()
-            if shape == SHAPE_KRON:
-                result = _kron_from_asdl(target.module, scale, n_data, self.factor)
+            if shape == SHAPE_KRON:  # ASDL's factors B (outputs) and A (inputs), batch sums
+                factors = [(sub.fisher.kron, name) for sub, name in _trainable(target.module)]
+                blocks = [(scale * F.B, F.A if name == "weight" else None) for F, name in factors]
+                result = kron_blocks(blocks, n_data, self.factor)
             elif shape == SHAPE_FULL:
                 H = getattr(target.module, attr).data
                 result = self._select(self._select(scale * H).T).detach()
@@ -283,9 +272,7 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         Raises:
             ValueError: For a subnetwork or a layer ASDL cannot factor (before any work).
         """
-        if self.subnetwork_indices is not None:
-            raise ValueError("a subnetwork has no Kronecker structure; use diag or full.")
-        self.kron_shapes()  # refuses layers ASDL cannot factor
+        self.kron_shapes()  # refuses a subnetwork and layers ASDL cannot factor
         return self._curvature(x, y, SHAPE_KRON, N, **kwargs)
 
 

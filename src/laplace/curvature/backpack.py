@@ -36,7 +36,6 @@ from laplace.curvature.curvature import (
     GGNInterface,
     check_dict_inputs,
 )
-from laplace.curvature.kfac_rules import check_kronecker_layers
 from laplace.curvature.third_party import (
     KroneckerLayersOnly,
     TargetCall,
@@ -253,10 +252,8 @@ class BackPackGGN(BackPackInterface, GGNInterface):
             ValueError: For dict-like inputs, a non-sequential model, a subnetwork or a layer other
                 than Linear and convolution layers.
         """
-        if self.subnetwork_indices is not None:
-            raise ValueError("a subnetwork has no Kronecker structure; use diag or full.")
+        self.kron_shapes()  # refuses a subnetwork and layers BackPACK cannot factor
         extension, attr = self._extension("kron")
-        check_kronecker_layers(self._model, self.params, self.library)
 
         def read(module: nn.Module) -> Kron:
             # BackPACK's factors: G of the unscaled loss (1/c times ours) summed over the

@@ -12,8 +12,6 @@ Memory: the block, the result and one batch.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
@@ -116,7 +114,7 @@ class SampleVectors:
             for i, call in enumerate(trace.calls)
             if self.layerwise and _is_plain_linear(call)
         }
-        self._cache: dict[tuple[int, int], Any] = {}
+        self._cache: dict[tuple[int, int], dict[int, Tensor]] = {}
         self._cached_bytes = 0
 
     @property
@@ -139,35 +137,32 @@ class SampleVectors:
         self._cached_bytes = 0
 
     # ----------------------------------------------------------------- per-sample gradients
-    def _keep(self, key: tuple[int, int], value: Any, nbytes: int) -> None:
-        if self._cached_bytes + nbytes <= PER_SAMPLE_CACHE_BYTES:
-            self._cache[key] = value
-            self._cached_bytes += nbytes
+    def _per_sample(self, i: int, k: int) -> dict[int, Tensor]:
+        """Per-sample gradients (B, n) of call ``i`` for column ``k``, by parameter slot.
 
-    def _layer_grads(self, i: int, k: int) -> dict[int, Tensor]:
-        """Per-sample gradients (B, n) of call ``i`` for column ``k``, by parameter slot."""
+        ``i = -1`` gives the rows (B, P) of the whole model, under slot -1 (fallback route).
+        Results are kept for the next product within :data:`PER_SAMPLE_CACHE_BYTES`.
+        """
         if (i, k) in self._cache:
             return self._cache[i, k]
-        call, g_call = self.trace.calls[i], self.output_gradients[i]
-        grads = self.trace.slot_grads(call, [g[k] for g in g_call])
-        out = {slot: grad.reshape(self.B, -1) for slot, grad in grads.items()}
-        self._keep((i, k), out, sum(t.numel() * t.element_size() for t in out.values()))
+        if i < 0:
+            out = {-1: self.trace.per_sample(self.columns[k])}
+        else:
+            g_call = [g[k] for g in self.output_gradients[i]]
+            grads = self.trace.slot_grads(self.trace.calls[i], g_call)
+            out = {slot: grad.reshape(self.B, -1) for slot, grad in grads.items()}
+        nbytes = sum(t.numel() * t.element_size() for t in out.values())
+        if self._cached_bytes + nbytes <= PER_SAMPLE_CACHE_BYTES:
+            self._cache[i, k] = out
+            self._cached_bytes += nbytes
         return out
-
-    def _rows(self, k: int) -> Tensor:
-        """Per-sample rows (B, P) of the whole model for column ``k`` (fallback route)."""
-        if (-1, k) in self._cache:
-            return self._cache[-1, k]
-        rows = self.trace.per_sample(self.columns[k])
-        self._keep((-1, k), rows, rows.numel() * rows.element_size())
-        return rows
 
     # ---------------------------------------------------------------------------- products
     def project(self, block: ParameterBlock) -> Tensor:
         """``G V``: inner products of every per-sample vector with the block, (K, B, m)."""
         V = block.V
         if not self.layerwise:
-            return torch.stack([self._rows(k) @ V for k in range(self.K)])
+            return torch.stack([self._per_sample(-1, k)[-1] @ V for k in range(self.K)])
         out = V.new_zeros(self.K, self.B, V.shape[1])
         slot = self.trace.engine.slot
         for i, call in enumerate(self.trace.calls):
@@ -182,7 +177,7 @@ class SampleVectors:
                         out += (g @ block.slot(j)).transpose(0, 1)
                 continue
             for k in range(self.K):
-                for j, grad in self._layer_grads(i, k).items():
+                for j, grad in self._per_sample(i, k).items():
                     out[k] += grad @ block.slot(j)
         return out
 
@@ -190,7 +185,7 @@ class SampleVectors:
         """Add ``Gᵀ W = Σₙₖ Wₙₖ gₙₖ`` for weights ``W`` (K, B, m) to ``total``."""
         if not self.layerwise:
             for k in range(self.K):
-                total.add(self._rows(k).T @ W[k])
+                total.add(self._per_sample(-1, k)[-1].T @ W[k])
             return
         slot = self.trace.engine.slot
         by_point = W.transpose(0, 1).contiguous()  # (B, K, m)
@@ -207,5 +202,5 @@ class SampleVectors:
                         total.add_rows(j, flat.T @ by_point.reshape(-1, W.shape[-1]))
                 continue
             for k in range(self.K):
-                for j, grad in self._layer_grads(i, k).items():
+                for j, grad in self._per_sample(i, k).items():
                     total.add_rows(j, grad.T @ W[k])

@@ -42,42 +42,6 @@ def column_chunks(columns: Columns | Sequence[Tensor], size: int) -> Iterator[Te
         yield columns[start : start + size]
 
 
-def _tensor_leaves(tree: Any) -> list[Tensor]:
-    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, Tensor)]
-
-
-def _run_hooked(
-    model: nn.Module,
-    owners: dict[nn.Module, list[str]],
-    x: Inputs,
-    keep_input_graph: bool,
-    clone_outputs: bool,
-) -> tuple[Tensor, list[ModuleCall], list[int]]:
-    calls: list[ModuleCall] = []
-    versions: list[int] = []
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        leaves = _tensor_leaves(output)
-        slots = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
-        if not slots:
-            return None
-        if not keep_input_graph:
-            args, kwargs = tree_map_only(Tensor, Tensor.detach, (args, kwargs))
-        outputs = [leaves[i] for i in slots]
-        calls.append(ModuleCall(module, args, kwargs, outputs, slots, owners[module]))
-        versions.extend(z._version for z in outputs)
-        return tree_map_only(Tensor, Tensor.clone, output) if clone_outputs else None
-
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in owners]
-    try:
-        with torch.enable_grad():
-            f = model(x)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return f, calls, versions
-
-
 def record_forward(
     model: nn.Module, owners: dict[nn.Module, list[str]], x: Inputs, keep_input_graph: bool
 ) -> tuple[Tensor, list[ModuleCall]]:
@@ -97,10 +61,33 @@ def record_forward(
     Returns:
         The model output ``f`` (attached to the graph) and the recorded calls in call order.
     """
-    f, calls, versions = _run_hooked(model, owners, x, keep_input_graph, clone_outputs=False)
-    now = [z._version for call in calls for z in call.outputs]
-    if now != versions:
-        f, calls, _ = _run_hooked(model, owners, x, keep_input_graph, clone_outputs=True)
+    calls: list[ModuleCall] = []
+    versions: list[int] = []
+    clone_outputs = False
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        leaves = [leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, Tensor)]
+        slots = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
+        if not slots:
+            return None
+        if not keep_input_graph:
+            args, kwargs = tree_map_only(Tensor, Tensor.detach, (args, kwargs))
+        outputs = [leaves[i] for i in slots]
+        calls.append(ModuleCall(module, args, kwargs, outputs, slots, owners[module]))
+        versions.extend(z._version for z in outputs)
+        return tree_map_only(Tensor, Tensor.clone, output) if clone_outputs else None
+
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in owners]
+    try:
+        with torch.enable_grad():
+            f = model(x)
+            if versions != [z._version for call in calls for z in call.outputs]:
+                calls.clear()
+                clone_outputs = True  # an output was modified in place: record copies
+                f = model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
     return f, calls
 
 
@@ -135,11 +122,12 @@ class OutputGradients:
         """
         return self._backward(v, batched=False)
 
-    def stacked(self, columns: Tensor) -> list[list[Tensor]]:
-        """Gradients of several output columns at once, each stacked along a leading axis.
+    def columns(self, columns: Tensor) -> list[list[Tensor]]:
+        """Gradients of several output columns, each stacked along a leading axis.
 
-        One vectorised backward pass (``is_grads_batched``) replaces a Python loop of backward
-        passes; where an operation has no batching rule, the columns are done one by one.
+        Several columns go through one vectorised backward pass (``is_grads_batched``) where
+        :attr:`vectorised` and every operation has a batching rule; otherwise one plain
+        backward pass per column (one column: views).
 
         Args:
             columns: Output columns, shape (K, *f.shape).
@@ -147,19 +135,11 @@ class OutputGradients:
         Returns:
             Per call, one tensor of shape (K, *z.shape) per recorded output.
         """
-        try:
-            return self._backward(columns, batched=True)
-        except RuntimeError:
-            return self.one_by_one(columns)
-
-    def columns(self, columns: Tensor) -> list[list[Tensor]]:
-        """As :meth:`stacked`; :meth:`one_by_one` for one column or if not :attr:`vectorised`."""
         if self.vectorised and len(columns) > 1:
-            return self.stacked(columns)
-        return self.one_by_one(columns)
-
-    def one_by_one(self, columns: Tensor) -> list[list[Tensor]]:
-        """As :meth:`stacked`, by one plain backward pass per column (one column: views)."""
+            try:
+                return self._backward(columns, batched=True)
+            except RuntimeError:
+                pass
         per_column = [self(v) for v in columns]
         return [
             [torch.stack(gs) if len(gs) > 1 else gs[0].unsqueeze(0) for gs in zip(*per_call)]

@@ -69,11 +69,8 @@ def _cholesky_qr(block: Tensor, shift: bool) -> Tensor | None:
     """
     gram = block.T @ block
     if shift:
-        eps = torch.finfo(block.dtype).eps
         size = block.shape[0] * block.shape[1] + block.shape[1] ** 2
-        gram = gram + 11 * size * eps * gram.diagonal().sum() * torch.eye(
-            block.shape[1], dtype=block.dtype, device=block.device
-        )
+        gram.diagonal().add_(11 * size * torch.finfo(block.dtype).eps * gram.diagonal().sum())
     L, info = torch.linalg.cholesky_ex(gram)
     if int(info) != 0:
         return None
@@ -91,22 +88,18 @@ def _orthonormal(block: Tensor, basis: Tensor | None) -> Tensor:
         if basis is not None and step < 2 and Q is not None:
             Q = torch.addmm(Q, basis, basis.T @ Q, alpha=-1)
         Q = _cholesky_qr(Q, shift=step == 0) if Q is not None else None
-    eye = torch.eye(block.shape[1], dtype=block.dtype, device=block.device)
-    tolerance = 100 * torch.finfo(block.dtype).eps * block.shape[1]
-    if Q is None or not _orthonormal_to(Q, basis, eye, tolerance):
-        Q = block
-        for _ in range(2):
-            if basis is not None:
-                Q = torch.addmm(Q, basis, basis.T @ Q, alpha=-1)
-            Q = torch.linalg.qr(Q).Q
+    if Q is not None:  # accepted when orthonormal and orthogonal to the basis
+        eye = torch.eye(block.shape[1], dtype=block.dtype, device=block.device)
+        errors = [Q.T @ Q - eye, *([] if basis is None else [basis.T @ Q])]
+        tolerance = 100 * torch.finfo(block.dtype).eps * block.shape[1]
+        if all(bool((error.abs() <= tolerance).all()) for error in errors):
+            return Q
+    Q = block
+    for _ in range(2):
+        if basis is not None:
+            Q = torch.addmm(Q, basis, basis.T @ Q, alpha=-1)
+        Q = torch.linalg.qr(Q).Q
     return Q
-
-
-def _orthonormal_to(Q: Tensor, basis: Tensor | None, eye: Tensor, tolerance: float) -> bool:
-    """Whether ``Q`` has orthonormal columns, orthogonal to ``basis``, to ``tolerance``."""
-    if not bool(((Q.T @ Q - eye).abs() <= tolerance).all()):
-        return False
-    return basis is None or bool(((basis.T @ Q).abs() <= tolerance).all())
 
 
 def _symmetric(T: Tensor) -> Tensor:
@@ -133,8 +126,7 @@ def _nystrom(start: KfacStart, k: int) -> Eigenpairs:
     del Q, Y
     # F = U S Vᵀ from the eigenpairs of Fᵀ F: each eigenvalue to eps · λ_max, as the Ritz values
     # of the Krylov solver; small ones lose relative accuracy, where they matter least.
-    squares, V = torch.linalg.eigh(_symmetric(F.T @ F))
-    squares, V = squares.flip(0)[:k], V.flip(1)[:, :k]
+    squares, V = _ritz(F.T @ F, k)
     values = (squares - nu).clamp(min=0)
     U = F @ (V / squares.clamp(min=torch.finfo(squares.dtype).tiny).sqrt())
     ritz = start.values[: len(values)]

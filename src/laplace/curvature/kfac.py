@@ -42,19 +42,17 @@ __all__ = ["KFAC_APPROXIMATIONS", "kfac"]
 KFAC_APPROXIMATIONS = ("expand", "reduce")
 
 
-def _gram(t: Tensor, approx: str, mean: bool, scale: float = 1.0) -> Tensor:
+def _gram(t: Tensor, approx: str, scale: float = 1.0) -> Tensor:
     """``scale ·`` Σ of outer products of (R, T, D) rows, shape (D, D), without copying them.
 
-    Expand sums over every position; reduce over the per-row sum (or mean) over positions. Rows
+    Expand sums over every position; reduce over the per-row mean over positions. Rows
     laid out contiguously go through one symmetric Gram product (each off-diagonal block once),
     scaled before the product where they are fewer numbers than the result; strided ones (the
     gradients of a convolution, (R, D, T) in memory) through a batched product.
     """
     if approx == "reduce" or t.shape[1] == 1 or t.is_contiguous():
-        if approx == "reduce":
-            rows = t.mean(1) if mean else t.sum(1)
-        else:
-            rows = t.reshape(-1, t.shape[-1])  # a view: every position is a row
+        # reduce: the rows' means; expand: a view, every position a row
+        rows = t.mean(1) if approx == "reduce" else t.reshape(-1, t.shape[-1])
         if scale != 1 and rows.numel() < rows.shape[1] ** 2:
             return symmetric_gram(rows * math.sqrt(scale))
         gram = symmetric_gram(rows)
@@ -94,7 +92,7 @@ def _input_factor(rule: KfacRule, call: ModuleCall, approx: str, root: float, n:
     if rule.one_hot:  # reduce: the rows' mean one-hot vectors (counts / T), squared
         counts = _token_counts(call.module, a, approx, call.outputs[0].dtype)
         return counts.mul_(root / (n * (T if approx == "expand" else T**2)))
-    return _gram(a, approx, mean=True, scale=root / (n * (T if approx == "expand" else 1)))
+    return _gram(a, approx, scale=root / (n * (T if approx == "expand" else 1)))
 
 
 def _add(sums: dict, key: object, value: Tensor | DiagLowRank) -> None:
@@ -245,13 +243,13 @@ def kfac(
     plan = plan_blocks(engine, dense_limit, low_rank_above)
     kron_rules = {b.module: b.rule for b in plan if b.kind in ("kron", "bias")}
     low_rank = {b.module for b in plan if b.low_rank}
-    kron_weights = {b.module for b in plan if b.kind == "kron"}  # not a tied weight's exact block
+    # the weights with a Kronecker block (not a tied weight's exact block), with their rule
+    kron_weights = {b.module: b.rule for b in plan if b.kind == "kron"}
     A: dict[nn.Module, Tensor] = {}
     G: dict[nn.Module, Tensor] = {}
     root = math.sqrt(factor)
     for call in calls:
-        rule = kron_rules.get(call.module)
-        if rule is not None and call.module in kron_weights and "weight" in call.names:
+        if (rule := kron_weights.get(call.module)) is not None:
             n = 1 if rule.inputs_first else n_data
             _add(A, call.module, _input_factor(rule, call, approx, root, n))
     exact = _ExactBlocks(trace, plan)
@@ -272,7 +270,7 @@ def kfac(
             elif g.shape[1] == 1 or approx == "reduce":
                 rows.setdefault(i, []).append(g.sum(1))
             else:
-                _add(G, call.module, _gram(g, approx, mean=False))
+                _add(G, call.module, _gram(g, "expand"))
     for i, gs in rows.items():
         _add(G, calls[i].module, symmetric_gram(torch.cat(gs)))
     shapes = block_shapes(plan, engine.needed)

@@ -19,7 +19,6 @@ diagonal plus low rank (``Block.low_rank``, shape :class:`LowRankShape`). See
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -40,7 +39,6 @@ __all__ = [
     "check_kronecker_layers",
     "kfac_rule",
     "module_name",
-    "output_factor_shape",
     "plan_blocks",
 ]
 
@@ -58,7 +56,7 @@ class KfacRule:
             indices (R, T) of the rows an embedding looks up (``one_hot``).
         grads: Recorded call and the gradient w.r.t. its output → (R, T, D_out).
         check: Module → reason the rule does not apply (the exact fallback then takes the
-            module), or None.
+            module), or None (the default: it always applies).
         inputs_first: The weight is laid out (D_in, D_out), so its block is ``A ⊗ G``.
         one_hot: The inputs are one-hot rows (given as indices): ``A`` is diagonal, the token
             counts.
@@ -66,7 +64,7 @@ class KfacRule:
 
     inputs: Callable[[ModuleCall], Tensor]
     grads: Callable[[ModuleCall, Tensor], Tensor]
-    check: Callable[[nn.Module], str | None]
+    check: Callable[[nn.Module], str | None] = lambda module: None
     inputs_first: bool = False
     one_hot: bool = False
 
@@ -80,38 +78,24 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1])
 
 
-def _conv_inputs(call: ModuleCall) -> Tensor:
-    return _conv_patches(call)[:, 0]
-
-
-def _conv_grads(call: ModuleCall, g: Tensor) -> Tensor:
-    return g.flatten(2).transpose(1, 2)
-
-
-def _conv_check(module: nn.Module) -> str | None:
-    return "grouped convolutions have no single Kronecker factor" if module.groups != 1 else None
-
-
-def _embedding_check(module: nn.Module) -> str | None:
-    if module.scale_grad_by_freq:
-        return "scale_grad_by_freq makes its gradient depend on the batch's token frequencies"
-    return None
-
-
-def _always(module: nn.Module) -> None:
-    return None
-
-
-_LINEAR = KfacRule(lambda call: _rows(call.args[0]), lambda call, g: _rows(g), _always)
-_CONV = KfacRule(_conv_inputs, _conv_grads, _conv_check)
+_LINEAR = KfacRule(lambda call: _rows(call.args[0]), lambda call, g: _rows(g))
+_CONV = KfacRule(
+    lambda call: _conv_patches(call)[:, 0],
+    lambda call, g: g.flatten(2).transpose(1, 2),
+    lambda m: "grouped convolutions have no single Kronecker factor" if m.groups != 1 else None,
+)
 _EMBEDDING = KfacRule(
     lambda call: call.args[0].reshape(len(call.args[0]), -1),
-    lambda call, g: _rows(g),
-    _embedding_check,
+    _LINEAR.grads,
+    lambda m: (
+        "scale_grad_by_freq makes its gradient depend on the batch's token frequencies"
+        if m.scale_grad_by_freq
+        else None
+    ),
     inputs_first=True,
     one_hot=True,
 )
-_CONV1D = KfacRule(_LINEAR.inputs, _LINEAR.grads, _always, inputs_first=True)
+_CONV1D = KfacRule(_LINEAR.inputs, _LINEAR.grads, inputs_first=True)
 
 #: KFAC rules keyed by exact module type.
 KFAC_RULES: dict[type[nn.Module], KfacRule] = {
@@ -122,8 +106,7 @@ KFAC_RULES: dict[type[nn.Module], KfacRule] = {
     nn.Embedding: _EMBEDDING,
 }
 
-#: Rules for classes of optional libraries, by module path and class name; a class is looked up
-#: only in a library the process has already imported (a model using it has).
+#: Rules for classes of optional libraries, by the module path and name of the class.
 OPTIONAL_KFAC_RULES: dict[str, dict[str, KfacRule]] = {
     "transformers.pytorch_utils": {"Conv1D": _CONV1D},
 }
@@ -131,13 +114,8 @@ OPTIONAL_KFAC_RULES: dict[str, dict[str, KfacRule]] = {
 
 def kfac_rule(module: nn.Module) -> KfacRule | None:
     """The KFAC rule of ``module``'s exact type if it applies to the module, else None."""
-    rule = KFAC_RULES.get(type(module))
-    if rule is None:
-        for path, rules in OPTIONAL_KFAC_RULES.items():
-            library = sys.modules.get(path)
-            for name, candidate in rules.items():
-                if library is not None and type(module) is getattr(library, name, None):
-                    rule = candidate
+    cls = type(module)
+    rule = KFAC_RULES.get(cls) or OPTIONAL_KFAC_RULES.get(cls.__module__, {}).get(cls.__qualname__)
     return rule if rule is not None and rule.check(module) is None else None
 
 
@@ -151,13 +129,6 @@ class LowRankShape(tuple):
     def __new__(cls, size: int) -> LowRankShape:
         """The shape ``(size, size)``."""
         return super().__new__(cls, (size, size))
-
-
-def output_factor_shape(size: int, low_rank_above: int | None) -> tuple[int, int]:
-    """The shape of an output-gradient factor over ``size`` outputs: low rank above the limit."""
-    if low_rank_above is not None and size > low_rank_above:
-        return LowRankShape(size)
-    return (size, size)
 
 
 class Block(NamedTuple):
@@ -179,27 +150,6 @@ class Block(NamedTuple):
 def module_name(model: nn.Module, module: nn.Module) -> str:
     """The name of ``module`` in ``model``: ``"<root>"`` for the model, ``"?"`` if absent."""
     return next((name or "<root>" for name, m in model.named_modules() if m is module), "?")
-
-
-def _many_outputs(
-    model: nn.Module, module: nn.Module, rule: KfacRule, size: int, above: int
-) -> bool:
-    """Whether a Kronecker block's output factor is kept low rank (refuses a ``Conv1D``).
-
-    Raises:
-        ValueError: For a layer laid out (D_in, D_out) with more than ``above`` outputs.
-    """
-    if size <= above or rule.one_hot:
-        return False
-    if rule.inputs_first:
-        raise ValueError(
-            f"module {module_name(model, module)!r} ({type(module).__name__}) has {size} "
-            f"outputs, more than LARGE_OUTPUT_THRESHOLD={above}, and its weight is laid out (in, "
-            "out): its output factor cannot be kept diagonal plus low rank. Use "
-            "subset_of_weights='last_layer', hessian_structure='diag', or freeze it "
-            "(requires_grad=False)."
-        )
-    return True
 
 
 def plan_blocks(
@@ -227,9 +177,15 @@ def plan_blocks(
         if rule is not None and name in ("weight", "bias"):
             module = owners[0][0]
             size = p.shape[-1] if rule.inputs_first and name == "weight" else p.shape[0]
-            low_rank = low_rank_above is not None and _many_outputs(
-                engine.model, module, rule, size, low_rank_above
-            )
+            low_rank = low_rank_above is not None and size > low_rank_above and not rule.one_hot
+            if low_rank and rule.inputs_first:  # laid out (D_in, D_out): G is the second factor
+                raise ValueError(
+                    f"module {module_name(engine.model, module)!r} ({type(module).__name__}) "
+                    f"has {size} outputs, more than LARGE_OUTPUT_THRESHOLD={low_rank_above}, and "
+                    "its weight is laid out (in, out): its output factor cannot be kept diagonal "
+                    "plus low rank. Use subset_of_weights='last_layer', hessian_structure='diag', "
+                    "or freeze it (requires_grad=False)."
+                )
             plan.append(Block("kron" if name == "weight" else "bias", module, rule, low_rank))
         else:
             plan.append(Block("dense" if p.numel() <= dense_limit else "diag"))
@@ -244,14 +200,14 @@ def block_shapes(plan: list[Block], params: Iterable[Tensor]) -> list[list[tuple
     shapes = []
     for block, p in zip(plan, params, strict=True):
         n = p.numel()
+        square = LowRankShape if block.low_rank else lambda size: (size, size)
         if block.kind == "diag":
             shapes.append([(n,)])
         elif block.kind != "kron":
-            shapes.append([LowRankShape(n) if block.low_rank else (n, n)])
+            shapes.append([square(n)])
         else:
-            m, rest = p.shape[0], n // p.shape[0]
-            first = LowRankShape(m) if block.low_rank else (m, m)
-            shapes.append([(m,) if block.rule.one_hot else first, (rest, rest)])
+            m = p.shape[0]
+            shapes.append([(m,) if block.rule.one_hot else square(m), (n // m, n // m)])
     return shapes
 
 

@@ -68,9 +68,8 @@ class _Candidates:
     def __init__(self, factors: Kron, n_candidates: int) -> None:
         pairs = []
         for F in factors.kfacs:
-            values, vectors = zip(*(symeig(Fi) for Fi in F))
-            values = [v.flip(0).clamp(min=0) for v in values]
-            vectors = [Q.flip(1) for Q in vectors]
+            values, vectors = zip(*(symeig(Fi) for Fi in F))  # values clamped at 0
+            values, vectors = [v.flip(0) for v in values], [Q.flip(1) for Q in vectors]
             score = values[0] if len(F) == 1 else torch.outer(values[0], values[1]).flatten()
             pairs.append((vectors, score))
         scores = torch.cat([score for _, score in pairs])

@@ -137,43 +137,41 @@ def _affine(call: ModuleCall, g: Tensor, x_hat: Tensor, param_dims: int) -> dict
     return out
 
 
-def _layer_norm(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
-    """Per-sample gradients of ``nn.LayerNorm`` from the normalised inputs."""
-    m = call.module
-    x_hat = F.layer_norm(call.args[0], m.normalized_shape, None, None, m.eps)
-    return _affine(call, grads[0], x_hat, len(m.normalized_shape))
+def _normalisation(
+    normalise: Callable[[nn.Module, Tensor], Tensor], channels: bool = False
+) -> Rule:
+    """The rule of a normalisation layer ``weight ⊙ x̂ + bias``, ``x̂ = normalise(module, input)``.
+
+    The parameters scale the channels (dim 1) with ``channels``, else the trailing
+    ``normalized_shape`` dims.
+    """
+
+    def rule(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+        g, x_hat = grads[0], normalise(call.module, call.args[0])
+        if channels:
+            return _affine(call, g.movedim(1, -1), x_hat.movedim(1, -1), 1)
+        return _affine(call, g, x_hat, len(call.module.normalized_shape))
+
+    return rule
 
 
-def _rms_norm(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
-    """Per-sample gradients of ``nn.RMSNorm`` from the normalised inputs."""
-    m = call.module
-    x_hat = F.rms_norm(call.args[0], m.normalized_shape, None, m.eps)
-    return _affine(call, grads[0], x_hat, len(m.normalized_shape))
-
-
-def _group_norm(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
-    """Per-sample gradients of ``nn.GroupNorm`` (channels along dim 1)."""
-    m = call.module
-    x_hat = F.group_norm(call.args[0], m.num_groups, None, None, m.eps)
-    return _affine(call, grads[0].movedim(1, -1), x_hat.movedim(1, -1), 1)
-
-
-def _batch_norm(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
-    """Per-sample gradients of ``nn.BatchNorm1d/2d/3d`` normalising with running statistics.
+def _running_batch_norm(m: nn.Module, a: Tensor) -> Tensor:
+    """``x̂`` of ``nn.BatchNorm1d/2d/3d`` normalising with running statistics.
 
     Raises:
         ValueError: When the layer normalises with batch statistics (training mode, or no
             running statistics): its outputs then couple the data points of a batch.
     """
-    m = call.module
     if m.training or m.running_mean is None:
         raise ValueError(
             f"{type(m).__name__} normalises with batch statistics (training mode or "
             "track_running_stats=False), which couple the data points of a batch: per-sample "
             "gradients need its running statistics; call model.eval() first."
         )
-    x_hat = F.batch_norm(call.args[0], m.running_mean, m.running_var, eps=m.eps)
-    return _affine(call, grads[0].movedim(1, -1), x_hat.movedim(1, -1), 1)
+    return F.batch_norm(a, m.running_mean, m.running_var, eps=m.eps)
+
+
+_BATCH_NORM = _normalisation(_running_batch_norm, channels=True)
 
 
 def _batch_dims(tree: Any, batch_size: int) -> Any:
@@ -229,12 +227,12 @@ PER_SAMPLE_RULES: dict[type[nn.Module], Rule] = {
     nn.Conv2d: _conv,
     nn.Conv3d: _conv,
     nn.Embedding: _embedding,
-    nn.LayerNorm: _layer_norm,
-    nn.RMSNorm: _rms_norm,
-    nn.GroupNorm: _group_norm,
-    nn.BatchNorm1d: _batch_norm,
-    nn.BatchNorm2d: _batch_norm,
-    nn.BatchNorm3d: _batch_norm,
+    nn.LayerNorm: _normalisation(lambda m, a: F.layer_norm(a, m.normalized_shape, eps=m.eps)),
+    nn.RMSNorm: _normalisation(lambda m, a: F.rms_norm(a, m.normalized_shape, eps=m.eps)),
+    nn.GroupNorm: _normalisation(lambda m, a: F.group_norm(a, m.num_groups, eps=m.eps), True),
+    nn.BatchNorm1d: _BATCH_NORM,
+    nn.BatchNorm2d: _BATCH_NORM,
+    nn.BatchNorm3d: _BATCH_NORM,
 }
 
 

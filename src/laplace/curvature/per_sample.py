@@ -64,35 +64,30 @@ class PerSampleEngine:
         self.params = list(params)
         sizes = torch.tensor([p.numel() for p in self.params])
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
-        if indices is None:
-            needed = list(range(len(self.params)))
-            self.indices = None
-        else:
+        if indices is not None:
             indices = torch.as_tensor(indices, dtype=torch.long).cpu()
             owner = torch.bucketize(indices, offsets[1:], right=True)
-            needed = sorted(set(owner.tolist()))
-            starts = torch.zeros(len(self.params), dtype=torch.long)
-            starts[needed] = sizes[needed].cumsum(0) - sizes[needed]
-            self.indices = starts[owner] + indices - offsets[owner]
+        needed = range(len(self.params)) if indices is None else sorted(set(owner.tolist()))
         self.needed = [self.params[i] for i in needed]
         #: Start of every slot of ``needed`` in the flattened vector of ``needed``, and its end.
         self.offsets = [0, *torch.tensor([p.numel() for p in self.needed]).cumsum(0).tolist()]
+        #: Subnetwork only: the positions of its entries in the flattened vector of ``needed``.
+        self.indices = None if indices is None else torch.empty_like(indices)
         #: Subnetwork only: per slot of ``needed``, the selected entries of the flattened
         #: parameter and their positions in the subnetwork vector (on the parameters' device).
         self.selected: dict[int, tuple[Tensor, Tensor]] = {}
         #: Subnetwork only: slots whose positions are consecutive, with their (start, end).
         self.spans: dict[int, tuple[int, int]] = {}
-        if indices is not None:
-            device = self.params[0].device
-            for slot, i in enumerate(needed):
-                positions = (owner == i).nonzero().squeeze(1)
-                local = indices[positions] - offsets[i]
-                self.selected[slot] = (local.to(device), positions.to(device))
-                start, end = int(positions[0]), int(positions[-1]) + 1
-                if end - start == len(positions):
-                    self.spans[slot] = (start, end)
+        for slot, i in enumerate(needed if indices is not None else ()):
+            positions = (owner == i).nonzero().squeeze(1)
+            local = indices[positions] - offsets[i]
+            self.indices[positions] = self.offsets[slot] + local
+            self.selected[slot] = tuple(t.to(self.params[0].device) for t in (local, positions))
+            start, end = int(positions[0]), int(positions[-1]) + 1
+            if end - start == len(positions):
+                self.spans[slot] = (start, end)
         #: Length of the engine's parameter vector: P, or the number of subnetwork entries.
-        self.n_entries = int(sizes.sum()) if self.indices is None else len(self.indices)
+        self.n_entries = self.offsets[-1] if indices is None else len(indices)
         position = {id(p): i for i, p in enumerate(self.needed)}
         self.owners: dict[nn.Module, list[str]] = {}
         self.slot: dict[tuple[nn.Module, str], int] = {}
@@ -136,10 +131,10 @@ class PerSampleTrace:
         self._batched = any(z.dim() == 0 or z.shape[0] != batch for c in calls for z in c.outputs)
         #: Per call whose parameters no other call uses, its rule of :data:`SQUARE_SUM_RULES`.
         self._square_sum_rules = {
-            i: SQUARE_SUM_RULES[type(call.module)]
+            i: rule
             for i, call in enumerate(calls)
-            if type(call.module) in SQUARE_SUM_RULES
-            and SQUARE_SUM_RULES[type(call.module)].applies(call)
+            if (rule := SQUARE_SUM_RULES.get(type(call.module))) is not None
+            and rule.applies(call)
             and all(counts[engine.slot[call.module, n]] == 1 for n in call.names)
         }
 

@@ -193,11 +193,6 @@ class OperatorProduct:
         return None
 
 
-def _hessian_backends() -> tuple[type[CurvatureInterface], ...]:
-    optional = tuple(load_optional(n) for n in ("AsdlHessian",) if n in available_optional())
-    return (CurvlinopsHessian, *optional)
-
-
 def curvature_operator(
     backend: CurvatureInterface, data: Iterable[tuple[Any, Tensor]], n_data: int
 ) -> tuple[Any, float]:
@@ -220,6 +215,7 @@ def curvature_operator(
         "num_data": n_data,
         "batch_size_fn": lambda X: batch_size_of(X, backend.dict_key_x),
     }
+    asdl = [load_optional("AsdlHessian")] if "AsdlHessian" in available_optional() else []
     if isinstance(backend, GGNInterface) and backend.stochastic:
         operator_cls, scale = FisherMCLinearOperator, backend.factor
         kwargs["mc_samples"] = backend.num_samples
@@ -227,7 +223,7 @@ def curvature_operator(
         operator_cls, scale = GGNLinearOperator, backend.factor
     elif isinstance(backend, EFInterface):
         operator_cls, scale = EFLinearOperator, backend.factor**2
-    elif isinstance(backend, _hessian_backends()):
+    elif isinstance(backend, (CurvlinopsHessian, *asdl)):
         operator_cls, scale = HessianLinearOperator, backend.factor
     else:
         raise ValueError(

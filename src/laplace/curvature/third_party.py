@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from laplace.curvature.kfac_rules import check_kronecker_layers, output_factor_shape
+from laplace.curvature.kfac_rules import check_kronecker_layers
 from laplace.utils.matrix import Kron
 
 __all__ = ["KroneckerLayersOnly", "TargetCall", "isolated", "kron_blocks", "target_call"]
@@ -122,19 +122,13 @@ class KroneckerLayersOnly:
     low_rank_kfac = False
 
     def kron_shapes(self, low_rank_above: int | None = None) -> list[list[tuple[int, ...]]]:
-        """Per parameter the shapes of its ``kron`` block's factors: ``G ⊗ A``, or ``G``.
-
-        Args:
-            low_rank_above: Mark output factors over more outputs as low rank (a posterior
-                that keeps them so computes them without this backend's ``kron``).
+        """As :meth:`CurvatureInterface.kron_shapes`, for Linear and convolution layers only.
 
         Raises:
-            ValueError: Naming a module (owning a parameter of interest) of another kind, and
-                the alternatives.
+            ValueError: For a subnetwork, or naming a module (owning a parameter of interest) of
+                another kind, and the alternatives.
         """
+        if self.subnetwork_indices is not None:
+            raise ValueError("a subnetwork has no Kronecker structure; use diag or full.")
         check_kronecker_layers(self._model, self.params, self.library)
-        return [
-            [output_factor_shape(p.shape[0], low_rank_above)]
-            + ([] if p.ndim == 1 else [(p[0].numel(),) * 2])
-            for p in self.params
-        ]
+        return super().kron_shapes(low_rank_above)

@@ -248,7 +248,7 @@ def layer_factors(trace: PerSampleTrace) -> FactoredJacobian | None:
         return None
     C = f[0].numel()
     columns = torch.eye(C, dtype=f.dtype, device=f.device)[:, None].expand(C, B, C)
-    gradients = OutputGradients(f, calls, trace.create_graph).stacked(columns.reshape(C, *f.shape))
+    gradients = OutputGradients(f, calls, trace.create_graph).columns(columns.reshape(C, *f.shape))
     layers = []
     for rule, call, a, (g,) in zip(rules, calls, inputs, gradients, strict=True):
         G = rule.grads(call, g.flatten(0, 1)).reshape(C, B, -1).transpose(0, 1)
