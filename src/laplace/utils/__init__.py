@@ -1,6 +1,7 @@
 """laplace-torch's ``laplace.utils`` path, a façade re-exporting each name from its owner."""
 
 from laplace.core.priors import expand_prior_precision, fix_prior_prec_structure
+from laplace.utils import functional_utils
 from laplace.utils.data import SoDSampler
 from laplace.utils.enums import (
     FeatureReduction,
@@ -15,20 +16,7 @@ from laplace.utils.enums import (
 )
 from laplace.utils.errors import is_real_scalar as _is_valid_scalar
 from laplace.utils.feature_extractor import FeatureExtractor
-from laplace.utils.functional_utils import (
-    batch_size,
-    classification_targets,
-    concatenate_rows,
-    draw_gaussian,
-    preserve_model_gradients,
-    regression_targets,
-    same_configuration,
-    select_rows,
-    split_batch,
-    subset_loader,
-    to_device,
-    training_indices,
-)
+from laplace.utils.functional_utils import *  # noqa: F403 (the names of its __all__)
 from laplace.utils.layers import is_batchnorm as _is_batchnorm
 from laplace.utils.layers import parameters_per_layer
 from laplace.utils.linalg import (
@@ -55,6 +43,7 @@ from laplace.utils.swag import fit_diagonal_swag_var
 from laplace.utils.validation import get_nll, validate
 
 __all__ = [
+    *functional_utils.__all__,
     "FeatureExtractor",
     "FeatureReduction",
     "FunctionalApproximation",
@@ -79,12 +68,8 @@ __all__ = [
     "TuningMethod",
     "_is_batchnorm",
     "_is_valid_scalar",
-    "batch_size",
     "block_diag",
-    "classification_targets",
-    "concatenate_rows",
     "diagonal_add_scalar",
-    "draw_gaussian",
     "expand_prior_precision",
     "fit_diagonal_swag_var",
     "fix_prior_prec_structure",
@@ -93,14 +78,6 @@ __all__ = [
     "kron",
     "normal_samples",
     "parameters_per_layer",
-    "preserve_model_gradients",
-    "regression_targets",
-    "same_configuration",
-    "select_rows",
-    "split_batch",
-    "subset_loader",
     "symeig",
-    "to_device",
-    "training_indices",
     "validate",
 ]

@@ -215,19 +215,6 @@ class DiagLowRank:
             kept = block @ vectors[:, cut:]
         self.U = kept
 
-    def _sum_sign(self, other: DiagLowRank) -> int:
-        """The sign of the sum (that of a term with columns; a term without has no sign)."""
-        if not isinstance(other, DiagLowRank):
-            raise ValueError(
-                f"can only add DiagLowRank to DiagLowRank, got {type(other).__name__}."
-            )
-        if other.shape != self.shape or (self.rank and other.rank and other.sign != self.sign):
-            raise ValueError(
-                f"cannot add DiagLowRank of size {len(other)} and sign {other.sign:+d} to one of "
-                f"size {len(self)} and sign {self.sign:+d}."
-            )
-        return self.sign if self.rank else other.sign
-
     def __add__(self, other: DiagLowRank) -> DiagLowRank:
         """The sum; its rank is truncated to the smaller ``max_rank`` of the two."""
         return self._mapped(Tensor.clone).add_(other)
@@ -237,9 +224,19 @@ class DiagLowRank:
     def add_(self, other: DiagLowRank) -> DiagLowRank:
         """Add ``other`` into this matrix (an accumulator that owns its tensors); returns self.
 
-        The rank of the sum is truncated to the smaller ``max_rank`` of the two.
+        The rank of the sum is truncated to the smaller ``max_rank`` of the two; its sign is that
+        of a term with columns (a term without has no sign).
         """
-        self.sign = self._sum_sign(other)
+        if not isinstance(other, DiagLowRank):
+            raise ValueError(
+                f"can only add DiagLowRank to DiagLowRank, got {type(other).__name__}."
+            )
+        if other.shape != self.shape or (self.rank and other.rank and other.sign != self.sign):
+            raise ValueError(
+                f"cannot add DiagLowRank of size {len(other)} and sign {other.sign:+d} to one of "
+                f"size {len(self)} and sign {self.sign:+d}."
+            )
+        self.sign = self.sign if self.rank else other.sign
         self.diag.add_(other.diag)
         ranks = [r for r in (self.max_rank, other.max_rank) if r is not None]
         self.max_rank = min(ranks) if ranks else None
@@ -392,11 +389,6 @@ class LowRankKronBlock:
             self.E, self.beta = c.unsqueeze(1) * (G.diag + root), c
         else:
             self.E, self.beta = a.unsqueeze(1) * G.diag + delta, a
-
-    @property
-    def size(self) -> int:
-        """Number of parameters of the block, C·D."""
-        return self.E.numel()
 
     @cached_property
     def inner(self) -> tuple[Tensor, Tensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -22,6 +23,7 @@ __all__ = [
     "draws_from_root",
     "gaussian_output_samples",
     "laplace_bridge",
+    "monte_carlo",
     "monte_carlo_sigmoid",
     "monte_carlo_softmax",
     "probit",
@@ -140,16 +142,21 @@ def laplace_bridge(f_mu: Tensor, f_var: Tensor, normalize: bool = False, **_: ob
     return torch.nan_to_num(alpha / alpha.sum(dim=-1, keepdim=True), nan=1.0)
 
 
-def monte_carlo_softmax(
+def monte_carlo(
+    link: Callable[[Tensor], Tensor],
     f_mu: Tensor,
     f_var: Tensor,
     n_samples: int = 100,
     generator: torch.Generator | None = None,
     **_: object,
 ) -> Tensor:
-    """Monte-Carlo average of ``softmax(f)`` over ``f ~ N(f_μ, Σ_f)``, shape (B, C)."""
-    return torch.softmax(gaussian_output_samples(f_mu, f_var, n_samples, generator), -1).mean(0)
+    """Monte-Carlo average of ``link(f)`` over ``f ~ N(f_μ, Σ_f)``, shape (B, C)."""
+    return link(gaussian_output_samples(f_mu, f_var, n_samples, generator)).mean(0)
 
+
+#: ``E[softmax(f)]`` and ``E[sigmoid(f)]`` (per output) by :func:`monte_carlo`.
+monte_carlo_softmax = partial(monte_carlo, partial(torch.softmax, dim=-1))
+monte_carlo_sigmoid = partial(monte_carlo, torch.sigmoid)
 
 LINKS: dict[LinkApprox, Callable[..., Tensor]] = {
     LinkApprox.PROBIT: probit,
@@ -162,17 +169,6 @@ LINKS: dict[LinkApprox, Callable[..., Tensor]] = {
 def probit_sigmoid(f_mu: Tensor, f_var: Tensor, **_: object) -> Tensor:
     """Probit approximation (B, K) of ``E[sigmoid(f)]`` per output: ``σ(f_μ / √(1 + π v / 8))``."""
     return torch.sigmoid(probit_logits(f_mu, f_var))
-
-
-def monte_carlo_sigmoid(
-    f_mu: Tensor,
-    f_var: Tensor,
-    n_samples: int = 100,
-    generator: torch.Generator | None = None,
-    **_: object,
-) -> Tensor:
-    """Monte-Carlo average of ``sigmoid(f)`` over ``f ~ N(f_μ, Σ_f)``, shape (B, K)."""
-    return torch.sigmoid(gaussian_output_samples(f_mu, f_var, n_samples, generator)).mean(0)
 
 
 BERNOULLI_LINKS: dict[LinkApprox, Callable[..., Tensor]] = {
