@@ -1,6 +1,8 @@
 """Calibration: MAP vs post-hoc Laplace on a classifier trained as practitioners train one.
 
-Everything below was decided before the first run, from what post-hoc Laplace is meant for.
+The data, network, training recipe and shift were decided before the first run, from what
+post-hoc Laplace is meant for (only the validation split was cut afterwards, from 5,000 to
+2,000 points, for run time).
 
 Data. Post-hoc Laplace is meant for a network trained on enough data that the curvature of the
 likelihood, summed over the training set, outweighs the prior: then the marginal likelihood picks
@@ -40,7 +42,9 @@ so the posterior is wider than the test points need and the confidence drops by 
 under-confident by 4. The all-weights marginal-likelihood posteriors are broader still (ECE
 12-23% on clean data) and are the best calibrated under the shift; the validation-tuned priors
 are the best calibrated on clean data (ECE 1.0%) and keep most of the MAP's over-confidence
-under the shift. No configuration wins everywhere.
+under the shift. No configuration wins everywhere. More data does not change the clean-data
+verdict: on 100,000 points the same weight decay leaves the MAP network under-confident on clean
+data (ECE 3.5%, last-layer KFAC 5.1%; see ``docs/examples.md``).
 
 Writes ``reliability.png`` and ``metrics.json`` under ``outputs/calibration_example/`` (or
 ``--output DIR``) and prints the folder. About 85 s of one CPU core (training 45 s);
