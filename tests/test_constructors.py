@@ -241,6 +241,7 @@ LAPLACE_RECIPES: dict[str, Callable[[nn.Module], Any]] = {
     "FullLLLaplace": lambda m: FullLLLaplace(m, "regression", prior_mean=0.1),
     "DiagLLLaplace": lambda m: DiagLLLaplace(m, "regression", last_layer_name="2"),
     "KronLLLaplace": lambda m: KronLLLaplace(m, "regression", damping=True, sigma_noise=0.6),
+    "KronLLLaplace(backend)": lambda m: KronLLLaplace(m, "regression", backend=C.CurvlinopsEF),
     "FullSubnetLaplace": lambda m: FullSubnetLaplace(
         m, "regression", SUBNET, prior_precision=2.0, backend=C.CurvlinopsEF
     ),

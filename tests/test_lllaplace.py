@@ -133,8 +133,7 @@ def test_kron_equals_exact_blocks_for_one_output():
 @pytest.mark.parametrize("name", ["mlp_regression_3out", "mlp_classification"])
 def test_closed_form_equals_backend_route(name, structure):
     case = CASE_BUILDERS[name]()
-    with pytest.raises(RuntimeError, match="last layer is not known"):
-        _ = STRUCTURES[structure][0](case.model, case.likelihood).backend
+    assert STRUCTURES[structure][0](case.model, case.likelihood).backend is CurvlinopsGGN
     la = STRUCTURES[structure][0](case.model, case.likelihood, last_layer_name="2")
     loader = case.loader(batch_size=len(case.X))
 

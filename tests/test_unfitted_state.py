@@ -26,6 +26,7 @@ from laplace import (
     KronLLLaplace,
     LowRankLaplace,
 )
+from laplace.curvature import CurvlinopsGGN
 from laplace.utils.errors import NotFittedError
 from laplace.utils.matrix import Kron
 
@@ -179,7 +180,8 @@ def test_last_layer_unknown_keeps_none_and_raises_attribute_errors(cls):
     case = CASE_BUILDERS["mlp_classification"]()
     la = cls(case.model, "classification", prior_mean=0.5)
     assert la.mean is None and la.H is None and la.n_params is None
-    for name in ("backend", "posterior_precision", "prior_precision_diag", "log_det_ratio"):
+    assert la.backend is CurvlinopsGGN  # the class chosen, readable before the layer is known
+    for name in ("posterior_precision", "prior_precision_diag", "log_det_ratio"):
         assert not hasattr(la, name)  # the error is an AttributeError ...
         assert getattr(la, name, "default") == "default"
         with pytest.raises(RuntimeError, match="last layer is not known yet"):

@@ -182,14 +182,15 @@ class LLLaplace(ParametricLaplace):
         BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
 
     @property
-    def backend(self) -> CurvatureInterface:
-        """The curvature backend over the last layer (needs the layer to be known).
+    def backend(self) -> CurvatureInterface | type[CurvatureInterface]:
+        """The curvature backend over the last layer; its class while the layer is not known.
 
-        Raises:
-            NotFittedError: (a ``RuntimeError`` and an ``AttributeError``, so ``hasattr`` is
-                False) while the last layer has not been found.
+        Before ``fit`` finds the last layer there is no model for a backend instance yet, so the
+        class the approximation was built with is returned (code that rebuilds an approximation
+        from its attributes passes it on as ``backend=``). laplace-torch raises here instead.
         """
-        _ = self._subset.layer
+        if not self._subset.resolved:
+            return self._backend_cls
         return ParametricLaplace.backend.fget(self)
 
     # ----------------------------------------------------------------------- the last layer

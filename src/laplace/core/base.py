@@ -22,11 +22,12 @@ from laplace.core.priors import (
     as_sigma_noise,
     check_temperature,
     expand_to_diagonal,
+    fix_prior_prec_structure,
 )
-from laplace.core.serialization import StateFormat, load_state_dict, state_dict
+from laplace.core.serialization import MEAN_MATCH_ATOL, StateFormat, check_state_dict
 from laplace.core.subsets import AllWeights, check_parameters
 from laplace.core.transaction import TRANSACTIONAL_METHODS, transactional
-from laplace.core.tuning import optimize_prior_precision
+from laplace.core.tuning import grid_candidates, gridsearch, maximize_marglik
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.curvature import check_dict_inputs
 from laplace.curvature.registry import check_backend_kwargs
@@ -40,17 +41,21 @@ from laplace.utils.enums import (
     PredType,
     PriorStructure,
     SubsetOfWeights,
+    TuningMethod,
     parse_enum,
 )
 from laplace.utils.errors import (
     AbstractClassError,
     NotFittedError,
     check_generator,
+    check_int_at_least,
     check_mapping,
     check_module,
+    check_positive_float,
     check_positive_int,
 )
 from laplace.utils.outputs import IGNORE_INDEX
+from laplace.utils.validation import validate
 
 __all__ = ["REGISTRY", "BaseLaplace", "arguments_for"]
 
@@ -131,10 +136,6 @@ class BaseLaplace:
     _state_parameters: tuple[str, ...] = ()
     _state_other_tensors: tuple[str, ...] = ()
     _state_counts: tuple[str, ...] = ()
-
-    optimize_prior_precision = transactional(optimize_prior_precision)
-    state_dict = state_dict
-    load_state_dict = transactional(load_state_dict)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -410,6 +411,181 @@ class BaseLaplace:
         diagonal = likelihood.diagonal_moments(diagonal_output)
         f_mu, f_var = self._glm_predictive_distribution(x, diagonal_output=diagonal)
         return likelihood.predict(f_mu, f_var, link_approx, n_samples, generator, diagonal_output)
+
+    @transactional
+    def optimize_prior_precision(
+        self,
+        pred_type: PredType | str = PredType.GLM,
+        method: TuningMethod | str = TuningMethod.MARGLIK,
+        n_steps: int = 100,
+        lr: float = 1e-1,
+        init_prior_prec: float | Tensor = 1.0,
+        prior_structure: PriorStructure | str = PriorStructure.SCALAR,
+        val_loader: DataLoader | None = None,
+        loss: Any = None,
+        log_prior_prec_min: float = -4,
+        log_prior_prec_max: float = 4,
+        grid_size: int = 100,
+        link_approx: LinkApprox | str = LinkApprox.PROBIT,
+        n_samples: int = 100,
+        verbose: bool = False,
+        progress_bar: bool = False,
+        log_prior_prec_base: float = 10.0,
+    ) -> None:
+        """Tune the prior precision by marginal likelihood or by validation grid search.
+
+        A class that supports fewer options names them in its ``_refused_prior_structures``.
+
+        Args:
+            pred_type: Predictive used by grid search (``"glm"`` or ``"nn"``).
+            method: ``"marglik"`` (Adam on log p₀) or ``"gridsearch"`` (needs ``val_loader``).
+            n_steps: Adam steps for marglik.
+            lr: Adam learning rate for marglik.
+            init_prior_prec: Initial precision for marglik; its structure is kept unless it is
+                a scalar, which is then expanded to ``prior_structure``.
+            prior_structure: ``"scalar"``, ``"layerwise"`` or ``"diag"`` for marglik.
+            val_loader: Validation data for grid search.
+            loss: Validation loss for grid search: a torchmetrics Metric, a callable, or a name
+                (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``; see
+                :mod:`laplace.evaluation`); defaults to running NLL for classification and
+                running MSE for regression.
+            log_prior_prec_min: Lower end of the grid, as an exponent of ``log_prior_prec_base``.
+            log_prior_prec_max: Upper end of the grid.
+            grid_size: Number of grid points.
+            link_approx: Link approximation used by grid search.
+            n_samples: Samples of the predictive for grid search with MC links.
+            verbose: Print the chosen prior precision.
+            progress_bar: Show a progress bar.
+            log_prior_prec_base: Base of the log-spaced grid.
+
+        Raises:
+            ValueError: For an unknown method, structure, pred_type or link_approx, grid
+                search without ``val_loader``, an unknown ``loss`` name, a negative
+                ``n_steps``, a non-positive ``lr`` or ``grid_size``, or a grid that is not
+                finite; a non-integer count raises an error that is a ``ValueError`` and a
+                ``TypeError``.
+        """
+        method = parse_enum(TuningMethod, method, "method")
+        pred_type = parse_enum(PredType, pred_type, "pred_type")
+        link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
+        prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
+        refusal = self._refused_prior_structures.get(prior_structure)
+        if refusal is not None:
+            raise ValueError(refusal)
+        if method == TuningMethod.MARGLIK:
+            check_int_at_least(n_steps, "n_steps", 0)
+            check_positive_float(lr, "lr")
+        self._check_fitted("optimize_prior_precision")
+        if method == TuningMethod.MARGLIK:
+            if torch.is_tensor(init_prior_prec) and init_prior_prec.numel() > 1:
+                init = as_prior_precision(
+                    init_prior_prec, *self._prior_lengths, self._device, self._dtype
+                )
+            else:
+                init = fix_prior_prec_structure(
+                    check_positive_float(init_prior_prec, "init_prior_prec"),
+                    prior_structure,
+                    *self._prior_lengths,
+                    self._device,
+                    self._dtype,
+                )
+            self.prior_precision = maximize_marglik(
+                self.log_marginal_likelihood, init, n_steps, lr, progress_bar
+            )
+        else:
+            if val_loader is None:
+                raise ValueError("method='gridsearch' needs a val_loader with validation data.")
+            candidates = grid_candidates(
+                log_prior_prec_min,
+                log_prior_prec_max,
+                grid_size,
+                log_prior_prec_base,
+                self._device,
+                self._dtype,
+            )
+            distributed = getattr(self, "_distributed", False)
+            # None: the likelihood's default; a name: its running metric, summed over all ranks
+            # when distributed; anything else is the user's metric or callable.
+            likelihood = self._likelihood_model.fit_likelihood
+            if loss is None:
+                loss = likelihood.validation_loss(None, self.n_outputs).to(self._device)
+            elif isinstance(loss, str):
+                loss = likelihood.validation_loss(
+                    loss, self.n_outputs, self.sigma_noise, sync_on_compute=distributed
+                ).to(self._device)
+
+            def validation_score(prior_precision: Tensor) -> float:
+                self.prior_precision = prior_precision
+                return validate(
+                    self,
+                    val_loader,
+                    loss,
+                    pred_type,
+                    link_approx,
+                    n_samples,
+                    dict_key_y=self.dict_key_y,
+                )
+
+            self.prior_precision = gridsearch(
+                candidates, validation_score, val_loader, distributed, progress_bar
+            )
+        if verbose:
+            print(f"Optimized prior precision is {self.prior_precision}.")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The fitted state of this approximation.
+
+        The identity of the approximation (class, likelihood and what its ``_state_format`` adds),
+        the posterior mean and the format's values.
+
+        Returns:
+            A dict of tensors and plain values (loadable with ``weights_only=True``).
+
+        Raises:
+            NotFittedError: Before ``fit``.
+        """
+        self._check_fitted("state_dict")
+        fmt = self._state_format
+        return {**fmt.identity(self), "mean": self.mean.detach(), **fmt.values(self)}
+
+    @transactional
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a state saved by ``state_dict`` into this approximation.
+
+        Every check (identity, entries, the mean against the model's weights, the format's values)
+        runs before anything is assigned; a state that fails one changes nothing.
+
+        Raises:
+            ValueError: If the state belongs to another class, likelihood or architecture, if the
+                model's weights are not the saved posterior mean, or if it is not a state
+                ``state_dict`` writes (see :func:`check_state_dict`).
+        """
+        fmt = self._state_format
+        identity = fmt.identity(self)
+        check_state_dict(state_dict, identity, (), ())
+        for key, value in identity.items():
+            if state_dict[key] != value:
+                raise ValueError(
+                    f"state_dict does not match this Laplace approximation: its {key} is "
+                    f"{state_dict[key]!r}, expected {value!r}."
+                )
+        required = (*identity, "mean", *fmt.value_keys(self))
+        tensors = ("mean", *fmt.tensor_keys(self))
+        check_state_dict(state_dict, required, tensors, fmt.count_keys(self))
+        fmt.prepare(self, state_dict)
+        mean = state_dict["mean"].to(device=self._device, dtype=self._dtype)
+        current = self._subset.vector().detach()
+        if mean.shape != current.shape or not torch.allclose(
+            mean, current, rtol=0, atol=MEAN_MATCH_ATOL
+        ):
+            raise ValueError(
+                "the model's weights differ from the posterior mean stored in state_dict; "
+                "load the model's own state_dict (the MAP weights) before the Laplace state."
+            )
+        fmt.check(self, state_dict)
+        fmt.load(self, state_dict)
+        self.mean = mean
+        self._fitted = True
 
     def _check_fitted(self, what: str = "this method") -> None:
         if not self._fitted:

@@ -20,8 +20,6 @@ __all__ = [
     "ParametricState",
     "StateFormat",
     "check_state_dict",
-    "load_state_dict",
-    "state_dict",
 ]
 
 #: Tolerance when checking that the model's weights are the saved posterior mean.
@@ -84,62 +82,6 @@ def check_state_dict(
                 )
     for key in counts:
         check_positive_int(state_dict[key], f"state_dict[{key!r}]")
-
-
-def state_dict(la: Any) -> dict[str, Any]:
-    """The fitted state of the Laplace approximation ``la`` (its ``state_dict`` method).
-
-    The identity of the approximation (class, likelihood and what its ``_state_format`` adds),
-    the posterior mean and the format's values.
-
-    Returns:
-        A dict of tensors and plain values (loadable with ``weights_only=True``).
-
-    Raises:
-        NotFittedError: Before ``fit``.
-    """
-    la._check_fitted("state_dict")
-    fmt = la._state_format
-    return {**fmt.identity(la), "mean": la.mean.detach(), **fmt.values(la)}
-
-
-def load_state_dict(la: Any, state_dict: dict[str, Any]) -> None:
-    """Restore a state saved by ``state_dict`` into ``la`` (its ``load_state_dict`` method).
-
-    Every check (identity, entries, the mean against the model's weights, the format's values)
-    runs before anything is assigned; a state that fails one changes nothing.
-
-    Raises:
-        ValueError: If the state belongs to another class, likelihood or architecture, if the
-            model's weights are not the saved posterior mean, or if it is not a state
-            ``state_dict`` writes (see :func:`check_state_dict`).
-    """
-    fmt = la._state_format
-    identity = fmt.identity(la)
-    check_state_dict(state_dict, identity, (), ())
-    for key, value in identity.items():
-        if state_dict[key] != value:
-            raise ValueError(
-                f"state_dict does not match this Laplace approximation: its {key} is "
-                f"{state_dict[key]!r}, expected {value!r}."
-            )
-    required = (*identity, "mean", *fmt.value_keys(la))
-    tensors = ("mean", *fmt.tensor_keys(la))
-    check_state_dict(state_dict, required, tensors, fmt.count_keys(la))
-    fmt.prepare(la, state_dict)
-    mean = state_dict["mean"].to(device=la._device, dtype=la._dtype)
-    current = la._subset.vector().detach()
-    if mean.shape != current.shape or not torch.allclose(
-        mean, current, rtol=0, atol=MEAN_MATCH_ATOL
-    ):
-        raise ValueError(
-            "the model's weights differ from the posterior mean stored in state_dict; "
-            "load the model's own state_dict (the MAP weights) before the Laplace state."
-        )
-    fmt.check(la, state_dict)
-    fmt.load(la, state_dict)
-    la.mean = mean
-    la._fitted = True
 
 
 class StateFormat:

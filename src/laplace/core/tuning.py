@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -19,22 +19,17 @@ from torch.utils.data import DataLoader
 
 from laplace.core import distributed as distributed_utils
 from laplace.core.data_loop import progress
-from laplace.core.priors import as_prior_precision, fix_prior_prec_structure
 from laplace.posteriors import NotPositiveDefiniteError
-from laplace.utils.enums import LinkApprox, PredType, PriorStructure, TuningMethod, parse_enum
 from laplace.utils.errors import (
     ArgumentTypeError,
-    check_int_at_least,
     check_positive_float,
     check_positive_int,
 )
-from laplace.utils.validation import validate
 
 __all__ = [
     "grid_candidates",
     "gridsearch",
     "maximize_marglik",
-    "optimize_prior_precision",
     "search_grid",
 ]
 
@@ -167,123 +162,3 @@ def gridsearch(
     if best is None:
         raise RuntimeError("gridsearch: every candidate prior precision gave a non-finite loss.")
     return best.reshape(1)
-
-
-def optimize_prior_precision(
-    la: Any,
-    pred_type: PredType | str = PredType.GLM,
-    method: TuningMethod | str = TuningMethod.MARGLIK,
-    n_steps: int = 100,
-    lr: float = 1e-1,
-    init_prior_prec: float | Tensor = 1.0,
-    prior_structure: PriorStructure | str = PriorStructure.SCALAR,
-    val_loader: DataLoader | None = None,
-    loss: Any = None,
-    log_prior_prec_min: float = -4,
-    log_prior_prec_max: float = 4,
-    grid_size: int = 100,
-    link_approx: LinkApprox | str = LinkApprox.PROBIT,
-    n_samples: int = 100,
-    verbose: bool = False,
-    progress_bar: bool = False,
-    log_prior_prec_base: float = 10.0,
-) -> None:
-    """Tune the prior precision by marginal likelihood or by validation grid search.
-
-    The ``optimize_prior_precision`` method of every Laplace approximation ``la``; a class
-    that supports fewer options names them in its ``_refused_prior_structures``.
-
-    Args:
-        la: The Laplace approximation.
-        pred_type: Predictive used by grid search (``"glm"`` or ``"nn"``).
-        method: ``"marglik"`` (Adam on log p₀) or ``"gridsearch"`` (needs ``val_loader``).
-        n_steps: Adam steps for marglik.
-        lr: Adam learning rate for marglik.
-        init_prior_prec: Initial precision for marglik; its structure is kept unless it is
-            a scalar, which is then expanded to ``prior_structure``.
-        prior_structure: ``"scalar"``, ``"layerwise"`` or ``"diag"`` for marglik.
-        val_loader: Validation data for grid search.
-        loss: Validation loss for grid search: a torchmetrics Metric, a callable, or a name
-            (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``; see
-            :mod:`laplace.evaluation`); defaults to running NLL for classification and
-            running MSE for regression.
-        log_prior_prec_min: Lower end of the grid, as an exponent of ``log_prior_prec_base``.
-        log_prior_prec_max: Upper end of the grid.
-        grid_size: Number of grid points.
-        link_approx: Link approximation used by grid search.
-        n_samples: Samples of the predictive for grid search with MC links.
-        verbose: Print the chosen prior precision.
-        progress_bar: Show a progress bar.
-        log_prior_prec_base: Base of the log-spaced grid.
-
-    Raises:
-        ValueError: For an unknown method, structure, pred_type or link_approx, grid
-            search without ``val_loader``, an unknown ``loss`` name, a negative
-            ``n_steps``, a non-positive ``lr`` or ``grid_size``, or a grid that is not
-            finite; a non-integer count raises an error that is a ``ValueError`` and a
-            ``TypeError``.
-    """
-    method = parse_enum(TuningMethod, method, "method")
-    pred_type = parse_enum(PredType, pred_type, "pred_type")
-    link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
-    prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
-    refusal = la._refused_prior_structures.get(prior_structure)
-    if refusal is not None:
-        raise ValueError(refusal)
-    if method == TuningMethod.MARGLIK:
-        check_int_at_least(n_steps, "n_steps", 0)
-        check_positive_float(lr, "lr")
-    la._check_fitted("optimize_prior_precision")
-    if method == TuningMethod.MARGLIK:
-        if torch.is_tensor(init_prior_prec) and init_prior_prec.numel() > 1:
-            init = as_prior_precision(init_prior_prec, *la._prior_lengths, la._device, la._dtype)
-        else:
-            init = fix_prior_prec_structure(
-                check_positive_float(init_prior_prec, "init_prior_prec"),
-                prior_structure,
-                *la._prior_lengths,
-                la._device,
-                la._dtype,
-            )
-        la.prior_precision = maximize_marglik(
-            la.log_marginal_likelihood, init, n_steps, lr, progress_bar
-        )
-    else:
-        if val_loader is None:
-            raise ValueError("method='gridsearch' needs a val_loader with validation data.")
-        candidates = grid_candidates(
-            log_prior_prec_min,
-            log_prior_prec_max,
-            grid_size,
-            log_prior_prec_base,
-            la._device,
-            la._dtype,
-        )
-        distributed = getattr(la, "_distributed", False)
-        # None: the likelihood's default; a name: its running metric, summed over all ranks
-        # when distributed; anything else is the user's metric or callable.
-        likelihood = la._likelihood_model.fit_likelihood
-        if loss is None:
-            loss = likelihood.validation_loss(None, la.n_outputs).to(la._device)
-        elif isinstance(loss, str):
-            loss = likelihood.validation_loss(
-                loss, la.n_outputs, la.sigma_noise, sync_on_compute=distributed
-            ).to(la._device)
-
-        def validation_score(prior_precision: Tensor) -> float:
-            la.prior_precision = prior_precision
-            return validate(
-                la,
-                val_loader,
-                loss,
-                pred_type,
-                link_approx,
-                n_samples,
-                dict_key_y=la.dict_key_y,
-            )
-
-        la.prior_precision = gridsearch(
-            candidates, validation_score, val_loader, distributed, progress_bar
-        )
-    if verbose:
-        print(f"Optimized prior precision is {la.prior_precision}.")
