@@ -11,8 +11,7 @@ from torch.nn import functional as F
 from torchmetrics import Metric
 from typing_extensions import override
 
-from laplace.likelihoods.base import LikelihoodModel
-from laplace.likelihoods.prediction import ProbabilityPredictions
+from laplace.likelihoods.base import ProbabilityPredictions
 from laplace.likelihoods.scoring import (
     N_BINS,
     BernoulliAccuracy,
@@ -34,7 +33,7 @@ from laplace.utils.predictive import BERNOULLI_LINKS, probit_logits
 __all__ = ["Bernoulli", "bernoulli_alpha_energy"]
 
 
-class Bernoulli(ProbabilityPredictions, LikelihoodModel):
+class Bernoulli(ProbabilityPredictions):
     r"""Independent Bernoulli labels ``yₖ ~ Bernoulli(σ(fₖ))`` for logits ``f`` of shape (B, K).
 
     K = 1 is binary classification, K > 1 multi-label classification. The loss is the summed

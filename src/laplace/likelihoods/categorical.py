@@ -12,9 +12,8 @@ from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
 from typing_extensions import override
 
-from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.base import ProbabilityPredictions
 from laplace.likelihoods.gaussian import GaussianRegression
-from laplace.likelihoods.prediction import ProbabilityPredictions
 from laplace.likelihoods.scoring import (
     N_BINS,
     BrierScore,
@@ -36,7 +35,7 @@ from laplace.utils.predictive import LINKS, probit_logits
 __all__ = ["Categorical", "RewardModeling"]
 
 
-class Categorical(ProbabilityPredictions, LikelihoodModel):
+class Categorical(ProbabilityPredictions):
     """Categorical likelihood with a softmax link; targets are class indices or probabilities."""
 
     kind = Likelihood.CLASSIFICATION
@@ -243,15 +242,5 @@ class RewardModeling(Categorical):
 
     def __init__(self) -> None:
         super().__init__()
-        self._fit = Categorical()
-        self._predict = GaussianRegression()
-
-    @override
-    @property
-    def fit_likelihood(self) -> LikelihoodModel:
-        return self._fit
-
-    @override
-    @property
-    def predictive_likelihood(self) -> LikelihoodModel:
-        return self._predict
+        self.fit_likelihood = Categorical()
+        self.predictive_likelihood = GaussianRegression()

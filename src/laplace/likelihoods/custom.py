@@ -9,9 +9,8 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.base import LikelihoodModel, LossModule
 from laplace.likelihoods.protocol import Likelihood
-from laplace.likelihoods.rows import LossModule
 from laplace.utils.enums import HessianStructure, LinkApprox
 
 __all__ = ["CustomLikelihood"]

@@ -24,9 +24,8 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.base import LikelihoodModel, ReducedLoss
 from laplace.likelihoods.gaussian import check_real_targets, gaussian_evaluation
-from laplace.likelihoods.rows import ReducedLoss
 from laplace.likelihoods.scoring import (
     Evaluation,
     EvaluationOptions,
