@@ -51,7 +51,9 @@ class LikelihoodModel(ABC):
     #: The user's ``likelihood`` argument this object stands for (an enum member for built-ins).
     kind: Any
     #: Whether predictions are probabilities (classification) or Gaussian moments.
-    predicts_probabilities: bool
+    predicts_probabilities: bool = False
+    #: The torch loss module class of :meth:`loss_module` (``nn.MSELoss``, ...).
+    torch_loss: type[nn.Module]
     #: Whether the model has an observation noise σ (a hyperparameter); otherwise σ must be 1.
     has_noise_hyperparameter: bool = False
     #: The per-sample loss is ``loss_scale`` times the summed :meth:`loss_module` (½ for MSE).
@@ -76,6 +78,9 @@ class LikelihoodModel(ABC):
     supports_joint: bool = False
     #: What the predictive returns, for messages.
     predictions: str = "predictions"
+    #: Whether :meth:`glm_predictive` takes output variances (B, C) (True) or covariances
+    #: (B, C, C) (False); None: what the caller asked for (``diagonal_output``).
+    output_variances: bool | None = None
 
     def __init__(self) -> None:
         #: The user's ``class_dim`` / ``ignore_index`` and the class dimension found from data.
@@ -232,13 +237,13 @@ class LikelihoodModel(ABC):
         """
 
     # ------------------------------------------------------------------------------ fit
-    @abstractmethod
     def loss_module(self, reduction: str = "mean") -> nn.Module:
-        """The loss as a torch module (``nn.MSELoss``, ``nn.CrossEntropyLoss``) for SGD loops.
+        """The loss as a torch module (:attr:`torch_loss`) for SGD loops and backends.
 
         Args:
             reduction: ``"mean"``, ``"sum"`` or ``"none"``, as torch's losses take it.
         """
+        return self.torch_loss(reduction=reduction)
 
     @abstractmethod
     def output_hessian_sqrt(self, f: Tensor) -> Tensor:
@@ -462,7 +467,7 @@ class LikelihoodModel(ABC):
 
     def diagonal_moments(self, diagonal_output: bool) -> bool:
         """Whether :meth:`glm_predictive` needs only the output variances (B, C)."""
-        return diagonal_output
+        return diagonal_output if self.output_variances is None else self.output_variances
 
     def glm_predictive(
         self, f_mu: Tensor, f_var: Tensor, link_approx: LinkApprox, **sampling: Any
@@ -564,8 +569,11 @@ class ProbabilityPredictions(LikelihoodModel):
     :attr:`link` to each draw.
     """
 
+    predicts_probabilities = True
     #: ``link_approx`` → function of ``(f_mu, f_var, n_samples=, generator=)``.
     link_approximations: dict[LinkApprox, Callable[..., Tensor]]
+    #: The probabilities ``link(f)`` of outputs ``f`` (..., C), a torch function.
+    link: Callable[[Tensor], Tensor]
     #: The link approximations that work from output variances (B, C) alone.
     variance_links: tuple[LinkApprox, ...] = (LinkApprox.PROBIT,)
 
@@ -590,11 +598,6 @@ class ProbabilityPredictions(LikelihoodModel):
                 "or pred_type='nn' with link_approx='mc', which samples the weights from the "
                 "posterior."
             )
-
-    @staticmethod
-    @abstractmethod
-    def link(f: Tensor) -> Tensor:
-        """The probabilities of outputs ``f`` (..., C)."""
 
     @property
     def links(self) -> tuple[LinkApprox, ...]:  # type: ignore[override]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -39,7 +40,6 @@ class Categorical(ProbabilityPredictions):
     """Categorical likelihood with a softmax link; targets are class indices or probabilities."""
 
     kind = Likelihood.CLASSIFICATION
-    predicts_probabilities = True
     default_validation_loss = "nll"
     validation_losses: ClassVar[dict[str, MetricFactory]] = {
         "nll": lambda n_outputs, sigma_noise, **kw: RunningNLLMetric(**kw),
@@ -48,19 +48,14 @@ class Categorical(ProbabilityPredictions):
             n_outputs, N_BINS, "l1", **kw
         ),
     }
+    torch_loss = nn.CrossEntropyLoss
+    link = staticmethod(partial(torch.softmax, dim=-1))
+    #: The bridge and Monte-Carlo links use the covariance between classes.
+    output_variances = False
     link_approximations = LINKS
     variance_links = (LinkApprox.PROBIT, LinkApprox.BRIDGE, LinkApprox.BRIDGE_NORM)
     predictions = "class probabilities"
     position_targets = PositionTargets.LABELS
-
-    @override
-    @staticmethod
-    def link(f: Tensor) -> Tensor:
-        return torch.softmax(f, dim=-1)
-
-    @override
-    def loss_module(self, reduction: str = "mean") -> nn.Module:
-        return nn.CrossEntropyLoss(reduction=reduction)
 
     @override
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
@@ -188,10 +183,6 @@ class Categorical(ProbabilityPredictions):
     def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
         p = torch.softmax(f.detach(), dim=-1)
         return torch.multinomial(p, 1, generator=generator).squeeze(-1)
-
-    @override
-    def diagonal_moments(self, diagonal_output: bool) -> bool:
-        return False  # the bridge and Monte-Carlo links use the covariance between classes
 
     @override
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:

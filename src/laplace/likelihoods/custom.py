@@ -37,6 +37,8 @@ class CustomLikelihood(LikelihoodModel):
     hessian_structures = (HessianStructure.FULL, HessianStructure.DIAG, HessianStructure.KRON)
     loss_module_curvature = False
     function_space = ()
+    #: The user's predictive receives covariances (B, C, C).
+    output_variances = False
 
     def __init__(self, likelihood: Likelihood) -> None:
         missing = [m for m in ("loss",) if not _overrides(likelihood, m)]
@@ -94,10 +96,6 @@ class CustomLikelihood(LikelihoodModel):
     @override
     def check_row_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
         self.kind.check_targets(y, output_shape)
-
-    @override
-    def diagonal_moments(self, diagonal_output: bool) -> bool:
-        return False  # the user's predictive receives covariances (B, C, C)
 
     @override
     def glm_predictive(

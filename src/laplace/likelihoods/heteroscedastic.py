@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
 from laplace.likelihoods.base import LikelihoodModel, ReducedLoss
@@ -97,7 +97,7 @@ class HeteroscedasticGaussian(LikelihoodModel):
     """
 
     kind = Likelihood.HETEROSCEDASTIC_REGRESSION
-    predicts_probabilities = False
+    torch_loss = HeteroscedasticGaussianNLLLoss
     predictions = "heteroscedastic predictions"
     default_validation_loss = "nll"
     validation_losses: ClassVar[dict[str, MetricFactory]] = {
@@ -113,10 +113,6 @@ class HeteroscedasticGaussian(LikelihoodModel):
         HessianStructure.KRON,
         HessianStructure.GP,
     )
-
-    @override
-    def loss_module(self, reduction: str = "mean") -> nn.Module:
-        return HeteroscedasticGaussianNLLLoss(reduction)
 
     @override
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
