@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.kfac import KFAC_APPROXIMATIONS
 from laplace.curvature.kfac_rules import KFAC_DENSE_LIMIT
-from laplace.likelihoods.rows import LossModule
+from laplace.likelihoods.base import LossModule
 from laplace.utils.data import Inputs, batch_size_of
 from laplace.utils.enums import Likelihood
 from laplace.utils.errors import check_int_at_least, check_positive_int

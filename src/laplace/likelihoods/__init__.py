@@ -6,8 +6,8 @@ The built-in ones, by ``likelihood=`` name (:class:`laplace.utils.enums.Likeliho
 ``"binary_classification"`` (:class:`Bernoulli`, binary and multi-label) and
 ``"heteroscedastic_regression"`` (:class:`HeteroscedasticGaussian`). Your own observation
 model is a subclass of :class:`Likelihood` (the public protocol), passed as
-``likelihood=MyLikelihood()``. Adding a built-in one is a class and an entry in
-``_LIKELIHOODS``; the rest of the library asks the object, never its name.
+``likelihood=MyLikelihood()``. Adding a built-in one is a class (its ``kind`` the name) in
+``_BUILT_IN``; the rest of the library asks the object, never its name.
 
 ``laplace.utils.enums.Likelihood`` (laplace-torch's string enum of the names) and
 ``laplace.likelihoods.Likelihood`` (the protocol of an object) are different things.
@@ -43,13 +43,8 @@ __all__ = [
     "make_likelihood",
 ]
 
-_LIKELIHOODS: dict[enums.Likelihood, type[LikelihoodModel]] = {
-    enums.Likelihood.CLASSIFICATION: Categorical,
-    enums.Likelihood.REGRESSION: GaussianRegression,
-    enums.Likelihood.REWARD_MODELING: RewardModeling,
-    enums.Likelihood.BINARY_CLASSIFICATION: Bernoulli,
-    enums.Likelihood.HETEROSCEDASTIC_REGRESSION: HeteroscedasticGaussian,
-}
+_BUILT_IN = (Categorical, GaussianRegression, RewardModeling, Bernoulli, HeteroscedasticGaussian)
+_LIKELIHOODS: dict[enums.Likelihood, type[LikelihoodModel]] = {cls.kind: cls for cls in _BUILT_IN}
 
 
 def make_likelihood(

@@ -6,20 +6,27 @@ the Hessian structures it can be fitted with, and how a Gaussian over the output
 sampled outputs (NN) become predictions. Losses follow laplace-torch's conventions: the summed
 loss, ``½ Σ‖y − f‖²`` for regression (σ-free, so the output Hessian is the identity) and
 ``Σ CE`` for classification.
+
+Its maths is written for rows (B, C). Outputs with extra dimensions (B, C, d₁, …) or (B, T, C)
+reach it as rows (B·T, C) through its :class:`~laplace.utils.outputs.OutputAdapter`: the
+methods the fits and backends call with a batch of model outputs (the summed loss, its gradient
+w.r.t. the outputs, the target check) drop the positions an ``ignore_index`` drops, and
+predictions get the outputs' shape back (each position an independent observation).
+:class:`ProbabilityPredictions` is the base of the likelihoods whose predictions are
+probabilities of a link of the outputs (softmax, sigmoid).
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torchmetrics import MeanSquaredError, Metric
 
-from laplace.likelihoods.prediction import OutputPredictions
-from laplace.likelihoods.rows import OutputRows
 from laplace.likelihoods.scoring import (
     VALIDATION_LOSSES,
     Evaluation,
@@ -27,27 +34,26 @@ from laplace.likelihoods.scoring import (
     MetricFactory,
 )
 from laplace.utils.diag_lowrank import DiagLowRankBatch
-from laplace.utils.enums import FunctionalApproximation, HessianStructure
+from laplace.utils.enums import FunctionalApproximation, HessianStructure, LinkApprox
 from laplace.utils.errors import UnsupportedError
+from laplace.utils.outputs import OutputAdapter, OutputLayout, PositionTargets
 from laplace.utils.predictive import draw_gaussian
 
-__all__ = ["LikelihoodModel"]
+__all__ = ["LikelihoodModel", "LossModule", "ProbabilityPredictions", "ReducedLoss"]
 
 
-class LikelihoodModel(OutputRows, OutputPredictions, ABC):
+class LikelihoodModel(ABC):
     """An observation model ``p(y | f)`` over network outputs ``f`` of shape (B, C).
 
-    Its maths is written for rows (B, C); outputs with extra dimensions reach it as rows
-    through :class:`~laplace.likelihoods.rows.OutputRows`.
-
-    How it predicts comes from :class:`~laplace.likelihoods.prediction.OutputPredictions`
-    (the outputs' Gaussian moments by default, Gaussian regression's predictive).
+    It predicts the outputs' Gaussian moments by default (Gaussian regression's predictive).
     """
 
     #: The user's ``likelihood`` argument this object stands for (an enum member for built-ins).
     kind: Any
     #: Whether predictions are probabilities (classification) or Gaussian moments.
-    predicts_probabilities: bool
+    predicts_probabilities: bool = False
+    #: The torch loss module class of :meth:`loss_module` (``nn.MSELoss``, ...).
+    torch_loss: type[nn.Module]
     #: Whether the model has an observation noise σ (a hyperparameter); otherwise σ must be 1.
     has_noise_hyperparameter: bool = False
     #: The per-sample loss is ``loss_scale`` times the summed :meth:`loss_module` (½ for MSE).
@@ -64,21 +70,30 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
     loss_module_curvature: bool = True
     #: The function-space (GP) approximations that support it.
     function_space: tuple[FunctionalApproximation, ...] = tuple(FunctionalApproximation)
+    #: How targets relate to outputs with extra dimensions; None: outputs (B, C) only.
+    position_targets: PositionTargets | None = None
+    #: The ``link_approx`` values its GLM predictive accepts; None: the link is not used.
+    links: tuple[LinkApprox, ...] | None = None
+    #: Whether ``joint=True`` (the joint Gaussian over test outputs) applies to its predictive.
+    supports_joint: bool = False
+    #: What the predictive returns, for messages.
+    predictions: str = "predictions"
+    #: Whether :meth:`glm_predictive` takes output variances (B, C) (True) or covariances
+    #: (B, C, C) (False); None: what the caller asked for (``diagonal_output``).
+    output_variances: bool | None = None
+
+    def __init__(self) -> None:
+        #: The user's ``class_dim`` / ``ignore_index`` and the class dimension found from data.
+        self.outputs = OutputAdapter()
+        #: The likelihood used to fit the curvature (another one for reward modelling).
+        self.fit_likelihood: LikelihoodModel = self
+        #: The likelihood used for predictions (another one for reward modelling).
+        self.predictive_likelihood: LikelihoodModel = self
 
     @property
     def name(self) -> str:
         """The likelihood's name, as stored in a ``state_dict`` and shown in messages."""
         return self.kind.value
-
-    @property
-    def fit_likelihood(self) -> LikelihoodModel:
-        """The likelihood used to fit the curvature (differs for reward modelling)."""
-        return self
-
-    @property
-    def predictive_likelihood(self) -> LikelihoodModel:
-        """The likelihood used for predictions (differs for reward modelling)."""
-        return self
 
     @property
     def is_composite(self) -> bool:
@@ -149,14 +164,86 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
                 "likelihood's curvature; use hessian_structure='full', 'diag' or 'kron'."
             )
 
-    # ------------------------------------------------------------------------------ fit
+    # ------------------------------------------------------------------------------ outputs
+    def layout(self, output_shape: Sequence[int], y: Tensor | None = None) -> OutputLayout:
+        """The rows of outputs of ``output_shape`` (B, …), for targets ``y`` (None: predicting).
+
+        Raises:
+            ValueError: See :meth:`laplace.utils.outputs.OutputAdapter.layout`.
+        """
+        return self.outputs.layout(output_shape, y, self.position_targets, self.name)
+
+    def output_count(self, output_shape: Sequence[int], y: Tensor | None = None) -> int:
+        """``la.n_outputs`` for outputs of ``output_shape``: C, the outputs of one row."""
+        return self.layout(output_shape, y).n_classes
+
+    def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        """Refuse targets that cannot belong to outputs of shape ``output_shape`` (B, …).
+
+        Cheap (no model call): the data loops run it on every batch before any curvature work,
+        with the output shape of the first batch (the batch size is not compared). Labels equal
+        to ``ignore_index`` are accepted (their positions are dropped).
+
+        Raises:
+            ValueError: Naming the problem (shape, label range, an ambiguous class dimension);
+                a :class:`~laplace.utils.errors.DataError` (also a ``RuntimeError``) for targets of
+                the wrong kind, a :class:`~laplace.utils.errors.LabelError` (also an
+                ``IndexError``) for a class label outside ``[0, C)``.
+        """
+        layout = self.layout(output_shape, y)
+        targets, _ = layout.labelled(y)
+        row_shape = output_shape if layout.plain else (len(targets), layout.n_classes)
+        self.check_row_targets(targets, row_shape)
+
+    def loss(self, f: Tensor, y: Tensor) -> Tensor:
+        """Summed loss of a batch of outputs (B, …) over its data points and kept positions."""
+        return self.point_losses(f, y).sum()
+
+    def point_losses(self, f: Tensor, y: Tensor) -> Tensor:
+        """Loss of each data point of a batch of outputs (B, …), summed over its kept positions.
+
+        Returns:
+            Shape (B,).
+        """
+        rows, targets, keep = self.layout(f.shape, y).split(f, y)
+        per_row = self.per_sample_loss(rows, targets)
+        if keep is not None:
+            per_row = per_row * keep
+        return per_row.reshape(len(f), -1).sum(1)
+
+    def output_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        """Gradient of the summed loss w.r.t. the outputs, shape of ``f`` (B, …)."""
+        layout = self.layout(f.shape, y)
+        rows, targets, keep = layout.split(f, y)
+        gradient = self.loss_gradient(rows, targets)
+        if keep is not None:
+            gradient = gradient * keep.unsqueeze(-1)
+        return layout.restore(gradient)
+
     @abstractmethod
+    def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
+        """Negative log-likelihood of rows (B, C) up to constants, shape (B,)."""
+
+    @abstractmethod
+    def loss_gradient(self, f: Tensor, y: Tensor) -> Tensor:
+        """Gradient of the per-row loss w.r.t. rows ``f`` (B, C), shape (B, C)."""
+
+    @abstractmethod
+    def check_row_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        """Refuse targets that cannot belong to rows of shape ``output_shape`` (B, C).
+
+        Raises:
+            ValueError: As :meth:`check_targets`.
+        """
+
+    # ------------------------------------------------------------------------------ fit
     def loss_module(self, reduction: str = "mean") -> nn.Module:
-        """The loss as a torch module (``nn.MSELoss``, ``nn.CrossEntropyLoss``) for SGD loops.
+        """The loss as a torch module (:attr:`torch_loss`) for SGD loops and backends.
 
         Args:
             reduction: ``"mean"``, ``"sum"`` or ``"none"``, as torch's losses take it.
         """
+        return self.torch_loss(reduction=reduction)
 
     @abstractmethod
     def output_hessian_sqrt(self, f: Tensor) -> Tensor:
@@ -261,6 +348,175 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
         """
         raise UnsupportedError(f"likelihood={self.name!r} has no VaLLA energy in laplace-ng.")
 
+    @abstractmethod
+    def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """Draw targets ``y ~ p(y | f)`` (for Monte-Carlo Fisher estimates)."""
+
+    def log_likelihood(
+        self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
+    ) -> Tensor:
+        """Log-likelihood of the training data from its summed loss: ``−loss/T`` by default.
+
+        The default is right for a loss that is the whole negative log-likelihood (no constant
+        left out, no σ): classification, binary classification, your own likelihood.
+        """
+        return -loss / temperature
+
+    def inducing_outputs(self, y: Tensor) -> Tensor:
+        """The output (B,) whose Jacobian row an inducing point at each target contributes.
+
+        VaLLA's inducing points each take one output row; by default the first output.
+        """
+        return torch.zeros(len(y), dtype=torch.long, device=y.device)
+
+    def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
+        """Check targets against the outputs and bring them to the shape the loss expects.
+
+        Raises:
+            ValueError: See :meth:`check_row_targets`.
+        """
+        self.check_row_targets(y, f.shape)
+        return y
+
+    def loss_targets(self, y: Tensor, dtype: torch.dtype) -> Tensor:
+        """Targets of a batch in the form :meth:`loss_module` takes them, without the outputs.
+
+        For code that hands batches to curvlinops' operators. As given by default.
+
+        Args:
+            y: Targets of a batch.
+            dtype: The model's floating-point type.
+        """
+        return y
+
+    # ------------------------------------------------------------------------------ predictions
+    def check_prediction(self, link_approx: LinkApprox, joint: bool) -> None:
+        """Refuse predictive options that do not apply, before any work.
+
+        Raises:
+            ValueError: For ``joint=True`` without a joint form, or a ``link_approx`` outside
+                :attr:`links`.
+        """
+        if joint and not self.supports_joint:
+            raise ValueError(
+                "joint=True gives the joint Gaussian over the outputs of a regression GLM "
+                f"predictive; {self.predictions} have no joint form (use joint=False)."
+            )
+        if self.links is not None and link_approx not in self.links:
+            raise ValueError(
+                f"likelihood={self.name!r} accepts link_approx in "
+                f"{[link.value for link in self.links]}, got {link_approx.value!r}."
+            )
+
+    def check_variance_prediction(
+        self, link_approx: LinkApprox, joint: bool, diagonal_output: bool, reason: str
+    ) -> None:
+        """Refuse options that need covariances between outputs when only variances exist.
+
+        Args:
+            link_approx: The requested link approximation.
+            joint: Whether the joint Gaussian over test outputs was requested.
+            diagonal_output: Whether variances were requested.
+            reason: Why only output variances (B, C) are computed, for the message.
+
+        Raises:
+            ValueError: Unless ``diagonal_output=True`` and ``joint=False``.
+        """
+        if joint or not diagonal_output:
+            raise ValueError(
+                f"{reason}: use diagonal_output=True (and joint=False) for the predictive "
+                "variances, or pred_type='nn' with link_approx='mc' to sample weights."
+            )
+
+    def predict(
+        self,
+        f_mu: Tensor,
+        f_var: Tensor,
+        link_approx: LinkApprox,
+        n_samples: int,
+        generator: torch.Generator | None,
+        diagonal_output: bool,
+    ) -> Any:
+        """The GLM predictive from the Gaussian over the outputs at the test inputs.
+
+        Args:
+            f_mu: Output means in the outputs' shape (B, …).
+            f_var: Covariances (B·T, C, C) of their rows (``laplace.utils.outputs``), or variances
+                where :meth:`diagonal_moments` asked for them.
+            link_approx: See :meth:`glm_predictive`.
+            n_samples: Monte-Carlo samples of ``"mc"``.
+            generator: Random number generator of ``"mc"``.
+            diagonal_output: Whether the caller asked for variances (the shape of ``f_var``
+                already says it; :meth:`diagonal_moments` chose it).
+        """
+        layout = self.layout(f_mu.shape)
+        prediction = self.glm_predictive(
+            layout.rows(f_mu), f_var, link_approx, n_samples=n_samples, generator=generator
+        )
+        return prediction if layout.plain else self.restore_prediction(prediction, layout)
+
+    def restore_prediction(self, prediction: Any, layout: OutputLayout) -> Any:
+        """Predictions of rows in the outputs' shape (outputs with extra dimensions).
+
+        Gaussian moments by default: the means (B, …) and each output's variance (B, …).
+        """
+        f_mu, f_var = prediction
+        if f_var.dim() == f_mu.dim() + 1:
+            f_var = f_var.diagonal(dim1=-2, dim2=-1)
+        return layout.restore(f_mu), layout.restore(f_var)
+
+    def diagonal_moments(self, diagonal_output: bool) -> bool:
+        """Whether :meth:`glm_predictive` needs only the output variances (B, C)."""
+        return diagonal_output if self.output_variances is None else self.output_variances
+
+    def glm_predictive(
+        self, f_mu: Tensor, f_var: Tensor, link_approx: LinkApprox, **sampling: Any
+    ) -> Any:
+        """Predictions from a Gaussian over the outputs (the linearised network).
+
+        Args:
+            f_mu: Output means (B, C).
+            f_var: Output covariances (B, C, C), or variances (B, C) when
+                :meth:`diagonal_moments` said so.
+            link_approx: The link approximation (for likelihoods with :attr:`links`).
+            **sampling: ``n_samples`` and ``generator`` of Monte-Carlo approximations.
+
+        Returns:
+            ``(f_mu, f_var)`` by default (Gaussian regression).
+        """
+        return f_mu, f_var
+
+    def validation_rows(self, prediction: Any, y: Tensor) -> tuple[Any, Tensor]:
+        """Predictions and targets of a validation batch as the validation metrics take them.
+
+        Gaussian moments by default: means and variances flattened per data point (B, T·C)
+        for outputs with extra dimensions (as given for outputs (B, C)).
+        """
+        if not isinstance(prediction, tuple) or self.layout(prediction[0].shape).plain:
+            return prediction, y
+        return tuple(p.reshape(len(p), -1) for p in prediction), y.reshape(len(y), -1)
+
+    def sampled_predictive(self, f: Tensor) -> Any:
+        """Predictions from sampled networks' outputs ``f`` (S, B, C) (``pred_type="nn"``).
+
+        Returns:
+            The mean (B, C) and variance (B, C) over the samples by default.
+        """
+        return f.mean(dim=0), f.var(dim=0)
+
+    def sampled_predictive_of(self, groups: Iterable[Tensor]) -> Any:
+        """:meth:`sampled_predictive` of outputs that come in groups of samples (Sᵢ, B, …).
+
+        By default the groups are put together first; a prediction that is a mean over the
+        samples overrides this to sum one group at a time.
+        """
+        return self.sampled_predictive(torch.cat(list(groups)))
+
+    def predictive_sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """One predictive draw per output sample ``f`` (S, B, C): the outputs by default."""
+        return f
+
+    # ------------------------------------------------------------------------------ scoring
     def validation_loss(
         self, name: str | None, n_outputs: int, sigma_noise: float | Tensor = 0.0, **kwargs: Any
     ) -> Metric:
@@ -304,43 +560,123 @@ class LikelihoodModel(OutputRows, OutputPredictions, ABC):
             "of a built-in likelihood, e.g. likelihood='classification' or 'regression'."
         )
 
-    @abstractmethod
-    def sample_targets(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """Draw targets ``y ~ p(y | f)`` (for Monte-Carlo Fisher estimates)."""
 
-    def log_likelihood(
-        self, loss: Tensor, n_data: int, n_outputs: int, sigma_noise: Tensor, temperature: float
-    ) -> Tensor:
-        """Log-likelihood of the training data from its summed loss: ``−loss/T`` by default.
+class ProbabilityPredictions(LikelihoodModel):
+    """A likelihood whose predictions are probabilities ``link(f)`` of the outputs.
 
-        The default is right for a loss that is the whole negative log-likelihood (no constant
-        left out, no σ): classification, binary classification, your own likelihood.
-        """
-        return -loss / temperature
+    The GLM predictive approximates ``E[link(f)]`` under the Gaussian over the outputs by one of
+    the functions of :attr:`link_approximations`; sampled networks and predictive samples apply
+    :attr:`link` to each draw.
+    """
 
-    def inducing_outputs(self, y: Tensor) -> Tensor:
-        """The output (B,) whose Jacobian row an inducing point at each target contributes.
+    predicts_probabilities = True
+    #: ``link_approx`` → function of ``(f_mu, f_var, n_samples=, generator=)``.
+    link_approximations: dict[LinkApprox, Callable[..., Tensor]]
+    #: The probabilities ``link(f)`` of outputs ``f`` (..., C), a torch function.
+    link: Callable[[Tensor], Tensor]
+    #: The link approximations that work from output variances (B, C) alone.
+    variance_links: tuple[LinkApprox, ...] = (LinkApprox.PROBIT,)
 
-        VaLLA's inducing points each take one output row; by default the first output.
-        """
-        return torch.zeros(len(y), dtype=torch.long, device=y.device)
-
-    def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
-        """Check targets against the outputs and bring them to the shape the loss expects.
-
-        Raises:
-            ValueError: See :meth:`check_row_targets`.
-        """
-        self.check_row_targets(y, f.shape)
-        return y
-
-    def loss_targets(self, y: Tensor, dtype: torch.dtype) -> Tensor:
-        """Targets of a batch in the form :meth:`loss_module` takes them, without the outputs.
-
-        For code that hands batches to curvlinops' operators. As given by default.
+    def check_variance_prediction(
+        self, link_approx: LinkApprox, joint: bool, diagonal_output: bool, reason: str
+    ) -> None:
+        """Refuse a link approximation that needs covariances between outputs.
 
         Args:
-            y: Targets of a batch.
-            dtype: The model's floating-point type.
+            link_approx: The requested link approximation.
+            joint: Unused (refused by :meth:`check_prediction`).
+            diagonal_output: Unused (the predictions are probabilities).
+            reason: Why only output variances (B, C) are computed, for the message.
+
+        Raises:
+            ValueError: For a ``link_approx`` outside :attr:`variance_links`.
         """
-        return y
+        if link_approx not in self.variance_links:
+            raise ValueError(
+                f"{reason}: link_approx={link_approx.value!r} needs the covariance between "
+                f"outputs; use link_approx in {[link.value for link in self.variance_links]}, "
+                "or pred_type='nn' with link_approx='mc', which samples the weights from the "
+                "posterior."
+            )
+
+    @property
+    def links(self) -> tuple[LinkApprox, ...]:  # type: ignore[override]
+        """The link approximations the GLM predictive accepts."""
+        return tuple(self.link_approximations)
+
+    def glm_predictive(
+        self, f_mu: Tensor, f_var: Tensor, link_approx: LinkApprox, **sampling: Any
+    ) -> Tensor:
+        """Probabilities (B, C) by the link approximation ``link_approx``."""
+        return self.link_approximations[link_approx](f_mu, f_var, **sampling)
+
+    def sampled_predictive(self, f: Tensor) -> Tensor:
+        """The mean probabilities over sampled outputs (S, B, …), shape (B, …)."""
+        return self.predictive_sample(f).mean(dim=0)
+
+    def sampled_predictive_of(self, groups: Iterable[Tensor]) -> Tensor:
+        """The mean probabilities over groups of sampled outputs, summed a group at a time."""
+        total, count = 0, 0
+        for f in groups:
+            total = total + self.predictive_sample(f).sum(dim=0)
+            count += len(f)
+        return total / count
+
+    def predictive_sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """The probabilities of each output sample (S, B, …), along the class dimension."""
+        layout = self.layout(f.shape[1:])
+        return layout.restore(self.link(layout.rows(f)))
+
+    def restore_prediction(self, prediction: Tensor, layout: OutputLayout) -> Tensor:
+        """Probabilities of rows (B·T, C) in the outputs' shape."""
+        return layout.restore(prediction)
+
+    def validation_rows(self, prediction: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """Probabilities (B·T, C) and labels of the positions that count (not dropped)."""
+        layout = self.layout(prediction.shape, y)
+        targets, keep = layout.labelled(y)
+        rows = layout.rows(prediction)
+        return (rows, targets) if keep is None else (rows[keep], targets[keep])
+
+
+class ReducedLoss(nn.Module):
+    """A torch loss module that reduces a loss of each data point as torch's losses do.
+
+    Args:
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+
+    Raises:
+        ValueError: For another ``reduction``.
+    """
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}.")
+        self.reduction = reduction
+
+    def reduce(self, loss: Tensor) -> Tensor:
+        """The mean or sum of ``loss``, or ``loss`` itself with ``"none"``."""
+        if self.reduction == "mean":
+            return loss.mean()
+        return loss.sum() if self.reduction == "sum" else loss
+
+
+class LossModule(ReducedLoss):
+    """A likelihood object's negative log-likelihood as a torch loss ``(f, y) → loss``.
+
+    For the torch-loss routes (curvlinops' operators, training loops) of likelihoods without a
+    torch loss of their own, and of outputs of any layout.
+
+    Args:
+        likelihood: The likelihood object.
+        reduction: ``"mean"`` (over data points), ``"sum"`` or ``"none"`` (shape (B,)).
+    """
+
+    def __init__(self, likelihood: LikelihoodModel, reduction: str = "mean") -> None:
+        super().__init__(reduction)
+        self.likelihood = likelihood
+
+    def forward(self, f: Tensor, y: Tensor) -> Tensor:
+        """The loss of outputs ``f`` (B, …) and targets ``y``."""
+        return self.reduce(self.likelihood.point_losses(f, y))

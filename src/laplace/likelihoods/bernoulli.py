@@ -11,8 +11,7 @@ from torch.nn import functional as F
 from torchmetrics import Metric
 from typing_extensions import override
 
-from laplace.likelihoods.base import LikelihoodModel
-from laplace.likelihoods.prediction import ProbabilityPredictions
+from laplace.likelihoods.base import ProbabilityPredictions
 from laplace.likelihoods.scoring import (
     N_BINS,
     BernoulliAccuracy,
@@ -34,7 +33,7 @@ from laplace.utils.predictive import BERNOULLI_LINKS, probit_logits
 __all__ = ["Bernoulli", "bernoulli_alpha_energy"]
 
 
-class Bernoulli(ProbabilityPredictions, LikelihoodModel):
+class Bernoulli(ProbabilityPredictions):
     r"""Independent Bernoulli labels ``yₖ ~ Bernoulli(σ(fₖ))`` for logits ``f`` of shape (B, K).
 
     K = 1 is binary classification, K > 1 multi-label classification. The loss is the summed
@@ -48,7 +47,6 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
     """
 
     kind = Likelihood.BINARY_CLASSIFICATION
-    predicts_probabilities = True
     default_validation_loss = "nll"
     validation_losses: ClassVar[dict[str, MetricFactory]] = {
         "nll": lambda n_outputs, sigma_noise, **kw: BernoulliNLL(n_outputs, **kw),
@@ -57,18 +55,13 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
             n_outputs, N_BINS, "l1", **kw
         ),
     }
+    torch_loss = nn.BCEWithLogitsLoss
+    link = staticmethod(torch.sigmoid)
+    #: Independent labels: each probability needs only its own variance.
+    output_variances = True
     link_approximations = BERNOULLI_LINKS
     predictions = "label probabilities"
     position_targets = PositionTargets.VALUES
-
-    @override
-    @staticmethod
-    def link(f: Tensor) -> Tensor:
-        return torch.sigmoid(f)
-
-    @override
-    def diagonal_moments(self, diagonal_output: bool) -> bool:
-        return True  # independent labels: each probability needs only its own variance
 
     @override
     def predictive_nll(
@@ -129,10 +122,6 @@ class Bernoulli(ProbabilityPredictions, LikelihoodModel):
         """The labels in turn (point i takes label i mod K), so every label has inducing rows."""
         n_labels = y.shape[1] if y.dim() > 1 else 1
         return torch.arange(len(y), device=y.device) % n_labels
-
-    @override
-    def loss_module(self, reduction: str = "mean") -> nn.Module:
-        return nn.BCEWithLogitsLoss(reduction=reduction)
 
     @override
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:

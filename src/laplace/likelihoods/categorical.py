@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -12,9 +13,8 @@ from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
 from typing_extensions import override
 
-from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.base import ProbabilityPredictions
 from laplace.likelihoods.gaussian import GaussianRegression
-from laplace.likelihoods.prediction import ProbabilityPredictions
 from laplace.likelihoods.scoring import (
     N_BINS,
     BrierScore,
@@ -36,11 +36,10 @@ from laplace.utils.predictive import LINKS, probit_logits
 __all__ = ["Categorical", "RewardModeling"]
 
 
-class Categorical(ProbabilityPredictions, LikelihoodModel):
+class Categorical(ProbabilityPredictions):
     """Categorical likelihood with a softmax link; targets are class indices or probabilities."""
 
     kind = Likelihood.CLASSIFICATION
-    predicts_probabilities = True
     default_validation_loss = "nll"
     validation_losses: ClassVar[dict[str, MetricFactory]] = {
         "nll": lambda n_outputs, sigma_noise, **kw: RunningNLLMetric(**kw),
@@ -49,19 +48,14 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
             n_outputs, N_BINS, "l1", **kw
         ),
     }
+    torch_loss = nn.CrossEntropyLoss
+    link = staticmethod(partial(torch.softmax, dim=-1))
+    #: The bridge and Monte-Carlo links use the covariance between classes.
+    output_variances = False
     link_approximations = LINKS
     variance_links = (LinkApprox.PROBIT, LinkApprox.BRIDGE, LinkApprox.BRIDGE_NORM)
     predictions = "class probabilities"
     position_targets = PositionTargets.LABELS
-
-    @override
-    @staticmethod
-    def link(f: Tensor) -> Tensor:
-        return torch.softmax(f, dim=-1)
-
-    @override
-    def loss_module(self, reduction: str = "mean") -> nn.Module:
-        return nn.CrossEntropyLoss(reduction=reduction)
 
     @override
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
@@ -191,10 +185,6 @@ class Categorical(ProbabilityPredictions, LikelihoodModel):
         return torch.multinomial(p, 1, generator=generator).squeeze(-1)
 
     @override
-    def diagonal_moments(self, diagonal_output: bool) -> bool:
-        return False  # the bridge and Monte-Carlo links use the covariance between classes
-
-    @override
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
         self.check_row_targets(y, f.shape)
         if y.dtype.is_floating_point and y.shape == f.shape:
@@ -243,15 +233,5 @@ class RewardModeling(Categorical):
 
     def __init__(self) -> None:
         super().__init__()
-        self._fit = Categorical()
-        self._predict = GaussianRegression()
-
-    @override
-    @property
-    def fit_likelihood(self) -> LikelihoodModel:
-        return self._fit
-
-    @override
-    @property
-    def predictive_likelihood(self) -> LikelihoodModel:
-        return self._predict
+        self.fit_likelihood = Categorical()
+        self.predictive_likelihood = GaussianRegression()

@@ -9,9 +9,8 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.base import LikelihoodModel, LossModule
 from laplace.likelihoods.protocol import Likelihood
-from laplace.likelihoods.rows import LossModule
 from laplace.utils.enums import HessianStructure, LinkApprox
 
 __all__ = ["CustomLikelihood"]
@@ -38,6 +37,8 @@ class CustomLikelihood(LikelihoodModel):
     hessian_structures = (HessianStructure.FULL, HessianStructure.DIAG, HessianStructure.KRON)
     loss_module_curvature = False
     function_space = ()
+    #: The user's predictive receives covariances (B, C, C).
+    output_variances = False
 
     def __init__(self, likelihood: Likelihood) -> None:
         missing = [m for m in ("loss",) if not _overrides(likelihood, m)]
@@ -95,10 +96,6 @@ class CustomLikelihood(LikelihoodModel):
     @override
     def check_row_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
         self.kind.check_targets(y, output_shape)
-
-    @override
-    def diagonal_moments(self, diagonal_output: bool) -> bool:
-        return False  # the user's predictive receives covariances (B, C, C)
 
     @override
     def glm_predictive(

@@ -47,8 +47,8 @@ class GaussianRegression(LikelihoodModel):
     """
 
     kind = Likelihood.REGRESSION
-    predicts_probabilities = False
     has_noise_hyperparameter = True
+    torch_loss = nn.MSELoss
     loss_scale = 0.5
     supports_joint = True
     position_targets = PositionTargets.VALUES
@@ -61,10 +61,6 @@ class GaussianRegression(LikelihoodModel):
     def output_count(self, output_shape: Sequence[int], y: Tensor | None = None) -> int:
         """Every output is an observation: T·C per data point (the normaliser's count)."""
         return self.layout(output_shape, y).size
-
-    @override
-    def loss_module(self, reduction: str = "mean") -> nn.Module:
-        return nn.MSELoss(reduction=reduction)
 
     @override
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:

@@ -21,12 +21,11 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
-from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.base import LikelihoodModel, ReducedLoss
 from laplace.likelihoods.gaussian import check_real_targets, gaussian_evaluation
-from laplace.likelihoods.rows import ReducedLoss
 from laplace.likelihoods.scoring import (
     Evaluation,
     EvaluationOptions,
@@ -98,7 +97,7 @@ class HeteroscedasticGaussian(LikelihoodModel):
     """
 
     kind = Likelihood.HETEROSCEDASTIC_REGRESSION
-    predicts_probabilities = False
+    torch_loss = HeteroscedasticGaussianNLLLoss
     predictions = "heteroscedastic predictions"
     default_validation_loss = "nll"
     validation_losses: ClassVar[dict[str, MetricFactory]] = {
@@ -114,10 +113,6 @@ class HeteroscedasticGaussian(LikelihoodModel):
         HessianStructure.KRON,
         HessianStructure.GP,
     )
-
-    @override
-    def loss_module(self, reduction: str = "mean") -> nn.Module:
-        return HeteroscedasticGaussianNLLLoss(reduction)
 
     @override
     def per_sample_loss(self, f: Tensor, y: Tensor) -> Tensor:
