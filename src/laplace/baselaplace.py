@@ -1,11 +1,11 @@
 """Public Laplace classes over all weights, at laplace-torch's module path.
 
-The classes are a façade over composable pieces: a likelihood object (:mod:`laplace.likelihoods`),
-a parameter subset (:mod:`laplace.core.subsets`), a posterior structure
-(:mod:`laplace.posteriors`), a curvature backend (:mod:`laplace.curvature`), predictive links
-(:mod:`laplace.utils.predictive`) and tuning (:mod:`laplace.core.tuning`). ``BaseLaplace`` lives in
-:mod:`laplace.core.base`, the parametric classes in :mod:`laplace.parametric.base` and
-:mod:`laplace.parametric.kron`.
+The classes are a façade over composable pieces: a likelihood object (``laplace.likelihoods``),
+a parameter subset (``laplace.core.subsets``), a posterior structure
+(``laplace.posteriors``), a curvature backend (``laplace.curvature``), predictive links
+(``laplace.utils.predictive``) and tuning (``laplace.core.tuning``). ``BaseLaplace`` lives in
+``laplace.core.base``, the parametric classes in ``laplace.parametric.base`` and
+``laplace.parametric.kron``.
 """
 
 from laplace.core.base import BaseLaplace

@@ -113,18 +113,18 @@ def Laplace(
         model: The trained network.
         likelihood: ``"classification"``, ``"regression"``, ``"reward_modeling"``,
             ``"binary_classification"``, ``"heteroscedastic_regression"``, or an instance of a
-            :class:`laplace.likelihoods.Likelihood` subclass (your own).
+            ``laplace.likelihoods.Likelihood`` subclass (your own).
         subset_of_weights: ``"all"``, ``"last_layer"`` or ``"subnetwork"``.
         hessian_structure: ``"full"``, ``"kron"``, ``"diag"``, ``"lowrank"`` or ``"gp"``.
         *args: Passed on to the chosen class.
         functional_approximation: With ``hessian_structure="gp"``: ``"sod"`` (subset of data,
-            :class:`FunctionalLaplace` / :class:`FunctionalLLLaplace`, needs ``n_subset``),
+            ``FunctionalLaplace`` / ``FunctionalLLLaplace``, needs ``n_subset``),
             ``"nystrom"`` (ELLA) or ``"variational"`` (VaLLA), both over all weights only.
         **kwargs: Passed on to the chosen class.
 
     Returns:
         An instance of the chosen Laplace class. For type checkers: a
-        :class:`ParametricLaplace` for the weight-space structures, a function-space class
+        ``ParametricLaplace`` for the weight-space structures, a function-space class
         (``FunctionalLaplace``, ``ELLA`` or ``VaLLA``) for ``"gp"``.
 
     Raises:

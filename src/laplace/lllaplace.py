@@ -1,12 +1,12 @@
 r"""Last-layer Laplace: a Gaussian posterior over the linear head ``f = W φ(x) + b`` only.
 
-The network is wrapped in a :class:`~laplace.utils.feature_extractor.FeatureExtractor`
+The network is wrapped in a [`FeatureExtractor`][laplace.utils.feature_extractor.FeatureExtractor]
 (``la.model``); the body ``φ`` stays at its trained weights. Because the head is linear, the
 curvature, the marginal likelihood and the GLM predictive have closed forms in the features
-(:mod:`laplace.posteriors.last_layer`): fitting costs one forward pass over the data plus a few
+(``laplace.posteriors.last_layer``): fitting costs one forward pass over the data plus a few
 products of the features, and predicting one forward pass per test batch. Outputs with extra
 dimensions whose head sees one feature vector per position (token logits (B, T, C) from features
-(B, T, D), pixel logits) are rows of the head like data points (:mod:`laplace.utils.outputs`; the
+(B, T, D), pixel logits) are rows of the head like data points (``laplace.utils.outputs``; the
 exact GGN only: the empirical and Monte-Carlo Fisher of a data point's summed loss couple its
 positions). Otherwise (sequence features whose outputs the model reduces, reward-model pairs) the
 backend's autograd routes are used, which handle any such layout exactly. Backends with their own
@@ -65,17 +65,17 @@ class HeadCurvatureSum(CurvatureSum):
     """The pass of a last-layer fit: the curvature of the linear head from its features.
 
     Where the posterior structure has a closed form of the backend's curvature
-    (:func:`laplace.posteriors.last_layer.head_curvature`), a batch's statistics are the head's
+    (``laplace.posteriors.last_layer.head_curvature``), a batch's statistics are the head's
     features φ (B, D) and the output-space curvature M (B, C, C) of the backend (one forward pass,
     no autograd; above the large-output threshold M is diagonal plus low rank, see
-    :mod:`laplace.posteriors.large_output`); they are buffered up to :data:`BUFFER_ELEMENTS`
+    ``laplace.posteriors.large_output``); they are buffered up to ``BUFFER_ELEMENTS``
     entries and turned into the structure's curvature by the closed form, which the structure's
     accumulator sums. Outputs with extra dimensions whose head sees one feature vector per position
-    give one row per position (:func:`laplace.posteriors.last_layer.head_rows`; KFAC normalised
+    give one row per position (``laplace.posteriors.last_layer.head_rows``; KFAC normalised
     over their N·T rows). A batch whose head sees several rows per data point otherwise, and every
     batch where there is no closed form (per-output structures, ASDL, BackPACK, Hessian or
     Monte-Carlo backends), gives the backend's batch curvature as in
-    :class:`~laplace.parametric.fit.CurvatureSum`.
+    ``CurvatureSum``.
     """
 
     def summands(self, loader: DataLoader) -> Iterator[tuple[Tensor, Any]]:
@@ -127,17 +127,17 @@ class LLLaplace(ParametricLaplace):
     The posterior covers the parameters of the last layer (an ``nn.Linear``): ``mean``,
     ``n_params``, ``prior_precision`` (scalar, one value for the weight and one for the bias, or
     diagonal) and ``H`` refer to them only. When ``last_layer_name`` is None the layer is found
-    on the first batch of :meth:`fit`; until then ``n_params``, ``n_layers``, ``mean`` and ``H``
+    on the first batch of ``fit``; until then ``n_params``, ``n_layers``, ``mean`` and ``H``
     are None (as in laplace-torch) and what needs them raises an error that is an
     ``AttributeError``. Once the layer is known the unfitted posterior is the prior (see
-    :class:`~laplace.parametric.base.ParametricLaplace`). Arguments not listed below are those
-    of :class:`~laplace.core.base.BaseLaplace`.
+    ``ParametricLaplace``). Arguments not listed below are those
+    of [`BaseLaplace`][laplace.core.base.BaseLaplace].
 
     Args:
         model: The trained network, ending in a linear layer.
         likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"``.
         feature_reduction: ``"pick_first"``, ``"pick_last"`` or ``"average"`` for last-layer
-            inputs of shape (B, ..., D), see :class:`FeatureExtractor`.
+            inputs of shape (B, ..., D), see ``FeatureExtractor``.
         backend: The default GGN and the empirical Fisher use the closed forms.
         last_layer_name: Name of the last layer in ``model.named_modules()``.
         asdl_fisher_kwargs: Not supported for last-layer Laplace (must be None).
@@ -221,13 +221,13 @@ class LLLaplace(ParametricLaplace):
 
     # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """See :meth:`ParametricLaplace.state_dict`; adds the layer name."""
+        """See ``ParametricLaplace.state_dict``; adds the layer name."""
         state = super().state_dict()
         state["last_layer_name"] = self.model.last_layer_name
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """See :meth:`ParametricLaplace.load_state_dict`.
+        """See ``ParametricLaplace.load_state_dict``.
 
         Raises:
             ValueError: If the state was saved for another last layer.
@@ -260,20 +260,20 @@ class DiagLLLaplace(LLLaplace, DiagLaplace):
 class KronLLLaplace(LLLaplace, KronLaplace):
     """Last-layer Laplace with a Kronecker-factored (KFAC) curvature of the head.
 
-    Above :data:`~laplace.posteriors.large_output.LARGE_OUTPUT_THRESHOLD` outputs the output-side
+    Above ``LARGE_OUTPUT_THRESHOLD`` outputs the output-side
     factor ``G = Σₙ Λₙ`` is never a dense C × C matrix but ``diag(Σ p) − U Uᵀ`` (softmax), ``U``
     the top ``output_factor_rank`` singular directions of ``P = [p₁ … p_N]`` (exact while the data
     give no more rank; beyond, ``G`` is over-estimated by a PSD part of trace
     ``H_facs.kfacs[0][0].dropped``); the posterior and GLM variances go through that structure (see
-    :mod:`laplace.posteriors.large_output`).
+    ``laplace.posteriors.large_output``).
 
     Args:
-        damping: Mix the prior into each Kronecker factor (see :class:`KronLaplace`).
+        damping: Mix the prior into each Kronecker factor (see ``KronLaplace``).
         output_factor_rank: Largest rank of the low-rank term of the output factor above the
             large-output threshold (default
-            :data:`~laplace.posteriors.large_output.OUTPUT_FACTOR_RANK`); a marginal-likelihood
+            ``OUTPUT_FACTOR_RANK``); a marginal-likelihood
             step costs O(D·C·k²) for D features, C outputs, rank k. The other arguments are those
-            of :class:`LLLaplace`.
+            of [`LLLaplace`][laplace.LLLaplace].
 
     Raises:
         ValueError: For an ``output_factor_rank`` that is not a positive integer.

@@ -9,7 +9,7 @@ and the others fixed at the MAP,
 where ``H_S`` is the (K, K) block of the curvature on the subnetwork, computed by the backend
 for the selected columns only (never the P × P matrix), and the prior ``p₀`` is a scalar or
 diagonal over the K entries. ``la.mean`` is the full MAP vector (P,), ``la.mean_subnet`` its
-subnetwork part (K,), and :meth:`sample` returns full vectors (S, P) whose other entries are
+subnetwork part (K,), and ``sample`` returns full vectors (S, P) whose other entries are
 the MAP.
 
 Example:
@@ -42,7 +42,7 @@ __all__ = ["DiagSubnetLaplace", "FullSubnetLaplace", "SubnetLaplace"]
 class SubnetLaplace(ParametricLaplace):
     """Base of the subnetwork Laplace approximations; subclasses choose the structure.
 
-    Arguments not listed are those of :class:`~laplace.core.base.BaseLaplace`;
+    Arguments not listed are those of [`BaseLaplace`][laplace.core.base.BaseLaplace];
     ``enable_backprop``, ``dict_key_x``, ``dict_key_y``, ``class_dim`` and ``ignore_index`` are
     keyword only (laplace-torch's subnetwork Laplace has none of them).
 
@@ -50,7 +50,7 @@ class SubnetLaplace(ParametricLaplace):
         likelihood: ``"classification"`` or ``"regression"``.
         subnetwork_indices: 1-D ``torch.long`` tensor of K distinct indices into the flattened
             trainable parameters (``model.named_parameters()`` order), e.g. from a
-            :class:`~laplace.utils.subnetmask.SubnetMask`.
+            [`SubnetMask`][laplace.utils.subnetmask.SubnetMask].
         prior_precision: A scalar or one value per subnetwork entry (K,).
         prior_mean: A scalar or one value per subnetwork entry (K,).
         backend: A GGN or empirical-Fisher backend (default ``CurvlinopsGGN``).
@@ -144,13 +144,13 @@ class SubnetLaplace(ParametricLaplace):
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """See :meth:`ParametricLaplace.state_dict`; adds the indices."""
+        """See ``ParametricLaplace.state_dict``; adds the indices."""
         state = super().state_dict()
         state["subnetwork_indices"] = self._subset.indices.detach().cpu()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """See :meth:`ParametricLaplace.load_state_dict`.
+        """See ``ParametricLaplace.load_state_dict``.
 
         Raises:
             ValueError: If the state was saved for other subnetwork indices.

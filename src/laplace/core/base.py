@@ -1,6 +1,6 @@
 """``BaseLaplace``: hyperparameters, data handling and prior tuning shared by every Laplace.
 
-Internal module; the public path is :mod:`laplace.baselaplace`.
+Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace].
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from laplace.utils.validation import validate
 __all__ = ["REGISTRY", "BaseLaplace", "arguments_for"]
 
 #: The Laplace class of each (subset of weights, Hessian structure): every class that names its
-#: ``_key`` (the factory :func:`laplace.Laplace` picks from it).
+#: ``_key`` (the factory [`laplace.Laplace`][laplace.Laplace] picks from it).
 REGISTRY: dict[tuple[SubsetOfWeights, HessianStructure], type[BaseLaplace]] = {}
 
 
@@ -74,16 +74,16 @@ class BaseLaplace:
     A class is composed from parts it names as data: its parameter subset (``_subset_kind``,
     built with ``_subset_options``), its posterior structure, its likelihood object and its
     state format (``_state_format``). The methods named in
-    :data:`~laplace.core.transaction.TRANSACTIONAL_METHODS` change nothing when they raise
-    (:mod:`laplace.core.transaction`), in every subclass.
+    ``TRANSACTIONAL_METHODS`` change nothing when they raise
+    (``laplace.core.transaction``), in every subclass.
 
     Args:
         model: The trained network; only parameters with ``requires_grad=True`` are treated
             probabilistically.
         likelihood: ``"classification"``, ``"regression"``, ``"reward_modeling"``,
             ``"binary_classification"``, ``"heteroscedastic_regression"`` (see
-            :class:`~laplace.utils.enums.Likelihood`), or your own
-            :class:`laplace.likelihoods.Likelihood` instance.
+            [`Likelihood`][laplace.utils.enums.Likelihood]), or your own
+            [`laplace.likelihoods.Likelihood`][laplace.likelihoods.Likelihood] instance.
         sigma_noise: Observation noise σ (regression only; must be 1 otherwise): one number,
             or one per output (shape (C,)) with the structures that keep each output's
             curvature (full, diag, kron).
@@ -97,7 +97,7 @@ class BaseLaplace:
             stands for its class); ``CurvlinopsGGN`` (exact GGN) when None.
         backend_kwargs: Keyword arguments for the backend's constructor.
         asdl_fisher_kwargs: Keyword arguments for ASDL's Fisher (ASDL backends only).
-        class_dim: For outputs with extra dimensions (see :mod:`laplace.utils.outputs`): the
+        class_dim: For outputs with extra dimensions (see ``laplace.utils.outputs``): the
             dimension of the outputs (B, …) that holds the classes (outputs), counted like
             torch's ``dim`` (``1`` for (B, C, H, W), ``-1`` for (B, T, C)). None: the one the
             classification targets lack, the last one for regression; needed only where that
@@ -130,7 +130,7 @@ class BaseLaplace:
     #: How ``state_dict`` saves the approximation and ``load_state_dict`` restores it.
     _state_format: StateFormat = StateFormat()
     #: Attributes the default state format saves (see
-    #: :class:`~laplace.core.serialization.StateFormat`).
+    #: ``StateFormat``).
     _state_plain: tuple[str, ...] = ()
     _state_tensors: tuple[str, ...] = ()
     _state_parameters: tuple[str, ...] = ()
@@ -240,7 +240,7 @@ class BaseLaplace:
         """Bind the found parameters and check the hyperparameters given before they were known.
 
         The number of outputs is then known, and with it the structure (see
-        :mod:`laplace.posteriors.large_output`).
+        ``laplace.posteriors.large_output``).
         """
         self._bind_subset()
         self.prior_precision = self.prior_precision
@@ -447,7 +447,7 @@ class BaseLaplace:
             val_loader: Validation data for grid search.
             loss: Validation loss for grid search: a torchmetrics Metric, a callable, or a name
                 (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``; see
-                :mod:`laplace.evaluation`); defaults to running NLL for classification and
+                ``laplace.evaluation``); defaults to running NLL for classification and
                 running MSE for regression.
             log_prior_prec_min: Lower end of the grid, as an exponent of ``log_prior_prec_base``.
             log_prior_prec_max: Upper end of the grid.
@@ -558,7 +558,7 @@ class BaseLaplace:
         Raises:
             ValueError: If the state belongs to another class, likelihood or architecture, if the
                 model's weights are not the saved posterior mean, or if it is not a state
-                ``state_dict`` writes (see :func:`check_state_dict`).
+                ``state_dict`` writes (see ``check_state_dict``).
         """
         fmt = self._state_format
         identity = fmt.identity(self)
@@ -595,14 +595,14 @@ class BaseLaplace:
         """Yield ``(X, y)`` of each batch on the model's device, checked before any model call.
 
         Raises:
-            ValueError: For batches :func:`~laplace.utils.data.prepare_batch` refuses, and
+            ValueError: For batches ``prepare_batch`` refuses, and
             dict-like
                 batches with a backend that cannot take them (BackPACK).
         """
         return self._data_loop(DataLoop, progress_bar=progress_bar, desc=desc).batches(loader)
 
     def _data_loop(self, loop: type[DataLoop], **options: Any) -> DataLoop:
-        """A ``loop`` (a :class:`~laplace.core.data_loop.DataLoop` class) over this one's batches.
+        """A ``loop`` (a ``DataLoop`` class) over this one's batches.
 
         ``options`` are its other arguments; the dict keys, the device and the check that the
         backend takes the inputs are this approximation's.

@@ -41,7 +41,7 @@ def _leaves(value: Any) -> Iterator[Any]:
 def check_state_dict(
     state_dict: Any, required: Iterable[str], tensors: Iterable[str], counts: Iterable[str]
 ) -> None:
-    """Refuse a state that :meth:`state_dict` cannot have written, before anything is loaded.
+    """Refuse a state that ``state_dict`` cannot have written, before anything is loaded.
 
     Args:
         state_dict: The candidate, e.g. from ``torch.load(path, weights_only=True)``.
@@ -100,7 +100,7 @@ class StateFormat:
         return {"cls_name": type(la).__name__, "likelihood": la._likelihood_model.name}
 
     def value_keys(self, la: Any) -> tuple[str, ...]:
-        """The entries :meth:`values` writes."""
+        """The entries ``values`` writes."""
         return (*la._state_plain, *la._state_tensors, *la._state_parameters)
 
     def tensor_keys(self, la: Any) -> tuple[str, ...]:
@@ -124,10 +124,10 @@ class StateFormat:
         """Make the parameters known before the mean is compared (e.g. find the last layer)."""
 
     def check(self, la: Any, state_dict: dict[str, Any]) -> None:
-        """Refuse entries :meth:`load` cannot take, before anything is loaded."""
+        """Refuse entries ``load`` cannot take, before anything is loaded."""
 
     def load(self, la: Any, state_dict: dict[str, Any]) -> None:
-        """Assign the checked entries of :meth:`values`."""
+        """Assign the checked entries of ``values``."""
         for name in la._state_plain:
             setattr(la, name, state_dict[name])
         for name in la._state_tensors:

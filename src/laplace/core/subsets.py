@@ -2,9 +2,9 @@
 
 ``AllWeights`` covers every parameter with ``requires_grad=True``; ``Subnetwork`` chosen entries
 of their flattened vector; ``LastLayer`` the linear head of a
-:class:`~laplace.utils.feature_extractor.FeatureExtractor`, which may only be found on the first
+``FeatureExtractor``, which may only be found on the first
 forward pass (``resolved`` tells). All implement the same small interface, including
-``linearize``: the model's outputs and Jacobian in the kind (:mod:`laplace.posteriors.jacobians`)
+``linearize``: the model's outputs and Jacobian in the kind (``laplace.posteriors.jacobians``)
 that suits the posterior, for the GLM predictive.
 """
 
@@ -91,7 +91,7 @@ def extractor_property(name: str, doc: str, settable: bool = False) -> property:
     """A property of a last-layer approximation read from its feature extractor ``la.model``.
 
     Args:
-        name: The attribute of :class:`~laplace.utils.feature_extractor.FeatureExtractor`.
+        name: The attribute of ``FeatureExtractor``.
         doc: The property's docstring.
         settable: Whether assigning it sets the extractor's attribute.
     """
@@ -206,7 +206,7 @@ class AllWeights(_FlatParameters):
         )
 
     def jacobian_kind(self, closed_forms: Collection[type[Jacobian]]) -> type[Jacobian]:
-        """The Jacobian kind :meth:`linearize` returns, given the posterior's closed forms."""
+        """The Jacobian kind ``linearize`` returns, given the posterior's closed forms."""
         return backend_kind(closed_forms)
 
     def linearize(
@@ -267,7 +267,7 @@ class Subnetwork(AllWeights):
     """Chosen entries ``θ[indices]`` of the flattened trainable parameters; the rest stay at MAP.
 
     ``params``, ``names``, ``vector()`` and ``forward_samples`` refer to the whole trainable
-    vector (length P, as ``la.mean`` in laplace-torch); :meth:`select` and :meth:`assemble`
+    vector (length P, as ``la.mean`` in laplace-torch); ``select`` and ``assemble``
     move between it and the subnetwork values (length K, in the order of ``indices``).
 
     Args:
@@ -276,12 +276,12 @@ class Subnetwork(AllWeights):
             parameters (``model.named_parameters()`` order).
 
     Raises:
-        ValueError: For invalid indices (see :func:`check_subnetwork_indices`).
+        ValueError: For invalid indices (see ``check_subnetwork_indices``).
     """
 
     @classmethod
     def for_model(cls, model: nn.Module, likelihood: Any, indices: Tensor) -> Subnetwork:
-        """The subnetwork ``indices`` of ``model`` (see :meth:`AllWeights.for_model`)."""
+        """The subnetwork ``indices`` of ``model`` (see ``AllWeights.for_model``)."""
         return cls(model, indices)
 
     def __init__(self, model: nn.Module, indices: Tensor) -> None:
@@ -335,7 +335,7 @@ class LastLayer(_FlatParameters):
     Args:
         extractor: The wrapped model; its last layer may still be unknown (``resolved``).
         layout: The rows of outputs of a shape (the likelihood's ``layout``), for outputs
-            with extra dimensions (:mod:`laplace.utils.outputs`); None: outputs (B, C) only.
+            with extra dimensions (``laplace.utils.outputs``); None: outputs (B, C) only.
     """
 
     backend_options: ClassVar[dict[str, Any]] = {"last_layer": True}
@@ -468,10 +468,10 @@ class LastLayer(_FlatParameters):
 
         Outputs with extra dimensions (B, …) whose head sees one feature vector per position
         give the features of their rows (B·T, D)
-        (:func:`~laplace.posteriors.last_layer.head_features`) where the posterior has a closed
+        (``head_features``) where the posterior has a closed
         form for them. A head that sees several rows per data point otherwise takes what the
-        backend linearises into (:func:`~laplace.posteriors.jacobians.backend_linearization`).
-        Arguments as for :meth:`AllWeights.linearize`.
+        backend linearises into (``backend_linearization``).
+        Arguments as for ``AllWeights.linearize``.
         """
         with torch.enable_grad() if backprop else torch.no_grad():
             f, phi = self.outputs_and_features(X)

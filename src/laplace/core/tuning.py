@@ -3,7 +3,7 @@
 Both receive what they need as values and callables (the log marginal likelihood as a function
 of the prior precision, the validation loss of a candidate), never the Laplace object, so they
 work with any approximation and never branch on its structure.
-:func:`optimize_prior_precision`, every Laplace class's method of that name, wires them.
+``optimize_prior_precision``, every Laplace class's method of that name, wires them.
 """
 
 from __future__ import annotations
@@ -122,15 +122,15 @@ def gridsearch(
     """Pick the candidate prior precision with the lowest validation loss.
 
     Candidates whose posterior cannot be factorised or whose loss is not finite are skipped;
-    the first of equal losses wins (see :func:`search_grid`). After a distributed fit (see
-    :mod:`laplace.core.distributed`) each rank validates on its own shard of ``val_loader`` and the
+    the first of equal losses wins (see ``search_grid``). After a distributed fit (see
+    ``laplace.core.distributed``) each rank validates on its own shard of ``val_loader`` and the
     losses, taken as means over the shard, are averaged over all validation points, so every
     rank picks the same candidate.
 
     Args:
         candidates: Candidate prior precisions, shape (G,).
         validation_score: The validation loss with a candidate prior precision (shape (1,))
-            set; it may raise :class:`~laplace.posteriors.NotPositiveDefiniteError` or a
+            set; it may raise ``NotPositiveDefiniteError`` or a
             ``LinAlgError`` for a candidate whose posterior cannot be factorised.
         val_loader: The validation data ``validation_score`` reads (counted when distributed).
         distributed: Whether the approximation was fitted across processes.

@@ -1,11 +1,11 @@
 """Curvature backends: Jacobians, per-sample gradients, and GGN / EF / Hessian curvature.
 
-:data:`CURVATURE_BACKENDS` maps short names to backend classes so callers never test class
-names; :data:`DEFAULT_BACKEND` is the exact GGN. The ASDL and BackPACK backends are optional
+``CURVATURE_BACKENDS`` maps short names to backend classes so callers never test class
+names; ``DEFAULT_BACKEND`` is the exact GGN. The ASDL and BackPACK backends are optional
 extras: they are imported on first use (``from laplace.curvature import AsdlGGN``), and naming
 one whose library is missing raises an ``ImportError`` with the install command. laplace-torch's
 ``Asdfghjkl*`` backends (for an unpublished ASDL fork) exist as names whose construction
-raises an ``ImportError`` naming the replacement (:mod:`laplace.curvature.asdfghjkl`).
+raises an ``ImportError`` naming the replacement (``laplace.curvature.asdfghjkl``).
 """
 
 from __future__ import annotations

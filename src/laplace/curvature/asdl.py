@@ -4,7 +4,7 @@ As everywhere in the library, the curvature is σ-free and of the library loss (
 or ``Σ CE``); two ASDL conventions are corrected here (its empirical Fisher squares gradients of
 the unscaled loss, its ``n_mc_samples > 1`` Monte-Carlo Fisher divides by S twice). ASDL stores
 its results on the modules it ran on; every call reads them off and leaves the model clean
-(:func:`~laplace.curvature.third_party.isolated`). See ``docs/backends.md``.
+(``isolated``). See ``docs/backends.md``.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _diag_vector(module: nn.Module, attr: str) -> Tensor:
 class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
     """Base of the ASDL backends.
 
-    Takes the arguments of :class:`CurvatureInterface`, and:
+    Takes the arguments of ``CurvatureInterface``, and:
 
     Args:
         asdl_fisher_kwargs: Extra fields of ASDL's ``FisherConfig`` (e.g. ``n_mc_samples``),
@@ -151,7 +151,7 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         return self._select(grads), value.detach()
 
     def jacobians(self, x: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
-        """As :meth:`CurvatureInterface.jacobians`, by ASDL's per-sample gradients per output.
+        """As ``CurvatureInterface.jacobians``, by ASDL's per-sample gradients per output.
 
         With ``enable_backprop`` they come from the native engine (ASDL detaches what it records).
         """
@@ -173,7 +173,7 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         return torch.stack(rows, dim=1), f
 
     def gradients(self, x: Inputs, y: Tensor) -> tuple[Tensor, Tensor]:
-        """As :meth:`CurvatureInterface.gradients`, by ASDL."""
+        """As ``CurvatureInterface.gradients``, by ASDL."""
         target = target_call(self.model, x, self.last_layer)
 
         def closure() -> Tensor:
@@ -226,7 +226,7 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
             x: Inputs.
             y: Targets.
             shape: ASDL's shape: the dense matrix (P, P), the diagonal (P,) (both restricted to
-                the subnetwork) or the :class:`Kron` of a data set of ``n_data`` points.
+                the subnetwork) or the ``Kron`` of a data set of ``n_data`` points.
             n_data: Number of data points N of the whole data set (``kron`` only).
             **options: Extra ``FisherConfig`` fields.
 
@@ -251,21 +251,21 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         return self.batch_loss(maker.model_output, y), result
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """As :meth:`CurvatureInterface.full`, by ASDL (its Fisher; AsdlHessian: the Hessian).
+        """As ``CurvatureInterface.full``, by ASDL (its Fisher; AsdlHessian: the Hessian).
 
         Keyword arguments are extra ``FisherConfig`` fields (they override ``asdl_fisher_kwargs``).
         """
         return self._curvature(x, y, SHAPE_FULL, **kwargs)
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """As :meth:`CurvatureInterface.diag`, by ASDL (the diagonal of :meth:`full`'s matrix).
+        """As ``CurvatureInterface.diag``, by ASDL (the diagonal of ``full``'s matrix).
 
         Keyword arguments are extra ``FisherConfig`` fields (they override ``asdl_fisher_kwargs``).
         """
         return self._curvature(x, y, SHAPE_DIAG, **kwargs)
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
-        """As :meth:`CurvatureInterface.kron`, by ASDL's Kronecker-factored Fisher.
+        """As ``CurvatureInterface.kron``, by ASDL's Kronecker-factored Fisher.
 
         Keyword arguments are extra ``FisherConfig`` fields (they override ``asdl_fisher_kwargs``).
 
@@ -279,12 +279,12 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
 class AsdlGGN(AsdlInterface, GGNInterface):
     """Exact GGN by ASDL (``fisher_exact``), or its Monte-Carlo Fisher with ``stochastic=True``.
 
-    Takes the arguments of :class:`CurvatureInterface`, and:
+    Takes the arguments of ``CurvatureInterface``, and:
 
     Args:
         stochastic: Monte-Carlo Fisher (``fisher_mc``) instead of the exact GGN.
         num_samples: Sampled targets per data point when stochastic (ASDL's ``n_mc_samples``).
-        asdl_fisher_kwargs: See :class:`AsdlInterface`.
+        asdl_fisher_kwargs: See [`AsdlInterface`][laplace.curvature.asdl.AsdlInterface].
     """
 
     def __init__(
@@ -319,7 +319,7 @@ class AsdlGGN(AsdlInterface, GGNInterface):
 
 
 class _KeywordSubnetwork(AsdlInterface):
-    """:class:`AsdlInterface` with ``subnetwork_indices`` keyword-only.
+    """``AsdlInterface`` with ``subnetwork_indices`` keyword-only.
 
     laplace-torch's ``AsdlEF`` and ``AsdlHessian`` take no ``subnetwork_indices``; here the
     curvature is restricted to those entries when given.
@@ -350,7 +350,7 @@ class _KeywordSubnetwork(AsdlInterface):
 class AsdlEF(_KeywordSubnetwork, EFInterface):
     """Empirical Fisher by ASDL (``fisher_emp``), rescaled to the library loss.
 
-    Takes the arguments of :class:`AsdlInterface`, ``subnetwork_indices`` keyword-only.
+    Takes the arguments of ``AsdlInterface``, ``subnetwork_indices`` keyword-only.
     """
 
     fisher_type = FISHER_EMP
@@ -360,7 +360,7 @@ class AsdlHessian(_KeywordSubnetwork):
     """Exact Hessian of the summed library loss by ASDL (full, or its diagonal).
 
     One double backpropagation per parameter: small models or the last layer. Takes the
-    arguments of :class:`AsdlInterface`, ``subnetwork_indices`` keyword-only;
+    arguments of ``AsdlInterface``, ``subnetwork_indices`` keyword-only;
     ``asdl_fisher_kwargs`` is accepted for a uniform interface and unused.
     """
 

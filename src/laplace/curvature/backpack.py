@@ -3,7 +3,7 @@
 BackPACK extends the backward pass of ``nn.Sequential`` models of standard layers; its
 per-sample gradients can be built with ``create_graph`` (Jacobians with
 ``enable_backprop=True``). Hooks live only for the duration of each call and everything BackPACK
-writes is removed afterwards (:func:`~laplace.curvature.third_party.isolated`). See
+writes is removed afterwards (``isolated``). See
 ``docs/backends.md``.
 """
 
@@ -87,7 +87,7 @@ _GGN_EXTENSIONS: dict[str, tuple[tuple[type, str], tuple[type, str]]] = {
 
 
 class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
-    """Base of the BackPACK backends (see :class:`CurvatureInterface` for the arguments)."""
+    """Base of the BackPACK backends (see ``CurvatureInterface`` for the arguments)."""
 
     library = "BackPACK"
     accepts_dict_inputs = False
@@ -120,7 +120,7 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
         return self._select(torch.cat(parts, dim=-1))
 
     def jacobians(self, x: Inputs, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
-        """As :meth:`CurvatureInterface.jacobians`, by ``BatchGrad``: one backward pass per output.
+        """As ``CurvatureInterface.jacobians``, by ``BatchGrad``: one backward pass per output.
 
         Raises:
             ValueError: For dict-like inputs.
@@ -143,7 +143,7 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
         return (Js, f) if enable_backprop else (Js.detach(), f.detach())
 
     def gradients(self, x: Inputs, y: Tensor) -> tuple[Tensor, Tensor]:
-        """As :meth:`CurvatureInterface.gradients`, by ``BatchGrad``.
+        """As ``CurvatureInterface.gradients``, by ``BatchGrad``.
 
         Raises:
             ValueError: For dict-like inputs.
@@ -199,7 +199,7 @@ class BackPackGGN(BackPackInterface, GGNInterface):
     ``G = Vᵀ V`` of ``SqrtGGNExact`` / ``SqrtGGNMC`` (V of shape (C·B, P), or (S·B, P) with S
     samples), ``kron`` the ``KFLR`` / ``KFAC`` factors.
 
-    Takes the arguments of :class:`CurvatureInterface`, and:
+    Takes the arguments of ``CurvatureInterface``, and:
 
     Args:
         stochastic: Monte-Carlo Fisher instead of the exact GGN.
@@ -213,7 +213,7 @@ class BackPackGGN(BackPackInterface, GGNInterface):
         return (cls(mc_samples=self.num_samples) if self.stochastic else cls()), attr
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """As :meth:`CurvatureInterface.full`: ``Vᵀ V`` from BackPACK's GGN square root ``V``.
+        """As ``CurvatureInterface.full``: ``Vᵀ V`` from BackPACK's GGN square root ``V``.
 
         Keyword arguments are accepted and ignored.
 
@@ -230,7 +230,7 @@ class BackPackGGN(BackPackInterface, GGNInterface):
         return loss, (self.factor * H).detach()
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """As :meth:`CurvatureInterface.diag`, by ``DiagGGNExact`` (or ``DiagGGNMC``).
+        """As ``CurvatureInterface.diag``, by ``DiagGGNExact`` (or ``DiagGGNMC``).
 
         Keyword arguments are accepted and ignored.
 
@@ -244,7 +244,7 @@ class BackPackGGN(BackPackInterface, GGNInterface):
         return loss, (self.factor * h).detach()
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
-        """As :meth:`CurvatureInterface.kron`, by ``KFLR`` (or the Monte-Carlo ``KFAC``).
+        """As ``CurvatureInterface.kron``, by ``KFLR`` (or the Monte-Carlo ``KFAC``).
 
         Keyword arguments are accepted and ignored.
 
@@ -270,16 +270,16 @@ class BackPackEF(BackPackInterface, EFInterface):
     """Empirical Fisher by BackPACK.
 
     ``BatchGrad`` gives the dense matrix, ``SumGradSquared`` its diagonal. BackPACK has no
-    Kronecker-factored EF (use :class:`AsdlEF`).
+    Kronecker-factored EF (use [`AsdlEF`][laplace.curvature.asdl.AsdlEF]).
     """
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """As :meth:`CurvatureInterface.full`: ``Σ gₙ gₙᵀ`` of ``BatchGrad``'s gradients ``gₙ``."""
+        """As ``CurvatureInterface.full``: ``Σ gₙ gₙᵀ`` of ``BatchGrad``'s gradients ``gₙ``."""
         Gs, loss = self.gradients(x, y)
         return loss, Gs.T @ Gs
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """As :meth:`CurvatureInterface.diag`, by ``SumGradSquared``."""
+        """As ``CurvatureInterface.diag``, by ``SumGradSquared``."""
         loss, h = self._backpropagate(
             x, y, SumGradSquared(), lambda m: self._collect(m, "sum_grad_squared", 0)
         )

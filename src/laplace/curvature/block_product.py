@@ -5,7 +5,7 @@ The per-sample vectors ``gₙₖ = Jₙᵀ vₙₖ`` of a recorded batch are the
 sample-space weights ``W`` (K, B, m), so ``H V = Σ Gᵀ (G V)`` costs one recorded forward and one
 vectorised backward over the K columns per batch. A Linear layer on (B, D_in) inputs contracts
 ``uₙₖᵀ Vⱼ aₙ`` in one matmul with the block; other layers use their per-sample gradients (kept
-between the two products within :data:`PER_SAMPLE_CACHE_BYTES`), and models whose layers do not
+between the two products within ``PER_SAMPLE_CACHE_BYTES``), and models whose layers do not
 see the data points along dim 0 (and subnetworks) the per-sample rows of the whole model.
 Memory: the block, the result and one batch.
 """
@@ -141,7 +141,7 @@ class SampleVectors:
         """Per-sample gradients (B, n) of call ``i`` for column ``k``, by parameter slot.
 
         ``i = -1`` gives the rows (B, P) of the whole model, under slot -1 (fallback route).
-        Results are kept for the next product within :data:`PER_SAMPLE_CACHE_BYTES`.
+        Results are kept for the next product within ``PER_SAMPLE_CACHE_BYTES``.
         """
         if (i, k) in self._cache:
             return self._cache[i, k]

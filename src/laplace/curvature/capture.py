@@ -25,7 +25,7 @@ class Columns(Protocol):
     """Output columns sliced like a tensor (K, B, ...).
 
     A tensor, or columns formed a chunk at a time
-    (:class:`laplace.utils.outputs.PositionColumns`: one per position of outputs with extra
+    (``laplace.utils.outputs.PositionColumns``: one per position of outputs with extra
     dimensions).
     """
 
@@ -126,7 +126,7 @@ class OutputGradients:
         """Gradients of several output columns, each stacked along a leading axis.
 
         Several columns go through one vectorised backward pass (``is_grads_batched``) where
-        :attr:`vectorised` and every operation has a batching rule; otherwise one plain
+        ``vectorised`` and every operation has a batching rule; otherwise one plain
         backward pass per column (one column: views).
 
         Args:

@@ -8,9 +8,9 @@ diagonal (``diag``) form, always together with the summed batch loss
 
 Every curvature of the native routes is ``Σₙ Σₖ (Jₙᵀ vₙₖ)(Jₙᵀ vₙₖ)ᵀ`` for output-space columns
 ``vₖ``: a family (GGN, empirical Fisher) says which columns each row of the outputs has
-(:meth:`CurvatureInterface.row_columns`), the output layout (:mod:`laplace.utils.outputs`) turns
+(``CurvatureInterface.row_columns``), the output layout (``laplace.utils.outputs``) turns
 them into columns of the model's outputs, and the native per-sample engine
-(:mod:`laplace.curvature.per_sample`) sums the outer products.
+(``laplace.curvature.per_sample``) sums the outer products.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class CurvatureInterface:
         likelihood: A likelihood name (``"regression"``, ``"classification"``,
             ``"reward_modeling"``, fitted as classification, ``"binary_classification"``,
             ``"heteroscedastic_regression"``) or a likelihood object (see
-            :func:`laplace.likelihoods.make_likelihood`).
+            [`laplace.likelihoods.make_likelihood`][laplace.likelihoods.make_likelihood]).
         last_layer: Restrict to the parameters of ``model.last_layer``.
         subnetwork_indices: LongTensor of indices into the flattened trainable parameters;
             results are restricted to these entries.
@@ -79,14 +79,14 @@ class CurvatureInterface:
         fit_likelihood: The likelihood object the curvature and the loss are computed with.
         lossfunc: The likelihood's summed torch loss (``MSELoss``, ``CrossEntropyLoss``, ...).
         factor: ``lossfunc`` times ``factor`` is the library's loss (½ for regression, else 1).
-        kfac_approx: Weight-sharing approximation of :meth:`kron`, ``"expand"`` or ``"reduce"``.
+        kfac_approx: Weight-sharing approximation of ``kron``, ``"expand"`` or ``"reduce"``.
     """
 
     kfac_approx: str = "expand"
     kfac_dense_limit: int = KFAC_DENSE_LIMIT  #: Largest exact kron block kept dense.
     #: Whether the model may take dict-like (HuggingFace) inputs with this backend.
     accepts_dict_inputs: bool = True
-    #: Whether :meth:`kron` can keep the output factors of large layers low rank
+    #: Whether [`kron`][laplace.utils.kron] can keep the output factors of large layers low rank
     #: (``low_rank_above``); third-party libraries form dense factors.
     low_rank_kfac: bool = True
     #: The torch losses (likelihoods' ``loss_module``) a third-party library supports; None: all.
@@ -133,7 +133,7 @@ class CurvatureInterface:
         """One recorded forward pass of the native engine over ``x``.
 
         The trace turns output columns into per-sample parameter quantities (Jacobians,
-        curvature sums, block products; see :mod:`laplace.curvature.per_sample`), restricted to
+        curvature sums, block products; see ``laplace.curvature.per_sample``), restricted to
         ``subnetwork_indices`` when set.
 
         Args:
@@ -163,7 +163,7 @@ class CurvatureInterface:
     def functorch_jacobians(
         self, x: Inputs, enable_backprop: bool = False
     ) -> tuple[Tensor, Tensor]:
-        """Same as :meth:`jacobians`, by reverse-mode ``torch.func.jacrev`` over the batch.
+        """Same as ``jacobians``, by reverse-mode ``torch.func.jacrev`` over the batch.
 
         Args:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
@@ -234,8 +234,8 @@ class CurvatureInterface:
         """Output-space columns ``vₖ`` whose per-sample outer products sum to the curvature.
 
         The dense and diagonal curvatures are ``Σₙ Σₖ (Jₙᵀ vₖₙ)(Jₙᵀ vₖₙ)ᵀ``; a family (GGN, EF)
-        only says which columns each row of the outputs has (:meth:`row_columns`). For outputs
-        with extra dimensions (:mod:`laplace.utils.outputs`) positions an ``ignore_index`` drops
+        only says which columns each row of the outputs has (``row_columns``). For outputs
+        with extra dimensions (``laplace.utils.outputs``) positions an ``ignore_index`` drops
         get zero columns, and with ``separate_positions`` the exact GGN gets one column per
         position and row column (the GGN of the summed per-position loss; KFAC's weight sharing
         instead lets each column cover all positions).
@@ -247,7 +247,7 @@ class CurvatureInterface:
                 generator when None.
             mc_samples: Monte-Carlo samples per data point, for a stochastic curvature only.
             separate_positions: Give positions columns of their own where the family's are
-                per row (:attr:`separable_columns`).
+                per row (``separable_columns``).
 
         Returns:
             The columns, sliced and iterated like a tensor (K, B, ...).
@@ -271,7 +271,7 @@ class CurvatureInterface:
     ) -> Tensor:
         """The family's columns of rows ``f`` (R, C) with targets ``y``, shape (R, C, K).
 
-        Arguments as :meth:`curvature_columns`.
+        Arguments as ``curvature_columns``.
         """
         raise NotImplementedError(f"{type(self).__name__} defines no curvature.")
 
@@ -287,7 +287,7 @@ class CurvatureInterface:
 
         With ``column_limit``, columns of each row's own curvature (the exact GGN: one per
         output) are refused before they are formed where the outputs per position exceed it
-        (:func:`~laplace.curvature.kfac_rules.check_output_columns`).
+        ([`check_output_columns`][laplace.curvature.kfac_rules.check_output_columns]).
 
         Raises:
             ValueError: For keyword arguments other than ``mc_samples`` (positive) and ``N``.
@@ -338,16 +338,16 @@ class CurvatureInterface:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
             N: Number of data points of the whole data set (normalises the factors, see
-                :mod:`laplace.curvature.kfac`, so those of all batches sum to the data's).
+                ``laplace.curvature.kfac``, so those of all batches sum to the data's).
             **kwargs: ``kfac_approx`` (``"expand"`` or ``"reduce"``) overrides the backend's;
                 ``mc_samples`` (stochastic GGN only) overrides its ``num_samples``;
                 ``low_rank_above`` keeps the output factor of layers with more outputs
                 diagonal plus low rank, of rank at most ``output_factor_rank``
-                (:mod:`laplace.posteriors.large_output`).
+                (``laplace.posteriors.large_output``).
 
         Returns:
-            The summed batch loss and the :class:`~laplace.utils.matrix.Kron` of the batch
-            (a :class:`~laplace.utils.matrix.StructuredKron` with low-rank factors).
+            The summed batch loss and the [`Kron`][laplace.utils.matrix.Kron] of the batch
+            (a [`StructuredKron`][laplace.utils.matrix.StructuredKron] with low-rank factors).
 
         Raises:
             ValueError: With ``subnetwork_indices`` or an unknown keyword argument, and for the
@@ -363,10 +363,10 @@ class CurvatureInterface:
         return self.batch_loss(f, y), blocks
 
     def kron_shapes(self, low_rank_above: int | None = None) -> list[list[tuple[int, ...]]]:
-        """Per parameter the shapes of its :meth:`kron` block's factors (:mod:`.kfac_rules`).
+        """Per parameter the shapes of its ``kron`` block's factors (``.kfac_rules``).
 
         Args:
-            low_rank_above: Mark the output factors :meth:`kron` keeps low rank for it
+            low_rank_above: Mark the output factors ``kron`` keeps low rank for it
                 (``LowRankShape``).
         """
         plan = plan_blocks(self.engine, self.kfac_dense_limit, low_rank_above)
@@ -378,13 +378,13 @@ class CurvatureInterface:
         Args:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
-            **kwargs: ``mc_samples`` and ``N`` as in :meth:`full`.
+            **kwargs: ``mc_samples`` and ``N`` as in ``full``.
 
         Returns:
             The summed batch loss and the diagonal of shape (P,).
 
         Raises:
-            ValueError: As :meth:`full`.
+            ValueError: As ``full``.
         """
         trace, f, columns = self._traced_columns(x, y, kwargs)
         return self.batch_loss(f, y), trace.square_sum(columns).detach()
@@ -398,7 +398,7 @@ class GGNInterface(CurvatureInterface):
     Monte-Carlo estimate ``(1/S) Σₛ ∇_f ℓ(fₙ, ŷₛ) ∇_f ℓ(fₙ, ŷₛ)ᵀ`` with ``ŷₛ ~ p(y | fₙ)``
     drawn from torch's global generator.
 
-    Takes the arguments of :class:`CurvatureInterface`, and:
+    Takes the arguments of ``CurvatureInterface``, and:
 
     Args:
         stochastic: Use the Monte-Carlo Fisher instead of the exact GGN.
@@ -434,7 +434,7 @@ class GGNInterface(CurvatureInterface):
     ) -> Tensor:
         """Columns (R, C, K) with ``Σₖ vₖ vₖᵀ = Λ`` (or its MC estimate) per row.
 
-        Arguments as :meth:`CurvatureInterface.curvature_columns` (``y`` is unused; sampled
+        Arguments as ``CurvatureInterface.curvature_columns`` (``y`` is unused; sampled
         targets use ``generator``, ``mc_samples`` defaults to ``num_samples``).
         """
         if mc_samples is not None and not self.stochastic:

@@ -1,11 +1,11 @@
 """The default backend family, named as in laplace-torch (``Curvlinops*``).
 
 Despite the name, the GGN and EF backends compute with laplace-ng's own per-layer engine
-(:mod:`laplace.curvature.per_sample`, :mod:`laplace.curvature.kfac`), which is faster than
+(``laplace.curvature.per_sample``, ``laplace.curvature.kfac``), which is faster than
 curvlinops for the dense, diagonal and Kronecker structures a Laplace approximation needs.
-curvlinops supplies linear operators: the exact Hessian (:class:`CurvlinopsHessian`) and the
+curvlinops supplies linear operators: the exact Hessian (``CurvlinopsHessian``) and the
 curvature products of the low-rank eigensolvers that multiply with an operator (Lanczos,
-LOBPCG, and any Hessian; :mod:`laplace.curvature.products`). See ``docs/backends.md``.
+LOBPCG, and any Hessian; ``laplace.curvature.products``). See ``docs/backends.md``.
 """
 
 from __future__ import annotations
@@ -34,15 +34,15 @@ _HVP_CHUNK = 256
 class CurvlinopsInterface(CurvatureInterface):
     """Base of the default backends.
 
-    Takes the arguments of :class:`CurvatureInterface`, and:
+    Takes the arguments of ``CurvatureInterface``, and:
 
     Args:
-        kfac_approx: Weight-sharing approximation of KFAC (:meth:`kron`): ``"expand"``
+        kfac_approx: Weight-sharing approximation of KFAC (``kron``): ``"expand"``
             (default) or ``"reduce"``; a ``backend_kwargs`` entry (keyword only).
         kfac_dense_limit: Largest parameter outside Linear, convolution and embedding layers
-            (normalisation layers, any other module) whose :meth:`kron` block is its exact dense
+            (normalisation layers, any other module) whose ``kron`` block is its exact dense
             block; larger ones get the exact diagonal. Default
-            :data:`~laplace.curvature.kfac_rules.KFAC_DENSE_LIMIT`; a ``backend_kwargs`` entry
+            ``KFAC_DENSE_LIMIT``; a ``backend_kwargs`` entry
             (keyword only).
 
     Raises:
@@ -79,14 +79,14 @@ class CurvlinopsGGN(CurvlinopsInterface, GGNInterface):
     ``docs/backends.md``); curvlinops' ``GGNLinearOperator`` and ``FisherMCLinearOperator``
     serve the low-rank Laplace's Lanczos and LOBPCG eigensolvers.
 
-    Takes the arguments of :class:`CurvatureInterface`, and:
+    Takes the arguments of ``CurvatureInterface``, and:
 
     Args:
-        stochastic: See :class:`GGNInterface`.
-        num_samples: See :class:`GGNInterface`; ``full``, ``diag`` and ``kron`` also take
+        stochastic: See ``GGNInterface``.
+        num_samples: See ``GGNInterface``; ``full``, ``diag`` and ``kron`` also take
             ``mc_samples=k`` per call, as in laplace-torch.
-        kfac_approx: See :class:`CurvlinopsInterface`.
-        kfac_dense_limit: See :class:`CurvlinopsInterface`.
+        kfac_approx: See [`CurvlinopsInterface`][laplace.curvature.CurvlinopsInterface].
+        kfac_dense_limit: See [`CurvlinopsInterface`][laplace.curvature.CurvlinopsInterface].
     """
 
     def __init__(
@@ -175,7 +175,7 @@ class CurvlinopsHessian(CurvlinopsInterface):
         )
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """As :meth:`CurvatureInterface.full`: the dense Hessian of the summed batch loss.
+        """As ``CurvatureInterface.full``: the dense Hessian of the summed batch loss.
 
         Keyword arguments are accepted and ignored.
         """
@@ -183,7 +183,7 @@ class CurvlinopsHessian(CurvlinopsInterface):
         return loss, torch.cat(list(columns), dim=1).detach()
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """As :meth:`CurvatureInterface.diag`: the Hessian's diagonal.
+        """As ``CurvatureInterface.diag``: the Hessian's diagonal.
 
         Keyword arguments are accepted and ignored.
         """

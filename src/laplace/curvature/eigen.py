@@ -1,8 +1,8 @@
 r"""Top-k eigenpairs of the curvature summed over a data set, from block products only.
 
-Solvers take a :class:`~laplace.curvature.products.CurvatureProduct` and never form a P × P
+Solvers take a ``CurvatureProduct`` and never form a P × P
 matrix: ``"randomized"`` (default) starts from the KFAC Rayleigh–Ritz block
-(:mod:`laplace.curvature.kfac_start`) and returns its Nyström approximation
+(``laplace.curvature.kfac_start``) and returns its Nyström approximation
 ``Y (Q₀ᵀ Y)⁻¹ Yᵀ`` (Tropp et al., 2017), or from a sketch runs randomised block Krylov passes
 with Rayleigh–Ritz (Musco & Musco, 2015); ``"lanczos"`` (ARPACK's ``eigsh``) and ``"lobpcg"``
 are exact to ``tol``. Every result carries relative errors: bounds ``‖H uᵢ − λᵢ uᵢ‖ / λᵢ`` after
@@ -255,18 +255,18 @@ def top_eigenpairs(
         tol: Lanczos/LOBPCG: relative accuracy (0: machine precision). Randomized: stop
             before ``max_iter`` passes once every error bound is at most ``tol`` (0: never).
         max_iter: Iteration limit; for the randomized solver the number of block products
-            after the start: 0 (Nyström) after a KFAC start, :data:`DEFAULT_PASSES` after a
+            after the start: 0 (Nyström) after a KFAC start, ``DEFAULT_PASSES`` after a
             sketch, when None.
         seed: Seed of the random start vectors.
         oversampling: Extra vectors per Krylov block (randomized solver).
         start: Start block of the randomized solver, ``"kfac"`` (where it applies, else a
             sketch) or ``"sketch"``.
         candidates: Kronecker candidates of the KFAC start,
-            :data:`~laplace.curvature.kfac_start.CANDIDATES_PER_VECTOR` per vector when None.
+            ``CANDIDATES_PER_VECTOR`` per vector when None.
 
     Returns:
         Eigenvectors (P, k'), eigenvalues (k',) in descending order and their relative errors
-        (k', see the module), with k' ≤ k the number above :data:`EIGENVALUE_THRESHOLD`.
+        (k', see the module), with k' ≤ k the number above ``EIGENVALUE_THRESHOLD``.
 
     Raises:
         ValueError: For an unknown solver or start, or k outside [1, P).

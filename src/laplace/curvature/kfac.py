@@ -6,9 +6,9 @@ A layer ``z = W a (+ b)`` applied at T positions per row, with inputs ``aₙₜ`
 input and summed gradient; its bias ``G``. Factors are split ``G/√c ⊗ √c·A`` (c the backend's
 loss factor), ``√c·N·A ⊗ G/(√c·N)`` for weights laid out (D_in, D_out); an embedding's ``A`` is
 the diagonal of token counts. Every other parameter gets its exact block, dense up to
-``dense_limit`` entries, else diagonal (:mod:`laplace.curvature.kfac_rules`); a layer with more
-than ``low_rank_above`` outputs keeps ``G`` as a :class:`~laplace.utils.diag_lowrank.DiagLowRank`
-(in a :class:`~laplace.utils.matrix.StructuredKron`). The conventions in full (outputs
+``dense_limit`` entries, else diagonal (``laplace.curvature.kfac_rules``); a layer with more
+than ``low_rank_above`` outputs keeps ``G`` as a ``DiagLowRank``
+(in a [`StructuredKron`][laplace.utils.matrix.StructuredKron]). The conventions in full (outputs
 with extra dimensions, low-rank factors) are in ``docs/backends.md``.
 """
 
@@ -106,7 +106,7 @@ def _low_rank_gram(g: Tensor, approx: str, max_rank: int | None) -> DiagLowRank:
     """``Σ g gᵀ`` of gradient rows (R, T, C) as ``diag(0) + U Uᵀ`` (rank at most ``max_rank``).
 
     Expand takes every position's row, reduce the per-row sums over positions (as
-    :func:`_gram`); the rows are ``U``'s columns, never multiplied out into a C × C matrix.
+    ``_gram``); the rows are ``U``'s columns, never multiplied out into a C × C matrix.
     """
     rows = g.sum(1) if approx == "reduce" else g.reshape(-1, g.shape[-1])
     return DiagLowRank(rows.new_zeros(rows.shape[1]), rows.T, 1, max_rank)
@@ -223,7 +223,7 @@ def kfac(
 
     Returns:
         One block per parameter in ``trace.engine.needed`` order
-        (:func:`~laplace.curvature.kfac_rules.plan_blocks`); a ``StructuredKron`` where a
+        ([`plan_blocks`][laplace.curvature.kfac_rules.plan_blocks]); a ``StructuredKron`` where a
         factor is low rank.
 
     Raises:

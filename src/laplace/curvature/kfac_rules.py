@@ -1,19 +1,19 @@
 r"""Which block of the Kronecker-factored curvature each parameter gets: the KFAC dispatch table.
 
-:func:`plan_blocks` gives every parameter tensor one block (:class:`~laplace.utils.matrix.Kron`)
+``plan_blocks`` gives every parameter tensor one block ([`Kron`][laplace.utils.matrix.Kron])
 of four kinds:
 
-- ``"kron"``: the weight of a layer with a rule in :data:`KFAC_RULES`: ``G ⊗ A`` for
+- ``"kron"``: the weight of a layer with a rule in ``KFAC_RULES``: ``G ⊗ A`` for
   ``nn.Linear`` and ``nn.Conv*d``, ``A ⊗ G`` for transformers' ``Conv1D`` (laid out (in, out)),
   ``diag(token counts) ⊗ G`` for ``nn.Embedding``;
 - ``"bias"``: the bias of such a layer, its output-gradient factor ``G``;
 - ``"dense"``: every other parameter of at most ``dense_limit`` entries (default
-  :data:`KFAC_DENSE_LIMIT`, the ``kfac_dense_limit`` backend keyword): its exact block, the Gram
+  ``KFAC_DENSE_LIMIT``, the ``kfac_dense_limit`` backend keyword): its exact block, the Gram
   matrix of its per-sample gradients; this also takes what a rule declines and tied weights;
 - ``"diag"``: every other parameter above that size, its exact diagonal.
 
 Given ``low_rank_above``, the ``G`` of a Linear or convolution layer with more outputs is kept
-diagonal plus low rank (``Block.low_rank``, shape :class:`LowRankShape`). See
+diagonal plus low rank (``Block.low_rank``, shape ``LowRankShape``). See
 ``docs/backends.md`` for the table and the conventions.
 """
 
@@ -123,7 +123,7 @@ class LowRankShape(tuple):
     """The shape ``(m, m)`` of a factor kept as a diagonal plus a low-rank term.
 
     Equal to the tuple ``(m, m)``; its type tells a zero curvature to hold a
-    :class:`~laplace.utils.diag_lowrank.DiagLowRank` there instead of a dense matrix.
+    ``DiagLowRank`` there instead of a dense matrix.
     """
 
     def __new__(cls, size: int) -> LowRankShape:
@@ -158,7 +158,7 @@ def plan_blocks(
     """The block of every parameter of a per-sample engine, in ``engine.needed`` order.
 
     Args:
-        engine: A :class:`~laplace.curvature.per_sample.PerSampleEngine`.
+        engine: A ``PerSampleEngine``.
         dense_limit: Largest parameter outside a Kronecker rule whose exact block is dense.
         low_rank_above: Keep the output factor of layers with more outputs low rank (None:
             never).
@@ -195,7 +195,7 @@ def plan_blocks(
 def block_shapes(plan: list[Block], params: Iterable[Tensor]) -> list[list[tuple[int, ...]]]:
     """The factor shapes of every block of ``plan`` for the parameters ``params``.
 
-    A low-rank output factor's shape is a :class:`LowRankShape`.
+    A low-rank output factor's shape is a ``LowRankShape``.
     """
     shapes = []
     for block, p in zip(plan, params, strict=True):
@@ -245,7 +245,7 @@ def check_gradient_factor_first(engine: Any, why: str) -> None:
     """Refuse Kronecker blocks ``A ⊗ G`` (output-gradient factor second) of an engine's layers.
 
     Args:
-        engine: A :class:`~laplace.curvature.per_sample.PerSampleEngine`.
+        engine: A ``PerSampleEngine``.
         why: What needs the output-gradient factor first, for the message.
 
     Raises:
@@ -269,7 +269,7 @@ def check_output_columns(engine: Any, n_columns: int, low_rank_above: int) -> No
     has a few.
 
     Args:
-        engine: A :class:`~laplace.curvature.per_sample.PerSampleEngine`.
+        engine: A ``PerSampleEngine``.
         n_columns: Curvature columns per output position (the outputs per position).
         low_rank_above: The large-output threshold.
 

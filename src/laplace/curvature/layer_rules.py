@@ -2,10 +2,10 @@
 
 A recorded call ``z = m(a; θ_m)`` and the gradient ``g = ∂(vᵀ f)/∂z`` of an output column ``v``
 determine the per-sample gradients ``∂(vₙᵀ fₙ)/∂θ_m`` of the module's direct parameters.
-:data:`PER_SAMPLE_RULES`, keyed by exact module type, has closed forms for Linear, convolution,
+``PER_SAMPLE_RULES``, keyed by exact module type, has closed forms for Linear, convolution,
 embedding and normalisation layers (BatchNorm with its running statistics);
-:func:`generic_per_sample` differentiates any other module alone with ``torch.func``.
-:data:`SELECTED_RULES` give chosen entries only (a subnetwork), at a cost that does not grow
+``generic_per_sample`` differentiates any other module alone with ``torch.func``.
+``SELECTED_RULES`` give chosen entries only (a subnetwork), at a cost that does not grow
 with the layer.
 """
 

@@ -5,7 +5,7 @@ output-space column ``vₙₖ`` per sample and column k (one-hot: Jacobian rows;
 ``Λₙ^½``: the GGN; loss gradients: the empirical and Monte-Carlo Fisher). One hooked forward
 records each parameter-owning layer's input ``a`` and output ``z``; one backward pass per column
 w.r.t. the layer outputs gives ``g = ∂(vᵀ f)/∂z``, and per-layer rules
-(:mod:`laplace.curvature.layer_rules`) turn ``(a, g)`` into per-sample gradients. Models whose
+(``laplace.curvature.layer_rules``) turn ``(a, g)`` into per-sample gradients. Models whose
 layers do not see the data points along dim 0 fall back to batched backward passes, one per
 data point. See ``docs/backends.md``, "Inside the native engine".
 """
@@ -129,7 +129,7 @@ class PerSampleTrace:
         counts = Counter(engine.slot[call.module, name] for call in calls for name in call.names)
         batch = f.shape[0]
         self._batched = any(z.dim() == 0 or z.shape[0] != batch for c in calls for z in c.outputs)
-        #: Per call whose parameters no other call uses, its rule of :data:`SQUARE_SUM_RULES`.
+        #: Per call whose parameters no other call uses, its rule of ``SQUARE_SUM_RULES``.
         self._square_sum_rules = {
             i: rule
             for i, call in enumerate(calls)
@@ -201,7 +201,7 @@ class PerSampleTrace:
     def column_gradients(self, columns: Columns) -> Iterator[list[list[Tensor]]]:
         """Per chunk of columns, per recorded call, their gradients w.r.t. its outputs.
 
-        :data:`COLUMNS_PER_BACKWARD` columns go through one vectorised backward pass, one at a
+        ``COLUMNS_PER_BACKWARD`` columns go through one vectorised backward pass, one at a
         time through a convolution, whose batching rule loops over the columns and copies.
 
         Args:
@@ -209,7 +209,7 @@ class PerSampleTrace:
 
         Yields:
             Per call, one tensor (k, *z.shape) per recorded output; nothing without calls or
-            after :meth:`drop_graph`.
+            after ``drop_graph``.
         """
         if self._grads is None:
             return
@@ -231,7 +231,7 @@ class PerSampleTrace:
     def per_sample_columns(self, columns: Columns, dim: int = 0) -> Tensor:
         """Per-sample gradients ``Jₙᵀ vₙₖ`` for several output columns.
 
-        The columns are differentiated :data:`COLUMNS_PER_BACKWARD` at a time by one vectorised
+        The columns are differentiated ``COLUMNS_PER_BACKWARD`` at a time by one vectorised
         backward pass.
 
         Args:
@@ -307,7 +307,7 @@ class PerSampleTrace:
     def square_sum(self, columns: Columns) -> Tensor:
         """``Σₖ Σₙ (Jₙᵀ vₙₖ)²``: the diagonal of ``Σₖ Σₙ gₙₖ gₙₖᵀ``.
 
-        Columns are differentiated :data:`COLUMNS_PER_BACKWARD` at a time.
+        Columns are differentiated ``COLUMNS_PER_BACKWARD`` at a time.
 
         Args:
             columns: Output columns, sliced like a tensor (K, *f.shape).
@@ -341,7 +341,7 @@ class PerSampleTrace:
         """``Σₖ Σₙ gₙₖ gₙₖᵀ`` with ``gₙₖ = Jₙᵀ vₙₖ``.
 
         The per-sample rows of a chunk of columns are summed into the Gram matrix before the
-        next chunk is formed (at most :data:`GRAM_CHUNK_BYTES` of them at once).
+        next chunk is formed (at most ``GRAM_CHUNK_BYTES`` of them at once).
 
         Args:
             columns: Output columns, sliced like a tensor (K, *f.shape).

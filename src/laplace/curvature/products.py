@@ -1,11 +1,11 @@
 r"""The curvature summed over a data set as a map on blocks of parameter vectors.
 
-Eigensolvers (:mod:`laplace.curvature.eigen`) only multiply the curvature ``H`` (P × P) with
-blocks ``V`` (P, m): :class:`NativeProduct` computes ``Σ Gᵀ (G V)`` per batch for GGN and EF
-backends (:mod:`laplace.curvature.block_product`) and draws sketches ``Gᵀ Ω``;
-:class:`OperatorProduct` multiplies with a curvlinops operator (the exact Hessian, Lanczos and
-LOBPCG). Both sum over processes through a ``reduce`` callable; :class:`NativeProduct` keeps the
-batches it records between passes within :data:`PASS_CACHE_BYTES`.
+Eigensolvers (``laplace.curvature.eigen``) only multiply the curvature ``H`` (P × P) with
+blocks ``V`` (P, m): ``NativeProduct`` computes ``Σ Gᵀ (G V)`` per batch for GGN and EF
+backends (``laplace.curvature.block_product``) and draws sketches ``Gᵀ Ω``;
+``OperatorProduct`` multiplies with a curvlinops operator (the exact Hessian, Lanczos and
+LOBPCG). Both sum over processes through a ``reduce`` callable; ``NativeProduct`` keeps the
+batches it records between passes within ``PASS_CACHE_BYTES``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ __all__ = [
 
 Reduce = Callable[[Tensor], Tensor]
 
-#: Bytes of recorded batches (layer inputs and output gradients) a :class:`NativeProduct` keeps
+#: Bytes of recorded batches (layer inputs and output gradients) a ``NativeProduct`` keeps
 #: between its passes, so that their forward and backward passes are not repeated.
 PASS_CACHE_BYTES = 128 * 2**20
 
@@ -77,7 +77,7 @@ class NativeProduct:
         reduce: Sum of a local product over processes (identity when None).
         seed: Seed of the sampled targets of a Monte-Carlo Fisher, re-used on every pass so that
             each pass multiplies with the same matrix.
-        cache_bytes: Memory for batches kept between passes (:data:`PASS_CACHE_BYTES` when
+        cache_bytes: Memory for batches kept between passes (``PASS_CACHE_BYTES`` when
             None; 0 records every batch on every pass).
     """
 
@@ -243,13 +243,13 @@ def curvature_product(
     reduce: Reduce | None = None,
     seed: int = 0,
 ) -> CurvatureProduct:
-    """The backend's curvature over ``data`` as a :class:`CurvatureProduct`.
+    """The backend's curvature over ``data`` as a ``CurvatureProduct``.
 
     Args:
         backend: A GGN (exact or ``stochastic``), empirical-Fisher or Hessian backend.
         data: Re-iterable batches ``(X, y)`` on the model's device.
         n_data: Number of data points in ``data`` (on this process).
-        native: Use :class:`NativeProduct` where the backend's family has one (GGN, Fisher);
+        native: Use ``NativeProduct`` where the backend's family has one (GGN, Fisher);
             else, and for the Hessian, the curvlinops operator.
         reduce: Sum of a local product over processes (identity when None).
         seed: Seed of the Monte-Carlo Fisher's sampled targets (native route).

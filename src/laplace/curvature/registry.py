@@ -1,7 +1,7 @@
 """Lazy access to the optional ASDL and BackPACK backends.
 
 The ASDL (``asdfghjkl``) and BackPACK (``backpack-for-pytorch``) libraries are extras: importing
-:mod:`laplace.curvature` never imports them. A backend class is loaded when it is first named;
+``laplace.curvature`` never imports them. A backend class is loaded when it is first named;
 if its library is missing the ``ImportError`` says which extra to install.
 """
 
@@ -68,7 +68,7 @@ class BackendRegistry(Mapping[str, type]):
 
     Iteration lists the backends that can be used here (optional ones only when their
     library is installed); looking up an optional backend whose library is missing raises
-    the ``ImportError`` of :func:`load_optional`.
+    the ``ImportError`` of ``load_optional``.
 
     Args:
         entries: Name to class, or to the class name of an optional backend.

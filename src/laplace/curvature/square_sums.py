@@ -2,10 +2,10 @@
 
 The diagonal curvature ``Σₖ Σₙ (∂θ (vₙₖᵀ fₙ))²`` of some layers follows from a chunk of output
 gradients (K, B, …) of the columns ``vₖ`` and the layer's recorded call directly
-(:data:`SQUARE_SUM_RULES`): for a linear layer on (B, D_in) inputs the squared weight gradient
+(``SQUARE_SUM_RULES``): for a linear layer on (B, D_in) inputs the squared weight gradient
 summed over samples and columns is ``(Σₖ gₖ²)ᵀ a²``; an embedding's sums its positions per
-(sample, token) pair (:func:`row_token_pairs`) and never forms a (B, V, D) gradient. Other layers
-go through :mod:`laplace.curvature.layer_rules`' per-sample gradients.
+(sample, token) pair (``row_token_pairs``) and never forms a (B, V, D) gradient. Other layers
+go through ``laplace.curvature.layer_rules``' per-sample gradients.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class SquareSumRule:
 def _embedding_square_sum(call: ModuleCall, grads: Tensor) -> Tensor:
     """Σₖₙ squared per-sample gradients of an Embedding from output gradients (K, B, …, D).
 
-    Each (column, sample) is a row of :func:`row_token_pairs`: its positions are summed per
+    Each (column, sample) is a row of ``row_token_pairs``: its positions are summed per
     token, squared and added to the token's row of the result (V, D).
     """
     m, tokens = call.module, call.args[0]

@@ -1,9 +1,9 @@
 """What the ASDL and BackPACK adapters share: leaving no trace, what they run on, KFAC blocks.
 
 Both libraries hook modules and write their results onto modules and parameters; every backend
-call runs inside :func:`isolated`, which undoes all of it (docs/backends.md). :func:`target_call`
-picks what the library runs on (the model, or the last layer on features), :func:`kron_blocks`
-normalises Kronecker factors like :mod:`laplace.curvature.kfac`.
+call runs inside ``isolated``, which undoes all of it (docs/backends.md). ``target_call``
+picks what the library runs on (the model, or the last layer on features), ``kron_blocks``
+normalises Kronecker factors like ``laplace.curvature.kfac``.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def target_call(model: nn.Module, x: object, last_layer: bool) -> TargetCall:
 
 
 def kron_blocks(blocks: list[tuple[Tensor, Tensor | None]], n_data: int, factor: float) -> Kron:
-    """A :class:`Kron` from per-parameter factors, normalised like the native KFAC.
+    """A [`Kron`][laplace.utils.Kron] from per-parameter factors, normalised like the native KFAC.
 
     Args:
         blocks: Per parameter tensor, in parameter order, ``(G, A)``: ``G`` (p_out, p_out) the
@@ -122,7 +122,7 @@ class KroneckerLayersOnly:
     low_rank_kfac = False
 
     def kron_shapes(self, low_rank_above: int | None = None) -> list[list[tuple[int, ...]]]:
-        """As :meth:`CurvatureInterface.kron_shapes`, for Linear and convolution layers only.
+        """As ``CurvatureInterface.kron_shapes``, for Linear and convolution layers only.
 
         Raises:
             ValueError: For a subnetwork, or naming a module (owning a parameter of interest) of

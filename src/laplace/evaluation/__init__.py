@@ -2,7 +2,7 @@
 
 ``evaluate(la, loader, **predictive_kwargs)`` returns a JSON-serialisable dict (see
 ``docs/evaluation.md``); the plots draw such a result. The metrics and scoring rules are the
-likelihoods' (:mod:`laplace.likelihoods.scoring`): each likelihood object gives its evaluation
+likelihoods' (``laplace.likelihoods.scoring``): each likelihood object gives its evaluation
 and its named validation losses (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``).
 """
 

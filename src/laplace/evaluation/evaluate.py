@@ -100,7 +100,7 @@ def evaluate(
     or (B, T, C) for labels (B, d₁, …) / (B, T), a Gaussian with means and variances
     (B, d₁, …)). Any callable that returns the same works, e.g.
     ``lambda x: model(x).softmax(-1)`` for the MAP network. The predictive runs in the
-    caller's autograd mode (wrap a plain network's call in :func:`torch.no_grad` to save its
+    caller's autograd mode (wrap a plain network's call in ``torch.no_grad`` to save its
     graph) and its outputs are detached.
 
     The result's keys per likelihood (``accuracy``, ``nll``, ``ece``, ... for classification;
@@ -129,9 +129,9 @@ def evaluate(
             targets lack. Such predictions are scored position by position.
         ignore_index: Label of the positions (or points) left out; default
             ``la.ignore_index``, else -100 (as ``CrossEntropyLoss``).
-        distributed: Add the metrics over the processes of :mod:`torch.distributed`, each
+        distributed: Add the metrics over the processes of ``torch.distributed``, each
             evaluating its shard of the data; None: when the process group is initialised and
-            the loader uses a ``DistributedSampler`` (see :mod:`laplace.core.distributed`).
+            the loader uses a ``DistributedSampler`` (see ``laplace.core.distributed``).
         progress_bar: Show a progress bar over batches.
         **predictive_kwargs: Passed to ``la`` on every batch (``pred_type``, ``link_approx``,
             ``n_samples``, ...).

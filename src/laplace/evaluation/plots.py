@@ -2,7 +2,7 @@
 
 matplotlib is optional (``pip install 'laplace-ng[plot]'``) and imported when a plot is drawn.
 Each function draws into ``ax`` when given (else into a new figure) and returns the figure.
-The first two take the result of :func:`~laplace.evaluation.evaluate`, so a saved JSON result
+The first two take the result of ``evaluate``, so a saved JSON result
 can be plotted again.
 """
 
@@ -61,7 +61,7 @@ def plot_reliability_diagram(
     reports the ECE. The histogram has one bar per bin with the fraction of points in it.
 
     Args:
-        result: :func:`~laplace.evaluation.evaluate`'s result for a classification predictive.
+        result: ``evaluate``'s result for a classification predictive.
         ax: Axes of the diagram. When None, a new figure holds the diagram above the
             histogram.
         hist_ax: Axes of the histogram when ``ax`` is given (no histogram when None).
@@ -113,7 +113,7 @@ def plot_calibration_curve(
     entry lists the interval coverages; draw several results into one ``ax`` to compare them.
 
     Args:
-        result: :func:`~laplace.evaluation.evaluate`'s result for a regression predictive.
+        result: ``evaluate``'s result for a regression predictive.
         ax: Axes to draw into; a new figure when None.
         title: Title of the axes.
         label: Name of the predictive in the legend.

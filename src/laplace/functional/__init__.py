@@ -1,10 +1,10 @@
 """Function-space (GP) Laplace approximations (see ``docs/function_space.md``).
 
-:class:`BaseFunctionalLaplace` turns the latent moments of the posterior a class holds into
-predictions: :class:`FunctionalLaplace` and :class:`FunctionalLLLaplace` a GP on a subset of the
-data, :class:`ELLA` a Gaussian over Nyström features, :class:`VaLLA` a variational posterior with
-inducing points. The public paths are laplace-torch's: :mod:`laplace.baselaplace`,
-:mod:`laplace.lllaplace` and :mod:`laplace`.
+``BaseFunctionalLaplace`` turns the latent moments of the posterior a class holds into
+predictions: ``FunctionalLaplace`` and ``FunctionalLLLaplace`` a GP on a subset of the
+data, ``ELLA`` a Gaussian over Nyström features, ``VaLLA`` a variational posterior with
+inducing points. The public paths are laplace-torch's: ``laplace.baselaplace``,
+[`laplace.lllaplace`][laplace.lllaplace] and ``laplace``.
 """
 
 from laplace.functional.base import BaseFunctionalLaplace

@@ -2,11 +2,11 @@ r"""``BaseFunctionalLaplace``: predictives of function-space (GP) Laplace approx
 
 Linearising the network at the MAP ``θ*`` makes it a GLM whose Gaussian weight prior is a GP
 over functions with the neural tangent kernel ``k(x, x') = J(x) P₀⁻¹ J(x')ᵀ``. Each subclass
-holds its approximation of the GP posterior as a :class:`LatentPosterior` (subset of data,
+holds its approximation of the GP posterior as a ``LatentPosterior`` (subset of data,
 Nyström features, inducing points); this class turns its latent moments into predictions. See
 ``docs/function_space.md``.
 
-Internal module; the public path is :mod:`laplace.baselaplace`.
+Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace].
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class LatentPosterior(Protocol):
 class BaseFunctionalLaplace(BaseLaplace):
     """Predictions, sampling and validation shared by the function-space approximations.
 
-    A subclass implements :meth:`fit`, which sets ``_gp``: its :class:`LatentPosterior`. The
+    A subclass implements ``fit``, which sets ``_gp``: its ``LatentPosterior``. The
     prior precision ``δ`` is a scalar (the GP prior). Approximations tuned by the validation NLL
     (ELLA, VaLLA) record it in ``fit_history_["val_nll"]`` and, as in laplace-torch, have no
     Laplace marginal likelihood and do not track the training log-likelihood.
@@ -123,7 +123,7 @@ class BaseFunctionalLaplace(BaseLaplace):
     def _start_fit(self, X: Inputs, y: Tensor) -> torch.Size:
         """Check the model's outputs on ``X`` and the targets ``y`` before any Jacobian.
 
-        Sets :attr:`n_outputs` and the posterior mean :attr:`mean` (the current weights).
+        Sets ``n_outputs`` and the posterior mean ``mean`` (the current weights).
 
         Returns:
             The shape of the outputs (B, C).
@@ -199,7 +199,7 @@ class BaseFunctionalLaplace(BaseLaplace):
             covariance (B·C, B·C).
 
         Raises:
-            RuntimeError: Before :meth:`fit`.
+            RuntimeError: Before ``fit``.
             ValueError: For an empty batch.
         """
         x = self._checked_inputs(x, "predictive_moments")
@@ -236,7 +236,7 @@ class BaseFunctionalLaplace(BaseLaplace):
 
         Raises:
             ValueError: For a ``pred_type`` other than ``"gp"``, an unknown link, an empty batch.
-            RuntimeError: Before :meth:`fit`.
+            RuntimeError: Before ``fit``.
         """
         _, link_approx, likelihood = self._parse_prediction(
             pred_type, link_approx, n_samples, generator, joint, fitting

@@ -4,7 +4,7 @@ The features ``φ(x) = J(x) V`` (C, K) on ``K`` orthonormal directions ``V`` of 
 Jacobians define a GLM with posterior precision ``A = Σ φᵀ Λ φ/(σ²T) + δI`` over the training
 data (see ``docs/function_space.md``).
 
-Internal module; the public paths are :mod:`laplace.baselaplace` and :mod:`laplace`.
+Internal module; the public paths are ``laplace.baselaplace`` and ``laplace``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class ELLA(BaseFunctionalLaplace):
         seed: Seed of the subset and of the output chosen per subset point.
 
     Attributes:
-        dual_directions: ``V`` (P, K) after :meth:`fit`.
+        dual_directions: ``V`` (P, K) after ``fit``.
         feature_gram: ``Σ φᵀ Λ φ`` (K, K), before the ``1/(σ²T)`` scaling.
         fit_history_: ``processed_examples``, ``val_nll`` and ``tuning`` records of the fit.
 
@@ -208,7 +208,7 @@ class ELLA(BaseFunctionalLaplace):
         arguments exist for interface compatibility and only their defaults are accepted.
 
         Raises:
-            RuntimeError: Before :meth:`fit`.
+            RuntimeError: Before ``fit``.
             ValueError: For ``pred_type`` other than ``"gp"``, no ``val_loader``, a bad grid size.
             NotImplementedError: For ``method="marglik"`` or non-default compatibility arguments.
         """
@@ -242,13 +242,13 @@ class ELLA(BaseFunctionalLaplace):
         """Set the candidate of ``grid`` with the lowest validation NLL.
 
         Candidates are prior precisions or ``(prior_precision, sigma_noise)`` pairs (regression);
-        the first with the lowest finite score wins (:func:`laplace.core.tuning.search_grid`); a
+        the first with the lowest finite score wins (``laplace.core.tuning.search_grid``); a
         candidate whose posterior cannot be factorised scores NaN. One record per candidate
         (``prior_precision``, ``sigma_noise``, ``val_nll``) is appended to
         ``fit_history_["tuning"]``.
 
         Raises:
-            RuntimeError: Before :meth:`fit`.
+            RuntimeError: Before ``fit``.
             ValueError: For an empty grid, or if no candidate has a finite score (the
                 hyperparameters are then restored).
         """

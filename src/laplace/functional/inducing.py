@@ -45,7 +45,7 @@ INDUCING_STATE = (
     "initial_inducing_locations",
     "initial_inducing_classes",
 )
-#: Lloyd iterations of :func:`kmeans`.
+#: Lloyd iterations of ``kmeans``.
 KMEANS_ITERATIONS = 50
 
 
@@ -124,10 +124,10 @@ def inducing_from_data(
 
     The candidates are ``M`` seeded training points (``"random"``; ⌈M/2⌉ pairs of items for
     reward modelling) or all of them (``"kmeans"``), reward pairs split into their items (see
-    :func:`pair_items`); the predictive likelihood chooses the output of each
+    ``pair_items``); the predictive likelihood chooses the output of each
     (``inducing_outputs``: classification the point's class, binary classification the labels
     in turn, regression output 0). ``"random"`` takes ``M`` candidates in a seeded order (as
-    laplace-torch); ``"kmeans"`` runs :func:`kmeans` on the candidates (floating-point tensors
+    laplace-torch); ``"kmeans"`` runs ``kmeans`` on the candidates (floating-point tensors
     only) and takes the one nearest to each centre.
 
     Args:
@@ -137,7 +137,7 @@ def inducing_from_data(
         seed: Seed of the choice.
         likelihood: The likelihood (pairs, class labels).
         dict_key_x: Key of the inputs in dict-like batches.
-        gather: Builds the :class:`~laplace.core.data_loop.Gather` loop of the candidates from its
+        gather: Builds the ``Gather`` loop of the candidates from its
             ``step`` argument.
 
     Raises:

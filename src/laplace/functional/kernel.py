@@ -1,8 +1,8 @@
 """The subset-of-data GP: kernel ``K_MM = J_M J_Mᵀ``, output curvature, and its posterior.
 
 Rows are ordered point-major (``m·C + c``). The subset's Jacobians (either kind of
-:mod:`laplace.functional.ntk`) come in chunks of the GLM predictive's size; those that fit in
-:data:`CACHE_BYTES` are kept between predictions, the others recomputed. Predictions read the
+``laplace.functional.ntk``) come in chunks of the GLM predictive's size; those that fit in
+``CACHE_BYTES`` are kept between predictions, the others recomputed. Predictions read the
 current kernel scale ``s`` and output-curvature factor ``h = 1/(σ²T)`` from the approximation;
 the marginal likelihood takes them and the noise variance ``σ²`` as (differentiable) arguments.
 """
@@ -41,10 +41,10 @@ Scales = Callable[[], tuple[Tensor, Tensor]]
 class SubsetKernel:
     """Kernel, output curvature and scatter vector of a data subset: the SoD GP posterior.
 
-    A :class:`~laplace.functional.base.LatentPosterior`.
+    A ``LatentPosterior``.
 
     Attributes:
-        STATE_KEYS: The entries of :meth:`state`.
+        STATE_KEYS: The entries of ``state``.
         STATE_TENSORS: Those holding floating-point tensors.
 
     Args:
@@ -55,10 +55,10 @@ class SubsetKernel:
             (M, C).
         loss: Summed loss of the subset.
         independent: Keep only the per-output blocks of the kernel.
-        jacobians: Jacobians and outputs of inputs (see :data:`Jacobians`).
+        jacobians: Jacobians and outputs of inputs (see ``Jacobians``).
         chunk_rows: Points per Jacobian chunk of the subset.
         dict_key_x: Key of the inputs in dict-like batches.
-        scales: The current ``(s, h)`` of predictions (see :data:`Scales`).
+        scales: The current ``(s, h)`` of predictions (see ``Scales``).
     """
 
     STATE_KEYS = ("X_subset", "K_MM", "Lambda", "mu", "loss")
@@ -121,7 +121,7 @@ class SubsetKernel:
         return kernel
 
     def _remember(self, i: int, J: DenseJacobian | FactoredJacobian) -> None:
-        """Keep subset chunk ``i`` if all before it are kept and :data:`CACHE_BYTES` allows."""
+        """Keep subset chunk ``i`` if all before it are kept and ``CACHE_BYTES`` allows."""
         if i == len(self._cache) and sum(c.nbytes for c in self._cache) + J.nbytes <= CACHE_BYTES:
             self._cache.append(J)
 
@@ -214,7 +214,7 @@ class SubsetKernel:
         return s * J.output_blocks() - V @ V.transpose(1, 2)
 
     def moments(self, X: Inputs, joint: bool, create_graph: bool) -> tuple[Tensor, Tensor]:
-        """Outputs and :meth:`variance` at ``X``, point chunk by point chunk unless ``joint``."""
+        """Outputs and ``variance`` at ``X``, point chunk by point chunk unless ``joint``."""
         s, h = self._scales()
         if joint:
             J, f = self._jacobians(X, create_graph)
@@ -227,7 +227,7 @@ class SubsetKernel:
         return torch.cat(means), torch.cat(variances)
 
     def covariance(self, Js: Tensor, joint: bool) -> Tensor:
-        """:meth:`variance` of Jacobian rows (B, C, P)."""
+        """``variance`` of Jacobian rows (B, C, P)."""
         return self.variance(DenseJacobian(Js), *self._scales(), joint)
 
     # --------------------------------------------------------------------- marginal lik.
@@ -247,7 +247,7 @@ class SubsetKernel:
         return torch.logdet(W.unsqueeze(-1) * sK * W.unsqueeze(-2) + self._eye()).sum()
 
     def scatter(self, s: Tensor, noise_variance: Tensor | None) -> Tensor:
-        """``μᵀ (sK + νI)⁻¹ μ``, ``ν`` the observation noise σ² or :data:`SCATTER_JITTER`."""
+        """``μᵀ (sK + νI)⁻¹ μ``, ``ν`` the observation noise σ² or ``SCATTER_JITTER``."""
         noise = SCATTER_JITTER if noise_variance is None else noise_variance
         L = torch.linalg.cholesky(s * self.K + noise * self._eye())
         mu = self._rows(self.mu).unsqueeze(-1)
@@ -264,7 +264,7 @@ class SubsetKernel:
     def from_state(
         cls, state: dict[str, Any], device: torch.device, dtype: torch.dtype, **options: Any
     ) -> SubsetKernel:
-        """Rebuild from :meth:`state` on ``device`` (floating-point tensors in ``dtype``).
+        """Rebuild from ``state`` on ``device`` (floating-point tensors in ``dtype``).
 
         ``options`` are the keyword arguments of the constructor.
         """

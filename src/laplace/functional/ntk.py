@@ -1,7 +1,7 @@
 r"""Jacobian kinds of the function-space approximations: neural tangent kernels between points.
 
 The GP view needs the kernel ``J(x) J(x')ᵀ`` between data points and products ``J(x) v``;
-:class:`DenseJacobian` (the rows (B, C, P)) and :class:`FactoredJacobian` (per-layer output
+``DenseJacobian`` (the rows (B, C, P)) and ``FactoredJacobian`` (per-layer output
 gradients ``G_l`` (B, C, out) and inputs ``a_l`` (B, in) of layers applied once per data point,
 ``J_c J_dᵀ = Σ_l (g_{l,c} · g_{l,d})(a_l · a_l' + [bias_l])``) implement the same methods, so the
 GP code never asks which one it holds; a kernel between different kinds goes through the dense
@@ -64,7 +64,7 @@ class DenseJacobian:
         return self.rows @ self.rows.transpose(1, 2)
 
     def output_variances(self) -> Tensor:
-        """The diagonal of :meth:`output_blocks`, shape (B, C)."""
+        """The diagonal of ``output_blocks``, shape (B, C)."""
         return self.rows.square().sum(-1)
 
     def matvec(self, v: Tensor) -> Tensor:
@@ -157,7 +157,7 @@ class FactoredJacobian:
         )
 
     def output_variances(self) -> Tensor:
-        """The diagonal of :meth:`output_blocks`, shape (B, C)."""
+        """The diagonal of ``output_blocks``, shape (B, C)."""
         return sum(
             layer.G.square().sum(-1) * _input_products(layer)[:, None] for layer in self.layers
         )
@@ -200,7 +200,7 @@ def trace_jacobian(
 ) -> tuple[DenseJacobian | FactoredJacobian, Tensor]:
     """The Jacobian of the parameters of ``engine`` at ``X`` and the outputs, from one pass.
 
-    Factored (:func:`layer_factors`) where the layers allow, else the dense rows of the same
+    Factored (``layer_factors``) where the layers allow, else the dense rows of the same
     recorded forward pass.
 
     Args:

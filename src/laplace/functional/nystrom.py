@@ -121,9 +121,9 @@ def nystrom_basis(
 class NystromPosterior:
     """ELLA's Gaussian ``N(0, A⁻¹)`` over the Nyström features ``φ(x) = J(x) V`` (C, K).
 
-    ``A = h Σ φᵀ Λ φ + δI`` is a :class:`~laplace.posteriors.DensePosterior` over the K
+    ``A = h Σ φᵀ Λ φ + δI`` is a ``DensePosterior`` over the K
     features, rebuilt when ``Σ φᵀ Λ φ``, ``δ`` or ``h`` change. A
-    :class:`~laplace.functional.base.LatentPosterior`; the fitted values are read at every call.
+    ``LatentPosterior``; the fitted values are read at every call.
 
     Args:
         jacobian_chunks: Inputs and whether to keep the graph → ``(Js (b, C, P), f (b, C))``
@@ -162,11 +162,11 @@ class NystromPosterior:
         return self.gaussian.functional_variance(features)
 
     def covariance(self, Js: Tensor, joint: bool) -> Tensor:
-        """:meth:`feature_covariance` of the features ``Js V`` of Jacobians (B, C, P)."""
+        """``feature_covariance`` of the features ``Js V`` of Jacobians (B, C, P)."""
         return self.feature_covariance(Js @ self.directions, joint)
 
     def moments(self, X: Inputs, joint: bool, create_graph: bool) -> tuple[Tensor, Tensor]:
-        """Outputs at ``X`` and the :meth:`feature_covariance` of their features."""
+        """Outputs at ``X`` and the ``feature_covariance`` of their features."""
         features, f = nystrom_features(self._jacobian_chunks, self.directions, X, create_graph)
         cov = self.feature_covariance(features, joint)
         return (f.reshape(-1) if joint else f), cov

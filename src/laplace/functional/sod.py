@@ -1,6 +1,6 @@
 """Subset-of-data GP Laplace over all weights: ``FunctionalLaplace``.
 
-Internal module; the public path is :mod:`laplace.baselaplace`.
+Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace].
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
     r"""GP (function-space) Laplace on a random subset of ``M`` of the ``N`` training points.
 
     With the subset's kernel ``K = J Jᵀ`` scaled by ``s = (M/N)/δ``
-    (:attr:`gp_kernel_prior_variance`) and ``Λ`` the diagonal output Hessians times ``1/(σ²T)``,
+    (``gp_kernel_prior_variance``) and ``Λ`` the diagonal output Hessians times ``1/(σ²T)``,
     ``f_* ~ N(f(x_*; θ*), sK_** − sK_*M (sK_MM + Λ⁻¹)⁻¹ sK_M*)``; see
     ``docs/function_space.md``.
 
@@ -67,18 +67,18 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         model: The trained network.
         likelihood: ``"classification"`` or ``"regression"``.
         n_subset: Number ``M`` of training points in the subset (``1 ≤ M ≤ N``).
-        sigma_noise: See :class:`~laplace.core.base.BaseLaplace`.
+        sigma_noise: See [`BaseLaplace`][laplace.core.base.BaseLaplace].
         prior_precision: Isotropic prior precision ``δ`` (a scalar).
-        prior_mean: See :class:`~laplace.core.base.BaseLaplace`.
-        temperature: See :class:`~laplace.core.base.BaseLaplace`.
-        enable_backprop: See :class:`~laplace.core.base.BaseLaplace`.
-        dict_key_x: See :class:`~laplace.core.base.BaseLaplace`.
-        dict_key_y: See :class:`~laplace.core.base.BaseLaplace`.
+        prior_mean: See [`BaseLaplace`][laplace.core.base.BaseLaplace].
+        temperature: See [`BaseLaplace`][laplace.core.base.BaseLaplace].
+        enable_backprop: See [`BaseLaplace`][laplace.core.base.BaseLaplace].
+        dict_key_x: See [`BaseLaplace`][laplace.core.base.BaseLaplace].
+        dict_key_y: See [`BaseLaplace`][laplace.core.base.BaseLaplace].
         backend: Accepted for compatibility (laplace-torch defaults to ``BackPackGGN``); the
             Jacobians come from the library's per-sample engine, which all backends agree with.
-        backend_kwargs: See :class:`~laplace.core.base.BaseLaplace`.
+        backend_kwargs: See [`BaseLaplace`][laplace.core.base.BaseLaplace].
         independent_outputs: Keep only the per-output diagonal of the kernel.
-        seed: Seed of the subset's :class:`~laplace.utils.utils.SoDSampler`.
+        seed: Seed of the subset's [`SoDSampler`][laplace.utils.utils.SoDSampler].
 
     Raises:
         ValueError: For reward modelling, a non-scalar prior precision, or a bad ``n_subset``.
@@ -176,7 +176,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         return self.gp_kernel_prior_variance, self._H_factor
 
     def _kernel_options(self) -> dict[str, Any]:
-        """How :class:`SubsetKernel` gets Jacobians of this approximation."""
+        """How ``SubsetKernel`` gets Jacobians of this approximation."""
         return {
             "independent": self.independent_outputs,
             "jacobians": self._jacobians,
@@ -214,7 +214,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         Differentiable in both hyperparameters; passing them replaces the stored values.
 
         Raises:
-            RuntimeError: Before :meth:`fit`.
+            RuntimeError: Before ``fit``.
             ValueError: For ``sigma_noise`` with a likelihood other than regression.
         """
         self._check_fitted("log_marginal_likelihood")
@@ -243,7 +243,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         progress_bar: bool = False,
         log_prior_prec_base: float = 10.0,
     ) -> None:
-        """Tune the scalar prior precision; see :meth:`BaseLaplace.optimize_prior_precision`.
+        """Tune the scalar prior precision; see ``BaseLaplace.optimize_prior_precision``.
 
         Raises:
             ValueError: For a ``pred_type`` other than ``"gp"`` or a non-scalar structure.

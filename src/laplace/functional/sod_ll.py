@@ -1,6 +1,6 @@
 r"""Subset-of-data GP Laplace over the last layer: ``FunctionalLLLaplace``.
 
-Internal module; the public path is :mod:`laplace.lllaplace`.
+Internal module; the public path is [`laplace.lllaplace`][laplace.lllaplace].
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ class FunctionalLLLaplace(FunctionalLaplace):
 
     The kernel is ``J Jᵀ/δ`` with the head Jacobians ``Jₙ = [I_C ⊗ φₙᵀ, I_C]`` of the features
     ``φ`` (the body of the network is a fixed feature extractor), factored as the inputs ``φ``
-    and output gradients ``I_C`` of the head (see :mod:`laplace.functional.ntk`). See
-    :class:`FunctionalLaplace` for the GP and the other arguments.
+    and output gradients ``I_C`` of the head (see ``laplace.functional.ntk``). See
+    [`FunctionalLaplace`][laplace.FunctionalLaplace] for the GP and the other arguments.
 
     Args:
-        feature_reduction: See :class:`~laplace.utils.feature_extractor.FeatureExtractor`.
-        last_layer_name: Name of the last layer; found on the first batch of :meth:`fit` when
+        feature_reduction: See ``FeatureExtractor``.
+        last_layer_name: Name of the last layer; found on the first batch of ``fit`` when
             None.
     """
 

@@ -1,6 +1,6 @@
 r"""VaLLA: variational linearised Laplace with inducing points (Ortega et al., 2023).
 
-Internal module; the public paths are :mod:`laplace.baselaplace` and :mod:`laplace`.
+Internal module; the public paths are ``laplace.baselaplace`` and ``laplace``.
 """
 
 from __future__ import annotations
@@ -105,12 +105,12 @@ class VaLLA(BaseFunctionalLaplace):
         model: The trained network (kept fixed).
         likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"``.
         inducing_locations: Inputs (M, ...) or a mapping, or ``"random"`` / ``"kmeans"`` to pick
-            ``num_inducing`` training inputs at :meth:`fit`.
+            ``num_inducing`` training inputs at ``fit``.
         num_inducing: M; required with a strategy, must match explicit locations.
         inducing_classes: Output used at each inducing input (M,); 0 when None (strategies use
             the training labels for classification).
-        sigma_noise: Initial σ (regression); learnt by :meth:`fit`.
-        prior_precision: Initial scalar δ; learnt by :meth:`fit`.
+        sigma_noise: Initial σ (regression); learnt by ``fit``.
+        prior_precision: Initial scalar δ; learnt by ``fit``.
         prior_mean: Must be 0.
         temperature: Likelihood temperature T.
         enable_backprop: Keep predictives differentiable w.r.t. the inputs.
@@ -118,13 +118,13 @@ class VaLLA(BaseFunctionalLaplace):
         dict_key_y: Key of the targets in dict-like batches.
         backend: Backend whose ``jacobians`` are used; ``CurvlinopsGGN`` when None.
         backend_kwargs: Keyword arguments of the backend.
-        seed: Seed of the inducing-point choice and of :attr:`generator`.
+        seed: Seed of the inducing-point choice and of ``generator``.
         alpha: ``α ∈ [0, 1]`` of the alpha-energy; 0 is the ELBO.
         mc_softmax_samples: Monte Carlo draws of the classification term; 0 uses the probit
             approximation (then ``alpha`` must be 1 for classification and reward modelling).
 
     Attributes:
-        inducing_locations: The strategy until :meth:`fit` picks the points, then the inputs.
+        inducing_locations: The strategy until ``fit`` picks the points, then the inputs.
         fit_history_: ``objective`` (the minimised objective per step) and ``val_nll``.
         generator: Seeded ``torch.Generator`` on the model's device for the MC draws of fit.
 
@@ -224,7 +224,7 @@ class VaLLA(BaseFunctionalLaplace):
         """``−(N/B) Σ_b ℓ_α(y_b)/T + KL(q ‖ p)`` on a minibatch.
 
         Differentiable in the variational parameters, the noise and the inducing inputs (see
-        :mod:`laplace.functional.valla_objective`).
+        ``laplace.functional.valla_objective``).
         """
         f, cov, A, R = self._gp.objective_moments(X)
         noise = None if self.log_noise_variance is None else self.log_noise_variance.exp()
@@ -305,5 +305,5 @@ class VaLLA(BaseFunctionalLaplace):
         self.fit_history_ = {"objective": [], "val_nll": []}
 
     def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
-        """Not available: :meth:`fit` learns the prior precision (as in laplace-torch)."""
+        """Not available: ``fit`` learns the prior precision (as in laplace-torch)."""
         raise NotImplementedError("VaLLA learns the prior precision in fit().")

@@ -74,7 +74,7 @@ def inducing_covariance(Js: Tensor, Q: Tensor, log_delta: Tensor, joint: bool) -
 
     Args:
         Js: Jacobians (B, C, P).
-        Q: The Q factor of :func:`inducing_factor`.
+        Q: The Q factor of ``inducing_factor``.
         log_delta: ``log δ``, shape (1,).
         joint: Keep the covariance between points.
 
@@ -91,7 +91,7 @@ def inducing_covariance(Js: Tensor, Q: Tensor, log_delta: Tensor, joint: bool) -
 
 
 def inducing_kl(A: Tensor, R: Tensor) -> Tensor:
-    """``KL(q ‖ p)`` from ``A`` and ``R`` of :func:`inducing_factor`."""
+    """``KL(q ‖ p)`` from ``A`` and ``R`` of ``inducing_factor``."""
     solved = torch.linalg.solve_triangular(R.T, A, upper=False)
     return R.diagonal().abs().log().sum() - 0.5 * solved.square().sum()
 
@@ -99,7 +99,7 @@ def inducing_kl(A: Tensor, R: Tensor) -> Tensor:
 class InducingPosterior:
     """VaLLA's variational posterior ``q(θ) = N(θ*, (δI + δAᵀA)⁻¹)``, ``A = Lᵀ J_Z/√δ``.
 
-    A :class:`~laplace.functional.base.LatentPosterior`; the variational parameters are read at
+    A ``LatentPosterior``; the variational parameters are read at
     every call (the fit changes them in place), so everything stays differentiable in them.
 
     Args:
@@ -117,7 +117,7 @@ class InducingPosterior:
         self._jacobian_chunks, self._variational = jacobian_chunks, variational
 
     def factor(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``A``, ``Q``, ``R`` of :func:`inducing_factor` now, and ``log δ``."""
+        """``A``, ``Q``, ``R`` of ``inducing_factor`` now, and ``log δ``."""
         Z, classes, L, log_delta = self._variational()
         JZ = torch.cat([J for J, _ in self._jacobian_chunks(Z, isinstance(Z, nn.Parameter))])
         return *inducing_factor(JZ[torch.arange(len(classes)), classes], L, log_delta), log_delta

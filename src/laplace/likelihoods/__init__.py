@@ -1,11 +1,11 @@
 """Likelihood objects: loss, output-space curvature and predictive link of each observation model.
 
-The built-in ones, by ``likelihood=`` name (:class:`laplace.utils.enums.Likelihood`):
-``"regression"`` (:class:`GaussianRegression`, one σ or one σ per output),
-``"classification"`` (:class:`Categorical`), ``"reward_modeling"`` (:class:`RewardModeling`),
-``"binary_classification"`` (:class:`Bernoulli`, binary and multi-label) and
-``"heteroscedastic_regression"`` (:class:`HeteroscedasticGaussian`). Your own observation
-model is a subclass of :class:`Likelihood` (the public protocol), passed as
+The built-in ones, by ``likelihood=`` name (``laplace.utils.enums.Likelihood``):
+``"regression"`` (``GaussianRegression``, one σ or one σ per output),
+``"classification"`` (``Categorical``), ``"reward_modeling"`` (``RewardModeling``),
+``"binary_classification"`` (``Bernoulli``, binary and multi-label) and
+``"heteroscedastic_regression"`` (``HeteroscedasticGaussian``). Your own observation
+model is a subclass of [`Likelihood`][laplace.Likelihood] (the public protocol), passed as
 ``likelihood=MyLikelihood()``. Adding a built-in one is a class (its ``kind`` the name) in
 ``_BUILT_IN``; the rest of the library asks the object, never its name.
 
@@ -55,19 +55,19 @@ def make_likelihood(
     """Build the likelihood object for a user's ``likelihood`` argument.
 
     Args:
-        likelihood: A name (:class:`laplace.utils.enums.Likelihood` member or its string), an
-            instance of a :class:`Likelihood` subclass, or a likelihood object (returned as is,
+        likelihood: A name (``laplace.utils.enums.Likelihood`` member or its string), an
+            instance of a ``Likelihood`` subclass, or a likelihood object (returned as is,
             with its own output options).
         class_dim: The class dimension of outputs with extra dimensions (see
-            :class:`~laplace.utils.outputs.OutputAdapter`).
+            [`OutputAdapter`][laplace.utils.outputs.OutputAdapter]).
         ignore_index: The class label whose positions are dropped.
 
     Returns:
-        The :class:`LikelihoodModel`.
+        The [`LikelihoodModel`][laplace.likelihoods.LikelihoodModel].
 
     Raises:
         ValueError: If ``likelihood`` is none of these, listing the accepted names.
-        TypeError: For a :class:`Likelihood` that lacks a method it must implement.
+        TypeError: For a [`Likelihood`][laplace.Likelihood] that lacks a method it must implement.
     """
     if isinstance(likelihood, LikelihoodModel):
         return likelihood

@@ -8,11 +8,11 @@ loss, ``½ Σ‖y − f‖²`` for regression (σ-free, so the output Hessian is
 ``Σ CE`` for classification.
 
 Its maths is written for rows (B, C). Outputs with extra dimensions (B, C, d₁, …) or (B, T, C)
-reach it as rows (B·T, C) through its :class:`~laplace.utils.outputs.OutputAdapter`: the
+reach it as rows (B·T, C) through its [`OutputAdapter`][laplace.utils.outputs.OutputAdapter]: the
 methods the fits and backends call with a batch of model outputs (the summed loss, its gradient
 w.r.t. the outputs, the target check) drop the positions an ``ignore_index`` drops, and
 predictions get the outputs' shape back (each position an independent observation).
-:class:`ProbabilityPredictions` is the base of the likelihoods whose predictions are
+``ProbabilityPredictions`` is the base of the likelihoods whose predictions are
 probabilities of a link of the outputs (softmax, sigmoid).
 """
 
@@ -52,11 +52,11 @@ class LikelihoodModel(ABC):
     kind: Any
     #: Whether predictions are probabilities (classification) or Gaussian moments.
     predicts_probabilities: bool = False
-    #: The torch loss module class of :meth:`loss_module` (``nn.MSELoss``, ...).
+    #: The torch loss module class of ``loss_module`` (``nn.MSELoss``, ...).
     torch_loss: type[nn.Module]
     #: Whether the model has an observation noise σ (a hyperparameter); otherwise σ must be 1.
     has_noise_hyperparameter: bool = False
-    #: The per-sample loss is ``loss_scale`` times the summed :meth:`loss_module` (½ for MSE).
+    #: The per-sample loss is ``loss_scale`` times the summed ``loss_module`` (½ for MSE).
     loss_scale: float = 1.0
     #: The Hessian structures it can be fitted with; None: every structure.
     hessian_structures: tuple[HessianStructure, ...] | None = None
@@ -64,9 +64,9 @@ class LikelihoodModel(ABC):
     pairwise: bool = False
     #: Grid search's named validation losses: ``(n_outputs, sigma_noise, **kwargs) → Metric``.
     validation_losses: ClassVar[dict[str, MetricFactory]] = {}
-    #: Grid search's default validation loss (a key of :attr:`validation_losses`); None: MSE.
+    #: Grid search's default validation loss (a key of ``validation_losses``); None: MSE.
     default_validation_loss: str | None = None
-    #: Whether curvlinops' operators on :meth:`loss_module` give its curvature (low-rank).
+    #: Whether curvlinops' operators on ``loss_module`` give its curvature (low-rank).
     loss_module_curvature: bool = True
     #: The function-space (GP) approximations that support it.
     function_space: tuple[FunctionalApproximation, ...] = tuple(FunctionalApproximation)
@@ -78,7 +78,7 @@ class LikelihoodModel(ABC):
     supports_joint: bool = False
     #: What the predictive returns, for messages.
     predictions: str = "predictions"
-    #: Whether :meth:`glm_predictive` takes output variances (B, C) (True) or covariances
+    #: Whether ``glm_predictive`` takes output variances (B, C) (True) or covariances
     #: (B, C, C) (False); None: what the caller asked for (``diagonal_output``).
     output_variances: bool | None = None
 
@@ -131,7 +131,7 @@ class LikelihoodModel(ABC):
             )
 
     def check_backend(self, backend_cls: type) -> None:
-        """Refuse a curvature backend whose ``supported_losses`` exclude :meth:`loss_module`.
+        """Refuse a curvature backend whose ``supported_losses`` exclude ``loss_module``.
 
         Third-party libraries (ASDL, BackPACK) backpropagate only the torch losses they know,
         on outputs (B, C): outputs with extra dimensions are then refused when first seen.
@@ -152,7 +152,7 @@ class LikelihoodModel(ABC):
             self.outputs.plain_only = backend_cls.__name__
 
     def check_low_rank(self) -> None:
-        """Refuse the matrix-free (low-rank) curvature when :meth:`loss_module` cannot give it.
+        """Refuse the matrix-free (low-rank) curvature when ``loss_module`` cannot give it.
 
         Raises:
             ValueError: Naming the structures that work.
@@ -169,7 +169,7 @@ class LikelihoodModel(ABC):
         """The rows of outputs of ``output_shape`` (B, …), for targets ``y`` (None: predicting).
 
         Raises:
-            ValueError: See :meth:`laplace.utils.outputs.OutputAdapter.layout`.
+            ValueError: See ``laplace.utils.outputs.OutputAdapter.layout``.
         """
         return self.outputs.layout(output_shape, y, self.position_targets, self.name)
 
@@ -186,8 +186,8 @@ class LikelihoodModel(ABC):
 
         Raises:
             ValueError: Naming the problem (shape, label range, an ambiguous class dimension);
-                a :class:`~laplace.utils.errors.DataError` (also a ``RuntimeError``) for targets of
-                the wrong kind, a :class:`~laplace.utils.errors.LabelError` (also an
+                a ``DataError`` (also a ``RuntimeError``) for targets of
+                the wrong kind, a ``LabelError`` (also an
                 ``IndexError``) for a class label outside ``[0, C)``.
         """
         layout = self.layout(output_shape, y)
@@ -233,12 +233,12 @@ class LikelihoodModel(ABC):
         """Refuse targets that cannot belong to rows of shape ``output_shape`` (B, C).
 
         Raises:
-            ValueError: As :meth:`check_targets`.
+            ValueError: As ``check_targets``.
         """
 
     # ------------------------------------------------------------------------------ fit
     def loss_module(self, reduction: str = "mean") -> nn.Module:
-        """The loss as a torch module (:attr:`torch_loss`) for SGD loops and backends.
+        """The loss as a torch module (``torch_loss``) for SGD loops and backends.
 
         Args:
             reduction: ``"mean"``, ``"sum"`` or ``"none"``, as torch's losses take it.
@@ -257,8 +257,8 @@ class LikelihoodModel(ABC):
     def structured_output_hessian(self, f: Tensor) -> DiagLowRankBatch:
         """The output Hessians as ``Λₙ = diag(dₙ) + s·Vₙ Vₙᵀ``, without a (B, C, C) tensor.
 
-        Used above :data:`~laplace.posteriors.large_output.LARGE_OUTPUT_THRESHOLD` outputs. By
-        default ``d = 0``, ``s = +1`` and ``V`` = :meth:`output_hessian_sqrt`; likelihoods that
+        Used above ``LARGE_OUTPUT_THRESHOLD`` outputs. By
+        default ``d = 0``, ``s = +1`` and ``V`` = ``output_hessian_sqrt``; likelihoods that
         know a smaller form override it (softmax: ``(p, p, −1)``).
         """
         L = self.output_hessian_sqrt(f)
@@ -282,7 +282,7 @@ class LikelihoodModel(ABC):
         """Summed negative log-likelihood of targets under the predictive of ``N(f_mu, f_var)``.
 
         The validation score of the function-space approximations that tune by it (ELLA,
-        VaLLA), which refuse the likelihoods without one (see :attr:`function_space`).
+        VaLLA), which refuse the likelihoods without one (see ``function_space``).
 
         Args:
             f_mu: Latent means (B, C).
@@ -314,9 +314,9 @@ class LikelihoodModel(ABC):
         """VaLLA's summed ``ℓ_α(y) = (1/α) log E_{N(f, cov)}[p(y | f)^α]`` of a minibatch.
 
         ``α = 0`` is the expected log-likelihood (the ELBO's); see
-        :mod:`laplace.functional.valla_objective`. By default the Monte-Carlo
-        ``(1/α) log((1/S) Σ_s p(y | f_s)^α)`` of :meth:`draw_log_likelihood`, and without draws
-        the probit :meth:`predictive_nll` (which does not depend on ``α``).
+        ``laplace.functional.valla_objective``. By default the Monte-Carlo
+        ``(1/α) log((1/S) Σ_s p(y | f_s)^α)`` of ``draw_log_likelihood``, and without draws
+        the probit ``predictive_nll`` (which does not depend on ``α``).
 
         Args:
             y: Targets of the minibatch.
@@ -373,13 +373,13 @@ class LikelihoodModel(ABC):
         """Check targets against the outputs and bring them to the shape the loss expects.
 
         Raises:
-            ValueError: See :meth:`check_row_targets`.
+            ValueError: See ``check_row_targets``.
         """
         self.check_row_targets(y, f.shape)
         return y
 
     def loss_targets(self, y: Tensor, dtype: torch.dtype) -> Tensor:
-        """Targets of a batch in the form :meth:`loss_module` takes them, without the outputs.
+        """Targets of a batch in the form ``loss_module`` takes them, without the outputs.
 
         For code that hands batches to curvlinops' operators. As given by default.
 
@@ -395,7 +395,7 @@ class LikelihoodModel(ABC):
 
         Raises:
             ValueError: For ``joint=True`` without a joint form, or a ``link_approx`` outside
-                :attr:`links`.
+                ``links``.
         """
         if joint and not self.supports_joint:
             raise ValueError(
@@ -442,12 +442,12 @@ class LikelihoodModel(ABC):
         Args:
             f_mu: Output means in the outputs' shape (B, …).
             f_var: Covariances (B·T, C, C) of their rows (``laplace.utils.outputs``), or variances
-                where :meth:`diagonal_moments` asked for them.
-            link_approx: See :meth:`glm_predictive`.
+                where ``diagonal_moments`` asked for them.
+            link_approx: See ``glm_predictive``.
             n_samples: Monte-Carlo samples of ``"mc"``.
             generator: Random number generator of ``"mc"``.
             diagonal_output: Whether the caller asked for variances (the shape of ``f_var``
-                already says it; :meth:`diagonal_moments` chose it).
+                already says it; ``diagonal_moments`` chose it).
         """
         layout = self.layout(f_mu.shape)
         prediction = self.glm_predictive(
@@ -466,7 +466,7 @@ class LikelihoodModel(ABC):
         return layout.restore(f_mu), layout.restore(f_var)
 
     def diagonal_moments(self, diagonal_output: bool) -> bool:
-        """Whether :meth:`glm_predictive` needs only the output variances (B, C)."""
+        """Whether ``glm_predictive`` needs only the output variances (B, C)."""
         return diagonal_output if self.output_variances is None else self.output_variances
 
     def glm_predictive(
@@ -477,8 +477,8 @@ class LikelihoodModel(ABC):
         Args:
             f_mu: Output means (B, C).
             f_var: Output covariances (B, C, C), or variances (B, C) when
-                :meth:`diagonal_moments` said so.
-            link_approx: The link approximation (for likelihoods with :attr:`links`).
+                ``diagonal_moments`` said so.
+            link_approx: The link approximation (for likelihoods with ``links``).
             **sampling: ``n_samples`` and ``generator`` of Monte-Carlo approximations.
 
         Returns:
@@ -505,7 +505,7 @@ class LikelihoodModel(ABC):
         return f.mean(dim=0), f.var(dim=0)
 
     def sampled_predictive_of(self, groups: Iterable[Tensor]) -> Any:
-        """:meth:`sampled_predictive` of outputs that come in groups of samples (Sᵢ, B, …).
+        """``sampled_predictive`` of outputs that come in groups of samples (Sᵢ, B, …).
 
         By default the groups are put together first; a prediction that is a mean over the
         samples overrides this to sum one group at a time.
@@ -523,11 +523,11 @@ class LikelihoodModel(ABC):
         """The running validation loss ``name`` of grid search over this likelihood's predictions.
 
         Args:
-            name: A key of :attr:`validation_losses`; None: :attr:`default_validation_loss`,
+            name: A key of ``validation_losses``; None: ``default_validation_loss``,
                 else the running mean squared error of the predictive mean (laplace-torch's).
             n_outputs: Number of classes, labels or regression outputs.
             sigma_noise: Observation noise σ added to regression variances.
-            **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
+            **kwargs: Keyword arguments of ``torchmetrics.Metric``.
 
         Raises:
             ValueError: For an unknown name, or one this likelihood does not offer.
@@ -565,8 +565,8 @@ class ProbabilityPredictions(LikelihoodModel):
     """A likelihood whose predictions are probabilities ``link(f)`` of the outputs.
 
     The GLM predictive approximates ``E[link(f)]`` under the Gaussian over the outputs by one of
-    the functions of :attr:`link_approximations`; sampled networks and predictive samples apply
-    :attr:`link` to each draw.
+    the functions of ``link_approximations``; sampled networks and predictive samples apply
+    ``link`` to each draw.
     """
 
     predicts_probabilities = True
@@ -584,12 +584,12 @@ class ProbabilityPredictions(LikelihoodModel):
 
         Args:
             link_approx: The requested link approximation.
-            joint: Unused (refused by :meth:`check_prediction`).
+            joint: Unused (refused by ``check_prediction``).
             diagonal_output: Unused (the predictions are probabilities).
             reason: Why only output variances (B, C) are computed, for the message.
 
         Raises:
-            ValueError: For a ``link_approx`` outside :attr:`variance_links`.
+            ValueError: For a ``link_approx`` outside ``variance_links``.
         """
         if link_approx not in self.variance_links:
             raise ValueError(

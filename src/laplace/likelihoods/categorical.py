@@ -71,7 +71,7 @@ class Categorical(ProbabilityPredictions):
 
     @override
     def output_hessian_sqrt(self, f: Tensor) -> Tensor:
-        """A rank-(C − 1) factor of ``Λ = diag(p) − p pᵀ`` (:func:`softmax_hessian_factor`)."""
+        """A rank-(C − 1) factor of ``Λ = diag(p) − p pᵀ`` (``softmax_hessian_factor``)."""
         return softmax_hessian_factor(torch.softmax(f, dim=-1))
 
     @override
@@ -89,7 +89,7 @@ class Categorical(ProbabilityPredictions):
     def predictive_nll(
         self, f_mu: Tensor, f_var: Tensor, y: Tensor, sigma_noise: Tensor
     ) -> Tensor:
-        """Cross-entropy of the logits of the probit approximation (:func:`probit_logits`)."""
+        """Cross-entropy of the logits of the probit approximation (``probit_logits``)."""
         logits = probit_logits(f_mu, f_var)
         return F.cross_entropy(logits, self.class_indices(y), reduction="sum")
 
@@ -220,8 +220,8 @@ class Categorical(ProbabilityPredictions):
 class RewardModeling(Categorical):
     """Bradley–Terry reward model: fitted as classification on pairs, predicted as regression.
 
-    Its loss, curvature and targets are :class:`Categorical`'s (the fit runs on
-    :attr:`fit_likelihood`, a plain one); its predictions are :class:`GaussianRegression`'s.
+    Its loss, curvature and targets are ``Categorical``'s (the fit runs on
+    ``fit_likelihood``, a plain one); its predictions are ``GaussianRegression``'s.
     """
 
     kind = Likelihood.REWARD_MODELING

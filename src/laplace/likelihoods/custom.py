@@ -1,4 +1,4 @@
-"""``CustomLikelihood``: your :class:`~laplace.likelihoods.Likelihood` as a likelihood object."""
+"""``CustomLikelihood``: your ``Likelihood`` as a likelihood object."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _overrides(obj: Likelihood, method: str) -> bool:
 
 
 class CustomLikelihood(LikelihoodModel):
-    """The likelihood object of a user's :class:`Likelihood` subclass instance.
+    """The likelihood object of a user's [`Likelihood`][laplace.Likelihood] subclass instance.
 
     Its curvature, loss and predictive come from the user's methods; gradients of the loss
     w.r.t. the outputs (empirical Fisher, per-sample gradients) by autograd.

@@ -39,9 +39,10 @@ class GaussianRegression(LikelihoodModel):
     ``H_c = Σₙ Jₙ_cᵀ Jₙ_c``), so that the posterior precision
     ``Σ_c H_c / (σ_c² T) + P₀`` and the log-likelihood
 
-    .. math::
-        \log p(\mathcal{D}) = -\sum_c \Big(\frac{\ell_c}{\sigma_c^2 T}
-        + \frac{N}{2} \log(2\pi\sigma_c^2)\Big)
+    $$
+    \log p(\mathcal{D}) = -\sum_c \Big(\frac{\ell_c}{\sigma_c^2 T}
+    + \frac{N}{2} \log(2\pi\sigma_c^2)\Big)
+    $$
 
     stay differentiable in every ``σ_c``.
     """
@@ -93,10 +94,11 @@ class GaussianRegression(LikelihoodModel):
     ) -> Tensor:
         r"""The closed form with ``v = diag cov``, ``σ² = noise_variance`` (no draws).
 
-        .. math::
-            \ell_α = -\tfrac12 \log(2πσ^2) - \frac{(y - f)^2}{2(σ^2 + α v)}
-                - \frac{1}{2α} \log\Big(1 + \frac{α v}{σ^2}\Big), \qquad
-            \ell_0 = -\tfrac12 \log(2πσ^2) - \frac{(y - f)^2 + v}{2σ^2}.
+        $$
+        \ell_α = -\tfrac12 \log(2πσ^2) - \frac{(y - f)^2}{2(σ^2 + α v)}
+            - \frac{1}{2α} \log\Big(1 + \frac{α v}{σ^2}\Big), \qquad
+        \ell_0 = -\tfrac12 \log(2πσ^2) - \frac{(y - f)^2 + v}{2σ^2}.
+        $$
         """
         y = self.prepare_targets(f, y)
         var = cov.diagonal(dim1=-2, dim2=-1)

@@ -5,8 +5,9 @@ The model outputs (B, 2C): the means ``μ`` in the first C columns and the log-v
 Gaussian negative log-likelihood without its constant, ``½ Σ_c ((y_c − μ_c)² e^{−s_c} + s_c)``;
 the curvature is the GGN with the Gaussian's Fisher information in ``(μ, s)``,
 
-.. math::
-    \Lambda = \operatorname{diag}(e^{-s_1}, \dots, e^{-s_C}, \tfrac12, \dots, \tfrac12),
+$$
+\Lambda = \operatorname{diag}(e^{-s_1}, \dots, e^{-s_C}, \tfrac12, \dots, \tfrac12),
+$$
 
 which (unlike the Hessian of the loss) is positive definite and does not depend on the targets.
 Under the linearised network the outputs are Gaussian, ``(μ, s) ~ N(m, V)``, and the predictive
@@ -90,7 +91,7 @@ class HeteroscedasticGaussian(LikelihoodModel):
     """Gaussian ``N(y; μ(x), e^{s(x)})`` with the network predicting ``[μ, s]`` (B, 2C).
 
     σ is predicted, so it is not a hyperparameter (``sigma_noise`` must be 1). The GLM
-    predictive returns a :class:`HeteroscedasticPrediction`; ``predictive_samples`` draws
+    predictive returns a ``HeteroscedasticPrediction``; ``predictive_samples`` draws
     ``y = μ + e^{s/2} ε`` from sampled outputs. Low-rank Laplace is not offered (its
     eigensolver works on the loss's own Hessian, which differs from the Fisher used here); of
     the function-space approximations, the subset-of-data GP.

@@ -1,4 +1,4 @@
-r"""The public protocol of a user-defined likelihood: subclass :class:`Likelihood`.
+r"""The public protocol of a user-defined likelihood: subclass [`Likelihood`][laplace.Likelihood].
 
 ``Laplace(model, likelihood=MyLikelihood(), ...)`` then works with every structure the maths
 allows (full, diagonal, Kronecker; all weights, last layer, subnetwork) and with the marginal
@@ -20,16 +20,16 @@ __all__ = ["Likelihood"]
 class Likelihood:
     r"""An observation model ``p(y | f)`` over network outputs ``f`` of shape (B, C).
 
-    Implement :meth:`loss` and one of :meth:`output_hessian` or :meth:`output_hessian_sqrt`;
+    Implement ``loss`` and one of ``output_hessian`` or ``output_hessian_sqrt``;
     the other methods have defaults. The Laplace approximation then uses
 
     - the summed ``loss + log_normalizer`` over the training data as ``-log p(D | θ*)`` (its
       marginal likelihood and ``la.loss``);
-    - the GGN ``Σₙ Jₙᵀ Λₙ Jₙ`` with ``Λₙ`` = :meth:`output_hessian` as curvature (with the
-      empirical Fisher backends, the gradients of :meth:`loss`; with the Monte-Carlo Fisher,
-      gradients at targets drawn by :meth:`sample`);
-    - :meth:`predictive` to turn the linearised network's Gaussian over outputs into
-      predictions, and :meth:`inverse_link` for sampled networks (``pred_type="nn"``) and
+    - the GGN ``Σₙ Jₙᵀ Λₙ Jₙ`` with ``Λₙ`` = ``output_hessian`` as curvature (with the
+      empirical Fisher backends, the gradients of ``loss``; with the Monte-Carlo Fisher,
+      gradients at targets drawn by ``sample``);
+    - ``predictive`` to turn the linearised network's Gaussian over outputs into
+      predictions, and ``inverse_link`` for sampled networks (``pred_type="nn"``) and
       ``predictive_samples``.
 
     There is no observation-noise hyperparameter (``sigma_noise`` must be 1).
@@ -82,7 +82,7 @@ class Likelihood:
         """The output curvature ``Λₙ`` (Hessian or Fisher of the loss w.r.t. ``fₙ``), (B, C, C).
 
         Must be symmetric positive semi-definite. By default ``L Lᵀ`` of
-        :meth:`output_hessian_sqrt`.
+        ``output_hessian_sqrt``.
         """
         L = self.output_hessian_sqrt(f)
         return L @ L.transpose(-1, -2)
@@ -90,7 +90,7 @@ class Likelihood:
     def output_hessian_sqrt(self, f: Tensor) -> Tensor:
         """A factor ``L`` with ``Λ = L Lᵀ``, shape (B, C, K).
 
-        By default from the eigendecomposition of :meth:`output_hessian` (negative eigenvalues,
+        By default from the eigendecomposition of ``output_hessian`` (negative eigenvalues,
         which a positive semi-definite ``Λ`` has only from round-off, are set to 0).
         """
         eigenvalues, eigenvectors = torch.linalg.eigh(self.output_hessian(f))

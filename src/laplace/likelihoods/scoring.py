@@ -1,7 +1,7 @@
 r"""How a likelihood's predictions are scored: scoring rules, running metrics, one evaluation.
 
-A scoring rule is a function of a batch; :class:`MeanScore` keeps the float64 running mean of
-one, summed across processes by torchmetrics (``sync_on_compute``). :class:`Evaluation` runs the
+A scoring rule is a function of a batch; ``MeanScore`` keeps the float64 running mean of
+one, summed across processes by torchmetrics (``sync_on_compute``). ``Evaluation`` runs the
 metrics a likelihood measures its predictive by (``LikelihoodModel.evaluation``, written in the
 likelihood's module); its named validation losses (``LikelihoodModel.validation_loss``) are such
 metrics for grid search. A
@@ -236,10 +236,10 @@ class MeanScore(_Sums):
     """The running mean of a scoring rule over the entries it returns.
 
     Args:
-        score: Maps the arguments of :meth:`update` to scores, any shape (each entry one term
+        score: Maps the arguments of ``update`` to scores, any shape (each entry one term
             of the mean), or (B, K) with ``n_labels``.
         n_labels: Keep one mean per label (the last dimension of the scores), over the points.
-        **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
+        **kwargs: Keyword arguments of ``torchmetrics.Metric``.
     """
 
     def __init__(
@@ -298,7 +298,7 @@ class GaussianNLL(MeanScore):
 
     Args:
         sigma_noise: Observation noise σ (0: ``f_var`` is already the predictive variance).
-        **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
+        **kwargs: Keyword arguments of ``torchmetrics.Metric``.
     """
 
     def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs: Any) -> None:
@@ -311,7 +311,7 @@ class GaussianCRPS(MeanScore):
 
     Args:
         sigma_noise: Observation noise σ (0: ``f_var`` is already the predictive variance).
-        **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
+        **kwargs: Keyword arguments of ``torchmetrics.Metric``.
     """
 
     def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs: Any) -> None:
@@ -320,14 +320,14 @@ class GaussianCRPS(MeanScore):
 
 
 class HeteroscedasticNLL(MeanScore):
-    """:class:`GaussianNLL` of ``update(mean, epistemic_variance, aleatoric_variance, y)``."""
+    """``GaussianNLL`` of ``update(mean, epistemic_variance, aleatoric_variance, y)``."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(partial(_heteroscedastic_rule, gaussian_nll), **kwargs)
 
 
 class HeteroscedasticCRPS(MeanScore):
-    """:class:`GaussianCRPS` of ``update(mean, epistemic_variance, aleatoric_variance, y)``."""
+    """``GaussianCRPS`` of ``update(mean, epistemic_variance, aleatoric_variance, y)``."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(partial(_heteroscedastic_rule, _crps), **kwargs)
@@ -341,7 +341,7 @@ class ReliabilityBins(_Sums):
 
     Args:
         n_bins: Number of bins K.
-        **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
+        **kwargs: Keyword arguments of ``torchmetrics.Metric``.
     """
 
     def __init__(self, n_bins: int = N_BINS, **kwargs: Any) -> None:
@@ -373,13 +373,13 @@ class ReliabilityBins(_Sums):
 class PerLabelCalibrationError(Metric):
     """torchmetrics' binary calibration error of each of K independent labels.
 
-    Keeps the probabilities and targets (N, K) and bins each label at :meth:`compute`.
+    Keeps the probabilities and targets (N, K) and bins each label at ``compute``.
 
     Args:
         n_labels: Number of labels K.
         n_bins: Number of equal-width bins.
         norm: ``"l1"`` (expected calibration error) or ``"max"`` (maximum calibration error).
-        **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
+        **kwargs: Keyword arguments of ``torchmetrics.Metric``.
     """
 
     is_differentiable = False
@@ -419,7 +419,7 @@ class PITCalibration(_Sums):
         levels: Levels α in (0, 1) of the central intervals ``|z| ≤ Φ⁻¹((1 + α)/2)`` counted.
         n_bins: The curve is evaluated at the levels ``k / n_bins``, ``k = 0..n_bins``.
         sigma_noise: Observation noise σ (0: ``f_var`` is already the predictive variance).
-        **kwargs: Keyword arguments of :class:`torchmetrics.Metric`.
+        **kwargs: Keyword arguments of ``torchmetrics.Metric``.
     """
 
     def __init__(
@@ -462,13 +462,13 @@ class PITCalibration(_Sums):
 
 # ------------------------------------------------------------------------------ evaluation
 class EvaluationOptions(NamedTuple):
-    """What :func:`~laplace.evaluation.evaluate` asks of a likelihood's evaluation.
+    """What ``evaluate`` asks of a likelihood's evaluation.
 
     Attributes:
         n_bins: Bins of the calibration errors, or points of the PIT curve.
         levels: Levels of the central predictive intervals whose coverage is measured.
         sigma_noise: Observation noise σ added to the variances of Gaussian predictions.
-        sync: Add the metrics over the processes of :mod:`torch.distributed` when computing.
+        sync: Add the metrics over the processes of ``torch.distributed`` when computing.
     """
 
     n_bins: int = N_BINS

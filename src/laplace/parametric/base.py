@@ -1,6 +1,6 @@
 """Parametric Laplace: ``N(θ_MAP, P⁻¹)`` over weights, with dense and diagonal structures.
 
-Internal module; the public path is :mod:`laplace.baselaplace`.
+Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace].
 """
 
 from __future__ import annotations
@@ -46,17 +46,17 @@ class ParametricLaplace(BaseLaplace):
     """Gaussian posterior ``N(θ_MAP, P⁻¹)`` with ``P = H/(σ²T) + diag(p₀)`` over the weights.
 
     Subclasses choose the structure of the curvature ``H`` through ``_posterior_cls`` (a
-    :class:`~laplace.posteriors.Posterior`). A fit is one pass over the data
-    (``_curvature_pass``, a :class:`~laplace.parametric.fit.FitPass`) summing the backend's
+    ``Posterior``). A fit is one pass over the data
+    (``_curvature_pass``, a ``FitPass``) summing the backend's
     curvature in the structure's form; the GLM predictive linearises the model through the
     parameter subset into the Jacobian kind the structure has a closed form for
-    (:mod:`laplace.posteriors.jacobians`), a chunk of test points at a time; ``pred_type="nn"``
-    runs the network with weights sampled from the posterior. After :meth:`fit`, ``H`` is the
+    (``laplace.posteriors.jacobians``), a chunk of test points at a time; ``pred_type="nn"``
+    runs the network with weights sampled from the posterior. After ``fit``, ``H`` is the
     curvature summed over the data, ``loss`` the summed loss, ``mean`` the MAP weights (P,). Before
     it, as in laplace-torch, the posterior is the prior: ``H`` is a zero curvature in the
     structure's form, ``mean`` the prior mean (P,), and ``posterior_precision``, ``log_prob``, the
-    log-determinants and ``scatter`` follow from them; predictions and samples need :meth:`fit`.
-    See :class:`~laplace.core.base.BaseLaplace` for the arguments.
+    log-determinants and ``scatter`` follow from them; predictions and samples need ``fit``.
+    See [`BaseLaplace`][laplace.core.base.BaseLaplace] for the arguments.
     """
 
     _abstract = "use FullLaplace, DiagLaplace, KronLaplace or LowRankLaplace."
@@ -81,7 +81,7 @@ class ParametricLaplace(BaseLaplace):
         """Set σ; one σ per output switches to the per-output variant of the structure.
 
         Raises:
-            ValueError: See :func:`laplace.posteriors.per_output.noise_structure`.
+            ValueError: See ``laplace.posteriors.per_output.noise_structure``.
         """
         sigma = as_sigma_noise(value, self._likelihood_model, self._device, self._dtype)
         structure = noise_structure(
@@ -130,7 +130,7 @@ class ParametricLaplace(BaseLaplace):
     def _posterior(self) -> Posterior:
         """The posterior at the current hyperparameters, cached while they do not change.
 
-        Before :meth:`fit` it is the prior (``H`` is zero).
+        Before ``fit`` it is the prior (``H`` is zero).
         """
         h_factor, prior_diag = self._H_factor, self.prior_precision_diag
         if self.H is None:
@@ -220,7 +220,7 @@ class ParametricLaplace(BaseLaplace):
         Passing ``prior_precision`` or ``sigma_noise`` replaces the stored values.
 
         Raises:
-            RuntimeError: Before :meth:`fit`.
+            RuntimeError: Before ``fit``.
         """
         self._check_fitted("log_marginal_likelihood")
         if prior_precision is not None:
@@ -242,7 +242,7 @@ class ParametricLaplace(BaseLaplace):
 
         Raises:
             ValueError: If ``n_samples`` is not a positive integer.
-            NotFittedError: Before :meth:`fit` (a ``RuntimeError``).
+            NotFittedError: Before ``fit`` (a ``RuntimeError``).
         """
         return self.mean + self._sample_deviations(n_samples, generator)
 
@@ -307,13 +307,13 @@ class ParametricLaplace(BaseLaplace):
             train_loader: Batches ``(X, y)`` or dict-like; ``len(train_loader.dataset)`` is N.
             override: Start from zero (True) or add to the previous fit (online Laplace).
             progress_bar: Show a progress bar over batches.
-            distributed: All-reduce the sums over the ranks of :mod:`torch.distributed`, each
+            distributed: All-reduce the sums over the ranks of ``torch.distributed``, each
                 fitting its shard of the data; None: when the process group is initialised
-                and the loader uses a ``DistributedSampler`` (see :mod:`laplace.core.distributed`).
+                and the loader uses a ``DistributedSampler`` (see ``laplace.core.distributed``).
 
         When it raises (bad data, an exception from the model or the loader, a
         ``KeyboardInterrupt``), the approximation is left exactly as before the call (see
-        :mod:`laplace.core.transaction`).
+        ``laplace.core.transaction``).
 
         Raises:
             ValueError: If the loader is empty or a batch contains non-finite values, or for
@@ -416,7 +416,7 @@ class ParametricLaplace(BaseLaplace):
             What the likelihood predicts: classification class probabilities (B, C); binary
             classification label probabilities (B, K); regression ``(f_mu, f_var)``;
             heteroscedastic regression a
-            :class:`~laplace.likelihoods.HeteroscedasticPrediction`; your own likelihood what
+            ``HeteroscedasticPrediction``; your own likelihood what
             its ``predictive`` returns.
 
         Raises:
@@ -424,7 +424,7 @@ class ParametricLaplace(BaseLaplace):
                 classification takes ``"probit"`` or ``"mc"``), an ``n_samples`` that is not
                 a positive integer where samples are drawn, ``joint=True`` with a predictive
                 other than regression's, or empty or non-finite inputs.
-            RuntimeError: Before :meth:`fit`.
+            RuntimeError: Before ``fit``.
         """
         pred_type, link_approx, likelihood = self._parse_prediction(
             pred_type, link_approx, n_samples, generator, joint, fitting
@@ -469,7 +469,7 @@ class ParametricLaplace(BaseLaplace):
 
         Raises:
             ValueError: Where the approximation refuses the GLM predictive (many outputs without
-                a last layer's closed form, :func:`laplace.posteriors.large_output.check_glm`).
+                a last layer's closed form, ``laplace.posteriors.large_output.check_glm``).
         """
         if self._subset.jacobian_kind(self._posterior.closed_forms) is not HeadFeatures:
             large_output.check_glm(self.n_outputs)
@@ -493,7 +493,7 @@ class ParametricLaplace(BaseLaplace):
         The subset linearises the model into the Jacobian kind the posterior has a closed form
         for (else dense rows), and the posterior computes ``J P⁻¹ Jᵀ`` for it. Outputs with
         extra dimensions give ``f_mu`` in their shape (B, …) and the covariances of their rows
-        (B·T, C, C) (:mod:`laplace.utils.outputs`).
+        (B·T, C, C) (``laplace.utils.outputs``).
         """
         posterior = self._posterior
         f_mu, J = self._subset.linearize(

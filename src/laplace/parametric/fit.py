@@ -1,13 +1,13 @@
 """The passes over the data of a parametric fit: the curvature and loss summed over batches.
 
 A fit is a sum over batches of per-batch statistics, summed by the accumulator of the posterior
-structure (:class:`~laplace.posteriors.Posterior`: ``zeros``, ``add``, ``merge``, ``finalize``),
+structure (``Posterior``: ``zeros``, ``add``, ``merge``, ``finalize``),
 so ``fit(override=False)`` (online Laplace) and distributed fits (all-reduce of the sums) are
-small additions. The pass over the data is a :class:`~laplace.core.data_loop.DataLoop`: by default
-:class:`CurvatureSum`, where the backend gives each batch's curvature in the structure's form;
+small additions. The pass over the data is a ``DataLoop``: by default
+``CurvatureSum``, where the backend gives each batch's curvature in the structure's form;
 a class whose parameter subset has its own statistics names another pass (a last layer's closed
-forms, :class:`laplace.lllaplace.HeadCurvatureSum`; a low-rank eigensolver,
-:class:`laplace.parametric.lowrank.TopEigenpairs`). ``ParametricLaplace.fit`` wires them. Internal
+forms, ``laplace.lllaplace.HeadCurvatureSum``; a low-rank eigensolver,
+``laplace.parametric.lowrank.TopEigenpairs``). ``ParametricLaplace.fit`` wires them. Internal
 module.
 """
 
@@ -54,9 +54,9 @@ class FitPass(DataLoop):
     """A pass of a fit over the data: the pieces it wires and the checks of each batch.
 
     Args:
-        *args: See :class:`~laplace.core.data_loop.DataLoop`.
+        *args: See ``DataLoop``.
         pieces: The pieces of the fit.
-        **options: See :class:`~laplace.core.data_loop.DataLoop`.
+        **options: See ``DataLoop``.
 
     Attributes:
         n_outputs: The model's number of outputs, known after the first batch.
@@ -74,7 +74,7 @@ class FitPass(DataLoop):
         """Check the outputs ``f`` of a batch and its targets; the first sets ``n_outputs``.
 
         Raises:
-            ModelOutputError, DataError: See :func:`laplace.utils.data.check_outputs`.
+            ModelOutputError, DataError: See ``laplace.utils.data.check_outputs``.
             ValueError: For targets the likelihood refuses.
         """
         f = check_outputs(f, batch_size_of(X, self.dict_key_x))
@@ -90,7 +90,7 @@ class CurvatureSum(FitPass):
     Per batch the likelihood checks the targets (against the outputs' shape, found with one
     forward pass on the first batch), the posterior structure asks the backend for the batch's
     loss and curvature in its form (``batch_curvature``) and its accumulator adds them up.
-    Arguments as :class:`FitPass`.
+    Arguments as ``FitPass``.
     """
 
     def start(self) -> list[Any]:

@@ -1,6 +1,6 @@
 r"""``KronLaplace``: Kronecker-factored (KFAC) Laplace over all weights.
 
-Internal module; the public path is :mod:`laplace.baselaplace`.
+Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace].
 """
 
 from __future__ import annotations
@@ -25,31 +25,32 @@ class KronLaplace(ParametricLaplace):
     r"""Laplace approximation with a Kronecker-factored (KFAC) curvature.
 
     Per parameter tensor the curvature is a Kronecker product, ``H_W ≈ G ⊗ A`` for a weight
-    (``G`` over its outputs, ``A`` over its inputs, see :mod:`laplace.curvature.kfac`) and a
+    (``G`` over its outputs, ``A`` over its inputs, see ``laplace.curvature.kfac``) and a
     dense ``G`` for a bias, and the posterior precision is ``P = H/(σ²T) + δ`` with ``δ`` a scalar
     or one value per parameter tensor, added to the eigenvalues of the factors:
 
-    .. math::
-        P_W^{-1} = (Q_G \otimes Q_A)\,\big(\lambda_G \lambda_A^\top/(\sigma^2 T) + \delta\big)^{-1}
-        (Q_G \otimes Q_A)^\top .
+    $$
+    P_W^{-1} = (Q_G \otimes Q_A)\,\big(\lambda_G \lambda_A^\top/(\sigma^2 T) + \delta\big)^{-1}
+    (Q_G \otimes Q_A)^\top .
+    $$
 
-    ``fit`` sums the factors over batches into ``H_facs`` (a :class:`~laplace.utils.matrix.Kron`)
-    and sets ``H`` to their eigendecomposition (a :class:`~laplace.utils.matrix.KronDecomposed`),
+    ``fit`` sums the factors over batches into ``H_facs`` (a [`Kron`][laplace.utils.matrix.Kron])
+    and sets ``H`` to their eigendecomposition (a ``KronDecomposed``),
     computed once, when the posterior is first used; tuning the prior or σ never re-factorises.
     ``posterior_precision`` is ``H/(σ²T) + δ`` as a ``KronDecomposed``.
     The GLM predictive computes ``J P⁻¹ Jᵀ`` from layer inputs and output gradients
-    (:mod:`laplace.posteriors.kron_glm`, through :class:`~laplace.posteriors.KronPosterior`)
+    (``laplace.posteriors.kron_glm``, through ``KronPosterior``)
     without forming Jacobians.
 
     Every parameterised layer has a block: Kronecker factors for Linear, convolution,
     transformers' ``Conv1D`` and embedding layers, the exact (dense or diagonal) block of any
     other parameter (docs: Backends, "KFAC over every layer"). A layer with more outputs than
-    :data:`~laplace.posteriors.large_output.LARGE_OUTPUT_THRESHOLD` keeps its output factor as a
+    ``LARGE_OUTPUT_THRESHOLD`` keeps its output factor as a
     diagonal plus a rank-``output_factor_rank`` term, never a dense C × C matrix; it needs the
     Monte-Carlo or empirical Fisher, and the GLM predictive is refused for it (docs: Large output
     dimensions).
 
-    Arguments not listed are those of :class:`~laplace.core.base.BaseLaplace`.
+    Arguments not listed are those of [`BaseLaplace`][laplace.core.base.BaseLaplace].
 
     Args:
         prior_precision: Scalar or one value per parameter tensor (a diagonal prior has no
@@ -59,7 +60,7 @@ class KronLaplace(ParametricLaplace):
         damping: Mix the prior into each factor: a weight block's spectrum becomes
             ``(√h·λ_G + √δ)(√h·λ_A + √δ)ᵀ`` instead of ``h·λ_G λ_Aᵀ + δ``.
         output_factor_rank: Largest rank of the low-rank term of a large layer's output factor
-            (default :data:`~laplace.posteriors.large_output.OUTPUT_FACTOR_RANK`).
+            (default ``OUTPUT_FACTOR_RANK``).
 
     Raises:
         ValueError: For a module the backend cannot Kronecker-factor (ASDL, BackPACK; a
@@ -128,7 +129,7 @@ class KronLaplace(ParametricLaplace):
 
     @property
     def H_facs(self) -> Kron | None:
-        """The Kronecker factors summed over the data (None before :meth:`fit`).
+        """The Kronecker factors summed over the data (None before ``fit``).
 
         ``H`` is their eigendecomposition; with ``fit(override=False)`` the factors of the
         earlier fits are kept (input factors renormalised by the total data count), so the

@@ -2,12 +2,12 @@ r"""Low-rank Laplace over all weights: ``P = U diag(λ) Uᵀ / (σ²T) + diag(p�
 
 ``(U, λ)`` are the top-k eigenpairs of the curvature summed over the training data (the GGN by
 default; the empirical Fisher, the Monte-Carlo Fisher or the Hessian with the matching backend),
-found from curvature–block products (:mod:`laplace.curvature.eigen`): by default from the
+found from curvature–block products (``laplace.curvature.eigen``): by default from the
 Kronecker eigenvectors of the KFAC curvature refined with the exact curvature (Rayleigh–Ritz,
 then a Nyström step; three passes over the data, products computed natively per layer), or
 randomised block Krylov, or exactly by Lanczos or LOBPCG. It works with every backend, unlike
 laplace-torch 0.3, which needs the unpublished ``asdfghjkl`` package. Internal module; the
-public path is :mod:`laplace.baselaplace`.
+public path is [`laplace.baselaplace`][laplace.baselaplace].
 """
 
 from __future__ import annotations
@@ -120,17 +120,17 @@ class TopEigenpairs(FitPass):
     """The pass of a low-rank fit: the summed loss, then the top-k curvature eigenpairs.
 
     One pass sums the loss (checking each batch's outputs and targets) before
-    any solver work; then :func:`~laplace.curvature.eigen.top_eigenpairs` multiplies the
-    curvature over the data with blocks of vectors (:func:`curvature_product`), one more pass
-    over the batches (:meth:`~laplace.core.data_loop.DataLoop.passes`) per product.
+    any solver work; then ``top_eigenpairs`` multiplies the
+    curvature over the data with blocks of vectors (``curvature_product``), one more pass
+    over the batches ([`passes`][laplace.core.data_loop.DataLoop.passes]) per product.
 
     Args:
-        *args: See :class:`~laplace.core.data_loop.DataLoop`.
-        solver: The eigensolver's options, with ``n_eigenvalues`` (see :func:`_solver_options`).
-        **options: See :class:`~laplace.parametric.fit.FitPass`.
+        *args: See ``DataLoop``.
+        solver: The eigensolver's options, with ``n_eigenvalues`` (see ``_solver_options``).
+        **options: See ``FitPass``.
 
     Attributes:
-        errors: After :meth:`run`, the a posteriori relative errors of the eigenvalues (k,).
+        errors: After ``run``, the a posteriori relative errors of the eigenvalues (k,).
     """
 
     def __init__(self, *args: Any, solver: dict[str, Any], **options: Any) -> None:
@@ -193,12 +193,12 @@ class LowRankLaplace(ParametricLaplace):
 
     The posterior precision ``P = U diag(h·λ) Uᵀ + diag(p₀)`` (``h = 1/(σ²T)``) is never formed:
     the log-determinant, ``J P⁻¹ Jᵀ`` and samples use the k × k capacitance matrix
-    (see :class:`~laplace.posteriors.lowrank.LowRankPosterior`), all in O(P k²).
+    (see ``LowRankPosterior``), all in O(P k²).
     ``posterior_precision`` is ``((U (P, k), h·λ (k,)), p₀ (P,))``, as in laplace-torch. Before
-    :meth:`fit`, ``H`` is an empty eigenbasis ``(U (P, 0), λ (0,))``: the posterior is the prior
+    ``fit``, ``H`` is an empty eigenbasis ``(U (P, 0), λ (0,))``: the posterior is the prior
     (laplace-torch keeps None there).
 
-    Arguments not listed are those of :class:`~laplace.core.base.BaseLaplace`.
+    Arguments not listed are those of [`BaseLaplace`][laplace.core.base.BaseLaplace].
 
     Args:
         likelihood: ``"classification"`` or ``"regression"``.
@@ -217,13 +217,13 @@ class LowRankLaplace(ParametricLaplace):
             (start vectors).
 
     Attributes:
-        eigenvalue_errors: After :meth:`fit`, a posteriori relative errors of the eigenvalues,
+        eigenvalue_errors: After ``fit``, a posteriori relative errors of the eigenvalues,
             shape (k,). After Krylov passes or an exact solver, bounds ``‖H uᵢ − λᵢ uᵢ‖ / λᵢ``
             measured on the training data: an exact eigenvalue of the curvature lies within
             ``eigenvalue_errors[i] · λᵢ`` of ``λᵢ``. After the default KFAC start alone, the
             relative change of each eigenvalue in the Nyström step, an estimate that in
-            practice exceeds the remaining error (:mod:`laplace.curvature.eigen`). None before
-            a fit; saved in :meth:`state_dict`.
+            practice exceeds the remaining error (``laplace.curvature.eigen``). None before
+            a fit; saved in ``state_dict``.
 
     Raises:
         ValueError: For an unknown solver or start, or a bad ``n_eigenvalues``, ``max_iter``,

@@ -8,10 +8,10 @@ likelihood, hyperparameter tuning and saved states only talk to this interface, 
 branch on the structure.
 
 The functional variance ``J P⁻¹ Jᵀ`` is a double dispatch: a parameter subset linearises the model
-into one of a few Jacobian kinds (:mod:`laplace.posteriors.jacobians`), and each structure maps the
+into one of a few Jacobian kinds (``laplace.posteriors.jacobians``), and each structure maps the
 kinds it has a closed form for to that closed form (``closed_forms``); any other kind, or a closed
 form that does not apply (returns None), goes through the kind's dense rows
-(:meth:`Posterior.rows_variance`).
+(``Posterior.rows_variance``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Posterior(ABC):
     #: Why ``fit(override=False)`` cannot update a fit of this structure; None: it can.
     update_refusal: ClassVar[str | None] = None
     #: The closed form of a linear head's curvature in this structure's form, equal to its
-    #: ``backend_route`` (:func:`laplace.posteriors.last_layer.head_curvature`); None: none.
+    #: ``backend_route`` (``laplace.posteriors.last_layer.head_curvature``); None: none.
     head_curvature: ClassVar[Callable[..., Any] | None] = None
 
     def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
@@ -75,7 +75,7 @@ class Posterior(ABC):
         """``(loss, H_batch)`` of one batch from a curvature backend (its ``backend_route``).
 
         Args:
-            backend: A :class:`~laplace.curvature.CurvatureInterface`.
+            backend: A [`CurvatureInterface`][laplace.curvature.CurvatureInterface].
             X: Inputs of the batch.
             y: Targets of the batch.
             n_data: Number of data points of the whole training set (KFAC rescaling).
@@ -125,12 +125,12 @@ class Posterior(ABC):
 
     @classmethod
     def load_state(cls, state: Any, zeros: Any, **options: Any) -> Any:
-        """The stored curvature from :meth:`state`'s value, checked against ``zeros``.
+        """The stored curvature from ``state``'s value, checked against ``zeros``.
 
         Args:
             state: The saved value.
-            zeros: :meth:`zeros` of the parameters (shapes, device and dtype to load into).
-            **options: As :meth:`finalize`.
+            zeros: ``zeros`` of the parameters (shapes, device and dtype to load into).
+            **options: As ``finalize``.
 
         Raises:
             ValueError: If ``state`` does not have the structure or the shapes of ``zeros``.

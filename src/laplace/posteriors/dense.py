@@ -1,8 +1,8 @@
 """Dense posterior: ``P = h·H + diag(p₀)`` stored as a full (P, P) matrix.
 
-A linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, :mod:`laplace.posteriors.last_layer`)
+A linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, ``laplace.posteriors.last_layer``)
 has its curvature ``Σₙ Jₙᵀ Mₙ Jₙ`` and ``Jₙ Σ Jₙᵀ`` in closed form from the features (above
-:data:`~laplace.posteriors.large_output.LARGE_OUTPUT_THRESHOLD` outputs from diagonal-plus-low-rank
+``LARGE_OUTPUT_THRESHOLD`` outputs from diagonal-plus-low-rank
 ``Mₙ``, and the output variances only).
 """
 
@@ -43,7 +43,7 @@ def full_head_curvature(
         phi: Features, shape (N, D).
         M: Output-space curvatures, (N, C, C) or diagonal plus low rank.
         bias: Whether the head has a bias.
-        n_data: Unused (the signature of :data:`~laplace.last_layer.HeadCurvature`).
+        n_data: Unused (the signature of ``HeadCurvature``).
         factor: Unused, as ``n_data``.
     """
     D, C = phi.shape[1], M.diag.shape[1] if isinstance(M, DiagLowRankBatch) else M.shape[-1]

@@ -1,6 +1,6 @@
 """Diagonal posterior: ``P = h·diag(H) + diag(p₀)`` stored as a vector.
 
-A linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, :mod:`laplace.posteriors.last_layer`)
+A linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, ``laplace.posteriors.last_layer``)
 has the diagonal ``Σₙ diag(Mₙ) ⊗ φₙ²``, ``Σₙ diag(Mₙ)`` of its curvature and ``Jₙ diag(σ²) Jₙᵀ`` in
 closed form from the features.
 """
@@ -40,7 +40,7 @@ def diag_head_curvature(
         phi: Features, shape (N, D).
         M: Output-space curvatures, (N, C, C) or diagonal plus low rank.
         bias: Whether the head has a bias.
-        n_data: Unused (the signature of :data:`~laplace.posteriors.last_layer.HeadCurvature`).
+        n_data: Unused (the signature of ``HeadCurvature``).
         factor: Unused, as ``n_data``.
     """
     m = M.diagonal() if isinstance(M, DiagLowRankBatch) else M.diagonal(dim1=1, dim2=2)
@@ -68,7 +68,7 @@ def diag_functional_variance(
 ) -> Tensor | None:
     """``J P⁻¹ Jᵀ`` (B, C, C) of a diagonal precision (P,) from a recorded forward pass.
 
-    The layer-wise closed forms (:func:`laplace.posteriors.kron_glm.layerwise_variance`) with
+    The layer-wise closed forms (``laplace.posteriors.kron_glm.layerwise_variance``) with
     identity eigenvectors and the inverse precision of each entry.
 
     Returns:
@@ -98,7 +98,7 @@ class DiagonalPosterior(Posterior):
     """Gaussian posterior with independent parameters; every operation is O(P) per row.
 
     The functional variance of a recorded pass needs no Jacobian
-    (:func:`diag_functional_variance`).
+    (``diag_functional_variance``).
     """
 
     backend_route = "diag"

@@ -1,9 +1,9 @@
 """Memory budgets of the predictives: Jacobian chunks (GLM) and weight-sample groups (NN).
 
 The GLM predictive of a parametric Laplace linearises the model a chunk of test points at a
-time (:func:`jacobian_chunk_rows`), so predicting on many points never materialises the whole
+time (``jacobian_chunk_rows``), so predicting on many points never materialises the whole
 (B, C, P) Jacobian; the sampled-network predictive sums a group of weight samples at a time
-within :data:`NN_SAMPLE_BYTES`, so a 32,000-class model with many samples never holds all
+within ``NN_SAMPLE_BYTES``, so a 32,000-class model with many samples never holds all
 (S, B, …) outputs. Internal module.
 """
 
@@ -22,6 +22,6 @@ NN_SAMPLE_BYTES = 256 * 2**20
 
 
 def jacobian_chunk_rows(n_outputs: int, n_params: int, dtype: torch.dtype) -> int:
-    """Data points whose (rows, C, P) Jacobian fits in :data:`JACOBIAN_CHUNK_BYTES`, at least 1."""
+    """Data points whose (rows, C, P) Jacobian fits in ``JACOBIAN_CHUNK_BYTES``, at least 1."""
     itemsize = torch.finfo(dtype).bits // 8
     return max(1, JACOBIAN_CHUNK_BYTES // max(1, n_outputs * n_params * itemsize))

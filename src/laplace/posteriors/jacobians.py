@@ -93,14 +93,14 @@ class LayerTrace(Jacobian):
 
     @classmethod
     def chunk_rows(cls, jacobian_rows: int, model: nn.Module, params: list[Tensor]) -> int:
-        """Points per chunk of the layer-wise closed forms (:mod:`~laplace.posteriors.kron_glm`).
+        """Points per chunk of the layer-wise closed forms (``kron_glm``).
 
         Parameters of layers with a Kronecker rule cost activations per test point; the others
         (and parameters shared by several layers) their per-sample gradients, (rows, C, p) each,
         a part of the Jacobian that the Jacobian route's chunks bound.
 
         Returns:
-            :data:`~laplace.posteriors.kron_glm.LAYERWISE_CHUNK_ROWS`, fewer where the
+            ``LAYERWISE_CHUNK_ROWS``, fewer where the
             per-sample gradients of the parameters without a rule would outgrow the Jacobian
             route's chunks (``jacobian_rows`` points).
         """

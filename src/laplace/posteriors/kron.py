@@ -1,15 +1,15 @@
 r"""Kronecker-factored posterior: ``P = h·(G ⊗ A) + δ`` per parameter tensor.
 
-The curvature is a :class:`~laplace.utils.matrix.Kron` while it is summed over batches and a
-:class:`~laplace.utils.matrix.KronDecomposed` once fitted; every posterior quantity then works in
+The curvature is a [`Kron`][laplace.utils.matrix.Kron] while it is summed over batches and a
+``KronDecomposed`` once fitted; every posterior quantity then works in
 the eigenbasis ``Q_G ⊗ Q_A`` of each block, where ``P`` is diagonal with spectrum
-``h·λ_G λ_Aᵀ + δ``. A layer with many outputs (:mod:`laplace.posteriors.large_output`) keeps its
-output factor ``G`` diagonal plus low rank (:class:`~laplace.utils.diag_lowrank.DiagLowRank`), a
-factor kind of the same matrices computed per input eigenvalue; :func:`kron_block_structure`
+``h·λ_G λ_Aᵀ + δ``. A layer with many outputs (``laplace.posteriors.large_output``) keeps its
+output factor ``G`` diagonal plus low rank (``DiagLowRank``), a
+factor kind of the same matrices computed per input eigenvalue; ``kron_block_structure``
 configures the structure for it.
 
 With a linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``,
-:mod:`laplace.posteriors.last_layer`) the curvature ``Σₙ Jₙᵀ Mₙ Jₙ`` is ``G ⊗ A`` with ``G = Σₙ
+``laplace.posteriors.last_layer``) the curvature ``Σₙ Jₙᵀ Mₙ Jₙ`` is ``G ⊗ A`` with ``G = Σₙ
 Mₙ``, ``A = Σₙ φₙφₙᵀ / N`` (bias block ``G``), and ``Jₙ P⁻¹ Jₙᵀ`` needs one rotation of the
 features, ``φ̃ = Q_Aᵀ φ``.
 """
@@ -66,7 +66,7 @@ def kron_head_curvature(
         bias: Whether the head has a bias.
         n_data: Number of data points of the whole data set.
         factor: The backend's loss factor ``c``; blocks are ``[G/√c, √c·A/N]`` as in
-            :func:`laplace.curvature.kfac.kfac`.
+            ``laplace.curvature.kfac.kfac``.
         max_rank: See ``M``.
     """
     low_rank = isinstance(M, DiagLowRankBatch)
@@ -104,7 +104,7 @@ def kron_functional_variance(
 ) -> Tensor | None:
     """``J P⁻¹ Jᵀ`` (B, C, C) of a Kronecker precision from a recorded forward pass.
 
-    The layer-wise closed forms (:func:`laplace.posteriors.kron_glm.layerwise_variance`) in the
+    The layer-wise closed forms (``laplace.posteriors.kron_glm.layerwise_variance``) in the
     eigenbasis of each block.
 
     Args:
@@ -136,7 +136,7 @@ class KronPosterior(Posterior):
     differentiable. ``log det P``, ``J P⁻¹ Jᵀ``, ``Δᵀ P Δ`` and samples
     ``P^{-1/2} z`` cost a few products with the eigenvector matrices of each block; ``J P⁻¹ Jᵀ``
     of a recorded pass or of a linear head's features needs no Jacobian
-    (:func:`kron_functional_variance`, :func:`kron_head_variance`).
+    (``kron_functional_variance``, ``kron_head_variance``).
 
     Args:
         H: Fitted curvature, a ``KronDecomposed`` (a ``Kron`` is decomposed without damping).
@@ -165,7 +165,7 @@ class KronPosterior(Posterior):
     def zeros(cls, params: Sequence[Tensor], shapes: list | None = None) -> Kron:
         """Zero factors of the backend's block ``shapes`` (``G ⊗ A`` per weight when None).
 
-        A :class:`~laplace.curvature.kfac_rules.LowRankShape` is a zero ``DiagLowRank``.
+        A [`LowRankShape`][laplace.curvature.kfac_rules.LowRankShape] is a zero ``DiagLowRank``.
         """
         device, dtype = params[0].device, params[0].dtype
         if shapes is None:
@@ -219,7 +219,7 @@ class KronPosterior(Posterior):
 
         The second factor of a two-factor block is normalised by the data count (the input
         factor of a Linear layer, the gradient factor of an embedding; see
-        :mod:`laplace.curvature.kfac`): the earlier ones are renormalised from ``n_before`` to
+        ``laplace.curvature.kfac``): the earlier ones are renormalised from ``n_before`` to
         ``n_data`` points first.
         """
         scale = n_before / n_data
@@ -232,7 +232,7 @@ class KronPosterior(Posterior):
 
         Args:
             H: The summed factors.
-            damping: See :class:`~laplace.utils.matrix.KronDecomposed`.
+            damping: See [`KronDecomposed`][laplace.utils.matrix.KronDecomposed].
         """
         return H.decompose(damping=damping, deferred=True)
 
@@ -252,7 +252,7 @@ class KronPosterior(Posterior):
 
         Raises:
             ValueError: If ``state`` is not a list of lists of factors of those shapes and kinds
-                (:func:`~laplace.utils.diag_lowrank.factor_from_state`).
+                (``factor_from_state``).
         """
         shapes = zeros.shapes
         if not isinstance(state, list) or not all(
@@ -321,8 +321,8 @@ def kron_block_structure(
 ) -> type[Posterior]:
     """The posterior structure of Kronecker blocks of ``shapes`` (a backend's ``kron_shapes``).
 
-    Where a factor is a :class:`~laplace.curvature.kfac_rules.LowRankShape` (a layer with more
-    outputs than :data:`~laplace.posteriors.large_output.LARGE_OUTPUT_THRESHOLD`) a Kronecker
+    Where a factor is a ``LowRankShape`` (a layer with more
+    outputs than ``LARGE_OUTPUT_THRESHOLD``) a Kronecker
     posterior keeps diagonal-plus-low-rank output factors of at most ``rank`` low-rank columns.
     """
     low_rank = any(isinstance(shape, LowRankShape) for block in shapes for shape in block)

@@ -15,10 +15,10 @@ An embedding's input is one-hot, ``ã`` the row of its token (its factor is diag
 point and token ``v`` the row ``Σ_{t: xₜ = v} g̃cₜ`` of ``Mc`` is all there is, so the rows of the
 (data point, token) pairs that occur are summed and weighted by ``1/s[v]``. Every other
 parameter (its exact block, dense or diagonal) uses its per-sample gradients ``uₙc``
-(:data:`~laplace.curvature.layer_rules.PER_SAMPLE_RULES`): ``Σᵢ ũcᵢ ũdᵢ / sᵢ`` with ``ũ = Qᵀ u``.
+(``PER_SAMPLE_RULES``): ``Σᵢ ũcᵢ ũdᵢ / sᵢ`` with ``ũ = Qᵀ u``.
 
 A diagonal precision is the special case of identity eigenvectors (each structure gives its
-blocks, :data:`BlockInverse`, in its own module). All of it comes from one
+blocks, ``BlockInverse``, in its own module). All of it comes from one
 recorded forward pass and one backward pass per output (w.r.t. layer outputs only): the memory
 is that of the activations per output, never the (B, C, P) Jacobian (the ``Mc`` of a layer at
 several positions, as large as its Jacobian rows, are formed a block of test points at a time).

@@ -1,8 +1,8 @@
 """Many outputs (LLM vocabularies): where no C × C matrix is formed, and what is refused.
 
-Above :data:`LARGE_OUTPUT_THRESHOLD` outputs, output curvatures are diagonal plus low rank
-(:mod:`laplace.utils.diag_lowrank`): a Kronecker output factor is one more factor kind of
-:class:`~laplace.utils.matrix.Kron` (:mod:`laplace.posteriors.kron`), the dense and diagonal
+Above ``LARGE_OUTPUT_THRESHOLD`` outputs, output curvatures are diagonal plus low rank
+(``laplace.utils.diag_lowrank``): a Kronecker output factor is one more factor kind of
+[`Kron`][laplace.utils.matrix.Kron] (``laplace.posteriors.kron``), the dense and diagonal
 head curvatures are built from it exactly, and the last layer's GLM predictive gives output
 variances (B, C) only. ``docs/large_outputs.md`` describes the maths and the error bounds.
 """
@@ -27,7 +27,7 @@ OUTPUT_FACTOR_RANK = 32
 
 
 def is_large_output(n_outputs: int) -> bool:
-    """Whether ``n_outputs`` exceeds :data:`LARGE_OUTPUT_THRESHOLD`."""
+    """Whether ``n_outputs`` exceeds ``LARGE_OUTPUT_THRESHOLD``."""
     return n_outputs > LARGE_OUTPUT_THRESHOLD
 
 
@@ -49,7 +49,7 @@ def check_glm(n_outputs: int) -> None:
     (B, C, C) covariance; only the last layer's closed forms give output variances.
 
     Raises:
-        ValueError: For more than :data:`LARGE_OUTPUT_THRESHOLD` outputs, naming the ways out.
+        ValueError: For more than ``LARGE_OUTPUT_THRESHOLD`` outputs, naming the ways out.
     """
     if is_large_output(n_outputs):
         raise ValueError(

@@ -7,8 +7,8 @@ the GGN, ``∇ℓ ∇ℓᵀ`` for the empirical Fisher) and the GLM output covar
 functions of the features: each posterior structure keeps its closed forms (its
 ``head_curvature`` and the ``HeadFeatures`` entry of its ``closed_forms``). No per-sample
 autograd and no (B, C, P) Jacobian is involved. Above
-:data:`~laplace.posteriors.large_output.LARGE_OUTPUT_THRESHOLD` outputs ``Mₙ`` is a diagonal plus
-low rank (:class:`~laplace.utils.diag_lowrank.DiagLowRankBatch`), never a C × C matrix.
+``LARGE_OUTPUT_THRESHOLD`` outputs ``Mₙ`` is a diagonal plus
+low rank (``DiagLowRankBatch``), never a C × C matrix.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def output_curvature(
     per point), other curvatures are their few output columns (``d = 0``, ``s = +1``).
 
     Args:
-        backend: A GGN or EF :class:`~laplace.curvature.CurvatureInterface`; its output columns
+        backend: A GGN or EF ``CurvatureInterface``; its output columns
             ``vₖ`` (``curvature_columns``) define the curvature.
         f: Detached outputs, shape (B, C).
         y: Targets of the batch (rows an ``ignore_index`` drops get zero curvature).
@@ -69,7 +69,7 @@ def head_rows(
     """Outputs, features and targets of one batch as rows of the head, where closed forms apply.
 
     Outputs with extra dimensions (B, …) whose head sees one feature vector per position
-    become independent rows (:mod:`laplace.utils.outputs`, :func:`head_features`): the head's
+    become independent rows (``laplace.utils.outputs``, ``head_features``): the head's
     curvature is a sum over rows when the backend's columns are per row (the exact GGN; the
     empirical and Monte-Carlo Fisher of the summed loss of a data point are not).
 
@@ -94,7 +94,7 @@ def head_rows(
     return None if features is None else (layout.rows(f), features, layout.targets(y))
 
 
-#: Rows at most :func:`head_features` recomputes to check that features and outputs match.
+#: Rows at most ``head_features`` recomputes to check that features and outputs match.
 CHECKED_ROWS = 16
 
 
@@ -143,18 +143,18 @@ def head_curvature(structure: type, backend: Any) -> Callable[..., Any] | None:
     """The closed form of the backend's curvature of a linear head in ``structure``'s form.
 
     One exists where the backend's route for the structure is the native one of
-    :class:`~laplace.curvature.CurvatureInterface`, ``Σₙ Jₙᵀ Mₙ Jₙ`` over the backend's
+    ``CurvatureInterface``, ``Σₙ Jₙᵀ Mₙ Jₙ`` over the backend's
     deterministic curvature columns (GGN and EF families): not for routes of their own (ASDL,
     BackPACK, the Hessian), the Monte-Carlo Fisher (its columns are sampled per batch), or the
     per-output structures (they keep each output's curvature).
 
     Args:
-        structure: The posterior structure (a :class:`~laplace.posteriors.Posterior` class);
+        structure: The posterior structure (a ``Posterior`` class);
             its ``head_curvature`` attribute names its closed form, if it has one.
         backend: The curvature backend instance.
 
     Returns:
-        ``(φ, M, bias, n_data, factor) -> curvature`` (see :data:`HeadCurvature`), or None.
+        ``(φ, M, bias, n_data, factor) -> curvature`` (see ``HeadCurvature``), or None.
     """
     closed_form = structure.head_curvature
     if closed_form is None:

@@ -6,7 +6,7 @@ With ``D = diag(p₀)``, ``W = D^{-1/2} U diag(h·λ)^{1/2}`` (P, k) and the k �
 - ``log det P = Σ log p₀ + log det M`` (matrix determinant lemma);
 - ``P⁻¹ = D^{-1/2} (I − W M⁻¹ Wᵀ) D^{-1/2} = D⁻¹ − Z Zᵀ`` (Woodbury) with the (P, k) basis
   ``Z = D^{-1/2} W L⁻ᵀ``, so ``J P⁻¹ Jᵀ = J D⁻¹ Jᵀ − (J Z)(J Z)ᵀ``: the diagonal posterior's
-  functional variance minus k directions (:mod:`laplace.posteriors.kron_glm` computes both from
+  functional variance minus k directions (``laplace.posteriors.kron_glm`` computes both from
   layer quantities, without Jacobians);
 - samples ``D^{-1/2} (I + WWᵀ)^{-1/2} z`` with
   ``(I + WWᵀ)^{-1/2} = I + W Q diag(c) Qᵀ Wᵀ``, ``WᵀW = Q diag(s) Qᵀ`` and
@@ -36,11 +36,11 @@ __all__ = ["LowRankPosterior", "lowrank_functional_variance"]
 def lowrank_functional_variance(posterior: LowRankPosterior, J: LayerTrace) -> Tensor | None:
     """``J P⁻¹ Jᵀ`` (B, C, C) of ``P⁻¹ = D⁻¹ − Z Zᵀ`` from a recorded forward pass ``J.trace``.
 
-    The diagonal case (:func:`~laplace.posteriors.diagonal.diag_functional_variance`) minus
+    The diagonal case (``diag_functional_variance``) minus
     ``(J Z)(J Z)ᵀ``, ``J Z`` the products of every output's per-sample gradients with the k
-    columns of ``Z`` (:class:`~laplace.curvature.block_product.SampleVectors`, per layer).
+    columns of ``Z`` (``SampleVectors``, per layer).
 
-    ``D`` is the prior precision (P,), ``Z`` the :attr:`~LowRankPosterior.woodbury_basis`
+    ``D`` is the prior precision (P,), ``Z`` the ``woodbury_basis``
     (P, k); the result is differentiable w.r.t. the inputs where the trace asks for it.
 
     Returns:

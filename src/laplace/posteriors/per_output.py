@@ -3,8 +3,9 @@ r"""Posteriors with one observation noise per output (regression with a vector `
 With ``σ = (σ₁, …, σ_C)`` the output Hessian of Gaussian regression, ``diag(1/σ²)``, is diagonal,
 so the GGN splits into one curvature per output,
 
-.. math::
-    H(\sigma) = \sum_c H_c / \sigma_c^2, \qquad H_c = \sum_n m_{nc}\, J_{nc}^\top J_{nc},
+$$
+H(\sigma) = \sum_c H_c / \sigma_c^2, \qquad H_c = \sum_n m_{nc}\, J_{nc}^\top J_{nc},
+$$
 
 with ``J_nc`` the Jacobian row of output c and ``m_nc = 1`` for the exact GGN (the Monte-Carlo
 Fisher samples it: ``m_nc = Σ_k v_nkc²`` over its sampled output columns, an unbiased estimate
@@ -15,7 +16,7 @@ posterior at any σ is the base structure's posterior of ``Σ_c h_c H_c`` with
 ``h_c = 1/(σ_c² T)``: the marginal likelihood stays differentiable in every ``σ_c``. Memory is
 C times the base structure's (Kronecker input factors excepted).
 
-Only the native GGN routes of :class:`~laplace.curvature.GGNInterface` backends expose the
+Only the native GGN routes of [`GGNInterface`][laplace.curvature.GGNInterface] backends expose the
 per-output columns; the empirical Fisher ``Σ gₙ gₙᵀ`` mixes the outputs (``∇ℓ ∇ℓᵀ`` is not
 diagonal in them) and is refused, and so are low-rank and function-space posteriors.
 """
@@ -42,7 +43,7 @@ class OutputKron(Kron):
     """Kronecker factors whose output-gradient factors are kept per output: (C, p_out, p_out).
 
     ``decompose`` only records ``damping``: the factors are combined and eigen-decomposed for
-    each σ by :class:`PerOutputPosterior`.
+    each σ by ``PerOutputPosterior``.
     """
 
     def __init__(self, kfacs: list[list[Tensor]], damping: bool = False) -> None:
@@ -55,8 +56,8 @@ class OutputKron(Kron):
         """The same factors, to be decomposed per σ with ``damping``.
 
         Args:
-            damping: See :class:`~laplace.utils.matrix.KronDecomposed`.
-            deferred: Accepted for the interface of :meth:`Kron.decompose`; these factors
+            damping: See [`KronDecomposed`][laplace.utils.matrix.KronDecomposed].
+            deferred: Accepted for the interface of ``Kron.decompose``; these factors
                 are always decomposed later, once per σ.
         """
         return OutputKron(self.kfacs, damping)
@@ -70,7 +71,7 @@ class OutputKron(Kron):
 class PerOutputPosterior(Posterior):
     """Posterior of ``P = Σ_c h_c H_c + diag(p₀)`` from per-output curvatures ``H`` (C, ...).
 
-    Concrete classes come from :func:`noise_structure`: they put this accumulation of each
+    Concrete classes come from ``noise_structure``: they put this accumulation of each
     output's curvature before the base structure, whose posterior they are, of the combined
     curvature ``Σ_c h_c H_c`` with a likelihood factor of one.
 
@@ -169,7 +170,7 @@ class _PerOutputKron(PerOutputPosterior):
         blocks = zip(*(part.kfacs for part in parts), strict=True)
         return OutputKron([[torch.stack([b[0] for b in bl]), *bl[0][1:]] for bl in blocks])
 
-    #: ``Σ_c w_c G_c ⊗ A`` per block, eigen-decomposed (:meth:`OutputKron.combine`).
+    #: ``Σ_c w_c G_c ⊗ A`` per block, eigen-decomposed (``OutputKron.combine``).
     combine = staticmethod(OutputKron.combine)
 
 

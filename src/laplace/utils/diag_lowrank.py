@@ -3,10 +3,10 @@ r"""Diagonal-plus-low-rank matrices: output curvatures over many classes without
 Every output curvature of this library has the form ``diag(d) + s·U Uᵀ`` with a sign
 ``s = ±1``: softmax ``(p, p, −1)`` (summed over N points, ``G = diag(Σ pₙ) − P Pᵀ`` exactly),
 Gaussian regression ``(1, –, +1)``, the empirical or Monte-Carlo Fisher ``(0, ∇ℓ, +1)``.
-:class:`DiagLowRankBatch` holds one per output point, :class:`DiagLowRank` their sum (O(C·(k+1))
+``DiagLowRankBatch`` holds one per output point, ``DiagLowRank`` their sum (O(C·(k+1))
 memory, its rank bounded by ``max_rank`` through truncated SVDs of the columns as they come),
-and :class:`LowRankKronBlock` the Kronecker block of such a factor, the factor kind of
-:class:`~laplace.utils.matrix.Kron` above the large-output threshold. ``docs/large_outputs.md``
+and ``LowRankKronBlock`` the Kronecker block of such a factor, the factor kind of
+[`Kron`][laplace.utils.matrix.Kron] above the large-output threshold. ``docs/large_outputs.md``
 gives the maths and the error bounds of the truncation.
 """
 
@@ -91,7 +91,7 @@ class DiagLowRankBatch:
         return self.diag + self.sign * self.columns.square().sum(-1)
 
     def sum(self, max_rank: int | None = None) -> DiagLowRank:
-        """``Σₙ Mₙ`` as a :class:`DiagLowRank` (rank at most ``max_rank`` if given)."""
+        """``Σₙ Mₙ`` as a ``DiagLowRank`` (rank at most ``max_rank`` if given)."""
         U = self.columns.permute(1, 0, 2).flatten(1)  # (C, N·K)
         return DiagLowRank(self.diag.sum(0), U, self.sign, max_rank)
 
@@ -103,7 +103,7 @@ class DiagLowRankBatch:
 class DiagLowRank:
     """The symmetric C × C matrix ``G = diag(d) + s·U Uᵀ``, never formed densely.
 
-    Sums (``+``, in place with :meth:`add_`) concatenate the low-rank columns and truncate them
+    Sums (``+``, in place with ``add_``) concatenate the low-rank columns and truncate them
     to ``max_rank`` (see the module docstring); a non-negative scalar scales ``d`` and ``U``
     (``α G = diag(α d) + s (√α U)(√α U)ᵀ``).
 
@@ -304,7 +304,7 @@ class DiagLowRank:
         return self.U[:, rows] * self.U[:, cols], rows, cols
 
     def _scaled_pair_products(self) -> tuple[Tensor, Tensor, Tensor, Tensor | float]:
-        """:attr:`pair_products` of the unscaled matrix and the scale α of ``Z`` (1: none)."""
+        """``pair_products`` of the unscaled matrix and the scale α of ``Z`` (1: none)."""
         base, scale = self.scaled_from or (self, 1)
         return (*base.pair_products, scale)
 
@@ -362,7 +362,7 @@ class LowRankKronBlock:
     r"""The Kronecker block ``G ⊗ A + δ I`` of a ``DiagLowRank`` ``G``, per input eigenvalue.
 
     In the eigenbasis ``Q`` of ``A = Q diag(a) Qᵀ`` (D × D) the block is one C × C matrix per
-    ``aⱼ``, :math:`P_j = \operatorname{diag}(e_j) + s \beta_j U U^\top` with ``eⱼ = aⱼ d + δ``,
+    ``aⱼ``, $P_j = \operatorname{diag}(e_j) + s \beta_j U U^\top$ with ``eⱼ = aⱼ d + δ``,
     ``βⱼ = aⱼ`` (damped, ``(aⱼ + √δ)(G + √δ I)``: ``eⱼ = (aⱼ + √δ)(d + √δ)``, ``βⱼ = aⱼ + √δ``;
     a block of ``G`` alone is the case ``a = 1``, ``Q = I``). With ``Kⱼ = Uᵀ diag(1/eⱼ) U`` and
     ``Mⱼ = I + s βⱼ Kⱼ`` everything is exact and costs O(D·C·k²) at most: ``log det`` by the
@@ -488,7 +488,7 @@ def factor_state(F: Tensor | DiagLowRank) -> Tensor | dict[str, Tensor]:
 
 
 def factor_shape(state: Tensor | dict[str, Tensor]) -> tuple[int, ...]:
-    """The shape of the factor a :func:`factor_state` entry stands for."""
+    """The shape of the factor a ``factor_state`` entry stands for."""
     if isinstance(state, dict):
         return (len(state.get("diag", ())),) * 2
     return tuple(state.shape)
@@ -497,7 +497,7 @@ def factor_shape(state: Tensor | dict[str, Tensor]) -> tuple[int, ...]:
 def factor_from_state(
     state: Tensor | dict[str, Tensor], like: Tensor | DiagLowRank
 ) -> Tensor | DiagLowRank:
-    """The factor saved by :func:`factor_state`, of the same kind as ``like``.
+    """The factor saved by ``factor_state``, of the same kind as ``like``.
 
     Raises:
         ValueError: If ``state`` is of another kind than ``like`` (a structured factor saved

@@ -7,17 +7,18 @@ outputs ⊗ inputs; an embedding: its vocabulary ⊗ its dimension), or one fact
 the exact block of a small parameter). A factor is a dense matrix (2-D) or a diagonal (the 1-D
 tensor of its entries), which never costs V × V memory (only ``to_matrix`` expands it); the
 output factor of a layer with many outputs may be a diagonal plus low rank
-(:class:`~laplace.utils.diag_lowrank.DiagLowRank`, in a :class:`StructuredKron`), kept as it is
+(``DiagLowRank``, in a ``StructuredKron``), kept as it is
 by ``decompose`` and computed per eigenvalue of the other factor. In a
 fitted curvature ``F₀`` of a two-factor block is summed over the data and ``F₁`` normalised by
-the number of data points (see :mod:`laplace.curvature.kfac`).
+the number of data points (see ``laplace.curvature.kfac``).
 
 ``Kron`` sums factors (as KFAC accumulates them over batches); ``Kron.decompose`` eigen-decomposes
 every factor, ``Fᵢ = Qᵢ diag(λᵢ) Qᵢᵀ``, into a ``KronDecomposed``. There
 
-.. math::
-    (F_0 \otimes F_1 + \delta I)^{e} = (Q_0 \otimes Q_1)\,
-    (\lambda_0 \lambda_1^\top + \delta)^{e}\,(Q_0 \otimes Q_1)^\top
+$$
+(F_0 \otimes F_1 + \delta I)^{e} = (Q_0 \otimes Q_1)\,
+(\lambda_0 \lambda_1^\top + \delta)^{e}\,(Q_0 \otimes Q_1)^\top
+$$
 
 for any exponent ``e`` (a diagonal factor is its own eigenvalues, ``Qᵢ = I``, stored as None),
 so adding a scalar or layer-wise prior ``δ``, multiplying by a temperature, log-determinants,
@@ -77,7 +78,7 @@ class Kron:
             the block ``F₀ ⊗ F₁``, each (m, m) or (m,).
     """
 
-    #: The class of :meth:`decompose`'s result (assigned below the decomposed classes).
+    #: The class of ``decompose``'s result (assigned below the decomposed classes).
     decomposition: ClassVar[type[KronDecomposed]]
 
     def __init__(self, kfacs: list[list[Tensor]]) -> None:
@@ -152,7 +153,7 @@ class Kron:
         """Eigen-decompose every dense factor (1-D and diagonal-plus-low-rank ones are kept).
 
         Args:
-            damping: See :class:`KronDecomposed`.
+            damping: See [`KronDecomposed`][laplace.utils.KronDecomposed].
             deferred: Return at once and eigen-decompose when the eigenpairs are first needed
                 (a fit then ends with the sum of the factors; the first posterior query pays).
         """
@@ -217,10 +218,10 @@ class Kron:
 class KronDecomposed:
     """Eigen-decomposed ``Kron`` plus one scalar ``δ`` per block (a prior precision).
 
-    A diagonal-plus-low-rank first factor ``G`` (a :class:`~laplace.utils.diag_lowrank.
-    DiagLowRank`, many outputs) is kept as it is, its own "eigenvalues" with eigenvectors None
+    A diagonal-plus-low-rank first factor ``G`` (a ``DiagLowRank``, many
+    outputs) is kept as it is, its own "eigenvalues" with eigenvectors None
     like a diagonal factor; such a block is computed per eigenvalue of its other factor
-    (:class:`~laplace.utils.diag_lowrank.LowRankKronBlock`) and has no :meth:`spectrum`.
+    (``LowRankKronBlock``) and has no [`spectrum`][laplace.utils.KronDecomposed.spectrum].
 
     Args:
         eigenvectors: Per block the eigenvector matrices ``Qᵢ`` of its factors (None for a
@@ -230,7 +231,7 @@ class KronDecomposed:
         damping: Use the damped spectrum ``(λ₀ + √δ)(λ₁ + √δ)ᵀ`` for weight blocks.
 
     Attributes:
-        factors: The ``Kron`` this is the decomposition of (see :meth:`deferred`); None when
+        factors: The ``Kron`` this is the decomposition of (see ``deferred``); None when
             built from eigenpairs.
     """
 
@@ -250,7 +251,7 @@ class KronDecomposed:
     def deferred(cls, kron: Kron, damping: bool = False) -> KronDecomposed:
         """The decomposition of ``kron``, computed when its eigenpairs are first needed.
 
-        ``kron`` stays available as :attr:`factors`.
+        ``kron`` stays available as ``factors``.
         """
         self = cls.__new__(cls)
         self.factors, self._eigenvectors, self._eigenvalues = kron, None, None
@@ -363,7 +364,7 @@ class KronDecomposed:
         return (*Qs, spectrum) if len(Qs) == 2 else (None, Qs[0], spectrum.unsqueeze(0))
 
     def _blocks(self, flat: Tensor) -> Iterator[tuple[int, Tensor, LowRankKronBlock | None]]:
-        """Per block its index, its columns of ``flat`` (R, P) and :meth:`low_rank_block`."""
+        """Per block its index, its columns of ``flat`` (R, P) and ``low_rank_block``."""
         for i, part in enumerate(flat.split(self.block_sizes(), dim=1)):
             yield i, part, self.low_rank_block(i)
 
@@ -433,12 +434,12 @@ class StructuredKron(Kron):
     """A ``Kron`` some of whose first factors are diagonal plus low rank (many outputs).
 
     Everything is ``Kron``'s; the type tells the fitted curvature apart, and its
-    decomposition is a :class:`StructuredKronDecomposed`.
+    decomposition is a ``StructuredKronDecomposed``.
     """
 
 
 class StructuredKronDecomposed(KronDecomposed):
-    """The decomposition of a :class:`StructuredKron`: no eigendecomposition to show."""
+    """The decomposition of a ``StructuredKron``: no eigendecomposition to show."""
 
     @property
     def eigenvectors(self) -> list[list[Tensor | None]]:

@@ -1,6 +1,6 @@
 """laplace-torch's running NLL of class probabilities, a foundation of the scoring path.
 
-The other running metrics of predictions are in :mod:`laplace.likelihoods.scoring`.
+The other running metrics of predictions are in ``laplace.likelihoods.scoring``.
 """
 
 from __future__ import annotations

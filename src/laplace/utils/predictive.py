@@ -154,7 +154,7 @@ def monte_carlo(
     return link(gaussian_output_samples(f_mu, f_var, n_samples, generator)).mean(0)
 
 
-#: ``E[softmax(f)]`` and ``E[sigmoid(f)]`` (per output) by :func:`monte_carlo`.
+#: ``E[softmax(f)]`` and ``E[sigmoid(f)]`` (per output) by ``monte_carlo``.
 monte_carlo_softmax = partial(monte_carlo, partial(torch.softmax, dim=-1))
 monte_carlo_sigmoid = partial(monte_carlo, torch.sigmoid)
 

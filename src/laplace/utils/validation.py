@@ -23,7 +23,7 @@ __all__ = ["Predictor", "get_nll", "validate"]
 
 
 class Predictor(Protocol):
-    """What :func:`validate` needs of a Laplace approximation: its model and its predictive."""
+    """What ``validate`` needs of a Laplace approximation: its model and its predictive."""
 
     model: nn.Module
     n_outputs: int
@@ -91,7 +91,7 @@ def validate(
 
     ``laplace(X, pred_type=..., link_approx=..., n_samples=..., fitting=True)`` gives
     probabilities (B, C) or a regression GLM's ``(f_mu (B, C), f_var (B, C, C))``. A
-    :class:`torchmetrics.Metric` is reset, updated batch by batch (regression: with
+    ``torchmetrics.Metric`` is reset, updated batch by batch (regression: with
     ``(f_mu, f_var, y)`` if its ``update`` takes three arguments, else ``(f_mu, y)``) and its
     ``compute()`` summed; another callable gets the concatenated predictions once,
     ``loss(probs, y)`` or ``loss(f_mu, f_var, y)``.
