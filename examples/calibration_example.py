@@ -127,6 +127,7 @@ def make_data(config: Config, seed: int):
     return [(X[a:b], y[a:b]) for a, b in zip((0, *edges), (*edges, n))]
 
 
+# --8<-- [start:train_map]
 def train_map(config: Config, X: torch.Tensor, y: torch.Tensor, seed: int):
     """SGD with Nesterov momentum, weight decay and a cosine schedule, to the last epoch."""
     torch.manual_seed(seed)
@@ -157,6 +158,9 @@ def train_map(config: Config, X: torch.Tensor, y: torch.Tensor, seed: int):
     with torch.no_grad():
         train_loss = nn.functional.cross_entropy(model(X), y).item()
     return model, train_loss
+
+
+# --8<-- [end:train_map]
 
 
 def reliability_figure(metrics: dict) -> plt.Figure:
@@ -208,6 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     seconds = {"MAP": time.process_time() - start}
     predictives = {"MAP": (lambda x: model(x).softmax(-1), {})}
     prior_precisions = {"weight decay × N": config.weight_decay * config.n_train}
+    # --8<-- [start:laplace]
     for name, (subset, structure, tuning) in LAPLACES.items():
         start = time.process_time()
         la = Laplace(
@@ -226,7 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
         seconds[name] = time.process_time() - start
         predictives[name] = (la, PREDICTIVE)
         prior_precisions[name] = la.prior_precision.mean().item()
+    # --8<-- [end:laplace]
 
+    # --8<-- [start:evaluate]
     metrics = {"clean": {}, "shifted": {}}
     for name, (predictive, kwargs) in predictives.items():
         start = time.process_time()
@@ -236,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
             metrics["shifted"][name] = evaluate(predictive, shift_loader, **kwargs)
         seconds[name] += time.process_time() - start
+    # --8<-- [end:evaluate]
 
     args.output.mkdir(parents=True, exist_ok=True)
     reliability_figure(metrics).savefig(args.output / "reliability.png", dpi=110)

@@ -134,8 +134,9 @@ LAPLACE_TORCH = {
     "laplace.utils.SoDSampler": "N M seed=0",
 }
 
-#: Defaults we change on purpose (README, "What is different"): None selects CurvlinopsGGN,
-#: which works without the unpublished asdfghjkl package and gives the same Jacobians.
+#: Defaults we change on purpose (docs/migration.md, "Behaviour that differs"): None selects
+#: CurvlinopsGGN, which works without the unpublished asdfghjkl package and gives the same
+#: Jacobians.
 DIFFERENT_DEFAULTS = {
     ("laplace.LowRankLaplace", "backend"): None,
     ("laplace.FunctionalLaplace", "backend"): None,

@@ -62,7 +62,7 @@ def check_parameters(named: list[tuple[str, Tensor]]) -> None:
         MetaDeviceError: If a parameter is on the ``meta`` device (it holds no values).
         ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) for float16/bfloat16 or
             mixed floating-point types: curvature sums, Cholesky factors and log-determinants
-            need float32 or float64 (see README, "Half precision").
+            need float32 or float64 (docs/migration.md, "Half precision is refused").
         ValueError: If the parameters lie on several devices.
     """
     meta = [n for n, p in named if p.device.type == "meta"]
