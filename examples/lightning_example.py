@@ -4,7 +4,7 @@ A ``LightningModule`` trains an MLP classifier on scikit-learn's handwritten dig
 download). ``LaplaceCallback`` fits a last-layer KFAC Laplace approximation on the trainer's
 training data when ``trainer.fit`` ends, tunes its prior precision by the marginal likelihood and
 attaches it to the module as ``module.laplace``; ``test_step`` then predicts with it and updates
-torchmetrics (accuracy, calibration error, and laplace-ng's own NLL metric) beside the MAP
+torchmetrics (accuracy, calibration error, and ``laplace.utils.RunningNLLMetric``) beside the MAP
 network's. Writes ``metrics.json`` under ``outputs/lightning_example/`` (or ``--output DIR``)
 and prints the folder. A few seconds on a CPU.
 """
@@ -27,14 +27,9 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
 
 from laplace import Laplace
-from laplace.evaluation import MeanScore
+from laplace.utils import RunningNLLMetric
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "outputs" / "lightning_example"
-
-
-def class_nll(probs: Tensor, targets: Tensor) -> Tensor:
-    """Negative log-likelihood of each target under predicted class probabilities (N, C)."""
-    return -probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).clamp_min(1e-12).log()
 
 
 def calibration_metrics() -> MetricCollection:
@@ -42,7 +37,7 @@ def calibration_metrics() -> MetricCollection:
         {
             "accuracy": MulticlassAccuracy(num_classes=10),
             "ece": MulticlassCalibrationError(num_classes=10, n_bins=15),
-            "nll": MeanScore(class_nll),
+            "nll": RunningNLLMetric(),
         }
     )
 

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from laplace.core import distributed as distributed_utils
 from laplace.utils.data import Inputs, concatenate_rows, prepare_batch
-from laplace.utils.errors import check_finite_result
+from laplace.utils.errors import ArgumentTypeError, check_finite_result
 
 __all__ = ["DataLoop", "Gather", "progress", "set_progress_bars"]
 
@@ -49,11 +49,12 @@ def set_progress_bars(enabled: bool | None) -> None:
     environment variable ``LAPLACE_PROGRESS_BARS`` (``1``/``0``) sets the same switch at import.
 
     Raises:
-        TypeError: If ``enabled`` is not a bool or None.
+        ArgumentTypeError: (a ``TypeError`` and a ``ValueError``, as the package's other
+            argument checks) if ``enabled`` is not a bool or None.
     """
     global _progress_bars
     if enabled is not None and not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be True, False or None, got {enabled!r}.")
+        raise ArgumentTypeError(f"enabled must be True, False or None, got {enabled!r}.")
     _progress_bars = enabled
 
 
