@@ -104,6 +104,24 @@ def test_kron_in_place_sum_adds_into_its_own_factors():
         K += Kron(K2.kfacs[:2])
 
 
+def test_kron_in_place_sum_promotes_like_the_sum():
+    """float32 ``+=`` float64 gives float64 factors, as ``+`` does (laplace-torch's ``+=``)."""
+    K32 = Kron([[F.float() for F in block] for block in random_kron(0).kfacs])
+    K64 = random_kron(1)
+    expected = K32 + K64
+    K32 += K64
+    assert all(F.dtype == torch.float64 for block in K32.kfacs for F in block)
+    assert_close(K32.to_matrix(), expected.to_matrix())
+    K64 += Kron([[F.float() for F in block] for block in random_kron(2).kfacs])
+    assert all(F.dtype == torch.float64 for block in K64.kfacs for F in block)
+
+
+def test_decomposing_diagonal_factors_shows_identity_eigenvectors():
+    K = Kron([[_positive(3, torch.Generator().manual_seed(0))]])
+    (Q,) = K.decompose().eigenvectors[0]
+    assert_close(Q, torch.eye(3, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("damping", [False, True], ids=["plain", "damped"])
 def test_deferred_decomposition_equals_the_eager_one(damping, monkeypatch):
     K = random_kron(6)
@@ -220,14 +238,12 @@ def test_mixed_decomposed_matches_dense_powers(exponent):
     K = mixed_kron(1)
     deltas = torch.tensor([0.3, 1.1, 0.5, 2.0, 0.7], dtype=torch.float64)
     D = K.decompose() * 1.3 + deltas
-    # a diagonal factor keeps no eigenvector matrix
-    assert [[Q is None for Q in Qs] for Qs in D.eigenvectors] == [
-        [True, False],
-        [False, True],
-        [True, True],
-        [False],
-        [True],
-    ]
+    # a diagonal factor keeps no eigenvector matrix; its public eigenvectors are the identity
+    implicit = [[Q is None for Q in D.factor_bases(i)] for i in range(len(D))]
+    assert implicit == [[True, False], [False, True], [True, True], [False], [True]]
+    for bases, public in zip(map(D.factor_bases, range(len(D))), D.eigenvectors):
+        for Q, shown in zip(bases, public):
+            assert_close(shown, torch.eye(len(shown), dtype=shown.dtype) if Q is None else Q)
     expected = dense_power([1.3 * b for b in kron_dense_blocks(K)], deltas, exponent)
     assert_close(D.to_matrix(exponent), expected, rtol=1e-7, atol=1e-9)
     assert_close(D.diag(exponent), expected.diagonal(), rtol=1e-7, atol=1e-9)

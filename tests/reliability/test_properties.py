@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import itertools
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -251,3 +252,59 @@ def _assert_bitwise_equal(a, b) -> None:
             _assert_bitwise_equal(x, y)
     else:
         assert a == b
+
+
+LINK_APPROXIMATIONS = ["probit", "bridge", "bridge_norm", "mc"]
+
+
+@st.composite
+def relu_classifiers(draw):
+    """A float32 or float64 ReLU classifier, its biases drawn so that some paths may be dead."""
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    n_in, n_out = draw(st.integers(1, 3)), draw(st.integers(2, 4))
+    hidden = draw(st.lists(st.integers(1, 4), min_size=1, max_size=2))
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    widths = [n_in, *hidden, n_out]
+    layers: list[nn.Module] = []
+    for a, b in itertools.pairwise(widths):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1]).to(dtype)
+    shift = draw(st.floats(-2, 0.5))
+    with torch.no_grad():
+        for layer in model[:-1:2]:
+            layer.bias.add_(shift)
+    return model
+
+
+@given(relu_classifiers(), st.data())
+def test_every_predictive_is_a_distribution(model, data):
+    """Random posteriors × structure × subset × link: rows in [0, 1] that sum to 1.
+
+    Rank-deficient predictive covariances (a few subnetwork weights, dead ReLU paths) are where
+    the Laplace bridge has no Dirichlet; it must fall back, never return such rows.
+    """
+    structure = data.draw(st.sampled_from(["full", "kron", "diag", "lowrank", "gp"]))
+    subsets = {"full": 3, "diag": 3, "kron": 2, "lowrank": 1, "gp": 2}[structure]
+    subset = data.draw(st.sampled_from(["all", "last_layer", "subnetwork"][:subsets]))
+    dtype, n_params = model[0].weight.dtype, sum(p.numel() for p in model.parameters())
+    kwargs = {"prior_precision": data.draw(st.floats(1e-4, 1e4))}
+    if subset == "subnetwork":
+        chosen = data.draw(st.lists(st.integers(0, n_params - 1), min_size=1, max_size=3))
+        kwargs["subnetwork_indices"] = torch.tensor(sorted(set(chosen)))
+    if structure == "lowrank":
+        kwargs["backend_kwargs"] = {"n_eigenvalues": data.draw(st.integers(1, n_params - 1))}
+    if structure == "gp":
+        kwargs["n_subset"] = data.draw(st.integers(1, 8))
+    n_out = model[-1].out_features
+    X = 3 * torch.randn(8, model[0].in_features, dtype=dtype)
+    y = torch.randint(0, n_out, (8,))
+    la = Laplace(model, "classification", subset, structure, **kwargs)
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=4))
+    tolerance = 100 * torch.finfo(dtype).eps
+    for link in LINK_APPROXIMATIONS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the bridge's fallback, counted
+            probs = la(X, link_approx=link, generator=torch.Generator().manual_seed(0))
+        assert probs.shape == (8, n_out), link
+        assert bool(((probs >= 0) & (probs <= 1 + tolerance)).all()), (link, probs)
+        assert_close(probs.sum(-1), torch.ones(8, dtype=probs.dtype), rtol=0, atol=tolerance)

@@ -90,11 +90,11 @@ def kron_head_variance(posterior: KronPosterior, J: HeadFeatures) -> Tensor:
     if weight is not None:
         f_var = (phi @ weight.Q).square() @ weight.inverse_diagonal
         return f_var + precision.low_rank_block(1).inverse_diagonal[0] if bias else f_var
-    Q_G, Q_A = precision.eigenvectors[0]
+    Q_G, Q_A = precision.factor_bases(0)
     w = (phi @ Q_A).square() @ precision.spectrum(0).reciprocal().T
     f_var = (Q_G * w.unsqueeze(1)) @ Q_G.T
     if bias:
-        (Q_b,) = precision.eigenvectors[1]
+        (Q_b,) = precision.factor_bases(1)
         f_var = f_var + (Q_b * precision.spectrum(1).reciprocal()) @ Q_b.T
     return f_var
 
@@ -119,7 +119,7 @@ def kron_functional_variance(
     """
 
     def block(i: int) -> tuple[list[Tensor | None], Tensor]:
-        return precision.eigenvectors[i], precision.spectrum(i).reciprocal()
+        return precision.factor_bases(i), precision.spectrum(i).reciprocal()
 
     return layerwise_variance(trace, block, create_graph)
 

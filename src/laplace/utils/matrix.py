@@ -131,8 +131,18 @@ class Kron:
         )
 
     def __iadd__(self, other: Kron) -> Kron:
-        """Factor-wise sum into this ``Kron``'s own factors (an accumulator that owns them)."""
+        """Factor-wise sum into this ``Kron``'s own factors (an accumulator that owns them).
+
+        Where ``other`` has a wider dtype (float32 ``+=`` float64), the result is ``self +
+        other``, a new ``Kron`` of promoted factors, as laplace-torch's ``+=`` gives.
+        """
         self._check_same_structure(other)
+        if any(
+            torch.promote_types(Fi.dtype, Fj.dtype) != Fi.dtype
+            for a, b in zip(self.kfacs, other.kfacs)
+            for Fi, Fj in zip(a, b)
+        ):
+            return self + other
         for a, b in zip(self.kfacs, other.kfacs):
             for Fi, Fj in zip(a, b):
                 Fi.add_(Fj)
@@ -275,9 +285,21 @@ class KronDecomposed:
         return self._eigenvectors, self._eigenvalues
 
     @property
-    def eigenvectors(self) -> list[list[Tensor | None]]:
-        """Per block the eigenvector matrices ``Qᵢ`` of its factors (None: the identity)."""
-        return self._pairs()[0]
+    def eigenvectors(self) -> list[list[Tensor]]:
+        """Per block the eigenvector matrices ``Qᵢ`` of its factors.
+
+        A diagonal (1-D) factor's are the identity, built here (m × m) as laplace-torch
+        returns them; the decomposition itself keeps them implicit (``factor_bases``).
+        """
+        eigenvectors, eigenvalues = self._pairs()
+        return [
+            [torch.diag(torch.ones_like(ls)) if Q is None else Q for Q, ls in zip(Qs, lss)]
+            for Qs, lss in zip(eigenvectors, eigenvalues)
+        ]
+
+    def factor_bases(self, i: int) -> list[Tensor | None]:
+        """The eigenvector matrices of block ``i``'s factors, None for the identity."""
+        return self._pairs()[0][i]
 
     @property
     def eigenvalues(self) -> list[list[Tensor]]:

@@ -8,6 +8,7 @@ object picks the link: ``LINKS`` for the softmax of categorical classification,
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from functools import partial
 
@@ -123,7 +124,13 @@ def laplace_bridge(f_mu: Tensor, f_var: Tensor, normalize: bool = False, **_: ob
     ``μ ← μ − Σ1 (1ᵀμ) / (1ᵀΣ1)`` and ``Σ ← Σ − Σ11ᵀΣ / (1ᵀΣ1)``. With ``normalize=True`` they
     are then rescaled by the mean variance (``link_approx="bridge_norm"``). Variances (B, C)
     stand for a diagonal ``Σ`` (no (B, C, C) tensor is formed).
+
+    The Dirichlet needs a positive variance in every class after the conditioning. A
+    rank-deficient ``Σ`` (a subnetwork of a few weights, a ReLU network with dead paths) can
+    leave a class with none; such rows would give "probabilities" outside [0, 1], so they get
+    the probit approximation instead, with a warning that counts them.
     """
+    mean = f_mu
     if f_var.dim() == f_mu.dim():
         row_sums = column_sums = variances = f_var
     else:
@@ -139,7 +146,22 @@ def laplace_bridge(f_mu: Tensor, f_var: Tensor, normalize: bool = False, **_: ob
         var = var / mean_var
     sum_exp = torch.exp(-f_mu).sum(dim=-1, keepdim=True)
     alpha = (1 - 2 / n_classes + f_mu.exp() / n_classes**2 * sum_exp) / var
-    return torch.nan_to_num(alpha / alpha.sum(dim=-1, keepdim=True), nan=1.0)
+    # a class whose conditioned variance is zero up to round-off has no Dirichlet parameter
+    floor = n_classes * torch.finfo(var.dtype).eps * variances.detach().abs().amax(-1, True)
+    total_alpha = alpha.sum(dim=-1, keepdim=True)
+    valid = ((var > floor) & (alpha > 0) & alpha.isfinite() & total_alpha.isfinite()).all(-1)
+    if bool(valid.all()):
+        return alpha / total_alpha
+    warnings.warn(
+        f"link_approx='bridge{'_norm' if normalize else ''}': {int((~valid).sum())} of "
+        f"{len(valid)} points have no positive variance in some class after the bridge's "
+        "conditioning (a rank-deficient predictive covariance, e.g. a small subnetwork or dead "
+        "ReLU paths); they get the probit approximation instead.",
+        stacklevel=2,
+    )
+    alpha = torch.where(valid.unsqueeze(-1), alpha, torch.ones_like(alpha))
+    bridged = alpha / alpha.sum(dim=-1, keepdim=True)
+    return torch.where(valid.unsqueeze(-1), bridged, probit(mean, f_var))
 
 
 def monte_carlo(
