@@ -314,7 +314,7 @@ def test_third_party_kfac_names_the_module_and_the_alternatives(backend, layer, 
 
 
 class PositionEmbedded(nn.Module):
-    """A position embedding looked up once for the batch, (1, T, D), as GPT-2's."""
+    """A position embedding looked up once for the batch, (1, T, D), and pooled over it."""
 
     def __init__(self):
         super().__init__()
@@ -322,7 +322,8 @@ class PositionEmbedded(nn.Module):
         self.head = nn.Linear(3, 2)
 
     def forward(self, x):
-        return self.head((x + self.position(torch.arange(x.shape[1]).unsqueeze(0))).mean(1))
+        pooled = (x + self.position(torch.arange(x.shape[1]).unsqueeze(0))).mean((0, 1))
+        return self.head(x.mean(1) + pooled)
 
 
 def test_errors_name_the_module():

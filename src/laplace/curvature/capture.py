@@ -9,11 +9,12 @@ column w.r.t. *layer outputs* (not weights) can be taken afterwards with
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from laplace.curvature.layer_rules import ModuleCall
 from laplace.utils.data import Inputs
@@ -42,10 +43,86 @@ def column_chunks(columns: Columns | Sequence[Tensor], size: int) -> Iterator[Te
         yield columns[start : start + size]
 
 
+def _recurrent_dims(module: nn.RNNBase) -> tuple[int, int]:
+    """Batch dimensions of a recurrent layer's sequences (input, output) and hidden states."""
+    return (0 if module.batch_first else 1), 1
+
+
+def _native_dims(module: nn.Module, args: tuple, n_leaves: int) -> list[int] | None:
+    """Per tensor leaf of a call's output, its batch dimension where some is not 0, else None.
+
+    Recurrent layers return ``(output, h_n)`` or ``(output, (h_n, c_n))`` with the hidden
+    states batched along dim 1 (and the sequences too unless ``batch_first``); packed and
+    unbatched sequences keep their layout.
+    """
+    if not isinstance(module, nn.RNNBase) or not isinstance(args[0], Tensor):
+        return None
+    if args[0].dim() != 3:
+        return None
+    sequence, state = _recurrent_dims(module)
+    return [sequence] + [state] * (n_leaves - 1)
+
+
+def _batch_first_args(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A recurrent layer's inputs moved to batch-first layout (the sequence and ``hx``)."""
+    sequence, state = _recurrent_dims(module)
+    move = partial(tree_map_only, Tensor, lambda h: h.movedim(state, 0))
+    args = (args[0].movedim(sequence, 0), *map(move, args[1:]))
+    return args, {name: move(value) for name, value in kwargs.items()}
+
+
+def _first_rows(x: Inputs) -> int | None:
+    """Leading size of the first tensor in the inputs: the batch size, as a first guess."""
+    leaves = [leaf for leaf in tree_flatten(x)[0] if isinstance(leaf, Tensor) and leaf.dim()]
+    return leaves[0].shape[0] if leaves else None
+
+
+def _broadcast_candidates(calls: list[ModuleCall], batch: int) -> set[nn.Module]:
+    """Modules called on batch-independent inputs (leading size 1) with outputs of one row."""
+    if batch <= 1:
+        return set()
+    candidates = set()
+    for call in calls:
+        inputs = [a for a in tree_flatten((call.args, call.kwargs))[0] if isinstance(a, Tensor)]
+        one_row = all(z.dim() > 0 and z.shape[0] == 1 for z in call.outputs)
+        if one_row and all(a.dim() == 0 or a.shape[0] == 1 for a in inputs):
+            candidates.add(call.module)
+    return candidates
+
+
+def _broadcast_per_sample(f: Tensor, reference: Tensor, calls: list[ModuleCall]) -> bool:
+    """Whether expanding the shared outputs along the batch left ``f`` a per-sample function.
+
+    The expanded model must give the same outputs, and the first data point's outputs must
+    depend on the first row of each expanded output only (a broadcast, not a reduction).
+    """
+    if f.shape != reference.shape:
+        return False
+    scale = reference.detach().abs().amax().clamp_min(1)
+    tolerance = 64 * torch.finfo(f.dtype).eps * scale
+    if not bool(((f.detach() - reference.detach()).abs() <= tolerance).all()):
+        return False
+    outputs = [z for call in calls for z in call.outputs]
+    grads = torch.autograd.grad(f[0].sum(), outputs, retain_graph=True, allow_unused=True)
+    return all(g is None or not bool(g[1:].any()) for g in grads)
+
+
 def record_forward(
-    model: nn.Module, owners: dict[nn.Module, list[str]], x: Inputs, keep_input_graph: bool
+    model: nn.Module,
+    owners: dict[nn.Module, list[str]],
+    x: Inputs,
+    keep_input_graph: bool,
+    shared: dict[nn.Module, bool] | None = None,
 ) -> tuple[Tensor, list[ModuleCall]]:
     """Run ``model(x)`` recording every call of the modules in ``owners``.
+
+    Every call is recorded with the data points along dim 0: a recurrent layer's outputs and
+    inputs as batch-first views, and the output of a module called on batch-independent
+    inputs and broadcast along the batch (a position embedding looked up once, (1, T, D)) as
+    its expansion (B, T, D), which the model then uses instead, so that its output gradients
+    are per data point. Whether such an output is only broadcast is checked once per module
+    (same outputs, and each data point's outputs depend only on its own row) and remembered in
+    ``shared``; a module that fails the check is recorded as it is.
 
     When an output is later modified in place (``ReLU(inplace=True)``), the recorded tensor no
     longer is the layer output; the forward is then repeated with the hooks handing a copy of
@@ -57,34 +134,81 @@ def record_forward(
         x: Model inputs (a tensor or a mapping passed whole to the model).
         keep_input_graph: Keep the recorded inputs attached to the graph (needed to
             differentiate results w.r.t. ``x``).
+        shared: Per module met with a shared output, whether it is expanded (updated here).
 
     Returns:
         The model output ``f`` (attached to the graph) and the recorded calls in call order.
     """
+    shared = {} if shared is None else shared
     calls: list[ModuleCall] = []
     versions: list[int] = []
     clone_outputs = False
+    expand: set[nn.Module] = {m for m, expanded in shared.items() if expanded}
+    batch = _first_rows(x)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        leaves = [leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, Tensor)]
-        slots = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
+        leaves, spec = tree_flatten(output)
+        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+        slots = [j for j, i in enumerate(tensors) if leaves[i].requires_grad]
         if not slots:
             return None
         if not keep_input_graph:
             args, kwargs = tree_map_only(Tensor, Tensor.detach, (args, kwargs))
-        outputs = [leaves[i] for i in slots]
+        dims = _native_dims(module, args, len(tensors))
+        if dims is not None:
+            args, kwargs = _batch_first_args(module, args, kwargs)
+        if module in expand and batch is not None:
+
+            def widen(v: Tensor) -> Tensor:
+                return v.expand(batch, *v.shape[1:]) if v.dim() and v.shape[0] == 1 else v
+
+            args, kwargs = tree_map_only(Tensor, widen, (args, kwargs))
+            for i in tensors:
+                leaves[i] = widen(leaves[i])
+        outputs = [leaves[tensors[j]] for j in slots]
+        if dims is not None:
+            outputs = [z.movedim(dims[j], 0) for j, z in zip(slots, outputs)]
+            for j, z in zip(slots, outputs):
+                leaves[tensors[j]] = z.movedim(0, dims[j])
         calls.append(ModuleCall(module, args, kwargs, outputs, slots, owners[module]))
         versions.extend(z._version for z in outputs)
-        return tree_map_only(Tensor, Tensor.clone, output) if clone_outputs else None
+        if clone_outputs:
+            leaves = [leaf.clone() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+        elif dims is None and module not in expand:
+            return None
+        return tree_unflatten(leaves, spec)
+
+    def run() -> Tensor:
+        nonlocal clone_outputs
+        calls.clear()
+        versions.clear()
+        clone_outputs = False
+        f = model(x)
+        if versions != [z._version for call in calls for z in call.outputs]:
+            calls.clear()
+            clone_outputs = True  # an output was modified in place: record copies
+            f = model(x)
+        return f
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in owners]
     try:
         with torch.enable_grad():
-            f = model(x)
-            if versions != [z._version for call in calls for z in call.outputs]:
-                calls.clear()
-                clone_outputs = True  # an output was modified in place: record copies
-                f = model(x)
+            f = run()
+            if expand and f.shape[0] != batch:  # the first guess of the batch size was wrong
+                batch = f.shape[0]
+                f = run()
+            candidates = _broadcast_candidates(calls, f.shape[0]) - set(shared)
+            if candidates:
+                reference, found = f, list(calls)
+                expand |= candidates
+                batch = f.shape[0]
+                f = run()
+                expanded = [call for call in calls if call.module in candidates]
+                ok = _broadcast_per_sample(f, reference, expanded)
+                shared.update(dict.fromkeys(candidates, ok))
+                if not ok:
+                    expand -= candidates
+                    f, calls[:] = reference, found
     finally:
         for handle in handles:
             handle.remove()

@@ -113,11 +113,13 @@ def _low_rank_gram(g: Tensor, approx: str, max_rank: int | None) -> DiagLowRank:
 
 
 def _check_batch_rows(trace: PerSampleTrace) -> None:
-    """Refuse layers whose outputs have fewer rows than the batch (broadcast over it).
+    """Refuse layers whose outputs have fewer rows than the batch.
 
-    Per-sample quantities are read off every layer's output gradients row by row; a layer whose
-    output is shared by the data points (a position embedding looked up once, (1, T, D)) has
-    their gradients summed. Rows beyond the batch (folded batches) are taken as positions.
+    Per-sample quantities are read off every layer's output gradients row by row. An output
+    shared by the data points and only broadcast over them (a position embedding looked up
+    once, (1, T, D)) is recorded expanded along the batch (``record_forward``); one that stays
+    shared is combined across the data points, and no per-sample gradient exists. Rows beyond
+    the batch (folded batches) are taken as positions.
 
     Raises:
         ValueError: Naming the first such layer and the alternatives.
@@ -129,8 +131,9 @@ def _check_batch_rows(trace: PerSampleTrace) -> None:
             name = module_name(trace.engine.model, call.module)
             raise ValueError(
                 f"module {name!r} ({type(call.module).__name__}) returns "
-                f"outputs of shape {tuple(call.outputs[0].shape)} for a batch of {batch}: shared "
-                "by the data points, they give no per-sample gradients for KFAC. Freeze its "
+                f"outputs of shape {tuple(call.outputs[0].shape)} for a batch of {batch}, shared "
+                "by the data points and not only broadcast over them (the model combines them "
+                "across the batch): they have no per-sample gradients for KFAC. Freeze its "
                 "parameters (requires_grad=False) or use hessian_structure='diag' or 'full'."
             )
 

@@ -88,6 +88,9 @@ class PerSampleEngine:
                 self.spans[slot] = (start, end)
         #: Length of the engine's parameter vector: P, or the number of subnetwork entries.
         self.n_entries = self.offsets[-1] if indices is None else len(indices)
+        #: Per module met with an output shared by the batch, whether it is broadcast (its
+        #: expansion along the batch gives per-sample quantities; see ``record_forward``).
+        self.shared: dict[nn.Module, bool] = {}
         position = {id(p): i for i, p in enumerate(self.needed)}
         self.owners: dict[nn.Module, list[str]] = {}
         self.slot: dict[tuple[nn.Module, str], int] = {}
@@ -107,7 +110,7 @@ class PerSampleEngine:
         Returns:
             The trace, from which curvature sums and per-sample gradients are computed.
         """
-        f, calls = record_forward(self.model, self.owners, x, keep_input_graph=create_graph)
+        f, calls = record_forward(self.model, self.owners, x, create_graph, self.shared)
         return PerSampleTrace(self, f, calls, create_graph)
 
 

@@ -1,0 +1,155 @@
+"""Modules whose output is shared by the batch (position embeddings) and recurrent layers.
+
+BERT and GPT-2 look their position embeddings up once per batch, (1, T, D), and broadcast them
+over the data points; an RNN returns its hidden states batched along dim 1. The native engine
+records both with the data points along dim 0, so every per-sample quantity (KFAC factors, the
+diagonal, exact blocks, Jacobians, subnetwork columns) is that of the dense float64 oracle.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import Oracle, assert_close, kron_dense_blocks
+from laplace import DiagLaplace, FullLaplace, KronLaplace
+from laplace.curvature import CurvlinopsGGN
+from laplace.subnetlaplace import FullSubnetLaplace
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, N_CLASSES = 11, 3
+#: Kronecker blocks and the GGN they equal are both sums of a few float64 products.
+RTOL, ATOL = 1e-8, 1e-11
+
+
+class Classifier(nn.Module):
+    """Logits (B, C) of a Hugging Face model on token ids (B, T)."""
+
+    def __init__(self, body: nn.Module):
+        super().__init__()
+        self.body = body
+
+    def forward(self, tokens):
+        out = self.body(input_ids=tokens)
+        return out.logits if out.logits.dim() == 2 else out.logits[:, -1, :N_CLASSES]
+
+
+def tiny(name: str) -> nn.Module:
+    """A one-layer BERT or GPT-2 from a config, trainable position embeddings included."""
+    torch.manual_seed(0)
+    if name == "bert":
+        config = transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=4, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=4, max_position_embeddings=6, type_vocab_size=1,
+            num_labels=N_CLASSES, attn_implementation="eager",
+        )  # fmt: skip
+        body = transformers.BertForSequenceClassification(config)
+    else:
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=6, n_embd=4, n_layer=1, n_head=2,
+            bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+        )  # fmt: skip
+        body = transformers.GPT2LMHeadModel(config)
+    return Classifier(body).double().eval()
+
+
+def position_embedding(model: nn.Module) -> nn.Embedding:
+    body = model.body
+    return body.bert.embeddings.position_embeddings if hasattr(body, "bert") else body.transformer.wpe
+
+
+def data(n: int, length: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    X = torch.randint(0, VOCAB, (n, length), generator=gen)
+    return X, torch.randint(0, N_CLASSES, (n,), generator=gen)
+
+
+def loader(X: torch.Tensor, y: torch.Tensor, batch_size: int = 3) -> DataLoader:
+    return DataLoader(TensorDataset(X, y), batch_size=batch_size)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_kron_blocks_are_the_exact_ggn_blocks_of_repeated_points_at_one_position(name):
+    """N copies of one sequence of one token: KFAC is exact, the broadcast path included."""
+    model = tiny(name)
+    X, y = data(1, 1)
+    X, y = X.expand(4, 1), y.expand(4)
+    backend = CurvlinopsGGN(model, "classification")
+    _, H = backend.kron(X, y, N=4)
+    ggn = Oracle(model, "classification").ggn(X)
+    start = 0
+    for block in kron_dense_blocks(H):
+        stop = start + len(block)
+        assert_close(block, ggn[start:stop, start:stop], rtol=RTOL, atol=ATOL)
+        start = stop
+    assert start == len(ggn)
+    assert position_embedding(model) in backend.engine.shared
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_diagonal_full_and_glm_variances_equal_the_oracle_over_a_batch(name):
+    model = tiny(name)
+    X, y = data(7, 4)
+    oracle = Oracle(model, "classification")
+    ggn = oracle.ggn(X)
+    diag = DiagLaplace(model, "classification")
+    diag.fit(loader(X, y))
+    assert_close(diag.H, ggn.diagonal(), rtol=RTOL, atol=ATOL)
+    full = FullLaplace(model, "classification", prior_precision=0.7)
+    full.fit(loader(X, y))
+    assert_close(full.H, ggn, rtol=RTOL, atol=ATOL)
+    J = oracle.jacobian(X[:5])
+    expected = J @ torch.linalg.inv(full.posterior_precision) @ J.transpose(1, 2)
+    assert_close(full._functional_moments(X[:5])[1], expected, rtol=1e-7, atol=1e-10)
+    kron = KronLaplace(model, "classification", prior_precision=0.7)
+    kron.fit(loader(X, y))
+    precision = kron.H_facs.to_matrix() + torch.diag(kron.prior_precision_diag)
+    expected = J @ torch.linalg.inv(precision) @ J.transpose(1, 2)
+    assert_close(kron._functional_moments(X[:5])[1], expected, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.oracle
+def test_subnetwork_columns_in_the_position_embedding_equal_the_oracle():
+    model = tiny("bert")
+    X, y = data(6, 4)
+    offsets, start = {}, 0
+    for p_name, p in model.named_parameters():
+        offsets[p_name] = start
+        start += p.numel()
+    first = offsets["body.bert.embeddings.position_embeddings.weight"]
+    indices = torch.cat([torch.arange(first, first + 8), torch.tensor([0, 5, start - 1])]).sort()[0]
+    la = FullSubnetLaplace(model, "classification", subnetwork_indices=indices)
+    la.fit(loader(X, y))
+    ggn = Oracle(model, "classification").ggn(X)
+    assert_close(la.H, ggn[indices][:, indices], rtol=RTOL, atol=ATOL)
+
+
+class SharedThenReduced(nn.Module):
+    """A module called on batch-independent inputs whose output is summed into every point."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Embedding(4, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        offset = self.shared(torch.zeros(1, dtype=torch.long, device=x.device))  # (1, 3)
+        return self.head(x + offset.expand(len(x), -1).sum(0, keepdim=True))
+
+
+def test_a_shared_output_that_is_not_only_broadcast_keeps_the_batched_path():
+    torch.manual_seed(0)
+    model = SharedThenReduced().double()
+    X = torch.randn(5, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (5,))
+    backend = CurvlinopsGGN(model, "classification")
+    _, diag = backend.diag(X, y, N=5)
+    assert_close(diag, Oracle(model, "classification").ggn(X).diagonal(), rtol=RTOL, atol=ATOL)
+    assert backend.engine.shared == {model.shared: False}
+    with pytest.raises(ValueError, match=r"'shared'.*\(1, 3\) for a batch of 5"):
+        backend.kron(X, y, N=5)
