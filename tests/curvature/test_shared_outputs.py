@@ -58,7 +58,9 @@ def tiny(name: str) -> nn.Module:
 
 def position_embedding(model: nn.Module) -> nn.Embedding:
     body = model.body
-    return body.bert.embeddings.position_embeddings if hasattr(body, "bert") else body.transformer.wpe
+    if hasattr(body, "bert"):
+        return body.bert.embeddings.position_embeddings
+    return body.transformer.wpe
 
 
 def data(n: int, length: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +124,8 @@ def test_subnetwork_columns_in_the_position_embedding_equal_the_oracle():
         offsets[p_name] = start
         start += p.numel()
     first = offsets["body.bert.embeddings.position_embeddings.weight"]
-    indices = torch.cat([torch.arange(first, first + 8), torch.tensor([0, 5, start - 1])]).sort()[0]
+    chosen = torch.cat([torch.arange(first, first + 8), torch.tensor([0, 5, start - 1])])
+    indices = chosen.sort()[0]
     la = FullSubnetLaplace(model, "classification", subnetwork_indices=indices)
     la.fit(loader(X, y))
     ggn = Oracle(model, "classification").ggn(X)
