@@ -220,6 +220,116 @@ def generic_per_sample(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, T
     return vmap(single, in_dims=in_dims)(params, call.args, call.kwargs, tuple(grads))
 
 
+def _recurrent_cell(module: nn.RNNBase) -> Callable[[Tensor, Tensor, Tensor, Tensor], tuple]:
+    """One time step ``(ih, hh, h, c) → (h', c')`` of a recurrent layer, PyTorch's equations.
+
+    ``ih = W_ih xₜ + b_ih`` and ``hh = W_hh hₜ₋₁ + b_hh`` are the two linear maps of the step;
+    ``c`` is the LSTM's cell state (unused by the others).
+    """
+    if isinstance(module, nn.LSTM):
+
+        def lstm(ih: Tensor, hh: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+            i, f, g, o = (ih + hh).chunk(4, -1)
+            c = f.sigmoid() * c + i.sigmoid() * g.tanh()
+            return o.sigmoid() * c.tanh(), c
+
+        return lstm
+    if isinstance(module, nn.GRU):
+
+        def gru(ih: Tensor, hh: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+            (ih_r, ih_z, ih_n), (hh_r, hh_z, hh_n) = ih.chunk(3, -1), hh.chunk(3, -1)
+            r, z = (ih_r + hh_r).sigmoid(), (ih_z + hh_z).sigmoid()
+            return (1 - z) * (ih_n + r * hh_n).tanh() + z * h, c
+
+        return gru
+    activation = torch.tanh if module.nonlinearity == "tanh" else torch.relu
+    return lambda ih, hh, h, c: (activation(ih + hh), c)
+
+
+def _recurrent(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Per-sample gradients of ``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` (recorded batch-first).
+
+    Written here because the fused recurrent kernels have no ``vmap`` batching rule: the layer
+    is unrolled over time for the whole batch with PyTorch's cell equations, the output
+    gradients are pulled back to every step's two linear maps ``ihₜ = W_ih xₜ + b_ih`` and
+    ``hhₜ = W_hh hₜ₋₁ + b_hh`` (the data points stay independent), and the Linear rule gives
+    ``Σₜ δihₜ xₜᵀ``, ``Σₜ δhhₜ hₜ₋₁ᵀ`` and the bias sums per data point.
+
+    Raises:
+        ValueError: For packed sequences, LSTM projections (``proj_size``), dropout between
+            layers in training mode, or a subclass whose outputs the equations do not give.
+    """
+    m, x = call.module, call.args[0]
+    if not isinstance(x, Tensor):
+        raise ValueError(
+            f"{type(m).__name__} called on a {type(x).__name__}: per-sample curvature of a "
+            "recurrent layer needs padded sequences (nn.utils.rnn.pad_packed_sequence); "
+            "packed ones work with hessian_structure='diag' or 'full' (no exact blocks)."
+        )
+    if getattr(m, "proj_size", 0) or (m.training and m.dropout):
+        raise ValueError(
+            f"{type(m).__name__} with proj_size or dropout in training mode has no per-sample "
+            "rule; set proj_size=0 or call model.eval()."
+        )
+    directions = 2 if m.bidirectional else 1
+    hx = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
+    if hx is None:
+        hx = x.new_zeros(len(x), m.num_layers * directions, m.hidden_size)
+    h0, c0 = hx if isinstance(hx, (tuple, list)) else (hx, hx)
+    cell, steps, last = _recurrent_cell(m), {}, []
+    with torch.enable_grad():
+        h0, c0 = h0.detach().requires_grad_(), c0.detach()
+        layer_input = x.detach().requires_grad_()
+        for layer in range(m.num_layers):
+            sequences = []
+            for direction in range(directions):
+                suffix = f"_l{layer}{'_reverse' if direction else ''}"
+                W_ih, W_hh = (getattr(m, f"weight_{w}{suffix}").detach() for w in ("ih", "hh"))
+                b_ih, b_hh = (
+                    getattr(m, f"bias_{b}{suffix}").detach() if m.bias else 0 for b in ("ih", "hh")
+                )
+                inputs = layer_input.flip(1) if direction else layer_input
+                ih = inputs @ W_ih.T + b_ih
+                h, c = h0[:, layer * directions + direction], c0[:, layer * directions + direction]
+                hh, previous, hidden = [], [], []
+                for t in range(inputs.shape[1]):
+                    previous.append(h)
+                    hh.append(h @ W_hh.T + b_hh)
+                    h, c = cell(ih[:, t], hh[-1], h, c)
+                    hidden.append(h)
+                steps[suffix] = (inputs.detach(), ih, torch.stack(previous, 1).detach(), hh)
+                last.append((h, c))
+                hidden = torch.stack(hidden, 1)
+                sequences.append(hidden.flip(1) if direction else hidden)
+            layer_input = torch.cat(sequences, -1)
+        states = [torch.stack(s, 1) for s in zip(*last)]  # h_n, c_n: (R, layers·directions, H)
+        unrolled = [layer_input, *states[: 2 if isinstance(m, nn.LSTM) else 1]]
+        unrolled = [unrolled[i] for i in call.output_slots]
+        for mine, recorded in zip(unrolled, call.outputs):  # (rows tiled for more columns)
+            if not torch.allclose(mine[: len(recorded)], recorded.detach(), 1e-4, 1e-5):
+                raise ValueError(
+                    f"{type(m).__name__}: the recurrent equations do not give the layer's "
+                    "outputs (a subclass with its own forward?); no per-sample rule applies."
+                )
+        maps = [t for _, ih, _, hh in steps.values() for t in (ih, *hh)]
+        pulled = iter(torch.autograd.grad(unrolled, maps, list(grads), allow_unused=True))
+    out = {}
+    for suffix, (inputs, ih, previous, hh) in steps.items():
+        d_ih, *d_hh = (
+            torch.zeros_like(t) if (g := next(pulled)) is None else g for t in (ih, *hh)
+        )
+        d_hh = torch.stack(d_hh, 1)
+        for name, value in {
+            f"weight_ih{suffix}": lambda: torch.einsum("btg,bti->bgi", d_ih, inputs),
+            f"weight_hh{suffix}": lambda: torch.einsum("btg,bth->bgh", d_hh, previous),
+            f"bias_ih{suffix}": lambda: d_ih.sum(1),
+            f"bias_hh{suffix}": lambda: d_hh.sum(1),
+        }.items():
+            if name in call.names:
+                out[name] = value()
+    return out
+
+
 #: Closed-form per-sample gradient rules, keyed by exact module type.
 PER_SAMPLE_RULES: dict[type[nn.Module], Rule] = {
     nn.Linear: _linear,
@@ -233,6 +343,9 @@ PER_SAMPLE_RULES: dict[type[nn.Module], Rule] = {
     nn.BatchNorm1d: _BATCH_NORM,
     nn.BatchNorm2d: _BATCH_NORM,
     nn.BatchNorm3d: _BATCH_NORM,
+    nn.RNN: _recurrent,
+    nn.LSTM: _recurrent,
+    nn.GRU: _recurrent,
 }
 
 

@@ -156,3 +156,118 @@ def test_a_shared_output_that_is_not_only_broadcast_keeps_the_batched_path():
     assert backend.engine.shared == {model.shared: False}
     with pytest.raises(ValueError, match=r"'shared'.*\(1, 3\) for a batch of 5"):
         backend.kron(X, y, N=5)
+
+
+# ------------------------------------------------------------------------ recurrent layers
+class Recurrent(nn.Module):
+    """A recurrent classifier: (B, T, 3) → RNN → last step and last hidden state → (B, C)."""
+
+    def __init__(self, kind: type[nn.RNNBase], batch_first: bool, bidirectional: bool, layers=1):
+        super().__init__()
+        self.batch_first = batch_first
+        self.rnn = kind(3, 4, layers, batch_first=batch_first, bidirectional=bidirectional)
+        self.head = nn.Linear(4 * (2 if bidirectional else 1), N_CLASSES)
+
+    def forward(self, x):
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        start = torch.ones(self.rnn.num_layers * (2 if self.rnn.bidirectional else 1), 1, 4)
+        start = start.expand(-1, x.shape[0 if self.batch_first else 1], -1).to(x)
+        hx = (start, start) if isinstance(self.rnn, nn.LSTM) else start
+        out, state = self.rnn(x, hx)
+        h_n = state[0] if isinstance(state, tuple) else state
+        last = out[:, -1] if self.batch_first else out[-1]
+        return self.head(last) + h_n[-1].sum(-1, keepdim=True)
+
+
+RECURRENT = [
+    (nn.LSTM, True, False, 1),
+    (nn.LSTM, False, True, 2),
+    (nn.GRU, True, True, 1),
+    (nn.GRU, False, False, 2),
+    (nn.RNN, True, False, 2),
+]
+
+
+def recurrent(kind, batch_first, bidirectional, layers) -> nn.Module:
+    torch.manual_seed(0)
+    return Recurrent(kind, batch_first, bidirectional, layers).double().eval()
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize(
+    "kind, batch_first, bidirectional, layers",
+    RECURRENT,
+    ids=[f"{k.__name__}-{'bf' if b else 'tf'}-{d + 1}dir-{n}layers" for k, b, d, n in RECURRENT],
+)
+def test_recurrent_diag_exact_blocks_and_glm_variances_equal_the_oracle(
+    kind, batch_first, bidirectional, layers
+):
+    model = recurrent(kind, batch_first, bidirectional, layers)
+    gen = torch.Generator().manual_seed(2)
+    X = torch.randn(7, 5, 3, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, N_CLASSES, (7,), generator=gen)
+    oracle = Oracle(model, "classification")
+    ggn = oracle.ggn(X)
+    diag = DiagLaplace(model, "classification")
+    diag.fit(loader(X, y))
+    assert_close(diag.H, ggn.diagonal(), rtol=RTOL, atol=ATOL)
+    # the recurrent weights get exact blocks: dense up to the limit, their diagonal above it
+    limit = 4 * 4 * (3 if kind is nn.GRU else 4 if kind is nn.LSTM else 1)
+    kron = KronLaplace(model, "classification", backend_kwargs={"kfac_dense_limit": limit})
+    kron.fit(loader(X, y))
+    start, checked = 0, 0
+    for (p_name, p), block in zip(model.named_parameters(), kron.H_facs.kfacs):
+        stop = start + p.numel()
+        if p_name.startswith("rnn."):
+            expected = ggn[start:stop, start:stop]
+            dense = p.numel() <= limit
+            assert len(block) == 1 and block[0].ndim == (2 if dense else 1), p_name
+            assert_close(
+                block[0], expected if dense else expected.diagonal(), rtol=RTOL, atol=ATOL
+            )
+            checked += 1
+        start = stop
+    assert checked == sum(1 for n, _ in model.named_parameters() if n.startswith("rnn."))
+    full = FullLaplace(model, "classification", prior_precision=0.7)
+    full.fit(loader(X, y))
+    J = oracle.jacobian(X[:4])
+    expected = J @ torch.linalg.inv(full.posterior_precision) @ J.transpose(1, 2)
+    assert_close(full._functional_moments(X[:4])[1], expected, rtol=1e-7, atol=1e-10)
+    precision = kron.H_facs.to_matrix() + torch.diag(kron.prior_precision_diag)
+    expected = J @ torch.linalg.inv(precision) @ J.transpose(1, 2)
+    assert_close(kron._functional_moments(X[:4])[1], expected, rtol=1e-7, atol=1e-10)
+
+
+class Packed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 4, batch_first=True)
+        self.head = nn.Linear(4, N_CLASSES)
+
+    def forward(self, x):
+        lengths = torch.arange(x.shape[1], 0, -1)[: len(x)].clamp_min(1)
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+        return self.head(self.rnn(packed)[1][-1])
+
+
+def test_packed_sequences_work_for_diag_and_are_refused_by_name_for_exact_blocks():
+    torch.manual_seed(0)
+    model = Packed().double().eval()
+    X = torch.randn(4, 5, 3, dtype=torch.float64)
+    y = torch.randint(0, N_CLASSES, (4,))
+    diag = DiagLaplace(model, "classification")
+    diag.fit(loader(X, y, batch_size=4))
+    # torch.func cannot run a packed GRU: the Jacobian by plain autograd, row by row
+    f = model(X)
+    params = list(model.parameters())
+    J = torch.stack(
+        [torch.cat([g.flatten() for g in torch.autograd.grad(f_i, params, retain_graph=True)])
+         for f_i in f.flatten()]
+    ).reshape(*f.shape, -1)  # fmt: skip
+    p = torch.softmax(f.detach(), -1)
+    output_hessian = torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+    ggn = torch.einsum("bcp,bcd,bdq->pq", J, output_hessian, J)
+    assert_close(diag.H, ggn.diagonal(), rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match=r"'rnn'.*PackedSequence.*pad_packed_sequence"):
+        KronLaplace(model, "classification").fit(loader(X, y, batch_size=4))
