@@ -316,17 +316,17 @@ def _recurrent(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
     out = {}
     for suffix, (inputs, ih, previous, hh) in steps.items():
         d_ih, *d_hh = (
-            torch.zeros_like(t) if (g := next(pulled)) is None else g for t in (ih, *hh)
+            torch.zeros_like(t) if (g := next(pulled)) is None else g for t in [ih, *hh]
         )
         d_hh = torch.stack(d_hh, 1)
-        for name, value in {
-            f"weight_ih{suffix}": lambda: torch.einsum("btg,bti->bgi", d_ih, inputs),
-            f"weight_hh{suffix}": lambda: torch.einsum("btg,bth->bgh", d_hh, previous),
-            f"bias_ih{suffix}": lambda: d_ih.sum(1),
-            f"bias_hh{suffix}": lambda: d_hh.sum(1),
-        }.items():
-            if name in call.names:
-                out[name] = value()
+        if f"weight_ih{suffix}" in call.names:
+            out[f"weight_ih{suffix}"] = torch.einsum("btg,bti->bgi", d_ih, inputs)
+        if f"weight_hh{suffix}" in call.names:
+            out[f"weight_hh{suffix}"] = torch.einsum("btg,bth->bgh", d_hh, previous)
+        if f"bias_ih{suffix}" in call.names:
+            out[f"bias_ih{suffix}"] = d_ih.sum(1)
+        if f"bias_hh{suffix}" in call.names:
+            out[f"bias_hh{suffix}"] = d_hh.sum(1)
     return out
 
 
