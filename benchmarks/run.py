@@ -17,7 +17,9 @@ The scaling
 table (N and width) is ``benchmarks/scaling.py``. The ``binary-*`` cases time
 ``likelihood="binary_classification"`` against ``"classification"`` on the MLP; the
 ``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions;
-``large-vocab-ll-kron`` is the 32,000-class head of ``benchmarks/large_vocab.py``.
+``large-vocab-ll-kron`` is the 32,000-class head of ``benchmarks/large_vocab.py``; the
+``fit-*-bert*`` and ``fit-*-lstm`` cases (``benchmarks/bert.py``) all-weights fits of a 4-layer
+BERT (trainable position embeddings, float32 and bfloat16) and of a 2-layer LSTM classifier.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from bert import BERT_CASES
 from frontier import FRONTIER_CASES
 from harness import (
     BATCH,
@@ -328,6 +331,7 @@ CASES = {
     **POSITION_CASES,
     **LARGE_VOCAB_CASES,
     **LARGE_VOCAB_ALL_CASES,
+    **BERT_CASES,
 }
 
 
@@ -342,6 +346,7 @@ GPU_CASES = [
     and name not in POSITION_CASES
     and name not in LARGE_VOCAB_CASES
     and name not in LARGE_VOCAB_ALL_CASES
+    and name not in BERT_CASES
     and name != "lowrank-accuracy-mlp"
 ]
 
