@@ -192,17 +192,20 @@ def fine_tuned_models(config: Config, train_loader: DataLoader) -> dict[str, nn.
     return {"full": full, "lora": lora}
 
 
-#: name: (model, subset_of_weights, hessian_structure); "bf16" is the full model in bfloat16.
-LAPLACES = {
+#: name: (model, subset_of_weights, hessian_structure); no subset: the MAP network's softmax.
+#: "bf16" is the fully fine-tuned model converted to bfloat16.
+PREDICTIVES = {
+    "MAP": ("full", None, None),
     "LA last-layer KFAC": ("full", "last_layer", "kron"),
     "LA all-weights diag": ("full", "all", "diag"),
     "LA all-weights KFAC": ("full", "all", "kron"),
+    "MAP LoRA": ("lora", None, None),
     "LA LoRA + head KFAC": ("lora", "all", "kron"),
+    "MAP bf16": ("bf16", None, None),
     "LA last-layer KFAC, bf16": ("bf16", "last_layer", "kron"),
     "LA all-weights KFAC, bf16": ("bf16", "all", "kron"),
 }
-PREDICTIVE = {"pred_type": "glm", "link_approx": "probit"}
-MAPS = {"MAP": "full", "MAP LoRA": "lora", "MAP bf16": "bf16"}
+GLM_PROBIT = {"pred_type": "glm", "link_approx": "probit"}
 
 
 def reliability_figure(metrics: dict, names: list[str]) -> plt.Figure:
@@ -263,9 +266,11 @@ def main(argv: list[str] | None = None) -> dict:
 
         return predictive
 
-    predictives = {name: (map_predictive(classifiers[m]), {}) for name, m in MAPS.items()}
-    fitted, predict_seconds = {}, {}
-    for name, (model_name, subset, structure) in LAPLACES.items():
+    predictives, fitted, predict_seconds = {}, {}, {}
+    for name, (model_name, subset, structure) in PREDICTIVES.items():
+        if subset is None:
+            predictives[name] = (map_predictive(classifiers[model_name]), {})
+            continue
         start = time.perf_counter()
         # --8<-- [start:laplace]
         la = Laplace(
@@ -278,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
         la.optimize_prior_precision(method="marglik")
         # --8<-- [end:laplace]
         seconds[name] = time.perf_counter() - start
-        predictives[name] = (la, PREDICTIVE)
+        predictives[name] = (la, GLM_PROBIT)
         fitted[name] = {"n_params": la.n_params, "prior_precision": la.prior_precision.item()}
 
     # --8<-- [start:evaluate]
