@@ -8,7 +8,9 @@ posterior, the learned position embeddings included (trainable, as in a fine-tun
 lookup is shared by the batch, so their per-sample curvature is not the usual per-example
 gradient); ``fit-kron-bert-frozen-positions`` freezes them, for reference. The ``-bf16`` cases
 run the same model converted with ``model.to(torch.bfloat16)`` (the curvature is accumulated in
-float32), their floor in bfloat16 too.
+float32), their floor in bfloat16 too; on a CPU they run ``BF16_CPU_SEQUENCES`` = 64 sequences,
+as CPUs without bfloat16 instructions emulate its products (10× the float32 time on the 2-core
+reference machine), on a GPU (``--device cuda``) all 2,048.
 
 LSTM: an embedding (vocabulary 1,000, width 64), a 2-layer ``nn.LSTM`` of hidden size 128
 (batch first) and a linear head on the last hidden state, 10 classes, 1,024 sequences of 32
@@ -28,6 +30,7 @@ import os
 from collections.abc import Mapping
 from functools import partial
 
+import harness
 import torch
 from harness import PeakRSS, against_floor, measure_fit
 from torch import Tensor, nn
@@ -35,6 +38,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 #: BERT: sequences, tokens per sequence, classes, sequences per batch, one floor/fit pair.
 N_SEQUENCES, SEQ_LEN, BERT_CLASSES, BERT_BATCH, MAX_BERT_REPEATS = 2048, 64, 2, 32, 1
+#: Sequences of the bfloat16 cases on a CPU (bfloat16 products are emulated there).
+BF16_CPU_SEQUENCES = 64
 BERT_WIDTH, BERT_LAYERS, BERT_HEADS, BERT_VOCAB = 256, 4, 4, 30_522
 #: LSTM: sequences, tokens, vocabulary, embedding width, hidden size, layers, classes, batch.
 LSTM_SEQUENCES, LSTM_TOKENS, LSTM_VOCAB, LSTM_EMBED, LSTM_HIDDEN = 1024, 32, 1000, 64, 128
@@ -90,6 +95,7 @@ def bert_loader(n: int = N_SEQUENCES, seed: int = 0) -> DataLoader:
     mask = torch.ones(n, SEQ_LEN, dtype=torch.long)
     mask[: n // 2, -SEQ_LEN // 4 :] = 0
     labels = torch.randint(0, BERT_CLASSES, (n,), generator=gen)
+    ids, mask, labels = (t.to(harness.DEVICE) for t in (ids, mask, labels))
     examples = [
         {"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(ids, mask, labels)
     ]
@@ -111,16 +117,19 @@ def case_fit_bert(structure: str, variant: str, repeats: int) -> dict:
 
     torch.manual_seed(0)
     model = BertClassifier(trainable_positions=variant != "frozen-positions").eval()
+    model = model.to(harness.DEVICE)
+    n = N_SEQUENCES
     if variant == "bf16":
         model = model.to(torch.bfloat16)
-    loader = bert_loader(N_SEQUENCES)
+        n = BF16_CPU_SEQUENCES if harness.DEVICE.type == "cpu" else N_SEQUENCES
+    loader = bert_loader(n)
     la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
     floor = partial(forward_plus_c_backward, model, loader, BERT_CLASSES)
     with PeakRSS() as mem:
         times = against_floor(partial(la.fit, loader), floor, min(repeats, MAX_BERT_REPEATS))
     label = f" {variant}" if variant else ""
     return {
-        "case": f"fit {structure} BERT-4x256{label} {N_SEQUENCES}x{SEQ_LEN} tokens",
+        "case": f"fit {structure} BERT-4x256{label} {n}x{SEQ_LEN} tokens",
         "n_params": la.n_params,
         **times,
         "peak_extra_MB": mem.extra / 2**20,
@@ -133,10 +142,11 @@ def case_fit_lstm(structure: str, _: str, repeats: int) -> dict:
     from laplace import Laplace
 
     torch.manual_seed(0)
-    model = LSTMClassifier().eval()
+    model = LSTMClassifier().eval().to(harness.DEVICE)
     gen = torch.Generator().manual_seed(0)
     X = torch.randint(0, LSTM_VOCAB, (LSTM_SEQUENCES, LSTM_TOKENS), generator=gen)
     y = torch.randint(0, LSTM_CLASSES, (LSTM_SEQUENCES,), generator=gen)
+    X, y = X.to(harness.DEVICE), y.to(harness.DEVICE)
     loader = DataLoader(TensorDataset(X, y), batch_size=LSTM_BATCH)
     la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
     floor = partial(forward_plus_c_backward, model, loader, LSTM_CLASSES)

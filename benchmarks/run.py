@@ -335,9 +335,9 @@ CASES = {
 }
 
 
-#: The cases whose models and data come from the harness, so that ``--device cuda`` puts them on
-#: the GPU (the others build their own; the Lanczos reference of ``lowrank-accuracy-mlp`` runs
-#: SciPy on the host).
+#: The cases whose models and data come from the harness or follow its device (``bert.py``), so
+#: that ``--device cuda`` puts them on the GPU (the others build their own; the Lanczos
+#: reference of ``lowrank-accuracy-mlp`` runs SciPy on the host).
 GPU_CASES = [
     name
     for name in CASES
@@ -346,7 +346,6 @@ GPU_CASES = [
     and name not in POSITION_CASES
     and name not in LARGE_VOCAB_CASES
     and name not in LARGE_VOCAB_ALL_CASES
-    and name not in BERT_CASES
     and name != "lowrank-accuracy-mlp"
 ]
 
