@@ -10,18 +10,19 @@ and 48 neutral tokens (52-99); ids 100-255 never occur in the training text. A s
 Its class y ∈ {0, 1, 2} is drawn first; each content token is a signal token with probability
 1/2, from group y with probability 0.6 and from each other group with 0.2, neutral otherwise.
 The class is thus decided by which group's tokens are the most frequent, with genuine
-ambiguity in short sequences (a Bayes-optimal classifier is right about 85% of the time): the
-uncertainty a classifier should report is not zero even in distribution.
+ambiguity in short sequences (the Bayes-optimal classifier, the most frequent group, is right
+87.6% of the time, NLL 0.308): the uncertainty a classifier should report is not zero even in
+distribution.
 
-Pretraining and fine-tuning. The body is first pretrained on a related task (which of groups 0
-and 1 has more tokens; a stand-in for ``from_pretrained``), then fine-tuned on 1,024 sequences
+Pretraining and fine-tuning. The body is first pretrained on a related task (which group has
+the fewest tokens; a stand-in for ``from_pretrained``), then fine-tuned on 1,024 sequences
 of the three-class task in two ways: every weight (AdamW, weight decay), and LoRA (peft, rank
 8 on query and value, the classification head trained too, the body frozen).
 
 Test sets. 1,024 sequences of the task (*clean*), 1,024 with half as many signal tokens
-(*shifted*: less evidence per sequence, accuracy drops), and 1,024 sequences of never-seen ids
-100-255 (*OOD*): the AUROC of the predictive entropy for telling them from the clean set is
-``ood_auroc``.
+(*shifted*: less evidence per sequence, Bayes-optimal accuracy 75.8%), and 1,024 sequences of
+never-seen ids 100-255 (*OOD*): the AUROC of the predictive entropy for telling them from the
+clean set is ``ood_auroc``.
 
 Laplace approximations (every prior precision tuned by the marginal likelihood, GLM predictive
 with the probit link), on the dict batches of Hugging Face (``input_ids``, ``attention_mask``,
@@ -34,9 +35,16 @@ with the probit link), on the dict batches of Hugging Face (``input_ids``, ``att
 - the same model in bfloat16 (``model.to(torch.bfloat16)``): MAP, last-layer and all-weights
   KFAC, the curvature accumulated in float32; compared with the float32 rows.
 
+What it shows (the table and its reading: ``docs/tutorials/bert.md``): the MAP network is
+over-confident, little on clean data and much under the shift; last-layer KFAC is nearly free
+and lowers the NLL but leaves most of the shifted over-confidence; the all-weights
+approximations are the best calibrated under the shift and all-weights KFAC the best at telling
+never-seen tokens apart, at about 9× the MAP's prediction time; LoRA + head KFAC gets much of
+that with 5% of the weights. No approximation wins on every metric.
+
 Writes ``reliability.png`` and ``metrics.json`` under ``outputs/bert_example/`` (or
 ``--output DIR``), prints the table and the folder. About 2 minutes on 2 CPU cores; ``--quick``
-runs a small configuration in well under a minute (tests).
+runs a small configuration (tests).
 """
 
 from __future__ import annotations
