@@ -37,10 +37,10 @@ with the probit link), on the dict batches of Hugging Face (``input_ids``, ``att
 
 What it shows (the table and its reading: ``docs/tutorials/bert.md``): the MAP network is
 over-confident, little on clean data and much under the shift; last-layer KFAC is nearly free
-and lowers the NLL but leaves most of the shifted over-confidence; the all-weights
+and lowers the NLL but leaves much of the shifted over-confidence; the all-weights
 approximations are the best calibrated under the shift and all-weights KFAC the best at telling
-never-seen tokens apart, at about 9× the MAP's prediction time; LoRA + head KFAC gets much of
-that with 5% of the weights. No approximation wins on every metric.
+never-seen tokens apart, at about 9× the MAP's prediction time; LoRA + head KFAC, with 5% of the
+weights, is nearly as well calibrated under the shift. No approximation wins on every metric.
 
 Writes ``reliability.png`` and ``metrics.json`` under ``outputs/bert_example/`` (or
 ``--output DIR``), prints the table and the folder. About 2 minutes on 2 CPU cores; ``--quick``
