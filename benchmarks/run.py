@@ -17,7 +17,9 @@ The scaling
 table (N and width) is ``benchmarks/scaling.py``. The ``binary-*`` cases time
 ``likelihood="binary_classification"`` against ``"classification"`` on the MLP; the
 ``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions;
-``large-vocab-ll-kron`` is the 32,000-class head of ``benchmarks/large_vocab.py``.
+``large-vocab-ll-kron`` is the 32,000-class head of ``benchmarks/large_vocab.py``; the
+``fit-*-bert*`` and ``fit-*-lstm`` cases (``benchmarks/bert.py``) all-weights fits of a 4-layer
+BERT (trainable position embeddings, float32 and bfloat16) and of a 2-layer LSTM classifier.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from bert import BERT_CASES
 from frontier import FRONTIER_CASES
 from harness import (
     BATCH,
@@ -328,12 +331,13 @@ CASES = {
     **POSITION_CASES,
     **LARGE_VOCAB_CASES,
     **LARGE_VOCAB_ALL_CASES,
+    **BERT_CASES,
 }
 
 
-#: The cases whose models and data come from the harness, so that ``--device cuda`` puts them on
-#: the GPU (the others build their own; the Lanczos reference of ``lowrank-accuracy-mlp`` runs
-#: SciPy on the host).
+#: The cases whose models and data come from the harness or follow its device (``bert.py``), so
+#: that ``--device cuda`` puts them on the GPU (the others build their own; the Lanczos
+#: reference of ``lowrank-accuracy-mlp`` runs SciPy on the host).
 GPU_CASES = [
     name
     for name in CASES

@@ -1,4 +1,4 @@
-"""The examples `make demo` runs: a short run of each writes the outputs its docs describe."""
+"""The examples `make demo` runs, and the BERT example (slow): short runs write their outputs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("accuracy", "ece", "nll", "brier")
@@ -44,3 +46,35 @@ def test_calibration_example_quick_writes_metrics_and_figure(tmp_path):
                 assert isinstance(value, float) and math.isfinite(value), (model, key, value)
             assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["ece"] <= 1.0
     assert math.isfinite(metrics["clean"]["MAP"]["ood_auroc"])
+
+
+@pytest.mark.slow
+def test_bert_example_quick_writes_metrics_for_every_approximation(tmp_path):
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    done = run_example("bert_example.py", "--quick", "--output", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert str(tmp_path) in done.stdout
+    assert (tmp_path / "reliability.png").stat().st_size > 0
+    summary = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = summary["metrics"]
+    expected = {"MAP", "MAP LoRA", "MAP bf16", *summary["laplace"]}
+    assert set(summary["laplace"]) == {
+        "LA last-layer KFAC",
+        "LA all-weights diag",
+        "LA all-weights KFAC",
+        "LA LoRA + head KFAC",
+        "LA last-layer KFAC, bf16",
+        "LA all-weights KFAC, bf16",
+    }
+    assert set(metrics["clean"]) == set(metrics["shifted"]) == expected
+    for split in metrics.values():
+        for name, result in split.items():
+            for key in ("accuracy", "ece", "nll"):
+                value = result[key]
+                assert isinstance(value, float) and math.isfinite(value), (name, key, value)
+            assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["ece"] <= 1.0
+    for name, result in metrics["clean"].items():
+        assert 0.0 <= result["ood_auroc"] <= 1.0, name
+    for name, fitted in summary["laplace"].items():
+        assert fitted["n_params"] > 0 and fitted["prior_precision"] > 0, name
