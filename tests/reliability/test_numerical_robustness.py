@@ -6,6 +6,8 @@ precision (refused: see README, "Half precision"), indefinite curvature.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from corpus import EXTRA
@@ -15,7 +17,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import CASE_BUILDERS, Oracle, assert_close
 from laplace import DiagLaplace, FullLaplace, Laplace
 from laplace.posteriors import NotPositiveDefiniteError
-from laplace.utils.errors import ArgumentTypeError
 
 #: Weight-space structures: (subset, structure).
 STRUCTURES = [
@@ -134,14 +135,16 @@ def test_float32_dense_cholesky_failure_says_why():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(("subset", "structure"), [*STRUCTURES, ("all", "gp")], ids=[*IDS, "gp"])
-def test_half_precision_is_refused_with_a_way_out(subset, structure, dtype):
+def test_half_precision_networks_get_a_float32_posterior(subset, structure, dtype):
     case = CASE_BUILDERS["mlp_classification"]()
     model = case.model.to(dtype)
     extra = {**EXTRA.get(subset, {}), **EXTRA.get(structure, {})}
-    with pytest.raises(ArgumentTypeError, match=rf"float32 or float64.*{dtype}.*model\.float"):
-        la = Laplace(model, "classification", subset, structure, **extra)
-        # a last layer is only known on the first batch: refused there, before any curvature
-        la.fit(DataLoader(TensorDataset(case.X.to(dtype), case.y), batch_size=5))
+    la = Laplace(model, "classification", subset, structure, **extra)
+    la.fit(DataLoader(TensorDataset(case.X.to(dtype), case.y), batch_size=5))
+    assert la.mean.dtype == torch.float32
+    assert math.isfinite(la.log_marginal_likelihood().item())
+    probs = la(case.X[:3].to(dtype), link_approx="probit")
+    assert probs.dtype == torch.float32 and bool(probs.isfinite().all())
 
 
 def test_indefinite_curvature_is_explained_not_nan():

@@ -26,7 +26,7 @@ from laplace.posteriors.jacobians import (
 )
 from laplace.posteriors.large_output import variances_only_reason
 from laplace.posteriors.last_layer import head_features
-from laplace.utils.data import Inputs
+from laplace.utils.data import HALF_DTYPES, Inputs, posterior_dtype, upcast
 from laplace.utils.errors import ArgumentTypeError, MetaDeviceError, NotFittedError
 from laplace.utils.feature_extractor import FeatureExtractor, as_feature_extractor
 from laplace.utils.outputs import OutputLayout
@@ -60,9 +60,9 @@ def check_parameters(named: list[tuple[str, Tensor]]) -> None:
 
     Raises:
         MetaDeviceError: If a parameter is on the ``meta`` device (it holds no values).
-        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) for float16/bfloat16 or
-            mixed floating-point types: curvature sums, Cholesky factors and log-determinants
-            need float32 or float64 (docs/migration.md, "Half precision is refused").
+        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) for mixed floating-point
+            types, or a type other than float32, float64, bfloat16 and float16 (a
+            half-precision network gets a float32 posterior).
         ValueError: If the parameters lie on several devices.
     """
     meta = [n for n, p in named if p.device.type == "meta"]
@@ -72,12 +72,12 @@ def check_parameters(named: list[tuple[str, Tensor]]) -> None:
             "materialise the model (e.g. model.to_empty(device=...) and load its weights) first."
         )
     dtypes = {p.dtype for _, p in named}
-    if not dtypes <= set(POSTERIOR_DTYPES) or len(dtypes) > 1:
+    if not dtypes <= {*POSTERIOR_DTYPES, *HALF_DTYPES} or len(dtypes) > 1:
         found = sorted(str(d) for d in dtypes)
         raise ArgumentTypeError(
-            f"the posterior needs parameters of one dtype, float32 or float64; the model's are "
-            f"{found}. Convert the model (e.g. model.float() or model.double()); half precision "
-            "cannot hold the curvature sums and Cholesky factors reliably."
+            f"the posterior needs parameters of one dtype, float32, float64, bfloat16 or "
+            f"float16; the model's are {found}. Convert the model (e.g. model.float()) or "
+            "freeze the parameters the posterior should not cover."
         )
     devices = {p.device for _, p in named}
     if len(devices) > 1:
@@ -152,22 +152,25 @@ class _FlatParameters:
 
     @property
     def dtype(self) -> torch.dtype:
-        """Floating-point type of the parameters."""
-        return self.params[0].dtype
+        """Floating-point type of the posterior: the parameters', float32 for half precision."""
+        return posterior_dtype(self.params[0].dtype)
 
     @property
     def curvature_params(self) -> list[Tensor]:
-        """Tensors shaped as the blocks of the curvature over the subset: its parameters."""
-        return self.params
+        """Tensors shaped as the blocks of the curvature over the subset, in the posterior's type.
+
+        The parameters themselves; float32 copies of half-precision ones.
+        """
+        return [p if p.dtype == self.dtype else p.detach().to(self.dtype) for p in self.params]
 
     def vector(self) -> Tensor:
-        """The current weights as one vector, shape (P,)."""
-        return torch.cat([p.reshape(-1) for p in self.params])
+        """The current weights as one vector in the posterior's type, shape (P,)."""
+        return torch.cat([p.reshape(-1) for p in self.params]).to(self.dtype)
 
     def unflatten(self, theta: Tensor) -> dict[str, Tensor]:
-        """Split a vector (P,) into named parameter tensors."""
+        """Split a vector (P,) into named parameter tensors (in the parameters' own types)."""
         chunks = torch.split(theta, self.sizes)
-        return {n: c.view_as(p) for n, c, p in zip(self.names, chunks, self.params)}
+        return {n: c.view_as(p).to(p.dtype) for n, c, p in zip(self.names, chunks, self.params)}
 
 
 class AllWeights(_FlatParameters):
@@ -201,9 +204,10 @@ class AllWeights(_FlatParameters):
 
     def forward_samples(self, thetas: Tensor, X: Any, **model_kwargs: Any) -> Tensor:
         """Model outputs for weight samples (S, P) → (S, B, C), leaving the model unchanged."""
-        return torch.stack(
-            [functional_call(self.model, self.unflatten(t), (X,), model_kwargs) for t in thetas]
-        )
+        outputs = [
+            functional_call(self.model, self.unflatten(t), (X,), model_kwargs) for t in thetas
+        ]
+        return upcast(torch.stack(outputs))
 
     def jacobian_kind(self, closed_forms: Collection[type[Jacobian]]) -> type[Jacobian]:
         """The Jacobian kind ``linearize`` returns, given the posterior's closed forms."""
@@ -312,7 +316,7 @@ class Subnetwork(AllWeights):
     @property
     def curvature_params(self) -> list[Tensor]:
         """One vector of K entries: the curvature covers the subnetwork only."""
-        return [self.params[0].new_empty(self.n_subnet)]
+        return [self.params[0].new_empty(self.n_subnet, dtype=self.dtype)]
 
     def select(self, theta: Tensor) -> Tensor:
         """Subnetwork entries of full vectors: (..., P) → (..., K)."""
@@ -418,7 +422,9 @@ class LastLayer(_FlatParameters):
     @property
     def dtype(self) -> torch.dtype:
         """Floating-point type of the head, or of the model while the head is unknown."""
-        return super().dtype if self.resolved else next(self.model.parameters()).dtype
+        if self.resolved:
+            return super().dtype
+        return posterior_dtype(next(self.model.parameters()).dtype)
 
     def outputs_and_features(self, X: Inputs, **model_kwargs: Any) -> tuple[Tensor, Tensor]:
         """Model outputs (B, C) and head inputs φ from one forward pass.
@@ -427,7 +433,7 @@ class LastLayer(_FlatParameters):
         forms apply); otherwise (e.g. (B, T, D) without ``feature_reduction``, or reward pairs)
         callers fall back to autograd routes.
         """
-        return self.model.forward_with_features(X, **model_kwargs)
+        return upcast(self.model.forward_with_features(X, **model_kwargs))
 
     def head(self, thetas: Tensor, phi: Tensor) -> Tensor:
         """Head outputs for weight samples: thetas (S, P), features (B, D) → (S, B, C)."""
@@ -444,9 +450,8 @@ class LastLayer(_FlatParameters):
         if self.one_row_per_point(f, phi):
             return self.head(thetas, phi)
         net = self.model.model
-        return torch.stack(
-            [functional_call(net, self.unflatten(t), (X,), model_kwargs) for t in thetas]
-        )
+        outputs = [functional_call(net, self.unflatten(t), (X,), model_kwargs) for t in thetas]
+        return upcast(torch.stack(outputs))
 
     @staticmethod
     def one_row_per_point(f: Tensor, phi: Tensor) -> bool:

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from laplace.curvature.layer_rules import ModuleCall
-from laplace.utils.data import Inputs
+from laplace.utils.data import Inputs, upcast
 
 __all__ = ["Columns", "OutputGradients", "column_chunks", "record_forward"]
 
@@ -154,6 +154,7 @@ def record_forward(
             return None
         if not keep_input_graph:
             args, kwargs = tree_map_only(Tensor, Tensor.detach, (args, kwargs))
+        args, kwargs = upcast((args, kwargs))  # the rules compute in float32
         dims = _native_dims(module, args, len(tensors))
         if dims is not None:
             args, kwargs = _batch_first_args(module, args, kwargs)
@@ -285,4 +286,5 @@ class OutputGradients:
         found = iter(
             z.new_zeros(*lead, *z.shape) if g is None else g for z, g in zip(self._outputs, grads)
         )
+        found = iter(upcast(list(found)))  # half-precision layers: their rules run in float32
         return [[next(found) for _ in call.outputs] for call in self.calls]

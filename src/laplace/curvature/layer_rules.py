@@ -168,7 +168,7 @@ def _running_batch_norm(m: nn.Module, a: Tensor) -> Tensor:
             "track_running_stats=False), which couple the data points of a batch: per-sample "
             "gradients need its running statistics; call model.eval() first."
         )
-    return F.batch_norm(a, m.running_mean, m.running_var, eps=m.eps)
+    return F.batch_norm(a, m.running_mean.to(a), m.running_var.to(a), eps=m.eps)
 
 
 _BATCH_NORM = _normalisation(_running_batch_norm, channels=True)
@@ -284,9 +284,12 @@ def _recurrent(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
             sequences = []
             for direction in range(directions):
                 suffix = f"_l{layer}{'_reverse' if direction else ''}"
-                W_ih, W_hh = (getattr(m, f"weight_{w}{suffix}").detach() for w in ("ih", "hh"))
+                W_ih, W_hh = (
+                    getattr(m, f"weight_{w}{suffix}").detach().to(x) for w in ("ih", "hh")
+                )
                 b_ih, b_hh = (
-                    getattr(m, f"bias_{b}{suffix}").detach() if m.bias else 0 for b in ("ih", "hh")
+                    getattr(m, f"bias_{b}{suffix}").detach().to(x) if m.bias else 0
+                    for b in ("ih", "hh")
                 )
                 inputs = layer_input.flip(1) if direction else layer_input
                 ih = inputs @ W_ih.T + b_ih

@@ -26,7 +26,7 @@ from laplace.curvature.layer_rules import (
     selected_per_sample_grads,
 )
 from laplace.curvature.square_sums import SQUARE_SUM_RULES
-from laplace.utils.data import Inputs
+from laplace.utils.data import Inputs, upcast
 from laplace.utils.linalg import symmetric_gram
 
 __all__ = ["COLUMNS_PER_BACKWARD", "Columns", "PerSampleEngine", "PerSampleTrace"]
@@ -111,7 +111,7 @@ class PerSampleEngine:
             The trace, from which curvature sums and per-sample gradients are computed.
         """
         f, calls = record_forward(self.model, self.owners, x, create_graph, self.shared)
-        return PerSampleTrace(self, f, calls, create_graph)
+        return PerSampleTrace(self, upcast(f), calls, create_graph)
 
 
 class PerSampleTrace:
@@ -303,7 +303,7 @@ class PerSampleTrace:
                 create_graph=self.create_graph,
                 allow_unused=True,
             )
-            found = {slot: g for slot, g in enumerate(grads) if g is not None}
+            found = {slot: upcast(g) for slot, g in enumerate(grads) if g is not None}
             rows.append(self._flatten(found, (len(index),)))
         return torch.cat(rows)
 

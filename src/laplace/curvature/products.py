@@ -26,7 +26,7 @@ from laplace.curvature.block_product import BlockSum, ParameterBlock, SampleVect
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.curvlinops import CurvlinopsHessian
 from laplace.curvature.registry import available_optional, load_optional
-from laplace.utils.data import batch_size_of
+from laplace.utils.data import batch_size_of, posterior_dtype
 
 __all__ = [
     "PASS_CACHE_BYTES",
@@ -98,7 +98,7 @@ class NativeProduct:
         self._resume: Tensor | None = None
         p = backend.params[0]
         self.n_params = sum(q.numel() for q in backend.params)
-        self.dtype, self.device = p.dtype, p.device
+        self.dtype, self.device = posterior_dtype(p.dtype), p.device
 
     def batches(self) -> Iterator[SampleVectors]:
         """Per batch, its per-sample vectors ``G`` as a map on blocks: one pass.

@@ -20,7 +20,7 @@ from laplace.functional.ntk import DenseJacobian, FactoredJacobian
 from laplace.likelihoods import LikelihoodModel
 from laplace.posteriors import NotPositiveDefiniteError
 from laplace.posteriors.glm import jacobian_chunk_rows
-from laplace.utils.data import Inputs, input_chunks, to_device
+from laplace.utils.data import Inputs, input_chunks, move_inputs, to_device
 from laplace.utils.errors import check_finite_result
 
 __all__ = ["Jacobians", "SubsetKernel"]
@@ -266,7 +266,9 @@ class SubsetKernel:
     ) -> SubsetKernel:
         """Rebuild from ``state`` on ``device`` (floating-point tensors in ``dtype``).
 
+        The subset's inputs keep their own type (the model's, half precision included).
         ``options`` are the keyword arguments of the constructor.
         """
-        values = [to_device(state[key], device, dtype) for key in cls.STATE_KEYS]
-        return cls(*values, **options)
+        inputs, *values = cls.STATE_KEYS
+        values = [to_device(state[key], device, dtype) for key in values]
+        return cls(move_inputs(state[inputs], device), *values, **options)

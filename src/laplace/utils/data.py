@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_map_only
 from torch.utils.data import (
     DataLoader,
     RandomSampler,
@@ -26,6 +27,7 @@ from laplace.utils.errors import (
 )
 
 __all__ = [
+    "HALF_DTYPES",
     "Inputs",
     "SoDSampler",
     "batch_size_of",
@@ -34,6 +36,7 @@ __all__ = [
     "dataset_size",
     "input_chunks",
     "move_inputs",
+    "posterior_dtype",
     "prepare_batch",
     "prepare_inputs",
     "select_rows",
@@ -42,10 +45,25 @@ __all__ = [
     "subset_loader",
     "to_device",
     "training_indices",
+    "upcast",
 ]
 
 #: Model inputs: a tensor, or a mapping whose values the model reads by key.
 Inputs = Tensor | MutableMapping[str, Any]
+
+
+#: Half-precision types a network may run in; curvature and posterior are computed in float32.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def posterior_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The type quantities of a network running in ``dtype`` are computed in (float32 for half)."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+def upcast(value: Any) -> Any:
+    """Half-precision tensors of a pytree in float32; anything else as it is."""
+    return tree_map_only(Tensor, lambda t: t.float() if t.dtype in HALF_DTYPES else t, value)
 
 
 def split_batch(batch: Any, dict_key_x: str | None, dict_key_y: str) -> tuple[Inputs, Tensor]:

@@ -1,0 +1,146 @@
+"""Half-precision networks: the network runs in bfloat16 / float16, the posterior in float32.
+
+The reference is the same network cast to float32 (its weights are the half-precision ones,
+exactly) on the same inputs (rounded to half precision first), so the two differ only by the
+rounding of the half-precision forward and backward passes.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from laplace import Laplace
+
+#: Unit roundoff u of each half type (bfloat16: 8 significant bits, float16: 11).
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+#: Roundings along one path through the tiny networks: each layer's forward and backward
+#: product and activation round once (u each), about 8 of them from input to curvature; the
+#: curvature's relative Frobenius error is then at most about 8u.
+ROUNDINGS = 8
+N_CLASSES = 3
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, N_CLASSES))
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, N_CLASSES)
+    )
+
+
+class TinyBert(nn.Module):
+    """Logits (B, C) of a one-layer BERT from a config, position embeddings trainable."""
+
+    def __init__(self):
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        config = transformers.BertConfig(
+            vocab_size=13, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=8, max_position_embeddings=8, num_labels=N_CLASSES,
+            attn_implementation="eager",
+        )  # fmt: skip
+        self.bert = transformers.BertForSequenceClassification(config)
+
+    def forward(self, tokens):
+        return self.bert(input_ids=tokens).logits
+
+
+def data(name: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        return torch.randn(48, 4, generator=gen)
+    if name == "cnn":
+        return torch.randn(48, 1, 6, 6, generator=gen)
+    return torch.randint(0, 13, (48, 5), generator=gen)
+
+
+BUILDERS = {"mlp": mlp, "cnn": cnn, "bert": TinyBert}
+
+
+def pair(name: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, DataLoader, DataLoader]:
+    """A half-precision network and its float32 copy, with loaders of the same inputs."""
+    torch.manual_seed(0)
+    half = BUILDERS[name]().to(dtype).eval()
+    single = BUILDERS[name]().eval()
+    single.load_state_dict({k: v.float() for k, v in half.state_dict().items()})
+    X = data(name)
+    X_half = X.to(dtype) if X.is_floating_point() else X
+    X_single = X_half.float() if X.is_floating_point() else X
+    y = torch.randint(0, N_CLASSES, (len(X),), generator=torch.Generator().manual_seed(2))
+    return (
+        half,
+        single,
+        DataLoader(TensorDataset(X_half, y), batch_size=16),
+        DataLoader(TensorDataset(X_single, y), batch_size=16),
+    )
+
+
+def dense(la) -> torch.Tensor:
+    P = la.posterior_precision
+    return P.to_matrix() if hasattr(P, "to_matrix") else P
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "bert"])
+def test_half_precision_posterior_is_the_float32_one_within_the_forward_rounding(
+    name, subset, structure, dtype
+):
+    half, single, half_loader, single_loader = pair(name, dtype)
+    fitted = {}
+    for model, loader in ((half, half_loader), (single, single_loader)):
+        la = Laplace(model, "classification", subset, structure, prior_precision=0.5)
+        la.fit(loader)
+        fitted[model] = la
+    la_half, la_single = fitted[half], fitted[single]
+    assert la_half.mean.dtype == torch.float32
+    assert next(half.parameters()).dtype == dtype  # the network keeps running in its type
+    expected = dense(la_single)
+    error = (dense(la_half) - expected).norm() / expected.norm()
+    assert error <= ROUNDINGS * UNIT_ROUNDOFF[dtype], error
+    la_half.optimize_prior_precision(method="marglik", n_steps=5)
+    X = next(iter(half_loader))[0][:5]
+    probs = la_half(X, link_approx="probit")
+    assert probs.dtype == torch.float32 and torch.allclose(probs.sum(-1), torch.ones(5))
+    f_mu, f_var = la_half._functional_moments(X)
+    assert f_mu.dtype == f_var.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "subset, structure, kwargs",
+    [
+        ("all", "full", {}),
+        ("all", "lowrank", {}),
+        ("subnetwork", "full", {"subnetwork_indices": torch.tensor([0, 3, 70, 120])}),
+        ("all", "gp", {"n_subset": 10}),
+    ],
+    ids=["full", "lowrank", "subnetwork", "gp"],
+)
+def test_every_structure_fits_predicts_samples_and_round_trips_in_bfloat16(
+    subset, structure, kwargs
+):
+    half, _, loader, _ = pair("mlp", torch.bfloat16)
+    la = Laplace(half, "classification", subset, structure, **kwargs)
+    la.fit(loader)
+    X = next(iter(loader))[0][:5]
+    probs = la(X, link_approx="probit")
+    assert probs.dtype == torch.float32
+    if structure != "gp":
+        samples = la(X, pred_type="nn", link_approx="mc", n_samples=4)
+        assert samples.dtype == torch.float32
+    assert next(half.parameters()).dtype == torch.bfloat16
+    buffer = io.BytesIO()
+    torch.save(la.state_dict(), buffer)
+    buffer.seek(0)
+    restored = Laplace(half, "classification", subset, structure, **kwargs)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    assert restored.mean.dtype == torch.float32
+    assert torch.equal(restored(X, link_approx="probit"), probs)
