@@ -144,3 +144,29 @@ def test_every_structure_fits_predicts_samples_and_round_trips_in_bfloat16(
     restored.load_state_dict(torch.load(buffer, weights_only=True))
     assert restored.mean.dtype == torch.float32
     assert torch.equal(restored(X, link_approx="probit"), probs)
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("subset", "structure"), [("all", "kron"), ("last_layer", "full")])
+def test_dtype_argument_asks_for_a_float64_posterior(source, subset, structure):
+    """``dtype=torch.float64``: the network runs in its type, everything after it in float64."""
+    half, single, loader, single_loader = pair("mlp", torch.bfloat16)
+    model, loader = (half, loader) if source == torch.bfloat16 else (single, single_loader)
+    la = Laplace(model, "classification", subset, structure, dtype=torch.float64)
+    la.fit(loader)
+    assert la.dtype == torch.float64 and la.mean.dtype == torch.float64
+    assert dense(la).dtype == torch.float64
+    reference = Laplace(single, "classification", subset, structure)
+    reference.fit(single_loader)
+    error = (dense(la) - dense(reference)).norm() / dense(reference).norm()
+    assert error <= ROUNDINGS * UNIT_ROUNDOFF[torch.bfloat16], error
+    X = next(iter(loader))[0][:5]
+    assert la(X, link_approx="probit").dtype == torch.float64
+    assert la.log_marginal_likelihood().dtype == torch.float64
+    assert next(model.parameters()).dtype == source
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int64, "float64"], ids=str)
+def test_a_bad_dtype_is_refused_naming_the_argument(dtype):
+    with pytest.raises(ValueError, match=r"dtype must be None.*torch.float32 or torch.float64"):
+        Laplace(mlp(), "classification", dtype=dtype)

@@ -172,6 +172,7 @@ class LLLaplace(ParametricLaplace):
         asdl_fisher_kwargs: dict[str, Any] | None = None,
         class_dim: int | None = None,
         ignore_index: int = IGNORE_INDEX,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if asdl_fisher_kwargs is not None:
             raise ValueError("last-layer Laplace does not support asdl_fisher_kwargs.")
@@ -301,6 +302,7 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         class_dim: int | None = None,
         ignore_index: int = IGNORE_INDEX,
         output_factor_rank: int = OUTPUT_FACTOR_RANK,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.damping = damping
         self.output_factor_rank = check_positive_int(output_factor_rank, "output_factor_rank")

@@ -88,6 +88,7 @@ class SubnetLaplace(ParametricLaplace):
         dict_key_y: str = "labels",
         class_dim: int | None = None,
         ignore_index: int = IGNORE_INDEX,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if asdl_fisher_kwargs is not None:
             raise ValueError("subnetwork Laplace does not support asdl_fisher_kwargs.")

@@ -25,7 +25,7 @@ from laplace.core.priors import (
     fix_prior_prec_structure,
 )
 from laplace.core.serialization import MEAN_MATCH_ATOL, StateFormat, check_state_dict
-from laplace.core.subsets import AllWeights, check_parameters
+from laplace.core.subsets import AllWeights, check_parameters, check_posterior_dtype
 from laplace.core.transaction import TRANSACTIONAL_METHODS, transactional
 from laplace.core.tuning import grid_candidates, gridsearch, maximize_marglik
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
@@ -104,6 +104,10 @@ class BaseLaplace:
             is ambiguous (an error says so).
         ignore_index: Classification: the label whose positions (or data points) are dropped
             from the loss and the curvature, as in ``nn.CrossEntropyLoss`` and Hugging Face.
+        dtype: Floating-point type of the curvature, posterior, marginal likelihood and
+            predictions: ``torch.float32`` or ``torch.float64``; None: the parameters' type,
+            float32 for a half-precision (bfloat16, float16) network, which keeps running in
+            its own type.
 
     Raises:
         ValueError: For an unknown likelihood, a non-positive σ or T, or a bad prior; an
@@ -162,6 +166,7 @@ class BaseLaplace:
         asdl_fisher_kwargs: dict[str, Any] | None = None,
         class_dim: int | None = None,
         ignore_index: int = IGNORE_INDEX,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if type(self).__dict__.get("_abstract"):
             raise AbstractClassError(f"{type(self).__name__} is abstract: {type(self)._abstract}")
@@ -176,6 +181,7 @@ class BaseLaplace:
         self._subset = self._subset_kind.for_model(
             unwrap_model(model), self._likelihood_model, **self._subset_options
         )
+        self.dtype = self._subset.requested_dtype = check_posterior_dtype(dtype)
         self.model = self._subset.model
         self._bind_subset()
         self.temperature = check_temperature(temperature)
@@ -282,6 +288,9 @@ class BaseLaplace:
                 dict_key_y=self.dict_key_y,
                 **kwargs,
             )
+            engine = getattr(self._backend, "engine", None)
+            if engine is not None:  # the native engine computes in the posterior's type
+                engine.dtype = self._dtype
         return self._backend
 
     # ------------------------------------------------------------------------ hyperparameters

@@ -37,6 +37,7 @@ __all__ = [
     "LastLayer",
     "Subnetwork",
     "check_parameters",
+    "check_posterior_dtype",
     "check_subnetwork_indices",
     "extractor_property",
 ]
@@ -50,6 +51,20 @@ MISSING_SUBNETWORK_INDICES = (
     "flattened trainable parameters (e.g. torch.tensor([0, 5, 9]) or "
     "SubnetMask(...).select(train_loader))."
 )
+
+
+def check_posterior_dtype(dtype: Any) -> torch.dtype | None:
+    """The ``dtype`` argument of a Laplace class: None, ``torch.float32`` or ``torch.float64``.
+
+    Raises:
+        ArgumentTypeError: (a ``ValueError`` and a ``TypeError``) for anything else.
+    """
+    if dtype is not None and dtype not in POSTERIOR_DTYPES:
+        raise ArgumentTypeError(
+            f"dtype must be None (the parameters' type, float32 for a half-precision network), "
+            f"torch.float32 or torch.float64, got {dtype!r}."
+        )
+    return dtype
 
 
 def check_parameters(named: list[tuple[str, Tensor]]) -> None:
@@ -111,6 +126,8 @@ class _FlatParameters:
     backend_options: ClassVar[dict[str, Any]] = {}
     #: Objects besides the approximation that a failed call must restore (a last layer found).
     stateful_parts: tuple[Any, ...] = ()
+    #: The posterior's type asked for (the ``dtype`` argument); None: from the parameters.
+    requested_dtype: torch.dtype | None = None
 
     @property
     def prior_lengths(self) -> tuple[int | None, int | None]:
@@ -152,8 +169,8 @@ class _FlatParameters:
 
     @property
     def dtype(self) -> torch.dtype:
-        """Floating-point type of the posterior: the parameters', float32 for half precision."""
-        return posterior_dtype(self.params[0].dtype)
+        """Floating-point type of the posterior: as asked, else the parameters' (half: float32)."""
+        return self.requested_dtype or posterior_dtype(self.params[0].dtype)
 
     @property
     def curvature_params(self) -> list[Tensor]:
@@ -207,7 +224,7 @@ class AllWeights(_FlatParameters):
         outputs = [
             functional_call(self.model, self.unflatten(t), (X,), model_kwargs) for t in thetas
         ]
-        return upcast(torch.stack(outputs))
+        return upcast(torch.stack(outputs), self.dtype)
 
     def jacobian_kind(self, closed_forms: Collection[type[Jacobian]]) -> type[Jacobian]:
         """The Jacobian kind ``linearize`` returns, given the posterior's closed forms."""
@@ -424,7 +441,7 @@ class LastLayer(_FlatParameters):
         """Floating-point type of the head, or of the model while the head is unknown."""
         if self.resolved:
             return super().dtype
-        return posterior_dtype(next(self.model.parameters()).dtype)
+        return self.requested_dtype or posterior_dtype(next(self.model.parameters()).dtype)
 
     def outputs_and_features(self, X: Inputs, **model_kwargs: Any) -> tuple[Tensor, Tensor]:
         """Model outputs (B, C) and head inputs φ from one forward pass.
@@ -433,7 +450,7 @@ class LastLayer(_FlatParameters):
         forms apply); otherwise (e.g. (B, T, D) without ``feature_reduction``, or reward pairs)
         callers fall back to autograd routes.
         """
-        return upcast(self.model.forward_with_features(X, **model_kwargs))
+        return upcast(self.model.forward_with_features(X, **model_kwargs), self.dtype)
 
     def head(self, thetas: Tensor, phi: Tensor) -> Tensor:
         """Head outputs for weight samples: thetas (S, P), features (B, D) → (S, B, C)."""
@@ -451,7 +468,7 @@ class LastLayer(_FlatParameters):
             return self.head(thetas, phi)
         net = self.model.model
         outputs = [functional_call(net, self.unflatten(t), (X,), model_kwargs) for t in thetas]
-        return upcast(torch.stack(outputs))
+        return upcast(torch.stack(outputs), self.dtype)
 
     @staticmethod
     def one_row_per_point(f: Tensor, phi: Tensor) -> bool:

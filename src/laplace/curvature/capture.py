@@ -113,6 +113,7 @@ def record_forward(
     x: Inputs,
     keep_input_graph: bool,
     shared: dict[nn.Module, bool] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, list[ModuleCall]]:
     """Run ``model(x)`` recording every call of the modules in ``owners``.
 
@@ -135,6 +136,8 @@ def record_forward(
         keep_input_graph: Keep the recorded inputs attached to the graph (needed to
             differentiate results w.r.t. ``x``).
         shared: Per module met with a shared output, whether it is expanded (updated here).
+        dtype: Floating-point type the recorded inputs are cast to (None: half precision to
+            float32, others as they are).
 
     Returns:
         The model output ``f`` (attached to the graph) and the recorded calls in call order.
@@ -154,7 +157,7 @@ def record_forward(
             return None
         if not keep_input_graph:
             args, kwargs = tree_map_only(Tensor, Tensor.detach, (args, kwargs))
-        args, kwargs = upcast((args, kwargs))  # the rules compute in float32
+        args, kwargs = upcast((args, kwargs), dtype)  # the rules compute in the result's type
         dims = _native_dims(module, args, len(tensors))
         if dims is not None:
             args, kwargs = _batch_first_args(module, args, kwargs)
@@ -286,5 +289,5 @@ class OutputGradients:
         found = iter(
             z.new_zeros(*lead, *z.shape) if g is None else g for z, g in zip(self._outputs, grads)
         )
-        found = iter(upcast(list(found)))  # half-precision layers: their rules run in float32
+        found = iter(upcast(list(found), self.f.dtype))  # in the type of f (float32 for half)
         return [[next(found) for _ in call.outputs] for call in self.calls]

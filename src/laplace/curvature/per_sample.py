@@ -91,6 +91,8 @@ class PerSampleEngine:
         #: Per module met with an output shared by the batch, whether it is broadcast (its
         #: expansion along the batch gives per-sample quantities; see ``record_forward``).
         self.shared: dict[nn.Module, bool] = {}
+        #: Floating-point type of the results (None: the model's, float32 for half precision).
+        self.dtype: torch.dtype | None = None
         position = {id(p): i for i, p in enumerate(self.needed)}
         self.owners: dict[nn.Module, list[str]] = {}
         self.slot: dict[tuple[nn.Module, str], int] = {}
@@ -110,8 +112,10 @@ class PerSampleEngine:
         Returns:
             The trace, from which curvature sums and per-sample gradients are computed.
         """
-        f, calls = record_forward(self.model, self.owners, x, create_graph, self.shared)
-        return PerSampleTrace(self, upcast(f), calls, create_graph)
+        f, calls = record_forward(
+            self.model, self.owners, x, create_graph, self.shared, self.dtype
+        )
+        return PerSampleTrace(self, upcast(f, self.dtype), calls, create_graph)
 
 
 class PerSampleTrace:
@@ -303,7 +307,9 @@ class PerSampleTrace:
                 create_graph=self.create_graph,
                 allow_unused=True,
             )
-            found = {slot: upcast(g) for slot, g in enumerate(grads) if g is not None}
+            found = {
+                slot: upcast(g, self.f.dtype) for slot, g in enumerate(grads) if g is not None
+            }
             rows.append(self._flatten(found, (len(index),)))
         return torch.cat(rows)
 

@@ -98,7 +98,9 @@ class NativeProduct:
         self._resume: Tensor | None = None
         p = backend.params[0]
         self.n_params = sum(q.numel() for q in backend.params)
-        self.dtype, self.device = posterior_dtype(p.dtype), p.device
+        engine = getattr(backend, "engine", None)
+        self.dtype = (engine.dtype if engine is not None else None) or posterior_dtype(p.dtype)
+        self.device = p.device
 
     def batches(self) -> Iterator[SampleVectors]:
         """Per batch, its per-sample vectors ``G`` as a map on blocks: one pass.

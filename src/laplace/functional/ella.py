@@ -102,6 +102,7 @@ class ELLA(BaseFunctionalLaplace):
         backend: type[CurvatureInterface] | None = None,
         backend_kwargs: dict[str, Any] | None = None,
         seed: int = 1234,
+        dtype: torch.dtype | None = None,
     ) -> None:
         check_positive_int(subsample_size, "subsample_size")
         if check_positive_int(n_eigenvalues, "n_eigenvalues") > subsample_size:

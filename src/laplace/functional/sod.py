@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -107,6 +108,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         backend_kwargs: dict[str, Any] | None = None,
         independent_outputs: bool = False,
         seed: int = 0,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if make_likelihood(likelihood).pairwise:
             raise ValueError(
@@ -133,7 +135,9 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         self, X: Inputs, enable_backprop: bool = False
     ) -> tuple[DenseJacobian | FactoredJacobian, Tensor]:
         """Jacobian at ``X`` (factored where the layers allow) and outputs (B, C), one pass."""
-        return trace_jacobian(PerSampleEngine(self.model, self._subset.params), X, enable_backprop)
+        engine = PerSampleEngine(self.model, self._subset.params)
+        engine.dtype = self._dtype
+        return trace_jacobian(engine, X, enable_backprop)
 
     def fit(self, train_loader: DataLoader, progress_bar: bool = False) -> None:
         """Draw the data subset and build its kernel, output curvature and scatter terms.

@@ -160,6 +160,7 @@ class VaLLA(BaseFunctionalLaplace):
         seed: int = 0,
         alpha: float = 1.0,
         mc_softmax_samples: int = 0,
+        dtype: torch.dtype | None = None,
     ) -> None:
         check_alpha(alpha, mc_softmax_samples, make_likelihood(likelihood))
         self.log_noise_variance: nn.Parameter | None = None

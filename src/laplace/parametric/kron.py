@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from laplace.core.base import BaseLaplace, arguments_for
@@ -92,6 +93,7 @@ class KronLaplace(ParametricLaplace):
         class_dim: int | None = None,
         ignore_index: int = IGNORE_INDEX,
         output_factor_rank: int = large_output.OUTPUT_FACTOR_RANK,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.damping = damping
         self.output_factor_rank = check_positive_int(output_factor_rank, "output_factor_rank")

@@ -258,6 +258,7 @@ class LowRankLaplace(ParametricLaplace):
         backend_kwargs: dict[str, Any] | None = None,
         class_dim: int | None = None,
         ignore_index: int = IGNORE_INDEX,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self._fit_pass_options = {"solver": _solver_options(backend_kwargs)}
         self.eigenvalue_errors: Tensor | None = None

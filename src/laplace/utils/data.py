@@ -61,9 +61,15 @@ def posterior_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in HALF_DTYPES else dtype
 
 
-def upcast(value: Any) -> Any:
-    """Half-precision tensors of a pytree in float32; anything else as it is."""
-    return tree_map_only(Tensor, lambda t: t.float() if t.dtype in HALF_DTYPES else t, value)
+def upcast(value: Any, dtype: torch.dtype | None = None) -> Any:
+    """Floating-point tensors of a pytree in ``dtype`` (None: half precision in float32)."""
+
+    def cast(t: Tensor) -> Tensor:
+        if dtype is None or not t.is_floating_point():
+            return t.float() if t.dtype in HALF_DTYPES else t
+        return t.to(dtype)
+
+    return tree_map_only(Tensor, cast, value)
 
 
 def split_batch(batch: Any, dict_key_x: str | None, dict_key_y: str) -> tuple[Inputs, Tensor]:
