@@ -170,3 +170,43 @@ def test_dtype_argument_asks_for_a_float64_posterior(source, subset, structure):
 def test_a_bad_dtype_is_refused_naming_the_argument(dtype):
     with pytest.raises(ValueError, match=r"dtype must be None.*torch.float32 or torch.float64"):
         Laplace(mlp(), "classification", dtype=dtype)
+
+
+#: Copies of one batch: a bfloat16 running sum would stop growing at 2**8 equal terms.
+N_COPIES = 1000
+#: float32 sums of N_COPIES equal terms: relative error at most N_COPIES float32 roundings.
+FLOAT32_SUM_RTOL = N_COPIES * 2.0**-24
+
+
+@pytest.mark.parametrize(("subset", "structure"), [("last_layer", "diag"), ("all", "kron")])
+def test_curvature_is_summed_in_float32_not_in_the_network_type(subset, structure):
+    """N copies of a batch give N times its curvature, far past where bfloat16 sums saturate."""
+    half, _, loader, _ = pair("mlp", torch.bfloat16)
+    X, y = (t[:5] for t in next(iter(loader)))
+    one = Laplace(half, "classification", subset, structure)
+    one.fit(DataLoader(TensorDataset(X, y), batch_size=5))
+    many = Laplace(half, "classification", subset, structure)
+    copies = TensorDataset(X.repeat(N_COPIES, 1), y.repeat(N_COPIES))
+    many.fit(DataLoader(copies, batch_size=50))
+    H_one, H_many = (la.H.to_matrix() if structure == "kron" else la.H for la in (one, many))
+    expected = N_COPIES * H_one
+    error = (H_many - expected).abs().max() / expected.abs().max()
+    assert error <= FLOAT32_SUM_RTOL, error
+
+
+class Widen(nn.Module):
+    """A frozen bfloat16 base's activation handing float32 features to a float32 adapter."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x).float()
+
+
+def test_float32_adapters_on_a_bfloat16_frozen_base_still_work():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 8).bfloat16().requires_grad_(False), Widen(), nn.Linear(8, 3)
+    )
+    X, y = torch.randn(20, 4).bfloat16(), torch.randint(0, N_CLASSES, (20,))
+    la = Laplace(model, "classification", "all", "kron")
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=5))
+    assert la.mean.dtype == la(X).dtype == torch.float32
