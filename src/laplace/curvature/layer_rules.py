@@ -246,31 +246,18 @@ def _recurrent_cell(module: nn.RNNBase) -> Callable[[Tensor, Tensor, Tensor, Ten
     return lambda ih, hh, h, c: (activation(ih + hh), c)
 
 
-def _recurrent(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
-    """Per-sample gradients of ``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` (recorded batch-first).
+def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tensor]]:
+    """A recurrent call unrolled with PyTorch's cell equations, for the whole batch.
 
-    Written here because the fused recurrent kernels have no ``vmap`` batching rule: the layer
-    is unrolled over time for the whole batch with PyTorch's cell equations, the output
-    gradients are pulled back to every step's two linear maps ``ihₜ = W_ih xₜ + b_ih`` and
-    ``hhₜ = W_hh hₜ₋₁ + b_hh`` (the data points stay independent), and the Linear rule gives
-    ``Σₜ δihₜ xₜᵀ``, ``Σₜ δhhₜ hₜ₋₁ᵀ`` and the bias sums per data point.
+    Returns:
+        Per direction of each layer (by parameter suffix), its inputs (R, T, D), the linear
+        maps ``ih`` (R, T, G) and ``hh`` (T of (R, G)) in the graph, and the previous hidden
+        states (R, T, H); and the unrolled outputs that the call records, in the graph.
 
     Raises:
-        ValueError: For packed sequences, LSTM projections (``proj_size``), dropout between
-            layers in training mode, or a subclass whose outputs the equations do not give.
+        ValueError: If they are not the layer's outputs (a subclass with its own forward).
     """
     m, x = call.module, call.args[0]
-    if not isinstance(x, Tensor):
-        raise ValueError(
-            f"{type(m).__name__} called on a {type(x).__name__}: per-sample curvature of a "
-            "recurrent layer needs padded sequences (nn.utils.rnn.pad_packed_sequence); "
-            "packed ones work with hessian_structure='diag' or 'full' (no exact blocks)."
-        )
-    if getattr(m, "proj_size", 0) or (m.training and m.dropout):
-        raise ValueError(
-            f"{type(m).__name__} with proj_size or dropout in training mode has no per-sample "
-            "rule; set proj_size=0 or call model.eval()."
-        )
     directions = 2 if m.bidirectional else 1
     hx = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
     if hx is None:
@@ -314,8 +301,42 @@ def _recurrent(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
                     f"{type(m).__name__}: the recurrent equations do not give the layer's "
                     "outputs (a subclass with its own forward?); no per-sample rule applies."
                 )
-        maps = [t for _, ih, _, hh in steps.values() for t in (ih, *hh)]
-        pulled = iter(torch.autograd.grad(unrolled, maps, list(grads), allow_unused=True))
+    return steps, unrolled
+
+
+def _recurrent(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Per-sample gradients of ``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` (recorded batch-first).
+
+    Written here because the fused recurrent kernels have no ``vmap`` batching rule: the layer
+    is unrolled over time for the whole batch with PyTorch's cell equations, the output
+    gradients are pulled back to every step's two linear maps ``ihₜ = W_ih xₜ + b_ih`` and
+    ``hhₜ = W_hh hₜ₋₁ + b_hh`` (the data points stay independent), and the Linear rule gives
+    ``Σₜ δihₜ xₜᵀ``, ``Σₜ δhhₜ hₜ₋₁ᵀ`` and the bias sums per data point.
+
+    Raises:
+        ValueError: For packed sequences, LSTM projections (``proj_size``), dropout between
+            layers in training mode, or a subclass whose outputs the equations do not give.
+    """
+    m, x = call.module, call.args[0]
+    if not isinstance(x, Tensor):
+        raise ValueError(
+            f"{type(m).__name__} called on a {type(x).__name__}: per-sample curvature of a "
+            "recurrent layer needs padded sequences (nn.utils.rnn.pad_packed_sequence); "
+            "packed ones work with hessian_structure='diag' or 'full' (no exact blocks)."
+        )
+    if getattr(m, "proj_size", 0) or (m.training and m.dropout):
+        raise ValueError(
+            f"{type(m).__name__} with proj_size or dropout in training mode has no per-sample "
+            "rule; set proj_size=0 or call model.eval()."
+        )
+    key = f"unrolled{len(x)}"  # kept for the other columns of the same rows
+    if key not in call.cache:
+        call.cache[key] = _unrolled_recurrence(call)  # type: ignore[assignment]
+    steps, unrolled = call.cache[key]
+    maps = [t for _, ih, _, hh in steps.values() for t in (ih, *hh)]
+    pulled = iter(
+        torch.autograd.grad(unrolled, maps, list(grads), allow_unused=True, retain_graph=True)
+    )
     out = {}
     for suffix, (inputs, ih, previous, hh) in steps.items():
         d_ih, *d_hh = (
