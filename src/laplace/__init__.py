@@ -18,10 +18,16 @@ from laplace.functional import (
     VaLLA,
 )
 from laplace.laplace import Laplace
-from laplace.lllaplace import DiagLLLaplace, FullLLLaplace, KronLLLaplace, LLLaplace
+from laplace.lllaplace import (
+    DiagLLLaplace,
+    EKFACLLLaplace,
+    FullLLLaplace,
+    KronLLLaplace,
+    LLLaplace,
+)
 from laplace.marglik_training import marglik_training
 from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
-from laplace.parametric.kron import KronLaplace
+from laplace.parametric.kron import EKFACLaplace, KronLaplace
 from laplace.parametric.lowrank import LowRankLaplace
 from laplace.subnetlaplace import DiagSubnetLaplace, FullSubnetLaplace, SubnetLaplace
 from laplace.utils.enums import (
@@ -42,6 +48,8 @@ __all__ = [
     "DiagLLLaplace",
     "DiagLaplace",
     "DiagSubnetLaplace",
+    "EKFACLLLaplace",
+    "EKFACLaplace",
     "FullLLLaplace",
     "FullLaplace",
     "FullSubnetLaplace",

@@ -11,7 +11,7 @@ a parameter subset (``laplace.core.subsets``), a posterior structure
 from laplace.core.base import BaseLaplace
 from laplace.functional import ELLA, BaseFunctionalLaplace, FunctionalLaplace, VaLLA
 from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
-from laplace.parametric.kron import KronLaplace
+from laplace.parametric.kron import EKFACLaplace, KronLaplace
 from laplace.parametric.lowrank import LowRankLaplace
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "BaseFunctionalLaplace",
     "BaseLaplace",
     "DiagLaplace",
+    "EKFACLaplace",
     "FullLaplace",
     "FunctionalLaplace",
     "KronLaplace",

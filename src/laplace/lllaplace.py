@@ -33,7 +33,13 @@ from laplace.curvature import CurvatureInterface
 from laplace.functional import FunctionalLLLaplace
 from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.parametric.fit import CurvatureSum
-from laplace.parametric.kron import KronLaplace
+from laplace.parametric.kron import (
+    KronLaplace,
+    eigenvalue_corrected,
+    refuse_low_rank_factors,
+)
+from laplace.posteriors import Posterior
+from laplace.posteriors.kron import EKFACPosterior
 from laplace.posteriors.large_output import OUTPUT_FACTOR_RANK
 from laplace.posteriors.last_layer import (
     cat_output_curvatures,
@@ -49,6 +55,7 @@ from laplace.utils.outputs import IGNORE_INDEX
 
 __all__ = [
     "DiagLLLaplace",
+    "EKFACLLLaplace",
     "FeatureExtractor",
     "FeatureReduction",
     "FullLLLaplace",
@@ -307,3 +314,23 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         self.damping = damping
         self.output_factor_rank = check_positive_int(output_factor_rank, "output_factor_rank")
         LLLaplace.__init__(self, **arguments_for(LLLaplace.__init__, locals()))
+
+
+class EKFACLLLaplace(KronLLLaplace):
+    """Last-layer Laplace with an eigenvalue-corrected KFAC (EKFAC) curvature of the head.
+
+    The head's KFAC factors from its features (as ``KronLLLaplace``), then one more pass
+    re-fits the eigenvalues in their eigenbasis to the head's exact curvature (see
+    [`EKFACLaplace`][laplace.parametric.kron.EKFACLaplace]). Arguments are those of
+    [`KronLLLaplace`][laplace.KronLLLaplace]; a head with more outputs than the large-output
+    threshold is refused (its output factor would not be dense).
+    """
+
+    _key = (SubsetOfWeights.LAST_LAYER, HessianStructure.EKFAC)
+
+    _posterior_cls = EKFACPosterior
+    _curvature_pass = eigenvalue_corrected(HeadCurvatureSum)
+
+    def _own_structure(self) -> type[Posterior]:
+        """EKFAC's posterior; refuses a head whose output factor would be kept low rank."""
+        return refuse_low_rank_factors(self, EKFACPosterior)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
-from laplace.curvature.kfac import kfac
+from laplace.curvature.kfac import kfac, kfac_eigenvalues
 from laplace.curvature.kfac_rules import (
     KFAC_DENSE_LIMIT,
     block_shapes,
@@ -361,6 +361,24 @@ class CurvatureInterface:
             trace, columns, N, approx, self.factor, None, self.kfac_dense_limit, above, max_rank
         )
         return self.batch_loss(f, y), blocks
+
+    def kron_eigenvalues(
+        self, x: Inputs, y: Tensor, bases: list[list[Tensor | None]], **kwargs: Any
+    ) -> list[Tensor | None]:
+        """EKFAC's eigenvalues of a batch in the KFAC eigenbasis ``bases`` (``.kfac``).
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            y: Targets, shape (B, ...).
+            bases: Per block the eigenvector matrices of its factors (None: the identity).
+            **kwargs: ``mc_samples`` as in ``full``.
+
+        Returns:
+            Per block ``diag(Qᵀ H_batch Q)`` in the shape of its spectrum, None for the exact
+            (dense or diagonal) blocks.
+        """
+        trace, _, columns = self._traced_columns(x, y, kwargs, False)
+        return kfac_eigenvalues(trace, columns, bases, self.kfac_dense_limit)
 
     def kron_shapes(self, low_rank_above: int | None = None) -> list[list[tuple[int, ...]]]:
         """Per parameter the shapes of its ``kron`` block's factors (``.kfac_rules``).

@@ -36,7 +36,7 @@ from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.linalg import symmetric_gram
 from laplace.utils.matrix import Kron, StructuredKron
 
-__all__ = ["KFAC_APPROXIMATIONS", "kfac"]
+__all__ = ["KFAC_APPROXIMATIONS", "kfac", "kfac_eigenvalues"]
 
 #: The weight-sharing approximations of Eschenhagen et al. (2023).
 KFAC_APPROXIMATIONS = ("expand", "reduce")
@@ -290,3 +290,115 @@ def kfac(
             G_m = _or_zeros(G, block.module, p, shape[0], max_rank)
             blocks.append([G_m / root, _or_zeros(A, block.module, p, shape[1])])
     return StructuredKron(blocks) if low_rank else Kron(blocks)
+
+
+#: Largest per-sample gradient chunk (rows × weight entries) formed at once for layers that
+#: see several positions per row.
+EIGENVALUE_CHUNK_ELEMENTS = 2**24
+
+
+def _rotated(t: Tensor, Q: Tensor | None) -> Tensor:
+    return t if Q is None else t @ Q
+
+
+def _projected_squares(a: Tensor, g: Tensor) -> Tensor:
+    """``Σᵣ (gᵣᵀ aᵣ)²`` entry by entry, (D_out, D_in), of rows ``aᵣ`` (T, D_in), ``gᵣ`` (T, D_out).
+
+    ``gᵣᵀ aᵣ`` is a row's gradient of a weight seen at T positions (in the rotated bases). One
+    position per row needs no per-row matrix: ``Σᵣ gᵣ² (aᵣ²)ᵀ``; several are formed a chunk of
+    rows at a time.
+    """
+    if a.shape[1] == 1:
+        return g[:, 0].square().T @ a[:, 0].square()
+    step = max(1, EIGENVALUE_CHUNK_ELEMENTS // (a.shape[-1] * g.shape[-1]))
+    total = g.new_zeros(g.shape[-1], a.shape[-1])
+    for start in range(0, len(a), step):
+        rows = slice(start, start + step)
+        total += torch.bmm(g[rows].mT, a[rows]).square().sum(0)
+    return total
+
+
+def _embedding_squares(module: nn.Embedding, tokens: Tensor, g: Tensor) -> Tensor:
+    """``Σᵣ (row r's embedding gradient)²`` entry by entry, (V, D) from tokens (R, T), g (R, T, D).
+
+    A row's gradient of token v sums its positions holding v (``row_token_pairs``).
+    """
+    V = module.num_embeddings
+    pairs, inverse, _ = row_token_pairs(tokens, V)
+    per_pair = g.new_zeros(len(pairs), g.shape[-1]).index_add_(0, inverse, g.flatten(0, 1))
+    total = g.new_zeros(V, g.shape[-1]).index_add_(0, pairs % V, per_pair.square())
+    if module.padding_idx is not None:
+        total[module.padding_idx] = 0
+    return total
+
+
+def kfac_eigenvalues(
+    trace: PerSampleTrace,
+    columns: Columns,
+    bases: list[list[Tensor | None]],
+    dense_limit: int = KFAC_DENSE_LIMIT,
+) -> list[Tensor | None]:
+    r"""EKFAC's eigenvalues of a batch: ``diag(Qᵀ H Q)`` of each Kronecker block's exact curvature.
+
+    ``Q = Q₀ ⊗ Q₁`` is the block's KFAC eigenbasis and ``H = Σₖₙ uₖₙ uₖₙᵀ`` its exact curvature
+    from the per-sample gradients ``uₖₙ`` of the curvature columns (George et al., 2018). A
+    weight's ``uₖₙ = Σₜ gₖₙₜ aₙₜᵀ`` gives ``Σₖₙ (Q₀ᵀ uₖₙ Q₁)²`` without forming ``H``; a bias's
+    ``(Q₀ᵀ Σₜ gₖₙₜ)²``. Blocks that are exact already (dense or diagonal) get None. Unlike the
+    factors, these sums carry no normalisation: over batches they add up to the data's.
+
+    Args:
+        trace: A recorded forward pass over the batch (all parameters).
+        columns: Output columns ``vₖ`` of the curvature, sliced like a tensor (K, B, ...).
+        bases: Per block the eigenvector matrices of its factors (None: the identity), in
+            ``trace.engine.needed`` order, as ``KronDecomposed.factor_bases``.
+        dense_limit: As ``kfac``: which parameters without a Kronecker rule are dense blocks.
+
+    Returns:
+        Per block the eigenvalues in the shape of its spectrum, (p_out, p_in) or (p,), or None.
+
+    Raises:
+        ValueError: As ``kfac``.
+    """
+    if trace.engine.indices is not None:
+        raise ValueError("EKFAC is defined per layer; it does not support subnetwork_indices.")
+    _check_batch_rows(trace)
+    engine, calls = trace.engine, trace.calls
+    plan = plan_blocks(engine, dense_limit)
+    slots = {b.module: s for s, b in enumerate(plan) if b.kind == "kron"}
+    bias_slots = {b.module: s for s, b in enumerate(plan) if b.kind == "bias"}
+    sums: dict[int, Tensor] = {}
+    for stacked in trace.column_gradients(columns):
+        for i, call in enumerate(calls):
+            weight, bias = slots.get(call.module), bias_slots.get(call.module)
+            if weight is None and bias is None:
+                continue
+            rule = plan[weight if weight is not None else bias].rule
+            grads = stacked[i][0].detach()
+            k = len(grads)
+            g = rule.grads(call, grads.flatten(0, 1))  # (k·R, T, D_out)
+            if bias is not None:
+                (Q,) = bases[bias]
+                _add(sums, bias, _rotated(g.sum(1), Q).square().sum(0))
+            if weight is None:
+                continue
+            Q0, Q1 = bases[weight]
+            Q_out, Q_in = (Q1, Q0) if rule.inputs_first else (Q0, Q1)
+            a = rule.inputs(call).detach()
+            g = _rotated(g, Q_out)
+            if rule.one_hot:
+                tokens = a.unsqueeze(0).expand(k, *a.shape).flatten(0, 1)
+                squares = _embedding_squares(call.module, tokens, g)
+            else:
+                a = _rotated(a, Q_in).to(g.dtype)
+                a = a.unsqueeze(0).expand(k, *a.shape).flatten(0, 1)
+                squares = _projected_squares(a, g)
+                squares = squares.T if rule.inputs_first else squares
+            _add(sums, weight, squares)
+    shapes = block_shapes(plan, engine.needed)
+    eigenvalues: list[Tensor | None] = []
+    for slot, (block, p, shape) in enumerate(zip(plan, engine.needed, shapes)):
+        if block.kind not in ("kron", "bias"):
+            eigenvalues.append(None)
+        else:  # zeros for a layer not called on this batch
+            eigenvalues.append(sums.get(slot, p.new_zeros([s[0] for s in shape])))
+    return eigenvalues

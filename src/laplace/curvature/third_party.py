@@ -121,6 +121,18 @@ class KroneckerLayersOnly:
     #: The libraries' ``kron`` forms dense output factors only.
     low_rank_kfac = False
 
+    def kron_eigenvalues(self, *args: Any, **kwargs: Any) -> list[Tensor | None]:
+        """Not available: the library's KFAC has no eigenvalue correction.
+
+        Raises:
+            ValueError: Always, naming the backends that have one.
+        """
+        raise ValueError(
+            f"hessian_structure='ekfac' needs the native KFAC of backend=CurvlinopsGGN or "
+            f"CurvlinopsEF (the default); {type(self).__name__} ({self.library}) has no "
+            "eigenvalue correction. Use hessian_structure='kron' with it."
+        )
+
     def kron_shapes(self, low_rank_above: int | None = None) -> list[list[tuple[int, ...]]]:
         """As ``CurvatureInterface.kron_shapes``, for Linear and convolution layers only.
 

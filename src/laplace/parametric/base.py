@@ -359,6 +359,8 @@ class ParametricLaplace(BaseLaplace):
             likelihood=self._likelihood_model.fit_likelihood,
             zeros=self._zero_curvature,
             n_data=n_before + n_data,  # KFAC normalises by the data of earlier fits too
+            previous=self.H if update else None,
+            n_before=n_before,
         )
         loop = self._data_loop(
             self._curvature_pass,

@@ -40,6 +40,9 @@ class FitPieces:
         zeros: A fresh zero curvature in the structure's form on every call (the class's
             ``_zero_curvature``: Kron's block shapes depend on the backend).
         n_data: Number of data points the summed curvature covers (KFAC normalises by it).
+        previous: The fitted curvature an online fit (``fit(override=False)``) adds to, else
+            None (EKFAC's correction pass merges it into its own eigenbasis).
+        n_before: Number of data points ``previous`` covers.
     """
 
     subset: Any
@@ -48,6 +51,8 @@ class FitPieces:
     likelihood: Any
     zeros: Callable[[], Any]
     n_data: int
+    previous: Any = None
+    n_before: int = 0
 
 
 class FitPass(DataLoop):

@@ -41,11 +41,13 @@ from laplace.utils.diag_lowrank import (
 from laplace.utils.matrix import Kron, KronDecomposed, StructuredKron
 
 __all__ = [
+    "EKFACPosterior",
     "KronPosterior",
     "kron_block_structure",
     "kron_functional_variance",
     "kron_head_curvature",
     "kron_head_variance",
+    "project_eigenvalues",
 ]
 
 
@@ -298,6 +300,124 @@ class KronPosterior(Posterior):
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
         z = self._standard_normal((n_samples, len(self.prior_diag)), generator)
         return self.precision.bmm(z, exponent=-0.5)
+
+
+def _rotation_squares(Q_new: Tensor | None, Q_old: Tensor | None) -> Tensor | None:
+    """``(Q_newᵀ Q_old)²`` entry by entry (None when both bases are the identity)."""
+    if Q_new is None and Q_old is None:
+        return None
+    if Q_new is None:
+        return Q_old.square()
+    return Q_new.square().T if Q_old is None else (Q_new.T @ Q_old).square()
+
+
+def project_eigenvalues(previous: KronDecomposed, basis: KronDecomposed) -> list[Tensor | None]:
+    """The diagonal of an earlier EKFAC curvature in another eigenbasis, per block.
+
+    ``diag(Qᵀ Q' diag(s') Q'ᵀ Q) = R₀ s' R₁ᵀ`` with ``Rᵢ = (Qᵢᵀ Qᵢ')²``: how an online fit
+    carries the earlier data's corrected eigenvalues ``s'`` (basis ``Q'``) into the eigenbasis
+    ``Q`` of the merged factors.
+
+    Args:
+        previous: The earlier fit's curvature (eigenbasis and ``corrections``).
+        basis: The decomposition whose eigenbasis the result is expressed in.
+
+    Returns:
+        Per block the projected eigenvalues in the shape of its spectrum, None where the block
+        has no correction.
+    """
+    projected: list[Tensor | None] = []
+    for i, corrected in enumerate(previous.corrections):
+        if corrected is None:
+            projected.append(None)
+            continue
+        rotations = [
+            _rotation_squares(Q, Q_old)
+            for Q, Q_old in zip(basis.factor_bases(i), previous.factor_bases(i), strict=True)
+        ]
+        if len(rotations) == 1:
+            (R,) = rotations
+            projected.append(corrected if R is None else R @ corrected)
+            continue
+        R0, R1 = rotations
+        out = corrected if R0 is None else R0 @ corrected
+        projected.append(out if R1 is None else out @ R1.T)
+    return projected
+
+
+class EKFACPosterior(KronPosterior):
+    """KFAC's eigenbasis with eigenvalues re-fitted to the exact curvature (EKFAC).
+
+    Per Kronecker block with eigenbasis ``Q = Q_G ⊗ Q_A`` the spectrum ``λ_G λ_Aᵀ`` becomes
+    ``s = diag(Qᵀ H Q)`` of the block's exact curvature ``H`` (George et al., 2018): the
+    Frobenius-closest matrix diagonal in that basis, at the cost of one more tensor of the
+    weight's shape. The curvature is a ``KronDecomposed`` with ``corrections``; the prior,
+    ``h = 1/(σ²T)`` and damping act on ``s`` as on KFAC's spectrum, so every closed form of
+    ``KronPosterior`` holds unchanged. The factors are summed first (``kron``); the fit's
+    correction pass (``laplace.parametric.kron.CorrectedKronSum``) adds up ``s`` over the data in
+    their eigenbasis, merging an earlier fit itself (``merge`` passes its result on).
+    """
+
+    @classmethod
+    def merge(cls, previous: Any, H: KronDecomposed, n_before: int, n_data: int) -> Any:
+        """``H``: the correction pass already merged the earlier fit (see the class)."""
+        return H
+
+    @staticmethod
+    def finalize(H: KronDecomposed, damping: bool = False) -> KronDecomposed:
+        """The corrected decomposition with the approximation's damping."""
+        out = KronDecomposed(*H._pairs(), None, damping, H.corrections)
+        out.factors = H.factors
+        return out
+
+    @classmethod
+    def state(cls, H: KronDecomposed) -> dict[str, Any]:
+        """The summed factors, their eigenpairs and the corrected eigenvalues (empty: None)."""
+        like = H.deltas
+
+        def saved(t: Tensor | None) -> Tensor:  # the identity / no correction: empty
+            return like.new_empty(0) if t is None else t.detach()
+
+        return {
+            "factors": super().state(H),
+            "eigenvectors": [[saved(Q) for Q in H.factor_bases(i)] for i in range(len(H))],
+            "eigenvalues": H.eigenvalues,
+            "corrections": [saved(c) for c in H.corrections],
+        }
+
+    @classmethod
+    def load_state(cls, state: Any, zeros: Kron, damping: bool = False) -> KronDecomposed:
+        """The fitted curvature from a saved state of the shapes of ``zeros``.
+
+        The eigenbasis is loaded, not recomputed: the corrected eigenvalues belong to it.
+
+        Raises:
+            ValueError: If ``state`` lacks an entry or its shapes differ from ``zeros``'.
+        """
+        keys = {"factors", "eigenvectors", "eigenvalues", "corrections"}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise ValueError(f"state_dict['H'] of an EKFAC posterior must hold {sorted(keys)}.")
+        decomposed = KronPosterior.load_state(state["factors"], zeros, damping)
+        like = zeros.kfacs[0][0]
+
+        def moved(t: Tensor) -> Tensor | None:
+            return None if t.numel() == 0 else t.to(like.device, like.dtype)
+
+        vectors = [[moved(Q) for Q in block] for block in state["eigenvectors"]]
+        values = [[moved(v) for v in block] for block in state["eigenvalues"]]
+        corrections = [moved(c) for c in state["corrections"]]
+        shapes = [[tuple(F.shape[:1]) for F in block] for block in zeros.kfacs]
+        found = [[tuple(v.shape) for v in block] for block in values]
+        spectra = [tuple(s[0] for s in block) for block in shapes]
+        corrected = [c is None or tuple(c.shape) == s for c, s in zip(corrections, spectra)]
+        if found != shapes or len(corrections) != len(spectra) or not all(corrected):
+            raise ValueError(
+                "state_dict['H'] holds EKFAC eigenvalues of other shapes than the model's "
+                f"blocks {spectra}."
+            )
+        out = KronDecomposed(vectors, values, None, damping, corrections)
+        out.factors = decomposed.factors
+        return out
 
 
 @cache

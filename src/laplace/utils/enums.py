@@ -38,6 +38,8 @@ class HessianStructure(str, Enum):
     DIAG = "diag"
     LOWRANK = "lowrank"
     GP = "gp"
+    EKFAC = "ekfac"
+    DIAG_LOWRANK = "diag_lowrank"
 
 
 class Likelihood(str, Enum):

@@ -239,6 +239,10 @@ class KronDecomposed:
         eigenvalues: Per block the eigenvalues ``λᵢ`` of its factors.
         deltas: Added to each block: a scalar (shape () or (1,)) or one value per block.
         damping: Use the damped spectrum ``(λ₀ + √δ)(λ₁ + √δ)ᵀ`` for weight blocks.
+        corrections: EKFAC: per block eigenvalues that replace ``λ₀ λ₁ᵀ`` (or ``λ₀``) in the
+            same eigenbasis, in the shape of its spectrum, or None to keep the factors'
+            (``laplace.curvature.kfac.kfac_eigenvalues``). Damping then adds the same
+            ``√δ(λ₀ ⊕ λ₁) + δ`` to them as to KFAC's.
 
     Attributes:
         factors: The ``Kron`` this is the decomposition of (see ``deferred``); None when
@@ -251,11 +255,13 @@ class KronDecomposed:
         eigenvalues: list[list[Tensor]],
         deltas: Tensor | None = None,
         damping: bool = False,
+        corrections: list[Tensor | None] | None = None,
     ) -> None:
         self.factors: Kron | None = None
         self._eigenvectors, self._eigenvalues = eigenvectors, eigenvalues
         self._init_deltas(len(eigenvalues), eigenvalues[0][0], deltas)
         self.damping = damping
+        self.corrections = corrections
 
     @classmethod
     def deferred(cls, kron: Kron, damping: bool = False) -> KronDecomposed:
@@ -267,7 +273,14 @@ class KronDecomposed:
         self.factors, self._eigenvectors, self._eigenvalues = kron, None, None
         self._init_deltas(len(kron), kron.kfacs[0][0], None)
         self.damping = damping
+        self.corrections = None
         return self
+
+    def corrected(self, corrections: list[Tensor | None]) -> KronDecomposed:
+        """The same eigenbasis with EKFAC's eigenvalues ``corrections`` (see the class)."""
+        out = type(self)(*self._pairs(), self.deltas, self.damping, corrections)
+        out.factors = self.factors
+        return out
 
     def _init_deltas(self, n_blocks: int, reference: Tensor, deltas: Tensor | None) -> None:
         if deltas is None:
@@ -326,14 +339,17 @@ class KronDecomposed:
         """Add a scalar or one scalar per block (e.g. a prior precision) to the blocks."""
         self._check_deltas(deltas)
         deltas = self.deltas + deltas.reshape(-1)
-        return type(self)(*self._pairs(), deltas, self.damping)
+        return type(self)(*self._pairs(), deltas, self.damping, self.corrections)
 
     def __mul__(self, scalar: float | Tensor) -> KronDecomposed:
         """Scale every block by ``scalar`` (its ``k`` eigenvalue sets by ``scalar^(1/k)``)."""
         scalar = checked_scalar(scalar, "KronDecomposed")
         eigenvectors, eigenvalues = self._pairs()
         eigenvalues = [[scalar ** (1 / len(ls)) * li for li in ls] for ls in eigenvalues]
-        return type(self)(eigenvectors, eigenvalues, self.deltas, self.damping)
+        corrections = self.corrections and [
+            None if c is None else scalar * c for c in self.corrections
+        ]
+        return type(self)(eigenvectors, eigenvalues, self.deltas, self.damping, corrections)
 
     __radd__ = __add__
     __rmul__ = __mul__
@@ -365,12 +381,14 @@ class KronDecomposed:
         ls, delta = self._pairs()[1][i], self.deltas[i]
         if isinstance(ls[0], DiagLowRank):
             raise ValueError(f"block {i} has a structured output factor and no spectrum.")
+        corrected = None if self.corrections is None else self.corrections[i]
         if len(ls) == 1:
-            return ls[0] + delta
+            return (ls[0] if corrected is None else corrected) + delta
         if self.damping:
             root = delta.sqrt()
-            return torch.outer(ls[0] + root, ls[1] + root)
-        return torch.outer(ls[0], ls[1]) + delta
+            damped = torch.outer(ls[0] + root, ls[1] + root)
+            return damped if corrected is None else damped - torch.outer(*ls) + corrected
+        return (torch.outer(ls[0], ls[1]) if corrected is None else corrected) + delta
 
     def logdet(self) -> Tensor:
         """``log det`` of the whole matrix, deltas included."""
