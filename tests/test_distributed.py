@@ -48,6 +48,10 @@ CONFIGS = [
     ("subnet-full", "subnetwork", "full", "mlp_classification", "uneven"),
     ("subnet-diag", "subnetwork", "diag", "mlp_classification", "uneven"),
     ("all-lowrank", "all", "lowrank", "mlp_classification", "uneven"),
+    ("all-ekfac", "all", "ekfac", "mlp_classification", "uneven"),
+    ("all-ekfac-cnn", "all", "ekfac", "cnn_classification", "uneven"),
+    ("ll-ekfac", "last_layer", "ekfac", "mlp_classification", "uneven"),
+    ("all-diag_lowrank", "all", "diag_lowrank", "mlp_classification", "uneven"),
     ("all-full-sampler", "all", "full", "mlp_classification", "sampler"),
     ("all-diag-ddp", "all", "diag", "mlp_classification", "ddp"),
 ]
@@ -81,7 +85,7 @@ def _build(config):
     kwargs = {}
     if subset == "subnetwork":
         kwargs["subnetwork_indices"] = torch.tensor([0, 3, 5, 8, 13, 21, 30, 34, 40, 43])
-    if structure == "lowrank":
+    if structure in ("lowrank", "diag_lowrank"):
         kwargs["backend_kwargs"] = {"n_eigenvalues": 5}
     if config[0] in LARGE_OUTPUT and subset == "all":  # no truncation: sums in any order agree
         kwargs["output_factor_rank"] = 1000
@@ -298,7 +302,7 @@ def test_distributed_fit_equals_single_process(config, distributed_results, monk
         expected["prior_grid"] = la.prior_precision.detach().clone()
         expected.update(_calibration(la, case, val, distributed=False))
     # low-rank: eigenpairs from sums in another order agree to the solver's accuracy, not bitwise
-    rtol, atol = (1e-6, 1e-8) if config[2] == "lowrank" else (RTOL, ATOL)
+    rtol, atol = (1e-6, 1e-8) if config[2] in ("lowrank", "diag_lowrank") else (RTOL, ATOL)
     for rank, results in enumerate(distributed_results):
         got = results[config[0]]
         assert got["n_data"] == expected["n_data"], f"rank {rank}"

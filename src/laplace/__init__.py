@@ -28,7 +28,7 @@ from laplace.lllaplace import (
 from laplace.marglik_training import marglik_training
 from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.parametric.kron import EKFACLaplace, KronLaplace
-from laplace.parametric.lowrank import LowRankLaplace
+from laplace.parametric.lowrank import DiagLowRankLaplace, LowRankLaplace
 from laplace.subnetlaplace import DiagSubnetLaplace, FullSubnetLaplace, SubnetLaplace
 from laplace.utils.enums import (
     FunctionalApproximation,
@@ -47,6 +47,7 @@ __all__ = [
     "BaseLaplace",
     "DiagLLLaplace",
     "DiagLaplace",
+    "DiagLowRankLaplace",
     "DiagSubnetLaplace",
     "EKFACLLLaplace",
     "EKFACLaplace",

@@ -12,13 +12,14 @@ from laplace.core.base import BaseLaplace
 from laplace.functional import ELLA, BaseFunctionalLaplace, FunctionalLaplace, VaLLA
 from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.parametric.kron import EKFACLaplace, KronLaplace
-from laplace.parametric.lowrank import LowRankLaplace
+from laplace.parametric.lowrank import DiagLowRankLaplace, LowRankLaplace
 
 __all__ = [
     "ELLA",
     "BaseFunctionalLaplace",
     "BaseLaplace",
     "DiagLaplace",
+    "DiagLowRankLaplace",
     "EKFACLaplace",
     "FullLaplace",
     "FunctionalLaplace",

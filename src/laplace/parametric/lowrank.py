@@ -26,7 +26,8 @@ from laplace.curvature.eigen import SOLVERS, STARTS, top_eigenpairs
 from laplace.curvature.products import curvature_product
 from laplace.parametric.base import ParametricLaplace
 from laplace.parametric.fit import FitPass
-from laplace.posteriors.lowrank import LowRankPosterior
+from laplace.posteriors.diagonal import DiagonalPosterior
+from laplace.posteriors.lowrank import DiagLowRankPosterior, LowRankPosterior
 from laplace.utils.data import Inputs
 from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 from laplace.utils.errors import (
@@ -37,7 +38,7 @@ from laplace.utils.errors import (
 )
 from laplace.utils.outputs import IGNORE_INDEX
 
-__all__ = ["LowRankLaplace"]
+__all__ = ["DiagLowRankLaplace", "LowRankLaplace"]
 
 #: What takes outputs with extra dimensions where the curvlinops operators do not.
 _NATIVE_ROUTE = "solver='randomized' (the default) with a GGN or EF backend"
@@ -68,18 +69,18 @@ class LowRankState(ParametricState):
         return state
 
     def load_curvature(self, la: Any, state: Any) -> Any:
-        """The eigenpairs; sets ``la.eigenvalue_errors`` from the state (None if absent)."""
+        """The curvature; sets ``la.eigenvalue_errors`` from the state (None if absent)."""
         errors = state.get("eigenvalue_errors") if isinstance(state, dict) else None
         if errors is not None:
             state = {k: v for k, v in state.items() if k != "eigenvalue_errors"}
-        U, eigenvalues = super().load_curvature(la, state)
-        if errors is not None and errors.shape != eigenvalues.shape:
+        H = super().load_curvature(la, state)
+        if errors is not None and errors.shape != H[1].shape:
             raise ValueError(
                 f"state_dict['H'] has eigenvalue errors {tuple(errors.shape)}, expected "
-                f"{tuple(eigenvalues.shape)} (one per eigenvalue)."
+                f"{tuple(H[1].shape)} (one per eigenvalue)."
             )
         la.eigenvalue_errors = None if errors is None else errors.to(la._device, la._dtype)
-        return U, eigenvalues
+        return H
 
 
 def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -114,6 +115,29 @@ def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
             f"backend_kwargs['start'] must be one of {list(STARTS)}, got {solver['start']!r}."
         )
     return solver
+
+
+class PlusLowRank:
+    """A curvature product plus ``U diag(λ) Uᵀ``: an online fit's earlier low-rank curvature.
+
+    Args:
+        product: The curvature over the new data (a ``CurvatureProduct``).
+        U: Earlier eigenvectors, shape (P, k).
+        eigenvalues: Earlier eigenvalues, shape (k,).
+    """
+
+    def __init__(self, product: Any, U: Tensor, eigenvalues: Tensor) -> None:
+        self.product, self.U, self.eigenvalues = product, U, eigenvalues
+        self.n_params, self.dtype, self.device = product.n_params, product.dtype, product.device
+
+    def matmat(self, V: Tensor) -> Tensor:
+        """``H V + U diag(λ) Uᵀ V`` for ``V`` (P, m)."""
+        U = self.U.to(V.dtype)
+        return self.product.matmat(V) + U @ (self.eigenvalues.to(V.dtype)[:, None] * (U.T @ V))
+
+    def sketch(self, m: int, generator: torch.Generator) -> Tensor | None:
+        """The new data's sketch (see ``CurvatureProduct``)."""
+        return self.product.sketch(m, generator)
 
 
 class TopEigenpairs(FitPass):
@@ -181,6 +205,8 @@ class TopEigenpairs(FitPass):
             reduce=distributed_utils.all_reduce_sum if self.distributed else None,
             seed=options.get("seed", 0),
         )
+        if self.pieces.previous is not None:  # an online fit (diag_lowrank): earlier data
+            product = PlusLowRank(product, *self.pieces.previous[:2])
         U, eigenvalues, self.errors = top_eigenpairs(product, k, **options)
         self.results = {"eigenvalue_errors": self.errors}
         if not self.pieces.posterior.is_finite((U, eigenvalues)):
@@ -276,3 +302,62 @@ class LowRankLaplace(ParametricLaplace):
         """Inverse capacitance ``(diag(h·λ)⁻¹ + Uᵀ diag(p₀)⁻¹ U)⁻¹``, shape (k, k)."""
         (U, eigenvalues), _ = self.posterior_precision
         return torch.linalg.inv(torch.diag(eigenvalues.reciprocal()) + U.T @ self.V)
+
+
+class DiagonallyCorrectedEigenpairs(TopEigenpairs):
+    """The pass of a diagonal-plus-low-rank fit: the top-k eigenpairs, then the exact diagonal.
+
+    ``TopEigenpairs``, then one pass summing the backend's diagonal of each batch (all-reduced
+    in a distributed fit). In an online fit the earlier curvature enters as what the
+    posterior kept of it: its ``U diag(λ) Uᵀ`` is added to every product of the eigensolver
+    and its exact diagonal to the new one. Arguments as ``TopEigenpairs``.
+    """
+
+    def run(self, loader: DataLoader) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor]:
+        """``((U (P, k), λ (k,), diag(H) (P,)), loss)`` over ``loader``.
+
+        Raises:
+            RuntimeError: If the eigenpairs or the diagonal are not finite.
+        """
+        (U, eigenvalues), loss = super().run(loader)
+        pieces = self.pieces
+
+        def step(X: Inputs, y: Tensor) -> Tensor:
+            return DiagonalPosterior.batch_curvature(pieces.backend, X, y, pieces.n_data)[1]
+
+        diagonal = U.new_zeros(len(U))
+        with distributed_utils.guard(self.distributed, self.what):
+            for batch_diagonal in self.passes(loader, step):
+                diagonal += batch_diagonal.to(diagonal.dtype)
+        if self.distributed:
+            diagonal = distributed_utils.all_reduce_sum(diagonal)
+        if pieces.previous is not None:
+            diagonal = diagonal + pieces.previous[2]
+        check_finite_result(diagonal, "curvature diagonal")
+        return (U, eigenvalues, diagonal), loss
+
+
+class DiagLowRankLaplace(LowRankLaplace):
+    r"""Diagonal-plus-low-rank Laplace (INF: Lee et al., 2020): top eigenpairs, exact diagonal.
+
+    ``P = U diag(h·λ) Uᵀ + h·D_H + diag(p₀)`` with ``(U, λ)`` the top-k curvature eigenpairs of
+    [`LowRankLaplace`][laplace.baselaplace.LowRankLaplace] (same solver and options) and
+    ``D_H = max(diag(H) − diag(U diag(λ) Uᵀ), 0)`` from the exact curvature diagonal of a
+    diag fit: the precision's diagonal is the curvature's and its k top directions are kept.
+    Log-determinant by the determinant lemma, ``J P⁻¹ Jᵀ`` and samples by Woodbury, all in
+    O(P k²) (``DiagLowRankPosterior``). ``H`` is ``(U, λ, diag(H))``; ``posterior_precision``
+    ``((U, h·λ), h·D_H + p₀)``. A fit costs the low-rank fit plus one pass of the diag fit;
+    ``fit(override=False)`` keeps the earlier data as ``U diag(λ) Uᵀ`` (added to the
+    eigensolver's products) and their exact diagonal.
+
+    Arguments are those of [`LowRankLaplace`][laplace.baselaplace.LowRankLaplace].
+
+    Example:
+        >>> la = Laplace(model, "classification", subset_of_weights="all",
+        ...              hessian_structure="diag_lowrank", backend_kwargs={"n_eigenvalues": 50})
+    """
+
+    _key = (SubsetOfWeights.ALL, HessianStructure.DIAG_LOWRANK)
+
+    _posterior_cls = DiagLowRankPosterior
+    _curvature_pass = DiagonallyCorrectedEigenpairs

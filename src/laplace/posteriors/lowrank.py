@@ -1,6 +1,7 @@
 r"""Low-rank posterior: ``P = U diag(h·λ) Uᵀ + diag(p₀)`` from the top-k curvature eigenpairs.
 
-With ``D = diag(p₀)``, ``W = D^{-1/2} U diag(h·λ)^{1/2}`` (P, k) and the k × k capacitance
+With ``D = diag(p₀)`` (``DiagLowRankPosterior``: plus the curvature's diagonal correction),
+``W = D^{-1/2} U diag(h·λ)^{1/2}`` (P, k) and the k × k capacitance
 ``M = I + WᵀW = L Lᵀ``:
 
 - ``log det P = Σ log p₀ + log det M`` (matrix determinant lemma);
@@ -30,7 +31,7 @@ from laplace.posteriors.base import ClosedForm, Posterior
 from laplace.posteriors.diagonal import diag_functional_variance
 from laplace.posteriors.jacobians import Jacobian, LayerTrace
 
-__all__ = ["LowRankPosterior", "lowrank_functional_variance"]
+__all__ = ["DiagLowRankPosterior", "LowRankPosterior", "lowrank_functional_variance"]
 
 
 def lowrank_functional_variance(posterior: LowRankPosterior, J: LayerTrace) -> Tensor | None:
@@ -40,7 +41,7 @@ def lowrank_functional_variance(posterior: LowRankPosterior, J: LayerTrace) -> T
     ``(J Z)(J Z)ᵀ``, ``J Z`` the products of every output's per-sample gradients with the k
     columns of ``Z`` (``SampleVectors``, per layer).
 
-    ``D`` is the prior precision (P,), ``Z`` the ``woodbury_basis``
+    ``D`` is the posterior's ``diagonal`` (P,), ``Z`` the ``woodbury_basis``
     (P, k); the result is differentiable w.r.t. the inputs where the trace asks for it.
 
     Returns:
@@ -48,7 +49,7 @@ def lowrank_functional_variance(posterior: LowRankPosterior, J: LayerTrace) -> T
         falls back to Jacobians).
     """
     trace = J.trace
-    f_var = diag_functional_variance(trace, posterior.prior_diag, trace.create_graph)
+    f_var = diag_functional_variance(trace, posterior.diagonal, trace.create_graph)
     if f_var is None:
         return None
     B, C, _ = f_var.shape
@@ -113,18 +114,23 @@ class LowRankPosterior(Posterior):
         return U.to(like.device, like.dtype), eigenvalues.to(like.device, like.dtype)
 
     @cached_property
+    def diagonal(self) -> Tensor:
+        """The diagonal ``D`` of ``P = U diag(h·λ) Uᵀ + D``: the prior precision, (P,)."""
+        return self.prior_diag
+
+    @cached_property
     def scaled_eigenvalues(self) -> Tensor:
         """``h·λ``, shape (k,)."""
         return self.h_factor * self.H[1]
 
     @cached_property
     def precision(self) -> tuple[tuple[Tensor, Tensor], Tensor]:
-        """``((U, h·λ), p₀)``: ``P = U diag(h·λ) Uᵀ + diag(p₀)``."""
-        return (self.H[0], self.scaled_eigenvalues), self.prior_diag
+        """``((U, h·λ), D)``: ``P = U diag(h·λ) Uᵀ + diag(D)``."""
+        return (self.H[0], self.scaled_eigenvalues), self.diagonal
 
     @cached_property
     def _inv_sqrt_prior(self) -> Tensor:
-        return self.prior_diag.rsqrt()
+        return self.diagonal.rsqrt()
 
     @cached_property
     def W(self) -> Tensor:
@@ -142,12 +148,12 @@ class LowRankPosterior(Posterior):
     @property
     def log_det(self) -> Tensor:
         L = self.capacitance_cholesky
-        return self.prior_diag.log().sum() + 2 * L.diagonal().log().sum()
+        return self.diagonal.log().sum() + 2 * L.diagonal().log().sum()
 
     @override
     def square_form(self, delta: Tensor) -> Tensor:
         projected = self.H[0].T @ delta
-        return (delta.square() * self.prior_diag).sum() + (
+        return (delta.square() * self.diagonal).sum() + (
             projected.square() * self.scaled_eigenvalues
         ).sum()
 
@@ -160,7 +166,7 @@ class LowRankPosterior(Posterior):
     @override
     def rows_variance(self, Js: Tensor) -> Tensor:
         JZ = Js @ self.woodbury_basis
-        return (Js / self.prior_diag) @ Js.transpose(1, 2) - JZ @ JZ.transpose(1, 2)
+        return (Js / self.diagonal) @ Js.transpose(1, 2) - JZ @ JZ.transpose(1, 2)
 
     @override
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
@@ -181,3 +187,69 @@ class LowRankPosterior(Posterior):
         """Dense (P, P) ``S`` with ``S Sᵀ = P⁻¹``; O(P²) memory, formed only when asked for."""
         P = len(self.prior_diag)
         return self._scale_times(torch.eye(P, device=self.W.device, dtype=self.W.dtype))
+
+
+class DiagLowRankPosterior(LowRankPosterior):
+    r"""Diagonal plus low rank (INF, Lee et al., 2020): top-k eigenpairs with an exact diagonal.
+
+    ``H = (U (P, k), λ (k,), d (P,))`` with ``d`` the curvature's exact diagonal; the precision
+    is ``P = U diag(h·λ) Uᵀ + D`` with ``D = h·max(d − diag(U diag(λ) Uᵀ), 0) + p₀``: its
+    diagonal is the exact curvature's (where the correction is not clipped) and its top
+    directions are kept. Everything else is ``LowRankPosterior``'s with this ``D``: the
+    determinant lemma, Woodbury, samples. The eigenpairs and the diagonal are sums over the
+    data found by the fit (``laplace.parametric.lowrank.DiagonallyCorrectedEigenpairs``),
+    which merges an online fit's earlier curvature itself (``merge`` passes its result on).
+    """
+
+    update_refusal = None
+
+    @override
+    @staticmethod
+    def zeros(params: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        U, eigenvalues = LowRankPosterior.zeros(params)
+        return U, eigenvalues, U.new_zeros(len(U))
+
+    @classmethod
+    def merge(cls, previous: Any, H: Any, n_before: int, n_data: int) -> Any:
+        """``H``: the fit's pass already merged the earlier curvature (see the class)."""
+        return H
+
+    @override
+    @staticmethod
+    def is_finite(H: tuple[Tensor, Tensor, Tensor]) -> bool:
+        return all(bool(torch.isfinite(t).all()) for t in H)
+
+    @cached_property
+    def correction(self) -> Tensor:
+        """``max(d − diag(U diag(λ) Uᵀ), 0)``, shape (P,)."""
+        U, eigenvalues, diagonal = self.H
+        return (diagonal - U.square() @ eigenvalues).clamp(min=0)
+
+    @cached_property
+    def diagonal(self) -> Tensor:
+        """``D = h·correction + p₀``, shape (P,)."""
+        return self.h_factor * self.correction + self.prior_diag
+
+    @override
+    @staticmethod
+    def state(H: tuple[Tensor, Tensor, Tensor]) -> dict[str, Tensor]:
+        return {**LowRankPosterior.state(H[:2]), "diagonal": H[2].detach()}
+
+    @override
+    @classmethod
+    def load_state(
+        cls, state: Any, zeros: tuple[Tensor, Tensor, Tensor], **options: Any
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        if not isinstance(state, dict) or "diagonal" not in state:
+            raise ValueError(
+                "state_dict['H'] must hold 'eigenvectors', 'eigenvalues' and 'diagonal'."
+            )
+        pairs = {k: v for k, v in state.items() if k != "diagonal"}
+        U, eigenvalues = LowRankPosterior.load_state(pairs, zeros[:2])
+        diagonal = state["diagonal"]
+        if diagonal.shape != zeros[2].shape:
+            raise ValueError(
+                f"state_dict['H'] has a diagonal of shape {tuple(diagonal.shape)}, expected "
+                f"{tuple(zeros[2].shape)}."
+            )
+        return U, eigenvalues, diagonal.to(U.device, U.dtype)
