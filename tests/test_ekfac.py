@@ -152,6 +152,47 @@ def test_marglik_and_its_gradients_equal_full_laplace_on_the_dense_ekfac(name):
             assert_close(ours, dense, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_a_diagonal_prior_enters_as_its_diagonal_in_the_eigenbasis(subset):
+    model, X, y, likelihood = CASES["cnn"]()
+    la = Laplace(model, likelihood, subset_of_weights=subset, hessian_structure="ekfac")
+    la.fit(loader(X, y))
+    prior = torch.linspace(0.2, 3.0, la.n_params, dtype=torch.float64)
+    la.prior_precision = prior
+    blocks, o = [], 0
+    for i, curvature in enumerate(ekfac_dense_blocks(la.H)):
+        n = len(curvature)
+        Q = block_basis(la.H, i)
+        projected = (Q.T @ torch.diag(prior[o : o + n]) @ Q).diagonal()
+        blocks.append(curvature + Q @ torch.diag(projected) @ Q.T - torch.diag(prior[o : o + n]))
+        o += n
+    # the precision is the dense EKFAC curvature plus the prior, rotated diagonal in Q
+    expected = torch.block_diag(*blocks) + torch.diag(prior)
+    assert_close(la.posterior_precision.to_matrix(), expected, RTOL, ATOL)
+    full = FullLaplace(model, likelihood) if subset == "all" else None
+    if full is not None:
+        full.fit(loader(X, y))
+        full.H = expected - torch.diag(prior)
+        full.prior_precision = prior
+        assert_close(la.log_marginal_likelihood(), full.log_marginal_likelihood(), 1e-9, 1e-9)
+    # differentiable: finite differences along a direction
+    direction = torch.linspace(-1, 1, la.n_params, dtype=torch.float64)
+    p = prior.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(la.log_marginal_likelihood(p), p)
+    step = 1e-6
+    with torch.no_grad():
+        up = la.log_marginal_likelihood(prior + step * direction)
+        down = la.log_marginal_likelihood(prior - step * direction)
+    assert_close((up - down) / (2 * step), grad @ direction, rtol=1e-6, atol=1e-7)
+    la.optimize_prior_precision(method="marglik", prior_structure="diag", n_steps=5)
+    assert la.prior_precision.shape == (la.n_params,)
+    damped = type(la)(model, likelihood, damping=True)
+    damped.fit(loader(X, y))
+    damped.prior_precision = prior
+    with pytest.raises(ValueError, match="damping=False"):
+        damped.log_marginal_likelihood()
+
+
 def test_marglik_gradient_equals_finite_differences():
     model, X, y, likelihood = CASES["mlp-regression"]()
     la = fit_ekfac(model, X, y, likelihood)
@@ -290,8 +331,6 @@ def test_refusals_name_the_alternatives():
     assert isinstance(head, EKFACLLLaplace)
     with pytest.raises(ValueError, match="one sigma_noise per output"):
         la.sigma_noise = torch.ones(3, dtype=torch.float64)
-    with pytest.raises(ValueError, match="diagonal prior"):
-        la.prior_precision = torch.ones(la.n_params, dtype=torch.float64)
 
 
 def test_many_outputs_are_refused_at_construction(monkeypatch):

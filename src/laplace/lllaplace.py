@@ -331,6 +331,11 @@ class EKFACLLLaplace(KronLLLaplace):
     _posterior_cls = EKFACPosterior
     _curvature_pass = eigenvalue_corrected(HeadCurvatureSum)
 
+    @BaseLaplace.prior_precision.setter
+    def prior_precision(self, value: float | Tensor) -> None:
+        """Set a scalar, layer-wise or diagonal prior precision (see ``EKFACPosterior``)."""
+        BaseLaplace.prior_precision.fset(self, value)
+
     def _own_structure(self) -> type[Posterior]:
         """EKFAC's posterior; refuses a head whose output factor would be kept low rank."""
         return refuse_low_rank_factors(self, EKFACPosterior)

@@ -202,8 +202,9 @@ class EKFACLaplace(KronLaplace):
     ``λ_G λ_Aᵀ`` replaced by ``diag(Qᵀ H Q)`` of the block's exact curvature (George et al.,
     2018): a closer Frobenius fit than KFAC's at the cost of one more tensor of each
     weight's shape, and one more pass over the data in ``fit``. Everything else is
-    ``KronLaplace``'s: the prior (scalar or per parameter tensor), σ, the temperature and
-    damping act on the corrected eigenvalues; ``H`` is a ``KronDecomposed`` with
+    ``KronLaplace``'s: the prior, σ, the temperature and damping act on the corrected
+    eigenvalues (a diagonal prior through its diagonal in the eigenbasis,
+    ``EKFACPosterior.precision``); ``H`` is a ``KronDecomposed`` with
     ``corrections``, ``H_facs`` the summed factors; blocks without a Kronecker rule stay
     exact. It needs the native KFAC (``CurvlinopsGGN``, ``CurvlinopsEF``, the default) and
     refuses layers whose output factor would be kept low rank (many outputs).
@@ -219,6 +220,11 @@ class EKFACLaplace(KronLaplace):
 
     _posterior_cls = EKFACPosterior
     _curvature_pass = eigenvalue_corrected(CurvatureSum)
+
+    @BaseLaplace.prior_precision.setter
+    def prior_precision(self, value: float | Tensor) -> None:
+        """Set a scalar, layer-wise or diagonal prior precision (see ``EKFACPosterior``)."""
+        BaseLaplace.prior_precision.fset(self, value)
 
     def _own_structure(self) -> type[Posterior]:
         """EKFAC's posterior; refuses layers whose output factor would be kept low rank."""

@@ -363,6 +363,38 @@ class EKFACPosterior(KronPosterior):
         """``H``: the correction pass already merged the earlier fit (see the class)."""
         return H
 
+    @cached_property
+    def precision(self) -> KronDecomposed:
+        """``h·H + δ``; a prior that varies within a block enters as ``diag(Qᵀ diag(p₀) Q)``.
+
+        EKFAC keeps the diagonal of the curvature in the eigenbasis ``Q``; with a diagonal
+        prior it keeps the diagonal of the whole precision there: per block
+        ``Q diag(h·s + diag(Qᵀ diag(p₀) Q)) Qᵀ``, ``diag(Qᵀ diag(p₀) Q) = (Q₀²)ᵀ p₀ (Q₁²)`` with
+        ``p₀`` laid out as the block's spectrum. Scalar and per-tensor priors give KFAC's
+        ``h·s + δ`` exactly.
+
+        Raises:
+            ValueError: For a prior that varies within a block with ``damping``.
+        """
+        blocks = self.prior_diag.split(self.H.block_sizes())
+        if all(bool((block == block[0]).all()) for block in blocks):
+            return super().precision
+        if self.H.damping:
+            raise ValueError(
+                "damping mixes one prior precision per block into the Kronecker factors; a "
+                "diagonal prior precision needs damping=False."
+            )
+        scaled = self.H * self.h_factor
+        spectra = []
+        for i, prior in enumerate(blocks):
+            spectrum = scaled.spectrum(i)
+            projected = prior.reshape(spectrum.shape)
+            for dim, Q in enumerate(self.H.factor_bases(i)):
+                if Q is not None:
+                    projected = (Q.square().T @ projected.movedim(dim, 0)).movedim(0, dim)
+            spectra.append(spectrum + projected)
+        return KronDecomposed(*self.H._pairs(), None, False, spectra)
+
     @staticmethod
     def finalize(H: KronDecomposed, damping: bool = False) -> KronDecomposed:
         """The corrected decomposition with the approximation's damping."""
