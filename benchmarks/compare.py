@@ -22,8 +22,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RUN = HERE / "run.py"
-#: Cases that use laplace-ng internals (the backend registry, eigenvalue error bounds).
-OURS_ONLY_PREFIXES = ("backend-", "lowrank-accuracy")
+#: Cases that use laplace-ng internals (the backend registry, eigenvalue error bounds) or
+#: structures laplace-torch lacks (EKFAC, INF).
+OURS_ONLY_PREFIXES = (
+    "backend-",
+    "lowrank-accuracy",
+    "fit-ekfac",
+    "fit-ll-ekfac",
+    "predict-ekfac",
+    "fit-inf",
+    "predict-inf",
+)
 
 
 def rss_bytes(pid: int) -> int:

@@ -1,7 +1,8 @@
 """Cases of the performance-frontier issue: low-rank and subnetwork fits and predictives.
 
 Each fit is timed against the floor of ``benchmarks/harness.py`` (one forward + 10 backward
-passes) in the same process. ``lowrank-accuracy-mlp`` measures the trade-off of the randomized
+passes) in the same process; ``fit-inf-*`` is the diagonal-plus-low-rank fit (the low-rank
+fit and one diag pass). ``lowrank-accuracy-mlp`` measures the trade-off of the randomized
 solver: for the KFAC start alone (the default), with one and two Krylov passes after it, and
 for 3 and 6 passes after a sketch, the fit's ratio to the floor, the largest relative error of
 the top-50 eigenvalues against Lanczos (ARPACK on curvlinops products, tolerance 1e-5) next to
@@ -31,11 +32,11 @@ REFERENCE_TOL = 1e-5
 SETTINGS = [("kfac", 0), ("kfac", 1), ("kfac", 2), ("sketch", 3), ("sketch", 6)]
 
 
-def _lowrank(model, **options):
+def _lowrank(model, structure: str = "lowrank", **options):
     from laplace import Laplace
 
     kwargs = {"n_eigenvalues": N_EIGENVALUES, **options}
-    return Laplace(model, "classification", "all", "lowrank", backend_kwargs=kwargs)
+    return Laplace(model, "classification", "all", structure, backend_kwargs=kwargs)
 
 
 def _reported(la) -> str:
@@ -43,12 +44,14 @@ def _reported(la) -> str:
     return "" if errors is None else f"largest reported error {float(errors.max()):.3f}"
 
 
-def case_fit_lowrank(model_name: str, solver: str, repeats: int) -> dict:
+def case_fit_lowrank(
+    model_name: str, solver: str, repeats: int, structure: str = "lowrank"
+) -> dict:
     model = MODELS[model_name]().eval()
     loader = training_loader(model_name)
-    la = _lowrank(model, solver=solver)
+    la = _lowrank(model, structure, solver=solver)
     floor = partial(forward_plus_10_backward, model, loader)
-    case = f"fit lowrank k={N_EIGENVALUES} ({solver}) {model_name}"
+    case = f"fit {structure} k={N_EIGENVALUES} ({solver}) {model_name}"
     row = measure_fit(la, loader, repeats, case, floor)
     return {**row, "note": _reported(la)}
 
@@ -92,10 +95,10 @@ def case_lowrank_accuracy(model_name: str, _: str, repeats: int) -> dict:
     }
 
 
-def case_predict_lowrank(model_name: str, _: str, repeats: int, n_test: int = 100) -> dict:
-    la = _lowrank(MODELS[model_name]().eval())
+def case_predict_lowrank(model_name: str, structure: str, repeats: int, n_test: int = 100) -> dict:
+    la = _lowrank(MODELS[model_name]().eval(), structure)
     la.fit(training_loader(model_name))
-    case = f"glm probit lowrank k={N_EIGENVALUES} {model_name} ({n_test} points)"
+    case = f"glm probit {structure} k={N_EIGENVALUES} {model_name} ({n_test} points)"
     return measure_predict(la, model_name, n_test, repeats, case)
 
 
@@ -132,7 +135,10 @@ FRONTIER_CASES = {
     "fit-lowrank-mlp": (case_fit_lowrank, "mlp", "randomized"),
     "fit-lowrank-cnn": (case_fit_lowrank, "cnn", "randomized"),
     "lowrank-accuracy-mlp": (case_lowrank_accuracy, "mlp", ""),
-    "predict-lowrank-cnn-100": (case_predict_lowrank, "cnn", ""),
+    "predict-lowrank-cnn-100": (case_predict_lowrank, "cnn", "lowrank"),
+    "fit-inf-mlp": (partial(case_fit_lowrank, structure="diag_lowrank"), "mlp", "randomized"),
+    "fit-inf-cnn": (partial(case_fit_lowrank, structure="diag_lowrank"), "cnn", "randomized"),
+    "predict-inf-cnn-100": (case_predict_lowrank, "cnn", "diag_lowrank"),
     "fit-subnet-full-mlp": (case_fit_subnet, "mlp", "full"),
     "fit-subnet-full-cnn": (case_fit_subnet, "cnn", "full"),
     "predict-subnet-full-cnn-100": (case_predict_subnet, "cnn", "full"),

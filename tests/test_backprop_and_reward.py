@@ -81,7 +81,7 @@ def reward_data() -> tuple[nn.Module, DataLoader, torch.Tensor]:
     return model, DataLoader(TensorDataset(X, y), batch_size=5), X
 
 
-@pytest.mark.parametrize("structure", ["kron", "diag"])
+@pytest.mark.parametrize("structure", ["kron", "diag", "ekfac"])
 @pytest.mark.parametrize("subset", SUBSETS)
 def test_reward_modeling_predicts_rewards_with_regression_shapes(reward_data, subset, structure):
     model, loader, X = reward_data
@@ -106,7 +106,7 @@ def test_reward_modeling_predicts_rewards_with_regression_shapes(reward_data, su
             assert_close(a, b)
 
 
-@pytest.mark.parametrize("structure", ["full", "lowrank"])
+@pytest.mark.parametrize("structure", ["full", "lowrank", "diag_lowrank"])
 def test_reward_modeling_rejects_structures_laplace_torch_does_not_support(structure):
     with pytest.raises(ValueError, match="reward_modeling"):
         Laplace(PairScorer(), "reward_modeling", "all", structure)

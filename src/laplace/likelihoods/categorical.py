@@ -226,8 +226,8 @@ class RewardModeling(Categorical):
 
     kind = Likelihood.REWARD_MODELING
     predicts_probabilities = False
-    #: The structures laplace-torch supports for reward modelling.
-    hessian_structures = (HessianStructure.KRON, HessianStructure.DIAG)
+    #: The structures laplace-torch supports for reward modelling, and EKFAC.
+    hessian_structures = (HessianStructure.KRON, HessianStructure.DIAG, HessianStructure.EKFAC)
     pairwise = True
     position_targets = None
 

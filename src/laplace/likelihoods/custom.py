@@ -34,7 +34,12 @@ class CustomLikelihood(LikelihoodModel):
             or not ``loss``.
     """
 
-    hessian_structures = (HessianStructure.FULL, HessianStructure.DIAG, HessianStructure.KRON)
+    hessian_structures = (
+        HessianStructure.FULL,
+        HessianStructure.DIAG,
+        HessianStructure.KRON,
+        HessianStructure.EKFAC,
+    )
     loss_module_curvature = False
     function_space = ()
     #: The user's predictive receives covariances (B, C, C).

@@ -112,6 +112,7 @@ class HeteroscedasticGaussian(LikelihoodModel):
         HessianStructure.FULL,
         HessianStructure.DIAG,
         HessianStructure.KRON,
+        HessianStructure.EKFAC,
         HessianStructure.GP,
     )
 
