@@ -6,7 +6,7 @@ likelihoods' (``laplace.likelihoods.scoring``): each likelihood object gives its
 and its named validation losses (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``).
 """
 
-from laplace.evaluation.evaluate import evaluate
+from laplace.evaluation.evaluate import ENTROPY_BINS, FPR95_TPR, evaluate, ood_metrics
 from laplace.evaluation.plots import (
     plot_calibration_curve,
     plot_predictive_band,
@@ -34,6 +34,8 @@ from laplace.likelihoods.scoring import (
 )
 
 __all__ = [
+    "ENTROPY_BINS",
+    "FPR95_TPR",
     "VALIDATION_LOSSES",
     "BernoulliBrier",
     "BernoulliNLL",
@@ -53,6 +55,7 @@ __all__ = [
     "gaussian_crps",
     "gaussian_entropy",
     "gaussian_nll",
+    "ood_metrics",
     "plot_calibration_curve",
     "plot_predictive_band",
     "plot_reliability_diagram",
