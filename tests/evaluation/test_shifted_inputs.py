@@ -330,6 +330,8 @@ def test_accuracy_of_the_map_network_falls_as_epsilon_grows(separable, attack):
         ({"clamp": (0.0, float("inf"))}, "clamp"),
         ({"clamp": 1.0}, "clamp"),
         ({"n_bins": 0}, "n_bins"),
+        ({"attack": "pgd", "random_start": "yes"}, "random_start must be True or False"),
+        ({"attack": "pgd", "generator": 0}, "generator must be a torch.Generator"),
     ],
     ids=lambda value: str(value)[:40] if isinstance(value, dict) else "",
 )

@@ -3,9 +3,9 @@
 ``evaluate(la, loader, **predictive_kwargs)`` returns a JSON-serialisable dict (see
 ``docs/evaluation.md``), with out-of-distribution metrics (``ood_metrics``) given an
 ``ood_loader``; ``adversarial_sweep`` scores several predictives on FGSM or PGD inputs per ε;
-the plots draw such results. The metrics and scoring rules are the
-likelihoods' (``laplace.likelihoods.scoring``): each likelihood object gives its evaluation
-and its named validation losses (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``).
+the plots draw such results. The metrics and scoring rules are the likelihoods'
+(``laplace.likelihoods.scoring``): each likelihood object gives its evaluation and its named
+validation losses (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``).
 """
 
 from laplace.evaluation.adversarial import (
@@ -17,7 +17,9 @@ from laplace.evaluation.adversarial import (
 )
 from laplace.evaluation.evaluate import ENTROPY_BINS, FPR95_TPR, evaluate, ood_metrics
 from laplace.evaluation.plots import (
+    plot_adversarial_sweep,
     plot_calibration_curve,
+    plot_entropy_histograms,
     plot_predictive_band,
     plot_reliability_diagram,
 )
@@ -70,7 +72,9 @@ __all__ = [
     "gaussian_nll",
     "ood_metrics",
     "pgd",
+    "plot_adversarial_sweep",
     "plot_calibration_curve",
+    "plot_entropy_histograms",
     "plot_predictive_band",
     "plot_reliability_diagram",
 ]

@@ -26,7 +26,7 @@ from laplace.evaluation.evaluate import model_device, predict_detached
 from laplace.likelihoods import make_likelihood
 from laplace.likelihoods.scoring import N_BINS, EvaluationOptions
 from laplace.utils.data import split_batch
-from laplace.utils.errors import check_module, check_positive_int
+from laplace.utils.errors import check_bool, check_generator, check_module, check_positive_int
 
 __all__ = ["ATTACKS", "SWEEP_METRICS", "adversarial_sweep", "fgsm", "pgd"]
 
@@ -172,10 +172,12 @@ def pgd(
 
     Raises:
         ValueError: For a negative or non-finite ``epsilon`` or ``step_size``, ``steps`` < 1,
-            a bad ``clamp`` or non-float ``X``.
+            a bad ``clamp``, ``random_start`` or ``generator``, or non-float ``X``.
     """
     epsilon, clamp = _check_epsilon(epsilon), _check_clamp(clamp)
     check_positive_int(steps, "steps")
+    check_bool(random_start, "random_start")
+    check_generator(generator)
     step = 2.5 * epsilon / steps if step_size is None else _check_epsilon(step_size, "step_size")
     _check_inputs(X)
     check_module(model)
@@ -271,8 +273,9 @@ def adversarial_sweep(
     Raises:
         ValueError: Before any prediction, for empty or non-callable ``predictives``, empty,
             negative or non-finite ``epsilons``, an unknown ``attack``, ``pgd_steps`` < 1, a
-            bad ``clamp`` or ``n_bins``; and for an empty loader, inputs that are not float
-            tensors, or predictions that are not probabilities (B, C).
+            bad ``clamp``, ``n_bins``, ``random_start`` or ``generator``; and for an empty
+            loader, inputs that are not float tensors, or predictions that are not
+            probabilities (B, C).
 
     Example:
         >>> sweep = adversarial_sweep(  # doctest: +SKIP
@@ -288,8 +291,11 @@ def adversarial_sweep(
         accepted = ", ".join(map(repr, ATTACKS))
         raise ValueError(f"attack={attack!r} is not supported; accepted values: {accepted}.")
     steps = check_positive_int(pgd_steps, "pgd_steps") if attack == "pgd" else 1
-    if attack == "pgd" and pgd_step_size is not None:
-        _check_epsilon(pgd_step_size, "pgd_step_size")
+    if attack == "pgd":
+        if pgd_step_size is not None:
+            _check_epsilon(pgd_step_size, "pgd_step_size")
+        check_bool(random_start, "random_start")
+        check_generator(generator)
     clamp = _check_clamp(clamp)
     check_positive_int(n_bins, "n_bins")
     options = {"clamp": clamp, "loss_fn": loss_fn}
