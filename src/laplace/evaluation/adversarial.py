@@ -282,7 +282,7 @@ def adversarial_sweep(
         ...     {"MAP": lambda x: model(x).softmax(-1), "KFAC": lambda x: la(x)},
         ...     model, test_loader, epsilons=[0.0, 0.01, 0.05], clamp=(0.0, 1.0),
         ... )
-        >>> sweep["results"]["KFAC"]["accuracy"]  # doctest: +SKIP
+        >>> {name: m["accuracy"] for name, m in sweep["results"].items()}  # doctest: +SKIP
     """
     predictives = _check_predictives(predictives)
     check_module(model)
