@@ -49,7 +49,8 @@ def _tied_scores(seed: int) -> tuple[torch.Tensor, ...]:
 def _sklearn_fpr95(in_scores: torch.Tensor, out_scores: torch.Tensor) -> float:
     """FPR at the largest threshold whose TPR reaches 95%, read off scikit-learn's ROC curve."""
     labels = [0] * len(in_scores) + [1] * len(out_scores)
-    fpr, tpr, _ = roc_curve(labels, torch.cat([in_scores, out_scores]).numpy())
+    joined = torch.cat([in_scores, out_scores]).numpy()
+    fpr, tpr, _ = roc_curve(labels, joined, drop_intermediate=False)
     needed = math.ceil(0.95 * len(out_scores) - 1e-9)
     index = next(i for i, rate in enumerate(tpr) if round(rate * len(out_scores)) >= needed)
     return float(fpr[index])

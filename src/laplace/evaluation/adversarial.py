@@ -290,18 +290,19 @@ def adversarial_sweep(
     if attack not in ATTACKS:
         accepted = ", ".join(map(repr, ATTACKS))
         raise ValueError(f"attack={attack!r} is not supported; accepted values: {accepted}.")
-    steps = check_positive_int(pgd_steps, "pgd_steps") if attack == "pgd" else 1
-    if attack == "pgd":
-        if pgd_step_size is not None:
-            _check_epsilon(pgd_step_size, "pgd_step_size")
-        check_bool(random_start, "random_start")
-        check_generator(generator)
     clamp = _check_clamp(clamp)
     check_positive_int(n_bins, "n_bins")
-    options = {"clamp": clamp, "loss_fn": loss_fn}
+    options: dict[str, Any] = {"clamp": clamp, "loss_fn": loss_fn}
+    steps = 1
     if attack == "pgd":
+        steps = check_positive_int(pgd_steps, "pgd_steps")
+        step_size = pgd_step_size
+        if step_size is not None:
+            step_size = _check_epsilon(step_size, "pgd_step_size")
+        check_bool(random_start, "random_start")
+        check_generator(generator)
         options.update(
-            steps=steps, step_size=pgd_step_size, random_start=random_start, generator=generator
+            steps=steps, step_size=step_size, random_start=random_start, generator=generator
         )
     device = model_device(model)
     likelihood = make_likelihood("classification").predictive_likelihood
@@ -313,6 +314,7 @@ def adversarial_sweep(
         evaluations = {name: likelihood.evaluation(evaluation_options) for name in predictives}
         for batch in progress(loader, progress_bar, f"adversarial ε={epsilon:g}"):
             X, y = split_batch(batch, None, "labels")
+            _check_inputs(X)
             X = X if device is None else X.to(device)
             X_adv = ATTACKS[attack](model, X, y, epsilon, **options)
             for name, predictive in predictives.items():
