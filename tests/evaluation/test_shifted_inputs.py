@@ -6,9 +6,12 @@ import itertools
 import json
 import math
 import re
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 from torch import nn
 from torch.nn import functional as F
@@ -118,10 +121,7 @@ def test_ood_metrics_refuse_bad_scores(in_scores, out_scores, name):
 
 
 def test_evaluate_with_an_ood_loader_reports_the_ood_metrics_of_the_entropies():
-    gen = torch.Generator().manual_seed(4)
-    in_probs = torch.softmax(4 * torch.randn(45, 5, generator=gen, dtype=torch.float64), -1)
-    ood_probs = torch.softmax(torch.randn(33, 5, generator=gen, dtype=torch.float64), -1)
-    y = in_probs.argmax(-1)
+    in_probs, y, ood_probs = _ood_predictions()
     in_loader = DataLoader(TensorDataset(in_probs, y), batch_size=10)
     ood_loader = DataLoader(TensorDataset(ood_probs), batch_size=8)
     result = evaluate(lambda p: p, in_loader, ood_loader=ood_loader)
@@ -131,9 +131,51 @@ def test_evaluate_with_an_ood_loader_reports_the_ood_metrics_of_the_entropies():
     expected = ood_metrics(categorical_entropy(in_probs), categorical_entropy(ood_probs))
     assert {key: result[key] for key in OOD_KEYS} == expected
     histogram = result["entropy_histogram"]
+    assert all(isinstance(count, int) for count in histogram["in"] + histogram["out"])
     assert sum(histogram["in"]) == len(in_probs) and sum(histogram["out"]) == len(ood_probs)
     assert histogram["edges"][0] >= 0 and histogram["edges"][-1] <= math.log(5)
     assert json.loads(json.dumps(result)) == result
+
+
+def _ood_predictions() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    in_probs = torch.softmax(4 * torch.randn(45, 5, generator=gen, dtype=torch.float64), -1)
+    ood_probs = torch.softmax(torch.randn(33, 5, generator=gen, dtype=torch.float64), -1)
+    return in_probs, in_probs.argmax(-1), ood_probs
+
+
+def _sharded_ood_evaluation(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks: ``evaluate`` with ``ood_loader`` on uneven shards of both sets."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        in_probs, y, ood_probs = _ood_predictions()
+        in_shard, ood_shard = (
+            (slice(0, 30), slice(0, 12)) if rank == 0 else (slice(30, 45), slice(12, 33))
+        )
+        result = evaluate(
+            lambda p: p,
+            DataLoader(TensorDataset(in_probs[in_shard], y[in_shard]), batch_size=8),
+            ood_loader=DataLoader(TensorDataset(ood_probs[ood_shard]), batch_size=8),
+            distributed=True,
+        )
+        with open(f"{out}/rank{rank}.json", "w") as file:
+            json.dump(result, file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_ood_metrics_of_sharded_data_are_those_of_all_of_it(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_sharded_ood_evaluation, args=(port, str(tmp_path)), nprocs=2)
+    in_probs, _, ood_probs = _ood_predictions()
+    expected = ood_metrics(categorical_entropy(in_probs), categorical_entropy(ood_probs))
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["entropy_histogram"] == expected["entropy_histogram"]
+        for key in ("ood_auroc", "ood_aupr", "ood_fpr95"):
+            assert result[key] == pytest.approx(expected[key], rel=RTOL_RANKING), key
 
 
 def test_evaluate_refuses_an_empty_ood_loader():

@@ -92,8 +92,8 @@ def _ranking_scores(entropy: Tensor) -> Tensor:
     return 0.5 + 0.5 * entropy / (1 + entropy.abs())
 
 
-def _entropy_histogram(in_scores: Tensor, out_scores: Tensor, n_bins: int) -> dict[str, Tensor]:
-    """Counts of both sets over ``n_bins`` equal-width bins spanning the range of all scores."""
+def _entropy_histogram(in_scores: Tensor, out_scores: Tensor, n_bins: int) -> dict[str, list]:
+    """Counts (ints) of both sets over ``n_bins`` equal-width bins spanning all scores' range."""
     scores = torch.cat([in_scores, out_scores]).to(torch.float64)
     low, high = scores.min(), scores.max()
     if low == high:  # one value: a bin of width 1 around it
@@ -101,11 +101,11 @@ def _entropy_histogram(in_scores: Tensor, out_scores: Tensor, n_bins: int) -> di
     edges = torch.linspace(0, 1, n_bins + 1, dtype=torch.float64, device=scores.device)
     edges = low + (high - low) * edges
 
-    def counts(values: Tensor) -> Tensor:
+    def counts(values: Tensor) -> list[int]:
         position = (values.to(torch.float64) - low) / (high - low) * n_bins
-        return torch.bincount(position.long().clamp(0, n_bins - 1), minlength=n_bins)
+        return torch.bincount(position.long().clamp(0, n_bins - 1), minlength=n_bins).tolist()
 
-    return {"edges": edges, "in": counts(in_scores), "out": counts(out_scores)}
+    return {"edges": edges.tolist(), "in": counts(in_scores), "out": counts(out_scores)}
 
 
 def ood_metrics(
@@ -162,13 +162,13 @@ def ood_metrics(
     needed = math.ceil(round(FPR95_TPR * len(out_scores), 9))
     threshold = thresholds[int(torch.nonzero(flagged >= needed)[0, 0])]
     in_flagged = ranking[: len(in_scores)] >= threshold
-    result = {
+    rates = {
         "ood_auroc": binary_auroc(ranking, is_out),
         "ood_aupr": binary_average_precision(ranking, is_out),
         "ood_fpr95": in_flagged.to(torch.float64).mean(),
-        "entropy_histogram": _entropy_histogram(in_scores, out_scores, n_bins),
     }
-    return to_plain(result)
+    histogram = _entropy_histogram(in_scores, out_scores, n_bins)
+    return {**to_plain(rates), "entropy_histogram": histogram}
 
 
 class _OODScores(Metric):
