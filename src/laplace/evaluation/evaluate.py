@@ -3,7 +3,8 @@
 One pass over the data, batch by batch on the model's device: each batch's predictions update
 the running metrics of the likelihood's evaluation (``LikelihoodModel.evaluation``) and are then
 dropped, so memory does not grow with the data beyond what torchmetrics' calibration error and
-AUROC keep (one or two numbers per point).
+the out-of-distribution scores keep (one or two numbers per point). ``ood_metrics`` turns the
+entropies of in- and out-of-distribution points into AUROC, AUPR, FPR95 and a histogram.
 """
 
 from __future__ import annotations

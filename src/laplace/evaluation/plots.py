@@ -283,7 +283,12 @@ def plot_adversarial_sweep(
             sweep lacks, or ``axes`` does not hold one axes per metric.
         ImportError: Without matplotlib.
     """
-    results = _section(result, "results", "adversarial_sweep")
+    if "results" not in result or "epsilons" not in result:
+        raise ValueError(
+            "the result has no 'results' and 'epsilons' entries; pass the dict that "
+            "adversarial_sweep() returns."
+        )
+    results = result["results"]
     metrics = list(metrics)
     available = sorted({metric for entry in results.values() for metric in entry})
     unknown = [metric for metric in metrics if metric not in available]
