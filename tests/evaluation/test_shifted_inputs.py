@@ -251,13 +251,14 @@ def test_attacks_run_in_eval_mode_and_leave_the_model_as_it_was():
     model.eval()
     gradient = torch.func.grad(lambda x: F.cross_entropy(model(x), y, reduction="sum"))(X)
     model.train()
+    model[0].eval()  # a submodule kept in eval mode (as a frozen batch norm would be)
     frozen = model[0].weight
     frozen.requires_grad_(False)
     with torch.no_grad():  # the attacks take their gradient even so
         adversarial = fgsm(model, X, y, 0.1)
         pgd(model, X, y, 0.1, steps=3, random_start=True)
     assert torch.equal(adversarial, X + 0.1 * gradient.sign())  # no dropout: eval mode
-    assert model.training and all(module.training for module in model)
+    assert [module.training for module in model.modules()] == [True, False, True, True, True]
     assert all(param.grad is None for param in model.parameters())
     assert not frozen.requires_grad and model[3].weight.requires_grad
     assert not adversarial.requires_grad

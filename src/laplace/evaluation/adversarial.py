@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -79,18 +80,24 @@ def _clamped(X: Tensor, clamp: tuple[float, float] | None) -> Tensor:
     return X if clamp is None else X.clamp(*clamp)
 
 
-def _input_gradient(model: nn.Module, X: Tensor, y: Tensor, loss_fn: LossFn) -> Tensor:
-    """``∇ₓ loss_fn(model(X), y)`` in eval mode; the parameters' ``.grad`` stay as they were."""
-    was_training = model.training
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode inside; each submodule's own mode restored after."""
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
-        with torch.enable_grad():
-            X = X.detach().requires_grad_(True)
-            logits = model(X)
-            loss = loss_fn(logits, y.to(logits.device))
-            (gradient,) = torch.autograd.grad(loss, X)
+        yield
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
+
+
+def _input_gradient(model: nn.Module, X: Tensor, y: Tensor, loss_fn: LossFn) -> Tensor:
+    """``∇ₓ loss_fn(model(X), y)``; the parameters' ``.grad`` stay as they were."""
+    with torch.enable_grad():
+        X = X.detach().requires_grad_(True)
+        logits = model(X)
+        (gradient,) = torch.autograd.grad(loss_fn(logits, y.to(logits.device)), X)
     return gradient
 
 
@@ -105,8 +112,8 @@ def fgsm(
     r"""Fast gradient sign method: one L∞ step of size ε up the loss.
 
     ``X_adv = clamp(X + ε · sign(∇ₓ loss(model(X), y)))`` (Goodfellow et al., 2015), with the
-    model in eval mode (its mode is restored after). Hand-written on purpose (a few lines): no
-    maintained attack library is a core dependency. At ε = 0 no gradient is taken.
+    model in eval mode (each module's mode is restored after). Hand-written on purpose (a few
+    lines): no maintained attack library is a core dependency. At ε = 0 no gradient is taken.
 
     Args:
         model: The network; returns logits (B, C) for inputs (B, ...).
@@ -129,7 +136,8 @@ def fgsm(
     check_module(model)
     if epsilon == 0:
         return _clamped(X.detach().clone(), clamp)
-    gradient = _input_gradient(model, X, y, loss_fn or _summed_cross_entropy)
+    with _eval_mode(model):
+        gradient = _input_gradient(model, X, y, loss_fn or _summed_cross_entropy)
     return _clamped(X.detach() + epsilon * gradient.sign(), clamp)
 
 
@@ -149,10 +157,10 @@ def pgd(
 
     From ``X₀ = X`` (or a uniform random point of the ball with ``random_start``), each step is
     ``X_{k+1} = clamp(X + Π_ε(X_k + α · sign(∇ₓ loss(model(X_k), y)) − X))`` with ``Π_ε`` the
-    entrywise clipping to [−ε, ε] (Madry et al., 2018), the model in eval mode (its mode is
-    restored after). Hand-written on purpose (a few lines): no maintained attack library is a
-    core dependency. Every iterate lies in the ε-ball around ``X`` (and in ``clamp`` when
-    ``X`` does).
+    entrywise clipping to [−ε, ε] (Madry et al., 2018), the model in eval mode (each module's
+    mode is restored after). Hand-written on purpose (a few lines): no maintained attack
+    library is a core dependency. Every iterate lies in the ε-ball around ``X`` (and in
+    ``clamp`` when ``X`` does).
 
     Args:
         model: The network; returns logits (B, C) for inputs (B, ...).
@@ -189,9 +197,10 @@ def pgd(
     if random_start:
         noise = torch.rand(X.shape, generator=generator, dtype=X.dtype, device=X.device)
         X_adv = _clamped(X + epsilon * (2 * noise - 1), clamp)
-    for _ in range(steps):
-        moved = X_adv + step * _input_gradient(model, X_adv, y, loss_fn).sign()
-        X_adv = _clamped(X + (moved - X).clamp(-epsilon, epsilon), clamp)
+    with _eval_mode(model):
+        for _ in range(steps):
+            moved = X_adv + step * _input_gradient(model, X_adv, y, loss_fn).sign()
+            X_adv = _clamped(X + (moved - X).clamp(-epsilon, epsilon), clamp)
     return X_adv
 
 
