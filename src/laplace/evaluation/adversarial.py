@@ -70,10 +70,11 @@ def _check_clamp(clamp: Any) -> tuple[float, float] | None:
     return low, high
 
 
-def _check_inputs(X: Any) -> None:
+def _check_inputs(X: Any) -> Tensor:
     if not isinstance(X, Tensor) or not X.is_floating_point():
         kind = f"a {X.dtype} tensor" if isinstance(X, Tensor) else type(X).__name__
         raise ValueError(f"X must be a floating-point tensor of inputs, got {kind}.")
+    return X
 
 
 def _clamped(X: Tensor, clamp: tuple[float, float] | None) -> Tensor:
@@ -322,8 +323,8 @@ def adversarial_sweep(
     for epsilon in epsilons:
         evaluations = {name: likelihood.evaluation(evaluation_options) for name in predictives}
         for batch in progress(loader, progress_bar, f"adversarial ε={epsilon:g}"):
-            X, y = split_batch(batch, None, "labels")
-            _check_inputs(X)
+            inputs, y = split_batch(batch, None, "labels")
+            X = _check_inputs(inputs)
             X = X if device is None else X.to(device)
             X_adv = ATTACKS[attack](model, X, y, epsilon, **options)
             for name, predictive in predictives.items():

@@ -177,6 +177,8 @@ class _OODScores(Metric):
 
     is_differentiable = False
     full_state_update = False
+    in_scores: list[Tensor]
+    out_scores: list[Tensor]
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
