@@ -343,6 +343,30 @@ def test_the_sweep_at_epsilon_zero_is_evaluate(separable, separable_laplace):
     assert json.loads(json.dumps(sweep)) == sweep
 
 
+def test_every_predictive_is_scored_on_the_same_perturbed_inputs(separable):
+    model, X, y = separable
+    seen = {"first": [], "second": []}
+
+    def recording(name):
+        def predictive(x):
+            seen[name].append(x.clone())
+            return model(x).softmax(-1)
+
+        return predictive
+
+    loader = DataLoader(TensorDataset(X, y), batch_size=50)
+    epsilons = [0.0, 0.5]
+    adversarial_sweep({name: recording(name) for name in seen}, model, loader, epsilons)
+    assert len(seen["first"]) == len(seen["second"]) == len(epsilons) * len(loader)
+    for first, second in zip(seen["first"], seen["second"], strict=True):
+        assert torch.equal(first, second)
+    n_batches = len(loader)
+    clean = torch.cat(seen["first"][:n_batches])
+    attacked = torch.cat(seen["first"][n_batches:])
+    assert torch.equal(clean, X)
+    assert torch.equal(attacked, fgsm(model, X, y, 0.5))  # per batch = on all: no batch coupling
+
+
 @pytest.mark.parametrize("attack", ["fgsm", "pgd"])
 def test_accuracy_of_the_map_network_falls_as_epsilon_grows(separable, attack):
     model, X, y = separable
