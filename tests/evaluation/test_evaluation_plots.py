@@ -11,8 +11,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from laplace import Laplace
 from laplace.evaluation import (
+    SWEEP_METRICS,
+    adversarial_sweep,
     evaluate,
+    ood_metrics,
+    plot_adversarial_sweep,
     plot_calibration_curve,
+    plot_entropy_histograms,
     plot_predictive_band,
     plot_reliability_diagram,
 )
@@ -123,7 +128,65 @@ def test_predictive_band_shows_mean_and_bands(laplace_object):
     assert list(mean_line.get_ydata()) == pytest.approx(f_mu.detach().reshape(-1).tolist())
 
 
+def test_entropy_histograms_draw_both_sets_as_fractions():
+    gen = torch.Generator().manual_seed(2)
+    in_scores = torch.rand(40, generator=gen, dtype=torch.float64)
+    out_scores = 0.5 + torch.rand(25, generator=gen, dtype=torch.float64)
+    result = ood_metrics(in_scores, out_scores, n_bins=6)
+    fig = plot_entropy_histograms(result, title="KFAC")
+    (ax,) = fig.axes
+    histogram = result["entropy_histogram"]
+    steps = ax.patches
+    assert len(steps) == 2
+    for patch, key in zip(steps, ("in", "out"), strict=True):
+        values, edges = patch.get_data().values, patch.get_data().edges
+        assert list(edges) == pytest.approx(histogram["edges"])
+        expected = [count / sum(histogram[key]) for count in histogram[key]]
+        assert list(values) == pytest.approx(expected)
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert labels == ["in-distribution (n=40)", "out-of-distribution (n=25)"]
+    auroc, fpr = result["ood_auroc"], result["ood_fpr95"]
+    assert ax.get_title() == f"KFAC\nAUROC {auroc:.3f}, FPR95 {100 * fpr:.1f}%"
+    fig.savefig(io.BytesIO(), format="png")
+
+
+def _sweep():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    X, y = torch.randn(30, 2), torch.arange(30) % 3
+    predictives = {
+        "MAP": lambda x: model(x).softmax(-1),
+        "T=2": lambda x: (model(x) / 2).softmax(-1),
+    }
+    loader = DataLoader(TensorDataset(X, y), batch_size=10)
+    return adversarial_sweep(predictives, model, loader, [0.0, 0.1, 0.3])
+
+
+def test_adversarial_sweep_has_one_panel_per_metric_and_one_line_per_predictive():
+    result = _sweep()
+    fig = plot_adversarial_sweep(result, metrics=("accuracy", "nll"), title="FGSM")
+    assert len(fig.axes) == 2
+    for ax, metric in zip(fig.axes, ("accuracy", "nll"), strict=True):
+        assert ax.get_ylabel() == metric and ax.get_xlabel() == "ε (FGSM)"
+        assert len(ax.lines) == 2
+        for line, name in zip(ax.lines, ("MAP", "T=2"), strict=True):
+            assert list(line.get_xdata()) == [0.0, 0.1, 0.3]
+            assert list(line.get_ydata()) == pytest.approx(result["results"][name][metric])
+    assert fig._suptitle.get_text() == "FGSM"
+    fig.savefig(io.BytesIO(), format="png")
+    _, axes = plt.subplots(1, len(SWEEP_METRICS))
+    assert plot_adversarial_sweep(result, SWEEP_METRICS, axes=axes) is axes[0].figure
+
+
 def test_plots_refuse_the_wrong_input():
+    with pytest.raises(ValueError, match="entropy_histogram"):
+        plot_entropy_histograms(_classification_result())
+    with pytest.raises(ValueError, match="results"):
+        plot_adversarial_sweep(_classification_result())
+    with pytest.raises(ValueError, match=r"metrics must name metrics.*'accuracy'"):
+        plot_adversarial_sweep(_sweep(), metrics=("auroc",))
+    with pytest.raises(ValueError, match="one axes per metric"):
+        plot_adversarial_sweep(_sweep(), axes=plt.subplots(1, 2)[1])
     with pytest.raises(ValueError, match="reliability"):
         plot_reliability_diagram({"nll": 1.0})
     with pytest.raises(ValueError, match="calibration_curve"):

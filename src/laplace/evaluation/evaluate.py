@@ -3,11 +3,13 @@
 One pass over the data, batch by batch on the model's device: each batch's predictions update
 the running metrics of the likelihood's evaluation (``LikelihoodModel.evaluation``) and are then
 dropped, so memory does not grow with the data beyond what torchmetrics' calibration error and
-AUROC keep (one or two numbers per point).
+the out-of-distribution scores keep (one or two numbers per point). ``ood_metrics`` turns the
+entropies of in- and out-of-distribution points into AUROC, AUPR, FPR95 and a histogram.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
@@ -15,17 +17,35 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
-from torchmetrics.classification import BinaryAUROC
+from torchmetrics import Metric
+from torchmetrics.functional.classification import (
+    binary_auroc,
+    binary_average_precision,
+    binary_roc,
+)
+from torchmetrics.utilities import dim_zero_cat
 
 from laplace.core import distributed as distributed_utils
 from laplace.core.data_loop import progress
 from laplace.likelihoods import make_likelihood
-from laplace.likelihoods.scoring import N_BINS, Evaluation, EvaluationOptions
+from laplace.likelihoods.scoring import N_BINS, Evaluation, EvaluationOptions, to_plain
 from laplace.utils.data import Inputs, move_inputs, split_batch
 from laplace.utils.errors import check_positive_int
 from laplace.utils.outputs import IGNORE_INDEX
 
-__all__ = ["evaluate", "model_device", "predict_detached"]
+__all__ = [
+    "ENTROPY_BINS",
+    "FPR95_TPR",
+    "evaluate",
+    "model_device",
+    "ood_metrics",
+    "predict_detached",
+]
+
+#: Equal-width bins of ``entropy_histogram``.
+ENTROPY_BINS = 20
+#: The share of out-of-distribution points flagged at the threshold of ``ood_fpr95``.
+FPR95_TPR = 0.95
 
 
 def model_device(predictive: Callable) -> torch.device | None:
@@ -63,15 +83,115 @@ def predict_detached(la: Callable, X: Inputs, device: torch.device | None, kwarg
     return tuple(item.detach() for item in out) if isinstance(out, tuple) else out.detach()
 
 
-def _update_auroc(auroc: BinaryAUROC, entropy: Tensor, ood: bool) -> None:
-    """Add the entropies of a batch, mapped monotonically into (0, 1) in float64, to ``auroc``.
+def _ranking_scores(entropy: Tensor) -> Tensor:
+    """Entropies mapped monotonically into (0, 1) in float64, the scores the ranking metrics take.
 
-    torchmetrics' AUROC passes scores outside [0, 1] through a sigmoid, which rounds large
+    torchmetrics' ranking metrics pass scores outside [0, 1] through a sigmoid, which rounds large
     entropies to 1 and so ties them; this map keeps their order.
     """
     entropy = entropy.to(torch.float64)
-    scores = 0.5 + 0.5 * entropy / (1 + entropy.abs())
-    auroc.update(scores, torch.full_like(scores, int(ood), dtype=torch.long))
+    return 0.5 + 0.5 * entropy / (1 + entropy.abs())
+
+
+def _entropy_histogram(in_scores: Tensor, out_scores: Tensor, n_bins: int) -> dict[str, list]:
+    """Counts (ints) of both sets over ``n_bins`` equal-width bins spanning all scores' range."""
+    scores = torch.cat([in_scores, out_scores]).to(torch.float64)
+    low, high = scores.min(), scores.max()
+    if low == high:  # one value: a bin of width 1 around it
+        low, high = low - 0.5, high + 0.5
+    edges = torch.linspace(0, 1, n_bins + 1, dtype=torch.float64, device=scores.device)
+    edges = low + (high - low) * edges
+
+    def counts(values: Tensor) -> list[int]:
+        position = (values.to(torch.float64) - low) / (high - low) * n_bins
+        return torch.bincount(position.long().clamp(0, n_bins - 1), minlength=n_bins).tolist()
+
+    return {"edges": edges.tolist(), "in": counts(in_scores), "out": counts(out_scores)}
+
+
+def ood_metrics(
+    in_scores: Tensor, out_scores: Tensor, n_bins: int = ENTROPY_BINS
+) -> dict[str, Any]:
+    r"""How well a score (e.g. the predictive entropy) tells out-of-distribution points apart.
+
+    Out-of-distribution points are the positives, and a higher score flags a point as such.
+    The ranking metrics are torchmetrics' (``binary_auroc``, ``binary_average_precision``,
+    ``binary_roc``) on the scores mapped monotonically into (0, 1), so that no sigmoid ties
+    large scores: ties count half in the AUROC, and each distinct score is one threshold.
+
+    - ``ood_auroc``: the probability that a random out-of-distribution point scores higher
+      than a random in-distribution one (ties ½); 0.5 is chance, 1 a perfect separation.
+    - ``ood_aupr``: average precision ``Σ_k (R_k − R_{k−1}) P_k`` over the thresholds, the
+      area under the precision-recall curve of the out-of-distribution points; chance is their
+      share of all points.
+    - ``ood_fpr95``: with ``t`` the highest threshold that flags at least 95% of the
+      out-of-distribution points (score ≥ ``t``), the fraction of in-distribution points with
+      score ≥ ``t``; 0 is a perfect separation.
+    - ``entropy_histogram``: ``{"edges": (n_bins + 1,), "in": (n_bins,), "out": (n_bins,)}``,
+      the counts of each set over equal-width bins spanning the observed range of all scores
+      (for class probabilities it lies in [0, log C]); each bin holds ``[edge_k, edge_{k+1})``,
+      the last also its right edge.
+
+    Args:
+        in_scores: Scores of the in-distribution points, shape (N,).
+        out_scores: Scores of the out-of-distribution points, shape (M,).
+        n_bins: Number of bins of the histogram.
+
+    Returns:
+        The four entries above as Python floats, ints and lists (JSON-serialisable).
+
+    Raises:
+        ValueError: If a set of scores is empty, not one-dimensional or not finite, or
+            ``n_bins`` is not a positive integer.
+    """
+    check_positive_int(n_bins, "n_bins")
+    for name, scores in (("in_scores", in_scores), ("out_scores", out_scores)):
+        if scores.dim() != 1 or not scores.numel():
+            raise ValueError(
+                f"{name} must be a non-empty tensor of shape (N,), got "
+                f"shape {tuple(scores.shape)}."
+            )
+        if not bool(torch.isfinite(scores).all()):
+            raise ValueError(f"{name} must be finite; it holds NaN or infinite scores.")
+    out_scores = out_scores.to(in_scores.device)
+    ranking = _ranking_scores(torch.cat([in_scores, out_scores]))
+    is_out = torch.cat([torch.zeros_like(in_scores), torch.ones_like(out_scores)]).long()
+    _, tpr, thresholds = binary_roc(ranking, is_out)
+    # the first ROC point (highest threshold) that flags FPR95_TPR of the OOD points, compared
+    # in counts: torchmetrics' rates are float32, and 0.95·M may round to just above an integer
+    flagged = (tpr.to(torch.float64) * len(out_scores)).round()
+    needed = math.ceil(round(FPR95_TPR * len(out_scores), 9))
+    threshold = thresholds[int(torch.nonzero(flagged >= needed)[0, 0])]
+    in_flagged = ranking[: len(in_scores)] >= threshold
+    rates = {
+        "ood_auroc": binary_auroc(ranking, is_out),
+        "ood_aupr": binary_average_precision(ranking, is_out),
+        "ood_fpr95": in_flagged.to(torch.float64).mean(),
+    }
+    histogram = _entropy_histogram(in_scores, out_scores, n_bins)
+    return {**to_plain(rates), "entropy_histogram": histogram}
+
+
+class _OODScores(Metric):
+    """The scores of in- and out-of-distribution points, gathered across processes."""
+
+    is_differentiable = False
+    full_state_update = False
+    in_scores: list[Tensor]
+    out_scores: list[Tensor]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("in_scores", default=[], dist_reduce_fx="cat")
+        self.add_state("out_scores", default=[], dist_reduce_fx="cat")
+
+    def update(self, scores: Tensor, ood: bool) -> None:
+        """Add the scores (B,) of a batch of in- (``ood=False``) or out-of-distribution points."""
+        (self.out_scores if ood else self.in_scores).append(scores.detach().to(torch.float64))
+
+    def compute(self) -> dict[str, Any]:
+        """``ood_metrics`` of all scores."""
+        return ood_metrics(dim_zero_cat(self.in_scores), dim_zero_cat(self.out_scores))
 
 
 def evaluate(
@@ -106,8 +226,9 @@ def evaluate(
     The result's keys per likelihood (``accuracy``, ``nll``, ``ece``, ... for classification;
     ``nll``, ``rmse``, ``crps``, ``coverage``, ... for regression) are listed in
     ``docs/evaluation.md`` and defined by each likelihood's ``evaluation``. With ``ood_loader``,
-    ``ood_auroc`` is the AUROC of the predictive entropy for telling its points (positives) from
-    those of ``loader``.
+    the predictive entropy of each point scores how out-of-distribution it is: ``ood_auroc``,
+    ``ood_aupr``, ``ood_fpr95`` and ``entropy_histogram`` (see ``ood_metrics``) tell the
+    points of ``ood_loader`` (positives) from those of ``loader``.
 
     Args:
         la: A fitted Laplace approximation or any callable returning predictions.
@@ -168,7 +289,7 @@ def evaluate(
 
     likelihood = likelihood if likelihood is not None else getattr(la, "likelihood", None)
     task = evaluation(likelihood) if likelihood is not None else None  # fails before predicting
-    auroc = BinaryAUROC(sync_on_compute=sync) if ood_loader is not None else None
+    ood = _OODScores(sync_on_compute=sync) if ood_loader is not None else None
     n_batches = 0
     for batch in progress(loader, progress_bar, "evaluate"):
         X, y = split_batch(batch, key_x, key_y)
@@ -177,14 +298,16 @@ def evaluate(
             task = evaluation("regression" if isinstance(out, tuple) else "classification")
         task.update(out, y)
         n_batches += 1
-        if auroc is not None:
-            _update_auroc(auroc, task.entropy(out), ood=False)
+        if ood is not None:
+            ood.update(task.entropy(out), ood=False)
     if not n_batches:
         raise ValueError("loader yielded no batches: evaluate needs at least one.")
     result = task.compute()
-    if auroc is not None:
+    if ood is not None:
         for batch in progress(ood_loader, progress_bar, "evaluate OOD"):
             out = predict_detached(la, _inputs(batch, key_x, key_y), device, predictive_kwargs)
-            _update_auroc(auroc, task.entropy(out), ood=True)
-        result["ood_auroc"] = float(auroc.compute())
+            ood.update(task.entropy(out), ood=True)
+        if not ood.out_scores:
+            raise ValueError("ood_loader yielded no batches: evaluate needs at least one.")
+        result.update(ood.compute())
     return result

@@ -1,14 +1,16 @@
-"""Calibration figures: reliability diagram, PIT calibration curve, 1-D predictive band.
+"""Calibration figures: reliability, PIT curve, predictive band, OOD entropies, attacks.
 
+The reliability diagram, the PIT calibration curve, the 1-D predictive band, the entropy
+histograms of in- and out-of-distribution points, and metrics against an attack's ε.
 matplotlib is optional (``pip install 'laplace-ng[plot]'``) and imported when a plot is drawn.
 Each function draws into ``ax`` when given (else into a new figure) and returns the figure.
-The first two take the result of ``evaluate``, so a saved JSON result
-can be plotted again.
+All but the predictive band take the result of ``evaluate`` or ``adversarial_sweep``, so a
+saved JSON result can be plotted again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +22,13 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["plot_calibration_curve", "plot_predictive_band", "plot_reliability_diagram"]
+__all__ = [
+    "plot_adversarial_sweep",
+    "plot_calibration_curve",
+    "plot_entropy_histograms",
+    "plot_predictive_band",
+    "plot_reliability_diagram",
+]
 
 
 def _pyplot():
@@ -204,4 +212,105 @@ def plot_predictive_band(
     ax.set(xlim=(float(xs.min()), float(xs.max())), xlabel="x", ylabel="y")
     if title:
         ax.set_title(title)
+    return fig
+
+
+def plot_entropy_histograms(
+    result: Mapping[str, Any], ax: Axes | None = None, title: str | None = None
+) -> Figure:
+    """Histograms of the predictive entropy of in- and out-of-distribution points.
+
+    Each set is drawn as a step histogram of the fraction of its points per bin (so sets of
+    different sizes compare), over the bins of ``result["entropy_histogram"]``; the title
+    reports the AUROC and FPR95 when ``result`` has them.
+
+    Args:
+        result: ``evaluate``'s result with ``ood_loader``, or ``ood_metrics``'s.
+        ax: Axes to draw into; a new figure when None.
+        title: Title; ``"AUROC x.xxx, FPR95 x.x%"`` is appended on a new line.
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: If ``result`` has no entropy histogram.
+        ImportError: Without matplotlib.
+    """
+    histogram = _section(result, "entropy_histogram", "an ood_loader")
+    fig, ax = _axes(ax, (5.0, 3.5))
+    for key, label, color in (
+        ("in", "in-distribution", "tab:blue"),
+        ("out", "out-of-distribution", "tab:red"),
+    ):
+        counts = torch.tensor(histogram[key], dtype=torch.float64)
+        fraction = (counts / counts.sum().clamp_min(1)).tolist()
+        n = int(counts.sum())
+        ax.stairs(fraction, histogram["edges"], color=color, lw=2, label=f"{label} (n={n})")
+    ax.set(xlabel="predictive entropy", ylabel="fraction of points")
+    ax.legend(fontsize=8)
+    scores = ", ".join(
+        f"{name} {fmt(result[key])}"
+        for key, name, fmt in (
+            ("ood_auroc", "AUROC", "{:.3f}".format),
+            ("ood_fpr95", "FPR95", lambda value: f"{100 * value:.1f}%"),
+        )
+        if key in result
+    )
+    ax.set_title(f"{title}\n{scores}" if title and scores else title or scores, fontsize=9)
+    return fig
+
+
+def plot_adversarial_sweep(
+    result: Mapping[str, Any],
+    metrics: Sequence[str] = ("accuracy", "confidence", "ece"),
+    axes: Sequence[Axes] | None = None,
+    title: str | None = None,
+) -> Figure:
+    """Metrics of each predictive against the attack's radius ε: one panel per metric.
+
+    Args:
+        result: ``adversarial_sweep``'s result.
+        metrics: The metrics to draw, each a key of the result's per-predictive entries
+            (``accuracy``, ``confidence``, ``ece``, ``nll``, ``brier``).
+        axes: One axes per metric; a new figure with a row of panels when None.
+        title: Title of the figure.
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: If ``result`` is not a sweep, ``metrics`` is empty or names a metric the
+            sweep lacks, or ``axes`` does not hold one axes per metric.
+        ImportError: Without matplotlib.
+    """
+    if "results" not in result or "epsilons" not in result:
+        raise ValueError(
+            "the result has no 'results' and 'epsilons' entries; pass the dict that "
+            "adversarial_sweep() returns."
+        )
+    results = result["results"]
+    metrics = list(metrics)
+    available = sorted({metric for entry in results.values() for metric in entry})
+    unknown = [metric for metric in metrics if metric not in available]
+    if not metrics or unknown:
+        raise ValueError(
+            f"metrics must name metrics of the sweep, got {metrics!r}; accepted values: "
+            f"{', '.join(map(repr, available))}."
+        )
+    if axes is None:
+        fig, axes = _pyplot().subplots(
+            1, len(metrics), figsize=(3.5 * len(metrics), 3.2), squeeze=False
+        )
+        axes = list(axes[0])
+    elif len(axes) != len(metrics):
+        raise ValueError(f"axes must hold one axes per metric ({len(metrics)}), got {len(axes)}.")
+    attack = str(result.get("attack", "")).upper()
+    for ax, metric in zip(axes, metrics, strict=True):
+        for name, entry in results.items():
+            ax.plot(result["epsilons"], entry[metric], "o-", ms=3, label=name)
+        ax.set(xlabel=f"ε ({attack})" if attack else "ε", ylabel=metric)
+    axes[0].legend(fontsize=8)
+    fig = axes[0].figure
+    if title:
+        fig.suptitle(title)
     return fig
