@@ -72,6 +72,7 @@ class TuningMethod(str, Enum):
 
     MARGLIK = "marglik"
     GRIDSEARCH = "gridsearch"
+    BAYESOPT = "bayesopt"
 
 
 class PriorStructure(str, Enum):
