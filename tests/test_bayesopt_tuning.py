@@ -6,6 +6,7 @@ import copy
 import functools
 import math
 import sys
+import warnings
 
 import pytest
 import torch
@@ -217,13 +218,21 @@ def test_bayesopt_scores_unfactorisable_candidates_as_infinite():
     """As grid search: a candidate whose posterior cannot be factorised is skipped."""
     la, val, loss = _fitted("classification")
     threshold = 1e-2
+    failures = []
 
     def loss_failing_for_small_priors(probs, y):
         if la.prior_precision.item() < threshold:
+            failures.append(la.prior_precision.item())
             raise NotPositiveDefiniteError("not positive definite")
         return loss(probs, y)
 
-    _search(la, val, loss_failing_for_small_priors, "classification", method="bayesopt", n_steps=8)
+    with warnings.catch_warnings():  # Optuna's warning on clipped inf scores is silenced
+        warnings.simplefilter("error")
+        _search(
+            la, val, loss_failing_for_small_priors, "classification", method="bayesopt", n_steps=8
+        )
+    assert failures, "some candidates must fail for this test to bite"
+    assert len(failures) + len(loss.values) == 8
     assert la.prior_precision.item() >= threshold
     assert _loss_now(la, val, loss) == pytest.approx(min(loss.values), rel=0, abs=REPRODUCE_TOL)
 

@@ -217,7 +217,7 @@ def gridsearch(
     return best.reshape(1)
 
 
-#: The package and the install command ``method="bayesopt"`` needs.
+#: How to install what ``method="bayesopt"`` needs (Optuna).
 OPTUNA_EXTRA = "pip install 'laplace-ng[bayesopt]'"
 
 
@@ -295,7 +295,7 @@ def _quiet_optuna(optuna: Any) -> Iterator[None]:
     optuna.logging.set_verbosity(logging.WARNING)
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Clip non-finite values", module="optuna")
+            warnings.filterwarnings("ignore", message="Clip non-finite values")
             yield
     finally:
         optuna.logging.set_verbosity(verbosity)
