@@ -8,6 +8,7 @@ import math
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -143,10 +144,17 @@ def test_bayesopt_matches_a_finer_grid_with_fewer_evaluations(likelihood):
 
 
 def test_bayesopt_is_reproducible_and_the_seed_matters():
+    """The search draws from its own seeded generators, not NumPy's global one.
+
+    (Torch's global generator advances as in grid search: each pass over a DataLoader draws a
+    base seed from it.)
+    """
     runs = {}
     for seed in (0, 0, 1):
         la, val, loss = _fitted("classification")
+        numpy_state = np.random.get_state()[1]
         _search(la, val, loss, "classification", method="bayesopt", n_steps=6, seed=seed)
+        assert (np.random.get_state()[1] == numpy_state).all()
         runs.setdefault(seed, []).append(loss.values)
     assert runs[0][0] == runs[0][1]
     assert runs[0][0] != runs[1][0]
