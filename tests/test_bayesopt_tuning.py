@@ -5,14 +5,20 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
+import socket
 import sys
+import traceback
 import warnings
+from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from laplace import DiagLaplace, FullLaplace, FunctionalLaplace, KronLaplace
 from laplace.posteriors import NotPositiveDefiniteError
@@ -369,3 +375,59 @@ def test_bayesopt_silences_optuna_only_during_the_call(capsys):
         optuna.logging.set_verbosity(optuna.logging.WARNING)
     assert [r for r in records if r.levelno == logging.INFO], "optuna's INFO must reach us now"
     assert capsys.readouterr().out.startswith("Optimized prior precision is tensor([")
+
+
+#: Two ranks' chosen prior precision against one process's: the averaged losses agree to
+#: rounding, so the seeded searches propose (nearly) the same candidates.
+DISTRIBUTED_RTOL = 1e-6
+
+
+def _distributed_search(rank: int, port: int, out_dir: str) -> None:
+    """One rank: a distributed fit on its uneven shard, then bayesopt on its validation shard."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        model, train, val = _trained("classification")
+        train_part = range(40) if rank == 0 else range(40, 60)  # uneven shards
+        val_part = range(35) if rank == 0 else range(35, 60)
+        la = DiagLaplace(model, "classification")
+        train_shard = DataLoader(Subset(train.dataset, list(train_part)), batch_size=20)
+        la.fit(train_shard, distributed=True)
+        val_shard = DataLoader(Subset(val.dataset, list(val_part)), batch_size=20)
+        low, high = RANGES["classification"]
+        la.optimize_prior_precision(
+            method="bayesopt",
+            val_loader=val_shard,
+            log_prior_prec_min=low,
+            log_prior_prec_max=high,
+            temperature_range=(0.5, 2.0),
+            n_steps=8,
+        )
+        result = {"prior_precision": la.prior_precision, "temperature": la.temperature}
+    except Exception:  # reported to the parent through the results file
+        result = {"error": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes start torch, laplace and Optuna (about a minute on 2 cores)
+def test_distributed_bayesopt_equals_single_process(tmp_path):
+    """Every rank gets the search of one process on all the data (a rank proposing another
+    candidate would raise)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_distributed_search, args=(port, str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for rank, result in enumerate(ranks):
+        assert "error" not in result, f"rank {rank} raised:\n{result['error']}"
+    la, val, _ = _fitted("classification")
+    _search(
+        la, val, None, "classification", method="bayesopt", temperature_range=(0.5, 2.0), n_steps=8
+    )
+    for result in ranks:
+        assert torch.allclose(
+            result["prior_precision"], la.prior_precision, rtol=DISTRIBUTED_RTOL, atol=0
+        )
+        assert result["temperature"] == pytest.approx(la.temperature, rel=DISTRIBUTED_RTOL)
