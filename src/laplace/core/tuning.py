@@ -362,10 +362,10 @@ def bayesopt(
         return base**exponents, params.get("temperature")
 
     def evaluate(params: dict[str, float]) -> float:
-        prior_precision, temperature = decode(params)
-        if distributed:
-            distributed_utils.check_consistent({"candidate": prior_precision}, "bayesopt")
-        return validation_score(prior_precision, temperature)
+        if distributed:  # the same seeded search on the same scores: the same proposals
+            candidate = [params[name] for name in space]
+            distributed_utils.check_consistent({"candidate": candidate}, "bayesopt")
+        return validation_score(*decode(params))
 
     score = validation_objective(evaluate, val_loader, distributed, device, "bayesopt")
     with _quiet_optuna(optuna):
@@ -373,13 +373,15 @@ def bayesopt(
             seed=seed, n_startup_trials=min(n_steps, 2 * len(space) + 2)
         )
         study = optuna.create_study(direction="minimize", sampler=sampler)
-        best, best_score = None, math.inf
-        for _ in progress(range(n_steps), progress_bar, "bayesopt"):
-            trial = study.ask(space)
+        steps = progress(range(n_steps), progress_bar, "bayesopt")
+        trials = (study.ask(space) for _ in steps)  # each asked once the previous one is told
+
+        def score_and_tell(trial: Any) -> float:
             value = score(trial.params)
             study.tell(trial, value if math.isfinite(value) else math.inf)
-            if math.isfinite(value) and value < best_score:
-                best, best_score = trial.params, value
+            return value
+
+        best, _ = search_grid(trials, score_and_tell)
     if best is None:
         raise RuntimeError("bayesopt: every candidate prior precision gave a non-finite loss.")
-    return decode(best)
+    return decode(best.params)
