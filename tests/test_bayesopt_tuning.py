@@ -196,7 +196,7 @@ def test_bayesopt_layerwise_sets_one_prior_precision_per_parameter_tensor():
     assert _loss_now(la, val, loss) == pytest.approx(min(loss.values), rel=0, abs=REPRODUCE_TOL)
 
 
-def test_bayesopt_tunes_the_temperature_within_its_range():
+def test_bayesopt_tunes_the_temperature_within_its_range(capsys):
     la, val, loss = _fitted("classification", temperature=1.0)
     temperature_range = (0.2, 5.0)
     _search(
@@ -207,7 +207,9 @@ def test_bayesopt_tunes_the_temperature_within_its_range():
         method="bayesopt",
         temperature_range=temperature_range,
         n_steps=N_STEPS,
+        verbose=True,
     )
+    assert f"and temperature {la.temperature}." in capsys.readouterr().out
     assert la.temperature != 1.0
     assert temperature_range[0] <= la.temperature <= temperature_range[1]
     assert len(loss.values) == N_STEPS
