@@ -221,6 +221,24 @@ def test_bayesopt_tunes_the_temperature_within_its_range(capsys):
     )
 
 
+def test_bayesopt_works_for_a_float32_model():
+    model, train, val = _trained("classification")
+    model = model.float()
+    as_float32 = [
+        TensorDataset(X.float(), y) for X, y in (train.dataset.tensors, val.dataset.tensors)
+    ]
+    la = DiagLaplace(model, "classification")
+    la.fit(DataLoader(as_float32[0], batch_size=20))
+    la.optimize_prior_precision(
+        method="bayesopt",
+        val_loader=DataLoader(as_float32[1], batch_size=20),
+        prior_structure="layerwise",
+        n_steps=3,
+    )
+    assert la.prior_precision.dtype == torch.float32
+    assert la.prior_precision.shape == (la.n_layers,)
+
+
 def test_bayesopt_by_metric_name_matches_the_callable():
     """A named loss goes through the likelihood's metric; the same search, the same choice."""
     la, val, loss = _fitted("classification")
