@@ -14,7 +14,9 @@ models and data come from the harness (``GPU_CASES``) on a GPU, peak memory bein
 and writes ``benchmarks/results/run-cuda.json``. ``--backends`` instead times ``fit`` per
 curvature backend × structure on both models and writes ``benchmarks/results/backends.json``.
 The scaling
-table (N and width) is ``benchmarks/scaling.py``. The ``binary-*`` cases time
+table (N and width) is ``benchmarks/scaling.py``. The ``tune-bayesopt-*`` case times
+``optimize_prior_precision(method="bayesopt")`` (15 evaluations) beside a 21-point grid
+search. The ``binary-*`` cases time
 ``likelihood="binary_classification"`` against ``"classification"`` on the MLP; the
 ``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions;
 ``large-vocab-ll-kron`` is the 32,000-class head of ``benchmarks/large_vocab.py``; the
@@ -254,6 +256,50 @@ def case_evaluate(model_name: str, structure: str, repeats: int, n_test: int = 1
     }
 
 
+def case_tune_bayesopt(model_name: str, structure: str, repeats: int, n_val: int = N_TEST) -> dict:
+    """Prior tuning by Bayesian optimisation (15 evaluations) beside a 21-point grid search.
+
+    Both search the same range by the validation NLL of the GLM probit predictive of a
+    last-layer approximation, in turns (medians over the repeats); each has its own peak memory.
+    Optuna is imported before the clock starts.
+    """
+    import optuna  # noqa: F401  (imported once, outside the timings)
+
+    from laplace import Laplace
+
+    model = MODELS[model_name]().eval()
+    la = Laplace(model, "classification", "last_layer", structure)
+    la.fit(training_loader(model_name))
+    val_loader = DataLoader(TensorDataset(*data(model_name, n_val, 1)), batch_size=500)
+    searches = {
+        "bayesopt": {"method": "bayesopt", "n_steps": 15, "seed": 0},
+        "grid": {"method": "gridsearch", "grid_size": 21},
+    }
+    times: dict[str, list[float]] = {name: [] for name in searches}
+    peaks: dict[str, float] = dict.fromkeys(searches, 0.0)
+    chosen = {}
+    for _ in range(repeats):
+        for name, options in searches.items():
+            search = partial(la.optimize_prior_precision, val_loader=val_loader, loss="nll")
+            with PeakRSS() as mem:
+                times[name].append(timed(partial(search, **options), 1))
+            peaks[name] = max(peaks[name], mem.extra / 2**20)
+            chosen[name] = la.prior_precision.item()
+    bayesopt_s, grid_s = statistics.median(times["bayesopt"]), statistics.median(times["grid"])
+    return {
+        "case": f"bayesopt 15 vs grid 21 last-layer {structure} {model_name} ({n_val} val)",
+        "n_params": la.n_params,
+        "seconds": bayesopt_s,
+        "grid_seconds": grid_s,
+        "ratio": bayesopt_s / grid_s,
+        "floor": "the 21-point grid search",
+        "chosen_prior_precision": chosen,
+        "repeats_s": times,
+        "peak_extra_MB": peaks["bayesopt"],
+        "grid_peak_extra_MB": peaks["grid"],
+    }
+
+
 def case_binary_vs_classification(model_name: str, structure: str, repeats: int) -> dict:
     """Fit and GLM probit predictive of ``binary_classification`` against ``classification``.
 
@@ -332,6 +378,7 @@ CASES = {
     "evaluate-kron-cnn": (case_evaluate, "cnn", "kron"),
     "binary-diag-mlp": (case_binary_vs_classification, "mlp", "diag"),
     "binary-kron-mlp": (case_binary_vs_classification, "mlp", "kron"),
+    "tune-bayesopt-ll-kron-mlp": (case_tune_bayesopt, "mlp", "kron"),
     **POSITION_CASES,
     **LARGE_VOCAB_CASES,
     **LARGE_VOCAB_ALL_CASES,

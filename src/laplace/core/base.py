@@ -27,7 +27,14 @@ from laplace.core.priors import (
 from laplace.core.serialization import MEAN_MATCH_ATOL, StateFormat, check_state_dict
 from laplace.core.subsets import AllWeights, check_parameters, check_posterior_dtype
 from laplace.core.transaction import TRANSACTIONAL_METHODS, transactional
-from laplace.core.tuning import grid_candidates, gridsearch, maximize_marglik
+from laplace.core.tuning import (
+    bayesopt,
+    check_bayesopt_arguments,
+    grid_candidates,
+    gridsearch,
+    import_optuna,
+    maximize_marglik,
+)
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.curvature import check_dict_inputs
 from laplace.curvature.registry import check_backend_kwargs
@@ -440,39 +447,61 @@ class BaseLaplace:
         verbose: bool = False,
         progress_bar: bool = False,
         log_prior_prec_base: float = 10.0,
+        temperature_range: tuple[float, float] | None = None,
+        seed: int = 0,
     ) -> None:
-        """Tune the prior precision by marginal likelihood or by validation grid search.
+        """Tune the prior precision by marginal likelihood or by a validation search.
 
-        A class that supports fewer options names them in its ``_refused_prior_structures``.
+        The validation searches, ``"gridsearch"`` and ``"bayesopt"``, score every candidate
+        the same way: the loss of the predictive on ``val_loader`` (inf where the posterior
+        cannot be factorised); the first candidate with the lowest finite loss is set. A call
+        that raises changes nothing. A class that supports fewer options names them in its
+        ``_refused_prior_structures``.
 
         Args:
-            pred_type: Predictive used by grid search (``"glm"`` or ``"nn"``).
-            method: ``"marglik"`` (Adam on log p₀) or ``"gridsearch"`` (needs ``val_loader``).
-            n_steps: Adam steps for marglik.
+            pred_type: Predictive used by the validation searches (``"glm"`` or ``"nn"``).
+            method: ``"marglik"`` (Adam on log p₀), ``"gridsearch"`` or ``"bayesopt"``
+                (Gaussian-process Bayesian optimisation with Optuna's ``GPSampler``; needs
+                the ``bayesopt`` extra). Both validation searches need ``val_loader``.
+            n_steps: Adam steps for marglik; for bayesopt the number of validation
+                evaluations (each one a pass over ``val_loader``; 10 to 30 suit one to a few
+                dimensions).
             lr: Adam learning rate for marglik.
             init_prior_prec: Initial precision for marglik; its structure is kept unless it is
                 a scalar, which is then expanded to ``prior_structure``.
-            prior_structure: ``"scalar"``, ``"layerwise"`` or ``"diag"`` for marglik.
-            val_loader: Validation data for grid search.
-            loss: Validation loss for grid search: a torchmetrics Metric, a callable, or a name
-                (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``; see
+            prior_structure: ``"scalar"``, ``"layerwise"`` or ``"diag"`` for marglik;
+                ``"scalar"`` (one dimension) or ``"layerwise"`` (one per parameter tensor)
+                for bayesopt, which refuses ``"diag"``; grid search tunes a scalar.
+            val_loader: Validation data for the validation searches.
+            loss: Validation loss of the validation searches: a torchmetrics Metric, a
+                callable, or a name (``"nll"``, ``"ece"``, ``"brier"``, ``"crps"``; see
                 ``laplace.evaluation``); defaults to running NLL for classification and
                 running MSE for regression.
-            log_prior_prec_min: Lower end of the grid, as an exponent of ``log_prior_prec_base``.
-            log_prior_prec_max: Upper end of the grid.
+            log_prior_prec_min: Lower end of the searched prior precision, as an exponent of
+                ``log_prior_prec_base``.
+            log_prior_prec_max: Upper end of the searched prior precision.
             grid_size: Number of grid points.
-            link_approx: Link approximation used by grid search.
-            n_samples: Samples of the predictive for grid search with MC links.
-            verbose: Print the chosen prior precision.
+            link_approx: Link approximation used by the validation searches.
+            n_samples: Samples of the predictive for the validation searches with MC links.
+            verbose: Print the chosen prior precision (and temperature).
             progress_bar: Show a progress bar.
-            log_prior_prec_base: Base of the log-spaced grid.
+            log_prior_prec_base: Base of the exponents.
+            temperature_range: bayesopt only: ``(low, high)`` bounds (positive, ``low < high``)
+                of the temperature ``la.temperature``, searched on a log scale together with
+                the prior precision; None keeps the temperature fixed.
+            seed: bayesopt only: seed of the search, an integer in ``[0, 2**32)``; the same
+                seed and data give the same candidates.
 
         Raises:
-            ValueError: For an unknown method, structure, pred_type or link_approx, grid
-                search without ``val_loader``, an unknown ``loss`` name, a negative
-                ``n_steps``, a non-positive ``lr`` or ``grid_size``, or a grid that is not
-                finite; a non-integer count raises an error that is a ``ValueError`` and a
-                ``TypeError``.
+            ValueError: For an unknown method, structure, pred_type or link_approx, a
+                validation search without ``val_loader``, an unknown ``loss`` name, a negative
+                ``n_steps`` (marglik) or one below 1 (bayesopt), a non-positive ``lr`` or
+                ``grid_size``, a search range that is not finite (or, for bayesopt, not
+                increasing), a bad ``temperature_range`` or ``seed``, or bayesopt with
+                ``prior_structure="diag"``; a non-integer count raises an error that is a
+                ``ValueError`` and a ``TypeError``. Every check runs before any evaluation.
+            ImportError: For bayesopt without Optuna installed (the ``bayesopt`` extra).
+            RuntimeError: If no candidate of a validation search gives a finite loss.
         """
         method = parse_enum(TuningMethod, method, "method")
         pred_type = parse_enum(PredType, pred_type, "pred_type")
@@ -481,9 +510,30 @@ class BaseLaplace:
         refusal = self._refused_prior_structures.get(prior_structure)
         if refusal is not None:
             raise ValueError(refusal)
+        if temperature_range is not None and method != TuningMethod.BAYESOPT:
+            raise ValueError(
+                f"temperature_range is searched by method='bayesopt' only, got "
+                f"method={method.value!r}; pass temperature_range=None."
+            )
         if method == TuningMethod.MARGLIK:
             check_int_at_least(n_steps, "n_steps", 0)
             check_positive_float(lr, "lr")
+        elif method == TuningMethod.BAYESOPT:
+            if prior_structure == PriorStructure.DIAG:
+                raise ValueError(
+                    "method='bayesopt' takes prior_structure 'scalar' or 'layerwise': 'diag' has "
+                    "one dimension per weight, too many for a Gaussian-process search; use "
+                    "method='marglik' for a diagonal prior."
+                )
+            temperature_range = check_bayesopt_arguments(
+                n_steps,
+                log_prior_prec_min,
+                log_prior_prec_max,
+                log_prior_prec_base,
+                temperature_range,
+                seed,
+            )
+            import_optuna()
         self._check_fitted("optimize_prior_precision")
         if method == TuningMethod.MARGLIK:
             if torch.is_tensor(init_prior_prec) and init_prior_prec.numel() > 1:
@@ -503,15 +553,18 @@ class BaseLaplace:
             )
         else:
             if val_loader is None:
-                raise ValueError("method='gridsearch' needs a val_loader with validation data.")
-            candidates = grid_candidates(
-                log_prior_prec_min,
-                log_prior_prec_max,
-                grid_size,
-                log_prior_prec_base,
-                self._device,
-                self._dtype,
-            )
+                raise ValueError(
+                    f"method={method.value!r} needs a val_loader with validation data."
+                )
+            if method == TuningMethod.GRIDSEARCH:
+                candidates = grid_candidates(
+                    log_prior_prec_min,
+                    log_prior_prec_max,
+                    grid_size,
+                    log_prior_prec_base,
+                    self._device,
+                    self._dtype,
+                )
             distributed = getattr(self, "_distributed", False)
             # None: the likelihood's default; a name: its running metric, summed over all ranks
             # when distributed; anything else is the user's metric or callable.
@@ -523,8 +576,12 @@ class BaseLaplace:
                     loss, self.n_outputs, self.sigma_noise, sync_on_compute=distributed
                 ).to(self._device)
 
-            def validation_score(prior_precision: Tensor) -> float:
+            def validation_score(
+                prior_precision: Tensor, temperature: float | None = None
+            ) -> float:
                 self.prior_precision = prior_precision
+                if temperature is not None:
+                    self.temperature = temperature
                 return validate(
                     self,
                     val_loader,
@@ -535,11 +592,35 @@ class BaseLaplace:
                     dict_key_y=self.dict_key_y,
                 )
 
-            self.prior_precision = gridsearch(
-                candidates, validation_score, val_loader, distributed, progress_bar
-            )
+            if method == TuningMethod.GRIDSEARCH:
+                self.prior_precision = gridsearch(
+                    candidates, validation_score, val_loader, distributed, progress_bar
+                )
+            else:
+                n_layers = self._prior_lengths[0]
+                n_priors = n_layers if prior_structure == PriorStructure.LAYERWISE else 1
+                prior_precision, temperature = bayesopt(
+                    validation_score,
+                    n_priors,
+                    log_prior_prec_min,
+                    log_prior_prec_max,
+                    log_prior_prec_base,
+                    temperature_range,
+                    n_steps,
+                    seed,
+                    val_loader,
+                    self._device,
+                    self._dtype,
+                    distributed,
+                    progress_bar,
+                )
+                self.prior_precision = prior_precision
+                if temperature is not None:
+                    self.temperature = temperature
         if verbose:
-            print(f"Optimized prior precision is {self.prior_precision}.")
+            tuned = temperature_range is not None  # only bayesopt takes a temperature_range
+            temperature_note = f" and temperature {self.temperature}" if tuned else ""
+            print(f"Optimized prior precision is {self.prior_precision}{temperature_note}.")
 
     def state_dict(self) -> dict[str, Any]:
         """The fitted state of this approximation.

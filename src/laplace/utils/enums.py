@@ -74,6 +74,7 @@ class TuningMethod(str, Enum):
 
     MARGLIK = "marglik"
     GRIDSEARCH = "gridsearch"
+    BAYESOPT = "bayesopt"
 
 
 class PriorStructure(str, Enum):
