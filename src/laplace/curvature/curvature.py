@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
-from laplace.curvature.kfac import kfac, kfac_eigenvalues
+from laplace.curvature.kfac import KfacStatistics, kfac, kfac_eigenvalues
 from laplace.curvature.kfac_rules import (
     KFAC_DENSE_LIMIT,
     block_shapes,
@@ -361,6 +361,39 @@ class CurvatureInterface:
             trace, columns, N, approx, self.factor, None, self.kfac_dense_limit, above, max_rank
         )
         return self.batch_loss(f, y), blocks
+
+    def kron_statistics(
+        self, x: Inputs, y: Tensor, N: int, **kwargs: Any
+    ) -> tuple[Tensor, Kron, KfacStatistics]:
+        """``kron`` of a batch, with the inputs and gradients its factors are formed from.
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            y: Targets, shape (B, ...).
+            N: Number of data points of the whole data set.
+            **kwargs: As ``kron`` (no low-rank output factors).
+
+        Returns:
+            The summed batch loss, the ``Kron`` of the batch and its ``KfacStatistics`` (for
+            EKFAC's eigenvalues once the eigenbasis is known).
+        """
+        approx = kwargs.pop("kfac_approx", self.kfac_approx)
+        trace, f, columns = self._traced_columns(x, y, kwargs, False)
+        statistics = KfacStatistics(
+            plan_blocks(self.engine, self.kfac_dense_limit),
+            self.kron_shapes(),
+            self.engine.needed[0],
+        )
+        blocks = kfac(
+            trace,
+            columns,
+            N,
+            approx,
+            self.factor,
+            dense_limit=self.kfac_dense_limit,
+            statistics=statistics,
+        )
+        return self.batch_loss(f, y), blocks, statistics
 
     def kron_eigenvalues(
         self, x: Inputs, y: Tensor, bases: list[list[Tensor | None]], **kwargs: Any

@@ -174,6 +174,8 @@ class CurvlinopsHessian(CurvlinopsInterface):
             "backend_kwargs={'stochastic': True}) or backend=CurvlinopsEF (empirical Fisher)."
         )
 
+    kron_statistics = kron
+
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """As ``CurvatureInterface.full``: the dense Hessian of the summed batch loss.
 

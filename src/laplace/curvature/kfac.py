@@ -36,7 +36,7 @@ from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.linalg import symmetric_gram
 from laplace.utils.matrix import Kron, StructuredKron
 
-__all__ = ["KFAC_APPROXIMATIONS", "kfac", "kfac_eigenvalues"]
+__all__ = ["KFAC_APPROXIMATIONS", "KfacStatistics", "kfac", "kfac_eigenvalues"]
 
 #: The weight-sharing approximations of Eschenhagen et al. (2023).
 KFAC_APPROXIMATIONS = ("expand", "reduce")
@@ -208,6 +208,7 @@ def kfac(
     dense_limit: int = KFAC_DENSE_LIMIT,
     low_rank_above: int | None = None,
     max_rank: int | None = None,
+    statistics: KfacStatistics | None = None,
 ) -> Kron:
     """KFAC factors of one batch, normalised for a data set of ``n_data`` points.
 
@@ -223,6 +224,8 @@ def kfac(
         low_rank_above: Layers with more outputs keep their output factor as a
             ``DiagLowRank`` (None: every factor dense).
         max_rank: Largest number of low-rank columns such a factor keeps (None: all).
+        statistics: Where given, the inputs and gradients the factors are formed from are kept
+            in it, for EKFAC (``KfacStatistics``).
 
     Returns:
         One block per parameter in ``trace.engine.needed`` order
@@ -257,6 +260,7 @@ def kfac(
             _add(A, call.module, _input_factor(rule, call, approx, root, n))
     exact = _ExactBlocks(trace, plan)
     rows: dict[int, list[Tensor]] = {}
+    kept: dict[int, list[Tensor]] = {}
     for stacked in trace.column_gradients(columns) if gradients is None else [gradients]:
         chunk = [[g.detach() for g in grads] for grads in stacked]
         exact.add(chunk)
@@ -268,6 +272,8 @@ def kfac(
             # those of many positions (convolutions) are large, so their Gram is added chunk by
             # chunk.
             g = rule.grads(call, chunk[i][0].flatten(0, 1))
+            if statistics is not None:
+                kept.setdefault(i, []).append(g.unflatten(0, chunk[i][0].shape[:2]))
             if call.module in low_rank:
                 _add(G, call.module, _low_rank_gram(g, approx, max_rank))
             elif g.shape[1] == 1 or approx == "reduce":
@@ -276,6 +282,9 @@ def kfac(
                 _add(G, call.module, _gram(g, "expand"))
     for i, gs in rows.items():
         _add(G, calls[i].module, symmetric_gram(torch.cat(gs)))
+    for i, gs in kept.items():
+        rule = kron_rules[calls[i].module]
+        statistics.add(calls[i].module, rule, rule.inputs(calls[i]).detach(), gs)
     shapes = block_shapes(plan, engine.needed)
     blocks: list[list[Tensor]] = []
     for slot, (block, p, shape) in enumerate(zip(plan, engine.needed, shapes)):
@@ -301,35 +310,135 @@ def _rotated(t: Tensor, Q: Tensor | None) -> Tensor:
     return t if Q is None else t @ Q
 
 
-def _projected_squares(a: Tensor, g: Tensor) -> Tensor:
-    """``Σᵣ (gᵣᵀ aᵣ)²`` entry by entry, (D_out, D_in), of rows ``aᵣ`` (T, D_in), ``gᵣ`` (T, D_out).
+def _projected_squares(a: Tensor, g: Tensor, Q_out: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``Σₖᵣ (gₖᵣᵀ aᵣ)²`` entry by entry, (D_out, D_in), and ``Σₖᵣ (Σₜ gₖᵣₜ)²`` (D_out,).
 
-    ``gᵣᵀ aᵣ`` is a row's gradient of a weight seen at T positions (in the rotated bases). One
-    position per row needs no per-row matrix: ``Σᵣ gᵣ² (aᵣ²)ᵀ``; several are formed a chunk of
-    rows at a time.
+    Args:
+        a: Rotated inputs (R, T, D_in).
+        g: Gradients (k, R, T, D_out), rotated here by ``Q_out``.
+        Q_out: The output factor's eigenvectors (None: the identity).
+
+    ``gₖᵣᵀ aᵣ`` is a row's gradient of a weight seen at T positions for column k. One position
+    per row needs no per-row matrix: ``Σᵣ (Σₖ gₖᵣ²)(aᵣ²)ᵀ``; several are formed as
+    ``(Q_outᵀ gᵣᵀ) aᵣ`` (R, k·D_out, D_in), a chunk of rows at a time.
     """
     if a.shape[1] == 1:
-        return g[:, 0].square().T @ a[:, 0].square()
-    step = max(1, EIGENVALUE_CHUNK_ELEMENTS // (a.shape[-1] * g.shape[-1]))
-    total = g.new_zeros(g.shape[-1], a.shape[-1])
-    for start in range(0, len(a), step):
+        rotated = _rotated(g[:, :, 0], Q_out).square()
+        return rotated.sum(0).T @ a[:, 0].square(), rotated.sum((0, 1))
+    k, R, T, D_out = g.shape
+    columns = g.permute(1, 0, 3, 2)  # (R, k, D_out, T)
+    rotated = columns if Q_out is None else torch.matmul(Q_out.T, columns)
+    bias = rotated.sum(3).square().sum((0, 1))
+    rotated = rotated.reshape(R, k * D_out, T)
+    step = max(1, EIGENVALUE_CHUNK_ELEMENTS // (k * D_out * a.shape[-1]))
+    total = g.new_zeros(D_out, a.shape[-1])
+    for start in range(0, R, step):
         rows = slice(start, start + step)
-        total += torch.bmm(g[rows].mT, a[rows]).square().sum(0)
-    return total
+        products = torch.bmm(rotated[rows], a[rows]).square()
+        total += products.unflatten(1, (k, D_out)).sum((0, 1))
+    return total, bias
 
 
 def _embedding_squares(module: nn.Embedding, tokens: Tensor, g: Tensor) -> Tensor:
-    """``Σᵣ (row r's embedding gradient)²`` entry by entry, (V, D) from tokens (R, T), g (R, T, D).
+    """``Σₖᵣ (row r's embedding gradient)²`` entry by entry, (V, D): tokens (R, T), g (k, R, T, D).
 
     A row's gradient of token v sums its positions holding v (``row_token_pairs``).
     """
     V = module.num_embeddings
     pairs, inverse, _ = row_token_pairs(tokens, V)
-    per_pair = g.new_zeros(len(pairs), g.shape[-1]).index_add_(0, inverse, g.flatten(0, 1))
-    total = g.new_zeros(V, g.shape[-1]).index_add_(0, pairs % V, per_pair.square())
+    per_pair = g.new_zeros(len(g), len(pairs), g.shape[-1])
+    per_pair.index_add_(1, inverse, g.flatten(1, 2))
+    total = g.new_zeros(V, g.shape[-1]).index_add_(0, pairs % V, per_pair.square().sum(0))
     if module.padding_idx is not None:
         total[module.padding_idx] = 0
     return total
+
+
+def _same(Q: Tensor | None, other: Tensor | None) -> bool:
+    return Q is not None and other is not None and Q.shape == other.shape and torch.equal(Q, other)
+
+
+class KfacStatistics:
+    """A batch's layer inputs and output gradients of the Kronecker blocks, for EKFAC.
+
+    What ``kfac`` computes its factors from, kept per call: the inputs ``aₙₜ`` (R, T, D_in)
+    (an embedding's token indices) and the gradients ``gₖₙₜ`` (K, R, T, D_out) of all K
+    curvature columns, so that ``eigenvalues`` can project them into an eigenbasis found later,
+    without another pass over the data.
+
+    Args:
+        plan: The blocks of the engine's parameters (``plan_blocks``).
+        shapes: Their factor shapes (``block_shapes``).
+        like: A tensor of the engine's device and curvature type.
+    """
+
+    def __init__(self, plan: list[Block], shapes: list, like: Tensor) -> None:
+        self.plan, self.shapes, self.like = plan, shapes, like
+        self.weight_slots = {b.module: s for s, b in enumerate(plan) if b.kind == "kron"}
+        self.bias_slots = {b.module: s for s, b in enumerate(plan) if b.kind == "bias"}
+        self.calls: list[tuple[nn.Module, KfacRule, Tensor, Tensor]] = []
+
+    def needs(self, module: nn.Module) -> bool:
+        """Whether ``module``'s calls feed a Kronecker (weight or bias) block."""
+        return module in self.weight_slots or module in self.bias_slots
+
+    def add(self, module: nn.Module, rule: KfacRule, a: Tensor, grads: list[Tensor]) -> None:
+        """Keep one call's inputs (R, T, D_in) and column gradients, chunks (k, R, T, D_out)."""
+        self.calls.append((module, rule, a, grads))
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the kept tensors hold."""
+        return sum(a.nbytes + sum(g.nbytes for g in gs) for _, _, a, gs in self.calls)
+
+    def eigenvalues(self, bases: list[list[Tensor | None]]) -> list[Tensor | None]:
+        r"""``diag(Qᵀ H Q)`` of each Kronecker block's exact curvature in the eigenbasis ``bases``.
+
+        ``Q = Q₀ ⊗ Q₁`` is the block's KFAC eigenbasis and ``H = Σₖₙ uₖₙ uₖₙᵀ`` its exact
+        curvature from the per-sample gradients ``uₖₙ`` of the curvature columns (George et al.,
+        2018). A weight's ``uₖₙ = Σₜ gₖₙₜ aₙₜᵀ`` gives ``Σₖₙ (Q₀ᵀ uₖₙ Q₁)²`` without forming
+        ``H``; a bias's ``(Q₀ᵀ Σₜ gₖₙₜ)²``. Unlike the factors, these sums carry no
+        normalisation: over batches they add up to the data's.
+
+        Args:
+            bases: Per block the eigenvector matrices of its factors (None: the identity), as
+                ``KronDecomposed.factor_bases``.
+
+        Returns:
+            Per block the eigenvalues in the shape of its spectrum, (p_out, p_in) or (p,); None
+            for the blocks that are exact already (dense or diagonal).
+        """
+        sums: dict[int, Tensor] = {}
+        for module, rule, a, grads in self.calls:
+            weight, bias = self.weight_slots.get(module), self.bias_slots.get(module)
+            Q_out = Q_in = None
+            if weight is not None:
+                Q0, Q1 = bases[weight]
+                Q_out, Q_in = (Q1, Q0) if rule.inputs_first else (Q0, Q1)
+                if not rule.one_hot:
+                    a = _rotated(a, Q_in).to(grads[0].dtype)
+            # the bias's basis is the weight's output basis where their factors agree
+            Q_bias = bases[bias][0] if bias is not None else None
+            shared = weight is not None and not rule.one_hot and _same(Q_bias, Q_out)
+            for g in grads:
+                if weight is not None and rule.one_hot:
+                    _add(sums, weight, _embedding_squares(module, a, _rotated(g, Q_out)))
+                elif weight is not None:
+                    squares, bias_squares = _projected_squares(a, g, Q_out)
+                    _add(sums, weight, squares.T if rule.inputs_first else squares)
+                    if shared:
+                        _add(sums, bias, bias_squares)
+                if bias is not None and not shared:
+                    _add(sums, bias, _rotated(g.sum(2), Q_bias).square().sum((0, 1)))
+        eigenvalues: list[Tensor | None] = []
+        for slot, (block, shape) in enumerate(zip(self.plan, self.shapes)):
+            if block.kind not in ("kron", "bias"):
+                eigenvalues.append(None)
+            elif slot in sums:
+                eigenvalues.append(sums[slot])
+            else:  # a layer not called on this batch
+                eigenvalues.append(self.like.new_zeros([s[0] for s in shape]))
+        return eigenvalues
 
 
 def kfac_eigenvalues(
@@ -338,23 +447,17 @@ def kfac_eigenvalues(
     bases: list[list[Tensor | None]],
     dense_limit: int = KFAC_DENSE_LIMIT,
 ) -> list[Tensor | None]:
-    r"""EKFAC's eigenvalues of a batch: ``diag(Qᵀ H Q)`` of each Kronecker block's exact curvature.
-
-    ``Q = Q₀ ⊗ Q₁`` is the block's KFAC eigenbasis and ``H = Σₖₙ uₖₙ uₖₙᵀ`` its exact curvature
-    from the per-sample gradients ``uₖₙ`` of the curvature columns (George et al., 2018). A
-    weight's ``uₖₙ = Σₜ gₖₙₜ aₙₜᵀ`` gives ``Σₖₙ (Q₀ᵀ uₖₙ Q₁)²`` without forming ``H``; a bias's
-    ``(Q₀ᵀ Σₜ gₖₙₜ)²``. Blocks that are exact already (dense or diagonal) get None. Unlike the
-    factors, these sums carry no normalisation: over batches they add up to the data's.
+    """EKFAC's eigenvalues of a batch in the eigenbasis ``bases`` (``KfacStatistics``).
 
     Args:
         trace: A recorded forward pass over the batch (all parameters).
         columns: Output columns ``vₖ`` of the curvature, sliced like a tensor (K, B, ...).
         bases: Per block the eigenvector matrices of its factors (None: the identity), in
-            ``trace.engine.needed`` order, as ``KronDecomposed.factor_bases``.
+            ``trace.engine.needed`` order.
         dense_limit: As ``kfac``: which parameters without a Kronecker rule are dense blocks.
 
     Returns:
-        Per block the eigenvalues in the shape of its spectrum, (p_out, p_in) or (p,), or None.
+        See ``KfacStatistics.eigenvalues``, summed over the chunks of columns.
 
     Raises:
         ValueError: As ``kfac``.
@@ -362,43 +465,24 @@ def kfac_eigenvalues(
     if trace.engine.indices is not None:
         raise ValueError("EKFAC is defined per layer; it does not support subnetwork_indices.")
     _check_batch_rows(trace)
-    engine, calls = trace.engine, trace.calls
+    engine = trace.engine
     plan = plan_blocks(engine, dense_limit)
-    slots = {b.module: s for s, b in enumerate(plan) if b.kind == "kron"}
-    bias_slots = {b.module: s for s, b in enumerate(plan) if b.kind == "bias"}
-    sums: dict[int, Tensor] = {}
+    total: list[Tensor | None] | None = None
     for stacked in trace.column_gradients(columns):
-        for i, call in enumerate(calls):
-            weight, bias = slots.get(call.module), bias_slots.get(call.module)
-            if weight is None and bias is None:
-                continue
-            rule = plan[weight if weight is not None else bias].rule
-            grads = stacked[i][0].detach()
-            k = len(grads)
-            g = rule.grads(call, grads.flatten(0, 1))  # (k·R, T, D_out)
-            if bias is not None:
-                (Q,) = bases[bias]
-                _add(sums, bias, _rotated(g.sum(1), Q).square().sum(0))
-            if weight is None:
-                continue
-            Q0, Q1 = bases[weight]
-            Q_out, Q_in = (Q1, Q0) if rule.inputs_first else (Q0, Q1)
-            a = rule.inputs(call).detach()
-            g = _rotated(g, Q_out)
-            if rule.one_hot:
-                tokens = a.unsqueeze(0).expand(k, *a.shape).flatten(0, 1)
-                squares = _embedding_squares(call.module, tokens, g)
-            else:
-                a = _rotated(a, Q_in).to(g.dtype)
-                a = a.unsqueeze(0).expand(k, *a.shape).flatten(0, 1)
-                squares = _projected_squares(a, g)
-                squares = squares.T if rule.inputs_first else squares
-            _add(sums, weight, squares)
-    shapes = block_shapes(plan, engine.needed)
-    eigenvalues: list[Tensor | None] = []
-    for slot, (block, p, shape) in enumerate(zip(plan, engine.needed, shapes)):
-        if block.kind not in ("kron", "bias"):
-            eigenvalues.append(None)
-        else:  # zeros for a layer not called on this batch
-            eigenvalues.append(sums.get(slot, p.new_zeros([s[0] for s in shape])))
-    return eigenvalues
+        statistics = KfacStatistics(plan, block_shapes(plan, engine.needed), engine.needed[0])
+        for i, call in enumerate(trace.calls):
+            if statistics.needs(call.module):
+                rule = next(b.rule for b in plan if b.module is call.module and b.rule)
+                grads = stacked[i][0].detach()
+                g = rule.grads(call, grads.flatten(0, 1))
+                a = rule.inputs(call).detach()
+                statistics.add(call.module, rule, a, [g.unflatten(0, grads.shape[:2])])
+        chunk = statistics.eigenvalues(bases)
+        total = (
+            chunk if total is None else [t if t is None else t + c for t, c in zip(total, chunk)]
+        )
+    if total is None:  # no column: zero curvature
+        return KfacStatistics(
+            plan, block_shapes(plan, engine.needed), engine.needed[0]
+        ).eigenvalues(bases)
+    return total

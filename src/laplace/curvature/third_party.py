@@ -133,6 +133,8 @@ class KroneckerLayersOnly:
             "eigenvalue correction. Use hessian_structure='kron' with it."
         )
 
+    kron_statistics = kron_eigenvalues
+
     def kron_shapes(self, low_rank_above: int | None = None) -> list[list[tuple[int, ...]]]:
         """As ``CurvatureInterface.kron_shapes``, for Linear and convolution layers only.
 

@@ -109,6 +109,10 @@ class CurvatureSum(FitPass):
                 self.check_batch(X, y, self.pieces.subset.model(X))
         else:
             self.pieces.likelihood.check_targets(y, self._output_shape)
+        return self.batch_curvature(X, y)
+
+    def batch_curvature(self, X: Inputs, y: Tensor) -> tuple[Tensor, Any]:
+        """``(loss, H_batch)`` of a checked batch in the posterior structure's form."""
         pieces = self.pieces
         return pieces.posterior.batch_curvature(pieces.backend, X, y, pieces.n_data)
 

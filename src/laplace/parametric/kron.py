@@ -5,7 +5,7 @@ Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace]
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -150,49 +150,75 @@ class KronLaplace(ParametricLaplace):
         return self._posterior_cls.factors(self.H) if self._fitted else None
 
 
+#: Memory for the batches' KFAC statistics kept from the factors' pass for EKFAC's eigenvalues;
+#: beyond it they are computed in one more pass over the data.
+EKFAC_CACHE_BYTES = 512 * 2**20
+
+
 @cache
 def eigenvalue_corrected(curvature_pass: type[FitPass]) -> type[FitPass]:
-    """``curvature_pass`` (summing Kronecker factors) followed by EKFAC's correction pass.
+    """``curvature_pass`` (summing Kronecker factors) followed by EKFAC's eigenvalues.
 
-    After the factors are summed (and merged with an online fit's earlier ones) and
-    eigendecomposed, one more pass sums each batch's ``diag(Qᵀ H Q)`` in that eigenbasis
-    (the backend's ``kron_eigenvalues``), all-reduced in a distributed fit; an earlier fit's
-    corrected eigenvalues are projected into the merged eigenbasis
-    (``laplace.posteriors.kron.project_eigenvalues``). The pass returns the corrected
-    ``KronDecomposed`` (see ``EKFACPosterior``).
+    While the factors are summed, each batch's inputs and output gradients are kept
+    (``backend.kron_statistics``) up to ``EKFAC_CACHE_BYTES``; once the factors are summed
+    (and merged with an online fit's earlier ones) and eigendecomposed, each batch's
+    ``diag(Qᵀ H Q)`` in that eigenbasis comes from what was kept, or, where the data did not
+    fit in it, from one more pass (``backend.kron_eigenvalues``). The sums are all-reduced
+    in a distributed fit; an earlier fit's corrected eigenvalues are projected into the
+    merged eigenbasis (``laplace.posteriors.kron.project_eigenvalues``). The pass returns the
+    corrected ``KronDecomposed`` (see ``EKFACPosterior``).
     """
 
-    def run(self: FitPass, loader: DataLoader) -> tuple[Any, Tensor]:
+    def start(self: Any) -> Any:
+        self.kept, self.kept_bytes = [], 0
+        return curvature_pass.start(self)
+
+    def batch_curvature(self: Any, X: Any, y: Tensor) -> tuple[Tensor, Any]:
+        if self.kept is None:  # the budget is spent: another pass computes the eigenvalues
+            return curvature_pass.batch_curvature(self, X, y)
+        loss, H, statistics = self.pieces.backend.kron_statistics(X, y, N=self.pieces.n_data)
+        self.kept.append(statistics)
+        self.kept_bytes += statistics.nbytes
+        if self.kept_bytes > EKFAC_CACHE_BYTES:
+            self.kept = None
+        return loss, H
+
+    def run(self: Any, loader: DataLoader) -> tuple[Any, Tensor]:
         factors, loss = curvature_pass.run(self, loader)
         pieces = self.pieces
         if pieces.previous is not None:
             factors = KronPosterior.merge(pieces.previous, factors, pieces.n_before, pieces.n_data)
         decomposed = factors.decompose(deferred=True)
         bases = [decomposed.factor_bases(i) for i in range(len(decomposed))]
-        corrected: list[int] = []
-
-        def step(X: Any, y: Tensor) -> list[Tensor]:
-            eigenvalues = pieces.backend.kron_eigenvalues(X, y, bases)
-            corrected[:] = [i for i, s in enumerate(eigenvalues) if s is not None]
-            return [eigenvalues[i] for i in corrected]
-
-        sums: list[Tensor] | None = None
+        kept, self.kept = self.kept or [], None
+        if kept:  # each batch's statistics freed once projected
+            batches = (kept.pop().eigenvalues(bases) for _ in range(len(kept)))
+        else:
+            batches = self.passes(loader, partial(pieces.backend.kron_eigenvalues, bases=bases))
+        sums: list[Tensor | None] | None = None
         with distributed_utils.guard(self.distributed, self.what):
-            for batch in self.passes(loader, step):
-                sums = batch if sums is None else [a + b for a, b in zip(sums, batch)]
+            for batch in batches:
+                sums = (
+                    batch
+                    if sums is None
+                    else [s if s is None else s + b for s, b in zip(sums, batch)]
+                )
+        corrected = [i for i, s in enumerate(sums or []) if s is not None]
+        totals = [sums[i] for i in corrected]
         if self.distributed:
-            sums = distributed_utils.all_reduce_sum(sums)
-        if sums is None or not all(bool(s.isfinite().all()) for s in sums):
+            totals = distributed_utils.all_reduce_sum(totals)
+        if not all(bool(s.isfinite().all()) for s in totals):
             raise RuntimeError("EKFAC's corrected eigenvalues contain NaN or inf.")
         corrections: list[Tensor | None] = [None] * len(decomposed)
-        for i, s in zip(corrected, sums):
+        for i, s in zip(corrected, totals):
             corrections[i] = s
         if pieces.previous is not None:
             earlier = project_eigenvalues(pieces.previous, decomposed)
             corrections = [c if e is None else c + e for c, e in zip(corrections, earlier)]
         return decomposed.corrected(corrections), loss
 
-    return type(f"EigenvalueCorrected{curvature_pass.__name__}", (curvature_pass,), {"run": run})
+    overrides = {"start": start, "batch_curvature": batch_curvature, "run": run}
+    return type(f"EigenvalueCorrected{curvature_pass.__name__}", (curvature_pass,), overrides)
 
 
 class EKFACLaplace(KronLaplace):
@@ -201,7 +227,9 @@ class EKFACLaplace(KronLaplace):
     KFAC's Kronecker eigenbasis ``Q = Q_G ⊗ Q_A`` per block, with the eigenvalues
     ``λ_G λ_Aᵀ`` replaced by ``diag(Qᵀ H Q)`` of the block's exact curvature (George et al.,
     2018): a closer Frobenius fit than KFAC's at the cost of one more tensor of each
-    weight's shape, and one more pass over the data in ``fit``. Everything else is
+    weight's shape. ``fit`` keeps the layers' inputs and output gradients of its pass up to
+    ``EKFAC_CACHE_BYTES`` to project them once the eigenbasis is known, and makes one more
+    pass over the data where they do not fit. Everything else is
     ``KronLaplace``'s: the prior, σ, the temperature and damping act on the corrected
     eigenvalues (a diagonal prior through its diagonal in the eigenbasis,
     ``EKFACPosterior.precision``); ``H`` is a ``KronDecomposed`` with
