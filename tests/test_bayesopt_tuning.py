@@ -280,6 +280,20 @@ def test_bayesopt_works_for_a_functional_laplace():
     y = torch.cat([y for _, y in val])
     f_mu, f_var = la(X, pred_type="gp", fitting=True)
     assert float(loss(f_mu, f_var, y)) == pytest.approx(min(loss.values[:-1]), abs=REPRODUCE_TOL)
+    first = list(loss.values[:10])
+    _search(la, val, loss, "regression", method="bayesopt", pred_type="gp", n_steps=10, seed=5)
+    assert loss.values[-10:] != first  # the seed reaches the search through FunctionalLaplace
+    _search(
+        la,
+        val,
+        loss,
+        "regression",
+        method="bayesopt",
+        pred_type="gp",
+        n_steps=4,
+        temperature_range=(0.5, 2.0),
+    )
+    assert 0.5 <= la.temperature <= 2.0
 
 
 @pytest.fixture

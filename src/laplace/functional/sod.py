@@ -246,6 +246,8 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         verbose: bool = False,
         progress_bar: bool = False,
         log_prior_prec_base: float = 10.0,
+        temperature_range: tuple[float, float] | None = None,
+        seed: int = 0,
     ) -> None:
         """Tune the scalar prior precision; see ``BaseLaplace.optimize_prior_precision``.
 
