@@ -125,6 +125,26 @@ def test_another_pass_gives_the_kept_statistics_eigenvalues(name, monkeypatch):
             assert_close(ours, theirs, RTOL, ATOL)
 
 
+def test_last_layer_keeps_features_and_output_curvatures_not_another_pass(monkeypatch):
+    model, X, y, likelihood = CASES["cnn"]()
+    calls = []
+    original = CurvlinopsGGN.kron_eigenvalues
+    monkeypatch.setattr(
+        CurvlinopsGGN,
+        "kron_eigenvalues",
+        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
+    )
+    kept = EKFACLLLaplace(model, likelihood)
+    kept.fit(loader(X, y))
+    assert not calls
+    monkeypatch.setattr(kron_module, "EKFAC_CACHE_BYTES", 0)
+    passed = EKFACLLLaplace(model, likelihood)
+    passed.fit(loader(X, y))
+    assert calls
+    for ours, theirs in zip(kept.H.corrections, passed.H.corrections, strict=True):
+        assert_close(ours, theirs, RTOL, ATOL)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_ekfac_fits_every_block_at_least_as_well_as_kfac(name):
     model, X, y, likelihood = CASES[name]()

@@ -19,7 +19,7 @@ the all-weights classes do.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -102,7 +102,7 @@ class HeadCurvatureSum(CurvatureSum):
             losses, phis, Ms = zip(*buffer, strict=True)
             buffer.clear()
             phi, M = torch.cat(phis), cat_output_curvatures(list(Ms))
-            return sum(losses, 0.0), closed_form(phi, M, bias, buffer_rows, backend.factor)
+            return sum(losses, 0.0), self.head_curvature(closed_form, phi, M, bias, buffer_rows)
 
         for X, y in self.batches(loader):
             with torch.no_grad():
@@ -110,7 +110,7 @@ class HeadCurvatureSum(CurvatureSum):
             self.check_batch(X, y, f)
             rows = head_rows(pieces.likelihood, backend, subset.layer, f, phi, y)
             if rows is None:  # the closed forms do not apply to this batch: autograd
-                yield pieces.posterior.batch_curvature(backend, X, y, n_data)
+                yield self.batch_curvature(X, y)
                 continue
             # KFAC's expand: positions as data, N·T rows with this batch's T (a buffer holds
             # batches of one T, so sequences padded per batch are normalised by their own T)
@@ -126,6 +126,20 @@ class HeadCurvatureSum(CurvatureSum):
                 yield flush()
         if buffer:
             yield flush()
+
+    def head_curvature(
+        self, closed_form: Callable[..., Any], phi: Tensor, M: Any, bias: bool, n_rows: int
+    ) -> Any:
+        """The structure's curvature of buffered features φ (N, D) and output curvatures M.
+
+        Args:
+            closed_form: The structure's closed form (``head_curvature``).
+            phi: The head's features, (N, D).
+            M: The output-space curvatures, (N, C, C) (or diagonal plus low rank).
+            bias: Whether the head has a bias.
+            n_rows: Number of rows of the whole data set (KFAC's normalisation).
+        """
+        return closed_form(phi, M, bias, n_rows, self.pieces.backend.factor)
 
 
 class LLLaplace(ParametricLaplace):

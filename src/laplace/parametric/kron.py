@@ -19,6 +19,7 @@ from laplace.parametric.fit import CurvatureSum, FitPass
 from laplace.posteriors import KronPosterior, Posterior, large_output
 from laplace.posteriors.kron import (
     EKFACPosterior,
+    HeadStatistics,
     kron_block_structure,
     project_eigenvalues,
 )
@@ -160,7 +161,8 @@ def eigenvalue_corrected(curvature_pass: type[FitPass]) -> type[FitPass]:
     """``curvature_pass`` (summing Kronecker factors) followed by EKFAC's eigenvalues.
 
     While the factors are summed, each batch's inputs and output gradients are kept
-    (``backend.kron_statistics``) up to ``EKFAC_CACHE_BYTES``; once the factors are summed
+    (``backend.kron_statistics``; a last layer's features and output curvatures,
+    ``HeadStatistics``) up to ``EKFAC_CACHE_BYTES``; once the factors are summed
     (and merged with an online fit's earlier ones) and eigendecomposed, each batch's
     ``diag(Qᵀ H Q)`` in that eigenbasis comes from what was kept, or, where the data did not
     fit in it, from one more pass (``backend.kron_eigenvalues``). The sums are all-reduced
@@ -173,15 +175,23 @@ def eigenvalue_corrected(curvature_pass: type[FitPass]) -> type[FitPass]:
         self.kept, self.kept_bytes = [], 0
         return curvature_pass.start(self)
 
-    def batch_curvature(self: Any, X: Any, y: Tensor) -> tuple[Tensor, Any]:
-        if self.kept is None:  # the budget is spent: another pass computes the eigenvalues
-            return curvature_pass.batch_curvature(self, X, y)
-        loss, H, statistics = self.pieces.backend.kron_statistics(X, y, N=self.pieces.n_data)
+    def keep(self: Any, statistics: Any) -> None:
         self.kept.append(statistics)
         self.kept_bytes += statistics.nbytes
         if self.kept_bytes > EKFAC_CACHE_BYTES:
             self.kept = None
+
+    def batch_curvature(self: Any, X: Any, y: Tensor) -> tuple[Tensor, Any]:
+        if self.kept is None:  # the budget is spent: another pass computes the eigenvalues
+            return curvature_pass.batch_curvature(self, X, y)
+        loss, H, statistics = self.pieces.backend.kron_statistics(X, y, N=self.pieces.n_data)
+        keep(self, statistics)
         return loss, H
+
+    def head_curvature(self: Any, closed_form: Any, phi: Tensor, M: Any, *args: Any) -> Any:
+        if self.kept is not None:
+            keep(self, HeadStatistics(phi, M, args[0]))
+        return curvature_pass.head_curvature(self, closed_form, phi, M, *args)
 
     def run(self: Any, loader: DataLoader) -> tuple[Any, Tensor]:
         factors, loss = curvature_pass.run(self, loader)
@@ -218,6 +228,8 @@ def eigenvalue_corrected(curvature_pass: type[FitPass]) -> type[FitPass]:
         return decomposed.corrected(corrections), loss
 
     overrides = {"start": start, "batch_curvature": batch_curvature, "run": run}
+    if hasattr(curvature_pass, "head_curvature"):  # a last layer's closed forms
+        overrides["head_curvature"] = head_curvature
     return type(f"EigenvalueCorrected{curvature_pass.__name__}", (curvature_pass,), overrides)
 
 

@@ -42,6 +42,7 @@ from laplace.utils.matrix import Kron, KronDecomposed, StructuredKron
 
 __all__ = [
     "EKFACPosterior",
+    "HeadStatistics",
     "KronPosterior",
     "kron_block_structure",
     "kron_functional_variance",
@@ -300,6 +301,42 @@ class KronPosterior(Posterior):
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
         z = self._standard_normal((n_samples, len(self.prior_diag)), generator)
         return self.precision.bmm(z, exponent=-0.5)
+
+
+def _rotated_diagonals(M: Tensor, Q: Tensor | None) -> Tensor:
+    """``diag(Qᵀ Mₙ Q)`` of output curvatures M (N, C, C) → (N, C)."""
+    return M.diagonal(dim1=1, dim2=2) if Q is None else ((M @ Q) * Q).sum(1)
+
+
+class HeadStatistics:
+    """What a linear head's KFAC is formed from, kept for EKFAC's eigenvalues.
+
+    With ``Jₙ = [I_C ⊗ φₙᵀ, I_C]`` the head's exact curvature is ``Σₙ Mₙ ⊗ φₙφₙᵀ`` (weight) and
+    ``Σₙ Mₙ`` (bias), so in the eigenbasis ``Q_G ⊗ Q_A`` its diagonal is
+    ``Σₙ diag(Q_Gᵀ Mₙ Q_G) (Q_Aᵀ φₙ)²ᵀ``: no per-sample gradient needed.
+
+    Args:
+        phi: Features, (N, D).
+        M: Output-space curvatures, (N, C, C).
+        bias: Whether the head has a bias.
+    """
+
+    def __init__(self, phi: Tensor, M: Tensor, bias: bool) -> None:
+        self.phi, self.M, self.bias = phi, M, bias
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the kept tensors hold."""
+        return self.phi.nbytes + self.M.nbytes
+
+    def eigenvalues(self, bases: list[list[Tensor | None]]) -> list[Tensor]:
+        """The head's blocks' ``diag(Qᵀ H Q)``: (C, D) and, with a bias, (C,)."""
+        Q_G, Q_A = bases[0]
+        phi = self.phi if Q_A is None else self.phi @ Q_A
+        eigenvalues = [_rotated_diagonals(self.M, Q_G).T @ phi.square()]
+        if self.bias:
+            eigenvalues.append(_rotated_diagonals(self.M, bases[1][0]).sum(0))
+        return eigenvalues
 
 
 def _rotation_squares(Q_new: Tensor | None, Q_old: Tensor | None) -> Tensor | None:
