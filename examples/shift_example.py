@@ -232,8 +232,13 @@ def adversarial_figure(sweep: dict) -> plt.Figure:
     fig, axes = plt.subplots(1, 3, figsize=(12.0, 3.4))
     plot_adversarial_sweep(sweep, metrics=("accuracy", "confidence", "ece"), axes=list(axes))
     axes[0].get_legend().remove()
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="center right", fontsize=8)
-    fig.tight_layout(rect=(0.0, 0.0, 0.78, 1.0))
+    fig.legend(
+        *axes[0].get_legend_handles_labels(),
+        loc="center left",
+        bbox_to_anchor=(0.8, 0.5),
+        fontsize=8,
+    )
+    fig.tight_layout(rect=(0.0, 0.0, 0.8, 1.0))
     return fig
 
 
