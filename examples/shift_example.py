@@ -25,7 +25,9 @@ and the probit link: all-weights diagonal, KFAC, EKFAC (``hessian_structure="ekf
 weights, 50 eigenpairs cost a few seconds and hold 97% of the curvature's trace, so the
 diagonal correction is small), and last-layer KFAC, each with the prior precision tuned by the
 marginal likelihood (``method="marglik"``); and all-weights KFAC with the prior precision tuned
-by grid search on the validation NLL. ``evaluate`` gives accuracy, NLL and ECE (15 bins) on
+by grid search on the validation NLL. All-weights and last-layer KFAC also predict with the
+GLM predictive sampled (``link_approx="mc"``, 200 samples) instead of the probit link, which
+keeps only each logit's variance. ``evaluate`` gives accuracy, NLL and ECE (15 bins) on
 the clean and the rotated test images, and the AUROC and FPR95 of the predictive entropy for
 telling the OOD images from the clean ones.
 
@@ -47,13 +49,17 @@ detector and the worst on clean data. The prior chosen by grid search on the val
 the grid's largest (10⁴): the validation NLL prefers the MAP, whose numbers that predictive
 repeats, over-confidence under shift included. No predictive wins everywhere: the marginal
 likelihood trades clean-data calibration for calibration on moved inputs, the validation NLL
-the reverse.
+the reverse. Part of the clean under-confidence is the probit link's, not the posterior's:
+sampling the same GLM predictive (MC link) raises the clean confidence of all-weights KFAC from
+0.45 to 0.61 (ECE 54% to 37%) and of last-layer KFAC from 0.61 to 0.85 (ECE 37% to 14%), with
+the best OOD detection (AUROC 0.992 and 0.993), but more over-confidence on rotated digits
+(last-layer ECE 16% against 6.5%) and at ε = 0.2 (ECE 34% and 53%).
 
 Writes ``metrics.json``, ``entropy.png`` (entropy histograms, clean vs OOD, per predictive),
-``adversarial.png`` (accuracy, confidence and ECE against ε) and ``reliability.png`` (four
+``adversarial.png`` (accuracy, confidence and ECE against ε) and ``reliability.png`` (five
 predictives on the clean and rotated images) under ``outputs/shift_example/`` (or ``--output
-DIR``), prints the table and the folder. About 40 s on one CPU core; ``--quick`` (8 epochs,
-k = 10, ε ∈ {0, 0.1}) about 20 s.
+DIR``), prints the table and the folder. About 50 s on one CPU core (40 s after the imports);
+``--quick`` (8 epochs, k = 10, 20 samples, ε ∈ {0, 0.1}) about 30 s.
 """
 
 from __future__ import annotations
@@ -104,10 +110,11 @@ class Config:
     rotation_degrees: float = 45.0
     n_eigenvalues: int = 50
     grid_size: int = 21
+    mc_samples: int = 200
     epsilons: tuple[float, ...] = (0.0, 0.02, 0.05, 0.1, 0.2)
 
 
-QUICK = Config(epochs=8, n_eigenvalues=10, grid_size=5, epsilons=(0.0, 0.1))
+QUICK = Config(epochs=8, n_eigenvalues=10, grid_size=5, mc_samples=20, epsilons=(0.0, 0.1))
 
 #: name: (subset_of_weights, hessian_structure, prior tuning)
 LAPLACES = {
@@ -119,6 +126,12 @@ LAPLACES = {
     "LA all-weights KFAC (val. NLL)": ("all", "kron", "gridsearch"),
 }
 PREDICTIVE = {"pred_type": "glm", "link_approx": "probit"}
+#: name: the approximation of ``LAPLACES`` that predicts with the GLM predictive sampled
+#: (``link_approx="mc"``) instead of the probit link
+MC_LINK = {
+    "LA all-weights KFAC, MC link": "LA all-weights KFAC",
+    "LA last-layer KFAC, MC link": "LA last-layer KFAC",
+}
 
 
 # --8<-- [start:data]
@@ -188,9 +201,27 @@ def train_map(config: Config, X: torch.Tensor, y: torch.Tensor, seed: int):
 # --8<-- [end:train_map]
 
 
-def fit_laplace(model, structure_spec, config, train_loader, val_loader):
-    """One approximation of ``LAPLACES``: fitted, its prior precision tuned."""
-    subset, structure, tuning = structure_spec
+def fit_laplace(
+    model: nn.Module,
+    spec: tuple[str, str, str],
+    config: Config,
+    train_loader: DataLoader,
+    val_loader: DataLoader | None,
+):
+    """One approximation of ``LAPLACES``, fitted, its prior precision tuned.
+
+    Args:
+        model: The MAP network.
+        spec: ``(subset_of_weights, hessian_structure, prior tuning)``, the tuning
+            ``"marglik"`` or ``"gridsearch"`` (on the validation NLL).
+        config: The run's configuration (``n_eigenvalues`` of INF, ``grid_size``).
+        train_loader: The training data the curvature is summed over.
+        val_loader: The validation data of the grid search; unused by ``"marglik"``.
+
+    Returns:
+        The fitted Laplace approximation.
+    """
+    subset, structure, tuning = spec
     # --8<-- [start:laplace]
     backend_kwargs = {"n_eigenvalues": config.n_eigenvalues} if structure == "diag_lowrank" else {}
     la = Laplace(
@@ -214,7 +245,7 @@ def fit_laplace(model, structure_spec, config, train_loader, val_loader):
 def entropy_figure(metrics: dict) -> plt.Figure:
     """Predictive entropy of clean test and OOD images, one panel per predictive."""
     names = list(metrics)
-    columns = 4
+    columns = 5
     rows = math.ceil(len(names) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(3.6 * columns, 3.1 * rows), squeeze=False)
     for ax, name in zip(axes.flat, names):
@@ -315,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, train_loss = train_map(config, X_train, y_train, args.seed)
     training_seconds = time.perf_counter() - start
     predictives = {"MAP": lambda x: model(x).softmax(-1)}
-    fit_seconds, prior_precisions = {}, {}
+    fit_seconds, prior_precisions, fitted = {}, {}, {}
     for name, spec in LAPLACES.items():
         start = time.perf_counter()
         la = fit_laplace(model, spec, config, train_loader, val_loader)
@@ -325,6 +356,13 @@ def main(argv: list[str] | None = None) -> dict:
             _, eigenvalues, curvature_diagonal = la.H
             inf_trace_fraction = (eigenvalues.sum() / curvature_diagonal.sum()).item()
         predictives[name] = lambda x, la=la: la(x, **PREDICTIVE)
+        fitted[name] = la
+    for name, fitted_name in MC_LINK.items():
+        predictives[name] = lambda x, la=fitted[fitted_name]: la(
+            x, pred_type="glm", link_approx="mc", n_samples=config.mc_samples
+        )
+
+    torch.manual_seed(args.seed)
 
     # --8<-- [start:evaluate]
     metrics = {"clean": {}, "rotated": {}}
@@ -348,7 +386,13 @@ def main(argv: list[str] | None = None) -> dict:
     entropy_figure(metrics["clean"]).savefig(args.output / "entropy.png", dpi=100)
     adversarial = adversarial_figure(sweep)
     adversarial.savefig(args.output / "adversarial.png", dpi=100, bbox_inches="tight")
-    reliability_names = ["MAP", "LA all-weights KFAC", "LA all-weights INF", "LA last-layer KFAC"]
+    reliability_names = [
+        "MAP",
+        "LA all-weights KFAC",
+        "LA all-weights INF",
+        "LA last-layer KFAC",
+        "LA last-layer KFAC, MC link",
+    ]
     reliability = reliability_figure(metrics, reliability_names)
     reliability.savefig(args.output / "reliability.png", dpi=100)
     plt.close("all")
