@@ -1,4 +1,4 @@
-"""The examples `make demo` runs, and the BERT example (slow): short runs write their outputs."""
+"""The examples `make demo` runs, the BERT and shift examples (slow): short runs write outputs."""
 
 from __future__ import annotations
 
@@ -78,3 +78,50 @@ def test_bert_example_quick_writes_metrics_for_every_approximation(tmp_path):
         assert 0.0 <= result["ood_auroc"] <= 1.0, name
     for name, fitted in summary["laplace"].items():
         assert fitted["n_params"] > 0 and fitted["prior_precision"] > 0, name
+
+
+@pytest.mark.slow
+def test_shift_example_quick_writes_metrics_sweep_and_figures(tmp_path):
+    done = run_example("shift_example.py", "--quick", "--output", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert str(tmp_path) in done.stdout
+    for figure in ("entropy.png", "adversarial.png", "reliability.png"):
+        assert (tmp_path / figure).stat().st_size > 0, figure
+    summary = json.loads((tmp_path / "metrics.json").read_text())
+    metrics, sweep = summary["metrics"], summary["adversarial"]
+    laplaces = [
+        "LA all-weights diag",
+        "LA all-weights KFAC",
+        "LA all-weights EKFAC",
+        "LA all-weights INF",
+        "LA last-layer KFAC",
+        "LA all-weights KFAC (val. NLL)",
+    ]
+    predictives = [
+        "MAP",
+        *laplaces,
+        "LA all-weights KFAC, MC link",
+        "LA last-layer KFAC, MC link",
+    ]
+    assert list(summary["fit_seconds"]) == list(summary["prior_precision"]) == laplaces
+    assert set(metrics) == {"clean", "rotated"}
+    assert list(metrics["clean"]) == list(metrics["rotated"]) == predictives
+    for split in metrics.values():
+        for name, result in split.items():
+            for key in ("accuracy", "nll", "ece"):
+                value = result[key]
+                assert isinstance(value, float) and math.isfinite(value), (name, key, value)
+            assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["ece"] <= 1.0
+    for name, result in metrics["clean"].items():
+        assert 0.0 <= result["ood_auroc"] <= 1.0 and 0.0 <= result["ood_fpr95"] <= 1.0, name
+    assert sweep["attack"] == "fgsm" and sweep["epsilons"][0] == 0.0
+    assert list(sweep["results"]) == predictives
+    for name, result in sweep["results"].items():
+        for key in ("accuracy", "confidence", "ece"):
+            assert len(result[key]) == len(sweep["epsilons"]), (name, key)
+            assert all(math.isfinite(value) for value in result[key]), (name, key)
+        if not name.endswith("MC link"):  # sampled anew for each evaluation
+            clean_accuracy = metrics["clean"][name]["accuracy"]
+            assert result["accuracy"][0] == pytest.approx(clean_accuracy), name
+    for name in laplaces:
+        assert summary["fit_seconds"][name] > 0 and summary["prior_precision"][name] > 0, name
