@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import CASE_BUILDERS, Oracle, assert_close
 from laplace import DiagLowRankLaplace, FullLaplace, Laplace, LowRankLaplace
 from laplace.curvature import CurvlinopsEF
+from laplace.posteriors.diagonal import DiagonalPosterior
 from laplace.posteriors.jacobians import LayerTrace
 from laplace.posteriors.lowrank import lowrank_functional_variance
 
@@ -74,6 +75,22 @@ def test_the_diagonal_is_the_exact_curvatures_and_the_top_directions_are_kept(na
     assert_close(dense_precision(la).diagonal(), exact.diagonal() + la.prior_precision_diag)
     assert_close(D, la._posterior.correction + la.prior_precision_diag)
     assert (la._posterior.correction >= 0).all()
+
+
+@pytest.mark.parametrize("name", ["mlp_classification", "cnn_classification"])
+def test_the_diagonal_from_the_eigensolvers_kept_batches_is_exact(name, monkeypatch):
+    passes = []
+    original = DiagonalPosterior.batch_curvature.__func__
+    monkeypatch.setattr(
+        DiagonalPosterior,
+        "batch_curvature",
+        classmethod(lambda cls, *a: passes.append(1) or original(cls, *a)),
+    )
+    case, la = fitted(name, solver={"n_eigenvalues": K})  # randomized: batches kept
+    assert not passes  # no diag pass
+    assert_close(la.H[2], Oracle(case.model, case.likelihood).ggn(case.X).diagonal(), RTOL, ATOL)
+    fitted(name, solver=EXACT)  # Lanczos on curvlinops' operator: one diag pass
+    assert passes
 
 
 def test_correction_is_clipped_where_approximate_eigenpairs_overshoot():

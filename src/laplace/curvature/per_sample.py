@@ -313,13 +313,15 @@ class PerSampleTrace:
             rows.append(self._flatten(found, (len(index),)))
         return torch.cat(rows)
 
-    def square_sum(self, columns: Columns) -> Tensor:
+    def square_sum(self, columns: Columns, gradients: list[list[Tensor]] | None = None) -> Tensor:
         """``Σₖ Σₙ (Jₙᵀ vₙₖ)²``: the diagonal of ``Σₖ Σₙ gₙₖ gₙₖᵀ``.
 
         Columns are differentiated ``COLUMNS_PER_BACKWARD`` at a time.
 
         Args:
             columns: Output columns, sliced like a tensor (K, *f.shape).
+            gradients: The columns' gradients w.r.t. each call's outputs (per call, per output
+                (K, B, ...)), where already taken (else they are taken here).
 
         Returns:
             Shape (P,).
@@ -333,7 +335,8 @@ class PerSampleTrace:
         partials: dict[int, Tensor] = {}  # per call with a rule, its summed statistic
         rules = self._square_sum_rules
         slow = [i for i in range(len(self.calls)) if i not in rules]
-        for stacked in self.column_gradients(columns):
+        chunks = self.column_gradients(columns) if gradients is None else [gradients]
+        for stacked in chunks:
             for i, rule in rules.items():
                 _add(partials, i, rule.partial(self.calls[i], stacked[i][0]))
             for k in range(len(stacked[slow[0]][0]) if slow else 0):

@@ -140,6 +140,20 @@ class NativeProduct:
             vectors.clear_cache()
         self._all_kept = keeping
 
+    def kept_diagonal(self) -> Tensor | None:
+        """``diag(H)`` on this process from the batches kept between passes, without a pass.
+
+        Returns:
+            Shape (P,), or None unless every batch was kept (after a first pass).
+        """
+        if not self._all_kept:
+            return None
+        total = torch.zeros(self.n_params, dtype=self.dtype, device=self.device)
+        for vectors in self._kept:
+            trace = vectors.trace
+            total += trace.square_sum(vectors.columns, vectors.output_gradients).to(self.dtype)
+        return total
+
     def matmat(self, V: Tensor) -> Tensor:
         """``H V`` for ``V`` (P, m): one pass over the data."""
         block = ParameterBlock(self.backend.engine, V)

@@ -205,6 +205,7 @@ class TopEigenpairs(FitPass):
             reduce=distributed_utils.all_reduce_sum if self.distributed else None,
             seed=options.get("seed", 0),
         )
+        self.product = product
         if self.pieces.previous is not None:  # an online fit (diag_lowrank): earlier data
             product = PlusLowRank(product, *self.pieces.previous[:2])
         U, eigenvalues, self.errors = top_eigenpairs(product, k, **options)
@@ -307,10 +308,11 @@ class LowRankLaplace(ParametricLaplace):
 class DiagonallyCorrectedEigenpairs(TopEigenpairs):
     """The pass of a diagonal-plus-low-rank fit: the top-k eigenpairs, then the exact diagonal.
 
-    ``TopEigenpairs``, then one pass summing the backend's diagonal of each batch (all-reduced
-    in a distributed fit). In an online fit the earlier curvature enters as what the
-    posterior kept of it: its ``U diag(λ) Uᵀ`` is added to every product of the eigensolver
-    and its exact diagonal to the new one. Arguments as ``TopEigenpairs``.
+    ``TopEigenpairs``, then the backend's diagonal summed over the batches (all-reduced in a
+    distributed fit): from the batches the eigensolver kept between its passes, or, where it
+    did not keep them all, in one more pass. In an online fit the earlier curvature enters as
+    what the posterior kept of it: its ``U diag(λ) Uᵀ`` is added to every product of the
+    eigensolver and its exact diagonal to the new one. Arguments as ``TopEigenpairs``.
     """
 
     def run(self, loader: DataLoader) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor]:
@@ -325,10 +327,13 @@ class DiagonallyCorrectedEigenpairs(TopEigenpairs):
         def step(X: Inputs, y: Tensor) -> Tensor:
             return DiagonalPosterior.batch_curvature(pieces.backend, X, y, pieces.n_data)[1]
 
-        diagonal = U.new_zeros(len(U))
-        with distributed_utils.guard(self.distributed, self.what):
-            for batch_diagonal in self.passes(loader, step):
-                diagonal += batch_diagonal.to(diagonal.dtype)
+        kept = getattr(self.product, "kept_diagonal", None)
+        diagonal = kept() if kept is not None else None
+        if diagonal is None:  # the eigensolver did not keep every batch: one more pass
+            diagonal = U.new_zeros(len(U))
+            with distributed_utils.guard(self.distributed, self.what):
+                for batch_diagonal in self.passes(loader, step):
+                    diagonal += batch_diagonal.to(diagonal.dtype)
         if self.distributed:
             diagonal = distributed_utils.all_reduce_sum(diagonal)
         if pieces.previous is not None:
