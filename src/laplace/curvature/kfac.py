@@ -85,9 +85,14 @@ def _token_counts(module: nn.Embedding, tokens: Tensor, approx: str, dtype: torc
     return counts
 
 
-def _input_factor(rule: KfacRule, call: ModuleCall, approx: str, root: float, n: int) -> Tensor:
-    """``root/n ·`` the input factor of one call: (D_in, D_in), or (V,) for an embedding."""
-    a = rule.inputs(call).detach()
+def _input_factor(
+    rule: KfacRule, call: ModuleCall, a: Tensor, approx: str, root: float, n: int
+) -> Tensor:
+    """``root/n ·`` the input factor of one call with inputs ``a`` (``rule.inputs(call)``).
+
+    Returns:
+        (D_in, D_in), or (V,) for an embedding.
+    """
     T = a.shape[1]
     if rule.one_hot:  # reduce: the rows' mean one-hot vectors (counts / T), squared
         counts = _token_counts(call.module, a, approx, call.outputs[0].dtype)
@@ -254,10 +259,12 @@ def kfac(
     A: dict[nn.Module, Tensor] = {}
     G: dict[nn.Module, Tensor] = {}
     root = math.sqrt(factor)
-    for call in calls:
+    inputs: dict[int, Tensor] = {}
+    for i, call in enumerate(calls):
         if (rule := kron_weights.get(call.module)) is not None:
             n = 1 if rule.inputs_first else n_data
-            _add(A, call.module, _input_factor(rule, call, approx, root, n))
+            inputs[i] = rule.inputs(call).detach()
+            _add(A, call.module, _input_factor(rule, call, inputs[i], approx, root, n))
     exact = _ExactBlocks(trace, plan)
     rows: dict[int, list[Tensor]] = {}
     kept: dict[int, list[Tensor]] = {}
@@ -282,9 +289,9 @@ def kfac(
                 _add(G, call.module, _gram(g, "expand"))
     for i, gs in rows.items():
         _add(G, calls[i].module, symmetric_gram(torch.cat(gs)))
-    for i, gs in kept.items():
-        rule = kron_rules[calls[i].module]
-        statistics.add(calls[i].module, rule, rule.inputs(calls[i]).detach(), gs)
+    for i, gs in kept.items():  # a bias without a Kronecker weight needs no inputs
+        a = inputs.get(i, gs[0].new_empty(0))
+        statistics.add(calls[i].module, kron_rules[calls[i].module], a, gs)
     shapes = block_shapes(plan, engine.needed)
     blocks: list[list[Tensor]] = []
     for slot, (block, p, shape) in enumerate(zip(plan, engine.needed, shapes)):
