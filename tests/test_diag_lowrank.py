@@ -13,7 +13,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import CASE_BUILDERS, Oracle, assert_close
+from conftest import (
+    CASE_BUILDERS,
+    Oracle,
+    assert_close,
+    assert_marglik_gradient_matches_finite_differences,
+    assert_marglik_matches,
+)
 from laplace import DiagLowRankLaplace, FullLaplace, Laplace, LowRankLaplace
 from laplace.curvature import CurvlinopsEF
 from laplace.posteriors.diagonal import DiagonalPosterior
@@ -106,37 +112,17 @@ def test_marglik_and_its_gradients_equal_full_laplace_on_the_dense_matrix(name):
     full = FullLaplace(case.model, case.likelihood)
     full.fit(loader(case.X, case.y))
     full.H = dense_curvature(la)
-    regression = case.likelihood == "regression"
-    priors = ([0.7], torch.linspace(0.5, 2.0, la.n_layers).tolist(), None)
-    for prior0 in priors:
-        results = []
-        for approx in (la, full):
-            values = torch.linspace(0.5, 2, la.n_params).tolist() if prior0 is None else prior0
-            prior = torch.tensor(values, dtype=torch.float64, requires_grad=True)
-            sigma = torch.tensor(0.8 if regression else 1.0, requires_grad=True)
-            value = approx.log_marginal_likelihood(prior, sigma.double())
-            inputs = (prior, sigma) if regression else (prior,)
-            results.append((value, *torch.autograd.grad(value, inputs)))
-        for ours, dense in zip(*results):
-            assert_close(ours, dense, rtol=1e-9, atol=1e-9)
+    priors = (
+        [0.7],
+        torch.linspace(0.5, 2.0, la.n_layers).tolist(),
+        [0.5 + i / la.n_params for i in range(la.n_params)],
+    )
+    assert_marglik_matches(la, full, case.likelihood, priors)
 
 
 def test_marglik_gradient_equals_finite_differences():
     _, la = fitted("mlp_regression_3out", solver={"n_eigenvalues": K})
-    prior = torch.linspace(0.5, 2.0, la.n_layers, dtype=torch.float64, requires_grad=True)
-    sigma = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
-    grads = torch.autograd.grad(la.log_marginal_likelihood(prior, sigma), (prior, sigma))
-    step = 1e-6
-    with torch.no_grad():
-        for i in range(len(prior)):
-            shift = torch.zeros_like(prior)
-            shift[i] = step
-            up = la.log_marginal_likelihood(prior + shift, sigma)
-            down = la.log_marginal_likelihood(prior - shift, sigma)
-            assert_close((up - down) / (2 * step), grads[0][i], rtol=1e-6, atol=1e-7)
-        up = la.log_marginal_likelihood(prior, sigma + step)
-        down = la.log_marginal_likelihood(prior, sigma - step)
-        assert_close((up - down) / (2 * step), grads[1], rtol=1e-6, atol=1e-7)
+    assert_marglik_gradient_matches_finite_differences(la)
 
 
 @pytest.mark.parametrize("name", ["mlp_classification", "cnn_classification"])

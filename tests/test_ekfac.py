@@ -14,7 +14,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import CASE_BUILDERS, Oracle, assert_close, kron_dense_blocks
+from conftest import (
+    CASE_BUILDERS,
+    Oracle,
+    assert_close,
+    assert_marglik_gradient_matches_finite_differences,
+    assert_marglik_matches,
+    kron_dense_blocks,
+)
 from laplace import EKFACLaplace, EKFACLLLaplace, FullLaplace, KronLaplace, Laplace
 from laplace.curvature import AsdlGGN, BackPackGGN, CurvlinopsEF, CurvlinopsGGN
 from laplace.parametric import kron as kron_module
@@ -75,6 +82,18 @@ def mixed_case():
 CASES = {"mixed": mixed_case, "cnn": cnn_case, "mlp-regression": mlp_regression_case}
 
 
+def count_eigenvalue_passes(monkeypatch) -> list:
+    """A list that grows by one per batch of an eigenvalue pass (``kron_eigenvalues``)."""
+    calls = []
+    original = CurvlinopsGGN.kron_eigenvalues
+    monkeypatch.setattr(
+        CurvlinopsGGN,
+        "kron_eigenvalues",
+        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
+    )
+    return calls
+
+
 def fit_ekfac(model, X, y, likelihood, **kwargs) -> EKFACLaplace:
     la = EKFACLaplace(model, likelihood, **kwargs)
     la.fit(loader(X, y))
@@ -110,13 +129,7 @@ def test_another_pass_gives_the_kept_statistics_eigenvalues(name, monkeypatch):
     model, X, y, likelihood = CASES[name]()
     kept = fit_ekfac(model, X, y, likelihood)
     monkeypatch.setattr(kron_module, "EKFAC_CACHE_BYTES", 0)
-    calls = []
-    original = CurvlinopsGGN.kron_eigenvalues
-    monkeypatch.setattr(
-        CurvlinopsGGN,
-        "kron_eigenvalues",
-        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
-    )
+    calls = count_eigenvalue_passes(monkeypatch)
     passed = fit_ekfac(model, X, y, likelihood)
     assert len(calls) == len(loader(X, y))  # a second pass, batch by batch
     for ours, theirs in zip(kept.H.corrections, passed.H.corrections, strict=True):
@@ -127,13 +140,7 @@ def test_another_pass_gives_the_kept_statistics_eigenvalues(name, monkeypatch):
 
 def test_last_layer_keeps_features_and_output_curvatures_not_another_pass(monkeypatch):
     model, X, y, likelihood = CASES["cnn"]()
-    calls = []
-    original = CurvlinopsGGN.kron_eigenvalues
-    monkeypatch.setattr(
-        CurvlinopsGGN,
-        "kron_eigenvalues",
-        lambda self, *a, **k: calls.append(1) or original(self, *a, **k),
-    )
+    calls = count_eigenvalue_passes(monkeypatch)
     kept = EKFACLLLaplace(model, likelihood)
     kept.fit(loader(X, y))
     assert not calls
@@ -181,16 +188,8 @@ def test_marglik_and_its_gradients_equal_full_laplace_on_the_dense_ekfac(name):
     full = FullLaplace(model, likelihood)
     full.fit(loader(X, y))
     full.H = torch.block_diag(*ekfac_dense_blocks(la.H))
-    for prior0 in ([0.7], torch.linspace(0.5, 2.0, la.n_layers).tolist()):
-        results = []
-        for approx in (la, full):
-            prior = torch.tensor(prior0, dtype=torch.float64, requires_grad=True)
-            sigma = torch.tensor(0.8 if likelihood == "regression" else 1.0, requires_grad=True)
-            value = approx.log_marginal_likelihood(prior, sigma.double())
-            inputs = (prior, sigma) if likelihood == "regression" else (prior,)
-            results.append((value, *torch.autograd.grad(value, inputs)))
-        for ours, dense in zip(*results):
-            assert_close(ours, dense, rtol=1e-9, atol=1e-9)
+    priors = ([0.7], torch.linspace(0.5, 2.0, la.n_layers).tolist())
+    assert_marglik_matches(la, full, likelihood, priors)
 
 
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
@@ -236,21 +235,7 @@ def test_a_diagonal_prior_enters_as_its_diagonal_in_the_eigenbasis(subset):
 
 def test_marglik_gradient_equals_finite_differences():
     model, X, y, likelihood = CASES["mlp-regression"]()
-    la = fit_ekfac(model, X, y, likelihood)
-    prior = torch.linspace(0.5, 2.0, la.n_layers, dtype=torch.float64, requires_grad=True)
-    sigma = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
-    grads = torch.autograd.grad(la.log_marginal_likelihood(prior, sigma), (prior, sigma))
-    step = 1e-6
-    with torch.no_grad():
-        for i in range(len(prior)):
-            shift = torch.zeros_like(prior)
-            shift[i] = step
-            up = la.log_marginal_likelihood(prior + shift, sigma)
-            down = la.log_marginal_likelihood(prior - shift, sigma)
-            assert_close((up - down) / (2 * step), grads[0][i], rtol=1e-6, atol=1e-7)
-        up = la.log_marginal_likelihood(prior, sigma + step)
-        down = la.log_marginal_likelihood(prior, sigma - step)
-        assert_close((up - down) / (2 * step), grads[1], rtol=1e-6, atol=1e-7)
+    assert_marglik_gradient_matches_finite_differences(fit_ekfac(model, X, y, likelihood))
 
 
 def test_glm_predictive_is_jacobian_free_and_matches_the_dense_reference():

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import Oracle, assert_close, kron_dense_blocks
+from conftest import Oracle, assert_close, assert_marglik_matches, kron_dense_blocks
 from laplace import DiagLaplace, FullLaplace, KronLaplace
 from laplace.curvature import AsdlGGN, BackPackGGN, CurvlinopsGGN
 from laplace.posteriors.diagonal import diag_functional_variance
@@ -189,16 +189,8 @@ def test_mixed_marglik_and_its_gradients_equal_full_laplace_on_the_dense_kfac(li
     full = FullLaplace(model, likelihood)
     full.fit(loader(X, y))
     full.H = la.H_facs.to_matrix()
-    for prior0 in ([0.7], torch.linspace(0.5, 2.0, la.n_layers).tolist()):
-        results = []
-        for approx in (la, full):
-            prior = torch.tensor(prior0, dtype=torch.float64, requires_grad=True)
-            sigma = torch.tensor(0.8 if likelihood == "regression" else 1.0, requires_grad=True)
-            value = approx.log_marginal_likelihood(prior, sigma.double())
-            inputs = (prior, sigma) if likelihood == "regression" else (prior,)
-            results.append((value, *torch.autograd.grad(value, inputs)))
-        for ours, dense in zip(*results):
-            assert_close(ours, dense, rtol=1e-9, atol=1e-9)
+    priors = ([0.7], torch.linspace(0.5, 2.0, la.n_layers).tolist())
+    assert_marglik_matches(la, full, likelihood, priors)
 
 
 @pytest.mark.parametrize("approx", ["expand", "reduce"])
