@@ -60,7 +60,8 @@ def test_hessian_square_root_gives_the_same_curvature_and_defaults_apply():
 
 def test_kron_last_layer_and_a_monte_carlo_fisher_without_sampler():
     case = poisson_case()
-    for subset, structure in [("all", "kron"), ("last_layer", "kron"), ("last_layer", "diag")]:
+    combinations = [("all", "kron"), ("last_layer", "kron"), ("last_layer", "diag")]
+    for subset, structure in [*combinations, ("all", "ekfac"), ("last_layer", "ekfac")]:
         la = Laplace(case.model, case.likelihood, subset, structure)
         la.fit(case.loader())
         assert torch.isfinite(la.log_marginal_likelihood())
@@ -91,7 +92,9 @@ def test_what_a_likelihood_must_implement():
 
 def test_unsupported_combinations_name_what_works():
     case = poisson_case()
-    with pytest.raises(ValueError, match=r"hessian_structure in \['full', 'diag', 'kron'\]"):
+    with pytest.raises(
+        ValueError, match=r"hessian_structure in \['full', 'diag', 'kron', 'ekfac'\]"
+    ):
         Laplace(case.model, case.likelihood, "all", "lowrank")
     with pytest.raises(ValueError, match=r"Poisson.*CurvlinopsGGN"):
         Laplace(case.model, case.likelihood, "all", "diag", backend=BackPackGGN)

@@ -45,7 +45,9 @@ def test_noise_is_not_a_hyperparameter_and_targets_are_checked():
 
 def test_structures_and_backends_that_cannot_are_refused():
     case = heteroscedastic_case()
-    with pytest.raises(ValueError, match=r"hessian_structure in \['full', 'diag', 'kron', 'gp'\]"):
+    with pytest.raises(
+        ValueError, match=r"hessian_structure in \['full', 'diag', 'kron', 'ekfac', 'gp'\]"
+    ):
         Laplace(case.model, HETERO, "all", "lowrank")
     with pytest.raises(ValueError, match="no low-rank Laplace"):
         from laplace import LowRankLaplace
@@ -66,9 +68,10 @@ def test_structures_and_backends_that_cannot_are_refused():
 
 def test_kron_and_the_exact_hessian_fit():
     case = heteroscedastic_case()
-    la = Laplace(case.model, HETERO, "all", "kron")
-    la.fit(case.loader())
-    assert torch.isfinite(la.log_marginal_likelihood())
+    for structure in ("kron", "ekfac"):
+        la = Laplace(case.model, HETERO, "all", structure)
+        la.fit(case.loader())
+        assert torch.isfinite(la.log_marginal_likelihood())
     hessian = Laplace(case.model, HETERO, "all", "full", backend=CurvlinopsHessian)
     hessian.fit(case.loader())
     oracle = LikelihoodOracle(case)

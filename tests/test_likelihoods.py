@@ -64,10 +64,11 @@ def test_structure_support(structure):
     for name in ("regression", "classification"):
         make_likelihood(name).check_structure(structure)
     reward = make_likelihood("reward_modeling")
-    if structure in (HessianStructure.KRON, HessianStructure.DIAG):
+    # laplace-torch's two, and EKFAC (a Kronecker structure fitted the same way)
+    if structure in (HessianStructure.KRON, HessianStructure.DIAG, HessianStructure.EKFAC):
         reward.check_structure(structure)
     else:
-        with pytest.raises(ValueError, match=r"reward_modeling.*\['kron', 'diag'\]"):
+        with pytest.raises(ValueError, match=r"reward_modeling.*\['kron', 'diag', 'ekfac'\]"):
             reward.check_structure(structure)
 
 
