@@ -140,18 +140,19 @@ class NativeProduct:
             vectors.clear_cache()
         self._all_kept = keeping
 
-    def kept_diagonal(self) -> Tensor | None:
-        """``diag(H)`` on this process from the batches kept between passes, without a pass.
+    def diagonal(self) -> Tensor:
+        """``diag(H)`` on this process, from the batches kept between passes and the others.
+
+        The kept batches give it from what they recorded; the others are recorded once more
+        (one pass over them, none when every batch was kept).
 
         Returns:
-            Shape (P,), or None unless every batch was kept (after a first pass).
+            Shape (P,), not summed over processes.
         """
-        if not self._all_kept:
-            return None
         total = torch.zeros(self.n_params, dtype=self.dtype, device=self.device)
-        for vectors in self._kept:
-            trace = vectors.trace
-            total += trace.square_sum(vectors.columns, vectors.output_gradients).to(self.dtype)
+        for vectors in self.batches():
+            gradients = vectors.output_gradients if vectors.layerwise else None
+            total += vectors.trace.square_sum(vectors.columns, gradients).to(self.dtype)
         return total
 
     def matmat(self, V: Tensor) -> Tensor:

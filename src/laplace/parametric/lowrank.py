@@ -23,7 +23,7 @@ from laplace.core.base import BaseLaplace, arguments_for
 from laplace.core.serialization import ParametricState
 from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.eigen import SOLVERS, STARTS, top_eigenpairs
-from laplace.curvature.products import curvature_product
+from laplace.curvature.products import NativeProduct, curvature_product
 from laplace.parametric.base import ParametricLaplace
 from laplace.parametric.fit import FitPass
 from laplace.posteriors.diagonal import DiagonalPosterior
@@ -309,8 +309,9 @@ class DiagonallyCorrectedEigenpairs(TopEigenpairs):
     """The pass of a diagonal-plus-low-rank fit: the top-k eigenpairs, then the exact diagonal.
 
     ``TopEigenpairs``, then the backend's diagonal summed over the batches (all-reduced in a
-    distributed fit): from the batches the eigensolver kept between its passes, or, where it
-    did not keep them all, in one more pass. In an online fit the earlier curvature enters as
+    distributed fit): from what the batches the native eigensolver kept between its passes
+    recorded, the other batches recorded once more (``NativeProduct.diagonal``); a pass of the
+    backend's diag after curvlinops' operators. In an online fit the earlier curvature enters as
     what the posterior kept of it: its ``U diag(λ) Uᵀ`` is added to every product of the
     eigensolver and its exact diagonal to the new one. Arguments as ``TopEigenpairs``.
     """
@@ -327,9 +328,9 @@ class DiagonallyCorrectedEigenpairs(TopEigenpairs):
         def step(X: Inputs, y: Tensor) -> Tensor:
             return DiagonalPosterior.batch_curvature(pieces.backend, X, y, pieces.n_data)[1]
 
-        kept = getattr(self.product, "kept_diagonal", None)
-        diagonal = kept() if kept is not None else None
-        if diagonal is None:  # the eigensolver did not keep every batch: one more pass
+        if isinstance(self.product, NativeProduct):  # from the batches it kept, and the others
+            diagonal = self.product.diagonal().to(U.dtype)
+        else:  # curvlinops' operator keeps nothing: one more pass
             diagonal = U.new_zeros(len(U))
             with distributed_utils.guard(self.distributed, self.what):
                 for batch_diagonal in self.passes(loader, step):
