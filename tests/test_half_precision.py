@@ -121,8 +121,11 @@ def test_half_precision_posterior_is_the_float32_one_within_the_forward_rounding
         ("all", "lowrank", {}),
         ("subnetwork", "full", {"subnetwork_indices": torch.tensor([0, 3, 70, 120])}),
         ("all", "gp", {"n_subset": 10}),
+        ("all", "ekfac", {}),
+        ("last_layer", "ekfac", {}),
+        ("all", "diag_lowrank", {"backend_kwargs": {"n_eigenvalues": 5}}),
     ],
-    ids=["full", "lowrank", "subnetwork", "gp"],
+    ids=["full", "lowrank", "subnetwork", "gp", "ekfac", "ll-ekfac", "diag_lowrank"],
 )
 def test_every_structure_fits_predicts_samples_and_round_trips_in_bfloat16(
     subset, structure, kwargs

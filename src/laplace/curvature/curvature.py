@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
-from laplace.curvature.kfac import KfacStatistics, kfac, kfac_eigenvalues
+from laplace.curvature.kfac import KfacStatistics, curvature_like, kfac, kfac_eigenvalues
 from laplace.curvature.kfac_rules import (
     KFAC_DENSE_LIMIT,
     block_shapes,
@@ -382,7 +382,7 @@ class CurvatureInterface:
         statistics = KfacStatistics(
             plan_blocks(self.engine, self.kfac_dense_limit),
             self.kron_shapes(),
-            self.engine.needed[0],
+            curvature_like(self.engine),
         )
         blocks = kfac(
             trace,

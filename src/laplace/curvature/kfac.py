@@ -15,6 +15,7 @@ with extra dimensions, low-rank factors) are in ``docs/backends.md``.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +33,7 @@ from laplace.curvature.kfac_rules import (
 from laplace.curvature.layer_rules import ModuleCall
 from laplace.curvature.per_sample import Columns, PerSampleTrace
 from laplace.curvature.square_sums import row_token_pairs
+from laplace.utils.data import posterior_dtype
 from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.linalg import symmetric_gram
 from laplace.utils.matrix import Kron, StructuredKron
@@ -361,6 +363,12 @@ def _embedding_squares(module: nn.Embedding, tokens: Tensor, g: Tensor) -> Tenso
     return total
 
 
+def curvature_like(engine: Any) -> Tensor:
+    """An empty tensor of the engine's device and curvature type (the posterior's)."""
+    p = engine.needed[0]
+    return p.new_empty(0, dtype=engine.dtype or posterior_dtype(p.dtype))
+
+
 def _same(Q: Tensor | None, other: Tensor | None) -> bool:
     return Q is not None and other is not None and Q.shape == other.shape and torch.equal(Q, other)
 
@@ -474,9 +482,10 @@ def kfac_eigenvalues(
     _check_batch_rows(trace)
     engine = trace.engine
     plan = plan_blocks(engine, dense_limit)
+    shapes, like = block_shapes(plan, engine.needed), curvature_like(engine)
     total: list[Tensor | None] | None = None
     for stacked in trace.column_gradients(columns):
-        statistics = KfacStatistics(plan, block_shapes(plan, engine.needed), engine.needed[0])
+        statistics = KfacStatistics(plan, shapes, like)
         for i, call in enumerate(trace.calls):
             if statistics.needs(call.module):
                 rule = next(b.rule for b in plan if b.module is call.module and b.rule)
@@ -489,7 +498,5 @@ def kfac_eigenvalues(
             chunk if total is None else [t if t is None else t + c for t, c in zip(total, chunk)]
         )
     if total is None:  # no column: zero curvature
-        return KfacStatistics(
-            plan, block_shapes(plan, engine.needed), engine.needed[0]
-        ).eigenvalues(bases)
+        return KfacStatistics(plan, shapes, like).eigenvalues(bases)
     return total
