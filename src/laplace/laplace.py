@@ -39,10 +39,14 @@ WeightSpaceStructure = Literal[
     "kron",
     "diag",
     "lowrank",
+    "ekfac",
+    "diag_lowrank",
     HessianStructure.FULL,
     HessianStructure.KRON,
     HessianStructure.DIAG,
     HessianStructure.LOWRANK,
+    HessianStructure.EKFAC,
+    HessianStructure.DIAG_LOWRANK,
 ]
 #: ``hessian_structure`` values that give a function-space approximation.
 FunctionSpaceStructure = Literal["gp", HessianStructure.GP]
@@ -115,7 +119,8 @@ def Laplace(
             ``"binary_classification"``, ``"heteroscedastic_regression"``, or an instance of a
             ``laplace.likelihoods.Likelihood`` subclass (your own).
         subset_of_weights: ``"all"``, ``"last_layer"`` or ``"subnetwork"``.
-        hessian_structure: ``"full"``, ``"kron"``, ``"diag"``, ``"lowrank"`` or ``"gp"``.
+        hessian_structure: ``"full"``, ``"kron"``, ``"diag"``, ``"lowrank"``, ``"gp"``, and
+            beyond laplace-torch ``"ekfac"`` and ``"diag_lowrank"``.
         *args: Passed on to the chosen class.
         functional_approximation: With ``hessian_structure="gp"``: ``"sod"`` (subset of data,
             ``FunctionalLaplace`` / ``FunctionalLLLaplace``, needs ``n_subset``),

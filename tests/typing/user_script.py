@@ -41,6 +41,14 @@ gp.fit(loader)
 gp_probs = gp(X)
 gp_log_marglik: torch.Tensor = gp.log_marginal_likelihood()
 
+ekfac = Laplace(model, "classification", subset_of_weights="all", hessian_structure="ekfac")
+ekfac.fit(loader)
+ekfac.optimize_prior_precision(method="bayesopt", val_loader=loader, n_steps=3, seed=1)
+inf = Laplace(model, "classification", "all", "diag_lowrank", backend_kwargs={"n_eigenvalues": 3})
+inf.fit(loader)
+shifted = evaluate(inf, loader, ood_loader=loader)
+print(shifted["ood_fpr95"], float(ekfac.log_marginal_likelihood()))
+
 metrics: dict = evaluate(la, loader, pred_type="glm", link_approx="probit")
 print(metrics["nll"], gp_probs, float(gp_log_marglik), samples.shape, weights.shape)
 
