@@ -252,7 +252,7 @@ class EKFACLaplace(KronLaplace):
     Arguments are those of [`KronLaplace`][laplace.baselaplace.KronLaplace].
 
     Example:
-        >>> la = Laplace(model, "classification", hessian_structure="ekfac")
+        >>> la = Laplace(model, "classification", "all", hessian_structure="ekfac")
         >>> la.fit(train_loader)
     """
 
