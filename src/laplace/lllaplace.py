@@ -33,13 +33,7 @@ from laplace.curvature import CurvatureInterface
 from laplace.functional import FunctionalLLLaplace
 from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.parametric.fit import CurvatureSum
-from laplace.parametric.kron import (
-    KronLaplace,
-    eigenvalue_corrected,
-    refuse_low_rank_factors,
-)
-from laplace.posteriors import Posterior
-from laplace.posteriors.kron import EKFACPosterior
+from laplace.parametric.kron import EKFACLaplace, KronLaplace, eigenvalue_corrected
 from laplace.posteriors.large_output import OUTPUT_FACTOR_RANK
 from laplace.posteriors.last_layer import (
     cat_output_curvatures,
@@ -330,11 +324,12 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         LLLaplace.__init__(self, **arguments_for(LLLaplace.__init__, locals()))
 
 
-class EKFACLLLaplace(KronLLLaplace):
+class EKFACLLLaplace(KronLLLaplace, EKFACLaplace):
     """Last-layer Laplace with an eigenvalue-corrected KFAC (EKFAC) curvature of the head.
 
-    The head's KFAC factors from its features (as ``KronLLLaplace``), then one more pass
-    re-fits the eigenvalues in their eigenbasis to the head's exact curvature (see
+    The head's KFAC factors from its features (as ``KronLLLaplace``), then its eigenvalues
+    re-fitted in their eigenbasis to the head's exact curvature, in closed form from the kept
+    features and output curvatures (see
     [`EKFACLaplace`][laplace.parametric.kron.EKFACLaplace]). Arguments are those of
     [`KronLLLaplace`][laplace.KronLLLaplace]; a head with more outputs than the large-output
     threshold is refused (its output factor would not be dense).
@@ -342,14 +337,4 @@ class EKFACLLLaplace(KronLLLaplace):
 
     _key = (SubsetOfWeights.LAST_LAYER, HessianStructure.EKFAC)
 
-    _posterior_cls = EKFACPosterior
     _curvature_pass = eigenvalue_corrected(HeadCurvatureSum)
-
-    @BaseLaplace.prior_precision.setter
-    def prior_precision(self, value: float | Tensor) -> None:
-        """Set a scalar, layer-wise or diagonal prior precision (see ``EKFACPosterior``)."""
-        BaseLaplace.prior_precision.fset(self, value)
-
-    def _own_structure(self) -> type[Posterior]:
-        """EKFAC's posterior; refuses a head whose output factor would be kept low rank."""
-        return refuse_low_rank_factors(self, EKFACPosterior)

@@ -391,11 +391,7 @@ class KfacStatistics:
         self.plan, self.shapes, self.like = plan, shapes, like
         self.weight_slots = {b.module: s for s, b in enumerate(plan) if b.kind == "kron"}
         self.bias_slots = {b.module: s for s, b in enumerate(plan) if b.kind == "bias"}
-        self.calls: list[tuple[nn.Module, KfacRule, Tensor, Tensor]] = []
-
-    def needs(self, module: nn.Module) -> bool:
-        """Whether ``module``'s calls feed a Kronecker (weight or bias) block."""
-        return module in self.weight_slots or module in self.bias_slots
+        self.calls: list[tuple[nn.Module, KfacRule, Tensor, list[Tensor]]] = []
 
     def add(self, module: nn.Module, rule: KfacRule, a: Tensor, grads: list[Tensor]) -> None:
         """Keep one call's inputs (R, T, D_in) and column gradients, chunks (k, R, T, D_out)."""
@@ -472,7 +468,7 @@ def kfac_eigenvalues(
         dense_limit: As ``kfac``: which parameters without a Kronecker rule are dense blocks.
 
     Returns:
-        See ``KfacStatistics.eigenvalues``, summed over the chunks of columns.
+        See ``KfacStatistics.eigenvalues``.
 
     Raises:
         ValueError: As ``kfac``.
@@ -482,21 +478,18 @@ def kfac_eigenvalues(
     _check_batch_rows(trace)
     engine = trace.engine
     plan = plan_blocks(engine, dense_limit)
-    shapes, like = block_shapes(plan, engine.needed), curvature_like(engine)
-    total: list[Tensor | None] | None = None
+    rules = {b.module: b.rule for b in plan if b.kind in ("kron", "bias")}
+    grads: dict[int, list[Tensor]] = {}
     for stacked in trace.column_gradients(columns):
-        statistics = KfacStatistics(plan, shapes, like)
         for i, call in enumerate(trace.calls):
-            if statistics.needs(call.module):
-                rule = next(b.rule for b in plan if b.module is call.module and b.rule)
-                grads = stacked[i][0].detach()
-                g = rule.grads(call, grads.flatten(0, 1))
-                a = rule.inputs(call).detach()
-                statistics.add(call.module, rule, a, [g.unflatten(0, grads.shape[:2])])
-        chunk = statistics.eigenvalues(bases)
-        total = (
-            chunk if total is None else [t if t is None else t + c for t, c in zip(total, chunk)]
+            if call.module in rules:
+                chunk = stacked[i][0].detach()
+                g = rules[call.module].grads(call, chunk.flatten(0, 1))
+                grads.setdefault(i, []).append(g.unflatten(0, chunk.shape[:2]))
+    statistics = KfacStatistics(plan, block_shapes(plan, engine.needed), curvature_like(engine))
+    for i, gs in grads.items():
+        call = trace.calls[i]
+        statistics.add(
+            call.module, rules[call.module], rules[call.module].inputs(call).detach(), gs
         )
-    if total is None:  # no column: zero curvature
-        return KfacStatistics(plan, shapes, like).eigenvalues(bases)
-    return total
+    return statistics.eigenvalues(bases)

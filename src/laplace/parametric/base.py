@@ -374,8 +374,7 @@ class ParametricLaplace(BaseLaplace):
         H_new, loss_new = loop.run(train_loader)
         for name, value in loop.results.items():
             setattr(self, name, value)
-        if update:
-            H_new = structure.merge(self.H, H_new, n_before, n_before + n_data)
+        if update:  # the pass merged the earlier curvature in
             loss_new = self.loss + loss_new
         self.H = structure.finalize(H_new, **self._structure_options)
         self.loss, self.n_data, self.n_outputs = loss_new, n_before + n_data, loop.n_outputs

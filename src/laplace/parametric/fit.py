@@ -41,7 +41,7 @@ class FitPieces:
             ``_zero_curvature``: Kron's block shapes depend on the backend).
         n_data: Number of data points the summed curvature covers (KFAC normalises by it).
         previous: The fitted curvature an online fit (``fit(override=False)``) adds to, else
-            None (EKFAC's correction pass merges it into its own eigenbasis).
+            None: the pass returns the merged curvature (``Posterior.merge`` for a sum).
         n_before: Number of data points ``previous`` covers.
     """
 
@@ -132,3 +132,11 @@ class CurvatureSum(FitPass):
         total[0] = self.pieces.posterior.add(total[0], H)
         total[1] = total[1] + loss.detach()
         return total
+
+    def finish(self, total: list[Any]) -> tuple[Any, Tensor]:
+        """``(H, loss)`` of the data; an online fit's ``H`` with the earlier fit's merged in."""
+        H, loss = total
+        pieces = self.pieces
+        if pieces.previous is not None:
+            H = pieces.posterior.merge(pieces.previous, H, pieces.n_before, pieces.n_data)
+        return H, loss

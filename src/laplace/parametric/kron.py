@@ -194,10 +194,8 @@ def eigenvalue_corrected(curvature_pass: type[FitPass]) -> type[FitPass]:
         return curvature_pass.head_curvature(self, closed_form, phi, M, *args)
 
     def run(self: Any, loader: DataLoader) -> tuple[Any, Tensor]:
-        factors, loss = curvature_pass.run(self, loader)
+        factors, loss = curvature_pass.run(self, loader)  # merged with an online fit's
         pieces = self.pieces
-        if pieces.previous is not None:
-            factors = KronPosterior.merge(pieces.previous, factors, pieces.n_before, pieces.n_data)
         decomposed = factors.decompose(deferred=True)
         bases = [decomposed.factor_bases(i) for i in range(len(decomposed))]
         kept, self.kept = self.kept or [], None
@@ -267,22 +265,19 @@ class EKFACLaplace(KronLaplace):
         BaseLaplace.prior_precision.fset(self, value)
 
     def _own_structure(self) -> type[Posterior]:
-        """EKFAC's posterior; refuses layers whose output factor would be kept low rank."""
-        return refuse_low_rank_factors(self, EKFACPosterior)
+        """EKFAC's posterior.
 
-
-def refuse_low_rank_factors(la: Any, structure: type[Posterior]) -> type[Posterior]:
-    """``structure``, unless ``la``'s backend would keep an output factor low rank.
-
-    Raises:
-        ValueError: Naming the threshold and the alternatives.
-    """
-    if la._subset.resolved:
-        shapes = la._kron_shapes()
-        if kron_block_structure(KronPosterior, shapes, 1) is not KronPosterior:
-            raise ValueError(
-                "hessian_structure='ekfac' keeps every output factor dense; a layer has more "
-                f"than LARGE_OUTPUT_THRESHOLD={large_output.LARGE_OUTPUT_THRESHOLD} outputs. "
-                "Use hessian_structure='kron' (diagonal-plus-low-rank output factors) for it."
-            )
-    return structure
+        Raises:
+            ValueError: If the backend would keep an output factor low rank (many outputs),
+                naming the threshold and the alternative.
+        """
+        if self._subset.resolved:
+            low_rank = kron_block_structure(KronPosterior, self._kron_shapes(), 1)
+            if low_rank is not KronPosterior:
+                raise ValueError(
+                    "hessian_structure='ekfac' keeps every output factor dense; a layer has "
+                    f"more than LARGE_OUTPUT_THRESHOLD={large_output.LARGE_OUTPUT_THRESHOLD} "
+                    "outputs. Use hessian_structure='kron' (diagonal-plus-low-rank output "
+                    "factors) for it."
+                )
+        return EKFACPosterior

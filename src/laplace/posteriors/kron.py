@@ -391,14 +391,9 @@ class EKFACPosterior(KronPosterior):
     weight's shape. The curvature is a ``KronDecomposed`` with ``corrections``; the prior,
     ``h = 1/(σ²T)`` and damping act on ``s`` as on KFAC's spectrum, so every closed form of
     ``KronPosterior`` holds unchanged. The factors are summed first (``kron``); the fit's
-    correction pass (``laplace.parametric.kron.CorrectedKronSum``) adds up ``s`` over the data in
-    their eigenbasis, merging an earlier fit itself (``merge`` passes its result on).
+    correction pass (``laplace.parametric.kron.eigenvalue_corrected``) adds up ``s`` over the
+    data in their eigenbasis, an online fit's earlier ``s`` projected into it.
     """
-
-    @classmethod
-    def merge(cls, previous: Any, H: KronDecomposed, n_before: int, n_data: int) -> Any:
-        """``H``: the correction pass already merged the earlier fit (see the class)."""
-        return H
 
     @cached_property
     def precision(self) -> KronDecomposed:
@@ -435,9 +430,7 @@ class EKFACPosterior(KronPosterior):
     @staticmethod
     def finalize(H: KronDecomposed, damping: bool = False) -> KronDecomposed:
         """The corrected decomposition with the approximation's damping."""
-        out = KronDecomposed(*H._pairs(), None, damping, H.corrections)
-        out.factors = H.factors
-        return out
+        return H.corrected(H.corrections, damping)
 
     @classmethod
     def state(cls, H: KronDecomposed) -> dict[str, Any]:

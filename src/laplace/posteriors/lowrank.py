@@ -198,7 +198,7 @@ class DiagLowRankPosterior(LowRankPosterior):
     directions are kept. Everything else is ``LowRankPosterior``'s with this ``D``: the
     determinant lemma, Woodbury, samples. The eigenpairs and the diagonal are sums over the
     data found by the fit (``laplace.parametric.lowrank.DiagonallyCorrectedEigenpairs``),
-    which merges an online fit's earlier curvature itself (``merge`` passes its result on).
+    which merges an online fit's earlier curvature in.
     """
 
     update_refusal = None
@@ -208,11 +208,6 @@ class DiagLowRankPosterior(LowRankPosterior):
     def zeros(params: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         U, eigenvalues = LowRankPosterior.zeros(params)
         return U, eigenvalues, U.new_zeros(len(U))
-
-    @classmethod
-    def merge(cls, previous: Any, H: Any, n_before: int, n_data: int) -> Any:
-        """``H``: the fit's pass already merged the earlier curvature (see the class)."""
-        return H
 
     @override
     @staticmethod

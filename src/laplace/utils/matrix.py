@@ -276,9 +276,17 @@ class KronDecomposed:
         self.corrections = None
         return self
 
-    def corrected(self, corrections: list[Tensor | None]) -> KronDecomposed:
-        """The same eigenbasis with EKFAC's eigenvalues ``corrections`` (see the class)."""
-        out = type(self)(*self._pairs(), self.deltas, self.damping, corrections)
+    def corrected(
+        self, corrections: list[Tensor | None], damping: bool | None = None
+    ) -> KronDecomposed:
+        """The same eigenbasis (and factors) with EKFAC's eigenvalues ``corrections``.
+
+        Args:
+            corrections: See the class.
+            damping: See the class; None keeps this decomposition's.
+        """
+        damping = self.damping if damping is None else damping
+        out = type(self)(*self._pairs(), self.deltas, damping, corrections)
         out.factors = self.factors
         return out
 
