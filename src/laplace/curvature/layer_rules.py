@@ -309,7 +309,11 @@ def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tenso
         unrolled = [layer_input, *states[: 2 if isinstance(m, nn.LSTM) else 1]]
         unrolled = [unrolled[i] for i in call.output_slots]
         for mine, recorded in zip(unrolled, call.outputs):  # (rows tiled for more columns)
-            if not torch.allclose(mine[: len(recorded)], recorded.detach(), 1e-4, 1e-5):
+            # The layer may run in a narrower type than the unrolling (half precision, or a
+            # float64 posterior): compare in the unrolling's type, to the layer's roundoff.
+            roundoff = 32 * torch.finfo(recorded.dtype).eps
+            rtol, atol = max(1e-4, roundoff), max(1e-5, roundoff)
+            if not torch.allclose(mine[: len(recorded)], recorded.detach().to(mine), rtol, atol):
                 raise ValueError(
                     f"{type(m).__name__}: the recurrent equations do not give the layer's "
                     "outputs (a subclass with its own forward?); no per-sample rule applies."
