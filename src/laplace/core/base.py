@@ -188,7 +188,7 @@ class BaseLaplace:
         self._subset = self._subset_kind.for_model(
             unwrap_model(model), self._likelihood_model, **self._subset_options
         )
-        self.dtype = self._subset.requested_dtype = check_posterior_dtype(dtype)
+        self._subset.requested_dtype = check_posterior_dtype(dtype)
         self.model = self._subset.model
         self._bind_subset()
         self.temperature = check_temperature(temperature)
@@ -274,6 +274,15 @@ class BaseLaplace:
     @property
     def _device(self) -> torch.device:
         return self._subset.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Floating-point type of the curvature, posterior and predictions.
+
+        The ``dtype`` asked for, else the parameters' type (float32 for a half-precision
+        network).
+        """
+        return self._subset.dtype
 
     @property
     def _dtype(self) -> torch.dtype:

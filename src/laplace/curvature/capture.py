@@ -83,9 +83,10 @@ def _broadcast_candidates(calls: list[ModuleCall], batch: int) -> set[nn.Module]
         return set()
     candidates = set()
     for call in calls:
+        if not all(z.dim() > 0 and z.shape[0] == 1 for z in call.outputs):
+            continue  # most calls: batched outputs, no need to look at the inputs
         inputs = [a for a in tree_flatten((call.args, call.kwargs))[0] if isinstance(a, Tensor)]
-        one_row = all(z.dim() > 0 and z.shape[0] == 1 for z in call.outputs)
-        if one_row and all(a.dim() == 0 or a.shape[0] == 1 for a in inputs):
+        if all(a.dim() == 0 or a.shape[0] == 1 for a in inputs):
             candidates.add(call.module)
     return candidates
 

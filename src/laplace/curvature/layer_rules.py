@@ -59,17 +59,30 @@ class ModuleCall:
 Rule = Callable[[ModuleCall, Sequence[Tensor]], dict[str, Tensor]]
 
 
+def _linear_weight(a: Tensor, g: Tensor) -> Tensor:
+    """Per-sample weight gradients ``Σₜ gₜ aₜᵀ`` of ``z = W a + b``, shape (B, O, I).
+
+    Inputs ``a`` (B, ..., I) and output gradients ``g`` (B, ..., O), summed over any extra
+    (sequence) dims.
+    """
+    if a.dim() == 2:
+        return g.unsqueeze(2) * a.unsqueeze(1)
+    return torch.einsum("bto,bti->boi", g.flatten(1, -2), a.flatten(1, -2))
+
+
+def _linear_bias(g: Tensor) -> Tensor:
+    """Per-sample bias gradients of ``z = W a + b``: g (B, ..., O) → ``Σₜ gₜ`` (B, O)."""
+    return g if g.dim() == 2 else g.flatten(1, -2).sum(1)
+
+
 def _linear(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
     """Per-sample gradients of ``nn.Linear``: ``Σₜ gₜ aₜᵀ`` over any extra (sequence) dims."""
     a, g = call.args[0], grads[0]
     out = {}
     if "weight" in call.names:
-        if a.dim() == 2:
-            out["weight"] = g.unsqueeze(2) * a.unsqueeze(1)
-        else:
-            out["weight"] = torch.einsum("bto,bti->boi", g.flatten(1, -2), a.flatten(1, -2))
+        out["weight"] = _linear_weight(a, g)
     if "bias" in call.names:
-        out["bias"] = g if g.dim() == 2 else g.flatten(1, -2).sum(1)
+        out["bias"] = _linear_bias(g)
     return out
 
 
@@ -296,7 +309,11 @@ def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tenso
         unrolled = [layer_input, *states[: 2 if isinstance(m, nn.LSTM) else 1]]
         unrolled = [unrolled[i] for i in call.output_slots]
         for mine, recorded in zip(unrolled, call.outputs):  # (rows tiled for more columns)
-            if not torch.allclose(mine[: len(recorded)], recorded.detach(), 1e-4, 1e-5):
+            # The layer may run in a narrower type than the unrolling (half precision, or a
+            # float64 posterior): compare in the unrolling's type, to the layer's roundoff.
+            roundoff = 32 * torch.finfo(recorded.dtype).eps
+            rtol, atol = max(1e-4, roundoff), max(1e-5, roundoff)
+            if not torch.allclose(mine[: len(recorded)], recorded.detach().to(mine), rtol, atol):
                 raise ValueError(
                     f"{type(m).__name__}: the recurrent equations do not give the layer's "
                     "outputs (a subclass with its own forward?); no per-sample rule applies."
@@ -343,14 +360,11 @@ def _recurrent(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
             torch.zeros_like(t) if (g := next(pulled)) is None else g for t in [ih, *hh]
         )
         d_hh = torch.stack(d_hh, 1)
-        if f"weight_ih{suffix}" in call.names:
-            out[f"weight_ih{suffix}"] = torch.einsum("btg,bti->bgi", d_ih, inputs)
-        if f"weight_hh{suffix}" in call.names:
-            out[f"weight_hh{suffix}"] = torch.einsum("btg,bth->bgh", d_hh, previous)
-        if f"bias_ih{suffix}" in call.names:
-            out[f"bias_ih{suffix}"] = d_ih.sum(1)
-        if f"bias_hh{suffix}" in call.names:
-            out[f"bias_hh{suffix}"] = d_hh.sum(1)
+        for name, a, g in (("ih", inputs, d_ih), ("hh", previous, d_hh)):
+            if f"weight_{name}{suffix}" in call.names:
+                out[f"weight_{name}{suffix}"] = _linear_weight(a, g)
+            if f"bias_{name}{suffix}" in call.names:
+                out[f"bias_{name}{suffix}"] = _linear_bias(g)
     return out
 
 

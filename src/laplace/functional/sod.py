@@ -123,6 +123,9 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         self.independent_outputs = independent_outputs
         self.seed = seed
         self.mean = self._subset.vector().detach() if self._subset.resolved else None
+        #: The engine of ``_jacobians``, kept (with what it learnt of the model's calls) while
+        #: the subset's parameters stay the same.
+        self._jacobian_engine: PerSampleEngine | None = None
 
     @property
     def gp_kernel_prior_variance(self) -> Tensor:
@@ -135,8 +138,10 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         self, X: Inputs, enable_backprop: bool = False
     ) -> tuple[DenseJacobian | FactoredJacobian, Tensor]:
         """Jacobian at ``X`` (factored where the layers allow) and outputs (B, C), one pass."""
-        engine = PerSampleEngine(self.model, self._subset.params)
-        engine.dtype = self._dtype
+        params, engine = self._subset.params, self._jacobian_engine
+        if engine is None or [id(p) for p in engine.params] != [id(p) for p in params]:
+            engine = self._jacobian_engine = PerSampleEngine(self.model, params)
+            engine.dtype = self._dtype
         return trace_jacobian(engine, X, enable_backprop)
 
     def fit(self, train_loader: DataLoader, progress_bar: bool = False) -> None:

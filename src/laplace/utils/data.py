@@ -65,9 +65,7 @@ def upcast(value: Any, dtype: torch.dtype | None = None) -> Any:
     """Floating-point tensors of a pytree in ``dtype`` (None: half precision in float32)."""
 
     def cast(t: Tensor) -> Tensor:
-        if dtype is None or not t.is_floating_point():
-            return t.float() if t.dtype in HALF_DTYPES else t
-        return t.to(dtype)
+        return t.to(dtype or posterior_dtype(t.dtype)) if t.is_floating_point() else t
 
     return tree_map_only(Tensor, cast, value)
 
