@@ -52,16 +52,31 @@ class TinyBert(nn.Module):
         return self.bert(input_ids=tokens).logits
 
 
+class TinyRecurrent(nn.Module):
+    """Logits (B, C) of an LSTM and a GRU over sequences (B, T, 3), read at the last step."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(3, 4, batch_first=True)
+        self.gru = nn.GRU(4, 4, batch_first=True)
+        self.head = nn.Linear(4, N_CLASSES)
+
+    def forward(self, x):
+        return self.head(self.gru(self.lstm(x)[0])[0][:, -1])
+
+
 def data(name: str) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
     if name == "mlp":
         return torch.randn(48, 4, generator=gen)
+    if name == "recurrent":
+        return torch.randn(48, 5, 3, generator=gen)
     if name == "cnn":
         return torch.randn(48, 1, 6, 6, generator=gen)
     return torch.randint(0, 13, (48, 5), generator=gen)
 
 
-BUILDERS = {"mlp": mlp, "cnn": cnn, "bert": TinyBert}
+BUILDERS = {"mlp": mlp, "cnn": cnn, "bert": TinyBert, "recurrent": TinyRecurrent}
 
 
 def pair(name: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, DataLoader, DataLoader]:
@@ -112,6 +127,29 @@ def test_half_precision_posterior_is_the_float32_one_within_the_forward_rounding
     assert probs.dtype == torch.float32 and torch.allclose(probs.sum(-1), torch.ones(5))
     f_mu, f_var = la_half._functional_moments(X)
     assert f_mu.dtype == f_var.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+def test_half_precision_recurrent_layers_give_the_float32_posterior(structure, dtype):
+    half, single, half_loader, single_loader = pair("recurrent", dtype)
+    fitted = []
+    for model, loader in ((half, half_loader), (single, single_loader)):
+        la = Laplace(model, "classification", "all", structure, prior_precision=0.5)
+        la.fit(loader)
+        fitted.append(dense(la))
+    error = (fitted[0] - fitted[1]).norm() / fitted[1].norm()
+    assert error <= ROUNDINGS * UNIT_ROUNDOFF[dtype], error
+
+
+def test_float64_posterior_of_a_float32_recurrent_network():
+    _, single, _, loader = pair("recurrent", torch.bfloat16)
+    ours = Laplace(single, "classification", "all", "diag", dtype=torch.float64)
+    ours.fit(loader)
+    reference = Laplace(single, "classification", "all", "diag")
+    reference.fit(loader)
+    assert ours.H.dtype == torch.float64
+    assert torch.allclose(ours.H.float(), reference.H, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize(
