@@ -29,6 +29,7 @@ from laplace.marglik_training import marglik_training
 from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.parametric.kron import EKFACLaplace, KronLaplace
 from laplace.parametric.lowrank import DiagLowRankLaplace, LowRankLaplace
+from laplace.parametric.matfree import MatFreeLaplace
 from laplace.subnetlaplace import DiagSubnetLaplace, FullSubnetLaplace, SubnetLaplace
 from laplace.utils.enums import (
     FunctionalApproximation,
@@ -65,6 +66,7 @@ __all__ = [
     "Likelihood",
     "LinkApprox",
     "LowRankLaplace",
+    "MatFreeLaplace",
     "ParametricLaplace",
     "PredType",
     "PriorStructure",

@@ -13,6 +13,7 @@ from laplace.functional import ELLA, BaseFunctionalLaplace, FunctionalLaplace, V
 from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
 from laplace.parametric.kron import EKFACLaplace, KronLaplace
 from laplace.parametric.lowrank import DiagLowRankLaplace, LowRankLaplace
+from laplace.parametric.matfree import MatFreeLaplace
 
 __all__ = [
     "ELLA",
@@ -25,6 +26,7 @@ __all__ = [
     "FunctionalLaplace",
     "KronLaplace",
     "LowRankLaplace",
+    "MatFreeLaplace",
     "ParametricLaplace",
     "VaLLA",
 ]

@@ -13,6 +13,7 @@ from laplace.likelihoods import make_likelihood
 from laplace.lllaplace import LLLaplace  # noqa: F401  (registers the last-layer classes)
 from laplace.parametric.base import ParametricLaplace
 from laplace.parametric.lowrank import LowRankLaplace  # noqa: F401  (registers the class)
+from laplace.parametric.matfree import MatFreeLaplace  # noqa: F401  (registers the class)
 from laplace.subnetlaplace import SubnetLaplace  # noqa: F401  (registers the classes)
 from laplace.utils.enums import (
     FunctionalApproximation,
@@ -41,12 +42,14 @@ WeightSpaceStructure = Literal[
     "lowrank",
     "ekfac",
     "diag_lowrank",
+    "matfree",
     HessianStructure.FULL,
     HessianStructure.KRON,
     HessianStructure.DIAG,
     HessianStructure.LOWRANK,
     HessianStructure.EKFAC,
     HessianStructure.DIAG_LOWRANK,
+    HessianStructure.MATFREE,
 ]
 #: ``hessian_structure`` values that give a function-space approximation.
 FunctionSpaceStructure = Literal["gp", HessianStructure.GP]
@@ -120,7 +123,7 @@ def Laplace(
             ``laplace.likelihoods.Likelihood`` subclass (your own).
         subset_of_weights: ``"all"``, ``"last_layer"`` or ``"subnetwork"``.
         hessian_structure: ``"full"``, ``"kron"``, ``"diag"``, ``"lowrank"``, ``"gp"``, and
-            beyond laplace-torch ``"ekfac"`` and ``"diag_lowrank"``.
+            beyond laplace-torch ``"ekfac"``, ``"diag_lowrank"`` and ``"matfree"``.
         *args: Passed on to the chosen class.
         functional_approximation: With ``hessian_structure="gp"``: ``"sod"`` (subset of data,
             ``FunctionalLaplace`` / ``FunctionalLLLaplace``, needs ``n_subset``),

@@ -40,6 +40,7 @@ class HessianStructure(str, Enum):
     GP = "gp"
     EKFAC = "ekfac"
     DIAG_LOWRANK = "diag_lowrank"
+    MATFREE = "matfree"
 
 
 class Likelihood(str, Enum):

@@ -1,0 +1,321 @@
+r"""Matrix-free Laplace over all weights: the exact curvature's posterior by Krylov solvers.
+
+``P = H/(σ²T) + diag(p₀)`` with ``H`` the curvature summed over the training data (the GGN by
+default; the empirical or Monte-Carlo Fisher with their backends), never stored: ``fit`` sums
+the loss, keeps the data for products and the curvature's diagonal for the preconditioner, and
+every later quantity is computed from products ``H V`` (``laplace.posteriors.matfree``).
+Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from laplace.core import distributed as distributed_utils
+from laplace.core.base import BaseLaplace, arguments_for
+from laplace.core.serialization import ParametricState
+from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
+from laplace.curvature.products import NativeProduct
+from laplace.parametric.base import ParametricLaplace
+from laplace.parametric.fit import FitPass
+from laplace.posteriors.matfree import (
+    LogDetReport,
+    MatFreeCurvature,
+    MatFreeOptions,
+    MatFreePosterior,
+    PrecisionOperator,
+)
+from laplace.utils.data import Inputs, batch_size_of
+from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
+from laplace.utils.errors import check_finite_result
+from laplace.utils.krylov import SolveReport
+from laplace.utils.outputs import IGNORE_INDEX
+
+__all__ = ["MatFreeLaplace"]
+
+
+class CurvatureProducts(FitPass):
+    """The pass of a matrix-free fit: the summed loss, then what the products need.
+
+    One pass sums the loss (checking each batch's outputs and targets); the data are then kept
+    for products ``H V`` of the native per-layer engine (``NativeProduct``: the batches it
+    records are kept between passes within ``cache_bytes``), and the curvature's diagonal for
+    the preconditioner is computed from them (``NativeProduct.diagonal``).
+
+    Args:
+        *args: See ``DataLoop``.
+        options: The solver settings.
+        **kwargs: See ``FitPass``.
+    """
+
+    def __init__(self, *args: Any, options: MatFreeOptions, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.options = options
+
+    def step(self, X: Inputs, y: Tensor) -> Tensor:
+        """The summed loss of a batch, after checking its outputs and targets."""
+        with torch.no_grad():
+            f = self.check_batch(X, y, self.pieces.subset.model(X))
+            return self.pieces.backend.batch_loss(f, y)
+
+    def check(self, stats: Tensor) -> None:
+        """Refuse a non-finite loss."""
+        check_finite_result(stats, "loss of a training batch")
+
+    def run(self, loader: DataLoader) -> tuple[MatFreeCurvature, Tensor]:
+        """``(curvature, loss)`` over ``loader``.
+
+        Raises:
+            RuntimeError: If the curvature's diagonal is not finite.
+        """
+        loss = super().run(loader)
+        pieces, options = self.pieces, self.options
+        dtype = pieces.subset.dtype
+        loss_targets = pieces.likelihood.loss_targets
+        product = NativeProduct(
+            pieces.backend,
+            self.passes(loader, lambda X, y: (X, loss_targets(y, dtype))),
+            reduce=distributed_utils.all_reduce_sum if self.distributed else None,
+            seed=options.seed,
+            cache_bytes=options.cache_bytes,
+        )
+        like = pieces.subset.vector().new_empty(0)
+        diagonal = None
+        if options.preconditioner == "diag":
+            with distributed_utils.guard(self.distributed, self.what):
+                diagonal = product.diagonal().to(dtype)
+            if self.distributed:
+                diagonal = distributed_utils.all_reduce_sum(diagonal)
+            check_finite_result(diagonal, "curvature diagonal")
+        rank = torch.distributed.get_rank() if self.distributed else 0
+        H = MatFreeCurvature(product.n_params, like, options, product, diagonal, reduce_rank=rank)
+        return H, loss
+
+
+class MatFreeState(ParametricState):
+    """The state of a matrix-free Laplace: the parametric state, with the solver settings.
+
+    The data are not saved: products need ``fit`` again after ``load_state_dict``; the
+    scalar prior's Lanczos quadrature is, so the marginal likelihood needs no data.
+    """
+
+    def values(self, la: Any) -> dict[str, Any]:
+        """The parametric state and ``solver_options``."""
+        return {**super().values(la), "solver_options": la.solver_options.as_dict()}
+
+    def value_keys(self, la: Any) -> tuple[str, ...]:
+        """The parametric entries and ``solver_options``."""
+        return (*super().value_keys(la), "solver_options")
+
+    def check(self, la: Any, state_dict: dict[str, Any]) -> None:
+        """Refuse solver settings the solvers cannot use (see ``MatFreeOptions``)."""
+        super().check(la, state_dict)
+        settings = state_dict["solver_options"]
+        if not isinstance(settings, dict) or set(settings) != set(MatFreeOptions().as_dict()):
+            raise ValueError(
+                "state_dict['solver_options'] must hold the settings "
+                f"{sorted(MatFreeOptions().as_dict())}."
+            )
+        MatFreeOptions(**settings)
+
+    def load(self, la: Any, state_dict: dict[str, Any]) -> None:
+        """The settings first (the curvature takes them), then the parametric entries."""
+        la.solver_options = MatFreeOptions(**state_dict["solver_options"])
+        super().load(la, state_dict)
+
+
+class MatFreeLaplace(ParametricLaplace):
+    r"""Laplace approximation with the exact curvature, used only through products.
+
+    ``P = h·H + diag(p₀)`` (``h = 1/(σ²T)``) with ``H`` the GGN (or empirical / Monte-Carlo
+    Fisher) summed over the training data, as ``FullLaplace`` has it, but no P × P matrix is
+    formed: products ``H V`` cost one pass over the training data (the native per-layer engine
+    keeps the batches it records between passes within ``cache_bytes``, so the loader must
+    yield the same batches on every iteration; curvlinops'
+    ``GGNLinearOperator`` makes a forward, a JVP and a VJP per vector and batch and was slower
+    on every benchmark network, docs/performance.md), and
+
+    - the GLM predictive solves ``P X = Jᵀ`` by conjugate gradients preconditioned by the
+      diagonal posterior, to the relative residual ``tol`` (``predictive="cg"``), or estimates
+      ``J P⁻¹ Jᵀ`` from ``variance_samples`` posterior samples (``"samples"``; its relative
+      Monte-Carlo error is about ``√(2/S)``), whose cost does not grow with the test points;
+      ``"auto"`` (default) takes samples when a call has more output rows (points × outputs)
+      than ``variance_samples``;
+    - ``sample`` / ``pred_type="nn"`` draw by sample-then-optimise (exact up to ``tol``);
+    - ``log_marginal_likelihood`` estimates ``log det P`` by stochastic Lanczos quadrature with
+      ``n_probes`` probes of ``lanczos_steps`` steps, run once per fit for a scalar prior and
+      then differentiable in the prior precision and σ at no further product
+      (``log_det_report`` holds the estimate's standard error and its prior derivative's).
+
+    Arguments not listed are those of [`BaseLaplace`][laplace.core.base.BaseLaplace].
+
+    Args:
+        backend: A GGN or empirical-Fisher backend (default ``CurvlinopsGGN``;
+            ``stochastic=True`` for the Monte-Carlo Fisher). A Hessian backend is refused:
+            conjugate gradients need a positive definite precision.
+        tol: Relative residual ``‖P x − b‖ / ‖b‖`` every conjugate-gradient solve reaches,
+            in (0, 1).
+        max_iter: Most conjugate-gradient iterations per solve.
+        strict: Raise ``ConvergenceError`` when a solve does not reach ``tol``; else warn with
+            the residual reached.
+        preconditioner: ``"diag"`` (the diagonal posterior, from the curvature's exact
+            diagonal) or None.
+        n_probes: Probes of the log-determinant's stochastic Lanczos quadrature.
+        lanczos_steps: Lanczos steps per probe.
+        predictive: ``"auto"``, ``"cg"`` or ``"samples"`` (see above).
+        variance_samples: Posterior samples S of the sampled GLM variances.
+        seed: Seed of the probes, the sampled variances and a Monte-Carlo Fisher's targets.
+        cache_bytes: Memory for the batches the products keep between passes (None: 128 MiB;
+            0: record every batch on every pass).
+        block_bytes: Memory for one block of solver vectors; larger solves run a block of
+            columns at a time.
+
+    Attributes:
+        solve_report: The ``SolveReport`` of the last conjugate-gradient solve (residuals,
+            iterations, products).
+        log_det_report: The ``LogDetReport`` of the last log-determinant.
+        product_count: Curvature-vector products made since ``fit``.
+
+    Raises:
+        ValueError: For a Hessian (or other) backend without products, and for solver
+            settings out of range (naming them).
+
+    Example:
+        >>> la = Laplace(model, "classification", subset_of_weights="all",
+        ...              hessian_structure="matfree", tol=1e-4)
+        >>> la.fit(train_loader)
+        >>> la.optimize_prior_precision(method="marglik")
+        >>> probs = la(x_test, link_approx="probit")
+    """
+
+    _key = (SubsetOfWeights.ALL, HessianStructure.MATFREE)
+
+    _posterior_cls = MatFreePosterior
+    _curvature_pass = CurvatureProducts
+    _state_format = MatFreeState()
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: Likelihood | str,
+        backend: type[CurvatureInterface] | None = None,
+        sigma_noise: float | Tensor = 1.0,
+        prior_precision: float | Tensor = 1.0,
+        prior_mean: float | Tensor = 0.0,
+        temperature: float = 1.0,
+        enable_backprop: bool = False,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        backend_kwargs: dict[str, Any] | None = None,
+        class_dim: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        dtype: torch.dtype | None = None,
+        tol: float = 1e-4,
+        max_iter: int = 1000,
+        strict: bool = False,
+        preconditioner: str | None = "diag",
+        n_probes: int = 10,
+        lanczos_steps: int = 30,
+        predictive: str = "auto",
+        variance_samples: int = 64,
+        seed: int = 0,
+        cache_bytes: int | None = None,
+        block_bytes: int | None = None,
+    ) -> None:
+        options = {
+            "tol": tol,
+            "max_iter": max_iter,
+            "strict": strict,
+            "preconditioner": preconditioner,
+            "n_probes": n_probes,
+            "lanczos_steps": lanczos_steps,
+            "predictive": predictive,
+            "variance_samples": variance_samples,
+            "seed": seed,
+            "cache_bytes": cache_bytes,
+        }
+        if block_bytes is not None:
+            options["block_bytes"] = block_bytes
+        self.solver_options = MatFreeOptions(**options)
+        BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))
+        if not isinstance(self.backend, (GGNInterface, EFInterface)):
+            raise ValueError(
+                f"MatFreeLaplace needs a GGN or empirical-Fisher backend for its products, got "
+                f"{type(self.backend).__name__}: conjugate gradients need a positive definite "
+                "precision, which an indefinite Hessian does not give (use CurvlinopsGGN, "
+                "CurvlinopsEF or a stochastic GGN backend)."
+            )
+
+    @property
+    def solver_options(self) -> MatFreeOptions:
+        """The solver settings."""
+        return self._solver_options
+
+    @solver_options.setter
+    def solver_options(self, value: MatFreeOptions) -> None:
+        self._solver_options = value
+        self._fit_pass_options = {"options": value}
+        if self.H is not None:
+            self.H.options = value
+            self._posterior_cache = None
+
+    @property
+    def _structure_options(self) -> dict[str, Any]:
+        """The solver settings, which a loaded curvature takes."""
+        return {"options": self.solver_options}
+
+    def _init_H(self) -> None:
+        """The zero curvature, with this approximation's solver settings."""
+        super()._init_H()
+        self.H.options = self.solver_options
+
+    @property
+    def posterior_precision(self) -> PrecisionOperator:
+        """``P`` as a linear operator: ``la.posterior_precision @ V`` for ``V`` (P,) or (P, m)."""
+        return self._posterior.precision
+
+    @property
+    def solve_report(self) -> SolveReport | None:
+        """The report of the last conjugate-gradient solve (None before one)."""
+        return None if self.H is None else self.H.last_solve
+
+    @property
+    def log_det_report(self) -> LogDetReport | None:
+        """The report of the last log-determinant (None before one)."""
+        return None if self.H is None else self.H.last_log_det
+
+    @property
+    def product_count(self) -> int:
+        """Curvature-vector products made since ``fit`` (a block of m vectors counts m)."""
+        return 0 if self.H is None else self.H.products
+
+    def _chunk_rows(self) -> int:
+        """Test points per chunk: for conjugate gradients, as many as a solver block holds."""
+        rows = super()._chunk_rows()
+        if self.H.variance_route == "samples":
+            return rows
+        per_point = self._likelihood_model.outputs.per_point(self.n_outputs)
+        solver = self.solver_options.block_bytes // (
+            2 * per_point * self.n_params * self.mean.element_size()
+        )
+        return max(1, min(rows, solver))
+
+    def _glm_predictive_distribution(
+        self, X: Inputs, joint: bool = False, diagonal_output: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """As ``ParametricLaplace``'s, with the variance route chosen for all points at once."""
+        n_rows = batch_size_of(X, self.dict_key_x) * self._likelihood_model.outputs.per_point(
+            self.n_outputs
+        )
+        route = self.solver_options.predictive
+        if route == "auto":
+            route = "samples" if n_rows > self.solver_options.variance_samples else "cg"
+        self.H.variance_route = "cg" if joint else route
+        try:
+            return super()._glm_predictive_distribution(X, joint, diagonal_output)
+        finally:
+            self.H.variance_route = None
