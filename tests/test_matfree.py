@@ -65,6 +65,9 @@ QUICK_DRAWS = 4000
 #: Tolerance of the sample-then-optimise solves in the Monte-Carlo checks (its error is far
 #: below their Monte-Carlo error).
 SAMPLING_TOL = 1e-6
+#: A solver block of 4 KiB: one CG column (six vectors of 44 weights) per block, and too little
+#: for a reorthogonalised Lanczos basis.
+SMALL_BLOCK_BYTES = 4096
 #: Stochastic Lanczos quadrature over seeds: probes, steps, seeds, the estimates' allowed
 #: distance in reported standard errors, and the misses allowed (a Student t with 9 degrees of
 #: freedom exceeds 3 with probability 0.015: 0.3 misses expected in 20 seeds).
@@ -293,6 +296,25 @@ def test_auto_predictive_takes_samples_only_for_more_rows_than_samples():
     _, exact = cg._glm_predictive_distribution(X)
     assert_relative(exact, full._glm_predictive_distribution(X)[1], RTOL_PREDICTIVE)
     assert (many - exact).abs().max() > 1e-3 * exact.abs().max()  # ten samples: far off
+
+
+def test_small_solver_blocks_give_the_same_results():
+    """A solver block of a few KiB: CG a column at a time, Lanczos without reorthogonalisation."""
+    name = "mlp_classification"
+    P = n_params_of(name)
+    case, full, la = build(name, block_bytes=SMALL_BLOCK_BYTES, **exact_options(P))
+    B = torch.randn(P, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    X = la._posterior.solve(B)
+    assert len(la.solve_report.relative_residuals) == 6 and la.solve_report.converged
+    assert_relative(X, full.posterior_covariance @ B, RTOL_PREDICTIVE)
+    inputs = test_inputs(case)
+    assert_relative(
+        la._glm_predictive_distribution(inputs)[1],
+        full._glm_predictive_distribution(inputs)[1],
+        RTOL_PREDICTIVE,
+    )
+    assert_close(la.log_det_posterior_precision, full.log_det_posterior_precision, RTOL_LOG_DET)
+    assert la.log_det_report.products == P * P  # no reorthogonalisation: every step is run
 
 
 # ------------------------------------------------------------------------------- samples
