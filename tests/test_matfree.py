@@ -107,7 +107,12 @@ def build(name: str, backend=None, prior_precision=PRIOR, batch_size=None, **opt
 
 
 def exact_options(n_params: int, **options) -> dict:
-    """Settings whose every result is exact: tight CG, spanning probes, full Lanczos runs."""
+    """Settings whose every result is exact: tight CG, spanning probes, full Lanczos runs.
+
+    Args:
+        n_params: P, the number of probes and of Lanczos steps.
+        **options: Further (or overriding) settings.
+    """
     return {
         "tol": EXACT_TOL,
         "predictive": "cg",
@@ -128,13 +133,15 @@ def assert_relative(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -
     assert_close(actual, expected, rtol=rtol, atol=rtol * float(expected.abs().max()))
 
 
-def test_inputs(case, n: int = 5) -> torch.Tensor:
-    """``n`` test inputs of a case's shape, from a fixed generator."""
+def query_points(case, n: int = 5) -> torch.Tensor:
+    """Test inputs of a case's shape, from a fixed generator.
+
+    Args:
+        case: A ``conftest.Case``.
+        n: Number of points.
+    """
     generator = torch.Generator().manual_seed(123)
     return torch.randn(n, *case.X.shape[1:], generator=generator, dtype=torch.float64)
-
-
-test_inputs.__test__ = False  # a helper, not a test
 
 
 def count_trace_route(monkeypatch) -> list:
@@ -201,7 +208,7 @@ def test_monte_carlo_fisher_is_one_symmetric_psd_matrix():
         **options,
     )
     cg.fit(case.loader())
-    X = test_inputs(case)
+    X = query_points(case)
     _, f_var = cg._glm_predictive_distribution(X)
     assert_relative(f_var, full._glm_predictive_distribution(X)[1], RTOL_PREDICTIVE)
 
@@ -212,7 +219,7 @@ def test_monte_carlo_fisher_is_one_symmetric_psd_matrix():
 def test_cg_predictive_equals_full_laplace(name, family, monkeypatch):
     case, full, la = build(name, backend=BACKENDS[family], tol=EXACT_TOL, predictive="cg")
     calls = count_trace_route(monkeypatch)
-    X = test_inputs(case, 3)
+    X = query_points(case, 3)
     f_mu, f_var = la._glm_predictive_distribution(X)
     assert calls  # the Jacobian-free route
     expected_mu, expected_var = full._glm_predictive_distribution(X)
@@ -240,7 +247,7 @@ def test_cg_predictive_with_layerwise_and_diagonal_priors(name, prior):
     n = n_layers if prior == "layerwise" else n_params_of(name)
     precision = torch.linspace(0.3, 3.0, n, dtype=torch.float64)
     _, full, la = build(name, prior_precision=precision, tol=EXACT_TOL, predictive="cg")
-    X = test_inputs(case)
+    X = query_points(case)
     assert_relative(
         la._glm_predictive_distribution(X)[1],
         full._glm_predictive_distribution(X)[1],
@@ -250,7 +257,7 @@ def test_cg_predictive_with_layerwise_and_diagonal_priors(name, prior):
 
 def test_joint_regression_covariance_equals_full_laplace():
     case, full, la = build("mlp_regression_3out", tol=EXACT_TOL, predictive="samples")
-    X = test_inputs(case, 4)
+    X = query_points(case, 4)
     f_mu, f_cov = la._glm_predictive_distribution(X, joint=True)  # always by CG
     expected_mu, expected_cov = full._glm_predictive_distribution(X, joint=True)
     assert f_cov.shape == (12, 12)
@@ -262,7 +269,7 @@ def test_joint_regression_covariance_equals_full_laplace():
 def test_sampled_variances_are_within_monte_carlo_error():
     options = {"predictive": "samples", "variance_samples": VARIANCE_SAMPLES, "tol": SAMPLING_TOL}
     case, full, la = build("mlp_classification", batch_size=20, **options)
-    X = test_inputs(case)
+    X = query_points(case)
     _, f_var = la._glm_predictive_distribution(X)
     _, expected = full._glm_predictive_distribution(X)
     assert len(la.solve_report.relative_residuals) == VARIANCE_SAMPLES
@@ -284,7 +291,7 @@ def test_auto_predictive_takes_samples_only_for_more_rows_than_samples():
     name, S = "mlp_classification", 10  # 4 outputs: 2 points are 8 rows, 3 points 12
     options = {"variance_samples": S, "tol": EXACT_TOL}
     case, full, auto = build(name, predictive="auto", **options)
-    X = test_inputs(case, 3)
+    X = query_points(case, 3)
     _, few = auto._glm_predictive_distribution(X[:2])
     assert len(auto.solve_report.relative_residuals) == 8  # CG on the 8 rows
     assert_relative(few, full._glm_predictive_distribution(X[:2])[1], RTOL_PREDICTIVE)
@@ -307,7 +314,7 @@ def test_small_solver_blocks_give_the_same_results():
     X = la._posterior.solve(B)
     assert len(la.solve_report.relative_residuals) == 6 and la.solve_report.converged
     assert_relative(X, full.posterior_covariance @ B, RTOL_PREDICTIVE)
-    inputs = test_inputs(case)
+    inputs = query_points(case)
     assert_relative(
         la._glm_predictive_distribution(inputs)[1],
         full._glm_predictive_distribution(inputs)[1],
@@ -553,7 +560,7 @@ def test_hessian_backend_and_online_fit_are_refused():
 
 def test_non_convergence_warns_naming_the_residual_or_raises_when_strict():
     case, _, la = build("mlp_classification", max_iter=2, tol=1e-12, predictive="cg")
-    X = test_inputs(case, 2)
+    X = query_points(case, 2)
     with pytest.warns(RuntimeWarning, match="relative residual") as record:
         la._glm_predictive_distribution(X)
     assert "max_iter=2" in str(record[0].message)
@@ -610,7 +617,7 @@ def _distributed_case():
     """The case, solver settings and test inputs of the distributed comparison."""
     name = "mlp_classification"
     case = CASE_BUILDERS[name]()
-    return case, exact_options(n_params_of(name), prior_precision=PRIOR), test_inputs(case)
+    return case, exact_options(n_params_of(name), prior_precision=PRIOR), query_points(case)
 
 
 def _results(la, X: torch.Tensor) -> dict:
