@@ -175,8 +175,14 @@ def guard(active: bool, what: str = "fit", device: torch.device | None = None) -
         )
 
 
-def check_consistent(values: dict[str, Any], what: str = "fit") -> None:
+def check_consistent(
+    values: dict[str, Any],
+    what: str = "fit",
+    remedy: str = "build the approximation with the same arguments on every rank",
+) -> None:
     """Raise on every rank if ranks hold different ``values`` (name → number, string or tensor).
+
+    ``remedy`` ends the message: what the user should do.
 
     Raises:
         DistributedFitError: Naming the values that differ, on every rank.
@@ -197,7 +203,7 @@ def check_consistent(values: dict[str, Any], what: str = "fit") -> None:
         mine = {name: values[name] for name in differ}
         raise DistributedFitError(
             f"distributed {what}: the ranks hold different {differ} (rank {dist.get_rank()} "
-            f"has {mine}); build the approximation with the same arguments on every rank."
+            f"has {mine}); {remedy}."
         )
 
 

@@ -92,7 +92,15 @@ class CurvatureProducts(FitPass):
                 diagonal = distributed_utils.all_reduce_sum(diagonal)
             check_finite_result(diagonal, "curvature diagonal")
         rank = torch.distributed.get_rank() if self.distributed else 0
-        H = MatFreeCurvature(product.n_params, like, options, product, diagonal, reduce_rank=rank)
+        H = MatFreeCurvature(
+            product.n_params,
+            like,
+            options,
+            product,
+            diagonal,
+            distributed=self.distributed,
+            reduce_rank=rank,
+        )
         return H, loss
 
 
@@ -257,10 +265,12 @@ class MatFreeLaplace(ParametricLaplace):
 
     @solver_options.setter
     def solver_options(self, value: MatFreeOptions) -> None:
+        """Change the settings; what was computed under other ones is forgotten."""
         self._solver_options = value
         self._fit_pass_options = {"options": value}
-        if self.H is not None:
+        if self.H is not None and self.H.options != value:
             self.H.options = value
+            self.H.quadratures, self.H.sample_cache = [], None
             self._posterior_cache = None
 
     @property
@@ -314,7 +324,15 @@ class MatFreeLaplace(ParametricLaplace):
         route = self.solver_options.predictive
         if route == "auto":
             route = "samples" if n_rows > self.solver_options.variance_samples else "cg"
-        self.H.variance_route = "cg" if joint else route
+        route = "cg" if joint else route
+        if self.H.distributed:  # every process must take the same route (its solves are shared)
+            distributed_utils.check_consistent(
+                {"predictive route": route},
+                "prediction",
+                "predict the same number of points on every process, or pass "
+                "predictive='samples' (or 'cg') to MatFreeLaplace",
+            )
+        self.H.variance_route = route
         try:
             return super()._glm_predictive_distribution(X, joint, diagonal_output)
         finally:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from laplace.core import distributed as distributed_utils
 from laplace.curvature.block_product import BlockSum, ParameterBlock, SampleVectors
 from laplace.posteriors.base import Posterior
 from laplace.posteriors.jacobians import LayerTrace
@@ -159,6 +160,8 @@ class MatFreeCurvature:
         product: ``H V`` over the data (None: no data, e.g. after ``load_state_dict``).
         diagonal: ``diag(H)`` (P,), for the preconditioner (None: none kept).
         fitted: False for the zero curvature of an unfitted approximation (the prior).
+        distributed: Whether the products sum over the processes of a distributed fit (every
+            solve is then collective: all processes must solve the same systems).
         reduce_rank: This process's rank in a distributed fit (its sketches draw their own
             numbers), else 0.
 
@@ -177,11 +180,12 @@ class MatFreeCurvature:
         product: Any = None,
         diagonal: Tensor | None = None,
         fitted: bool = True,
+        distributed: bool = False,
         reduce_rank: int = 0,
     ) -> None:
         self.n_params, self.like, self.options = n_params, like, options
         self.product, self.diagonal, self.fitted = product, diagonal, fitted
-        self.reduce_rank = reduce_rank
+        self.distributed, self.reduce_rank = distributed, reduce_rank
         self.products, self.passes = 0, 0
         self.last_solve: SolveReport | None = None
         self.last_log_det: LogDetReport | None = None
@@ -284,7 +288,7 @@ class MatFreePosterior(Posterior):
         empty = H.like.new_empty(0)
         scalar = [q for key, q in H.quadratures if key is None]
         return {
-            "fitted": H.fitted,
+            "fitted": torch.tensor(float(H.fitted), dtype=H.like.dtype, device=H.like.device),
             "diagonal": empty if H.diagonal is None else H.diagonal.detach(),
             "nodes": scalar[0].nodes if scalar else empty,
             "weights": scalar[0].weights if scalar else empty,
@@ -316,7 +320,7 @@ class MatFreePosterior(Posterior):
             like,
             options or zeros.options,
             diagonal=diagonal if diagonal.numel() else None,
-            fitted=bool(state["fitted"]),
+            fitted=bool(state["fitted"] != 0),
         )
         nodes, weights = state["nodes"], state["weights"]
         if nodes.numel():
@@ -373,6 +377,14 @@ class MatFreePosterior(Posterior):
         """
         options = self.options
         h, prior = self.h_factor.detach(), self.prior_diag.detach()
+        if self.H.distributed:
+            distributed_utils.check_consistent(
+                {"right-hand sides": B},
+                "matrix-free solve",
+                "after a distributed fit every product sums over all processes, so every "
+                "process must solve the same systems: predict the same inputs on every process "
+                "(or use predictive='samples', whose solves do not depend on the inputs)",
+            )
 
         def matmat(V: Tensor) -> Tensor:
             return h * self.H.matmat(V) + prior[:, None] * V

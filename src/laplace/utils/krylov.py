@@ -169,8 +169,10 @@ class LanczosQuadrature:
     products: int
 
     def estimates(self, f: Callable[[Tensor], Tensor]) -> Tensor:
-        """``zᵢᵀ f(A) zᵢ`` per probe, shape (n_probes,)."""
-        return (self.weights * f(self.nodes)).sum(1)
+        """``zᵢᵀ f(A) zᵢ`` per probe, shape (n_probes,) (unused nodes do not enter ``f``)."""
+        used = self.weights > 0
+        values = f(torch.where(used, self.nodes, torch.ones_like(self.nodes)))
+        return torch.where(used, self.weights * values, 0).sum(1)
 
 
 def lanczos_quadrature(
