@@ -21,7 +21,9 @@ search. The ``binary-*`` cases time
 ``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions;
 ``large-vocab-ll-kron`` is the 32,000-class head of ``benchmarks/large_vocab.py``; the
 ``fit-*-bert*`` and ``fit-*-lstm`` cases (``benchmarks/bert.py``) all-weights fits of a 4-layer
-BERT (trainable position embeddings, float32 and bfloat16) and of a 2-layer LSTM classifier.
+BERT (trainable position embeddings, float32 and bfloat16) and of a 2-layer LSTM classifier;
+the ``matfree-*`` cases (``benchmarks/matfree.py``) the matrix-free posterior of a
+million-weight MLP, beside ``FullLaplace`` on a small one, and its preconditioners.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from harness import (
 )
 from large_vocab import LARGE_VOCAB_CASES
 from large_vocab_all import LARGE_VOCAB_ALL_CASES
+from matfree import MATFREE_CASES
 from positions import POSITION_CASES
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -383,6 +386,7 @@ CASES = {
     **LARGE_VOCAB_CASES,
     **LARGE_VOCAB_ALL_CASES,
     **BERT_CASES,
+    **MATFREE_CASES,
 }
 
 
@@ -397,6 +401,7 @@ GPU_CASES = [
     and name not in POSITION_CASES
     and name not in LARGE_VOCAB_CASES
     and name not in LARGE_VOCAB_ALL_CASES
+    and name not in MATFREE_CASES
     and name != "lowrank-accuracy-mlp"
 ]
 

@@ -37,7 +37,13 @@ from laplace.core import distributed as distributed_utils
 from laplace.curvature.block_product import BlockSum, ParameterBlock, SampleVectors
 from laplace.posteriors.base import Posterior
 from laplace.posteriors.jacobians import LayerTrace
-from laplace.utils.errors import NotFittedError, check_bool, check_positive_int
+from laplace.utils.errors import (
+    NotFittedError,
+    UnsupportedError,
+    check_bool,
+    check_int_at_least,
+    check_positive_int,
+)
 from laplace.utils.krylov import (
     LanczosQuadrature,
     SolveReport,
@@ -102,7 +108,7 @@ class MatFreeOptions:
             raise ValueError(f"tol must be a number in (0, 1), got {tol!r}.")
         for name in ("max_iter", "n_probes", "lanczos_steps", "variance_samples", "block_bytes"):
             check_positive_int(getattr(self, name), name)
-        check_positive_int(self.seed + 1, "seed + 1")
+        check_int_at_least(self.seed, "seed", 0)
         check_bool(self.strict, "strict")
         if self.preconditioner not in ("diag", None):
             raise ValueError(
@@ -113,7 +119,7 @@ class MatFreeOptions:
                 f"predictive must be 'auto', 'cg' or 'samples', got {self.predictive!r}."
             )
         if self.cache_bytes is not None:
-            check_positive_int(self.cache_bytes + 1, "cache_bytes + 1")
+            check_int_at_least(self.cache_bytes, "cache_bytes", 0)
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as plain values (for a state)."""
@@ -259,6 +265,7 @@ class MatFreePosterior(Posterior):
     ``H`` is a ``MatFreeCurvature``. See the module docstring for the solvers.
     """
 
+    #: The form of the curvature the preconditioner keeps (its diagonal).
     backend_route = "diag"
     update_refusal = (
         "a matrix-free posterior keeps no curvature of earlier data, only the data its products "
@@ -342,6 +349,18 @@ class MatFreePosterior(Posterior):
     def precision(self) -> PrecisionOperator:
         """``P`` as a linear operator."""
         return PrecisionOperator(self)
+
+    @property
+    def scale(self) -> Tensor:
+        """Refused: a square root of ``P⁻¹`` would be a P × P matrix.
+
+        Raises:
+            UnsupportedError: (a ``NotImplementedError`` and an ``AttributeError``).
+        """
+        raise UnsupportedError(
+            "MatFreeLaplace forms no P × P matrix, so it has no posterior_scale; draw "
+            "samples with sample(n_samples) (sample-then-optimise) instead."
+        )
 
     def matmat(self, V: Tensor) -> Tensor:
         """``P V = h·H V + p₀ ⊙ V`` for ``V`` (P, m)."""
