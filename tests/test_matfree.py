@@ -32,14 +32,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data import DataLoader, SequentialSampler, Subset, TensorDataset
 
 from conftest import CASE_BUILDERS, Oracle, assert_close, assert_marglik_matches
 from laplace import FullLaplace, KronLaplace, Laplace, MatFreeLaplace
 from laplace.core.distributed import DistributedFitError, all_gather
-from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian
+from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian, products
 from laplace.posteriors.jacobians import LayerTrace
 from laplace.posteriors.matfree import ConvergenceError, MatFreePosterior, NoProductDataError
+from laplace.utils.data import in_fixed_order
 
 #: Conjugate-gradient tolerance of the comparisons with the dense posterior.
 EXACT_TOL = 1e-10
@@ -175,6 +176,34 @@ def test_products_with_the_identity_are_the_exact_curvature(name, family):
     assert la.posterior_precision.shape == (P, P)
     assert_close(la.posterior_precision @ V, full.posterior_precision @ V, RTOL_CURVATURE)
     assert_close(la.posterior_precision @ V[:, 0], full.posterior_precision @ V[:, 0])
+
+
+def test_a_shuffling_loader_is_read_in_order_for_products(monkeypatch):
+    """Products keep some batches between passes: a loader that shuffles on every pass must not
+    give later passes other points in the places of the kept ones (matrix-free and low-rank)."""
+    case = CASE_BUILDERS["mlp_classification"]()
+    shuffled = DataLoader(TensorDataset(case.X, case.y), batch_size=5, shuffle=True)
+    assert isinstance(in_fixed_order(shuffled).sampler, SequentialSampler)
+    assert in_fixed_order(case.loader(5)) is not None
+    full = FullLaplace(case.model, case.likelihood)
+    full.fit(shuffled)
+    eye = torch.eye(full.n_params, dtype=torch.float64)
+    probe = MatFreeLaplace(case.model, case.likelihood)
+    probe.fit(shuffled)
+    probe.H.matmat(eye[:, :1])
+    some_batches = 2 * probe.H.product._kept[0].nbytes  # keeps two of the four batches
+    la = MatFreeLaplace(case.model, case.likelihood, cache_bytes=some_batches)
+    la.fit(shuffled)
+    for _ in range(2):  # the first pass keeps batches, the second reuses them
+        assert_close(la.H.matmat(eye), full.H, RTOL_CURVATURE, ATOL_CURVATURE)
+    kept = la.H.product._kept
+    assert 0 < len(kept) < len(shuffled)  # some batches kept, not all
+    monkeypatch.setattr(products, "PASS_CACHE_BYTES", some_batches)
+    exact = {"n_eigenvalues": 3, "solver": "lanczos"}
+    lowrank = Laplace(case.model, case.likelihood, "all", "lowrank", backend_kwargs=exact)
+    lowrank.fit(shuffled)
+    top = torch.linalg.eigvalsh(full.H).flip(0)[:3]
+    assert_close(lowrank.H[1], top, rtol=1e-8, atol=1e-10)
 
 
 def test_monte_carlo_fisher_is_one_symmetric_psd_matrix():

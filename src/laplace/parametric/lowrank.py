@@ -28,7 +28,7 @@ from laplace.parametric.base import ParametricLaplace
 from laplace.parametric.fit import FitPass
 from laplace.posteriors.diagonal import DiagonalPosterior
 from laplace.posteriors.lowrank import DiagLowRankPosterior, LowRankPosterior
-from laplace.utils.data import Inputs
+from laplace.utils.data import Inputs, in_fixed_order
 from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 from laplace.utils.errors import (
     check_finite_result,
@@ -199,7 +199,7 @@ class TopEigenpairs(FitPass):
         local_n = distributed_utils.data_count(loader) if self.distributed else self.pieces.n_data
         product = curvature_product(
             backend,
-            self.passes(loader, lambda X, y: (X, loss_targets(y, dtype))),
+            self.passes(in_fixed_order(loader), lambda X, y: (X, loss_targets(y, dtype))),
             local_n,
             native=self.native,
             reduce=distributed_utils.all_reduce_sum if self.distributed else None,

@@ -29,7 +29,7 @@ from laplace.posteriors.matfree import (
     MatFreePosterior,
     PrecisionOperator,
 )
-from laplace.utils.data import Inputs, batch_size_of
+from laplace.utils.data import Inputs, batch_size_of, in_fixed_order
 from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 from laplace.utils.errors import check_finite_result
 from laplace.utils.krylov import SolveReport
@@ -78,7 +78,7 @@ class CurvatureProducts(FitPass):
         loss_targets = pieces.likelihood.loss_targets
         product = NativeProduct(
             pieces.backend,
-            self.passes(loader, lambda X, y: (X, loss_targets(y, dtype))),
+            self.passes(in_fixed_order(loader), lambda X, y: (X, loss_targets(y, dtype))),
             reduce=distributed_utils.all_reduce_sum if self.distributed else None,
             seed=options.seed,
             cache_bytes=options.cache_bytes,

@@ -286,7 +286,7 @@ class MatFreePosterior(Posterior):
 
     @staticmethod
     def is_finite(H: MatFreeCurvature) -> bool:
-        """Whether the kept diagonal is finite (the products are checked as they are made)."""
+        """Whether the kept diagonal is finite (what products give is checked where it is used)."""
         return H.diagonal is None or bool(torch.isfinite(H.diagonal).all())
 
     @staticmethod

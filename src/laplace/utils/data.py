@@ -354,3 +354,18 @@ def subset_loader(loader: DataLoader, indices: Tensor) -> DataLoader:
         collate_fn=loader.collate_fn,
         shuffle=False,
     )
+
+
+def in_fixed_order(loader: DataLoader) -> DataLoader:
+    """``loader``, or a loader over the same points in order where it shuffles on every pass.
+
+    Iterative solvers multiply with the curvature over many passes and keep some batches
+    between them, so every pass must yield the same batches; a ``RandomSampler`` (``shuffle``)
+    or ``SubsetRandomSampler`` draws a new order each time and is read in order instead.
+    """
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(loader, "sampler", None) if batch_sampler is None else None
+    sampler = getattr(batch_sampler, "sampler", sampler)
+    if isinstance(sampler, (RandomSampler, SubsetRandomSampler)):
+        return subset_loader(loader, training_indices(loader))
+    return loader
