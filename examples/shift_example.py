@@ -82,8 +82,9 @@ vs OOD, per predictive), ``adversarial.png`` (accuracy, confidence and ECE again
 ``reliability.png`` (five predictives on the clean and the rotated images) under
 ``outputs/shift_example/`` (or ``--output DIR``), prints the table and the folder. About 140 s on
 one CPU core (125 s after the imports, about 80 s of them matfree's; measured on a 2-core machine
-shared with other jobs, where the script without matfree took 57 s); ``--quick`` (8 epochs, k = 10,
-20 samples, ε ∈ {0, 0.1}, matfree with 16 samples to a residual of 10⁻¹) about 80 s."""
+shared with other jobs, where the script without matfree took 57 s, and 183 s in a run while the
+machine was busier); ``--quick`` (8 epochs, k = 10, 20 samples, ε ∈ {0, 0.1}, matfree with 16
+samples to a residual of 10⁻¹) about 80 s."""
 
 from __future__ import annotations
 
