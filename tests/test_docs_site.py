@@ -41,6 +41,7 @@ CLASS_PAGES = {
     "laplace.baselaplace.KronLaplace": "api/baselaplace/index.html",
     "laplace.baselaplace.DiagLaplace": "api/baselaplace/index.html",
     "laplace.baselaplace.LowRankLaplace": "api/baselaplace/index.html",
+    "laplace.baselaplace.MatFreeLaplace": "api/baselaplace/index.html",
     "laplace.lllaplace.KronLLLaplace": "api/lllaplace/index.html",
     "laplace.subnetlaplace.FullSubnetLaplace": "api/subnetlaplace/index.html",
 }

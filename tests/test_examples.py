@@ -94,6 +94,7 @@ def test_shift_example_quick_writes_metrics_sweep_and_figures(tmp_path):
         "LA all-weights KFAC",
         "LA all-weights EKFAC",
         "LA all-weights INF",
+        "LA all-weights matfree",
         "LA last-layer KFAC",
         "LA all-weights KFAC (val. NLL)",
     ]
