@@ -25,7 +25,7 @@ solver settings. Every quantity of the posterior is a Krylov computation
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Any
@@ -394,6 +394,12 @@ class MatFreePosterior(Posterior):
         Raises:
             ConvergenceError: With ``strict=True``, if a column does not reach ``tol``.
         """
+        X, report = self._solve(B)
+        self._settle(report)
+        return X
+
+    def _solve(self, B: Tensor) -> tuple[Tensor, SolveReport]:
+        """``P⁻¹ B`` and its report, a block of columns at a time (nothing is reported yet)."""
         options = self.options
         h, prior = self.h_factor.detach(), self.prior_diag.detach()
         if self.H.distributed:
@@ -417,13 +423,15 @@ class MatFreePosterior(Posterior):
             )
             solutions.append(X)
             reports.append(report)
-        report = SolveReport(
-            relative_residuals=torch.cat([r.relative_residuals for r in reports]),
-            iterations=max(r.iterations for r in reports),
-            products=sum(r.products for r in reports),
-            tol=options.tol,
-            converged=all(r.converged for r in reports),
-        )
+        return torch.cat(solutions, dim=1), SolveReport.merged(reports)
+
+    def _settle(self, report: SolveReport) -> None:
+        """Keep ``report`` as ``H.last_solve``; warn, or raise if strict, if it did not converge.
+
+        Raises:
+            ConvergenceError: With ``strict=True``, if a column did not reach ``tol``.
+        """
+        options = self.options
         self.H.last_solve = report
         if not report.converged:
             message = (
@@ -433,8 +441,7 @@ class MatFreePosterior(Posterior):
             )
             if options.strict:
                 raise ConvergenceError(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-        return torch.cat(solutions, dim=1)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     # --------------------------------------------------------------------- log-determinant
     @property
@@ -491,7 +498,7 @@ class MatFreePosterior(Posterior):
         options = self.options
         like = self.prior_diag.detach()
         generator = torch.Generator(device=like.device).manual_seed(options.seed)
-        probes = rademacher_probes(self.n_params, options.n_probes, generator, like)
+        n_probes = min(options.n_probes, self.n_params)  # P orthogonal ones span the space
         steps = min(options.lanczos_steps, self.n_params)
         scale = None if prior is None else prior.rsqrt()[:, None]
 
@@ -501,12 +508,17 @@ class MatFreePosterior(Posterior):
             return scale * self.H.matmat(scale * V)
 
         per_probe_bytes = (steps + 3) * self.n_params * like.element_size()
-        reorthogonalize = per_probe_bytes * probes.shape[1] <= options.block_bytes
-        n_probes = probes.shape[1]
-        step = n_probes if reorthogonalize else self._block_columns(4)
+        reorthogonalize = per_probe_bytes * n_probes <= options.block_bytes
+        if n_probes == self.n_params:  # drawn together: their orthogonality makes them exact
+            probe_blocks = [rademacher_probes(self.n_params, n_probes, generator, like)]
+        else:  # drawn a block at a time, in memory of the block's vectors
+            step = n_probes if reorthogonalize else self._block_columns(4)
+            probe_blocks = (
+                rademacher_probes(self.n_params, min(step, n_probes - i), generator, like)
+                for i in range(0, n_probes, step)
+            )
         parts = [
-            lanczos_quadrature(matmat, probes[:, i : i + step], steps, reorthogonalize)
-            for i in range(0, n_probes, step)
+            lanczos_quadrature(matmat, probes, steps, reorthogonalize) for probes in probe_blocks
         ]
         quadrature = LanczosQuadrature(
             nodes=torch.cat([q.nodes for q in parts]),
@@ -524,7 +536,7 @@ class MatFreePosterior(Posterior):
         return delta @ self.matmat(delta[:, None])[:, 0]
 
     def draw_precision_samples(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
-        """``b = √h·Gᵀ ω + √p₀ ⊙ ε`` (P, n_samples), of covariance ``P``: one pass per block.
+        """``b = √h·Gᵀ ω + √p₀ ⊙ ε`` (P, n_samples), of covariance ``P``: one pass.
 
         The sketch of each process draws its own ``ω`` (seeded from ``generator`` and the
         rank); ``ε`` is the same on every process.
@@ -534,31 +546,61 @@ class MatFreePosterior(Posterior):
         sketch_generator = torch.Generator(device=like.device).manual_seed(
             seed + 7919 * self.H.reduce_rank
         )
-        h = self.h_factor.detach()
-        step = self._block_columns(_CG_VECTORS)
-        blocks = []
+        epsilon = torch.randn(
+            self.n_params, n_samples, generator=generator, device=like.device, dtype=like.dtype
+        )
+        sketch = self.H.sketch(n_samples, sketch_generator)
+        return self.h_factor.detach().sqrt() * sketch + like.sqrt()[:, None] * epsilon
+
+    def sample_blocks(
+        self, n_samples: int, generator: torch.Generator | None
+    ) -> Iterator[tuple[Tensor, SolveReport]]:
+        """Draws of ``θ − θ_MAP ~ N(0, P⁻¹)`` by sample-then-optimise, (P, m) at a time.
+
+        Each block is drawn and solved in the memory of one solver block, with its report.
+        """
+        step = self._block_columns(_CG_VECTORS + 1)
         for start in range(0, n_samples, step):
-            m = min(step, n_samples - start)
-            epsilon = torch.randn(
-                self.n_params, m, generator=generator, device=like.device, dtype=like.dtype
-            )
-            blocks.append(
-                h.sqrt() * self.H.sketch(m, sketch_generator) + like.sqrt()[:, None] * epsilon
-            )
-        return torch.cat(blocks, dim=1)
+            b = self.draw_precision_samples(min(step, n_samples - start), generator)
+            yield self._solve(b)
 
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
         """Draws of ``θ − θ_MAP ~ N(0, P⁻¹)`` (n_samples, P) by sample-then-optimise."""
-        b = self.draw_precision_samples(n_samples, generator)
-        return self.solve(b).T
+        blocks, reports = zip(*self.sample_blocks(n_samples, generator), strict=True)
+        self._settle(SolveReport.merged(list(reports)))
+        return torch.cat(blocks, dim=1).T
+
+    def sampled_outputs(self, project: Callable[[Tensor], Tensor]) -> Tensor:
+        """``project(x)`` for the ``variance_samples`` posterior deviations x, stacked on dim -1.
+
+        The deviations are seeded (the same on every call) and solved a block at a time, each
+        block projected (e.g. ``J x``, (B·C, m)) before the next is drawn; they are kept on the
+        curvature for these hyperparameters while all of them fit in ``block_bytes``.
+        """
+        h, prior = self.h_factor.detach(), self.prior_diag.detach()
+        cache = self.H.sample_cache
+        if cache is not None and torch.equal(cache[1], h) and torch.equal(cache[2], prior):
+            return project(cache[0])
+        n_samples = self.options.variance_samples
+        keep = n_samples * self.n_params * prior.element_size() <= self.options.block_bytes
+        generator = torch.Generator(device=prior.device).manual_seed(self.options.seed)
+        outputs, kept, reports = [], [], []
+        for X, report in self.sample_blocks(n_samples, generator):
+            outputs.append(project(X))
+            reports.append(report)
+            if keep:
+                kept.append(X)
+        self._settle(SolveReport.merged(reports))
+        if keep:
+            self.H.sample_cache = (torch.cat(kept, dim=1), h.clone(), prior.clone())
+        return torch.cat(outputs, dim=-1)
 
     def rows_variance(self, Js: Tensor) -> Tensor:
         """``J P⁻¹ Jᵀ`` per point from dense rows ``Js`` (B, C, P), shape (B, C, C)."""
         B, C, _ = Js.shape
         rows = Js.reshape(B * C, -1)
         if self._use_samples(B * C):
-            f = rows @ self._posterior_samples()  # (B·C, S)
-            f = f.reshape(B, C, -1)
+            f = self.sampled_outputs(lambda X: rows @ X.to(rows.dtype)).reshape(B, C, -1)
             return f @ f.transpose(1, 2) / f.shape[-1]
         X = self.solve(rows.T.to(self.prior_diag.dtype))
         covariance = (rows @ X).reshape(B, C, B, C)
@@ -572,21 +614,6 @@ class MatFreePosterior(Posterior):
         """Whether ``J P⁻¹ Jᵀ`` of ``n_rows`` output rows comes from posterior samples."""
         route = self.H.variance_route or self.options.predictive
         return route == "samples" or (route == "auto" and n_rows > self.options.variance_samples)
-
-    def _posterior_samples(self) -> Tensor:
-        """``variance_samples`` posterior deviations (P, S) for the predictive, seeded.
-
-        Kept on the curvature for these hyperparameters while they fit in ``block_bytes``.
-        """
-        h, prior = self.h_factor.detach(), self.prior_diag.detach()
-        cache = self.H.sample_cache
-        if cache is not None and torch.equal(cache[1], h) and torch.equal(cache[2], prior):
-            return cache[0]
-        generator = torch.Generator(device=prior.device).manual_seed(self.options.seed)
-        samples = self.sample_deviations(self.options.variance_samples, generator).T
-        if samples.numel() * samples.element_size() <= self.options.block_bytes:
-            self.H.sample_cache = (samples, h.clone(), prior.clone())
-        return samples
 
 
 def matfree_trace_variance(posterior: MatFreePosterior, J: LayerTrace) -> Tensor:
@@ -605,16 +632,15 @@ def matfree_trace_variance(posterior: MatFreePosterior, J: LayerTrace) -> Tensor
     engine = trace.engine
     dtype = posterior.prior_diag.dtype
     if posterior._use_samples(B * C):
-        X = posterior._posterior_samples()
-    else:
-        W = torch.eye(B * C, dtype=dtype, device=f.device).reshape(B, C, B * C).transpose(0, 1)
-        total = BlockSum(engine, B * C, W)
-        vectors.backproject(W, total)
-        X = posterior.solve(total.result())
-    projected = vectors.project(ParameterBlock(engine, X.to(dtype)))  # (C, B, m)
-    if posterior._use_samples(B * C):
-        f_samples = projected.permute(1, 0, 2)  # (B, C, S)
+        f_samples = posterior.sampled_outputs(  # (C, B, S)
+            lambda X: vectors.project(ParameterBlock(engine, X.to(dtype)))
+        ).permute(1, 0, 2)
         return f_samples @ f_samples.transpose(1, 2) / f_samples.shape[-1]
+    W = torch.eye(B * C, dtype=dtype, device=f.device).reshape(B, C, B * C).transpose(0, 1)
+    total = BlockSum(engine, B * C, W)
+    vectors.backproject(W, total)
+    X = posterior.solve(total.result())
+    projected = vectors.project(ParameterBlock(engine, X.to(dtype)))  # (C, B, B·C)
     covariance = projected.reshape(C, B, B, C)  # [k, n, n', l]
     return covariance.diagonal(dim1=1, dim2=2).permute(2, 0, 1)
 

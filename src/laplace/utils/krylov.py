@@ -54,6 +54,17 @@ class SolveReport:
     tol: float
     converged: bool
 
+    @classmethod
+    def merged(cls, reports: list[SolveReport]) -> SolveReport:
+        """One report of solves made a block of columns at a time (``reports``, not empty)."""
+        return cls(
+            relative_residuals=torch.cat([r.relative_residuals for r in reports]),
+            iterations=max(r.iterations for r in reports),
+            products=sum(r.products for r in reports),
+            tol=reports[0].tol,
+            converged=all(r.converged for r in reports),
+        )
+
     def __str__(self) -> str:
         worst = float(self.relative_residuals.max()) if self.relative_residuals.numel() else 0.0
         return (
@@ -147,7 +158,9 @@ def rademacher_probes(
         )
         Q, R = torch.linalg.qr(gaussian)
         return Q * R.diagonal().sign() * n_params**0.5
-    signs = torch.randint(0, 2, (n_params, n_probes), generator=generator, device=like.device)
+    signs = torch.randint(
+        0, 2, (n_params, n_probes), generator=generator, device=like.device, dtype=torch.int8
+    )
     return signs.to(like.dtype) * 2 - 1
 
 
