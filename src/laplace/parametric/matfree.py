@@ -2,8 +2,9 @@ r"""Matrix-free Laplace over all weights: the exact curvature's posterior by Kry
 
 ``P = H/(σ²T) + diag(p₀)`` with ``H`` the curvature summed over the training data (the GGN by
 default; the empirical or Monte-Carlo Fisher with their backends), never stored: ``fit`` sums
-the loss, keeps the data for products and the curvature's diagonal for the preconditioner, and
-every later quantity is computed from products ``H V`` (``laplace.posteriors.matfree``).
+the loss, keeps the data for products (and the curvature's diagonal for a diagonal
+preconditioner), and every later quantity is computed from products ``H V``
+(``laplace.posteriors.matfree``).
 Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace].
 """
 
@@ -43,8 +44,8 @@ class CurvatureProducts(FitPass):
 
     One pass sums the loss (checking each batch's outputs and targets); the data are then kept
     for products ``H V`` of the native per-layer engine (``NativeProduct``: the batches it
-    records are kept between passes within ``cache_bytes``), and the curvature's diagonal for
-    the preconditioner is computed from them (``NativeProduct.diagonal``).
+    records are kept between passes within ``cache_bytes``); with ``preconditioner="diag"`` the
+    curvature's diagonal is computed from them (``NativeProduct.diagonal``).
 
     Args:
         *args: See ``DataLoop``.
@@ -142,17 +143,15 @@ class MatFreeLaplace(ParametricLaplace):
     ``P = h·H + diag(p₀)`` (``h = 1/(σ²T)``) with ``H`` the GGN (or empirical / Monte-Carlo
     Fisher) summed over the training data, as ``FullLaplace`` has it, but no P × P matrix is
     formed: products ``H V`` cost one pass over the training data (the native per-layer engine
-    keeps the batches it records between passes within ``cache_bytes``, so the loader must
-    yield the same batches on every iteration; curvlinops'
-    ``GGNLinearOperator`` makes a forward, a JVP and a VJP per vector and batch and was slower
-    on every benchmark network, docs/performance.md), and
+    keeps the batches it records between passes within ``cache_bytes``, and reads a shuffling
+    loader in order; curvlinops' ``GGNLinearOperator`` makes a forward, a JVP and a VJP per
+    vector and batch and was slower on the benchmark network, docs/performance.md), and
 
-    - the GLM predictive solves ``P X = Jᵀ`` by conjugate gradients preconditioned by the
-      diagonal posterior, to the relative residual ``tol`` (``predictive="cg"``), or estimates
-      ``J P⁻¹ Jᵀ`` from ``variance_samples`` posterior samples (``"samples"``; its relative
-      Monte-Carlo error is about ``√(2/S)``), whose cost does not grow with the test points;
-      ``"auto"`` (default) takes samples when a call has more output rows (points × outputs)
-      than ``variance_samples``;
+    - the GLM predictive solves ``P X = Jᵀ`` by conjugate gradients to the relative residual
+      ``tol`` (``predictive="cg"``), or estimates ``J P⁻¹ Jᵀ`` from ``variance_samples``
+      posterior samples (``"samples"``; its relative Monte-Carlo error is about ``√(2/S)``),
+      whose cost does not grow with the test points; ``"auto"`` (default) takes samples when
+      a call has more output rows (points × outputs) than ``variance_samples``;
     - ``sample`` / ``pred_type="nn"`` draw by sample-then-optimise (exact up to ``tol``);
     - ``log_marginal_likelihood`` estimates ``log det P`` by stochastic Lanczos quadrature with
       ``n_probes`` probes of ``lanczos_steps`` steps, run once per fit for a scalar prior and
@@ -170,8 +169,9 @@ class MatFreeLaplace(ParametricLaplace):
         max_iter: Most conjugate-gradient iterations per solve.
         strict: Raise ``ConvergenceError`` when a solve does not reach ``tol``; else warn with
             the residual reached.
-        preconditioner: ``"diag"`` (the diagonal posterior, from the curvature's exact
-            diagonal) or None.
+        preconditioner: None (default: measured fastest, see
+            ``laplace.posteriors.matfree``) or ``"diag"`` (the diagonal posterior, from the
+            curvature's exact diagonal computed at ``fit``).
         n_probes: Probes of the log-determinant's stochastic Lanczos quadrature.
         lanczos_steps: Lanczos steps per probe.
         predictive: ``"auto"``, ``"cg"`` or ``"samples"`` (see above).
@@ -225,7 +225,7 @@ class MatFreeLaplace(ParametricLaplace):
         tol: float = 1e-4,
         max_iter: int = 1000,
         strict: bool = False,
-        preconditioner: str | None = "diag",
+        preconditioner: str | None = None,
         n_probes: int = 10,
         lanczos_steps: int = 30,
         predictive: str = "auto",
