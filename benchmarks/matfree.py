@@ -243,6 +243,11 @@ def case_matfree_vs_full(_: str, __: str, repeats: int) -> dict:
     }
 
 
+def _kron_solve(precision, R: torch.Tensor) -> torch.Tensor:
+    """``M⁻¹ R`` for the KFAC posterior precision ``M`` and a block ``R`` (P, m)."""
+    return precision.bmm(R.T.contiguous(), exponent=-1).T
+
+
 def case_preconditioners(_: str, __: str, repeats: int) -> dict:
     from laplace import Laplace
     from laplace.utils.krylov import conjugate_gradients
@@ -267,7 +272,7 @@ def case_preconditioners(_: str, __: str, repeats: int) -> dict:
         for label, precondition in [
             ("none", None),
             ("diag", posterior.precondition),
-            ("kron", lambda R: kron_precision.bmm(R.T.contiguous(), exponent=-1).T),
+            ("kron", partial(_kron_solve, kron_precision)),
         ]:
             start = time.perf_counter()
             _, report = conjugate_gradients(posterior.matmat, b, TOL, 2000, precondition)
