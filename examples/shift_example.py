@@ -40,32 +40,33 @@ for every image, so all sets see the same posterior. Conjugate gradients for eac
 Jacobian rows (``"cg"``) would solve 40,000 right-hand sides for the 4,000 images the script
 scores; at the default ``tol`` they had not finished the first 1,000 (clean and OOD) within 14
 minutes. The price of samples is Monte-Carlo noise of about √(2/64) ≈ 18% in each variance. The
-samples are solved to a relative residual of 3·10⁻² rather than the default 10⁻⁴ (129 instead of
-453 iterations): against the dense GGN posterior's logit variances of the first 200 test images
-(``FullLaplace`` at the same prior, measured apart from this script), the mean relative error was
-−3% at 3·10⁻² and +0.3% at 10⁻², both with a root mean square of 15%, the sampling noise.
+samples are solved to a relative residual of 3·10⁻² rather than the default 10⁻⁴ (54 iterations):
+against the dense GGN posterior's logit variances of the first 200 test images (``FullLaplace``
+at the same prior, measured apart from this script), the mean relative error was −3% at 3·10⁻²
+and +0.3% at 10⁻², both with a root mean square of 15%, the sampling noise.
 
 What it shows (seed 0; the table: ``docs/tutorials/shift.md``). The MAP network is well calibrated
 on clean digits (accuracy 0.986, confidence 0.979, ECE 1.4%, NLL 0.045) and badly over-confident on
 everything that moves: rotated digits (accuracy 0.30 at confidence 0.81, ECE 52%, NLL 4.37), and
 FGSM at ε = 0.2 (accuracy 0.06 at confidence 0.85, ECE 79%). Every marginal-likelihood Laplace
 predictive keeps the MAP's accuracy (matfree 0.984) and fixes the shifted side: rotated ECE
-6.5-9.6% and NLL about 2.0, FGSM ε = 0.2 ECE 18-35%, OOD AUROC 0.977-0.992 against the MAP's 0.962
-(FPR95 2.8-9% against 16.6%). The price is on clean digits: with 1,000 training images the network
+6.5-9.6% and NLL about 2.0, FGSM ε = 0.2 ECE 18-35%, OOD AUROC 0.977-0.991 against the MAP's 0.962
+(FPR95 3.4-9% against 16.6%). The price is on clean digits: with 1,000 training images the network
 fits to a training loss of 0.007, the curvature is small, the marginal likelihood picks a weak
 prior (precision 1.2-6) and the clean predictions become strongly under-confident (confidence
-0.33-0.61 at accuracy 0.984-0.986, ECE 37-65%, NLL 0.52-1.13), and stay under-confident at small ε.
+0.32-0.61 at accuracy 0.984-0.986, ECE 37-66%, NLL 0.52-1.15), and stay under-confident at small ε.
 Last-layer KFAC is the mildest (clean ECE 37%, rotated 6.5%) and the cheapest (0.2 s). EKFAC ≈ KFAC
 here: the re-fitted eigenvalues change the marginal-likelihood prior from 2.40 to 2.41 and no
 metric by more than 0.01 (fit 0.9 s vs 0.5 s). The exact GGN (matfree) gives the broadest
 posterior: its marginal likelihood picks the weakest prior (1.19), and it is the best OOD detector
-of the probit predictives (AUROC 0.992, FPR95 2.8%), the least over-confident at ε = 0.2
-(confidence 0.24, ECE 18%) and the worst on clean data (confidence 0.33, ECE 65%, NLL 1.13); INF
+of the probit predictives with INF (AUROC 0.991, FPR95 3.4%), the least over-confident at
+ε = 0.2 (confidence 0.24, ECE 18%) and the worst on clean data (confidence 0.32, ECE 66%, NLL
+1.15); INF
 (k = 50, prior 1.85) comes closest to it. A dense ``FullLaplace`` of the same weights (measured
 apart from this script) picks 1.17 and gives clean NLL 1.16 and ECE 67%, rotated ECE 9.6%, AUROC
 0.992 and ε = 0.2 ECE 17%: the matrix-free numbers are the exact GGN posterior's up to the sampled
-variances. The exact curvature costs 18 s to fit and tune and 60 s for its first predictions (the
-clean, OOD and rotated sets, 1,500 images; almost all of it the 64 samples' 129 iterations, 7,102
+variances. The exact curvature costs 20 s to fit and tune and the 64 samples' 54 iterations for
+its predictions (the clean, OOD and rotated sets, 1,500 images; 3,397
 curvature-vector products in all), where the other all-weights structures take 0.5-2.5 s to fit and
 tune and 1-2.5 s to predict. The prior chosen by grid search on the validation NLL is the grid's
 largest (10⁴): the validation NLL prefers the MAP, whose numbers that predictive repeats,
@@ -80,11 +81,10 @@ last-layer KFAC from 0.61 to 0.85 (ECE 37% to 15%), with the best OOD detection 
 Writes ``metrics.json`` (with matfree's solver report), ``entropy.png`` (entropy histograms, clean
 vs OOD, per predictive), ``adversarial.png`` (accuracy, confidence and ECE against ε) and
 ``reliability.png`` (five predictives on the clean and the rotated images) under
-``outputs/shift_example/`` (or ``--output DIR``), prints the table and the folder. About 140 s on
-one CPU core (125 s after the imports, about 80 s of them matfree's; measured on a 2-core machine
-shared with other jobs, where the script without matfree took 57 s, and 183 s in a run while the
-machine was busier); ``--quick`` (8 epochs, k = 10, 20 samples, ε ∈ {0, 0.1}, matfree with 16
-samples to a residual of 10⁻¹) about 80 s."""
+``outputs/shift_example/`` (or ``--output DIR``), prints the table and the folder. About 126 s
+on one CPU core (112 s after the imports; measured on a 2-core machine whose other core ran a
+benchmark, where the script without matfree took 57 s); ``--quick`` (8 epochs, k = 10, 20
+samples, ε ∈ {0, 0.1}, matfree with 16 samples to a residual of 10⁻¹) about 80 s."""
 
 from __future__ import annotations
 
