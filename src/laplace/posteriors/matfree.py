@@ -8,10 +8,10 @@ the solver settings. Every quantity of the posterior is a Krylov computation
 
 - ``J P⁻¹ Jᵀ`` by conjugate gradients on ``P X = Jᵀ``; or, for many test points, from S
   posterior samples ``x`` as ``(1/S) Σ (J x)(J x)ᵀ``, whose cost does not grow with the
-  number of test points. Conjugate gradients run unpreconditioned by default: on trained MLPs
-  and CNNs the diagonal posterior ``h·diag(H) + p₀`` (``preconditioner="diag"``) and the KFAC
-  posterior as preconditioners took as many or more iterations (CNN at its marglik prior, 16
-  samples to 1e-3: 76 unpreconditioned, 355 diagonal, 170 KFAC; ``matfree-preconditioners``
+  number of test points. Conjugate gradients run unpreconditioned by default: on a trained MLP
+  the diagonal posterior ``h·diag(H) + p₀`` (``preconditioner="diag"``) and the KFAC posterior
+  as preconditioners took about as many iterations, on a CNN many more (at its marglik prior,
+  16 samples to 1e-3: 76 unpreconditioned, 355 diagonal, 170 KFAC; ``matfree-preconditioners``
   in ``benchmarks/``): the prior dominates most directions of ``P`` and both approximations
   misplace the few the data sharpen.
 - Samples by sample-then-optimise (Antorán et al., 2023): ``b = √h·Gᵀ ω + √p₀ ⊙ ε`` with
