@@ -339,6 +339,22 @@ def test_auto_predictive_takes_samples_only_for_more_rows_than_samples():
     assert (many - exact).abs().max() > 1e-3 * exact.abs().max()  # ten samples: far off
 
 
+def test_sampled_predictive_costs_the_same_products_for_any_number_of_points():
+    """The sampled route's solves do not depend on the test points: 2 points and 20 cost the
+    same curvature-vector products (samples not kept between calls: a small solver block)."""
+    name = "mlp_classification"
+    one_column = 7 * n_params_of(name) * 8  # a solver block of one float64 column
+    case, _, la = build(name, predictive="samples", variance_samples=8, block_bytes=one_column)
+    X = query_points(case, 20)
+    costs = []
+    for n in (2, 20, 2):
+        before = la.product_count
+        la._glm_predictive_distribution(X[:n])
+        costs.append(la.product_count - before)
+    assert costs[0] == costs[1] == costs[2] > 0
+    assert la.H.sample_cache is None
+
+
 def test_small_solver_blocks_give_the_same_results():
     """A solver block of a few KiB: CG a column at a time, Lanczos without reorthogonalisation."""
     name = "mlp_classification"
