@@ -40,8 +40,9 @@ class SolveReport:
     """What a conjugate-gradient solve reached.
 
     Attributes:
-        relative_residuals: ``‖A xⱼ − bⱼ‖ / ‖bⱼ‖`` per column at the end, shape (m,) (0 for a
-            zero right-hand side).
+        relative_residuals: ``‖rⱼ‖ / ‖bⱼ‖`` per column at the end, shape (m,), with ``rⱼ`` the
+            recursively updated residual (``bⱼ − A xⱼ`` in exact arithmetic; 0 for a zero
+            right-hand side).
         iterations: Iterations of the column that took most.
         products: Products of ``A`` with one vector made (columns × iterations, summed).
         tol: The tolerance asked for.
