@@ -340,14 +340,15 @@ def test_auto_predictive_takes_samples_only_for_more_rows_than_samples():
 
 
 def test_sampled_predictive_costs_the_same_products_for_any_number_of_points():
-    """The sampled route's solves do not depend on the test points: 2 points and 20 cost the
-    same curvature-vector products (samples not kept between calls: a small solver block)."""
+    """The sampled route's solves do not depend on the test points: 2 points and 300 (more than
+    one chunk) cost the same curvature-vector products (samples not kept between calls: a
+    small solver block)."""
     name = "mlp_classification"
     one_column = 7 * n_params_of(name) * 8  # a solver block of one float64 column
     case, _, la = build(name, predictive="samples", variance_samples=8, block_bytes=one_column)
-    X = query_points(case, 20)
+    X = query_points(case, 300)  # more than a chunk of 256 points
     costs = []
-    for n in (2, 20, 2):
+    for n in (2, 300, 2):
         before = la.product_count
         la._glm_predictive_distribution(X[:n])
         costs.append(la.product_count - before)

@@ -23,6 +23,7 @@ from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.products import NativeProduct
 from laplace.parametric.base import ParametricLaplace
 from laplace.parametric.fit import FitPass
+from laplace.posteriors.jacobians import LayerTrace, row_kind
 from laplace.posteriors.matfree import (
     LogDetReport,
     MatFreeCurvature,
@@ -205,6 +206,8 @@ class MatFreeLaplace(ParametricLaplace):
     _posterior_cls = MatFreePosterior
     _curvature_pass = CurvatureProducts
     _state_format = MatFreeState()
+    #: Test points of the prediction being made (``_chunk_rows`` of the sampled route).
+    _points_in_call = 0
 
     def __init__(
         self,
@@ -304,10 +307,17 @@ class MatFreeLaplace(ParametricLaplace):
         return 0 if self.H is None else self.H.products
 
     def _chunk_rows(self) -> int:
-        """Test points per chunk: for conjugate gradients, as many as a solver block holds."""
+        """Test points per chunk.
+
+        The sampled route with the Jacobian-free kind takes all the call's points at once
+        (their recorded passes, not their Jacobians), so that its solves are made once per
+        call; conjugate gradients as many points as a solver block holds.
+        """
         rows = super()._chunk_rows()
         if self.H.variance_route == "samples":
-            return rows
+            outputs = self._likelihood_model.outputs
+            kind = row_kind(self._subset.jacobian_kind(self._posterior.closed_forms), outputs)
+            return max(rows, self._points_in_call) if kind is LayerTrace else rows
         per_point = self._likelihood_model.outputs.per_point(self.n_outputs)
         solver = self.solver_options.block_bytes // (
             2 * per_point * self.n_params * self.mean.element_size()
@@ -318,9 +328,8 @@ class MatFreeLaplace(ParametricLaplace):
         self, X: Inputs, joint: bool = False, diagonal_output: bool = False
     ) -> tuple[Tensor, Tensor]:
         """As ``ParametricLaplace``'s, with the variance route chosen for all points at once."""
-        n_rows = batch_size_of(X, self.dict_key_x) * self._likelihood_model.outputs.per_point(
-            self.n_outputs
-        )
+        n_points = batch_size_of(X, self.dict_key_x)
+        n_rows = n_points * self._likelihood_model.outputs.per_point(self.n_outputs)
         route = self.solver_options.predictive
         if route == "auto":
             route = "samples" if n_rows > self.solver_options.variance_samples else "cg"
@@ -332,7 +341,7 @@ class MatFreeLaplace(ParametricLaplace):
                 "predict the same number of points on every process, or pass "
                 "predictive='samples' (or 'cg') to MatFreeLaplace",
             )
-        self.H.variance_route = route
+        self.H.variance_route, self._points_in_call = route, n_points
         try:
             return super()._glm_predictive_distribution(X, joint, diagonal_output)
         finally:
