@@ -460,7 +460,8 @@ class MatFreePosterior(Posterior):
             raise ValueError(
                 "MatFreeLaplace differentiates log det P w.r.t. a scalar prior precision only "
                 "(its derivative is Hutchinson's trace of P⁻¹ with the Lanczos probes); use a "
-                "scalar prior_precision, or optimize_prior_precision(method='gridsearch')."
+                "scalar prior_precision (marglik_training: prior_structure='scalar'), or "
+                "optimize_prior_precision(method='gridsearch')."
             )
         h = self.h_factor
         if scalar:
