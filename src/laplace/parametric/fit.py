@@ -13,19 +13,20 @@ module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from laplace.core import distributed as distributed_utils
 from laplace.core.data_loop import DataLoop
 from laplace.posteriors import Posterior
-from laplace.utils.data import Inputs, batch_size_of, check_outputs
+from laplace.utils.data import Inputs, batch_size_of, check_outputs, in_fixed_order
 from laplace.utils.errors import check_finite_result
 
-__all__ = ["CurvatureSum", "FitPass", "FitPieces"]
+__all__ = ["CurvatureSum", "FitPass", "FitPieces", "LossThenProducts"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +141,37 @@ class CurvatureSum(FitPass):
         if pieces.previous is not None:
             H = pieces.posterior.merge(pieces.previous, H, pieces.n_before, pieces.n_data)
         return H, loss
+
+
+class LossThenProducts(FitPass):
+    """A fit whose curvature comes from products over the data once the loss is summed.
+
+    One pass sums the loss, checking each batch's outputs and targets before any product;
+    ``run`` of a subclass then multiplies with the curvature over ``product_data`` (the
+    low-rank eigensolver, ``laplace.parametric.lowrank.TopEigenpairs``; the matrix-free
+    posterior, ``laplace.parametric.matfree.CurvatureProducts``). Arguments as ``FitPass``.
+    """
+
+    def step(self, X: Inputs, y: Tensor) -> Tensor:
+        """The summed loss of a batch, after checking its outputs and targets."""
+        with torch.no_grad():
+            f = self.check_batch(X, y, self.pieces.subset.model(X))
+            return self.pieces.backend.batch_loss(f, y)
+
+    def check(self, stats: Tensor) -> None:
+        """Refuse a non-finite loss (before any product)."""
+        check_finite_result(stats, "loss of a training batch")
+
+    def product_data(self, loader: Any) -> Iterable[tuple[Inputs, Tensor]]:
+        """Re-iterable batches ``(X, loss targets)`` for products, one pass per iteration.
+
+        A shuffling loader is read in order (``in_fixed_order``): products keep some batches
+        between passes, so every pass must yield the same ones.
+        """
+        dtype, loss_targets = self.pieces.subset.dtype, self.pieces.likelihood.loss_targets
+        return self.passes(in_fixed_order(loader), lambda X, y: (X, loss_targets(y, dtype)))
+
+    @property
+    def reduce(self) -> Callable[[Any], Any] | None:
+        """The sum of a product over processes in a distributed fit, else None."""
+        return distributed_utils.all_reduce_sum if self.distributed else None

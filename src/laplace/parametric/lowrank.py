@@ -25,10 +25,10 @@ from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.eigen import SOLVERS, STARTS, top_eigenpairs
 from laplace.curvature.products import NativeProduct, curvature_product
 from laplace.parametric.base import ParametricLaplace
-from laplace.parametric.fit import FitPass
+from laplace.parametric.fit import LossThenProducts
 from laplace.posteriors.diagonal import DiagonalPosterior
 from laplace.posteriors.lowrank import DiagLowRankPosterior, LowRankPosterior
-from laplace.utils.data import Inputs, in_fixed_order
+from laplace.utils.data import Inputs
 from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 from laplace.utils.errors import (
     check_finite_result,
@@ -140,7 +140,7 @@ class PlusLowRank:
         return self.product.sketch(m, generator)
 
 
-class TopEigenpairs(FitPass):
+class TopEigenpairs(LossThenProducts):
     """The pass of a low-rank fit: the summed loss, then the top-k curvature eigenpairs.
 
     One pass sums the loss (checking each batch's outputs and targets) before
@@ -166,24 +166,19 @@ class TopEigenpairs(FitPass):
             self.pieces.backend, (GGNInterface, EFInterface)
         )
 
-    def step(self, X: Inputs, y: Tensor) -> Tensor:
-        """The summed loss of a batch, after checking its outputs and targets.
+    def check_batch(self, X: Inputs, y: Tensor, f: Any) -> Tensor:
+        """``FitPass.check_batch``; on curvlinops' operators, also plain outputs.
 
         Raises:
             ValueError: For outputs with extra dimensions on curvlinops' operators, which see
                 the torch loss of outputs (B, C).
         """
-        with torch.no_grad():
-            f = self.check_batch(X, y, self.pieces.subset.model(X))
-            if not self.native:
-                self.pieces.likelihood.outputs.require_plain(
-                    f.shape, "LowRankLaplace's operator route", _NATIVE_ROUTE
-                )
-            return self.pieces.backend.batch_loss(f, y)
-
-    def check(self, stats: Tensor) -> None:
-        """Refuse a non-finite loss (before any eigensolver pass)."""
-        check_finite_result(stats, "loss of a training batch")
+        f = super().check_batch(X, y, f)
+        if not self.native:
+            self.pieces.likelihood.outputs.require_plain(
+                f.shape, "LowRankLaplace's operator route", _NATIVE_ROUTE
+            )
+        return f
 
     def run(self, loader: DataLoader) -> tuple[tuple[Tensor, Tensor], Tensor]:
         """``((U (P, k), λ (k,)), loss)`` over ``loader``.
@@ -194,15 +189,13 @@ class TopEigenpairs(FitPass):
         loss = super().run(loader)
         options = dict(self.solver)
         k = int(options.pop("n_eigenvalues"))
-        backend, dtype = self.pieces.backend, self.pieces.subset.dtype
-        loss_targets = self.pieces.likelihood.loss_targets
         local_n = distributed_utils.data_count(loader) if self.distributed else self.pieces.n_data
         product = curvature_product(
-            backend,
-            self.passes(in_fixed_order(loader), lambda X, y: (X, loss_targets(y, dtype))),
+            self.pieces.backend,
+            self.product_data(loader),
             local_n,
             native=self.native,
-            reduce=distributed_utils.all_reduce_sum if self.distributed else None,
+            reduce=self.reduce,
             seed=options.get("seed", 0),
         )
         self.product = product

@@ -22,7 +22,7 @@ from laplace.core.serialization import ParametricState
 from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.products import NativeProduct
 from laplace.parametric.base import ParametricLaplace
-from laplace.parametric.fit import FitPass
+from laplace.parametric.fit import LossThenProducts
 from laplace.posteriors.jacobians import LayerTrace, row_kind
 from laplace.posteriors.matfree import (
     LogDetReport,
@@ -31,7 +31,7 @@ from laplace.posteriors.matfree import (
     MatFreePosterior,
     PrecisionOperator,
 )
-from laplace.utils.data import Inputs, batch_size_of, in_fixed_order
+from laplace.utils.data import Inputs, batch_size_of
 from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 from laplace.utils.errors import check_finite_result
 from laplace.utils.krylov import SolveReport
@@ -40,7 +40,7 @@ from laplace.utils.outputs import IGNORE_INDEX
 __all__ = ["MatFreeLaplace"]
 
 
-class CurvatureProducts(FitPass):
+class CurvatureProducts(LossThenProducts):
     """The pass of a matrix-free fit: the summed loss, then what the products need.
 
     One pass sums the loss (checking each batch's outputs and targets); the data are then kept
@@ -58,16 +58,6 @@ class CurvatureProducts(FitPass):
         super().__init__(*args, **kwargs)
         self.options = options
 
-    def step(self, X: Inputs, y: Tensor) -> Tensor:
-        """The summed loss of a batch, after checking its outputs and targets."""
-        with torch.no_grad():
-            f = self.check_batch(X, y, self.pieces.subset.model(X))
-            return self.pieces.backend.batch_loss(f, y)
-
-    def check(self, stats: Tensor) -> None:
-        """Refuse a non-finite loss."""
-        check_finite_result(stats, "loss of a training batch")
-
     def run(self, loader: DataLoader) -> tuple[MatFreeCurvature, Tensor]:
         """``(curvature, loss)`` over ``loader``.
 
@@ -77,15 +67,14 @@ class CurvatureProducts(FitPass):
         loss = super().run(loader)
         pieces, options = self.pieces, self.options
         dtype = pieces.subset.dtype
-        loss_targets = pieces.likelihood.loss_targets
         product = NativeProduct(
             pieces.backend,
-            self.passes(in_fixed_order(loader), lambda X, y: (X, loss_targets(y, dtype))),
-            reduce=distributed_utils.all_reduce_sum if self.distributed else None,
+            self.product_data(loader),
+            reduce=self.reduce,
             seed=options.seed,
             cache_bytes=options.cache_bytes,
         )
-        like = pieces.subset.vector().new_empty(0)
+        like = torch.empty(0, dtype=dtype, device=pieces.subset.device)
         diagonal = None
         if options.preconditioner == "diag":
             with distributed_utils.guard(self.distributed, self.what):
@@ -270,11 +259,15 @@ class MatFreeLaplace(ParametricLaplace):
     def solver_options(self, value: MatFreeOptions) -> None:
         """Change the settings; what was computed under other ones is forgotten."""
         self._solver_options = value
-        self._fit_pass_options = {"options": value}
         if self.H is not None and self.H.options != value:
             self.H.options = value
             self.H.quadratures, self.H.sample_cache = [], None
             self._posterior_cache = None
+
+    @property
+    def _fit_pass_options(self) -> dict[str, Any]:
+        """The solver settings, which the fit pass gives the curvature."""
+        return {"options": self.solver_options}
 
     @property
     def _structure_options(self) -> dict[str, Any]:

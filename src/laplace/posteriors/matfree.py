@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from laplace.core import distributed as distributed_utils
-from laplace.curvature.block_product import BlockSum, ParameterBlock, SampleVectors
+from laplace.curvature.block_product import ParameterBlock, SampleVectors
 from laplace.posteriors.base import Posterior
 from laplace.posteriors.jacobians import LayerTrace
 from laplace.utils.errors import (
@@ -213,11 +213,6 @@ class MatFreeCurvature:
         """Floating-point type of the products."""
         return self.like.dtype
 
-    @property
-    def device(self) -> torch.device:
-        """Device of the products."""
-        return self.like.device
-
     def _require_product(self) -> Any:
         if self.product is None:
             raise NoProductDataError(
@@ -286,11 +281,6 @@ class MatFreePosterior(Posterior):
         like = params[0].new_empty(0)
         n_params = sum(p.numel() for p in params)
         return MatFreeCurvature(n_params, like, MatFreeOptions(), fitted=False)
-
-    @staticmethod
-    def is_finite(H: MatFreeCurvature) -> bool:
-        """Whether the kept diagonal is finite (what products give is checked where it is used)."""
-        return H.diagonal is None or bool(torch.isfinite(H.diagonal).all())
 
     @staticmethod
     def state(H: MatFreeCurvature) -> dict[str, Any]:
@@ -621,32 +611,25 @@ class MatFreePosterior(Posterior):
 
 
 def matfree_trace_variance(posterior: MatFreePosterior, J: LayerTrace) -> Tensor:
-    """``J P⁻¹ Jᵀ`` (B, C, C) from a recorded pass over the test points, without forming ``J``.
+    """``J P⁻¹ Jᵀ`` (B, C, C) from a recorded pass over the test points.
 
-    The Jacobian rows enter only as the per-sample vectors of the trace with the output
-    directions as columns: ``Jᵀ E`` (the right-hand sides) and ``J X`` are products of the
-    per-layer engine (``laplace.curvature.block_product``).
+    The sampled route never forms ``J``: each block of posterior samples ``X`` is projected as
+    ``J X`` by the per-layer engine (``laplace.curvature.block_product``), the trace's
+    per-sample vectors taking the output directions as columns. Conjugate gradients need the
+    rows ``Jᵀ`` (P, B·C) as right-hand sides anyway: they solve with the dense rows.
     """
     trace = J.trace
     f = trace.f
     B, C = f.shape[0], f[0].numel()
+    if not posterior._use_samples(B * C):
+        return posterior.rows_variance(J.dense())
     eye = torch.eye(C, dtype=f.dtype, device=f.device)
-    columns = eye.reshape(C, 1, *f.shape[1:]).expand(C, B, *f.shape[1:])
-    vectors = SampleVectors(trace, columns)
-    engine = trace.engine
-    dtype = posterior.prior_diag.dtype
-    if posterior._use_samples(B * C):
-        f_samples = posterior.sampled_outputs(  # (C, B, S)
-            lambda X: vectors.project(ParameterBlock(engine, X.to(dtype)))
-        ).permute(1, 0, 2)
-        return f_samples @ f_samples.transpose(1, 2) / f_samples.shape[-1]
-    W = torch.eye(B * C, dtype=dtype, device=f.device).reshape(B, C, B * C).transpose(0, 1)
-    total = BlockSum(engine, B * C, W)
-    vectors.backproject(W, total)
-    X = posterior.solve(total.result())
-    projected = vectors.project(ParameterBlock(engine, X.to(dtype)))  # (C, B, B·C)
-    covariance = projected.reshape(C, B, B, C)  # [k, n, n', l]
-    return covariance.diagonal(dim1=1, dim2=2).permute(2, 0, 1)
+    vectors = SampleVectors(trace, eye.reshape(C, 1, *f.shape[1:]).expand(C, B, *f.shape[1:]))
+    engine, dtype = trace.engine, posterior.prior_diag.dtype
+    f_samples = posterior.sampled_outputs(  # (C, B, S)
+        lambda X: vectors.project(ParameterBlock(engine, X.to(dtype)))
+    ).permute(1, 0, 2)
+    return f_samples @ f_samples.transpose(1, 2) / f_samples.shape[-1]
 
 
 MatFreePosterior.closed_forms = {LayerTrace: matfree_trace_variance}
