@@ -58,7 +58,8 @@ def spd(n: int = P, seed: int = 0, condition: float = 100.0) -> torch.Tensor:
 
 
 def counting(A: torch.Tensor) -> tuple[list[int], callable]:
-    """A block product with ``A`` that records the number of columns of every call.
+    """A block product with ``A`` that records the number of columns of every call and writes
+    its result into the memory the solver offers.
 
     Args:
         A: The matrix (P, P).
@@ -68,9 +69,9 @@ def counting(A: torch.Tensor) -> tuple[list[int], callable]:
     """
     calls: list[int] = []
 
-    def matmat(V: torch.Tensor) -> torch.Tensor:
+    def matmat(V: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         calls.append(V.shape[1])
-        return A @ V
+        return torch.matmul(A, V, out=out)  # in the memory offered: it must be free
 
     return calls, matmat
 
@@ -111,9 +112,9 @@ def test_preconditioner_saves_iterations_on_a_badly_scaled_system():
     A = scale[:, None] * A * scale[None, :]
     B = torch.randn(P, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     diagonal = A.diagonal()
-    _, plain = conjugate_gradients(lambda V: A @ V, B, 1e-8, 20 * P)
+    _, plain = conjugate_gradients(lambda V, out: A @ V, B, 1e-8, 20 * P)
     _, jacobi = conjugate_gradients(
-        lambda V: A @ V, B, 1e-8, 20 * P, lambda R: R / diagonal[:, None]
+        lambda V, out: A @ V, B, 1e-8, 20 * P, lambda R: R / diagonal[:, None]
     )
     assert jacobi.converged
     assert jacobi.iterations < plain.iterations
@@ -133,12 +134,32 @@ def test_cg_counts_products_of_active_columns_only():
     assert report.relative_residuals[1] == 0
     assert report.converged
     # each column's iterations, solved alone: the block counts their sum
-    alone = [conjugate_gradients(lambda V: A @ V, B[:, [j]], 1e-10, 10 * P)[1] for j in range(4)]
+    alone = [
+        conjugate_gradients(lambda V, out: A @ V, B[:, [j]], 1e-10, 10 * P)[1] for j in range(4)
+    ]
     assert alone[1].products == 0 and alone[2].products == 1
     assert report.products == sum(r.products for r in alone) == sum(calls)
     assert report.iterations == max(r.iterations for r in alone)
     assert calls[0] == 3 and calls[1] == 2  # the zero column never, the eigenvector once
     assert report.products < 3 * report.iterations
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_cg_updates_in_place_and_overwrites_the_right_hand_sides_only_when_asked(overwrite):
+    """All columns active at first (the iterates are the solution itself), one leaving the
+    block after one iteration (the others are compacted): the same solution, and ``B`` is
+    untouched unless its memory may hold the residuals."""
+    A = spd(seed=7)
+    _, vectors = torch.linalg.eigh(A)
+    B = torch.randn(P, 3, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    B[:, 1] = vectors[:, 3]  # solved in one iteration
+    original = B.clone()
+    calls, matmat = counting(A)
+    X, report = conjugate_gradients(matmat, B, CG_TOL, 10 * P, overwrite=overwrite)
+    assert_close(X, torch.linalg.solve(A, original), rtol=RTOL_SOLVE, atol=0)
+    assert calls[0] == 3 and calls[1] == 2
+    assert report.converged
+    assert torch.equal(B, original) != overwrite
 
 
 def test_cg_reports_non_convergence_and_keeps_the_last_iterate():
@@ -191,7 +212,7 @@ def test_lanczos_with_orthogonal_probes_gives_the_exact_log_determinant():
     A = spd(seed=9)
     like = torch.empty(0, dtype=torch.float64)
     probes = rademacher_probes(P, P, torch.Generator().manual_seed(10), like)
-    quadrature = lanczos_quadrature(lambda V: A @ V, probes, P, reorthogonalize=True)
+    quadrature = lanczos_quadrature(lambda V, out: A @ V, probes, P, reorthogonalize=True)
     estimate = quadrature.estimates(torch.log).mean()
     assert_close(estimate, torch.linalg.slogdet(A)[1], rtol=RTOL_QUADRATURE, atol=0)
     trace_inverse = quadrature.estimates(torch.reciprocal).mean()
@@ -213,9 +234,17 @@ def test_lanczos_stops_a_probe_whose_krylov_space_closes():
 
 
 def test_lanczos_without_reorthogonalisation_is_accurate_for_a_smooth_function():
+    """Three vectors per probe, the product written into the memory of the one no longer
+    needed; with ``overwrite`` the probes' memory holds the first vectors."""
     A = spd(n=200, seed=13)
     probes = torch.randn(200, 3, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
-    quadrature = lanczos_quadrature(lambda V: A @ V, probes, PLAIN_STEPS, reorthogonalize=False)
-    assert quadrature.products == 3 * PLAIN_STEPS
+    calls, matmat = counting(A)
+    quadrature = lanczos_quadrature(matmat, probes, PLAIN_STEPS, reorthogonalize=False)
+    assert quadrature.products == 3 * PLAIN_STEPS == sum(calls)
     expected = (probes * (matrix_function(A, torch.log) @ probes)).sum(0)
     assert_close(quadrature.estimates(torch.log), expected, rtol=RTOL_QUADRATURE_PLAIN, atol=0)
+    overwritten = probes.clone()
+    again = lanczos_quadrature(matmat, overwritten, PLAIN_STEPS, False, overwrite=True)
+    assert torch.equal(again.nodes, quadrature.nodes)
+    assert torch.equal(again.weights, quadrature.weights)
+    assert not torch.equal(overwritten, probes)

@@ -179,6 +179,24 @@ def test_products_with_the_identity_are_the_exact_curvature(name, family):
     assert_close(la.posterior_precision @ V[:, 0], full.posterior_precision @ V[:, 0])
 
 
+@pytest.mark.parametrize("name", ["mlp_classification", "cnn_classification"])
+def test_single_vectors_and_batches_recorded_on_every_pass_give_the_exact_curvature(name):
+    """A single vector takes a Linear weight's part in place in the result; with no batch kept
+    between passes, each is recorded anew and released once used: one batch held at a time."""
+    _, full, la = build(name, batch_size=4, cache_bytes=0)
+    eye = torch.eye(la.n_params, dtype=torch.float64)
+    columns = torch.cat([la.H.matmat(eye[:, [j]]) for j in range(0, la.n_params, 97)], dim=1)
+    assert_close(columns, full.H[:, ::97], RTOL_CURVATURE, ATOL_CURVATURE)
+    assert_close(la.H.matmat(eye), full.H, RTOL_CURVATURE, ATOL_CURVATURE)
+    product = la.H.product
+    assert not product._kept
+    held = []
+    for vectors in product.batches():
+        assert all(not earlier.output_gradients for earlier in held)
+        assert vectors.output_gradients
+        held.append(vectors)
+
+
 def test_a_shuffling_loader_is_read_in_order_for_products(monkeypatch):
     """Products keep some batches between passes: a loader that shuffles on every pass must not
     give later passes other points in the places of the kept ones (matrix-free and low-rank)."""

@@ -57,15 +57,21 @@ class ParameterBlock:
 class BlockSum:
     """Accumulator of ``Gᵀ W`` over batches: a (P, m) result plus the Linear layouts.
 
+    A Linear weight's part of a single vector (m = 1) is accumulated in place in the result;
+    for blocks, in a (D_in, D_out·m) layout added to the result at the end.
+
     Args:
         engine: The engine whose parameter order the result follows.
         m: Number of vectors in the block.
         like: A tensor with the result's dtype and device.
+        out: Memory for the result (P, m), zeroed first (None: new memory).
     """
 
-    def __init__(self, engine: PerSampleEngine, m: int, like: Tensor) -> None:
+    def __init__(
+        self, engine: PerSampleEngine, m: int, like: Tensor, out: Tensor | None = None
+    ) -> None:
         self.engine, self.m = engine, m
-        self.total = like.new_zeros(engine.n_entries, m)
+        self.total = like.new_zeros(engine.n_entries, m) if out is None else out.zero_()
         self._linear: dict[int, Tensor] = {}
 
     def add(self, value: Tensor) -> None:
@@ -78,7 +84,11 @@ class BlockSum:
 
     def add_linear(self, i: int, inputs: Tensor, weights: Tensor) -> None:
         """Add ``inputsᵀ weights`` ((D_in, B) @ (B, D_out·m)) to Linear weight slot ``i``."""
-        if i in self._linear:
+        if self.m == 1:
+            d_out, d_in = self.engine.needed[i].shape
+            rows = self.total[self.engine.offsets[i] : self.engine.offsets[i + 1]]
+            rows.view(d_out, d_in).addmm_(weights.T, inputs)
+        elif i in self._linear:
             self._linear[i].addmm_(inputs.T, weights)
         else:
             self._linear[i] = inputs.T @ weights
@@ -87,8 +97,8 @@ class BlockSum:
         """The accumulated ``Σ Gᵀ W``, shape (P, m)."""
         for i, value in self._linear.items():
             d_out, d_in = self.engine.needed[i].shape
-            rows = value.reshape(d_in, d_out, self.m).permute(1, 0, 2).reshape(-1, self.m)
-            self.add_rows(i, rows)
+            rows = self.total[self.engine.offsets[i] : self.engine.offsets[i + 1]]
+            rows.view(d_out, d_in, self.m).add_(value.view(d_in, d_out, self.m).permute(1, 0, 2))
         self._linear.clear()
         return self.total
 
@@ -108,11 +118,10 @@ class SampleVectors:
         #: Per recorded call, the columns' gradients w.r.t. its outputs, each (K, B, ...) (empty
         #: unless ``layerwise``).
         self.output_gradients = trace.output_gradients(columns) if self.layerwise else []
-        # Linear layers on (B, D) inputs contract per data point: their gradients as (B, K, D).
-        self._by_point = {
-            i: self.output_gradients[i][0].transpose(0, 1).contiguous()
-            for i, call in enumerate(trace.calls)
-            if self.layerwise and _is_plain_linear(call)
+        # Linear layers on (B, D) inputs contract per data point, through (B, K, D) views of
+        # their output gradients.
+        self._plain_linear = {
+            i for i, call in enumerate(trace.calls) if self.layerwise and _is_plain_linear(call)
         }
         self._cache: dict[tuple[int, int], dict[int, Tensor]] = {}
         self._cached_bytes = 0
@@ -120,7 +129,7 @@ class SampleVectors:
     @property
     def nbytes(self) -> int:
         """Memory of the recorded batch: layer inputs, outputs and output gradients."""
-        tensors = [self.columns, self.trace.f, *self._by_point.values()]
+        tensors = [self.columns, self.trace.f]
         tensors += [g for grads in self.output_gradients for g in grads]
         for call in self.trace.calls:
             tensors += [a for a in call.args if isinstance(a, Tensor)] + list(call.outputs)
@@ -135,6 +144,16 @@ class SampleVectors:
         """Forget the per-sample gradients kept between ``G V`` and ``Gᵀ W``."""
         self._cache.clear()
         self._cached_bytes = 0
+
+    def release(self) -> None:
+        """Free the batch's output gradients and autograd graph: it gives no products after.
+
+        For a batch used once: whoever still refers to it (a loop variable while the next
+        batch is recorded) then holds only its layer inputs.
+        """
+        self.clear_cache()
+        self.output_gradients.clear()
+        self.trace.drop_graph()
 
     # ----------------------------------------------------------------- per-sample gradients
     def _per_sample(self, i: int, k: int) -> dict[int, Tensor]:
@@ -166,15 +185,16 @@ class SampleVectors:
         out = V.new_zeros(self.K, self.B, V.shape[1])
         slot = self.trace.engine.slot
         for i, call in enumerate(self.trace.calls):
-            if i in self._by_point:
-                g = self._by_point[i]  # (B, K, D_out)
+            if i in self._plain_linear:
+                g = self.output_gradients[i][0]  # (K, B, D_out)
                 for name in call.names:
                     j = slot[call.module, name]
                     if name == "weight":
                         t = call.args[0] @ block.linear(j)  # (B, D_out·m)
-                        out += torch.bmm(g, t.reshape(self.B, g.shape[-1], -1)).transpose(0, 1)
+                        t = t.reshape(self.B, g.shape[-1], -1)
+                        out += torch.bmm(g.transpose(0, 1), t).transpose(0, 1)
                     else:
-                        out += (g @ block.slot(j)).transpose(0, 1)
+                        out += g @ block.slot(j)
                 continue
             for k in range(self.K):
                 for j, grad in self._per_sample(i, k).items():
@@ -188,18 +208,17 @@ class SampleVectors:
                 total.add(self._per_sample(-1, k)[-1].T @ W[k])
             return
         slot = self.trace.engine.slot
-        by_point = W.transpose(0, 1).contiguous()  # (B, K, m)
         for i, call in enumerate(self.trace.calls):
-            if i in self._by_point:
-                g = self._by_point[i]  # (B, K, D_out)
+            if i in self._plain_linear:
+                g = self.output_gradients[i][0]  # (K, B, D_out)
                 for name in call.names:
                     j = slot[call.module, name]
-                    if name == "weight":
-                        u = torch.bmm(g.transpose(1, 2), by_point)  # (B, D_out, m)
+                    if name == "weight":  # (B, D_out, K) @ (B, K, m)
+                        u = torch.bmm(g.permute(1, 2, 0), W.transpose(0, 1))
                         total.add_linear(j, call.args[0], u.reshape(self.B, -1))
                     else:
                         flat = g.reshape(-1, g.shape[-1])
-                        total.add_rows(j, flat.T @ by_point.reshape(-1, W.shape[-1]))
+                        total.add_rows(j, flat.T @ W.reshape(-1, W.shape[-1]))
                 continue
             for k in range(self.K):
                 for j, grad in self._per_sample(i, k).items():

@@ -57,8 +57,12 @@ class CurvatureProduct(Protocol):
     dtype: torch.dtype
     device: torch.device
 
-    def matmat(self, V: Tensor) -> Tensor:
-        """``H V`` for a block ``V`` (P, m), shape (P, m)."""
+    def matmat(self, V: Tensor, out: Tensor | None = None) -> Tensor:
+        """``H V`` for a block ``V`` (P, m), shape (P, m).
+
+        ``out`` (P, m) of the product's dtype is memory the result may be written into
+        (overwritten); use the returned tensor, which is ``out`` on a single process.
+        """
 
     def sketch(self, m: int, generator: torch.Generator) -> Tensor | None:
         """A (P, m) block whose range favours the top eigenvectors, or None (use Gaussian)."""
@@ -108,7 +112,8 @@ class NativeProduct:
         The first pass keeps the batches it records while they fit in ``cache_bytes`` (without
         their autograd graphs); later passes reuse them and record only the others. Sampled
         columns (Monte-Carlo Fisher) come from a generator seeded anew on every pass (resumed
-        after the kept batches), so every pass sees the same matrix.
+        after the kept batches), so every pass sees the same matrix. A batch that is not kept
+        is released once its consumer is done with it: one batch at a time is held.
         """
         first = self._passes == 0
         self._passes += 1
@@ -124,21 +129,27 @@ class NativeProduct:
         for i, (X, y) in enumerate(self.data):
             if i < len(self._kept):
                 continue
-            trace = self.backend.trace(X)
-            f = trace.f.detach()
-            columns = torch.stack(list(self.backend.curvature_columns(f, y, generator)))
-            vectors = SampleVectors(trace, columns)
+            vectors = self._record(X, y, generator)
             room = self.cache_bytes - self._kept_bytes
-            if keeping and vectors.layerwise and vectors.nbytes <= room:
+            keeping = keeping and vectors.layerwise and vectors.nbytes <= room
+            if keeping:
                 self._kept_bytes += vectors.nbytes
                 vectors.drop_graph()
                 self._kept.append(vectors)
                 self._resume = generator.get_state()
-            else:
-                keeping = False
             yield vectors
-            vectors.clear_cache()
+            if keeping:
+                vectors.clear_cache()
+            else:
+                vectors.release()
+            del vectors  # not held while the next batch is recorded
         self._all_kept = keeping
+
+    def _record(self, X: Any, y: Tensor, generator: torch.Generator) -> SampleVectors:
+        """The per-sample vectors of one batch: a recorded forward pass and its columns."""
+        trace = self.backend.trace(X)
+        columns = self.backend.curvature_columns(trace.f.detach(), y, generator)
+        return SampleVectors(trace, torch.stack(list(columns)))
 
     def diagonal(self) -> Tensor:
         """``diag(H)`` on this process, from the batches kept between passes and the others.
@@ -155,23 +166,26 @@ class NativeProduct:
             total += vectors.trace.square_sum(vectors.columns, gradients).to(self.dtype)
         return total
 
-    def matmat(self, V: Tensor) -> Tensor:
-        """``H V`` for ``V`` (P, m): one pass over the data."""
+    def matmat(self, V: Tensor, out: Tensor | None = None) -> Tensor:
+        """``H V`` for ``V`` (P, m): one pass over the data (``out``: see ``CurvatureProduct``)."""
         block = ParameterBlock(self.backend.engine, V)
-        return self.backproject(lambda vectors: vectors.project(block), V.shape[1])
+        return self.backproject(lambda vectors: vectors.project(block), V.shape[1], out)
 
-    def backproject(self, weights: Callable[[SampleVectors], Tensor], m: int) -> Tensor:
+    def backproject(
+        self, weights: Callable[[SampleVectors], Tensor], m: int, out: Tensor | None = None
+    ) -> Tensor:
         """``Σ Gᵀ W`` over the batches, with sample-space weights ``W = weights(G)`` (K, B, m).
 
         Args:
             weights: The weights of a batch's per-sample vectors.
             m: Number of columns of the weights and of the result.
+            out: Memory the result is accumulated in (P, m), overwritten (None: new memory).
 
         Returns:
             Shape (P, m), summed over processes: one pass.
         """
         like = torch.empty(0, dtype=self.dtype, device=self.device)
-        total = BlockSum(self.backend.engine, m, like)
+        total = BlockSum(self.backend.engine, m, like, out)
         for vectors in self.batches():
             vectors.backproject(weights(vectors), total)
         return self.reduce(total.result())
@@ -201,9 +215,12 @@ class OperatorProduct:
         self.n_params = operator.shape[0]
         self.dtype, self.device = operator.dtype, operator.device
 
-    def matmat(self, V: Tensor) -> Tensor:
-        """``scale · (operator @ V)`` for ``V`` (P, m), summed over processes."""
-        return self.reduce(self.scale * (self.operator @ V))
+    def matmat(self, V: Tensor, out: Tensor | None = None) -> Tensor:
+        """``scale · (operator @ V)`` for ``V`` (P, m), summed over processes.
+
+        ``out``: see ``CurvatureProduct.matmat``.
+        """
+        return self.reduce(torch.mul(self.operator @ V, self.scale, out=out))
 
     def sketch(self, m: int, generator: torch.Generator) -> None:
         """No sketch: solvers start from Gaussian vectors."""

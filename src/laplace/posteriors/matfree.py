@@ -222,14 +222,22 @@ class MatFreeCurvature:
             )
         return self.product
 
-    def matmat(self, V: Tensor) -> Tensor:
-        """``H V`` for ``V`` (P, m): one pass over the data (none for the zero curvature)."""
+    def matmat(self, V: Tensor, out: Tensor | None = None) -> Tensor:
+        """``H V`` for ``V`` (P, m): one pass over the data (none for the zero curvature).
+
+        Args:
+            V: The block (P, m).
+            out: Memory the result may be written into (P, m), overwritten (see
+                ``laplace.utils.krylov.MatMat``); used where it has the products' type.
+        """
+        if out is not None and out.dtype != self.dtype:
+            out = None
         if not self.fitted:
-            return torch.zeros_like(V)
+            return torch.zeros_like(V) if out is None else out.zero_()
         product = self._require_product()
         self.products += V.shape[1]
         self.passes += 1
-        return product.matmat(V.to(self.dtype)).to(V.dtype)
+        return product.matmat(V.to(self.dtype), out).to(V.dtype)
 
     def sketch(self, m: int, generator: torch.Generator) -> Tensor:
         """``Gᵀ ω`` (P, m) with standard normal ``ω``: covariance ``H``; one pass over the data."""
@@ -391,8 +399,13 @@ class MatFreePosterior(Posterior):
         self._settle(report)
         return X
 
-    def _solve(self, B: Tensor) -> tuple[Tensor, SolveReport]:
-        """``P⁻¹ B`` and its report, a block of columns at a time (nothing is reported yet)."""
+    def _solve(self, B: Tensor, overwrite: bool = False) -> tuple[Tensor, SolveReport]:
+        """``P⁻¹ B`` and its report, a block of columns at a time (nothing is reported yet).
+
+        Args:
+            B: Right-hand sides (P, m).
+            overwrite: Use ``B``'s memory for the residuals (``B`` is overwritten).
+        """
         options = self.options
         h, prior = self.h_factor.detach(), self.prior_diag.detach()
         if self.H.distributed:
@@ -404,19 +417,25 @@ class MatFreePosterior(Posterior):
                 "(or use predictive='samples', whose solves do not depend on the inputs)",
             )
 
-        def matmat(V: Tensor) -> Tensor:
-            return h * self.H.matmat(V) + prior[:, None] * V
+        def matmat(V: Tensor, out: Tensor | None) -> Tensor:
+            return self.H.matmat(V, out).mul_(h).addcmul_(prior[:, None], V)
 
         precondition = None if options.preconditioner is None else self.precondition
         step = self._block_columns(_CG_VECTORS)
         solutions, reports = [], []
         for start in range(0, B.shape[1], step):
             X, report = conjugate_gradients(
-                matmat, B[:, start : start + step], options.tol, options.max_iter, precondition
+                matmat,
+                B[:, start : start + step],
+                options.tol,
+                options.max_iter,
+                precondition,
+                overwrite=overwrite,
             )
             solutions.append(X)
             reports.append(report)
-        return torch.cat(solutions, dim=1), SolveReport.merged(reports)
+        X = solutions[0] if len(solutions) == 1 else torch.cat(solutions, dim=1)
+        return X, SolveReport.merged(reports)
 
     def _settle(self, report: SolveReport) -> None:
         """Keep ``report`` as ``H.last_solve``; warn, or raise if strict, if it did not converge.
@@ -496,10 +515,10 @@ class MatFreePosterior(Posterior):
         steps = min(options.lanczos_steps, self.n_params)
         scale = None if prior is None else prior.rsqrt()[:, None]
 
-        def matmat(V: Tensor) -> Tensor:
+        def matmat(V: Tensor, out: Tensor | None) -> Tensor:
             if scale is None:
-                return self.H.matmat(V)
-            return scale * self.H.matmat(scale * V)
+                return self.H.matmat(V, out)
+            return self.H.matmat(scale * V, out).mul_(scale)
 
         per_probe_bytes = (steps + 3) * self.n_params * like.element_size()
         reorthogonalize = per_probe_bytes * n_probes <= options.block_bytes
@@ -512,7 +531,8 @@ class MatFreePosterior(Posterior):
                 for i in range(0, n_probes, step)
             )
         parts = [
-            lanczos_quadrature(matmat, probes, steps, reorthogonalize) for probes in probe_blocks
+            lanczos_quadrature(matmat, probes, steps, reorthogonalize, overwrite=True)
+            for probes in probe_blocks
         ]
         quadrature = LanczosQuadrature(
             nodes=torch.cat([q.nodes for q in parts]),
@@ -533,7 +553,7 @@ class MatFreePosterior(Posterior):
         """``b = √h·Gᵀ ω + √p₀ ⊙ ε`` (P, n_samples), of covariance ``P``: one pass.
 
         The sketch of each process draws its own ``ω`` (seeded from ``generator`` and the
-        rank); ``ε`` is the same on every process.
+        rank); ``ε`` is the same on every process. Memory: ``ε``, the sketch and one batch.
         """
         like = self.prior_diag.detach()
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=like.device))
@@ -543,20 +563,25 @@ class MatFreePosterior(Posterior):
         epsilon = torch.randn(
             self.n_params, n_samples, generator=generator, device=like.device, dtype=like.dtype
         )
-        sketch = self.H.sketch(n_samples, sketch_generator)
-        return self.h_factor.detach().sqrt() * sketch + like.sqrt()[:, None] * epsilon
+        epsilon.mul_(like.sqrt()[:, None])
+        return (
+            self.H.sketch(n_samples, sketch_generator)
+            .mul_(self.h_factor.detach().sqrt())
+            .add_(epsilon)
+        )
 
     def sample_blocks(
         self, n_samples: int, generator: torch.Generator | None
     ) -> Iterator[tuple[Tensor, SolveReport]]:
         """Draws of ``θ − θ_MAP ~ N(0, P⁻¹)`` by sample-then-optimise, (P, m) at a time.
 
-        Each block is drawn and solved in the memory of one solver block, with its report.
+        Each block is drawn and solved in the memory of one solver block (the draw's memory
+        holds the residuals), with its report.
         """
-        step = self._block_columns(_CG_VECTORS + 1)
+        step = self._block_columns(_CG_VECTORS)
         for start in range(0, n_samples, step):
-            b = self.draw_precision_samples(min(step, n_samples - start), generator)
-            yield self._solve(b)
+            m = min(step, n_samples - start)
+            yield self._solve(self.draw_precision_samples(m, generator), overwrite=True)
 
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
         """Draws of ``θ − θ_MAP ~ N(0, P⁻¹)`` (n_samples, P) by sample-then-optimise."""
@@ -584,6 +609,7 @@ class MatFreePosterior(Posterior):
             reports.append(report)
             if keep:
                 kept.append(X)
+            del X  # not held while the next block is drawn and solved
         self._settle(SolveReport.merged(reports))
         if keep:
             self.H.sample_cache = (torch.cat(kept, dim=1), h.clone(), prior.clone())

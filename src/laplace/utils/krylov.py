@@ -31,8 +31,13 @@ __all__ = [
     "rademacher_probes",
 ]
 
-#: ``A X`` for a block ``X`` (P, m), shape (P, m).
-MatMat = Callable[[Tensor], Tensor]
+#: ``A V`` for a block ``V`` (P, m), shape (P, m), called as ``matmat(V, out)``: ``out`` (P, m)
+#: is the memory of a vector the solver no longer needs (or None), which the product may
+#: overwrite with its result. Reusing it keeps a solver's vectors in the same memory over its
+#: iterations.
+MatMat = Callable[[Tensor, Tensor | None], Tensor]
+#: ``M⁻¹ R`` for a block ``R`` (P, m).
+Precondition = Callable[[Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -79,53 +84,75 @@ def conjugate_gradients(
     B: Tensor,
     tol: float,
     max_iter: int,
-    precondition: MatMat | None = None,
+    precondition: Precondition | None = None,
+    overwrite: bool = False,
 ) -> tuple[Tensor, SolveReport]:
     """Solve ``A X = B`` for a symmetric positive definite ``A`` by preconditioned CG.
 
     Each column runs its own recursion (its own step lengths) until
     ``‖bⱼ − A xⱼ‖ ≤ tol·‖bⱼ‖``; the unconverged columns are multiplied together, one block
-    product per iteration.
+    product per iteration. The iterates are updated in place: while every column is active the
+    solver holds the solution, the residual, the direction and the product (P, m), with the
+    preconditioned residual when there is a preconditioner; a column that converges leaves
+    the block (the others are then compacted once).
 
     Args:
-        matmat: ``A V`` for blocks ``V`` (P, k).
+        matmat: ``A V`` for blocks ``V`` (P, k) (see ``MatMat``).
         B: Right-hand sides (P, m).
         tol: Relative residual to reach, > 0.
         max_iter: Most iterations per column.
         precondition: ``M⁻¹ R`` for blocks ``R`` (P, k), with ``M ≈ A`` symmetric positive
             definite (None: the identity).
+        overwrite: Use ``B``'s memory for the residual (``B`` is overwritten).
 
     Returns:
         ``X`` (P, m) and the ``SolveReport``. Columns that did not converge hold their last
         iterate.
     """
-    X = torch.zeros_like(B)
-    R = B.clone()
-    norms = B.norm(dim=0)
+    m = B.shape[1]
+    norms = torch.linalg.vector_norm(B, dim=0)
     residual_norms = norms.clone()
+    solution = torch.zeros_like(B)
     active = (norms > 0).nonzero().flatten()
+    whole = len(active) == m  # the iterates are the whole block: no copies
+    X = solution if whole else solution[:, active]
+    if not whole:
+        R = B[:, active]
+    elif overwrite:
+        R = B
+    else:
+        R = B.clone()
     iterations, products = 0, 0
+    spare: Tensor | None = None  # the memory of the last product, reused for the next
     if len(active):
-        Z = R[:, active] if precondition is None else precondition(R[:, active])
+        Z = R if precondition is None else precondition(R)
         D = Z.clone()
-        rz = (R[:, active] * Z).sum(0)
+        rz = torch.linalg.vecdot(R, Z, dim=0)
+        del Z
     while len(active) and iterations < max_iter:
-        AD = matmat(D)
+        AD = matmat(D, spare)
         products += len(active)
         iterations += 1
-        step = rz / (D * AD).sum(0)
-        X[:, active] += step * D
-        R_active = R[:, active] - step * AD
-        R[:, active] = R_active
-        residual_norms[active] = R_active.norm(dim=0)
+        step = rz / torch.linalg.vecdot(D, AD, dim=0)
+        X.addcmul_(D, step)
+        R.addcmul_(AD, step, value=-1)
+        spare = AD
+        residual_norms[active] = torch.linalg.vector_norm(R, dim=0)
         keep = residual_norms[active] > tol * norms[active]
-        active, R_active, D, rz = active[keep], R_active[:, keep], D[:, keep], rz[keep]
-        if not len(active):
-            break
-        Z = R_active if precondition is None else precondition(R_active)
-        rz_new = (R_active * Z).sum(0)
-        D = Z + (rz_new / rz) * D
+        if not bool(keep.all()):  # converged columns leave the block
+            if not whole:
+                solution[:, active] = X
+            active, rz, whole, spare = active[keep], rz[keep], False, None
+            X, R, D = X[:, keep], R[:, keep], D[:, keep]
+            if not len(active):
+                break
+        Z = R if precondition is None else precondition(R)
+        rz_new = torch.linalg.vecdot(R, Z, dim=0)
+        D.mul_(rz_new / rz).add_(Z)
         rz = rz_new
+        del Z
+    if not whole and len(active):
+        solution[:, active] = X
     relative = torch.where(
         norms > 0, residual_norms / norms.clamp_min(torch.finfo(B.dtype).tiny), 0
     )
@@ -136,7 +163,7 @@ def conjugate_gradients(
         tol=tol,
         converged=not len(active),
     )
-    return X, report
+    return solution, report
 
 
 def rademacher_probes(
@@ -162,7 +189,8 @@ def rademacher_probes(
     signs = torch.randint(
         0, 2, (n_params, n_probes), generator=generator, device=like.device, dtype=torch.int8
     )
-    return signs.to(like.dtype) * 2 - 1
+    probes = torch.empty(n_params, n_probes, device=like.device, dtype=like.dtype)
+    return probes.copy_(signs).mul_(2).sub_(1)
 
 
 @dataclass(frozen=True)
@@ -190,7 +218,7 @@ class LanczosQuadrature:
 
 
 def lanczos_quadrature(
-    matmat: MatMat, probes: Tensor, steps: int, reorthogonalize: bool
+    matmat: MatMat, probes: Tensor, steps: int, reorthogonalize: bool, overwrite: bool = False
 ) -> LanczosQuadrature:
     r"""The Lanczos process from each probe, and its Gauss quadrature nodes and weights.
 
@@ -198,7 +226,7 @@ def lanczos_quadrature(
     vanishes (its Krylov space is invariant: the quadrature is then exact) stops there.
 
     Args:
-        matmat: ``A V`` for blocks ``V`` (P, m), ``A`` symmetric.
+        matmat: ``A V`` for blocks ``V`` (P, m), ``A`` symmetric (see ``MatMat``).
         probes: Start vectors (P, m), nonzero.
         steps: Lanczos steps per probe (the quadrature's number of nodes), at most P.
         reorthogonalize: Orthogonalise each new vector against all earlier ones of its probe
@@ -207,14 +235,17 @@ def lanczos_quadrature(
             kept; orthogonality is then lost as Ritz values converge, which spreads the
             weights over duplicated nodes but leaves the quadrature of smooth functions
             accurate (Ubaru, Chen & Saad, 2017, §4).
+        overwrite: Use ``probes``' memory for the first Lanczos vectors (``probes`` is
+            overwritten).
 
     Returns:
         The ``LanczosQuadrature``.
     """
     m = probes.shape[1]
-    norms = probes.norm(dim=0)
-    Q = probes / norms
-    Q_previous = torch.zeros_like(Q)
+    norms = torch.linalg.vector_norm(probes, dim=0)
+    Q = probes.div_(norms) if overwrite else probes / norms
+    Q_previous: Tensor | None = None
+    spare: Tensor | None = None  # the memory of a vector no longer needed
     alphas = probes.new_zeros(m, steps)
     betas = probes.new_zeros(m, steps)
     lengths = torch.full((m,), steps, dtype=torch.long, device=probes.device)
@@ -225,17 +256,22 @@ def lanczos_quadrature(
     scale = probes.new_zeros(m)
     tiny = 100 * torch.finfo(probes.dtype).eps
     for j in range(steps):
-        W = torch.zeros_like(Q)
-        W[:, active] = matmat(Q[:, active])
+        if bool(active.all()):
+            W = matmat(Q, spare)
+        else:  # closed probes' vectors stay zero
+            W = torch.zeros_like(Q) if spare is None else spare.zero_()
+            W[:, active] = matmat(Q[:, active], None)
         products += int(active.sum())
-        alpha = (Q * W).sum(0)
+        alpha = torch.linalg.vecdot(Q, W, dim=0)
         alphas[:, j] = alpha * active
-        W = W - alpha * Q - beta * Q_previous
+        W.addcmul_(Q, alpha, value=-1)
+        if Q_previous is not None:
+            W.addcmul_(Q_previous, beta, value=-1)
         if reorthogonalize:
             for _ in range(2):
                 for V in basis:
-                    W = W - (V * W).sum(0) * V
-        beta_new = W.norm(dim=0)
+                    W.addcmul_(V, torch.linalg.vecdot(V, W, dim=0), value=-1)
+        beta_new = torch.linalg.vector_norm(W, dim=0)
         scale = torch.maximum(scale, alpha.abs() + beta_new)
         closing = active & (beta_new <= tiny * scale)
         lengths[closing] = j + 1
@@ -243,10 +279,9 @@ def lanczos_quadrature(
         if j + 1 == steps or not bool(active.any()):
             break
         betas[:, j] = beta_new * active
-        Q_previous, Q = (
-            Q,
-            torch.where(active, W / beta_new.clamp_min(torch.finfo(W.dtype).tiny), 0),
-        )
+        inverse = torch.where(active, 1 / beta_new.clamp_min(torch.finfo(W.dtype).tiny), 0)
+        spare = None if reorthogonalize else Q_previous  # a basis vector is kept
+        Q_previous, Q = Q, W.mul_(inverse)
         beta = beta_new * active
         if reorthogonalize:
             basis.append(Q)
