@@ -133,19 +133,19 @@ class ParametricLaplace(BaseLaplace):
         Before ``fit`` it is the prior (``H`` is zero). The cache compares the prior precision
         as given (scalar, layer-wise or diagonal), not its expansion to the diagonal.
         """
-        h_factor, prior = self._H_factor, self.prior_precision
+        h_factor, prior_diag = self._H_factor, self.prior_precision_diag
         if self.H is None:
             raise NotFittedError("the posterior needs fit() first (or a call to _init_H()).")
-        if h_factor.requires_grad or prior.requires_grad:
-            return self._posterior_cls(self.H, h_factor, self.prior_precision_diag)
-        key = (id(self.H), getattr(self.H, "_version", None))
+        if h_factor.requires_grad or prior_diag.requires_grad:
+            return self._posterior_cls(self.H, h_factor, prior_diag)
+        key, prior = (id(self.H), getattr(self.H, "_version", None)), self.prior_precision
         cache = self._posterior_cache
         if (
             cache is None
             or cache[0] != key
             or not (torch.equal(cache[1], h_factor) and torch.equal(cache[2], prior))
         ):
-            posterior = self._posterior_cls(self.H, h_factor, self.prior_precision_diag)
+            posterior = self._posterior_cls(self.H, h_factor, prior_diag)
             cache = self._posterior_cache = (key, h_factor.clone(), prior.clone(), posterior)
         return cache[3]
 
