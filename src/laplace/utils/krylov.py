@@ -109,27 +109,33 @@ def conjugate_gradients(
         ``X`` (P, m) and the ``SolveReport``. Columns that did not converge hold their last
         iterate.
     """
-    m = B.shape[1]
     norms = torch.linalg.vector_norm(B, dim=0)
     residual_norms = norms.clone()
     solution = torch.zeros_like(B)
-    active = (norms > 0).nonzero().flatten()
-    whole = len(active) == m  # the iterates are the whole block: no copies
-    X = solution if whole else solution[:, active]
-    if not whole:
-        R = B[:, active]
-    elif overwrite:
-        R = B
-    else:
-        R = B.clone()
+    # The active columns' iterates: the solution and the residual themselves until a column
+    # leaves the block, compacted copies after.
+    X, R = solution, (B if overwrite else B.clone())
+    Z = R if precondition is None else precondition(R)
+    D, rz = Z.clone(), torch.linalg.vecdot(R, Z, dim=0)
+    del Z
+    active = torch.arange(B.shape[1], device=B.device)
+    keep = norms > 0  # a zero right-hand side is solved by zero
     iterations, products = 0, 0
     spare: Tensor | None = None  # the memory of the last product, reused for the next
-    if len(active):
-        Z = R if precondition is None else precondition(R)
-        D = Z.clone()
-        rz = torch.linalg.vecdot(R, Z, dim=0)
-        del Z
-    while len(active) and iterations < max_iter:
+    while True:
+        if not bool(keep.all()):  # solved columns leave the block
+            if X is not solution:
+                solution[:, active] = X
+            active, rz, spare = active[keep], rz[keep], None
+            X, R, D = X[:, keep], R[:, keep], D[:, keep]
+        if not len(active) or iterations == max_iter:
+            break
+        if iterations:  # the next direction, conjugate to the last
+            Z = R if precondition is None else precondition(R)
+            rz_new = torch.linalg.vecdot(R, Z, dim=0)
+            D.mul_(rz_new / rz).add_(Z)
+            rz = rz_new
+            del Z
         AD = matmat(D, spare)
         products += len(active)
         iterations += 1
@@ -139,19 +145,7 @@ def conjugate_gradients(
         spare = AD
         residual_norms[active] = torch.linalg.vector_norm(R, dim=0)
         keep = residual_norms[active] > tol * norms[active]
-        if not bool(keep.all()):  # converged columns leave the block
-            if not whole:
-                solution[:, active] = X
-            active, rz, whole, spare = active[keep], rz[keep], False, None
-            X, R, D = X[:, keep], R[:, keep], D[:, keep]
-            if not len(active):
-                break
-        Z = R if precondition is None else precondition(R)
-        rz_new = torch.linalg.vecdot(R, Z, dim=0)
-        D.mul_(rz_new / rz).add_(Z)
-        rz = rz_new
-        del Z
-    if not whole and len(active):
+    if X is not solution:
         solution[:, active] = X
     relative = torch.where(
         norms > 0, residual_norms / norms.clamp_min(torch.finfo(B.dtype).tiny), 0
