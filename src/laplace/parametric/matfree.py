@@ -323,10 +323,7 @@ class MatFreeLaplace(ParametricLaplace):
         """As ``ParametricLaplace``'s, with the variance route chosen for all points at once."""
         n_points = batch_size_of(X, self.dict_key_x)
         n_rows = n_points * self._likelihood_model.outputs.per_point(self.n_outputs)
-        route = self.solver_options.predictive
-        if route == "auto":
-            route = "samples" if n_rows > self.solver_options.variance_samples else "cg"
-        route = "cg" if joint else route
+        route = "cg" if joint else self.solver_options.route(n_rows)
         if self.H.distributed:  # every process must take the same route (its solves are shared)
             distributed_utils.check_consistent(
                 {"predictive route": route},

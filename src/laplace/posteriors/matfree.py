@@ -128,6 +128,12 @@ class MatFreeOptions:
         """The settings as plain values (for a state)."""
         return asdict(self)
 
+    def route(self, n_rows: int) -> str:
+        """``"cg"`` or ``"samples"``: the route of the GLM variances of ``n_rows`` output rows."""
+        if self.predictive != "auto":
+            return self.predictive
+        return "samples" if n_rows > self.variance_samples else "cg"
+
 
 @dataclass(frozen=True)
 class LogDetReport:
@@ -632,8 +638,7 @@ class MatFreePosterior(Posterior):
 
     def _use_samples(self, n_rows: int) -> bool:
         """Whether ``J P⁻¹ Jᵀ`` of ``n_rows`` output rows comes from posterior samples."""
-        route = self.H.variance_route or self.options.predictive
-        return route == "samples" or (route == "auto" and n_rows > self.options.variance_samples)
+        return (self.H.variance_route or self.options.route(n_rows)) == "samples"
 
 
 def matfree_trace_variance(posterior: MatFreePosterior, J: LayerTrace) -> Tensor:
