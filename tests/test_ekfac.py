@@ -24,6 +24,7 @@ from conftest import (
 )
 from laplace import EKFACLaplace, EKFACLLLaplace, FullLaplace, KronLaplace, Laplace
 from laplace.curvature import AsdlGGN, BackPackGGN, CurvlinopsEF, CurvlinopsGGN
+from laplace.curvature import kfac as kfac_module
 from laplace.parametric import kron as kron_module
 from laplace.posteriors import large_output
 from laplace.posteriors.kron import kron_functional_variance
@@ -100,10 +101,23 @@ def fit_ekfac(model, X, y, likelihood, **kwargs) -> EKFACLaplace:
     return la
 
 
+#: Which statistics a weight keeps for its eigenvalues: the cheaper (``_keeps_rows``), always
+#: the per-row gradients, or always the inputs and gradients.
+ROUTES = {
+    "cheaper": kfac_module._keeps_rows,
+    "rows": lambda a, grads: True,
+    "inputs": lambda a, grads: False,
+}
+
+
 # ------------------------------------------------------------------ eigenvalues vs the oracle
+@pytest.mark.parametrize("route", list(ROUTES))
 @pytest.mark.parametrize("family", ["ggn", "ef"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_corrected_eigenvalues_are_the_exact_blocks_diagonal_in_the_kfac_eigenbasis(name, family):
+def test_corrected_eigenvalues_are_the_exact_blocks_diagonal_in_the_kfac_eigenbasis(
+    name, family, route, monkeypatch
+):
+    monkeypatch.setattr(kfac_module, "_keeps_rows", ROUTES[route])
     model, X, y, likelihood = CASES[name]()
     backend = CurvlinopsEF if family == "ef" else None
     la = fit_ekfac(model, X, y, likelihood, backend=backend)

@@ -15,7 +15,7 @@ with extra dimensions, low-rank factors) are in ``docs/backends.md``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -319,32 +319,62 @@ def _rotated(t: Tensor, Q: Tensor | None) -> Tensor:
     return t if Q is None else t @ Q
 
 
-def _projected_squares(a: Tensor, g: Tensor, Q_out: Tensor | None) -> tuple[Tensor, Tensor]:
+def _keeps_rows(a: Tensor, grads: list[Tensor]) -> bool:
+    """Whether a weight's per-row gradients are cheaper to project than its inputs and gradients.
+
+    Rotating the K columns' gradients (R, T, D_out) and the inputs (R, T, D_in) into the
+    eigenbasis costs ``R·T·(K·D_out² + D_in²)``; rotating the per-row gradients
+    ``Σₜ gₖᵣₜ aᵣₜᵀ`` (which both routes form) ``K·R·D_out·D_in·(D_out + D_in)``. Small
+    kernels applied at many positions (a first convolution) take the second route, which also
+    keeps less: (K, R, D_in, D_out) instead of (K, R, T, D_out).
+    """
+    T, D_in = a.shape[1:]
+    K, D_out = sum(len(g) for g in grads), grads[0].shape[-1]
+    return T > 1 and T * (K * D_out**2 + D_in**2) > K * D_out * D_in * (D_out + D_in)
+
+
+def _row_gradients(a: Tensor, g: Tensor) -> Tensor:
+    """Transposed per-row weight gradients ``Σₜ aᵣₜ gₖᵣₜᵀ`` (k, R, D_in, D_out)."""
+    return a.to(g.dtype).transpose(-1, -2) @ g
+
+
+def _rotated_row_squares(rows: Tensor, Q_out: Tensor | None, Q_in: Tensor | None) -> Tensor:
+    """``Σₖᵣ (Q_outᵀ uₖᵣ Q_in)²`` entry by entry (D_out, D_in) of ``uₖᵣᵀ`` (k, R, D_in, D_out)."""
+    rotated = _rotated(_rotated(rows, Q_out).transpose(-1, -2), Q_in)
+    return rotated.square().sum((0, 1))
+
+
+def _projected_squares(
+    a: Tensor, grads: list[Tensor], Q_out: Tensor | None
+) -> tuple[Tensor, Tensor]:
     """``Σₖᵣ (gₖᵣᵀ aᵣ)²`` entry by entry, (D_out, D_in), and ``Σₖᵣ (Σₜ gₖᵣₜ)²`` (D_out,).
 
     Args:
         a: Rotated inputs (R, T, D_in).
-        g: Gradients (k, R, T, D_out), rotated here by ``Q_out``.
+        grads: The gradients' chunks (k, R, T, D_out), rotated here by ``Q_out``.
         Q_out: The output factor's eigenvectors (None: the identity).
 
     ``gₖᵣᵀ aᵣ`` is a row's gradient of a weight seen at T positions for column k. One position
-    per row needs no per-row matrix: ``Σᵣ (Σₖ gₖᵣ²)(aᵣ²)ᵀ``; several are formed as
-    ``(Q_outᵀ gᵣᵀ) aᵣ`` (R, k·D_out, D_in), a chunk of rows at a time.
+    per row needs no per-row matrix: ``Σᵣ (Σₖ gₖᵣ²)(aᵣ²)ᵀ``, one product for all chunks;
+    several are formed as ``(Q_outᵀ gᵣᵀ) aᵣ`` (R, k·D_out, D_in), a chunk of rows at a time.
     """
-    if a.shape[1] == 1:
-        rotated = _rotated(g[:, :, 0], Q_out).square()
-        return rotated.sum(0).T @ a[:, 0].square(), rotated.sum((0, 1))
-    k, R, T, D_out = g.shape
-    columns = g.permute(1, 0, 3, 2)  # (R, k, D_out, T)
-    rotated = columns if Q_out is None else torch.matmul(Q_out.T, columns)
-    bias = rotated.sum(3).square().sum((0, 1))
-    rotated = rotated.reshape(R, k * D_out, T)
-    step = max(1, EIGENVALUE_CHUNK_ELEMENTS // (k * D_out * a.shape[-1]))
-    total = g.new_zeros(D_out, a.shape[-1])
-    for start in range(0, R, step):
-        rows = slice(start, start + step)
-        products = torch.bmm(rotated[rows], a[rows]).square()
-        total += products.unflatten(1, (k, D_out)).sum((0, 1))
+    R, T, D_in = a.shape
+    if T == 1:
+        row_weights = sum(_rotated(g[:, :, 0], Q_out).square().sum(0) for g in grads)
+        return row_weights.T @ a[:, 0].square(), row_weights.sum(0)
+    D_out = grads[0].shape[-1]
+    total, bias = a.new_zeros(D_out, D_in), a.new_zeros(D_out)
+    for g in grads:
+        rotated = _rotated(g, Q_out)  # (k, R, T, D_out)
+        bias += rotated.sum(2).square().sum((0, 1))
+        k = len(g)
+        # (R, k·D_out, T), a view where k = 1
+        columns = rotated.permute(1, 0, 3, 2).reshape(R, k * D_out, T)
+        step = max(1, EIGENVALUE_CHUNK_ELEMENTS // (k * D_out * D_in))
+        for start in range(0, R, step):
+            rows = slice(start, start + step)
+            products = torch.bmm(columns[rows], a[rows]).square_()
+            total += products.unflatten(1, (k, D_out)).sum((0, 1))
     return total, bias
 
 
@@ -373,13 +403,30 @@ def _same(Q: Tensor | None, other: Tensor | None) -> bool:
     return Q is not None and other is not None and Q.shape == other.shape and torch.equal(Q, other)
 
 
+class _KeptCall(NamedTuple):
+    """One call's kept statistics.
+
+    ``inputs`` (R, T, D_in) and ``grads`` chunks (k, R, T, D_out); or, where ``rows`` are kept
+    (``_keeps_rows``), the transposed per-row weight gradients' chunks (k, R, D_in, D_out),
+    ``grads`` then summed over the positions (k, R, 1, D_out) for a bias and ``inputs`` None.
+    """
+
+    module: nn.Module
+    rule: KfacRule
+    inputs: Tensor | None
+    grads: list[Tensor]
+    rows: list[Tensor] | None
+
+
 class KfacStatistics:
     """A batch's layer inputs and output gradients of the Kronecker blocks, for EKFAC.
 
     What ``kfac`` computes its factors from, kept per call: the inputs ``aₙₜ`` (R, T, D_in)
     (an embedding's token indices) and the gradients ``gₖₙₜ`` (K, R, T, D_out) of all K
     curvature columns, so that ``eigenvalues`` can project them into an eigenbasis found later,
-    without another pass over the data.
+    without another pass over the data. A weight seen at many positions through a small kernel
+    keeps its per-row gradients instead, which are both smaller and cheaper to project
+    (``_keeps_rows``).
 
     Args:
         plan: The blocks of the engine's parameters (``plan_blocks``).
@@ -391,16 +438,25 @@ class KfacStatistics:
         self.plan, self.shapes, self.like = plan, shapes, like
         self.weight_slots = {b.module: s for s, b in enumerate(plan) if b.kind == "kron"}
         self.bias_slots = {b.module: s for s, b in enumerate(plan) if b.kind == "bias"}
-        self.calls: list[tuple[nn.Module, KfacRule, Tensor, list[Tensor]]] = []
+        self.calls: list[_KeptCall] = []
 
     def add(self, module: nn.Module, rule: KfacRule, a: Tensor, grads: list[Tensor]) -> None:
         """Keep one call's inputs (R, T, D_in) and column gradients, chunks (k, R, T, D_out)."""
-        self.calls.append((module, rule, a, grads))
+        weight = module in self.weight_slots and not rule.one_hot
+        if weight and _keeps_rows(a, grads):
+            rows = [_row_gradients(a, g) for g in grads]
+            sums = [g.sum(2, keepdim=True) for g in grads]
+            self.calls.append(_KeptCall(module, rule, None, sums, rows))
+        else:
+            self.calls.append(_KeptCall(module, rule, a, grads, None))
 
     @property
     def nbytes(self) -> int:
         """Memory the kept tensors hold."""
-        return sum(a.nbytes + sum(g.nbytes for g in gs) for _, _, a, gs in self.calls)
+        return sum(
+            sum(t.nbytes for t in [c.inputs, *c.grads, *(c.rows or [])] if t is not None)
+            for c in self.calls
+        )
 
     def eigenvalues(self, bases: list[list[Tensor | None]]) -> list[Tensor | None]:
         r"""``diag(Qᵀ H Q)`` of each Kronecker block's exact curvature in the eigenbasis ``bases``.
@@ -420,26 +476,31 @@ class KfacStatistics:
             for the blocks that are exact already (dense or diagonal).
         """
         sums: dict[int, Tensor] = {}
-        for module, rule, a, grads in self.calls:
+        for module, rule, a, grads, rows in self.calls:
             weight, bias = self.weight_slots.get(module), self.bias_slots.get(module)
             Q_out = Q_in = None
             if weight is not None:
                 Q0, Q1 = bases[weight]
                 Q_out, Q_in = (Q1, Q0) if rule.inputs_first else (Q0, Q1)
-                if not rule.one_hot:
-                    a = _rotated(a, Q_in).to(grads[0].dtype)
-            # the bias's basis is the weight's output basis where their factors agree
-            Q_bias = bases[bias][0] if bias is not None else None
-            shared = weight is not None and not rule.one_hot and _same(Q_bias, Q_out)
-            for g in grads:
-                if weight is not None and rule.one_hot:
+            squares = bias_squares = None
+            if weight is not None and rule.one_hot:
+                for g in grads:
                     _add(sums, weight, _embedding_squares(module, a, _rotated(g, Q_out)))
-                elif weight is not None:
-                    squares, bias_squares = _projected_squares(a, g, Q_out)
-                    _add(sums, weight, squares.T if rule.inputs_first else squares)
-                    if shared:
-                        _add(sums, bias, bias_squares)
-                if bias is not None and not shared:
+            elif rows is not None:
+                squares = sum(_rotated_row_squares(u, Q_out, Q_in) for u in rows)
+            elif weight is not None:
+                a = _rotated(a, Q_in).to(grads[0].dtype)
+                squares, bias_squares = _projected_squares(a, grads, Q_out)
+            if squares is not None:
+                _add(sums, weight, squares.T if rule.inputs_first else squares)
+            if bias is None:
+                continue
+            # the bias's basis is the weight's output basis where their factors agree
+            Q_bias = bases[bias][0]
+            if bias_squares is not None and _same(Q_bias, Q_out):
+                _add(sums, bias, bias_squares)
+            else:
+                for g in grads:
                     _add(sums, bias, _rotated(g.sum(2), Q_bias).square().sum((0, 1)))
         eigenvalues: list[Tensor | None] = []
         for slot, (block, shape) in enumerate(zip(self.plan, self.shapes)):
