@@ -230,4 +230,4 @@ def test_the_chunk_size_comes_from_the_kind(case_name, subset, structure, layerw
     width = len(la.prior_precision_diag)  # P, or K entries of a subnetwork
     assert width == (la.n_params if subset != "subnetwork" else 15)
     jacobian_rows = jacobian_chunk_rows(la.n_outputs, width, torch.float64)
-    assert la._chunk_rows() == (LAYERWISE_CHUNK_ROWS if layerwise else jacobian_rows)
+    assert la._chunk_rows(len(X)) == (LAYERWISE_CHUNK_ROWS if layerwise else jacobian_rows)

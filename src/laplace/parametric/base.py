@@ -448,8 +448,13 @@ class ParametricLaplace(BaseLaplace):
         return self(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
 
     # ----------------------------------------------------------------------------- GLM
-    def _chunk_rows(self) -> int:
-        """Test points per chunk, from the Jacobian kind the subset gives this posterior."""
+    def _chunk_rows(self, n_points: int) -> int:
+        """Test points per chunk, from the Jacobian kind the subset gives this posterior.
+
+        Args:
+            n_points: The call's number of test points (read by ``MatFreeLaplace``'s sampled
+                route, which takes them all at once).
+        """
         if self._subset.variances_only_reason(self.n_outputs):
             # A last layer's closed forms hold about C·(D + 1) numbers per point.
             n_in = self._subset.layer.in_features
@@ -479,7 +484,8 @@ class ParametricLaplace(BaseLaplace):
             f_mu, J = self._subset.linearize(X, self.backend, (), self.enable_backprop)
             return self._detached(f_mu.reshape(-1), self.functional_covariance(J.dense()))
         means, variances = [], []
-        for chunk in input_chunks(X, self._chunk_rows(), self.dict_key_x):
+        n_points = batch_size_of(X, self.dict_key_x)
+        for chunk in input_chunks(X, self._chunk_rows(n_points), self.dict_key_x):
             f_mu, f_var = self._functional_moments(chunk)
             check_outputs(f_mu, batch_size_of(chunk, self.dict_key_x))
             self._checked_finite(f_var, "predictive variance")

@@ -195,8 +195,6 @@ class MatFreeLaplace(ParametricLaplace):
     _posterior_cls = MatFreePosterior
     _curvature_pass = CurvatureProducts
     _state_format = MatFreeState()
-    #: Test points of the prediction being made (``_chunk_rows`` of the sampled route).
-    _points_in_call = 0
 
     def __init__(
         self,
@@ -299,18 +297,18 @@ class MatFreeLaplace(ParametricLaplace):
         """Curvature-vector products made since ``fit`` (a block of m vectors counts m)."""
         return 0 if self.H is None else self.H.products
 
-    def _chunk_rows(self) -> int:
-        """Test points per chunk.
+    def _chunk_rows(self, n_points: int) -> int:
+        """Test points per chunk of a call on ``n_points`` points.
 
         The sampled route with the Jacobian-free kind takes all the call's points at once
         (their recorded passes, not their Jacobians), so that its solves are made once per
         call; conjugate gradients as many points as a solver block holds.
         """
-        rows = super()._chunk_rows()
+        rows = super()._chunk_rows(n_points)
         if self.H.variance_route == "samples":
             outputs = self._likelihood_model.outputs
             kind = row_kind(self._subset.jacobian_kind(self._posterior.closed_forms), outputs)
-            return max(rows, self._points_in_call) if kind is LayerTrace else rows
+            return max(rows, n_points) if kind is LayerTrace else rows
         per_point = self._likelihood_model.outputs.per_point(self.n_outputs)
         solver = self.solver_options.block_bytes // (
             2 * per_point * self.n_params * self.mean.element_size()
@@ -331,7 +329,7 @@ class MatFreeLaplace(ParametricLaplace):
                 "predict the same number of points on every process, or pass "
                 "predictive='samples' (or 'cg') to MatFreeLaplace",
             )
-        self.H.variance_route, self._points_in_call = route, n_points
+        self.H.variance_route = route
         try:
             return super()._glm_predictive_distribution(X, joint, diagonal_output)
         finally:
