@@ -8,7 +8,7 @@ column w.r.t. *layer outputs* (not weights) can be taken afterwards with
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from functools import partial
 from typing import Any, Protocol
 
@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from laplace.curvature.layer_rules import ModuleCall
 from laplace.utils.data import Inputs, upcast
 
-__all__ = ["Columns", "OutputGradients", "column_chunks", "record_forward"]
+__all__ = ["EXPAND", "LIFT", "Columns", "OutputGradients", "column_chunks", "record_forward"]
 
 
 class Columns(Protocol):
@@ -77,6 +77,13 @@ def _first_rows(x: Inputs) -> int | None:
     return leaves[0].shape[0] if leaves else None
 
 
+#: How a module's output shared by the batch is recorded: its size-1 leading dimension
+#: expanded along the batch (a table looked up once with a batch dimension of one, (1, T, D)),
+#: or a batch dimension put in front (a table looked up without one, ``wpe(arange(T))``,
+#: (T, D)). Both give per-sample output gradients of a broadcast.
+EXPAND, LIFT = "expand", "lift"
+
+
 def _broadcast_candidates(calls: list[ModuleCall], batch: int) -> set[nn.Module]:
     """Modules called on batch-independent inputs (leading size 1) with outputs of one row."""
     if batch <= 1:
@@ -91,13 +98,31 @@ def _broadcast_candidates(calls: list[ModuleCall], batch: int) -> set[nn.Module]
     return candidates
 
 
-def _broadcast_per_sample(f: Tensor, reference: Tensor, calls: list[ModuleCall]) -> bool:
-    """Whether expanding the shared outputs along the batch left ``f`` a per-sample function.
+def _lift_candidates(calls: list[ModuleCall], batch: int) -> set[nn.Module]:
+    """Modules whose outputs have neither the batch's rows nor one: tables without a batch dim."""
+    if batch <= 1:
+        return set()
+    return {
+        call.module
+        for call in calls
+        if all(z.dim() > 0 and z.shape[0] not in (1, batch) for z in call.outputs)
+    }
 
-    The expanded model must give the same outputs, and the first data point's outputs must
-    depend on the first row of each expanded output only (a broadcast, not a reduction).
+
+def _widened(mode: str, batch: int) -> Callable[[Tensor], Tensor]:
+    """The map of a shared output (and its call's inputs) to one row per data point."""
+    if mode == LIFT:
+        return lambda v: v.unsqueeze(0).expand(batch, *v.shape)
+    return lambda v: v.expand(batch, *v.shape[1:]) if v.dim() and v.shape[0] == 1 else v
+
+
+def _broadcast_per_sample(f: Tensor, reference: Tensor, calls: list[ModuleCall]) -> bool:
+    """Whether widening the shared outputs along the batch left ``f`` a per-sample function.
+
+    The widened model must give the same outputs, and the first data point's outputs must
+    depend on the first row of each widened output only (a broadcast, not a reduction).
     """
-    if f.shape != reference.shape:
+    if f.shape != reference.shape or not calls:
         return False
     scale = reference.detach().abs().amax().clamp_min(1)
     tolerance = 64 * torch.finfo(f.dtype).eps * scale
@@ -113,18 +138,22 @@ def record_forward(
     owners: dict[nn.Module, list[str]],
     x: Inputs,
     keep_input_graph: bool,
-    shared: dict[nn.Module, bool] | None = None,
+    shared: dict[nn.Module, str | bool] | None = None,
     dtype: torch.dtype | None = None,
+    lift: Collection[nn.Module] = (),
 ) -> tuple[Tensor, list[ModuleCall]]:
     """Run ``model(x)`` recording every call of the modules in ``owners``.
 
     Every call is recorded with the data points along dim 0: a recurrent layer's outputs and
-    inputs as batch-first views, and the output of a module called on batch-independent
-    inputs and broadcast along the batch (a position embedding looked up once, (1, T, D)) as
-    its expansion (B, T, D), which the model then uses instead, so that its output gradients
-    are per data point. Whether such an output is only broadcast is checked once per module
-    (same outputs, and each data point's outputs depend only on its own row) and remembered in
-    ``shared``; a module that fails the check is recorded as it is.
+    inputs as batch-first views, and the output of a module shared by the batch and broadcast
+    along it as one row per data point, which the model then uses instead, so that its output
+    gradients are per data point: a module called on batch-independent inputs with outputs of
+    one row (a position embedding looked up once, (1, T, D)) is expanded to (B, T, D); one
+    whose outputs have neither the batch's rows nor one (``wpe(arange(T))``, (T, D)), or is
+    named in ``lift``, gets a batch dimension in front, (B, T, D). Whether such an output is
+    only broadcast is checked once per module (the model gives the same outputs, and each data
+    point's outputs depend only on its own row) and remembered in ``shared``; a module that
+    fails the check is recorded as it is.
 
     When an output is later modified in place (``ReLU(inplace=True)``), the recorded tensor no
     longer is the layer output; the forward is then repeated with the hooks handing a copy of
@@ -136,9 +165,12 @@ def record_forward(
         x: Model inputs (a tensor or a mapping passed whole to the model).
         keep_input_graph: Keep the recorded inputs attached to the graph (needed to
             differentiate results w.r.t. ``x``).
-        shared: Per module met with a shared output, whether it is expanded (updated here).
+        shared: Per module met with a shared output, how it is widened (``EXPAND``, ``LIFT``)
+            or False where it is not (updated here).
         dtype: Floating-point type the recorded inputs are cast to (None: half precision to
             float32, others as they are).
+        lift: Modules to try recording with a batch dimension in front (the attribution guard
+            found their outputs' rows are not data points).
 
     Returns:
         The model output ``f`` (attached to the graph) and the recorded calls in call order.
@@ -147,7 +179,7 @@ def record_forward(
     calls: list[ModuleCall] = []
     versions: list[int] = []
     clone_outputs = False
-    expand: set[nn.Module] = {m for m, expanded in shared.items() if expanded}
+    widen: dict[nn.Module, str] = {m: mode for m, mode in shared.items() if mode}
     batch = _first_rows(x)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -162,14 +194,12 @@ def record_forward(
         dims = _native_dims(module, args, len(tensors))
         if dims is not None:
             args, kwargs = _batch_first_args(module, args, kwargs)
-        if module in expand and batch is not None:
-
-            def widen(v: Tensor) -> Tensor:
-                return v.expand(batch, *v.shape[1:]) if v.dim() and v.shape[0] == 1 else v
-
-            args, kwargs = tree_map_only(Tensor, widen, (args, kwargs))
+        mode = widen.get(module)
+        if mode is not None and batch is not None:
+            rows = _widened(mode, batch)
+            args, kwargs = tree_map_only(Tensor, rows, (args, kwargs))
             for i in tensors:
-                leaves[i] = widen(leaves[i])
+                leaves[i] = rows(leaves[i])
         outputs = [leaves[tensors[j]] for j in slots]
         if dims is not None:
             outputs = [z.movedim(dims[j], 0) for j, z in zip(slots, outputs)]
@@ -179,7 +209,7 @@ def record_forward(
         versions.extend(z._version for z in outputs)
         if clone_outputs:
             leaves = [leaf.clone() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
-        elif dims is None and module not in expand:
+        elif dims is None and mode is None:
             return None
         return tree_unflatten(leaves, spec)
 
@@ -195,25 +225,39 @@ def record_forward(
             f = model(x)
         return f
 
+    def try_widening(candidates: set[nn.Module], mode: str, f: Tensor) -> Tensor:
+        """Record ``candidates`` widened by ``mode``; keep it where they pass the check."""
+        nonlocal batch
+        reference, found, before = f, list(calls), batch
+        widen.update(dict.fromkeys(candidates, mode))
+        batch = f.shape[0]
+        try:
+            f = run()
+            ok = _broadcast_per_sample(f, reference, [c for c in calls if c.module in candidates])
+        except Exception:  # the model cannot take the widened rows: not a broadcast
+            ok = False
+        shared.update(dict.fromkeys(candidates, mode if ok else False))
+        if ok:
+            return f
+        for module in candidates:
+            del widen[module]
+        batch = before
+        calls[:] = found
+        return reference
+
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in owners]
     try:
         with torch.enable_grad():
             f = run()
-            if expand and f.shape[0] != batch:  # the first guess of the batch size was wrong
+            if widen and f.shape[0] != batch:  # the first guess of the batch size was wrong
                 batch = f.shape[0]
                 f = run()
             candidates = _broadcast_candidates(calls, f.shape[0]) - set(shared)
             if candidates:
-                reference, found = f, list(calls)
-                expand |= candidates
-                batch = f.shape[0]
-                f = run()
-                expanded = [call for call in calls if call.module in candidates]
-                ok = _broadcast_per_sample(f, reference, expanded)
-                shared.update(dict.fromkeys(candidates, ok))
-                if not ok:
-                    expand -= candidates
-                    f, calls[:] = reference, found
+                f = try_widening(candidates, EXPAND, f)
+            candidates = (_lift_candidates(calls, f.shape[0]) | set(lift)) - set(shared)
+            if candidates:
+                f = try_widening(candidates, LIFT, f)
     finally:
         for handle in handles:
             handle.remove()

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from laplace.curvature.capture import column_chunks
 from laplace.curvature.kfac_rules import (
     KFAC_DENSE_LIMIT,
     Block,
@@ -31,7 +32,7 @@ from laplace.curvature.kfac_rules import (
     plan_blocks,
 )
 from laplace.curvature.layer_rules import ModuleCall
-from laplace.curvature.per_sample import Columns, PerSampleTrace
+from laplace.curvature.per_sample import COLUMNS_PER_BACKWARD, Columns, PerSampleTrace
 from laplace.curvature.square_sums import row_token_pairs
 from laplace.utils.data import posterior_dtype
 from laplace.utils.diag_lowrank import DiagLowRank
@@ -182,6 +183,16 @@ class _ExactBlocks:
             if any(plan[slot[call.module, name]].kind in ("dense", "diag") for name in call.names)
         ]
 
+    def add_exact(self, columns: Tensor) -> None:
+        """Add the blocks of the guard's exact slots for a chunk of columns (K, B, ...)."""
+        for s, u in self.trace.exact_rows(columns).items():
+            u = u.detach().flatten(0, 1).flatten(1)
+            _add(
+                self.sums,
+                s,
+                u.square().sum(0) if self.plan[s].kind == "diag" else symmetric_gram(u),
+            )
+
     def add(self, grads: list[list[Tensor]]) -> None:
         """Add the blocks of a chunk of columns (per call, gradients (k, R, ...))."""
         rows: dict[int, list[Tensor]] = {}  # per slot, per call, the per-sample gradients
@@ -203,6 +214,26 @@ class _ExactBlocks:
             u = torch.stack(us).sum(0) if same_rows else torch.cat(us)
             diagonal = self.plan[s].kind == "diag"
             _add(self.sums, s, u.square().sum(0) if diagonal else symmetric_gram(u))
+
+
+def _check_exact_slots(trace: PerSampleTrace, plan: list[Block]) -> None:
+    """Refuse a Kronecker-factored parameter whose recorded calls the guard does not trust.
+
+    Such a parameter's exact block comes from per-sample gradients; one planned as ``G ⊗ A``
+    has no inputs and output gradients of all its uses to factor.
+
+    Raises:
+        ValueError: Naming the parameter, why, and the alternatives.
+    """
+    for slot in trace.exact_slots:
+        if plan[slot].kind in ("kron", "bias"):
+            raise ValueError(
+                f"{trace.engine.describe(slot)} has a Kronecker block, but "
+                f"{trace.exact_reasons[slot]}: its inputs and output gradients are not all "
+                "recorded, so G ⊗ A cannot be formed. Use hessian_structure='diag', 'full' or "
+                "'lowrank' (exact for it), call the module for every use (tie weights by "
+                "sharing the parameter between modules), or freeze it (requires_grad=False)."
+            )
 
 
 def kfac(
@@ -254,6 +285,7 @@ def kfac(
     _check_batch_rows(trace)
     engine, calls = trace.engine, trace.calls
     plan = plan_blocks(engine, dense_limit, low_rank_above)
+    _check_exact_slots(trace, plan)
     kron_rules = {b.module: b.rule for b in plan if b.kind in ("kron", "bias")}
     low_rank = {b.module for b in plan if b.low_rank}
     # the weights with a Kronecker block (not a tied weight's exact block), with their rule
@@ -268,6 +300,8 @@ def kfac(
             inputs[i] = rule.inputs(call).detach()
             _add(A, call.module, _input_factor(rule, call, inputs[i], approx, root, n))
     exact = _ExactBlocks(trace, plan)
+    for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD) if trace.exact_slots else ():
+        exact.add_exact(chunk)
     rows: dict[int, list[Tensor]] = {}
     kept: dict[int, list[Tensor]] = {}
     for stacked in trace.column_gradients(columns) if gradients is None else [gradients]:
@@ -539,6 +573,7 @@ def kfac_eigenvalues(
     _check_batch_rows(trace)
     engine = trace.engine
     plan = plan_blocks(engine, dense_limit)
+    _check_exact_slots(trace, plan)
     rules = {b.module: b.rule for b in plan if b.kind in ("kron", "bias")}
     grads: dict[int, list[Tensor]] = {}
     for stacked in trace.column_gradients(columns):

@@ -7,18 +7,23 @@ records each parameter-owning layer's input ``a`` and output ``z``; one backward
 w.r.t. the layer outputs gives ``g = ∂(vᵀ f)/∂z``, and per-layer rules
 (``laplace.curvature.layer_rules``) turn ``(a, g)`` into per-sample gradients. Models whose
 layers do not see the data points along dim 0 fall back to batched backward passes, one per
-data point. See ``docs/backends.md``, "Inside the native engine".
+data point. Before a pass is trusted, the attribution guard (``laplace.curvature.guard``)
+checks it against autograd once per shape signature; parameters the recorded calls do not give
+exactly take that whole-model route. See ``docs/backends.md``, "Inside the native engine", and
+``docs/status.md``, "What the engine sees".
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
 from laplace.curvature.capture import Columns, OutputGradients, column_chunks, record_forward
+from laplace.curvature.guard import Verdict, signature, verify
 from laplace.curvature.layer_rules import (
     SELECTED_RULES,
     ModuleCall,
@@ -88,9 +93,12 @@ class PerSampleEngine:
                 self.spans[slot] = (start, end)
         #: Length of the engine's parameter vector: P, or the number of subnetwork entries.
         self.n_entries = self.offsets[-1] if indices is None else len(indices)
-        #: Per module met with an output shared by the batch, whether it is broadcast (its
-        #: expansion along the batch gives per-sample quantities; see ``record_forward``).
-        self.shared: dict[nn.Module, bool] = {}
+        #: Per module met with an output shared by the batch, how it is widened to one row
+        #: per data point (``EXPAND``, ``LIFT``), False where it is not a broadcast (see
+        #: ``record_forward``).
+        self.shared: dict[nn.Module, str | bool] = {}
+        #: The attribution guard's verdict per shape signature of a recorded pass.
+        self.verdicts: dict[tuple, Verdict] = {}
         #: Floating-point type of the results (None: the model's, float32 for half precision).
         self.dtype: torch.dtype | None = None
         position = {id(p): i for i, p in enumerate(self.needed)}
@@ -115,7 +123,49 @@ class PerSampleEngine:
         f, calls = record_forward(
             self.model, self.owners, x, create_graph, self.shared, self.dtype
         )
-        return PerSampleTrace(self, upcast(f, self.dtype), calls, create_graph)
+        verdict = self.verdict(f, calls)
+        if verdict.mixed_rows - set(self.shared):  # tables looked up without a batch dim?
+            f, calls = record_forward(
+                self.model,
+                self.owners,
+                x,
+                create_graph,
+                self.shared,
+                self.dtype,
+                lift=verdict.mixed_rows,
+            )
+            verdict = self.verdict(f, calls)
+        return PerSampleTrace(self, upcast(f, self.dtype), calls, create_graph, verdict)
+
+    def verdict(self, f: Tensor, calls: list[ModuleCall]) -> Verdict:
+        """The attribution guard's verdict on a recorded pass, checked once per signature."""
+        key = signature(f, calls)
+        if key not in self.verdicts:
+            self.verdicts[key] = verify(self, f, calls)
+        return self.verdicts[key]
+
+    def describe(self, slot: int) -> str:
+        """``"'path' (Type) parameter 'name'"`` for the parameter in ``slot`` (its owner)."""
+        names = dict(self.model.named_modules(remove_duplicate=False))
+        for (module, name), s in self.slot.items():
+            if s == slot:
+                path = next((n or "<root>" for n, m in names.items() if m is module), "?")
+                return f"module {path!r} ({type(module).__name__}) parameter {name!r}"
+        return f"parameter {slot}"
+
+
+def _trusted(
+    calls: list[ModuleCall], verdict: Verdict, engine: PerSampleEngine
+) -> list[ModuleCall]:
+    """The calls whose rules the verdict trusts, each with the parameters it gives exactly."""
+    trusted = []
+    for call in calls:
+        if call.module in verdict.mixed_rows:
+            continue
+        names = [n for n in call.names if engine.slot[call.module, n] not in verdict.exact]
+        if names:
+            trusted.append(call if names == call.names else replace(call, names=names))
+    return trusted
 
 
 class PerSampleTrace:
@@ -123,14 +173,28 @@ class PerSampleTrace:
 
     Attributes:
         f: Model output, shape (B, C), attached to the graph.
+        calls: The recorded calls the layer rules use (those the guard trusts).
+        exact_slots: Slots of ``engine.needed`` the recorded calls do not give exactly (the
+            guard's verdict): their per-sample gradients come from autograd, one backward pass
+            per data point.
+        exact_reasons: Why, per slot of ``exact_slots``.
     """
 
     def __init__(
-        self, engine: PerSampleEngine, f: Tensor, calls: list[ModuleCall], create_graph: bool
+        self,
+        engine: PerSampleEngine,
+        f: Tensor,
+        calls: list[ModuleCall],
+        create_graph: bool,
+        verdict: Verdict | None = None,
     ) -> None:
+        verdict = Verdict() if verdict is None else verdict
         self.engine = engine
         self.f = f
-        self.calls = calls
+        self.calls = _trusted(calls, verdict, engine)
+        self.exact_slots = sorted(verdict.exact)
+        self.exact_reasons = dict(verdict.exact)
+        calls = self.calls
         self.create_graph = create_graph
         self._grads = OutputGradients(f, calls, create_graph) if calls else None
         counts = Counter(engine.slot[call.module, name] for call in calls for name in call.names)
@@ -158,12 +222,29 @@ class PerSampleTrace:
 
     @property
     def layerwise(self) -> bool:
-        """Whether per-layer rules apply.
+        """Whether per-layer rules give every parameter.
 
-        They do when every layer sees the data points along dim 0 and no subnetwork restricts
-        the parameters; otherwise products use the per-sample rows of the whole model.
+        They do when every layer sees the data points along dim 0, no subnetwork restricts the
+        parameters and the guard trusts every parameter's calls; otherwise products use the
+        per-sample rows of the whole model.
         """
-        return not self._batched and self.engine.indices is None
+        return not self._batched and self.engine.indices is None and not self.exact_slots
+
+    @property
+    def _whole_model(self) -> bool:
+        """Whether every per-sample row comes from autograd (no layer rule applies)."""
+        return self._batched or (self.engine.indices is not None and bool(self.exact_slots))
+
+    def exact_rows(self, columns: Tensor) -> dict[int, Tensor]:
+        """Per slot of ``exact_slots``, per-sample gradients (K, B, *shape) from autograd.
+
+        Args:
+            columns: Output columns, shape (K, *f.shape).
+        """
+        if not self.exact_slots:
+            return {}
+        per_column = [self._batched_per_sample(v, self.exact_slots) for v in columns]
+        return {s: torch.stack([rows[s] for rows in per_column]) for s in self.exact_slots}
 
     def output_gradients(self, columns: Tensor) -> list[list[Tensor]]:
         """Gradients of several output columns w.r.t. every recorded layer output.
@@ -248,18 +329,22 @@ class PerSampleTrace:
         Returns:
             The gradients (P restricted to the subnetwork when one is set).
         """
-        if self._batched:
-            return torch.stack([self._batched_per_sample(v) for v in columns], dim)
-        rows, batch = [], (self.f.shape[0],)
+        batch = (self.f.shape[0],)
+        if self._whole_model:
+            whole = [self._flatten(self._batched_per_sample(v), batch) for v in columns]
+            return torch.stack(whole, dim)
+        rows = []
         for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD):
             stacked = self.output_gradients(chunk)
             if self.engine.indices is not None:
                 rows.append(self._selected_rows(stacked, len(chunk)))
                 continue
+            exact = self.exact_rows(chunk)
             for k in range(len(chunk)):
                 found = self._per_param(
                     [[g[k] for g in grads] for grads in stacked], range(len(stacked))
                 )
+                found.update({slot: u[k] for slot, u in exact.items()})
                 rows.append(self._flatten(found, batch)[None])
         return torch.cat([r.transpose(0, dim) for r in rows], dim)
 
@@ -290,28 +375,42 @@ class PerSampleTrace:
                     out[..., span[0] : span[1]] += value
         return out
 
-    def _batched_per_sample(self, v: Tensor) -> Tensor:
-        """Per-sample gradients by one vectorised backward pass per data point, shape (B, P)."""
+    def _batched_per_sample(
+        self, v: Tensor, slots: Sequence[int] | None = None
+    ) -> dict[int, Tensor]:
+        """Per-sample gradients by one vectorised backward pass per data point.
+
+        Args:
+            v: Output column, shape (B, ...).
+            slots: Slots of ``engine.needed`` to differentiate (None: all).
+
+        Returns:
+            Per slot, shape (B, *shape) (zeros where the outputs do not depend on it).
+        """
         batch = self.f.shape[0]
-        rows = []
+        slots = range(len(self.engine.needed)) if slots is None else slots
+        params = [self.engine.needed[s] for s in slots]
+        rows: list[list[Tensor]] = [[] for _ in slots]
         for start in range(0, batch, BATCHED_BACKWARD_CHUNK):
             index = torch.arange(start, min(batch, start + BATCHED_BACKWARD_CHUNK))
             cotangents = self.f.new_zeros(len(index), *self.f.shape)
             cotangents[torch.arange(len(index)), index] = v[index]
             grads = torch.autograd.grad(
                 self.f,
-                self.engine.needed,
+                params,
                 grad_outputs=cotangents,
                 is_grads_batched=True,
                 retain_graph=True,
                 create_graph=self.create_graph,
                 allow_unused=True,
             )
-            found = {
-                slot: upcast(g, self.f.dtype) for slot, g in enumerate(grads) if g is not None
-            }
-            rows.append(self._flatten(found, (len(index),)))
-        return torch.cat(rows)
+            for found, p, g in zip(rows, params, grads, strict=True):
+                found.append(
+                    self.f.new_zeros(len(index), *p.shape)
+                    if g is None
+                    else upcast(g, self.f.dtype)
+                )
+        return {slot: torch.cat(found) for slot, found in zip(slots, rows, strict=True)}
 
     def square_sum(self, columns: Columns, gradients: list[list[Tensor]] | None = None) -> Tensor:
         """``Σₖ Σₙ (Jₙᵀ vₙₖ)²``: the diagonal of ``Σₖ Σₙ gₙₖ gₙₖᵀ``.
@@ -326,12 +425,15 @@ class PerSampleTrace:
         Returns:
             Shape (P,).
         """
-        if not self.layerwise:
+        if self._batched or self.engine.indices is not None:
             total = self.f.new_zeros(self.engine.n_entries)
             for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD):
                 total += self.per_sample_columns(chunk).square().sum((0, 1))
             return total
         total: dict[int, Tensor] = {}
+        for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD) if self.exact_slots else ():
+            for slot, u in self.exact_rows(chunk).items():
+                _add(total, slot, u.square().sum((0, 1)))
         partials: dict[int, Tensor] = {}  # per call with a rule, its summed statistic
         rules = self._square_sum_rules
         slow = [i for i in range(len(self.calls)) if i not in rules]

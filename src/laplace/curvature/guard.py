@@ -1,0 +1,238 @@
+"""The attribution guard: the native engine proves its view of a model before trusting it.
+
+The engine reads every parameter's per-sample gradients off the recorded calls of the module
+that owns it (``laplace.curvature.capture``), with each call's outputs taken as one row per
+data point. Two things can make that view wrong without any error:
+
+- **a use it does not see**: a parameter used outside its module's calls (a head tied as
+  ``h @ wte.weight.T``, an adapter calling ``F.linear(h, base.weight)``, the ``out_proj`` of
+  ``nn.MultiheadAttention``, whose weight goes into ``F.multi_head_attention_forward`` and
+  whose module is never called);
+- **rows that are not data points**: outputs whose rows mix data points (a table looked up
+  once without a batch dimension, ``wpe(arange(T))``, when T happens to equal the batch size;
+  sequence-first layouts; anything combined across the batch).
+
+``verify`` checks both on a recorded pass, once per shape signature of the pass
+(``signature``): for a random output column ``v`` the gradient the rules reconstruct from the
+recorded calls, ``Σₙ Σ_calls rule(call, ∂(vᵀf)/∂z)``, must equal autograd's gradient of
+``vᵀ f`` for every parameter (a use the engine did not see, or a rule that fails, shows up
+here); and the gradient of a few data points' outputs w.r.t. every recorded output must be
+confined to those data points' own rows. A parameter that fails is listed in the ``Verdict``
+with the reason; the trace then takes it through autograd, one backward pass per data point
+(exact on any architecture), and Kron gives it an exact block or refuses it by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from laplace.curvature.capture import OutputGradients
+from laplace.curvature.kfac_rules import module_name
+from laplace.curvature.layer_rules import ModuleCall, per_sample_grads
+
+__all__ = ["DEPENDENCE_ROWS", "ROUNDOFF_FACTOR", "Verdict", "signature", "verify"]
+
+#: Data points whose outputs are pulled back to every recorded output in the row check.
+DEPENDENCE_ROWS = 4
+
+#: Entries of the reconstructed gradient may differ from autograd's by this many units of
+#: round-off (the dtype's eps) of the summed magnitudes ``Σₙ |gₙ| + |g|`` of the entry plus
+#: those of the largest entry of the whole gradient.
+ROUNDOFF_FACTOR = 256
+
+#: Seed of the random output column of the gradient check (the check is deterministic).
+CHECK_SEED = 20261128
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the engine may trust of one recorded pass.
+
+    Attributes:
+        exact: Per parameter slot (``engine.needed`` order) that the recorded calls do not
+            give exactly, the reason; these take the whole-model route.
+        mixed_rows: Modules whose recorded outputs are not one row per data point.
+    """
+
+    exact: dict[int, str] = field(default_factory=dict)
+    mixed_rows: frozenset[nn.Module] = frozenset()
+
+
+def _row_class(t: Tensor, batch: int) -> str:
+    """How a recorded output's leading size relates to the batch (a signature entry)."""
+    if t.dim() == 0:
+        return "scalar"
+    rows = t.shape[0]
+    if rows == batch:
+        return "batch"
+    if rows == 1:
+        return "one"
+    return "folded" if rows % batch == 0 else "other"
+
+
+def signature(f: Tensor, calls: Sequence[ModuleCall]) -> tuple:
+    """The shape signature of a recorded pass: what a verdict holds for.
+
+    The called modules in order with the relation of each output's leading size to the batch
+    (equal, one, a multiple, other) and its number of dimensions; sequence lengths and batch
+    sizes that keep these relations share a verdict.
+    """
+    batch = f.shape[0] if f.dim() else 1
+    entries = [
+        (
+            id(call.module),
+            tuple(call.names),
+            *((z.dim(), _row_class(z, batch)) for z in call.outputs),
+        )
+        for call in calls
+    ]
+    return (f.dim(), *entries)
+
+
+def _dependence_rows(batch: int) -> list[int]:
+    """The data points whose outputs are pulled back: the first, last and a few between."""
+    rows = torch.linspace(0, batch - 1, min(batch, DEPENDENCE_ROWS)).round().long().tolist()
+    return sorted(set(rows))
+
+
+def _mixed_rows(f: Tensor, calls: Sequence[ModuleCall], generator: torch.Generator) -> set[int]:
+    """Indices of the calls whose outputs are not one row (or a fold of rows) per data point.
+
+    The outputs of a few data points are pulled back to every recorded output. Where an
+    output has the batch's rows, data point i may reach row i only; where it has more (a
+    fold of the batch), no row may be reached by two data points; an output with fewer rows,
+    or none, may be reached by one data point only.
+    """
+    batch = f.shape[0] if f.dim() else 1
+    if batch <= 1 or not calls:
+        return set()
+    rows = _dependence_rows(batch)
+    v = torch.randn(f.shape, generator=generator, device="cpu").to(f)
+    cotangents = f.new_zeros(len(rows), *f.shape)
+    for k, i in enumerate(rows):
+        cotangents[k, i] = v[i]
+    outputs = [z for call in calls for z in call.outputs]
+    try:
+        grads = torch.autograd.grad(
+            f, outputs, cotangents, retain_graph=True, allow_unused=True, is_grads_batched=True
+        )
+    except RuntimeError:  # an operation without a batching rule: one backward per data point
+        per_row = [
+            torch.autograd.grad(f, outputs, c, retain_graph=True, allow_unused=True)
+            for c in cotangents
+        ]
+        grads = tuple(
+            None if gs[0] is None else torch.stack(gs) for gs in zip(*per_row, strict=True)
+        )
+    mixed, position = set(), 0
+    for index, call in enumerate(calls):
+        for z in call.outputs:
+            g = grads[position]
+            position += 1
+            if g is None:
+                continue
+            if z.dim() == 0:
+                reached = g.reshape(len(rows), 1) != 0
+            else:
+                reached = g.reshape(len(rows), z.shape[0], -1).ne(0).any(-1)  # (k, rows of z)
+            if z.dim() and z.shape[0] == batch:
+                own = torch.zeros_like(reached)
+                own[torch.arange(len(rows)), torch.tensor(rows)] = True
+                ok = not bool((reached & ~own).any())
+            else:
+                ok = not bool((reached.sum(0) > 1).any())
+            if not ok:
+                mixed.add(index)
+    return mixed
+
+
+def _reconstruction(
+    engine: object, f: Tensor, calls: Sequence[ModuleCall], v: Tensor, exact: dict[int, str]
+) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+    """Per slot, the summed gradient of ``vᵀ f`` the rules give and its summed magnitude.
+
+    A call whose rule cannot run (an error other than a rule's refusal, ``ValueError``) leaves
+    its slots to ``exact`` with the error as the reason.
+    """
+    found: dict[int, Tensor] = {}
+    magnitude: dict[int, Tensor] = {}
+    per_call = OutputGradients(f, calls)(v)
+    for call, grads in zip(calls, per_call, strict=True):
+        slots = {name: engine.slot[call.module, name] for name in call.names}
+        try:
+            per_sample = per_sample_grads(call, grads)
+        except ValueError as error:  # a rule's refusal (BatchNorm in training mode): name it
+            raise ValueError(
+                f"module {module_name(engine.model, call.module)!r}: {error}"
+            ) from error
+        except Exception as error:  # a rule that cannot run on this call: not trusted
+            for slot in slots.values():
+                exact.setdefault(slot, f"its {type(call.module).__name__} rule failed ({error})")
+            continue
+        for name, u in per_sample.items():
+            slot = slots[name]
+            u = u.detach().to(f.dtype)
+            total, size = u.sum(0), u.abs().sum(0)
+            found[slot] = found[slot] + total if slot in found else total
+            magnitude[slot] = magnitude[slot] + size if slot in magnitude else size
+    return found, magnitude
+
+
+def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> Verdict:
+    """Check a recorded pass against autograd (see the module); the verdict for its signature.
+
+    Args:
+        engine: The ``PerSampleEngine`` that recorded the pass (its ``needed``, ``slot``).
+        f: The model output (B, ...), attached to the graph.
+        calls: The recorded calls.
+
+    Returns:
+        The parameters the calls do not give exactly, with reasons, and the modules whose
+        outputs are not one row per data point.
+    """
+    generator = torch.Generator().manual_seed(CHECK_SEED)
+    exact: dict[int, str] = {}
+    mixed = _mixed_rows(f, calls, generator)
+    for index in sorted(mixed):
+        call = calls[index]
+        for name in call.names:
+            exact.setdefault(
+                engine.slot[call.module, name],
+                f"its {type(call.module).__name__} call returns outputs of shape "
+                f"{tuple(call.outputs[0].shape)} for a batch of {len(f)}, which are not one "
+                "row per data point",
+            )
+    trusted = [call for index, call in enumerate(calls) if index not in mixed]
+    v = torch.randn(f.shape, generator=generator).to(f)
+    params = list(engine.needed)
+    autograd = torch.autograd.grad(f, params, v, retain_graph=True, allow_unused=True)
+    found, magnitude = _reconstruction(engine, f, trusted, v, exact)
+    for call in calls:  # the pass is recorded as any other (what rules keep is re-made)
+        call.cache.clear()
+    eps = max(torch.finfo(f.dtype).eps, *(torch.finfo(p.dtype).eps for p in params))
+    grads = [
+        torch.zeros(p.shape, dtype=f.dtype, device=f.device) if g is None else g.to(f.dtype)
+        for p, g in zip(params, autograd, strict=True)
+    ]
+    sizes = [magnitude.get(slot, 0) + g.abs() for slot, g in enumerate(grads)]
+    # a gradient that cancels to round-off (a key bias under softmax) is judged against the
+    # largest entry of the whole gradient
+    floor = max((float(size.max()) for size in sizes if size.numel()), default=0.0)
+    for slot, (g, size) in enumerate(zip(grads, sizes, strict=True)):
+        if slot in exact:
+            continue
+        mine = found.get(slot, torch.zeros_like(g))
+        bound = ROUNDOFF_FACTOR * eps * (size + floor)
+        if bool(((mine - g).abs() > bound).any()):
+            seen = (
+                "no call of its module is recorded"
+                if slot not in found
+                else "its module's calls give only part of its gradient"
+            )
+            exact[slot] = f"it is used outside its module's calls ({seen})"
+    modules = frozenset(calls[index].module for index in mixed)
+    return Verdict(exact, modules)
