@@ -16,7 +16,8 @@ curvature backend × structure on both models and writes ``benchmarks/results/ba
 The scaling
 table (N and width) is ``benchmarks/scaling.py``. The ``tune-bayesopt-*`` case times
 ``optimize_prior_precision(method="bayesopt")`` (15 evaluations) beside a 21-point grid
-search. The ``fit-ekfac-vs-kron-*`` cases alternate EKFAC's and Kron's fits in one process and
+search. The ``guard-overhead-*`` cases time a fit whose attribution guard checks its first
+batch against the same fit with the verdict cached. The ``fit-ekfac-vs-kron-*`` cases alternate EKFAC's and Kron's fits in one process and
 report their per-pair ratio. The ``binary-*`` cases time
 ``likelihood="binary_classification"`` against ``"classification"`` on the MLP; the
 ``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions;
@@ -49,6 +50,7 @@ from harness import (
     N_TEST,
     N_TRAIN,
     PeakRSS,
+    against_floor,
     data,
     forward_pass,
     forward_plus_10_backward,
@@ -139,6 +141,26 @@ def case_fit_against_kron(model_name: str, structure: str, repeats: int) -> dict
     case = f"fit {structure} vs kron {model_name}"
     row = measure_fit(la, loader, repeats, case, partial(kron.fit, loader))
     return {**row, "floor": "Kron fit"}
+
+
+def case_guard_overhead(model_name: str, structure: str, repeats: int) -> dict:
+    """A fit whose attribution guard checks the first batch against the same fit with the
+    verdict cached, alternating in one process: the ratio is 1 + the guard's share."""
+    from laplace import Laplace
+
+    model = MODELS[model_name]().eval()
+    loader = training_loader(model_name)
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
+    la.fit(loader)
+    verdicts = la.backend.engine.verdicts
+
+    def checked_fit() -> None:
+        verdicts.clear()
+        la.fit(loader)
+
+    times = against_floor(checked_fit, partial(la.fit, loader), repeats)
+    case = f"guard overhead {structure} {model_name}"
+    return {"case": case, "n_params": la.n_params, **times, "floor": "fit, verdict cached"}
 
 
 def case_fit_ll(model_name: str, structure: str, repeats: int) -> dict:
@@ -384,6 +406,11 @@ CASES = {
     "predict-ekfac-cnn-100": (partial(case_predict, n_test=100), "cnn", "ekfac"),
     "fit-ekfac-vs-kron-mlp": (case_fit_against_kron, "mlp", "ekfac"),
     "fit-ekfac-vs-kron-cnn": (case_fit_against_kron, "cnn", "ekfac"),
+    **{
+        f"guard-overhead-{structure}-{model_name}": (case_guard_overhead, model_name, structure)
+        for model_name in ("mlp", "cnn")
+        for structure in ("diag", "kron", "full" if model_name == "mlp" else "ekfac")
+    },
     **BACKEND_CASES,
     "fit-ll-full-cnn": (case_fit_ll, "cnn", "full"),
     "fit-ll-kron-cnn": (case_fit_ll, "cnn", "kron"),

@@ -1,0 +1,153 @@
+"""The attribution guard against dense float64 oracles, on models outside a per-module view.
+
+Attention modules whose ``out_proj`` is never called, weights used outside their module and
+tables looked up without a batch dimension (``architectures.py``): diag and full must equal
+the exact GGN, the GLM variances ``J P⁻¹ Jᵀ``, and Kron must give every parameter with
+curvature a block equal to its documented definition or refuse it by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from architectures import PATTERNS, BatchedPositionTable, PositionTable, build
+from torch.utils.data import DataLoader, TensorDataset
+
+from conftest import Oracle, assert_close
+from laplace import Laplace
+from laplace.curvature import CurvlinopsGGN, guard
+from laplace.curvature.kfac_rules import plan_blocks
+
+pytestmark = pytest.mark.oracle
+
+#: The acceptance tolerance of the issue: diag and full equal the dense GGN to 1e-8.
+RTOL = 1e-8
+ATOL = 1e-10
+#: GLM variances go through a Cholesky factor or an eigenbasis.
+RTOL_VARIANCE = 1e-7
+
+
+def loader(X: torch.Tensor, y: torch.Tensor, batch_size: int | None = None) -> DataLoader:
+    return DataLoader(TensorDataset(X, y), batch_size=batch_size or len(X))
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+@pytest.mark.parametrize("structure", ["diag", "full"])
+def test_diag_and_full_equal_the_dense_ggn(name, structure):
+    model, X, y = build(name)
+    la = Laplace(model, "classification", "all", structure, prior_precision=0.7)
+    la.fit(loader(X, y))
+    ggn = Oracle(model, "classification").ggn(X)
+    assert_close(la.H, ggn.diagonal() if structure == "diag" else ggn, rtol=RTOL, atol=ATOL)
+    J = Oracle(model, "classification").jacobian(X)
+    covariance = torch.linalg.inv(
+        la.posterior_precision if structure == "full" else torch.diag(la.posterior_precision)
+    )
+    expected = J @ covariance @ J.transpose(1, 2)
+    assert_close(la._functional_moments(X)[1], expected, rtol=RTOL_VARIANCE, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["mha-batch-first", "encoder-layer", "adapter", "vit"])
+def test_lowrank_equals_the_top_of_the_dense_ggn(name):
+    model, X, y = build(name)
+    la = Laplace(model, "classification", "all", "lowrank", backend_kwargs={"n_eigenvalues": 3})
+    la.fit(loader(X, y))
+    _, values = la.H
+    exact = torch.linalg.eigvalsh(Oracle(model, "classification").ggn(X)).flip(0)[:3]
+    assert_close(values, exact, rtol=1e-6, atol=1e-9)
+
+
+def _slots(model):
+    start = 0
+    for name, p in model.named_parameters():
+        yield name, slice(start, start + p.numel()), p
+        start += p.numel()
+
+
+#: Kronecker-factored layers whose rows are positions of a sequence-first layout with T = B
+#: or whose weight is used outside its call: refused by name (``test_kron_refuses_...``).
+KRON_REFUSED = {
+    "tied-head": "'wte'",
+    "adapter": "'base'",
+    "encoder-layer-sequence-first": "'layer",
+}
+
+
+@pytest.mark.parametrize("name", [n for n in PATTERNS if n not in KRON_REFUSED])
+def test_kron_gives_every_curved_parameter_its_block(name):
+    """Exact blocks (single factor) equal the GGN's; Kronecker blocks are nonzero."""
+    model, X, y = build(name)
+    la = Laplace(model, "classification", "all", "kron")
+    la.fit(loader(X, y))
+    ggn = Oracle(model, "classification").ggn(X)
+    plan = plan_blocks(la.backend.engine)
+    blocks = zip(_slots(model), la.H_facs.kfacs, plan, strict=True)
+    for (p_name, rows, _), block, kind in blocks:
+        exact = ggn[rows, rows]
+        if kind.kind == "dense":
+            assert_close(block[0], exact, rtol=RTOL, atol=ATOL)
+        elif kind.kind == "diag":
+            assert_close(block[0], exact.diagonal(), rtol=RTOL, atol=ATOL)
+        if bool(exact.abs().amax() > 1e-12):
+            assert any(bool(F.abs().amax() > 0) for F in block), p_name
+
+
+@pytest.mark.parametrize("name", list(KRON_REFUSED))
+def test_kron_refuses_a_kronecker_factored_weight_it_cannot_factor(name):
+    model, X, y = build(name)
+    la = Laplace(model, "classification", "all", "kron")
+    with pytest.raises(ValueError, match=rf"{KRON_REFUSED[name]}.*Kronecker block, but"):
+        la.fit(loader(X, y))
+
+
+def test_a_batchless_table_has_the_kfac_block_of_its_batched_lookup():
+    """With T = B the rows of ``wpe(arange(T))`` are positions, not data points."""
+    model, X, y = build("position-table-T-equals-B")
+    reference = BatchedPositionTable().double()
+    reference.load_state_dict(model.state_dict())
+    blocks = []
+    for m in (model, reference):
+        la = Laplace(m, "classification", "all", "kron")
+        la.fit(loader(X, y))
+        blocks.append(la.H_facs.kfacs)
+    for ours, expected in zip(*blocks, strict=True):
+        for F, G in zip(ours, expected, strict=True):
+            assert_close(F, G, rtol=RTOL, atol=ATOL)
+    backend = CurvlinopsGGN(model, "classification")
+    backend.diag(X, y)
+    assert backend.engine.shared == {model.wpe: "lift"}
+
+
+def test_a_broadcast_table_is_exact_for_any_sequence_length():
+    model = PositionTable().double()
+    ggn_for = Oracle(model, "classification").ggn
+    for n, seq in [(4, 4), (3, 5), (6, 2)]:
+        X = torch.randint(0, 5, (n, seq))
+        y = torch.randint(0, 3, (n,))
+        _, diag = CurvlinopsGGN(model, "classification").diag(X, y)
+        assert_close(diag, ggn_for(X).diagonal(), rtol=RTOL, atol=ATOL)
+
+
+def test_the_verdict_is_checked_once_per_signature(monkeypatch):
+    checks = []
+    verify = guard.verify
+    monkeypatch.setattr(
+        "laplace.curvature.per_sample.verify", lambda *a: checks.append(1) or verify(*a)
+    )
+    model, X, y = build("mha-batch-first", n=12)
+    la = Laplace(model, "classification", "all", "diag")
+    la.fit(loader(X, y, batch_size=4))
+    la.fit(loader(X, y, batch_size=4))
+    assert len(checks) == 1
+    verdict = next(iter(la.backend.engine.verdicts.values()))
+    slots = {name: i for i, (name, _, _) in enumerate(_slots(model))}
+    assert set(verdict.exact) == {slots["mha.out_proj.weight"], slots["mha.out_proj.bias"]}
+    assert "no call of its module" in verdict.exact[slots["mha.out_proj.weight"]]
+
+
+def test_a_model_the_engine_sees_whole_has_an_empty_verdict():
+    _, X, _ = build("position-table-T-not-B")
+    backend = CurvlinopsGGN(BatchedPositionTable().double(), "classification")
+    trace = backend.trace(X)
+    assert trace.layerwise and trace.exact_slots == []
+    assert [v.exact for v in backend.engine.verdicts.values()] == [{}]
