@@ -17,15 +17,17 @@ The scaling
 table (N and width) is ``benchmarks/scaling.py``. The ``tune-bayesopt-*`` case times
 ``optimize_prior_precision(method="bayesopt")`` (15 evaluations) beside a 21-point grid
 search. The ``guard-overhead-*`` cases time a fit whose attribution guard checks its first
-batch against the same fit with the verdict cached. The ``fit-ekfac-vs-kron-*`` cases alternate EKFAC's and Kron's fits in one process and
-report their per-pair ratio. The ``binary-*`` cases time
+batch against the same fit with the verdict cached. The ``fit-ekfac-vs-kron-*`` cases
+alternate EKFAC's and Kron's fits in one process and report their per-pair ratio. The ``binary-*`` cases time
 ``likelihood="binary_classification"`` against ``"classification"`` on the MLP; the
 ``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions;
 ``large-vocab-ll-kron`` is the 32,000-class head of ``benchmarks/large_vocab.py``; the
 ``fit-*-bert*`` and ``fit-*-lstm`` cases (``benchmarks/bert.py``) all-weights fits of a 4-layer
 BERT (trainable position embeddings, float32 and bfloat16) and of a 2-layer LSTM classifier;
 the ``matfree-*`` cases (``benchmarks/matfree.py``) the matrix-free posterior of a
-million-weight MLP, beside ``FullLaplace`` on a small one, and its preconditioners.
+million-weight MLP, beside ``FullLaplace`` on a small one, and its preconditioners. The
+``import-time`` case times ``import laplace`` beyond ``import torch`` in fresh interpreters, and
+laplace-torch's beside it with ``LAPLACE_TORCH_PYTHON=/path/to/python``.
 """
 
 from __future__ import annotations
@@ -391,6 +393,58 @@ def case_binary_vs_classification(model_name: str, structure: str, repeats: int)
     }
 
 
+#: An interpreter with laplace-torch 0.3 installed, for its figure beside ours in ``import-time``.
+LAPLACE_TORCH_PYTHON = os.environ.get("LAPLACE_TORCH_PYTHON")
+
+_IMPORT_TIMER = (
+    "import time\n"
+    "start = time.perf_counter()\n"
+    "import torch\n"
+    "middle = time.perf_counter()\n"
+    "import laplace\n"
+    "print(time.perf_counter() - middle, middle - start)"
+)
+
+
+def _import_seconds(python: str, env: dict[str, str], repeats: int) -> dict:
+    """Median over ``repeats`` fresh interpreters of ``import laplace`` after ``import torch``."""
+    beyond, torch_s = [], []
+    for _ in range(repeats):
+        out = subprocess.run(
+            [python, "-c", _IMPORT_TIMER], check=True, capture_output=True, text=True, env=env
+        ).stdout.split()
+        beyond.append(float(out[-2]))
+        torch_s.append(float(out[-1]))
+    return {
+        "beyond_torch_s": statistics.median(beyond),
+        "torch_s": statistics.median(torch_s),
+        "repeats_s": beyond,
+    }
+
+
+def case_import_time(model_name: str, structure: str, repeats: int) -> dict:
+    """``import laplace`` beyond ``import torch``: median of fresh interpreters (at least 5).
+
+    laplace-torch's figure is measured beside it when ``LAPLACE_TORCH_PYTHON`` names an
+    interpreter that has it (without this checkout on its path).
+    """
+    repeats = max(repeats, 5)
+    ours = _import_seconds(sys.executable, dict(os.environ), repeats)
+    row = {
+        "case": "import laplace (beyond import torch)",
+        "seconds": ours["beyond_torch_s"],
+        "import_torch_s": ours["torch_s"],
+        "repeats_s": ours["repeats_s"],
+        "peak_extra_MB": 0.0,
+    }
+    if LAPLACE_TORCH_PYTHON:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        reference = _import_seconds(LAPLACE_TORCH_PYTHON, env, repeats)
+        row["laplace_torch_s"] = reference["beyond_torch_s"]
+        row["note"] = f"laplace-torch 0.3: {reference['beyond_torch_s']:.3f} s"
+    return row
+
+
 CASES = {
     "fit-diag-mlp": (case_fit, "mlp", "diag"),
     "fit-diag-cnn": (case_fit, "cnn", "diag"),
@@ -432,6 +486,7 @@ CASES = {
     **LARGE_VOCAB_ALL_CASES,
     **BERT_CASES,
     **MATFREE_CASES,
+    "import-time": (case_import_time, "", ""),
 }
 
 
@@ -448,6 +503,7 @@ GPU_CASES = [
     and name not in LARGE_VOCAB_ALL_CASES
     and name not in MATFREE_CASES
     and name != "lowrank-accuracy-mlp"
+    and name != "import-time"
 ]
 
 

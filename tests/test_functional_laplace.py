@@ -68,7 +68,7 @@ def test_marglik_is_differentiable_and_prior_tuning_runs():
     lml.backward()
     assert log_prior.grad.abs() > 0 and log_sigma.grad.abs() > 0
     gp.sigma_noise = 1.0
-    with pytest.warns(UserWarning, match="gridsearch"):
+    with pytest.warns(UserWarning, match="discouraged, rather use method=.CV."):
         gp.optimize_prior_precision(method="marglik", n_steps=5)
     assert gp.prior_precision.shape == (1,)
     gp.optimize_prior_precision(method="gridsearch", val_loader=case.loader(), grid_size=5)
@@ -92,7 +92,7 @@ def test_classification_predictive(independent_outputs, link_approx):
 
 def test_independent_outputs_keeps_the_diagonal_of_the_kernel():
     case = CASE_BUILDERS["mlp_regression_3out"]()
-    with pytest.warns(UserWarning, match="independent_outputs"):
+    with pytest.warns(UserWarning, match="diagonal approximation of a GP kernel"):
         gp = fitted_gp(case, independent_outputs=True)
     _, f_var = gp(case.X[:3])
     assert f_var.shape == (3, 3, 3)

@@ -103,7 +103,7 @@ def test_classification_keeps_sigma_one_and_burnin_frequency_are_respected():
 
 def test_fixed_sigma_and_weight_decay_warning():
     kwargs = {"lr": 1e-2, "weight_decay": 0.1}
-    with pytest.warns(UserWarning, match="weight_decay"):
+    with pytest.warns(UserWarning, match="Weight decay is handled and optimized"):
         la, *_ = marglik_training(
             mlp(),
             sinusoid(30),

@@ -4,10 +4,15 @@
 module paths (``laplace.baselaplace``, ``laplace.lllaplace``, ``laplace.curvature``,
 ``laplace.utils``). This package is a façade: it re-exports each name from the module that owns
 it, and nothing in the package imports ``laplace`` itself (see ``docs/architecture.md``).
+As laplace-torch's, ``import laplace`` loads ``laplace.baselaplace``, ``laplace.utils.utils``,
+``laplace.curvature.asdl`` and ``laplace.curvature.backpack`` (the libraries of the optional
+backends, torchmetrics and SciPy are imported on first use).
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
+from laplace import baselaplace as baselaplace
+from laplace import utils as utils
 from laplace.core.base import BaseLaplace
 from laplace.core.data_loop import set_progress_bars
 from laplace.functional import (

@@ -181,11 +181,9 @@ def marglik_training(
     weights = make_laplace(
         check_positive_float(prior_prec_init, "prior_prec_init"), sigma_noise_init, False
     )._subset
-    if optimizer_kwargs.pop("weight_decay", 0):
-        warnings.warn(
-            "weight_decay is the prior precision, which marglik_training learns; it is set to 0.",
-            stacklevel=2,
-        )
+    if "weight_decay" in optimizer_kwargs:
+        warnings.warn("Weight decay is handled and optimized. Will be set to 0.", stacklevel=2)
+        optimizer_kwargs["weight_decay"] = 0.0
 
     has_noise = likelihood_model.has_noise_hyperparameter
     learn_sigma = has_noise and not fix_sigma_noise

@@ -6,6 +6,7 @@ Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace]
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any, ClassVar
@@ -511,11 +512,29 @@ class BaseLaplace:
                 ``ValueError`` and a ``TypeError``. Every check runs before any evaluation.
             ImportError: For bayesopt without Optuna installed (the ``bayesopt`` extra).
             RuntimeError: If no candidate of a validation search gives a finite loss.
+
+        Warns:
+            UserWarning: laplace-torch's, word for word: for class probabilities (classification
+                and reward modelling), on every call, that ``link_approx`` should be the one
+                used to predict; for ``method="marglik"`` with a ``val_loader``, that the
+                loader is ignored.
         """
         method = parse_enum(TuningMethod, method, "method")
         pred_type = parse_enum(PredType, pred_type, "pred_type")
         link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
         prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
+        if self._likelihood_model.name in (Likelihood.CLASSIFICATION, Likelihood.REWARD_MODELING):
+            warnings.warn(
+                "By default `link_approx` is `probit`. Make sure to set it equals to the way you "
+                "want to call `la(test_data, pred_type=..., link_approx=...)`.",
+                stacklevel=2,
+            )
+        if method == TuningMethod.MARGLIK and val_loader is not None:
+            warnings.warn(
+                "`val_loader` will be ignored when `method` == 'marglik'. Do you mean to set "
+                "`method = 'gridsearch'`?",
+                stacklevel=2,
+            )
         refusal = self._refused_prior_structures.get(prior_structure)
         if refusal is not None:
             raise ValueError(refusal)
@@ -682,9 +701,25 @@ class BaseLaplace:
                 "load the model's own state_dict (the MAP weights) before the Laplace state."
             )
         fmt.check(self, state_dict)
+        self._warn_of_differences(state_dict)
         fmt.load(self, state_dict)
         self.mean = mean
         self._fitted = True
+
+    def _warn_of_differences(self, state_dict: dict[str, Any]) -> None:
+        """laplace-torch's warnings (word for word) about a state built with other settings."""
+        if "temperature" in state_dict and self.temperature != state_dict["temperature"]:
+            warnings.warn(
+                "Different `temperature` parameters detected. Some calculation might be off!",
+                stacklevel=3,
+            )
+        backprop = state_dict.get("enable_backprop", self.enable_backprop)
+        if self.enable_backprop != backprop:
+            warnings.warn(
+                "Different `enable_backprop` values. You might encounter error when "
+                "differentiating the predictive mean and variance.",
+                stacklevel=3,
+            )
 
     def _check_fitted(self, what: str = "this method") -> None:
         if not self._fitted:

@@ -10,6 +10,8 @@ raises an ``ImportError`` naming the replacement (``laplace.curvature.asdfghjkl`
 
 from __future__ import annotations
 
+from laplace.curvature import asdl as asdl
+from laplace.curvature import backpack as backpack
 from laplace.curvature.asdfghjkl import (
     AsdfghjklEF,
     AsdfghjklGGN,

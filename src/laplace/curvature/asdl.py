@@ -5,6 +5,9 @@ or ``Σ CE``); two ASDL conventions are corrected here (its empirical Fisher squ
 the unscaled loss, its ``n_mc_samples > 1`` Monte-Carlo Fisher divides by S twice). ASDL stores
 its results on the modules it ran on; every call reads them off and leaves the model clean
 (``isolated``). See ``docs/backends.md``.
+
+This module is imported with ``laplace`` (as laplace-torch's is); ASDL itself is imported when a
+backend is built, and building one without it raises an ``ImportError`` naming the extra.
 """
 
 from __future__ import annotations
@@ -15,15 +18,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from asdl.core import _supported_module_classes
-from asdl.fisher import FisherConfig, get_fisher_maker
-from asdl.grad_maker import LOSS_CROSS_ENTROPY, LOSS_MSE
-from asdl.gradient import batch_gradient
-from asdl.hessian import HessianConfig, HessianMaker
-from asdl.matrices import FISHER_EMP, FISHER_EXACT, FISHER_MC, SHAPE_DIAG, SHAPE_FULL, SHAPE_KRON
 from torch import Tensor, nn
 
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
+from laplace.curvature.registry import check_library
 from laplace.curvature.third_party import (
     KroneckerLayersOnly,
     TargetCall,
@@ -36,6 +34,11 @@ from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron
 
 __all__ = ["AsdlEF", "AsdlGGN", "AsdlHessian", "AsdlInterface"]
+
+# ASDL's names of its Fisher types, matrix shapes and losses (``asdl.matrices``, ``grad_maker``)
+FISHER_EMP, FISHER_EXACT, FISHER_MC = "fisher_emp", "fisher_exact", "fisher_mc"
+SHAPE_DIAG, SHAPE_FULL, SHAPE_KRON = "diag", "full", "kron"
+LOSS_CROSS_ENTROPY, LOSS_MSE = "cross_entropy", "mse"
 
 
 @contextmanager
@@ -52,6 +55,8 @@ def _check_asdl_support(model: nn.Module) -> None:
     Raises:
         ValueError: Naming the unsupported module types and the backend to use instead.
     """
+    from asdl.core import _supported_module_classes
+
     unsupported = sorted(
         {
             type(m).__name__
@@ -105,6 +110,7 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
             override them.
 
     Raises:
+        ImportError: If ASDL (the ``asdl`` extra) is not installed, with the install command.
         ValueError: If a module owning trainable parameters is not one ASDL supports.
     """
 
@@ -126,6 +132,7 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         *,
         asdl_fisher_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        check_library(type(self).__name__, "asdl", "asdl")
         super().__init__(model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y)
         self.asdl_fisher_kwargs = dict(asdl_fisher_kwargs or {})
         _check_asdl_support(self._model)
@@ -143,6 +150,8 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         self, target: TargetCall, closure: Callable[[], Tensor]
     ) -> tuple[Tensor, Tensor]:
         """ASDL's per-sample gradients (B, P) of what ``closure`` backpropagates, and its value."""
+        from asdl.gradient import batch_gradient
+
         batch = batch_size_of(target.inputs, self.dict_key_x)
         with isolated(target.module), _quiet():
             grads, value = batch_gradient(
@@ -201,6 +210,8 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         Raises:
             NotImplementedError: For a backend without an ASDL Fisher type.
         """
+        from asdl.fisher import FisherConfig, get_fisher_maker
+
         if self.fisher_type is None:
             raise NotImplementedError(f"{type(self).__name__} has no ASDL Fisher type.")
         options.pop("N", None)
@@ -368,6 +379,8 @@ class AsdlHessian(_KeywordSubnetwork):
         self, module: nn.Module, shape: str, options: dict[str, Any]
     ) -> tuple[Any, str, float]:
         """ASDL's Hessian maker (``options`` unused): of ``lossfunc``, 1/factor times ours."""
+        from asdl.hessian import HessianConfig, HessianMaker
+
         return HessianMaker(module, HessianConfig(hessian_shapes=[shape])), "hessian", self.factor
 
     def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:

@@ -5,29 +5,21 @@ per-sample gradients can be built with ``create_graph`` (Jacobians with
 ``enable_backprop=True``). Hooks live only for the duration of each call and everything BackPACK
 writes is removed afterwards (``isolated``). See
 ``docs/backends.md``.
+
+This module is imported with ``laplace`` (as laplace-torch's is); BackPACK itself is imported by
+the first computation, which raises an ``ImportError`` naming the extra where it is missing.
 """
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
-from backpack import backpack, hook_run_extensions, hook_store_io
-from backpack.extensions import (
-    KFAC,
-    KFLR,
-    BatchGrad,
-    DiagGGNExact,
-    DiagGGNMC,
-    SqrtGGNExact,
-    SqrtGGNMC,
-    SumGradSquared,
-)
-from backpack.extensions.backprop_extension import BackpropExtension
-from backpack.utils.module_classification import is_no_op
 from torch import Tensor, nn
 
 from laplace.curvature.curvature import (
@@ -36,6 +28,7 @@ from laplace.curvature.curvature import (
     GGNInterface,
     check_dict_inputs,
 )
+from laplace.curvature.registry import check_library
 from laplace.curvature.third_party import (
     KroneckerLayersOnly,
     TargetCall,
@@ -46,7 +39,21 @@ from laplace.curvature.third_party import (
 from laplace.utils.data import Inputs
 from laplace.utils.matrix import Kron
 
+if TYPE_CHECKING:
+    from backpack.extensions.backprop_extension import BackpropExtension
+
 __all__ = ["BackPackEF", "BackPackGGN", "BackPackInterface"]
+
+
+def _library(module: str = "backpack") -> ModuleType:
+    """BackPACK's ``module`` (``backpack``, ``backpack.extensions``, ...), imported on first use.
+
+    Raises:
+        ImportError: If BackPACK (the ``backpack`` extra) is not installed, with the install
+            command.
+    """
+    check_library("BackPACK", "backpack", "backpack")
+    return importlib.import_module(module)
 
 
 def _is_chain(module: nn.Module) -> bool:
@@ -68,21 +75,24 @@ def _extended(*modules: nn.Module) -> Iterator[None]:
     layer is a module without children. torch's warning that a full backward hook fires without
     input gradients is expected here (the first layer's inputs are data) and is silenced.
     """
+    library = _library()
+    is_no_op = _library("backpack.utils.module_classification").is_no_op
     with isolated(*modules) as handles, warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
         for root in modules:
             for module in root.modules():
                 if not (is_no_op(module) or any(True for _ in module.children())):
-                    handles.append(module.register_forward_hook(hook_store_io))
-                    handles.append(module.register_full_backward_hook(hook_run_extensions))
+                    handles.append(module.register_forward_hook(library.hook_store_io))
+                    handles.append(module.register_full_backward_hook(library.hook_run_extensions))
         yield
 
 
-#: BackPACK's extensions and their attributes per form: (exact GGN, Monte-Carlo Fisher).
-_GGN_EXTENSIONS: dict[str, tuple[tuple[type, str], tuple[type, str]]] = {
-    "full": ((SqrtGGNExact, "sqrt_ggn_exact"), (SqrtGGNMC, "sqrt_ggn_mc")),
-    "diag": ((DiagGGNExact, "diag_ggn_exact"), (DiagGGNMC, "diag_ggn_mc")),
-    "kron": ((KFLR, "kflr"), (KFAC, "kfac")),
+#: BackPACK's extensions (in ``backpack.extensions``) and their attributes per form: (exact GGN,
+#: Monte-Carlo Fisher).
+_GGN_EXTENSIONS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
+    "full": (("SqrtGGNExact", "sqrt_ggn_exact"), ("SqrtGGNMC", "sqrt_ggn_mc")),
+    "diag": (("DiagGGNExact", "diag_ggn_exact"), ("DiagGGNMC", "diag_ggn_mc")),
+    "kron": (("KFLR", "kflr"), ("KFAC", "kfac")),
 }
 
 
@@ -127,11 +137,12 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
         """
         target = self._target(x)
         input_grad = x.grad if x.is_leaf else None
+        library, extensions = _library(), _library("backpack.extensions")
         rows = []
         with _extended(target.module), torch.enable_grad():
             f = target.module(target.inputs)
             for k in range(f.shape[-1]):
-                with backpack(BatchGrad(), retain_graph=True):
+                with library.backpack(extensions.BatchGrad(), retain_graph=True):
                     f[:, k].sum().backward(create_graph=enable_backprop, retain_graph=True)
                 rows.append(self._collect(target.module, "grad_batch", 1))
                 for p in self.params:
@@ -148,8 +159,9 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
         Raises:
             ValueError: For dict-like inputs.
         """
+        batch_grad = _library("backpack.extensions").BatchGrad()
         loss, Gs = self._backpropagate(
-            x, y, BatchGrad(), lambda m: self._collect(m, "grad_batch", 1)
+            x, y, batch_grad, lambda m: self._collect(m, "grad_batch", 1)
         )
         return Gs.detach(), loss
 
@@ -186,7 +198,7 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
             loss = self.lossfunc(f, self.fit_likelihood.prepare_targets(f, y))
             if not quantity:
                 loss = self.factor * loss
-            with backpack(extension):
+            with _library().backpack(extension):
                 loss.backward()
             value = read(target.module)
         return (self.factor if quantity else 1) * loss.detach(), value
@@ -209,7 +221,8 @@ class BackPackGGN(BackPackInterface, GGNInterface):
 
     def _extension(self, form: str) -> tuple[BackpropExtension, str]:
         """BackPACK's extension of the GGN (or MC Fisher) in ``form``, and its attribute."""
-        cls, attr = _GGN_EXTENSIONS[form][self.stochastic]
+        name, attr = _GGN_EXTENSIONS[form][self.stochastic]
+        cls = getattr(_library("backpack.extensions"), name)
         return (cls(mc_samples=self.num_samples) if self.stochastic else cls()), attr
 
     def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
@@ -280,8 +293,9 @@ class BackPackEF(BackPackInterface, EFInterface):
 
     def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """As ``CurvatureInterface.diag``, by ``SumGradSquared``."""
+        sum_grad_squared = _library("backpack.extensions").SumGradSquared()
         loss, h = self._backpropagate(
-            x, y, SumGradSquared(), lambda m: self._collect(m, "sum_grad_squared", 0)
+            x, y, sum_grad_squared, lambda m: self._collect(m, "sum_grad_squared", 0)
         )
         return loss, h.detach()
 

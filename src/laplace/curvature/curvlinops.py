@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from curvlinops import HessianLinearOperator
 from torch import Tensor, nn
 
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
@@ -139,6 +138,8 @@ class CurvlinopsHessian(CurvlinopsInterface):
         The chunk starting at entry ``s`` of the selected parameters holds their diagonal
         entries on its diagonal ``-s``.
         """
+        from curvlinops import HessianLinearOperator  # imports SciPy: on first use
+
         operator = HessianLinearOperator(
             self.model,
             LossModule(self.fit_likelihood, reduction="sum"),

@@ -13,15 +13,17 @@ estimate) after a Nyström step. See ``docs/backends.md``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
-from scipy.sparse.linalg import LinearOperator, eigsh, lobpcg
 from torch import Tensor
 
 from laplace.curvature.kfac_start import CANDIDATES_PER_VECTOR, KfacStart, kfac_start
 from laplace.curvature.products import CurvatureProduct, NativeProduct
+
+if TYPE_CHECKING:
+    from scipy.sparse.linalg import LinearOperator
 
 __all__ = [
     "DEFAULT_OVERSAMPLING",
@@ -190,6 +192,8 @@ def _block_krylov(
 
 
 def _scipy(product: CurvatureProduct) -> LinearOperator:
+    from scipy.sparse.linalg import LinearOperator
+
     np_dtype = np.float64 if product.dtype == torch.float64 else np.float32
 
     def matmat(M: np.ndarray) -> np.ndarray:
@@ -215,12 +219,16 @@ def _with_errors(product: CurvatureProduct, values: np.ndarray, vectors: np.ndar
 
 
 def _lanczos(product, k, tol, max_iter, seed, oversampling, **_) -> Eigenpairs:
+    from scipy.sparse.linalg import eigsh
+
     op = _scipy(product)
     v0 = np.random.default_rng(seed).standard_normal(product.n_params).astype(op.dtype)
     return _with_errors(product, *eigsh(op, k=k, which="LA", tol=tol, maxiter=max_iter, v0=v0))
 
 
 def _lobpcg(product, k, tol, max_iter, seed, oversampling, **_) -> Eigenpairs:
+    from scipy.sparse.linalg import lobpcg
+
     op = _scipy(product)
     X = np.random.default_rng(seed).standard_normal((product.n_params, k)).astype(op.dtype)
     values, vectors = lobpcg(op, X, largest=True, tol=tol or None, maxiter=max_iter or 200)

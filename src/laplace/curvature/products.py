@@ -14,12 +14,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
-from curvlinops import (
-    EFLinearOperator,
-    FisherMCLinearOperator,
-    GGNLinearOperator,
-    HessianLinearOperator,
-)
 from torch import Tensor
 
 from laplace.curvature.block_product import BlockSum, ParameterBlock, SampleVectors
@@ -244,6 +238,13 @@ def curvature_operator(
     Raises:
         ValueError: For a backend with no matrix-free curvature.
     """
+    from curvlinops import (  # imports SciPy: on first use
+        EFLinearOperator,
+        FisherMCLinearOperator,
+        GGNLinearOperator,
+        HessianLinearOperator,
+    )
+
     kwargs: dict[str, Any] = {
         "check_deterministic": False,
         "num_data": n_data,

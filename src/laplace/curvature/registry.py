@@ -20,6 +20,7 @@ __all__ = [
     "BackendRegistry",
     "available_optional",
     "check_backend_kwargs",
+    "check_library",
     "load_optional",
 ]
 
@@ -48,6 +49,24 @@ def available_optional() -> list[str]:
     return [name for name, (_, lib, _) in OPTIONAL_BACKENDS.items() if _library_available(lib)]
 
 
+def check_library(backend: str, library: str, extra: str) -> None:
+    """Refuse to use ``backend`` when its third-party ``library`` is not installed.
+
+    Args:
+        backend: The backend's class name, for the message.
+        library: The import name of the library (``"asdl"``, ``"backpack"``).
+        extra: The pip extra of laplace-ng that installs it.
+
+    Raises:
+        ImportError: If the library is not installed, with the install command.
+    """
+    if not _library_available(library):
+        raise ImportError(
+            f"{backend} needs the {extra!r} extra, which is not installed: "
+            f"pip install 'laplace-ng[{extra}]'"
+        )
+
+
 def load_optional(name: str) -> type:
     """Import and return the optional backend class ``name``.
 
@@ -55,11 +74,7 @@ def load_optional(name: str) -> type:
         ImportError: If the library behind it is not installed, with the install command.
     """
     module, library, extra = OPTIONAL_BACKENDS[name]
-    if not _library_available(library):
-        raise ImportError(
-            f"{name} needs the {extra!r} extra, which is not installed: "
-            f"pip install 'laplace-ng[{extra}]'"
-        )
+    check_library(name, library, extra)
     return getattr(importlib.import_module(module), name)
 
 

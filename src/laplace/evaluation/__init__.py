@@ -23,12 +23,10 @@ from laplace.evaluation.plots import (
     plot_predictive_band,
     plot_reliability_diagram,
 )
-from laplace.likelihoods.scoring import (
-    VALIDATION_LOSSES,
+from laplace.likelihoods.running_scores import (
     BernoulliBrier,
     BernoulliNLL,
     BrierScore,
-    Evaluation,
     GaussianCRPS,
     GaussianNLL,
     HeteroscedasticCRPS,
@@ -37,6 +35,10 @@ from laplace.likelihoods.scoring import (
     PerLabelCalibrationError,
     PITCalibration,
     ReliabilityBins,
+)
+from laplace.likelihoods.scoring import (
+    VALIDATION_LOSSES,
+    Evaluation,
     bernoulli_entropy,
     categorical_entropy,
     gaussian_crps,

@@ -54,6 +54,7 @@ class SubsetGPState(FunctionalState):
         la.n_outputs = state_dict["Lambda"].shape[-1]
         la._gp = SubsetKernel.from_state(state_dict, la._device, la._dtype, **la._kernel_options())
         la.loss = la._gp.loss
+        la._posterior_prior_precision = la.prior_precision.detach().clone()
 
 
 class FunctionalLaplace(BaseFunctionalLaplace):
@@ -126,6 +127,9 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         #: The engine of ``_jacobians``, kept (with what it learnt of the model's calls) while
         #: the subset's parameters stay the same.
         self._jacobian_engine: PerSampleEngine | None = None
+        #: The prior precision of the last prediction (or of ``fit``), for laplace-torch's warning
+        #: that the GP posterior is recomputed after the prior changed.
+        self._posterior_prior_precision: Tensor | None = None
 
     @property
     def gp_kernel_prior_variance(self) -> Tensor:
@@ -173,12 +177,33 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         self.loss = self._gp.loss
         noisy = self._likelihood_model.has_noise_hyperparameter
         if self.independent_outputs and noisy and self.n_outputs > 1:
-            warnings.warn(
-                "independent_outputs=True with multi-output regression drops the "
-                "covariance between outputs; the predictive variance is likely too large.",
+            warnings.warn(  # laplace-torch's message
+                "Using FunctionalLaplace with the diagonal approximation of a GP kernel is not "
+                "recommended in the case of multivariate regression. Predictive variance will "
+                "likely be overestimated.",
                 stacklevel=2,
             )
         self._fitted = True
+        self._posterior_prior_precision = self.prior_precision.detach().clone()
+
+    def _checked_inputs(self, x: Inputs, what: str) -> Inputs:
+        """As the base class's, with laplace-torch's warning after a change of the prior.
+
+        Warns:
+            UserWarning: laplace-torch's message, at the first prediction after the prior
+                precision was changed (by assignment, or by a candidate of a grid search).
+        """
+        x = super()._checked_inputs(x, what)
+        current = self.prior_precision.detach()
+        if self._posterior_prior_precision is not None and not torch.equal(
+            current, self._posterior_prior_precision
+        ):
+            warnings.warn(
+                "The prior precision has changed since fit; recomputing the GP posterior.",
+                stacklevel=3,
+            )
+        self._posterior_prior_precision = current.clone()
+        return x
 
     def _kernel_scales(self) -> tuple[Tensor, Tensor]:
         """Kernel scale ``s`` and output-curvature factor ``h = 1/(σ²T)`` of predictions."""
@@ -264,10 +289,11 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         if parse_enum(PriorStructure, prior_structure, "prior_structure") != "scalar":
             raise ValueError(f"{type(self).__name__} needs prior_structure='scalar'.")
         if parse_enum(TuningMethod, method, "method") == TuningMethod.MARGLIK:
-            warnings.warn(
-                "the subset-of-data GP marginal likelihood is a rough proxy; "
-                "method='gridsearch' with a val_loader is usually better.",
+            warnings.warn(  # laplace-torch's message
+                "Use of method='marglik' in case of FunctionalLaplace is discouraged, rather use "
+                "method='CV'.",
                 stacklevel=2,
             )
         tune = BaseLaplace.optimize_prior_precision
         tune(self, **arguments_for(tune, locals()))
+        self._posterior_prior_precision = self.prior_precision.detach().clone()

@@ -21,11 +21,10 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
-from torchmetrics import MeanSquaredError, Metric
 
 from laplace.likelihoods.scoring import (
     VALIDATION_LOSSES,
@@ -38,6 +37,9 @@ from laplace.utils.enums import FunctionalApproximation, HessianStructure, LinkA
 from laplace.utils.errors import UnsupportedError
 from laplace.utils.outputs import OutputAdapter, OutputLayout, PositionTargets
 from laplace.utils.predictive import draw_gaussian
+
+if TYPE_CHECKING:
+    from torchmetrics import Metric
 
 __all__ = ["LikelihoodModel", "LossModule", "ProbabilityPredictions", "ReducedLoss"]
 
@@ -534,6 +536,8 @@ class LikelihoodModel(ABC):
         """
         if name is None:
             if self.default_validation_loss is None:
+                from torchmetrics import MeanSquaredError
+
                 return MeanSquaredError(num_outputs=n_outputs, **kwargs)
             name = self.default_validation_loss
         if name not in VALIDATION_LOSSES:

@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from torchmetrics import Metric
 from typing_extensions import override
 
 from laplace.likelihoods.base import ProbabilityPredictions
 from laplace.likelihoods.scoring import (
     N_BINS,
-    BernoulliAccuracy,
-    BernoulliBrier,
-    BernoulliNLL,
     Evaluation,
     EvaluationOptions,
     MetricFactory,
-    PerLabelCalibrationError,
     bernoulli_entropy,
     probabilities,
 )
@@ -30,7 +25,28 @@ from laplace.utils.errors import DataError, LabelError
 from laplace.utils.outputs import PositionTargets
 from laplace.utils.predictive import BERNOULLI_LINKS, probit_logits
 
+if TYPE_CHECKING:
+    from torchmetrics import Metric
+
 __all__ = ["Bernoulli", "bernoulli_alpha_energy"]
+
+
+def _nll_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+    from laplace.likelihoods.running_scores import BernoulliNLL
+
+    return BernoulliNLL(n_outputs, **kwargs)
+
+
+def _brier_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+    from laplace.likelihoods.running_scores import BernoulliBrier
+
+    return BernoulliBrier(n_outputs, **kwargs)
+
+
+def _ece_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+    from laplace.likelihoods.running_scores import PerLabelCalibrationError
+
+    return PerLabelCalibrationError(n_outputs, N_BINS, "l1", **kwargs)
 
 
 class Bernoulli(ProbabilityPredictions):
@@ -49,11 +65,9 @@ class Bernoulli(ProbabilityPredictions):
     kind = Likelihood.BINARY_CLASSIFICATION
     default_validation_loss = "nll"
     validation_losses: ClassVar[dict[str, MetricFactory]] = {
-        "nll": lambda n_outputs, sigma_noise, **kw: BernoulliNLL(n_outputs, **kw),
-        "brier": lambda n_outputs, sigma_noise, **kw: BernoulliBrier(n_outputs, **kw),
-        "ece": lambda n_outputs, sigma_noise, **kw: PerLabelCalibrationError(
-            n_outputs, N_BINS, "l1", **kw
-        ),
+        "nll": _nll_loss,
+        "brier": _brier_loss,
+        "ece": _ece_loss,
     }
     torch_loss = nn.BCEWithLogitsLoss
     link = staticmethod(torch.sigmoid)
@@ -98,6 +112,13 @@ class Bernoulli(ProbabilityPredictions):
             return (probs,), target.reshape(probs.shape).to(probs.device).long()
 
         def metrics(inputs: tuple[Tensor, ...]) -> dict[str, Metric]:
+            from laplace.likelihoods.running_scores import (
+                BernoulliAccuracy,
+                BernoulliBrier,
+                BernoulliNLL,
+                PerLabelCalibrationError,
+            )
+
             n_labels = inputs[0].shape[-1]
             return {
                 "accuracy": BernoulliAccuracy(n_labels, **kwargs),  # torchmetrics' needs K > 1

@@ -4,24 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from torchmetrics import Metric
-from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
 from typing_extensions import override
 
 from laplace.likelihoods.base import ProbabilityPredictions
 from laplace.likelihoods.gaussian import GaussianRegression
 from laplace.likelihoods.scoring import (
     N_BINS,
-    BrierScore,
     Evaluation,
     EvaluationOptions,
     MetricFactory,
-    ReliabilityBins,
     categorical_entropy,
     probabilities,
 )
@@ -29,11 +25,31 @@ from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import HessianStructure, Likelihood, LinkApprox
 from laplace.utils.errors import DataError, LabelError
 from laplace.utils.linalg import softmax_hessian_factor
-from laplace.utils.metrics import RunningNLLMetric
 from laplace.utils.outputs import PositionTargets
 from laplace.utils.predictive import LINKS, probit_logits
 
+if TYPE_CHECKING:
+    from torchmetrics import Metric
+
 __all__ = ["Categorical", "RewardModeling"]
+
+
+def _nll_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+    from laplace.utils.running_nll import RunningNLLMetric
+
+    return RunningNLLMetric(**kwargs)
+
+
+def _brier_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+    from laplace.likelihoods.running_scores import BrierScore
+
+    return BrierScore(**kwargs)
+
+
+def _ece_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+    from torchmetrics.classification import MulticlassCalibrationError
+
+    return MulticlassCalibrationError(n_outputs, N_BINS, "l1", **kwargs)
 
 
 class Categorical(ProbabilityPredictions):
@@ -42,11 +58,9 @@ class Categorical(ProbabilityPredictions):
     kind = Likelihood.CLASSIFICATION
     default_validation_loss = "nll"
     validation_losses: ClassVar[dict[str, MetricFactory]] = {
-        "nll": lambda n_outputs, sigma_noise, **kw: RunningNLLMetric(**kw),
-        "brier": lambda n_outputs, sigma_noise, **kw: BrierScore(**kw),
-        "ece": lambda n_outputs, sigma_noise, **kw: MulticlassCalibrationError(
-            n_outputs, N_BINS, "l1", **kw
-        ),
+        "nll": _nll_loss,
+        "brier": _brier_loss,
+        "ece": _ece_loss,
     }
     torch_loss = nn.CrossEntropyLoss
     link = staticmethod(partial(torch.softmax, dim=-1))
@@ -128,6 +142,11 @@ class Categorical(ProbabilityPredictions):
             return (probs,), target.long()
 
         def metrics(inputs: tuple[Tensor, ...]) -> dict[str, Metric]:
+            from torchmetrics.classification import MulticlassAccuracy, MulticlassCalibrationError
+
+            from laplace.likelihoods.running_scores import BrierScore, ReliabilityBins
+            from laplace.utils.running_nll import RunningNLLMetric
+
             n_classes = inputs[0].shape[-1]
             return {
                 "accuracy": MulticlassAccuracy(n_classes, average="micro", **kwargs),

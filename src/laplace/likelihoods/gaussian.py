@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
-from torchmetrics import MeanSquaredError, Metric
 from typing_extensions import override
 
 from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.scoring import (
     Evaluation,
     EvaluationOptions,
-    GaussianCRPS,
-    GaussianNLL,
     MetricFactory,
-    PITCalibration,
     gaussian_entropy,
     gaussian_predictive,
     targets_like,
@@ -28,7 +24,22 @@ from laplace.utils.enums import Likelihood
 from laplace.utils.errors import DataError
 from laplace.utils.outputs import PositionTargets
 
+if TYPE_CHECKING:
+    from torchmetrics import Metric
+
 __all__ = ["GaussianRegression", "check_real_targets", "gaussian_evaluation"]
+
+
+def _nll_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+    from laplace.likelihoods.running_scores import GaussianNLL
+
+    return GaussianNLL(sigma_noise, **kwargs)
+
+
+def _crps_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+    from laplace.likelihoods.running_scores import GaussianCRPS
+
+    return GaussianCRPS(sigma_noise, **kwargs)
 
 
 class GaussianRegression(LikelihoodModel):
@@ -54,8 +65,8 @@ class GaussianRegression(LikelihoodModel):
     supports_joint = True
     position_targets = PositionTargets.VALUES
     validation_losses: ClassVar[dict[str, MetricFactory]] = {
-        "nll": lambda n_outputs, sigma_noise, **kw: GaussianNLL(sigma_noise, **kw),
-        "crps": lambda n_outputs, sigma_noise, **kw: GaussianCRPS(sigma_noise, **kw),
+        "nll": _nll_loss,
+        "crps": _crps_loss,
     }
 
     @override
@@ -231,6 +242,10 @@ def gaussian_evaluation(
         return (mean, cov), targets_like(target, mean)
 
     def metrics(inputs: tuple[Tensor, ...]) -> dict[str, Metric]:
+        from torchmetrics import MeanSquaredError
+
+        from laplace.likelihoods.running_scores import GaussianCRPS, GaussianNLL, PITCalibration
+
         return {
             "nll": GaussianNLL(**kwargs),
             "rmse": MeanSquaredError(squared=False, **kwargs).set_dtype(torch.float64),

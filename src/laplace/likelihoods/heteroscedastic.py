@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -30,18 +30,31 @@ from laplace.likelihoods.gaussian import check_real_targets, gaussian_evaluation
 from laplace.likelihoods.scoring import (
     Evaluation,
     EvaluationOptions,
-    HeteroscedasticCRPS,
-    HeteroscedasticNLL,
     MetricFactory,
     heteroscedastic_moments,
 )
 from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood, LinkApprox
+
+if TYPE_CHECKING:
+    from torchmetrics import Metric
 
 __all__ = [
     "HeteroscedasticGaussian",
     "HeteroscedasticGaussianNLLLoss",
     "HeteroscedasticPrediction",
 ]
+
+
+def _nll_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+    from laplace.likelihoods.running_scores import HeteroscedasticNLL
+
+    return HeteroscedasticNLL(**kwargs)
+
+
+def _crps_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+    from laplace.likelihoods.running_scores import HeteroscedasticCRPS
+
+    return HeteroscedasticCRPS(**kwargs)
 
 
 class HeteroscedasticPrediction(NamedTuple):
@@ -102,8 +115,8 @@ class HeteroscedasticGaussian(LikelihoodModel):
     predictions = "heteroscedastic predictions"
     default_validation_loss = "nll"
     validation_losses: ClassVar[dict[str, MetricFactory]] = {
-        "nll": lambda n_outputs, sigma_noise, **kw: HeteroscedasticNLL(**kw),
-        "crps": lambda n_outputs, sigma_noise, **kw: HeteroscedasticCRPS(**kw),
+        "nll": _nll_loss,
+        "crps": _crps_loss,
     }
     loss_module_curvature = False
     #: Subset-of-data GP: its output curvature is diagonal, so the GP uses it exactly.

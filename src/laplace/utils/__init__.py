@@ -1,7 +1,15 @@
-"""laplace-torch's ``laplace.utils`` path, a façade re-exporting each name from its owner."""
+"""laplace-torch's ``laplace.utils`` path, a façade re-exporting each name from its owner.
+
+As laplace-torch's, it loads ``laplace.utils.utils`` and ``laplace.utils.metrics``;
+``RunningNLLMetric`` (a torchmetrics metric) is imported when it is first read.
+"""
+
+from typing import TYPE_CHECKING
 
 from laplace.core.priors import expand_prior_precision, fix_prior_prec_structure
 from laplace.utils import functional_utils
+from laplace.utils import metrics as metrics
+from laplace.utils import utils as utils
 from laplace.utils.data import SoDSampler
 from laplace.utils.enums import (
     FeatureReduction,
@@ -19,6 +27,7 @@ from laplace.utils.feature_extractor import FeatureExtractor
 from laplace.utils.functional_utils import *  # noqa: F403 (the names of its __all__)
 from laplace.utils.layers import is_batchnorm as _is_batchnorm
 from laplace.utils.layers import parameters_per_layer
+from laplace.utils.lazy import lazy_attributes
 from laplace.utils.linalg import (
     block_diag,
     diagonal_add_scalar,
@@ -28,7 +37,6 @@ from laplace.utils.linalg import (
     symeig,
 )
 from laplace.utils.matrix import Kron, KronDecomposed
-from laplace.utils.metrics import RunningNLLMetric
 from laplace.utils.subnetmask import (
     LargestMagnitudeSubnetMask,
     LargestVarianceDiagLaplaceSubnetMask,
@@ -41,6 +49,9 @@ from laplace.utils.subnetmask import (
 )
 from laplace.utils.swag import fit_diagonal_swag_var
 from laplace.utils.validation import get_nll, validate
+
+if TYPE_CHECKING:
+    from laplace.utils.running_nll import RunningNLLMetric
 
 __all__ = [
     *functional_utils.__all__,
@@ -81,3 +92,5 @@ __all__ = [
     "symeig",
     "validate",
 ]
+
+__getattr__ = lazy_attributes(__name__, {"RunningNLLMetric": "laplace.utils.running_nll"})

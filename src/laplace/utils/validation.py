@@ -7,17 +7,20 @@ user's metric or callable.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader
 
 from laplace.utils.data import prepare_batch
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
 from laplace.utils.errors import check_positive_int
+
+if TYPE_CHECKING:
+    import torchmetrics
 
 __all__ = ["Predictor", "get_nll", "validate"]
 
@@ -56,6 +59,12 @@ def get_nll(out_dist: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         )
     picked = out_dist.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     return -picked.log().mean()
+
+
+def _is_metric(loss: object) -> bool:
+    """Whether ``loss`` is a ``torchmetrics.Metric`` (never the first import of torchmetrics)."""
+    torchmetrics = sys.modules.get("torchmetrics")
+    return torchmetrics is not None and isinstance(loss, torchmetrics.Metric)
 
 
 def _update_metric(metric: torchmetrics.Metric, out: tuple, y: torch.Tensor) -> None:
@@ -126,7 +135,7 @@ def validate(
     device = next(laplace.model.parameters()).device
     likelihood = getattr(laplace, "_likelihood_model", None)
     probabilities = likelihood is not None and likelihood.fit_likelihood.predicts_probabilities
-    running = isinstance(loss, torchmetrics.Metric)
+    running = _is_metric(loss)
     if running:
         loss.reset()
 

@@ -1,0 +1,39 @@
+"""Names a module re-exports on first access, so that ``import laplace`` stays light.
+
+A module whose names need a heavy library (``torchmetrics``) re-exports them lazily:
+``__getattr__ = lazy_attributes(__name__, {"RunningNLLMetric": "laplace.utils.running_nll"})``.
+``from module import name`` and ``module.name`` work as for an eager import; the owner (and its
+library) is imported the first time the name is read.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["lazy_attributes"]
+
+
+def lazy_attributes(module: str, owners: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that imports each name of ``owners`` from its owning module.
+
+    Args:
+        module: The name of the module that re-exports (for the ``AttributeError``).
+        owners: Each re-exported name and the module that defines it.
+
+    Returns:
+        The ``__getattr__`` of ``module`` (PEP 562).
+
+    Example:
+        >>> getattr_ = lazy_attributes("m", {"sqrt": "math"})
+        >>> getattr_("sqrt")(4.0)
+        2.0
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name in owners:
+            return getattr(importlib.import_module(owners[name]), name)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
