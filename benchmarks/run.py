@@ -19,8 +19,8 @@ table (N and width) is ``benchmarks/scaling.py``. The ``tune-bayesopt-*`` case t
 search. The ``guard-overhead-*`` cases time a fit whose attribution guard checks its first
 batch against the same fit with the verdict cached. The ``fit-ekfac-vs-kron-*`` cases
 alternate EKFAC's and Kron's fits in one process and report their per-pair ratio. The
-``binary-*`` cases time ``likelihood="binary_classification"`` against ``"classification"`` on the MLP; the
-``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions;
+``binary-*`` cases time ``likelihood="binary_classification"`` against ``"classification"``
+on the MLP; the ``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions;
 ``large-vocab-ll-kron`` is the 32,000-class head of ``benchmarks/large_vocab.py``; the
 ``fit-*-bert*`` and ``fit-*-lstm`` cases (``benchmarks/bert.py``) all-weights fits of a 4-layer
 BERT (trainable position embeddings, float32 and bfloat16) and of a 2-layer LSTM classifier;
