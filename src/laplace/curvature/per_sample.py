@@ -123,6 +123,7 @@ class PerSampleEngine:
         f, calls = record_forward(
             self.model, self.owners, x, create_graph, self.shared, self.dtype
         )
+        f = upcast(f, self.dtype)  # the rules compute in the results' type
         verdict = self.verdict(f, calls)
         if verdict.mixed_rows - set(self.shared):  # tables looked up without a batch dim?
             f, calls = record_forward(
@@ -134,8 +135,9 @@ class PerSampleEngine:
                 self.dtype,
                 lift=verdict.mixed_rows,
             )
+            f = upcast(f, self.dtype)
             verdict = self.verdict(f, calls)
-        return PerSampleTrace(self, upcast(f, self.dtype), calls, create_graph, verdict)
+        return PerSampleTrace(self, f, calls, create_graph, verdict)
 
     def verdict(self, f: Tensor, calls: list[ModuleCall]) -> Verdict:
         """The attribution guard's verdict on a recorded pass, checked once per signature."""
