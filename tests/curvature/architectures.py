@@ -191,6 +191,10 @@ PATTERNS = {
         lambda: EncoderClassifier(False),
         lambda n, g: torch.randn(n, 4, 3, generator=g),
     ),
+    "encoder-layer-sequence-first-T-not-B": (
+        lambda: EncoderClassifier(False),
+        lambda n, g: torch.randn(n, n + 1, 3, generator=g),
+    ),
     "decoder-layer": (DecoderClassifier, lambda n, g: torch.randn(n, 4, 3, generator=g)),
     "vit": (TinyViT, lambda n, g: torch.randn(n, 1, 4, 4, generator=g)),
     "tied-head": (TiedHead, lambda n, g: _tokens(n, 3, g)),

@@ -64,13 +64,12 @@ def _slots(model):
         start += p.numel()
 
 
-#: Kronecker-factored layers whose rows are positions of a sequence-first layout with T = B
-#: or whose weight is used outside its call: refused by name (``test_kron_refuses_...``).
-KRON_REFUSED = {
-    "tied-head": "'wte'",
-    "adapter": "'base'",
-    "encoder-layer-sequence-first": "'layer",
-}
+#: Kronecker-factored weights used outside their module's calls: refused by name.
+KRON_REFUSED = {"tied-head": "'wte'", "adapter": "'base'"}
+
+#: The patterns the engine reads whole (per-layer rules, no autograd fallback): attention by
+#: its own rule, position tables lifted, sequence-first layers read batch-first.
+SEEN_WHOLE = [name for name in PATTERNS if name not in KRON_REFUSED]
 
 
 @pytest.mark.parametrize("name", [n for n in PATTERNS if n not in KRON_REFUSED])
@@ -134,15 +133,22 @@ def test_the_verdict_is_checked_once_per_signature(monkeypatch):
     monkeypatch.setattr(
         "laplace.curvature.per_sample.verify", lambda *a: checks.append(1) or verify(*a)
     )
-    model, X, y = build("mha-batch-first", n=12)
+    model, X, y = build("adapter", n=12)
     la = Laplace(model, "classification", "all", "diag")
     la.fit(loader(X, y, batch_size=4))
     la.fit(loader(X, y, batch_size=4))
     assert len(checks) == 1
     verdict = next(iter(la.backend.engine.verdicts.values()))
     slots = {name: i for i, (name, _, _) in enumerate(_slots(model))}
-    assert set(verdict.exact) == {slots["mha.out_proj.weight"], slots["mha.out_proj.bias"]}
-    assert "no call of its module" in verdict.exact[slots["mha.out_proj.weight"]]
+    assert list(verdict.exact) == [slots["base.weight"]]
+    assert "only part of its gradient" in verdict.exact[slots["base.weight"]]
+
+
+@pytest.mark.parametrize("name", SEEN_WHOLE)
+def test_attention_tables_and_sequence_first_layers_need_no_fallback(name):
+    model, X, _ = build(name)
+    trace = CurvlinopsGGN(model, "classification").trace(X)
+    assert trace.layerwise, trace.exact_reasons
 
 
 def test_a_model_the_engine_sees_whole_has_an_empty_verdict():

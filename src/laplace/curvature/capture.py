@@ -8,7 +8,9 @@ column w.r.t. *layer outputs* (not weights) can be taken afterwards with
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Protocol
 
@@ -19,7 +21,16 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from laplace.curvature.layer_rules import ModuleCall
 from laplace.utils.data import Inputs, upcast
 
-__all__ = ["EXPAND", "LIFT", "Columns", "OutputGradients", "column_chunks", "record_forward"]
+__all__ = [
+    "EXPAND",
+    "LIFT",
+    "SECOND",
+    "Columns",
+    "OutputGradients",
+    "batched_backward",
+    "column_chunks",
+    "record_forward",
+]
 
 
 class Columns(Protocol):
@@ -48,13 +59,19 @@ def _recurrent_dims(module: nn.RNNBase) -> tuple[int, int]:
     return (0 if module.batch_first else 1), 1
 
 
-def _native_dims(module: nn.Module, args: tuple, n_leaves: int) -> list[int] | None:
+def _native_dims(module: nn.Module, args: tuple, kwargs: dict, n_leaves: int) -> list[int] | None:
     """Per tensor leaf of a call's output, its batch dimension where some is not 0, else None.
 
     Recurrent layers return ``(output, h_n)`` or ``(output, (h_n, c_n))`` with the hidden
     states batched along dim 1 (and the sequences too unless ``batch_first``); packed and
-    unbatched sequences keep their layout.
+    unbatched sequences keep their layout. A sequence-first ``nn.MultiheadAttention`` returns
+    its output (L, B, E) and its attention weights batch-first.
     """
+    if isinstance(module, nn.MultiheadAttention):
+        query = args[0] if args else kwargs.get("query")
+        if module.batch_first or not isinstance(query, Tensor) or query.dim() != 3:
+            return None
+        return [1] + [0] * (n_leaves - 1)
     if not isinstance(module, nn.RNNBase) or not isinstance(args[0], Tensor):
         return None
     if args[0].dim() != 3:
@@ -64,7 +81,15 @@ def _native_dims(module: nn.Module, args: tuple, n_leaves: int) -> list[int] | N
 
 
 def _batch_first_args(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A recurrent layer's inputs moved to batch-first layout (the sequence and ``hx``)."""
+    """A layer's inputs in batch-first layout.
+
+    A recurrent layer's sequence and ``hx``, an attention layer's query, key and value.
+    """
+    if isinstance(module, nn.MultiheadAttention):
+        names = ("query", "key", "value")
+        args = tuple(a.movedim(1, 0) if i < 3 else a for i, a in enumerate(args))
+        kwargs = {n: v.movedim(1, 0) if n in names else v for n, v in kwargs.items()}
+        return args, kwargs
     sequence, state = _recurrent_dims(module)
     move = partial(tree_map_only, Tensor, lambda h: h.movedim(state, 0))
     args = (args[0].movedim(sequence, 0), *map(move, args[1:]))
@@ -82,6 +107,14 @@ def _first_rows(x: Inputs) -> int | None:
 #: or a batch dimension put in front (a table looked up without one, ``wpe(arange(T))``,
 #: (T, D)). Both give per-sample output gradients of a broadcast.
 EXPAND, LIFT = "expand", "lift"
+#: How the calls of a module in a sequence-first layout, (T, B, ...), are recorded: as
+#: batch-first views (B, T, ...), as a recurrent layer's are.
+SECOND = "second"
+
+
+def _second(batch: int) -> Callable[[Tensor], Tensor]:
+    """The batch-first view of a tensor whose second dimension is the batch's."""
+    return lambda v: v.movedim(1, 0) if v.dim() >= 2 and v.shape[1] == batch else v
 
 
 def _broadcast_candidates(calls: list[ModuleCall], batch: int) -> set[nn.Module]:
@@ -150,10 +183,11 @@ def record_forward(
     gradients are per data point: a module called on batch-independent inputs with outputs of
     one row (a position embedding looked up once, (1, T, D)) is expanded to (B, T, D); one
     whose outputs have neither the batch's rows nor one (``wpe(arange(T))``, (T, D)), or is
-    named in ``lift``, gets a batch dimension in front, (B, T, D). Whether such an output is
-    only broadcast is checked once per module (the model gives the same outputs, and each data
-    point's outputs depend only on its own row) and remembered in ``shared``; a module that
-    fails the check is recorded as it is.
+    named in ``lift``, gets a batch dimension in front, (B, T, D); one that is neither, in a
+    sequence-first layout (T, B, ...), is recorded as batch-first views (B, T, ...). Whether
+    such an output is one row per data point is checked once per module (the model gives the
+    same outputs, and each data point's outputs depend only on its own row) and remembered in
+    ``shared``; a module that fails the check is recorded as it is.
 
     When an output is later modified in place (``ReLU(inplace=True)``), the recorded tensor no
     longer is the layer output; the forward is then repeated with the hooks handing a copy of
@@ -165,8 +199,9 @@ def record_forward(
         x: Model inputs (a tensor or a mapping passed whole to the model).
         keep_input_graph: Keep the recorded inputs attached to the graph (needed to
             differentiate results w.r.t. ``x``).
-        shared: Per module met with a shared output, how it is widened (``EXPAND``, ``LIFT``)
-            or False where it is not (updated here).
+        shared: Per module met with outputs that are not one row per data point, how it is
+            recorded (``EXPAND``, ``LIFT``, ``SECOND``) or False where none applies (updated
+            here).
         dtype: Floating-point type the recorded inputs are cast to (None: half precision to
             float32, others as they are).
         lift: Modules to try recording with a batch dimension in front (the attribution guard
@@ -191,11 +226,14 @@ def record_forward(
         if not keep_input_graph:
             args, kwargs = tree_map_only(Tensor, Tensor.detach, (args, kwargs))
         args, kwargs = upcast((args, kwargs), dtype)  # the rules compute in the result's type
-        dims = _native_dims(module, args, len(tensors))
-        if dims is not None:
-            args, kwargs = _batch_first_args(module, args, kwargs)
+        dims = _native_dims(module, args, kwargs, len(tensors))
         mode = widen.get(module)
-        if mode is not None and batch is not None:
+        if mode == SECOND and batch is not None:
+            dims = [int(leaves[i].dim() >= 2 and leaves[i].shape[1] == batch) for i in tensors]
+            args, kwargs = tree_map_only(Tensor, _second(batch), (args, kwargs))
+        elif dims is not None:
+            args, kwargs = _batch_first_args(module, args, kwargs)
+        if mode in (EXPAND, LIFT) and batch is not None:
             rows = _widened(mode, batch)
             args, kwargs = tree_map_only(Tensor, rows, (args, kwargs))
             for i in tensors:
@@ -258,10 +296,36 @@ def record_forward(
             candidates = (_lift_candidates(calls, f.shape[0]) | set(lift)) - set(shared)
             if candidates:
                 f = try_widening(candidates, LIFT, f)
+            second = {
+                call.module
+                for call in calls
+                if call.module in candidates
+                and shared[call.module] is False
+                and all(z.dim() >= 2 and z.shape[1] == f.shape[0] for z in call.outputs)
+            }
+            if second:
+                for module in second:
+                    del shared[module]
+                f = try_widening(second, SECOND, f)
     finally:
         for handle in handles:
             handle.remove()
     return f, calls
+
+
+@contextmanager
+def batched_backward() -> Iterator[None]:
+    """Silence torch's note that an operation loops in a vectorised backward pass.
+
+    Such an operation (the fused attention kernels) is differentiated column by column inside
+    ``is_grads_batched``: the result is the same, and the note is about torch's kernels, not
+    the user's model.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="There is a performance drop because we have not"
+        )
+        yield
 
 
 class OutputGradients:
@@ -321,15 +385,16 @@ class OutputGradients:
 
     def _backward(self, grad_outputs: Tensor, batched: bool) -> list[list[Tensor]]:
         """Gradients w.r.t. every recorded output (zeros where unused), split per call."""
-        grads = torch.autograd.grad(
-            self.f,
-            self._outputs,
-            grad_outputs=grad_outputs,
-            retain_graph=True,
-            create_graph=self.create_graph,
-            allow_unused=True,
-            is_grads_batched=batched,
-        )
+        with batched_backward():
+            grads = torch.autograd.grad(
+                self.f,
+                self._outputs,
+                grad_outputs=grad_outputs,
+                retain_graph=True,
+                create_graph=self.create_graph,
+                allow_unused=True,
+                is_grads_batched=batched,
+            )
         lead = grad_outputs.shape[:1] if batched else ()
         found = iter(
             z.new_zeros(*lead, *z.shape) if g is None else g for z, g in zip(self._outputs, grads)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from laplace.curvature.capture import OutputGradients
+from laplace.curvature.capture import OutputGradients, batched_backward
 from laplace.curvature.kfac_rules import module_name
 from laplace.curvature.layer_rules import ModuleCall, per_sample_grads
 
@@ -117,9 +117,10 @@ def _mixed_rows(f: Tensor, calls: Sequence[ModuleCall], generator: torch.Generat
         cotangents[k, i] = v[i]
     outputs = [z for call in calls for z in call.outputs]
     try:
-        grads = torch.autograd.grad(
-            f, outputs, cotangents, retain_graph=True, allow_unused=True, is_grads_batched=True
-        )
+        with batched_backward():
+            grads = torch.autograd.grad(
+                f, outputs, cotangents, retain_graph=True, allow_unused=True, is_grads_batched=True
+            )
     except RuntimeError:  # an operation without a batching rule: one backward per data point
         per_row = [
             torch.autograd.grad(f, outputs, c, retain_graph=True, allow_unused=True)

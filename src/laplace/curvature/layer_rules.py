@@ -11,6 +11,7 @@ with the layer.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ __all__ = [
     "GATHER_COST",
     "PER_SAMPLE_RULES",
     "SELECTED_RULES",
+    "UNCALLED_CHILDREN",
     "ModuleCall",
+    "attention_arguments",
     "generic_per_sample",
     "per_sample_grads",
     "selected_per_sample_grads",
@@ -368,6 +371,134 @@ def _recurrent(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
     return out
 
 
+def attention_arguments(call: ModuleCall) -> dict[str, Any]:
+    """The arguments of a recorded ``nn.MultiheadAttention`` call, by name, defaults filled."""
+    module = call.module
+    bound = inspect.signature(type(module).forward).bind(module, *call.args, **call.kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _attention_parts(call: ModuleCall) -> tuple[list[Tensor], list[Tensor], Tensor, list[Tensor]]:
+    """An attention call recomputed for its rows with its projections in the graph.
+
+    The query, key and value projections are formed here (``x W_qᵀ + b_q``, ...) and the
+    attention itself by ``F.multi_head_attention_forward`` with identity projections, so masks,
+    scaling, ``bias_k``/``bias_v`` and ``add_zero_attn`` follow PyTorch; the output projection
+    ``a W_oᵀ + b_o`` is formed here too.
+
+    Returns:
+        The inputs (query, key, value), their projections in the graph, the attention output
+        ``a`` before the output projection (R, L, E), and the recomputed outputs that the call
+        records, in the graph.
+
+    Raises:
+        ValueError: For dropout in training mode (it couples nothing but is random).
+        RuntimeError: If the recomputation does not give the layer's outputs.
+    """
+    m, arguments = call.module, attention_arguments(call)
+    if m.training and m.dropout:
+        raise ValueError(
+            "MultiheadAttention with dropout in training mode has no per-sample rule; call "
+            "model.eval() first."
+        )
+    inputs = [arguments[name].detach() for name in ("query", "key", "value")]
+    _, length, width = inputs[0].shape
+    if m._qkv_same_embed_dim:
+        weights = list(m.in_proj_weight.detach().chunk(3))
+    else:
+        weights = [getattr(m, f"{n}_proj_weight").detach() for n in "qkv"]
+    biases = [None] * 3 if m.in_proj_bias is None else list(m.in_proj_bias.detach().chunk(3))
+    attn_mask = arguments["attn_mask"]
+    if attn_mask is not None and attn_mask.dim() == 2 and attn_mask.shape[0] != length:
+        attn_mask = attn_mask[:length]  # rows tiled for more columns: the mask is per position
+    eye = torch.eye(width, dtype=inputs[0].dtype, device=inputs[0].device)
+    with torch.enable_grad():
+        projections = [
+            F.linear(x, w.to(x), b if b is None else b.to(x)).requires_grad_()
+            for x, w, b in zip(inputs, weights, biases)
+        ]
+        first = [p.transpose(0, 1) for p in projections]  # the functional takes (L, R, E)
+        a, attention = F.multi_head_attention_forward(
+            *first,
+            width,
+            m.num_heads,
+            None,
+            None,
+            m.bias_k if m.bias_k is None else m.bias_k.detach().to(eye),
+            m.bias_v if m.bias_v is None else m.bias_v.detach().to(eye),
+            m.add_zero_attn,
+            0.0,
+            eye,
+            None,
+            training=False,
+            key_padding_mask=arguments["key_padding_mask"],
+            need_weights=arguments["need_weights"],
+            attn_mask=attn_mask,
+            use_separate_proj_weight=True,
+            q_proj_weight=eye,
+            k_proj_weight=eye,
+            v_proj_weight=eye,
+            average_attn_weights=arguments["average_attn_weights"],
+            is_causal=arguments["is_causal"],
+        )
+        a = a.transpose(0, 1)
+        bias = m.out_proj.bias
+        output = F.linear(
+            a, m.out_proj.weight.detach().to(a), bias if bias is None else bias.detach().to(a)
+        )
+        recomputed = [output, attention]
+    recomputed = [recomputed[i] for i in call.output_slots]
+    for mine, recorded in zip(recomputed, call.outputs):
+        roundoff = 32 * torch.finfo(recorded.dtype).eps
+        rtol, atol = max(1e-4, roundoff), max(1e-5, roundoff)
+        if not torch.allclose(mine[: len(recorded)], recorded.detach().to(mine), rtol, atol):
+            raise RuntimeError(
+                "MultiheadAttention: the recomputed attention does not give the layer's outputs"
+            )
+    return inputs, projections, a.detach(), recomputed
+
+
+def _attention(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Per-sample gradients of ``nn.MultiheadAttention``'s projections (recorded batch-first).
+
+    Written here because the module never calls its ``out_proj`` and its fused kernels have no
+    ``vmap`` rule: the attention is recomputed for the whole batch (``_attention_parts``), the
+    output gradients are pulled back to the query, key and value projections, and the Linear
+    rule gives each projection's ``Σₜ δₜ xₜᵀ`` and bias sums per data point; the output
+    projection's are ``Σₜ gₜ aₜᵀ`` and ``Σₜ gₜ``. ``bias_k``/``bias_v`` have no rule here
+    (the attribution guard takes them through autograd).
+    """
+    key = f"attention{len(call.args[0]) if call.args else len(call.kwargs['query'])}"
+    if key not in call.cache:  # kept for the other columns of the same rows
+        call.cache[key] = _attention_parts(call)  # type: ignore[assignment]
+    inputs, projections, a, recomputed = call.cache[key]
+    pulled = torch.autograd.grad(
+        recomputed, projections, list(grads), allow_unused=True, retain_graph=True
+    )
+    pulled = [torch.zeros_like(p) if d is None else d for p, d in zip(projections, pulled)]
+    out = {}
+    per_projection = [_linear_weight(x, d) for x, d in zip(inputs, pulled)]
+    if "in_proj_weight" in call.names:
+        out["in_proj_weight"] = torch.cat(per_projection, 1)
+    for name, value in zip(("q_proj_weight", "k_proj_weight", "v_proj_weight"), per_projection):
+        if name in call.names:
+            out[name] = value
+    if "in_proj_bias" in call.names:
+        out["in_proj_bias"] = torch.cat([_linear_bias(d) for d in pulled], 1)
+    if "out_proj.weight" in call.names:
+        out["out_proj.weight"] = _linear_weight(a, grads[0])
+    if "out_proj.bias" in call.names:
+        out["out_proj.bias"] = _linear_bias(grads[0])
+    return out
+
+
+#: Children whose parameters a module uses without calling them, so the module's own calls
+#: give their gradients (``nn.MultiheadAttention`` passes ``out_proj``'s weight and bias to
+#: ``F.multi_head_attention_forward``).
+UNCALLED_CHILDREN: dict[type[nn.Module], tuple[str, ...]] = {nn.MultiheadAttention: ("out_proj",)}
+
+
 #: Closed-form per-sample gradient rules, keyed by exact module type.
 PER_SAMPLE_RULES: dict[type[nn.Module], Rule] = {
     nn.Linear: _linear,
@@ -384,6 +515,7 @@ PER_SAMPLE_RULES: dict[type[nn.Module], Rule] = {
     nn.RNN: _recurrent,
     nn.LSTM: _recurrent,
     nn.GRU: _recurrent,
+    nn.MultiheadAttention: _attention,
 }
 
 

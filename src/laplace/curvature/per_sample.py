@@ -22,10 +22,17 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from laplace.curvature.capture import Columns, OutputGradients, column_chunks, record_forward
+from laplace.curvature.capture import (
+    Columns,
+    OutputGradients,
+    batched_backward,
+    column_chunks,
+    record_forward,
+)
 from laplace.curvature.guard import Verdict, signature, verify
 from laplace.curvature.layer_rules import (
     SELECTED_RULES,
+    UNCALLED_CHILDREN,
     ModuleCall,
     per_sample_grads,
     selected_per_sample_grads,
@@ -104,8 +111,13 @@ class PerSampleEngine:
         position = {id(p): i for i, p in enumerate(self.needed)}
         self.owners: dict[nn.Module, list[str]] = {}
         self.slot: dict[tuple[nn.Module, str], int] = {}
+        uncalled: set[nn.Module] = set()  # children whose parameters their parent uses
         for module in model.modules():
-            for name, p in module.named_parameters(recurse=False):
+            named = list(module.named_parameters(recurse=False))
+            for child in UNCALLED_CHILDREN.get(type(module), ()):
+                uncalled.add(getattr(module, child))
+                named += getattr(module, child).named_parameters(prefix=child, recurse=False)
+            for name, p in named if module not in uncalled else ():
                 if id(p) in position:
                     self.owners.setdefault(module, []).append(name)
                     self.slot[module, name] = position[id(p)]
@@ -140,8 +152,12 @@ class PerSampleEngine:
         return PerSampleTrace(self, f, calls, create_graph, verdict)
 
     def verdict(self, f: Tensor, calls: list[ModuleCall]) -> Verdict:
-        """The attribution guard's verdict on a recorded pass, checked once per signature."""
-        key = signature(f, calls)
+        """The attribution guard's verdict on a recorded pass, checked once per signature.
+
+        The signature includes how each call was recorded (``shared``): a pass recorded anew
+        with a table lifted or a layer read batch-first is checked again.
+        """
+        key = (signature(f, calls), *(self.shared.get(call.module, False) for call in calls))
         if key not in self.verdicts:
             self.verdicts[key] = verify(self, f, calls)
         return self.verdicts[key]
@@ -397,15 +413,16 @@ class PerSampleTrace:
             index = torch.arange(start, min(batch, start + BATCHED_BACKWARD_CHUNK))
             cotangents = self.f.new_zeros(len(index), *self.f.shape)
             cotangents[torch.arange(len(index)), index] = v[index]
-            grads = torch.autograd.grad(
-                self.f,
-                params,
-                grad_outputs=cotangents,
-                is_grads_batched=True,
-                retain_graph=True,
-                create_graph=self.create_graph,
-                allow_unused=True,
-            )
+            with batched_backward():
+                grads = torch.autograd.grad(
+                    self.f,
+                    params,
+                    grad_outputs=cotangents,
+                    is_grads_batched=True,
+                    retain_graph=True,
+                    create_graph=self.create_graph,
+                    allow_unused=True,
+                )
             for found, p, g in zip(rows, params, grads, strict=True):
                 found.append(
                     self.f.new_zeros(len(index), *p.shape)
