@@ -157,3 +157,23 @@ def test_a_model_the_engine_sees_whole_has_an_empty_verdict():
     trace = backend.trace(X)
     assert trace.layerwise and trace.exact_slots == []
     assert [v.exact for v in backend.engine.verdicts.values()] == [{}]
+
+
+#: The models a library reading curvature off module calls would get wrong (ASDL's diagonal
+#: was off by 3e-2 to 5e-1 on them, silently).
+MISREAD_BY_LIBRARIES = [
+    "tied-head",
+    "adapter",
+    "position-table-T-equals-B",
+    "position-table-T-not-B",
+]
+
+
+@pytest.mark.parametrize("name", MISREAD_BY_LIBRARIES)
+@pytest.mark.parametrize("backend", ["AsdlGGN", "BackPackGGN"])
+def test_third_party_backends_refuse_what_they_would_misread(name, backend):
+    from laplace import curvature
+
+    model, X, y = build(name)
+    with pytest.raises(ValueError, match=r"would read this model's curvature wrong.*Curvlinops"):
+        getattr(curvature, backend)(model, "classification").diag(X, y)

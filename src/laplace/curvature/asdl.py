@@ -25,6 +25,7 @@ from laplace.curvature.registry import check_library
 from laplace.curvature.third_party import (
     KroneckerLayersOnly,
     TargetCall,
+    check_attribution,
     isolated,
     kron_blocks,
     target_call,
@@ -166,6 +167,7 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         """
         if enable_backprop:
             return super().jacobians(x, enable_backprop=True)
+        check_attribution(self, x)
         target = target_call(self.model, x, self.last_layer)
         with torch.no_grad():
             n_out = target.module(target.inputs).shape[-1]
@@ -183,6 +185,7 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
 
     def gradients(self, x: Inputs, y: Tensor) -> tuple[Tensor, Tensor]:
         """As ``CurvatureInterface.gradients``, by ASDL."""
+        check_attribution(self, x)
         target = target_call(self.model, x, self.last_layer)
 
         def closure() -> Tensor:
@@ -244,6 +247,7 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         Returns:
             The summed library loss and the curvature.
         """
+        check_attribution(self, x)
         target = target_call(self.model, x, self.last_layer)
         with isolated(target.module), _quiet():
             maker, attr, scale = self._maker(target.module, shape, options)

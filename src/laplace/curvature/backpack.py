@@ -32,6 +32,7 @@ from laplace.curvature.registry import check_library
 from laplace.curvature.third_party import (
     KroneckerLayersOnly,
     TargetCall,
+    check_attribution,
     isolated,
     kron_blocks,
     target_call,
@@ -105,6 +106,7 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
 
     def _target(self, x: Inputs) -> TargetCall:
         check_dict_inputs(type(self), x)
+        check_attribution(self, x)
         return target_call(self.model, x, self.last_layer)
 
     def _collect(self, module: nn.Module, attr: str, flatten_from: int) -> Tensor:

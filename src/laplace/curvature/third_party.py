@@ -3,7 +3,8 @@
 Both libraries hook modules and write their results onto modules and parameters; every backend
 call runs inside ``isolated``, which undoes all of it (docs/backends.md). ``target_call``
 picks what the library runs on (the model, or the last layer on features), ``kron_blocks``
-normalises Kronecker factors like ``laplace.curvature.kfac``.
+normalises Kronecker factors like ``laplace.curvature.kfac``, ``check_attribution`` refuses
+models the libraries would read wrong (the native engine's attribution guard).
 """
 
 from __future__ import annotations
@@ -15,12 +16,21 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from laplace.curvature.kfac_rules import check_kronecker_layers
+from laplace.curvature.capture import LIFT, SECOND
+from laplace.curvature.kfac_rules import check_kronecker_layers, module_name
 from laplace.utils.matrix import Kron
 
-__all__ = ["KroneckerLayersOnly", "TargetCall", "isolated", "kron_blocks", "target_call"]
+__all__ = [
+    "KroneckerLayersOnly",
+    "TargetCall",
+    "check_attribution",
+    "isolated",
+    "kron_blocks",
+    "target_call",
+]
 
 
 @contextmanager
@@ -107,6 +117,43 @@ def kron_blocks(blocks: list[tuple[Tensor, Tensor | None]], n_data: int, factor:
     """
     root = math.sqrt(factor)
     return Kron([[G] if A is None else [G / root, A * (root / n_data)] for G, A in blocks])
+
+
+def check_attribution(backend: Any, x: object) -> None:
+    """Refuse a model that a library reading curvature off module calls would get wrong.
+
+    ASDL and BackPACK read each parameter's curvature from its module's calls, the rows of
+    each call's outputs taken as data points. The native engine's attribution guard
+    (``laplace.curvature.guard``) finds where that is wrong: a parameter used outside its
+    module's calls (a head tied as ``h @ wte.weight.T``), a table looked up without a batch
+    dimension, a layer in a sequence-first layout. Checked once per shape of the inputs.
+
+    Raises:
+        ValueError: Naming the parameter or module, why, and the backend that is exact there.
+    """
+    if backend.last_layer:  # the library runs on the last layer alone, on features
+        return
+    leaves = tree_flatten(x)[0]
+    key = tuple(tuple(v.shape) for v in leaves if isinstance(v, Tensor))
+    checked = backend.__dict__.setdefault("_attribution_checked", set())
+    if key in checked:
+        return
+    engine = backend.engine
+    trace = engine.trace(x)
+    problems = [f"{engine.describe(s)}: {why}" for s, why in trace.exact_reasons.items()]
+    problems += [
+        f"module {module_name(engine.model, m)!r} ({type(m).__name__}): its outputs are not one "
+        "row per data point (a table without a batch dimension or a sequence-first layout)"
+        for m, mode in engine.shared.items()
+        if mode in (LIFT, SECOND)
+    ]
+    if problems:
+        raise ValueError(
+            f"{type(backend).__name__} ({backend.library}) would read this model's curvature "
+            f"wrong without an error: {'; '.join(problems)}. Use backend=CurvlinopsGGN or "
+            "CurvlinopsEF (the default), which are exact on it."
+        )
+    checked.add(key)
 
 
 class KroneckerLayersOnly:
