@@ -177,3 +177,12 @@ def test_third_party_backends_refuse_what_they_would_misread(name, backend):
     model, X, y = build(name)
     with pytest.raises(ValueError, match=r"would read this model's curvature wrong.*Curvlinops"):
         getattr(curvature, backend)(model, "classification").diag(X, y)
+
+
+def test_the_gradient_check_in_row_chunks_gives_the_same_verdicts(monkeypatch):
+    """Large layers are checked a few rows at a time (a (T, T) mask is not split with them)."""
+    monkeypatch.setattr(guard, "GUARD_CHUNK_ELEMENTS", 7)
+    for name in PATTERNS:
+        model, X, _ = build(name)
+        trace = CurvlinopsGGN(model, "classification").trace(X)
+        assert trace.layerwise == (name in SEEN_WHOLE), (name, trace.exact_reasons)

@@ -24,7 +24,7 @@ with the reason; the trace then takes it through autograd, one backward pass per
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,9 +32,16 @@ from torch import Tensor, nn
 
 from laplace.curvature.capture import OutputGradients, batched_backward
 from laplace.curvature.kfac_rules import module_name
-from laplace.curvature.layer_rules import ModuleCall, per_sample_grads
+from laplace.curvature.layer_rules import ModuleCall, call_rows, per_sample_grads
 
-__all__ = ["DEPENDENCE_ROWS", "ROUNDOFF_FACTOR", "Verdict", "signature", "verify"]
+__all__ = [
+    "DEPENDENCE_ROWS",
+    "GUARD_CHUNK_ELEMENTS",
+    "ROUNDOFF_FACTOR",
+    "Verdict",
+    "signature",
+    "verify",
+]
 
 #: Data points whose outputs are pulled back to every recorded output in the row check.
 DEPENDENCE_ROWS = 4
@@ -43,6 +50,9 @@ DEPENDENCE_ROWS = 4
 #: round-off (the dtype's eps) of the summed magnitudes ``Σₙ |gₙ| + |g|`` of the entry plus
 #: those of the largest entry of the whole gradient.
 ROUNDOFF_FACTOR = 256
+
+#: Largest number of per-sample gradient entries the gradient check forms at once.
+GUARD_CHUNK_ELEMENTS = 2**24
 
 #: Seed of the random output column of the gradient check (the check is deterministic).
 CHECK_SEED = 20261128
@@ -151,6 +161,23 @@ def _mixed_rows(f: Tensor, calls: Sequence[ModuleCall], generator: torch.Generat
     return mixed
 
 
+def _row_chunks(
+    call: ModuleCall, grads: Sequence[Tensor], size: int
+) -> Iterator[tuple[ModuleCall, list[Tensor]]]:
+    """The call and its output gradients, a chunk of rows at a time.
+
+    At most ``GUARD_CHUNK_ELEMENTS`` per-sample gradient entries (``size`` per row) at once.
+    """
+    rows = grads[0].shape[0] if grads[0].dim() else 1
+    step = max(1, GUARD_CHUNK_ELEMENTS // max(1, size))
+    if step >= rows:
+        yield call, list(grads)
+        return
+    for start in range(0, rows, step):
+        part = slice(start, start + step)
+        yield call_rows(call, part, rows), [g[part] for g in grads]
+
+
 def _reconstruction(
     engine: object, f: Tensor, calls: Sequence[ModuleCall], v: Tensor, exact: dict[int, str]
 ) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
@@ -164,8 +191,13 @@ def _reconstruction(
     per_call = OutputGradients(f, calls)(v)
     for call, grads in zip(calls, per_call, strict=True):
         slots = {name: engine.slot[call.module, name] for name in call.names}
+        size = sum(engine.needed[slot].numel() for slot in slots.values())
         try:
-            per_sample = per_sample_grads(call, grads)
+            for piece, piece_grads in _row_chunks(call, grads, size):
+                for name, u in per_sample_grads(piece, piece_grads).items():
+                    u = u.detach().to(f.dtype)
+                    _add(found, slots[name], u.sum(0))
+                    _add(magnitude, slots[name], u.abs().sum(0))
         except ValueError as error:  # a rule's refusal (BatchNorm in training mode): name it
             raise ValueError(
                 f"module {module_name(engine.model, call.module)!r}: {error}"
@@ -173,14 +205,11 @@ def _reconstruction(
         except Exception as error:  # a rule that cannot run on this call: not trusted
             for slot in slots.values():
                 exact.setdefault(slot, f"its {type(call.module).__name__} rule failed ({error})")
-            continue
-        for name, u in per_sample.items():
-            slot = slots[name]
-            u = u.detach().to(f.dtype)
-            total, size = u.sum(0), u.abs().sum(0)
-            found[slot] = found[slot] + total if slot in found else total
-            magnitude[slot] = magnitude[slot] + size if slot in magnitude else size
     return found, magnitude
+
+
+def _add(sums: dict[int, Tensor], key: int, value: Tensor) -> None:
+    sums[key] = sums[key] + value if key in sums else value
 
 
 def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> Verdict:

@@ -15,6 +15,7 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,9 +28,11 @@ __all__ = [
     "GATHER_COST",
     "PER_SAMPLE_RULES",
     "SELECTED_RULES",
+    "UNBATCHED_ARGUMENTS",
     "UNCALLED_CHILDREN",
     "ModuleCall",
     "attention_arguments",
+    "call_rows",
     "generic_per_sample",
     "per_sample_grads",
     "selected_per_sample_grads",
@@ -497,6 +500,32 @@ def _attention(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
 #: give their gradients (``nn.MultiheadAttention`` passes ``out_proj``'s weight and bias to
 #: ``F.multi_head_attention_forward``).
 UNCALLED_CHILDREN: dict[type[nn.Module], tuple[str, ...]] = {nn.MultiheadAttention: ("out_proj",)}
+
+
+#: Arguments of a module's calls that are not per row even when their leading size is the
+#: batch's (a (T, T) attention mask with T = B): kept whole when a call's rows are split.
+UNBATCHED_ARGUMENTS: dict[type[nn.Module], tuple[str, ...]] = {
+    nn.MultiheadAttention: ("attn_mask",)
+}
+
+
+def call_rows(call: ModuleCall, rows: slice, n_rows: int) -> ModuleCall:
+    """The call restricted to some of its ``n_rows`` rows (inputs and outputs along dim 0)."""
+    keep = UNBATCHED_ARGUMENTS.get(type(call.module), ())
+    args, kwargs = call.args, call.kwargs
+    if keep:  # by name, so that those arguments are recognised wherever they were passed
+        bound = inspect.signature(type(call.module).forward).bind(call.module, *args, **kwargs)
+        args, kwargs = (), {k: v for k, v in list(bound.arguments.items())[1:]}
+
+    def take(name: str | None, v: object) -> object:
+        if name in keep or not (isinstance(v, Tensor) and v.dim() and v.shape[0] == n_rows):
+            return v
+        return v[rows]
+
+    args = tuple(tree_map(partial(take, None), a) for a in args)
+    kwargs = {k: tree_map(partial(take, k), v) for k, v in kwargs.items()}
+    outputs = [z[rows] for z in call.outputs]
+    return ModuleCall(call.module, args, kwargs, outputs, call.output_slots, call.names)
 
 
 #: Closed-form per-sample gradient rules, keyed by exact module type.
