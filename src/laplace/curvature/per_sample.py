@@ -100,8 +100,8 @@ class PerSampleEngine:
                 self.spans[slot] = (start, end)
         #: Length of the engine's parameter vector: P, or the number of subnetwork entries.
         self.n_entries = self.offsets[-1] if indices is None else len(indices)
-        #: Per module met with an output shared by the batch, how it is widened to one row
-        #: per data point (``EXPAND``, ``LIFT``), False where it is not a broadcast (see
+        #: Per module met with outputs that are not one row per data point, how its calls are
+        #: recorded (``EXPAND``, ``LIFT``, ``SECOND``), False where none applies (see
         #: ``record_forward``).
         self.shared: dict[nn.Module, str | bool] = {}
         #: The attribution guard's verdict per shape signature of a recorded pass.
@@ -209,10 +209,9 @@ class PerSampleTrace:
         verdict = Verdict() if verdict is None else verdict
         self.engine = engine
         self.f = f
-        self.calls = _trusted(calls, verdict, engine)
+        self.calls = calls = _trusted(calls, verdict, engine)
         self.exact_slots = sorted(verdict.exact)
         self.exact_reasons = dict(verdict.exact)
-        calls = self.calls
         self.create_graph = create_graph
         self._grads = OutputGradients(f, calls, create_graph) if calls else None
         counts = Counter(engine.slot[call.module, name] for call in calls for name in call.names)
