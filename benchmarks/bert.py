@@ -157,6 +157,24 @@ def case_fit_lstm(structure: str, _: str, repeats: int) -> dict:
     }
 
 
+def case_guard_overhead_bert(structure: str, model_name: str, repeats: int) -> dict:
+    """The attribution guard's share of an all-weights fit of the BERT or the LSTM."""
+    from laplace import Laplace
+
+    torch.manual_seed(0)
+    if model_name == "bert":
+        model, loader = BertClassifier().eval().to(harness.DEVICE), bert_loader(BERT_BATCH * 8)
+    else:
+        model = LSTMClassifier().eval().to(harness.DEVICE)
+        gen = torch.Generator().manual_seed(0)
+        X = torch.randint(0, LSTM_VOCAB, (LSTM_SEQUENCES, LSTM_TOKENS), generator=gen)
+        y = torch.randint(0, LSTM_CLASSES, (LSTM_SEQUENCES,), generator=gen)
+        loader = DataLoader(TensorDataset(X, y), batch_size=LSTM_BATCH)
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
+    row = harness.guard_overhead(la, loader, min(repeats, 3))
+    return {"case": f"guard overhead {structure} {model_name}", **row}
+
+
 #: name: (function, structure, variant), the calling convention of ``run.py``'s cases.
 BERT_CASES = {
     "fit-kron-bert": (case_fit_bert, "kron", ""),
@@ -166,4 +184,7 @@ BERT_CASES = {
     "fit-diag-bert-bf16": (case_fit_bert, "diag", "bf16"),
     "fit-diag-lstm": (case_fit_lstm, "diag", ""),
     "fit-kron-lstm": (case_fit_lstm, "kron", ""),
+    "guard-overhead-kron-bert": (case_guard_overhead_bert, "kron", "bert"),
+    "guard-overhead-diag-lstm": (case_guard_overhead_bert, "diag", "lstm"),
+    "guard-overhead-kron-lstm": (case_guard_overhead_bert, "kron", "lstm"),
 }

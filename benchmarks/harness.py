@@ -179,6 +179,20 @@ def against_floor(fn: Callable[[], object], floor: Callable[[], object], repeats
     }
 
 
+def guard_overhead(la, loader: DataLoader, repeats: int) -> dict:
+    """A fit whose attribution guard checks its batches against the same fit with the
+    verdicts cached, alternating in one process: ``ratio`` is 1 + the guard's share."""
+    la.fit(loader)
+    verdicts = la.backend.engine.verdicts
+
+    def checked_fit() -> None:
+        verdicts.clear()
+        la.fit(loader)
+
+    times = against_floor(checked_fit, partial(la.fit, loader), repeats)
+    return {"n_params": la.n_params, **times, "floor": "fit, verdicts cached"}
+
+
 def measure_fit(la, loader: DataLoader, repeats: int, case: str, floor=None) -> dict:
     """Peak extra memory of a first fit, then fit time (median) against ``floor`` if given."""
     with PeakRSS() as mem:

@@ -52,10 +52,10 @@ from harness import (
     N_TEST,
     N_TRAIN,
     PeakRSS,
-    against_floor,
     data,
     forward_pass,
     forward_plus_10_backward,
+    guard_overhead,
     measure_fit,
     measure_predict,
     synchronize,
@@ -146,23 +146,13 @@ def case_fit_against_kron(model_name: str, structure: str, repeats: int) -> dict
 
 
 def case_guard_overhead(model_name: str, structure: str, repeats: int) -> dict:
-    """A fit whose attribution guard checks the first batch against the same fit with the
-    verdict cached, alternating in one process: the ratio is 1 + the guard's share."""
+    """The attribution guard's share of an all-weights fit (``harness.guard_overhead``)."""
     from laplace import Laplace
 
     model = MODELS[model_name]().eval()
-    loader = training_loader(model_name)
     la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
-    la.fit(loader)
-    verdicts = la.backend.engine.verdicts
-
-    def checked_fit() -> None:
-        verdicts.clear()
-        la.fit(loader)
-
-    times = against_floor(checked_fit, partial(la.fit, loader), repeats)
-    case = f"guard overhead {structure} {model_name}"
-    return {"case": case, "n_params": la.n_params, **times, "floor": "fit, verdict cached"}
+    row = guard_overhead(la, training_loader(model_name), repeats)
+    return {"case": f"guard overhead {structure} {model_name}", **row}
 
 
 def case_fit_ll(model_name: str, structure: str, repeats: int) -> dict:

@@ -13,7 +13,7 @@ import torch
 from architectures import PATTERNS, BatchedPositionTable, PositionTable, build
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import Oracle, assert_close
+from conftest import Oracle, assert_close, freeze_all_but
 from laplace import Laplace
 from laplace.curvature import CurvlinopsGGN, guard
 from laplace.curvature.kfac_rules import plan_blocks
@@ -186,3 +186,16 @@ def test_the_gradient_check_in_row_chunks_gives_the_same_verdicts(monkeypatch):
         model, X, _ = build(name)
         trace = CurvlinopsGGN(model, "classification").trace(X)
         assert trace.layerwise == (name in SEEN_WHOLE), (name, trace.exact_reasons)
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_last_layer_equals_the_ggn_of_the_head(name):
+    model, X, y = build(name)
+    la = Laplace(model, "classification", "last_layer", "full", prior_precision=0.7)
+    la.fit(loader(X, y))
+    head = next(n for n, m in model.named_modules() if m is la.model.last_layer)
+    oracle = Oracle(freeze_all_but(model, head), "classification")
+    assert_close(la.H, oracle.ggn(X), rtol=RTOL, atol=ATOL)
+    J = oracle.jacobian(X)
+    expected = J @ torch.linalg.inv(la.posterior_precision) @ J.transpose(1, 2)
+    assert_close(la._functional_moments(X)[1], expected, rtol=RTOL_VARIANCE, atol=ATOL)
