@@ -153,7 +153,8 @@ class Adapter(nn.Module):
         self.down = nn.Linear(width, width, bias=False)
 
     def forward(self, h):
-        return torch.tanh(self.base(h)) + self.down(torch.tanh(F.linear(0.5 * h, self.base.weight)))
+        adapted = self.down(torch.tanh(F.linear(0.5 * h, self.base.weight)))
+        return torch.tanh(self.base(h)) + adapted
 
 
 class InPlace(nn.Module):

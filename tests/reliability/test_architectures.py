@@ -22,9 +22,15 @@ import warnings
 
 import pytest
 import torch
-from architecture_grammar import Blueprint, Example, blueprints, build, without_checkpointing
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from architecture_grammar import (
+    Block,
+    Blueprint,
+    Example,
+    blueprints,
+    build,
+    without_checkpointing,
+)
+from hypothesis import HealthCheck, Phase, example, given, settings
 
 from conftest import Oracle, assert_close, freeze_all_but
 from laplace import Laplace
@@ -32,12 +38,22 @@ from laplace.curvature import AsdlGGN, BackPackGGN
 from laplace.curvature.eigen import EIGENVALUE_THRESHOLD
 from laplace.curvature.kfac_rules import plan_blocks
 
-pytestmark = pytest.mark.oracle
+pytestmark = [
+    pytest.mark.oracle,
+    pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+]
 
 #: Examples of all the test functions together, per profile.
 EXAMPLES = {"ci": 200, "thorough": 2000}[os.environ.get("LAPLACE_HYPOTHESIS_PROFILE", "ci")]
 #: Each test function's share of ``EXAMPLES``.
-SHARES = {"diag_full": 0.4, "kron_lowrank": 0.3, "last_layer_third_party": 0.3}
+SHARES = {
+    "diag_full": 0.25,
+    "glm": 0.15,
+    "kron": 0.25,
+    "lowrank": 0.05,
+    "last_layer": 0.2,
+    "third_party": 0.1,
+}
 
 #: The acceptance tolerance of the issue: diag, full and exact Kron blocks equal the GGN.
 RTOL = 1e-8
@@ -51,7 +67,7 @@ ATOL_EIGEN = 1e-9
 #: float32 round-off: entries agree to this fraction of the largest entry.
 RTOL_FLOAT32_CASTS = 1e-5
 
-#: Structure that an ASDL or BackPACK diag may not reach: each must agree or raise.
+#: Third-party backends: each must agree with the oracle or raise.
 THIRD_PARTY_BACKENDS = {"asdl": AsdlGGN, "backpack": BackPackGGN}
 
 
@@ -62,6 +78,7 @@ def examples(share: str):
         derandomize=True,
         database=None,
         deadline=None,
+        phases=[Phase.explicit, Phase.generate],  # a blueprint is small: report it unshrunk
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
 
@@ -104,68 +121,136 @@ def parameter_rows(model: torch.nn.Module):
 
 @examples("diag_full")
 @given(blueprints())
-def test_diag_full_and_glm_variances_equal_the_dense_ggn(blueprint: Blueprint):
+def test_diag_and_full_equal_the_dense_ggn(blueprint: Blueprint):
     example = build(blueprint)
-    reference = oracle(example)
-    ggn = reference.ggn(example.X)
-    la = fitted(example, "all", "diag")
-    assert_equals_oracle(example, la.H, ggn.diagonal())
+    ggn = oracle(example).ggn(example.X)
+    assert_equals_oracle(example, fitted(example, "all", "diag").H, ggn.diagonal())
+    assert_equals_oracle(example, fitted(example, "all", "full").H, ggn)
+
+
+@examples("glm")
+@given(blueprints())
+def test_glm_variances_of_full_are_j_inverse_precision_jt(blueprint: Blueprint):
+    example = build(blueprint)
     la = fitted(example, "all", "full")
-    assert_equals_oracle(example, la.H, ggn)
-    J = reference.jacobian(example.X)
+    J = oracle(example).jacobian(example.X)
     expected = J @ torch.linalg.inv(la.posterior_precision) @ J.transpose(1, 2)
     variances = la._functional_moments(example.X)[1]
     assert_equals_oracle(example, variances, expected, rtol=RTOL_VARIANCE)
 
 
-@examples("kron_lowrank")
-@given(blueprints(), st.integers(0, 2))
-def test_kron_blocks_are_exact_or_refused_and_lowrank_is_the_top(blueprint, lowrank_draw):
-    """Kron: every curved parameter has a nonzero block, its planned exact blocks equal the
-    GGN's, or a Kronecker-factored weight is refused by name. Low rank (one example in three):
-    the top eigenvalues of the GGN."""
+@examples("kron")
+@given(blueprints())
+def test_kron_blocks_are_exact_or_refused(blueprint: Blueprint):
+    """Every curved parameter has a nonzero block and its planned exact blocks equal the
+    GGN's, or a Kronecker-factored weight is refused by name."""
     example = build(blueprint)
-    ggn = oracle(example).ggn(example.X)
     try:
         la = fitted(example, "all", "kron")
     except ValueError as refusal:
         assert "Kronecker block, but" in str(refusal)
-    else:
-        plan = plan_blocks(la.backend.engine)
-        rows = parameter_rows(example.model)
-        for (name, slots), block, kind in zip(rows, la.H_facs.kfacs, plan, strict=True):
-            exact = ggn[slots, slots]
-            if kind.kind == "dense":
-                assert_equals_oracle(example, block[0], exact)
-            elif kind.kind == "diag":
-                assert_equals_oracle(example, block[0], exact.diagonal())
-            if bool(exact.abs().amax() > 1e-12):
-                assert any(bool(F.abs().amax() > 0) for F in block), f"{name} has no curvature"
-    if lowrank_draw == 0:
-        assert_lowrank_is_the_top(example, ggn, {"solver": "lanczos"})
+        return
+    ggn = oracle(example).ggn(example.X)
+    plan = plan_blocks(la.backend.engine)
+    rows = parameter_rows(example.model)
+    for (name, slots), block, kind in zip(rows, la.H_facs.kfacs, plan, strict=True):
+        exact = ggn[slots, slots]
+        if kind.kind == "dense":
+            assert_equals_oracle(example, block[0], exact)
+        elif kind.kind == "diag":
+            assert_equals_oracle(example, block[0], exact.diagonal())
+        if bool(exact.abs().amax() > 1e-12):
+            assert any(bool(F.abs().amax() > 0) for F in block), f"{name} has no curvature"
 
 
-def assert_lowrank_is_the_top(example: Example, ggn: torch.Tensor, solver: dict):
-    """Low rank with 2 eigenvalues: the top 2 of ``ggn``, those at or below
-    ``EIGENVALUE_THRESHOLD`` dropped (as laplace-torch does)."""
-    kwargs = {"n_eigenvalues": 2, **solver}
-    _, values = fitted(example, "all", "lowrank", backend_kwargs=kwargs).H
+#: Models on which the default (randomized) low-rank solver returns eigenvalues above the
+#: GGN's largest from a non-orthonormal U, silently; "full" and ``solver="lanczos"`` are exact.
+RANDOMIZED_LOWRANK_MISMATCHES = [
+    Blueprint(
+        "vector",
+        "classification",
+        width=2,
+        seq_len=2,
+        n_points=2,
+        batch_size=2,
+        blocks=(Block("reuse"), Block("in-place"), Block("norm")),
+        seed=0,
+    ),
+    Blueprint(
+        "tokens",
+        "classification",
+        width=2,
+        seq_len=2,
+        n_points=2,
+        batch_size=2,
+        blocks=(Block("reuse"),),
+        vocab=3,
+        seed=0,
+    ),
+]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the randomized low-rank solver (KFAC start, Nyström step) is wrong without an "
+    "error on GGNs of low rank: RANDOMIZED_LOWRANK_MISMATCHES",
+)
+@examples("lowrank")
+@example(RANDOMIZED_LOWRANK_MISMATCHES[0])
+@example(RANDOMIZED_LOWRANK_MISMATCHES[1])
+@given(blueprints())
+def test_lowrank_is_the_top_of_the_dense_ggn(blueprint: Blueprint):
+    """Two eigenvalues: the top two of the GGN, those at or below ``EIGENVALUE_THRESHOLD``
+    dropped (as laplace-torch does)."""
+    example = build(blueprint)
+    ggn = oracle(example).ggn(example.X)
+    la = fitted(example, "all", "lowrank", backend_kwargs={"n_eigenvalues": 2})
+    _, values = la.H
     top = torch.linalg.eigvalsh(ggn).flip(0)[:2]
     assert_equals_oracle(example, values, top[: len(values)], rtol=RTOL_EIGEN, atol=ATOL_EIGEN)
     dropped = top[len(values) :]
     assert bool((dropped <= EIGENVALUE_THRESHOLD * (1 + RTOL_EIGEN) + ATOL_EIGEN).all())
 
 
-@examples("last_layer_third_party")
+@examples("last_layer")
 @given(blueprints())
-def test_last_layer_and_third_party_diag_agree_or_raise(blueprint: Blueprint):
-    """Last layer (models ending in a Linear head): the GGN of the head's parameters. ASDL
-    and BackPACK diag: the GGN diagonal, or an error with a message."""
+def test_last_layer_equals_the_dense_ggn_of_the_head(blueprint: Blueprint):
+    """Models ending in a Linear head: diag and full are the GGN of the head's parameters."""
     example = build(blueprint)
-    if example.head_name is not None:
-        ggn = oracle(example, only=example.head_name).ggn(example.X)
-        assert_equals_oracle(example, fitted(example, "last_layer", "diag").H, ggn.diagonal())
-        assert_equals_oracle(example, fitted(example, "last_layer", "full").H, ggn)
+    if example.head_name is None:
+        return
+    ggn = oracle(example, only=example.head_name).ggn(example.X)
+    assert_equals_oracle(example, fitted(example, "last_layer", "diag").H, ggn.diagonal())
+    assert_equals_oracle(example, fitted(example, "last_layer", "full").H, ggn)
+
+
+#: Models on which ASDL's diag GGN is wrong without an error: a Linear called twice, and a
+#: Hugging Face BERT (its position table, looked up (1, T) and broadcast over the batch).
+ASDL_DIAG_MISMATCHES = [
+    Blueprint(
+        "vector",
+        "classification",
+        width=2,
+        seq_len=2,
+        n_points=3,
+        batch_size=3,
+        blocks=(Block("reuse"),),
+    ),
+    Blueprint("hf-bert", "classification", width=4, seq_len=3, n_points=3, batch_size=3),
+]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="AsdlGGN's diag is wrong without an error on ASDL_DIAG_MISMATCHES",
+)
+@examples("third_party")
+@example(ASDL_DIAG_MISMATCHES[0])
+@example(ASDL_DIAG_MISMATCHES[1])
+@given(blueprints())
+def test_third_party_diag_agrees_or_raises(blueprint: Blueprint):
+    """ASDL and BackPACK diag: the GGN diagonal, or an error with a message."""
+    example = build(blueprint)
     diagonal = oracle(example).ggn(example.X).diagonal()
     for name, backend in THIRD_PARTY_BACKENDS.items():
         try:
