@@ -9,7 +9,8 @@ eval mode, dict inputs and tiny Hugging Face GPT-2, BERT and Llama. On each, the
 must give the exact GGN (``conftest.Oracle``) in diag, full, the GLM variances, low rank and
 last-layer form, exact Kron blocks where it plans them (or refuse a Kronecker-factored weight
 by name), and the third-party backends must agree with the oracle or raise. The silent
-mismatches the grammar found are strict xfails, their blueprints pinned as explicit examples.
+mismatches the grammar found (the randomized low-rank solver on GGNs of low rank, ASDL on
+reused modules and broadcast tables) are fixed; their blueprints stay pinned as examples.
 
 Examples (``LAPLACE_HYPOTHESIS_PROFILE``): 200 under ``ci`` (``make test``), 2,000 under
 ``thorough`` (``make test-all``), shared among the test functions by ``SHARES``. Derandomised,
@@ -165,9 +166,10 @@ def test_kron_blocks_are_exact_or_refused(blueprint: Blueprint):
             assert any(bool(F.abs().amax() > 0) for F in block), f"{name} has no curvature"
 
 
-#: Models on which the default (randomized) low-rank solver returns eigenvalues above the
-#: GGN's largest from a non-orthonormal U, silently; "full" and ``solver="lanczos"`` are exact.
-RANDOMIZED_LOWRANK_MISMATCHES = [
+#: GGNs of low rank on which the default (randomized) low-rank solver returned eigenvalues
+#: above the GGN's largest from a non-orthonormal U, silently, before its Householder
+#: completion was taken off the Krylov basis.
+RANK_DEFICIENT_GGNS = [
     Blueprint(
         "vector",
         "classification",
@@ -192,14 +194,9 @@ RANDOMIZED_LOWRANK_MISMATCHES = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the randomized low-rank solver (KFAC start, Nyström step) is wrong without an "
-    "error on GGNs of low rank: RANDOMIZED_LOWRANK_MISMATCHES",
-)
 @examples("lowrank")
-@pinned(RANDOMIZED_LOWRANK_MISMATCHES[0])
-@pinned(RANDOMIZED_LOWRANK_MISMATCHES[1])
+@pinned(RANK_DEFICIENT_GGNS[0])
+@pinned(RANK_DEFICIENT_GGNS[1])
 @given(blueprints())
 def test_lowrank_is_the_top_of_the_dense_ggn(blueprint: Blueprint):
     """Two eigenvalues: the top two of the GGN, those at or below ``EIGENVALUE_THRESHOLD``
@@ -226,9 +223,10 @@ def test_last_layer_equals_the_dense_ggn_of_the_head(blueprint: Blueprint):
     assert_equals_oracle(example, fitted(example, "last_layer", "full").H, ggn)
 
 
-#: Models on which ASDL's diag GGN is wrong without an error: a Linear called twice, and a
-#: Hugging Face BERT (its position table, looked up (1, T) and broadcast over the batch).
-ASDL_DIAG_MISMATCHES = [
+#: Models on which ASDL's diag GGN was wrong without an error, before the third-party backends
+#: asked the native guard: a Linear called twice, and a Hugging Face BERT (its position table,
+#: looked up (1, T) and broadcast over the batch). Both are refused now.
+MISREAD_BY_ASDL = [
     Blueprint(
         "vector",
         "classification",
@@ -242,16 +240,14 @@ ASDL_DIAG_MISMATCHES = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="AsdlGGN's diag is wrong without an error on ASDL_DIAG_MISMATCHES",
-)
 @examples("third_party")
-@pinned(ASDL_DIAG_MISMATCHES[0])
-@pinned(ASDL_DIAG_MISMATCHES[1])
+@pinned(MISREAD_BY_ASDL[0])
+@pinned(MISREAD_BY_ASDL[1])
 @given(blueprints())
 def test_third_party_diag_agrees_or_raises(blueprint: Blueprint):
     """ASDL and BackPACK diag: the GGN diagonal, or an error with a message."""
+    if blueprint.inputs == "hf-bert" and blueprint.batch_size == 1:
+        return  # ASDL's own deviation on BERT: test_asdl_on_bert_batches_of_one
     example = build(blueprint)
     diagonal = oracle(example).ggn(example.X).diagonal()
     for name, backend in THIRD_PARTY_BACKENDS.items():
@@ -261,3 +257,20 @@ def test_third_party_diag_agrees_or_raises(blueprint: Blueprint):
             assert str(error), f"{name} raised {type(error).__name__} without a message"
             continue
         assert_equals_oracle(example, la.H, diagonal)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ASDL's diagonal of a Hugging Face BERT on batches of one point differs from the "
+    "exact GGN inside ASDL (5e-6 of the largest entry, 60% on the value projection's tiny "
+    "entries); the native guard sees nothing wrong in the model (batches of several points "
+    "are refused for the broadcast position table)",
+)
+def test_asdl_on_bert_batches_of_one():
+    blueprint = Blueprint(
+        "hf-bert", "classification", width=4, seq_len=3, n_points=2, batch_size=1, seed=1
+    )
+    example = build(blueprint)
+    diagonal = oracle(example).ggn(example.X).diagonal()
+    la = fitted(example, "all", "diag", backend=THIRD_PARTY_BACKENDS["asdl"])
+    assert_equals_oracle(example, la.H, diagonal)

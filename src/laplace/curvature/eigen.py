@@ -83,7 +83,7 @@ def _orthonormal(block: Tensor, basis: Tensor | None) -> Tensor:
     """Orthonormal columns spanning ``block`` projected off ``basis`` (twice, for stability).
 
     Shifted Cholesky QR, then Cholesky QR twice; Householder QR when the block is numerically
-    rank deficient (it then completes the columns with arbitrary orthonormal directions).
+    rank deficient, its columns completed with random directions off the basis.
     """
     Q: Tensor | None = block
     for step in range(3):
@@ -97,10 +97,22 @@ def _orthonormal(block: Tensor, basis: Tensor | None) -> Tensor:
         if all(bool((error.abs() <= tolerance).all()) for error in errors):
             return Q
     Q = block
-    for _ in range(2):
-        if basis is not None:
-            Q = torch.addmm(Q, basis, basis.T @ Q, alpha=-1)
-        Q = torch.linalg.qr(Q).Q
+    for attempt in range(3):
+        for _ in range(2):
+            if basis is not None:
+                Q = torch.addmm(Q, basis, basis.T @ Q, alpha=-1)
+            Q = torch.linalg.qr(Q).Q
+        if basis is None:
+            return Q
+        # Householder QR completes a rank-deficient block (an invariant subspace: H K in the
+        # span of K) with arbitrary directions, not off the basis: replace what the basis
+        # holds by random directions and orthonormalise again
+        kept = (Q - basis @ (basis.T @ Q)).norm(dim=0) > 0.5
+        if bool(kept.all()) or attempt == 2:
+            return Q
+        generator = torch.Generator(device=Q.device).manual_seed(attempt)
+        fresh = torch.randn(Q.shape, generator=generator, device=Q.device, dtype=Q.dtype)
+        Q = torch.where(kept, Q, fresh)
     return Q
 
 

@@ -10,6 +10,7 @@ models the libraries would read wrong (the native engine's attribution guard).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -19,7 +20,6 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from laplace.curvature.capture import LIFT, SECOND
 from laplace.curvature.kfac_rules import check_kronecker_layers, module_name
 from laplace.utils.matrix import Kron
 
@@ -125,8 +125,10 @@ def check_attribution(backend: Any, x: object) -> None:
     ASDL and BackPACK read each parameter's curvature from its module's calls, the rows of
     each call's outputs taken as data points. The native engine's attribution guard
     (``laplace.curvature.guard``) finds where that is wrong: a parameter used outside its
-    module's calls (a head tied as ``h @ wte.weight.T``), a table looked up without a batch
-    dimension, a layer in a sequence-first layout. Checked once per shape of the inputs.
+    module's calls (a head tied as ``h @ wte.weight.T``), a table looked up once for the batch
+    (with or without a batch dimension), a layer in a sequence-first layout, a module called
+    several times in one forward pass (the libraries keep one call's quantities). Checked
+    once per shape of the inputs.
 
     Raises:
         ValueError: Naming the parameter or module, why, and the backend that is exact there.
@@ -143,9 +145,16 @@ def check_attribution(backend: Any, x: object) -> None:
     problems = [f"{engine.describe(s)}: {why}" for s, why in trace.exact_reasons.items()]
     problems += [
         f"module {module_name(engine.model, m)!r} ({type(m).__name__}): its outputs are not one "
-        "row per data point (a table without a batch dimension or a sequence-first layout)"
+        "row per data point (a table looked up once for the batch, or a sequence-first layout)"
         for m, mode in engine.shared.items()
-        if mode in (LIFT, SECOND)
+        if mode
+    ]
+    calls = Counter(call.module for call in trace.calls)
+    problems += [
+        f"module {module_name(engine.model, m)!r} ({type(m).__name__}) is called {n} times in "
+        "one forward pass"
+        for m, n in calls.items()
+        if n > 1
     ]
     if problems:
         raise ValueError(
