@@ -262,6 +262,7 @@ def test_bayesopt_scores_unfactorisable_candidates_as_infinite():
 
     with warnings.catch_warnings():  # Optuna's warning on clipped inf scores is silenced
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`")
         _search(
             la, val, loss_failing_for_small_priors, "classification", method="bayesopt", n_steps=8
         )

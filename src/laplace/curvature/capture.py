@@ -142,6 +142,19 @@ def _lift_candidates(calls: list[ModuleCall], batch: int) -> set[nn.Module]:
     }
 
 
+def _sequence_first(call: ModuleCall, batch: int) -> bool:
+    """Whether a call's inputs and outputs all have the batch along dim 1, (T, B, ...).
+
+    Layers with a layout of their own (recurrent, attention) are recorded by it instead.
+    """
+    if isinstance(call.module, nn.RNNBase | nn.MultiheadAttention):
+        return False
+    inputs = [a for a in tree_flatten((call.args, call.kwargs))[0] if isinstance(a, Tensor)]
+    return bool(inputs) and all(
+        t.dim() >= 2 and t.shape[1] == batch for t in [*inputs, *call.outputs]
+    )
+
+
 def _widened(mode: str, batch: int) -> Callable[[Tensor], Tensor]:
     """The map of a shared output (and its call's inputs) to one row per data point."""
     if mode == LIFT:
@@ -301,7 +314,7 @@ def record_forward(
                 for call in calls
                 if call.module in candidates
                 and shared[call.module] is False
-                and all(z.dim() >= 2 and z.shape[1] == f.shape[0] for z in call.outputs)
+                and _sequence_first(call, f.shape[0])
             }
             if second:
                 for module in second:
