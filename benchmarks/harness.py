@@ -182,7 +182,8 @@ def against_floor(fn: Callable[[], object], floor: Callable[[], object], repeats
 def guard_overhead(la, loader: DataLoader, repeats: int) -> dict:
     """A fit whose attribution guard checks its batches against the same fit with the
     verdicts cached, alternating in one process: ``ratio`` is 1 + the guard's share."""
-    la.fit(loader)
+    with PeakRSS() as mem:
+        la.fit(loader)
     verdicts = la.backend.engine.verdicts
 
     def checked_fit() -> None:
@@ -190,7 +191,12 @@ def guard_overhead(la, loader: DataLoader, repeats: int) -> dict:
         la.fit(loader)
 
     times = against_floor(checked_fit, partial(la.fit, loader), repeats)
-    return {"n_params": la.n_params, **times, "floor": "fit, verdicts cached"}
+    return {
+        "n_params": la.n_params,
+        **times,
+        "peak_extra_MB": mem.extra / 2**20,
+        "floor": "fit, verdicts cached",
+    }
 
 
 def measure_fit(la, loader: DataLoader, repeats: int, case: str, floor=None) -> dict:

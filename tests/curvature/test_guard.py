@@ -199,3 +199,31 @@ def test_last_layer_equals_the_ggn_of_the_head(name):
     J = oracle.jacobian(X)
     expected = J @ torch.linalg.inv(la.posterior_precision) @ J.transpose(1, 2)
     assert_close(la._functional_moments(X)[1], expected, rtol=RTOL_VARIANCE, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_matfree_products_and_the_inf_diagonal_equal_the_dense_ggn(name):
+    """Matrix-free ``H V`` for ``V = I`` and diagonal plus low rank's exact diagonal."""
+    model, X, y = build(name)
+    ggn = Oracle(model, "classification").ggn(X)
+    matfree = Laplace(model, "classification", "all", "matfree")
+    matfree.fit(loader(X, y))
+    eye = torch.eye(len(ggn), dtype=torch.float64)
+    assert_close(matfree.H.matmat(eye), ggn, rtol=RTOL, atol=ATOL)
+    inf = Laplace(
+        model, "classification", "all", "diag_lowrank", backend_kwargs={"n_eigenvalues": 2}
+    )
+    inf.fit(loader(X, y))
+    assert_close(inf.H[2], ggn.diagonal(), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", [n for n in PATTERNS if n not in KRON_REFUSED])
+def test_ekfac_keeps_the_exact_blocks_of_kron(name):
+    model, X, y = build(name)
+    la = Laplace(model, "classification", "all", "ekfac")
+    la.fit(loader(X, y))
+    ggn = Oracle(model, "classification").ggn(X)
+    plan = plan_blocks(la.backend.engine)
+    for (_, rows, _), block, kind in zip(_slots(model), la.H_facs.kfacs, plan, strict=True):
+        if kind.kind == "dense":
+            assert_close(block[0], ggn[rows, rows], rtol=RTOL, atol=ATOL)
