@@ -227,3 +227,27 @@ def test_ekfac_keeps_the_exact_blocks_of_kron(name):
     for (_, rows, _), block, kind in zip(_slots(model), la.H_facs.kfacs, plan, strict=True):
         if kind.kind == "dense":
             assert_close(block[0], ggn[rows, rows], rtol=RTOL, atol=ATOL)
+
+
+def test_convolutions_and_linear_layers_need_no_fallback():
+    """The gradient check's summed forms (no per-sample gradients) of Linear and convolution
+    layers, grouped and strided, in one, two and three dimensions, agree with autograd."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 4, 3, stride=2, padding=1),
+        torch.nn.Tanh(),
+        torch.nn.Conv2d(4, 4, 3, groups=2, padding=1, padding_mode="circular"),
+        torch.nn.Flatten(1),
+        torch.nn.Unflatten(1, (4, 16)),
+        torch.nn.Conv1d(4, 3, 2, dilation=2),
+        torch.nn.Flatten(1),
+        torch.nn.Linear(42, 3),
+    ).double()
+    X = torch.randn(5, 2, 8, 8, dtype=torch.float64)
+    trace = CurvlinopsGGN(model, "classification").trace(X)
+    assert trace.layerwise, trace.exact_reasons
+    conv3d = torch.nn.Sequential(
+        torch.nn.Conv3d(1, 2, 2), torch.nn.Flatten(1), torch.nn.Linear(54, 2)
+    ).double()
+    trace = CurvlinopsGGN(conv3d, "classification").trace(torch.randn(3, 1, 4, 4, 4).double())
+    assert trace.layerwise, trace.exact_reasons

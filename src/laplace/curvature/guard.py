@@ -32,7 +32,12 @@ from torch import Tensor, nn
 
 from laplace.curvature.capture import OutputGradients, batched_backward
 from laplace.curvature.kfac_rules import module_name
-from laplace.curvature.layer_rules import ModuleCall, call_rows, per_sample_grads
+from laplace.curvature.layer_rules import (
+    ModuleCall,
+    _conv_patches,
+    call_rows,
+    per_sample_grads,
+)
 
 __all__ = [
     "DEPENDENCE_ROWS",
@@ -178,6 +183,56 @@ def _row_chunks(
         yield call_rows(call, part, rows), [g[part] for g in grads]
 
 
+def _linear_sums(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """``nn.Linear``'s summed gradient ``Σ g aᵀ`` and magnitude ``Σ |g| |a|ᵀ`` by two products."""
+    a, g = call.args[0].flatten(0, -2), grads[0].flatten(0, -2)
+    out = {}
+    if "weight" in call.names:
+        out["weight"] = (g.T @ a, g.abs().T @ a.abs())
+    if "bias" in call.names:
+        out["bias"] = (g.sum(0), g.abs().sum(0))
+    return out
+
+
+def _conv_sums(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """A convolution's summed gradient and magnitude over the batch and positions at once."""
+    m, g = call.module, grads[0].flatten(2)  # (B, D_out, L)
+    out = {}
+    if "weight" in call.names:
+        patches = _conv_patches(call)  # (B, G, L, D_in/G · k)
+        g = g.reshape(g.shape[0], m.groups, -1, g.shape[-1]).permute(1, 2, 0, 3).flatten(2)
+        patches = patches.permute(1, 0, 2, 3).flatten(1, 2)  # (G, B·L, D_in/G · k)
+        total, size = g @ patches, g.abs() @ patches.abs()
+        out["weight"] = (total.reshape(m.weight.shape), size.reshape(m.weight.shape))
+        g = grads[0].flatten(2)
+    if "bias" in call.names:
+        out["bias"] = (g.sum((0, 2)), g.abs().sum((0, 2)))
+    return out
+
+
+#: Summed gradients and magnitudes of a call without per-sample gradients, by exact type.
+SUMMED_RULES = {
+    nn.Linear: _linear_sums,
+    nn.Conv1d: _conv_sums,
+    nn.Conv2d: _conv_sums,
+    nn.Conv3d: _conv_sums,
+}
+
+
+def _call_sums(
+    call: ModuleCall, grads: Sequence[Tensor], size: int
+) -> Iterator[tuple[str, Tensor, Tensor]]:
+    """Per parameter of a call, its summed gradient and summed magnitude (parts of them)."""
+    rule = SUMMED_RULES.get(type(call.module))
+    if rule is not None:
+        for name, (total, magnitude) in rule(call, grads).items():
+            yield name, total, magnitude
+        return
+    for piece, piece_grads in _row_chunks(call, grads, size):
+        for name, u in per_sample_grads(piece, piece_grads).items():
+            yield name, u.sum(0), u.abs().sum(0)
+
+
 def _reconstruction(
     engine: object, f: Tensor, calls: Sequence[ModuleCall], v: Tensor, exact: dict[int, str]
 ) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
@@ -193,11 +248,9 @@ def _reconstruction(
         slots = {name: engine.slot[call.module, name] for name in call.names}
         size = sum(engine.needed[slot].numel() for slot in slots.values())
         try:
-            for piece, piece_grads in _row_chunks(call, grads, size):
-                for name, u in per_sample_grads(piece, piece_grads).items():
-                    u = u.detach().to(f.dtype)
-                    _add(found, slots[name], u.sum(0))
-                    _add(magnitude, slots[name], u.abs().sum(0))
+            for name, total, size_of in _call_sums(call, grads, size):
+                _add(found, slots[name], total.detach().to(f.dtype))
+                _add(magnitude, slots[name], size_of.detach().to(f.dtype))
         except ValueError as error:  # a rule's refusal (BatchNorm in training mode): name it
             raise ValueError(
                 f"module {module_name(engine.model, call.module)!r}: {error}"
