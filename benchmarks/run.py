@@ -453,7 +453,7 @@ CASES = {
     **{
         f"guard-overhead-{structure}-{model_name}": (case_guard_overhead, model_name, structure)
         for model_name in ("mlp", "cnn")
-        for structure in ("diag", "kron", "full" if model_name == "mlp" else "ekfac")
+        for structure in ("diag", "kron", "ekfac")
     },
     **BACKEND_CASES,
     "fit-ll-full-cnn": (case_fit_ll, "cnn", "full"),

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from laplace.curvature.capture import OutputGradients, batched_backward
+from laplace.curvature.capture import batched_backward
 from laplace.curvature.kfac_rules import module_name
 from laplace.curvature.layer_rules import (
     ModuleCall,
@@ -48,8 +48,10 @@ __all__ = [
     "verify",
 ]
 
-#: Data points whose outputs are pulled back to every recorded output in the row check.
-DEPENDENCE_ROWS = 4
+#: Data points whose outputs are pulled back to every recorded output in the row check (the
+#: first and the last: a table read as rows, a sequence-first layout or a batch mixed by the
+#: model reaches other rows from the first already; two tell folds apart).
+DEPENDENCE_ROWS = 2
 
 #: Entries of the reconstructed gradient may differ from autograd's by this many units of
 #: round-off (the dtype's eps) of the summed magnitudes ``Σₙ |gₙ| + |g|`` of the entry plus
@@ -234,16 +236,20 @@ def _call_sums(
 
 
 def _reconstruction(
-    engine: object, f: Tensor, calls: Sequence[ModuleCall], v: Tensor, exact: dict[int, str]
+    engine: object,
+    f: Tensor,
+    calls: Sequence[ModuleCall],
+    per_call: Sequence[Sequence[Tensor]],
+    exact: dict[int, str],
 ) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
     """Per slot, the summed gradient of ``vᵀ f`` the rules give and its summed magnitude.
 
-    A call whose rule cannot run (an error other than a rule's refusal, ``ValueError``) leaves
+    ``per_call`` holds, per call, the gradients of ``vᵀ f`` w.r.t. its outputs. A call whose
+    rule cannot run (an error other than a rule's refusal, ``ValueError``) leaves
     its slots to ``exact`` with the error as the reason.
     """
     found: dict[int, Tensor] = {}
     magnitude: dict[int, Tensor] = {}
-    per_call = OutputGradients(f, calls)(v)
     for call, grads in zip(calls, per_call, strict=True):
         slots = {name: engine.slot[call.module, name] for name in call.names}
         size = sum(engine.needed[slot].numel() for slot in slots.values())
@@ -292,8 +298,15 @@ def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> Verdict:
     trusted = [call for index, call in enumerate(calls) if index not in mixed]
     v = torch.randn(f.shape, generator=generator).to(f)
     params = list(engine.needed)
-    autograd = torch.autograd.grad(f, params, v, retain_graph=True, allow_unused=True)
-    found, magnitude = _reconstruction(engine, f, trusted, v, exact)
+    outputs = [z for call in trusted for z in call.outputs]
+    both = torch.autograd.grad(f, [*outputs, *params], v, retain_graph=True, allow_unused=True)
+    found_grads = iter(
+        z.new_zeros(z.shape) if g is None else g.to(f.dtype)
+        for z, g in zip(outputs, both, strict=False)
+    )
+    per_call = [[next(found_grads) for _ in call.outputs] for call in trusted]
+    autograd = both[len(outputs) :]
+    found, magnitude = _reconstruction(engine, f, trusted, per_call, exact)
     for call in calls:  # the pass is recorded as any other (what rules keep is re-made)
         call.cache.clear()
     eps = max(torch.finfo(f.dtype).eps, *(torch.finfo(p.dtype).eps for p in params))
