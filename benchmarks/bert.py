@@ -163,7 +163,7 @@ def case_guard_overhead_bert(structure: str, model_name: str, repeats: int) -> d
 
     torch.manual_seed(0)
     if model_name == "bert":
-        model, loader = BertClassifier().eval().to(harness.DEVICE), bert_loader(BERT_BATCH * 8)
+        model, loader = BertClassifier().eval().to(harness.DEVICE), bert_loader()
     else:
         model = LSTMClassifier().eval().to(harness.DEVICE)
         gen = torch.Generator().manual_seed(0)
@@ -171,7 +171,7 @@ def case_guard_overhead_bert(structure: str, model_name: str, repeats: int) -> d
         y = torch.randint(0, LSTM_CLASSES, (LSTM_SEQUENCES,), generator=gen)
         loader = DataLoader(TensorDataset(X, y), batch_size=LSTM_BATCH)
     la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
-    row = harness.guard_overhead(la, loader, min(repeats, 3))
+    row = harness.guard_overhead(la, loader, min(repeats, 3 if model_name == "lstm" else 1))
     return {"case": f"guard overhead {structure} {model_name}", **row}
 
 

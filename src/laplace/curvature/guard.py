@@ -212,8 +212,23 @@ def _conv_sums(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, tuple[Ten
     return out
 
 
+def _embedding_sums(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """``nn.Embedding``'s summed gradient and magnitude, never a (B, V, D) per-sample tensor.
+
+    Each position's gradient is added to its row, once signed and once in absolute value.
+    """
+    m, g = call.module, grads[0].reshape(-1, call.module.embedding_dim)
+    tokens = call.args[0].reshape(-1)
+    total = g.new_zeros(m.num_embeddings, m.embedding_dim).index_add_(0, tokens, g)
+    size = g.new_zeros(m.num_embeddings, m.embedding_dim).index_add_(0, tokens, g.abs())
+    if m.padding_idx is not None:
+        total[m.padding_idx], size[m.padding_idx] = 0, 0
+    return {"weight": (total, size)}
+
+
 #: Summed gradients and magnitudes of a call without per-sample gradients, by exact type.
 SUMMED_RULES = {
+    nn.Embedding: _embedding_sums,
     nn.Linear: _linear_sums,
     nn.Conv1d: _conv_sums,
     nn.Conv2d: _conv_sums,
@@ -226,6 +241,8 @@ def _call_sums(
 ) -> Iterator[tuple[str, Tensor, Tensor]]:
     """Per parameter of a call, its summed gradient and summed magnitude (parts of them)."""
     rule = SUMMED_RULES.get(type(call.module))
+    if isinstance(call.module, nn.Embedding) and call.module.scale_grad_by_freq:
+        rule = None  # the gradient depends on the call's token counts: the per-sample rule
     if rule is not None:
         for name, (total, magnitude) in rule(call, grads).items():
             yield name, total, magnitude
