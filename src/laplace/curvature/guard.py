@@ -16,8 +16,9 @@ data point. Two things can make that view wrong without any error:
 (``signature``): for a random output column ``v`` the gradient the rules reconstruct from the
 recorded calls, ``Σₙ Σ_calls rule(call, ∂(vᵀf)/∂z)``, must equal autograd's gradient of
 ``vᵀ f`` for every parameter (a use the engine did not see, or a rule that fails, shows up
-here); and the gradient of a few data points' outputs w.r.t. every recorded output must be
-confined to those data points' own rows. A parameter that fails is listed in the ``Verdict``
+here); and every row of every recorded output must depend on one data point only (its own,
+where the output has the batch's rows): scaling data point n's outputs by ``sₙ`` must scale
+the row's gradient by ``sₙ``. A parameter that fails is listed in the ``Verdict``
 with the reason; the trace then takes it through autograd, one backward pass per data point
 (exact on any architecture), and Kron gives it an exact block or refuses it by name.
 """
@@ -40,23 +41,32 @@ from laplace.curvature.layer_rules import (
 )
 
 __all__ = [
-    "DEPENDENCE_ROWS",
     "GUARD_CHUNK_ELEMENTS",
+    "HALF_PRECISION",
     "ROUNDOFF_FACTOR",
+    "ROW_FLOOR",
+    "SCALE_TOLERANCE",
     "Verdict",
     "signature",
     "verify",
 ]
 
-#: Data points whose outputs are pulled back to every recorded output in the row check (the
-#: first and the last: a table read as rows, a sequence-first layout or a batch mixed by the
-#: model reaches other rows from the first already; two tell folds apart).
-DEPENDENCE_ROWS = 2
 
 #: Entries of the reconstructed gradient may differ from autograd's by this many units of
 #: round-off (the dtype's eps) of the summed magnitudes ``Σₙ |gₙ| + |g|`` of the entry plus
 #: those of the largest entry of the whole gradient.
 ROUNDOFF_FACTOR = 256
+
+#: Largest relative deviation of a row's gradient from its data point's scale (the pull-back
+#: is linear; round-off of networks computing in lower precision inside stays below it).
+SCALE_TOLERANCE = 1e-3
+
+#: Types of recorded outputs the row check passes over: their gradients underflow, so a
+#: row's scale is not seen (the gradient check still covers their parameters).
+HALF_PRECISION = (torch.float16, torch.bfloat16)
+
+#: Rows of an output's gradient are judged against this share of its largest row, at least.
+ROW_FLOOR = 1e-2
 
 #: Largest number of per-sample gradient entries the gradient check forms at once.
 GUARD_CHUNK_ELEMENTS = 2**24
@@ -110,62 +120,65 @@ def signature(f: Tensor, calls: Sequence[ModuleCall]) -> tuple:
     return (f.dim(), *entries)
 
 
-def _dependence_rows(batch: int) -> list[int]:
-    """The data points whose outputs are pulled back: the first, last and a few between."""
-    rows = torch.linspace(0, batch - 1, min(batch, DEPENDENCE_ROWS)).round().long().tolist()
-    return sorted(set(rows))
-
-
 def _mixed_rows(f: Tensor, calls: Sequence[ModuleCall], generator: torch.Generator) -> set[int]:
     """Indices of the calls whose outputs are not one row (or a fold of rows) per data point.
 
-    The outputs of a few data points are pulled back to every recorded output. Where an
-    output has the batch's rows, data point i may reach row i only; where it has more (a
-    fold of the batch), no row may be reached by two data points; an output with fewer rows,
-    or none, may be reached by one data point only.
+    Two random output columns are pulled back to every recorded output: ``v`` and ``v`` with
+    data point n's outputs scaled by a random ``sₙ`` in [1, 2). A row that depends on data point n
+    alone has the second gradient ``sₙ`` times the first (the pull-back is linear); where an
+    output has the batch's rows, row n must scale by ``sₙ``; where it has more (a fold of the
+    batch) or fewer, every row must scale by one of the ``sₙ``. A row reached by several data
+    points scales by none of them. Every row is checked, so an inactive unit (a dead ReLU)
+    silencing some data points hides nothing.
     """
     batch = f.shape[0] if f.dim() else 1
     if batch <= 1 or not calls:
         return set()
-    rows = _dependence_rows(batch)
     v = torch.randn(f.shape, generator=generator, device="cpu").to(f)
-    cotangents = f.new_zeros(len(rows), *f.shape)
-    for k, i in enumerate(rows):
-        cotangents[k, i] = v[i]
+    scales = (1 + torch.rand(batch, generator=generator, dtype=torch.float64)).to(f)
+    cotangents = torch.stack([v, v * scales.reshape(-1, *[1] * (f.dim() - 1))])
     outputs = [z for call in calls for z in call.outputs]
     try:
         with batched_backward():
             grads = torch.autograd.grad(
                 f, outputs, cotangents, retain_graph=True, allow_unused=True, is_grads_batched=True
             )
-    except RuntimeError:  # an operation without a batching rule: one backward per data point
-        per_row = [
+    except RuntimeError:  # an operation without a batching rule: one backward per column
+        per_column = [
             torch.autograd.grad(f, outputs, c, retain_graph=True, allow_unused=True)
             for c in cotangents
         ]
         grads = tuple(
-            None if gs[0] is None else torch.stack(gs) for gs in zip(*per_row, strict=True)
+            None if gs[0] is None else torch.stack(gs) for gs in zip(*per_column, strict=True)
         )
+    tolerance = max(SCALE_TOLERANCE, 16 * torch.finfo(f.dtype).eps)
     mixed, position = set(), 0
     for index, call in enumerate(calls):
         for z in call.outputs:
             g = grads[position]
             position += 1
-            if g is None:
+            if z.dtype in HALF_PRECISION:  # gradients underflow: the scales are not seen
                 continue
-            if z.dim() == 0:
-                reached = g.reshape(len(rows), 1) != 0
-            else:
-                reached = g.reshape(len(rows), z.shape[0], -1).ne(0).any(-1)  # (k, rows of z)
-            if z.dim() and z.shape[0] == batch:
-                own = torch.zeros_like(reached)
-                own[torch.arange(len(rows)), torch.tensor(rows)] = True
-                ok = not bool((reached & ~own).any())
-            else:
-                ok = not bool((reached.sum(0) > 1).any())
-            if not ok:
+            if g is not None and not _scaled_rows(g.to(f.dtype), z, scales, tolerance):
                 mixed.add(index)
     return mixed
+
+
+def _scaled_rows(g: Tensor, z: Tensor, scales: Tensor, tolerance: float) -> bool:
+    """Whether each row of ``g[1]`` is its own data point's scale times the row of ``g[0]``."""
+    rows = g.reshape(2, z.shape[0] if z.dim() else 1, -1)
+    first, second = rows[0], rows[1]
+    norm = first.square().sum(-1)
+    ratio = (second * first).sum(-1) / norm.clamp_min(torch.finfo(g.dtype).tiny)
+    if z.dim() and z.shape[0] == len(scales):
+        expected = scales
+    else:  # the nearest data point's scale
+        expected = scales[(ratio[:, None] - scales[None]).abs().argmin(1)]
+    residual = (second - expected[:, None] * first).norm(dim=-1)
+    size = second.norm(dim=-1) + expected * norm.sqrt()
+    # rows far below the output's largest (underflow in half precision) are judged against it
+    floor = ROW_FLOOR * size.max() if size.numel() else 0
+    return bool((residual <= tolerance * (size + floor)).all())
 
 
 def _row_chunks(
