@@ -44,6 +44,7 @@ __all__ = [
     "GUARD_CHUNK_ELEMENTS",
     "HALF_PRECISION",
     "ROUNDOFF_FACTOR",
+    "ROW_FLOOR",
     "SCALE_TOLERANCE",
     "Verdict",
     "signature",
@@ -59,11 +60,15 @@ ROUNDOFF_FACTOR = 256
 #: Largest relative deviation of a row's gradient from its data point's scale, by the type of
 #: the outputs (the pull-back is linear; a float64 network computing parts in float32 inside,
 #: as Llama's RMSNorm does, stays below it).
-SCALE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
+SCALE_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-3}
 
 #: Types of recorded outputs the row check passes over: their gradients underflow, so a
 #: row's scale is not seen (the gradient check still covers their parameters).
 HALF_PRECISION = (torch.float16, torch.bfloat16)
+
+#: Rows of an output's gradient may deviate by this share of its largest row (round-off of
+#: rows far below it).
+ROW_FLOOR = 1e-5
 
 #: Largest number of per-sample gradient entries the gradient check forms at once.
 GUARD_CHUNK_ELEMENTS = 2**24
@@ -173,7 +178,9 @@ def _scaled_rows(g: Tensor, z: Tensor, scales: Tensor, tolerance: float) -> bool
         expected = scales[(ratio[:, None] - scales[None]).abs().argmin(1)]
     residual = (second - expected[:, None] * first).norm(dim=-1)
     size = second.norm(dim=-1) + expected * norm.sqrt()
-    return bool((residual <= tolerance * size).all())
+    # rows at round-off of the output's largest (a float64 network computing parts in float32)
+    floor = ROW_FLOOR * size.max() if size.numel() else 0
+    return bool((residual <= tolerance * size + floor).all())
 
 
 def _row_chunks(
