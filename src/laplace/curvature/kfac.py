@@ -186,12 +186,12 @@ class _ExactBlocks:
     def add_exact(self, columns: Tensor) -> None:
         """Add the blocks of the guard's exact slots for a chunk of columns (K, B, ...)."""
         for s, u in self.trace.exact_rows(columns).items():
-            u = u.detach().flatten(0, 1).flatten(1)
-            _add(
-                self.sums,
-                s,
-                u.square().sum(0) if self.plan[s].kind == "diag" else symmetric_gram(u),
-            )
+            self._add_rows(s, u.detach().flatten(0, 1).flatten(1))
+
+    def _add_rows(self, s: int, u: Tensor) -> None:
+        """Add the block of per-sample gradient rows ``u`` (R, n) of slot ``s``."""
+        diagonal = self.plan[s].kind == "diag"
+        _add(self.sums, s, u.square().sum(0) if diagonal else symmetric_gram(u))
 
     def add(self, grads: list[list[Tensor]]) -> None:
         """Add the blocks of a chunk of columns (per call, gradients (k, R, ...))."""
@@ -212,8 +212,7 @@ class _ExactBlocks:
             # over other rows than the data points, as folded batches, stay apart)
             same_rows = all(u.shape == us[0].shape for u in us)
             u = torch.stack(us).sum(0) if same_rows else torch.cat(us)
-            diagonal = self.plan[s].kind == "diag"
-            _add(self.sums, s, u.square().sum(0) if diagonal else symmetric_gram(u))
+            self._add_rows(s, u)
 
 
 def _check_exact_slots(trace: PerSampleTrace, plan: list[Block]) -> None:
