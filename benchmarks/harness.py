@@ -199,6 +199,43 @@ def guard_overhead(la, loader: DataLoader, repeats: int) -> dict:
     }
 
 
+class GuardTimer:
+    """Seconds the attribution guard spends checking recorded passes, per engine checked.
+
+    Wraps ``guard.verify`` where the engine calls it; every case runs inside one
+    (``run.py``), so each row says what the guard cost it beside what it timed.
+    """
+
+    def __enter__(self):
+        from laplace.curvature import per_sample
+
+        self.module, self.verify = per_sample, per_sample.verify
+        self.seconds, self.checks, self.engines = 0.0, 0, set()
+
+        def timed_verify(engine, f, calls):
+            start = time.perf_counter()
+            try:
+                return self.verify(engine, f, calls)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.checks += 1
+                self.engines.add(id(engine))
+
+        per_sample.verify = timed_verify
+        return self
+
+    def __exit__(self, *exc):
+        self.module.verify = self.verify
+
+    def columns(self, seconds: float) -> dict:
+        """``guard_s`` (all checks), ``guard_checks`` and ``guard_share``: one engine's checks
+        against ``seconds`` (the case's timed call), where the guard ran."""
+        if not self.checks:
+            return {}
+        share = self.seconds / len(self.engines) / seconds
+        return {"guard_s": self.seconds, "guard_checks": self.checks, "guard_share": share}
+
+
 def measure_fit(la, loader: DataLoader, repeats: int, case: str, floor=None) -> dict:
     """Peak extra memory of a first fit, then fit time (median) against ``floor`` if given."""
     with PeakRSS() as mem:

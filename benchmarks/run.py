@@ -17,7 +17,9 @@ The scaling
 table (N and width) is ``benchmarks/scaling.py``. The ``tune-bayesopt-*`` case times
 ``optimize_prior_precision(method="bayesopt")`` (15 evaluations) beside a 21-point grid
 search. The ``guard-overhead-*`` cases time a fit whose attribution guard checks its first
-batch against the same fit with the verdict cached. The ``fit-ekfac-vs-kron-*`` cases
+batch against the same fit with the verdict cached; every other case reports the seconds the
+guard spent checking (``guard_s``) and their share of one timed call per engine checked
+(``guard_share``, ``harness.GuardTimer``). The ``fit-ekfac-vs-kron-*`` cases
 alternate EKFAC's and Kron's fits in one process and report their per-pair ratio. The
 ``binary-*`` cases time ``likelihood="binary_classification"`` against ``"classification"``
 on the MLP; the ``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions;
@@ -51,6 +53,7 @@ from harness import (
     N_CLASSES,
     N_TEST,
     N_TRAIN,
+    GuardTimer,
     PeakRSS,
     data,
     forward_pass,
@@ -505,7 +508,9 @@ def run_one(
     use_device(device)
     torch.manual_seed(0)
     fn, model_name, structure = CASES[name]
-    row = fn(model_name, structure, repeats)
+    with GuardTimer() as guard:
+        row = fn(model_name, structure, repeats)
+    row.update(guard.columns(row["seconds"]))
     where = {"device": device}
     if device == "cuda":
         where["gpu"] = torch.cuda.get_device_name()
@@ -530,6 +535,8 @@ def format_row(row: dict) -> str:
             f"  binary / classification: fit {row['ratio']:.2f}, "
             f"predictive {row['predict_ratio']:.2f}"
         )
+    if "guard_share" in row:
+        extras += f"  guard {100 * row['guard_share']:.1f}%"
     if "note" in row:
         extras += f"  {row['note']}"
     params = f"P={row['n_params']:>7d}" if "n_params" in row else " " * 9

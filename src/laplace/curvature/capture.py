@@ -8,9 +8,7 @@ column w.r.t. *layer outputs* (not weights) can be taken afterwards with
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
 from functools import partial
 from typing import Any, Protocol
 
@@ -18,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from laplace.curvature.layer_rules import ModuleCall
+from laplace.curvature.layer_rules import ModuleCall, without_batching_notes
 from laplace.utils.data import Inputs, upcast
 
 __all__ = [
@@ -27,7 +25,6 @@ __all__ = [
     "SECOND",
     "Columns",
     "OutputGradients",
-    "batched_backward",
     "column_chunks",
     "record_forward",
 ]
@@ -326,21 +323,6 @@ def record_forward(
     return f, calls
 
 
-@contextmanager
-def batched_backward() -> Iterator[None]:
-    """Silence torch's note that an operation loops in a vectorised backward pass.
-
-    Such an operation (the fused attention kernels) is differentiated column by column inside
-    ``is_grads_batched``: the result is the same, and the note is about torch's kernels, not
-    the user's model.
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="There is a performance drop because we have not"
-        )
-        yield
-
-
 class OutputGradients:
     """Gradients of output columns w.r.t. all recorded layer outputs.
 
@@ -398,7 +380,7 @@ class OutputGradients:
 
     def _backward(self, grad_outputs: Tensor, batched: bool) -> list[list[Tensor]]:
         """Gradients w.r.t. every recorded output (zeros where unused), split per call."""
-        with batched_backward():
+        with without_batching_notes():
             grads = torch.autograd.grad(
                 self.f,
                 self._outputs,

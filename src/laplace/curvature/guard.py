@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from laplace.curvature.capture import batched_backward
 from laplace.curvature.kfac_rules import module_name
 from laplace.curvature.layer_rules import (
     ModuleCall,
     _conv_patches,
     call_rows,
     per_sample_grads,
+    without_batching_notes,
 )
 
 __all__ = [
@@ -141,7 +141,7 @@ def _mixed_rows(f: Tensor, calls: Sequence[ModuleCall], generator: torch.Generat
     cotangents = torch.stack([v, v * scales.reshape(-1, *[1] * (f.dim() - 1))])
     outputs = [z for call in calls for z in call.outputs]
     try:
-        with batched_backward():
+        with without_batching_notes():
             grads = torch.autograd.grad(
                 f, outputs, cotangents, retain_graph=True, allow_unused=True, is_grads_batched=True
             )

@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
 from laplace.curvature.capture import column_chunks
 from laplace.curvature.kfac_rules import (
@@ -27,11 +26,12 @@ from laplace.curvature.kfac_rules import (
     Block,
     KfacRule,
     LowRankShape,
+    as_uses,
     block_shapes,
     module_name,
     plan_blocks,
 )
-from laplace.curvature.layer_rules import ModuleCall
+from laplace.curvature.layer_rules import ModuleCall, tiled_call
 from laplace.curvature.per_sample import COLUMNS_PER_BACKWARD, Columns, PerSampleTrace
 from laplace.curvature.square_sums import row_token_pairs
 from laplace.utils.data import posterior_dtype
@@ -157,17 +157,13 @@ def _or_zeros(
     return like.new_zeros(shape)
 
 
-def _tiled(call: ModuleCall, k: int) -> ModuleCall:
-    """The call repeated for ``k`` output columns: inputs with its rows along dim 0 tiled."""
-    rows = call.outputs[0].shape[0]
-
-    def tile(v: object) -> object:
-        if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == rows:
-            return v.unsqueeze(0).expand(k, *v.shape).reshape(k * rows, *v.shape[1:])
-        return v
-
-    args, kwargs = tree_map(tile, call.args), tree_map(tile, call.kwargs)
-    return ModuleCall(call.module, args, kwargs, call.outputs, call.output_slots, call.names)
+def _rules_by_module(plan: list[Block], kinds: tuple[str, ...]) -> dict[nn.Module, dict]:
+    """Per layer, the rules of its Kronecker-factored maps (``Block.key``) of ``kinds``."""
+    rules: dict[nn.Module, dict] = {}
+    for block in plan:
+        if block.kind in kinds:
+            rules.setdefault(block.module, {})[block.key] = block.rule
+    return rules
 
 
 class _ExactBlocks:
@@ -198,7 +194,7 @@ class _ExactBlocks:
         rows: dict[int, list[Tensor]] = {}  # per slot, per call, the per-sample gradients
         for i, call in self.calls:
             k = len(grads[i][0])  # the chunk's columns, as more rows: (k·R, ...)
-            tiled = _tiled(call, k) if k > 1 else call
+            tiled = tiled_call(call, k) if k > 1 else call
             try:
                 per_sample = self.trace.slot_grads(tiled, [g.flatten(0, 1) for g in grads[i]])
             except ValueError as error:  # a rule refusing the call: name the module
@@ -285,61 +281,63 @@ def kfac(
     engine, calls = trace.engine, trace.calls
     plan = plan_blocks(engine, dense_limit, low_rank_above)
     _check_exact_slots(trace, plan)
-    kron_rules = {b.module: b.rule for b in plan if b.kind in ("kron", "bias")}
-    low_rank = {b.module for b in plan if b.low_rank}
+    kron_rules = _rules_by_module(plan, ("kron", "bias"))
+    low_rank = {b.key for b in plan if b.low_rank}
     # the weights with a Kronecker block (not a tied weight's exact block), with their rule
-    kron_weights = {b.module: b.rule for b in plan if b.kind == "kron"}
-    A: dict[nn.Module, Tensor] = {}
-    G: dict[nn.Module, Tensor] = {}
+    kron_weights = _rules_by_module(plan, ("kron",))
+    A: dict[tuple, Tensor] = {}
+    G: dict[tuple, Tensor] = {}
     root = math.sqrt(factor)
-    inputs: dict[int, Tensor] = {}
+    inputs: dict[tuple, tuple[Tensor, ...]] = {}
     for i, call in enumerate(calls):
-        if (rule := kron_weights.get(call.module)) is not None:
+        for key, rule in kron_weights.get(call.module, {}).items():
             n = 1 if rule.inputs_first else n_data
-            inputs[i] = rule.inputs(call).detach()
-            _add(A, call.module, _input_factor(rule, call, inputs[i], approx, root, n))
+            inputs[i, key] = tuple(a.detach() for a in as_uses(rule.inputs(call)))
+            for a in inputs[i, key]:
+                _add(A, key, _input_factor(rule, call, a, approx, root, n))
     exact = _ExactBlocks(trace, plan)
     for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD) if trace.exact_slots else ():
         exact.add_exact(chunk)
-    rows: dict[int, list[Tensor]] = {}
-    kept: dict[int, list[Tensor]] = {}
+    rows: dict[tuple, list[Tensor]] = {}
+    kept: dict[tuple, list[Tensor]] = {}
     for stacked in trace.column_gradients(columns) if gradients is None else [gradients]:
         chunk = [[g.detach() for g in grads] for grads in stacked]
         exact.add(chunk)
         for i, call in enumerate(calls):
-            rule = kron_rules.get(call.module)
-            if rule is None:
-                continue
-            # Gradients of one position per row are gathered into one Gram product per call;
-            # those of many positions (convolutions) are large, so their Gram is added chunk by
-            # chunk.
-            g = rule.grads(call, chunk[i][0].flatten(0, 1))
-            if statistics is not None:
-                kept.setdefault(i, []).append(g.unflatten(0, chunk[i][0].shape[:2]))
-            if call.module in low_rank:
-                _add(G, call.module, _low_rank_gram(g, approx, max_rank))
-            elif g.shape[1] == 1 or approx == "reduce":
-                rows.setdefault(i, []).append(g.sum(1))
-            else:
-                _add(G, call.module, _gram(g, "expand"))
-    for i, gs in rows.items():
-        _add(G, calls[i].module, symmetric_gram(torch.cat(gs)))
-    for i, gs in kept.items():  # a bias without a Kronecker weight needs no inputs
-        a = inputs.get(i, gs[0].new_empty(0))
-        statistics.add(calls[i].module, kron_rules[calls[i].module], a, gs)
+            for key, rule in kron_rules.get(call.module, {}).items():
+                # Gradients of one position per row are gathered into one Gram product per
+                # call; those of many positions (convolutions) are large, so their Gram is
+                # added chunk by chunk.
+                uses = as_uses(rule.grads(call, [g.flatten(0, 1) for g in chunk[i]]))
+                for use, g in enumerate(uses):
+                    if statistics is not None:
+                        kept.setdefault((i, key, use), []).append(
+                            g.unflatten(0, chunk[i][0].shape[:2])
+                        )
+                    if key in low_rank:
+                        _add(G, key, _low_rank_gram(g, approx, max_rank))
+                    elif g.shape[1] == 1 or approx == "reduce":
+                        rows.setdefault((i, key, use), []).append(g.sum(1))
+                    else:
+                        _add(G, key, _gram(g, "expand"))
+    for (_, key, _), gs in rows.items():
+        _add(G, key, symmetric_gram(torch.cat(gs)))
+    for (i, key, use), gs in kept.items():  # a bias without a Kronecker weight needs no inputs
+        a = inputs[i, key][use] if (i, key) in inputs else gs[0].new_empty(0)
+        statistics.add(key, kron_rules[calls[i].module][key], a, gs)
     shapes = block_shapes(plan, engine.needed)
     blocks: list[list[Tensor]] = []
     for slot, (block, p, shape) in enumerate(zip(plan, engine.needed, shapes)):
         if block.kind in ("dense", "diag"):
             blocks.append([_or_zeros(exact.sums, slot, p, shape[0])])
         elif block.kind == "bias":
-            blocks.append([_or_zeros(G, block.module, p, shape[0], max_rank)])
+            blocks.append([_or_zeros(G, block.key, p, shape[0], max_rank)])
         elif block.rule.inputs_first:
-            G_m = _or_zeros(G, block.module, p, shape[1])
-            blocks.append([_or_zeros(A, block.module, p, shape[0]), G_m / (root * n_data)])
+            G_m = _or_zeros(G, block.key, p, shape[1])
+            blocks.append([_or_zeros(A, block.key, p, shape[0]), G_m / (root * n_data)])
         else:
-            G_m = _or_zeros(G, block.module, p, shape[0], max_rank)
-            blocks.append([G_m / root, _or_zeros(A, block.module, p, shape[1])])
+            G_m = _or_zeros(G, block.key, p, shape[0], max_rank)
+            blocks.append([G_m / root, _or_zeros(A, block.key, p, shape[1])])
     return StructuredKron(blocks) if low_rank else Kron(blocks)
 
 
@@ -444,7 +442,7 @@ class _KeptCall(NamedTuple):
     ``grads`` then summed over the positions (k, R, 1, D_out) for a bias and ``inputs`` None.
     """
 
-    module: nn.Module
+    key: tuple[nn.Module, str]
     rule: KfacRule
     inputs: Tensor | None
     grads: list[Tensor]
@@ -469,19 +467,26 @@ class KfacStatistics:
 
     def __init__(self, plan: list[Block], shapes: list, like: Tensor) -> None:
         self.plan, self.shapes, self.like = plan, shapes, like
-        self.weight_slots = {b.module: s for s, b in enumerate(plan) if b.kind == "kron"}
-        self.bias_slots = {b.module: s for s, b in enumerate(plan) if b.kind == "bias"}
+        self.weight_slots = {b.key: s for s, b in enumerate(plan) if b.kind == "kron"}
+        self.bias_slots = {b.key: s for s, b in enumerate(plan) if b.kind == "bias"}
         self.calls: list[_KeptCall] = []
 
-    def add(self, module: nn.Module, rule: KfacRule, a: Tensor, grads: list[Tensor]) -> None:
-        """Keep one call's inputs (R, T, D_in) and column gradients, chunks (k, R, T, D_out)."""
-        weight = module in self.weight_slots and not rule.one_hot
+    def add(self, key: tuple, rule: KfacRule, a: Tensor, grads: list[Tensor]) -> None:
+        """Keep one use's inputs (R, T, D_in) and column gradients, chunks (k, R, T, D_out).
+
+        Args:
+            key: The block's ``Block.key`` (its layer and map).
+            rule: The map's rule.
+            a: The inputs of this use.
+            grads: The gradients' chunks of this use.
+        """
+        weight = key in self.weight_slots and not rule.one_hot
         if weight and _keeps_rows(a, grads):
             rows = [_row_gradients(a, g) for g in grads]
             sums = [g.sum(2, keepdim=True) for g in grads]
-            self.calls.append(_KeptCall(module, rule, None, sums, rows))
+            self.calls.append(_KeptCall(key, rule, None, sums, rows))
         else:
-            self.calls.append(_KeptCall(module, rule, a, grads, None))
+            self.calls.append(_KeptCall(key, rule, a, grads, None))
 
     @property
     def nbytes(self) -> int:
@@ -509,8 +514,8 @@ class KfacStatistics:
             for the blocks that are exact already (dense or diagonal).
         """
         sums: dict[int, Tensor] = {}
-        for module, rule, a, grads, rows in self.calls:
-            weight, bias = self.weight_slots.get(module), self.bias_slots.get(module)
+        for key, rule, a, grads, rows in self.calls:
+            weight, bias = self.weight_slots.get(key), self.bias_slots.get(key)
             Q_out = Q_in = None
             if weight is not None:
                 Q0, Q1 = bases[weight]
@@ -518,7 +523,7 @@ class KfacStatistics:
             squares = bias_squares = None
             if weight is not None and rule.one_hot:
                 for g in grads:
-                    _add(sums, weight, _embedding_squares(module, a, _rotated(g, Q_out)))
+                    _add(sums, weight, _embedding_squares(key[0], a, _rotated(g, Q_out)))
             elif rows is not None:
                 squares = sum(_rotated_row_squares(u, Q_out, Q_in) for u in rows)
             elif weight is not None:
@@ -573,18 +578,17 @@ def kfac_eigenvalues(
     engine = trace.engine
     plan = plan_blocks(engine, dense_limit)
     _check_exact_slots(trace, plan)
-    rules = {b.module: b.rule for b in plan if b.kind in ("kron", "bias")}
-    grads: dict[int, list[Tensor]] = {}
+    rules = _rules_by_module(plan, ("kron", "bias"))
+    grads: dict[tuple, list[Tensor]] = {}
     for stacked in trace.column_gradients(columns):
         for i, call in enumerate(trace.calls):
-            if call.module in rules:
-                chunk = stacked[i][0].detach()
-                g = rules[call.module].grads(call, chunk.flatten(0, 1))
-                grads.setdefault(i, []).append(g.unflatten(0, chunk.shape[:2]))
+            for key, rule in rules.get(call.module, {}).items():
+                shape = stacked[i][0].shape[:2]
+                uses = as_uses(rule.grads(call, [g.detach().flatten(0, 1) for g in stacked[i]]))
+                for use, g in enumerate(uses):
+                    grads.setdefault((i, key, use), []).append(g.unflatten(0, shape))
     statistics = KfacStatistics(plan, block_shapes(plan, engine.needed), curvature_like(engine))
-    for i, gs in grads.items():
-        call = trace.calls[i]
-        statistics.add(
-            call.module, rules[call.module], rules[call.module].inputs(call).detach(), gs
-        )
+    for (i, key, use), gs in grads.items():
+        rule = rules[trace.calls[i].module][key]
+        statistics.add(key, rule, as_uses(rule.inputs(trace.calls[i]))[use].detach(), gs)
     return statistics.eigenvalues(bases)

@@ -5,8 +5,9 @@ of four kinds:
 
 - ``"kron"``: the weight of a layer with a rule in ``KFAC_RULES``: ``G ⊗ A`` for
   ``nn.Linear`` and ``nn.Conv*d``, ``A ⊗ G`` for transformers' ``Conv1D`` (laid out (in, out)),
-  ``diag(token counts) ⊗ G`` for ``nn.Embedding``;
-- ``"bias"``: the bias of such a layer, its output-gradient factor ``G``;
+  ``diag(token counts) ⊗ G`` for ``nn.Embedding``; or a weight of one of the Linear maps of a
+  layer in ``GROUPED_KFAC_RULES`` (``nn.MultiheadAttention``'s input and output projections);
+- ``"bias"``: the bias of such a layer or map, its output-gradient factor ``G``;
 - ``"dense"``: every other parameter of at most ``dense_limit`` entries (default
   ``KFAC_DENSE_LIMIT``, the ``kfac_dense_limit`` backend keyword): its exact block, the Gram
   matrix of its per-sample gradients; this also takes what a rule declines and tied weights;
@@ -19,24 +20,35 @@ diagonal plus low rank (``Block.low_rank``, shape ``LowRankShape``). See
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
-from laplace.curvature.layer_rules import ModuleCall, _conv_patches
+from laplace.curvature.layer_rules import (
+    ModuleCall,
+    _conv_patches,
+    attention_arguments,
+    attention_output,
+    attention_pullback,
+    tiled_call,
+)
 
 __all__ = [
+    "GROUPED_KFAC_RULES",
     "KFAC_DENSE_LIMIT",
     "KFAC_RULES",
     "OPTIONAL_KFAC_RULES",
     "Block",
     "KfacRule",
     "LowRankShape",
+    "as_uses",
     "block_shapes",
     "check_gradient_factor_first",
     "check_kronecker_layers",
+    "grouped_rule",
     "kfac_rule",
     "module_name",
     "plan_blocks",
@@ -51,10 +63,15 @@ KFAC_DENSE_LIMIT = 2048
 class KfacRule:
     """How a layer type exposes its inputs and output gradients per position.
 
+    A map applied to several inputs in one call (``nn.MultiheadAttention``'s input projection
+    in cross-attention) gives a tuple of uses from both ``inputs`` and ``grads``, in the same
+    order; its factors sum over the uses, as over the calls of a layer called several times.
+
     Attributes:
         inputs: Recorded call → layer inputs (R, T, D_in) (patches for convolutions), or the
-            indices (R, T) of the rows an embedding looks up (``one_hot``).
-        grads: Recorded call and the gradient w.r.t. its output → (R, T, D_out).
+            indices (R, T) of the rows an embedding looks up (``one_hot``); or a tuple of uses.
+        grads: Recorded call and the gradients w.r.t. its recorded outputs (k·R rows each, for
+            k columns) → (k·R, T, D_out); or a tuple of uses.
         check: Module → reason the rule does not apply (the exact fallback then takes the
             module), or None (the default: it always applies).
         inputs_first: The weight is laid out (D_in, D_out), so its block is ``A ⊗ G``.
@@ -62,8 +79,8 @@ class KfacRule:
             counts.
     """
 
-    inputs: Callable[[ModuleCall], Tensor]
-    grads: Callable[[ModuleCall, Tensor], Tensor]
+    inputs: Callable[[ModuleCall], Tensor | tuple[Tensor, ...]]
+    grads: Callable[[ModuleCall, Sequence[Tensor]], Tensor | tuple[Tensor, ...]]
     check: Callable[[nn.Module], str | None] = lambda module: None
     inputs_first: bool = False
     one_hot: bool = False
@@ -78,10 +95,10 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1])
 
 
-_LINEAR = KfacRule(lambda call: _rows(call.args[0]), lambda call, g: _rows(g))
+_LINEAR = KfacRule(lambda call: _rows(call.args[0]), lambda call, g: _rows(g[0]))
 _CONV = KfacRule(
     lambda call: _conv_patches(call)[:, 0],
-    lambda call, g: g.flatten(2).transpose(1, 2),
+    lambda call, g: g[0].flatten(2).transpose(1, 2),
     lambda m: "grouped convolutions have no single Kronecker factor" if m.groups != 1 else None,
 )
 _EMBEDDING = KfacRule(
@@ -112,6 +129,91 @@ OPTIONAL_KFAC_RULES: dict[str, dict[str, KfacRule]] = {
 }
 
 
+def _input_uses(call: ModuleCall) -> list[list[int]]:
+    """The projections (0: query, 1: key, 2: value) of an attention call grouped by input.
+
+    Projections reading one tensor (all three in self-attention, key and value in a decoder's
+    cross-attention) are one application of the input projection to it.
+    """
+    arguments = attention_arguments(call)
+    inputs = [arguments[name] for name in ("query", "key", "value")]
+    uses: list[list[int]] = []
+    for i, x in enumerate(inputs):
+        for use in uses:
+            y = inputs[use[0]]
+            if y is x or (y.shape == x.shape and torch.equal(y, x)):
+                use.append(i)
+                break
+        else:
+            uses.append([i])
+    return uses
+
+
+def _pulled(call: ModuleCall, grads: Sequence[Tensor]) -> list[Tensor]:
+    """The gradients (k·R rows) of the query, key and value projections of an attention call."""
+    k = len(grads[0]) // len(call.outputs[0])
+    return attention_pullback(tiled_call(call, k) if k > 1 else call, grads)[1]
+
+
+def _in_projection_inputs(call: ModuleCall) -> tuple[Tensor, ...]:
+    inputs = attention_arguments(call)
+    names = ("query", "key", "value")
+    return tuple(_rows(inputs[names[use[0]]]) for use in _input_uses(call))
+
+
+def _in_projection_grads(call: ModuleCall, grads: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """Per use, the gradients of the packed projection (k·R, T, 3E), zero off the use's part."""
+    pulled = _pulled(call, grads)
+    uses = []
+    for use in _input_uses(call):
+        like = pulled[use[0]]
+        parts = [pulled[i] if i in use else torch.zeros_like(like) for i in range(3)]
+        uses.append(torch.cat(parts, -1))
+    return tuple(uses)
+
+
+def _projection(index: int) -> KfacRule:
+    """The rule of the separate query (0), key (1) or value (2) projection weight."""
+    name = ("query", "key", "value")[index]
+    return KfacRule(
+        lambda call: _rows(attention_arguments(call)[name]),
+        lambda call, g: _pulled(call, g)[index],
+    )
+
+
+_IN_PROJECTION = KfacRule(_in_projection_inputs, _in_projection_grads)
+_OUT_PROJECTION = KfacRule(lambda call: attention_output(call), _LINEAR.grads)
+
+#: Layers whose parameters belong to several Linear maps, each its own Kronecker block: per
+#: parameter name, the map's name, whether it is the map's weight or bias, and its rule.
+#: ``nn.MultiheadAttention``: the input projection (packed ``in_proj_weight`` (3E, E), or
+#: separate q/k/v weights where kdim or vdim differ from E, with the packed ``in_proj_bias``)
+#: is applied once per distinct input among query, key and value (self-attention: once, its
+#: output gradients the stacked ``[δ_q; δ_k; δ_v]``); the output projection reads the
+#: attention output ``a``.
+GROUPED_KFAC_RULES: dict[type[nn.Module], dict[str, tuple[str, str, KfacRule]]] = {
+    nn.MultiheadAttention: {
+        "in_proj_weight": ("in_proj", "kron", _IN_PROJECTION),
+        "in_proj_bias": ("in_proj", "bias", _IN_PROJECTION),
+        "q_proj_weight": ("q_proj", "kron", _projection(0)),
+        "k_proj_weight": ("k_proj", "kron", _projection(1)),
+        "v_proj_weight": ("v_proj", "kron", _projection(2)),
+        "out_proj.weight": ("out_proj", "kron", _OUT_PROJECTION),
+        "out_proj.bias": ("out_proj", "bias", _OUT_PROJECTION),
+    }
+}
+
+
+def as_uses(t: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """A rule's inputs or gradients as a tuple of uses (``KfacRule``)."""
+    return t if isinstance(t, tuple) else (t,)
+
+
+def grouped_rule(module: nn.Module, name: str) -> tuple[str, str, KfacRule] | None:
+    """The map, block kind and rule of parameter ``name`` of a layer in ``GROUPED_KFAC_RULES``."""
+    return GROUPED_KFAC_RULES.get(type(module), {}).get(name)
+
+
 def kfac_rule(module: nn.Module) -> KfacRule | None:
     """The KFAC rule of ``module``'s exact type if it applies to the module, else None."""
     cls = type(module)
@@ -139,12 +241,20 @@ class Block(NamedTuple):
         module: The layer owning the parameter (None for the exact kinds).
         rule: Its KFAC rule (None for the exact kinds).
         low_rank: Its output-gradient factor is a diagonal plus a low-rank term (many outputs).
+        map: The Linear map of the layer the parameter belongs to, for a layer in
+            ``GROUPED_KFAC_RULES`` ("": the layer itself).
     """
 
     kind: str
     module: nn.Module | None = None
     rule: KfacRule | None = None
     low_rank: bool = False
+    map: str = ""
+
+    @property
+    def key(self) -> tuple[nn.Module | None, str]:
+        """What the block's factors are summed under: the layer and its map."""
+        return self.module, self.map
 
 
 def module_name(model: nn.Module, module: nn.Module) -> str:
@@ -172,6 +282,10 @@ def plan_blocks(
     plan = []
     for slot, p in enumerate(engine.needed):
         owners = uses.get(slot, [])
+        if len(owners) == 1 and (grouped := grouped_rule(*owners[0])) is not None:
+            map_name, kind, rule = grouped
+            plan.append(Block(kind, owners[0][0], rule, map=map_name))
+            continue
         rule = kfac_rule(owners[0][0]) if len(owners) == 1 else None
         name = owners[0][1] if owners else None
         if rule is not None and name in ("weight", "bias"):

@@ -102,7 +102,7 @@ class _Candidates:
         by_slot = {block.slot: block for block in self.blocks}
         for call, (g,) in zip(trace.calls, grads):
             rule = kfac_rule(call.module)
-            rows = rule.grads(call, g.detach().flatten(0, 1))  # (K·B, T, p_out)
+            rows = rule.grads(call, [g.detach().flatten(0, 1)])  # (K·B, T, p_out)
             for name in call.names:
                 block = by_slot.get(trace.engine.slot[call.module, name])
                 if block is None:

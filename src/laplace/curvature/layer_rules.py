@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -32,10 +34,14 @@ __all__ = [
     "UNCALLED_CHILDREN",
     "ModuleCall",
     "attention_arguments",
+    "attention_output",
+    "attention_pullback",
     "call_rows",
     "generic_per_sample",
     "per_sample_grads",
     "selected_per_sample_grads",
+    "tiled_call",
+    "without_batching_notes",
 ]
 
 
@@ -63,6 +69,21 @@ class ModuleCall:
 
 
 Rule = Callable[[ModuleCall, Sequence[Tensor]], dict[str, Tensor]]
+
+
+@contextmanager
+def without_batching_notes() -> Iterator[None]:
+    """Silence torch's note that an operation loops in a vectorised pass.
+
+    Such an operation (the fused attention kernels) is taken sample by sample inside ``vmap``
+    or ``is_grads_batched``: the result is the same, and the note is about torch's kernels,
+    not the user's model.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="There is a performance drop because we have not"
+        )
+        yield
 
 
 def _linear_weight(a: Tensor, g: Tensor) -> Tensor:
@@ -236,7 +257,8 @@ def generic_per_sample(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, T
         return pullback(tuple(gi.unsqueeze(0) for gi in g))[0]
 
     in_dims = (None, arg_dims, kwarg_dims, 0)
-    return vmap(single, in_dims=in_dims)(params, call.args, call.kwargs, tuple(grads))
+    with without_batching_notes():
+        return vmap(single, in_dims=in_dims)(params, call.args, call.kwargs, tuple(grads))
 
 
 def _recurrent_cell(module: nn.RNNBase) -> Callable[[Tensor, Tensor, Tensor, Tensor], tuple]:
@@ -462,24 +484,53 @@ def _attention_parts(call: ModuleCall) -> tuple[list[Tensor], list[Tensor], Tens
     return inputs, projections, a.detach(), recomputed
 
 
-def _attention(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
-    """Per-sample gradients of ``nn.MultiheadAttention``'s projections (recorded batch-first).
+def attention_pullback(
+    call: ModuleCall, grads: Sequence[Tensor]
+) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """An attention call's output gradients pulled back to its query, key and value projections.
 
-    Written here because the module never calls its ``out_proj`` and its fused kernels have no
-    ``vmap`` rule: the attention is recomputed for the whole batch (``_attention_parts``), the
-    output gradients are pulled back to the query, key and value projections, and the Linear
-    rule gives each projection's ``Σₜ δₜ xₜᵀ`` and bias sums per data point; the output
-    projection's are ``Σₜ gₜ aₜᵀ`` and ``Σₜ gₜ``. ``bias_k``/``bias_v`` have no rule here
-    (the attribution guard takes them through autograd).
+    The attention is recomputed once per row count and kept in ``call.cache``
+    (``_attention_parts``), so the other columns of the same rows reuse it.
+
+    Args:
+        call: A recorded ``nn.MultiheadAttention`` call (batch-first, R rows).
+        grads: The gradients w.r.t. its recorded outputs, R rows each.
+
+    Returns:
+        The inputs (query, key, value), the gradients w.r.t. their projections (R, L or S, E),
+        zero where a projection does not reach the outputs, and the attention output ``a``
+        before the output projection (R, L, E).
     """
     key = f"attention{len(call.args[0]) if call.args else len(call.kwargs['query'])}"
-    if key not in call.cache:  # kept for the other columns of the same rows
+    if key not in call.cache:
         call.cache[key] = _attention_parts(call)  # type: ignore[assignment]
     inputs, projections, a, recomputed = call.cache[key]
     pulled = torch.autograd.grad(
         recomputed, projections, list(grads), allow_unused=True, retain_graph=True
     )
     pulled = [torch.zeros_like(p) if d is None else d for p, d in zip(projections, pulled)]
+    return inputs, pulled, a
+
+
+def attention_output(call: ModuleCall) -> Tensor:
+    """The attention output ``a`` (R, L, E) an attention call feeds its ``out_proj``."""
+    key = f"attention{len(call.args[0]) if call.args else len(call.kwargs['query'])}"
+    if key not in call.cache:
+        call.cache[key] = _attention_parts(call)  # type: ignore[assignment]
+    return call.cache[key][2]
+
+
+def _attention(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Per-sample gradients of ``nn.MultiheadAttention``'s projections (recorded batch-first).
+
+    Written here because the module never calls its ``out_proj`` and its fused kernels have no
+    ``vmap`` rule: the output gradients are pulled back to the query, key and value projections
+    through the recomputed attention (``attention_pullback``), and the Linear rule gives each
+    projection's ``Σₜ δₜ xₜᵀ`` and bias sums per data point; the output projection's are
+    ``Σₜ gₜ aₜᵀ`` and ``Σₜ gₜ``. ``bias_k``/``bias_v`` have no rule here (the attribution guard
+    takes them through autograd).
+    """
+    inputs, pulled, a = attention_pullback(call, grads)
     out = {}
     per_projection = [_linear_weight(x, d) for x, d in zip(inputs, pulled)]
     if "in_proj_weight" in call.names:
@@ -507,6 +558,19 @@ UNCALLED_CHILDREN: dict[type[nn.Module], tuple[str, ...]] = {nn.MultiheadAttenti
 UNBATCHED_ARGUMENTS: dict[type[nn.Module], tuple[str, ...]] = {
     nn.MultiheadAttention: ("attn_mask",)
 }
+
+
+def tiled_call(call: ModuleCall, k: int) -> ModuleCall:
+    """The call repeated for ``k`` output columns: inputs with its rows along dim 0 tiled."""
+    rows = call.outputs[0].shape[0]
+
+    def tile(v: object) -> object:
+        if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == rows:
+            return v.unsqueeze(0).expand(k, *v.shape).reshape(k * rows, *v.shape[1:])
+        return v
+
+    args, kwargs = tree_map(tile, call.args), tree_map(tile, call.kwargs)
+    return ModuleCall(call.module, args, kwargs, call.outputs, call.output_slots, call.names)
 
 
 def call_rows(call: ModuleCall, rows: slice, n_rows: int) -> ModuleCall:

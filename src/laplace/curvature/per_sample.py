@@ -25,7 +25,6 @@ from torch import Tensor, nn
 from laplace.curvature.capture import (
     Columns,
     OutputGradients,
-    batched_backward,
     column_chunks,
     record_forward,
 )
@@ -36,6 +35,7 @@ from laplace.curvature.layer_rules import (
     ModuleCall,
     per_sample_grads,
     selected_per_sample_grads,
+    without_batching_notes,
 )
 from laplace.curvature.square_sums import SQUARE_SUM_RULES
 from laplace.utils.data import Inputs, upcast
@@ -412,7 +412,7 @@ class PerSampleTrace:
             index = torch.arange(start, min(batch, start + BATCHED_BACKWARD_CHUNK))
             cotangents = self.f.new_zeros(len(index), *self.f.shape)
             cotangents[torch.arange(len(index)), index] = v[index]
-            with batched_backward():
+            with without_batching_notes():
                 grads = torch.autograd.grad(
                     self.f,
                     params,

@@ -251,7 +251,7 @@ def layer_factors(trace: PerSampleTrace) -> FactoredJacobian | None:
     gradients = OutputGradients(f, calls, trace.create_graph).columns(columns.reshape(C, *f.shape))
     layers = []
     for rule, call, a, (g,) in zip(rules, calls, inputs, gradients, strict=True):
-        G = rule.grads(call, g.flatten(0, 1)).reshape(C, B, -1).transpose(0, 1)
+        G = rule.grads(call, [g.flatten(0, 1)]).reshape(C, B, -1).transpose(0, 1)
         slots = tuple(
             engine.slot[call.module, name] if name in call.names else None
             for name in ("weight", "bias")

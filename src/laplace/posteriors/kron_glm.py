@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from laplace.curvature.capture import OutputGradients
-from laplace.curvature.kfac_rules import KfacRule, kfac_rule
+from laplace.curvature.kfac_rules import KfacRule, as_uses, grouped_rule, kfac_rule
 from laplace.curvature.layer_rules import per_sample_grads
 from laplace.curvature.per_sample import PerSampleTrace
 from laplace.curvature.square_sums import row_token_pairs
@@ -60,9 +60,9 @@ def _rotate(t: Tensor, Q: Tensor | None) -> Tensor:
     return t if Q is None else t @ Q
 
 
-def _cat(parts: dict[nn.Module, Tensor], module: nn.Module, value: Tensor) -> None:
-    """Concatenate the positions of a module called repeatedly."""
-    parts[module] = torch.cat([parts[module], value], 1) if module in parts else value
+def _cat(parts: dict[tuple, Tensor], key: tuple, value: Tensor) -> None:
+    """Concatenate the positions of a map used repeatedly (calls, or uses within a call)."""
+    parts[key] = torch.cat([parts[key], value], 1) if key in parts else value
 
 
 class _Slot:
@@ -72,9 +72,10 @@ class _Slot:
         kind: ``"kron"`` (two factors), ``"bias"`` (a layer's bias) or ``"exact"`` (its
             per-sample gradients).
         module: The layer owning the parameter.
-        rule: The layer's KFAC rule (unused for ``"exact"``).
+        rule: The KFAC rule of the layer or of its map (unused for ``"exact"``).
         Qs: Eigenvectors of the block's factors (None: identity).
         inv: Inverse spectrum of the block.
+        map: The layer's map the parameter belongs to (``Block.map``; "": the layer).
     """
 
     def __init__(
@@ -84,8 +85,10 @@ class _Slot:
         rule: KfacRule | None,
         Qs: list[Tensor | None],
         inv: Tensor,
+        map: str = "",
     ) -> None:
         self.kind, self.module, self.rule, self.inv = kind, module, rule, inv
+        self.key = (module, map)
         self.rows: list[Tensor] = []
         if kind == "kron":  # the factor on the output gradients, and the one on the inputs
             self.Q_out, self.Q_in = (Qs[1], Qs[0]) if rule.inputs_first else (Qs[0], Qs[1])
@@ -171,7 +174,12 @@ def _slots(trace: PerSampleTrace, block_inverse: BlockInverse) -> list[_Slot] | 
     for i in range(len(engine.needed)):
         Qs, inv = block_inverse(i)
         (module, name), shared = owners[i][0], len(owners[i]) > 1
-        rule = None if shared else kfac_rule(module)
+        grouped = None if shared else grouped_rule(module, name)
+        if grouped is not None and (len(Qs) == 2 or grouped[1] == "bias"):
+            map_name, kind, rule = grouped  # a map of an attention layer
+            slots.append(_Slot(kind, module, rule, Qs, inv, map_name))
+            continue
+        rule = None if shared or grouped is not None else kfac_rule(module)
         if len(Qs) == 2:
             if rule is None or name != "weight" or (rule.one_hot and Qs[0] is not None):
                 return None  # no rule, or an embedding whose vocabulary factor is not diagonal
@@ -203,25 +211,31 @@ def layerwise_variance(
     if slots is None or not trace.layerwise:
         return None
     C = f.reshape(B, -1).shape[1]
-    factored = {s.module: s for s in slots if s.kind == "kron"}
-    ruled = {s.module: s.rule for s in slots if s.kind != "exact"}
+    factored = {s.key: s for s in slots if s.kind == "kron"}
+    ruled: dict[nn.Module, dict[tuple, KfacRule]] = {}
+    for s in slots:
+        if s.kind != "exact":
+            ruled.setdefault(s.module, {})[s.key] = s.rule
     exact = {i for i, s in enumerate(slots) if s.kind == "exact"}
-    inputs: dict[nn.Module, Tensor] = {}
+    inputs: dict[tuple, Tensor] = {}
     for call in calls:
-        if call.module in factored:
-            _cat(inputs, call.module, factored[call.module].rule.inputs(call))
-    for module, a in inputs.items():
-        if not factored[module].rule.one_hot:
-            inputs[module] = _rotate(a, factored[module].Q_in)
+        for key, rule in ruled.get(call.module, {}).items():
+            if key in factored:
+                for a in as_uses(rule.inputs(call)):
+                    _cat(inputs, key, a)
+    for key, a in inputs.items():
+        if not factored[key].rule.one_hot:
+            inputs[key] = _rotate(a, factored[key].Q_in)
     grads = OutputGradients(f, calls, create_graph)
     eye = torch.eye(C, dtype=f.dtype, device=f.device)
     for c in range(C):
         g_calls = grads(eye[c].expand(B, C).reshape(f.shape))
-        gs: dict[nn.Module, Tensor] = {}
+        gs: dict[tuple, Tensor] = {}
         us: dict[int, Tensor] = {}
         for call, g in zip(calls, g_calls):
-            if call.module in ruled:
-                _cat(gs, call.module, ruled[call.module].grads(call, g[0]))
+            for key, rule in ruled.get(call.module, {}).items():
+                for use in as_uses(rule.grads(call, g)):
+                    _cat(gs, key, use)
             if any(engine.slot[call.module, n] in exact for n in call.names):
                 for name, u in per_sample_grads(call, g).items():
                     i = engine.slot[call.module, name]
@@ -231,10 +245,10 @@ def layerwise_variance(
             if slot.kind == "exact":
                 u = us.get(i, f.new_zeros(B, engine.needed[i].numel()))
                 slot.add(None, None, u)
-            elif slot.module in gs:
-                slot.add(gs[slot.module], inputs.get(slot.module), None)
+            elif slot.key in gs:
+                slot.add(gs[slot.key], inputs.get(slot.key), None)
     f_var = f.new_zeros(B, C, C)
     for slot in slots:
         if slot.rows:
-            f_var = f_var + slot.variance(inputs.get(slot.module))
+            f_var = f_var + slot.variance(inputs.get(slot.key))
     return f_var
