@@ -508,6 +508,9 @@ def run_one(
     use_device(device)
     torch.manual_seed(0)
     fn, model_name, structure = CASES[name]
+    # torch imports it on the process's first autograd.grad given gradients (sympy, about 1 s):
+    # a cost of the process, not of whichever case or check first calls it
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
     with GuardTimer() as guard:
         row = fn(model_name, structure, repeats)
     row.update(guard.columns(row["seconds"]))

@@ -166,6 +166,12 @@ def test_facades_only_re_export(facade):
             and [getattr(target, "id", None) for target in statement.targets] == ["__getattr__"]
             and _is_lazy_re_export(statement.value)
         )
-        assert is_import or is_all or is_version or is_typing_import or is_lazy, (
-            f"{facade} defines something (line {statement.lineno})"
+        # the re-exported classes report the façade as their module (pickles, qualified names)
+        is_public_path = (
+            isinstance(statement, ast.Expr)
+            and isinstance(statement.value, ast.Call)
+            and getattr(statement.value.func, "id", None) == "at_public_path"
         )
+        assert (
+            is_import or is_all or is_version or is_typing_import or is_lazy or is_public_path
+        ), f"{facade} defines something (line {statement.lineno})"

@@ -288,3 +288,77 @@ def test_third_party_backend_modules_load_without_their_library():
     )
     assert "pip install 'laplace-ng[asdl]'" in result["asdl"]
     assert "pip install 'laplace-ng[backpack]'" in result["backpack"]
+
+
+#: The classes each laplace-torch 0.3 module defines (``cls.__module__`` is the module), from
+#: the same fresh interpreter: their pickles and qualified names carry these paths.
+LAPLACE_TORCH_CLASSES = {
+    "laplace.baselaplace": [
+        "BaseLaplace",
+        "ParametricLaplace",
+        "FullLaplace",
+        "KronLaplace",
+        "LowRankLaplace",
+        "DiagLaplace",
+        "BaseFunctionalLaplace",
+        "FunctionalLaplace",
+        "ELLA",
+        "VaLLA",
+    ],
+    "laplace.curvature.asdfghjkl": [
+        "AsdfghjklInterface",
+        "AsdfghjklHessian",
+        "AsdfghjklGGN",
+        "AsdfghjklEF",
+    ],
+    "laplace.curvature.asdl": ["AsdlInterface", "AsdlHessian", "AsdlGGN", "AsdlEF"],
+    "laplace.curvature.backpack": ["BackPackInterface", "BackPackGGN", "BackPackEF"],
+    "laplace.curvature.curvature": ["CurvatureInterface", "GGNInterface", "EFInterface"],
+    "laplace.curvature.curvlinops": [
+        "CurvlinopsInterface",
+        "CurvlinopsGGN",
+        "CurvlinopsEF",
+        "CurvlinopsHessian",
+    ],
+    "laplace.lllaplace": [
+        "LLLaplace",
+        "FullLLLaplace",
+        "KronLLLaplace",
+        "DiagLLLaplace",
+        "FunctionalLLLaplace",
+    ],
+    "laplace.subnetlaplace": ["SubnetLaplace", "FullSubnetLaplace", "DiagSubnetLaplace"],
+    "laplace.utils.enums": [*_ENUMS],
+    "laplace.utils.feature_extractor": ["FeatureReduction", "FeatureExtractor"],
+    "laplace.utils.matrix": ["Kron", "KronDecomposed"],
+    "laplace.utils.metrics": ["RunningNLLMetric"],
+    "laplace.utils.subnetmask": [*_SUBNET_MASKS, "ScoreBasedSubnetMask"],
+    "laplace.utils.utils": ["SoDSampler"],
+}
+
+_PUBLIC_CLASSES = [(path, name) for path, names in LAPLACE_TORCH_CLASSES.items() for name in names]
+
+
+@pytest.mark.parametrize(("path", "name"), _PUBLIC_CLASSES)
+def test_public_classes_report_laplace_torchs_module(path, name):
+    cls = getattr(importlib.import_module(path), name)
+    assert (cls.__module__, cls.__qualname__) == (path, name)
+
+
+def test_pickled_classes_load_after_their_defining_modules_move(monkeypatch, tmp_path):
+    """Saved with ``torch.save``, loaded with every defining module gone from ``sys.modules``
+    and blocked (as if renamed): the pickles name the public modules only."""
+    import torch
+
+    classes = [getattr(importlib.import_module(p), n) for p, n in _PUBLIC_CLASSES]
+    defining = {
+        cls.__dict__.get("__init__", cls).__module__
+        for cls in classes
+        if "__init__" in cls.__dict__
+    } - set(LAPLACE_TORCH_CLASSES)
+    assert defining, "the classes should be defined in internal modules"
+    torch.save(classes, tmp_path / "classes.pt")
+    for module in defining:  # an import of the old path now fails
+        monkeypatch.setitem(sys.modules, module, None)
+    loaded = torch.load(tmp_path / "classes.pt", weights_only=False)
+    assert loaded == classes

@@ -46,6 +46,7 @@ from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 from laplace.utils.errors import check_positive_int
 from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
 from laplace.utils.outputs import IGNORE_INDEX
+from laplace.utils.public import at_public_path
 
 __all__ = [
     "DiagLLLaplace",
@@ -338,3 +339,6 @@ class EKFACLLLaplace(KronLLLaplace, EKFACLaplace):
     _key = (SubsetOfWeights.LAST_LAYER, HessianStructure.EKFAC)
 
     _curvature_pass = eigenvalue_corrected(HeadCurvatureSum)
+
+
+at_public_path(__name__, FunctionalLLLaplace)

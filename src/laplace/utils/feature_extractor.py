@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from laplace.utils.data import Inputs
 from laplace.utils.enums import FeatureReduction, parse_enum
 from laplace.utils.errors import MissingKeyError, check_module
+from laplace.utils.public import at_public_path
 
 __all__ = ["FeatureExtractor", "FeatureReduction", "as_feature_extractor"]
 
@@ -182,3 +183,6 @@ def as_feature_extractor(
         last_layer_name = last_layer_name or model.last_layer_name
         model = model.model
     return FeatureExtractor(model, last_layer_name, feature_reduction=feature_reduction)
+
+
+at_public_path(__name__, FeatureReduction)

@@ -3,12 +3,14 @@
 A module whose names need a heavy library (``torchmetrics``) re-exports them lazily:
 ``__getattr__ = lazy_attributes(__name__, {"RunningNLLMetric": "laplace.utils.running_nll"})``.
 ``from module import name`` and ``module.name`` work as for an eager import; the owner (and its
-library) is imported the first time the name is read.
+library) is imported the first time the name is read, and the name is then kept in the module
+(later reads, and pickles that name the module, find it there).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,14 +28,18 @@ def lazy_attributes(module: str, owners: Mapping[str, str]) -> Callable[[str], A
         The ``__getattr__`` of ``module`` (PEP 562).
 
     Example:
-        >>> getattr_ = lazy_attributes("m", {"sqrt": "math"})
+        >>> import sys, types
+        >>> sys.modules["lazy_demo"] = types.ModuleType("lazy_demo")
+        >>> getattr_ = lazy_attributes("lazy_demo", {"sqrt": "math"})
         >>> getattr_("sqrt")(4.0)
         2.0
     """
 
     def __getattr__(name: str) -> Any:
         if name in owners:
-            return getattr(importlib.import_module(owners[name]), name)
+            value = getattr(importlib.import_module(owners[name]), name)
+            setattr(sys.modules[module], name, value)
+            return value
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__

@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from laplace.utils.public import at_public_path
+
 __all__ = ["RunningNLLMetric"]
 
 
@@ -64,3 +66,6 @@ class RunningNLLMetric(Metric):
     def compute(self) -> Tensor:
         """Mean NLL over the labels seen since the last reset (NaN before any)."""
         return self.nll_sum / self.n_valid_labels
+
+
+at_public_path("laplace.utils.metrics", RunningNLLMetric)

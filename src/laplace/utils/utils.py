@@ -13,6 +13,7 @@ from laplace.utils.linalg import (
     normal_samples,
     symeig,
 )
+from laplace.utils.public import at_public_path
 from laplace.utils.validation import get_nll, validate
 
 __all__ = [
@@ -31,3 +32,5 @@ __all__ = [
     "symeig",
     "validate",
 ]
+
+at_public_path(__name__, SoDSampler)
