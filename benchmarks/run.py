@@ -35,6 +35,7 @@ laplace-torch's beside it with ``LAPLACE_TORCH_PYTHON=/path/to/python``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -510,7 +511,7 @@ def run_one(
     fn, model_name, structure = CASES[name]
     # torch imports it on the process's first autograd.grad given gradients (sympy, about 1 s):
     # a cost of the process, not of whichever case or check first calls it
-    import torch.fx.experimental.symbolic_shapes  # noqa: F401
+    importlib.import_module("torch.fx.experimental.symbolic_shapes")
     with GuardTimer() as guard:
         row = fn(model_name, structure, repeats)
     row.update(guard.columns(row["seconds"]))

@@ -150,9 +150,17 @@ def _input_uses(call: ModuleCall) -> list[list[int]]:
 
 
 def _pulled(call: ModuleCall, grads: Sequence[Tensor]) -> list[Tensor]:
-    """The gradients (k·R rows) of the query, key and value projections of an attention call."""
+    """The gradients (k·R rows) of the query, key and value projections of an attention call.
+
+    The call tiled for k columns is kept in its cache, so the attention recomputed for it
+    serves every map of the layer and every chunk of k columns.
+    """
     k = len(grads[0]) // len(call.outputs[0])
-    return attention_pullback(tiled_call(call, k) if k > 1 else call, grads)[1]
+    if k > 1:
+        if f"tiled{k}" not in call.cache:
+            call.cache[f"tiled{k}"] = tiled_call(call, k)  # type: ignore[assignment]
+        call = call.cache[f"tiled{k}"]  # type: ignore[assignment]
+    return attention_pullback(call, grads)[1]
 
 
 def _in_projection_inputs(call: ModuleCall) -> tuple[Tensor, ...]:
