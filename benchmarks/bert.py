@@ -74,18 +74,30 @@ class BertClassifier(nn.Module):
         ).logits
 
 
-class LSTMClassifier(nn.Module):
-    """Embedding, a multi-layer LSTM and a linear head on the last hidden state."""
+class RecurrentClassifier(nn.Module):
+    """Embedding, a multi-layer LSTM (or GRU) and a linear head on the last hidden state."""
 
-    def __init__(self) -> None:
+    def __init__(self, cell: type[nn.RNNBase] = nn.LSTM) -> None:
         super().__init__()
         self.embed = nn.Embedding(LSTM_VOCAB, LSTM_EMBED)
-        self.lstm = nn.LSTM(LSTM_EMBED, LSTM_HIDDEN, num_layers=LSTM_LAYERS, batch_first=True)
+        self.rnn = cell(LSTM_EMBED, LSTM_HIDDEN, num_layers=LSTM_LAYERS, batch_first=True)
         self.head = nn.Linear(LSTM_HIDDEN, LSTM_CLASSES)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        hidden, _ = self.lstm(self.embed(tokens))
+        hidden, _ = self.rnn(self.embed(tokens))
         return self.head(hidden[:, -1])
+
+
+RECURRENT_CELLS = {"lstm": nn.LSTM, "gru": nn.GRU}
+
+
+def recurrent_loader() -> DataLoader:
+    """``LSTM_SEQUENCES`` random token sequences of ``LSTM_TOKENS`` with class targets."""
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randint(0, LSTM_VOCAB, (LSTM_SEQUENCES, LSTM_TOKENS), generator=gen)
+    y = torch.randint(0, LSTM_CLASSES, (LSTM_SEQUENCES,), generator=gen)
+    X, y = X.to(harness.DEVICE), y.to(harness.DEVICE)
+    return DataLoader(TensorDataset(X, y), batch_size=LSTM_BATCH)
 
 
 def bert_loader(n: int = N_SEQUENCES, seed: int = 0) -> DataLoader:
@@ -137,20 +149,17 @@ def case_fit_bert(structure: str, variant: str, repeats: int) -> dict:
     }
 
 
-def case_fit_lstm(structure: str, _: str, repeats: int) -> dict:
-    """All-weights ``structure`` fit of the LSTM classifier."""
+def case_fit_recurrent(structure: str, cell: str, repeats: int) -> dict:
+    """All-weights ``structure`` fit of the recurrent classifier with ``cell`` (lstm, gru)."""
     from laplace import Laplace
 
     torch.manual_seed(0)
-    model = LSTMClassifier().eval().to(harness.DEVICE)
-    gen = torch.Generator().manual_seed(0)
-    X = torch.randint(0, LSTM_VOCAB, (LSTM_SEQUENCES, LSTM_TOKENS), generator=gen)
-    y = torch.randint(0, LSTM_CLASSES, (LSTM_SEQUENCES,), generator=gen)
-    X, y = X.to(harness.DEVICE), y.to(harness.DEVICE)
-    loader = DataLoader(TensorDataset(X, y), batch_size=LSTM_BATCH)
+    model = RecurrentClassifier(RECURRENT_CELLS[cell]).eval().to(harness.DEVICE)
+    loader = recurrent_loader()
     la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
     floor = partial(forward_plus_c_backward, model, loader, LSTM_CLASSES)
-    case = f"fit {structure} LSTM 2x{LSTM_HIDDEN} {LSTM_SEQUENCES}x{LSTM_TOKENS} tokens"
+    name = cell.upper()
+    case = f"fit {structure} {name} 2x{LSTM_HIDDEN} {LSTM_SEQUENCES}x{LSTM_TOKENS} tokens"
     return {
         **measure_fit(la, loader, repeats, case, floor),
         "floor": f"1 fwd + {LSTM_CLASSES} bwd",
@@ -158,18 +167,15 @@ def case_fit_lstm(structure: str, _: str, repeats: int) -> dict:
 
 
 def case_guard_overhead_bert(structure: str, model_name: str, repeats: int) -> dict:
-    """The attribution guard's share of an all-weights fit of the BERT or the LSTM."""
+    """The attribution guard's share of an all-weights fit of the BERT or the LSTM (``lstm``)."""
     from laplace import Laplace
 
     torch.manual_seed(0)
     if model_name == "bert":
         model, loader = BertClassifier().eval().to(harness.DEVICE), bert_loader()
     else:
-        model = LSTMClassifier().eval().to(harness.DEVICE)
-        gen = torch.Generator().manual_seed(0)
-        X = torch.randint(0, LSTM_VOCAB, (LSTM_SEQUENCES, LSTM_TOKENS), generator=gen)
-        y = torch.randint(0, LSTM_CLASSES, (LSTM_SEQUENCES,), generator=gen)
-        loader = DataLoader(TensorDataset(X, y), batch_size=LSTM_BATCH)
+        model = RecurrentClassifier(RECURRENT_CELLS[model_name]).eval().to(harness.DEVICE)
+        loader = recurrent_loader()
     la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
     row = harness.guard_overhead(la, loader, min(repeats, 3 if model_name == "lstm" else 1))
     return {"case": f"guard overhead {structure} {model_name}", **row}
@@ -182,8 +188,10 @@ BERT_CASES = {
     "fit-kron-bert-frozen-positions": (case_fit_bert, "kron", "frozen-positions"),
     "fit-kron-bert-bf16": (case_fit_bert, "kron", "bf16"),
     "fit-diag-bert-bf16": (case_fit_bert, "diag", "bf16"),
-    "fit-diag-lstm": (case_fit_lstm, "diag", ""),
-    "fit-kron-lstm": (case_fit_lstm, "kron", ""),
+    "fit-diag-lstm": (case_fit_recurrent, "diag", "lstm"),
+    "fit-kron-lstm": (case_fit_recurrent, "kron", "lstm"),
+    "fit-diag-gru": (case_fit_recurrent, "diag", "gru"),
+    "fit-kron-gru": (case_fit_recurrent, "kron", "gru"),
     "guard-overhead-kron-bert": (case_guard_overhead_bert, "kron", "bert"),
     "guard-overhead-diag-lstm": (case_guard_overhead_bert, "diag", "lstm"),
     "guard-overhead-kron-lstm": (case_guard_overhead_bert, "kron", "lstm"),

@@ -24,8 +24,9 @@ alternate EKFAC's and Kron's fits in one process and report their per-pair ratio
 ``binary-*`` cases time ``likelihood="binary_classification"`` against ``"classification"``
 on the MLP; the ``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions;
 ``large-vocab-ll-kron`` is the 32,000-class head of ``benchmarks/large_vocab.py``; the
-``fit-*-bert*`` and ``fit-*-lstm`` cases (``benchmarks/bert.py``) all-weights fits of a 4-layer
-BERT (trainable position embeddings, float32 and bfloat16) and of a 2-layer LSTM classifier;
+``fit-*-bert*``, ``fit-*-lstm`` and ``fit-*-gru`` cases (``benchmarks/bert.py``) all-weights
+fits of a 4-layer BERT (trainable position embeddings, float32 and bfloat16) and of a 2-layer
+LSTM (GRU) classifier;
 the ``matfree-*`` cases (``benchmarks/matfree.py``) the matrix-free posterior of a
 million-weight MLP, beside ``FullLaplace`` on a small one, and its preconditioners. The
 ``import-time`` case times ``import laplace`` beyond ``import torch`` in fresh interpreters, and
