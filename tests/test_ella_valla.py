@@ -424,3 +424,148 @@ def test_reward_modeling_ella_predicts_pair_probabilities_when_fitting():
     assert_close(probs.sum(-1), torch.ones(3, dtype=torch.float64))
     f_mu, f_var = la(torch.randn(4, 3, dtype=torch.float64), pred_type="gp")
     assert f_mu.shape == (4, 1) and f_var.shape == (4, 1, 1)
+
+
+# ------------------------------------------------ hyperparameters, checkpoints and Jacobians
+def valla(model, X, likelihood="regression", **kwargs):
+    return Laplace(
+        model,
+        likelihood,
+        "all",
+        "gp",
+        functional_approximation="variational",
+        inducing_locations=X[:4].clone(),
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, math.nan, math.inf])
+@pytest.mark.parametrize("structure", ["nystrom", "variational", "full"])
+def test_temperature_is_checked_on_every_assignment(structure, value):
+    model, X, loader = regression_data()
+    if structure == "nystrom":
+        la = ella(model, loader, 10, 3)
+    elif structure == "variational":
+        la = valla(model, X)
+    else:
+        la = Laplace(model, "regression", "all", "full")
+    with pytest.raises(ValueError, match="temperature must be positive"):
+        la.temperature = value
+    assert la.temperature == 1.0  # a refused value changes nothing
+    la.temperature = 2.5
+    assert la.temperature == 2.5
+
+
+@pytest.mark.parametrize("structure", ["nystrom", "variational"])
+def test_ella_and_valla_keep_a_centred_prior_after_construction(structure):
+    model, X, loader = regression_data()
+    la = ella(model, loader, 10, 3) if structure == "nystrom" else valla(model, X)
+    with pytest.raises(ValueError, match="prior_mean=0"):
+        la.prior_mean = 1.0
+    assert torch.all(la.prior_mean == 0)
+    la.prior_mean = 0.0  # zero stays allowed
+    with pytest.raises(ValueError, match="prior_mean=0"):
+        valla(model, X, prior_mean=0.5) if structure == "variational" else ella(
+            model, loader, 10, 3, prior_mean=0.5
+        )
+
+
+def test_functional_predictive_is_the_call_with_positional_options():
+    case = CASE_BUILDERS["mlp_classification"]()
+    la = ella(case.model, case.loader(), 8, 3, likelihood="classification")
+    probit = la.predictive(case.X[:5], "gp", "probit", 10)
+    assert_close(probit, la(case.X[:5]))
+    assert_close(probit.sum(-1), torch.ones(5, dtype=probit.dtype))
+
+
+@pytest.mark.parametrize("structure", ["nystrom", "variational"])
+def test_loading_a_checkpoint_puts_the_model_in_evaluation_mode(structure):
+    # Dropout between two layers: in training mode a prediction would be random.
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1)
+    ).double()
+    X = torch.randn(24, 3, dtype=torch.float64)
+    loader = DataLoader(TensorDataset(X, X.sum(-1, keepdim=True)), batch_size=6)
+    fitted = ella(model, loader, 8, 3) if structure == "nystrom" else valla(model, X)
+    if structure == "variational":
+        fitted.fit(loader, iterations=2)
+    state = fitted.state_dict()
+    model.train()
+    restored = (
+        Laplace(model, "regression", "all", "gp", functional_approximation="nystrom",
+                subsample_size=8, n_eigenvalues=3)
+        if structure == "nystrom"
+        else valla(model, X)
+    )  # fmt: skip
+    restored.load_state_dict(state)
+    assert not model.training
+    for a, b in zip(restored(X[:4]), fitted(X[:4])):
+        assert_close(a, b)
+
+
+def test_validation_nll_is_a_tensor_and_the_history_holds_floats():
+    model, _, loader = regression_data()
+    la = Laplace(
+        model, "regression", "all", "gp", functional_approximation="nystrom",
+        subsample_size=10, n_eigenvalues=3,
+    )  # fmt: skip
+    la.fit(loader, val_loader=loader)
+    score = la._validation_nll(loader)
+    assert isinstance(score, torch.Tensor) and score.dim() == 0
+    assert all(type(value) is float for value in la.fit_history_["val_nll"])
+    assert la.fit_history_["val_nll"][-1] == pytest.approx(float(score))
+
+
+@pytest.mark.parametrize("structure", ["nystrom", "variational"])
+def test_functional_variance_refuses_jacobians_of_another_width(structure):
+    model, X, loader = regression_data()
+    la = ella(model, loader, 10, 3) if structure == "nystrom" else valla(model, X)
+    if structure == "variational":
+        la.fit(loader, iterations=1)
+    Js, _ = la.backend.jacobians(X[:3])
+    assert la.functional_variance(Js).shape == (3, 1, 1)
+    for method in (la.functional_variance, la.functional_covariance):
+        with pytest.raises(ValueError, match="Invalid Jacobians shape"):
+            method(Js[..., :-1])
+
+
+def test_valla_fit_checks_options_changed_after_construction():
+    case = CASE_BUILDERS["mlp_classification"]()
+    la = valla(case.model, case.X, likelihood="classification")
+    la.alpha = 1.5
+    with pytest.raises(ValueError, match="alpha must be"):
+        la.fit(case.loader(), iterations=1)
+    la.alpha, la.mc_softmax_samples = 1.0, -2
+    with pytest.raises(ValueError, match="mc_softmax_samples"):
+        la.fit(case.loader(), iterations=1)
+    la.mc_softmax_samples = 0
+    la.fit(case.loader(), iterations=1)
+    la.inducing_classes = la.inducing_classes[:1]  # one class for four inducing points
+    with pytest.raises(ValueError, match=r"inducing_classes must have shape \(4,\)"):
+        la.fit(case.loader(), iterations=1, override=False)
+
+
+@pytest.mark.parametrize(
+    ("call", "phrase"),
+    [
+        (lambda m, X, loader: ella(m, loader, 10, 3, likelihood="classification", sigma_noise=2.0),
+         "only available for regression"),
+        (lambda m, X, loader: ella(m, loader, 2.5, 1), "n_eigenvalues"),
+        (lambda m, X, loader: ella(m, loader, 10, 3).fit(loader, val_steps=0),
+         "val_steps must be positive"),
+        (lambda m, X, loader: Laplace(m, "regression", "all", "diag",
+                                 functional_approximation="nystrom"),
+         "requires hessian_structure"),
+        (lambda m, X, loader: ella(
+            torch.nn.Linear(1, 1, bias=False).double(),
+            DataLoader(TensorDataset(torch.ones(4, 1).double(), torch.ones(4, 1).double())),
+            2, 2),
+         "insufficient positive rank"),
+    ],
+)  # fmt: skip
+def test_errors_carry_laplace_torchs_wording(call, phrase):
+    # Code written against laplace-torch matches these phrases; ours follow them.
+    model, X, loader = regression_data()
+    with pytest.raises(ValueError, match=phrase):
+        call(model, X, loader)

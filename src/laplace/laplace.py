@@ -151,7 +151,8 @@ def Laplace(
     if approximation != FunctionalApproximation.SOD:
         if structure != H.GP:
             raise ValueError(
-                f"functional_approximation={approximation.value!r} needs hessian_structure='gp'."
+                f"functional_approximation={approximation.value!r} requires "
+                "hessian_structure='gp'."
             )
         if subset != S.ALL:
             raise ValueError(

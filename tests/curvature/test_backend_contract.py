@@ -57,6 +57,25 @@ def test_jacobians_and_gradients_match_oracle(case, row):
 
 
 @pytest.mark.parametrize("row", BACKENDS, ids=ids(BACKENDS))
+def test_selected_output_jacobians_are_rows_of_the_oracle_jacobian(case, row):
+    """Row ``b, k`` is the gradient of output ``outputs[b, k]`` of input ``b``."""
+    oracle = Oracle(case.model, case.likelihood)
+    backend = row.cls(case.model, case.likelihood)
+    J = oracle.jacobian(case.X)  # (B, C, P)
+    B, C = J.shape[:2]
+    one = torch.arange(B) % C
+    Js, f = backend.selected_output_jacobians(case.X, one)
+    assert Js.shape == (B, 1, J.shape[-1])
+    assert_close(Js[:, 0], J[torch.arange(B), one])
+    assert_close(f, case.model(case.X))
+    two = torch.stack([one, (one + 1) % C], dim=1)
+    Js, _ = backend.selected_output_jacobians(case.X, two)
+    assert_close(Js, torch.stack([J[torch.arange(B), two[:, k]] for k in range(2)], dim=1))
+    with pytest.raises(ValueError, match="outputs must have shape"):
+        backend.selected_output_jacobians(case.X, one[:-1])
+
+
+@pytest.mark.parametrize("row", BACKENDS, ids=ids(BACKENDS))
 def test_jacobians_and_gradients_under_no_grad(case, row):
     """Predictives and grid search call the backend inside ``torch.no_grad()``."""
     oracle = Oracle(case.model, case.likelihood)

@@ -192,7 +192,7 @@ class BaseLaplace:
         self._subset.requested_dtype = check_posterior_dtype(dtype)
         self.model = self._subset.model
         self._bind_subset()
-        self.temperature = check_temperature(temperature)
+        self.temperature = temperature
         self.enable_backprop = enable_backprop
         self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
         self.prior_precision = prior_precision
@@ -352,6 +352,15 @@ class BaseLaplace:
     def prior_precision_diag(self) -> Tensor:
         """Prior precision expanded to the diagonal, shape (P,)."""
         return expand_to_diagonal(self.prior_precision, self._subset.prior_sizes)
+
+    @property
+    def temperature(self) -> float | Tensor:
+        """Likelihood temperature T, a positive finite number, checked on every assignment."""
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value: float | Tensor) -> None:
+        self._temperature = check_temperature(value)
 
     @property
     def prior_mean(self) -> Tensor:
@@ -697,8 +706,9 @@ class BaseLaplace:
             mean, current, rtol=0, atol=MEAN_MATCH_ATOL
         ):
             raise ValueError(
-                "the model's weights differ from the posterior mean stored in state_dict; "
-                "load the model's own state_dict (the MAP weights) before the Laplace state."
+                "the model's weights differ from the posterior mean stored in state_dict (a "
+                "state loads into the same pretrained model only); load the model's own "
+                "state_dict (the MAP weights) before the Laplace state."
             )
         fmt.check(self, state_dict)
         self._warn_of_differences(state_dict)

@@ -186,8 +186,9 @@ def as_sigma_noise(value: float | Tensor, likelihood: LikelihoodModel, device, d
         raise ValueError(f"sigma_noise must be positive and finite, got {sigma.tolist()}.")
     if not likelihood.has_noise_hyperparameter and not bool((sigma.detach() == 1).all()):
         raise ValueError(
-            f"sigma_noise must be 1 for likelihood={likelihood.name!r}; the observation noise "
-            "σ is a hyperparameter of likelihood='regression' only."
+            f"sigma_noise must be 1 for likelihood={likelihood.name!r} (sigma_noise != 1 is only "
+            "available for regression): the observation noise σ is a hyperparameter of "
+            "likelihood='regression' only."
         )
     return sigma
 

@@ -53,7 +53,8 @@ def check_dict_inputs(backend_cls: type[CurvatureInterface], x: Any) -> None:
     if isinstance(x, MutableMapping) and not backend_cls.accepts_dict_inputs:
         raise ValueError(
             f"{backend_cls.__name__} cannot take dict-like inputs; use backend=CurvlinopsGGN "
-            "or AsdlGGN (CurvlinopsEF or AsdlEF for the empirical Fisher)."
+            "or AsdlGGN (CurvlinopsEF or AsdlEF for the empirical Fisher), which take "
+            "mapping-style batches."
         )
 
 
@@ -159,6 +160,33 @@ class CurvatureInterface:
         trace = self.trace(x, create_graph=enable_backprop)
         Js = trace.jacobians()
         return (Js, trace.f) if enable_backprop else (Js.detach(), trace.f.detach())
+
+    def selected_output_jacobians(
+        self, x: Inputs, outputs: Tensor, enable_backprop: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """Jacobians of chosen outputs of each input: rows ``J[b, outputs[b, k]]``.
+
+        Args:
+            x: Inputs, shape (B, ...), or a mapping passed whole to the model.
+            outputs: Output indices per input, shape (B,) or (B, K).
+            enable_backprop: Keep ``Js`` and ``f`` differentiable w.r.t. ``x``.
+
+        Returns:
+            ``Js`` of shape (B, K) + (P,) (K = 1 for indices of shape (B,)) and the outputs
+            ``f`` of shape (B, C).
+
+        Raises:
+            ValueError: If ``outputs`` is not (B,) or (B, K) for the batch of ``x``.
+        """
+        Js, f = self.jacobians(x, enable_backprop=enable_backprop)
+        index = outputs.reshape(-1, 1) if outputs.dim() == 1 else outputs
+        if index.dim() != 2 or index.shape[0] != Js.shape[0]:
+            raise ValueError(
+                f"outputs must have shape (B,) or (B, K) with B = {Js.shape[0]} inputs, got "
+                f"{tuple(outputs.shape)}."
+            )
+        index = index.to(device=Js.device, dtype=torch.long)
+        return torch.take_along_dim(Js, index.unsqueeze(-1), dim=1), f
 
     def functorch_jacobians(
         self, x: Inputs, enable_backprop: bool = False

@@ -30,6 +30,23 @@ from laplace.utils.predictive import gaussian_output_samples
 __all__ = ["BaseFunctionalLaplace", "LatentPosterior"]
 
 
+def check_val_steps(val_steps: Any) -> None:
+    """Refuse a ``val_steps`` that is not None or a positive integer (number of batches).
+
+    Raises:
+        ArgumentTypeError: If it is not an integer.
+        ValueError: If it is smaller than 1.
+    """
+    if val_steps is None:
+        return
+    try:
+        check_positive_int(val_steps, "val_steps")
+    except ValueError as error:  # ArgumentTypeError is a ValueError too
+        raise type(error)(
+            f"val_steps must be positive (a number of batches), got {val_steps!r}."
+        ) from None
+
+
 class FunctionalState(StateFormat):
     """The state of a function-space Laplace: the class's named attributes, T checked."""
 
@@ -51,9 +68,14 @@ class HistoryState(FunctionalState):
         return {**super().values(la), "fit_history": history}
 
     def load(self, la: Any, state_dict: dict[str, Any]) -> None:
-        """Assign the named attributes and the fit history."""
+        """Assign the named attributes and the fit history; the model predicts in eval mode.
+
+        A restored estimator predicts at once, as one that was fitted does (``fit`` leaves the
+        model in evaluation mode), so dropout and batch norm behave as in the fitted one.
+        """
         super().load(la, state_dict)
         la.fit_history_ = {k: list(v) for k, v in state_dict["fit_history"].items()}
+        la.model.eval()
 
 
 class LatentPosterior(Protocol):
@@ -96,15 +118,49 @@ class BaseFunctionalLaplace(BaseLaplace):
         doc="Isotropic prior precision ``δ``, shape (1,).",
     )
 
+    _centred_prior: str | None = None  # why the prior mean must stay 0 (ELLA, VaLLA)
+
+    def _set_prior_mean(self, value: float | Tensor) -> None:
+        previous = self.__dict__.get("_prior_mean")
+        BaseLaplace.prior_mean.fset(self, value)  # checks the type and finiteness first
+        if self._centred_prior and bool((self._prior_mean != 0).any()):
+            if previous is not None:
+                self._prior_mean = previous  # a refused value changes nothing
+            raise ValueError(f"{type(self).__name__} needs prior_mean=0 ({self._centred_prior}).")
+
+    prior_mean = property(
+        BaseLaplace.prior_mean.fget,
+        _set_prior_mean,
+        doc="Prior mean; ELLA and VaLLA refuse any value but 0, at construction and later.",
+    )
+
     def functional_variance(self, Js: Tensor) -> Tensor:
-        """Posterior output covariances from Jacobians: (B, C, P) → (B, C, C)."""
-        self._check_fitted("functional_variance")
-        return self._gp.covariance(Js, joint=False)
+        """Posterior output covariances from Jacobians: (B, C, P) → (B, C, C).
+
+        Raises:
+            RuntimeError: Before ``fit``.
+            ValueError: For Jacobians that are not (B, C, P).
+        """
+        return self._gp.covariance(self._checked_jacobians(Js, "functional_variance"), False)
 
     def functional_covariance(self, Js: Tensor) -> Tensor:
-        """Joint posterior covariance from Jacobians: (B, C, P) → (B·C, B·C)."""
-        self._check_fitted("functional_covariance")
-        return self._gp.covariance(Js, joint=True)
+        """Joint posterior covariance from Jacobians: (B, C, P) → (B·C, B·C).
+
+        Raises:
+            RuntimeError: Before ``fit``.
+            ValueError: For Jacobians that are not (B, C, P).
+        """
+        return self._gp.covariance(self._checked_jacobians(Js, "functional_covariance"), True)
+
+    def _checked_jacobians(self, Js: Tensor, what: str) -> Tensor:
+        self._check_fitted(what)
+        if not isinstance(Js, Tensor) or Js.dim() != 3 or Js.shape[-1] != self.n_params:
+            shape = tuple(Js.shape) if isinstance(Js, Tensor) else type(Js).__name__
+            raise ValueError(
+                f"Invalid Jacobians shape for Laplace posterior approx: expected (B, C, "
+                f"{self.n_params}), got {shape}."
+            )
+        return Js
 
     def log_marginal_likelihood(self, *args: Any, **kwargs: Any) -> Tensor:
         """Not defined (as in laplace-torch): tune by the validation NLL (``fit_history_``)."""
@@ -149,7 +205,7 @@ class BaseFunctionalLaplace(BaseLaplace):
             Js, f = self.backend.jacobians(chunk, enable_backprop=enable_backprop)
             yield (Js, f) if enable_backprop else (Js.detach(), f.detach())
 
-    def _validation_nll(self, loader: DataLoader) -> float:
+    def _validation_nll(self, loader: DataLoader) -> Tensor:
         """Mean predictive NLL per data point of ``loader`` (laplace-torch's validation score).
 
         Scored with the likelihood of the fit (pair probabilities for reward modelling): the
@@ -167,7 +223,7 @@ class BaseFunctionalLaplace(BaseLaplace):
                 count += len(y)
         if count == 0:
             raise ValueError("val_loader yielded no batches.")
-        return float(total / count)
+        return torch.as_tensor(total / count, dtype=self._dtype, device=self._device)
 
     def _record_validation(
         self, val_loader: DataLoader | None, val_steps: int | None, step: int, last: bool = False
@@ -181,7 +237,7 @@ class BaseFunctionalLaplace(BaseLaplace):
         on_schedule = bool(val_steps) and step % val_steps == 0
         if on_schedule != last:
             self._fitted = True
-            self.fit_history_["val_nll"].append(self._validation_nll(val_loader))
+            self.fit_history_["val_nll"].append(float(self._validation_nll(val_loader)))
 
     def _checked_inputs(self, x: Inputs, what: str) -> Inputs:
         self._check_fitted(what)
@@ -245,6 +301,16 @@ class BaseFunctionalLaplace(BaseLaplace):
         return self._glm_prediction(
             x, likelihood, joint, diagonal_output, link_approx, n_samples, generator
         )
+
+    def predictive(
+        self,
+        x: Inputs,
+        pred_type: PredType | str = PredType.GP,
+        link_approx: LinkApprox | str = LinkApprox.PROBIT,
+        n_samples: int = 100,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Alias of ``__call__`` with laplace-torch's positional order."""
+        return self(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
 
     def _glm_predictive_distribution(
         self, X: Inputs, joint: bool = False, diagonal_output: bool = False

@@ -21,7 +21,7 @@ from laplace.core.base import BaseLaplace, arguments_for
 from laplace.core.transaction import preserve_model_gradients
 from laplace.core.tuning import grid_candidates, search_grid
 from laplace.curvature import CurvatureInterface
-from laplace.functional.base import BaseFunctionalLaplace, HistoryState
+from laplace.functional.base import BaseFunctionalLaplace, HistoryState, check_val_steps
 from laplace.functional.nystrom import (
     NystromPosterior,
     dataset_labels,
@@ -85,6 +85,7 @@ class ELLA(BaseFunctionalLaplace):
     _state_plain = (*_state_counts, "seed", "temperature")
     _state_tensors = ("dual_directions", "feature_gram", "prior_precision", "sigma_noise")
     _state_format = HistoryState()
+    _centred_prior = "the Nyström prior is centred"
 
     def __init__(
         self,
@@ -104,15 +105,16 @@ class ELLA(BaseFunctionalLaplace):
         seed: int = 1234,
         dtype: torch.dtype | None = None,
     ) -> None:
-        check_positive_int(subsample_size, "subsample_size")
+        try:
+            check_positive_int(subsample_size, "subsample_size")
+        except ValueError as error:  # ArgumentTypeError is a ValueError too
+            raise type(error)(f"{error} ELLA needs 0 < n_eigenvalues <= subsample_size.") from None
         if check_positive_int(n_eigenvalues, "n_eigenvalues") > subsample_size:
             raise ValueError(
                 "ELLA needs n_eigenvalues <= subsample_size, got "
                 f"n_eigenvalues={n_eigenvalues!r}, subsample_size={subsample_size!r}."
             )
         super().__init__(**arguments_for(BaseLaplace.__init__, locals()))
-        if bool((self.prior_mean != 0).any()):
-            raise ValueError("ELLA needs prior_mean=0 (the Nyström prior is centred).")
         self.subsample_size, self.n_eigenvalues, self.seed = subsample_size, n_eigenvalues, seed
         self.dual_directions: Tensor | None = None
         self.feature_gram: Tensor | None = None
@@ -152,8 +154,7 @@ class ELLA(BaseFunctionalLaplace):
             ValueError: For a bad ``val_steps``, a subset larger than the data, a subset kernel
                 of too low rank, or targets of the wrong shape.
         """
-        if val_steps is not None:
-            check_positive_int(val_steps, "val_steps")
+        check_val_steps(val_steps)
         dataset_size(train_loader)
         self.model.eval()
         self._fitted, self.n_data, self.fit_history_ = False, 0, _empty_history()
@@ -265,7 +266,7 @@ class ELLA(BaseFunctionalLaplace):
         def scored(candidate: Any) -> float:
             apply(candidate)
             try:
-                value = self._validation_nll(val_loader)
+                value = float(self._validation_nll(val_loader))
             except (NotPositiveDefiniteError, torch.linalg.LinAlgError):
                 value = math.nan
             prior_precision, sigma_noise = float(self.prior_precision), float(self.sigma_noise)
@@ -279,7 +280,9 @@ class ELLA(BaseFunctionalLaplace):
             self.prior_precision, self.sigma_noise = initial
             if not records:
                 raise ValueError("the hyperparameter grid is empty.")
-            raise ValueError("no candidate of the grid gives a finite validation NLL.")
+            raise ValueError(
+                "No finite validation NLL: no candidate of the grid gives a finite one."
+            )
         apply(best)
         self.fit_history_["tuning"].extend(records)
 

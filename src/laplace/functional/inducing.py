@@ -161,7 +161,9 @@ def inducing_from_data(
     generator = torch.Generator().manual_seed(seed)
     if strategy == "kmeans":
         if isinstance(X, MutableMapping) or not X.is_floating_point():
-            raise ValueError("inducing_locations='kmeans' needs floating-point tensor inputs.")
+            raise ValueError(
+                "inducing_locations='kmeans': kmeans requires floating-point tensor inputs."
+            )
         flat = X.detach().reshape(len(X), -1)
         chosen = torch.cdist(kmeans(flat.cpu(), M, generator).to(flat), flat).argmin(1)
     else:

@@ -112,8 +112,9 @@ def nystrom_basis(
     if bool((values[order] <= tol).any()):
         rank = int((values > tol).sum())
         raise ValueError(
-            f"the subset kernel has numerical rank {rank} < n_eigenvalues="
-            f"{n_eigenvalues}; lower n_eigenvalues, raise subsample_size or change seed."
+            "the subset kernel has insufficient positive rank: numerical rank "
+            f"{rank} < n_eigenvalues={n_eigenvalues}; lower n_eigenvalues, raise "
+            "subsample_size or change seed."
         )
     return rows.T @ (vectors[:, order] / values[order].sqrt())
 

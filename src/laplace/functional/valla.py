@@ -18,7 +18,7 @@ from laplace.core.data_loop import DataLoop, Gather
 from laplace.core.priors import as_scalar_prior_precision
 from laplace.core.transaction import preserve_model_gradients
 from laplace.curvature import CurvatureInterface
-from laplace.functional.base import BaseFunctionalLaplace, HistoryState
+from laplace.functional.base import BaseFunctionalLaplace, HistoryState, check_val_steps
 from laplace.functional.inducing import (
     INDUCING_STATE,
     as_inducing,
@@ -140,6 +140,7 @@ class VaLLA(BaseFunctionalLaplace):
     _state_plain = ("temperature", "alpha", "mc_softmax_samples", "seed", *_state_counts)
     _state_parameters = ("L", "log_prior_precision", "log_noise_variance")
     _state_format = VaLLAState()
+    _centred_prior = "the variational GP prior is centred"
 
     def __init__(
         self,
@@ -165,8 +166,6 @@ class VaLLA(BaseFunctionalLaplace):
         check_alpha(alpha, mc_softmax_samples, make_likelihood(likelihood))
         self.log_noise_variance: nn.Parameter | None = None
         super().__init__(**arguments_for(BaseLaplace.__init__, locals()))
-        if bool((self.prior_mean != 0).any()):
-            raise ValueError("VaLLA needs prior_mean=0.")
         self.seed, self.alpha, self.mc_softmax_samples = seed, alpha, mc_softmax_samples
         self.generator = torch.Generator(device=self._device).manual_seed(seed)
         setup = (inducing_locations, num_inducing, inducing_classes, self._device, self._dtype)
@@ -262,8 +261,8 @@ class VaLLA(BaseFunctionalLaplace):
         """
         check_positive_int(iterations, "iterations")
         check_positive_float(lr, "lr")
-        if val_steps is not None:
-            check_positive_int(val_steps, "val_steps")
+        check_val_steps(val_steps)
+        check_alpha(self.alpha, self.mc_softmax_samples, self._likelihood_model)
         self.model.eval()
         self.n_data = dataset_size(train_loader)
         empty = "train_loader is empty: fit needs at least one data point."
@@ -272,6 +271,12 @@ class VaLLA(BaseFunctionalLaplace):
         if override or not self._fitted:
             self._reset_inducing(train_loader)
         classes = self.inducing_classes
+        n_inducing = batch_size_of(self.inducing_locations, self.dict_key_x)
+        if tuple(classes.shape) != (n_inducing,):
+            raise ValueError(
+                f"inducing_classes must have shape ({n_inducing},) (one class per inducing "
+                f"point), got {tuple(classes.shape)}."
+            )
         if bool((classes >= self.n_outputs).any() | (classes < 0).any()):
             raise ValueError(f"inducing_classes must lie in [0, {self.n_outputs}).")
         variational = (self.L, self.log_prior_precision, self.log_noise_variance)

@@ -49,7 +49,7 @@ def check_alpha(alpha: float, mc_softmax_samples: int, likelihood: LikelihoodMod
     probabilities = likelihood.fit_likelihood.predicts_probabilities
     if probabilities and alpha != 1 and mc_softmax_samples == 0:
         raise ValueError(
-            f"alpha={alpha} with likelihood={likelihood.kind.value!r} needs mc_softmax_samples "
+            f"alpha={alpha} with likelihood={likelihood.kind.value!r} requires mc_softmax_samples "
             "> 0: the probit approximation used otherwise does not depend on alpha."
         )
 
