@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import Oracle, assert_close, freeze_all_but
 from laplace import Laplace
-from laplace.curvature import CurvlinopsGGN, guard
+from laplace.curvature import AsdlGGN, CurvlinopsGGN, guard
 from laplace.curvature.kfac_rules import plan_blocks
 
 pytestmark = pytest.mark.oracle
@@ -251,3 +251,44 @@ def test_convolutions_and_linear_layers_need_no_fallback():
     ).double()
     trace = CurvlinopsGGN(conv3d, "classification").trace(torch.randn(3, 1, 4, 4, 4).double())
     assert trace.layerwise, trace.exact_reasons
+
+
+class _CastOutput(torch.nn.Module):
+    """A float64 network whose logits the model casts down to float32."""
+
+    def __init__(self, cast: bool = True):
+        super().__init__()
+        self.cast = cast
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)
+        ).double()
+
+    def forward(self, x):
+        f = self.body(x)
+        return f.float() if self.cast else f
+
+
+#: The loss Hessian of float32 logits is float32: the curvature carries its round-off.
+RTOL_FLOAT32_LOGITS = 1e-5
+
+
+@pytest.mark.parametrize("structure", ["diag", "full"])
+def test_a_float64_network_with_float32_logits_keeps_its_rules_and_float64(structure):
+    """Used directly (no posterior type set), the engine keeps the output gradients in the
+    layers' float64, the type of their recorded inputs: the rules apply, no parameter falls
+    back, and the curvature is float64, as ASDL's on the same model."""
+    torch.manual_seed(0)
+    model = _CastOutput()
+    X, y = torch.randn(6, 3, dtype=torch.float64), torch.randint(0, 2, (6,))
+    backend = CurvlinopsGGN(model, "classification")
+    _, H = getattr(backend, structure)(X, y)
+    assert not any(v.exact for v in backend.engine.verdicts.values())
+    assert H.dtype == torch.float64
+    reference = _CastOutput(cast=False)
+    reference.load_state_dict(model.state_dict())
+    ggn = Oracle(reference, "classification").ggn(X)
+    expected = ggn.diagonal() if structure == "diag" else ggn
+    assert_close(H, expected, rtol=RTOL_FLOAT32_LOGITS, atol=1e-7)
+    if structure == "diag":  # ASDL is refused where the native rules would not apply
+        _, asdl = AsdlGGN(model, "classification").diag(X, y)
+        assert asdl.dtype == torch.float64

@@ -391,8 +391,13 @@ class OutputGradients:
                 is_grads_batched=batched,
             )
         lead = grad_outputs.shape[:1] if batched else ()
+        # in the type of f or of the output, the wider (float32 for half precision; a float64
+        # layer whose output the model casts down keeps float64, as its recorded inputs)
         found = iter(
-            z.new_zeros(*lead, *z.shape) if g is None else g for z, g in zip(self._outputs, grads)
+            z.new_zeros(*lead, *z.shape, dtype=wide)
+            if g is None
+            else g.to(wide)
+            for z, g in zip(self._outputs, grads)
+            for wide in [torch.promote_types(self.f.dtype, z.dtype)]
         )
-        found = iter(upcast(list(found), self.f.dtype))  # in the type of f (float32 for half)
         return [[next(found) for _ in call.outputs] for call in self.calls]

@@ -332,9 +332,10 @@ def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> Verdict:
     params = list(engine.needed)
     outputs = [z for call in trusted for z in call.outputs]
     both = torch.autograd.grad(f, [*outputs, *params], v, retain_graph=True, allow_unused=True)
-    found_grads = iter(
-        z.new_zeros(z.shape) if g is None else g.to(f.dtype)
+    found_grads = iter(  # in the type the engine gives them (``OutputGradients``)
+        z.new_zeros(z.shape, dtype=wide) if g is None else g.to(wide)
         for z, g in zip(outputs, both, strict=False)
+        for wide in [torch.promote_types(f.dtype, z.dtype)]
     )
     per_call = [[next(found_grads) for _ in call.outputs] for call in trusted]
     autograd = both[len(outputs) :]
