@@ -394,9 +394,7 @@ class OutputGradients:
         # in the type of f or of the output, the wider (float32 for half precision; a float64
         # layer whose output the model casts down keeps float64, as its recorded inputs)
         found = iter(
-            z.new_zeros(*lead, *z.shape, dtype=wide)
-            if g is None
-            else g.to(wide)
+            z.new_zeros(*lead, *z.shape, dtype=wide) if g is None else g.to(wide)
             for z, g in zip(self._outputs, grads)
             for wide in [torch.promote_types(self.f.dtype, z.dtype)]
         )
