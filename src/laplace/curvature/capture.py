@@ -323,6 +323,15 @@ def record_forward(
     return f, calls
 
 
+def gradient_type(f: Tensor, z: Tensor) -> torch.dtype:
+    """The type of the gradients w.r.t. a recorded output ``z``: the wider of ``f``'s and ``z``'s.
+
+    Half-precision layers get float32 (the type of ``f`` after ``upcast``); a float64 layer
+    whose output the model casts down keeps float64, the type of its recorded inputs.
+    """
+    return torch.promote_types(f.dtype, z.dtype)
+
+
 class OutputGradients:
     """Gradients of output columns w.r.t. all recorded layer outputs.
 
@@ -391,11 +400,10 @@ class OutputGradients:
                 is_grads_batched=batched,
             )
         lead = grad_outputs.shape[:1] if batched else ()
-        # in the type of f or of the output, the wider (float32 for half precision; a float64
-        # layer whose output the model casts down keeps float64, as its recorded inputs)
         found = iter(
-            z.new_zeros(*lead, *z.shape, dtype=wide) if g is None else g.to(wide)
+            z.new_zeros(*lead, *z.shape, dtype=gradient_type(self.f, z))
+            if g is None
+            else g.to(gradient_type(self.f, z))
             for z, g in zip(self._outputs, grads)
-            for wide in [torch.promote_types(self.f.dtype, z.dtype)]
         )
         return [[next(found) for _ in call.outputs] for call in self.calls]

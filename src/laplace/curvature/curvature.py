@@ -166,6 +166,9 @@ class CurvatureInterface:
     ) -> tuple[Tensor, Tensor]:
         """Jacobians of chosen outputs of each input: rows ``J[b, outputs[b, k]]``.
 
+        One per-sample product per chosen output (``PerSampleTrace.per_sample_columns``), never
+        the C rows of the full Jacobian; for every backend, from the native engine.
+
         Args:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             outputs: Output indices per input, shape (B,) or (B, K).
@@ -178,15 +181,23 @@ class CurvatureInterface:
         Raises:
             ValueError: If ``outputs`` is not (B,) or (B, K) for the batch of ``x``.
         """
-        Js, f = self.jacobians(x, enable_backprop=enable_backprop)
         index = outputs.reshape(-1, 1) if outputs.dim() == 1 else outputs
-        if index.dim() != 2 or index.shape[0] != Js.shape[0]:
+        if index.dim() != 2:
             raise ValueError(
-                f"outputs must have shape (B,) or (B, K) with B = {Js.shape[0]} inputs, got "
+                f"outputs must have shape (B,) or (B, K), got {tuple(outputs.shape)}."
+            )
+        trace = self.trace(x, create_graph=enable_backprop)
+        f = trace.f.reshape(len(trace.f), -1)
+        if index.shape[0] != f.shape[0]:
+            raise ValueError(
+                f"outputs must have shape (B,) or (B, K) with B = {f.shape[0]} inputs, got "
                 f"{tuple(outputs.shape)}."
             )
-        index = index.to(device=Js.device, dtype=torch.long)
-        return torch.take_along_dim(Js, index.unsqueeze(-1), dim=1), f
+        # one column per selected output: K products, never the C rows of the full Jacobian
+        index = index.to(device=f.device, dtype=torch.long).T.unsqueeze(-1)  # (K, B, 1)
+        columns = f.new_zeros(index.shape[0], *f.shape).scatter_(2, index, 1.0)
+        Js = trace.per_sample_columns(columns.reshape(-1, *trace.f.shape), dim=1)
+        return (Js, trace.f) if enable_backprop else (Js.detach(), trace.f.detach())
 
     def functorch_jacobians(
         self, x: Inputs, enable_backprop: bool = False

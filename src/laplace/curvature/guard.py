@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from laplace.curvature.capture import gradient_type
 from laplace.curvature.kfac_rules import module_name
 from laplace.curvature.layer_rules import (
     ModuleCall,
@@ -332,10 +333,9 @@ def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> Verdict:
     params = list(engine.needed)
     outputs = [z for call in trusted for z in call.outputs]
     both = torch.autograd.grad(f, [*outputs, *params], v, retain_graph=True, allow_unused=True)
-    found_grads = iter(  # in the type the engine gives them (``OutputGradients``)
-        z.new_zeros(z.shape, dtype=wide) if g is None else g.to(wide)
+    found_grads = iter(
+        z.new_zeros(z.shape, dtype=gradient_type(f, z)) if g is None else g.to(gradient_type(f, z))
         for z, g in zip(outputs, both, strict=False)
-        for wide in [torch.promote_types(f.dtype, z.dtype)]
     )
     per_call = [[next(found_grads) for _ in call.outputs] for call in trusted]
     autograd = both[len(outputs) :]
