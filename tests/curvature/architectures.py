@@ -163,6 +163,36 @@ class BatchedPositionTable(PositionTable):
         return self.head(torch.tanh(self.wte(tokens) + self.wpe(positions)).mean(1))
 
 
+class TableRowRead(nn.Module):
+    """Tokens (B, T) → Embedding → tanh → mean → Linear, plus the table's row 0 read directly
+    as a bias of the lookups (a use no lookup shows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.head = nn.Linear(WIDTH, N_CLASSES)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.wte(tokens) + self.wte.weight[0]).mean(1))
+
+
+class SharedTables(nn.Module):
+    """Two ``nn.Embedding`` modules holding one weight (tied encoder and decoder tables), each
+    looking up its own tokens, the second's output scaled in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Embedding(VOCAB, WIDTH)
+        self.decoder = nn.Embedding(VOCAB, WIDTH)
+        self.decoder.weight = self.encoder.weight
+        self.head = nn.Linear(WIDTH, N_CLASSES)
+
+    def forward(self, tokens):
+        decoded = self.decoder(tokens.flip(1))
+        decoded.mul_(0.5)
+        return self.head(torch.tanh(self.encoder(tokens) * decoded).mean(1))
+
+
 def _tokens(n: int, seq: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n, seq), generator=generator)
 
@@ -201,6 +231,8 @@ PATTERNS = {
     "adapter": (Adapter, lambda n, g: torch.randn(n, 3, generator=g)),
     "position-table-T-equals-B": (PositionTable, lambda n, g: _tokens(n, n, g)),
     "position-table-T-not-B": (PositionTable, lambda n, g: _tokens(n, 3, g)),
+    "table-row-read": (TableRowRead, lambda n, g: _tokens(n, 3, g)),
+    "shared-tables": (SharedTables, lambda n, g: _tokens(n, 3, g)),
 }
 
 

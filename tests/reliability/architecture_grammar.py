@@ -85,6 +85,9 @@ class Blueprint:
         readout: ``"mean"``, ``"first"`` or ``"last"`` position of a sequence.
         head: ``"linear"``, ``"shared"`` (``head.weight = wte.weight``) or ``"bare"``
             (``h @ wte.weight.T``); tied heads have one output per token of the vocabulary.
+        table: How else token inputs use the table: ``None``, ``"row"`` (its row 0 added
+            to every lookup, read off the weight) or ``"twin"`` (a second ``nn.Embedding``
+            holding the same weight looks up the reversed tokens).
         n_out: Outputs of a linear head.
         vocab: Vocabulary size of token inputs.
         dict_inputs: Whether a Hugging Face model takes its tokens in a dict.
@@ -101,6 +104,7 @@ class Blueprint:
     blocks: tuple[Block, ...] = ()
     readout: str = "mean"
     head: str = "linear"
+    table: str | None = None
     n_out: int = 2
     vocab: int = 5
     dict_inputs: bool = False
@@ -285,6 +289,9 @@ class Composed(nn.Module):
         D = blueprint.width
         if blueprint.takes_tokens:
             self.wte = nn.Embedding(blueprint.vocab, D)
+            if blueprint.table == "twin":
+                self.twin = nn.Embedding(blueprint.vocab, D)
+                self.twin.weight = self.wte.weight
         else:
             self.inp = nn.Linear(n_features, D)
         if blueprint.positions is not None:
@@ -300,6 +307,10 @@ class Composed(nn.Module):
         blueprint = self.blueprint
         x = inputs["input_ids"] if isinstance(inputs, dict) else inputs
         h = self.wte(x) if blueprint.takes_tokens else self.inp(x)
+        if blueprint.table == "row":
+            h = h + self.wte.weight[0]
+        elif blueprint.table == "twin":
+            h = h * self.twin(x.flip(1))
         if blueprint.positions is not None:
             positions = torch.arange(x.shape[1], device=x.device)
             if blueprint.positions == "broadcast":
@@ -499,6 +510,7 @@ def blueprints(draw, hugging_face: bool = True) -> Blueprint:
         blocks=tuple(body),
         readout=draw(st.sampled_from(["mean", "first", "last"])),
         head=draw(st.sampled_from(["linear", "shared", "bare"] if tokens else ["linear"])),
+        table=draw(st.sampled_from([None, None, "row", "twin"])) if tokens else None,
         **common,
     )
     while len(blueprint.blocks) > 1 and n_parameters(blueprint) > MAX_PARAMETERS:

@@ -16,7 +16,8 @@ data point. Two things can make that view wrong without any error:
 (``signature``): for a random output column ``v`` the gradient the rules reconstruct from the
 recorded calls, ``Σₙ Σ_calls rule(call, ∂(vᵀf)/∂z)``, must equal autograd's gradient of
 ``vᵀ f`` for every parameter (a use the engine did not see, or a rule that fails, shows up
-here); and every row of every recorded output must depend on one data point only (its own,
+here; a table used only by recorded lookups is compared on the rows they look up); and every
+row of every recorded output must depend on one data point only (its own,
 where the output has the batch's rows): scaling data point n's outputs by ``sₙ`` must scale
 the row's gradient by ``sₙ``. A parameter that fails is listed in the ``Verdict``
 with the reason; the trace then takes it through autograd, one backward pass per data point
@@ -25,7 +26,7 @@ with the reason; the trace then takes it through autograd, one backward pass per
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +39,6 @@ from laplace.curvature.layer_rules import (
     _conv_patches,
     call_rows,
     per_sample_grads,
-    without_batching_notes,
 )
 
 __all__ = [
@@ -141,19 +141,11 @@ def _mixed_rows(f: Tensor, calls: Sequence[ModuleCall], generator: torch.Generat
     scales = (1 + torch.rand(batch, generator=generator, dtype=torch.float64)).to(f)
     cotangents = torch.stack([v, v * scales.reshape(-1, *[1] * (f.dim() - 1))])
     outputs = [z for call in calls for z in call.outputs]
-    try:
-        with without_batching_notes():
-            grads = torch.autograd.grad(
-                f, outputs, cotangents, retain_graph=True, allow_unused=True, is_grads_batched=True
-            )
-    except RuntimeError:  # an operation without a batching rule: one backward per column
-        per_column = [
-            torch.autograd.grad(f, outputs, c, retain_graph=True, allow_unused=True)
-            for c in cotangents
-        ]
-        grads = tuple(
-            None if gs[0] is None else torch.stack(gs) for gs in zip(*per_column, strict=True)
-        )
+    per_column = [
+        torch.autograd.grad(f, outputs, c, retain_graph=True, allow_unused=True)
+        for c in cotangents
+    ]
+    grads = [None if gs[0] is None else torch.stack(gs) for gs in zip(*per_column, strict=True)]
     tolerance = SCALE_TOLERANCE.get(f.dtype, 1e-3)
     mixed, position = set(), 0
     for index, call in enumerate(calls):
@@ -228,18 +220,59 @@ def _conv_sums(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, tuple[Ten
     return out
 
 
-def _embedding_sums(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
-    """``nn.Embedding``'s summed gradient and magnitude, never a (B, V, D) per-sample tensor.
+@dataclass(frozen=True)
+class RowSums:
+    """A table's summed gradient and magnitude on the rows a pass looked up (zero elsewhere).
 
-    Each position's gradient is added to its row, once signed and once in absolute value.
+    The guard's check of a table costs the rows looked up, not the table: a 32,000-token
+    vocabulary is compared on the few hundred rows a batch uses, and everywhere else autograd's
+    gradient is only bounded by its largest entry per row.
+
+    Attributes:
+        rows: The looked-up rows, sorted and distinct (R,).
+        total: Their summed gradient (R, D).
+        magnitude: Their summed magnitude (R, D).
+    """
+
+    rows: Tensor
+    total: Tensor
+    magnitude: Tensor
+
+    def merged(self, other: RowSums) -> RowSums:
+        """The sums of two sets of calls of tables holding the same parameter."""
+        rows, where = torch.cat([self.rows, other.rows]).unique(return_inverse=True)
+        width = (len(rows), *self.total.shape[1:])
+        total = self.total.new_zeros(width).index_add_(
+            0, where, torch.cat([self.total, other.total])
+        )
+        magnitude = self.magnitude.new_zeros(width).index_add_(
+            0, where, torch.cat([self.magnitude, other.magnitude])
+        )
+        return RowSums(rows, total, magnitude)
+
+    def dense(self, shape: torch.Size) -> tuple[Tensor, Tensor]:
+        """The sums as full tensors of the parameter's ``shape``."""
+        zeros = self.total.new_zeros(shape)
+        return (
+            zeros.index_add(0, self.rows, self.total),
+            zeros.index_add(0, self.rows, self.magnitude),
+        )
+
+
+def _embedding_sums(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, RowSums]:
+    """``nn.Embedding``'s summed gradient and magnitude on the rows the call looks up.
+
+    Each position's gradient is added to its row, once signed and once in absolute value;
+    never a (B, V, D) per-sample tensor, nor a (V, D) one.
     """
     m, g = call.module, grads[0].reshape(-1, call.module.embedding_dim)
-    tokens = call.args[0].reshape(-1)
-    total = g.new_zeros(m.num_embeddings, m.embedding_dim).index_add_(0, tokens, g)
-    size = g.new_zeros(m.num_embeddings, m.embedding_dim).index_add_(0, tokens, g.abs())
+    rows, where = call.args[0].reshape(-1).unique(return_inverse=True)
+    total = g.new_zeros(len(rows), m.embedding_dim).index_add_(0, where, g)
+    magnitude = g.new_zeros(len(rows), m.embedding_dim).index_add_(0, where, g.abs())
     if m.padding_idx is not None:
-        total[m.padding_idx], size[m.padding_idx] = 0, 0
-    return {"weight": (total, size)}
+        padding = rows == m.padding_idx
+        total[padding], magnitude[padding] = 0, 0
+    return {"weight": RowSums(rows, total, magnitude)}
 
 
 #: Summed gradients and magnitudes of a call without per-sample gradients, by exact type.
@@ -252,20 +285,21 @@ SUMMED_RULES = {
 }
 
 
-def _call_sums(
-    call: ModuleCall, grads: Sequence[Tensor], size: int
-) -> Iterator[tuple[str, Tensor, Tensor]]:
+#: A parameter's reconstructed gradient and magnitude: full tensors, or on some rows only.
+Sums = tuple[Tensor, Tensor] | RowSums
+
+
+def _call_sums(call: ModuleCall, grads: Sequence[Tensor], size: int) -> Iterator[tuple[str, Sums]]:
     """Per parameter of a call, its summed gradient and summed magnitude (parts of them)."""
     rule = SUMMED_RULES.get(type(call.module))
     if isinstance(call.module, nn.Embedding) and call.module.scale_grad_by_freq:
         rule = None  # the gradient depends on the call's token counts: the per-sample rule
     if rule is not None:
-        for name, (total, magnitude) in rule(call, grads).items():
-            yield name, total, magnitude
+        yield from rule(call, grads).items()
         return
     for piece, piece_grads in _row_chunks(call, grads, size):
         for name, u in per_sample_grads(piece, piece_grads).items():
-            yield name, u.sum(0), u.abs().sum(0)
+            yield name, (u.sum(0), u.abs().sum(0))
 
 
 def _reconstruction(
@@ -274,22 +308,26 @@ def _reconstruction(
     calls: Sequence[ModuleCall],
     per_call: Sequence[Sequence[Tensor]],
     exact: dict[int, str],
-) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+) -> dict[int, Sums]:
     """Per slot, the summed gradient of ``vᵀ f`` the rules give and its summed magnitude.
 
     ``per_call`` holds, per call, the gradients of ``vᵀ f`` w.r.t. its outputs. A call whose
     rule cannot run (an error other than a rule's refusal, ``ValueError``) leaves
     its slots to ``exact`` with the error as the reason.
     """
-    found: dict[int, Tensor] = {}
-    magnitude: dict[int, Tensor] = {}
+    found: dict[int, Sums] = {}
     for call, grads in zip(calls, per_call, strict=True):
         slots = {name: engine.slot[call.module, name] for name in call.names}
         size = sum(engine.needed[slot].numel() for slot in slots.values())
         try:
-            for name, total, size_of in _call_sums(call, grads, size):
-                _add(found, slots[name], total.detach().to(f.dtype))
-                _add(magnitude, slots[name], size_of.detach().to(f.dtype))
+            for name, sums in _call_sums(call, grads, size):
+                slot = slots[name]
+                sums = _detached(sums, f.dtype)
+                found[slot] = (
+                    sums
+                    if slot not in found
+                    else _added(found[slot], sums, engine.needed[slot].shape)
+                )
         except ValueError as error:  # a rule's refusal (BatchNorm in training mode): name it
             raise ValueError(
                 f"module {module_name(engine.model, call.module)!r}: {error}"
@@ -297,11 +335,101 @@ def _reconstruction(
         except Exception as error:  # a rule that cannot run on this call: not trusted
             for slot in slots.values():
                 exact.setdefault(slot, f"its {type(call.module).__name__} rule failed ({error})")
-    return found, magnitude
+    return found
 
 
-def _add(sums: dict[int, Tensor], key: int, value: Tensor) -> None:
-    sums[key] = sums[key] + value if key in sums else value
+def _detached(sums: Sums, dtype: torch.dtype) -> Sums:
+    """The sums, off the graph, in ``dtype``."""
+    if isinstance(sums, RowSums):
+        return RowSums(sums.rows, sums.total.detach().to(dtype), sums.magnitude.detach().to(dtype))
+    return tuple(part.detach().to(dtype) for part in sums)
+
+
+def _added(first: Sums, second: Sums, shape: torch.Size) -> Sums:
+    """The sums of two calls' contributions to one parameter of ``shape``."""
+    if isinstance(first, RowSums) and isinstance(second, RowSums):
+        return first.merged(second)
+    first, second = (s.dense(shape) if isinstance(s, RowSums) else s for s in (first, second))
+    return first[0] + second[0], first[1] + second[1]
+
+
+def _checked(sums: Sums | None, g: Tensor) -> tuple[float, Callable[[float, float], bool]]:
+    """The largest entry of a parameter's size ``Σₙ |gₙ| + |g|`` and its deviation test.
+
+    Args:
+        sums: The reconstructed gradient and magnitude (None: no call of the parameter seen).
+        g: Autograd's gradient.
+
+    Returns:
+        The largest size, and a test ``deviates(tolerance, floor)``: whether some entry of
+        the reconstruction differs from ``g`` by more than ``tolerance · (size + floor)``.
+    """
+    if sums is None:  # a table's unseen rows cost one pass; other shapes their zeros
+        empty = g.new_zeros(0, dtype=torch.long)
+        sums = RowSums(empty, g[:0], g[:0]) if g.dim() else (torch.zeros_like(g),) * 2
+    if isinstance(sums, RowSums):
+        # off the looked-up rows the reconstruction is zero, and an entry deviates iff |g| does:
+        # a row's largest |g| decides
+        flat = g.reshape(len(g), -1) if g.dim() else g.reshape(1, 1)
+        largest = torch.maximum(flat.amax(1), -flat.amin(1)) if flat.numel() else flat.sum(1)
+        seen = g[sums.rows]
+        size = sums.magnitude + seen.abs()
+        top = max(
+            float(largest.max()) if largest.numel() else 0.0,
+            float(size.max()) if size.numel() else 0.0,
+        )
+
+        def deviates(tolerance: float, floor: float) -> bool:
+            rest = largest.index_fill(0, sums.rows, 0)
+            return bool(((sums.total - seen).abs() > tolerance * (size + floor)).any()) or bool(
+                (rest > tolerance * (rest + floor)).any()
+            )
+
+        return top, deviates
+    total, magnitude = sums
+    size = magnitude + g.abs()
+
+    def deviates(tolerance: float, floor: float) -> bool:
+        return bool(((total - g).abs() > tolerance * (size + floor)).any())
+
+    return float(size.max()) if size.numel() else 0.0, deviates
+
+
+def _looked_up_only(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> set[int]:
+    """Slots of tables the graph of ``f`` uses only through the recorded calls' lookups.
+
+    A table's gradient reaches it through the nodes of autograd's graph that consume it. When
+    these are exactly the lookups of recorded ``nn.Embedding`` calls (their outputs' nodes, the
+    outputs not changed in place since), the rule's row sums are its gradient by construction,
+    and the check skips forming autograd's (V, D) gradient of the table. Any other consumer (a
+    head tied as ``h @ wte.weight.T``, a row read directly) leaves the slot to the numeric check.
+    """
+    lookups: dict[int, set | None] = {}
+    for call in calls:
+        for name in call.names:
+            slot = engine.slot[call.module, name]
+            node = call.outputs[0].grad_fn if call.outputs else None
+            if type(call.module) is not nn.Embedding or call.module.scale_grad_by_freq:
+                lookups[slot] = None  # another kind of call: the numeric check
+            elif lookups.get(slot, set()) is not None and node is not None:
+                lookups.setdefault(slot, set()).add(node)
+    tables = {id(engine.needed[slot]): slot for slot, nodes in lookups.items() if nodes}
+    if not tables or f.grad_fn is None:
+        return set()
+    consumers: dict[int, set] = {slot: set() for slot in tables.values()}
+    stack, seen = [f.grad_fn], {f.grad_fn}
+    while stack:
+        node = stack.pop()
+        for following, _ in node.next_functions:
+            if following is None or following in seen:
+                continue
+            variable = getattr(following, "variable", None)
+            if variable is not None and id(variable) in tables:
+                consumers[tables[id(variable)]].add(node)
+                continue
+            seen.add(following)
+            stack.append(following)
+    return {slot for slot, nodes in consumers.items() if nodes and nodes <= lookups[slot]}
 
 
 def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> Verdict:
@@ -329,34 +457,43 @@ def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> Verdict:
                 "row per data point",
             )
     trusted = [call for index, call in enumerate(calls) if index not in mixed]
+    tables = _looked_up_only(engine, f, trusted)
     v = torch.randn(f.shape, generator=generator).to(f)
     params = list(engine.needed)
+    asked = [slot for slot in range(len(params)) if slot not in tables]
     outputs = [z for call in trusted for z in call.outputs]
-    both = torch.autograd.grad(f, [*outputs, *params], v, retain_graph=True, allow_unused=True)
+    both = torch.autograd.grad(
+        f, [*outputs, *(params[slot] for slot in asked)], v, retain_graph=True, allow_unused=True
+    )
     found_grads = iter(
         z.new_zeros(z.shape, dtype=gradient_type(f, z)) if g is None else g.to(gradient_type(f, z))
         for z, g in zip(outputs, both, strict=False)
     )
     per_call = [[next(found_grads) for _ in call.outputs] for call in trusted]
-    autograd = both[len(outputs) :]
-    found, magnitude = _reconstruction(engine, f, trusted, per_call, exact)
+    autograd = dict(zip(asked, both[len(outputs) :], strict=True))
+    found = _reconstruction(engine, f, trusted, per_call, exact)
     for call in calls:  # the pass is recorded as any other (what rules keep is re-made)
         call.cache.clear()
     eps = max(torch.finfo(f.dtype).eps, *(torch.finfo(p.dtype).eps for p in params))
-    grads = [
-        torch.zeros(p.shape, dtype=f.dtype, device=f.device) if g is None else g.to(f.dtype)
-        for p, g in zip(params, autograd, strict=True)
+    checks = {
+        slot: _checked(
+            found.get(slot),
+            torch.zeros(p.shape, dtype=f.dtype, device=f.device) if g is None else g.to(f.dtype),
+        )
+        for slot, p, g in ((slot, params[slot], autograd[slot]) for slot in asked)
+    }
+    # a table's gradient is its row sums (``_looked_up_only``): its largest size ≤ 2 · magnitude
+    tops = [top for top, _ in checks.values()]
+    tops += [
+        2 * float(found[slot].magnitude.max())
+        for slot in tables
+        if slot in found and found[slot].magnitude.numel()
     ]
-    sizes = [magnitude.get(slot, 0) + g.abs() for slot, g in enumerate(grads)]
     # a gradient that cancels to round-off (a key bias under softmax) is judged against the
     # largest entry of the whole gradient
-    floor = max((float(size.max()) for size in sizes if size.numel()), default=0.0)
-    for slot, (g, size) in enumerate(zip(grads, sizes, strict=True)):
-        if slot in exact:
-            continue
-        mine = found.get(slot, torch.zeros_like(g))
-        bound = ROUNDOFF_FACTOR * eps * (size + floor)
-        if bool(((mine - g).abs() > bound).any()):
+    floor = max(tops, default=0.0)
+    for slot, (_, deviates) in checks.items():
+        if slot not in exact and deviates(ROUNDOFF_FACTOR * eps, floor):
             seen = (
                 "no call of its module is recorded"
                 if slot not in found
