@@ -65,7 +65,7 @@ def _slots(model):
 
 
 #: Kronecker-factored weights used outside their module's calls: refused by name.
-KRON_REFUSED = {"tied-head": "'wte'", "adapter": "'base'"}
+KRON_REFUSED = {"tied-head": "'wte'", "adapter": "'base'", "table-row-read": "'wte'"}
 
 #: The patterns the engine reads whole (per-layer rules, no autograd fallback): attention by
 #: its own rule, position tables lifted, sequence-first layers read batch-first.
@@ -159,6 +159,34 @@ def test_a_model_the_engine_sees_whole_has_an_empty_verdict():
     assert [v.exact for v in backend.engine.verdicts.values()] == [{}]
 
 
+#: Per pattern, the tables the guard proves are used only by lookups (it then never forms
+#: their (V, D) gradient); a table read or multiplied outside its lookups is not among them,
+#: nor a batch-less table (its lifted lookup is not the call autograd records).
+LOOKED_UP_ONLY = {
+    "position-table-T-not-B": {"wte.weight"},
+    "tied-head": set(),
+    "table-row-read": set(),
+    "shared-tables": {"encoder.weight"},
+}
+
+
+@pytest.mark.parametrize("name", list(LOOKED_UP_ONLY))
+def test_tables_used_only_by_lookups_are_checked_on_their_looked_up_rows(name, monkeypatch):
+    proven = []
+    looked_up_only = guard._looked_up_only
+
+    def spy(*args):
+        proven.append(looked_up_only(*args))
+        return proven[-1]
+
+    monkeypatch.setattr(guard, "_looked_up_only", spy)
+    model, X, _ = build(name)
+    backend = CurvlinopsGGN(model, "classification")
+    backend.trace(X)
+    names = [name for name, _, _ in _slots(model)]
+    assert {names[slot] for slot in proven[0]} == LOOKED_UP_ONLY[name]
+
+
 #: The models a library reading curvature off module calls would get wrong (ASDL's diagonal
 #: was off by 3e-2 to 5e-1 on them, silently).
 MISREAD_BY_LIBRARIES = [
@@ -177,6 +205,40 @@ def test_third_party_backends_refuse_what_they_would_misread(name, backend):
     model, X, y = build(name)
     with pytest.raises(ValueError, match=r"would read this model's curvature wrong.*Curvlinops"):
         getattr(curvature, backend)(model, "classification").diag(X, y)
+
+
+class SequenceModel(torch.nn.Module):
+    """Inputs (B, T, 3) → Linear → LayerNorm → tanh → mean over positions → Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(3, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(self.inp(x))).mean(1))
+
+
+@pytest.mark.parametrize("structure", ["diag", "full"])
+@pytest.mark.parametrize("backend", ["AsdlGGN", "AsdlEF"])
+def test_asdl_refuses_a_fisher_over_positions_and_keeps_what_it_reads_exactly(structure, backend):
+    """ASDL's diag and full Fisher square each position's gradient (diag off by 0.1 here)."""
+    from laplace import curvature
+
+    torch.manual_seed(0)
+    model = SequenceModel().double().eval()
+    X, y = torch.randn(4, 2, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    la = Laplace(model, "classification", "all", structure, backend=getattr(curvature, backend))
+    with pytest.raises(ValueError, match=r"module 'inp' \(Linear\) takes inputs of shape"):
+        la.fit(loader(X, y))
+    asdl = AsdlGGN(model, "classification")
+    assert_close(
+        asdl.gradients(X, y)[0], CurvlinopsGGN(model, "classification").gradients(X, y)[0]
+    )
+    model.norm.requires_grad_(False)  # ASDL factors Linear layers only
+    la = Laplace(model, "classification", "all", "kron", backend=AsdlGGN)
+    la.fit(loader(X, y))  # its factors sum the positions
 
 
 def test_the_gradient_check_in_row_chunks_gives_the_same_verdicts(monkeypatch):

@@ -3,7 +3,8 @@
 Hypothesis composes tiny float64 models (``architecture_grammar``): modules called twice,
 weights tied through a shared module or used as a bare tensor, raw parameters in custom
 modules, adapters calling ``F.linear`` on a base layer's weight, position tables broadcast or
-looked up without a batch dimension (with T equal to the batch size or not), attention and
+looked up without a batch dimension (with T equal to the batch size or not), a table's row
+read off its weight or its weight held by a second table, attention and
 encoder layers in either layout with masks, activation checkpointing, in-place ops, norms in
 eval mode, dict inputs and tiny Hugging Face GPT-2, BERT and Llama. On each, the native engine
 must give the exact GGN (``conftest.Oracle``) in diag, full, the GLM variances, low rank and
@@ -142,7 +143,22 @@ def test_glm_variances_of_full_are_j_inverse_precision_jt(blueprint: Blueprint):
     assert_equals_oracle(example, variances, expected, rtol=RTOL_VARIANCE)
 
 
+#: A sequence-first encoder layer on batches of one point: its outputs (T, 1, D) have T rows
+#: for one data point (a folded batch), whose norm layers' exact blocks took the positions as
+#: data points (a Gram of rows instead of one of their sums) before they came from autograd.
+FOLDED_BATCH = Blueprint(
+    "sequence",
+    "regression",
+    width=3,
+    seq_len=4,
+    n_points=2,
+    batch_size=1,
+    blocks=(Block("encoder-layer", batch_first=False),),
+)
+
+
 @examples("kron")
+@pinned(FOLDED_BATCH)
 @given(blueprints())
 def test_kron_blocks_are_exact_or_refused(blueprint: Blueprint):
     """Every curved parameter has a nonzero block and its planned exact blocks equal the
@@ -224,8 +240,9 @@ def test_last_layer_equals_the_dense_ggn_of_the_head(blueprint: Blueprint):
 
 
 #: Models on which ASDL's diag GGN was wrong without an error, before the third-party backends
-#: asked the native guard: a Linear called twice, and a Hugging Face BERT (its position table,
-#: looked up (1, T) and broadcast over the batch). Both are refused now.
+#: asked the native guard: a Linear called twice, a Hugging Face BERT (its position table,
+#: looked up (1, T) and broadcast over the batch), and Linear and LayerNorm layers on a
+#: sequence (B, T, D), whose positions ASDL's diagonal takes as data points. All are refused.
 MISREAD_BY_ASDL = [
     Blueprint(
         "vector",
@@ -237,12 +254,24 @@ MISREAD_BY_ASDL = [
         blocks=(Block("reuse"),),
     ),
     Blueprint("hf-bert", "classification", width=4, seq_len=3, n_points=3, batch_size=3),
+    Blueprint(
+        "sequence",
+        "classification",
+        width=3,
+        seq_len=2,
+        n_points=3,
+        batch_size=2,
+        blocks=(Block("norm"),),
+        n_out=3,
+        seed=55,
+    ),
 ]
 
 
 @examples("third_party")
 @pinned(MISREAD_BY_ASDL[0])
 @pinned(MISREAD_BY_ASDL[1])
+@pinned(MISREAD_BY_ASDL[2])
 @given(blueprints())
 def test_third_party_diag_agrees_or_raises(blueprint: Blueprint):
     """ASDL and BackPACK diag: the GGN diagonal, or an error with a message."""

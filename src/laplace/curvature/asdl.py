@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
+from laplace.curvature.layer_rules import ModuleCall
 from laplace.curvature.registry import check_library
 from laplace.curvature.third_party import (
     KroneckerLayersOnly,
@@ -247,7 +248,8 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         Returns:
             The summed library loss and the curvature.
         """
-        check_attribution(self, x)
+        per_sample = self.fisher_type is not None and shape != SHAPE_KRON
+        check_attribution(self, x, positions_as_points if per_sample else None)
         target = target_call(self.model, x, self.last_layer)
         with isolated(target.module), _quiet():
             maker, attr, scale = self._maker(target.module, shape, options)
@@ -289,6 +291,35 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         """
         self.kron_shapes()  # refuses a subnetwork and layers ASDL cannot factor
         return self._curvature(x, y, SHAPE_KRON, N, **kwargs)
+
+
+def positions_as_points(call: ModuleCall) -> str | None:
+    """Why ASDL's Fisher misreads a call whose inputs have positions, or None.
+
+    ASDL's diagonal and full Fisher (exact, Monte-Carlo, empirical) take every row of a Linear,
+    LayerNorm or Embedding input as a data point of its own, so a sequence's positions each
+    get a per-sample gradient, squared apart instead of summed first: silently wrong for
+    any input with positions (its Kronecker factors sum positions as KFAC's expand does, and
+    its per-sample gradients, Jacobians and Hessian are exact).
+    """
+    m, a = call.module, call.args[0] if call.args else None
+    if not isinstance(a, Tensor):
+        return None
+    if isinstance(m, nn.Linear):
+        points = 2
+    elif isinstance(m, nn.Embedding):
+        points = 1
+    elif isinstance(m, nn.LayerNorm):
+        points = 1 + len(m.normalized_shape)
+    else:
+        return None
+    if a.dim() <= points:
+        return None
+    return (
+        f"takes inputs of shape {tuple(a.shape)}, whose positions ASDL's diagonal and full "
+        "Fisher take as data points of their own (hessian_structure='kron' with ASDL sums "
+        "them)"
+    )
 
 
 class AsdlGGN(AsdlInterface, GGNInterface):

@@ -167,21 +167,36 @@ def _rules_by_module(plan: list[Block], kinds: tuple[str, ...]) -> dict[nn.Modul
 
 
 class _ExactBlocks:
-    """Sums of the exact blocks (dense or diagonal) from per-sample gradients, by slot."""
+    """Sums of the exact blocks (dense or diagonal) from per-sample gradients, by slot.
+
+    A parameter's per-sample gradients come from its layers' rules where every call has one
+    row per data point; where a call has more rows than the batch (a folded batch, whose rows
+    a Kronecker block takes as positions) or the guard does not trust a call, from autograd,
+    one backward pass per data point (``autograd_slots``).
+    """
 
     def __init__(self, trace: PerSampleTrace, plan: list[Block]) -> None:
         self.trace, self.plan = trace, plan
         self.sums: dict[int, Tensor] = {}
-        slot = trace.engine.slot
+        slot, batch = trace.engine.slot, trace.f.shape[0]
+        exact_kind = {s for s, block in enumerate(plan) if block.kind in ("dense", "diag")}
+        folded = {
+            slot[call.module, name]
+            for call in trace.calls
+            if call.outputs[0].shape[0] != batch
+            for name in call.names
+        }
+        self.autograd_slots = sorted(set(trace.exact_slots) | (folded & exact_kind))
+        self.by_rule = exact_kind - set(self.autograd_slots)
         self.calls = [
             (i, call)
             for i, call in enumerate(trace.calls)
-            if any(plan[slot[call.module, name]].kind in ("dense", "diag") for name in call.names)
+            if any(slot[call.module, name] in self.by_rule for name in call.names)
         ]
 
     def add_exact(self, columns: Tensor) -> None:
-        """Add the blocks of the guard's exact slots for a chunk of columns (K, B, ...)."""
-        for s, u in self.trace.exact_rows(columns).items():
+        """Add the blocks of ``autograd_slots`` for a chunk of columns (K, B, ...)."""
+        for s, u in self.trace.exact_rows(columns, self.autograd_slots).items():
             self._add_rows(s, u.detach().flatten(0, 1).flatten(1))
 
     def _add_rows(self, s: int, u: Tensor) -> None:
@@ -190,10 +205,10 @@ class _ExactBlocks:
         _add(self.sums, s, u.square().sum(0) if diagonal else symmetric_gram(u))
 
     def add(self, grads: list[list[Tensor]]) -> None:
-        """Add the blocks of a chunk of columns (per call, gradients (k, R, ...))."""
+        """Add the blocks of a chunk of columns (per call, gradients (k, B, ...))."""
         rows: dict[int, list[Tensor]] = {}  # per slot, per call, the per-sample gradients
         for i, call in self.calls:
-            k = len(grads[i][0])  # the chunk's columns, as more rows: (k·R, ...)
+            k = len(grads[i][0])  # the chunk's columns, as more rows: (k·B, ...)
             tiled = tiled_call(call, k) if k > 1 else call
             try:
                 per_sample = self.trace.slot_grads(tiled, [g.flatten(0, 1) for g in grads[i]])
@@ -201,14 +216,10 @@ class _ExactBlocks:
                 name = module_name(self.trace.engine.model, call.module)
                 raise ValueError(f"module {name!r}: {error}") from error
             for s, u in per_sample.items():
-                if self.plan[s].kind in ("dense", "diag"):
+                if s in self.by_rule:
                     rows.setdefault(s, []).append(u.detach().flatten(1))
-        for s, us in rows.items():
-            # a parameter used by several calls: its per-sample gradient is their sum (calls
-            # over other rows than the data points, as folded batches, stay apart)
-            same_rows = all(u.shape == us[0].shape for u in us)
-            u = torch.stack(us).sum(0) if same_rows else torch.cat(us)
-            self._add_rows(s, u)
+        for s, us in rows.items():  # a parameter used by several calls: the sum of their rows
+            self._add_rows(s, torch.stack(us).sum(0))
 
 
 def _check_exact_slots(trace: PerSampleTrace, plan: list[Block]) -> None:
@@ -296,7 +307,7 @@ def kfac(
             for a in inputs[i, key]:
                 _add(A, key, _input_factor(rule, call, a, approx, root, n))
     exact = _ExactBlocks(trace, plan)
-    for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD) if trace.exact_slots else ():
+    for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD) if exact.autograd_slots else ():
         exact.add_exact(chunk)
     rows: dict[tuple, list[Tensor]] = {}
     kept: dict[tuple, list[Tensor]] = {}

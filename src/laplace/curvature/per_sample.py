@@ -252,16 +252,20 @@ class PerSampleTrace:
         """Whether every per-sample row comes from autograd (no layer rule applies)."""
         return self._batched or (self.engine.indices is not None and bool(self.exact_slots))
 
-    def exact_rows(self, columns: Tensor) -> dict[int, Tensor]:
-        """Per slot of ``exact_slots``, per-sample gradients (K, B, *shape) from autograd.
+    def exact_rows(self, columns: Tensor, slots: Sequence[int] | None = None) -> dict[int, Tensor]:
+        """Per slot of ``exact_slots`` (or ``slots``): per-sample gradients (K, B, *shape).
+
+        From autograd, one backward pass per data point.
 
         Args:
             columns: Output columns, shape (K, *f.shape).
+            slots: Slots of ``engine.needed`` (None: ``exact_slots``).
         """
-        if not self.exact_slots:
+        slots = self.exact_slots if slots is None else slots
+        if not slots:
             return {}
-        per_column = [self._batched_per_sample(v, self.exact_slots) for v in columns]
-        return {s: torch.stack([rows[s] for rows in per_column]) for s in self.exact_slots}
+        per_column = [self._batched_per_sample(v, slots) for v in columns]
+        return {s: torch.stack([rows[s] for rows in per_column]) for s in slots}
 
     def output_gradients(self, columns: Tensor) -> list[list[Tensor]]:
         """Gradients of several output columns w.r.t. every recorded layer output.

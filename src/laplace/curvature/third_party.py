@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from laplace.curvature.kfac_rules import check_kronecker_layers, module_name
+from laplace.curvature.layer_rules import ModuleCall
 from laplace.utils.matrix import Kron
 
 __all__ = [
@@ -119,7 +120,9 @@ def kron_blocks(blocks: list[tuple[Tensor, Tensor | None]], n_data: int, factor:
     return Kron([[G] if A is None else [G / root, A * (root / n_data)] for G, A in blocks])
 
 
-def check_attribution(backend: Any, x: object) -> None:
+def check_attribution(
+    backend: Any, x: object, misread_call: Callable[[ModuleCall], str | None] | None = None
+) -> None:
     """Refuse a model that a library reading curvature off module calls would get wrong.
 
     ASDL and BackPACK read each parameter's curvature from its module's calls, the rows of
@@ -130,13 +133,19 @@ def check_attribution(backend: Any, x: object) -> None:
     several times in one forward pass (the libraries keep one call's quantities). Checked
     once per shape of the inputs.
 
+    Args:
+        backend: The library's backend (its ``engine``, ``last_layer``).
+        x: Inputs of the batch.
+        misread_call: Where given, what else the library reads wrong in a recorded call (a
+            description), or None.
+
     Raises:
         ValueError: Naming the parameter or module, why, and the backend that is exact there.
     """
     if backend.last_layer:  # the library runs on the last layer alone, on features
         return
     leaves = tree_flatten(x)[0]
-    key = tuple(tuple(v.shape) for v in leaves if isinstance(v, Tensor))
+    key = (misread_call, *(tuple(v.shape) for v in leaves if isinstance(v, Tensor)))
     checked = backend.__dict__.setdefault("_attribution_checked", set())
     if key in checked:
         return
@@ -149,6 +158,13 @@ def check_attribution(backend: Any, x: object) -> None:
         for m, mode in engine.shared.items()
         if mode
     ]
+    if misread_call is not None:
+        problems += [
+            f"module {module_name(engine.model, call.module)!r} ({type(call.module).__name__}) "
+            f"{why}"
+            for call in trace.calls
+            if (why := misread_call(call)) is not None
+        ]
     calls = Counter(call.module for call in trace.calls)
     problems += [
         f"module {module_name(engine.model, m)!r} ({type(m).__name__}) is called {n} times in "
