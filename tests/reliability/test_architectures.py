@@ -42,13 +42,16 @@ from laplace.curvature import AsdlGGN, BackPackGGN
 from laplace.curvature.eigen import EIGENVALUE_THRESHOLD
 from laplace.curvature.kfac_rules import plan_blocks
 
+#: Examples of all the test functions together, per profile.
+EXAMPLES = {"ci": 200, "thorough": 2000}[os.environ.get("LAPLACE_HYPOTHESIS_PROFILE", "ci")]
+#: Seconds a test function may take per example of ``EXAMPLES`` (the suite's 600 s under ``ci``).
+SECONDS_PER_EXAMPLE = 3
+
 pytestmark = [
     pytest.mark.oracle,
     pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
+    pytest.mark.timeout(SECONDS_PER_EXAMPLE * EXAMPLES),
 ]
-
-#: Examples of all the test functions together, per profile.
-EXAMPLES = {"ci": 200, "thorough": 2000}[os.environ.get("LAPLACE_HYPOTHESIS_PROFILE", "ci")]
 #: Each test function's share of ``EXAMPLES``.
 SHARES = {
     "diag_full": 0.25,

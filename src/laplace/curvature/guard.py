@@ -123,46 +123,47 @@ def signature(f: Tensor, calls: Sequence[ModuleCall]) -> tuple:
     return (f.dim(), *entries)
 
 
-def _mixed_rows(f: Tensor, calls: Sequence[ModuleCall], generator: torch.Generator) -> set[int]:
+def _mixed_rows(
+    calls: Sequence[ModuleCall],
+    first: Sequence[Tensor | None],
+    second: Sequence[Tensor | None],
+    scales: Tensor,
+) -> set[int]:
     """Indices of the calls whose outputs are not one row (or a fold of rows) per data point.
 
-    Two random output columns are pulled back to every recorded output: ``v`` and ``v`` with
-    data point n's outputs scaled by a random ``sₙ`` in [1, 2). A row that depends on data point n
-    alone has the second gradient ``sₙ`` times the first (the pull-back is linear); where an
-    output has the batch's rows, row n must scale by ``sₙ``; where it has more (a fold of the
-    batch) or fewer, every row must scale by one of the ``sₙ``. A row reached by several data
-    points scales by none of them. Every row is checked, so an inactive unit (a dead ReLU)
-    silencing some data points hides nothing.
+    Two output columns are pulled back to every recorded output: ``v`` (``first``) and ``v``
+    with data point n's outputs scaled by a random ``sₙ`` in [1, 2) (``second``). A row that
+    depends on data point n alone has the second gradient ``sₙ`` times the first (the pull-back
+    is linear); where an output has the batch's rows, row n must scale by ``sₙ``; where it has
+    more (a fold of the batch) or fewer, every row must scale by one of the ``sₙ``. A row
+    reached by several data points scales by none of them. Every row is checked, so an
+    inactive unit (a dead ReLU) silencing some data points hides nothing.
+
+    Args:
+        calls: The recorded calls.
+        first: The gradients of ``vᵀ f`` w.r.t. the calls' outputs, in order (None: unused).
+        second: The same for the scaled column.
+        scales: ``sₙ`` per data point (B,).
     """
-    batch = f.shape[0] if f.dim() else 1
-    if batch <= 1 or not calls:
-        return set()
-    v = torch.randn(f.shape, generator=generator, device="cpu").to(f)
-    scales = (1 + torch.rand(batch, generator=generator, dtype=torch.float64)).to(f)
-    cotangents = torch.stack([v, v * scales.reshape(-1, *[1] * (f.dim() - 1))])
-    outputs = [z for call in calls for z in call.outputs]
-    per_column = [
-        torch.autograd.grad(f, outputs, c, retain_graph=True, allow_unused=True)
-        for c in cotangents
-    ]
-    grads = [None if gs[0] is None else torch.stack(gs) for gs in zip(*per_column, strict=True)]
-    tolerance = SCALE_TOLERANCE.get(f.dtype, 1e-3)
+    tolerance = SCALE_TOLERANCE.get(scales.dtype, 1e-3)
     mixed, position = set(), 0
     for index, call in enumerate(calls):
         for z in call.outputs:
-            g = grads[position]
+            g, h = first[position], second[position]
             position += 1
             if z.dtype in HALF_PRECISION:  # gradients underflow: the scales are not seen
                 continue
-            if g is not None and not _scaled_rows(g.to(f.dtype), z, scales, tolerance):
+            if g is not None and not _scaled_rows(
+                g.to(scales.dtype), h.to(scales.dtype), z, scales, tolerance
+            ):
                 mixed.add(index)
     return mixed
 
 
-def _scaled_rows(g: Tensor, z: Tensor, scales: Tensor, tolerance: float) -> bool:
-    """Whether each row of ``g[1]`` is its own data point's scale times the row of ``g[0]``."""
-    rows = g.reshape(2, z.shape[0] if z.dim() else 1, -1)
-    first, second = rows[0], rows[1]
+def _scaled_rows(g: Tensor, h: Tensor, z: Tensor, scales: Tensor, tolerance: float) -> bool:
+    """Whether each row of ``h`` is its own data point's scale times the row of ``g``."""
+    rows = z.shape[0] if z.dim() else 1
+    first, second = g.reshape(rows, -1), h.reshape(rows, -1)
     norm = first.square().sum(-1)
     ratio = (second * first).sum(-1) / norm.clamp_min(torch.finfo(g.dtype).tiny)
     if z.dim() and z.shape[0] == len(scales):
@@ -366,7 +367,7 @@ def _checked(sums: Sums | None, g: Tensor) -> tuple[float, Callable[[float, floa
     """
     if sums is None:  # a table's unseen rows cost one pass; other shapes their zeros
         empty = g.new_zeros(0, dtype=torch.long)
-        sums = RowSums(empty, g[:0], g[:0]) if g.dim() else (torch.zeros_like(g),) * 2
+        sums = RowSums(empty, g[:0], g[:0]) if g.dim() else (g.new_zeros(()), g.new_zeros(()))
     if isinstance(sums, RowSums):
         # off the looked-up rows the reconstruction is zero, and an entry deviates iff |g| does:
         # a row's largest |g| decides
@@ -386,11 +387,11 @@ def _checked(sums: Sums | None, g: Tensor) -> tuple[float, Callable[[float, floa
             )
 
         return top, deviates
-    total, magnitude = sums
-    size = magnitude + g.abs()
+    total, magnitude = sums  # the guard's own tensors: updated in place
+    size = magnitude.add_(g.abs())
 
     def deviates(tolerance: float, floor: float) -> bool:
-        return bool(((total - g).abs() > tolerance * (size + floor)).any())
+        return bool(total.sub_(g).abs_().gt(size.add_(floor).mul_(tolerance)).any())
 
     return float(size.max()) if size.numel() else 0.0, deviates
 
@@ -445,8 +446,23 @@ def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> Verdict:
         outputs are not one row per data point.
     """
     generator = torch.Generator().manual_seed(CHECK_SEED)
+    batch = f.shape[0] if f.dim() else 1
+    v = torch.randn(f.shape, generator=generator).to(f)
+    scales = (1 + torch.rand(batch, generator=generator, dtype=torch.float64)).to(f)
+    params = list(engine.needed)
+    tables = _looked_up_only(engine, f, calls)
+    asked = [slot for slot in range(len(params)) if slot not in tables]
+    outputs = [z for call in calls for z in call.outputs]
+    both = torch.autograd.grad(
+        f, [*outputs, *(params[slot] for slot in asked)], v, retain_graph=True, allow_unused=True
+    )
+    first = both[: len(outputs)]
+    mixed = set()
+    if batch > 1 and outputs:
+        scaled = v * scales.reshape(-1, *[1] * (f.dim() - 1))
+        second = torch.autograd.grad(f, outputs, scaled, retain_graph=True, allow_unused=True)
+        mixed = _mixed_rows(calls, first, second, scales)
     exact: dict[int, str] = {}
-    mixed = _mixed_rows(f, calls, generator)
     for index in sorted(mixed):
         call = calls[index]
         for name in call.names:
@@ -456,20 +472,13 @@ def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> Verdict:
                 f"{tuple(call.outputs[0].shape)} for a batch of {len(f)}, which are not one "
                 "row per data point",
             )
-    trusted = [call for index, call in enumerate(calls) if index not in mixed]
-    tables = _looked_up_only(engine, f, trusted)
-    v = torch.randn(f.shape, generator=generator).to(f)
-    params = list(engine.needed)
-    asked = [slot for slot in range(len(params)) if slot not in tables]
-    outputs = [z for call in trusted for z in call.outputs]
-    both = torch.autograd.grad(
-        f, [*outputs, *(params[slot] for slot in asked)], v, retain_graph=True, allow_unused=True
-    )
     found_grads = iter(
         z.new_zeros(z.shape, dtype=gradient_type(f, z)) if g is None else g.to(gradient_type(f, z))
-        for z, g in zip(outputs, both, strict=False)
+        for z, g in zip(outputs, first, strict=True)
     )
-    per_call = [[next(found_grads) for _ in call.outputs] for call in trusted]
+    per_call = [[next(found_grads) for _ in call.outputs] for call in calls]
+    trusted = [call for index, call in enumerate(calls) if index not in mixed]
+    per_call = [grads for index, grads in enumerate(per_call) if index not in mixed]
     autograd = dict(zip(asked, both[len(outputs) :], strict=True))
     found = _reconstruction(engine, f, trusted, per_call, exact)
     for call in calls:  # the pass is recorded as any other (what rules keep is re-made)
