@@ -203,23 +203,25 @@ class GuardTimer:
     """Seconds the attribution guard spends checking recorded passes, per engine checked.
 
     Wraps ``guard.verify`` where the engine calls it; every case runs inside one
-    (``run.py``), so each row says what the guard cost it beside what it timed.
+    (``run.py``), so each row says what the guard cost it beside what it timed. An engine's
+    first check runs cold (the first batch of the process's first fit); cases that check
+    again after their timed calls (``measure_fit``) also give a warm check, the cost a fit
+    pays for the guard in a process that has run before (as in an A/B in one process).
     """
 
     def __enter__(self):
         from laplace.curvature import per_sample
 
         self.module, self.verify = per_sample, per_sample.verify
-        self.seconds, self.checks, self.engines = 0.0, 0, set()
+        self.per_engine: dict[int, list[float]] = {}
 
         def timed_verify(engine, f, calls):
             start = time.perf_counter()
             try:
                 return self.verify(engine, f, calls)
             finally:
-                self.seconds += time.perf_counter() - start
-                self.checks += 1
-                self.engines.add(id(engine))
+                seconds = time.perf_counter() - start
+                self.per_engine.setdefault(id(engine), []).append(seconds)
 
         per_sample.verify = timed_verify
         return self
@@ -228,20 +230,39 @@ class GuardTimer:
         self.module.verify = self.verify
 
     def columns(self, seconds: float) -> dict:
-        """``guard_s`` (all checks), ``guard_checks`` and ``guard_share``: one engine's checks
-        against ``seconds`` (the case's timed call), where the guard ran."""
-        if not self.checks:
+        """Against ``seconds`` (the case's timed call), where the guard ran: ``guard_s`` (all
+        checks), ``guard_checks``, ``guard_share`` (the first check of each engine, averaged
+        over engines) and ``guard_warm_share`` (the last, where an engine checked again)."""
+        if not self.per_engine:
             return {}
-        share = self.seconds / len(self.engines) / seconds
-        return {"guard_s": self.seconds, "guard_checks": self.checks, "guard_share": share}
+        checks = list(self.per_engine.values())
+        row = {
+            "guard_s": sum(map(sum, checks)),
+            "guard_checks": sum(map(len, checks)),
+            "guard_share": statistics.mean(c[0] for c in checks) / seconds,
+        }
+        warm = [c[-1] for c in checks if len(c) > 1]
+        if warm:
+            row["guard_warm_share"] = statistics.mean(warm) / seconds
+        return row
+
+
+def recheck(la, loader: DataLoader) -> None:
+    """Fit once more with the guard's verdicts forgotten (a warm check for ``GuardTimer``)."""
+    engine = getattr(getattr(la, "backend", None), "engine", None)
+    if hasattr(engine, "verdicts"):
+        engine.verdicts.clear()
+        la.fit(loader)
 
 
 def measure_fit(la, loader: DataLoader, repeats: int, case: str, floor=None) -> dict:
-    """Peak extra memory of a first fit, then fit time (median) against ``floor`` if given."""
+    """Peak extra memory of a first fit, then fit time (median) against ``floor`` if given;
+    then one untimed fit that checks its batches again (``recheck``)."""
     with PeakRSS() as mem:
         la.fit(loader)
     fit = partial(la.fit, loader)
     times = against_floor(fit, floor, repeats) if floor else {"seconds": timed(fit, repeats)}
+    recheck(la, loader)
     return {"case": case, "n_params": la.n_params, **times, "peak_extra_MB": mem.extra / 2**20}
 
 

@@ -19,7 +19,8 @@ table (N and width) is ``benchmarks/scaling.py``. The ``tune-bayesopt-*`` case t
 search. The ``guard-overhead-*`` cases time a fit whose attribution guard checks its first
 batch against the same fit with the verdict cached; every other case reports the seconds the
 guard spent checking (``guard_s``) and their share of one timed call per engine checked
-(``guard_share``, ``harness.GuardTimer``). The ``fit-ekfac-vs-kron-*`` cases
+(``guard_share``, the first check, cold; ``guard_warm_share``, a fit's check once more after
+its timed calls, ``harness.GuardTimer``). The ``fit-ekfac-vs-kron-*`` cases
 alternate EKFAC's and Kron's fits in one process and report their per-pair ratio. The
 ``binary-*`` cases time ``likelihood="binary_classification"`` against ``"classification"``
 on the MLP; the ``positions-*`` cases (``benchmarks/positions.py``) outputs with extra dimensions;
@@ -542,6 +543,8 @@ def format_row(row: dict) -> str:
         )
     if "guard_share" in row:
         extras += f"  guard {100 * row['guard_share']:.1f}%"
+    if "guard_warm_share" in row:
+        extras += f" (warm {100 * row['guard_warm_share']:.1f}%)"
     if "note" in row:
         extras += f"  {row['note']}"
     params = f"P={row['n_params']:>7d}" if "n_params" in row else " " * 9
