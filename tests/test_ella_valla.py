@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
 
 from conftest import CASE_BUILDERS, assert_close
 from laplace import ELLA, Laplace, VaLLA
@@ -569,3 +569,22 @@ def test_errors_carry_laplace_torchs_wording(call, phrase):
     model, X, loader = regression_data()
     with pytest.raises(ValueError, match=phrase):
         call(model, X, loader)
+
+
+# ------------------------------------------------ data the loader reaches, targets, metadata
+def test_valla_scales_its_data_term_to_the_points_the_loader_reaches():
+    model, X, _ = regression_data(n=20)
+    y = torch.randn(20, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    dataset = TensorDataset(X, y)
+    dropping = DataLoader(dataset, batch_size=7, drop_last=True)  # yields rows 0..13 only
+    yielded = DataLoader(TensorDataset(X[:14], y[:14]), batch_size=7)
+    histories = []
+    for loader in (dropping, yielded):
+        la = VaLLA(model, "regression", X[:4].clone(), **HYPER)
+        la.fit(loader, iterations=3, lr=1e-2)
+        assert la.n_data == 14
+        histories.append(torch.tensor(la.fit_history_["objective"]))
+    assert_close(histories[0], histories[1])
+    sampled = DataLoader(dataset, batch_size=7, sampler=SubsetRandomSampler(range(5)))
+    la.fit(sampled, iterations=1)
+    assert la.n_data == 5

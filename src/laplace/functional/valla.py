@@ -28,7 +28,13 @@ from laplace.functional.inducing import (
 )
 from laplace.functional.valla_objective import InducingPosterior, check_alpha, inducing_kl
 from laplace.likelihoods import make_likelihood
-from laplace.utils.data import Inputs, batch_size_of, dataset_size, to_device
+from laplace.utils.data import (
+    Inputs,
+    batch_size_of,
+    dataset_size,
+    to_device,
+    training_indices,
+)
 from laplace.utils.enums import FunctionalApproximation, Likelihood
 from laplace.utils.errors import check_finite_result, check_positive_float, check_positive_int
 
@@ -247,6 +253,11 @@ class VaLLA(BaseFunctionalLaplace):
     ) -> None:
         """Minimise the objective with Adam, one training batch per iteration (cycling the loader).
 
+        The objective's data term is scaled to ``N = n_data``, the number of training points the
+        loader's sampler reaches (``laplace.utils.data.training_indices``): a
+        ``SubsetRandomSampler``'s indices, the rows a sequential ``drop_last`` loader yields;
+        ``len(train_loader.dataset)`` only when every point is reached.
+
         Args:
             train_loader: Training batches ``(X, y)`` or dict-like.
             iterations: Number of Adam steps.
@@ -263,8 +274,10 @@ class VaLLA(BaseFunctionalLaplace):
         check_positive_float(lr, "lr")
         check_val_steps(val_steps)
         check_alpha(self.alpha, self.mc_softmax_samples, self._likelihood_model)
+        dataset_size(train_loader)
+        n_data = len(training_indices(train_loader))  # the points the objective sums over
         self.model.eval()
-        self.n_data = dataset_size(train_loader)
+        self.n_data = n_data
         empty = "train_loader is empty: fit needs at least one data point."
         loop = self._data_loop(DataLoop, desc="VaLLA", empty_message=empty)
         output_shape = self._start_fit(*next(loop.cycle(train_loader, 1)))
