@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
 from conftest import CASE_BUILDERS, assert_close
 from laplace import ELLA, Laplace, VaLLA
 from laplace.baselaplace import ELLA as ELLAFromBaselaplace
+from laplace.curvature import AsdlEF
 from test_backprop_and_reward import PairScorer  # (B, 2, D) pairs → (B, 2); (B, D) → (B, 1)
 
 #: ELLA with a complete basis vs FullLaplace: both are exact, only round-off differs.
@@ -588,3 +589,29 @@ def test_valla_scales_its_data_term_to_the_points_the_loader_reaches():
     sampled = DataLoader(dataset, batch_size=7, sampler=SubsetRandomSampler(range(5)))
     la.fit(sampled, iterations=1)
     assert la.n_data == 5
+
+
+@pytest.mark.parametrize("structure", ["nystrom", "variational", "full"])
+def test_one_hot_integer_class_targets_fit_as_their_labels(structure):
+    case = CASE_BUILDERS["mlp_classification"]()
+    one_hot = torch.nn.functional.one_hot(case.y, case.model(case.X[:1]).shape[-1])
+    options = {
+        "nystrom": {
+            "functional_approximation": "nystrom",
+            "subsample_size": 8,
+            "n_eigenvalues": 4,
+        },
+        "variational": {
+            "functional_approximation": "variational",
+            "inducing_locations": case.X[:4],
+        },
+        "full": {"backend": AsdlEF},  # ASDL reads the targets itself
+    }[structure]
+    predictions = []
+    for targets in (case.y, one_hot):
+        loader = DataLoader(TensorDataset(case.X, targets), batch_size=10)
+        la = Laplace(case.model, "classification", "all", "gp" if structure != "full" else "full",
+                     **options)  # fmt: skip
+        la.fit(loader, **({"iterations": 3, "lr": 1e-2} if structure == "variational" else {}))
+        predictions.append(la(case.X[:5]))
+    assert_close(predictions[0], predictions[1])

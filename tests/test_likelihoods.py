@@ -159,6 +159,23 @@ def test_class_probability_nll_is_the_probit_cross_entropy(name):
     assert_close(make_likelihood(name).predictive_nll(F, COV, one_hot, torch.ones(1)), expected)
 
 
+@pytest.mark.parametrize("name", ["classification", "reward_modeling"])
+def test_one_hot_integer_rows_are_class_labels_and_other_integer_rows_are_refused(name):
+    likelihood = make_likelihood(name).fit_likelihood
+    y = torch.tensor([0, 2, 1, 1, 0])
+    one_hot = torch.nn.functional.one_hot(y, C)  # int64 (B, C)
+    assert torch.equal(likelihood.prepare_targets(F, one_hot), y)
+    assert torch.equal(likelihood.loss_targets(one_hot, F.dtype), y)
+    assert_close(
+        likelihood.loss(F, one_hot), torch.nn.functional.cross_entropy(F, y, reduction="sum")
+    )
+    assert_close(likelihood.loss_gradient(F, one_hot), likelihood.loss_gradient(F, y))
+    for rows in (one_hot * 2, one_hot + one_hot.roll(1, 1), one_hot[:, :2]):
+        with pytest.raises(ValueError, match=r"one-hot rows") as error:
+            likelihood.check_targets(rows, F.shape)
+        assert isinstance(error.value, RuntimeError)  # torch's error for such targets
+
+
 def test_likelihoods_without_a_function_space_validation_score_refuse_one():
     name = "heteroscedastic_regression"
     with pytest.raises(UnsupportedError, match=name):

@@ -203,12 +203,22 @@ class Categorical(ProbabilityPredictions):
         p = torch.softmax(f.detach(), dim=-1)
         return torch.multinomial(p, 1, generator=generator).squeeze(-1)
 
+    @staticmethod
+    def _one_hot_rows(y: Tensor) -> bool:
+        """Whether ``y`` holds integer rows (B, C) with C ≥ 2: one-hot labels, once checked."""
+        return not y.dtype.is_floating_point and y.dim() == 2 and y.shape[1] > 1
+
     @override
     def prepare_targets(self, f: Tensor, y: Tensor) -> Tensor:
+        """Class indices (B,) from labels, a column or one-hot integer rows; probabilities kept.
+
+        Raises:
+            ValueError: See ``check_row_targets``.
+        """
         self.check_row_targets(y, f.shape)
         if y.dtype.is_floating_point and y.shape == f.shape:
             return y
-        y = y.reshape(-1)
+        y = y.argmax(-1) if self._one_hot_rows(y) else y.reshape(-1)
         if y.shape[0] != f.shape[0]:
             raise ValueError(
                 f"classification targets of shape {tuple(y.shape)} do not match the batch of "
@@ -217,7 +227,19 @@ class Categorical(ProbabilityPredictions):
         return y.long()
 
     @override
+    def loss_targets(self, y: Tensor, dtype: torch.dtype) -> Tensor:
+        """Class indices (B,) for one-hot integer rows (checked before); others as given."""
+        return y.argmax(-1) if self._one_hot_rows(y) else y
+
+    @override
     def check_row_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
+        """Labels in ``[0, C)`` (B,) or (B, 1), one-hot integer rows (B, C) or probabilities.
+
+        Raises:
+            DataError: For floating-point targets that are not (B, C) probabilities, boolean or
+                complex targets, or integer rows (B, C) that are not one-hot.
+            LabelError: For a class label outside ``[0, C)``.
+        """
         n_classes = output_shape[-1]
         if y.numel() == 0 or (y.dtype.is_floating_point and y.shape[1:] == output_shape[1:]):
             return  # class probabilities
@@ -227,6 +249,17 @@ class Categorical(ProbabilityPredictions):
                 f"probabilities of shape (B, {n_classes}); got {y.dtype} targets of shape "
                 f"{tuple(y.shape)} (convert labels with y.long())."
             )
+        if self._one_hot_rows(y):
+            if y.shape[1] != n_classes or not bool(
+                ((y == 0) | (y == 1)).all() & (y.sum(1) == 1).all()
+            ):
+                raise DataError(
+                    f"integer classification targets of shape (B, C) must be one-hot rows (one 1 "
+                    f"per row, C={n_classes} columns); got {y.dtype} targets of shape "
+                    f"{tuple(y.shape)}. Give class labels of shape (B,) or class probabilities "
+                    f"(float, shape (B, {n_classes}))."
+                )
+            return
         low, high = int(y.min()), int(y.max())
         if low < 0 or high >= n_classes:
             bad = low if low < 0 else high
