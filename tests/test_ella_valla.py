@@ -615,3 +615,24 @@ def test_one_hot_integer_class_targets_fit_as_their_labels(structure):
         la.fit(loader, **({"iterations": 3, "lr": 1e-2} if structure == "variational" else {}))
         predictions.append(la(case.X[:5]))
     assert_close(predictions[0], predictions[1])
+
+
+class DictPairScorer(PairScorer):
+    """``PairScorer`` reading its pairs or items from ``input_ids`` of a dict batch."""
+
+    def forward(self, data):
+        return super().forward(data["input_ids"])
+
+
+def test_valla_reward_inducing_items_keep_the_metadata_of_their_pair():
+    _, X, loader = reward_setup()
+    y = loader.dataset.tensors[1]
+    rows = [{"input_ids": X[i], "labels": y[i], "source": f"pair{i}", "index": torch.tensor(i)}
+            for i in range(len(X))]  # fmt: skip
+    la = VaLLA(DictPairScorer().double(), "reward_modeling", "random", num_inducing=4)
+    la.fit(DataLoader(rows, batch_size=5), iterations=1)
+    Z = la.inducing_locations
+    pairs = [int((item == X).all(-1).any(-1).nonzero()) for item in Z["input_ids"]]
+    assert len(set(pairs)) == 2  # the two items of each of two pairs
+    assert Z["source"] == [f"pair{i}" for i in pairs]
+    assert Z["index"].tolist() == pairs

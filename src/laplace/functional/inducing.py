@@ -174,6 +174,9 @@ def inducing_from_data(
 def pair_items(X: Inputs, dict_key_x: str) -> Inputs:
     """Reward pairs (B, 2, ...) as their 2B items (B·2, ...); per-pair values are repeated.
 
+    Per-pair values of a mapping are its other tensors and lists (collated metadata, e.g.
+    strings) of length B; each is given once per item.
+
     Raises:
         ValueError: If the inputs have no pair axis of length 2.
     """
@@ -182,17 +185,18 @@ def pair_items(X: Inputs, dict_key_x: str) -> Inputs:
         raise ValueError(
             f"reward modelling trains on pairs of shape (B, 2, ...), got {tuple(pairs.shape)}."
         )
-    B = len(pairs)
     if not isinstance(X, MutableMapping):
         return X.flatten(0, 1)
-    return {
-        k: v.flatten(0, 1)
-        if k == dict_key_x
-        else (
-            v.repeat_interleave(2, 0) if isinstance(v, Tensor) and v.dim() and len(v) == B else v
-        )
-        for k, v in X.items()
-    }
+    B = len(pairs)
+
+    def per_item(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.dim() and len(value) == B:
+            return value.repeat_interleave(2, 0)
+        if isinstance(value, (list, tuple)) and len(value) == B:  # collated metadata
+            return type(value)(item for item in value for _ in range(2))
+        return value
+
+    return {k: pairs.flatten(0, 1) if k == dict_key_x else per_item(v) for k, v in X.items()}
 
 
 def as_inducing(Z: Any, device: torch.device, dtype: torch.dtype) -> Inputs:
