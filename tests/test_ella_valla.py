@@ -365,7 +365,7 @@ def test_valla_state_dict_round_trip_weights_only_and_map_location():
     bad = dict(state, L=state["L"][:-1])
     with pytest.raises(ValueError, match="inconsistent VaLLA state"):
         VaLLA(case.model, "classification", case.X[:2]).load_state_dict(bad)
-    with pytest.raises(ValueError, match="MAP weights"):
+    with pytest.raises(ValueError, match=r"param_shapes .* trainable coordinates"):
         VaLLA(regression.model, "classification", case.X[:2]).load_state_dict(state)
     reg_state = regression.state_dict()
     assert reg_state["alpha"] == 0.3 and reg_state["log_noise_variance"].numel() == 1
@@ -636,3 +636,43 @@ def test_valla_reward_inducing_items_keep_the_metadata_of_their_pair():
     assert len(set(pairs)) == 2  # the two items of each of two pairs
     assert Z["source"] == [f"pair{i}" for i in pairs]
     assert Z["index"].tolist() == pairs
+
+
+# ------------------------------------------------------------------ checkpoints and identity
+def _functional(structure, model, X, **kwargs):
+    if structure == "nystrom":
+        return ELLA(model, "regression", subsample_size=6, n_eigenvalues=3, **kwargs)
+    return VaLLA(model, "regression", X[:3].clone(), **kwargs)
+
+
+def _fitted_functional(structure, model, X, loader, **kwargs):
+    la = _functional(structure, model, X, **kwargs)
+    la.fit(loader, **({"iterations": 2} if structure == "variational" else {}))
+    return la
+
+
+@pytest.mark.parametrize("structure", ["nystrom", "variational"])
+def test_functional_checkpoints_refuse_another_model_or_other_keys(structure):
+    _, X, loader = regression_data(n=12)
+
+    def net(activation=torch.nn.Tanh, frozen=0):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), activation(), torch.nn.Linear(4, 1))
+        model[frozen].requires_grad_(False)
+        return model.double()
+
+    state = _fitted_functional(structure, net(), X, loader).state_dict()
+    refusals = {
+        r"param_names .* trainable coordinates": net(frozen=2),
+        r"module_tree .*'1', 'Tanh'.*'1', 'ReLU'.* same pretrained model": net(torch.nn.ReLU),
+    }
+    for phrase, model in refusals.items():
+        la = _functional(structure, model, X)
+        with pytest.raises(ValueError, match=phrase):
+            la.load_state_dict(state)
+        assert not la._fitted  # a refused state changes nothing
+    for key in ("dict_key_x", "dict_key_y"):
+        la = _functional(structure, net(), X, **{key: "other"})
+        with pytest.raises(ValueError, match=f"{key} is '(input_ids|labels)', expected 'other'"):
+            la.load_state_dict(state)
+    _functional(structure, net(), X).load_state_dict(state)

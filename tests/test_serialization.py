@@ -6,9 +6,11 @@ import io
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import CASE_BUILDERS, assert_close
 from laplace import DiagLaplace, FullLaplace
+from laplace.core.serialization import identity_mismatch
 
 
 def roundtrip(state, **load_kwargs):
@@ -55,6 +57,36 @@ def test_rejects_wrong_architecture():
     other = CASE_BUILDERS["mlp_regression_1out"]().model
     with pytest.raises(ValueError, match="param_shapes"):
         FullLaplace(other, "regression").load_state_dict(la.state_dict())
+
+
+def test_rejects_model_with_other_modules_of_the_same_parameters():
+    def net(activation):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(3, 4), activation(), torch.nn.Linear(4, 1))
+
+    loader = DataLoader(TensorDataset(torch.randn(8, 3), torch.randn(8, 1)), batch_size=4)
+    tanh = FullLaplace(net(torch.nn.Tanh), "regression")
+    tanh.fit(loader)
+    message = r"module_tree .*\['1', 'Tanh', ''\].*\['1', 'ReLU', ''\].*same pretrained model"
+    with pytest.raises(ValueError, match=message):
+        FullLaplace(net(torch.nn.ReLU), "regression").load_state_dict(tanh.state_dict())
+    leaky = FullLaplace(net(torch.nn.LeakyReLU), "regression")
+    leaky.fit(loader)
+    steeper = FullLaplace(net(lambda: torch.nn.LeakyReLU(0.2)), "regression")
+    with pytest.raises(ValueError, match=r"negative_slope=0\.2"):  # the module's settings count
+        steeper.load_state_dict(leaky.state_dict())
+
+
+def test_long_identity_entries_are_reported_by_their_first_difference():
+    saved = [
+        [f"layer{i}", "Linear", "in_features=64, out_features=64, bias=True"] for i in range(9)
+    ]
+    current = [*saved[:5], [saved[5][0], "Conv1d", saved[5][2]], *saved[6:8]]
+    message = identity_mismatch("module_tree", saved, current)
+    assert "differs at entry 5 (of 9 saved, 8 here): ['layer5', 'Linear'," in message
+    assert "['layer5', 'Conv1d'," in message and "same pretrained model" in message
+    assert "entry 8 (of 9 saved, 8 here): ['layer8'" in identity_mismatch("x", saved, saved[:8])
+    assert identity_mismatch("x", [1], [2]).endswith("its x is [1], expected [2].")
 
 
 def test_rejects_model_with_other_weights():

@@ -25,7 +25,12 @@ from laplace.core.priors import (
     expand_to_diagonal,
     fix_prior_prec_structure,
 )
-from laplace.core.serialization import MEAN_MATCH_ATOL, StateFormat, check_state_dict
+from laplace.core.serialization import (
+    MEAN_MATCH_ATOL,
+    StateFormat,
+    check_state_dict,
+    identity_mismatch,
+)
 from laplace.core.subsets import AllWeights, check_parameters, check_posterior_dtype
 from laplace.core.transaction import TRANSACTIONAL_METHODS, transactional
 from laplace.core.tuning import (
@@ -692,10 +697,7 @@ class BaseLaplace:
         check_state_dict(state_dict, identity, (), ())
         for key, value in identity.items():
             if state_dict[key] != value:
-                raise ValueError(
-                    f"state_dict does not match this Laplace approximation: its {key} is "
-                    f"{state_dict[key]!r}, expected {value!r}."
-                )
+                raise ValueError(identity_mismatch(key, state_dict[key], value))
         required = (*identity, "mean", *fmt.value_keys(self))
         tensors = ("mean", *fmt.tensor_keys(self))
         check_state_dict(state_dict, required, tensors, fmt.count_keys(self))

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from laplace.core.distributed import unwrap_model
 from laplace.core.priors import check_temperature
 from laplace.utils.errors import ArgumentTypeError, MissingKeyError, check_bool, check_positive_int
 from laplace.utils.outputs import OutputAdapter
@@ -20,10 +21,53 @@ __all__ = [
     "ParametricState",
     "StateFormat",
     "check_state_dict",
+    "identity_mismatch",
+    "module_tree",
+    "trainable_coordinates",
 ]
 
 #: Tolerance when checking that the model's weights are the saved posterior mean.
 MEAN_MATCH_ATOL = 1e-6
+#: Why a state cannot load when an identity entry differs, by entry.
+IDENTITY_REASONS = {
+    "param_names": "the trainable coordinates (the parameters the posterior covers) differ",
+    "param_shapes": "the trainable coordinates (the parameters the posterior covers) differ",
+    "dict_key_x": "the inputs of dict-like batches (and VaLLA's inducing inputs) are read by "
+    "this key",
+    "dict_key_y": "the targets of dict-like batches are read by this key",
+    "module_tree": "the model's modules differ: a state loads into the same pretrained model only",
+}
+#: Identity entries whose representation is longer are reported by their first difference.
+SHOWN_CHARACTERS = 200
+
+
+def module_tree(model: nn.Module) -> list[list[str]]:
+    """The modules of ``model`` as ``[name, class name, settings]`` rows, in registration order.
+
+    The settings are the module's ``extra_repr()`` (sizes, activation slopes, dropout rates);
+    the rows tell apart models whose parameters agree but whose functions differ (another
+    activation, a module inserted without parameters). A ``DistributedDataParallel`` or
+    ``DataParallel`` wrapper is looked through.
+    """
+    return [
+        [name, type(module).__qualname__, module.extra_repr()]
+        for name, module in unwrap_model(model).named_modules()
+    ]
+
+
+def identity_mismatch(key: str, saved: Any, current: Any) -> str:
+    """The message refusing a state whose identity entry ``key`` is ``saved``, not ``current``.
+
+    Short values are shown whole; longer lists by their first differing entry.
+    """
+    shown = f"is {saved!r}, expected {current!r}"
+    long_lists = isinstance(saved, list) and isinstance(current, list)
+    if long_lists and max(len(repr(saved)), len(repr(current))) > SHOWN_CHARACTERS:
+        shown = _first_difference(saved, current)
+    reason = IDENTITY_REASONS.get(key)
+    return f"state_dict does not match this Laplace approximation: its {key} {shown}" + (
+        f" ({reason})." if reason else "."
+    )
 
 
 def _leaves(value: Any) -> Iterator[Any]:
@@ -84,6 +128,20 @@ def check_state_dict(
         check_positive_int(state_dict[key], f"state_dict[{key!r}]")
 
 
+def _first_difference(saved: list[Any], current: list[Any]) -> str:
+    """Where two lists first differ, as ``identity_mismatch`` words it."""
+    index = next(
+        (i for i, (a, b) in enumerate(zip(saved, current)) if a != b),
+        min(len(saved), len(current)),
+    )
+    saved_entry = repr(saved[index]) if index < len(saved) else "none"
+    current_entry = repr(current[index]) if index < len(current) else "none"
+    return (
+        f"differs at entry {index} (of {len(saved)} saved, {len(current)} here): "
+        f"{saved_entry} saved, {current_entry} here"
+    )
+
+
 class StateFormat:
     """What the state of a Laplace class holds besides its identity and mean, and how it loads.
 
@@ -96,8 +154,20 @@ class StateFormat:
     """
 
     def identity(self, la: Any) -> dict[str, Any]:
-        """Entries a loaded state must equal (class and likelihood)."""
-        return {"cls_name": type(la).__name__, "likelihood": la._likelihood_model.name}
+        """Entries a loaded state must equal, in the order they are compared.
+
+        The class and likelihood, the class's ``identity_entries`` and the ``module_tree``.
+        """
+        return {
+            "cls_name": type(la).__name__,
+            "likelihood": la._likelihood_model.name,
+            **self.identity_entries(la),
+            "module_tree": module_tree(la.model),
+        }
+
+    def identity_entries(self, la: Any) -> dict[str, Any]:
+        """Identity entries a class adds (its parameters, its input keys); none by default."""
+        return {}
 
     def value_keys(self, la: Any) -> tuple[str, ...]:
         """The entries ``values`` writes."""
@@ -138,6 +208,14 @@ class StateFormat:
                 setattr(la, name, nn.Parameter(value.clone()))
 
 
+def trainable_coordinates(la: Any) -> dict[str, list[Any]]:
+    """``param_names`` and ``param_shapes``: the parameters the posterior of ``la`` covers."""
+    return {
+        "param_names": list(la._subset.names),
+        "param_shapes": [list(p.shape) for p in la._subset.params],
+    }
+
+
 class ParametricState(StateFormat):
     """The state of a parametric Laplace: the curvature, loss, data count and hyperparameters.
 
@@ -145,13 +223,9 @@ class ParametricState(StateFormat):
     curvature is saved as the posterior structure saves it.
     """
 
-    def identity(self, la: Any) -> dict[str, Any]:
-        """Class, likelihood, and the names and shapes of the parameters."""
-        return {
-            **super().identity(la),
-            "param_names": list(la._subset.names),
-            "param_shapes": [list(p.shape) for p in la._subset.params],
-        }
+    def identity_entries(self, la: Any) -> dict[str, Any]:
+        """The names and shapes of the parameters (``trainable_coordinates``)."""
+        return trainable_coordinates(la)
 
     def value_keys(self, la: Any) -> tuple[str, ...]:
         """The curvature and the class's entries."""

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from laplace.core.base import BaseLaplace
 from laplace.core.priors import as_scalar_prior_precision, check_temperature
-from laplace.core.serialization import StateFormat
+from laplace.core.serialization import StateFormat, trainable_coordinates
 from laplace.posteriors.glm import jacobian_chunk_rows
 from laplace.utils.data import Inputs, batch_size_of, check_outputs, input_chunks, prepare_inputs
 from laplace.utils.enums import FunctionalApproximation, LinkApprox, PredType, parse_enum
@@ -56,7 +56,19 @@ class FunctionalState(StateFormat):
 
 
 class HistoryState(FunctionalState):
-    """The state of ELLA and VaLLA: their named attributes and the fit history."""
+    """The state of ELLA and VaLLA: their named attributes and the fit history.
+
+    Their identity holds the trainable coordinates and the dict keys besides the class,
+    likelihood and module tree: the basis or the inducing inputs belong to those.
+    """
+
+    def identity_entries(self, la: Any) -> dict[str, Any]:
+        """The names and shapes of the trainable parameters, ``dict_key_x`` and ``dict_key_y``."""
+        return {
+            **trainable_coordinates(la),
+            "dict_key_x": la.dict_key_x,
+            "dict_key_y": la.dict_key_y,
+        }
 
     def value_keys(self, la: Any) -> tuple[str, ...]:
         """The named attributes and ``fit_history``."""
