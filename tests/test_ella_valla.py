@@ -676,3 +676,74 @@ def test_functional_checkpoints_refuse_another_model_or_other_keys(structure):
         with pytest.raises(ValueError, match=f"{key} is '(input_ids|labels)', expected 'other'"):
             la.load_state_dict(state)
     _functional(structure, net(), X).load_state_dict(state)
+
+
+# ------------------------------------------------------------------- hooks a subclass can use
+class FirstPointsELLA(ELLA):
+    """ELLA whose Nyström subset is the first ``subsample_size`` points of the dataset."""
+
+    def _indices(self, loader, balanced):
+        return torch.arange(self.subsample_size)
+
+
+def test_ella_basis_spans_the_jacobians_of_the_points_its_indices_hook_chooses():
+    model, X, loader = regression_data(n=20)  # one output: each point's Jacobian row is J(x)
+    la = FirstPointsELLA(model, "regression", subsample_size=5, n_eigenvalues=5)
+    la.fit(loader)
+    V = la.dual_directions
+    J = la.backend.jacobians(X)[0][:, 0].double()  # (N, P)
+    projected = J @ V @ V.T
+    assert_close(projected[:5], J[:5], rtol=1e-9, atol=1e-12)
+    assert float((projected[5:] - J[5:]).norm()) > 1e-3  # other points leave the span
+    phi, f = la._features(X[:3])
+    assert_close(phi, (J[:3] @ V)[:, None], rtol=1e-12, atol=1e-12)
+    assert_close(f, model(X[:3]))
+    assert la.feature_gram.shape == (5, 5)
+
+
+def test_ella_indices_hook_draws_among_the_points_the_loader_reaches_and_balances_classes():
+    X = torch.randn(12, 3, generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([0] * 11 + [1])
+    case = CASE_BUILDERS["mlp_classification"]()
+    la = ELLA(case.model.float(), "classification", subsample_size=4, n_eigenvalues=2, seed=3)
+    sampled = DataLoader(TensorDataset(X, y), batch_size=4, sampler=SubsetRandomSampler(range(8)))
+    assert set(la._indices(sampled, balanced=False).tolist()) <= set(range(8))
+    everything = DataLoader(TensorDataset(X, y), batch_size=4)
+    balanced = la._indices(everything, balanced=True)
+    assert len(balanced) == 4 and 11 in balanced.tolist()  # the one point of class 1
+    with pytest.raises(ValueError, match="balanced=True needs classification"):
+        ELLA(torch.nn.Linear(3, 1), "regression", 4, 2)._indices(everything, balanced=True)
+
+
+def test_valla_latent_distribution_is_the_dense_posterior_and_feeds_the_objective():
+    la, _, loader = fitted_valla(0.5)
+    Xb, yb = next(iter(loader))
+    f, cov, A, R = la._latent_distribution(Xb)
+    assert cov.requires_grad  # differentiable in the variational parameters, for fit
+    Sigma, delta = dense_posterior(la)
+    Js, f_model = la.backend.jacobians(Xb)
+    J = Js.double()
+    assert_close(f, f_model)
+    assert_close(cov, J @ Sigma @ J.transpose(1, 2), rtol=1e-9, atol=1e-12)
+    Jz = la.backend.jacobians(la.inducing_locations.detach())[0][:, 0].double()
+    L = la._factor_matrix().detach().double()
+    assert_close(A.detach(), L.T @ Jz / delta**0.5, rtol=1e-9, atol=1e-12)
+    eye = torch.eye(la.num_inducing, dtype=torch.float64)
+    assert_close((R.T @ R).detach(), eye + A.detach() @ A.detach().T, rtol=1e-9, atol=1e-12)
+    joint_f, joint_cov, _, _ = la._latent_distribution(Xb, joint=True)
+    assert joint_f.shape == f.shape and joint_cov.shape == (len(Xb), len(Xb))
+
+    class PointMassVaLLA(VaLLA):  # no latent variance: the data term is the plain likelihood
+        def _latent_distribution(self, X, joint=False):
+            f, cov, A, R = super()._latent_distribution(X, joint)
+            return f, torch.zeros_like(cov), A, R
+
+    point = PointMassVaLLA(la.model, "regression", la.inducing_locations.detach(), **HYPER)
+    point.fit(loader, iterations=2, lr=1e-2)
+    f, _, A, _ = VaLLA._latent_distribution(point, Xb)
+    f, A, s2 = f.detach(), A.detach(), point.sigma_noise.square()
+    log_lik = (-0.5 * (yb - f).square() / s2 - 0.5 * torch.log(2 * math.pi * s2)).sum()
+    gram = A @ A.T
+    kl = 0.5 * (torch.logdet(eye + gram) - torch.trace(torch.linalg.solve(eye + gram, gram)))
+    expected = -(point.n_data / len(yb)) * log_lik / point.temperature + kl
+    assert_close(point._objective(Xb, yb).detach(), expected, rtol=1e-9, atol=1e-9)

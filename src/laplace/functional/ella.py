@@ -30,7 +30,7 @@ from laplace.functional.nystrom import (
     nystrom_indices,
 )
 from laplace.posteriors import NotPositiveDefiniteError
-from laplace.utils.data import dataset_size, subset_loader
+from laplace.utils.data import Inputs, dataset_size, subset_loader
 from laplace.utils.enums import (
     FunctionalApproximation,
     Likelihood,
@@ -49,7 +49,9 @@ class ELLA(BaseFunctionalLaplace):
     """Linearised Laplace on a rank-``K`` Nyström approximation of the neural tangent kernel.
 
     The GLM posterior ``N(0, A⁻¹)`` over the features ``φ(x) = J(x) V`` (C, K); see
-    ``docs/function_space.md``.
+    ``docs/function_space.md``. ``fit`` runs three steps a subclass can override: ``_indices``
+    (the training points spanning the basis), ``_build_basis`` (``V``) and ``_features``
+    (``φ`` and the outputs, which the predictions use too).
 
     Args:
         model: The trained network.
@@ -119,7 +121,7 @@ class ELLA(BaseFunctionalLaplace):
         self.dual_directions: Tensor | None = None
         self.feature_gram: Tensor | None = None
         self.fit_history_: dict[str, list[Any]] = _empty_history()
-        self._gp = NystromPosterior(self._jacobian_chunks, self._nystrom_values)
+        self._gp = NystromPosterior(self._features, self._nystrom_values)
 
     @property
     def chol_precision(self) -> Tensor | None:
@@ -159,20 +161,12 @@ class ELLA(BaseFunctionalLaplace):
         self.model.eval()
         self._fitted, self.n_data, self.fit_history_ = False, 0, _empty_history()
         likelihood = self._likelihood_model
-        if balanced and not likelihood.fit_likelihood.predicts_probabilities:
-            raise ValueError("balanced=True needs classification (it balances the classes).")
-        labels = (
-            dataset_labels(train_loader, self.dict_key_x, self.dict_key_y) if balanced else None
-        )
-        indices = nystrom_indices(train_loader, self.subsample_size, self.seed, labels)
-        subset = subset_loader(train_loader, indices[: self.subsample_size])
-        output_shape = self._start_fit(*next(self._batches(subset)))
-        inputs = (X for X, _ in self._batches(subset))
-        V = nystrom_basis(inputs, self._jacobian_chunks, self.n_eigenvalues, self.seed)
-        self.dual_directions = V.to(self._dtype)
+        indices = self._indices(train_loader, balanced)
+        output_shape = self._start_fit(*next(self._batches(subset_loader(train_loader, indices))))
+        self._build_basis(train_loader, indices)
         for step, (X, y) in enumerate(self._batches(train_loader, progress_bar, "ELLA"), 1):
             likelihood.check_targets(y, output_shape)
-            phi, f = nystrom_features(self._jacobian_chunks, self.dual_directions, X)
+            phi, f = self._features(X)
             check_finite_result(f, "model output of a training batch")
             likelihood.prepare_targets(f, y)
             gram = check_finite_result(likelihood.ggn(phi, f), "GGN of a training batch")
@@ -184,6 +178,41 @@ class ELLA(BaseFunctionalLaplace):
             raise ValueError("train_loader is empty: fit needs at least one data point.")
         self._fitted = True
         self._record_validation(val_loader, val_steps, step, last=True)
+
+    def _indices(self, loader: DataLoader, balanced: bool) -> Tensor:
+        """Dataset indices (M,) of the training points whose Jacobians span the basis.
+
+        ``M = subsample_size`` points drawn with ``seed`` among those the loader's sampler
+        reaches (``laplace.utils.data.training_indices``), round-robin over the classes when
+        ``balanced``.
+
+        Raises:
+            ValueError: For ``balanced`` without class labels (classification), or a loader
+                reaching fewer than M points.
+        """
+        if balanced and not self._likelihood_model.fit_likelihood.predicts_probabilities:
+            raise ValueError("balanced=True needs classification (it balances the classes).")
+        labels = dataset_labels(loader, self.dict_key_x, self.dict_key_y) if balanced else None
+        return nystrom_indices(loader, self.subsample_size, self.seed, labels)
+
+    def _build_basis(self, loader: DataLoader, indices: Tensor) -> None:
+        """Set ``dual_directions``: the ``nystrom_basis`` of the points ``indices`` of ``loader``.
+
+        Raises:
+            ValueError: If their kernel has fewer than ``n_eigenvalues`` positive eigenvalues.
+        """
+        inputs = (X for X, _ in self._batches(subset_loader(loader, indices)))
+        V = nystrom_basis(inputs, self._jacobian_chunks, self.n_eigenvalues, self.seed)
+        self.dual_directions = V.to(self._dtype)
+
+    def _features(self, X: Inputs, create_graph: bool = False) -> tuple[Tensor, Tensor]:
+        """The features ``φ(x) = J(x) V`` (B, C, K) and the outputs (B, C) at ``X``.
+
+        Args:
+            X: Inputs (B, ...) or a dict-like batch, on the model's device.
+            create_graph: Keep them differentiable (in the inputs).
+        """
+        return nystrom_features(self._jacobian_chunks, self.dual_directions, X, create_graph)
 
     # ------------------------------------------------------------------------------ tuning
     def optimize_prior_precision(

@@ -30,7 +30,7 @@ def nystrom_indices(
     seed: int,
     labels: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
-    """Seeded order of the training indices (the first ``subsample_size`` form the subset).
+    """A seeded subset of ``subsample_size`` training indices (M,).
 
     Args:
         loader: The training data; its sampler decides the indices it reaches.
@@ -50,7 +50,7 @@ def nystrom_indices(
         )
     generator = torch.Generator().manual_seed(seed)
     if labels is None:
-        return available[torch.randperm(len(available), generator=generator)]
+        return available[torch.randperm(len(available), generator=generator)[:subsample_size]]
     classes = labels(available)
     ranks = torch.empty_like(classes)  # each point's position in its class's seeded order
     for c in classes.unique(sorted=True):
@@ -58,7 +58,8 @@ def nystrom_indices(
         order = members[torch.randperm(len(members), generator=generator)]
         ranks[order] = torch.arange(len(order))
     # round-robin: the first point of every class, then the second, ...
-    return available[torch.argsort(ranks * (int(classes.max()) + 1) + classes)]
+    order = torch.argsort(ranks * (int(classes.max()) + 1) + classes)
+    return available[order[:subsample_size]]
 
 
 def dataset_labels(
@@ -127,18 +128,18 @@ class NystromPosterior:
     ``LatentPosterior``; the fitted values are read at every call.
 
     Args:
-        jacobian_chunks: Inputs and whether to keep the graph → ``(Js (b, C, P), f (b, C))``
-            over chunks of them.
+        features: Inputs and whether to keep the graph → the features ``φ = J V`` (B, C, K) and
+            outputs (B, C) at them (``nystrom_features`` of the current ``V``).
         fitted: The current ``V`` (P, K), ``Σ φᵀ Λ φ`` (K, K), prior precision ``δ`` (1,) and
             ``h = 1/(σ²T)``.
     """
 
     def __init__(
         self,
-        jacobian_chunks: Callable[[Inputs, bool], Iterable[tuple[Tensor, Tensor]]],
+        features: Callable[[Inputs, bool], tuple[Tensor, Tensor]],
         fitted: Callable[[], tuple[Tensor, Tensor, Tensor, Tensor]],
     ) -> None:
-        self._jacobian_chunks, self._fitted = jacobian_chunks, fitted
+        self._features, self._fitted = features, fitted
         self._cache: tuple[tuple[float, float], Tensor, DensePosterior] | None = None
 
     @property
@@ -168,7 +169,7 @@ class NystromPosterior:
 
     def moments(self, X: Inputs, joint: bool, create_graph: bool) -> tuple[Tensor, Tensor]:
         """Outputs at ``X`` and the ``feature_covariance`` of their features."""
-        features, f = nystrom_features(self._jacobian_chunks, self.directions, X, create_graph)
+        features, f = self._features(X, create_graph)
         cov = self.feature_covariance(features, joint)
         return (f.reshape(-1) if joint else f), cov
 

@@ -104,8 +104,9 @@ class VaLLA(BaseFunctionalLaplace):
 
     ``q(θ) = N(θ*, (δI + J_Zᵀ L Lᵀ J_Z)⁻¹)`` with the Jacobians ``J_Z`` (M, P) of one output per
     inducing input; ``fit`` minimises the alpha-energy by Adam over ``L``, ``log δ``, ``log σ²``
-    (regression) and floating-point inducing inputs. Reward modelling fits on pairs and predicts
-    rewards of items. See ``docs/function_space.md``.
+    (regression) and floating-point inducing inputs; ``_objective`` is computed from the moments
+    and factors of ``_latent_distribution``, a step a subclass can override. Reward modelling
+    fits on pairs and predicts rewards of items. See ``docs/function_space.md``.
 
     Args:
         model: The trained network (kept fixed).
@@ -226,13 +227,31 @@ class VaLLA(BaseFunctionalLaplace):
         return Z, classes, self._factor_matrix(), self.log_prior_precision
 
     # ---------------------------------------------------------------------------------- fit
+    def _latent_distribution(
+        self, X: Inputs, joint: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The latent moments at ``X`` and the factors of the inducing posterior, as ``fit`` uses.
+
+        Differentiable in the variational parameters and the inducing inputs (not detached).
+
+        Args:
+            X: Inputs (B, ...) or a dict-like batch, on the model's device.
+            joint: Keep the covariance between the points.
+
+        Returns:
+            Outputs (B, C); covariances (B, C, C), or (B·C, B·C) with ``joint``, without
+            observation noise; ``A = Lᵀ J_Z/√δ`` (M, P) and the upper triangular ``R`` (M, M)
+            of the QR factorisation of ``[Aᵀ; I]`` (float64; ``RᵀR = I + AAᵀ``).
+        """
+        return self._gp.objective_moments(X, joint)
+
     def _objective(self, X: Inputs, y: Tensor) -> Tensor:
         """``−(N/B) Σ_b ℓ_α(y_b)/T + KL(q ‖ p)`` on a minibatch.
 
         Differentiable in the variational parameters, the noise and the inducing inputs (see
-        ``laplace.functional.valla_objective``).
+        ``laplace.functional.valla_objective``); the moments are ``_latent_distribution``'s.
         """
-        f, cov, A, R = self._gp.objective_moments(X)
+        f, cov, A, R = self._latent_distribution(X)
         noise = None if self.log_noise_variance is None else self.log_noise_variance.exp()
         log_lik = self._likelihood_model.fit_likelihood.alpha_energy(
             y, f, cov, self.alpha, noise, self.mc_softmax_samples, self.generator
