@@ -145,15 +145,13 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         return LOSS_MSE if isinstance(self.lossfunc, nn.MSELoss) else LOSS_CROSS_ENTROPY
 
     def _targets(self, y: Tensor) -> Tensor:
-        """Targets shaped for ``lossfunc`` on (B, C) outputs.
+        """Targets shaped for ``lossfunc`` on (B, C) outputs: (B, C) values or (B,) classes.
 
-        (B, C) values (MSE); (B,) classes or (B, C) class probabilities (cross-entropy), one-hot
-        integer rows read as classes by the likelihood's ``loss_targets``.
+        One-hot integer rows are read as classes (the likelihood's ``loss_targets``).
         """
         if self.loss_type == LOSS_MSE:
             return y.reshape(len(y), -1)
-        y = self.fit_likelihood.loss_targets(y, y.dtype)
-        return y if y.dtype.is_floating_point else y.reshape(-1)
+        return self.fit_likelihood.loss_targets(y, y.dtype).reshape(-1)
 
     def _batch_gradients(
         self, target: TargetCall, closure: Callable[[], Tensor]
