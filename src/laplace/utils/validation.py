@@ -139,12 +139,16 @@ def validate(
     if running:
         loss.reset()
 
+    # outputs with extra dimensions (found in the fit): their targets are rows of positions,
+    # checked with the predictions' shape (``validation_rows``)
+    found = likelihood.fit_likelihood.outputs.found if probabilities else None
+    positions = found is not None and found[0] > 2
     outputs: list[tuple[torch.Tensor, ...]] = []  # probabilities, or f_mu and f_var
     targets: list[torch.Tensor] = []
     n_batches = 0
     for data in val_loader:
         X, y = prepare_batch(data, getattr(laplace, "dict_key_x", "input_ids"), dict_key_y, device)
-        if probabilities:  # labels of the outputs, before the predictive's Jacobians
+        if probabilities and not positions:  # labels, before the predictive's Jacobians
             likelihood.fit_likelihood.check_targets(y, (len(y), laplace.n_outputs))
         out = laplace(
             X, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples, fitting=True
