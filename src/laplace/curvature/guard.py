@@ -472,13 +472,20 @@ def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> Verdict:
                 f"{tuple(call.outputs[0].shape)} for a batch of {len(f)}, which are not one "
                 "row per data point",
             )
-    found_grads = iter(
-        z.new_zeros(z.shape, dtype=gradient_type(f, z)) if g is None else g.to(gradient_type(f, z))
-        for z, g in zip(outputs, first, strict=True)
-    )
-    per_call = [[next(found_grads) for _ in call.outputs] for call in calls]
-    trusted = [call for index, call in enumerate(calls) if index not in mixed]
-    per_call = [grads for index, grads in enumerate(per_call) if index not in mixed]
+    remaining = iter(first)
+    trusted, per_call = [], []  # the gradients of vᵀ f w.r.t. the outputs of trusted calls
+    for index, call in enumerate(calls):
+        grads = [next(remaining) for _ in call.outputs]
+        if index not in mixed:
+            trusted.append(call)
+            per_call.append(
+                [
+                    z.new_zeros(z.shape, dtype=gradient_type(f, z))
+                    if g is None
+                    else g.to(gradient_type(f, z))
+                    for z, g in zip(call.outputs, grads, strict=True)
+                ]
+            )
     autograd = dict(zip(asked, both[len(outputs) :], strict=True))
     found = _reconstruction(engine, f, trusted, per_call, exact)
     for call in calls:  # the pass is recorded as any other (what rules keep is re-made)
