@@ -36,7 +36,7 @@ def worker(structure: str, repeats: int, out: Path) -> None:
     from harness import BATCH, MODELS, N_TRAIN, data
 
     from laplace import Laplace
-    from laplace.core.distributed import shard_dataset
+    from laplace.utils.distributed import shard_dataset
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -210,7 +210,7 @@ class GuardTimer:
     """
 
     def __enter__(self):
-        from laplace.curvature import per_sample
+        from laplace.curvature.engine import per_sample
 
         self.module, self.verify = per_sample, per_sample.verify
         self.per_engine: dict[int, list[float]] = {}

@@ -4,7 +4,7 @@ A token model of width 64 (two hidden Linear layers on per-token features (B, T,
 a 64 → 32,000 Linear head, 64 sequences × 32 tokens, batches of 8 sequences, float32.
 All-weights ``KronLaplace`` with the Monte-Carlo Fisher (``backend_kwargs={"stochastic":
 True}``, one sampled label per token): the head's output factor is a diagonal plus a low-rank
-term of at most ``output_factor_rank`` columns (:mod:`laplace.posteriors.large_output`), the hidden
+term of at most ``output_factor_rank`` columns (:mod:`laplace.structures.large_output`), the hidden
 layers' factors dense. Steps: ``fit``, ``MARGLIK_STEPS`` marginal-likelihood steps of a layer-wise
 prior (``optimize_prior_precision``) and ``pred_type="nn"`` (``N_PREDICTIVE_SAMPLES`` weight
 samples, one forward pass each) on 8 sequences, returning probabilities (8, 32, 32,000). The exact

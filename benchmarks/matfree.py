@@ -267,7 +267,7 @@ def _kron_solve(precision, R: torch.Tensor) -> torch.Tensor:
 
 def case_preconditioners(_: str, __: str, repeats: int) -> dict:
     from laplace import Laplace
-    from laplace.utils.krylov import conjugate_gradients
+    from laplace.curvature.solvers.krylov import conjugate_gradients
 
     out = {}
     for name, shape, model in [
@@ -300,7 +300,7 @@ def case_preconditioners(_: str, __: str, repeats: int) -> dict:
 
 def case_product_sources(_: str, __: str, repeats: int) -> dict:
     from laplace.curvature import CurvlinopsGGN
-    from laplace.curvature.products import curvature_product
+    from laplace.curvature.solvers.products import curvature_product
 
     model, loader = _setting((784,), _mlp([784, 1270, N_CLASSES]))
     n_params = sum(p.numel() for p in model.parameters())

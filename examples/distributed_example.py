@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from laplace import Laplace
-from laplace.core.distributed import shard_dataset
 from laplace.evaluation import evaluate
+from laplace.utils.distributed import shard_dataset
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "outputs" / "distributed_example"
 

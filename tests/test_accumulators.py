@@ -1,6 +1,6 @@
 """The posterior structures' curvature accumulators, and every fit as one pass of the data loop.
 
-An accumulator (``laplace.posteriors.Posterior``) sums per-batch curvature (``zeros``, ``add``),
+An accumulator (``laplace.structures.Posterior``) sums per-batch curvature (``zeros``, ``add``),
 adds a new sum to an earlier fit (``merge``), stores it (``finalize``) and saves it (``state``,
 ``load_state``). Checked against dense float64 oracles (the exact GGN) and against one fit on
 all the data, for every structure and its per-output variant.
@@ -14,17 +14,17 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import CASE_BUILDERS, Case, Oracle, assert_close
 from laplace import Laplace
-from laplace.core.data_loop import DataLoop
+from laplace.core.passes.data_loop import DataLoop
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian
-from laplace.posteriors import (
+from laplace.structures import (
     DensePosterior,
     DiagonalPosterior,
     KronPosterior,
     LowRankPosterior,
     Posterior,
 )
-from laplace.posteriors.last_layer import head_curvature
-from laplace.posteriors.per_output import noise_structure
+from laplace.structures.last_layer import head_curvature
+from laplace.structures.per_output import noise_structure
 from laplace.utils.matrix import Kron, KronDecomposed
 
 #: Outputs of the regression case, for the per-output structures.

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from laplace import DiagLaplace, FullLaplace, FunctionalLaplace, KronLaplace
-from laplace.posteriors import NotPositiveDefiniteError
+from laplace.structures import NotPositiveDefiniteError
 
 pytest.importorskip("optuna")
 

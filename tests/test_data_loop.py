@@ -1,4 +1,4 @@
-"""The one data loop (laplace.core.data_loop): batches, sums, checks, gathering, cycling."""
+"""The one data loop (laplace.core.passes.data_loop): batches, sums, checks, gathering, cycling."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import laplace
 from conftest import CASE_BUILDERS, DictDataset, assert_close
 from laplace import FullLaplace, Laplace, marglik_training
-from laplace.core.data_loop import DataLoop, Gather
+from laplace.core.passes.data_loop import DataLoop, Gather
 from laplace.curvature import CurvlinopsGGN
 from laplace.utils.data import subset_loader, training_indices
 
@@ -194,7 +194,7 @@ def test_the_switch_refuses_what_is_not_a_bool_or_none(progress_switch):
     [("0", "False"), ("on", "True"), ("", "None"), ("maybe", "LAPLACE_PROGRESS_BARS='maybe'")],
 )
 def test_the_environment_variable_sets_the_switch_at_import(value, expected):
-    code = "import laplace.core.data_loop as d; print(d._progress_bars)"
+    code = "import laplace.core.passes.data_loop as d; print(d._progress_bars)"
     env = {**os.environ, "LAPLACE_PROGRESS_BARS": value}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert expected in result.stdout + result.stderr

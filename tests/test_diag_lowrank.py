@@ -21,10 +21,11 @@ from conftest import (
     assert_marglik_matches,
 )
 from laplace import DiagLowRankLaplace, FullLaplace, Laplace, LowRankLaplace
-from laplace.curvature import CurvlinopsEF, products
-from laplace.posteriors.diagonal import DiagonalPosterior
-from laplace.posteriors.jacobians import LayerTrace
-from laplace.posteriors.lowrank import lowrank_functional_variance
+from laplace.curvature import CurvlinopsEF
+from laplace.curvature.solvers import products
+from laplace.structures.diagonal import DiagonalPosterior
+from laplace.structures.jacobians import LayerTrace
+from laplace.structures.low_rank import lowrank_functional_variance
 
 RTOL, ATOL = 1e-8, 1e-10
 #: Monte-Carlo tolerance of a sample correlation: about 5 standard errors of 20,000 draws.

@@ -22,10 +22,10 @@ from torch.utils.data.distributed import DistributedSampler
 
 from conftest import CASE_BUILDERS, assert_close
 from laplace import Laplace, marglik_training
-from laplace.core.distributed import DistributedFitError, all_gather, shard_dataset
 from laplace.curvature import CurvlinopsGGN
 from laplace.evaluation import evaluate
-from laplace.posteriors import large_output
+from laplace.structures import large_output
+from laplace.utils.distributed import DistributedFitError, all_gather, shard_dataset
 from laplace.utils.matrix import KronDecomposed, StructuredKron
 
 WORLD = 2

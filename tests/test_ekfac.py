@@ -23,11 +23,11 @@ from conftest import (
     kron_dense_blocks,
 )
 from laplace import EKFACLaplace, EKFACLLLaplace, FullLaplace, KronLaplace, Laplace
+from laplace.core.passes import eigenvalue_correction
 from laplace.curvature import AsdlGGN, BackPackGGN, CurvlinopsEF, CurvlinopsGGN
-from laplace.curvature import kfac as kfac_module
-from laplace.parametric import kron as kron_module
-from laplace.posteriors import large_output
-from laplace.posteriors.kron import kron_functional_variance
+from laplace.curvature.engine import kfac as kfac_module
+from laplace.structures import large_output
+from laplace.structures.kronecker import kron_functional_variance
 from test_kron_mixed import loader, mixed_net, oracle_blocks, tokens
 
 RTOL, ATOL = 1e-8, 1e-10
@@ -142,7 +142,7 @@ def test_corrected_eigenvalues_are_the_exact_blocks_diagonal_in_the_kfac_eigenba
 def test_another_pass_gives_the_kept_statistics_eigenvalues(name, monkeypatch):
     model, X, y, likelihood = CASES[name]()
     kept = fit_ekfac(model, X, y, likelihood)
-    monkeypatch.setattr(kron_module, "EKFAC_CACHE_BYTES", 0)
+    monkeypatch.setattr(eigenvalue_correction, "EKFAC_CACHE_BYTES", 0)
     calls = count_eigenvalue_passes(monkeypatch)
     passed = fit_ekfac(model, X, y, likelihood)
     assert len(calls) == len(loader(X, y))  # a second pass, batch by batch
@@ -158,7 +158,7 @@ def test_last_layer_keeps_features_and_output_curvatures_not_another_pass(monkey
     kept = EKFACLLLaplace(model, likelihood)
     kept.fit(loader(X, y))
     assert not calls
-    monkeypatch.setattr(kron_module, "EKFAC_CACHE_BYTES", 0)
+    monkeypatch.setattr(eigenvalue_correction, "EKFAC_CACHE_BYTES", 0)
     passed = EKFACLLLaplace(model, likelihood)
     passed.fit(loader(X, y))
     assert calls

@@ -14,7 +14,7 @@ from torch import nn
 import laplace.functional.kernel as kernel_module
 from conftest import CASE_BUILDERS, Oracle, assert_close
 from laplace import Laplace
-from laplace.curvature.per_sample import PerSampleEngine
+from laplace.curvature.engine.per_sample import PerSampleEngine
 from laplace.functional.ntk import DenseJacobian, FactoredJacobian, trace_jacobian
 
 #: Kernels of the two kinds are sums of the same products in another order.

@@ -17,15 +17,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import CASE_BUILDERS, Oracle, assert_close, freeze_all_but
 from laplace import Laplace
 from laplace.curvature import CurvlinopsGGN
-from laplace.posteriors import (
+from laplace.structures import (
     DensePosterior,
     DiagonalPosterior,
     KronPosterior,
     LowRankPosterior,
 )
-from laplace.posteriors.glm import jacobian_chunk_rows
-from laplace.posteriors.jacobians import HeadFeatures, Jacobian, JacobianRows, LayerTrace
-from laplace.posteriors.kron_glm import LAYERWISE_CHUNK_ROWS
+from laplace.structures.jacobians import HeadFeatures, Jacobian, JacobianRows, LayerTrace
+from laplace.structures.kron_glm import LAYERWISE_CHUNK_ROWS
+from laplace.structures.memory_budgets import jacobian_chunk_rows
 
 #: ``J P⁻¹ Jᵀ`` by a closed form or by dense rows against the oracle (float64, tiny models).
 RTOL_VARIANCE = 1e-8

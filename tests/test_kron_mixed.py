@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import Oracle, assert_close, assert_marglik_matches, kron_dense_blocks
 from laplace import DiagLaplace, FullLaplace, KronLaplace
 from laplace.curvature import AsdlGGN, BackPackGGN, CurvlinopsGGN
-from laplace.posteriors.diagonal import diag_functional_variance
-from laplace.posteriors.kron import kron_functional_variance
+from laplace.structures.diagonal import diag_functional_variance
+from laplace.structures.kronecker import kron_functional_variance
 
 Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import assert_close
-from laplace.utils.krylov import (
+from laplace.curvature.solvers.krylov import (
     LanczosQuadrature,
     conjugate_gradients,
     lanczos_quadrature,

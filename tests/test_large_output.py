@@ -26,7 +26,7 @@ from laplace import DiagLLLaplace, FullLLLaplace, KronLLLaplace
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
 from laplace.likelihoods import make_likelihood
 from laplace.likelihoods.categorical import Categorical
-from laplace.posteriors import large_output as large_output_module
+from laplace.structures import large_output as large_output_module
 from laplace.utils.diag_lowrank import (
     DiagLowRank,
     DiagLowRankBatch,

@@ -18,10 +18,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import CASE_BUILDERS, POSITION_CASES, assert_close
 from laplace import KronLaplace, Laplace
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
-from laplace.curvature.kfac_rules import plan_blocks
+from laplace.curvature.engine.kfac_rules import plan_blocks
 from laplace.likelihoods.categorical import Categorical
-from laplace.posteriors import glm as nn_predictive_module
-from laplace.posteriors import large_output as large_output_module
+from laplace.structures import large_output as large_output_module
+from laplace.structures import memory_budgets as nn_predictive_module
 from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.errors import TooLargeError
 from laplace.utils.matrix import StructuredKron, StructuredKronDecomposed

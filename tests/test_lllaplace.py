@@ -28,7 +28,7 @@ from laplace import (
     Laplace,
     LLLaplace,
 )
-from laplace import lllaplace as lllaplace_module
+from laplace.core.passes import head_curvature_sum
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian
 from laplace.lllaplace import FeatureExtractor, FeatureReduction
 from laplace.utils.matrix import Kron
@@ -307,7 +307,7 @@ def test_buffer_flushes_sum_up(monkeypatch):
     case = CASE_BUILDERS["cnn_classification"]()
     whole = FullLLLaplace(case.model, "classification")
     whole.fit(case.loader())
-    monkeypatch.setattr(lllaplace_module, "BUFFER_ELEMENTS", 10)
+    monkeypatch.setattr(head_curvature_sum, "BUFFER_ELEMENTS", 10)
     flushed = FullLLLaplace(case.model, "classification")
     flushed.fit(case.loader())
     assert_close(flushed.H, whole.H)

@@ -10,7 +10,7 @@ from tests.conftest import CASE_BUILDERS, Oracle, assert_close, dict_case
 
 from laplace import Laplace, LowRankLaplace
 from laplace.curvature import CurvlinopsEF, CurvlinopsHessian
-from laplace.posteriors import LowRankPosterior
+from laplace.structures import LowRankPosterior
 
 K = 4
 CURVATURES = {

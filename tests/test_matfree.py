@@ -36,11 +36,12 @@ from torch.utils.data import DataLoader, SequentialSampler, Subset, TensorDatase
 
 from conftest import CASE_BUILDERS, Oracle, assert_close, assert_marglik_matches
 from laplace import FullLaplace, KronLaplace, Laplace, MatFreeLaplace
-from laplace.core.distributed import DistributedFitError, all_gather
-from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian, products
-from laplace.posteriors.jacobians import LayerTrace
-from laplace.posteriors.matfree import ConvergenceError, MatFreePosterior, NoProductDataError
+from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian
+from laplace.curvature.solvers import products
+from laplace.structures.jacobians import LayerTrace
+from laplace.structures.matrix_free import ConvergenceError, MatFreePosterior, NoProductDataError
 from laplace.utils.data import in_fixed_order
+from laplace.utils.distributed import DistributedFitError, all_gather
 
 #: Conjugate-gradient tolerance of the comparisons with the dense posterior.
 EXACT_TOL = 1e-10

@@ -163,7 +163,7 @@ def test_glm_predictive(case, structure):
 
 
 def test_glm_predictive_chunks_match_single_pass(monkeypatch):
-    import laplace.posteriors.glm as glm
+    import laplace.structures.memory_budgets as glm
 
     case = CASE_BUILDERS["mlp_classification"]()
     la = fitted(case, "diag")

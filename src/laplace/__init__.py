@@ -13,8 +13,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from laplace import baselaplace as baselaplace
 from laplace import utils as utils
-from laplace.core.base import BaseLaplace
-from laplace.core.data_loop import set_progress_bars
+from laplace.core.base_laplace import BaseLaplace
+from laplace.core.passes.data_loop import set_progress_bars
 from laplace.functional import (
     ELLA,
     BaseFunctionalLaplace,
@@ -31,10 +31,12 @@ from laplace.lllaplace import (
     LLLaplace,
 )
 from laplace.marglik_training import marglik_training
-from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
-from laplace.parametric.kron import EKFACLaplace, KronLaplace
-from laplace.parametric.lowrank import DiagLowRankLaplace, LowRankLaplace
-from laplace.parametric.matfree import MatFreeLaplace
+from laplace.parametric.diag_laplace import DiagLaplace
+from laplace.parametric.full_laplace import FullLaplace
+from laplace.parametric.kron_laplace import EKFACLaplace, KronLaplace
+from laplace.parametric.lowrank_laplace import DiagLowRankLaplace, LowRankLaplace
+from laplace.parametric.matfree_laplace import MatFreeLaplace
+from laplace.parametric.parametric_laplace import ParametricLaplace
 from laplace.subnetlaplace import DiagSubnetLaplace, FullSubnetLaplace, SubnetLaplace
 from laplace.utils.enums import (
     FunctionalApproximation,

@@ -2,18 +2,20 @@
 
 The classes are a façade over composable pieces: a likelihood object (``laplace.likelihoods``),
 a parameter subset (``laplace.core.subsets``), a posterior structure
-(``laplace.posteriors``), a curvature backend (``laplace.curvature``), predictive links
+(``laplace.structures``), a curvature backend (``laplace.curvature``), predictive links
 (``laplace.utils.predictive``) and tuning (``laplace.core.tuning``). ``BaseLaplace`` lives in
-``laplace.core.base``, the parametric classes in ``laplace.parametric.base`` and
-``laplace.parametric.kron``; all of them report this module as theirs (``at_public_path``).
+``laplace.core.base_laplace``, the parametric classes in ``laplace.parametric`` (one module
+each); all of them report this module as theirs (``at_public_path``).
 """
 
-from laplace.core.base import BaseLaplace
+from laplace.core.base_laplace import BaseLaplace
 from laplace.functional import ELLA, BaseFunctionalLaplace, FunctionalLaplace, VaLLA
-from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
-from laplace.parametric.kron import EKFACLaplace, KronLaplace
-from laplace.parametric.lowrank import DiagLowRankLaplace, LowRankLaplace
-from laplace.parametric.matfree import MatFreeLaplace
+from laplace.parametric.diag_laplace import DiagLaplace
+from laplace.parametric.full_laplace import FullLaplace
+from laplace.parametric.kron_laplace import EKFACLaplace, KronLaplace
+from laplace.parametric.lowrank_laplace import DiagLowRankLaplace, LowRankLaplace
+from laplace.parametric.matfree_laplace import MatFreeLaplace
+from laplace.parametric.parametric_laplace import ParametricLaplace
 from laplace.utils.public import at_public_path
 
 __all__ = [

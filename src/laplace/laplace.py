@@ -6,14 +6,14 @@ from typing import Any, Literal, cast, overload
 
 from torch import nn
 
-from laplace.core.base import REGISTRY
+from laplace.core.base_laplace import REGISTRY
 from laplace.core.subsets import MISSING_SUBNETWORK_INDICES
 from laplace.functional import ELLA, FunctionalLaplace, VaLLA
 from laplace.likelihoods import make_likelihood
 from laplace.lllaplace import LLLaplace  # noqa: F401  (registers the last-layer classes)
-from laplace.parametric.base import ParametricLaplace
-from laplace.parametric.lowrank import LowRankLaplace  # noqa: F401  (registers the class)
-from laplace.parametric.matfree import MatFreeLaplace  # noqa: F401  (registers the class)
+from laplace.parametric.lowrank_laplace import LowRankLaplace  # noqa: F401  (registers the class)
+from laplace.parametric.matfree_laplace import MatFreeLaplace  # noqa: F401  (registers the class)
+from laplace.parametric.parametric_laplace import ParametricLaplace
 from laplace.subnetlaplace import SubnetLaplace  # noqa: F401  (registers the classes)
 from laplace.utils.enums import (
     FunctionalApproximation,

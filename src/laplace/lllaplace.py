@@ -3,7 +3,7 @@ r"""Last-layer Laplace: a Gaussian posterior over the linear head ``f = W φ(x) 
 The network is wrapped in a [`FeatureExtractor`][laplace.utils.feature_extractor.FeatureExtractor]
 (``la.model``); the body ``φ`` stays at its trained weights. Because the head is linear, the
 curvature, the marginal likelihood and the GLM predictive have closed forms in the features
-(``laplace.posteriors.last_layer``): fitting costs one forward pass over the data plus a few
+(``laplace.structures.last_layer``): fitting costs one forward pass over the data plus a few
 products of the features, and predicting one forward pass per test batch. Outputs with extra
 dimensions whose head sees one feature vector per position (token logits (B, T, C) from features
 (B, T, D), pixel logits) are rows of the head like data points (``laplace.utils.outputs``; the
@@ -19,28 +19,23 @@ the all-weights classes do.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
-from laplace.core.base import BaseLaplace, arguments_for
+from laplace.core.base_laplace import BaseLaplace, arguments_for
+from laplace.core.passes.eigenvalue_correction import EigenvalueCorrectedHeadSum
+from laplace.core.passes.head_curvature_sum import HeadCurvatureSum
 from laplace.core.serialization import check_state_dict
 from laplace.core.subsets import LastLayer, extractor_property
 from laplace.curvature import CurvatureInterface
 from laplace.functional import FunctionalLLLaplace
-from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
-from laplace.parametric.fit import CurvatureSum
-from laplace.parametric.kron import EKFACLaplace, KronLaplace, eigenvalue_corrected
-from laplace.posteriors.large_output import OUTPUT_FACTOR_RANK
-from laplace.posteriors.last_layer import (
-    cat_output_curvatures,
-    head_curvature,
-    head_rows,
-    output_curvature,
-)
+from laplace.parametric.diag_laplace import DiagLaplace
+from laplace.parametric.full_laplace import FullLaplace
+from laplace.parametric.kron_laplace import EKFACLaplace, KronLaplace
+from laplace.parametric.parametric_laplace import ParametricLaplace
+from laplace.structures.large_output import OUTPUT_FACTOR_RANK
 from laplace.utils.data import Inputs, move_inputs
 from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
 from laplace.utils.errors import check_positive_int
@@ -59,83 +54,6 @@ __all__ = [
     "LLLaplace",
 ]
 
-#: Feature and output-curvature entries buffered before they are turned into curvature.
-BUFFER_ELEMENTS = 2**24
-
-
-class HeadCurvatureSum(CurvatureSum):
-    """The pass of a last-layer fit: the curvature of the linear head from its features.
-
-    Where the posterior structure has a closed form of the backend's curvature
-    (``laplace.posteriors.last_layer.head_curvature``), a batch's statistics are the head's
-    features φ (B, D) and the output-space curvature M (B, C, C) of the backend (one forward pass,
-    no autograd; above the large-output threshold M is diagonal plus low rank, see
-    ``laplace.posteriors.large_output``); they are buffered up to ``BUFFER_ELEMENTS``
-    entries and turned into the structure's curvature by the closed form, which the structure's
-    accumulator sums. Outputs with extra dimensions whose head sees one feature vector per position
-    give one row per position (``laplace.posteriors.last_layer.head_rows``; KFAC normalised
-    over their N·T rows). A batch whose head sees several rows per data point otherwise, and every
-    batch where there is no closed form (per-output structures, ASDL, BackPACK, Hessian or
-    Monte-Carlo backends), gives the backend's batch curvature as in
-    ``CurvatureSum``.
-    """
-
-    def summands(self, loader: DataLoader) -> Iterator[tuple[Tensor, Any]]:
-        """The ``(loss, H)`` summands: one per buffer of features (or per batch without)."""
-        pieces = self.pieces
-        closed_form = head_curvature(pieces.posterior, pieces.backend)
-        if closed_form is None:
-            yield from super().summands(loader)
-            return
-        subset, backend, n_data = pieces.subset, pieces.backend, pieces.n_data
-        bias = subset.layer.bias is not None
-
-        buffer: list[tuple[Tensor, Tensor, Any]] = []  # (loss, φ, M) of the buffered batches
-        buffer_rows = None
-
-        def flush() -> tuple[Any, Any]:
-            losses, phis, Ms = zip(*buffer, strict=True)
-            buffer.clear()
-            phi, M = torch.cat(phis), cat_output_curvatures(list(Ms))
-            return sum(losses, 0.0), self.head_curvature(closed_form, phi, M, bias, buffer_rows)
-
-        for X, y in self.batches(loader):
-            with torch.no_grad():
-                f, phi = subset.outputs_and_features(X)
-            self.check_batch(X, y, f)
-            rows = head_rows(pieces.likelihood, backend, subset.layer, f, phi, y)
-            if rows is None:  # the closed forms do not apply to this batch: autograd
-                yield self.batch_curvature(X, y)
-                continue
-            # KFAC's expand: positions as data, N·T rows with this batch's T (a buffer holds
-            # batches of one T, so sequences padded per batch are normalised by their own T)
-            n_rows = n_data * (len(rows[1]) // len(f))
-            if buffer and n_rows != buffer_rows:
-                yield flush()
-            buffer_rows = n_rows
-            f, phi, y = rows
-            with torch.no_grad():
-                batch_loss, M = output_curvature(backend, f.detach(), y)
-            buffer.append((batch_loss, phi.detach(), M))
-            if sum(p.numel() + m.numel() for _, p, m in buffer) >= BUFFER_ELEMENTS:
-                yield flush()
-        if buffer:
-            yield flush()
-
-    def head_curvature(
-        self, closed_form: Callable[..., Any], phi: Tensor, M: Any, bias: bool, n_rows: int
-    ) -> Any:
-        """The structure's curvature of buffered features φ (N, D) and output curvatures M.
-
-        Args:
-            closed_form: The structure's closed form (``head_curvature``).
-            phi: The head's features, (N, D).
-            M: The output-space curvatures, (N, C, C) (or diagonal plus low rank).
-            bias: Whether the head has a bias.
-            n_rows: Number of rows of the whole data set (KFAC's normalisation).
-        """
-        return closed_form(phi, M, bias, n_rows, self.pieces.backend.factor)
-
 
 class LLLaplace(ParametricLaplace):
     """Base of the last-layer Laplace approximations; subclasses choose the structure.
@@ -147,7 +65,7 @@ class LLLaplace(ParametricLaplace):
     are None (as in laplace-torch) and what needs them raises an error that is an
     ``AttributeError``. Once the layer is known the unfitted posterior is the prior (see
     ``ParametricLaplace``). Arguments not listed below are those
-    of [`BaseLaplace`][laplace.core.base.BaseLaplace].
+    of [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
 
     Args:
         model: The trained network, ending in a linear layer.
@@ -282,7 +200,7 @@ class KronLLLaplace(LLLaplace, KronLaplace):
     the top ``output_factor_rank`` singular directions of ``P = [p₁ … p_N]`` (exact while the data
     give no more rank; beyond, ``G`` is over-estimated by a PSD part of trace
     ``H_facs.kfacs[0][0].dropped``); the posterior and GLM variances go through that structure (see
-    ``laplace.posteriors.large_output``).
+    ``laplace.structures.large_output``).
 
     Args:
         damping: Mix the prior into each Kronecker factor (see ``KronLaplace``).
@@ -331,14 +249,14 @@ class EKFACLLLaplace(KronLLLaplace, EKFACLaplace):
     The head's KFAC factors from its features (as ``KronLLLaplace``), then its eigenvalues
     re-fitted in their eigenbasis to the head's exact curvature, in closed form from the kept
     features and output curvatures (see
-    [`EKFACLaplace`][laplace.parametric.kron.EKFACLaplace]). Arguments are those of
+    [`EKFACLaplace`][laplace.parametric.kron_laplace.EKFACLaplace]). Arguments are those of
     [`KronLLLaplace`][laplace.KronLLLaplace]; a head with more outputs than the large-output
     threshold is refused (its output factor would not be dense).
     """
 
     _key = (SubsetOfWeights.LAST_LAYER, HessianStructure.EKFAC)
 
-    _curvature_pass = eigenvalue_corrected(HeadCurvatureSum)
+    _curvature_pass = EigenvalueCorrectedHeadSum
 
 
 at_public_path(__name__, FunctionalLLLaplace)

@@ -20,14 +20,14 @@ from torch.optim import Adam, Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from laplace.core import distributed as distributed_utils
-from laplace.core.base import BaseLaplace
-from laplace.core.data_loop import DataLoop, progress
+from laplace.core.base_laplace import BaseLaplace
+from laplace.core.passes.data_loop import DataLoop, progress
 from laplace.core.priors import expand_to_diagonal, fix_prior_prec_structure
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.registry import available_optional, load_optional
 from laplace.laplace import Laplace
 from laplace.likelihoods import make_likelihood
+from laplace.utils import distributed as distributed_utils
 from laplace.utils.data import Inputs
 from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure, parse_enum
 from laplace.utils.errors import (

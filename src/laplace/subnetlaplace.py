@@ -27,12 +27,14 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from laplace.core.base import BaseLaplace, arguments_for
+from laplace.core.base_laplace import BaseLaplace, arguments_for
 from laplace.core.priors import prior_weighted_sum
 from laplace.core.serialization import check_state_dict
 from laplace.core.subsets import Subnetwork
 from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
-from laplace.parametric.base import DiagLaplace, FullLaplace, ParametricLaplace
+from laplace.parametric.diag_laplace import DiagLaplace
+from laplace.parametric.full_laplace import FullLaplace
+from laplace.parametric.parametric_laplace import ParametricLaplace
 from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure, SubsetOfWeights
 from laplace.utils.outputs import IGNORE_INDEX
 
@@ -42,7 +44,7 @@ __all__ = ["DiagSubnetLaplace", "FullSubnetLaplace", "SubnetLaplace"]
 class SubnetLaplace(ParametricLaplace):
     """Base of the subnetwork Laplace approximations; subclasses choose the structure.
 
-    Arguments not listed are those of [`BaseLaplace`][laplace.core.base.BaseLaplace];
+    Arguments not listed are those of [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace];
     ``enable_backprop``, ``dict_key_x``, ``dict_key_y``, ``class_dim`` and ``ignore_index`` are
     keyword only (laplace-torch's subnetwork Laplace has none of them).
 

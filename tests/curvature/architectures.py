@@ -1,7 +1,7 @@
 """Models that break a per-module view of curvature, with float64 data for each.
 
 Three patterns where reading curvature from module calls goes wrong without a guard
-(``laplace.curvature.guard``):
+(``laplace.curvature.engine.guard``):
 
 - ``nn.MultiheadAttention``: its ``out_proj`` is a ``Linear`` the module never calls (the weight
   goes into ``F.multi_head_attention_forward``), batch-first or sequence-first, with masks, in

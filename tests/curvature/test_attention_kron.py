@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import assert_close
 from laplace import Laplace
-from laplace.posteriors.jacobians import LayerTrace
+from laplace.structures.jacobians import LayerTrace
 
 pytestmark = pytest.mark.oracle
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 from tests.conftest import CASE_BUILDERS, Oracle, assert_close
 
-from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian, block_product
-from laplace.curvature.block_product import BlockSum, ParameterBlock, SampleVectors
-from laplace.curvature.eigen import top_eigenpairs
-from laplace.curvature.products import NativeProduct, OperatorProduct, curvature_product
+from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian
+from laplace.curvature.engine import block_product
+from laplace.curvature.engine.block_product import BlockSum, ParameterBlock, SampleVectors
+from laplace.curvature.solvers.eigen import top_eigenpairs
+from laplace.curvature.solvers.products import NativeProduct, OperatorProduct, curvature_product
 
 CASES = ["mlp_regression_3out", "mlp_classification", "cnn_classification"]
 DENSE = {

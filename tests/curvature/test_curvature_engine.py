@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from conftest import Oracle, assert_close
-from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, layer_rules
-from laplace.curvature.block_product import BlockSum, ParameterBlock, SampleVectors
+from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
+from laplace.curvature.engine import layer_rules
+from laplace.curvature.engine.block_product import BlockSum, ParameterBlock, SampleVectors
 
 
 class _Scale(nn.Module):
@@ -198,7 +199,7 @@ def test_subnetwork_rows_match_oracle(model_and_inputs, gather_cost, monkeypatch
 
 @pytest.mark.parametrize("padding_idx", [None, 2])
 def test_embedding_square_sum_equals_the_squared_per_sample_gradients(padding_idx):
-    from laplace.curvature.square_sums import SQUARE_SUM_RULES
+    from laplace.curvature.engine.square_sums import SQUARE_SUM_RULES
 
     gen = torch.Generator().manual_seed(0)
     module = nn.Embedding(6, 3, padding_idx=padding_idx).double()

@@ -15,8 +15,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import Oracle, assert_close, freeze_all_but
 from laplace import Laplace
-from laplace.curvature import AsdlGGN, CurvlinopsGGN, guard
-from laplace.curvature.kfac_rules import plan_blocks
+from laplace.curvature import AsdlGGN, CurvlinopsGGN
+from laplace.curvature.engine import guard
+from laplace.curvature.engine.kfac_rules import plan_blocks
 
 pytestmark = pytest.mark.oracle
 
@@ -131,7 +132,7 @@ def test_the_verdict_is_checked_once_per_signature(monkeypatch):
     checks = []
     verify = guard.verify
     monkeypatch.setattr(
-        "laplace.curvature.per_sample.verify", lambda *a: checks.append(1) or verify(*a)
+        "laplace.curvature.engine.per_sample.verify", lambda *a: checks.append(1) or verify(*a)
     )
     model, X, y = build("adapter", n=12)
     la = Laplace(model, "classification", "all", "diag")

@@ -11,11 +11,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from laplace import LowRankLaplace
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
-from laplace.curvature.block_product import SampleVectors
-from laplace.curvature.eigen import _nystrom, top_eigenpairs
-from laplace.curvature.kfac import kfac
-from laplace.curvature.kfac_start import KfacStart, _Candidates, kfac_start
-from laplace.curvature.products import NativeProduct, curvature_product
+from laplace.curvature.engine.block_product import SampleVectors
+from laplace.curvature.engine.kfac import kfac
+from laplace.curvature.solvers.eigen import _nystrom, top_eigenpairs
+from laplace.curvature.solvers.kfac_start import KfacStart, _Candidates, kfac_start
+from laplace.curvature.solvers.products import NativeProduct, curvature_product
 from laplace.utils.matrix import Kron
 
 #: Ritz values and products in float64 against eigh of the dense curvature.

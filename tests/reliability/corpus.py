@@ -22,13 +22,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import laplace.core.passes.head_curvature_sum
+import laplace.core.passes.top_eigenpairs
 import laplace.functional.kernel
-import laplace.lllaplace
-import laplace.parametric.lowrank
 from conftest import CASE_BUILDERS, Case
 from laplace import Laplace
 from laplace.curvature import CurvatureInterface
-from laplace.curvature.per_sample import PerSampleEngine
+from laplace.curvature.engine.per_sample import PerSampleEngine
 
 #: Backend methods that compute curvature or Jacobians (the expensive work).
 CURVATURE_ROUTES = (
@@ -112,8 +112,8 @@ def no_curvature() -> Iterator[None]:
                     trap = _trap(f"{cls.__name__}.{route}", vars(cls)[route])
                     patch.setattr(cls, route, trap)
         for owner, name in (
-            (laplace.lllaplace, "output_curvature"),
-            (laplace.parametric.lowrank, "curvature_product"),
+            (laplace.core.passes.head_curvature_sum, "output_curvature"),
+            (laplace.core.passes.top_eigenpairs, "curvature_product"),
             (laplace.functional.kernel.SubsetKernel, "build"),
         ):
             patch.setattr(owner, name, _trap(name, getattr(owner, name)))

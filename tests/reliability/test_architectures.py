@@ -39,8 +39,8 @@ from hypothesis import example as pinned
 from conftest import Oracle, assert_close, freeze_all_but
 from laplace import Laplace
 from laplace.curvature import AsdlGGN, BackPackGGN
-from laplace.curvature.eigen import EIGENVALUE_THRESHOLD
-from laplace.curvature.kfac_rules import plan_blocks
+from laplace.curvature.engine.kfac_rules import plan_blocks
+from laplace.curvature.solvers.eigen import EIGENVALUE_THRESHOLD
 
 #: Examples of all the test functions together, per profile.
 EXAMPLES = {"ci": 200, "thorough": 2000}[os.environ.get("LAPLACE_HYPOTHESIS_PROFILE", "ci")]

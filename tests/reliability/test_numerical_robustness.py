@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import CASE_BUILDERS, Oracle, assert_close
 from laplace import DiagLaplace, FullLaplace, Laplace
-from laplace.posteriors import NotPositiveDefiniteError
+from laplace.structures import NotPositiveDefiniteError
 
 #: Weight-space structures: (subset, structure).
 STRUCTURES = [

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from laplace.core.distributed import unwrap_model
 from laplace.core.priors import check_temperature
+from laplace.utils.distributed import unwrap_model
 from laplace.utils.errors import ArgumentTypeError, MissingKeyError, check_bool, check_positive_int
 from laplace.utils.outputs import OutputAdapter
 

@@ -4,7 +4,7 @@
 of their flattened vector; ``LastLayer`` the linear head of a
 ``FeatureExtractor``, which may only be found on the first
 forward pass (``resolved`` tells). All implement the same small interface, including
-``linearize``: the model's outputs and Jacobian in the kind (``laplace.posteriors.jacobians``)
+``linearize``: the model's outputs and Jacobian in the kind (``laplace.structures.jacobians``)
 that suits the posterior, for the GLM predictive.
 """
 
@@ -17,15 +17,15 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from laplace.posteriors.jacobians import (
+from laplace.structures.jacobians import (
     HeadFeatures,
     Jacobian,
     JacobianRows,
     backend_kind,
     backend_linearization,
 )
-from laplace.posteriors.large_output import variances_only_reason
-from laplace.posteriors.last_layer import head_features
+from laplace.structures.large_output import variances_only_reason
+from laplace.structures.last_layer import head_features
 from laplace.utils.data import HALF_DTYPES, Inputs, posterior_dtype, upcast
 from laplace.utils.errors import ArgumentTypeError, MetaDeviceError, NotFittedError
 from laplace.utils.feature_extractor import FeatureExtractor, as_feature_extractor

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from laplace.core import distributed as distributed_utils
-from laplace.core.data_loop import progress
-from laplace.posteriors import NotPositiveDefiniteError
+from laplace.core.passes.data_loop import progress
+from laplace.structures import NotPositiveDefiniteError
+from laplace.utils import distributed as distributed_utils
 from laplace.utils.errors import (
     ArgumentTypeError,
     check_positive_float,
@@ -140,7 +140,7 @@ def validation_objective(
     """The score of a candidate as every validation search (grid, Bayesian) sees it.
 
     A candidate whose posterior cannot be factorised scores inf. After a distributed fit (see
-    ``laplace.core.distributed``) each rank validates on its own shard of ``val_loader`` and the
+    ``laplace.utils.distributed``) each rank validates on its own shard of ``val_loader`` and the
     losses, taken as means over the shard, are averaged over all validation points, so every
     rank sees the same score.
 
@@ -184,7 +184,7 @@ def gridsearch(
 
     Candidates whose posterior cannot be factorised or whose loss is not finite are skipped;
     the first of equal losses wins (see ``search_grid``). After a distributed fit (see
-    ``laplace.core.distributed``) each rank validates on its own shard of ``val_loader`` and the
+    ``laplace.utils.distributed``) each rank validates on its own shard of ``val_loader`` and the
     losses, taken as means over the shard, are averaged over all validation points, so every
     rank picks the same candidate.
 

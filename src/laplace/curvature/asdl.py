@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
-from laplace.curvature.layer_rules import ModuleCall
+from laplace.curvature.engine.layer_rules import ModuleCall
 from laplace.curvature.registry import check_library
 from laplace.curvature.third_party import (
     KroneckerLayersOnly,

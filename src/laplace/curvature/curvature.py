@@ -10,7 +10,7 @@ Every curvature of the native routes is ``Σₙ Σₖ (Jₙᵀ vₙₖ)(Jₙᵀ 
 ``vₖ``: a family (GGN, empirical Fisher) says which columns each row of the outputs has
 (``CurvatureInterface.row_columns``), the output layout (``laplace.utils.outputs``) turns
 them into columns of the model's outputs, and the native per-sample engine
-(``laplace.curvature.per_sample``) sums the outer products.
+(``laplace.curvature.engine.per_sample``) sums the outer products.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
-from laplace.curvature.kfac import KfacStatistics, curvature_like, kfac, kfac_eigenvalues
-from laplace.curvature.kfac_rules import (
+from laplace.curvature.engine.kfac import KfacStatistics, curvature_like, kfac, kfac_eigenvalues
+from laplace.curvature.engine.kfac_rules import (
     KFAC_DENSE_LIMIT,
     block_shapes,
     check_output_columns,
     plan_blocks,
 )
-from laplace.curvature.per_sample import Columns, PerSampleEngine, PerSampleTrace
+from laplace.curvature.engine.per_sample import Columns, PerSampleEngine, PerSampleTrace
 from laplace.likelihoods import make_likelihood
 from laplace.utils.data import Inputs
 from laplace.utils.enums import Likelihood
@@ -134,7 +134,7 @@ class CurvatureInterface:
         """One recorded forward pass of the native engine over ``x``.
 
         The trace turns output columns into per-sample parameter quantities (Jacobians,
-        curvature sums, block products; see ``laplace.curvature.per_sample``), restricted to
+        curvature sums, block products; see ``laplace.curvature.engine.per_sample``), restricted to
         ``subnetwork_indices`` when set.
 
         Args:
@@ -326,7 +326,7 @@ class CurvatureInterface:
 
         With ``column_limit``, columns of each row's own curvature (the exact GGN: one per
         output) are refused before they are formed where the outputs per position exceed it
-        ([`check_output_columns`][laplace.curvature.kfac_rules.check_output_columns]).
+        ([`check_output_columns`][laplace.curvature.engine.kfac_rules.check_output_columns]).
 
         Raises:
             ValueError: For keyword arguments other than ``mc_samples`` (positive) and ``N``.
@@ -377,12 +377,12 @@ class CurvatureInterface:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
             N: Number of data points of the whole data set (normalises the factors, see
-                ``laplace.curvature.kfac``, so those of all batches sum to the data's).
+                ``laplace.curvature.engine.kfac``, so those of all batches sum to the data's).
             **kwargs: ``kfac_approx`` (``"expand"`` or ``"reduce"``) overrides the backend's;
                 ``mc_samples`` (stochastic GGN only) overrides its ``num_samples``;
                 ``low_rank_above`` keeps the output factor of layers with more outputs
                 diagonal plus low rank, of rank at most ``output_factor_rank``
-                (``laplace.posteriors.large_output``).
+                (``laplace.structures.large_output``).
 
         Returns:
             The summed batch loss and the [`Kron`][laplace.utils.matrix.Kron] of the batch

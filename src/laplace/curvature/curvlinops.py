@@ -1,11 +1,11 @@
 """The default backend family, named as in laplace-torch (``Curvlinops*``).
 
 Despite the name, the GGN and EF backends compute with laplace-ng's own per-layer engine
-(``laplace.curvature.per_sample``, ``laplace.curvature.kfac``), which is faster than
+(``laplace.curvature.engine.per_sample``, ``laplace.curvature.engine.kfac``), which is faster than
 curvlinops for the dense, diagonal and Kronecker structures a Laplace approximation needs.
 curvlinops supplies linear operators: the exact Hessian (``CurvlinopsHessian``) and the
 curvature products of the low-rank eigensolvers that multiply with an operator (Lanczos,
-LOBPCG, and any Hessian; ``laplace.curvature.products``). See ``docs/backends.md``.
+LOBPCG, and any Hessian; ``laplace.curvature.solvers.products``). See ``docs/backends.md``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
-from laplace.curvature.kfac import KFAC_APPROXIMATIONS
-from laplace.curvature.kfac_rules import KFAC_DENSE_LIMIT
-from laplace.likelihoods.base import LossModule
+from laplace.curvature.engine.kfac import KFAC_APPROXIMATIONS
+from laplace.curvature.engine.kfac_rules import KFAC_DENSE_LIMIT
+from laplace.likelihoods.likelihood_model import LossModule
 from laplace.utils.data import Inputs, batch_size_of
 from laplace.utils.enums import Likelihood
 from laplace.utils.errors import check_int_at_least, check_positive_int

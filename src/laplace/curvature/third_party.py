@@ -3,7 +3,7 @@
 Both libraries hook modules and write their results onto modules and parameters; every backend
 call runs inside ``isolated``, which undoes all of it (docs/backends.md). ``target_call``
 picks what the library runs on (the model, or the last layer on features), ``kron_blocks``
-normalises Kronecker factors like ``laplace.curvature.kfac``, ``check_attribution`` refuses
+normalises Kronecker factors like ``laplace.curvature.engine.kfac``, ``check_attribution`` refuses
 models the libraries would read wrong (the native engine's attribution guard).
 """
 
@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from laplace.curvature.kfac_rules import check_kronecker_layers, module_name
-from laplace.curvature.layer_rules import ModuleCall
+from laplace.curvature.engine.kfac_rules import check_kronecker_layers, module_name
+from laplace.curvature.engine.layer_rules import ModuleCall
 from laplace.utils.matrix import Kron
 
 __all__ = [
@@ -127,7 +127,7 @@ def check_attribution(
 
     ASDL and BackPACK read each parameter's curvature from its module's calls, the rows of
     each call's outputs taken as data points. The native engine's attribution guard
-    (``laplace.curvature.guard``) finds where that is wrong: a parameter used outside its
+    (``laplace.curvature.engine.guard``) finds where that is wrong: a parameter used outside its
     module's calls (a head tied as ``h @ wte.weight.T``), a table looked up once for the batch
     (with or without a batch dimension), a layer in a sequence-first layout, a module called
     several times in one forward pass (the libraries keep one call's quantities). Checked

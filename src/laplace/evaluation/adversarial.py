@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-from laplace.core.data_loop import progress
+from laplace.core.passes.data_loop import progress
 from laplace.evaluation.evaluate import model_device, predict_detached
 from laplace.likelihoods import make_likelihood
 from laplace.likelihoods.scoring import N_BINS, EvaluationOptions

@@ -25,10 +25,10 @@ from torchmetrics.functional.classification import (
 )
 from torchmetrics.utilities import dim_zero_cat
 
-from laplace.core import distributed as distributed_utils
-from laplace.core.data_loop import progress
+from laplace.core.passes.data_loop import progress
 from laplace.likelihoods import make_likelihood
 from laplace.likelihoods.scoring import N_BINS, Evaluation, EvaluationOptions, to_plain
+from laplace.utils import distributed as distributed_utils
 from laplace.utils.data import Inputs, move_inputs, split_batch
 from laplace.utils.errors import check_positive_int
 from laplace.utils.outputs import IGNORE_INDEX
@@ -252,7 +252,7 @@ def evaluate(
             ``la.ignore_index``, else -100 (as ``CrossEntropyLoss``).
         distributed: Add the metrics over the processes of ``torch.distributed``, each
             evaluating its shard of the data; None: when the process group is initialised and
-            the loader uses a ``DistributedSampler`` (see ``laplace.core.distributed``).
+            the loader uses a ``DistributedSampler`` (see ``laplace.utils.distributed``).
         progress_bar: Show a progress bar over batches.
         **predictive_kwargs: Passed to ``la`` on every batch (``pred_type``, ``link_approx``,
             ``n_samples``, ...).

@@ -7,7 +7,7 @@ inducing points. The public paths are laplace-torch's: ``laplace.baselaplace``,
 [`laplace.lllaplace`][laplace.lllaplace] and ``laplace``.
 """
 
-from laplace.functional.base import BaseFunctionalLaplace
+from laplace.functional.base_functional import BaseFunctionalLaplace
 from laplace.functional.ella import ELLA
 from laplace.functional.sod import FunctionalLaplace
 from laplace.functional.sod_ll import FunctionalLLLaplace

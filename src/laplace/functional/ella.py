@@ -17,11 +17,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace.core.base import BaseLaplace, arguments_for
+from laplace.core.base_laplace import BaseLaplace, arguments_for
 from laplace.core.transaction import preserve_model_gradients
 from laplace.core.tuning import grid_candidates, search_grid
 from laplace.curvature import CurvatureInterface
-from laplace.functional.base import BaseFunctionalLaplace, HistoryState, check_val_steps
+from laplace.functional.base_functional import BaseFunctionalLaplace, HistoryState, check_val_steps
 from laplace.functional.nystrom import (
     NystromPosterior,
     dataset_labels,
@@ -29,7 +29,7 @@ from laplace.functional.nystrom import (
     nystrom_features,
     nystrom_indices,
 )
-from laplace.posteriors import NotPositiveDefiniteError
+from laplace.structures import NotPositiveDefiniteError
 from laplace.utils.data import Inputs, dataset_size, subset_loader
 from laplace.utils.enums import (
     FunctionalApproximation,

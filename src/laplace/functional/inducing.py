@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from laplace.core.data_loop import DataLoop
+from laplace.core.passes.data_loop import DataLoop
 from laplace.likelihoods import LikelihoodModel
 from laplace.utils.data import (
     Inputs,

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from laplace.functional.ntk import DenseJacobian, FactoredJacobian
 from laplace.likelihoods import LikelihoodModel
-from laplace.posteriors import NotPositiveDefiniteError
-from laplace.posteriors.glm import jacobian_chunk_rows
+from laplace.structures import NotPositiveDefiniteError
+from laplace.structures.memory_budgets import jacobian_chunk_rows
 from laplace.utils.data import Inputs, input_chunks, move_inputs, to_device
 from laplace.utils.errors import check_finite_result
 

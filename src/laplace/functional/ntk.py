@@ -15,9 +15,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from laplace.curvature.capture import OutputGradients
-from laplace.curvature.kfac_rules import kfac_rule
-from laplace.curvature.per_sample import PerSampleEngine, PerSampleTrace
+from laplace.curvature.engine.capture import OutputGradients
+from laplace.curvature.engine.kfac_rules import kfac_rule
+from laplace.curvature.engine.per_sample import PerSampleEngine, PerSampleTrace
 from laplace.utils.data import Inputs
 
 __all__ = ["DenseJacobian", "FactoredJacobian", "LayerFactor", "layer_factors", "trace_jacobian"]

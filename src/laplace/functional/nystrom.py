@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from laplace.likelihoods import Categorical
-from laplace.posteriors import DensePosterior
+from laplace.structures import DensePosterior
 from laplace.utils.data import Inputs, split_batch, training_indices
 
 __all__ = [

@@ -12,15 +12,15 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace.core.base import BaseLaplace, arguments_for
-from laplace.core.data_loop import Gather
+from laplace.core.base_laplace import BaseLaplace, arguments_for
+from laplace.core.passes.data_loop import Gather
 from laplace.curvature import CurvatureInterface
-from laplace.curvature.per_sample import PerSampleEngine
-from laplace.functional.base import BaseFunctionalLaplace, FunctionalState
+from laplace.curvature.engine.per_sample import PerSampleEngine
+from laplace.functional.base_functional import BaseFunctionalLaplace, FunctionalState
 from laplace.functional.kernel import SubsetKernel
 from laplace.functional.ntk import DenseJacobian, FactoredJacobian, trace_jacobian
 from laplace.likelihoods import make_likelihood
-from laplace.posteriors.glm import jacobian_chunk_rows
+from laplace.structures.memory_budgets import jacobian_chunk_rows
 from laplace.utils.data import Inputs, SoDSampler, dataset_size, slice_inputs, subset_loader
 from laplace.utils.enums import (
     HessianStructure,
@@ -69,16 +69,16 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         model: The trained network.
         likelihood: ``"classification"`` or ``"regression"``.
         n_subset: Number ``M`` of training points in the subset (``1 ≤ M ≤ N``).
-        sigma_noise: See [`BaseLaplace`][laplace.core.base.BaseLaplace].
+        sigma_noise: See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
         prior_precision: Isotropic prior precision ``δ`` (a scalar).
-        prior_mean: See [`BaseLaplace`][laplace.core.base.BaseLaplace].
-        temperature: See [`BaseLaplace`][laplace.core.base.BaseLaplace].
-        enable_backprop: See [`BaseLaplace`][laplace.core.base.BaseLaplace].
-        dict_key_x: See [`BaseLaplace`][laplace.core.base.BaseLaplace].
-        dict_key_y: See [`BaseLaplace`][laplace.core.base.BaseLaplace].
+        prior_mean: See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
+        temperature: See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
+        enable_backprop: See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
+        dict_key_x: See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
+        dict_key_y: See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
         backend: Accepted for compatibility (laplace-torch defaults to ``BackPackGGN``); the
             Jacobians come from the library's per-sample engine, which all backends agree with.
-        backend_kwargs: See [`BaseLaplace`][laplace.core.base.BaseLaplace].
+        backend_kwargs: See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
         independent_outputs: Keep only the per-output diagonal of the kernel.
         seed: Seed of the subset's [`SoDSampler`][laplace.utils.utils.SoDSampler].
 

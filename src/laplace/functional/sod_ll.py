@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from laplace.core.base import arguments_for
+from laplace.core.base_laplace import arguments_for
 from laplace.core.subsets import LastLayer, extractor_property
 from laplace.curvature import CurvatureInterface
 from laplace.functional.sod import FunctionalLaplace, SubsetGPState

@@ -13,12 +13,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from laplace.core.base import BaseLaplace, arguments_for
-from laplace.core.data_loop import DataLoop, Gather
+from laplace.core.base_laplace import BaseLaplace, arguments_for
+from laplace.core.passes.data_loop import DataLoop, Gather
 from laplace.core.priors import as_scalar_prior_precision
 from laplace.core.transaction import preserve_model_gradients
 from laplace.curvature import CurvatureInterface
-from laplace.functional.base import BaseFunctionalLaplace, HistoryState, check_val_steps
+from laplace.functional.base_functional import BaseFunctionalLaplace, HistoryState, check_val_steps
 from laplace.functional.inducing import (
     INDUCING_STATE,
     as_inducing,

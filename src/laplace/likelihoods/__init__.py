@@ -15,7 +15,6 @@ model is a subclass of [`Likelihood`][laplace.Likelihood] (the public protocol),
 
 from __future__ import annotations
 
-from laplace.likelihoods.base import LikelihoodModel
 from laplace.likelihoods.bernoulli import Bernoulli
 from laplace.likelihoods.categorical import Categorical, RewardModeling
 from laplace.likelihoods.custom import CustomLikelihood
@@ -25,6 +24,7 @@ from laplace.likelihoods.heteroscedastic import (
     HeteroscedasticGaussianNLLLoss,
     HeteroscedasticPrediction,
 )
+from laplace.likelihoods.likelihood_model import LikelihoodModel
 from laplace.likelihoods.protocol import Likelihood
 from laplace.utils import enums
 from laplace.utils.outputs import IGNORE_INDEX, OutputAdapter

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from typing_extensions import override
 
-from laplace.likelihoods.base import ProbabilityPredictions
+from laplace.likelihoods.likelihood_model import ProbabilityPredictions
 from laplace.likelihoods.scoring import (
     N_BINS,
     Evaluation,

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from laplace.likelihoods.base import LikelihoodModel, LossModule
+from laplace.likelihoods.likelihood_model import LikelihoodModel, LossModule
 from laplace.likelihoods.protocol import Likelihood
 from laplace.utils.enums import HessianStructure, LinkApprox
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from laplace.likelihoods.base import LikelihoodModel
+from laplace.likelihoods.likelihood_model import LikelihoodModel
 from laplace.likelihoods.scoring import (
     Evaluation,
     EvaluationOptions,

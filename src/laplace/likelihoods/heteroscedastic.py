@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from laplace.likelihoods.base import LikelihoodModel, ReducedLoss
 from laplace.likelihoods.gaussian import check_real_targets, gaussian_evaluation
+from laplace.likelihoods.likelihood_model import LikelihoodModel, ReducedLoss
 from laplace.likelihoods.scoring import (
     Evaluation,
     EvaluationOptions,

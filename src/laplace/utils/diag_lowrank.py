@@ -521,5 +521,5 @@ def factor_from_state(
     kinds = {True: "a diagonal-plus-low-rank factor (a dict)", False: "a dense factor (a tensor)"}
     raise ValueError(
         f"state_dict['H'] holds {kinds[isinstance(state, dict)]} where this approximation keeps "
-        f"{kinds[isinstance(like, DiagLowRank)]} (see laplace.posteriors.large_output)."
+        f"{kinds[isinstance(like, DiagLowRank)]} (see laplace.structures.large_output)."
     )

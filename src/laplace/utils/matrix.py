@@ -10,7 +10,7 @@ output factor of a layer with many outputs may be a diagonal plus low rank
 (``DiagLowRank``, in a ``StructuredKron``), kept as it is
 by ``decompose`` and computed per eigenvalue of the other factor. In a
 fitted curvature ``F₀`` of a two-factor block is summed over the data and ``F₁`` normalised by
-the number of data points (see ``laplace.curvature.kfac``).
+the number of data points (see ``laplace.curvature.engine.kfac``).
 
 ``Kron`` sums factors (as KFAC accumulates them over batches); ``Kron.decompose`` eigen-decomposes
 every factor, ``Fᵢ = Qᵢ diag(λᵢ) Qᵢᵀ``, into a ``KronDecomposed``. There
@@ -241,7 +241,7 @@ class KronDecomposed:
         damping: Use the damped spectrum ``(λ₀ + √δ)(λ₁ + √δ)ᵀ`` for weight blocks.
         corrections: EKFAC: per block eigenvalues that replace ``λ₀ λ₁ᵀ`` (or ``λ₀``) in the
             same eigenbasis, in the shape of its spectrum, or None to keep the factors'
-            (``laplace.curvature.kfac.kfac_eigenvalues``). Damping then adds the same
+            (``laplace.curvature.engine.kfac.kfac_eigenvalues``). Damping then adds the same
             ``√δ(λ₀ ⊕ λ₁) + δ`` to them as to KFAC's.
 
     Attributes:

@@ -24,7 +24,7 @@ from laplace.utils.feature_extractor import FeatureExtractor
 from laplace.utils.swag import fit_diagonal_swag_var, trainable_vector
 
 if TYPE_CHECKING:
-    from laplace.parametric.base import DiagLaplace
+    from laplace.parametric.diag_laplace import DiagLaplace
 
 __all__ = [
     "LargestMagnitudeSubnetMask",

@@ -1,0 +1,1 @@
+"""The passes over the data: the ``DataLoop`` and the fit passes that run on it."""

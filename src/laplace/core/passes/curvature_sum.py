@@ -1,0 +1,178 @@
+"""The passes over the data of a parametric fit: the curvature and loss summed over batches.
+
+A fit is a sum over batches of per-batch statistics, summed by the accumulator of the posterior
+structure (``Posterior``: ``zeros``, ``add``, ``merge``, ``finalize``),
+so ``fit(override=False)`` (online Laplace) and distributed fits (all-reduce of the sums) are
+small additions. The pass over the data is a ``DataLoop``: by default
+``CurvatureSum``, where the backend gives each batch's curvature in the structure's form;
+a class whose parameter subset or structure has its own statistics names another pass of this
+package (a last layer's closed forms, ``head_curvature_sum``; a low-rank eigensolver,
+``top_eigenpairs``; matrix-free products, ``curvature_products``; EKFAC's correction,
+``eigenvalue_correction``). ``ParametricLaplace.fit`` wires them. Internal module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from laplace.core.passes.data_loop import DataLoop
+from laplace.structures import Posterior
+from laplace.utils import distributed as distributed_utils
+from laplace.utils.data import Inputs, batch_size_of, check_outputs, in_fixed_order
+from laplace.utils.errors import check_finite_result
+
+__all__ = ["CurvatureSum", "FitPass", "FitPieces", "LossThenProducts"]
+
+
+@dataclass(frozen=True)
+class FitPieces:
+    """What a fit pass wires together.
+
+    Attributes:
+        subset: The parameter subset (its ``model``; a last layer's features).
+        posterior: The posterior structure, whose accumulator sums the curvature.
+        backend: The curvature backend.
+        likelihood: The likelihood the targets are checked with.
+        zeros: A fresh zero curvature in the structure's form on every call (the class's
+            ``_zero_curvature``: Kron's block shapes depend on the backend).
+        n_data: Number of data points the summed curvature covers (KFAC normalises by it).
+        previous: The fitted curvature an online fit (``fit(override=False)``) adds to, else
+            None: the pass returns the merged curvature (``Posterior.merge`` for a sum).
+        n_before: Number of data points ``previous`` covers.
+    """
+
+    subset: Any
+    posterior: type[Posterior]
+    backend: Any
+    likelihood: Any
+    zeros: Callable[[], Any]
+    n_data: int
+    previous: Any = None
+    n_before: int = 0
+
+
+class FitPass(DataLoop):
+    """A pass of a fit over the data: the pieces it wires and the checks of each batch.
+
+    Args:
+        *args: See ``DataLoop``.
+        pieces: The pieces of the fit.
+        **options: See ``DataLoop``.
+
+    Attributes:
+        n_outputs: The model's number of outputs, known after the first batch.
+        results: Attributes the fit sets on the approximation after the pass (by name).
+    """
+
+    def __init__(self, *args: Any, pieces: FitPieces, **options: Any) -> None:
+        super().__init__(*args, **options)
+        self.pieces = pieces
+        self.n_outputs: int | None = None
+        self.results: dict[str, Any] = {}
+        self._output_shape: Sequence[int] | None = None
+
+    def check_batch(self, X: Inputs, y: Tensor, f: Any) -> Tensor:
+        """Check the outputs ``f`` of a batch and its targets; the first sets ``n_outputs``.
+
+        Raises:
+            ModelOutputError, DataError: See ``laplace.utils.data.check_outputs``.
+            ValueError: For targets the likelihood refuses.
+        """
+        f = check_outputs(f, batch_size_of(X, self.dict_key_x))
+        self._output_shape = f.shape
+        self.n_outputs = self.pieces.likelihood.output_count(f.shape, y)
+        self.pieces.likelihood.check_targets(y, f.shape)
+        return f
+
+
+class CurvatureSum(FitPass):
+    """The pass of a parametric fit: ``(curvature, loss)`` summed over the batches.
+
+    Per batch the likelihood checks the targets (against the outputs' shape, found with one
+    forward pass on the first batch), the posterior structure asks the backend for the batch's
+    loss and curvature in its form (``batch_curvature``) and its accumulator adds them up.
+    Arguments as ``FitPass``.
+    """
+
+    def start(self) -> list[Any]:
+        """Zero curvature and loss."""
+        return [self.pieces.zeros(), 0.0]
+
+    def step(self, X: Inputs, y: Tensor) -> tuple[Tensor, Any]:
+        """``(loss, H_batch)`` of a batch from the backend, after checking its targets."""
+        if self._output_shape is None:
+            with torch.no_grad():
+                self.check_batch(X, y, self.pieces.subset.model(X))
+        else:
+            self.pieces.likelihood.check_targets(y, self._output_shape)
+        return self.batch_curvature(X, y)
+
+    def batch_curvature(self, X: Inputs, y: Tensor) -> tuple[Tensor, Any]:
+        """``(loss, H_batch)`` of a checked batch in the posterior structure's form."""
+        pieces = self.pieces
+        return pieces.posterior.batch_curvature(pieces.backend, X, y, pieces.n_data)
+
+    def check(self, stats: tuple[Tensor, Any]) -> None:
+        """Refuse a non-finite curvature or loss."""
+        loss, H = stats
+        if not self.pieces.posterior.is_finite(H):
+            raise RuntimeError(
+                "the curvature of a training batch contains NaN or inf; check the model's "
+                "outputs and the data."
+            )
+        check_finite_result(loss, "loss of a training batch")
+
+    def add(self, total: list[Any], stats: tuple[Tensor, Any]) -> list[Any]:
+        """Add a batch's curvature (in place: one dense sum less in memory) and loss."""
+        loss, H = stats
+        total[0] = self.pieces.posterior.add(total[0], H)
+        total[1] = total[1] + loss.detach()
+        return total
+
+    def finish(self, total: list[Any]) -> tuple[Any, Tensor]:
+        """``(H, loss)`` of the data; an online fit's ``H`` with the earlier fit's merged in."""
+        H, loss = total
+        pieces = self.pieces
+        if pieces.previous is not None:
+            H = pieces.posterior.merge(pieces.previous, H, pieces.n_before, pieces.n_data)
+        return H, loss
+
+
+class LossThenProducts(FitPass):
+    """A fit whose curvature comes from products over the data once the loss is summed.
+
+    One pass sums the loss, checking each batch's outputs and targets before any product;
+    ``run`` of a subclass then multiplies with the curvature over ``product_data`` (the
+    low-rank eigensolver, ``laplace.core.passes.top_eigenpairs.TopEigenpairs``; the matrix-free
+    posterior, ``laplace.core.passes.curvature_products.CurvatureProducts``). Arguments as
+    ``FitPass``.
+    """
+
+    def step(self, X: Inputs, y: Tensor) -> Tensor:
+        """The summed loss of a batch, after checking its outputs and targets."""
+        with torch.no_grad():
+            f = self.check_batch(X, y, self.pieces.subset.model(X))
+            return self.pieces.backend.batch_loss(f, y)
+
+    def check(self, stats: Tensor) -> None:
+        """Refuse a non-finite loss (before any product)."""
+        check_finite_result(stats, "loss of a training batch")
+
+    def product_data(self, loader: Any) -> Iterable[tuple[Inputs, Tensor]]:
+        """Re-iterable batches ``(X, loss targets)`` for products, one pass per iteration.
+
+        A shuffling loader is read in order (``in_fixed_order``): products keep some batches
+        between passes, so every pass must yield the same ones.
+        """
+        dtype, loss_targets = self.pieces.subset.dtype, self.pieces.likelihood.loss_targets
+        return self.passes(in_fixed_order(loader), lambda X, y: (X, loss_targets(y, dtype)))
+
+    @property
+    def reduce(self) -> Callable[[Any], Any] | None:
+        """The sum of a product over processes in a distributed fit, else None."""
+        return distributed_utils.all_reduce_sum if self.distributed else None

@@ -1,0 +1,605 @@
+r"""Kronecker-factored curvature (KFAC) from one recorded forward and one backward per column.
+
+A layer ``z = W a (+ b)`` applied at T positions per row, with inputs ``aₙₜ`` and gradients
+``gₙₖₜ`` of the curvature's columns, gets ``G ⊗ A`` over the N points of the data set: expand
+``A = (1/(N·T)) Σₙₜ aₙₜ aₙₜᵀ``, ``G = Σₖₙₜ gₙₖₜ gₙₖₜᵀ``; reduce the same of the positions' mean
+input and summed gradient; its bias ``G``. Factors are split ``G/√c ⊗ √c·A`` (c the backend's
+loss factor), ``√c·N·A ⊗ G/(√c·N)`` for weights laid out (D_in, D_out); an embedding's ``A`` is
+the diagonal of token counts. Every other parameter gets its exact block, dense up to
+``dense_limit`` entries, else diagonal (``laplace.curvature.engine.kfac_rules``); a layer with more
+than ``low_rank_above`` outputs keeps ``G`` as a ``DiagLowRank``
+(in a [`StructuredKron`][laplace.utils.matrix.StructuredKron]). The conventions in full (outputs
+with extra dimensions, low-rank factors) are in ``docs/backends.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from laplace.curvature.engine.capture import column_chunks
+from laplace.curvature.engine.kfac_rules import (
+    KFAC_DENSE_LIMIT,
+    Block,
+    KfacRule,
+    LowRankShape,
+    as_uses,
+    block_shapes,
+    module_name,
+    plan_blocks,
+)
+from laplace.curvature.engine.layer_rules import ModuleCall, tiled_call
+from laplace.curvature.engine.per_sample import COLUMNS_PER_BACKWARD, Columns, PerSampleTrace
+from laplace.curvature.engine.square_sums import row_token_pairs
+from laplace.utils.data import posterior_dtype
+from laplace.utils.diag_lowrank import DiagLowRank
+from laplace.utils.linalg import symmetric_gram
+from laplace.utils.matrix import Kron, StructuredKron
+
+__all__ = ["KFAC_APPROXIMATIONS", "KfacStatistics", "kfac", "kfac_eigenvalues"]
+
+#: The weight-sharing approximations of Eschenhagen et al. (2023).
+KFAC_APPROXIMATIONS = ("expand", "reduce")
+
+
+def _gram(t: Tensor, approx: str, scale: float = 1.0) -> Tensor:
+    """``scale ·`` Σ of outer products of (R, T, D) rows, shape (D, D), without copying them.
+
+    Expand sums over every position; reduce over the per-row mean over positions. Rows
+    laid out contiguously go through one symmetric Gram product (each off-diagonal block once),
+    scaled before the product where they are fewer numbers than the result; strided ones (the
+    gradients of a convolution, (R, D, T) in memory) through a batched product.
+    """
+    if approx == "reduce" or t.shape[1] == 1 or t.is_contiguous():
+        # reduce: the rows' means; expand: a view, every position a row
+        rows = t.mean(1) if approx == "reduce" else t.reshape(-1, t.shape[-1])
+        if scale != 1 and rows.numel() < rows.shape[1] ** 2:
+            return symmetric_gram(rows * math.sqrt(scale))
+        gram = symmetric_gram(rows)
+    else:
+        gram = torch.bmm(t.transpose(1, 2), t).sum(0)
+    return gram if scale == 1 else gram.mul_(scale)
+
+
+def _token_counts(module: nn.Embedding, tokens: Tensor, approx: str, dtype: torch.dtype) -> Tensor:
+    """Diagonal input factor of an embedding: ``Σₙₜ`` one-hot rows (expand) or ``Σₙ cₙ²`` (reduce).
+
+    Args:
+        module: The embedding (its vocabulary size and padding index).
+        tokens: The indices looked up, (R, T).
+        approx: ``"expand"`` or ``"reduce"``.
+        dtype: Floating-point type of the result.
+
+    Returns:
+        Shape (V,), not yet divided by the positions.
+    """
+    V = module.num_embeddings
+    if approx == "expand" or tokens.shape[1] == 1:
+        counts = torch.bincount(tokens.flatten(), minlength=V).to(dtype)
+    else:  # per (row, token) pair its count in the row, squared and summed over the rows
+        pairs, _, per_pair = row_token_pairs(tokens, V)
+        counts = torch.zeros(V, dtype=dtype, device=tokens.device)
+        counts.index_add_(0, pairs % V, per_pair.to(dtype).square())
+    if module.padding_idx is not None:  # its row gets no gradient
+        counts[module.padding_idx] = 0
+    return counts
+
+
+def _input_factor(
+    rule: KfacRule, call: ModuleCall, a: Tensor, approx: str, root: float, n: int
+) -> Tensor:
+    """``root/n ·`` the input factor of one call with inputs ``a`` (``rule.inputs(call)``).
+
+    Returns:
+        (D_in, D_in), or (V,) for an embedding.
+    """
+    T = a.shape[1]
+    if rule.one_hot:  # reduce: the rows' mean one-hot vectors (counts / T), squared
+        counts = _token_counts(call.module, a, approx, call.outputs[0].dtype)
+        return counts.mul_(root / (n * (T if approx == "expand" else T**2)))
+    return _gram(a, approx, scale=root / (n * (T if approx == "expand" else 1)))
+
+
+def _add(sums: dict, key: object, value: Tensor | DiagLowRank) -> None:
+    if key in sums:
+        sums[key] += value
+    else:
+        sums[key] = value
+
+
+def _low_rank_gram(g: Tensor, approx: str, max_rank: int | None) -> DiagLowRank:
+    """``Σ g gᵀ`` of gradient rows (R, T, C) as ``diag(0) + U Uᵀ`` (rank at most ``max_rank``).
+
+    Expand takes every position's row, reduce the per-row sums over positions (as
+    ``_gram``); the rows are ``U``'s columns, never multiplied out into a C × C matrix.
+    """
+    rows = g.sum(1) if approx == "reduce" else g.reshape(-1, g.shape[-1])
+    return DiagLowRank(rows.new_zeros(rows.shape[1]), rows.T, 1, max_rank)
+
+
+def _check_batch_rows(trace: PerSampleTrace) -> None:
+    """Refuse layers whose outputs have fewer rows than the batch.
+
+    Per-sample quantities are read off every layer's output gradients row by row. An output
+    shared by the data points and only broadcast over them (a position embedding looked up
+    once, (1, T, D)) is recorded expanded along the batch (``record_forward``); one that stays
+    shared is combined across the data points, and no per-sample gradient exists. Rows beyond
+    the batch (folded batches) are taken as positions.
+
+    Raises:
+        ValueError: Naming the first such layer and the alternatives.
+    """
+    batch = trace.f.shape[0]
+    for call in trace.calls:
+        rows = call.outputs[0].shape[0] if call.outputs[0].dim() else 0
+        if rows < batch:
+            name = module_name(trace.engine.model, call.module)
+            raise ValueError(
+                f"module {name!r} ({type(call.module).__name__}) returns "
+                f"outputs of shape {tuple(call.outputs[0].shape)} for a batch of {batch}, shared "
+                "by the data points and not only broadcast over them (the model combines them "
+                "across the batch): they have no per-sample gradients for KFAC. Freeze its "
+                "parameters (requires_grad=False) or use hessian_structure='diag' or 'full'."
+            )
+
+
+def _or_zeros(
+    sums: dict, key: object, like: Tensor, shape: tuple[int, ...], max_rank: int | None = None
+) -> Tensor | DiagLowRank:
+    """``sums[key]``, or zeros of ``shape`` for a module not called on the batch."""
+    if key in sums:
+        return sums[key]
+    if isinstance(shape, LowRankShape):
+        return DiagLowRank.zeros(shape[0], 1, max_rank, like.device, like.dtype)
+    return like.new_zeros(shape)
+
+
+def _rules_by_module(plan: list[Block], kinds: tuple[str, ...]) -> dict[nn.Module, dict]:
+    """Per layer, the rules of its Kronecker-factored maps (``Block.key``) of ``kinds``."""
+    rules: dict[nn.Module, dict] = {}
+    for block in plan:
+        if block.kind in kinds:
+            rules.setdefault(block.module, {})[block.key] = block.rule
+    return rules
+
+
+class _ExactBlocks:
+    """Sums of the exact blocks (dense or diagonal) from per-sample gradients, by slot.
+
+    A parameter's per-sample gradients come from its layers' rules where every call has one
+    row per data point; where a call has more rows than the batch (a folded batch, whose rows
+    a Kronecker block takes as positions) or the guard does not trust a call, from autograd,
+    one backward pass per data point (``autograd_slots``).
+    """
+
+    def __init__(self, trace: PerSampleTrace, plan: list[Block]) -> None:
+        self.trace, self.plan = trace, plan
+        self.sums: dict[int, Tensor] = {}
+        slot, batch = trace.engine.slot, trace.f.shape[0]
+        exact_kind = {s for s, block in enumerate(plan) if block.kind in ("dense", "diag")}
+        folded = {
+            slot[call.module, name]
+            for call in trace.calls
+            if call.outputs[0].shape[0] != batch
+            for name in call.names
+        }
+        self.autograd_slots = sorted(set(trace.exact_slots) | (folded & exact_kind))
+        self.by_rule = exact_kind - set(self.autograd_slots)
+        self.calls = [
+            (i, call)
+            for i, call in enumerate(trace.calls)
+            if any(slot[call.module, name] in self.by_rule for name in call.names)
+        ]
+
+    def add_exact(self, columns: Tensor) -> None:
+        """Add the blocks of ``autograd_slots`` for a chunk of columns (K, B, ...)."""
+        for s, u in self.trace.exact_rows(columns, self.autograd_slots).items():
+            self._add_rows(s, u.detach().flatten(0, 1).flatten(1))
+
+    def _add_rows(self, s: int, u: Tensor) -> None:
+        """Add the block of per-sample gradient rows ``u`` (R, n) of slot ``s``."""
+        diagonal = self.plan[s].kind == "diag"
+        _add(self.sums, s, u.square().sum(0) if diagonal else symmetric_gram(u))
+
+    def add(self, grads: list[list[Tensor]]) -> None:
+        """Add the blocks of a chunk of columns (per call, gradients (k, B, ...))."""
+        rows: dict[int, list[Tensor]] = {}  # per slot, per call, the per-sample gradients
+        for i, call in self.calls:
+            k = len(grads[i][0])  # the chunk's columns, as more rows: (k·B, ...)
+            tiled = tiled_call(call, k) if k > 1 else call
+            try:
+                per_sample = self.trace.slot_grads(tiled, [g.flatten(0, 1) for g in grads[i]])
+            except ValueError as error:  # a rule refusing the call: name the module
+                name = module_name(self.trace.engine.model, call.module)
+                raise ValueError(f"module {name!r}: {error}") from error
+            for s, u in per_sample.items():
+                if s in self.by_rule:
+                    rows.setdefault(s, []).append(u.detach().flatten(1))
+        for s, us in rows.items():  # a parameter used by several calls: the sum of their rows
+            self._add_rows(s, torch.stack(us).sum(0))
+
+
+def _check_exact_slots(trace: PerSampleTrace, plan: list[Block]) -> None:
+    """Refuse a Kronecker-factored parameter whose recorded calls the guard does not trust.
+
+    Such a parameter's exact block comes from per-sample gradients; one planned as ``G ⊗ A``
+    has no inputs and output gradients of all its uses to factor.
+
+    Raises:
+        ValueError: Naming the parameter, why, and the alternatives.
+    """
+    for slot in trace.exact_slots:
+        if plan[slot].kind in ("kron", "bias"):
+            raise ValueError(
+                f"{trace.engine.describe(slot)} has a Kronecker block, but "
+                f"{trace.exact_reasons[slot]}: its inputs and output gradients are not all "
+                "recorded, so G ⊗ A cannot be formed. Use hessian_structure='diag', 'full' or "
+                "'lowrank' (exact for it), call the module for every use (tie weights by "
+                "sharing the parameter between modules), or freeze it (requires_grad=False)."
+            )
+
+
+def kfac(
+    trace: PerSampleTrace,
+    columns: Columns,
+    n_data: int,
+    approx: str,
+    factor: float,
+    gradients: list[list[Tensor]] | None = None,
+    dense_limit: int = KFAC_DENSE_LIMIT,
+    low_rank_above: int | None = None,
+    max_rank: int | None = None,
+    statistics: KfacStatistics | None = None,
+) -> Kron:
+    """KFAC factors of one batch, normalised for a data set of ``n_data`` points.
+
+    Args:
+        trace: A recorded forward pass over the batch.
+        columns: Output columns ``vₖ`` of the curvature, sliced like a tensor (K, B, ...).
+        n_data: Number of data points N of the whole data set.
+        approx: ``"expand"`` or ``"reduce"``.
+        factor: The backend's loss factor ``c`` (sets the split of each block between factors).
+        gradients: The columns' gradients w.r.t. each call's outputs, each (K, B, ...), where
+            already taken (else they are taken here).
+        dense_limit: Largest parameter without a Kronecker rule whose exact block is dense.
+        low_rank_above: Layers with more outputs keep their output factor as a
+            ``DiagLowRank`` (None: every factor dense).
+        max_rank: Largest number of low-rank columns such a factor keeps (None: all).
+        statistics: Where given, the inputs and gradients the factors are formed from are kept
+            in it, for EKFAC (``KfacStatistics``).
+
+    Returns:
+        One block per parameter in ``trace.engine.needed`` order
+        ([`plan_blocks`][laplace.curvature.engine.kfac_rules.plan_blocks]); a ``StructuredKron``
+        where a factor is low rank.
+
+    Raises:
+        ValueError: For an unknown ``approx``, a trace restricted to a subnetwork, a layer
+            whose outputs have fewer rows than the batch, or a ``Conv1D`` with more than
+            ``low_rank_above`` outputs.
+    """
+    if approx not in KFAC_APPROXIMATIONS:
+        raise ValueError(f"kfac_approx must be one of {KFAC_APPROXIMATIONS}, got {approx!r}.")
+    if trace.engine.indices is not None:
+        raise ValueError(
+            "KFAC is defined per layer; it does not support subnetwork_indices: use a "
+            "subnetwork with hessian_structure='full' or 'diag'."
+        )
+    _check_batch_rows(trace)
+    engine, calls = trace.engine, trace.calls
+    plan = plan_blocks(engine, dense_limit, low_rank_above)
+    _check_exact_slots(trace, plan)
+    kron_rules = _rules_by_module(plan, ("kron", "bias"))
+    low_rank = {b.key for b in plan if b.low_rank}
+    # the weights with a Kronecker block (not a tied weight's exact block), with their rule
+    kron_weights = _rules_by_module(plan, ("kron",))
+    A: dict[tuple, Tensor] = {}
+    G: dict[tuple, Tensor] = {}
+    root = math.sqrt(factor)
+    inputs: dict[tuple, tuple[Tensor, ...]] = {}
+    for i, call in enumerate(calls):
+        for key, rule in kron_weights.get(call.module, {}).items():
+            n = 1 if rule.inputs_first else n_data
+            inputs[i, key] = tuple(a.detach() for a in as_uses(rule.inputs(call)))
+            for a in inputs[i, key]:
+                _add(A, key, _input_factor(rule, call, a, approx, root, n))
+    exact = _ExactBlocks(trace, plan)
+    for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD) if exact.autograd_slots else ():
+        exact.add_exact(chunk)
+    rows: dict[tuple, list[Tensor]] = {}
+    kept: dict[tuple, list[Tensor]] = {}
+    for stacked in trace.column_gradients(columns) if gradients is None else [gradients]:
+        chunk = [[g.detach() for g in grads] for grads in stacked]
+        exact.add(chunk)
+        for i, call in enumerate(calls):
+            for key, rule in kron_rules.get(call.module, {}).items():
+                # Gradients of one position per row are gathered into one Gram product per
+                # call; those of many positions (convolutions) are large, so their Gram is
+                # added chunk by chunk.
+                uses = as_uses(rule.grads(call, [g.flatten(0, 1) for g in chunk[i]]))
+                for use, g in enumerate(uses):
+                    if statistics is not None:
+                        kept.setdefault((i, key, use), []).append(
+                            g.unflatten(0, chunk[i][0].shape[:2])
+                        )
+                    if key in low_rank:
+                        _add(G, key, _low_rank_gram(g, approx, max_rank))
+                    elif g.shape[1] == 1 or approx == "reduce":
+                        rows.setdefault((i, key, use), []).append(g.sum(1))
+                    else:
+                        _add(G, key, _gram(g, "expand"))
+    for (_, key, _), gs in rows.items():
+        _add(G, key, symmetric_gram(torch.cat(gs)))
+    for (i, key, use), gs in kept.items():  # a bias without a Kronecker weight needs no inputs
+        a = inputs[i, key][use] if (i, key) in inputs else gs[0].new_empty(0)
+        statistics.add(key, kron_rules[calls[i].module][key], a, gs)
+    shapes = block_shapes(plan, engine.needed)
+    blocks: list[list[Tensor]] = []
+    for slot, (block, p, shape) in enumerate(zip(plan, engine.needed, shapes)):
+        if block.kind in ("dense", "diag"):
+            blocks.append([_or_zeros(exact.sums, slot, p, shape[0])])
+        elif block.kind == "bias":
+            blocks.append([_or_zeros(G, block.key, p, shape[0], max_rank)])
+        elif block.rule.inputs_first:
+            G_m = _or_zeros(G, block.key, p, shape[1])
+            blocks.append([_or_zeros(A, block.key, p, shape[0]), G_m / (root * n_data)])
+        else:
+            G_m = _or_zeros(G, block.key, p, shape[0], max_rank)
+            blocks.append([G_m / root, _or_zeros(A, block.key, p, shape[1])])
+    return StructuredKron(blocks) if low_rank else Kron(blocks)
+
+
+#: Largest per-sample gradient chunk (rows × weight entries) formed at once for layers that
+#: see several positions per row.
+EIGENVALUE_CHUNK_ELEMENTS = 2**24
+
+
+def _rotated(t: Tensor, Q: Tensor | None) -> Tensor:
+    return t if Q is None else t @ Q
+
+
+def _keeps_rows(a: Tensor, grads: list[Tensor]) -> bool:
+    """Whether a weight's per-row gradients are cheaper to project than its inputs and gradients.
+
+    Rotating the K columns' gradients (R, T, D_out) and the inputs (R, T, D_in) into the
+    eigenbasis costs ``R·T·(K·D_out² + D_in²)``; rotating the per-row gradients
+    ``Σₜ gₖᵣₜ aᵣₜᵀ`` (which both routes form) ``K·R·D_out·D_in·(D_out + D_in)``. Small
+    kernels applied at many positions (a first convolution) take the second route, which also
+    keeps less: (K, R, D_in, D_out) instead of (K, R, T, D_out).
+    """
+    T, D_in = a.shape[1:]
+    K, D_out = sum(len(g) for g in grads), grads[0].shape[-1]
+    return T > 1 and T * (K * D_out**2 + D_in**2) > K * D_out * D_in * (D_out + D_in)
+
+
+def _row_gradients(a: Tensor, g: Tensor) -> Tensor:
+    """Transposed per-row weight gradients ``Σₜ aᵣₜ gₖᵣₜᵀ`` (k, R, D_in, D_out)."""
+    return a.to(g.dtype).transpose(-1, -2) @ g
+
+
+def _rotated_row_squares(rows: Tensor, Q_out: Tensor | None, Q_in: Tensor | None) -> Tensor:
+    """``Σₖᵣ (Q_outᵀ uₖᵣ Q_in)²`` entry by entry (D_out, D_in) of ``uₖᵣᵀ`` (k, R, D_in, D_out)."""
+    rotated = _rotated(_rotated(rows, Q_out).transpose(-1, -2), Q_in)
+    return rotated.square().sum((0, 1))
+
+
+def _projected_squares(
+    a: Tensor, grads: list[Tensor], Q_out: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``Σₖᵣ (gₖᵣᵀ aᵣ)²`` entry by entry, (D_out, D_in), and ``Σₖᵣ (Σₜ gₖᵣₜ)²`` (D_out,).
+
+    Args:
+        a: Rotated inputs (R, T, D_in).
+        grads: The gradients' chunks (k, R, T, D_out), rotated here by ``Q_out``.
+        Q_out: The output factor's eigenvectors (None: the identity).
+
+    ``gₖᵣᵀ aᵣ`` is a row's gradient of a weight seen at T positions for column k. One position
+    per row needs no per-row matrix: ``Σᵣ (Σₖ gₖᵣ²)(aᵣ²)ᵀ``, one product for all chunks;
+    several are formed as ``(Q_outᵀ gᵣᵀ) aᵣ`` (R, k·D_out, D_in), a chunk of rows at a time.
+    """
+    R, T, D_in = a.shape
+    if T == 1:
+        row_weights = sum(_rotated(g[:, :, 0], Q_out).square().sum(0) for g in grads)
+        return row_weights.T @ a[:, 0].square(), row_weights.sum(0)
+    D_out = grads[0].shape[-1]
+    total, bias = a.new_zeros(D_out, D_in), a.new_zeros(D_out)
+    for g in grads:
+        rotated = _rotated(g, Q_out)  # (k, R, T, D_out)
+        bias += rotated.sum(2).square().sum((0, 1))
+        k = len(g)
+        # (R, k·D_out, T), a view where k = 1
+        columns = rotated.permute(1, 0, 3, 2).reshape(R, k * D_out, T)
+        step = max(1, EIGENVALUE_CHUNK_ELEMENTS // (k * D_out * D_in))
+        for start in range(0, R, step):
+            rows = slice(start, start + step)
+            products = torch.bmm(columns[rows], a[rows]).square_()
+            total += products.unflatten(1, (k, D_out)).sum((0, 1))
+    return total, bias
+
+
+def _embedding_squares(module: nn.Embedding, tokens: Tensor, g: Tensor) -> Tensor:
+    """``Σₖᵣ (row r's embedding gradient)²`` entry by entry, (V, D): tokens (R, T), g (k, R, T, D).
+
+    A row's gradient of token v sums its positions holding v (``row_token_pairs``).
+    """
+    V = module.num_embeddings
+    pairs, inverse, _ = row_token_pairs(tokens, V)
+    per_pair = g.new_zeros(len(g), len(pairs), g.shape[-1])
+    per_pair.index_add_(1, inverse, g.flatten(1, 2))
+    total = g.new_zeros(V, g.shape[-1]).index_add_(0, pairs % V, per_pair.square().sum(0))
+    if module.padding_idx is not None:
+        total[module.padding_idx] = 0
+    return total
+
+
+def curvature_like(engine: Any) -> Tensor:
+    """An empty tensor of the engine's device and curvature type (the posterior's)."""
+    p = engine.needed[0]
+    return p.new_empty(0, dtype=engine.dtype or posterior_dtype(p.dtype))
+
+
+def _same(Q: Tensor | None, other: Tensor | None) -> bool:
+    return Q is not None and other is not None and Q.shape == other.shape and torch.equal(Q, other)
+
+
+class _KeptCall(NamedTuple):
+    """One call's kept statistics.
+
+    ``inputs`` (R, T, D_in) and ``grads`` chunks (k, R, T, D_out); or, where ``rows`` are kept
+    (``_keeps_rows``), the transposed per-row weight gradients' chunks (k, R, D_in, D_out),
+    ``grads`` then summed over the positions (k, R, 1, D_out) for a bias and ``inputs`` None.
+    """
+
+    key: tuple[nn.Module, str]
+    rule: KfacRule
+    inputs: Tensor | None
+    grads: list[Tensor]
+    rows: list[Tensor] | None
+
+
+class KfacStatistics:
+    """A batch's layer inputs and output gradients of the Kronecker blocks, for EKFAC.
+
+    What ``kfac`` computes its factors from, kept per call: the inputs ``aₙₜ`` (R, T, D_in)
+    (an embedding's token indices) and the gradients ``gₖₙₜ`` (K, R, T, D_out) of all K
+    curvature columns, so that ``eigenvalues`` can project them into an eigenbasis found later,
+    without another pass over the data. A weight seen at many positions through a small kernel
+    keeps its per-row gradients instead, which are both smaller and cheaper to project
+    (``_keeps_rows``).
+
+    Args:
+        plan: The blocks of the engine's parameters (``plan_blocks``).
+        shapes: Their factor shapes (``block_shapes``).
+        like: A tensor of the engine's device and curvature type.
+    """
+
+    def __init__(self, plan: list[Block], shapes: list, like: Tensor) -> None:
+        self.plan, self.shapes, self.like = plan, shapes, like
+        self.weight_slots = {b.key: s for s, b in enumerate(plan) if b.kind == "kron"}
+        self.bias_slots = {b.key: s for s, b in enumerate(plan) if b.kind == "bias"}
+        self.calls: list[_KeptCall] = []
+
+    def add(self, key: tuple, rule: KfacRule, a: Tensor, grads: list[Tensor]) -> None:
+        """Keep one use's inputs (R, T, D_in) and column gradients, chunks (k, R, T, D_out).
+
+        Args:
+            key: The block's ``Block.key`` (its layer and map).
+            rule: The map's rule.
+            a: The inputs of this use.
+            grads: The gradients' chunks of this use.
+        """
+        weight = key in self.weight_slots and not rule.one_hot
+        if weight and _keeps_rows(a, grads):
+            rows = [_row_gradients(a, g) for g in grads]
+            sums = [g.sum(2, keepdim=True) for g in grads]
+            self.calls.append(_KeptCall(key, rule, None, sums, rows))
+        else:
+            self.calls.append(_KeptCall(key, rule, a, grads, None))
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the kept tensors hold."""
+        return sum(
+            sum(t.nbytes for t in [c.inputs, *c.grads, *(c.rows or [])] if t is not None)
+            for c in self.calls
+        )
+
+    def eigenvalues(self, bases: list[list[Tensor | None]]) -> list[Tensor | None]:
+        r"""``diag(Qᵀ H Q)`` of each Kronecker block's exact curvature in the eigenbasis ``bases``.
+
+        ``Q = Q₀ ⊗ Q₁`` is the block's KFAC eigenbasis and ``H = Σₖₙ uₖₙ uₖₙᵀ`` its exact
+        curvature from the per-sample gradients ``uₖₙ`` of the curvature columns (George et al.,
+        2018). A weight's ``uₖₙ = Σₜ gₖₙₜ aₙₜᵀ`` gives ``Σₖₙ (Q₀ᵀ uₖₙ Q₁)²`` without forming
+        ``H``; a bias's ``(Q₀ᵀ Σₜ gₖₙₜ)²``. Unlike the factors, these sums carry no
+        normalisation: over batches they add up to the data's.
+
+        Args:
+            bases: Per block the eigenvector matrices of its factors (None: the identity), as
+                ``KronDecomposed.factor_bases``.
+
+        Returns:
+            Per block the eigenvalues in the shape of its spectrum, (p_out, p_in) or (p,); None
+            for the blocks that are exact already (dense or diagonal).
+        """
+        sums: dict[int, Tensor] = {}
+        for key, rule, a, grads, rows in self.calls:
+            weight, bias = self.weight_slots.get(key), self.bias_slots.get(key)
+            Q_out = Q_in = None
+            if weight is not None:
+                Q0, Q1 = bases[weight]
+                Q_out, Q_in = (Q1, Q0) if rule.inputs_first else (Q0, Q1)
+            squares = bias_squares = None
+            if weight is not None and rule.one_hot:
+                for g in grads:
+                    _add(sums, weight, _embedding_squares(key[0], a, _rotated(g, Q_out)))
+            elif rows is not None:
+                squares = sum(_rotated_row_squares(u, Q_out, Q_in) for u in rows)
+            elif weight is not None:
+                a = _rotated(a, Q_in).to(grads[0].dtype)
+                squares, bias_squares = _projected_squares(a, grads, Q_out)
+            if squares is not None:
+                _add(sums, weight, squares.T if rule.inputs_first else squares)
+            if bias is None:
+                continue
+            # the bias's basis is the weight's output basis where their factors agree
+            Q_bias = bases[bias][0]
+            if bias_squares is not None and _same(Q_bias, Q_out):
+                _add(sums, bias, bias_squares)
+            else:
+                for g in grads:
+                    _add(sums, bias, _rotated(g.sum(2), Q_bias).square().sum((0, 1)))
+        eigenvalues: list[Tensor | None] = []
+        for slot, (block, shape) in enumerate(zip(self.plan, self.shapes)):
+            if block.kind not in ("kron", "bias"):
+                eigenvalues.append(None)
+            elif slot in sums:
+                eigenvalues.append(sums[slot])
+            else:  # a layer not called on this batch
+                eigenvalues.append(self.like.new_zeros([s[0] for s in shape]))
+        return eigenvalues
+
+
+def kfac_eigenvalues(
+    trace: PerSampleTrace,
+    columns: Columns,
+    bases: list[list[Tensor | None]],
+    dense_limit: int = KFAC_DENSE_LIMIT,
+) -> list[Tensor | None]:
+    """EKFAC's eigenvalues of a batch in the eigenbasis ``bases`` (``KfacStatistics``).
+
+    Args:
+        trace: A recorded forward pass over the batch (all parameters).
+        columns: Output columns ``vₖ`` of the curvature, sliced like a tensor (K, B, ...).
+        bases: Per block the eigenvector matrices of its factors (None: the identity), in
+            ``trace.engine.needed`` order.
+        dense_limit: As ``kfac``: which parameters without a Kronecker rule are dense blocks.
+
+    Returns:
+        See ``KfacStatistics.eigenvalues``.
+
+    Raises:
+        ValueError: As ``kfac``.
+    """
+    if trace.engine.indices is not None:
+        raise ValueError("EKFAC is defined per layer; it does not support subnetwork_indices.")
+    _check_batch_rows(trace)
+    engine = trace.engine
+    plan = plan_blocks(engine, dense_limit)
+    _check_exact_slots(trace, plan)
+    rules = _rules_by_module(plan, ("kron", "bias"))
+    grads: dict[tuple, list[Tensor]] = {}
+    for stacked in trace.column_gradients(columns):
+        for i, call in enumerate(trace.calls):
+            for key, rule in rules.get(call.module, {}).items():
+                shape = stacked[i][0].shape[:2]
+                uses = as_uses(rule.grads(call, [g.detach().flatten(0, 1) for g in stacked[i]]))
+                for use, g in enumerate(uses):
+                    grads.setdefault((i, key, use), []).append(g.unflatten(0, shape))
+    statistics = KfacStatistics(plan, block_shapes(plan, engine.needed), curvature_like(engine))
+    for (i, key, use), gs in grads.items():
+        rule = rules[trace.calls[i].module][key]
+        statistics.add(key, rule, as_uses(rule.inputs(trace.calls[i]))[use].detach(), gs)
+    return statistics.eigenvalues(bases)

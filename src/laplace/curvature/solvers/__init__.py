@@ -1,0 +1,1 @@
+"""Iterative solvers over curvature products: Krylov methods, eigensolvers, KFAC starts."""

@@ -1,0 +1,191 @@
+"""The contract every posterior structure (dense, diagonal, Kronecker, low-rank) implements.
+
+A structure owns two things: the accumulator of a fit (how the curvature of a batch is obtained
+from a backend, summed over batches, added to an earlier fit, stored and saved), and the Gaussian
+posterior ``N(θ_MAP, P⁻¹)`` with ``P = h·H + diag(p₀)`` once the curvature ``H``, the likelihood
+factor ``h = 1/(σ²T)`` and the prior precision ``p₀`` are known. Fits, predictives, the marginal
+likelihood, hyperparameter tuning and saved states only talk to this interface, so they never
+branch on the structure.
+
+The functional variance ``J P⁻¹ Jᵀ`` is a double dispatch: a parameter subset linearises the model
+into one of a few Jacobian kinds (``laplace.structures.jacobians``), and each structure maps the
+kinds it has a closed form for to that closed form (``closed_forms``); any other kind, or a closed
+form that does not apply (returns None), goes through the kind's dense rows
+(``Posterior.rows_variance``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from laplace.structures.jacobians import Jacobian
+
+__all__ = ["ClosedForm", "NotPositiveDefiniteError", "Posterior"]
+
+#: ``J P⁻¹ Jᵀ`` (B, C, C) of a posterior for one Jacobian kind, or None where it does not apply.
+ClosedForm = Callable[[Any, Any], Tensor | None]
+
+
+class NotPositiveDefiniteError(RuntimeError):
+    """The posterior precision could not be factorised: it is not positive definite."""
+
+
+class Posterior(ABC):
+    """Gaussian posterior with precision ``P = h·H + diag(p₀)`` over P parameters.
+
+    Args:
+        H: Curvature in the structure's own representation (summed over the data).
+        h_factor: Scalar likelihood factor ``h = 1/(σ²T)``, shape () or (1,).
+        prior_diag: Diagonal of the prior precision, shape (P,).
+    """
+
+    #: The backend method (``full``, ``diag``, ``kron``) giving a batch's curvature in this form.
+    backend_route: ClassVar[str]
+    #: Closed forms of ``J P⁻¹ Jᵀ`` by Jacobian kind; other kinds go through their dense rows.
+    closed_forms: ClassVar[Mapping[type[Jacobian], ClosedForm]] = {}
+    #: Why ``fit(override=False)`` cannot update a fit of this structure; None: it can.
+    update_refusal: ClassVar[str | None] = None
+    #: The closed form of a linear head's curvature in this structure's form, equal to its
+    #: ``backend_route`` (``laplace.structures.last_layer.head_curvature``); None: none.
+    head_curvature: ClassVar[Callable[..., Any] | None] = None
+
+    def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
+        self.H = H
+        self.h_factor = h_factor.reshape(())
+        self.prior_diag = prior_diag
+
+    # ---------------------------------------------------------------- curvature accumulation
+    # A fit is a sum over batches in the structure's representation: ``zeros`` is the empty
+    # sum, ``batch_curvature`` a batch's summand from a backend (a parameter subset may give it
+    # in closed form instead), ``add`` sums it in; ``merge`` adds a new sum to an earlier fit
+    # (``fit(override=False)``), ``finalize`` turns a sum into the stored curvature, and
+    # ``state`` / ``load_state`` write and read the stored curvature as plain tensors.
+    @staticmethod
+    @abstractmethod
+    def zeros(params: Sequence[Tensor]) -> Any:
+        """Empty curvature for the parameter tensors ``params`` (on their device and dtype)."""
+
+    @classmethod
+    def batch_curvature(cls, backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
+        """``(loss, H_batch)`` of one batch from a curvature backend (its ``backend_route``).
+
+        Args:
+            backend: A [`CurvatureInterface`][laplace.curvature.CurvatureInterface].
+            X: Inputs of the batch.
+            y: Targets of the batch.
+            n_data: Number of data points of the whole training set (KFAC rescaling).
+        """
+        return getattr(backend, cls.backend_route)(X, y)
+
+    @staticmethod
+    def add(total: Any, H: Any) -> Any:
+        """``total + H``, summed into ``total`` (a sum the caller owns) where it can be."""
+        total += H
+        return total
+
+    @staticmethod
+    def is_finite(H: Any) -> bool:
+        """Whether every entry of the curvature is finite.
+
+        A sum is finite iff every summand is (barring overflow), so one reduction suffices.
+        """
+        return bool(torch.isfinite(H.sum()))
+
+    @staticmethod
+    def merge(previous: Any, H: Any, n_before: int, n_data: int) -> Any:
+        """The sum of a stored fit over ``n_before`` points and a new sum, over ``n_data`` points.
+
+        Args:
+            previous: The stored curvature of the earlier fits.
+            H: The new sum (normalised, where the structure normalises, for ``n_data`` points).
+            n_before: Data points of the earlier fits.
+            n_data: Data points of the earlier fits and the new sum together.
+        """
+        return previous + H
+
+    @staticmethod
+    def finalize(H: Any, **options: Any) -> Any:
+        """The curvature as stored after a fit (e.g. eigen-decomposed); identity by default.
+
+        Args:
+            H: The summed curvature.
+            **options: The structure's options (Kronecker: ``damping``).
+        """
+        return H
+
+    @staticmethod
+    def state(H: Any) -> Any:
+        """The stored curvature as detached tensors (nested in lists or dicts), for a state."""
+        return H.detach()
+
+    @classmethod
+    def load_state(cls, state: Any, zeros: Any, **options: Any) -> Any:
+        """The stored curvature from ``state``'s value, checked against ``zeros``.
+
+        Args:
+            state: The saved value.
+            zeros: ``zeros`` of the parameters (shapes, device and dtype to load into).
+            **options: As ``finalize``.
+
+        Raises:
+            ValueError: If ``state`` does not have the structure or the shapes of ``zeros``.
+        """
+        if not isinstance(state, Tensor):
+            raise ValueError("state_dict['H'] must be a tensor for this structure.")
+        if tuple(state.shape) != tuple(zeros.shape):
+            raise ValueError(
+                f"state_dict['H'] has shape {tuple(state.shape)}, expected {tuple(zeros.shape)}."
+            )
+        return state.to(device=zeros.device, dtype=zeros.dtype)
+
+    # ------------------------------------------------------------------------ the posterior
+    @property
+    @abstractmethod
+    def precision(self) -> Any:
+        """The posterior precision ``P`` in the structure's representation."""
+
+    @property
+    @abstractmethod
+    def log_det(self) -> Tensor:
+        """``log det P``, a scalar."""
+
+    @abstractmethod
+    def square_form(self, delta: Tensor) -> Tensor:
+        """``Δᵀ P Δ`` for ``delta`` of shape (P,), a scalar."""
+
+    def functional_variance(self, J: Tensor | Jacobian) -> Tensor:
+        """``J P⁻¹ Jᵀ`` per point, shape (B, C, C).
+
+        Args:
+            J: Dense Jacobian rows (B, C, P), or a Jacobian kind: its closed form in
+                ``closed_forms`` where there is one that applies, else its dense rows.
+        """
+        if isinstance(J, Tensor):
+            return self.rows_variance(J)
+        closed_form = self.closed_forms.get(type(J))
+        f_var = None if closed_form is None else closed_form(self, J)
+        return self.rows_variance(J.dense()) if f_var is None else f_var
+
+    @abstractmethod
+    def rows_variance(self, Js: Tensor) -> Tensor:
+        """``J P⁻¹ Jᵀ`` per point from dense Jacobian rows: ``Js`` (B, C, P) → (B, C, C)."""
+
+    def functional_covariance(self, Js: Tensor) -> Tensor:
+        """Joint ``J P⁻¹ Jᵀ`` over all rows: ``Js`` (N, P) → (N, N)."""
+        return self.rows_variance(Js.unsqueeze(0)).squeeze(0)
+
+    @abstractmethod
+    def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
+        """Draws of ``θ − θ_MAP ~ N(0, P⁻¹)``, shape (n_samples, P)."""
+
+    def _standard_normal(
+        self, shape: tuple[int, ...], generator: torch.Generator | None
+    ) -> Tensor:
+        return torch.randn(
+            shape, generator=generator, device=self.prior_diag.device, dtype=self.prior_diag.dtype
+        )
