@@ -168,11 +168,7 @@ REGRESSION_FITS = [
     ("subnetwork", "full", {"subnetwork_indices": torch.tensor([0, 4])}),
     ("all", "gp", {"n_subset": 5}),
     ("last_layer", "gp", {"n_subset": 5}),
-    ("all", "gp", {"functional_approximation": "nystrom", "subsample_size": 5,
-                   "n_eigenvalues": 2}),
-    ("all", "gp", {"functional_approximation": "variational", "inducing_locations": "random",
-                   "num_inducing": 3}),
-]  # fmt: skip
+]  # ELLA and VaLLA take (N,) targets as (N, 1), as laplace-torch's: tests/test_ella_valla.py
 
 
 @pytest.mark.parametrize(("subset", "structure", "kwargs"), REGRESSION_FITS)

@@ -13,6 +13,7 @@ from conftest import CASE_BUILDERS, assert_close
 from laplace import ELLA, Laplace, VaLLA
 from laplace.baselaplace import ELLA as ELLAFromBaselaplace
 from laplace.curvature import AsdlEF
+from laplace.evaluation import evaluate
 from test_backprop_and_reward import PairScorer  # (B, 2, D) pairs → (B, 2); (B, D) → (B, 1)
 
 #: ELLA with a complete basis vs FullLaplace: both are exact, only round-off differs.
@@ -747,3 +748,57 @@ def test_valla_latent_distribution_is_the_dense_posterior_and_feeds_the_objectiv
     kl = 0.5 * (torch.logdet(eye + gram) - torch.trace(torch.linalg.solve(eye + gram, gram)))
     expected = -(point.n_data / len(yb)) * log_lik / point.temperature + kl
     assert_close(point._objective(Xb, yb).detach(), expected, rtol=1e-9, atol=1e-9)
+
+
+# --------------------------------------------------------- regression targets (B,) of one output
+def _fit_with_targets(structure, model, X, y, y_val):
+    """An ELLA or VaLLA fitted on targets ``y`` with ``y_val`` as validation targets."""
+    la = _functional(structure, model, X)
+    loader = DataLoader(TensorDataset(X, y), batch_size=5)
+    val_loader = DataLoader(TensorDataset(X[:8], y_val[:8]), batch_size=3)
+    fit_options = {"iterations": 4, "lr": 1e-2} if structure == "variational" else {}
+    la.fit(loader, val_loader=val_loader, val_steps=2, **fit_options)
+    return la
+
+
+@pytest.mark.parametrize("structure", ["nystrom", "variational"])
+@pytest.mark.parametrize("val_targets", ["vector", "column"])
+def test_vector_targets_of_one_output_fit_as_their_column(structure, val_targets):
+    model, X, loader = regression_data(n=15)
+    y = loader.dataset.tensors[1]  # (N, 1)
+    column = _fit_with_targets(structure, model, X, y, y)
+    y_val = y[:, 0] if val_targets == "vector" else y
+    vector = _fit_with_targets(structure, model, X, y[:, 0], y_val)
+    assert column.fit_history_ == vector.fit_history_
+    assert len(vector.fit_history_["val_nll"]) >= 2
+    for a, b in zip(vector(X[:4]), column(X[:4])):
+        assert torch.equal(a, b)
+    scores = [evaluate(la, DataLoader(TensorDataset(X, targets), batch_size=5))
+              for la, targets in ((vector, y[:, 0]), (column, y))]  # fmt: skip
+    assert scores[0]["nll"] == scores[1]["nll"] and scores[0]["rmse"] == scores[1]["rmse"]
+
+
+def test_ella_tunes_its_prior_precision_on_vector_validation_targets():
+    model, X, loader = regression_data(n=15)
+    y = loader.dataset.tensors[1]
+    histories = []
+    for targets in (y, y[:, 0]):
+        la = _fitted_functional("nystrom", model, X, loader)
+        val_loader = DataLoader(TensorDataset(X[:8], targets[:8]), batch_size=3)
+        la.optimize_prior_precision(val_loader=val_loader, grid_size=5)
+        histories.append(la.fit_history_["tuning"])
+    assert histories[0] == histories[1]
+
+
+@pytest.mark.parametrize("structure", ["nystrom", "variational"])
+def test_vector_targets_of_two_outputs_are_refused(structure):
+    case = CASE_BUILDERS["mlp_regression_3out"]()  # outputs (N, 3)
+    vector = DataLoader(TensorDataset(case.X, case.y[:, 0]), batch_size=5)
+    shapes = r"targets of shape \(5,\) do not match the model output of shape \(5, 3\)"
+    fit_options = {"iterations": 2} if structure == "variational" else {}
+    la = _functional(structure, case.model, case.X)
+    with pytest.raises(ValueError, match=shapes):
+        la.fit(vector, **fit_options)
+    column = DataLoader(TensorDataset(case.X, case.y), batch_size=5)
+    with pytest.raises(ValueError, match=shapes):  # the validation targets
+        la.fit(column, val_loader=vector, **fit_options)

@@ -11,7 +11,7 @@ Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace]
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -119,6 +119,7 @@ class BaseFunctionalLaplace(BaseLaplace):
     _function_space = FunctionalApproximation.SOD
     _state_format: StateFormat = FunctionalState()
     _gp: LatentPosterior | None = None
+    _column_targets = False  # (B,) regression targets of one output as (B, 1): _fit_targets
 
     def _set_scalar_prior(self, value: float | Tensor) -> None:
         name = type(self).__name__
@@ -203,10 +204,28 @@ class BaseFunctionalLaplace(BaseLaplace):
         with torch.no_grad():
             f = check_outputs(self.model(X), batch_size_of(X, self.dict_key_x))
         self._likelihood_model.outputs.require_plain(f.shape, type(self).__name__)
-        self._likelihood_model.check_targets(y, f.shape)
+        self._likelihood_model.check_targets(self._fit_targets(y, f.shape), f.shape)
         self.n_outputs = f.shape[-1]
         self.mean = self._subset.vector().detach()
         return f.shape
+
+    def _fit_targets(self, y: Tensor, output_shape: Sequence[int]) -> Tensor:
+        """The targets of a batch in the shape the fit and the validation NLL take them.
+
+        ELLA and VaLLA (``_column_targets``) read regression targets (B,) of a model with one
+        output (B, 1) as (B, 1), with the same fit history and predictions: laplace-torch's
+        functional approximations accept such targets, so scripts written for them run
+        unchanged. Its ``FunctionalLaplace`` and parametric approximations refuse them, and so
+        do ours. Any other mismatch ((B,) targets for outputs (B, 2)) is left to the
+        likelihood's target checks, which refuse it.
+
+        Args:
+            y: Targets of a batch.
+            output_shape: The shape of the model's outputs (B, C).
+        """
+        if not self._column_targets:
+            return y
+        return self._likelihood_model.column_targets(y, output_shape)
 
     def _jacobian_chunks(
         self, X: Inputs, enable_backprop: bool = False
@@ -231,6 +250,7 @@ class BaseFunctionalLaplace(BaseLaplace):
         with torch.no_grad():
             for X, y in self._batches(loader, desc="validation"):
                 f_mu, f_var = self.predictive_moments(X)
+                y = self._fit_targets(y, f_mu.shape)
                 total = total + likelihood.predictive_nll(f_mu, f_var, y, self.sigma_noise)
                 count += len(y)
         if count == 0:

@@ -82,6 +82,7 @@ class ELLA(BaseFunctionalLaplace):
     """
 
     _function_space = FunctionalApproximation.NYSTROM
+    _column_targets = True
 
     _state_counts = ("subsample_size", "n_eigenvalues", "n_data", "n_outputs")
     _state_plain = (*_state_counts, "seed", "temperature")
@@ -165,6 +166,7 @@ class ELLA(BaseFunctionalLaplace):
         output_shape = self._start_fit(*next(self._batches(subset_loader(train_loader, indices))))
         self._build_basis(train_loader, indices)
         for step, (X, y) in enumerate(self._batches(train_loader, progress_bar, "ELLA"), 1):
+            y = self._fit_targets(y, output_shape)
             likelihood.check_targets(y, output_shape)
             phi, f = self._features(X)
             check_finite_result(f, "model output of a training batch")

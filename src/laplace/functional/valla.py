@@ -142,6 +142,7 @@ class VaLLA(BaseFunctionalLaplace):
     """
 
     _function_space = FunctionalApproximation.VARIATIONAL
+    _column_targets = True
 
     _state_counts = ("num_inducing", "n_data", "n_outputs")
     _state_plain = ("temperature", "alpha", "mc_softmax_samples", "seed", *_state_counts)
@@ -318,6 +319,7 @@ class VaLLA(BaseFunctionalLaplace):
         optimizer = torch.optim.Adam(params, lr=lr)
         self._fitted, loop.progress_bar = False, progress_bar
         for step, (X, y) in enumerate(loop.cycle(train_loader, iterations), 1):
+            y = self._fit_targets(y, output_shape)
             self._likelihood_model.check_targets(y, output_shape)
             optimizer.zero_grad()
             objective = check_finite_result(self._objective(X, y), "VaLLA objective of a batch")

@@ -195,6 +195,13 @@ class GaussianRegression(LikelihoodModel):
     def check_row_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
         check_real_targets(y, output_shape, "regression")
 
+    @override
+    def column_targets(self, y: Tensor, output_shape: Sequence[int]) -> Tensor:
+        """Targets (B,) of one output (B, 1) as (B, 1); any other targets as given."""
+        if y.dim() == 1 and tuple(output_shape[1:]) == (1,):
+            return y.unsqueeze(-1)
+        return y
+
 
 def check_real_targets(
     y: Tensor, target_shape: Sequence[int], what: str, source: str = "the model output"

@@ -380,6 +380,18 @@ class LikelihoodModel(ABC):
         self.check_row_targets(y, f.shape)
         return y
 
+    def column_targets(self, y: Tensor, output_shape: Sequence[int]) -> Tensor:
+        """Targets (B,) of outputs (B, 1) as the column (B, 1) where they are the outputs' values.
+
+        As given by default (labels (B,) are no column). Only ELLA and VaLLA ask for it
+        (``BaseFunctionalLaplace._fit_targets`` says why).
+
+        Args:
+            y: Targets of a batch.
+            output_shape: The shape of the model's outputs (B, C).
+        """
+        return y
+
     def loss_targets(self, y: Tensor, dtype: torch.dtype) -> Tensor:
         """Targets of a batch in the form ``loss_module`` takes them, without the outputs.
 
