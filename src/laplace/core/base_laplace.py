@@ -44,7 +44,7 @@ from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.curvature import check_dict_inputs
 from laplace.curvature.registry import check_backend_kwargs
 from laplace.likelihoods import LikelihoodModel, make_likelihood
-from laplace.utils.data import Inputs, move_inputs, split_batch
+from laplace.utils.data import move_inputs, split_batch
 from laplace.utils.distributed import unwrap_model
 from laplace.utils.enums import (
     FunctionalApproximation,
@@ -429,28 +429,6 @@ class BaseLaplace:
         likelihood = model.fit_likelihood if fitting else model.predictive_likelihood
         likelihood.check_prediction(link_approx, joint)
         return pred_type, link_approx, likelihood
-
-    def _glm_prediction(
-        self,
-        x: Inputs,
-        likelihood: LikelihoodModel,
-        joint: bool,
-        diagonal_output: bool,
-        link_approx: LinkApprox,
-        n_samples: int,
-        generator: torch.Generator | None,
-    ) -> Any:
-        """The GLM predictive: the moments ``(f_mu, f_var)``, then the likelihood's prediction.
-
-        ``joint=True`` returns the joint moments ``(f_mu (B·C,), f_cov (B·C, B·C))`` as they are;
-        otherwise the likelihood says whether it needs covariances or variances
-        (``diagonal_moments``) and turns the moments into its prediction.
-        """
-        if joint:
-            return self._glm_predictive_distribution(x, joint=True)
-        diagonal = likelihood.diagonal_moments(diagonal_output)
-        f_mu, f_var = self._glm_predictive_distribution(x, diagonal_output=diagonal)
-        return likelihood.predict(f_mu, f_var, link_approx, n_samples, generator, diagonal_output)
 
     @transactional
     def optimize_prior_precision(

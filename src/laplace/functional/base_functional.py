@@ -330,9 +330,11 @@ class BaseFunctionalLaplace(BaseLaplace):
             pred_type, link_approx, n_samples, generator, joint, fitting
         )
         x = self._checked_inputs(x, "prediction")
-        return self._glm_prediction(
-            x, likelihood, joint, diagonal_output, link_approx, n_samples, generator
-        )
+        if joint:  # the joint moments as they are
+            return self._glm_predictive_distribution(x, joint=True)
+        diagonal = likelihood.diagonal_moments(diagonal_output)
+        f_mu, f_var = self._glm_predictive_distribution(x, diagonal_output=diagonal)
+        return likelihood.predict(f_mu, f_var, link_approx, n_samples, generator, diagonal_output)
 
     def predictive(
         self,

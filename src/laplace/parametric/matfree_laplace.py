@@ -20,7 +20,7 @@ from laplace.core.passes.curvature_products import CurvatureProducts
 from laplace.core.serialization import ParametricState
 from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.solvers.krylov import SolveReport
-from laplace.parametric.parametric_laplace import ParametricLaplace
+from laplace.parametric.parametric_laplace import GLMPlan, ParametricLaplace
 from laplace.structures.jacobians import LayerTrace, row_kind
 from laplace.structures.matrix_free import (
     LogDetReport,
@@ -238,17 +238,16 @@ class MatFreeLaplace(ParametricLaplace):
         """Curvature-vector products made since ``fit`` (a block of m vectors counts m)."""
         return 0 if self.H is None else self.H.products
 
-    def _chunk_rows(self, n_points: int) -> int:
+    def _chunk_rows(self, n_points: int, plan: GLMPlan) -> int:
         """Test points per chunk of a call on ``n_points`` points.
 
         The sampled route with the Jacobian-free kind takes all the call's points at once
         (their recorded passes, not their Jacobians), so that its solves are made once per
         call; conjugate gradients as many points as a solver block holds.
         """
-        rows = super()._chunk_rows(n_points)
+        rows = super()._chunk_rows(n_points, plan)
         if self.H.variance_route == "samples":
-            outputs = self._likelihood_model.outputs
-            kind = row_kind(self._subset.jacobian_kind(self._posterior.closed_forms), outputs)
+            kind = row_kind(plan.kind, self._likelihood_model.outputs)
             return max(rows, n_points) if kind is LayerTrace else rows
         per_point = self._likelihood_model.outputs.per_point(self.n_outputs)
         solver = self.solver_options.block_bytes // (
@@ -257,7 +256,11 @@ class MatFreeLaplace(ParametricLaplace):
         return max(1, min(rows, solver))
 
     def _glm_predictive_distribution(
-        self, X: Inputs, joint: bool = False, diagonal_output: bool = False
+        self,
+        X: Inputs,
+        joint: bool = False,
+        diagonal_output: bool = False,
+        plan: GLMPlan | None = None,
     ) -> tuple[Tensor, Tensor]:
         """As ``ParametricLaplace``'s, with the variance route chosen for all points at once."""
         n_points = batch_size_of(X, self.dict_key_x)
@@ -272,6 +275,6 @@ class MatFreeLaplace(ParametricLaplace):
             )
         self.H.variance_route = route
         try:
-            return super()._glm_predictive_distribution(X, joint, diagonal_output)
+            return super()._glm_predictive_distribution(X, joint, diagonal_output, plan)
         finally:
             self.H.variance_route = None

@@ -6,6 +6,7 @@ Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace]
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -37,7 +38,24 @@ from laplace.utils.enums import LinkApprox, PredType, parse_enum
 from laplace.utils.errors import NotFittedError, check_bool, check_generator, check_positive_int
 from laplace.utils.predictive import draws_from_root, gaussian_output_samples
 
-__all__ = ["ParametricLaplace"]
+__all__ = ["GLMPlan", "ParametricLaplace"]
+
+
+@dataclass(frozen=True)
+class GLMPlan:
+    """What a GLM prediction derives once, before its first chunk of test points.
+
+    Attributes:
+        posterior: The posterior at the current hyperparameters.
+        kind: The Jacobian kind the subset gives this posterior
+            (``laplace.structures.jacobians``).
+        variances_only: Why only output variances are computed (a last layer with many
+            outputs), else None.
+    """
+
+    posterior: Posterior
+    kind: type
+    variances_only: str | None
 
 
 class ParametricLaplace(BaseLaplace):
@@ -430,43 +448,67 @@ class ParametricLaplace(BaseLaplace):
             pred_type, link_approx, n_samples, generator, joint, fitting
         )
         self._check_fitted("prediction")
-        reason = self._subset.variances_only_reason(self.n_outputs)
-        if reason is not None and pred_type == PredType.GLM:
-            likelihood.check_variance_prediction(link_approx, joint, diagonal_output, reason)
+        plan = self._glm_plan() if pred_type == PredType.GLM else None
+        if plan is not None and plan.variances_only is not None:
+            likelihood.check_variance_prediction(
+                link_approx, joint, diagonal_output, plan.variances_only
+            )
         x = prepare_inputs(x, self.dict_key_x, self._device, "prediction")
-        if pred_type == PredType.NN:
+        if plan is None:
             groups = self._nn_sample_groups(x, n_samples, generator, **model_kwargs)
             return likelihood.sampled_predictive_of(groups)
-        return self._glm_prediction(
-            x, likelihood, joint, diagonal_output, link_approx, n_samples, generator
-        )
+        if joint:  # the joint moments as they are
+            return self._glm_predictive_distribution(x, joint=True, plan=plan)
+        diagonal = likelihood.diagonal_moments(diagonal_output)
+        f_mu, f_var = self._glm_predictive_distribution(x, diagonal_output=diagonal, plan=plan)
+        return likelihood.predict(f_mu, f_var, link_approx, n_samples, generator, diagonal_output)
 
     def predictive(self, x: Inputs, pred_type="glm", link_approx="probit", n_samples=100):
         """Alias of ``__call__`` kept from older laplace-torch versions."""
         return self(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
 
     # ----------------------------------------------------------------------------- GLM
-    def _chunk_rows(self, n_points: int) -> int:
+    def _glm_plan(self) -> GLMPlan:
+        """The posterior, its Jacobian kind and the variances-only reason, derived once."""
+        posterior = self._posterior
+        return GLMPlan(
+            posterior,
+            self._subset.jacobian_kind(posterior.closed_forms),
+            self._subset.variances_only_reason(self.n_outputs),
+        )
+
+    def _chunk_rows(self, n_points: int, plan: GLMPlan) -> int:
         """Test points per chunk, from the Jacobian kind the subset gives this posterior.
 
         Args:
             n_points: The call's number of test points (read by ``MatFreeLaplace``'s sampled
                 route, which takes them all at once).
+            plan: The prediction's ``GLMPlan``.
         """
-        if self._subset.variances_only_reason(self.n_outputs):
+        if plan.variances_only:
             # A last layer's closed forms hold about C·(D + 1) numbers per point.
             n_in = self._subset.layer.in_features
             return jacobian_chunk_rows(self.n_outputs, n_in + 1, self._dtype)
-        posterior, subset, outputs = self._posterior, self._subset, self._likelihood_model.outputs
-        kind = row_kind(subset.jacobian_kind(posterior.closed_forms), outputs)
+        subset, outputs = self._subset, self._likelihood_model.outputs
+        kind = row_kind(plan.kind, outputs)
         per_point = outputs.per_point(self.n_outputs)
-        rows = jacobian_chunk_rows(per_point, len(posterior.prior_diag), self._dtype)
+        rows = jacobian_chunk_rows(per_point, len(plan.posterior.prior_diag), self._dtype)
         return kind.chunk_rows(rows, subset.model, subset.params)
 
     def _glm_predictive_distribution(
-        self, X: Inputs, joint: bool = False, diagonal_output: bool = False
+        self,
+        X: Inputs,
+        joint: bool = False,
+        diagonal_output: bool = False,
+        plan: GLMPlan | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Mean and covariance of the linearised network's outputs.
+
+        Args:
+            X: Test inputs (B, ...) or a dict-like batch.
+            joint: Return the joint moments.
+            diagonal_output: Return variances instead of covariances.
+            plan: The prediction's ``GLMPlan`` (derived here when None: laplace-torch's hook).
 
         Returns:
             ``(f_mu (B, C), f_var (B, C, C))``; ``(B, C)`` variances if ``diagonal_output``;
@@ -476,15 +518,16 @@ class ParametricLaplace(BaseLaplace):
             ValueError: Where the approximation refuses the GLM predictive (many outputs without
                 a last layer's closed form, ``laplace.structures.large_output.check_glm``).
         """
-        if self._subset.jacobian_kind(self._posterior.closed_forms) is not HeadFeatures:
+        plan = plan or self._glm_plan()
+        if plan.kind is not HeadFeatures:
             large_output.check_glm(self.n_outputs)
         if joint:
             f_mu, J = self._subset.linearize(X, self.backend, (), self.enable_backprop)
             return self._detached(f_mu.reshape(-1), self.functional_covariance(J.dense()))
         means, variances = [], []
         n_points = batch_size_of(X, self.dict_key_x)
-        for chunk in input_chunks(X, self._chunk_rows(n_points), self.dict_key_x):
-            f_mu, f_var = self._functional_moments(chunk)
+        for chunk in input_chunks(X, self._chunk_rows(n_points, plan), self.dict_key_x):
+            f_mu, f_var = self._functional_moments(chunk, plan.posterior)
             check_outputs(f_mu, batch_size_of(chunk, self.dict_key_x))
             self._checked_finite(f_var, "predictive variance")
             means.append(f_mu)
@@ -493,15 +536,21 @@ class ParametricLaplace(BaseLaplace):
             variances.append(f_var)
         return torch.cat(means), torch.cat(variances)
 
-    def _functional_moments(self, X: Inputs) -> tuple[Tensor, Tensor]:
+    def _functional_moments(
+        self, X: Inputs, posterior: Posterior | None = None
+    ) -> tuple[Tensor, Tensor]:
         """``(f_mu (B, C), f_var (B, C, C))`` of the linearised network on one chunk of inputs.
 
         The subset linearises the model into the Jacobian kind the posterior has a closed form
         for (else dense rows), and the posterior computes ``J P⁻¹ Jᵀ`` for it. Outputs with
         extra dimensions give ``f_mu`` in their shape (B, …) and the covariances of their rows
         (B·T, C, C) (``laplace.utils.outputs``).
+
+        Args:
+            X: One chunk of test inputs (B, ...) or a dict-like batch.
+            posterior: The posterior at the current hyperparameters (derived when None).
         """
-        posterior = self._posterior
+        posterior = self._posterior if posterior is None else posterior
         f_mu, J = self._subset.linearize(
             X, self.backend, posterior.closed_forms, self.enable_backprop
         )
