@@ -9,7 +9,7 @@ from torch import nn
 from laplace.core.base_laplace import REGISTRY
 from laplace.core.subsets import MISSING_SUBNETWORK_INDICES
 from laplace.functional import ELLA, FunctionalLaplace, VaLLA
-from laplace.likelihoods import make_likelihood
+from laplace.likelihoods import check_structure, likelihood_class
 from laplace.lllaplace import LLLaplace  # noqa: F401  (registers the last-layer classes)
 from laplace.parametric.lowrank_laplace import LowRankLaplace  # noqa: F401  (registers the class)
 from laplace.parametric.matfree_laplace import MatFreeLaplace  # noqa: F401  (registers the class)
@@ -141,7 +141,7 @@ def Laplace(
             required argument of the subnetwork classes); also a ``ValueError``.
         NotImplementedError: For a supported combination that a later release adds.
     """
-    likelihood_model = make_likelihood(likelihood)
+    likelihood_class(likelihood)  # an unknown likelihood is refused first
     subset = parse_enum(SubsetOfWeights, subset_of_weights, "subset_of_weights")
     structure = parse_enum(HessianStructure, hessian_structure, "hessian_structure")
     approximation = parse_enum(
@@ -166,7 +166,7 @@ def Laplace(
             f"hessian_structure={structure.value!r}; valid structures for this subset: "
             f"{', '.join(valid)}."
         )
-    likelihood_model.check_structure(structure)
+    check_structure(likelihood, structure)
     if subset == S.SUBNETWORK and not args and "subnetwork_indices" not in kwargs:
         raise ArgumentTypeError(MISSING_SUBNETWORK_INDICES)
     laplace = REGISTRY[key](model, likelihood, *args, **kwargs)

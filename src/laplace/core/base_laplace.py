@@ -222,10 +222,7 @@ class BaseLaplace:
             self._init_unfitted()
 
     def _init_unfitted(self) -> None:
-        """The unfitted posterior, once the parameters are known: the prior (parametric)."""
-        init_H = getattr(self, "_init_H", None)
-        if init_H is not None:
-            init_H()
+        """The unfitted posterior, once the parameters are known (nothing to build here)."""
 
     # ------------------------------------------------------------------------- transactions
     def _transaction_parts(self) -> tuple[Any, ...]:

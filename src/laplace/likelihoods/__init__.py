@@ -40,6 +40,8 @@ __all__ = [
     "Likelihood",
     "LikelihoodModel",
     "RewardModeling",
+    "check_structure",
+    "likelihood_class",
     "make_likelihood",
 ]
 
@@ -71,15 +73,54 @@ def make_likelihood(
     """
     if isinstance(likelihood, LikelihoodModel):
         return likelihood
+    model = (
+        CustomLikelihood(likelihood)
+        if isinstance(likelihood, Likelihood)
+        else likelihood_class(likelihood)()
+    )
+    model.outputs = OutputAdapter(class_dim, ignore_index)
+    return model
+
+
+def likelihood_class(
+    likelihood: enums.Likelihood | str | Likelihood | LikelihoodModel,
+) -> type[LikelihoodModel]:
+    """The class of the likelihood object ``make_likelihood`` builds, building nothing.
+
+    Raises:
+        ValueError: If ``likelihood`` is not a likelihood, listing the accepted names.
+    """
+    if isinstance(likelihood, LikelihoodModel):
+        return type(likelihood)
     if isinstance(likelihood, Likelihood):
-        model: LikelihoodModel = CustomLikelihood(likelihood)
-    elif isinstance(likelihood, str) and likelihood not in enums.Likelihood._value2member_map_:
+        return CustomLikelihood
+    if isinstance(likelihood, str) and likelihood not in enums.Likelihood._value2member_map_:
         accepted = ", ".join(repr(m.value) for m in _LIKELIHOODS)
         raise ValueError(
             f"likelihood={likelihood!r} is not supported; accepted values: {accepted}, or an "
             "instance of a laplace.likelihoods.Likelihood subclass (your own likelihood)."
         )
+    return _LIKELIHOODS[enums.parse_enum(enums.Likelihood, likelihood, "likelihood")]
+
+
+def check_structure(
+    likelihood: enums.Likelihood | str | Likelihood | LikelihoodModel,
+    structure: enums.HessianStructure,
+) -> None:
+    """Refuse a Hessian structure the likelihood cannot be fitted with (the ``Laplace`` factory).
+
+    Raises:
+        ValueError: For an unknown likelihood, or naming the likelihood and the structures it
+            supports.
+    """
+    supported = likelihood_class(likelihood).hessian_structures
+    if supported is None or structure in supported:
+        return
+    if isinstance(likelihood, (Likelihood, LikelihoodModel)):
+        name = str(likelihood.name)
     else:
-        model = _LIKELIHOODS[enums.parse_enum(enums.Likelihood, likelihood, "likelihood")]()
-    model.outputs = OutputAdapter(class_dim, ignore_index)
-    return model
+        name = enums.parse_enum(enums.Likelihood, likelihood, "likelihood").value
+    raise ValueError(
+        f"likelihood={name!r} supports hessian_structure in "
+        f"{[h.value for h in supported]}, got {structure.value!r}."
+    )

@@ -102,18 +102,6 @@ class LikelihoodModel(ABC):
         """Whether it fits one observation model and predicts another (reward modelling)."""
         return self.fit_likelihood is not self.predictive_likelihood
 
-    def check_structure(self, structure: HessianStructure) -> None:
-        """Refuse a Hessian structure this likelihood cannot be fitted with.
-
-        Raises:
-            ValueError: Naming the likelihood and the structures it supports.
-        """
-        if self.hessian_structures is not None and structure not in self.hessian_structures:
-            raise ValueError(
-                f"likelihood={self.name!r} supports hessian_structure in "
-                f"{[h.value for h in self.hessian_structures]}, got {structure.value!r}."
-            )
-
     def check_function_space(self, approximation: FunctionalApproximation) -> None:
         """Refuse a function-space (GP) approximation that does not support this likelihood.
 

@@ -25,7 +25,7 @@ from laplace.structures import (
 )
 from laplace.structures.jacobians import HeadFeatures, position_rows, row_kind
 from laplace.structures.memory_budgets import jacobian_chunk_rows
-from laplace.structures.per_output import noise_structure
+from laplace.structures.per_output import PerOutputPosterior, noise_structure
 from laplace.utils import distributed as distributed_utils
 from laplace.utils.data import (
     Inputs,
@@ -96,14 +96,34 @@ class ParametricLaplace(BaseLaplace):
     def sigma_noise(self, value: float | Tensor) -> None:
         """Set σ; one σ per output switches to the per-output variant of the structure.
 
+        One σ where one σ was (the common case) leaves the structure as it is; only a change
+        between one σ and one per output consults the structure (``_settle_structure``).
+
         Raises:
             ValueError: See ``laplace.structures.per_output.noise_structure``.
         """
         sigma = as_sigma_noise(value, self._likelihood_model, self._device, self._dtype)
+        if sigma.numel() > 1 or issubclass(self._posterior_cls, PerOutputPosterior):
+            self._settle_structure(sigma.numel())
+        self._sigma_noise = sigma
+
+    def _settle_structure(self, n_sigma: int) -> None:
+        """Set the structure in use: the class's own for one σ, its per-output variant for C.
+
+        Called once the parameters are known (a Kronecker structure reads the backend's block
+        shapes then) and when σ switches between one value and one per output; an unfitted
+        approximation then restarts from the new structure's zero curvature.
+
+        Args:
+            n_sigma: Number of noise values (1, or C for one per output).
+
+        Raises:
+            ValueError: See ``laplace.structures.per_output.noise_structure``.
+        """
         structure = noise_structure(
             self._own_structure(),
             self._posterior_cls,
-            sigma.numel(),
+            n_sigma,
             self._fitted,
             self._backend_cls,
         )
@@ -111,7 +131,11 @@ class ParametricLaplace(BaseLaplace):
             self._posterior_cls = structure
             if self.H is not None:
                 self._init_H()
-        self._sigma_noise = sigma
+
+    def _init_unfitted(self) -> None:
+        """The unfitted posterior once the parameters are known: the structure's prior."""
+        self._settle_structure(self._sigma_noise.numel())
+        self._init_H()
 
     def _own_structure(self) -> type[Posterior]:
         """The class's posterior structure for one σ (``_posterior_cls`` of the class)."""
