@@ -1,9 +1,8 @@
-"""The Laplace factory, str enums, and dtype/device following."""
+"""The ``Laplace`` factory: str enums, the class it builds, and the options it refuses."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import CASE_BUILDERS
 from laplace import DiagLaplace, FullLaplace, HessianStructure, Laplace, Likelihood
@@ -29,28 +28,44 @@ def test_factory_builds_the_class(structure, cls):
     assert la.prior_precision.item() == 2.0
 
 
-def test_parametric_laplace_is_abstract():
-    case = CASE_BUILDERS["mlp_classification"]()
-    with pytest.raises(TypeError, match="abstract"):
-        ParametricLaplace(case.model, "classification")
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"likelihood": "poisson"}, "likelihood='poisson'.*'classification'"),
+        ({"hessian_structure": "block"}, "hessian_structure='block'.*'kron'"),
+        ({"subset_of_weights": "half"}, "subset_of_weights='half'.*'all'"),
+    ],
+)
+def test_factory_rejects_unknown_options(clf, kwargs, match):
+    args = {
+        "likelihood": "classification",
+        "subset_of_weights": "all",
+        "hessian_structure": "diag",
+        **kwargs,
+    }
+    with pytest.raises(ValueError, match=match):
+        Laplace(clf.model, **args)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("cls", [FullLaplace, DiagLaplace], ids=["full", "diag"])
-def test_tensors_follow_model_device_and_dtype(cls, dtype, device):
-    case = CASE_BUILDERS["mlp_classification"]()
-    model = case.model.to(device=device, dtype=dtype)
-    X, y = case.X.to(dtype), case.y
-    la = cls(model, "classification")
-    la.fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=8))
-    for t in (
-        la.H,
-        la.mean,
-        la.prior_precision,
-        la.prior_precision_diag,
-        la.log_marginal_likelihood(),
-        la.sample(3),
-    ):
-        assert t.dtype == dtype and t.device.type == device.type
-    probs = la(X[:4].to(device))
-    assert probs.dtype == dtype and probs.device.type == device.type
+def test_factory_rejects_unsupported_combination(clf):
+    with pytest.raises(ValueError, match="valid structures for this subset: diag, full"):
+        Laplace(
+            clf.model, "classification", subset_of_weights="subnetwork", hessian_structure="kron"
+        )
+
+
+def test_factory_routes_function_space_approximations(clf):
+    for approximation, name in [("nystrom", "ELLA"), ("variational", "VaLLA")]:
+        with pytest.raises(TypeError, match=name):  # their required arguments are missing
+            Laplace(
+                clf.model,
+                "classification",
+                "all",
+                "gp",
+                functional_approximation=approximation,
+            )
+
+
+def test_reward_modeling_rejects_full(clf):
+    with pytest.raises(ValueError, match="reward_modeling"):
+        Laplace(clf.model, "reward_modeling", subset_of_weights="all", hessian_structure="full")

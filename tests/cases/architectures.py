@@ -12,7 +12,7 @@ Three patterns where reading curvature from module calls goes wrong without a gu
   size or not.
 
 Plain torch only: the same file builds the models in a throwaway laplace-torch 0.3 venv, for
-the numbers written into ``test_guard.py``.
+the numbers written into ``reliability/test_guard_reference.py``.
 """
 
 from __future__ import annotations

@@ -1,89 +1,19 @@
-"""Bad input fails early with a clear message naming the problem."""
+"""Hyperparameters (``laplace.core.priors``): prior precision, prior mean, σ and temperature.
+
+Bad values fail early with a clear message naming the argument, at construction and on
+assignment; laplace-torch's helpers ``expand_prior_precision`` and ``fix_prior_prec_structure``
+(exported from ``laplace.utils``) expand and check the prior precision's structures.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch import nn
 
-from conftest import CASE_BUILDERS
-from laplace import DiagLaplace, FullLaplace, Laplace
-
-
-@pytest.fixture
-def clf():
-    return CASE_BUILDERS["mlp_classification"]()
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"likelihood": "poisson"}, "likelihood='poisson'.*'classification'"),
-        ({"hessian_structure": "block"}, "hessian_structure='block'.*'kron'"),
-        ({"subset_of_weights": "half"}, "subset_of_weights='half'.*'all'"),
-    ],
-)
-def test_factory_rejects_unknown_options(clf, kwargs, match):
-    args = {
-        "likelihood": "classification",
-        "subset_of_weights": "all",
-        "hessian_structure": "diag",
-        **kwargs,
-    }
-    with pytest.raises(ValueError, match=match):
-        Laplace(clf.model, **args)
-
-
-def test_factory_rejects_unsupported_combination(clf):
-    with pytest.raises(ValueError, match="valid structures for this subset: diag, full"):
-        Laplace(
-            clf.model, "classification", subset_of_weights="subnetwork", hessian_structure="kron"
-        )
-
-
-def test_factory_routes_function_space_approximations(clf):
-    for approximation, name in [("nystrom", "ELLA"), ("variational", "VaLLA")]:
-        with pytest.raises(TypeError, match=name):  # their required arguments are missing
-            Laplace(
-                clf.model,
-                "classification",
-                "all",
-                "gp",
-                functional_approximation=approximation,
-            )
-
-
-def test_reward_modeling_rejects_full(clf):
-    with pytest.raises(ValueError, match="reward_modeling"):
-        Laplace(clf.model, "reward_modeling", subset_of_weights="all", hessian_structure="full")
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"pred_type": "bayes"}, "pred_type='bayes'.*'glm'"),
-        ({"link_approx": "logit"}, "link_approx='logit'.*'probit'"),
-        ({"pred_type": "nn"}, "only link_approx='mc'"),
-    ],
-)
-def test_predictive_rejects_bad_options(clf, kwargs, match):
-    la = DiagLaplace(clf.model, "classification")
-    la.fit(clf.loader())
-    with pytest.raises(ValueError, match=match):
-        la(clf.X[:2], **kwargs)
-
-
-def test_use_before_fit_is_refused(clf):
-    la = FullLaplace(clf.model, "classification")
-    for action in (
-        lambda: la(clf.X[:2]),
-        la.log_marginal_likelihood,
-        lambda: la.sample(2),
-        lambda: la.optimize_prior_precision(),
-        la.state_dict,
-    ):
-        with pytest.raises(RuntimeError, match="call fit"):
-            action()
+from conftest import CASE_BUILDERS, assert_close
+from laplace import DiagLaplace
+from laplace.utils import expand_prior_precision, fix_prior_prec_structure
 
 
 @pytest.mark.parametrize("prior", [torch.ones(3), torch.tensor([-1.0]), 0.0, torch.ones(2, 2)])
@@ -119,56 +49,59 @@ def test_non_positive_sigma_and_temperature():
         DiagLaplace(reg.model, "regression", temperature=0.0)
 
 
-def test_empty_loader(clf):
-    la = DiagLaplace(clf.model, "classification")
-    empty = DataLoader(TensorDataset(clf.X[:0], clf.y[:0]), batch_size=4)
-    with pytest.raises(ValueError, match="empty"):
-        la.fit(empty)
+F64 = torch.float64
 
 
-def test_nan_in_data(clf):
-    X = clf.X.clone()
-    X[3, 1] = float("nan")
-    la = DiagLaplace(clf.model, "classification")
-    with pytest.raises(ValueError, match="NaN"):
-        la.fit(DataLoader(TensorDataset(X, clf.y), batch_size=4))
+def _model_with_frozen_tensor():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model[0].bias.requires_grad_(False)
+    return model  # trainable: weight (12), weight (8), bias (2) -> 22 parameters, 3 tensors
 
 
-def test_nan_in_curvature(clf):
-    with torch.no_grad():
-        clf.model[0].weight[0, 0] = float("inf")
-    la = FullLaplace(clf.model, "classification")
-    with pytest.raises(RuntimeError, match="NaN or inf"):
-        la.fit(clf.loader())
+def test_expand_prior_precision_structures():
+    model = _model_with_frozen_tensor()
+    assert_close(
+        expand_prior_precision(torch.tensor([2.0], dtype=F64), model),
+        torch.full((22,), 2.0, dtype=F64),
+    )
+    assert_close(
+        expand_prior_precision(torch.tensor(3.0, dtype=F64), model),
+        torch.full((22,), 3.0, dtype=F64),
+    )
+    layerwise = expand_prior_precision(torch.tensor([1.0, 2.0, 3.0], dtype=F64), model)
+    assert_close(layerwise, torch.tensor([1.0] * 12 + [2.0] * 8 + [3.0] * 2, dtype=F64))
+    layerwise32 = expand_prior_precision(torch.tensor([1.0, 2.0, 3.0]), model)
+    assert layerwise32.dtype == F64
+    diag = torch.arange(22, dtype=F64)
+    assert_close(expand_prior_precision(diag, model), diag)
 
 
-def test_model_without_trainable_parameters(clf):
-    for p in clf.model.parameters():
-        p.requires_grad_(False)
-    with pytest.raises(ValueError, match="requires_grad"):
-        DiagLaplace(clf.model, "classification")
+def test_expand_prior_precision_errors():
+    model = _model_with_frozen_tensor()
+    with pytest.raises(ValueError, match="length"):
+        expand_prior_precision(torch.ones(4, dtype=F64), model)
+    with pytest.raises(ValueError, match="prior_prec"):
+        expand_prior_precision(torch.ones(3, 1, dtype=F64), model)
 
 
-def test_bad_batches(clf):
-    la = DiagLaplace(clf.model, "classification")
-    with pytest.raises(ValueError, match="dict_key_y"):
-        la.fit(DataLoader([{"input_ids": clf.X[0], "y": clf.y[0]}], batch_size=1))
+@pytest.mark.parametrize(("structure", "length"), [("scalar", 1), ("layerwise", 3), ("diag", 7)])
+def test_fix_prior_prec_structure(structure, length):
+    out = fix_prior_prec_structure(0.5, structure, 3, 7, "cpu", F64)
+    assert_close(out, torch.full((length,), 0.5, dtype=F64))
+    out32 = fix_prior_prec_structure(torch.tensor(2.0), structure, 3, 7, "cpu", torch.float32)
+    assert out32.dtype == torch.float32 and out32.shape == (length,)
 
 
-def test_regression_target_shape_mismatch():
-    reg = CASE_BUILDERS["mlp_regression_3out"]()
-    la = DiagLaplace(reg.model, "regression")
-    bad = DataLoader(TensorDataset(reg.X, reg.y[:, :2]), batch_size=5)
-    with pytest.raises(ValueError, match="targets"):
-        la.fit(bad)
-
-
-def test_bad_backend(clf):
-    with pytest.raises(TypeError, match="backend"):
-        DiagLaplace(clf.model, "classification", backend=object)
-
-
-def test_asdl_fisher_kwargs_are_ignored_by_other_backends(clf):
-    la = DiagLaplace(clf.model, "classification", asdl_fisher_kwargs={"n_mc_samples": 3})
-    la.fit(clf.loader())
-    assert la.H.shape == (la.n_params,)
+def test_fix_prior_prec_structure_errors():
+    with pytest.raises(ValueError, match=r"prior_structure.*'scalar'"):
+        fix_prior_prec_structure(1.0, "bogus", 3, 7, "cpu", F64)
+    with pytest.raises(ValueError, match="prior_prec_init"):
+        fix_prior_prec_structure(-1.0, "scalar", 3, 7, "cpu", F64)
+    with pytest.raises(ValueError, match="prior_prec_init"):
+        fix_prior_prec_structure(float("nan"), "scalar", 3, 7, "cpu", F64)
+    with pytest.raises(TypeError, match="prior_prec_init"):
+        fix_prior_prec_structure(torch.ones(2), "scalar", 3, 7, "cpu", F64)
+    with pytest.raises(ValueError, match="n_layers"):
+        fix_prior_prec_structure(1.0, "layerwise", 0, 7, "cpu", F64)
+    with pytest.raises(ValueError, match="n_params"):
+        fix_prior_prec_structure(1.0, "diag", 3, -1, "cpu", F64)

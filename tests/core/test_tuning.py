@@ -1,9 +1,14 @@
-"""Prior-precision tuning by Bayesian optimisation (``method="bayesopt"``, Optuna's GPSampler)."""
+"""Prior-precision tuning (``laplace.core.tuning``): marginal likelihood, grid search, bayesopt.
+
+Bayesian optimisation (``method="bayesopt"``, Optuna's GPSampler) needs the ``bayesopt`` extra:
+its tests skip without Optuna (``needs_optuna``), the others run anyway.
+"""
 
 from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import math
 import os
 import socket
@@ -20,19 +25,32 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
+from conftest import CASE_BUILDERS, assert_close
 from laplace import DiagLaplace, FullLaplace, FunctionalLaplace, KronLaplace
 from laplace.structures import NotPositiveDefiniteError
 
-pytest.importorskip("optuna")
+#: Bayesian optimisation needs Optuna (the ``bayesopt`` extra); its tests skip without it.
+needs_optuna = pytest.mark.skipif(
+    importlib.util.find_spec("optuna") is None, reason="needs optuna (the bayesopt extra)"
+)
+
 
 #: Evaluations of a Bayesian-optimisation search, and the grid it must match.
 N_STEPS, GRID_SIZE = 15, 21
+
+
 #: A search "no worse" than the grid: its best validation NLL at most this much above the grid's.
 NLL_TOL = 1e-9
+
+
 #: The grid must matter: its validation NLLs must spread by more than this.
 MIN_GRID_SPREAD = 0.02
+
+
 #: The loss of the chosen setting, recomputed, against the best seen (same float64 computation).
 REPRODUCE_TOL = 1e-12
+
+
 #: The search ranges (exponents of 10) on which the trained networks' NLL has an interior minimum.
 RANGES = {"classification": (-6, 2), "regression": (-4, 4)}
 
@@ -130,6 +148,7 @@ def _predictions(la, val) -> tuple[torch.Tensor, ...]:
     return (*(out if isinstance(out, tuple) else (out,)), y)
 
 
+@needs_optuna
 @pytest.mark.parametrize("likelihood", ["classification", "regression"])
 def test_bayesopt_matches_a_finer_grid_with_fewer_evaluations(likelihood):
     la, val, grid_loss = _fitted(likelihood)
@@ -149,6 +168,7 @@ def test_bayesopt_matches_a_finer_grid_with_fewer_evaluations(likelihood):
     )
 
 
+@needs_optuna
 def test_bayesopt_is_reproducible_and_the_seed_matters():
     """The search draws from its own seeded generators, not NumPy's global one.
 
@@ -166,6 +186,7 @@ def test_bayesopt_is_reproducible_and_the_seed_matters():
     assert runs[0][0] != runs[1][0]
 
 
+@needs_optuna
 def test_bayesopt_layerwise_sets_one_prior_precision_per_parameter_tensor():
     la, val, loss = _fitted("classification")
     dtype = la.prior_precision.dtype
@@ -196,6 +217,7 @@ def test_bayesopt_layerwise_sets_one_prior_precision_per_parameter_tensor():
     assert _loss_now(la, val, loss) == pytest.approx(min(loss.values), rel=0, abs=REPRODUCE_TOL)
 
 
+@needs_optuna
 def test_bayesopt_tunes_the_temperature_within_its_range(capsys):
     la, val, loss = _fitted("classification", temperature=1.0)
     temperature_range = (0.2, 5.0)
@@ -221,6 +243,7 @@ def test_bayesopt_tunes_the_temperature_within_its_range(capsys):
     )
 
 
+@needs_optuna
 def test_bayesopt_works_for_a_float32_model():
     model, train, val = _trained("classification")
     model = model.float()
@@ -239,6 +262,7 @@ def test_bayesopt_works_for_a_float32_model():
     assert la.prior_precision.shape == (la.n_layers,)
 
 
+@needs_optuna
 def test_bayesopt_by_metric_name_matches_the_callable():
     """A named loss goes through the likelihood's metric; the same search, the same choice."""
     la, val, loss = _fitted("classification")
@@ -248,6 +272,7 @@ def test_bayesopt_by_metric_name_matches_the_callable():
     assert torch.allclose(la.prior_precision, by_callable, rtol=1e-6, atol=0)
 
 
+@needs_optuna
 def test_bayesopt_scores_unfactorisable_candidates_as_infinite():
     """As grid search: a candidate whose posterior cannot be factorised is skipped."""
     la, val, loss = _fitted("classification")
@@ -272,6 +297,7 @@ def test_bayesopt_scores_unfactorisable_candidates_as_infinite():
     assert _loss_now(la, val, loss) == pytest.approx(min(loss.values), rel=0, abs=REPRODUCE_TOL)
 
 
+@needs_optuna
 def test_bayesopt_works_for_a_functional_laplace():
     la, val, loss = _fitted("regression", FunctionalLaplace, n_subset=30, seed=0)
     _search(la, val, loss, "regression", method="bayesopt", pred_type="gp", n_steps=10)
@@ -312,6 +338,7 @@ def _unchanged(la, forward_passes, expect_predictions: bool = False) -> None:
     assert bool(forward_passes) == expect_predictions
 
 
+@needs_optuna
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -343,6 +370,7 @@ def test_bayesopt_refuses_bad_arguments_before_any_prediction(guarded, kwargs, m
     _unchanged(la, forward_passes)
 
 
+@needs_optuna
 def test_bayesopt_without_optuna_names_the_extra(guarded, monkeypatch):
     la, val, loss, forward_passes = guarded
     monkeypatch.setitem(sys.modules, "optuna", None)
@@ -352,6 +380,7 @@ def test_bayesopt_without_optuna_names_the_extra(guarded, monkeypatch):
     la.optimize_prior_precision(method="gridsearch", val_loader=val, loss=loss, grid_size=2)
 
 
+@needs_optuna
 def test_a_failing_bayesopt_search_changes_nothing(guarded):
     la, val, loss, forward_passes = guarded
 
@@ -371,6 +400,7 @@ def test_a_failing_bayesopt_search_changes_nothing(guarded):
     _unchanged(la, forward_passes, expect_predictions=True)
 
 
+@needs_optuna
 def test_a_bayesopt_search_without_a_finite_loss_raises_and_changes_nothing(guarded):
     la, val, _, forward_passes = guarded
     with pytest.raises(RuntimeError, match="non-finite loss"):
@@ -384,6 +414,7 @@ def test_a_bayesopt_search_without_a_finite_loss_raises_and_changes_nothing(guar
     _unchanged(la, forward_passes, expect_predictions=True)
 
 
+@needs_optuna
 def test_bayesopt_silences_optuna_only_during_the_call(capsys):
     """Optuna logs each finished trial at INFO; the search drops those, then restores the level."""
     import logging
@@ -446,6 +477,7 @@ def _distributed_search(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@needs_optuna
 @pytest.mark.slow  # two processes start torch, laplace and Optuna (about a minute on 2 cores)
 def test_distributed_bayesopt_equals_single_process(tmp_path):
     """Every rank gets the search of one process on all the data (a rank proposing another
@@ -466,3 +498,170 @@ def test_distributed_bayesopt_equals_single_process(tmp_path):
             result["prior_precision"], la.prior_precision, rtol=DISTRIBUTED_RTOL, atol=0
         )
         assert result["temperature"] == pytest.approx(la.temperature, rel=DISTRIBUTED_RTOL)
+
+
+@pytest.mark.parametrize("cls", [FullLaplace, DiagLaplace], ids=["full", "diag"])
+@pytest.mark.parametrize("prior_structure", ["scalar", "layerwise", "diag"])
+def test_marglik_tuning_increases_marglik(cls, prior_structure):
+    case = CASE_BUILDERS["mlp_classification"]()
+    la = cls(case.model, case.likelihood, prior_precision=1.0)
+    la.fit(case.loader())
+    before = la.log_marginal_likelihood().item()
+    la.optimize_prior_precision(method="marglik", prior_structure=prior_structure, n_steps=50)
+    expected_len = {"scalar": 1, "layerwise": la.n_layers, "diag": la.n_params}[prior_structure]
+    assert la.prior_precision.shape == (expected_len,)
+    assert not la.prior_precision.requires_grad
+    assert la.log_marginal_likelihood().item() > before
+
+
+def test_marglik_tuning_default_is_scalar():
+    case = CASE_BUILDERS["mlp_regression_1out"]()
+    la = FullLaplace(case.model, case.likelihood)
+    la.fit(case.loader())
+    la.optimize_prior_precision()
+    assert la.prior_precision.shape == (1,)
+
+
+def test_marglik_tuning_keeps_structure_of_tensor_init():
+    case = CASE_BUILDERS["mlp_regression_1out"]()
+    la = DiagLaplace(case.model, case.likelihood)
+    la.fit(case.loader())
+    init = torch.ones(la.n_layers, dtype=torch.float64)
+    la.optimize_prior_precision(init_prior_prec=init, prior_structure="scalar", n_steps=5)
+    assert la.prior_precision.shape == (la.n_layers,)
+
+
+def test_gridsearch_accepts_callable_loss():
+    case = CASE_BUILDERS["mlp_classification"]()
+    la = FullLaplace(case.model, case.likelihood)
+    la.fit(case.loader())
+    calls = []
+
+    def loss(probs, targets):
+        calls.append(len(targets))
+        return torch.nn.functional.nll_loss(probs.log(), targets)
+
+    la.optimize_prior_precision(
+        method="gridsearch", val_loader=case.loader(), loss=loss, grid_size=3
+    )
+    assert calls and la.prior_precision.shape == (1,)
+
+
+def test_gridsearch_needs_val_loader():
+    case = CASE_BUILDERS["mlp_classification"]()
+    la = DiagLaplace(case.model, case.likelihood)
+    la.fit(case.loader())
+    with pytest.raises(ValueError, match="val_loader"):
+        la.optimize_prior_precision(method="gridsearch")
+
+
+def _validation_data(case, n=16, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    X = case.X[:n] + 0.5 * torch.randn(case.X[:n].shape, generator=gen, dtype=case.X.dtype)
+    return X, case.y[:n]
+
+
+def _classification_loss(probs, y, name):
+    from torchmetrics.functional.classification import multiclass_calibration_error
+
+    if name in ("nll", None):  # None: the default loss, the validation NLL
+        return -probs[torch.arange(len(y)), y].log().mean().item()
+    if name == "ece":
+        return multiclass_calibration_error(probs, y, probs.shape[-1]).item()
+    onehot = torch.nn.functional.one_hot(y, probs.shape[-1])
+    return (probs - onehot).square().sum(-1).mean().item()
+
+
+def _regression_loss(f_mu, cov, y, name):
+    from scipy import stats
+
+    mu, t = f_mu.detach().numpy(), y.numpy()
+    if name is None:  # the default loss, the mean squared error
+        return float(np.mean((mu - t) ** 2))
+    if name == "crps":
+        std = cov.diagonal(dim1=-2, dim2=-1).sqrt().detach().numpy()
+        z = (t - mu) / std
+        crps = std * (z * (2 * stats.norm.cdf(z) - 1) + 2 * stats.norm.pdf(z) - 1 / np.sqrt(np.pi))
+        return float(crps.mean())
+    cov = cov.detach().numpy()
+    return float(
+        np.mean([-stats.multivariate_normal.logpdf(t[i], mu[i], cov[i]) for i in range(len(t))])
+    )
+
+
+def _brute_force(la, grid, X, y, name):
+    """The validation loss of each candidate from the predictive and independent formulas."""
+    losses = []
+    for p in grid:
+        la.prior_precision = p
+        if la.likelihood == "classification":
+            losses.append(_classification_loss(la(X, link_approx="probit"), y, name))
+        else:
+            f_mu, f_var = la(X)
+            noise = la.sigma_noise.item() ** 2 * torch.eye(f_var.shape[-1], dtype=f_var.dtype)
+            losses.append(_regression_loss(f_mu, f_var + noise, y, name))
+    return losses
+
+
+@pytest.mark.parametrize(
+    ("name", "loss"),
+    [
+        ("mlp_classification", "ece"),
+        ("mlp_classification", "brier"),
+        ("mlp_classification", "nll"),
+        ("mlp_regression_3out", "crps"),
+        ("mlp_regression_3out", "nll"),
+        ("mlp_classification", None),
+        ("mlp_regression_3out", None),
+    ],
+)
+def test_gridsearch_picks_the_lowest_validation_loss(name, loss):
+    case = CASE_BUILDERS[name]()
+    kwargs = {"sigma_noise": 0.8} if case.likelihood == "regression" else {}
+    la = DiagLaplace(case.model, case.likelihood, **kwargs)
+    la.fit(case.loader())
+    X_val, y_val = _validation_data(case)
+    val_loader = DataLoader(TensorDataset(X_val, y_val), batch_size=5)
+    la.optimize_prior_precision(
+        method="gridsearch",
+        val_loader=val_loader,
+        loss=loss,
+        grid_size=9,
+        log_prior_prec_min=-3,
+        log_prior_prec_max=3,
+    )
+    chosen = la.prior_precision.clone()
+    grid = torch.logspace(-3, 3, 9, dtype=torch.float64)
+    losses = torch.tensor(_brute_force(la, grid, X_val, y_val, loss))
+    if not (loss is None and case.likelihood == "regression"):  # the GLM mean ignores the prior
+        assert losses.max() - losses.min() > 1e-3, "the grid must matter for this test to bite"
+    assert_close(chosen, grid[int(losses.argmin())].reshape(1))
+
+
+def test_gridsearch_by_ece_differs_from_gridsearch_by_nll():
+    """ECE and NLL disagree on this data, so picking by name really switches the metric."""
+    case = CASE_BUILDERS["mlp_classification"]()
+    la = DiagLaplace(case.model, case.likelihood)
+    la.fit(case.loader())
+    X_val, y_val = _validation_data(case)
+    grid = torch.logspace(-3, 3, 9, dtype=torch.float64)
+    ece = torch.tensor(_brute_force(la, grid, X_val, y_val, "ece"))
+    nll = torch.tensor(_brute_force(la, grid, X_val, y_val, "nll"))
+    assert int(ece.argmin()) != int(nll.argmin())
+
+
+@pytest.mark.parametrize(
+    ("name", "loss", "match"),
+    [
+        ("mlp_classification", "accuracy", "'brier', 'crps', 'ece', 'nll'"),
+        ("mlp_classification", "crps", "likelihood='classification'.*'nll', 'brier', 'ece'"),
+        ("mlp_regression_1out", "ece", "likelihood='regression'.*'nll', 'crps'"),
+    ],
+)
+def test_gridsearch_rejects_unknown_metric_names_before_any_work(name, loss, match):
+    case = CASE_BUILDERS[name]()
+    la = DiagLaplace(case.model, case.likelihood, prior_precision=0.3)
+    la.fit(case.loader())
+    with pytest.raises(ValueError, match=match):
+        la.optimize_prior_precision(method="gridsearch", val_loader=case.loader(), loss=loss)
+    assert la.prior_precision.item() == pytest.approx(0.3)

@@ -1,4 +1,4 @@
-"""Function-space (GP) Laplace: subset-of-data FunctionalLaplace and FunctionalLLLaplace."""
+"""Function-space (GP) Laplace: the subset-of-data ``FunctionalLaplace``."""
 
 from __future__ import annotations
 
@@ -6,24 +6,12 @@ import io
 
 import pytest
 import torch
+from functional_cases import fitted_gp
 
-from conftest import CASE_BUILDERS, Oracle, assert_close, freeze_all_but
+from conftest import CASE_BUILDERS, Oracle, assert_close
 from laplace import FullLaplace, Laplace
 from laplace.baselaplace import BaseFunctionalLaplace, FunctionalLaplace
 from laplace.lllaplace import FunctionalLLLaplace
-
-
-def fitted_gp(case, subset="all", n_subset=None, **kwargs):
-    la = Laplace(
-        case.model,
-        case.likelihood,
-        subset,
-        "gp",
-        n_subset=n_subset or len(case.X),
-        **kwargs,
-    )
-    la.fit(case.loader())
-    return la
 
 
 @pytest.mark.parametrize("subset", ["all", "last_layer"])
@@ -139,15 +127,6 @@ def test_enable_backprop_gradients_equal_finite_differences():
         step = step.view_as(x)
         numeric.view(-1)[i] = (objective(x + step) - objective(x - step)).detach() / (2 * eps)
     assert_close(grad, numeric, rtol=1e-5, atol=1e-7)
-
-
-def test_last_layer_gp_equals_all_weights_gp_on_a_frozen_body():
-    case = CASE_BUILDERS["mlp_classification"]()
-    ll = fitted_gp(case, "last_layer", n_subset=9)
-    frozen = Laplace(freeze_all_but(case.model, "2"), "classification", "all", "gp", n_subset=9)
-    frozen.fit(case.loader())
-    assert_close(ll(case.X[:5]), frozen(case.X[:5]))
-    assert_close(ll.log_marginal_likelihood(), frozen.log_marginal_likelihood())
 
 
 def test_state_dict_round_trip():

@@ -22,7 +22,7 @@ from torch.func import functional_call, hessian, jacrev, vmap
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "likelihoods.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "likelihoods.md"
 
 
 def poisson_class() -> type:

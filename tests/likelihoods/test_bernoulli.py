@@ -1,7 +1,7 @@
 """``likelihood="binary_classification"``: targets, backends, low rank, tuning, training, state.
 
 The curvature, marginal likelihood and predictive are checked against oracles in
-``test_likelihood_oracles.py``; this file covers what surrounds them.
+``test_likelihoods.py``; this file covers what surrounds them.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from likelihood_cases import binary_case
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -18,7 +19,6 @@ from laplace.curvature import AsdlGGN, BackPackEF, BackPackGGN, CurvlinopsEF, Cu
 from laplace.evaluation import evaluate
 from laplace.utils.enums import Likelihood
 from laplace.utils.errors import DataError, LabelError
-from likelihood_cases import binary_case
 
 BINARY = Likelihood.BINARY_CLASSIFICATION
 

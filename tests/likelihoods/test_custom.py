@@ -1,7 +1,7 @@
 """Your own likelihood through the public protocol ``laplace.likelihoods.Likelihood``.
 
 The Poisson example of ``docs/likelihoods.md`` runs the oracle battery of the built-in
-likelihoods in ``test_likelihood_oracles.py`` (``poisson_2``); this file checks the protocol:
+likelihoods in ``test_likelihoods.py`` (``poisson_2``); this file checks the protocol:
 what a subclass must implement, the defaults, and the parts of the library around it.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from likelihood_cases import LikelihoodOracle, poisson_case, poisson_class
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -16,7 +17,6 @@ from conftest import assert_close
 from laplace import Laplace, marglik_training
 from laplace.curvature import BackPackGGN, CurvlinopsGGN
 from laplace.likelihoods import Likelihood
-from likelihood_cases import LikelihoodOracle, poisson_case, poisson_class
 
 
 class SqrtPoisson(Likelihood):

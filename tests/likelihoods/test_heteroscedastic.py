@@ -1,13 +1,14 @@
 """``likelihood="heteroscedastic_regression"``: outputs [μ, log σ²], what surrounds the oracles.
 
 Curvature, marginal likelihood and predictive moments are checked against oracles in
-``test_likelihood_oracles.py``.
+``test_likelihoods.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from likelihood_cases import LikelihoodOracle, heteroscedastic_case
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -16,7 +17,6 @@ from laplace import Laplace, marglik_training
 from laplace.curvature import AsdlGGN, BackPackGGN, CurvlinopsHessian
 from laplace.evaluation import evaluate
 from laplace.likelihoods import HeteroscedasticGaussianNLLLoss, make_likelihood
-from likelihood_cases import LikelihoodOracle, heteroscedastic_case
 
 HETERO = "heteroscedastic_regression"
 

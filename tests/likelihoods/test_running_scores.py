@@ -1,8 +1,8 @@
 """Calibration metrics against independent references: torchmetrics, closed forms, numpy, SciPy.
 
 Predictions are fed to ``evaluate`` through the identity predictive (the loader's inputs *are*
-the probabilities or moments), so these tests check the metrics and the batched pass, not a
-Laplace approximation.
+the probabilities or moments, ``cases.predictions``), so these tests check the metrics and the
+batched pass, not a Laplace approximation.
 """
 
 from __future__ import annotations
@@ -13,38 +13,19 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy import integrate, stats
-from torch.utils.data import DataLoader, TensorDataset
+from scipy import stats
+from torch.utils.data import DataLoader
 from torchmetrics.functional.classification import (
-    binary_auroc,
     binary_calibration_error,
     multiclass_calibration_error,
 )
 
+from cases.predictions import MomentsDataset, _evaluate_predictions, _labels, _probs
 from conftest import assert_close
-from laplace.evaluation import evaluate, gaussian_crps, gaussian_nll
+from laplace.evaluation import evaluate, gaussian_nll
 
 # torchmetrics' calibration error bins float32 confidences.
 RTOL_F32, ATOL_F32 = 1e-6, 1e-7
-
-
-def _probs(n: int, c: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.softmax(scale * torch.randn(n, c, generator=gen, dtype=torch.float64), -1)
-
-
-def _labels(probs: torch.Tensor, seed: int = 1) -> torch.Tensor:
-    """Labels drawn from the probabilities (so the predictions are roughly calibrated)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-
-
-def identity(x):
-    return x
-
-
-def _evaluate_predictions(X, y, batch_size=7, **kwargs):
-    return evaluate(identity, DataLoader(TensorDataset(X, y), batch_size=batch_size), **kwargs)
 
 
 # ------------------------------------------------------------------------- classification
@@ -120,19 +101,6 @@ def _gaussian_data(n, c, seed=0):
     return mean, std, y
 
 
-class MomentsDataset(torch.utils.data.Dataset):
-    """Items ((mean, var), y): the identity predictive then returns (mean, var) batches."""
-
-    def __init__(self, mean, var, y):
-        self.mean, self.var, self.y = mean, var, y
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        return (self.mean[i], self.var[i]), self.y[i]
-
-
 def _evaluate_moments(mean, var, y, batch_size=9, **kwargs):
     loader = DataLoader(MomentsDataset(mean, var, y), batch_size=batch_size)
     return evaluate(lambda x: tuple(x), loader, **kwargs)
@@ -149,19 +117,6 @@ def test_regression_nll_rmse_crps_against_scipy_and_numpy():
     crps = s * (z * (2 * stats.norm.cdf(z) - 1) + 2 * stats.norm.pdf(z) - 1 / np.sqrt(np.pi))
     assert result["crps"] == pytest.approx(crps.mean(), rel=1e-10)
     assert result["n"] == 57
-
-
-def test_gaussian_crps_equals_the_integral_definition():
-    # CRPS(F, y) = ∫ (F(x) − 1[x ≥ y])² dx, by quadrature
-    for mu, sd, y in [(0.0, 1.0, 0.0), (1.5, 0.3, 0.2), (-2.0, 2.5, 3.0)]:
-        cdf = stats.norm(mu, sd).cdf
-        below, _ = integrate.quad(lambda x, cdf=cdf: cdf(x) ** 2, -np.inf, y)
-        above, _ = integrate.quad(lambda x, cdf=cdf: (1 - cdf(x)) ** 2, y, np.inf)
-        got = gaussian_crps(*(torch.tensor(v, dtype=torch.float64) for v in (mu, sd, y)))
-        assert got.item() == pytest.approx(below + above, rel=1e-8)
-    assert gaussian_crps(torch.tensor(0.0), torch.tensor(1.0), torch.tensor(0.0)).item() == (
-        pytest.approx(2 / math.sqrt(2 * math.pi) - 1 / math.sqrt(math.pi), rel=1e-6)
-    )
 
 
 def test_full_covariance_nll_against_scipy_multivariate_normal():
@@ -248,32 +203,3 @@ def test_per_label_bernoulli_metrics_against_torchmetrics_and_numpy():
     for key in ("accuracy", "nll", "brier", "ece", "mce"):
         assert result[key] == pytest.approx(float(np.mean(per_label[key])), rel=1e-6)
     assert json.loads(json.dumps(result)) == result
-
-
-# ----------------------------------------------------------------------------------- OOD
-def test_ood_auroc_of_predictive_entropy_equals_torchmetrics():
-    in_probs = _probs(40, 4, seed=10, scale=4.0)
-    ood_probs = _probs(30, 4, seed=11, scale=0.7)
-    y = _labels(in_probs)
-    result = _evaluate_predictions(
-        in_probs, y, ood_loader=DataLoader(TensorDataset(ood_probs), batch_size=8)
-    )
-
-    def entropy(p):
-        return -(p * p.log()).sum(-1)
-
-    scores = torch.cat([entropy(in_probs), entropy(ood_probs)])
-    labels = torch.cat([torch.zeros(40), torch.ones(30)]).long()
-    expected = binary_auroc(scores / scores.max(), labels)  # in [0, 1]: no sigmoid applied
-    assert result["ood_auroc"] == pytest.approx(expected.item(), rel=1e-6)
-    assert 0.5 < result["ood_auroc"] <= 1.0
-
-
-def test_ood_auroc_keeps_the_order_of_large_entropies():
-    # Gaussian entropies ~ 24 (in) and ~ 36 (OOD): a sigmoid would round both to 1.
-    mean = torch.zeros(20, 1, dtype=torch.float64)
-    y = torch.zeros(20, 1, dtype=torch.float64)
-    in_loader = DataLoader(MomentsDataset(mean, torch.full_like(mean, 1e20), y), batch_size=8)
-    ood = DataLoader(MomentsDataset(mean, torch.full_like(mean, 1e30), y), batch_size=8)
-    result = evaluate(lambda x: tuple(x), in_loader, ood_loader=ood)
-    assert result["ood_auroc"] == 1.0

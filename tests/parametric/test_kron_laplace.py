@@ -305,7 +305,7 @@ def test_factory_and_reward_modeling():
 
 
 def test_unsupported_layer_is_named():
-    # The native KFAC takes every layer (tests/test_kron_mixed.py); BackPACK's does not.
+    # The native KFAC takes every layer (tests/curvature/engine/test_kfac.py); BackPACK's does not.
     model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
     with pytest.raises(ValueError, match=r"'1' \(LayerNorm\).*CurvlinopsGGN"):
         KronLaplace(model, "classification", backend=BackPackGGN)

@@ -168,7 +168,7 @@ REGRESSION_FITS = [
     ("subnetwork", "full", {"subnetwork_indices": torch.tensor([0, 4])}),
     ("all", "gp", {"n_subset": 5}),
     ("last_layer", "gp", {"n_subset": 5}),
-]  # ELLA and VaLLA take (N,) targets as (N, 1), as laplace-torch's: tests/test_ella_valla.py
+]  # ELLA and VaLLA take (N,) targets as (N, 1), as laplace-torch's (test_base_functional)
 
 
 @pytest.mark.parametrize(("subset", "structure", "kwargs"), REGRESSION_FITS)
@@ -282,32 +282,6 @@ def test_posterior_scale_hooks(cls):
     la._posterior_scale = 0 * S3
     la._posterior_scale = None  # None resets it
     assert_close(la._posterior_scale, S3)
-
-
-def test_asdfghjkl_module_imports_and_names_what_to_use():
-    from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
-    from laplace.curvature.asdfghjkl import (
-        AsdfghjklEF,
-        AsdfghjklGGN,
-        AsdfghjklHessian,
-        AsdfghjklInterface,
-    )
-
-    assert issubclass(AsdfghjklGGN, GGNInterface) and issubclass(AsdfghjklEF, EFInterface)
-    assert issubclass(AsdfghjklHessian, AsdfghjklInterface)
-    assert issubclass(AsdfghjklInterface, CurvatureInterface)
-    model = nn.Linear(3, 2)
-    for cls, replacement in [
-        (AsdfghjklHessian, "AsdlHessian or CurvlinopsHessian"),
-        (AsdfghjklGGN, "AsdlGGN or CurvlinopsGGN"),
-        (AsdfghjklEF, "AsdlEF or CurvlinopsEF"),
-    ]:
-        with pytest.raises(ImportError, match=f"backend={replacement}.*lowrank"):
-            cls(model, "classification")
-    la = LowRankLaplace(model, "classification", backend=AsdfghjklHessian)
-    loader = DataLoader(TensorDataset(torch.randn(4, 3), torch.tensor([0, 1, 0, 1])), batch_size=2)
-    with pytest.raises(ImportError, match="AsdfghjklHessian"):
-        la.fit(loader)
 
 
 def test_reward_modeling_gridsearch_uses_the_running_nll():

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("mkdocs")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: The path the site is served under (``site_url``), which absolute links start with.
 SITE_PATH = urlsplit(
     re.search(r"^site_url: (\S+)$", (ROOT / "mkdocs.yml").read_text(), re.M)[1]

@@ -21,7 +21,7 @@ import torch
 from conftest import CASE_BUILDERS
 from laplace import DiagLaplace, FunctionalLaplace, marglik_training
 
-MIGRATION_NOTES = Path(__file__).resolve().parents[1] / "docs" / "migration.md"
+MIGRATION_NOTES = Path(__file__).resolve().parents[2] / "docs" / "migration.md"
 
 
 @dataclass(frozen=True)

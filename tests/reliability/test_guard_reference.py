@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from architectures import build
 from torch.utils.data import DataLoader, TensorDataset
 
+from cases.architectures import build
 from conftest import assert_close
 from laplace import Laplace
 

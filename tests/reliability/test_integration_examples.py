@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SHORT_RUNS = {
     "hf_trainer_example.py": ["--epochs", "1", "--n-train", "64"],
     "lightning_example.py": ["--epochs", "1"],

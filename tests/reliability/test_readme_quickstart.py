@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: What pip needs to build the wheel (MANIFEST.in's other entries are for the sdist).
 SOURCES = ["pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", "src"]
 

@@ -1,27 +1,36 @@
-"""All-weights KronLaplace with many outputs: low-rank output factors against the dense path.
+"""The Kronecker structure with low-rank and mixed blocks, against dense float64 oracles.
 
-``LARGE_OUTPUT_THRESHOLD`` is lowered (fixture ``threshold``) so that the tiny models' layers
-count as large; the structured fit is compared with the dense all-weights Kron fit of the same
-curvature columns (threshold restored; the Monte-Carlo Fisher draws the same targets from the
-same seed) and, for the output layer's factor, with the empirical Fisher written out by hand.
+All-weights KronLaplace with many outputs: ``LARGE_OUTPUT_THRESHOLD`` is lowered (fixture
+``threshold``) so that the tiny models' layers count as large; the structured fit is compared
+with the dense all-weights Kron fit of the same curvature columns (threshold restored; the
+Monte-Carlo Fisher draws the same targets from the same seed) and, for the output layer's
+factor, with the empirical Fisher written out by hand.
+
+Mixed blocks: embeddings (a diagonal factor), transformers' ``Conv1D``, the exact blocks of
+normalisation layers and of a module without a rule, and a Linear head in one posterior
+(``cases.mixed_layers``): marginal likelihood, GLM predictive, samples, state and online fit
+against the dense matrix of its blocks.
 """
 
 from __future__ import annotations
 
 import copy
+import io
+import math
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import CASE_BUILDERS, POSITION_CASES, assert_close
-from laplace import KronLaplace, Laplace
+from cases.mixed_layers import fitted, loader, mixed_net, tokens
+from conftest import CASE_BUILDERS, POSITION_CASES, Oracle, assert_close, assert_marglik_matches
+from laplace import FullLaplace, KronLaplace, Laplace
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
-from laplace.curvature.engine.kfac_rules import plan_blocks
 from laplace.likelihoods.categorical import Categorical
 from laplace.structures import large_output as large_output_module
 from laplace.structures import memory_budgets as nn_predictive_module
+from laplace.structures.kronecker import kron_functional_variance
 from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.errors import TooLargeError
 from laplace.utils.matrix import StructuredKron, StructuredKronDecomposed
@@ -31,12 +40,18 @@ BACKENDS = {
     "ef": {"backend": CurvlinopsEF},
     "mc": {"backend": CurvlinopsGGN, "backend_kwargs": {"stochastic": True, "num_samples": 2}},
 }
+
+
 CASES = {
     "mlp": lambda: CASE_BUILDERS["mlp_classification"](),
     "tokens": POSITION_CASES["token_classification"],  # (B, T, C), some labels −100
 }
+
+
 #: Large enough that nothing is truncated on the tiny data sets.
 EXACT_RANK = 1000
+
+
 #: Standard deviations of the Monte-Carlo error allowed for a sample covariance entry.
 MC_SIGMAS = 6.0
 
@@ -287,14 +302,6 @@ def test_third_party_kfac_and_conv1d_are_refused_by_name(threshold):
         KronLaplace(model, "classification", backend=CurvlinopsEF)
 
 
-def test_plan_marks_only_plain_layers_above_the_threshold():
-    model = nn.Sequential(nn.Embedding(9, 6), nn.Linear(6, 3), nn.LayerNorm(3), nn.Linear(3, 7))
-    engine = CurvlinopsEF(model, "classification").engine
-    marks = [block.low_rank for block in plan_blocks(engine, low_rank_above=5)]
-    assert marks == [False, False, False, False, False, True, True]
-    assert not any(block.low_rank for block in plan_blocks(engine))
-
-
 def test_exact_ggn_columns_larger_than_memory_are_refused_before_they_are_formed():
     model = nn.Sequential(nn.Linear(3, 200_000))
     loader = DataLoader(TensorDataset(torch.randn(4, 3), torch.zeros(4, dtype=torch.long)))
@@ -324,3 +331,157 @@ def test_nn_predictive_holds_a_bounded_group_of_samples_at_a_time(monkeypatch):
     assert [len(f) for f in groups] == [1, 3, 3, 3]
     assert_close(probs, torch.cat(groups).softmax(-1).mean(0))
     assert probs.shape == (3, 5, 4)
+
+
+# ------------------------------------------------------------ the mixed posterior, dense
+def dense_precision(la: KronLaplace, sigma: float = 1.0) -> torch.Tensor:
+    return la.H_facs.to_matrix() / sigma**2 + torch.diag(la.prior_precision_diag)
+
+
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+def test_mixed_marglik_and_its_gradients_equal_full_laplace_on_the_dense_kfac(likelihood):
+    model = mixed_net()
+    X, y = tokens(10, 3)
+    y = y if likelihood == "classification" else torch.randn(10, 3, dtype=torch.float64)
+    la = fitted(model, X, y, likelihood, backend_kwargs={"kfac_dense_limit": 4})
+    assert [len(F) for F in la.H_facs.kfacs].count(1) == 10  # biases, exact dense, diagonal
+    assert any(F[0].ndim == 1 for F in la.H_facs.kfacs if len(F) == 1)
+    full = FullLaplace(model, likelihood)
+    full.fit(loader(X, y))
+    full.H = la.H_facs.to_matrix()
+    priors = ([0.7], torch.linspace(0.5, 2.0, la.n_layers).tolist())
+    assert_marglik_matches(la, full, likelihood, priors)
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_mixed_glm_predictive_is_jacobian_free_and_matches_the_dense_reference(approx):
+    model = mixed_net()
+    X, y = tokens(10, 3)
+    kwargs = {"kfac_approx": approx, "kfac_dense_limit": 4}
+    prior = torch.linspace(0.5, 2, 13).double()
+    la = fitted(model, X, y, backend_kwargs=kwargs, prior_precision=prior)
+    J = Oracle(model, "classification").jacobian(X)
+    expected = J @ torch.linalg.inv(dense_precision(la)) @ J.transpose(1, 2)
+    trace = la.backend.trace(X)
+    f_var = kron_functional_variance(trace, la.posterior_precision)
+    assert f_var is not None  # every block has a layer-wise form
+    assert_close(f_var, expected, rtol=1e-8, atol=1e-12)
+    f_mu, f_var = la._functional_moments(X)
+    assert_close(f_var, expected, rtol=1e-8, atol=1e-12)
+    assert_close(f_mu, model(X))
+    f_var_jac = la.functional_variance(la.backend.jacobians(X)[0])
+    assert_close(f_var_jac, expected, rtol=1e-8, atol=1e-12)
+
+
+def test_mixed_samples_are_the_symmetric_root_of_the_dense_covariance():
+    model = mixed_net()
+    X, y = tokens(10, 3)
+    la = fitted(model, X, y, prior_precision=0.8, backend_kwargs={"kfac_dense_limit": 4})
+    w, V = torch.linalg.eigh(dense_precision(la))
+    root = (V * w.rsqrt()) @ V.T
+    samples = la.sample(5, generator=torch.Generator().manual_seed(3))
+    z = torch.randn(
+        5, la.n_params, generator=torch.Generator().manual_seed(3), dtype=torch.float64
+    )
+    assert_close(samples, la.mean + z @ root, rtol=1e-8, atol=1e-10)
+
+
+def test_mixed_state_dict_round_trip_and_online_fit():
+    model = mixed_net()
+    X, y = tokens(12, 3)
+    la = fitted(model, X, y, prior_precision=0.5, backend_kwargs={"kfac_dense_limit": 4})
+    buffer = io.BytesIO()
+    torch.save(la.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True, map_location="cpu")
+    other = KronLaplace(model, "classification", backend_kwargs={"kfac_dense_limit": 4})
+    other.load_state_dict(state)
+    assert other.H_facs.shapes == la.H_facs.shapes
+    assert_close(other.log_marginal_likelihood(), la.log_marginal_likelihood())
+    # the dense structure of another limit does not load
+    with pytest.raises(ValueError, match="Kronecker factors of shapes"):
+        KronLaplace(model, "classification").load_state_dict(state)
+    online = KronLaplace(
+        model, "classification", prior_precision=0.5, backend_kwargs={"kfac_dense_limit": 4}
+    )
+    for i, part in enumerate([slice(0, 5), slice(5, None)]):
+        online.fit(loader(X[part], y[part]), override=i == 0)
+    for got, want in zip(online.H_facs.kfacs, la.H_facs.kfacs):
+        for g, w in zip(got, want):
+            assert_close(g, w, rtol=1e-10, atol=1e-12)
+    assert_close(online.log_marginal_likelihood(), la.log_marginal_likelihood())
+
+
+def test_an_embedding_never_holds_a_vocabulary_square():
+    """V = 10⁶: a V × V factor would be 8 TB; fit, marglik, predictive and samples run."""
+    V, D = 1_000_000, 2
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(V, D), nn.Flatten(), nn.Linear(3 * D, 2)).double()
+    X = torch.randint(0, V, (8, 3))
+    y = torch.randint(0, 2, (8,))
+    la = fitted(model, X, y)
+    assert la.H_facs.shapes[0] == [(V,), (D, D)]
+    assert la.H.factor_bases(0)[0] is None  # the identity stays implicit
+    assert math.isfinite(la.log_marginal_likelihood().item())
+    _, f_var = la._functional_moments(X[:4])
+    J = la.backend.jacobians(X[:4])[0]
+    assert_close(f_var, la.functional_variance(J), rtol=1e-8, atol=1e-12)
+    assert la.sample(2).shape == (2, la.n_params)
+
+
+def test_one_sigma_per_output_combines_exact_blocks_too():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)).double()
+    X, y = torch.randn(10, 3, dtype=torch.float64), torch.randn(10, 2, dtype=torch.float64)
+    shared = fitted(model, X, y, "regression", sigma_noise=0.7)
+    per_output = fitted(model, X, y, "regression", sigma_noise=torch.tensor([0.7, 0.7]))
+    assert_close(per_output.log_marginal_likelihood(), shared.log_marginal_likelihood())
+    # (separate eigendecompositions of each output's sum: round-off as for Linear layers alone)
+    f_var = per_output._functional_moments(X)[1]
+    assert_close(f_var, shared._functional_moments(X)[1], rtol=1e-6, atol=1e-12)
+
+
+# ------------------------------------------------------------------ tiny transformers
+class LastToken(nn.Module):
+    """Next-token logits at the last position, (B, V)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens):
+        return self.lm(input_ids=tokens).logits[:, -1]
+
+
+def _tiny_lm(name: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    if name == "gpt2":  # Conv1D projections, LayerNorm, wte tied to the head
+        sizes = {"n_positions": 8, "n_embd": 8, "n_layer": 1, "n_head": 2}
+        tokens = {"vocab_size": 11, "bos_token_id": 0, "eos_token_id": 0}
+        config = transformers.GPT2Config(**sizes, **tokens, attn_implementation="eager")
+        lm = transformers.GPT2LMHeadModel(config)
+        lm.transformer.wpe.weight.requires_grad_(False)  # looked up once for the batch
+    else:  # Linear projections, RMSNorm, an untied embedding
+        sizes = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1}
+        heads = {"num_attention_heads": 2, "num_key_value_heads": 2}
+        config = transformers.LlamaConfig(
+            vocab_size=11, max_position_embeddings=8, **sizes, **heads, attn_implementation="eager"
+        )
+        lm = transformers.LlamaForCausalLM(config)
+    return LastToken(lm).double().eval()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_tiny_transformer_kron_predictive_matches_the_dense_reference(name):
+    torch.manual_seed(0)
+    model = _tiny_lm(name)
+    X, y = torch.randint(0, 11, (6, 5)), torch.randint(0, 11, (6,))
+    la = fitted(model, X, y)
+    first = la.H_facs.shapes[0]
+    # GPT-2's tied embedding (used by the embedding and the head): its exact dense block
+    assert first == ([(88, 88)] if name == "gpt2" else [(11,), (8, 8)])
+    assert math.isfinite(la.log_marginal_likelihood().item())
+    J = Oracle(model, "classification").jacobian(X)
+    expected = J @ torch.linalg.inv(dense_precision(la)) @ J.transpose(1, 2)
+    assert kron_functional_variance(la.backend.trace(X), la.posterior_precision) is not None
+    assert_close(la._functional_moments(X)[1], expected, rtol=1e-8, atol=1e-12)

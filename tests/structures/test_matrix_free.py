@@ -716,7 +716,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
     First what every rank computes on the same inputs (saved as ``rank{r}.pt``), then the GLM
     predictive of this rank's own shard of the test inputs, gathered over the ranks as
-    ``tests/test_distributed.py`` does for the other structures (``rank{r}-sharded.pt``).
+    ``tests/utils/test_distributed.py`` does for the other structures (``rank{r}-sharded.pt``).
     """
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -1,12 +1,14 @@
-"""Link approximations against formulas written out independently."""
+"""Link approximations and Gaussian draws against formulas written out independently."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from conftest import assert_close
+from laplace.utils import draw_gaussian
 from laplace.utils.predictive import (
     gaussian_output_samples,
     laplace_bridge,
@@ -75,3 +77,20 @@ def test_gaussian_output_samples_moments():
         assert bool(((cov - f_var[b]).abs() <= 5 * std_err.sqrt()).all())
     diag = gaussian_output_samples(f_mu, f_var.diagonal(dim1=1, dim2=2), 4)
     assert diag.shape == (4, 2, 3)
+
+
+#: Monte-Carlo tolerance for the covariance of 20 000 draws with unit-scale entries.
+MC_ATOL = 0.05
+
+
+def test_draw_gaussian_handles_singular_and_joint_covariances():
+    g = torch.Generator().manual_seed(0)
+    mean = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    cov = torch.tensor([[[1.0, 1.0], [1.0, 1.0]]], dtype=torch.float64)  # rank one
+    draws = draw_gaussian(mean, cov, 20000, g)
+    assert draws.shape == (20000, 1, 2)
+    centred = draws[:, 0] - mean
+    assert_close(centred.T @ centred / 20000, cov[0], rtol=0.0, atol=MC_ATOL)
+    assert draw_gaussian(mean.reshape(-1), cov[0], 4, g).shape == (4, 2)
+    with pytest.raises(torch.linalg.LinAlgError):
+        draw_gaussian(mean, -cov, 2, g)

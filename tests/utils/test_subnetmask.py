@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.conftest import CASE_BUILDERS
 from torch import nn
 
+from conftest import CASE_BUILDERS
 from laplace import DiagLaplace, FullSubnetLaplace
 from laplace.utils import (
     LargestMagnitudeSubnetMask,

@@ -12,10 +12,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import laplace
 from conftest import CASE_BUILDERS, DictDataset, assert_close
-from laplace import FullLaplace, Laplace, marglik_training
+from laplace import DiagLaplace, FullLaplace, Laplace, marglik_training
 from laplace.core.passes.data_loop import DataLoop, Gather
 from laplace.curvature import CurvlinopsGGN
-from laplace.utils.data import subset_loader, training_indices
 
 CPU = torch.device("cpu")
 
@@ -106,13 +105,6 @@ def test_passes_is_re_iterable_with_prepared_batches_and_a_step():
         list(DataLoop(None, "labels", CPU).passes(bad))
 
 
-def test_training_indices_and_subset_loader():
-    data = loader(10, 3)
-    assert training_indices(data).tolist() == list(range(10))
-    subset = subset_loader(data, torch.tensor([7, 2, 5]))
-    assert [y.tolist() for _, y in subset] == [[7, 2, 5]]
-
-
 @pytest.fixture
 def loop_runs(monkeypatch) -> list[str]:
     """The class names of the data loops run, in order."""
@@ -198,3 +190,10 @@ def test_the_environment_variable_sets_the_switch_at_import(value, expected):
     env = {**os.environ, "LAPLACE_PROGRESS_BARS": value}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert expected in result.stdout + result.stderr
+
+
+def test_empty_loader(clf):
+    la = DiagLaplace(clf.model, "classification")
+    empty = DataLoader(TensorDataset(clf.X[:0], clf.y[:0]), batch_size=4)
+    with pytest.raises(ValueError, match="empty"):
+        la.fit(empty)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from cases.mixed_layers import loader, mixed_net, oracle_blocks, tokens
 from conftest import (
     CASE_BUILDERS,
     Oracle,
@@ -28,7 +29,6 @@ from laplace.curvature import AsdlGGN, BackPackGGN, CurvlinopsEF, CurvlinopsGGN
 from laplace.curvature.engine import kfac as kfac_module
 from laplace.structures import large_output
 from laplace.structures.kronecker import kron_functional_variance
-from test_kron_mixed import loader, mixed_net, oracle_blocks, tokens
 
 RTOL, ATOL = 1e-8, 1e-10
 #: Monte-Carlo tolerance of a sample covariance: a few standard errors of 20,000 draws.

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from architectures import PATTERNS, BatchedPositionTable, PositionTable, build
 from torch.utils.data import DataLoader, TensorDataset
 
+from cases.architectures import PATTERNS, BatchedPositionTable, PositionTable, build
 from conftest import Oracle, assert_close, freeze_all_but
 from laplace import Laplace
 from laplace.curvature import AsdlGGN, CurvlinopsGGN

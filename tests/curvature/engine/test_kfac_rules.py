@@ -1,11 +1,11 @@
-"""Kronecker blocks of ``nn.MultiheadAttention`` against the same attention built from Linears.
+"""The KFAC rule tables: attention's grouped rules, and the plan of large layers' blocks.
 
 The documented definition (``GROUPED_KFAC_RULES``): the input projection is a Linear map
 applied once per distinct input among query, key and value, the output projection a Linear
 map over the attention output. ``LinearAttention`` computes the same function with
 ``nn.Linear`` layers called exactly so, whose blocks are the Linear rule's (tested against
-oracles in ``test_kron_laplace.py``): the attention layer's blocks, EKFAC's eigenvalues and the
-Kron posterior's GLM variances must equal the copy's.
+oracles in ``parametric/test_kron_laplace.py``): the attention layer's blocks, EKFAC's
+eigenvalues and the Kron posterior's GLM variances must equal the copy's.
 """
 
 from __future__ import annotations
@@ -19,13 +19,20 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import assert_close
 from laplace import Laplace
+from laplace.curvature import CurvlinopsEF
+from laplace.curvature.engine.kfac_rules import plan_blocks
 from laplace.structures.jacobians import LayerTrace
 
 pytestmark = pytest.mark.oracle
 
+
 #: Both sides form the same products in float64; only their order may differ.
 RTOL = 1e-10
+
+
 ATOL = 1e-12
+
+
 WIDTH, HEADS, N_CLASSES = 4, 2, 3
 
 
@@ -172,6 +179,8 @@ PACKED = {
     "mha.out_proj.weight": "mha.out_proj.weight",
     "mha.out_proj.bias": "mha.out_proj.bias",
 }
+
+
 SEPARATE = {
     "mha.q_proj_weight": "mha.projections.0.weight",
     "mha.k_proj_weight": "mha.projections.1.weight",
@@ -227,3 +236,11 @@ def test_attention_ekfac_and_glm_variances_equal_those_of_its_linear_maps(case, 
 
 def _no_jacobian_rows(self):
     raise AssertionError("the GLM variances fell back to Jacobian rows")
+
+
+def test_plan_marks_only_plain_layers_above_the_threshold():
+    model = nn.Sequential(nn.Embedding(9, 6), nn.Linear(6, 3), nn.LayerNorm(3), nn.Linear(3, 7))
+    engine = CurvlinopsEF(model, "classification").engine
+    marks = [block.low_rank for block in plan_blocks(engine, low_rank_above=5)]
+    assert marks == [False, False, False, False, False, True, True]
+    assert not any(block.low_rank for block in plan_blocks(engine))

@@ -1,4 +1,4 @@
-"""The native per-sample engine on layers beyond Linear/Conv2d, against the dense oracle.
+"""The per-layer rules of the native per-sample engine beyond Linear/Conv2d, against the oracle.
 
 Covers the generic ``torch.func`` fallback (LayerNorm, Embedding, a raw parameter, a parameter
 on the root module), weight sharing, sequence inputs, the other convolution variants, and models
@@ -195,21 +195,3 @@ def test_subnetwork_rows_match_oracle(model_and_inputs, gather_cost, monkeypatch
     expected = oracle.ggn(X)[idx][:, idx]
     assert_close(ggn.full(X, y)[1], expected)
     assert_close(ggn.diag(X, y)[1], expected.diagonal())
-
-
-@pytest.mark.parametrize("padding_idx", [None, 2])
-def test_embedding_square_sum_equals_the_squared_per_sample_gradients(padding_idx):
-    from laplace.curvature.engine.square_sums import SQUARE_SUM_RULES
-
-    gen = torch.Generator().manual_seed(0)
-    module = nn.Embedding(6, 3, padding_idx=padding_idx).double()
-    tokens = torch.randint(0, 6, (4, 7), generator=gen)  # tokens repeat within rows
-    tokens[0, :3] = 2  # the padding token, and a token three times in one row
-    out = module(tokens)
-    grads = torch.randn(5, *out.shape, dtype=torch.float64, generator=gen)  # 5 columns
-    call = layer_rules.ModuleCall(module, (tokens,), {}, [out], [0], ["weight"])
-    rule = SQUARE_SUM_RULES[nn.Embedding]
-    assert rule.applies(call)
-    per_sample = torch.stack([layer_rules.per_sample_grads(call, [g])["weight"] for g in grads])
-    two_chunks = rule.partial(call, grads[:2]) + rule.partial(call, grads[2:])
-    assert_close(rule.finish(call, two_chunks)["weight"], per_sample.square().sum((0, 1)))

@@ -1,21 +1,19 @@
-"""The KFAC start of the low-rank eigensolver, its Nyström finish and the pass cache, against
-dense float64 oracles."""
+"""The KFAC start of the low-rank eigensolver against dense float64 oracles."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tests.conftest import CASE_BUILDERS, Case, Oracle, assert_close
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import CASE_BUILDERS, Case, Oracle, assert_close
 from laplace import LowRankLaplace
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
 from laplace.curvature.engine.block_product import SampleVectors
-from laplace.curvature.engine.kfac import kfac
-from laplace.curvature.solvers.eigen import _nystrom, top_eigenpairs
-from laplace.curvature.solvers.kfac_start import KfacStart, _Candidates, kfac_start
-from laplace.curvature.solvers.products import NativeProduct, curvature_product
+from laplace.curvature.solvers.eigen import top_eigenpairs
+from laplace.curvature.solvers.kfac_start import _Candidates, kfac_start
+from laplace.curvature.solvers.products import curvature_product
 from laplace.utils.matrix import Kron
 
 #: Ritz values and products in float64 against eigh of the dense curvature.
@@ -31,6 +29,8 @@ def _sequence_case() -> Case:
 
 
 CASES = {**CASE_BUILDERS, "sequence": _sequence_case}
+
+
 NAMES = ["mlp_regression_3out", "mlp_classification", "cnn_classification", "sequence"]
 
 
@@ -114,29 +114,6 @@ def test_kfac_start_needs_kfac_layers_and_a_native_product():
     assert kfac_start(product, 3, 10) is None
 
 
-def _dense_nystrom(Q: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
-    Y = H @ Q
-    return Y @ torch.linalg.solve(Q.T @ Y, Y.T)
-
-
-def test_nystrom_finish_is_the_eigendecomposition_of_the_nystrom_approximation():
-    gen = torch.Generator().manual_seed(0)
-    X = torch.randn(30, 12, generator=gen, dtype=torch.float64)
-    H = X.T @ X
-    Q = torch.linalg.qr(torch.randn(12, 5, generator=gen, dtype=torch.float64)).Q
-    ritz = torch.linalg.eigvalsh(Q.T @ H @ Q).flip(0)
-    pairs = _nystrom(KfacStart(Q, H @ Q, ritz), 4)
-    approximation = _dense_nystrom(Q, H)
-    expected = torch.linalg.eigvalsh(approximation).flip(0)[:4]
-    assert_close(pairs.values, expected, rtol=1e-10, atol=1e-12)
-    assert_close(approximation @ pairs.vectors, pairs.vectors * pairs.values, atol=1e-9)
-    assert_close(pairs.vectors.T @ pairs.vectors, torch.eye(4, dtype=torch.float64))
-    exact = torch.linalg.eigvalsh(H).flip(0)[:4]
-    assert bool((pairs.values <= exact * (1 + 1e-12)).all())  # lower bounds
-    assert bool((pairs.values >= ritz[:4] * (1 - 1e-12)).all())  # better than Rayleigh–Ritz
-    assert_close(pairs.errors, (pairs.values - ritz[:4]) / pairs.values)
-
-
 @pytest.mark.parametrize("name", ["mlp_classification", "cnn_classification", "sequence"])
 def test_kfac_start_then_krylov_passes_converge_to_the_dense_top_k(name):
     case = CASES[name]()
@@ -150,36 +127,6 @@ def test_kfac_start_then_krylov_passes_converge_to_the_dense_top_k(name):
         (U.T @ vectors.flip(1)[:, :k]).abs(), torch.eye(k, dtype=torch.float64), atol=1e-6
     )
     assert bool((errors <= 1e-6).all())
-
-
-@pytest.mark.parametrize("kept_batches", [0, 1, 2, 99], ids=["none", "one", "two", "all"])
-def test_kept_batches_give_the_same_products_on_every_pass(kept_batches):
-    """Monte-Carlo columns too: the generator resumes after the kept batches."""
-    case = CASE_BUILDERS["cnn_classification"]()
-    backend = CurvlinopsGGN(case.model, case.likelihood, stochastic=True, num_samples=2)
-    trace = backend.trace(case.X[:5])
-    columns = torch.stack(list(backend.curvature_columns(trace.f.detach(), case.y[:5])))
-    batch_bytes = SampleVectors(trace, columns).nbytes  # batches of 5, 5 and 2 points
-    reference = NativeProduct(backend, case.loader(), seed=5, cache_bytes=0)
-    product = NativeProduct(backend, case.loader(), seed=5, cache_bytes=batch_bytes * kept_batches)
-    V = torch.randn(product.n_params, 3, dtype=torch.float64)
-    expected = reference.matmat(V)
-    for _ in range(3):
-        assert_close(product.matmat(V), expected)
-    assert len(product._kept) == min(kept_batches, 3)
-
-
-@pytest.mark.parametrize("approx", ["expand", "reduce"])
-@pytest.mark.parametrize("name", ["cnn_classification", "sequence", "mlp_regression_3out"])
-def test_kfac_from_recorded_gradients_equals_kfac(name, approx):
-    case = CASES[name]()
-    backend = CurvlinopsGGN(case.model, case.likelihood)
-    trace = backend.trace(case.X)
-    columns = torch.stack(list(backend.curvature_columns(trace.f.detach(), case.y)))
-    gradients = trace.output_gradients(columns)
-    direct = kfac(trace, list(columns), 20, approx, backend.factor)
-    recorded = kfac(trace, list(columns), 20, approx, backend.factor, gradients)
-    assert_close(recorded.to_matrix(), direct.to_matrix())
 
 
 @pytest.mark.parametrize("max_iter", [0, 2], ids=["nystrom", "krylov"])
