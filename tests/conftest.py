@@ -140,6 +140,24 @@ def classification_case() -> Case:
     return CASE_BUILDERS["mlp_classification"]()
 
 
+@pytest.fixture
+def clf() -> Case:
+    return CASE_BUILDERS["mlp_classification"]()
+
+
+class PairScorer(nn.Module):
+    """Single-output reward model: (B, 2, D) pairs → (B, 2) logits, (B, D) → (B, 1) rewards."""
+
+    def __init__(self, n_in: int = 3):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(n_in, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 3:
+            return self.net(x.reshape(-1, x.shape[-1])).reshape(x.shape[0], 2)
+        return self.net(x)
+
+
 def dict_case(n: int = 16) -> tuple[nn.Module, DataLoader]:
     torch.manual_seed(4)
     model = DictInputModel().double()

@@ -1,4 +1,4 @@
-"""The import structure of the package: no import cycles, and compatibility paths are façades.
+"""The structure of the package: layers, no import cycles, façades, and the map in the docs.
 
 The graph is read from the source with ``ast``: every ``import`` and ``from ... import``
 anywhere in a module counts, those under ``if TYPE_CHECKING:`` and inside functions included.
@@ -7,16 +7,24 @@ the package. A package's ``__init__`` runs before its submodules, but an import 
 is an arrow to that submodule only (the package's ``__init__`` is its face, not a dependency).
 A lazy re-export (``__getattr__ = lazy_attributes(__name__, {name: owner})``) is an arrow to
 each owner.
+
+A module imports modules of its own layer or of the layers below it (``LAYERS``, the order
+``docs/architecture.md`` draws); the few arrows that run up are listed with their reason in
+``UPWARD_IMPORTS``. Every module name and source path the architecture document names exists.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
 
 #: laplace-torch's module paths that only re-export names from the modules that own them.
 #: Nothing in the package but another façade imports them (``import laplace`` loads them all, as
@@ -28,6 +36,44 @@ FACADES = (
     "laplace.utils.utils",
     "laplace.utils.metrics",
 )
+
+
+#: The layers, bottom to top (``docs/architecture.md``): a module belongs to the layer of the
+#: longest prefix that names it (a prefix names itself and its submodules); the façades are
+#: their own top layer. Modules of one layer may import each other.
+LAYERS = (
+    ("foundations", ("laplace.utils",)),
+    ("likelihoods", ("laplace.likelihoods",)),
+    ("the native curvature engine", ("laplace.curvature.engine",)),
+    ("curvature adapters", ("laplace.curvature",)),
+    ("curvature solvers", ("laplace.curvature.solvers",)),
+    ("structures", ("laplace.structures",)),
+    ("passes", ("laplace.core.passes",)),
+    ("core", ("laplace.core",)),
+    ("approximations", ("laplace.parametric", "laplace.functional", "laplace.evaluation")),
+    ("laplace-torch's modules of public classes", ("laplace.lllaplace", "laplace.subnetlaplace")),
+    ("entry points", ("laplace.laplace", "laplace.marglik_training")),
+    ("façades", FACADES),
+)
+
+#: The arrows that run up a layer, each with its reason: laplace-torch's ``laplace.utils`` paths
+#: ``subnetmask`` and ``functional_utils`` keep their names where laplace-torch users import them,
+#: though what they use lives higher up.
+UPWARD_IMPORTS = {
+    ("laplace.utils.subnetmask", "laplace.likelihoods"): (
+        "laplace-torch's subnetmask path: the SWAG mask trains with the likelihood's loss"
+    ),
+    ("laplace.utils.subnetmask", "laplace.parametric.diag_laplace"): (
+        "laplace-torch's subnetmask path: LargestVarianceDiagLaplaceSubnetMask takes a DiagLaplace"
+        " (a type annotation, under TYPE_CHECKING)"
+    ),
+    ("laplace.utils.functional_utils", "laplace.core.transaction"): (
+        "laplace-torch's functional_utils path re-exports preserve_model_gradients"
+    ),
+    ("laplace.utils.functional_utils", "laplace.likelihoods"): (
+        "laplace-torch's functional_utils path reads targets as the likelihood objects do"
+    ),
+}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -116,6 +162,26 @@ def _cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
     return components
 
 
+def _layer(name: str) -> int:
+    """The index in ``LAYERS`` of module ``name``'s layer."""
+    if name in FACADES:
+        return len(LAYERS) - 1
+    named = [
+        (len(prefix), index)
+        for index, (_, prefixes) in enumerate(LAYERS[:-1])
+        for prefix in prefixes
+        if name == prefix or name.startswith(prefix + ".")
+    ]
+    if not named:
+        raise LookupError(f"{name} is in no layer: add it to LAYERS")
+    return max(named)[1]
+
+
+def _upward(graph: dict[str, set[str]], layer=_layer) -> list[tuple[str, str]]:
+    """The arrows ``(importer, imported)`` from a module to a module of a higher layer."""
+    return [(a, b) for a in sorted(graph) for b in sorted(graph[a]) if layer(b) > layer(a)]
+
+
 def _describe(cycle: frozenset[str]) -> str:
     arrows = [f"{a} -> {b}" for a in sorted(cycle) for b in sorted(GRAPH[a] & cycle)]
     return "; ".join(arrows)
@@ -129,6 +195,29 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_no_import_cycles_between_modules():
     cycles = _cycles(GRAPH)
     assert not cycles, "import cycles: " + " | ".join(map(_describe, cycles))
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"low": {"high"}, "high": {"low", "peer"}, "peer": {"high"}}
+    layers = {"low": 0, "high": 1, "peer": 1}
+    assert _upward(graph, layers.__getitem__) == [("low", "high")]
+
+
+def test_every_module_has_a_layer():
+    assert {name: _layer(name) for name in MODULES}  # raises for a module in no layer
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = [arrow for arrow in _upward(GRAPH) if arrow not in UPWARD_IMPORTS]
+    described = [
+        f"{a} ({LAYERS[_layer(a)][0]}) -> {b} ({LAYERS[_layer(b)][0]})" for a, b in upward
+    ]
+    assert not upward, "imports that run up a layer: " + "; ".join(described)
+
+
+def test_every_listed_upward_import_is_still_made():
+    stale = sorted(set(UPWARD_IMPORTS) - set(_upward(GRAPH)))
+    assert not stale, f"UPWARD_IMPORTS lists arrows the package no longer has: {stale}"
 
 
 @pytest.mark.parametrize("facade", FACADES)
@@ -175,3 +264,50 @@ def test_facades_only_re_export(facade):
         assert (
             is_import or is_all or is_version or is_typing_import or is_lazy or is_public_path
         ), f"{facade} defines something (line {statement.lineno})"
+
+
+def _documented(pattern: str) -> list[str]:
+    """The backticked names of ``docs/architecture.md`` that match ``pattern`` entirely."""
+    tokens = re.findall(r"`([^`\n]+)`", ARCHITECTURE_DOC.read_text())
+    return sorted({token for token in tokens if re.fullmatch(pattern, token)})
+
+
+DOCUMENTED_NAMES = _documented(r"laplace(\.[A-Za-z_]\w*)+")
+DOCUMENTED_PATHS = _documented(r"[\w./-]+\.py")
+
+
+def _resolve(dotted: str) -> object:
+    """Import the longest module prefix of ``dotted``, then get the rest as attributes."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:end])
+        try:
+            target = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name is not None and module_name.startswith(error.name):
+                continue  # not a module: a shorter prefix is
+            raise
+        for attribute in parts[end:]:
+            target = getattr(target, attribute)
+        return target
+    raise ModuleNotFoundError(dotted)
+
+
+def test_the_document_names_modules_and_paths():
+    assert len(DOCUMENTED_NAMES) > 20 and len(DOCUMENTED_PATHS) > 5
+
+
+@pytest.mark.parametrize("dotted", DOCUMENTED_NAMES)
+def test_every_name_the_document_gives_exists(dotted):
+    try:
+        _resolve(dotted)
+    except (ImportError, AttributeError) as error:
+        pytest.fail(f"docs/architecture.md names `{dotted}`, which does not exist: {error}")
+
+
+@pytest.mark.parametrize("path", DOCUMENTED_PATHS)
+def test_every_source_path_the_document_gives_exists(path):
+    # ``structures/kronecker.py`` or ``src/laplace/structures/kronecker.py`` (or ``tests/...``)
+    assert (SRC / "laplace" / path).is_file() or (ROOT / path).is_file(), (
+        f"docs/architecture.md names `{path}`, which is no file under src/laplace"
+    )

@@ -11,13 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from conftest import (
-    CASE_BUILDERS,
-    Oracle,
-    assert_close,
-    freeze_all_but,
-    transformer_case,
-)
+from conftest import CASE_BUILDERS, Oracle, assert_close, freeze_all_but, transformer_case
 from laplace import (
     DiagLaplace,
     DiagLLLaplace,
@@ -28,9 +22,9 @@ from laplace import (
     Laplace,
     LLLaplace,
 )
-from laplace.core.passes import head_curvature_sum
 from laplace.curvature import CurvlinopsEF, CurvlinopsGGN, CurvlinopsHessian
 from laplace.lllaplace import FeatureExtractor, FeatureReduction
+from laplace.utils.errors import NotFittedError
 from laplace.utils.matrix import Kron
 
 STRUCTURES = {
@@ -38,6 +32,8 @@ STRUCTURES = {
     "kron": (KronLLLaplace, KronLaplace),
     "diag": (DiagLLLaplace, DiagLaplace),
 }
+
+
 CASES = ["mlp_regression_3out", "mlp_classification", "cnn_classification"]
 
 
@@ -303,16 +299,6 @@ def test_online_fit_equals_one_fit(structure):
     assert_close(online.log_marginal_likelihood(), once.log_marginal_likelihood())
 
 
-def test_buffer_flushes_sum_up(monkeypatch):
-    case = CASE_BUILDERS["cnn_classification"]()
-    whole = FullLLLaplace(case.model, "classification")
-    whole.fit(case.loader())
-    monkeypatch.setattr(head_curvature_sum, "BUFFER_ELEMENTS", 10)
-    flushed = FullLLLaplace(case.model, "classification")
-    flushed.fit(case.loader())
-    assert_close(flushed.H, whole.H)
-
-
 @pytest.mark.parametrize("structure", list(STRUCTURES))
 def test_state_dict_and_pickle(structure):
     case = CASE_BUILDERS["mlp_regression_3out"]()
@@ -378,3 +364,22 @@ def test_kron_h_is_decomposed():
     la.fit(case.loader())
     assert isinstance(la.H_facs, Kron)
     assert type(la.posterior_precision).__name__ == "KronDecomposed"
+
+
+@pytest.mark.parametrize("cls", [FullLLLaplace, DiagLLLaplace, KronLLLaplace])
+def test_last_layer_unknown_keeps_none_and_raises_attribute_errors(cls):
+    case = CASE_BUILDERS["mlp_classification"]()
+    la = cls(case.model, "classification", prior_mean=0.5)
+    assert la.mean is None and la.H is None and la.n_params is None
+    assert la.backend is CurvlinopsGGN  # the class chosen, readable before the layer is known
+    for name in ("posterior_precision", "prior_precision_diag", "log_det_ratio"):
+        assert not hasattr(la, name)  # the error is an AttributeError ...
+        assert getattr(la, name, "default") == "default"
+        with pytest.raises(RuntimeError, match="last layer is not known yet"):
+            getattr(la, name)  # ... and a RuntimeError, with our message
+    with pytest.raises(NotFittedError, match="last layer is not known yet"):
+        la._init_H()
+    # once the layer is found (first batch of fit) the fitted posterior replaces the prior
+    la.fit(case.loader())
+    assert la.mean.shape == (la.n_params,) == (24,)
+    assert_close(la.mean, torch.cat([case.model[2].weight.flatten(), case.model[2].bias]))

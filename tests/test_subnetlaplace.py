@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from tests.conftest import CASE_BUILDERS, Oracle, assert_close
 
+from conftest import CASE_BUILDERS, Oracle, assert_close
 from laplace import DiagSubnetLaplace, FullSubnetLaplace, Laplace, SubnetLaplace
 from laplace.curvature import CurvlinopsEF, CurvlinopsHessian
 
