@@ -143,6 +143,16 @@ class CurvatureBackend(Protocol):
         """
         ...
 
+    def row_columns(
+        self,
+        f: Tensor,
+        y: Tensor,
+        generator: torch.Generator | None = None,
+        mc_samples: int | None = None,
+    ) -> Tensor:
+        """The family's columns (R, C, K) of rows ``f`` (R, C) with targets ``y``."""
+        ...
+
     def full(
         self, x: Inputs, y: Tensor, **kwargs: Unpack[CurvatureOptions]
     ) -> tuple[Tensor, Tensor]:
