@@ -336,11 +336,11 @@ class HeadStatistics:
         """Memory the kept tensors hold."""
         return self.phi.nbytes + self.M.nbytes
 
-    def eigenvalues(self, bases: list[list[Tensor | None]]) -> list[Tensor]:
-        """The head's blocks' ``diag(Qᵀ H Q)``: (C, D) and, with a bias, (C,)."""
+    def eigenvalues(self, bases: list[list[Tensor | None]]) -> list[Tensor | None]:
+        """The head's blocks' ``diag(Qᵀ H Q)``: (C, D) and, with a bias, (C,); none exact."""
         Q_G, Q_A = bases[0]
         phi = self.phi if Q_A is None else self.phi @ Q_A
-        eigenvalues = [_rotated_diagonals(self.M, Q_G).T @ phi.square()]
+        eigenvalues: list[Tensor | None] = [_rotated_diagonals(self.M, Q_G).T @ phi.square()]
         if self.bias:
             eigenvalues.append(_rotated_diagonals(self.M, bases[1][0]).sum(0))
         return eigenvalues

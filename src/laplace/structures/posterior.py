@@ -34,10 +34,11 @@ __all__ = ["ClosedForm", "Curvature", "NotPositiveDefiniteError", "Posterior"]
 #: ``J P⁻¹ Jᵀ`` (B, C, C) of a posterior for one Jacobian kind, or None where it does not apply:
 #: ``(posterior, J)`` of the structure and the kind it is listed under.
 ClosedForm = Callable[..., Tensor | None]
-#: A curvature in a structure's own representation: a tensor (dense (P, P), diagonal (P,)), a
-#: ``Kron`` summed or a ``KronDecomposed`` stored (Kronecker), eigenpairs (low rank), a
-#: ``MatFreeCurvature``. Each structure's methods name their own; the fits, passes and states
-#: hand it between a structure's methods without looking inside, so the contract leaves it open.
+#: A curvature (or a precision) in a structure's own representation: a tensor (dense (P, P),
+#: diagonal (P,)), a ``Kron`` summed or a ``KronDecomposed`` stored (Kronecker), eigenpairs (low
+#: rank), a ``MatFreeCurvature``. Each structure's methods name their own; the fits, passes and
+#: states hand it between a structure's methods without looking inside, so the contract leaves
+#: it open.
 Curvature: TypeAlias = Any
 
 
@@ -159,7 +160,7 @@ class Posterior(ABC):
     # ------------------------------------------------------------------------ the posterior
     @property
     @abstractmethod
-    def precision(self) -> object:
+    def precision(self) -> Curvature:
         """The posterior precision ``P`` in the structure's representation."""
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import Generic, TypeVar, cast, overload
+from typing import Generic, TypedDict, TypeVar, cast, overload
 
 import torch
 from torch import Tensor
@@ -22,7 +22,14 @@ from laplace.utils import distributed as distributed_utils
 from laplace.utils.data import Inputs, concatenate_rows, prepare_batch
 from laplace.utils.errors import ArgumentTypeError, check_finite_result
 
-__all__ = ["DataLoop", "Gather", "progress", "set_progress_bars"]
+__all__ = [
+    "DataLoop",
+    "Gather",
+    "LoopArguments",
+    "LoopOptions",
+    "progress",
+    "set_progress_bars",
+]
 
 T = TypeVar("T")
 #: What ``step`` gives for one batch.
@@ -31,6 +38,21 @@ Stats = TypeVar("Stats")
 Total = TypeVar("Total")
 #: What ``run`` returns (``finish`` of the total).
 Result = TypeVar("Result")
+#: The positional arguments of a ``DataLoop``: ``(dict_key_x, dict_key_y, device)``.
+LoopArguments = tuple[str | None, str, torch.device]
+
+
+class LoopOptions(TypedDict, total=False):
+    """The keyword arguments of a ``DataLoop`` besides ``step`` (see ``DataLoop``)."""
+
+    check_inputs: Callable[[Inputs], None] | None
+    progress_bar: bool
+    desc: str
+    distributed: bool
+    what: str
+    empty_message: str | None
+
+
 SWITCH_VALUES = {"0": False, "false": False, "off": False, "1": True, "true": True, "on": True}
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
+from laplace.curvature.curvature import EFInterface, GGNInterface
 from laplace.curvature.curvlinops import CurvlinopsHessian
 from laplace.curvature.engine.block_product import BlockSum, ParameterBlock, SampleVectors
 from laplace.curvature.registry import available_optional, load_optional
@@ -24,6 +24,8 @@ from laplace.utils.data import Inputs, batch_size_of, posterior_dtype
 
 if TYPE_CHECKING:
     from curvlinops._torch_base import PyTorchLinearOperator
+
+    from laplace.curvature.protocol import CurvatureBackend
 
 __all__ = [
     "PASS_CACHE_BYTES",
@@ -84,7 +86,7 @@ class NativeProduct:
 
     def __init__(
         self,
-        backend: CurvatureInterface,
+        backend: CurvatureBackend,
         data: Iterable[tuple[Inputs, Tensor]],
         reduce: Reduce | None = None,
         seed: int = 0,
@@ -227,7 +229,7 @@ class OperatorProduct:
 
 
 def curvature_operator(
-    backend: CurvatureInterface, data: Iterable[tuple[Inputs, Tensor]], n_data: int
+    backend: CurvatureBackend, data: Iterable[tuple[Inputs, Tensor]], n_data: int
 ) -> tuple[PyTorchLinearOperator, float]:
     """The backend's curvature over ``data`` as a curvlinops operator, and its scale.
 
@@ -276,7 +278,7 @@ def curvature_operator(
 
 
 def curvature_product(
-    backend: CurvatureInterface,
+    backend: CurvatureBackend,
     data: Iterable[tuple[Inputs, Tensor]],
     n_data: int,
     native: bool = True,
