@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, NamedTuple, TypedDict, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, TypedDict, overload
 
 import torch
 from torch import Tensor
@@ -30,6 +30,7 @@ __all__ = [
     "EvaluationOptions",
     "MetricFactory",
     "MetricOptions",
+    "Metrics",
     "bernoulli_entropy",
     "categorical_entropy",
     "gaussian_crps",
@@ -44,6 +45,11 @@ __all__ = [
 
 #: A validation loss of grid search: ``(n_outputs, sigma_noise, **metric_kwargs) → Metric``.
 MetricFactory = Callable[..., "Metric"]
+
+
+#: Metrics as ``evaluate`` returns them: by name, each a Python float, int, list or dict (JSON),
+#: of a type set by its name (``docs/evaluation.md``); read by key, as a parsed JSON object is.
+Metrics: TypeAlias = dict[str, Any]
 
 
 class MetricOptions(TypedDict, total=False):
@@ -244,7 +250,7 @@ class Evaluation:
             feed = self.feeds.get(name)
             metric.update(*(feed(*inputs, target) if feed else (*inputs, target)))
 
-    def compute(self) -> dict[str, object]:
+    def compute(self) -> Metrics:
         """The result over all batches so far, JSON-serialisable.
 
         Raises:

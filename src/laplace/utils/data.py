@@ -108,6 +108,14 @@ def batch_size_of(X: Inputs, dict_key_x: str) -> int:
     return len(X)
 
 
+@overload
+def move_inputs(X: Tensor, device: torch.device) -> Tensor: ...
+
+
+@overload
+def move_inputs(X: Inputs, device: torch.device) -> Inputs: ...
+
+
 def move_inputs(X: Inputs, device: torch.device) -> Inputs:
     """Move model inputs to ``device``; mappings are moved value by value.
 

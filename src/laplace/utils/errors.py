@@ -11,7 +11,7 @@ import math
 import numbers
 import os
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -169,8 +169,11 @@ def check_module(value: object, name: str = "model") -> nn.Module:
     return value
 
 
-def check_mapping(value: object, name: str) -> dict[str, object]:
+def check_mapping(value: object, name: str) -> dict[str, Any]:
     """A copy of ``value`` as a dict if it is a mapping with string keys (None: empty).
+
+    The values are keyword arguments handed on to a constructor of the user's choosing
+    (a backend, an optimiser), of whatever types it takes.
 
     Raises:
         ArgumentTypeError: For anything else.
