@@ -111,9 +111,11 @@ class FitPass(DataLoop[Stats, Total, Result]):
 
 #: A batch's ``(loss, curvature)`` in the structure's form.
 CurvatureStats = tuple[Tensor, Curvature]
+#: The running ``[curvature, loss]`` of a pass (the loss a tensor after the first batch).
+CurvatureTotal = list[Curvature]
 
 
-class CurvatureSum(FitPass[CurvatureStats, list[Curvature], tuple[Curvature, Tensor]]):
+class CurvatureSum(FitPass[CurvatureStats, CurvatureTotal, tuple[Curvature, Tensor]]):
     """The pass of a parametric fit: ``(curvature, loss)`` summed over the batches.
 
     Per batch the likelihood checks the targets (against the outputs' shape, found with one
@@ -122,7 +124,7 @@ class CurvatureSum(FitPass[CurvatureStats, list[Curvature], tuple[Curvature, Ten
     Arguments as ``FitPass``.
     """
 
-    def start(self) -> list[Curvature]:
+    def start(self) -> CurvatureTotal:
         """Zero curvature and loss."""
         return [self.pieces.zeros(), 0.0]
 
@@ -150,14 +152,14 @@ class CurvatureSum(FitPass[CurvatureStats, list[Curvature], tuple[Curvature, Ten
             )
         check_finite_result(loss, "loss of a training batch")
 
-    def add(self, total: list[Curvature], stats: CurvatureStats) -> list[Curvature]:
+    def add(self, total: CurvatureTotal, stats: CurvatureStats) -> CurvatureTotal:
         """Add a batch's curvature (in place: one dense sum less in memory) and loss."""
         loss, H = stats
         total[0] = self.pieces.posterior.add(total[0], H)
         total[1] = total[1] + loss.detach()
         return total
 
-    def finish(self, total: list[Curvature]) -> tuple[Curvature, Tensor]:
+    def finish(self, total: CurvatureTotal) -> tuple[Curvature, Tensor]:
         """``(H, loss)`` of the data; an online fit's ``H`` with the earlier fit's merged in."""
         H, loss = total
         pieces = self.pieces

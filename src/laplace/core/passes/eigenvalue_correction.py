@@ -11,7 +11,12 @@ from typing import cast
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from laplace.core.passes.curvature_sum import CurvatureStats, CurvatureSum, FitPieces
+from laplace.core.passes.curvature_sum import (
+    CurvatureStats,
+    CurvatureSum,
+    CurvatureTotal,
+    FitPieces,
+)
 from laplace.core.passes.head_curvature_sum import HeadCurvatureSum
 from laplace.curvature.engine.kfac import KfacStatistics
 from laplace.structures.kronecker import (
@@ -50,7 +55,7 @@ class EigenvalueCorrection:
     distributed: bool
     what: str
 
-    def start(self) -> list[Curvature]:
+    def start(self) -> CurvatureTotal:
         """Start keeping the batches' statistics, then start the factors' pass."""
         self.kept: list[KfacStatistics | HeadStatistics] | None = []
         self.kept_bytes = 0
