@@ -19,7 +19,7 @@ the all-weights classes do.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from laplace.core.base_laplace import BaseLaplace, arguments_for
 from laplace.core.passes.eigenvalue_correction import EigenvalueCorrectedHeadSum
 from laplace.core.passes.head_curvature_sum import HeadCurvatureSum
-from laplace.core.serialization import check_state_dict
+from laplace.core.serialization import StateDict, check_state_dict
 from laplace.core.subsets import LastLayer, extractor_property
 from laplace.curvature import CurvatureInterface
 from laplace.functional import FunctionalLLLaplace
@@ -102,8 +102,8 @@ class LLLaplace(ParametricLaplace):
         dict_key_y: str = "labels",
         backend: type[CurvatureInterface] | None = None,
         last_layer_name: str | None = None,
-        backend_kwargs: dict[str, Any] | None = None,
-        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        backend_kwargs: Mapping[str, object] | None = None,
+        asdl_fisher_kwargs: Mapping[str, object] | None = None,
         class_dim: int | None = None,
         ignore_index: int = IGNORE_INDEX,
         dtype: torch.dtype | None = None,
@@ -155,13 +155,13 @@ class LLLaplace(ParametricLaplace):
         return f_mu, layout.restore(variances)
 
     # -------------------------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """See ``ParametricLaplace.state_dict``; adds the layer name."""
         state = super().state_dict()
         state["last_layer_name"] = self.model.last_layer_name
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """See ``ParametricLaplace.load_state_dict``.
 
         Raises:
@@ -231,8 +231,8 @@ class KronLLLaplace(LLLaplace, KronLaplace):
         backend: type[CurvatureInterface] | None = None,
         last_layer_name: str | None = None,
         damping: bool = False,
-        backend_kwargs: dict[str, Any] | None = None,
-        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        backend_kwargs: Mapping[str, object] | None = None,
+        asdl_fisher_kwargs: Mapping[str, object] | None = None,
         class_dim: int | None = None,
         ignore_index: int = IGNORE_INDEX,
         output_factor_rank: int = OUTPUT_FACTOR_RANK,

@@ -26,7 +26,8 @@ from laplace.core.priors import expand_to_diagonal, fix_prior_prec_structure
 from laplace.curvature import CurvatureInterface, CurvlinopsGGN
 from laplace.curvature.registry import available_optional, load_optional
 from laplace.laplace import Laplace
-from laplace.likelihoods import make_likelihood
+from laplace.likelihoods import LikelihoodModel, make_likelihood
+from laplace.likelihoods.protocol import Likelihood as UserLikelihood
 from laplace.utils import distributed as distributed_utils
 from laplace.utils.data import Inputs
 from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure, parse_enum
@@ -50,7 +51,8 @@ _FIT_INSTEAD = (
 
 
 def default_backend(
-    likelihood: Any = Likelihood.CLASSIFICATION, sigma_noise_init: float | Tensor = 1.0
+    likelihood: Likelihood | str | UserLikelihood | LikelihoodModel = Likelihood.CLASSIFICATION,
+    sigma_noise_init: float | Tensor = 1.0,
 ) -> type[CurvatureInterface]:
     """laplace-torch's default ``AsdlGGN`` where installed and applicable, else ``CurvlinopsGGN``.
 

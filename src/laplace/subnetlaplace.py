@@ -22,14 +22,15 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from laplace.core.base_laplace import BaseLaplace, arguments_for
 from laplace.core.priors import prior_weighted_sum
-from laplace.core.serialization import check_state_dict
+from laplace.core.serialization import StateDict, check_state_dict
 from laplace.core.subsets import Subnetwork
 from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.parametric.diag_laplace import DiagLaplace
@@ -82,8 +83,8 @@ class SubnetLaplace(ParametricLaplace):
         prior_mean: float | Tensor = 0.0,
         temperature: float = 1.0,
         backend: type[CurvatureInterface] | None = None,
-        backend_kwargs: dict[str, Any] | None = None,
-        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        backend_kwargs: Mapping[str, object] | None = None,
+        asdl_fisher_kwargs: Mapping[str, object] | None = None,
         *,
         enable_backprop: bool = False,
         dict_key_x: str = "input_ids",
@@ -146,13 +147,13 @@ class SubnetLaplace(ParametricLaplace):
         return self._posterior.square_form(value - self.mean_subnet)
 
     # ------------------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """See ``ParametricLaplace.state_dict``; adds the indices."""
         state = super().state_dict()
         state["subnetwork_indices"] = self._subset.indices.detach().cpu()
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """See ``ParametricLaplace.load_state_dict``.
 
         Raises:

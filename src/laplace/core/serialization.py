@@ -7,7 +7,8 @@ reads it, and it moves across devices with ``map_location``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeAlias, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -17,14 +18,88 @@ from laplace.utils.distributed import unwrap_model
 from laplace.utils.errors import ArgumentTypeError, MissingKeyError, check_bool, check_positive_int
 from laplace.utils.outputs import OutputAdapter
 
+if TYPE_CHECKING:
+    from laplace.core.subsets import ParameterSubset
+    from laplace.likelihoods.likelihood_model import LikelihoodModel
+    from laplace.structures.posterior import Curvature, Posterior
+
 __all__ = [
     "ParametricState",
+    "SavedApproximation",
+    "StateDict",
     "StateFormat",
     "check_state_dict",
     "identity_mismatch",
     "module_tree",
     "trainable_coordinates",
 ]
+
+#: A state as ``state_dict`` writes it: entries by name, each a tensor, a plain Python value or
+#: nested lists and dicts of them, of a type set by its key (``torch.load`` gives it back as is).
+StateDict: TypeAlias = dict[str, Any]
+
+
+class SavedApproximation(Protocol):
+    """What every state format reads of the Laplace approximation it saves and loads."""
+
+    @property
+    def model(self) -> nn.Module:
+        """The network."""
+        ...
+
+    @property
+    def _likelihood_model(self) -> LikelihoodModel:
+        """The likelihood object (its name, its output layout)."""
+        ...
+
+    @property
+    def _subset(self) -> ParameterSubset:
+        """The parameters the posterior covers."""
+        ...
+
+    @property
+    def _device(self) -> torch.device:
+        """The device tensors are loaded onto."""
+        ...
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        """The floating-point type tensors are loaded in."""
+        ...
+
+
+class SavedParametric(SavedApproximation, Protocol):
+    """What ``ParametricState`` reads of a parametric approximation besides."""
+
+    H: Curvature
+
+    @property
+    def _posterior_cache(self) -> object:
+        """The posterior built from ``H`` and the hyperparameters (None: rebuilt when read)."""
+        ...
+
+    @_posterior_cache.setter
+    def _posterior_cache(self, value: None) -> None: ...
+
+    @property
+    def _posterior_cls(self) -> type[Posterior]:
+        """The posterior structure."""
+        ...
+
+    @property
+    def _structure_options(self) -> Mapping[str, object]:
+        """The structure's options (Kronecker: ``damping``)."""
+        ...
+
+    def _zero_curvature(self) -> Curvature:
+        """The zero curvature of the parameters, in the structure's form."""
+        ...
+
+
+#: The approximation a state format saves.
+A = TypeVar("A", bound=SavedApproximation)
+#: The parametric approximation ``ParametricState`` saves.
+P = TypeVar("P", bound=SavedParametric)
 
 #: Tolerance when checking that the model's weights are the saved posterior mean.
 MEAN_MATCH_ATOL = 1e-6
@@ -55,14 +130,17 @@ def module_tree(model: nn.Module) -> list[list[str]]:
     ]
 
 
-def identity_mismatch(key: str, saved: Any, current: Any) -> str:
+def identity_mismatch(key: str, saved: object, current: object) -> str:
     """The message refusing a state whose identity entry ``key`` is ``saved``, not ``current``.
 
     Short values are shown whole; longer lists by their first differing entry.
     """
     shown = f"is {saved!r}, expected {current!r}"
-    long_lists = isinstance(saved, list) and isinstance(current, list)
-    if long_lists and max(len(repr(saved)), len(repr(current))) > SHOWN_CHARACTERS:
+    if (
+        isinstance(saved, list)
+        and isinstance(current, list)
+        and max(len(repr(saved)), len(repr(current))) > SHOWN_CHARACTERS
+    ):
         shown = _first_difference(saved, current)
     reason = IDENTITY_REASONS.get(key)
     return f"state_dict does not match this Laplace approximation: its {key} {shown}" + (
@@ -70,7 +148,7 @@ def identity_mismatch(key: str, saved: Any, current: Any) -> str:
     )
 
 
-def _leaves(value: Any) -> Iterator[Any]:
+def _leaves(value: object) -> Iterator[object]:
     """The tensors (and anything else that is not a container) in nested lists and dicts."""
     if isinstance(value, Mapping):
         for item in value.values():
@@ -83,7 +161,7 @@ def _leaves(value: Any) -> Iterator[Any]:
 
 
 def check_state_dict(
-    state_dict: Any, required: Iterable[str], tensors: Iterable[str], counts: Iterable[str]
+    state_dict: object, required: Iterable[str], tensors: Iterable[str], counts: Iterable[str]
 ) -> None:
     """Refuse a state that ``state_dict`` cannot have written, before anything is loaded.
 
@@ -128,7 +206,7 @@ def check_state_dict(
         check_positive_int(state_dict[key], f"state_dict[{key!r}]")
 
 
-def _first_difference(saved: list[Any], current: list[Any]) -> str:
+def _first_difference(saved: list[object], current: list[object]) -> str:
     """Where two lists first differ, as ``identity_mismatch`` words it."""
     index = next(
         (i for i, (a, b) in enumerate(zip(saved, current)) if a != b),
@@ -142,18 +220,32 @@ def _first_difference(saved: list[Any], current: list[Any]) -> str:
     )
 
 
-class StateFormat:
+@dataclass(frozen=True)
+class StateFormat(Generic[A]):
     """What the state of a Laplace class holds besides its identity and mean, and how it loads.
 
-    By default the attributes the class names in ``_state_plain`` (saved as they are),
-    ``_state_tensors`` (floating-point tensors, saved detached and restored on the model's
-    device and dtype, through their setters) and ``_state_parameters`` (trainable
-    ``nn.Parameter`` attributes, restored as new ones); ``_state_other_tensors`` and
-    ``_state_counts`` name further entries that hold floating-point tensors and positive
-    integers. A class whose state needs more passes its own format object.
+    A class names its state in one place, its ``_state_format``: by default the attributes
+    named in ``plain``, ``tensors`` and ``parameters``, and the further entries of
+    ``other_tensors`` and ``counts`` that a subclass of the format writes. A class whose state
+    needs more has a subclass of the format (its ``values``, ``check``, ``load``, ...), generic in
+    the approximation it saves.
+
+    Args:
+        plain: Attributes saved as they are.
+        tensors: Floating-point tensor attributes, saved detached and restored on the model's
+            device and dtype, through their setters.
+        parameters: Trainable ``nn.Parameter`` attributes (or None), restored as new ones.
+        other_tensors: Further entries that hold floating-point tensors (checked finite).
+        counts: Entries that hold positive integers.
     """
 
-    def identity(self, la: Any) -> dict[str, Any]:
+    plain: tuple[str, ...] = ()
+    tensors: tuple[str, ...] = ()
+    parameters: tuple[str, ...] = ()
+    other_tensors: tuple[str, ...] = ()
+    counts: tuple[str, ...] = ()
+
+    def identity(self, la: A) -> dict[str, object]:
         """Entries a loaded state must equal, in the order they are compared.
 
         The class and likelihood, the class's ``identity_entries`` and the ``module_tree``.
@@ -165,50 +257,50 @@ class StateFormat:
             "module_tree": module_tree(la.model),
         }
 
-    def identity_entries(self, la: Any) -> dict[str, Any]:
+    def identity_entries(self, la: A) -> dict[str, object]:
         """Identity entries a class adds (its parameters, its input keys); none by default."""
         return {}
 
-    def value_keys(self, la: Any) -> tuple[str, ...]:
+    def value_keys(self, la: A) -> tuple[str, ...]:
         """The entries ``values`` writes."""
-        return (*la._state_plain, *la._state_tensors, *la._state_parameters)
+        return (*self.plain, *self.tensors, *self.parameters)
 
-    def tensor_keys(self, la: Any) -> tuple[str, ...]:
+    def tensor_keys(self, la: A) -> tuple[str, ...]:
         """Entries holding floating-point tensors (checked finite before loading)."""
-        return (*la._state_tensors, *la._state_other_tensors)
+        return (*self.tensors, *self.other_tensors)
 
-    def count_keys(self, la: Any) -> tuple[str, ...]:
+    def count_keys(self, la: A) -> tuple[str, ...]:
         """Entries holding positive integers."""
-        return la._state_counts
+        return self.counts
 
-    def values(self, la: Any) -> dict[str, Any]:
+    def values(self, la: A) -> StateDict:
         """The fitted posterior and hyperparameters, besides the identity and the mean."""
-        values = {name: getattr(la, name) for name in la._state_plain}
-        values.update({name: getattr(la, name).detach() for name in la._state_tensors})
-        for name in la._state_parameters:
+        values = {name: getattr(la, name) for name in self.plain}
+        values.update({name: getattr(la, name).detach() for name in self.tensors})
+        for name in self.parameters:
             parameter = getattr(la, name)
             values[name] = None if parameter is None else parameter.detach().clone()
         return values
 
-    def prepare(self, la: Any, state_dict: dict[str, Any]) -> None:
+    def prepare(self, la: A, state_dict: StateDict) -> None:
         """Make the parameters known before the mean is compared (e.g. find the last layer)."""
 
-    def check(self, la: Any, state_dict: dict[str, Any]) -> None:
+    def check(self, la: A, state_dict: StateDict) -> None:
         """Refuse entries ``load`` cannot take, before anything is loaded."""
 
-    def load(self, la: Any, state_dict: dict[str, Any]) -> None:
+    def load(self, la: A, state_dict: StateDict) -> None:
         """Assign the checked entries of ``values``."""
-        for name in la._state_plain:
+        for name in self.plain:
             setattr(la, name, state_dict[name])
-        for name in la._state_tensors:
+        for name in self.tensors:
             setattr(la, name, state_dict[name].to(device=la._device, dtype=la._dtype))
-        for name in la._state_parameters:
+        for name in self.parameters:
             if state_dict[name] is not None:
                 value = state_dict[name].to(device=la._device, dtype=la._dtype)
                 setattr(la, name, nn.Parameter(value.clone()))
 
 
-def trainable_coordinates(la: Any) -> dict[str, list[Any]]:
+def trainable_coordinates(la: SavedApproximation) -> dict[str, object]:
     """``param_names`` and ``param_shapes``: the parameters the posterior of ``la`` covers."""
     return {
         "param_names": list(la._subset.names),
@@ -216,26 +308,32 @@ def trainable_coordinates(la: Any) -> dict[str, list[Any]]:
     }
 
 
-class ParametricState(StateFormat):
+@dataclass(frozen=True)
+class ParametricState(StateFormat[P]):
     """The state of a parametric Laplace: the curvature, loss, data count and hyperparameters.
 
     The identity also holds the names and shapes of the parameters (the architecture); the
-    curvature is saved as the posterior structure saves it.
+    curvature is saved as the posterior structure saves it. The named entries default to those
+    of every parametric class (``ParametricLaplace``).
     """
 
-    def identity_entries(self, la: Any) -> dict[str, Any]:
+    plain: tuple[str, ...] = ("n_data", "n_outputs", "temperature", "enable_backprop")
+    tensors: tuple[str, ...] = ("loss", "prior_mean", "prior_precision", "sigma_noise")
+    counts: tuple[str, ...] = ("n_data", "n_outputs")
+
+    def identity_entries(self, la: P) -> dict[str, object]:
         """The names and shapes of the parameters (``trainable_coordinates``)."""
         return trainable_coordinates(la)
 
-    def value_keys(self, la: Any) -> tuple[str, ...]:
+    def value_keys(self, la: P) -> tuple[str, ...]:
         """The curvature and the class's entries."""
         return ("H", *super().value_keys(la))
 
-    def tensor_keys(self, la: Any) -> tuple[str, ...]:
+    def tensor_keys(self, la: P) -> tuple[str, ...]:
         """The curvature and the class's tensors (loss and hyperparameters)."""
         return ("H", *super().tensor_keys(la))
 
-    def values(self, la: Any) -> dict[str, Any]:
+    def values(self, la: P) -> StateDict:
         """The curvature as the structure saves it, the loss, counts and hyperparameters."""
         layout = la._likelihood_model.outputs.found
         return {
@@ -244,23 +342,23 @@ class ParametricState(StateFormat):
             **super().values(la),
         }
 
-    def check(self, la: Any, state_dict: dict[str, Any]) -> None:
+    def check(self, la: P, state_dict: StateDict) -> None:
         """Refuse a bad temperature, a non-boolean ``enable_backprop``, an unknown layout."""
         check_temperature(state_dict["temperature"])
         check_bool(state_dict["enable_backprop"], "state_dict['enable_backprop']")
         OutputAdapter.check_found(state_dict.get("output_layout"))
 
-    def load(self, la: Any, state_dict: dict[str, Any]) -> None:
+    def load(self, la: P, state_dict: StateDict) -> None:
         """Assign the curvature, loss, counts and hyperparameters."""
         la.H = self.load_curvature(la, state_dict["H"])
         super().load(la, state_dict)
         la._likelihood_model.outputs.remember(state_dict.get("output_layout"))
         la._posterior_cache = None
 
-    def curvature_state(self, la: Any) -> Any:
+    def curvature_state(self, la: P) -> object:
         """The fitted curvature as the posterior structure saves it."""
         return la._posterior_cls.state(la.H)
 
-    def load_curvature(self, la: Any, state: Any) -> Any:
+    def load_curvature(self, la: P, state: object) -> Curvature:
         """The fitted curvature from a saved one, checked by the posterior structure."""
         return la._posterior_cls.load_state(state, la._zero_curvature(), **la._structure_options)

@@ -3,15 +3,17 @@
 ``AllWeights`` covers every parameter with ``requires_grad=True``; ``Subnetwork`` chosen entries
 of their flattened vector; ``LastLayer`` the linear head of a
 ``FeatureExtractor``, which may only be found on the first
-forward pass (``resolved`` tells). All implement the same small interface, including
-``linearize``: the model's outputs and Jacobian in the kind (``laplace.structures.jacobians``)
-that suits the posterior, for the GLM predictive.
+forward pass (``resolved`` tells). All implement the abstract ``ParameterSubset``: the
+parameters and their flattened vector, ``resolve``, ``forward_samples`` (the model run with
+other weights) and ``linearize``: the model's outputs and Jacobian in the kind
+(``laplace.structures.jacobians``) that suits the posterior, for the GLM predictive.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
-from typing import Any, ClassVar
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -31,10 +33,16 @@ from laplace.utils.errors import ArgumentTypeError, MetaDeviceError, NotFittedEr
 from laplace.utils.feature_extractor import FeatureExtractor, as_feature_extractor
 from laplace.utils.outputs import OutputLayout
 
+if TYPE_CHECKING:
+    from laplace.curvature.protocol import CurvatureBackend
+    from laplace.likelihoods.likelihood_model import LikelihoodModel
+    from laplace.utils.feature_extractor import FeatureReduction
+
 __all__ = [
     "MISSING_SUBNETWORK_INDICES",
     "AllWeights",
     "LastLayer",
+    "ParameterSubset",
     "Subnetwork",
     "check_parameters",
     "check_posterior_dtype",
@@ -53,7 +61,7 @@ MISSING_SUBNETWORK_INDICES = (
 )
 
 
-def check_posterior_dtype(dtype: Any) -> torch.dtype | None:
+def check_posterior_dtype(dtype: object) -> torch.dtype | None:
     """The ``dtype`` argument of a Laplace class: None, ``torch.float32`` or ``torch.float64``.
 
     Raises:
@@ -102,6 +110,12 @@ def check_parameters(named: list[tuple[str, Tensor]]) -> None:
         )
 
 
+class _ExtractorOwner(Protocol):
+    """A last-layer approximation: its ``model`` is a feature extractor."""
+
+    model: FeatureExtractor
+
+
 def extractor_property(name: str, doc: str, settable: bool = False) -> property:
     """A property of a last-layer approximation read from its feature extractor ``la.model``.
 
@@ -111,23 +125,99 @@ def extractor_property(name: str, doc: str, settable: bool = False) -> property:
         settable: Whether assigning it sets the extractor's attribute.
     """
 
-    def fset(la: Any, value: Any) -> None:
+    def fset(la: _ExtractorOwner, value: object) -> None:
         setattr(la.model, name, value)
 
     return property(lambda la: getattr(la.model, name), fset if settable else None, doc=doc)
 
 
-class _FlatParameters:
-    """Flattening of ``self.params`` (named ``self.names``) into one vector, in that order."""
+class ParameterSubset(ABC):
+    """The weights a posterior covers, and how a weight vector drives the model.
+
+    A subset knows its parameters ``params`` (named ``names``) and flattens them into one
+    vector of P entries, in that order (``vector``, ``unflatten``); it names the tensors the
+    curvature's blocks are shaped as (``curvature_params``) and the lengths of the priors it
+    takes. What a subclass implements is how the model meets the weights: ``resolve`` finds
+    parameters known only from a forward pass, ``forward_samples`` runs the model with sampled
+    weights, and ``linearize`` gives the outputs and the Jacobian w.r.t. the subset in the
+    kind that ``jacobian_kind`` names for a posterior's closed forms. A Laplace class names its
+    subset by its ``_subset_kind`` and builds it with ``for_model(model, likelihood,
+    **_subset_options)``.
+
+    Shapes: inputs ``X`` (B, ...) (or a dict-like batch), outputs (B, C), weight vectors (P,),
+    weight samples (S, P).
+
+    Attributes:
+        params: The parameter tensors (raises until the subset is ``resolved``).
+        names: Their names in the model.
+        model: The network the subset belongs to.
+        backend_options: Keyword arguments the subset adds to the backend's constructor.
+        stateful_parts: Objects besides the approximation that a failed call must restore.
+        requested_dtype: The posterior's type asked for; None: from the parameters.
+    """
 
     params: list[Tensor]
     names: list[str]
+    model: nn.Module
     #: Keyword arguments the subset adds to the backend's constructor.
-    backend_options: ClassVar[dict[str, Any]] = {}
+    backend_options: ClassVar[Mapping[str, object]] = {}
     #: Objects besides the approximation that a failed call must restore (a last layer found).
-    stateful_parts: tuple[Any, ...] = ()
+    stateful_parts: tuple[object, ...] = ()
     #: The posterior's type asked for (the ``dtype`` argument); None: from the parameters.
     requested_dtype: torch.dtype | None = None
+
+    @property
+    @abstractmethod
+    def resolved(self) -> bool:
+        """Whether the parameters are known (a last layer is found on the first forward pass)."""
+
+    @abstractmethod
+    def resolve(self, X: Inputs) -> None:
+        """Make the parameters known from a forward pass on inputs ``X`` (B, ...) if they are not.
+
+        Args:
+            X: A batch of inputs (its first data point suffices).
+        """
+
+    @abstractmethod
+    def forward_samples(self, thetas: Tensor, X: Inputs, **model_kwargs: object) -> Tensor:
+        """Model outputs for weight samples, leaving the model unchanged.
+
+        Args:
+            thetas: Weight samples (S, P) of the subset (the other weights stay as they are).
+            X: Inputs (B, ...), or a dict-like batch.
+            **model_kwargs: Keyword arguments of the model's forward.
+
+        Returns:
+            Outputs (S, B, C), in the posterior's type.
+        """
+
+    @abstractmethod
+    def jacobian_kind(self, closed_forms: Collection[type[Jacobian]]) -> type[Jacobian]:
+        """The Jacobian kind ``linearize`` returns for a posterior with these closed forms.
+
+        Args:
+            closed_forms: The Jacobian kinds the posterior has closed forms for.
+        """
+
+    @abstractmethod
+    def linearize(
+        self,
+        X: Inputs,
+        backend: CurvatureBackend,
+        closed_forms: Collection[type[Jacobian]],
+        backprop: bool,
+    ) -> tuple[Tensor, Jacobian]:
+        """Outputs ``f`` (B, C) and the Jacobian ``J`` of the model w.r.t. the subset.
+
+        From one forward pass, in the kind ``jacobian_kind(closed_forms)`` names.
+
+        Args:
+            X: Inputs (B, ...), or a dict-like batch.
+            backend: The curvature backend over these parameters.
+            closed_forms: The Jacobian kinds the posterior has closed forms for.
+            backprop: Keep the results differentiable w.r.t. the inputs.
+        """
 
     @property
     def prior_lengths(self) -> tuple[int | None, int | None]:
@@ -190,7 +280,7 @@ class _FlatParameters:
         return {n: c.view_as(p).to(p.dtype) for n, c, p in zip(self.names, chunks, self.params)}
 
 
-class AllWeights(_FlatParameters):
+class AllWeights(ParameterSubset):
     """All trainable parameters of ``model``, flattened in ``model.named_parameters()`` order.
 
     Args:
@@ -204,7 +294,7 @@ class AllWeights(_FlatParameters):
     resolved = True
 
     @classmethod
-    def for_model(cls, model: nn.Module, likelihood: Any) -> AllWeights:
+    def for_model(cls, model: nn.Module, likelihood: LikelihoodModel) -> AllWeights:
         """The subset of ``model`` a Laplace class builds (``likelihood``: its likelihood)."""
         return cls(model)
 
@@ -219,7 +309,10 @@ class AllWeights(_FlatParameters):
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
 
-    def forward_samples(self, thetas: Tensor, X: Any, **model_kwargs: Any) -> Tensor:
+    def resolve(self, X: Inputs) -> None:
+        """Nothing to find: the parameters are known from construction."""
+
+    def forward_samples(self, thetas: Tensor, X: Inputs, **model_kwargs: object) -> Tensor:
         """Model outputs for weight samples (S, P) → (S, B, C), leaving the model unchanged."""
         outputs = [
             functional_call(self.model, self.unflatten(t), (X,), model_kwargs) for t in thetas
@@ -231,7 +324,11 @@ class AllWeights(_FlatParameters):
         return backend_kind(closed_forms)
 
     def linearize(
-        self, X: Inputs, backend: Any, closed_forms: Collection[type[Jacobian]], backprop: bool
+        self,
+        X: Inputs,
+        backend: CurvatureBackend,
+        closed_forms: Collection[type[Jacobian]],
+        backprop: bool,
     ) -> tuple[Tensor, Jacobian]:
         """Outputs ``f`` (B, C) and Jacobian ``J`` of the model from one forward pass.
 
@@ -245,7 +342,7 @@ class AllWeights(_FlatParameters):
         return backend_linearization(backend, X, kind, backprop)
 
 
-def check_subnetwork_indices(indices: Any, n_params: int) -> Tensor:
+def check_subnetwork_indices(indices: object, n_params: int) -> Tensor:
     """Validate subnetwork indices into a flattened parameter vector of length ``n_params``.
 
     Args:
@@ -301,7 +398,9 @@ class Subnetwork(AllWeights):
     """
 
     @classmethod
-    def for_model(cls, model: nn.Module, likelihood: Any, indices: Tensor) -> Subnetwork:
+    def for_model(
+        cls, model: nn.Module, likelihood: LikelihoodModel, indices: Tensor
+    ) -> Subnetwork:
         """The subnetwork ``indices`` of ``model`` (see ``AllWeights.for_model``)."""
         return cls(model, indices)
 
@@ -350,7 +449,7 @@ class Subnetwork(AllWeights):
         return JacobianRows
 
 
-class LastLayer(_FlatParameters):
+class LastLayer(ParameterSubset):
     """Weight and bias of a linear head ``f = W φ + b``, flattened as W (C, D) row-major, b (C,).
 
     Args:
@@ -359,15 +458,16 @@ class LastLayer(_FlatParameters):
             with extra dimensions (``laplace.utils.outputs``); None: outputs (B, C) only.
     """
 
-    backend_options: ClassVar[dict[str, Any]] = {"last_layer": True}
+    backend_options: ClassVar[Mapping[str, object]] = {"last_layer": True}
+    model: FeatureExtractor
 
     @classmethod
     def for_model(
         cls,
         model: nn.Module,
-        likelihood: Any,
+        likelihood: LikelihoodModel,
         last_layer_name: str | None = None,
-        feature_reduction: Any = None,
+        feature_reduction: FeatureReduction | str | None = None,
     ) -> LastLayer:
         """The head of ``model`` wrapped in a feature extractor (see ``AllWeights.for_model``).
 
@@ -443,7 +543,7 @@ class LastLayer(_FlatParameters):
             return super().dtype
         return self.requested_dtype or posterior_dtype(next(self.model.parameters()).dtype)
 
-    def outputs_and_features(self, X: Inputs, **model_kwargs: Any) -> tuple[Tensor, Tensor]:
+    def outputs_and_features(self, X: Inputs, **model_kwargs: object) -> tuple[Tensor, Tensor]:
         """Model outputs (B, C) and head inputs φ from one forward pass.
 
         φ is (B, D) when the head maps each data point's features to its outputs (the closed
@@ -461,7 +561,7 @@ class LastLayer(_FlatParameters):
             f = f + thetas[:, n_out * n_in :].unsqueeze(1)
         return f
 
-    def forward_samples(self, thetas: Tensor, X: Inputs, **model_kwargs: Any) -> Tensor:
+    def forward_samples(self, thetas: Tensor, X: Inputs, **model_kwargs: object) -> Tensor:
         """Outputs for head samples thetas (S, P) → (S, B, C), from one feature pass."""
         f, phi = self.outputs_and_features(X, **model_kwargs)
         if self.one_row_per_point(f, phi):
@@ -484,7 +584,11 @@ class LastLayer(_FlatParameters):
         return HeadFeatures
 
     def linearize(
-        self, X: Inputs, backend: Any, closed_forms: Collection[type[Jacobian]], backprop: bool
+        self,
+        X: Inputs,
+        backend: CurvatureBackend,
+        closed_forms: Collection[type[Jacobian]],
+        backprop: bool,
     ) -> tuple[Tensor, Jacobian]:
         """Outputs ``f`` (B, C) and the head's features φ (B, D), from one forward pass.
 

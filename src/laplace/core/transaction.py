@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -32,6 +32,34 @@ TRANSACTIONAL_METHODS = (
 #: ids of the objects inside a transactional call (a nested call does not snapshot again).
 _ACTIVE: set[int] = set()
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Transactional(Protocol):
+    """An object whose methods ``transactional`` wraps: what a snapshot of it holds."""
+
+    def _transaction_parts(self) -> tuple[object, ...]:
+        """The objects whose attributes a call may change (the object first)."""
+        ...
+
+    def _transaction_rebuild(self) -> dict[str, Callable[[], object]]:
+        """Attributes left out of the snapshot, each with the callable that rebuilds it."""
+        ...
+
+
+class WithModel(Protocol):
+    """An object with a network ``model``."""
+
+    @property
+    def model(self) -> nn.Module:
+        """The network."""
+        ...
+
+
+#: The object a method keeping the gradients belongs to.
+M = TypeVar("M", bound=WithModel)
+
 
 class Snapshot:
     """The attribute dictionaries of some objects, to put back after a failed call.
@@ -42,7 +70,9 @@ class Snapshot:
             (no arguments) that rebuilds it once the other attributes are restored.
     """
 
-    def __init__(self, parts: tuple[Any, ...], rebuild: dict[str, Callable[[], Any]]) -> None:
+    def __init__(
+        self, parts: tuple[object, ...], rebuild: dict[str, Callable[[], object]]
+    ) -> None:
         self._states = [(part, dict(vars(part))) for part in parts]
         owner_state = self._states[0][1]
         for name in rebuild:
@@ -67,17 +97,18 @@ class Snapshot:
             rebuild()
 
 
-def transactional(method: Callable) -> Callable:
+def transactional(method: Callable[..., R]) -> Callable[..., R]:
     """Wrap a method so that it changes nothing when it raises; nested calls share a snapshot.
 
     The object provides ``_transaction_parts()`` and ``_transaction_rebuild()`` (``Snapshot``'s
-    ``parts`` and ``rebuild``).
+    ``parts`` and ``rebuild``: a ``Transactional``). The wrapper takes any arguments: the
+    classes that override a wrapped method of ``BaseLaplace`` keep their own parameter lists.
     """
     if getattr(method, "_transactional", False):
         return method
 
     @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: Transactional, *args: object, **kwargs: object) -> R:
         if id(self) in _ACTIVE:
             return method(self, *args, **kwargs)
         snapshot = Snapshot(self._transaction_parts(), self._transaction_rebuild())
@@ -94,14 +125,16 @@ def transactional(method: Callable) -> Callable:
     return wrapper
 
 
-def preserve_model_gradients(method: Callable[..., Any]) -> Callable[..., Any]:
+def preserve_model_gradients(
+    method: Callable[Concatenate[M, P], R],
+) -> Callable[Concatenate[M, P], R]:
     """Decorate a method of an object with a ``model`` so it leaves ``param.grad`` untouched.
 
     Every parameter's ``.grad`` (None included) is restored after the call, also when it raises.
     """
 
     @functools.wraps(method)
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapped(self: M, *args: P.args, **kwargs: P.kwargs) -> R:
         params = list(self.model.parameters())
         saved = [None if p.grad is None else p.grad.detach().clone() for p in params]
         try:

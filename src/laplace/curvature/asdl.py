@@ -13,9 +13,9 @@ backend is built, and building one without it raises an ``ImportError`` naming t
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +34,9 @@ from laplace.curvature.third_party import (
 from laplace.utils.data import Inputs, batch_size_of
 from laplace.utils.enums import Likelihood
 from laplace.utils.matrix import Kron
+
+if TYPE_CHECKING:
+    from asdl.grad_maker import GradientMaker
 
 __all__ = ["AsdlEF", "AsdlGGN", "AsdlHessian", "AsdlInterface"]
 
@@ -132,7 +135,7 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
         *,
-        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        asdl_fisher_kwargs: Mapping[str, object] | None = None,
     ) -> None:
         check_library(type(self).__name__, "asdl", "asdl")
         super().__init__(model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y)
@@ -203,8 +206,8 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         return self._batch_gradients(target, closure)
 
     def _maker(
-        self, module: nn.Module, shape: str, options: dict[str, Any]
-    ) -> tuple[Any, str, float]:
+        self, module: nn.Module, shape: str, options: dict[str, object]
+    ) -> tuple[GradientMaker, str, float]:
         """ASDL's Fisher maker of the backend's curvature in ``shape`` on ``module``.
 
         Args:
@@ -238,8 +241,8 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
         return get_fisher_maker(module, config), "fisher", scale.get(self.fisher_type, 1.0)
 
     def _curvature(
-        self, x: Inputs, y: Tensor, shape: str, n_data: int = 1, **options: Any
-    ) -> tuple[Tensor, Any]:
+        self, x: Inputs, y: Tensor, shape: str, n_data: int = 1, **options: object
+    ) -> tuple[Tensor, Tensor | Kron]:
         """Run ASDL's curvature of one shape and read it off the modules before they are cleaned.
 
         Args:
@@ -272,21 +275,23 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
                 result = self._select(scale * _diag_vector(target.module, attr)).detach()
         return self.batch_loss(maker.model_output, y), result
 
-    def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    def full(self, x: Inputs, y: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
         """As ``CurvatureInterface.full``, by ASDL (its Fisher; AsdlHessian: the Hessian).
 
         Keyword arguments are extra ``FisherConfig`` fields (they override ``asdl_fisher_kwargs``).
         """
-        return self._curvature(x, y, SHAPE_FULL, **kwargs)
+        loss, H = self._curvature(x, y, SHAPE_FULL, **kwargs)
+        return loss, cast(Tensor, H)  # the dense shape's
 
-    def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    def diag(self, x: Inputs, y: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
         """As ``CurvatureInterface.diag``, by ASDL (the diagonal of ``full``'s matrix).
 
         Keyword arguments are extra ``FisherConfig`` fields (they override ``asdl_fisher_kwargs``).
         """
-        return self._curvature(x, y, SHAPE_DIAG, **kwargs)
+        loss, h = self._curvature(x, y, SHAPE_DIAG, **kwargs)
+        return loss, cast(Tensor, h)  # the diagonal shape's
 
-    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
+    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: object) -> tuple[Tensor, Kron]:
         """As ``CurvatureInterface.kron``, by ASDL's Kronecker-factored Fisher.
 
         Keyword arguments are extra ``FisherConfig`` fields (they override ``asdl_fisher_kwargs``).
@@ -295,7 +300,8 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
             ValueError: For a subnetwork or a layer ASDL cannot factor (before any work).
         """
         self.kron_shapes()  # refuses a subnetwork and layers ASDL cannot factor
-        return self._curvature(x, y, SHAPE_KRON, N, **kwargs)
+        loss, H = self._curvature(x, y, SHAPE_KRON, N, **kwargs)
+        return loss, cast(Kron, H)  # the Kronecker shape's
 
 
 def positions_as_points(call: ModuleCall) -> str | None:
@@ -349,7 +355,7 @@ class AsdlGGN(AsdlInterface, GGNInterface):
         stochastic: bool = False,
         num_samples: int = 1,
         *,
-        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        asdl_fisher_kwargs: Mapping[str, object] | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -385,7 +391,7 @@ class _KeywordSubnetwork(AsdlInterface):
         dict_key_y: str = "labels",
         *,
         subnetwork_indices: torch.LongTensor | None = None,
-        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        asdl_fisher_kwargs: Mapping[str, object] | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -416,14 +422,14 @@ class AsdlHessian(_KeywordSubnetwork):
     """
 
     def _maker(
-        self, module: nn.Module, shape: str, options: dict[str, Any]
-    ) -> tuple[Any, str, float]:
+        self, module: nn.Module, shape: str, options: dict[str, object]
+    ) -> tuple[GradientMaker, str, float]:
         """ASDL's Hessian maker (``options`` unused): of ``lossfunc``, 1/factor times ours."""
         from asdl.hessian import HessianConfig, HessianMaker
 
         return HessianMaker(module, HessianConfig(hessian_shapes=[shape])), "hessian", self.factor
 
-    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
+    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: object) -> tuple[Tensor, Kron]:
         """Not available: the Hessian has no Kronecker factorisation.
 
         Raises:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from backpack.extensions.backprop_extension import BackpropExtension
 
 __all__ = ["BackPackEF", "BackPackGGN", "BackPackInterface"]
+
+T = TypeVar("T")
 
 
 def _library(module: str = "backpack") -> ModuleType:
@@ -168,8 +170,13 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
         return Gs.detach(), loss
 
     def _backpropagate(
-        self, x: Inputs, y: Tensor, extension: BackpropExtension, read: Any, quantity: str = ""
-    ) -> tuple[Tensor, Any]:
+        self,
+        x: Inputs,
+        y: Tensor,
+        extension: BackpropExtension,
+        read: Callable[[nn.Module], T],
+        quantity: str = "",
+    ) -> tuple[Tensor, T]:
         """Backpropagate the loss with ``extension`` and ``read(module)`` the result.
 
         A first-order extension differentiates the library loss; a second-order one (named by
@@ -227,7 +234,7 @@ class BackPackGGN(BackPackInterface, GGNInterface):
         cls = getattr(_library("backpack.extensions"), name)
         return (cls(mc_samples=self.num_samples) if self.stochastic else cls()), attr
 
-    def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    def full(self, x: Inputs, y: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
         """As ``CurvatureInterface.full``: ``Vᵀ V`` from BackPACK's GGN square root ``V``.
 
         Keyword arguments are accepted and ignored.
@@ -244,7 +251,7 @@ class BackPackGGN(BackPackInterface, GGNInterface):
         loss, H = self._backpropagate(x, y, extension, read, "the GGN")
         return loss, (self.factor * H).detach()
 
-    def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    def diag(self, x: Inputs, y: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
         """As ``CurvatureInterface.diag``, by ``DiagGGNExact`` (or ``DiagGGNMC``).
 
         Keyword arguments are accepted and ignored.
@@ -258,7 +265,7 @@ class BackPackGGN(BackPackInterface, GGNInterface):
         )
         return loss, (self.factor * h).detach()
 
-    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
+    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: object) -> tuple[Tensor, Kron]:
         """As ``CurvatureInterface.kron``, by ``KFLR`` (or the Monte-Carlo ``KFAC``).
 
         Keyword arguments are accepted and ignored.
@@ -288,12 +295,12 @@ class BackPackEF(BackPackInterface, EFInterface):
     Kronecker-factored EF (use [`AsdlEF`][laplace.curvature.asdl.AsdlEF]).
     """
 
-    def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    def full(self, x: Inputs, y: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
         """As ``CurvatureInterface.full``: ``Σ gₙ gₙᵀ`` of ``BatchGrad``'s gradients ``gₙ``."""
         Gs, loss = self.gradients(x, y)
         return loss, Gs.T @ Gs
 
-    def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    def diag(self, x: Inputs, y: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
         """As ``CurvatureInterface.diag``, by ``SumGradSquared``."""
         sum_grad_squared = _library("backpack.extensions").SumGradSquared()
         loss, h = self._backpropagate(
@@ -301,7 +308,7 @@ class BackPackEF(BackPackInterface, EFInterface):
         )
         return loss, h.detach()
 
-    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
+    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: object) -> tuple[Tensor, Kron]:
         """Not available in BackPACK.
 
         Raises:

@@ -16,12 +16,13 @@ them into columns of the model's outputs, and the native per-sample engine
 from __future__ import annotations
 
 import math
-from collections.abc import MutableMapping
-from typing import Any
+from collections.abc import Mapping, MutableMapping
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
+from typing_extensions import Unpack
 
 from laplace.curvature.engine.kfac import KfacStatistics, curvature_like, kfac, kfac_eigenvalues
 from laplace.curvature.engine.kfac_rules import (
@@ -31,16 +32,20 @@ from laplace.curvature.engine.kfac_rules import (
     plan_blocks,
 )
 from laplace.curvature.engine.per_sample import Columns, PerSampleEngine, PerSampleTrace
+from laplace.curvature.protocol import CurvatureOptions, KronOptions
 from laplace.likelihoods import make_likelihood
+from laplace.likelihoods.likelihood_model import LikelihoodModel
+from laplace.likelihoods.protocol import Likelihood as UserLikelihood
 from laplace.utils.data import Inputs
 from laplace.utils.enums import Likelihood
 from laplace.utils.errors import check_fits_in_memory, check_module, check_positive_int
+from laplace.utils.feature_extractor import FeatureExtractor
 from laplace.utils.matrix import Kron
 
 __all__ = ["CurvatureInterface", "EFInterface", "GGNInterface", "check_dict_inputs"]
 
 
-def check_dict_inputs(backend_cls: type[CurvatureInterface], x: Any) -> None:
+def check_dict_inputs(backend_cls: type[CurvatureInterface], x: object) -> None:
     """Refuse dict-like inputs for a backend that cannot take them.
 
     Args:
@@ -100,7 +105,7 @@ class CurvatureInterface:
     def __init__(
         self,
         model: nn.Module,
-        likelihood: Likelihood | str | Any,
+        likelihood: Likelihood | str | UserLikelihood | LikelihoodModel,
         last_layer: bool = False,
         subnetwork_indices: torch.LongTensor | None = None,
         dict_key_x: str = "input_ids",
@@ -122,7 +127,8 @@ class CurvatureInterface:
     @property
     def _model(self) -> nn.Module:
         """The module whose parameters are considered."""
-        return self.model.last_layer if self.last_layer else self.model
+        # in last-layer mode the model is a feature extractor whose head is known
+        return cast(nn.Module, self.model.last_layer) if self.last_layer else self.model
 
     def _select(self, flat: Tensor) -> Tensor:
         """Restrict the last dimension (the parameter vector) to the subnetwork, if one is set."""
@@ -235,11 +241,12 @@ class CurvatureInterface:
         Returns:
             ``Js`` of shape (B, C, C·D (+ C with a bias)) and outputs ``f`` of shape (B, C).
         """
-        f, phi = self.model.forward_with_features(x)
+        extractor = cast(FeatureExtractor, self.model)
+        f, phi = extractor.forward_with_features(x)
         batch, n_out = phi.shape[0], f.numel() // phi.shape[0]
         eye = torch.eye(n_out, dtype=phi.dtype, device=phi.device)
         Js = (eye[None, :, :, None] * phi[:, None, None, :]).reshape(batch, n_out, -1)
-        if self.model.last_layer.bias is not None:
+        if cast(nn.Linear, extractor.last_layer).bias is not None:
             Js = torch.cat([Js, eye.expand(batch, -1, -1)], dim=2)
         return (Js, f) if enable_backprop else (Js.detach(), f.detach())
 
@@ -318,7 +325,7 @@ class CurvatureInterface:
         self,
         x: Inputs,
         y: Tensor,
-        kwargs: dict[str, Any],
+        kwargs: Mapping[str, object],
         separate_positions: bool = True,
         column_limit: int | None = None,
     ) -> tuple[PerSampleTrace, Tensor, Columns]:
@@ -332,14 +339,13 @@ class CurvatureInterface:
             ValueError: For keyword arguments other than ``mc_samples`` (positive) and ``N``.
         """
         options = {key: value for key, value in kwargs.items() if key != "N"}
-        mc_samples = options.pop("mc_samples", None)
+        samples = options.pop("mc_samples", None)
         if options:
             raise ValueError(
                 f"unknown keyword arguments {sorted(options)}; the curvature routes accept "
                 "mc_samples (stochastic GGN), kfac_approx (kron) and N."
             )
-        if mc_samples is not None:
-            mc_samples = check_positive_int(mc_samples, "mc_samples")
+        mc_samples = None if samples is None else check_positive_int(samples, "mc_samples")
         trace = self.trace(x)
         f = trace.f.detach()
         if column_limit is not None and self.separable_columns:
@@ -350,7 +356,9 @@ class CurvatureInterface:
         )
         return trace, f, columns
 
-    def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    def full(
+        self, x: Inputs, y: Tensor, **kwargs: Unpack[CurvatureOptions]
+    ) -> tuple[Tensor, Tensor]:
         """Dense batch curvature, summed over data points.
 
         Args:
@@ -370,7 +378,9 @@ class CurvatureInterface:
         trace, f, columns = self._traced_columns(x, y, kwargs)
         return self.batch_loss(f, y), trace.gram(columns).detach()
 
-    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
+    def kron(
+        self, x: Inputs, y: Tensor, N: int, **kwargs: Unpack[KronOptions]
+    ) -> tuple[Tensor, Kron]:
         """Kronecker-factored batch curvature (KFAC) of the family's curvature columns.
 
         Args:
@@ -402,7 +412,7 @@ class CurvatureInterface:
         return self.batch_loss(f, y), blocks
 
     def kron_statistics(
-        self, x: Inputs, y: Tensor, N: int, **kwargs: Any
+        self, x: Inputs, y: Tensor, N: int, **kwargs: Unpack[KronOptions]
     ) -> tuple[Tensor, Kron, KfacStatistics]:
         """``kron`` of a batch, with the inputs and gradients its factors are formed from.
 
@@ -435,7 +445,11 @@ class CurvatureInterface:
         return self.batch_loss(f, y), blocks, statistics
 
     def kron_eigenvalues(
-        self, x: Inputs, y: Tensor, bases: list[list[Tensor | None]], **kwargs: Any
+        self,
+        x: Inputs,
+        y: Tensor,
+        bases: list[list[Tensor | None]],
+        **kwargs: Unpack[CurvatureOptions],
     ) -> list[Tensor | None]:
         """EKFAC's eigenvalues of a batch in the KFAC eigenbasis ``bases`` (``.kfac``).
 
@@ -462,7 +476,9 @@ class CurvatureInterface:
         plan = plan_blocks(self.engine, self.kfac_dense_limit, low_rank_above)
         return block_shapes(plan, self.engine.needed)
 
-    def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    def diag(
+        self, x: Inputs, y: Tensor, **kwargs: Unpack[CurvatureOptions]
+    ) -> tuple[Tensor, Tensor]:
         """Diagonal of the batch curvature, summed over data points.
 
         Args:

@@ -11,23 +11,29 @@ LOBPCG, and any Hessian; ``laplace.curvature.solvers.products``). See ``docs/bac
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
-from laplace.curvature.engine.kfac import KFAC_APPROXIMATIONS
+from laplace.curvature.engine.kfac import KFAC_APPROXIMATIONS, KfacStatistics
 from laplace.curvature.engine.kfac_rules import KFAC_DENSE_LIMIT
 from laplace.likelihoods.likelihood_model import LossModule
 from laplace.utils.data import Inputs, batch_size_of
 from laplace.utils.enums import Likelihood
 from laplace.utils.errors import check_int_at_least, check_positive_int
+from laplace.utils.matrix import Kron
 
 __all__ = ["CurvlinopsEF", "CurvlinopsGGN", "CurvlinopsHessian", "CurvlinopsInterface"]
 
 #: Number of unit vectors multiplied at once when assembling Hessian columns.
 _HVP_CHUNK = 256
+#: Why ``CurvlinopsHessian`` has no ``kron``.
+_NO_HESSIAN_KFAC = (
+    "CurvlinopsHessian has no Kronecker-factored form: KFAC approximates a GGN or a "
+    "Fisher. Use backend=CurvlinopsGGN (exact GGN, or the Monte-Carlo Fisher with "
+    "backend_kwargs={'stochastic': True}) or backend=CurvlinopsEF (empirical Fisher)."
+)
 
 
 class CurvlinopsInterface(CurvatureInterface):
@@ -162,22 +168,26 @@ class CurvlinopsHessian(CurvlinopsInterface):
             loss = self.fit_likelihood.loss(self.model(x), y)
         return loss, columns()
 
-    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Any]:
+    def kron(self, x: Inputs, y: Tensor, N: int, **kwargs: object) -> tuple[Tensor, Kron]:
         """KFAC approximates a GGN or Fisher, not the Hessian: always refused.
 
         Raises:
             NotImplementedError: Always; use ``CurvlinopsGGN`` (exact GGN, or the MC Fisher with
                 ``stochastic=True``) or ``CurvlinopsEF`` (empirical Fisher) for KFAC.
         """
-        raise NotImplementedError(
-            "CurvlinopsHessian has no Kronecker-factored form: KFAC approximates a GGN or a "
-            "Fisher. Use backend=CurvlinopsGGN (exact GGN, or the Monte-Carlo Fisher with "
-            "backend_kwargs={'stochastic': True}) or backend=CurvlinopsEF (empirical Fisher)."
-        )
+        raise NotImplementedError(_NO_HESSIAN_KFAC)
 
-    kron_statistics = kron
+    def kron_statistics(
+        self, x: Inputs, y: Tensor, N: int, **kwargs: object
+    ) -> tuple[Tensor, Kron, KfacStatistics]:
+        """Refused as ``kron``.
 
-    def full(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        Raises:
+            NotImplementedError: Always.
+        """
+        raise NotImplementedError(_NO_HESSIAN_KFAC)
+
+    def full(self, x: Inputs, y: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
         """As ``CurvatureInterface.full``: the dense Hessian of the summed batch loss.
 
         Keyword arguments are accepted and ignored.
@@ -185,7 +195,7 @@ class CurvlinopsHessian(CurvlinopsInterface):
         loss, columns = self._selected_columns(x, y)
         return loss, torch.cat(list(columns), dim=1).detach()
 
-    def diag(self, x: Inputs, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    def diag(self, x: Inputs, y: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
         """As ``CurvatureInterface.diag``: the Hessian's diagonal.
 
         Keyword arguments are accepted and ignored.

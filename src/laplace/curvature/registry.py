@@ -11,7 +11,6 @@ import importlib
 import inspect
 from collections.abc import Iterator, Mapping
 from importlib.util import find_spec
-from typing import Any
 
 from laplace.utils.errors import ArgumentTypeError
 
@@ -110,7 +109,7 @@ class BackendRegistry(Mapping[str, type]):
         return sum(1 for _ in self)
 
 
-def check_backend_kwargs(backend_cls: type, options: dict[str, Any]) -> None:
+def check_backend_kwargs(backend_cls: type, options: Mapping[str, object]) -> None:
     """Refuse ``backend_kwargs`` that the backend's constructor does not take.
 
     Args:

@@ -13,15 +13,18 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from laplace.curvature.engine.kfac import KfacStatistics
 from laplace.curvature.engine.kfac_rules import check_kronecker_layers, module_name
 from laplace.curvature.engine.layer_rules import ModuleCall
+from laplace.curvature.engine.per_sample import PerSampleEngine
+from laplace.utils.data import Inputs
 from laplace.utils.matrix import Kron
 
 __all__ = [
@@ -84,10 +87,10 @@ class TargetCall(NamedTuple):
     """
 
     module: nn.Module
-    inputs: Any
+    inputs: Inputs
 
 
-def target_call(model: nn.Module, x: object, last_layer: bool) -> TargetCall:
+def target_call(model: nn.Module, x: Inputs, last_layer: bool) -> TargetCall:
     """The module and input to hand a curvature library.
 
     In last-layer mode the features are computed once, without a graph, so that the library
@@ -120,8 +123,29 @@ def kron_blocks(blocks: list[tuple[Tensor, Tensor | None]], n_data: int, factor:
     return Kron([[G] if A is None else [G / root, A * (root / n_data)] for G, A in blocks])
 
 
+class LibraryBackend(Protocol):
+    """What ``check_attribution`` reads of a third-party backend."""
+
+    @property
+    def last_layer(self) -> bool:
+        """Whether the library runs on the last layer alone."""
+        ...
+
+    @property
+    def engine(self) -> PerSampleEngine:
+        """The native per-sample engine over the backend's parameters."""
+        ...
+
+    @property
+    def library(self) -> str:
+        """The library's name, for messages."""
+        ...
+
+
 def check_attribution(
-    backend: Any, x: object, misread_call: Callable[[ModuleCall], str | None] | None = None
+    backend: LibraryBackend,
+    x: Inputs,
+    misread_call: Callable[[ModuleCall], str | None] | None = None,
 ) -> None:
     """Refuse a model that a library reading curvature off module calls would get wrong.
 
@@ -193,19 +217,32 @@ class KroneckerLayersOnly:
     #: The libraries' ``kron`` forms dense output factors only.
     low_rank_kfac = False
 
-    def kron_eigenvalues(self, *args: Any, **kwargs: Any) -> list[Tensor | None]:
+    def kron_eigenvalues(
+        self, x: Inputs, y: Tensor, bases: list[list[Tensor | None]], **kwargs: object
+    ) -> list[Tensor | None]:
         """Not available: the library's KFAC has no eigenvalue correction.
 
         Raises:
             ValueError: Always, naming the backends that have one.
         """
-        raise ValueError(
+        raise ValueError(self._no_eigenvalue_correction())
+
+    def kron_statistics(
+        self, x: Inputs, y: Tensor, N: int, **kwargs: object
+    ) -> tuple[Tensor, Kron, KfacStatistics]:
+        """Not available, as ``kron_eigenvalues``.
+
+        Raises:
+            ValueError: Always, naming the backends that have an eigenvalue correction.
+        """
+        raise ValueError(self._no_eigenvalue_correction())
+
+    def _no_eigenvalue_correction(self) -> str:
+        return (
             f"hessian_structure='ekfac' needs the native KFAC of backend=CurvlinopsGGN or "
             f"CurvlinopsEF (the default); {type(self).__name__} ({self.library}) has no "
             "eigenvalue correction. Use hessian_structure='kron' with it."
         )
-
-    kron_statistics = kron_eigenvalues
 
     def kron_shapes(self, low_rank_above: int | None = None) -> list[list[tuple[int, ...]]]:
         """As ``CurvatureInterface.kron_shapes``, for Linear and convolution layers only.

@@ -15,7 +15,6 @@ import math
 import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -25,7 +24,7 @@ from torch.utils.data import DataLoader
 from laplace.core.passes.data_loop import progress
 from laplace.evaluation.evaluate import model_device, predict_detached
 from laplace.likelihoods import make_likelihood
-from laplace.likelihoods.scoring import N_BINS, EvaluationOptions
+from laplace.likelihoods.scoring import N_BINS, EvaluationOptions, Metrics
 from laplace.utils.data import split_batch
 from laplace.utils.errors import check_bool, check_generator, check_module, check_positive_int
 
@@ -42,7 +41,7 @@ def _summed_cross_entropy(logits: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(logits, y.long(), reduction="sum")
 
 
-def _check_epsilon(epsilon: Any, name: str = "epsilon") -> float:
+def _check_epsilon(epsilon: object, name: str = "epsilon") -> float:
     if isinstance(epsilon, Tensor) and epsilon.numel() == 1:
         epsilon = epsilon.item()
     if (
@@ -55,7 +54,7 @@ def _check_epsilon(epsilon: Any, name: str = "epsilon") -> float:
     return float(epsilon)
 
 
-def _check_clamp(clamp: Any) -> tuple[float, float] | None:
+def _check_clamp(clamp: object) -> tuple[float, float] | None:
     if clamp is None:
         return None
     accepted = "None or a pair (low, high) of finite real numbers with low < high"
@@ -70,7 +69,7 @@ def _check_clamp(clamp: Any) -> tuple[float, float] | None:
     return low, high
 
 
-def _check_inputs(X: Any) -> Tensor:
+def _check_inputs(X: object) -> Tensor:
     if not isinstance(X, Tensor) or not X.is_floating_point():
         kind = f"a {X.dtype} tensor" if isinstance(X, Tensor) else type(X).__name__
         raise ValueError(f"X must be a floating-point tensor of inputs, got {kind}.")
@@ -209,7 +208,7 @@ def pgd(
 ATTACKS: dict[str, Callable[..., Tensor]] = {"fgsm": fgsm, "pgd": pgd}
 
 
-def _check_predictives(predictives: Any) -> dict[str, Callable]:
+def _check_predictives(predictives: object) -> dict[str, Callable]:
     if not isinstance(predictives, Mapping) or not predictives:
         raise ValueError(
             "predictives must be a non-empty mapping of names to callables returning class "
@@ -224,7 +223,7 @@ def _check_predictives(predictives: Any) -> dict[str, Callable]:
     return dict(predictives)
 
 
-def _check_epsilons(epsilons: Any) -> list[float]:
+def _check_epsilons(epsilons: object) -> list[float]:
     if isinstance(epsilons, Tensor):
         epsilons = epsilons.reshape(-1).tolist()
     if not isinstance(epsilons, Sequence) or isinstance(epsilons, str) or not epsilons:
@@ -248,7 +247,7 @@ def adversarial_sweep(
     random_start: bool = False,
     generator: torch.Generator | None = None,
     progress_bar: bool = False,
-) -> dict[str, Any]:
+) -> Metrics:
     r"""Calibration of several classification predictives on adversarial inputs, per ε.
 
     For each ε, each batch of ``loader`` is perturbed once against ``model`` (the MAP network
@@ -302,7 +301,7 @@ def adversarial_sweep(
         raise ValueError(f"attack={attack!r} is not supported; accepted values: {accepted}.")
     clamp = _check_clamp(clamp)
     check_positive_int(n_bins, "n_bins")
-    options: dict[str, Any] = {"clamp": clamp, "loss_fn": loss_fn}
+    options: dict[str, object] = {"clamp": clamp, "loss_fn": loss_fn}
     steps = 1
     if attack == "pgd":
         steps = check_positive_int(pgd_steps, "pgd_steps")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, MutableMapping, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -24,18 +23,30 @@ from torchmetrics.functional.classification import (
     binary_roc,
 )
 from torchmetrics.utilities import dim_zero_cat
+from typing_extensions import Unpack
 
 from laplace.core.passes.data_loop import progress
-from laplace.likelihoods import make_likelihood
-from laplace.likelihoods.scoring import N_BINS, Evaluation, EvaluationOptions, to_plain
+from laplace.likelihoods import LikelihoodModel, make_likelihood
+from laplace.likelihoods.likelihood_model import Prediction
+from laplace.likelihoods.protocol import Likelihood as UserLikelihood
+from laplace.likelihoods.scoring import (
+    N_BINS,
+    Evaluation,
+    EvaluationOptions,
+    MetricOptions,
+    Metrics,
+    to_plain,
+)
 from laplace.utils import distributed as distributed_utils
 from laplace.utils.data import Inputs, move_inputs, split_batch
+from laplace.utils.enums import Likelihood
 from laplace.utils.errors import check_positive_int
 from laplace.utils.outputs import IGNORE_INDEX
 
 __all__ = [
     "ENTROPY_BINS",
     "FPR95_TPR",
+    "Metrics",
     "evaluate",
     "model_device",
     "ood_metrics",
@@ -55,7 +66,7 @@ def model_device(predictive: Callable) -> torch.device | None:
     return None if param is None else param.device
 
 
-def _check_options(n_bins: Any, coverage_levels: Sequence[float], kwargs: dict) -> None:
+def _check_options(n_bins: object, coverage_levels: Sequence[float], kwargs: dict) -> None:
     check_positive_int(n_bins, "n_bins")
     levels = list(coverage_levels)
     if not levels or not all(isinstance(lv, numbers.Real) and 0 < lv < 1 for lv in levels):
@@ -68,7 +79,7 @@ def _check_options(n_bins: Any, coverage_levels: Sequence[float], kwargs: dict) 
         )
 
 
-def _inputs(batch: Any, dict_key_x: str, dict_key_y: str) -> Inputs:
+def _inputs(batch: object, dict_key_x: str, dict_key_y: str) -> Inputs:
     """Model inputs of a batch that may lack targets (out-of-distribution loaders)."""
     if isinstance(batch, (Tensor, MutableMapping)):
         return batch
@@ -77,7 +88,9 @@ def _inputs(batch: Any, dict_key_x: str, dict_key_y: str) -> Inputs:
     return split_batch(batch, dict_key_x, dict_key_y)[0]
 
 
-def predict_detached(la: Callable, X: Inputs, device: torch.device | None, kwargs: dict) -> Any:
+def predict_detached(
+    la: Callable[..., Prediction], X: Inputs, device: torch.device | None, kwargs: dict
+) -> Prediction:
     """``la(X, **kwargs)`` on the model's device, without the autograd graph of its output."""
     out = la(X if device is None else move_inputs(X, device), **kwargs)
     return tuple(item.detach() for item in out) if isinstance(out, tuple) else out.detach()
@@ -111,7 +124,7 @@ def _entropy_histogram(in_scores: Tensor, out_scores: Tensor, n_bins: int) -> di
 
 def ood_metrics(
     in_scores: Tensor, out_scores: Tensor, n_bins: int = ENTROPY_BINS
-) -> dict[str, Any]:
+) -> dict[str, object]:
     r"""How well a score (e.g. the predictive entropy) tells out-of-distribution points apart.
 
     Out-of-distribution points are the positives, and a higher score flags a point as such.
@@ -180,7 +193,7 @@ class _OODScores(Metric):
     in_scores: list[Tensor]
     out_scores: list[Tensor]
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Unpack[MetricOptions]) -> None:
         super().__init__(**kwargs)
         self.add_state("in_scores", default=[], dist_reduce_fx="cat")
         self.add_state("out_scores", default=[], dist_reduce_fx="cat")
@@ -189,13 +202,13 @@ class _OODScores(Metric):
         """Add the scores (B,) of a batch of in- (``ood=False``) or out-of-distribution points."""
         (self.out_scores if ood else self.in_scores).append(scores.detach().to(torch.float64))
 
-    def compute(self) -> dict[str, Any]:
+    def compute(self) -> dict[str, object]:
         """``ood_metrics`` of all scores."""
         return ood_metrics(dim_zero_cat(self.in_scores), dim_zero_cat(self.out_scores))
 
 
 def evaluate(
-    la: Callable[..., Any],
+    la: Callable[..., Prediction],
     loader: DataLoader,
     *,
     ood_loader: DataLoader | None = None,
@@ -209,8 +222,8 @@ def evaluate(
     ignore_index: int | None = None,
     distributed: bool | None = None,
     progress_bar: bool = False,
-    **predictive_kwargs: Any,
-) -> dict[str, Any]:
+    **predictive_kwargs: object,
+) -> Metrics:
     r"""Calibration metrics of a predictive on ``loader``, in one batched pass.
 
     ``la(X, **predictive_kwargs)`` is called on each batch's inputs (moved to the device of
@@ -218,7 +231,7 @@ def evaluate(
     ``(f_mu (B, C), f_var (B, C, C) or (B, C))`` for regression, as a fitted Laplace
     approximation does; or the same with extra output dimensions (probabilities (B, C, d₁, …)
     or (B, T, C) for labels (B, d₁, …) / (B, T), a Gaussian with means and variances
-    (B, d₁, …)). Any callable that returns the same works, e.g.
+    (B, d₁, …)). Every callable that returns the same works, e.g.
     ``lambda x: model(x).softmax(-1)`` for the MAP network. The predictive runs in the
     caller's autograd mode (wrap a plain network's call in ``torch.no_grad`` to save its
     graph) and its outputs are detached.
@@ -283,7 +296,7 @@ def evaluate(
     levels = tuple(float(level) for level in coverage_levels)
     options = EvaluationOptions(int(n_bins), levels, sigma_noise, sync)
 
-    def evaluation(name: Any) -> Evaluation:
+    def evaluation(name: Likelihood | str | UserLikelihood | LikelihoodModel) -> Evaluation:
         model = make_likelihood(name, class_dim, ignore_index)
         return model.predictive_likelihood.evaluation(options)
 

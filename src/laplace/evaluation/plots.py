@@ -10,13 +10,15 @@ saved JSON result can be plotted again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from laplace.evaluation.evaluate import model_device, predict_detached
+from laplace.likelihoods.likelihood_model import Prediction
+from laplace.likelihoods.scoring import Metrics
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -47,7 +49,7 @@ def _axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
     return _pyplot().subplots(figsize=figsize)
 
 
-def _section(result: Mapping[str, Any], key: str, producer: str) -> Mapping[str, Any]:
+def _section(result: Metrics, key: str, producer: str) -> Metrics:
     if key not in result:
         raise ValueError(
             f"the result has no {key!r} entry; pass the dict that evaluate() returns for "
@@ -57,7 +59,7 @@ def _section(result: Mapping[str, Any], key: str, producer: str) -> Mapping[str,
 
 
 def plot_reliability_diagram(
-    result: Mapping[str, Any],
+    result: Metrics,
     ax: Axes | None = None,
     hist_ax: Axes | None = None,
     title: str | None = None,
@@ -109,7 +111,7 @@ def plot_reliability_diagram(
 
 
 def plot_calibration_curve(
-    result: Mapping[str, Any],
+    result: Metrics,
     ax: Axes | None = None,
     title: str | None = None,
     label: str | None = None,
@@ -153,14 +155,14 @@ def plot_calibration_curve(
 
 
 def plot_predictive_band(
-    la: Callable[..., Any],
+    la: Callable[..., Prediction],
     x: Tensor,
     data: tuple[Tensor, Tensor] | None = None,
     ax: Axes | None = None,
     n_std: float = 2.0,
     sigma_noise: float | Tensor | None = None,
     title: str | None = None,
-    **predictive_kwargs: Any,
+    **predictive_kwargs: object,
 ) -> Figure:
     """Predictive mean and ±``n_std`` standard deviations of a 1-D regression predictive.
 
@@ -216,7 +218,7 @@ def plot_predictive_band(
 
 
 def plot_entropy_histograms(
-    result: Mapping[str, Any], ax: Axes | None = None, title: str | None = None
+    result: Metrics, ax: Axes | None = None, title: str | None = None
 ) -> Figure:
     """Histograms of the predictive entropy of in- and out-of-distribution points.
 
@@ -261,7 +263,7 @@ def plot_entropy_histograms(
 
 
 def plot_adversarial_sweep(
-    result: Mapping[str, Any],
+    result: Metrics,
     metrics: Sequence[str] = ("accuracy", "confidence", "ece"),
     axes: Sequence[Axes] | None = None,
     title: str | None = None,

@@ -12,7 +12,7 @@ Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace]
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -20,7 +20,13 @@ from torch.utils.data import DataLoader
 
 from laplace.core.base_laplace import BaseLaplace
 from laplace.core.priors import as_scalar_prior_precision, check_temperature
-from laplace.core.serialization import StateFormat, trainable_coordinates
+from laplace.core.serialization import (
+    A,
+    SavedApproximation,
+    StateDict,
+    StateFormat,
+    trainable_coordinates,
+)
 from laplace.structures.memory_budgets import jacobian_chunk_rows
 from laplace.utils.data import Inputs, batch_size_of, check_outputs, input_chunks, prepare_inputs
 from laplace.utils.enums import FunctionalApproximation, LinkApprox, PredType, parse_enum
@@ -30,7 +36,7 @@ from laplace.utils.predictive import gaussian_output_samples
 __all__ = ["BaseFunctionalLaplace", "LatentPosterior"]
 
 
-def check_val_steps(val_steps: Any) -> None:
+def check_val_steps(val_steps: object) -> None:
     """Refuse a ``val_steps`` that is not None or a positive integer (number of batches).
 
     Raises:
@@ -47,22 +53,34 @@ def check_val_steps(val_steps: Any) -> None:
         ) from None
 
 
-class FunctionalState(StateFormat):
+class FunctionalState(StateFormat[A]):
     """The state of a function-space Laplace: the class's named attributes, T checked."""
 
-    def check(self, la: Any, state_dict: dict[str, Any]) -> None:
+    def check(self, la: A, state_dict: StateDict) -> None:
         """Refuse a temperature that is not a positive number."""
         check_temperature(state_dict["temperature"])
 
 
-class HistoryState(FunctionalState):
+class SavedWithHistory(SavedApproximation, Protocol):
+    """What ``HistoryState`` reads of ELLA and VaLLA besides."""
+
+    fit_history_: dict[str, list[object]]
+    dict_key_x: str
+    dict_key_y: str
+
+
+#: ELLA or VaLLA.
+H = TypeVar("H", bound=SavedWithHistory)
+
+
+class HistoryState(FunctionalState[H]):
     """The state of ELLA and VaLLA: their named attributes and the fit history.
 
     Their identity holds the trainable coordinates and the dict keys besides the class,
     likelihood and module tree: the basis or the inducing inputs belong to those.
     """
 
-    def identity_entries(self, la: Any) -> dict[str, Any]:
+    def identity_entries(self, la: H) -> dict[str, object]:
         """The names and shapes of the trainable parameters, ``dict_key_x`` and ``dict_key_y``."""
         return {
             **trainable_coordinates(la),
@@ -70,16 +88,16 @@ class HistoryState(FunctionalState):
             "dict_key_y": la.dict_key_y,
         }
 
-    def value_keys(self, la: Any) -> tuple[str, ...]:
+    def value_keys(self, la: H) -> tuple[str, ...]:
         """The named attributes and ``fit_history``."""
         return (*super().value_keys(la), "fit_history")
 
-    def values(self, la: Any) -> dict[str, Any]:
+    def values(self, la: H) -> StateDict:
         """The named attributes and a copy of ``fit_history_``."""
         history = {k: list(v) for k, v in la.fit_history_.items()}
         return {**super().values(la), "fit_history": history}
 
-    def load(self, la: Any, state_dict: dict[str, Any]) -> None:
+    def load(self, la: H, state_dict: StateDict) -> None:
         """Assign the named attributes and the fit history; the model predicts in eval mode.
 
         A restored estimator predicts at once, as one that was fitted does (``fit`` leaves the
@@ -175,7 +193,9 @@ class BaseFunctionalLaplace(BaseLaplace):
             )
         return Js
 
-    def log_marginal_likelihood(self, *args: Any, **kwargs: Any) -> Tensor:
+    def log_marginal_likelihood(
+        self, prior_precision: Tensor | None = None, sigma_noise: Tensor | None = None
+    ) -> Tensor:
         """Not defined (as in laplace-torch): tune by the validation NLL (``fit_history_``)."""
         raise NotImplementedError(
             f"{type(self).__name__} has no Laplace marginal likelihood; its hyperparameters "
@@ -216,7 +236,7 @@ class BaseFunctionalLaplace(BaseLaplace):
         output (B, 1) as (B, 1), with the same fit history and predictions: laplace-torch's
         functional approximations accept such targets, so scripts written for them run
         unchanged. Its ``FunctionalLaplace`` and parametric approximations refuse them, and so
-        do ours. Any other mismatch ((B,) targets for outputs (B, 2)) is left to the
+        do ours. Another mismatch ((B,) targets for outputs (B, 2)) is left to the
         likelihood's target checks, which refuse it.
 
         Args:
@@ -303,7 +323,7 @@ class BaseFunctionalLaplace(BaseLaplace):
         diagonal_output: bool = False,
         generator: torch.Generator | None = None,
         fitting: bool = False,
-        **model_kwargs: Any,
+        **model_kwargs: object,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """GP posterior predictive at ``x``.
 

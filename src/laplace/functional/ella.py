@@ -10,8 +10,8 @@ Internal module; the public paths are ``laplace.baselaplace`` and ``laplace``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TypeAlias, cast
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +43,12 @@ from laplace.utils.enums import (
 from laplace.utils.errors import check_finite_result, check_positive_int
 
 __all__ = ["ELLA"]
+
+
+#: A candidate of ``ELLA.optimize_hyperparameters``: a prior precision, or it and ``sigma_noise``.
+Candidate: TypeAlias = float | Tensor | tuple[float | Tensor, float | Tensor]
+#: The counts of ELLA's state (positive integers).
+_COUNTS = ("subsample_size", "n_eigenvalues", "n_data", "n_outputs")
 
 
 class ELLA(BaseFunctionalLaplace):
@@ -84,10 +90,11 @@ class ELLA(BaseFunctionalLaplace):
     _function_space = FunctionalApproximation.NYSTROM
     _column_targets = True
 
-    _state_counts = ("subsample_size", "n_eigenvalues", "n_data", "n_outputs")
-    _state_plain = (*_state_counts, "seed", "temperature")
-    _state_tensors = ("dual_directions", "feature_gram", "prior_precision", "sigma_noise")
-    _state_format = HistoryState()
+    _state_format = HistoryState(
+        plain=(*_COUNTS, "seed", "temperature"),
+        tensors=("dual_directions", "feature_gram", "prior_precision", "sigma_noise"),
+        counts=_COUNTS,
+    )
     _centred_prior = "the Nyström prior is centred"
 
     def __init__(
@@ -104,7 +111,7 @@ class ELLA(BaseFunctionalLaplace):
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
         backend: type[CurvatureInterface] | None = None,
-        backend_kwargs: dict[str, Any] | None = None,
+        backend_kwargs: Mapping[str, object] | None = None,
         seed: int = 1234,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -121,7 +128,7 @@ class ELLA(BaseFunctionalLaplace):
         self.subsample_size, self.n_eigenvalues, self.seed = subsample_size, n_eigenvalues, seed
         self.dual_directions: Tensor | None = None
         self.feature_gram: Tensor | None = None
-        self.fit_history_: dict[str, list[Any]] = _empty_history()
+        self.fit_history_: dict[str, list[object]] = _empty_history()
         self._gp = NystromPosterior(self._features, self._nystrom_values)
 
     @property
@@ -172,7 +179,7 @@ class ELLA(BaseFunctionalLaplace):
             check_finite_result(f, "model output of a training batch")
             likelihood.prepare_targets(f, y)
             gram = check_finite_result(likelihood.ggn(phi, f), "GGN of a training batch")
-            self.feature_gram = gram if step == 1 else self.feature_gram + gram
+            self.feature_gram = gram if step == 1 else cast(Tensor, self.feature_gram) + gram
             self.n_data += len(f)
             self.fit_history_["processed_examples"].append(float(self.n_data))
             self._record_validation(val_loader, val_steps, step)
@@ -226,7 +233,7 @@ class ELLA(BaseFunctionalLaplace):
         init_prior_prec: float | Tensor = 1.0,
         prior_structure: PriorStructure | str = PriorStructure.SCALAR,
         val_loader: DataLoader | None = None,
-        loss: Any = None,
+        loss: object = None,
         log_prior_prec_min: float = -4,
         log_prior_prec_max: float = 4,
         grid_size: int = 100,
@@ -271,7 +278,7 @@ class ELLA(BaseFunctionalLaplace):
         grid = grid_candidates(*bounds, "cpu", torch.get_default_dtype())  # as laplace-torch
         self.optimize_hyperparameters(val_loader, grid)
 
-    def optimize_hyperparameters(self, val_loader: DataLoader, grid: Iterable[Any]) -> None:
+    def optimize_hyperparameters(self, val_loader: DataLoader, grid: Iterable[Candidate]) -> None:
         """Set the candidate of ``grid`` with the lowest validation NLL.
 
         Candidates are prior precisions or ``(prior_precision, sigma_noise)`` pairs (regression);
@@ -288,13 +295,13 @@ class ELLA(BaseFunctionalLaplace):
         self._check_fitted("optimize_hyperparameters")
         initial, records = (self.prior_precision, self.sigma_noise), []
 
-        def apply(candidate: Any) -> None:
+        def apply(candidate: Candidate) -> None:
             if isinstance(candidate, (tuple, list)):
                 self.prior_precision, self.sigma_noise = candidate
             else:
                 self.prior_precision = candidate
 
-        def scored(candidate: Any) -> float:
+        def scored(candidate: Candidate) -> float:
             apply(candidate)
             try:
                 value = float(self._validation_nll(val_loader))
@@ -306,7 +313,7 @@ class ELLA(BaseFunctionalLaplace):
             )
             return value
 
-        best, _ = search_grid(grid, scored)
+        best = search_grid(grid, scored)[0]
         if best is None:
             self.prior_precision, self.sigma_noise = initial
             if not records:
@@ -318,5 +325,5 @@ class ELLA(BaseFunctionalLaplace):
         self.fit_history_["tuning"].extend(records)
 
 
-def _empty_history() -> dict[str, list[Any]]:
+def _empty_history() -> dict[str, list[object]]:
     return {"processed_examples": [], "val_nll": [], "tuning": []}

@@ -8,7 +8,6 @@ Internal module.
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -50,13 +49,13 @@ KMEANS_ITERATIONS = 50
 
 
 def inducing_setup(
-    inducing_locations: Any,
+    inducing_locations: Inputs | str,
     num_inducing: int | None,
     inducing_classes: Tensor | None,
     device: torch.device,
     dtype: torch.dtype,
     dict_key_x: str,
-) -> tuple[str | None, Any, int, Tensor]:
+) -> tuple[str | None, Inputs | str, int, Tensor]:
     """Check VaLLA's inducing arguments.
 
     Returns:
@@ -189,7 +188,7 @@ def pair_items(X: Inputs, dict_key_x: str) -> Inputs:
         return X.flatten(0, 1)
     B = len(pairs)
 
-    def per_item(value: Any) -> Any:
+    def per_item(value: object) -> object:
         if isinstance(value, Tensor) and value.dim() and len(value) == B:
             return value.repeat_interleave(2, 0)
         if isinstance(value, (list, tuple)) and len(value) == B:  # collated metadata
@@ -199,14 +198,14 @@ def pair_items(X: Inputs, dict_key_x: str) -> Inputs:
     return {k: pairs.flatten(0, 1) if k == dict_key_x else per_item(v) for k, v in X.items()}
 
 
-def as_inducing(Z: Any, device: torch.device, dtype: torch.dtype) -> Inputs:
+def as_inducing(Z: object, device: torch.device, dtype: torch.dtype) -> Inputs:
     """A copy on ``device``; a floating tensor becomes a trainable ``nn.Parameter`` (``dtype``)."""
     if isinstance(Z, MutableMapping):
         return detached_inputs(move_inputs(Z, device))
-    Z = move_inputs(torch.as_tensor(Z), device)
-    if Z.is_floating_point():
-        return torch.nn.Parameter(Z.detach().to(dtype).clone())
-    return Z.detach().clone()
+    tensor = move_inputs(torch.as_tensor(Z), device)
+    if tensor.is_floating_point():
+        return torch.nn.Parameter(tensor.detach().to(dtype).clone())
+    return tensor.detach().clone()
 
 
 def detached_inputs(X: Inputs | None) -> Inputs | None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
-from typing import Any
+from typing import TypedDict
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
+from laplace.core.serialization import StateDict
 from laplace.functional.ntk import DenseJacobian, FactoredJacobian
 from laplace.likelihoods import LikelihoodModel
 from laplace.structures import NotPositiveDefiniteError
@@ -23,7 +25,7 @@ from laplace.structures.memory_budgets import jacobian_chunk_rows
 from laplace.utils.data import Inputs, input_chunks, move_inputs, to_device
 from laplace.utils.errors import check_finite_result
 
-__all__ = ["Jacobians", "SubsetKernel"]
+__all__ = ["Jacobians", "KernelOptions", "SubsetKernel"]
 
 #: Bytes of subset Jacobians kept between calls.
 CACHE_BYTES = 256 * 2**20
@@ -36,6 +38,16 @@ MAX_INVERSE_CURVATURE = 10.0
 Jacobians = Callable[[Inputs, bool], tuple[DenseJacobian | FactoredJacobian, Tensor]]
 #: The current kernel scale ``s`` and output-curvature factor ``h``.
 Scales = Callable[[], tuple[Tensor, Tensor]]
+
+
+class KernelOptions(TypedDict):
+    """The keyword arguments of ``SubsetKernel`` (see there)."""
+
+    independent: bool
+    jacobians: Jacobians
+    chunk_rows: int
+    dict_key_x: str
+    scales: Scales
 
 
 class SubsetKernel:
@@ -90,7 +102,12 @@ class SubsetKernel:
     # ---------------------------------------------------------------------------- building
     @classmethod
     def build(
-        cls, X: Inputs, y: Tensor, likelihood: LikelihoodModel, shift: Tensor, **options: Any
+        cls,
+        X: Inputs,
+        y: Tensor,
+        likelihood: LikelihoodModel,
+        shift: Tensor,
+        **options: Unpack[KernelOptions],
     ) -> SubsetKernel:
         """Jacobians, outputs, curvature and scatter terms of the subset ``(X, y)``.
 
@@ -254,7 +271,7 @@ class SubsetKernel:
         return torch.linalg.solve_triangular(L, mu, upper=False).square().sum()
 
     # -------------------------------------------------------------------------------- state
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Inputs]:
         """Tensors of the fit (the subset's inputs included)."""
         return dict(
             zip(self.STATE_KEYS, (self.X, self.K, self.Lambda, self.mu, self.loss.detach()))
@@ -262,7 +279,11 @@ class SubsetKernel:
 
     @classmethod
     def from_state(
-        cls, state: dict[str, Any], device: torch.device, dtype: torch.dtype, **options: Any
+        cls,
+        state: StateDict,
+        device: torch.device,
+        dtype: torch.dtype,
+        **options: Unpack[KernelOptions],
     ) -> SubsetKernel:
         """Rebuild from ``state`` on ``device`` (floating-point tensors in ``dtype``).
 
@@ -270,5 +291,5 @@ class SubsetKernel:
         ``options`` are the keyword arguments of the constructor.
         """
         inputs, *values = cls.STATE_KEYS
-        values = [to_device(state[key], device, dtype) for key in values]
-        return cls(move_inputs(state[inputs], device), *values, **options)
+        tensors = [to_device(state[key], device, dtype) for key in values]
+        return cls(move_inputs(state[inputs], device), *tensors, **options)

@@ -6,7 +6,9 @@ Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace]
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -14,10 +16,11 @@ from torch.utils.data import DataLoader
 
 from laplace.core.base_laplace import BaseLaplace, arguments_for
 from laplace.core.passes.data_loop import Gather
+from laplace.core.serialization import StateDict
 from laplace.curvature import CurvatureInterface
 from laplace.curvature.engine.per_sample import PerSampleEngine
 from laplace.functional.base_functional import BaseFunctionalLaplace, FunctionalState
-from laplace.functional.kernel import SubsetKernel
+from laplace.functional.kernel import KernelOptions, SubsetKernel
 from laplace.functional.ntk import DenseJacobian, FactoredJacobian, trace_jacobian
 from laplace.likelihoods import make_likelihood
 from laplace.structures.memory_budgets import jacobian_chunk_rows
@@ -37,18 +40,31 @@ from laplace.utils.errors import check_int_at_least, check_positive_int
 __all__ = ["FunctionalLaplace"]
 
 
-class SubsetGPState(FunctionalState):
-    """The state of a subset-of-data GP Laplace: its named attributes and the GP's factors."""
+#: A subset-of-data GP Laplace (over all weights or the last layer).
+S = TypeVar("S", bound="FunctionalLaplace")
 
-    def value_keys(self, la: Any) -> tuple[str, ...]:
+
+@dataclass(frozen=True)
+class SubsetGPState(FunctionalState[S]):
+    """The state of a subset-of-data GP Laplace: its named attributes and the GP's factors.
+
+    The named entries default to those of every subset-of-data GP Laplace.
+    """
+
+    plain: tuple[str, ...] = ("n_subset", "independent_outputs", "seed", "n_data", "temperature")
+    tensors: tuple[str, ...] = ("prior_mean", "prior_precision", "sigma_noise")
+    other_tensors: tuple[str, ...] = SubsetKernel.STATE_TENSORS
+    counts: tuple[str, ...] = ("n_data", "n_subset")
+
+    def value_keys(self, la: S) -> tuple[str, ...]:
         """The named attributes and the kernel's entries."""
         return (*super().value_keys(la), *SubsetKernel.STATE_KEYS)
 
-    def values(self, la: Any) -> dict[str, Any]:
+    def values(self, la: S) -> StateDict:
         """The named attributes and the kernel's state."""
-        return {**super().values(la), **la._gp.state()}
+        return {**super().values(la), **cast(SubsetKernel, la._gp).state()}  # fitted
 
-    def load(self, la: Any, state_dict: dict[str, Any]) -> None:
+    def load(self, la: S, state_dict: StateDict) -> None:
         """Assign the named attributes and rebuild the kernel from its state."""
         super().load(la, state_dict)
         la.n_outputs = state_dict["Lambda"].shape[-1]
@@ -87,10 +103,6 @@ class FunctionalLaplace(BaseFunctionalLaplace):
     """
 
     _key = (SubsetOfWeights.ALL, HessianStructure.GP)
-    _state_plain = ("n_subset", "independent_outputs", "seed", "n_data", "temperature")
-    _state_tensors = ("prior_mean", "prior_precision", "sigma_noise")
-    _state_other_tensors = SubsetKernel.STATE_TENSORS
-    _state_counts = ("n_data", "n_subset")
     _state_format = SubsetGPState()
 
     def __init__(
@@ -106,7 +118,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
         backend: type[CurvatureInterface] | None = None,
-        backend_kwargs: dict[str, Any] | None = None,
+        backend_kwargs: Mapping[str, object] | None = None,
         independent_outputs: bool = False,
         seed: int = 0,
         dtype: torch.dtype | None = None,
@@ -209,7 +221,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         """Kernel scale ``s`` and output-curvature factor ``h = 1/(σ²T)`` of predictions."""
         return self.gp_kernel_prior_variance, self._H_factor
 
-    def _kernel_options(self) -> dict[str, Any]:
+    def _kernel_options(self) -> KernelOptions:
         """How ``SubsetKernel`` gets Jacobians of this approximation."""
         return {
             "independent": self.independent_outputs,
@@ -267,7 +279,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         init_prior_prec: float | Tensor = 1.0,
         prior_structure: PriorStructure | str = PriorStructure.SCALAR,
         val_loader: DataLoader | None = None,
-        loss: Any = None,
+        loss: object = None,
         log_prior_prec_min: float = -4,
         log_prior_prec_max: float = 4,
         grid_size: int = 100,

@@ -5,11 +5,12 @@ Internal module; the public path is [`laplace.lllaplace`][laplace.lllaplace].
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from torch import Tensor, nn
 
 from laplace.core.base_laplace import arguments_for
+from laplace.core.serialization import StateDict
 from laplace.core.subsets import LastLayer, extractor_property
 from laplace.curvature import CurvatureInterface
 from laplace.functional.sod import FunctionalLaplace, SubsetGPState
@@ -19,18 +20,18 @@ from laplace.utils.feature_extractor import FeatureExtractor, FeatureReduction
 __all__ = ["FunctionalLLLaplace"]
 
 
-class LastLayerGPState(SubsetGPState):
+class LastLayerGPState(SubsetGPState["FunctionalLLLaplace"]):
     """The state of a last-layer GP Laplace: the subset-of-data GP's and the layer's name."""
 
-    def value_keys(self, la: Any) -> tuple[str, ...]:
+    def value_keys(self, la: FunctionalLLLaplace) -> tuple[str, ...]:
         """The GP's entries and ``last_layer_name``."""
         return (*super().value_keys(la), "last_layer_name")
 
-    def values(self, la: Any) -> dict[str, Any]:
+    def values(self, la: FunctionalLLLaplace) -> StateDict:
         """The GP's state and the name of the last layer."""
         return {**super().values(la), "last_layer_name": la.model.last_layer_name}
 
-    def prepare(self, la: Any, state_dict: dict[str, Any]) -> None:
+    def prepare(self, la: FunctionalLLLaplace, state_dict: StateDict) -> None:
         """Set the saved last layer if it is not known yet, before the mean is compared."""
         if not la._subset.resolved:
             la.model.set_last_layer(state_dict["last_layer_name"])
@@ -82,7 +83,7 @@ class FunctionalLLLaplace(FunctionalLaplace):
         dict_key_y: str = "labels",
         last_layer_name: str | None = None,
         backend: type[CurvatureInterface] | None = None,
-        backend_kwargs: dict[str, Any] | None = None,
+        backend_kwargs: Mapping[str, object] | None = None,
         independent_outputs: bool = False,
         seed: int = 0,
     ) -> None:

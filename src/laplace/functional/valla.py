@@ -5,9 +5,9 @@ Internal module; the public paths are ``laplace.baselaplace`` and ``laplace``.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from functools import partial
-from typing import Any
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from laplace.core.base_laplace import BaseLaplace, arguments_for
 from laplace.core.passes.data_loop import DataLoop, Gather
 from laplace.core.priors import as_scalar_prior_precision
+from laplace.core.serialization import StateDict
 from laplace.core.transaction import preserve_model_gradients
 from laplace.curvature import CurvatureInterface
 from laplace.functional.base_functional import BaseFunctionalLaplace, HistoryState, check_val_steps
@@ -41,18 +42,18 @@ from laplace.utils.errors import check_finite_result, check_positive_float, chec
 __all__ = ["VaLLA"]
 
 
-class VaLLAState(HistoryState):
+class VaLLAState(HistoryState["VaLLA"]):
     """The state of VaLLA: its named attributes, fit history, inducing points and generator."""
 
-    def value_keys(self, la: Any) -> tuple[str, ...]:
+    def value_keys(self, la: VaLLA) -> tuple[str, ...]:
         """The history state's entries, the inducing points' and the generator's."""
         return (*super().value_keys(la), *INDUCING_STATE, "generator_state")
 
-    def values(self, la: Any) -> dict[str, Any]:
+    def values(self, la: VaLLA) -> StateDict:
         """The history state, the inducing points (current and initial) and the generator."""
         return {
             **super().values(la),
-            "inducing_locations": detached_inputs(la.inducing_locations),
+            "inducing_locations": detached_inputs(la._inducing_inputs),
             "inducing_classes": la.inducing_classes.detach().clone(),
             "inducing_strategy": la._strategy,
             "initial_inducing_locations": detached_inputs(la._initial[0]),
@@ -60,7 +61,7 @@ class VaLLAState(HistoryState):
             "generator_state": la.generator.get_state().clone(),
         }
 
-    def check(self, la: Any, state_dict: dict[str, Any]) -> None:
+    def check(self, la: VaLLA, state_dict: StateDict) -> None:
         """Refuse inducing points or an energy (alpha) the approximation cannot take.
 
         ``L`` must have ``M(M+1)/2`` entries, the inducing inputs and classes ``M`` rows, the
@@ -83,7 +84,7 @@ class VaLLAState(HistoryState):
             )
         check_alpha(state_dict["alpha"], state_dict["mc_softmax_samples"], la._likelihood_model)
 
-    def load(self, la: Any, state_dict: dict[str, Any]) -> None:
+    def load(self, la: VaLLA, state_dict: StateDict) -> None:
         """Assign the history state, the inducing points and the generator's state."""
         super().load(la, state_dict)
         la.generator.set_state(state_dict["generator_state"].cpu())
@@ -97,6 +98,10 @@ class VaLLAState(HistoryState):
             None if initial is None else to_device(initial, la._device, la._dtype),
             state_dict["initial_inducing_classes"].to(la._device),
         )
+
+
+#: The counts of VaLLA's state (positive integers).
+_COUNTS = ("num_inducing", "n_data", "n_outputs")
 
 
 class VaLLA(BaseFunctionalLaplace):
@@ -144,10 +149,11 @@ class VaLLA(BaseFunctionalLaplace):
     _function_space = FunctionalApproximation.VARIATIONAL
     _column_targets = True
 
-    _state_counts = ("num_inducing", "n_data", "n_outputs")
-    _state_plain = ("temperature", "alpha", "mc_softmax_samples", "seed", *_state_counts)
-    _state_parameters = ("L", "log_prior_precision", "log_noise_variance")
-    _state_format = VaLLAState()
+    _state_format = VaLLAState(
+        plain=("temperature", "alpha", "mc_softmax_samples", "seed", *_COUNTS),
+        parameters=("L", "log_prior_precision", "log_noise_variance"),
+        counts=_COUNTS,
+    )
     _centred_prior = "the variational GP prior is centred"
 
     def __init__(
@@ -165,7 +171,7 @@ class VaLLA(BaseFunctionalLaplace):
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
         backend: type[CurvatureInterface] | None = None,
-        backend_kwargs: dict[str, Any] | None = None,
+        backend_kwargs: Mapping[str, object] | None = None,
         seed: int = 0,
         alpha: float = 1.0,
         mc_softmax_samples: int = 0,
@@ -180,11 +186,16 @@ class VaLLA(BaseFunctionalLaplace):
         self._strategy, self.inducing_locations, self.num_inducing, self.inducing_classes = (
             inducing_setup(*setup, dict_key_x)
         )
-        initial = None if self._strategy else self.inducing_locations
+        initial = None if self._strategy else self._inducing_inputs
         self._initial = (initial, self.inducing_classes.clone())
         self._init_factor()
-        self.fit_history_: dict[str, list[float]] = {"objective": [], "val_nll": []}
+        self.fit_history_: dict[str, list[object]] = {"objective": [], "val_nll": []}
         self._gp = InducingPosterior(self._jacobian_chunks, self._variational)
+
+    @property
+    def _inducing_inputs(self) -> Inputs:
+        """The inducing inputs: given, or chosen by ``fit`` where a strategy was given."""
+        return cast(Inputs, self.inducing_locations)  # the strategy's name only before fit
 
     @property
     def prior_precision(self) -> Tensor:
@@ -224,7 +235,7 @@ class VaLLA(BaseFunctionalLaplace):
 
     def _variational(self) -> tuple[Inputs, Tensor, Tensor, Tensor]:
         """The inducing inputs and outputs, ``L`` (M, M) and ``log δ`` of the posterior."""
-        Z, classes = self.inducing_locations, self.inducing_classes
+        Z, classes = self._inducing_inputs, self.inducing_classes
         return Z, classes, self._factor_matrix(), self.log_prior_precision
 
     # ---------------------------------------------------------------------------------- fit
@@ -304,7 +315,7 @@ class VaLLA(BaseFunctionalLaplace):
         if override or not self._fitted:
             self._reset_inducing(train_loader)
         classes = self.inducing_classes
-        n_inducing = batch_size_of(self.inducing_locations, self.dict_key_x)
+        n_inducing = batch_size_of(self._inducing_inputs, self.dict_key_x)
         if tuple(classes.shape) != (n_inducing,):
             raise ValueError(
                 f"inducing_classes must have shape ({n_inducing},) (one class per inducing "
@@ -344,6 +355,6 @@ class VaLLA(BaseFunctionalLaplace):
         self._init_factor()
         self.fit_history_ = {"objective": [], "val_nll": []}
 
-    def optimize_prior_precision(self, *args: Any, **kwargs: Any) -> None:
+    def optimize_prior_precision(self, *args: object, **kwargs: object) -> None:
         """Not available: ``fit`` learns the prior precision (as in laplace-torch)."""
         raise NotImplementedError("VaLLA learns the prior precision in fit().")

@@ -13,12 +13,14 @@ Internal module.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
 from laplace.likelihoods import LikelihoodModel
 from laplace.utils.data import Inputs
+from laplace.utils.enums import Likelihood
 
 __all__ = [
     "InducingPosterior",
@@ -49,7 +51,8 @@ def check_alpha(alpha: float, mc_softmax_samples: int, likelihood: LikelihoodMod
     probabilities = likelihood.fit_likelihood.predicts_probabilities
     if probabilities and alpha != 1 and mc_softmax_samples == 0:
         raise ValueError(
-            f"alpha={alpha} with likelihood={likelihood.kind.value!r} requires mc_softmax_samples "
+            f"alpha={alpha} with likelihood={cast(Likelihood, likelihood.kind).value!r} requires "
+            "mc_softmax_samples "
             "> 0: the probit approximation used otherwise does not depend on alpha."
         )
 

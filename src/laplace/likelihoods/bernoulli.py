@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from laplace.likelihoods.likelihood_model import ProbabilityPredictions
 from laplace.likelihoods.scoring import (
@@ -16,6 +16,7 @@ from laplace.likelihoods.scoring import (
     Evaluation,
     EvaluationOptions,
     MetricFactory,
+    MetricOptions,
     bernoulli_entropy,
     probabilities,
 )
@@ -31,19 +32,25 @@ if TYPE_CHECKING:
 __all__ = ["Bernoulli", "bernoulli_alpha_energy"]
 
 
-def _nll_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+def _nll_loss(
+    n_outputs: int, sigma_noise: float | Tensor, **kwargs: Unpack[MetricOptions]
+) -> Metric:
     from laplace.likelihoods.running_scores import BernoulliNLL
 
     return BernoulliNLL(n_outputs, **kwargs)
 
 
-def _brier_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+def _brier_loss(
+    n_outputs: int, sigma_noise: float | Tensor, **kwargs: Unpack[MetricOptions]
+) -> Metric:
     from laplace.likelihoods.running_scores import BernoulliBrier
 
     return BernoulliBrier(n_outputs, **kwargs)
 
 
-def _ece_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+def _ece_loss(
+    n_outputs: int, sigma_noise: float | Tensor, **kwargs: Unpack[MetricOptions]
+) -> Metric:
     from laplace.likelihoods.running_scores import PerLabelCalibrationError
 
     return PerLabelCalibrationError(n_outputs, N_BINS, "l1", **kwargs)
@@ -100,9 +107,9 @@ class Bernoulli(ProbabilityPredictions):
         and torchmetrics' binary ``ece`` and ``mce`` over ``n_bins`` bins; their means over the
         labels under the same names; ``n`` (points).
         """
-        n_bins, kwargs = options.n_bins, {"sync_on_compute": options.sync}
+        n_bins, kwargs = options.n_bins, MetricOptions(sync_on_compute=options.sync)
 
-        def read(prediction: Any, target: Tensor) -> tuple[tuple[Tensor], Tensor]:
+        def read(prediction: object, target: Tensor) -> tuple[tuple[Tensor], Tensor]:
             probs = probabilities(prediction, "multi-label")
             if target.numel() != probs.numel():
                 raise ValueError(
@@ -128,12 +135,12 @@ class Bernoulli(ProbabilityPredictions):
                 "mce": PerLabelCalibrationError(n_labels, n_bins, "max", **kwargs),
             }
 
-        def summary(metrics: dict[str, Metric]) -> dict[str, Any]:
+        def summary(metrics: dict[str, Metric]) -> dict[str, object]:
             per_label = {name: metric.compute() for name, metric in metrics.items()}
-            result: dict[str, Any] = {name: value.mean() for name, value in per_label.items()}
+            result: dict[str, object] = {name: value.mean() for name, value in per_label.items()}
             return {**result, "n": int(metrics["nll"].count), "per_label": per_label}
 
-        def entropy(prediction: Any) -> Tensor:
+        def entropy(prediction: object) -> Tensor:
             return bernoulli_entropy(probabilities(prediction, "multi-label"))
 
         return Evaluation(read, metrics, summary, entropy)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from laplace.likelihoods.gaussian import GaussianRegression
 from laplace.likelihoods.likelihood_model import ProbabilityPredictions
@@ -18,6 +18,7 @@ from laplace.likelihoods.scoring import (
     Evaluation,
     EvaluationOptions,
     MetricFactory,
+    MetricOptions,
     categorical_entropy,
     probabilities,
 )
@@ -34,19 +35,25 @@ if TYPE_CHECKING:
 __all__ = ["Categorical", "RewardModeling"]
 
 
-def _nll_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+def _nll_loss(
+    n_outputs: int, sigma_noise: float | Tensor, **kwargs: Unpack[MetricOptions]
+) -> Metric:
     from laplace.utils.running_nll import RunningNLLMetric
 
     return RunningNLLMetric(**kwargs)
 
 
-def _brier_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+def _brier_loss(
+    n_outputs: int, sigma_noise: float | Tensor, **kwargs: Unpack[MetricOptions]
+) -> Metric:
     from laplace.likelihoods.running_scores import BrierScore
 
     return BrierScore(**kwargs)
 
 
-def _ece_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+def _ece_loss(
+    n_outputs: int, sigma_noise: float | Tensor, **kwargs: Unpack[MetricOptions]
+) -> Metric:
     from torchmetrics.classification import MulticlassCalibrationError
 
     return MulticlassCalibrationError(n_outputs, N_BINS, "l1", **kwargs)
@@ -123,9 +130,9 @@ class Categorical(ProbabilityPredictions):
         scored position by position (``n`` and the means count positions, labels equal to
         ``ignore_index`` left out; a point's entropy is the mean over its positions).
         """
-        n_bins, kwargs = options.n_bins, {"sync_on_compute": options.sync}
+        n_bins, kwargs = options.n_bins, MetricOptions(sync_on_compute=options.sync)
 
-        def read(prediction: Any, target: Tensor) -> tuple[tuple[Tensor], Tensor]:
+        def read(prediction: object, target: Tensor) -> tuple[tuple[Tensor], Tensor]:
             if isinstance(prediction, Tensor) and prediction.dim() > 2:
                 layout = self.layout(prediction.shape, target)
                 prediction, target = layout.rows(prediction), layout.targets(target)
@@ -161,14 +168,14 @@ class Categorical(ProbabilityPredictions):
             confidence, predicted = probs.max(-1)
             return confidence, predicted == target
 
-        def summary(metrics: dict[str, Metric]) -> dict[str, Any]:
+        def summary(metrics: dict[str, Metric]) -> dict[str, object]:
             result = {k: metrics[k].compute() for k in ("accuracy", "nll", "brier", "ece", "mce")}
             bins = metrics["reliability"].compute()
             n = bins["count"].sum()
             result.update(confidence=(bins["confidence"] * bins["count"]).sum() / n, n=int(n))
             return {**result, "reliability": bins}
 
-        def entropy(prediction: Any) -> Tensor:
+        def entropy(prediction: object) -> Tensor:
             if isinstance(prediction, Tensor) and prediction.dim() > 2:
                 rows = self.layout(prediction.shape).rows(prediction)
                 return categorical_entropy(rows).reshape(prediction.shape[0], -1).mean(1)

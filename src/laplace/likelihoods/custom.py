@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, nn
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
-from laplace.likelihoods.likelihood_model import LikelihoodModel, LossModule
+from laplace.likelihoods.likelihood_model import (
+    LikelihoodModel,
+    LossModule,
+    SamplingOptions,
+)
 from laplace.likelihoods.protocol import Likelihood
 from laplace.utils.enums import HessianStructure, LinkApprox
 
@@ -20,7 +23,7 @@ def _overrides(obj: Likelihood, method: str) -> bool:
     return getattr(type(obj), method) is not getattr(Likelihood, method)
 
 
-class CustomLikelihood(LikelihoodModel):
+class CustomLikelihood(LikelihoodModel[Tensor]):
     """The likelihood object of a user's [`Likelihood`][laplace.Likelihood] subclass instance.
 
     Its curvature, loss and predictive come from the user's methods; gradients of the loss
@@ -44,6 +47,8 @@ class CustomLikelihood(LikelihoodModel):
     function_space = ()
     #: The user's predictive receives covariances (B, C, C).
     output_variances = False
+    #: The user's likelihood this object stands for.
+    kind: Likelihood
 
     def __init__(self, likelihood: Likelihood) -> None:
         missing = [m for m in ("loss",) if not _overrides(likelihood, m)]
@@ -104,8 +109,12 @@ class CustomLikelihood(LikelihoodModel):
 
     @override
     def glm_predictive(
-        self, f_mu: Tensor, f_var: Tensor, link_approx: LinkApprox, **sampling: Any
-    ) -> Any:
+        self,
+        f_mu: Tensor,
+        f_var: Tensor,
+        link_approx: LinkApprox,
+        **sampling: Unpack[SamplingOptions],
+    ) -> Tensor:
         return self.kind.predictive(f_mu, f_var, **sampling)
 
     @override

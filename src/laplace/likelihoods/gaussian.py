@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor, nn
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from laplace.likelihoods.likelihood_model import LikelihoodModel
 from laplace.likelihoods.scoring import (
     Evaluation,
     EvaluationOptions,
     MetricFactory,
+    MetricOptions,
     gaussian_entropy,
     gaussian_predictive,
     targets_like,
@@ -30,19 +31,23 @@ if TYPE_CHECKING:
 __all__ = ["GaussianRegression", "check_real_targets", "gaussian_evaluation"]
 
 
-def _nll_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+def _nll_loss(
+    n_outputs: int, sigma_noise: float | Tensor, **kwargs: Unpack[MetricOptions]
+) -> Metric:
     from laplace.likelihoods.running_scores import GaussianNLL
 
     return GaussianNLL(sigma_noise, **kwargs)
 
 
-def _crps_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+def _crps_loss(
+    n_outputs: int, sigma_noise: float | Tensor, **kwargs: Unpack[MetricOptions]
+) -> Metric:
     from laplace.likelihoods.running_scores import GaussianCRPS
 
     return GaussianCRPS(sigma_noise, **kwargs)
 
 
-class GaussianRegression(LikelihoodModel):
+class GaussianRegression(LikelihoodModel[tuple[Tensor, Tensor]]):
     r"""Gaussian ``N(y; f, diag(σ²))``; the stored loss and curvature are σ-free.
 
     ``σ`` is one number or one per output (shape (C,)). With one σ per output the library keeps
@@ -125,7 +130,7 @@ class GaussianRegression(LikelihoodModel):
     def evaluation(self, options: EvaluationOptions) -> Evaluation:
         """Predictions ``(f_mu, f_var)`` scored as ``N(f_mu, f_var + σ²I)``."""
 
-        def moments(prediction: Any) -> tuple[Tensor, Tensor]:
+        def moments(prediction: object) -> tuple[Tensor, Tensor]:
             if not (isinstance(prediction, tuple) and len(prediction) == 2):
                 raise ValueError(
                     "regression predictions must be a (mean, variance) pair; got "
@@ -230,7 +235,7 @@ def check_real_targets(
 
 
 def gaussian_evaluation(
-    moments: Callable[[Any], tuple[Tensor, Tensor]], options: EvaluationOptions
+    moments: Callable[[object], tuple[Tensor, Tensor]], options: EvaluationOptions
 ) -> Evaluation:
     """Gaussian predictives against targets (regression and the likelihoods that predict like it).
 
@@ -242,9 +247,9 @@ def gaussian_evaluation(
         moments: A prediction's predictive mean (B, C) and covariances (B, C, C) or variances.
         options: The evaluation's options (its ``sigma_noise`` is for ``moments`` to add).
     """
-    levels, kwargs = options.levels, {"sync_on_compute": options.sync}
+    levels, kwargs = options.levels, MetricOptions(sync_on_compute=options.sync)
 
-    def read(prediction: Any, target: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    def read(prediction: object, target: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
         mean, cov = moments(prediction)
         return (mean, cov), targets_like(target, mean)
 
@@ -263,7 +268,7 @@ def gaussian_evaluation(
     def rows(mean: Tensor, cov: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
         return mean.reshape(-1), target.reshape(-1)
 
-    def summary(metrics: dict[str, Metric]) -> dict[str, Any]:
+    def summary(metrics: dict[str, Metric]) -> dict[str, object]:
         result = {name: metrics[name].compute() for name in ("nll", "rmse", "crps")}
         pit = metrics["pit"].compute()
         coverage = zip(levels, pit["coverage"], strict=True)
@@ -271,7 +276,7 @@ def gaussian_evaluation(
         result["calibration_curve"] = {"expected": pit["expected"], "observed": pit["observed"]}
         return {**result, "n": int(metrics["nll"].count)}
 
-    def entropy(prediction: Any) -> Tensor:
+    def entropy(prediction: object) -> Tensor:
         return gaussian_entropy(moments(prediction)[1])
 
     return Evaluation(read, metrics, summary, entropy, {"rmse": rows})

@@ -19,18 +19,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from laplace.likelihoods.gaussian import check_real_targets, gaussian_evaluation
-from laplace.likelihoods.likelihood_model import LikelihoodModel, ReducedLoss
+from laplace.likelihoods.likelihood_model import LikelihoodModel, ReducedLoss, SamplingOptions
 from laplace.likelihoods.scoring import (
     Evaluation,
     EvaluationOptions,
     MetricFactory,
+    MetricOptions,
     heteroscedastic_moments,
 )
 from laplace.utils.enums import FunctionalApproximation, HessianStructure, Likelihood, LinkApprox
@@ -45,13 +46,17 @@ __all__ = [
 ]
 
 
-def _nll_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+def _nll_loss(
+    n_outputs: int, sigma_noise: float | Tensor, **kwargs: Unpack[MetricOptions]
+) -> Metric:
     from laplace.likelihoods.running_scores import HeteroscedasticNLL
 
     return HeteroscedasticNLL(**kwargs)
 
 
-def _crps_loss(n_outputs: int, sigma_noise: float | Tensor, **kwargs: Any) -> Metric:
+def _crps_loss(
+    n_outputs: int, sigma_noise: float | Tensor, **kwargs: Unpack[MetricOptions]
+) -> Metric:
     from laplace.likelihoods.running_scores import HeteroscedasticCRPS
 
     return HeteroscedasticCRPS(**kwargs)
@@ -100,7 +105,7 @@ def split_outputs(f: Tensor) -> tuple[Tensor, Tensor]:
     return f[..., :n_outputs], f[..., n_outputs:]
 
 
-class HeteroscedasticGaussian(LikelihoodModel):
+class HeteroscedasticGaussian(LikelihoodModel[HeteroscedasticPrediction]):
     """Gaussian ``N(y; μ(x), e^{s(x)})`` with the network predicting ``[μ, s]`` (B, 2C).
 
     σ is predicted, so it is not a hyperparameter (``sigma_noise`` must be 1). The GLM
@@ -183,7 +188,7 @@ class HeteroscedasticGaussian(LikelihoodModel):
         Its covariance is ``epistemic + diag(aleatoric)``, no ``sigma_noise`` added.
         """
 
-        def moments(prediction: Any) -> tuple[Tensor, Tensor]:
+        def moments(prediction: object) -> tuple[Tensor, Tensor]:
             if not (isinstance(prediction, tuple) and len(prediction) == 3):
                 raise ValueError(
                     "heteroscedastic predictions must be (mean, epistemic_variance, "
@@ -195,7 +200,11 @@ class HeteroscedasticGaussian(LikelihoodModel):
 
     @override
     def glm_predictive(
-        self, f_mu: Tensor, f_var: Tensor, link_approx: LinkApprox, **sampling: Any
+        self,
+        f_mu: Tensor,
+        f_var: Tensor,
+        link_approx: LinkApprox,
+        **sampling: Unpack[SamplingOptions],
     ) -> HeteroscedasticPrediction:
         """Mean, epistemic and expected aleatoric variance from ``N(f_mu, f_var)`` over [μ, s]."""
         m_mu, m_s = split_outputs(f_mu)

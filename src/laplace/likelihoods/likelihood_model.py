@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Generic, TypedDict, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,9 @@ from laplace.likelihoods.scoring import (
     Evaluation,
     EvaluationOptions,
     MetricFactory,
+    MetricOptions,
 )
+from laplace.utils import enums
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.enums import FunctionalApproximation, HessianStructure, LinkApprox
 from laplace.utils.errors import UnsupportedError
@@ -40,18 +42,47 @@ from laplace.utils.predictive import draw_gaussian
 
 if TYPE_CHECKING:
     from torchmetrics import Metric
+    from typing_extensions import Unpack
 
-__all__ = ["LikelihoodModel", "LossModule", "ProbabilityPredictions", "ReducedLoss"]
+    from laplace.likelihoods.protocol import Likelihood
+
+__all__ = [
+    "LikelihoodModel",
+    "LossModule",
+    "Prediction",
+    "ProbabilityPredictions",
+    "ReducedLoss",
+    "SamplingOptions",
+]
+
+#: A likelihood's predictions: probabilities (B, C), or a tuple of Gaussian moments
+#: (``(mean, variance)``, heteroscedastic regression's ``HeteroscedasticPrediction``).
+Prediction = Tensor | tuple[Tensor, ...]
+#: The predictions of one likelihood (probabilities, a pair of moments, ...).
+PredictionT = TypeVar("PredictionT", bound=Prediction)
 
 
-class LikelihoodModel(ABC):
+class SamplingOptions(TypedDict, total=False):
+    """The Monte-Carlo options of a predictive (``la(x, n_samples=..., generator=...)``).
+
+    Attributes:
+        n_samples: Monte-Carlo samples.
+        generator: Random number generator of the samples.
+    """
+
+    n_samples: int
+    generator: torch.Generator | None
+
+
+class LikelihoodModel(ABC, Generic[PredictionT]):
     """An observation model ``p(y | f)`` over network outputs ``f`` of shape (B, C).
 
-    It predicts the outputs' Gaussian moments by default (Gaussian regression's predictive).
+    It predicts the outputs' Gaussian moments by default (Gaussian regression's predictive);
+    ``PredictionT`` is what its predictions are (``ProbabilityPredictions``: a tensor).
     """
 
     #: The user's ``likelihood`` argument this object stands for (an enum member for built-ins).
-    kind: Any
+    kind: enums.Likelihood | Likelihood
     #: Whether predictions are probabilities (classification) or Gaussian moments.
     predicts_probabilities: bool = False
     #: The torch loss module class of ``loss_module`` (``nn.MSELoss``, ...).
@@ -95,7 +126,7 @@ class LikelihoodModel(ABC):
     @property
     def name(self) -> str:
         """The likelihood's name, as stored in a ``state_dict`` and shown in messages."""
-        return self.kind.value
+        return cast(enums.Likelihood, self.kind).value  # built-ins: an enum member
 
     @property
     def is_composite(self) -> bool:
@@ -438,7 +469,7 @@ class LikelihoodModel(ABC):
         n_samples: int,
         generator: torch.Generator | None,
         diagonal_output: bool,
-    ) -> Any:
+    ) -> PredictionT:
         """The GLM predictive from the Gaussian over the outputs at the test inputs.
 
         Args:
@@ -457,7 +488,7 @@ class LikelihoodModel(ABC):
         )
         return prediction if layout.plain else self.restore_prediction(prediction, layout)
 
-    def restore_prediction(self, prediction: Any, layout: OutputLayout) -> Any:
+    def restore_prediction(self, prediction: PredictionT, layout: OutputLayout) -> PredictionT:
         """Predictions of rows in the outputs' shape (outputs with extra dimensions).
 
         Gaussian moments by default: the means (B, …) and each output's variance (B, …).
@@ -465,15 +496,19 @@ class LikelihoodModel(ABC):
         f_mu, f_var = prediction
         if f_var.dim() == f_mu.dim() + 1:
             f_var = f_var.diagonal(dim1=-2, dim2=-1)
-        return layout.restore(f_mu), layout.restore(f_var)
+        return cast(PredictionT, (layout.restore(f_mu), layout.restore(f_var)))
 
     def diagonal_moments(self, diagonal_output: bool) -> bool:
         """Whether ``glm_predictive`` needs only the output variances (B, C)."""
         return diagonal_output if self.output_variances is None else self.output_variances
 
     def glm_predictive(
-        self, f_mu: Tensor, f_var: Tensor, link_approx: LinkApprox, **sampling: Any
-    ) -> Any:
+        self,
+        f_mu: Tensor,
+        f_var: Tensor,
+        link_approx: LinkApprox,
+        **sampling: Unpack[SamplingOptions],
+    ) -> PredictionT:
         """Predictions from a Gaussian over the outputs (the linearised network).
 
         Args:
@@ -486,9 +521,9 @@ class LikelihoodModel(ABC):
         Returns:
             ``(f_mu, f_var)`` by default (Gaussian regression).
         """
-        return f_mu, f_var
+        return cast(PredictionT, (f_mu, f_var))
 
-    def validation_rows(self, prediction: Any, y: Tensor) -> tuple[Any, Tensor]:
+    def validation_rows(self, prediction: PredictionT, y: Tensor) -> tuple[PredictionT, Tensor]:
         """Predictions and targets of a validation batch as the validation metrics take them.
 
         Gaussian moments by default: means and variances flattened per data point (B, T·C)
@@ -496,17 +531,18 @@ class LikelihoodModel(ABC):
         """
         if not isinstance(prediction, tuple) or self.layout(prediction[0].shape).plain:
             return prediction, y
-        return tuple(p.reshape(len(p), -1) for p in prediction), y.reshape(len(y), -1)
+        rows = tuple(p.reshape(len(p), -1) for p in prediction)
+        return cast(PredictionT, rows), y.reshape(len(y), -1)
 
-    def sampled_predictive(self, f: Tensor) -> Any:
+    def sampled_predictive(self, f: Tensor) -> PredictionT:
         """Predictions from sampled networks' outputs ``f`` (S, B, C) (``pred_type="nn"``).
 
         Returns:
             The mean (B, C) and variance (B, C) over the samples by default.
         """
-        return f.mean(dim=0), f.var(dim=0)
+        return cast(PredictionT, (f.mean(dim=0), f.var(dim=0)))
 
-    def sampled_predictive_of(self, groups: Iterable[Tensor]) -> Any:
+    def sampled_predictive_of(self, groups: Iterable[Tensor]) -> PredictionT:
         """``sampled_predictive`` of outputs that come in groups of samples (Sᵢ, B, …).
 
         By default the groups are put together first; a prediction that is a mean over the
@@ -520,7 +556,11 @@ class LikelihoodModel(ABC):
 
     # ------------------------------------------------------------------------------ scoring
     def validation_loss(
-        self, name: str | None, n_outputs: int, sigma_noise: float | Tensor = 0.0, **kwargs: Any
+        self,
+        name: str | None,
+        n_outputs: int,
+        sigma_noise: float | Tensor = 0.0,
+        **kwargs: Unpack[MetricOptions],
     ) -> Metric:
         """The running validation loss ``name`` of grid search over this likelihood's predictions.
 
@@ -565,7 +605,7 @@ class LikelihoodModel(ABC):
         )
 
 
-class ProbabilityPredictions(LikelihoodModel):
+class ProbabilityPredictions(LikelihoodModel[Tensor]):
     """A likelihood whose predictions are probabilities ``link(f)`` of the outputs.
 
     The GLM predictive approximates ``E[link(f)]`` under the Gaussian over the outputs by one of
@@ -609,7 +649,11 @@ class ProbabilityPredictions(LikelihoodModel):
         return tuple(self.link_approximations)
 
     def glm_predictive(
-        self, f_mu: Tensor, f_var: Tensor, link_approx: LinkApprox, **sampling: Any
+        self,
+        f_mu: Tensor,
+        f_var: Tensor,
+        link_approx: LinkApprox,
+        **sampling: Unpack[SamplingOptions],
     ) -> Tensor:
         """Probabilities (B, C) by the link approximation ``link_approx``."""
         return self.link_approximations[link_approx](f_mu, f_var, **sampling)

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.functional.classification import binary_calibration_error
 from torchmetrics.utilities import dim_zero_cat
+from typing_extensions import Unpack
 
 from laplace.likelihoods.scoring import (
     N_BINS,
+    MetricOptions,
     gaussian_crps,
     gaussian_nll,
     gaussian_predictive,
@@ -121,7 +122,10 @@ class MeanScore(_Sums):
     """
 
     def __init__(
-        self, score: Callable[..., Tensor], n_labels: int | None = None, **kwargs: Any
+        self,
+        score: Callable[..., Tensor],
+        n_labels: int | None = None,
+        **kwargs: Unpack[MetricOptions],
     ) -> None:
         super().__init__(**kwargs)
         self.score, self.n_labels = score, n_labels
@@ -146,28 +150,28 @@ class MeanScore(_Sums):
 class BrierScore(MeanScore):
     """Multiclass Brier score ``(1/N) Σ_n Σ_c (p_nc − 1[y_n = c])²`` of probabilities (B, C)."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Unpack[MetricOptions]) -> None:
         super().__init__(_brier, **kwargs)
 
 
 class BernoulliNLL(MeanScore):
     """Per-label NLL ``−(1/N) Σ_n [y log p + (1 − y) log(1 − p)]`` of probabilities (B, K)."""
 
-    def __init__(self, n_labels: int, **kwargs: Any) -> None:
+    def __init__(self, n_labels: int, **kwargs: Unpack[MetricOptions]) -> None:
         super().__init__(partial(_per_label, _label_nll), n_labels, **kwargs)
 
 
 class BernoulliAccuracy(MeanScore):
     """Per-label accuracy ``(1/N) Σ_n 1[(p > ½) = y]`` of probabilities (B, K), any K ≥ 1."""
 
-    def __init__(self, n_labels: int, **kwargs: Any) -> None:
+    def __init__(self, n_labels: int, **kwargs: Unpack[MetricOptions]) -> None:
         super().__init__(partial(_per_label, _label_accuracy), n_labels, **kwargs)
 
 
 class BernoulliBrier(MeanScore):
     """Per-label Brier score ``(1/N) Σ_n (p − y)²`` of probabilities (B, K)."""
 
-    def __init__(self, n_labels: int, **kwargs: Any) -> None:
+    def __init__(self, n_labels: int, **kwargs: Unpack[MetricOptions]) -> None:
         super().__init__(partial(_per_label, _label_brier), n_labels, **kwargs)
 
 
@@ -179,7 +183,7 @@ class GaussianNLL(MeanScore):
         **kwargs: Keyword arguments of ``torchmetrics.Metric``.
     """
 
-    def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs: Any) -> None:
+    def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs: Unpack[MetricOptions]) -> None:
         sigma = torch.as_tensor(sigma_noise, dtype=torch.float64).detach().clone()
         super().__init__(partial(_gaussian_rule, gaussian_nll, sigma), **kwargs)
 
@@ -192,7 +196,7 @@ class GaussianCRPS(MeanScore):
         **kwargs: Keyword arguments of ``torchmetrics.Metric``.
     """
 
-    def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs: Any) -> None:
+    def __init__(self, sigma_noise: float | Tensor = 0.0, **kwargs: Unpack[MetricOptions]) -> None:
         sigma = torch.as_tensor(sigma_noise, dtype=torch.float64).detach().clone()
         super().__init__(partial(_gaussian_rule, _crps, sigma), **kwargs)
 
@@ -200,14 +204,14 @@ class GaussianCRPS(MeanScore):
 class HeteroscedasticNLL(MeanScore):
     """``GaussianNLL`` of ``update(mean, epistemic_variance, aleatoric_variance, y)``."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Unpack[MetricOptions]) -> None:
         super().__init__(partial(_heteroscedastic_rule, gaussian_nll), **kwargs)
 
 
 class HeteroscedasticCRPS(MeanScore):
     """``GaussianCRPS`` of ``update(mean, epistemic_variance, aleatoric_variance, y)``."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Unpack[MetricOptions]) -> None:
         super().__init__(partial(_heteroscedastic_rule, _crps), **kwargs)
 
 
@@ -222,7 +226,7 @@ class ReliabilityBins(_Sums):
         **kwargs: Keyword arguments of ``torchmetrics.Metric``.
     """
 
-    def __init__(self, n_bins: int = N_BINS, **kwargs: Any) -> None:
+    def __init__(self, n_bins: int = N_BINS, **kwargs: Unpack[MetricOptions]) -> None:
         super().__init__(**kwargs)
         self.n_bins = n_bins
         for name in ("count", "confidence", "correct"):
@@ -265,7 +269,11 @@ class PerLabelCalibrationError(Metric):
     full_state_update = False
 
     def __init__(
-        self, n_labels: int, n_bins: int = N_BINS, norm: str = "l1", **kwargs: Any
+        self,
+        n_labels: int,
+        n_bins: int = N_BINS,
+        norm: str = "l1",
+        **kwargs: Unpack[MetricOptions],
     ) -> None:
         super().__init__(**kwargs)
         self.n_labels, self.n_bins, self.norm = n_labels, n_bins, norm
@@ -305,7 +313,7 @@ class PITCalibration(_Sums):
         levels: Sequence[float] = (0.5, 0.9, 0.95),
         n_bins: int = N_BINS,
         sigma_noise: float | Tensor = 0.0,
-        **kwargs: Any,
+        **kwargs: Unpack[MetricOptions],
     ) -> None:
         super().__init__(**kwargs)
         self.sigma_noise = torch.as_tensor(sigma_noise, dtype=torch.float64).detach().clone()

@@ -14,8 +14,8 @@ transform ``Φ(z)`` (uniform when calibrated).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, TypedDict, overload
 
 import torch
 from torch import Tensor
@@ -29,6 +29,8 @@ __all__ = [
     "Evaluation",
     "EvaluationOptions",
     "MetricFactory",
+    "MetricOptions",
+    "Metrics",
     "bernoulli_entropy",
     "categorical_entropy",
     "gaussian_crps",
@@ -43,6 +45,23 @@ __all__ = [
 
 #: A validation loss of grid search: ``(n_outputs, sigma_noise, **metric_kwargs) → Metric``.
 MetricFactory = Callable[..., "Metric"]
+
+
+#: Metrics as ``evaluate`` returns them: by name, each a Python float, int, list or dict (JSON),
+#: of a type set by its name (``docs/evaluation.md``); read by key, as a parsed JSON object is.
+Metrics: TypeAlias = dict[str, Any]
+
+
+class MetricOptions(TypedDict, total=False):
+    """Keyword arguments of ``torchmetrics.Metric`` that the scores pass on.
+
+    Attributes:
+        sync_on_compute: Sum the states over the processes of ``torch.distributed``.
+    """
+
+    sync_on_compute: bool
+
+
 #: Default number of equal-width bins of the calibration errors and curves.
 N_BINS = 15
 #: Every named validation loss a likelihood may offer grid search (lower is better for all).
@@ -173,7 +192,15 @@ class EvaluationOptions(NamedTuple):
     sync: bool = False
 
 
-def to_plain(value: Any) -> Any:
+@overload
+def to_plain(value: Mapping[str, object]) -> dict[str, object]: ...
+
+
+@overload
+def to_plain(value: object) -> object: ...
+
+
+def to_plain(value: object) -> object:
     """Tensors to Python floats (0-d) or lists, recursively through dicts: JSON-serialisable."""
     if isinstance(value, Tensor):
         value = value.detach().cpu().double()
@@ -204,17 +231,17 @@ class Evaluation:
 
     def __init__(
         self,
-        read: Callable[[Any, Tensor], Batch],
+        read: Callable[[object, Tensor], Batch],
         metrics: Callable[[tuple[Tensor, ...]], dict[str, Metric]],
-        summary: Callable[[dict[str, Metric]], dict[str, Any]],
-        entropy: Callable[[Any], Tensor],
+        summary: Callable[[dict[str, Metric]], dict[str, object]],
+        entropy: Callable[[object], Tensor],
         feeds: dict[str, Callable[..., tuple[Tensor, ...]]] | None = None,
     ) -> None:
         self.read, self.build, self.summary, self.entropy = read, metrics, summary, entropy
         self.feeds = feeds or {}
         self.metrics: dict[str, Metric] | None = None
 
-    def update(self, prediction: Any, target: Tensor) -> None:
+    def update(self, prediction: object, target: Tensor) -> None:
         """Add one batch of predictions and targets."""
         inputs, target = self.read(prediction, target)
         if self.metrics is None:
@@ -223,7 +250,7 @@ class Evaluation:
             feed = self.feeds.get(name)
             metric.update(*(feed(*inputs, target) if feed else (*inputs, target)))
 
-    def compute(self) -> dict[str, Any]:
+    def compute(self) -> Metrics:
         """The result over all batches so far, JSON-serialisable.
 
         Raises:
@@ -234,7 +261,7 @@ class Evaluation:
         return to_plain(self.summary(self.metrics))
 
 
-def probabilities(prediction: Any, what: str) -> Tensor:
+def probabilities(prediction: object, what: str) -> Tensor:
     """``prediction`` if it is a probability tensor (B, C).
 
     Raises:

@@ -5,13 +5,14 @@ Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace]
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 
 from laplace.core.base_laplace import BaseLaplace, arguments_for
 from laplace.core.passes.eigenvalue_correction import EigenvalueCorrectedSum
+from laplace.curvature import CurvatureInterface
 from laplace.parametric.parametric_laplace import ParametricLaplace
 from laplace.structures import KronPosterior, Posterior, large_output
 from laplace.structures.kronecker import (
@@ -90,10 +91,10 @@ class KronLaplace(ParametricLaplace):
         enable_backprop: bool = False,
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
-        backend: Any = None,
+        backend: type[CurvatureInterface] | CurvatureInterface | None = None,
         damping: bool = False,
-        backend_kwargs: dict[str, Any] | None = None,
-        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        backend_kwargs: Mapping[str, object] | None = None,
+        asdl_fisher_kwargs: Mapping[str, object] | None = None,
         class_dim: int | None = None,
         ignore_index: int = IGNORE_INDEX,
         output_factor_rank: int = large_output.OUTPUT_FACTOR_RANK,

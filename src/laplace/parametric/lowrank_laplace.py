@@ -12,7 +12,8 @@ public path is [`laplace.baselaplace`][laplace.baselaplace].
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +22,7 @@ from laplace.core.base_laplace import BaseLaplace, arguments_for
 from laplace.core.passes.top_eigenpairs import DiagonallyCorrectedEigenpairs, TopEigenpairs
 from laplace.core.serialization import ParametricState
 from laplace.curvature import CurvatureInterface
-from laplace.curvature.solvers.eigen import SOLVERS, STARTS
+from laplace.curvature.solvers.eigen import SOLVERS, STARTS, RankedSolverOptions
 from laplace.parametric.parametric_laplace import ParametricLaplace
 from laplace.structures.low_rank import DiagLowRankPosterior, LowRankPosterior
 from laplace.utils.enums import HessianStructure, Likelihood, SubsetOfWeights
@@ -50,20 +51,20 @@ SOLVER_OPTIONS = (
 )
 
 
-class LowRankState(ParametricState):
+class LowRankState(ParametricState["LowRankLaplace"]):
     """The state of a low-rank Laplace: the parametric state, with the eigenvalue errors."""
 
-    def curvature_state(self, la: Any) -> Any:
+    def curvature_state(self, la: LowRankLaplace) -> dict[str, Tensor]:
         """The eigenpairs, with their a posteriori errors when known."""
-        state = super().curvature_state(la)
+        state = cast(dict[str, Tensor], super().curvature_state(la))  # the eigenpairs
         if la.eigenvalue_errors is not None:
             state["eigenvalue_errors"] = la.eigenvalue_errors.detach()
         return state
 
-    def load_curvature(self, la: Any, state: Any) -> Any:
+    def load_curvature(self, la: LowRankLaplace, state: object) -> tuple[Tensor, ...]:
         """The curvature; sets ``la.eigenvalue_errors`` from the state (None if absent)."""
-        errors = state.get("eigenvalue_errors") if isinstance(state, dict) else None
-        if errors is not None:
+        errors = None
+        if isinstance(state, dict) and (errors := state.get("eigenvalue_errors")) is not None:
             state = {k: v for k, v in state.items() if k != "eigenvalue_errors"}
         H = super().load_curvature(la, state)
         if errors is not None and errors.shape != H[1].shape:
@@ -75,7 +76,7 @@ class LowRankState(ParametricState):
         return H
 
 
-def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+def _solver_options(backend_kwargs: Mapping[str, object] | None) -> RankedSolverOptions:
     """The eigensolver's entries of ``backend_kwargs``, with ``n_eigenvalues`` (default 10).
 
     Raises:
@@ -106,7 +107,7 @@ def _solver_options(backend_kwargs: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError(
             f"backend_kwargs['start'] must be one of {list(STARTS)}, got {solver['start']!r}."
         )
-    return solver
+    return cast(RankedSolverOptions, solver)  # checked above
 
 
 class LowRankLaplace(ParametricLaplace):
@@ -176,7 +177,7 @@ class LowRankLaplace(ParametricLaplace):
         enable_backprop: bool = False,
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
-        backend_kwargs: dict[str, Any] | None = None,
+        backend_kwargs: Mapping[str, object] | None = None,
         class_dim: int | None = None,
         ignore_index: int = IGNORE_INDEX,
         dtype: torch.dtype | None = None,

@@ -10,14 +10,14 @@ Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace]
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 
 from laplace.core.base_laplace import BaseLaplace, arguments_for
 from laplace.core.passes.curvature_products import CurvatureProducts
-from laplace.core.serialization import ParametricState
+from laplace.core.serialization import ParametricState, StateDict
 from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
 from laplace.curvature.solvers.krylov import SolveReport
 from laplace.parametric.parametric_laplace import GLMPlan, ParametricLaplace
@@ -36,22 +36,22 @@ from laplace.utils.outputs import IGNORE_INDEX
 __all__ = ["MatFreeLaplace"]
 
 
-class MatFreeState(ParametricState):
+class MatFreeState(ParametricState["MatFreeLaplace"]):
     """The state of a matrix-free Laplace: the parametric state, with the solver settings.
 
     The data are not saved: products need ``fit`` again after ``load_state_dict``; the
     scalar prior's Lanczos quadrature is, so the marginal likelihood needs no data.
     """
 
-    def values(self, la: Any) -> dict[str, Any]:
+    def values(self, la: MatFreeLaplace) -> StateDict:
         """The parametric state and ``solver_options``."""
         return {**super().values(la), "solver_options": la.solver_options.as_dict()}
 
-    def value_keys(self, la: Any) -> tuple[str, ...]:
+    def value_keys(self, la: MatFreeLaplace) -> tuple[str, ...]:
         """The parametric entries and ``solver_options``."""
         return (*super().value_keys(la), "solver_options")
 
-    def check(self, la: Any, state_dict: dict[str, Any]) -> None:
+    def check(self, la: MatFreeLaplace, state_dict: StateDict) -> None:
         """Refuse solver settings the solvers cannot use (see ``MatFreeOptions``)."""
         super().check(la, state_dict)
         settings = state_dict["solver_options"]
@@ -62,7 +62,7 @@ class MatFreeState(ParametricState):
             )
         MatFreeOptions(**settings)
 
-    def load(self, la: Any, state_dict: dict[str, Any]) -> None:
+    def load(self, la: MatFreeLaplace, state_dict: StateDict) -> None:
         """The settings first (the curvature takes them), then the parametric entries."""
         la.solver_options = MatFreeOptions(**state_dict["solver_options"])
         super().load(la, state_dict)
@@ -149,7 +149,7 @@ class MatFreeLaplace(ParametricLaplace):
         enable_backprop: bool = False,
         dict_key_x: str = "input_ids",
         dict_key_y: str = "labels",
-        backend_kwargs: dict[str, Any] | None = None,
+        backend_kwargs: Mapping[str, object] | None = None,
         class_dim: int | None = None,
         ignore_index: int = IGNORE_INDEX,
         dtype: torch.dtype | None = None,
@@ -204,12 +204,12 @@ class MatFreeLaplace(ParametricLaplace):
             self._posterior_cache = None
 
     @property
-    def _fit_pass_options(self) -> dict[str, Any]:
+    def _fit_pass_options(self) -> dict[str, object]:
         """The solver settings, which the fit pass gives the curvature."""
         return {"options": self.solver_options}
 
     @property
-    def _structure_options(self) -> dict[str, Any]:
+    def _structure_options(self) -> dict[str, object]:
         """The solver settings, which a loaded curvature takes."""
         return {"options": self.solver_options}
 

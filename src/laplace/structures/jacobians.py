@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +20,9 @@ from laplace.curvature.engine.per_sample import PerSampleTrace
 from laplace.structures.kron_glm import LAYERWISE_CHUNK_ROWS
 from laplace.utils.data import Inputs
 from laplace.utils.outputs import OutputAdapter, OutputLayout
+
+if TYPE_CHECKING:
+    from laplace.curvature.protocol import CurvatureBackend
 
 __all__ = [
     "HeadFeatures",
@@ -151,7 +154,10 @@ def backend_kind(closed_forms: Collection[type[Jacobian]]) -> type[LayerTrace | 
 
 
 def backend_linearization(
-    backend: Any, X: Inputs, kind: type[LayerTrace | JacobianRows], enable_backprop: bool
+    backend: CurvatureBackend,
+    X: Inputs,
+    kind: type[LayerTrace | JacobianRows],
+    enable_backprop: bool,
 ) -> tuple[Tensor, LayerTrace | JacobianRows]:
     """Outputs and Jacobian of the parameters a curvature backend covers, from one forward pass.
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from functools import cache, cached_property, partial
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 from torch import Tensor
@@ -39,6 +39,10 @@ from laplace.utils.diag_lowrank import (
     factor_state,
 )
 from laplace.utils.matrix import Kron, KronDecomposed, StructuredKron
+
+if TYPE_CHECKING:
+    from laplace.curvature.protocol import CurvatureBackend
+    from laplace.utils.data import Inputs
 
 __all__ = [
     "EKFACPosterior",
@@ -158,7 +162,7 @@ class KronPosterior(Posterior):
     #: Layers with more outputs keep such a factor; None: every factor dense.
     low_rank_above: ClassVar[int | None] = None
 
-    def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
+    def __init__(self, H: Kron | KronDecomposed, h_factor: Tensor, prior_diag: Tensor) -> None:
         if isinstance(H, Kron):
             H = H.decompose()
         super().__init__(H, h_factor, prior_diag)
@@ -186,7 +190,9 @@ class KronPosterior(Posterior):
 
     @override
     @classmethod
-    def batch_curvature(cls, backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Kron]:
+    def batch_curvature(
+        cls, backend: CurvatureBackend, X: Inputs, y: Tensor, n_data: int
+    ) -> tuple[Tensor, Kron]:
         """``(loss, factors)`` of a batch from the backend's KFAC.
 
         Raises:
@@ -218,7 +224,7 @@ class KronPosterior(Posterior):
         return bool(torch.stack(traces).isfinite().all())
 
     @classmethod
-    def merge(cls, previous: Any, H: Kron, n_before: int, n_data: int) -> Kron:
+    def merge(cls, previous: KronDecomposed, H: Kron, n_before: int, n_data: int) -> Kron:
         """The earlier fit's factors plus ``H``: the factors of one fit on all the data.
 
         The second factor of a two-factor block is normalised by the data count (the input
@@ -231,7 +237,7 @@ class KronPosterior(Posterior):
         return type(H)([[F[0], F[1] * scale] if len(F) == 2 else list(F) for F in factors]) + H
 
     @staticmethod
-    def finalize(H: Kron, damping: bool = False) -> Any:
+    def finalize(H: Kron, damping: bool = False) -> KronDecomposed:
         """The eigendecomposition of the summed factors, computed when first needed.
 
         Args:
@@ -241,17 +247,17 @@ class KronPosterior(Posterior):
         return H.decompose(damping=damping, deferred=True)
 
     @staticmethod
-    def factors(H: Any) -> Kron:
-        """The summed factors a fitted curvature was decomposed from."""
-        return H.factors
+    def factors(H: KronDecomposed) -> Kron:
+        """The summed factors a fitted curvature was decomposed from (``finalize`` keeps them)."""
+        return cast(Kron, H.factors)
 
     @classmethod
-    def state(cls, H: Any) -> list[list[Tensor | dict[str, Tensor]]]:
+    def state(cls, H: KronDecomposed) -> list[list[Tensor | dict[str, Tensor]]]:
         """The summed factors, per block (a structured factor as a dict of tensors)."""
         return [[factor_state(F) for F in block] for block in cls.factors(H).kfacs]
 
     @classmethod
-    def load_state(cls, state: Any, zeros: Kron, damping: bool = False) -> Any:
+    def load_state(cls, state: object, zeros: Kron, damping: bool = False) -> KronDecomposed:
         """The fitted curvature from saved factors of the shapes of ``zeros``.
 
         Raises:
@@ -330,11 +336,11 @@ class HeadStatistics:
         """Memory the kept tensors hold."""
         return self.phi.nbytes + self.M.nbytes
 
-    def eigenvalues(self, bases: list[list[Tensor | None]]) -> list[Tensor]:
-        """The head's blocks' ``diag(Qᵀ H Q)``: (C, D) and, with a bias, (C,)."""
+    def eigenvalues(self, bases: list[list[Tensor | None]]) -> list[Tensor | None]:
+        """The head's blocks' ``diag(Qᵀ H Q)``: (C, D) and, with a bias, (C,); none exact."""
         Q_G, Q_A = bases[0]
         phi = self.phi if Q_A is None else self.phi @ Q_A
-        eigenvalues = [_rotated_diagonals(self.M, Q_G).T @ phi.square()]
+        eigenvalues: list[Tensor | None] = [_rotated_diagonals(self.M, Q_G).T @ phi.square()]
         if self.bias:
             eigenvalues.append(_rotated_diagonals(self.M, bases[1][0]).sum(0))
         return eigenvalues
@@ -434,7 +440,7 @@ class EKFACPosterior(KronPosterior):
         return H.corrected(H.corrections, damping)
 
     @classmethod
-    def state(cls, H: KronDecomposed) -> dict[str, Any]:
+    def state(cls, H: KronDecomposed) -> dict[str, object]:
         """The summed factors, their eigenpairs and the corrected eigenvalues (empty: None)."""
         like = H.deltas
 
@@ -449,7 +455,7 @@ class EKFACPosterior(KronPosterior):
         }
 
     @classmethod
-    def load_state(cls, state: Any, zeros: Kron, damping: bool = False) -> KronDecomposed:
+    def load_state(cls, state: object, zeros: Kron, damping: bool = False) -> KronDecomposed:
         """The fitted curvature from a saved state of the shapes of ``zeros``.
 
         The eigenbasis is loaded, not recomputed: the corrected eigenvalues belong to it.

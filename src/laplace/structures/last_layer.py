@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
 
 from laplace.curvature import CurvatureInterface
 from laplace.structures.large_output import is_large_output
+from laplace.structures.posterior import Curvature, Posterior
 from laplace.utils.diag_lowrank import DiagLowRankBatch
+
+if TYPE_CHECKING:
+    from laplace.curvature.protocol import CurvatureBackend
+    from laplace.likelihoods.likelihood_model import LikelihoodModel
 
 __all__ = [
     "HeadCurvature",
@@ -35,7 +40,7 @@ __all__ = [
 
 
 def output_curvature(
-    backend: Any, f: Tensor, y: Tensor
+    backend: CurvatureBackend, f: Tensor, y: Tensor
 ) -> tuple[Tensor, Tensor | DiagLowRankBatch]:
     """Summed batch loss and output-space curvature ``Mₙ = Σₖ vₙₖ vₙₖᵀ`` of a backend.
 
@@ -57,14 +62,19 @@ def output_curvature(
         M = backend.fit_likelihood.structured_output_hessian(f)
         keep = backend.fit_likelihood.layout(f.shape, y).kept(y)
         return loss, M if keep is None else M.masked(keep)
-    V = backend.curvature_columns(f, y).movedim(0, -1)  # rows (B, C): a (K, B, C) tensor
+    V = cast(Tensor, backend.curvature_columns(f, y)).movedim(0, -1)  # rows (B, C): (K, B, C)
     if is_large_output(f.shape[-1]):
         return loss, DiagLowRankBatch(V.new_zeros(V.shape[:2]), V, 1)
     return loss, V @ V.transpose(1, 2)
 
 
 def head_rows(
-    likelihood: Any, backend: Any, layer: nn.Linear, f: Tensor, phi: Tensor, y: Tensor
+    likelihood: LikelihoodModel,
+    backend: CurvatureBackend,
+    layer: nn.Linear,
+    f: Tensor,
+    phi: Tensor,
+    y: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """Outputs, features and targets of one batch as rows of the head, where closed forms apply.
 
@@ -136,10 +146,10 @@ def cat_output_curvatures(Ms: list[Tensor | DiagLowRankBatch]) -> Tensor | DiagL
 #: A closed form ``(φ (N, D), M (N, C, C), bias, n_data, factor) -> curvature`` of the head in a
 #: structure's form, equal to its ``backend_route``; a posterior structure names its own as its
 #: ``head_curvature`` class attribute.
-HeadCurvature = Callable[..., Any]
+HeadCurvature = Callable[..., Curvature]
 
 
-def head_curvature(structure: type, backend: Any) -> Callable[..., Any] | None:
+def head_curvature(structure: type[Posterior], backend: CurvatureBackend) -> HeadCurvature | None:
     """The closed form of the backend's curvature of a linear head in ``structure``'s form.
 
     One exists where the backend's route for the structure is the native one of

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
@@ -29,7 +29,11 @@ from typing_extensions import override
 from laplace.curvature.engine.block_product import ParameterBlock, SampleVectors
 from laplace.structures.diagonal import diag_functional_variance
 from laplace.structures.jacobians import Jacobian, LayerTrace
-from laplace.structures.posterior import ClosedForm, Posterior
+from laplace.structures.posterior import ClosedForm, Curvature, Posterior
+
+if TYPE_CHECKING:
+    from laplace.curvature.protocol import CurvatureBackend
+    from laplace.utils.data import Inputs
 
 __all__ = ["DiagLowRankPosterior", "LowRankPosterior", "lowrank_functional_variance"]
 
@@ -80,7 +84,9 @@ class LowRankPosterior(Posterior):
 
     @override
     @staticmethod
-    def batch_curvature(backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
+    def batch_curvature(
+        backend: CurvatureBackend, X: Inputs, y: Tensor, n_data: int
+    ) -> tuple[Tensor, Curvature]:
         raise NotImplementedError(
             "the low-rank curvature is not a sum over batches: its eigenpairs are computed "
             "over the whole training set at once (LowRankLaplace.fit)."
@@ -99,7 +105,7 @@ class LowRankPosterior(Posterior):
     @override
     @classmethod
     def load_state(
-        cls, state: Any, zeros: tuple[Tensor, Tensor], **options: Any
+        cls, state: object, zeros: tuple[Tensor, Tensor], **options: object
     ) -> tuple[Tensor, Tensor]:
         if not isinstance(state, dict) or set(state) != {"eigenvectors", "eigenvalues"}:
             raise ValueError("state_dict['H'] must hold 'eigenvectors' and 'eigenvalues'.")
@@ -233,7 +239,7 @@ class DiagLowRankPosterior(LowRankPosterior):
     @override
     @classmethod
     def load_state(
-        cls, state: Any, zeros: tuple[Tensor, Tensor, Tensor], **options: Any
+        cls, state: object, zeros: tuple[Tensor, Tensor, Tensor], **options: object
     ) -> tuple[Tensor, Tensor, Tensor]:
         if not isinstance(state, dict) or "diagonal" not in state:
             raise ValueError(

@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -54,6 +54,9 @@ from laplace.utils.errors import (
     check_int_at_least,
     check_positive_int,
 )
+
+if TYPE_CHECKING:
+    from laplace.curvature.solvers.products import NativeProduct
 
 __all__ = [
     "SOLVER_BLOCK_BYTES",
@@ -124,7 +127,7 @@ class MatFreeOptions:
         if self.cache_bytes is not None:
             check_int_at_least(self.cache_bytes, "cache_bytes", 0)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         """The settings as plain values (for a state)."""
         return asdict(self)
 
@@ -192,7 +195,7 @@ class MatFreeCurvature:
         n_params: int,
         like: Tensor,
         options: MatFreeOptions,
-        product: Any = None,
+        product: NativeProduct | None = None,
         diagonal: Tensor | None = None,
         fitted: bool = True,
         distributed: bool = False,
@@ -219,7 +222,7 @@ class MatFreeCurvature:
         """Floating-point type of the products."""
         return self.like.dtype
 
-    def _require_product(self) -> Any:
+    def _require_product(self) -> NativeProduct:
         if self.product is None:
             raise NoProductDataError(
                 "MatFreeLaplace has no training data to multiply its curvature with: a "
@@ -297,7 +300,7 @@ class MatFreePosterior(Posterior):
         return MatFreeCurvature(n_params, like, MatFreeOptions(), fitted=False)
 
     @staticmethod
-    def state(H: MatFreeCurvature) -> dict[str, Any]:
+    def state(H: MatFreeCurvature) -> dict[str, Tensor]:
         """The preconditioner's diagonal and the scalar prior's Lanczos quadrature."""
         empty = H.like.new_empty(0)
         scalar = [q for key, q in H.quadratures if key is None]
@@ -310,7 +313,7 @@ class MatFreePosterior(Posterior):
 
     @classmethod
     def load_state(
-        cls, state: Any, zeros: MatFreeCurvature, options: MatFreeOptions | None = None
+        cls, state: object, zeros: MatFreeCurvature, options: MatFreeOptions | None = None
     ) -> MatFreeCurvature:
         """A curvature without data from a saved state (products need ``fit`` again).
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache, cached_property
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 from torch import Tensor
@@ -34,7 +34,14 @@ from laplace.curvature import CurvatureInterface, GGNInterface
 from laplace.curvature.engine.kfac import kfac
 from laplace.curvature.engine.kfac_rules import check_gradient_factor_first
 from laplace.structures import DensePosterior, DiagonalPosterior, KronPosterior, Posterior
+from laplace.structures.posterior import Curvature
 from laplace.utils.matrix import Kron, KronDecomposed
+
+if TYPE_CHECKING:
+    from laplace.curvature.engine.per_sample import PerSampleTrace
+    from laplace.curvature.protocol import CurvatureBackend
+    from laplace.likelihoods.gaussian import GaussianRegression
+    from laplace.utils.data import Inputs
 
 __all__ = ["OutputKron", "PerOutputPosterior", "noise_structure"]
 
@@ -88,7 +95,7 @@ class PerOutputPosterior(Posterior):
     #: No closed form of a head's summed curvature: each output's curvature is kept.
     head_curvature: ClassVar[None] = None
 
-    def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
+    def __init__(self, H: Curvature, h_factor: Tensor, prior_diag: Tensor) -> None:
         weights = h_factor.reshape(-1).expand(self.n_outputs)
         one = torch.ones((), dtype=prior_diag.dtype, device=prior_diag.device)
         super().__init__(self.combine(H, weights), one, prior_diag)
@@ -99,13 +106,15 @@ class PerOutputPosterior(Posterior):
         return self.structure(self.H, self.h_factor, self.prior_diag)
 
     @classmethod
-    def zeros(cls, params: Sequence[Tensor]) -> Any:
+    def zeros(cls, params: Sequence[Tensor]) -> Curvature:
         """Zero curvature of every output, stacked (C, ...)."""
         zero = cls.structure.zeros(params)
         return zero.new_zeros(cls.n_outputs, *zero.shape)
 
     @classmethod
-    def batch_curvature(cls, backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
+    def batch_curvature(
+        cls, backend: CurvatureBackend, X: Inputs, y: Tensor, n_data: int
+    ) -> tuple[Tensor, Curvature]:
         """``(loss (C,), H_batch (C, ...))``: each output's loss and curvature.
 
         Raises:
@@ -120,14 +129,18 @@ class PerOutputPosterior(Posterior):
                 f"sigma_noise has {cls.n_outputs} entries (one per output) but the model has "
                 f"{f.shape[-1]} outputs."
             )
-        weights = sum(v.square() for v in backend.curvature_columns(f, y))
+        V = cast(Tensor, backend.curvature_columns(f, y))  # plain outputs: a tensor (K, B, C)
+        weights = sum(v.square() for v in V)
         eye = torch.eye(cls.n_outputs, dtype=f.dtype, device=f.device)
         columns = [weights[:, c, None].sqrt() * eye[c] for c in range(cls.n_outputs)]
         parts = [cls.output_curvature(backend, trace, column, n_data) for column in columns]
-        return backend.fit_likelihood.loss_per_output(f, y), cls.stack(parts)
+        regression = cast("GaussianRegression", backend.fit_likelihood)  # one σ per output
+        return regression.loss_per_output(f, y), cls.stack(parts)
 
     @classmethod
-    def output_curvature(cls, backend: Any, trace: Any, column: Tensor, n_data: int) -> Any:
+    def output_curvature(
+        cls, backend: CurvatureBackend, trace: PerSampleTrace, column: Tensor, n_data: int
+    ) -> Curvature:
         """The curvature ``H_c`` of one output column (B, C) in the structure's form."""
         products = trace.gram if cls.backend_route == "full" else trace.square_sum
         return products([column]).detach()
@@ -136,7 +149,7 @@ class PerOutputPosterior(Posterior):
     stack = staticmethod(torch.stack)
 
     @staticmethod
-    def combine(H: Any, weights: Tensor) -> Any:
+    def combine(H: Curvature, weights: Tensor) -> Curvature:
         """``Σ_c w_c H_c`` in the structure's form, ``weights`` of shape (C,)."""
         return torch.tensordot(weights, H, dims=1)
 
@@ -158,7 +171,9 @@ class _PerOutputKron(PerOutputPosterior):
         return H
 
     @classmethod
-    def output_curvature(cls, backend: Any, trace: Any, column: Tensor, n_data: int) -> Kron:
+    def output_curvature(
+        cls, backend: CurvatureBackend, trace: PerSampleTrace, column: Tensor, n_data: int
+    ) -> Kron:
         """The Kronecker factors of one output column (B, C)."""
         check_gradient_factor_first(trace.engine, "one sigma_noise per output")
         limit = backend.kfac_dense_limit

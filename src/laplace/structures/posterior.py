@@ -18,17 +18,28 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import torch
 from torch import Tensor
 
 from laplace.structures.jacobians import Jacobian
+from laplace.utils.data import Inputs
 
-__all__ = ["ClosedForm", "NotPositiveDefiniteError", "Posterior"]
+if TYPE_CHECKING:
+    from laplace.curvature.protocol import CurvatureBackend
 
-#: ``J P⁻¹ Jᵀ`` (B, C, C) of a posterior for one Jacobian kind, or None where it does not apply.
-ClosedForm = Callable[[Any, Any], Tensor | None]
+__all__ = ["ClosedForm", "Curvature", "NotPositiveDefiniteError", "Posterior"]
+
+#: ``J P⁻¹ Jᵀ`` (B, C, C) of a posterior for one Jacobian kind, or None where it does not apply:
+#: ``(posterior, J)`` of the structure and the kind it is listed under.
+ClosedForm = Callable[..., Tensor | None]
+#: A curvature (or a precision) in a structure's own representation: a tensor (dense (P, P),
+#: diagonal (P,)), a ``Kron`` summed or a ``KronDecomposed`` stored (Kronecker), eigenpairs (low
+#: rank), a ``MatFreeCurvature``. Each structure's methods name their own; the fits, passes and
+#: states hand it between a structure's methods without looking inside, so the contract leaves
+#: it open.
+Curvature: TypeAlias = Any
 
 
 class NotPositiveDefiniteError(RuntimeError):
@@ -52,9 +63,9 @@ class Posterior(ABC):
     update_refusal: ClassVar[str | None] = None
     #: The closed form of a linear head's curvature in this structure's form, equal to its
     #: ``backend_route`` (``laplace.structures.last_layer.head_curvature``); None: none.
-    head_curvature: ClassVar[Callable[..., Any] | None] = None
+    head_curvature: ClassVar[Callable[..., Curvature] | None] = None
 
-    def __init__(self, H: Any, h_factor: Tensor, prior_diag: Tensor) -> None:
+    def __init__(self, H: Curvature, h_factor: Tensor, prior_diag: Tensor) -> None:
         self.H = H
         self.h_factor = h_factor.reshape(())
         self.prior_diag = prior_diag
@@ -67,15 +78,18 @@ class Posterior(ABC):
     # ``state`` / ``load_state`` write and read the stored curvature as plain tensors.
     @staticmethod
     @abstractmethod
-    def zeros(params: Sequence[Tensor]) -> Any:
+    def zeros(params: Sequence[Tensor]) -> Curvature:
         """Empty curvature for the parameter tensors ``params`` (on their device and dtype)."""
 
     @classmethod
-    def batch_curvature(cls, backend: Any, X: Any, y: Tensor, n_data: int) -> tuple[Tensor, Any]:
+    def batch_curvature(
+        cls, backend: CurvatureBackend, X: Inputs, y: Tensor, n_data: int
+    ) -> tuple[Tensor, Curvature]:
         """``(loss, H_batch)`` of one batch from a curvature backend (its ``backend_route``).
 
         Args:
-            backend: A [`CurvatureInterface`][laplace.curvature.CurvatureInterface].
+            backend: A curvature backend (a
+                [`CurvatureInterface`][laplace.curvature.CurvatureInterface]).
             X: Inputs of the batch.
             y: Targets of the batch.
             n_data: Number of data points of the whole training set (KFAC rescaling).
@@ -83,13 +97,13 @@ class Posterior(ABC):
         return getattr(backend, cls.backend_route)(X, y)
 
     @staticmethod
-    def add(total: Any, H: Any) -> Any:
+    def add(total: Curvature, H: Curvature) -> Curvature:
         """``total + H``, summed into ``total`` (a sum the caller owns) where it can be."""
         total += H
         return total
 
     @staticmethod
-    def is_finite(H: Any) -> bool:
+    def is_finite(H: Curvature) -> bool:
         """Whether every entry of the curvature is finite.
 
         A sum is finite iff every summand is (barring overflow), so one reduction suffices.
@@ -97,7 +111,7 @@ class Posterior(ABC):
         return bool(torch.isfinite(H.sum()))
 
     @staticmethod
-    def merge(previous: Any, H: Any, n_before: int, n_data: int) -> Any:
+    def merge(previous: Curvature, H: Curvature, n_before: int, n_data: int) -> Curvature:
         """The sum of a stored fit over ``n_before`` points and a new sum, over ``n_data`` points.
 
         Args:
@@ -109,7 +123,7 @@ class Posterior(ABC):
         return previous + H
 
     @staticmethod
-    def finalize(H: Any, **options: Any) -> Any:
+    def finalize(H: Curvature, **options: object) -> Curvature:
         """The curvature as stored after a fit (e.g. eigen-decomposed); identity by default.
 
         Args:
@@ -119,12 +133,12 @@ class Posterior(ABC):
         return H
 
     @staticmethod
-    def state(H: Any) -> Any:
+    def state(H: Curvature) -> object:
         """The stored curvature as detached tensors (nested in lists or dicts), for a state."""
         return H.detach()
 
     @classmethod
-    def load_state(cls, state: Any, zeros: Any, **options: Any) -> Any:
+    def load_state(cls, state: object, zeros: Curvature, **options: object) -> Curvature:
         """The stored curvature from ``state``'s value, checked against ``zeros``.
 
         Args:
@@ -146,7 +160,7 @@ class Posterior(ABC):
     # ------------------------------------------------------------------------ the posterior
     @property
     @abstractmethod
-    def precision(self) -> Any:
+    def precision(self) -> Curvature:
         """The posterior precision ``P`` in the structure's representation."""
 
     @property

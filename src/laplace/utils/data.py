@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
-from typing import Any
+from collections.abc import Iterator, MutableMapping, Sequence
+from typing import Any, TypeVar, cast, overload
 
 import numpy as np
 import torch
@@ -48,8 +48,12 @@ __all__ = [
     "upcast",
 ]
 
-#: Model inputs: a tensor, or a mapping whose values the model reads by key.
+#: Model inputs: a tensor, or a mapping whose values the model reads by key. The values are of
+#: any type, and not typed as ``object``: mappings are invariant in their values, and a user's
+#: ``dict[str, Tensor]`` must be one.
 Inputs = Tensor | MutableMapping[str, Any]
+
+T = TypeVar("T")
 
 
 #: Half-precision types a network may run in; curvature and posterior are computed in float32.
@@ -61,7 +65,7 @@ def posterior_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in HALF_DTYPES else dtype
 
 
-def upcast(value: Any, dtype: torch.dtype | None = None) -> Any:
+def upcast(value: T, dtype: torch.dtype | None = None) -> T:
     """Floating-point tensors of a pytree in ``dtype`` (None: half precision in float32)."""
 
     def cast(t: Tensor) -> Tensor:
@@ -70,7 +74,7 @@ def upcast(value: Any, dtype: torch.dtype | None = None) -> Any:
     return tree_map_only(Tensor, cast, value)
 
 
-def split_batch(batch: Any, dict_key_x: str | None, dict_key_y: str) -> tuple[Inputs, Tensor]:
+def split_batch(batch: object, dict_key_x: str | None, dict_key_y: str) -> tuple[Inputs, Tensor]:
     """Split a loader batch, ``(X, y)`` or a mapping (then the whole model input), into ``(X, y)``.
 
     ``dict_key_x`` (None: not checked) and ``dict_key_y`` are the keys of a mapping batch.
@@ -104,6 +108,14 @@ def batch_size_of(X: Inputs, dict_key_x: str) -> int:
     return len(X)
 
 
+@overload
+def move_inputs(X: Tensor, device: torch.device) -> Tensor: ...
+
+
+@overload
+def move_inputs(X: Inputs, device: torch.device) -> Inputs: ...
+
+
 def move_inputs(X: Inputs, device: torch.device) -> Inputs:
     """Move model inputs to ``device``; mappings are moved value by value.
 
@@ -124,7 +136,15 @@ def move_inputs(X: Inputs, device: torch.device) -> Inputs:
     return _to_device(X, device, "inputs")
 
 
-def _to_device(value: Any, device: torch.device, name: str) -> Any:
+@overload
+def _to_device(value: Tensor, device: torch.device, name: str) -> Tensor: ...
+
+
+@overload
+def _to_device(value: object, device: torch.device, name: str) -> object: ...
+
+
+def _to_device(value: object, device: torch.device, name: str) -> object:
     if not isinstance(value, Tensor):
         return value
     if value.device.type == "meta" and torch.device(device).type != "meta":
@@ -135,7 +155,19 @@ def _to_device(value: Any, device: torch.device, name: str) -> Any:
     return value.to(device)
 
 
-def to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
+@overload
+def to_device(value: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor: ...
+
+
+@overload
+def to_device(value: Inputs, device: torch.device, dtype: torch.dtype) -> Inputs: ...
+
+
+@overload
+def to_device(value: object, device: torch.device, dtype: torch.dtype) -> object: ...
+
+
+def to_device(value: object, device: torch.device, dtype: torch.dtype) -> object:
     """Move a nested input's tensors to ``device``, floating ones to ``dtype``; mappings: dict."""
     if isinstance(value, Tensor):
         return value.to(device=device, dtype=dtype if value.is_floating_point() else None)
@@ -164,7 +196,15 @@ def input_chunks(X: Inputs, rows: int, dict_key_x: str) -> Iterator[Inputs]:
         yield slice_inputs(X, start, start + rows, n)
 
 
-def select_rows(inputs: Any, indices: Tensor, batch_size: int) -> Any:
+@overload
+def select_rows(inputs: Inputs, indices: Tensor, batch_size: int) -> Inputs: ...
+
+
+@overload
+def select_rows(inputs: object, indices: Tensor, batch_size: int) -> object: ...
+
+
+def select_rows(inputs: object, indices: Tensor, batch_size: int) -> object:
     """Rows ``indices`` of every value of ``inputs`` with leading size ``batch_size``."""
     if isinstance(inputs, MutableMapping):
         return {k: select_rows(v, indices, batch_size) for k, v in inputs.items()}
@@ -175,21 +215,37 @@ def select_rows(inputs: Any, indices: Tensor, batch_size: int) -> Any:
     return inputs
 
 
-def concatenate_rows(chunks: list[Any]) -> Any:
+@overload
+def concatenate_rows(chunks: list[Tensor]) -> Tensor: ...
+
+
+@overload
+def concatenate_rows(chunks: list[Inputs]) -> Inputs: ...
+
+
+@overload
+def concatenate_rows(chunks: list[object]) -> object: ...
+
+
+def concatenate_rows(chunks: Sequence[object]) -> object:
     """Concatenate batches of inputs row-wise (mappings key by key; non-batched values once).
+
+    Every chunk is of the kind of the first (the batches of one loader).
 
     Raises:
         ValueError: For mappings with different keys or differing non-batched values.
     """
     first = chunks[0]
     if isinstance(first, Tensor):
-        return torch.cat(chunks)
+        return torch.cat(cast(list[Tensor], chunks))
     if isinstance(first, MutableMapping):
-        if any(c.keys() != first.keys() for c in chunks):
+        mappings = cast(list[MutableMapping[str, object]], chunks)
+        if any(c.keys() != first.keys() for c in mappings):
             raise ValueError("mapping batches must have the same keys to be concatenated.")
-        return {k: concatenate_rows([c[k] for c in chunks]) for k in first}
+        return {k: concatenate_rows([c[k] for c in mappings]) for k in first}
     if isinstance(first, (list, tuple)):
-        return type(first)(item for c in chunks for item in c)
+        sequences = cast(list[Sequence[object]], chunks)
+        return type(first)(item for c in sequences for item in c)
     if all(c == first for c in chunks):
         return first
     raise ValueError("non-batched values differ between the batches; cannot concatenate.")
@@ -206,7 +262,7 @@ def _check_finite(X: Inputs, what: str) -> None:
 
 
 def prepare_batch(
-    batch: Any, dict_key_x: str | None, dict_key_y: str, device: torch.device
+    batch: object, dict_key_x: str | None, dict_key_y: str, device: torch.device
 ) -> tuple[Inputs, Tensor]:
     """A loader batch as ``(X, y)`` on ``device`` (``split_batch``), checked before any model call.
 
@@ -246,7 +302,7 @@ def prepare_inputs(X: Inputs, dict_key_x: str, device: torch.device, what: str) 
     return X
 
 
-def check_outputs(f: Any, n_inputs: int) -> Tensor:
+def check_outputs(f: object, n_inputs: int) -> Tensor:
     """Return the model's output ``f`` for ``n_inputs`` data points if it is (B, C, ...).
 
     Raises:

@@ -7,9 +7,9 @@ the whole data (docs/distributed.md: the opt-in rule, shards, failures).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,8 @@ __all__ = [
     "total_data_count",
     "unwrap_model",
 ]
+
+T = TypeVar("T")
 
 
 class DistributedFitError(RuntimeError):
@@ -78,12 +80,12 @@ def total_data_count(loader: DataLoader, distributed: bool) -> int:
     return all_reduce_sum(data_count(loader)) if distributed else dataset_size(loader)
 
 
-def _reduce(tensor: Tensor, op: Any = None) -> Tensor:
+def _reduce(tensor: Tensor, op: dist.ReduceOp.RedOpType | None = None) -> Tensor:
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op)
     return tensor
 
 
-def all_reduce_sum(value: Any, device: torch.device | None = None) -> Any:
+def all_reduce_sum(value: T, device: torch.device | None = None) -> T:
     """Sum ``value`` over all ranks, without modifying it; every rank gets the result.
 
     ``value`` is a tensor, a number, a ``Kron``, a ``DiagLowRank`` (its diagonal summed, its
@@ -95,12 +97,12 @@ def all_reduce_sum(value: Any, device: torch.device | None = None) -> Any:
     if isinstance(value, (int, float)):
         dtype = torch.float64 if isinstance(value, float) else torch.int64
         out = _reduce(torch.tensor([value], dtype=dtype, device=_collective_device(device)))
-        return type(value)(out.item())
+        return cast(T, type(value)(out.item()))
     if isinstance(value, Tensor):
-        return _reduce(value.detach().clone())
+        return cast(T, _reduce(value.detach().clone()))
     leaves: list[Tensor] = []
 
-    def collect(v: Any) -> None:
+    def collect(v: object) -> None:
         if isinstance(v, Kron):
             collect(v.kfacs)
         elif isinstance(v, DiagLowRank):  # the sign of a rank with columns wins the sum
@@ -127,9 +129,9 @@ def all_reduce_sum(value: Any, device: torch.device | None = None) -> Any:
             reduced[i] = chunk.reshape(leaves[i].shape)
     it = iter(reduced)
 
-    def rebuild(v: Any) -> Any:
+    def rebuild(v: object) -> object:
         if isinstance(v, Kron):
-            return type(v)(rebuild(v.kfacs))
+            return type(v)(cast(list[list[Tensor]], rebuild(v.kfacs)))
         if isinstance(v, DiagLowRank):
             diag, dropped, sign = next(it), next(it), next(it)
             U = all_gather(v.U.detach().T.contiguous()).T
@@ -138,7 +140,7 @@ def all_reduce_sum(value: Any, device: torch.device | None = None) -> Any:
             return type(v)(rebuild(item) for item in v)
         return next(it)
 
-    return rebuild(value)
+    return cast(T, rebuild(value))
 
 
 @contextmanager
@@ -176,7 +178,7 @@ def guard(active: bool, what: str = "fit", device: torch.device | None = None) -
 
 
 def check_consistent(
-    values: dict[str, Any],
+    values: Mapping[str, object],
     what: str = "fit",
     remedy: str = "build the approximation with the same arguments on every rank",
 ) -> None:

@@ -11,7 +11,7 @@ import math
 import numbers
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +39,8 @@ __all__ = [
     "check_positive_int",
     "is_real_scalar",
 ]
+
+T = TypeVar("T")
 
 
 class ArgumentTypeError(ValueError, TypeError):
@@ -104,7 +106,7 @@ class ModelOutputError(TypeError, AttributeError):
     """A model output that is not a tensor; a ``TypeError`` and an ``AttributeError``."""
 
 
-def check_int_at_least(value: Any, name: str, minimum: int) -> int:
+def check_int_at_least(value: object, name: str, minimum: int) -> int:
     """Return ``value`` if it is an integer (``bool`` excluded) of at least ``minimum``.
 
     Raises:
@@ -119,7 +121,7 @@ def check_int_at_least(value: Any, name: str, minimum: int) -> int:
     return int(value)
 
 
-def check_positive_int(value: Any, name: str) -> int:
+def check_positive_int(value: object, name: str) -> int:
     """Return ``value`` if it is a positive integer (``bool`` excluded).
 
     Raises:
@@ -129,14 +131,14 @@ def check_positive_int(value: Any, name: str) -> int:
     return check_int_at_least(value, name, 1)
 
 
-def check_positive_float(value: Any, name: str) -> float:
+def check_positive_float(value: object, name: str) -> float:
     """Return ``value`` (a real number or one-element tensor) as a positive, finite float.
 
     Raises:
         ArgumentTypeError: If it is not a real number.
         ValueError: If it is not positive and finite.
     """
-    if hasattr(value, "numel") and value.numel() == 1 and not value.is_complex():
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{name} must be a positive real number, got {value!r}.")
@@ -145,7 +147,7 @@ def check_positive_float(value: Any, name: str) -> float:
     return float(value)
 
 
-def check_bool(value: Any, name: str) -> bool:
+def check_bool(value: object, name: str) -> bool:
     """Return ``value`` if it is a ``bool`` (a string such as ``"no"`` would be truthy).
 
     Raises:
@@ -156,7 +158,7 @@ def check_bool(value: Any, name: str) -> bool:
     return value
 
 
-def check_module(value: Any, name: str = "model") -> Any:
+def check_module(value: object, name: str = "model") -> nn.Module:
     """Return ``value`` if it is a ``torch.nn.Module``.
 
     Raises:
@@ -167,8 +169,11 @@ def check_module(value: Any, name: str = "model") -> Any:
     return value
 
 
-def check_mapping(value: Any, name: str) -> dict[str, Any]:
+def check_mapping(value: object, name: str) -> dict[str, Any]:
     """A copy of ``value`` as a dict if it is a mapping with string keys (None: empty).
+
+    The values are keyword arguments handed on to a constructor of the user's choosing
+    (a backend, an optimiser), of whatever types it takes.
 
     Raises:
         ArgumentTypeError: For anything else.
@@ -182,7 +187,7 @@ def check_mapping(value: Any, name: str) -> dict[str, Any]:
     return dict(value)
 
 
-def check_generator(value: Any) -> Any:
+def check_generator(value: object) -> torch.Generator | None:
     """Return ``value`` if it is None or a ``torch.Generator``.
 
     Raises:
@@ -196,7 +201,7 @@ def check_generator(value: Any) -> Any:
     return value
 
 
-def check_finite_result(value: Any, what: str) -> Any:
+def check_finite_result(value: T, what: str) -> T:
     """Return ``value`` (a tensor) if every entry is finite.
 
     Raises:
@@ -209,7 +214,7 @@ def check_finite_result(value: Any, what: str) -> Any:
     return value
 
 
-def is_real_scalar(value: Any) -> bool:
+def is_real_scalar(value: object) -> bool:
     """Whether ``value`` is a real scalar (bools included) or a tensor of shape () or (1,)."""
     if torch.is_tensor(value):
         return value.ndim == 0 or (value.ndim == 1 and len(value) == 1)

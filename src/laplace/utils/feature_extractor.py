@@ -7,8 +7,8 @@ call only, so the wrapped model is never left modified.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
-from typing import Any
 
 from torch import Tensor, nn
 
@@ -21,7 +21,7 @@ __all__ = ["FeatureExtractor", "FeatureReduction", "as_feature_extractor"]
 
 
 def _run_recording_inputs(
-    model: nn.Module, modules: dict[str, nn.Module], x: Inputs, kwargs: dict[str, Any]
+    model: nn.Module, modules: dict[str, nn.Module], x: Inputs, kwargs: Mapping[str, object]
 ) -> tuple[Tensor, dict[str, Tensor | None], list[str]]:
     """``model(x, **kwargs)``, the inputs of ``modules`` that ran (by name) and their order.
 
@@ -31,7 +31,7 @@ def _run_recording_inputs(
     inputs: dict[str, Tensor | None] = {}
     order: list[str] = []
 
-    def record(name: str, module: nn.Module, args: tuple, output: Any) -> None:
+    def record(name: str, module: nn.Module, args: tuple, output: object) -> None:
         first = args[0] if args else None
         inputs[name] = first if isinstance(first, Tensor) else None
         order.append(name)
@@ -128,13 +128,13 @@ class FeatureExtractor(nn.Module):
         out, _ = self._detect(x)
         return out
 
-    def forward(self, x: Inputs, **kwargs: Any) -> Tensor:
+    def forward(self, x: Inputs, **kwargs: object) -> Tensor:
         """Model output; finds the last layer first if it is not known yet."""
         if self.last_layer is None:
             return self._detect(x, **kwargs)[0]
         return self.model(x, **kwargs)
 
-    def forward_with_features(self, x: Inputs, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    def forward_with_features(self, x: Inputs, **kwargs: object) -> tuple[Tensor, Tensor]:
         """Model output (B, C) and last-layer features (B, D) of ``model(x, **kwargs)``."""
         if self.last_layer is None:
             out, phi = self._detect(x, **kwargs)
@@ -146,7 +146,7 @@ class FeatureExtractor(nn.Module):
             phi = inputs[name]
         return out, self._reduce(phi)
 
-    def _detect(self, x: Inputs, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    def _detect(self, x: Inputs, **kwargs: object) -> tuple[Tensor, Tensor]:
         leaves = {
             name: module
             for name, module in self.model.named_modules()

@@ -6,8 +6,7 @@ module that owns it (nothing inside the package imports this module).
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
-from typing import Any
+from collections.abc import MutableMapping, Sequence
 
 import torch
 from torch import Tensor
@@ -42,7 +41,7 @@ __all__ = [
 ]
 
 
-def same_configuration(left: Any, right: Any) -> bool:
+def same_configuration(left: object, right: object) -> bool:
     """Whether two nested settings (tensors, mappings, lists, tuples, plain values) are equal.
 
     Tensors compare equal only to tensors with the same shape and values; sequences only to
@@ -61,7 +60,9 @@ def same_configuration(left: Any, right: Any) -> bool:
     return left == right
 
 
-def split_batch(batch: Any, dict_key_y: str, dict_key_x: str | None = None) -> tuple[Any, Tensor]:
+def split_batch(
+    batch: Sequence[Tensor] | Inputs, dict_key_y: str, dict_key_x: str | None = None
+) -> tuple[Inputs, Tensor]:
     """``(inputs, targets)`` of a batch: a mapping is kept whole as input, else ``batch[:2]``.
 
     Raises:

@@ -6,7 +6,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -240,7 +241,7 @@ class LargestVarianceSWAGSubnetMask(ScoreBasedSubnetMask):
         )
 
 
-def _names(names: Any, what: str) -> list[str]:
+def _names(names: Iterable[str], what: str) -> list[str]:
     """``names`` as a list of strings (a single string is refused, not split into letters)."""
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise ArgumentTypeError(f"{what}_names must be a list of names (strings), got {names!r}.")

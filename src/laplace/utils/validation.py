@@ -9,13 +9,13 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from laplace.utils.data import prepare_batch
+from laplace.utils.data import Inputs, prepare_batch
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
 from laplace.utils.errors import check_positive_int
 
@@ -32,7 +32,12 @@ class Predictor(Protocol):
     n_outputs: int
 
     def __call__(
-        self, x: Any, pred_type: Any, link_approx: Any, n_samples: int, fitting: bool
+        self,
+        x: Inputs,
+        pred_type: PredType | str,
+        link_approx: LinkApprox | str,
+        n_samples: int,
+        fitting: bool,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Predictive probabilities (B, C), or the GLM's mean (B, C) and variance (B, C, C)."""
 

@@ -5,13 +5,13 @@ Internal module; ``MatFreeLaplace`` names it as its ``_curvature_pass``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
+from typing_extensions import Unpack
 
-from laplace.core.passes.curvature_sum import LossThenProducts
+from laplace.core.passes.curvature_sum import FitPieces, LossThenProducts
+from laplace.core.passes.data_loop import LoopArguments, LoopOptions
 from laplace.curvature.solvers.products import NativeProduct
 from laplace.structures.matrix_free import (
     MatFreeCurvature,
@@ -30,13 +30,20 @@ class CurvatureProducts(LossThenProducts):
     curvature's diagonal is computed from them (``NativeProduct.diagonal``).
 
     Args:
-        *args: See ``DataLoop``.
+        *args: See ``FitPass``.
+        pieces: See ``FitPass``.
         options: The solver settings.
         **kwargs: See ``FitPass``.
     """
 
-    def __init__(self, *args: Any, options: MatFreeOptions, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        *args: Unpack[LoopArguments],
+        pieces: FitPieces,
+        options: MatFreeOptions,
+        **kwargs: Unpack[LoopOptions],
+    ) -> None:
+        super().__init__(*args, pieces=pieces, **kwargs)
         self.options = options
 
     def run(self, loader: DataLoader) -> tuple[MatFreeCurvature, Tensor]:
@@ -45,7 +52,7 @@ class CurvatureProducts(LossThenProducts):
         Raises:
             RuntimeError: If the curvature's diagonal is not finite.
         """
-        loss = super().run(loader)
+        loss = self.summed_loss(loader)
         pieces, options = self.pieces, self.options
         dtype = pieces.subset.dtype
         product = NativeProduct(

@@ -15,16 +15,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader
+from typing_extensions import Unpack
 
-from laplace.core.passes.data_loop import DataLoop
+from laplace.core.passes.data_loop import (
+    DataLoop,
+    LoopArguments,
+    LoopOptions,
+    Result,
+    Stats,
+    Total,
+)
 from laplace.structures import Posterior
+from laplace.structures.posterior import Curvature
 from laplace.utils import distributed as distributed_utils
 from laplace.utils.data import Inputs, batch_size_of, check_outputs, in_fixed_order
 from laplace.utils.errors import check_finite_result
+
+if TYPE_CHECKING:
+    from laplace.core.subsets import ParameterSubset
+    from laplace.curvature.protocol import CurvatureBackend
+    from laplace.likelihoods.likelihood_model import LikelihoodModel
 
 __all__ = ["CurvatureSum", "FitPass", "FitPieces", "LossThenProducts"]
 
@@ -46,21 +61,23 @@ class FitPieces:
         n_before: Number of data points ``previous`` covers.
     """
 
-    subset: Any
+    subset: ParameterSubset
     posterior: type[Posterior]
-    backend: Any
-    likelihood: Any
-    zeros: Callable[[], Any]
+    backend: CurvatureBackend
+    likelihood: LikelihoodModel
+    zeros: Callable[[], Curvature]
     n_data: int
-    previous: Any = None
+    previous: Curvature | None = None
     n_before: int = 0
 
 
-class FitPass(DataLoop):
+class FitPass(DataLoop[Stats, Total, Result]):
     """A pass of a fit over the data: the pieces it wires and the checks of each batch.
 
+    ``run`` gives ``(H, loss)``: the curvature in the structure's form and the summed loss.
+
     Args:
-        *args: See ``DataLoop``.
+        *args: ``dict_key_x``, ``dict_key_y`` and ``device``, see ``DataLoop``.
         pieces: The pieces of the fit.
         **options: See ``DataLoop``.
 
@@ -69,14 +86,16 @@ class FitPass(DataLoop):
         results: Attributes the fit sets on the approximation after the pass (by name).
     """
 
-    def __init__(self, *args: Any, pieces: FitPieces, **options: Any) -> None:
+    def __init__(
+        self, *args: Unpack[LoopArguments], pieces: FitPieces, **options: Unpack[LoopOptions]
+    ) -> None:
         super().__init__(*args, **options)
         self.pieces = pieces
         self.n_outputs: int | None = None
-        self.results: dict[str, Any] = {}
+        self.results: dict[str, object] = {}
         self._output_shape: Sequence[int] | None = None
 
-    def check_batch(self, X: Inputs, y: Tensor, f: Any) -> Tensor:
+    def check_batch(self, X: Inputs, y: Tensor, f: object) -> Tensor:
         """Check the outputs ``f`` of a batch and its targets; the first sets ``n_outputs``.
 
         Raises:
@@ -90,7 +109,13 @@ class FitPass(DataLoop):
         return f
 
 
-class CurvatureSum(FitPass):
+#: A batch's ``(loss, curvature)`` in the structure's form.
+CurvatureStats = tuple[Tensor, Curvature]
+#: The running ``[curvature, loss]`` of a pass (the loss a tensor after the first batch).
+CurvatureTotal = list[Curvature]
+
+
+class CurvatureSum(FitPass[CurvatureStats, CurvatureTotal, tuple[Curvature, Tensor]]):
     """The pass of a parametric fit: ``(curvature, loss)`` summed over the batches.
 
     Per batch the likelihood checks the targets (against the outputs' shape, found with one
@@ -99,11 +124,11 @@ class CurvatureSum(FitPass):
     Arguments as ``FitPass``.
     """
 
-    def start(self) -> list[Any]:
+    def start(self) -> CurvatureTotal:
         """Zero curvature and loss."""
         return [self.pieces.zeros(), 0.0]
 
-    def step(self, X: Inputs, y: Tensor) -> tuple[Tensor, Any]:
+    def step(self, X: Inputs, y: Tensor) -> CurvatureStats:
         """``(loss, H_batch)`` of a batch from the backend, after checking its targets."""
         if self._output_shape is None:
             with torch.no_grad():
@@ -112,12 +137,12 @@ class CurvatureSum(FitPass):
             self.pieces.likelihood.check_targets(y, self._output_shape)
         return self.batch_curvature(X, y)
 
-    def batch_curvature(self, X: Inputs, y: Tensor) -> tuple[Tensor, Any]:
+    def batch_curvature(self, X: Inputs, y: Tensor) -> CurvatureStats:
         """``(loss, H_batch)`` of a checked batch in the posterior structure's form."""
         pieces = self.pieces
         return pieces.posterior.batch_curvature(pieces.backend, X, y, pieces.n_data)
 
-    def check(self, stats: tuple[Tensor, Any]) -> None:
+    def check(self, stats: CurvatureStats) -> None:
         """Refuse a non-finite curvature or loss."""
         loss, H = stats
         if not self.pieces.posterior.is_finite(H):
@@ -127,14 +152,14 @@ class CurvatureSum(FitPass):
             )
         check_finite_result(loss, "loss of a training batch")
 
-    def add(self, total: list[Any], stats: tuple[Tensor, Any]) -> list[Any]:
+    def add(self, total: CurvatureTotal, stats: CurvatureStats) -> CurvatureTotal:
         """Add a batch's curvature (in place: one dense sum less in memory) and loss."""
         loss, H = stats
         total[0] = self.pieces.posterior.add(total[0], H)
         total[1] = total[1] + loss.detach()
         return total
 
-    def finish(self, total: list[Any]) -> tuple[Any, Tensor]:
+    def finish(self, total: CurvatureTotal) -> tuple[Curvature, Tensor]:
         """``(H, loss)`` of the data; an online fit's ``H`` with the earlier fit's merged in."""
         H, loss = total
         pieces = self.pieces
@@ -143,15 +168,19 @@ class CurvatureSum(FitPass):
         return H, loss
 
 
-class LossThenProducts(FitPass):
+class LossThenProducts(FitPass[Tensor, Tensor, tuple[Curvature, Tensor]]):
     """A fit whose curvature comes from products over the data once the loss is summed.
 
-    One pass sums the loss, checking each batch's outputs and targets before any product;
-    ``run`` of a subclass then multiplies with the curvature over ``product_data`` (the
-    low-rank eigensolver, ``laplace.core.passes.top_eigenpairs.TopEigenpairs``; the matrix-free
-    posterior, ``laplace.core.passes.curvature_products.CurvatureProducts``). Arguments as
-    ``FitPass``.
+    One pass sums the loss (``summed_loss``), checking each batch's outputs and targets before
+    any product; ``run`` of a subclass then multiplies with the curvature over ``product_data``
+    (the low-rank eigensolver, ``laplace.core.passes.top_eigenpairs.TopEigenpairs``; the
+    matrix-free posterior, ``laplace.core.passes.curvature_products.CurvatureProducts``).
+    Arguments as ``FitPass``.
     """
+
+    def summed_loss(self, loader: DataLoader) -> Tensor:
+        """The loss summed over ``loader`` by the data loop (before any product)."""
+        return cast(Tensor, DataLoop.run(self, loader))  # the loop's total: the loss
 
     def step(self, X: Inputs, y: Tensor) -> Tensor:
         """The summed loss of a batch, after checking its outputs and targets."""
@@ -163,7 +192,7 @@ class LossThenProducts(FitPass):
         """Refuse a non-finite loss (before any product)."""
         check_finite_result(stats, "loss of a training batch")
 
-    def product_data(self, loader: Any) -> Iterable[tuple[Inputs, Tensor]]:
+    def product_data(self, loader: DataLoader) -> Iterable[tuple[Inputs, Tensor]]:
         """Re-iterable batches ``(X, loss targets)`` for products, one pass per iteration.
 
         A shuffling loader is read in order (``in_fixed_order``): products keep some batches
@@ -173,6 +202,6 @@ class LossThenProducts(FitPass):
         return self.passes(in_fixed_order(loader), lambda X, y: (X, loss_targets(y, dtype)))
 
     @property
-    def reduce(self) -> Callable[[Any], Any] | None:
+    def reduce(self) -> Callable[[Tensor], Tensor] | None:
         """The sum of a product over processes in a distributed fit, else None."""
         return distributed_utils.all_reduce_sum if self.distributed else None

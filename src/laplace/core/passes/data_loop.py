@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Generic, TypedDict, TypeVar, cast, overload
 
 import torch
 from torch import Tensor
@@ -22,9 +22,37 @@ from laplace.utils import distributed as distributed_utils
 from laplace.utils.data import Inputs, concatenate_rows, prepare_batch
 from laplace.utils.errors import ArgumentTypeError, check_finite_result
 
-__all__ = ["DataLoop", "Gather", "progress", "set_progress_bars"]
+__all__ = [
+    "DataLoop",
+    "Gather",
+    "LoopArguments",
+    "LoopOptions",
+    "progress",
+    "set_progress_bars",
+]
 
 T = TypeVar("T")
+#: What ``step`` gives for one batch.
+Stats = TypeVar("Stats")
+#: What the statistics of the batches are added up into (``start``, ``add``).
+Total = TypeVar("Total")
+#: What ``run`` returns (``finish`` of the total).
+Result = TypeVar("Result")
+#: The positional arguments of a ``DataLoop``: ``(dict_key_x, dict_key_y, device)``.
+LoopArguments = tuple[str | None, str, torch.device]
+
+
+class LoopOptions(TypedDict, total=False):
+    """The keyword arguments of a ``DataLoop`` besides ``step`` (see ``DataLoop``)."""
+
+    check_inputs: Callable[[Inputs], None] | None
+    progress_bar: bool
+    desc: str
+    distributed: bool
+    what: str
+    empty_message: str | None
+
+
 SWITCH_VALUES = {"0": False, "false": False, "off": False, "1": True, "true": True, "on": True}
 
 
@@ -64,11 +92,13 @@ def progress(iterable: Iterable[T], show: bool, desc: str) -> Iterable[T]:
     return tqdm(iterable, disable=not enabled, desc=desc)
 
 
-class DataLoop:
+class DataLoop(Generic[Stats, Total, Result]):
     """Template method of one pass over a data loader.
 
     ``run`` is ``total = start()``, then ``check`` and ``add`` of each of ``summands(loader)``
     (``step(X, y)`` per prepared batch), the all-reduce of a distributed pass, ``finish(total)``.
+    The loop is generic in the statistics of a batch (``Stats``), their sum (``Total``) and the
+    result (``Result``); the default hooks sum tensors (or tuples of them) into their result.
 
     Args:
         dict_key_x: Key of the inputs in dict-like batches.
@@ -97,7 +127,7 @@ class DataLoop:
         distributed: bool = False,
         what: str = "fit",
         empty_message: str | None = "the data loader yielded no batches.",
-        step: Callable[[Inputs, Tensor], Any] | None = None,
+        step: Callable[[Inputs, Tensor], Stats] | None = None,
     ) -> None:
         self.dict_key_x, self.dict_key_y, self.device = dict_key_x, dict_key_y, device
         self.check_inputs = check_inputs
@@ -139,16 +169,24 @@ class DataLoop:
                 raise ValueError(self.empty_message or "the data loader yielded no batches.")
             yield batch
 
+    @overload
+    def passes(self, loader: DataLoader, step: None = None) -> Iterable[tuple[Inputs, Tensor]]: ...
+
+    @overload
+    def passes(self, loader: DataLoader, step: Callable[[Inputs, Tensor], T]) -> Iterable[T]: ...
+
     def passes(
-        self, loader: DataLoader, step: Callable[[Inputs, Tensor], Any] | None = None
-    ) -> Iterable[Any]:
+        self, loader: DataLoader, step: Callable[[Inputs, Tensor], T] | None = None
+    ) -> Iterable[T] | Iterable[tuple[Inputs, Tensor]]:
         """A re-iterable of the prepared batches, one pass per iteration (for iterative solvers).
 
         Each iteration yields ``step(X, y)`` per batch (None: ``(X, y)``).
         """
+        if step is None:
+            return _Passes(self, loader, _pair)
         return _Passes(self, loader, step)
 
-    def run(self, loader: DataLoader) -> Any:
+    def run(self, loader: DataLoader) -> Result:
         """One pass over ``loader``; returns ``finish`` of the accumulated statistics.
 
         Raises:
@@ -169,22 +207,22 @@ class DataLoop:
         return self.finish(total)
 
     # ------------------------------------------------------------------------------ hooks
-    def start(self) -> Any:
+    def start(self) -> Total:
         """The value statistics are added to (None: the first statistics)."""
-        return None
+        return cast(Total, None)
 
-    def summands(self, loader: DataLoader) -> Iterator[Any]:
+    def summands(self, loader: DataLoader) -> Iterator[Stats]:
         """The statistics to add up: ``step`` of each prepared batch."""
         for X, y in self.batches(loader):
             yield self.step(X, y)
 
-    def step(self, X: Inputs, y: Tensor) -> Any:
+    def step(self, X: Inputs, y: Tensor) -> Stats:
         """The statistics of one batch: a tensor or a tuple of tensors (or numbers)."""
         if self._step is None:
             raise NotImplementedError(f"{type(self).__name__} needs a step.")
         return self._step(X, y)
 
-    def check(self, stats: Any) -> None:
+    def check(self, stats: Stats) -> None:
         """Refuse statistics with NaN or inf entries.
 
         Raises:
@@ -194,54 +232,64 @@ class DataLoop:
             if isinstance(value, Tensor):
                 check_finite_result(value, f"result of a batch of the {self.what}")
 
-    def add(self, total: Any, stats: Any) -> Any:
-        """``total + stats``, entry by entry for tuples."""
+    def add(self, total: Total, stats: Stats) -> Total:
+        """``total + stats``, entry by entry for tuples (of tensors or numbers)."""
         if total is None:
-            return stats
+            return cast(Total, stats)
         if isinstance(stats, tuple):
-            return tuple(t + s for t, s in zip(total, stats, strict=True))
-        return total + stats
+            pairs = zip(cast(tuple, total), stats, strict=True)
+            return cast(Total, tuple(t + s for t, s in pairs))
+        return cast(Total, cast(Tensor | float, total) + cast(Tensor | float, stats))
 
-    def finish(self, total: Any) -> Any:
-        """The result of the pass from the accumulated statistics."""
-        return total
+    def finish(self, total: Total) -> Result:
+        """The result of the pass from the accumulated statistics (the total itself)."""
+        return cast(Result, total)
 
 
-class Gather(DataLoop):
+#: The values a ``Gather`` keeps of a batch (default ``(X, y)``), one row per data point.
+Row = tuple[Inputs, ...]
+
+
+class Gather(DataLoop[Row, list[Row], Row]):
     """A pass that concatenates per-batch values row-wise instead of summing them.
 
     ``run`` returns each of ``step``'s values (default ``(X, y)``) over the batches.
     """
 
-    def start(self) -> list[tuple[Any, ...]]:
+    def start(self) -> list[Row]:
         """An empty list of per-batch values."""
         return []
 
-    def step(self, X: Inputs, y: Tensor) -> tuple[Any, ...]:
+    def step(self, X: Inputs, y: Tensor) -> Row:
         """The values to keep of a batch: ``(X, y)`` unless a step was given."""
         return (X, y) if self._step is None else self._step(X, y)
 
-    def check(self, stats: Any) -> None:
+    def check(self, stats: Row) -> None:
         """Gathered values are inputs and targets, already checked by the batch preparation."""
 
-    def add(self, total: list[tuple[Any, ...]], stats: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    def add(self, total: list[Row], stats: Row) -> list[Row]:
         """Keep the values of a batch."""
         total.append(stats)
         return total
 
-    def finish(self, total: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    def finish(self, total: list[Row]) -> Row:
         """Each value concatenated over the batches."""
         return tuple(concatenate_rows(list(field)) for field in zip(*total, strict=True))
 
 
-class _Passes:
-    """The re-iterable of ``DataLoop.passes``."""
+def _pair(X: Inputs, y: Tensor) -> tuple[Inputs, Tensor]:
+    """A batch as it is: ``(X, y)``."""
+    return X, y
+
+
+class _Passes(Generic[T]):
+    """The re-iterable of ``DataLoop.passes``: ``step(X, y)`` of each batch per iteration."""
 
     def __init__(
-        self, loop: DataLoop, loader: DataLoader, step: Callable[[Inputs, Tensor], Any] | None
+        self, loop: DataLoop, loader: DataLoader, step: Callable[[Inputs, Tensor], T]
     ) -> None:
         self.loop, self.loader, self.step = loop, loader, step
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[T]:
         for X, y in self.loop.batches(self.loader, progress_bar=False):
-            yield (X, y) if self.step is None else self.step(X, y)
+            yield self.step(X, y)

@@ -5,21 +5,30 @@ Internal module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import cast
 
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from laplace.core.passes.curvature_sum import CurvatureSum, FitPieces
+from laplace.core.passes.curvature_sum import (
+    CurvatureStats,
+    CurvatureSum,
+    CurvatureTotal,
+    FitPieces,
+)
 from laplace.core.passes.head_curvature_sum import HeadCurvatureSum
+from laplace.curvature.engine.kfac import KfacStatistics
 from laplace.structures.kronecker import (
     HeadStatistics,
     project_eigenvalues,
 )
+from laplace.structures.last_layer import HeadCurvature
+from laplace.structures.posterior import Curvature
 from laplace.utils import distributed as distributed_utils
 from laplace.utils.data import Inputs
+from laplace.utils.diag_lowrank import DiagLowRankBatch
+from laplace.utils.matrix import KronDecomposed
 
 __all__ = ["EKFAC_CACHE_BYTES", "EigenvalueCorrectedHeadSum", "EigenvalueCorrectedSum"]
 
@@ -46,13 +55,13 @@ class EigenvalueCorrection:
     distributed: bool
     what: str
 
-    def start(self) -> Any:
+    def start(self) -> CurvatureTotal:
         """Start keeping the batches' statistics, then start the factors' pass."""
-        self.kept: list[Any] | None = []
+        self.kept: list[KfacStatistics | HeadStatistics] | None = []
         self.kept_bytes = 0
         return super().start()  # type: ignore[misc]
 
-    def keep(self, statistics: Any) -> None:
+    def keep(self, statistics: KfacStatistics | HeadStatistics) -> None:
         """Keep a batch's statistics while they fit in ``EKFAC_CACHE_BYTES``."""
         if self.kept is None:
             return
@@ -61,7 +70,7 @@ class EigenvalueCorrection:
         if self.kept_bytes > EKFAC_CACHE_BYTES:
             self.kept = None
 
-    def batch_curvature(self, X: Inputs, y: Tensor) -> tuple[Tensor, Any]:
+    def batch_curvature(self, X: Inputs, y: Tensor) -> CurvatureStats:
         """A batch's ``(loss, Kronecker factors)``, keeping its statistics."""
         if self.kept is None:  # the budget is spent: another pass computes the eigenvalues
             return super().batch_curvature(X, y)  # type: ignore[misc]
@@ -69,7 +78,7 @@ class EigenvalueCorrection:
         self.keep(statistics)
         return loss, H
 
-    def run(self, loader: DataLoader) -> tuple[Any, Tensor]:
+    def run(self, loader: DataLoader) -> tuple[KronDecomposed, Tensor]:
         """``(corrected KronDecomposed, loss)`` over ``loader``.
 
         Raises:
@@ -92,7 +101,8 @@ class EigenvalueCorrection:
                 sums = (
                     batch
                     if sums is None
-                    else [s if s is None else s + b for s, b in zip(sums, batch)]
+                    # a block is exact (None) in every batch or in none
+                    else [s if s is None else s + cast(Tensor, b) for s, b in zip(sums, batch)]
                 )
         corrected = [i for i, s in enumerate(sums or []) if s is not None]
         totals = [sums[i] for i in corrected]
@@ -117,8 +127,14 @@ class EigenvalueCorrectedHeadSum(EigenvalueCorrection, HeadCurvatureSum):
     """EKFAC's pass of a last layer: ``HeadCurvatureSum``'s closed forms, corrected."""
 
     def head_curvature(
-        self, closed_form: Callable[..., Any], phi: Tensor, M: Any, bias: bool, n_rows: int
-    ) -> Any:
+        self,
+        closed_form: HeadCurvature,
+        phi: Tensor,
+        M: Tensor | DiagLowRankBatch,
+        bias: bool,
+        n_rows: int,
+    ) -> Curvature:
         """``HeadCurvatureSum.head_curvature``, keeping the features and output curvatures."""
-        self.keep(HeadStatistics(phi, M, bias))
+        # EKFAC keeps every output factor dense (``KronLaplace._own_structure``): M (N, C, C)
+        self.keep(HeadStatistics(phi, cast(Tensor, M), bias))
         return super().head_curvature(closed_form, phi, M, bias, n_rows)

@@ -5,20 +5,26 @@ Internal module; ``laplace.lllaplace``'s classes name it as their ``_curvature_p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from laplace.core.passes.curvature_sum import CurvatureSum
+from laplace.core.passes.curvature_sum import CurvatureStats, CurvatureSum
 from laplace.structures.last_layer import (
+    HeadCurvature,
     cat_output_curvatures,
     head_curvature,
     head_rows,
     output_curvature,
 )
+from laplace.structures.posterior import Curvature
+from laplace.utils.diag_lowrank import DiagLowRankBatch
+
+if TYPE_CHECKING:
+    from laplace.core.subsets import LastLayer
 
 #: Feature and output-curvature entries buffered before they are turned into curvature.
 BUFFER_ELEMENTS = 2**24
@@ -41,24 +47,27 @@ class HeadCurvatureSum(CurvatureSum):
     ``CurvatureSum``.
     """
 
-    def summands(self, loader: DataLoader) -> Iterator[tuple[Tensor, Any]]:
+    def summands(self, loader: DataLoader) -> Iterator[CurvatureStats]:
         """The ``(loss, H)`` summands: one per buffer of features (or per batch without)."""
         pieces = self.pieces
         closed_form = head_curvature(pieces.posterior, pieces.backend)
         if closed_form is None:
             yield from super().summands(loader)
             return
-        subset, backend, n_data = pieces.subset, pieces.backend, pieces.n_data
+        subset = cast("LastLayer", pieces.subset)  # the pass of the last-layer classes
+        backend, n_data = pieces.backend, pieces.n_data
         bias = subset.layer.bias is not None
 
-        buffer: list[tuple[Tensor, Tensor, Any]] = []  # (loss, φ, M) of the buffered batches
+        # (loss, φ, M) of the buffered batches
+        buffer: list[tuple[Tensor, Tensor, Tensor | DiagLowRankBatch]] = []
         buffer_rows = None
 
-        def flush() -> tuple[Any, Any]:
+        def flush() -> CurvatureStats:
             losses, phis, Ms = zip(*buffer, strict=True)
             buffer.clear()
             phi, M = torch.cat(phis), cat_output_curvatures(list(Ms))
-            return sum(losses, 0.0), self.head_curvature(closed_form, phi, M, bias, buffer_rows)
+            loss = cast(Tensor, sum(losses, 0.0))  # of at least one batch
+            return loss, self.head_curvature(closed_form, phi, M, bias, buffer_rows)
 
         for X, y in self.batches(loader):
             with torch.no_grad():
@@ -84,8 +93,13 @@ class HeadCurvatureSum(CurvatureSum):
             yield flush()
 
     def head_curvature(
-        self, closed_form: Callable[..., Any], phi: Tensor, M: Any, bias: bool, n_rows: int
-    ) -> Any:
+        self,
+        closed_form: HeadCurvature,
+        phi: Tensor,
+        M: Tensor | DiagLowRankBatch,
+        bias: bool,
+        n_rows: int,
+    ) -> Curvature:
         """The structure's curvature of buffered features φ (N, D) and output curvatures M.
 
         Args:

@@ -6,16 +6,20 @@ Internal module; ``LowRankLaplace`` and ``DiagLowRankLaplace`` name them as thei
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
+from typing_extensions import Unpack
 
-from laplace.core.passes.curvature_sum import LossThenProducts
+from laplace.core.passes.curvature_sum import FitPieces, LossThenProducts
+from laplace.core.passes.data_loop import LoopArguments, LoopOptions
 from laplace.curvature import EFInterface, GGNInterface
-from laplace.curvature.solvers.eigen import top_eigenpairs
-from laplace.curvature.solvers.products import NativeProduct, curvature_product
+from laplace.curvature.solvers.eigen import (
+    EigensolverOptions,
+    RankedSolverOptions,
+    top_eigenpairs,
+)
+from laplace.curvature.solvers.products import CurvatureProduct, NativeProduct, curvature_product
 from laplace.structures.diagonal import DiagonalPosterior
 from laplace.utils import distributed as distributed_utils
 from laplace.utils.data import Inputs
@@ -36,7 +40,7 @@ class PlusLowRank:
         eigenvalues: Earlier eigenvalues, shape (k,).
     """
 
-    def __init__(self, product: Any, U: Tensor, eigenvalues: Tensor) -> None:
+    def __init__(self, product: CurvatureProduct, U: Tensor, eigenvalues: Tensor) -> None:
         self.product, self.U, self.eigenvalues = product, U, eigenvalues
         self.n_params, self.dtype, self.device = product.n_params, product.dtype, product.device
 
@@ -59,7 +63,8 @@ class TopEigenpairs(LossThenProducts):
     over the batches ([`passes`][laplace.core.passes.data_loop.DataLoop.passes]) per product.
 
     Args:
-        *args: See ``DataLoop``.
+        *args: See ``FitPass``.
+        pieces: See ``FitPass``.
         solver: The eigensolver's options, with ``n_eigenvalues`` (see ``_solver_options``).
         **options: See ``FitPass``.
 
@@ -67,16 +72,22 @@ class TopEigenpairs(LossThenProducts):
         errors: After ``run``, the a posteriori relative errors of the eigenvalues (k,).
     """
 
-    def __init__(self, *args: Any, solver: dict[str, Any], **options: Any) -> None:
-        super().__init__(*args, **options)
-        self.solver = dict(solver)
+    def __init__(
+        self,
+        *args: Unpack[LoopArguments],
+        pieces: FitPieces,
+        solver: RankedSolverOptions,
+        **options: Unpack[LoopOptions],
+    ) -> None:
+        super().__init__(*args, pieces=pieces, **options)
+        self.solver = solver.copy()
         self.errors: Tensor | None = None
         #: Whether the products are the native ones (else curvlinops' operators).
         self.native = self.solver["solver"] == "randomized" and isinstance(
             self.pieces.backend, (GGNInterface, EFInterface)
         )
 
-    def check_batch(self, X: Inputs, y: Tensor, f: Any) -> Tensor:
+    def check_batch(self, X: Inputs, y: Tensor, f: object) -> Tensor:
         """``FitPass.check_batch``; on curvlinops' operators, also plain outputs.
 
         Raises:
@@ -96,9 +107,10 @@ class TopEigenpairs(LossThenProducts):
         Raises:
             RuntimeError: If the eigenpairs are not finite.
         """
-        loss = super().run(loader)
-        options = dict(self.solver)
+        loss = self.summed_loss(loader)
+        options = self.solver.copy()
         k = int(options.pop("n_eigenvalues"))
+        eigensolver: EigensolverOptions = options  # without n_eigenvalues
         local_n = distributed_utils.data_count(loader) if self.distributed else self.pieces.n_data
         product = curvature_product(
             self.pieces.backend,
@@ -111,7 +123,7 @@ class TopEigenpairs(LossThenProducts):
         self.product = product
         if self.pieces.previous is not None:  # an online fit (diag_lowrank): earlier data
             product = PlusLowRank(product, *self.pieces.previous[:2])
-        U, eigenvalues, self.errors = top_eigenpairs(product, k, **options)
+        U, eigenvalues, self.errors = top_eigenpairs(product, k, **eigensolver)
         self.results = {"eigenvalue_errors": self.errors}
         if not self.pieces.posterior.is_finite((U, eigenvalues)):
             raise RuntimeError("the curvature eigenpairs contain NaN or inf; check the model.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -227,7 +227,7 @@ def record_forward(
     widen: dict[nn.Module, str] = {m: mode for m, mode in shared.items() if mode}
     batch = _first_rows(x)
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
         leaves, spec = tree_flatten(output)
         tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         slots = [j for j, i in enumerate(tensors) if leaves[i].requires_grad]

@@ -402,7 +402,7 @@ def _looked_up_only(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> s
     A table's gradient reaches it through the nodes of autograd's graph that consume it. When
     these are exactly the lookups of recorded ``nn.Embedding`` calls (their outputs' nodes, the
     outputs not changed in place since), the rule's row sums are its gradient by construction,
-    and the check skips forming autograd's (V, D) gradient of the table. Any other consumer (a
+    and the check skips forming autograd's (V, D) gradient of the table. Every other consumer (a
     head tied as ``h @ wte.weight.T``, a row read directly) leaves the slot to the numeric check.
     """
     lookups: dict[int, set | None] = {}

@@ -15,7 +15,7 @@ with extra dimensions, low-rank factors) are in ``docs/backends.md``.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -32,7 +32,12 @@ from laplace.curvature.engine.kfac_rules import (
     plan_blocks,
 )
 from laplace.curvature.engine.layer_rules import ModuleCall, tiled_call
-from laplace.curvature.engine.per_sample import COLUMNS_PER_BACKWARD, Columns, PerSampleTrace
+from laplace.curvature.engine.per_sample import (
+    COLUMNS_PER_BACKWARD,
+    Columns,
+    PerSampleEngine,
+    PerSampleTrace,
+)
 from laplace.curvature.engine.square_sums import row_token_pairs
 from laplace.utils.data import posterior_dtype
 from laplace.utils.diag_lowrank import DiagLowRank
@@ -435,7 +440,7 @@ def _embedding_squares(module: nn.Embedding, tokens: Tensor, g: Tensor) -> Tenso
     return total
 
 
-def curvature_like(engine: Any) -> Tensor:
+def curvature_like(engine: PerSampleEngine) -> Tensor:
     """An empty tensor of the engine's device and curvature type (the posterior's)."""
     p = engine.needed[0]
     return p.new_empty(0, dtype=engine.dtype or posterior_dtype(p.dtype))

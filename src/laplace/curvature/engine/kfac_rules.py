@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -270,8 +270,29 @@ def module_name(model: nn.Module, module: nn.Module) -> str:
     return next((name or "<root>" for name, m in model.named_modules() if m is module), "?")
 
 
+class EngineParameters(Protocol):
+    """What a block plan reads of a ``PerSampleEngine``: its model and parameters."""
+
+    @property
+    def model(self) -> nn.Module:
+        """The network the engine traces."""
+        ...
+
+    @property
+    def needed(self) -> list[Tensor]:
+        """The parameters the engine differentiates, in its order."""
+        ...
+
+    @property
+    def slot(self) -> dict[tuple[nn.Module, str], int]:
+        """The index in ``needed`` of each (module, parameter name) that uses a parameter."""
+        ...
+
+
 def plan_blocks(
-    engine: Any, dense_limit: int = KFAC_DENSE_LIMIT, low_rank_above: int | None = None
+    engine: EngineParameters,
+    dense_limit: int = KFAC_DENSE_LIMIT,
+    low_rank_above: int | None = None,
 ) -> list[Block]:
     """The block of every parameter of a per-sample engine, in ``engine.needed`` order.
 
@@ -285,8 +306,8 @@ def plan_blocks(
         ValueError: For a ``Conv1D`` with more than ``low_rank_above`` outputs.
     """
     uses: dict[int, list[tuple[nn.Module, str]]] = {}
-    for (module, name), slot in engine.slot.items():
-        uses.setdefault(slot, []).append((module, name))
+    for use, slot in engine.slot.items():
+        uses.setdefault(slot, []).append(use)
     plan = []
     for slot, p in enumerate(engine.needed):
         owners = uses.get(slot, [])
@@ -363,7 +384,7 @@ def check_kronecker_layers(model: nn.Module, params: Iterable[Tensor], backend: 
             )
 
 
-def check_gradient_factor_first(engine: Any, why: str) -> None:
+def check_gradient_factor_first(engine: EngineParameters, why: str) -> None:
     """Refuse Kronecker blocks ``A ⊗ G`` (output-gradient factor second) of an engine's layers.
 
     Args:
@@ -383,7 +404,7 @@ def check_gradient_factor_first(engine: Any, why: str) -> None:
             )
 
 
-def check_output_columns(engine: Any, n_columns: int, low_rank_above: int) -> None:
+def check_output_columns(engine: EngineParameters, n_columns: int, low_rank_above: int) -> None:
     """Refuse ``n_columns`` exact-GGN columns per position above the large-output threshold.
 
     The exact GGN of C outputs has C columns per output position: a (B, C, C) column tensor and

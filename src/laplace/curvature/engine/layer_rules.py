@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +43,8 @@ __all__ = [
     "tiled_call",
     "without_batching_notes",
 ]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -214,7 +216,7 @@ def _running_batch_norm(m: nn.Module, a: Tensor) -> Tensor:
 _BATCH_NORM = _normalisation(_running_batch_norm, channels=True)
 
 
-def _batch_dims(tree: Any, batch_size: int) -> Any:
+def _batch_dims(tree: T, batch_size: int) -> T:
     """``vmap`` in-dims for a pytree: 0 for tensors with a leading batch dim, else None."""
     return tree_map(
         lambda v: (
@@ -242,7 +244,7 @@ def generic_per_sample(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, T
     params = {name: getattr(module, name) for name in call.names}
     arg_dims, kwarg_dims = _batch_dims(call.args, batch), _batch_dims(call.kwargs, batch)
 
-    def add_batch_dim(tree: Any, dims: Any) -> Any:
+    def add_batch_dim(tree: T, dims: T) -> T:
         return tree_map(lambda v, d: v.unsqueeze(0) if d == 0 else v, tree, dims)
 
     def single(theta, args, kwargs, g):

@@ -307,14 +307,16 @@ class PerSampleTrace:
                 _add(out, slot, grad)
         return out
 
-    def column_gradients(self, columns: Columns) -> Iterator[list[list[Tensor]]]:
+    def column_gradients(
+        self, columns: Columns | Sequence[Tensor]
+    ) -> Iterator[list[list[Tensor]]]:
         """Per chunk of columns, per recorded call, their gradients w.r.t. its outputs.
 
         ``COLUMNS_PER_BACKWARD`` columns go through one vectorised backward pass, one at a
         time through a convolution, whose batching rule loops over the columns and copies.
 
         Args:
-            columns: Output columns, sliced like a tensor (K, *f.shape).
+            columns: Output columns, sliced like a tensor (K, *f.shape), or a list of them.
 
         Yields:
             Per call, one tensor (k, *z.shape) per recorded output; nothing without calls or
@@ -434,13 +436,15 @@ class PerSampleTrace:
                 )
         return {slot: torch.cat(found) for slot, found in zip(slots, rows, strict=True)}
 
-    def square_sum(self, columns: Columns, gradients: list[list[Tensor]] | None = None) -> Tensor:
+    def square_sum(
+        self, columns: Columns | Sequence[Tensor], gradients: list[list[Tensor]] | None = None
+    ) -> Tensor:
         """``Σₖ Σₙ (Jₙᵀ vₙₖ)²``: the diagonal of ``Σₖ Σₙ gₙₖ gₙₖᵀ``.
 
         Columns are differentiated ``COLUMNS_PER_BACKWARD`` at a time.
 
         Args:
-            columns: Output columns, sliced like a tensor (K, *f.shape).
+            columns: Output columns, sliced like a tensor (K, *f.shape), or a list of them.
             gradients: The columns' gradients w.r.t. each call's outputs (per call, per output
                 (K, B, ...)), where already taken (else they are taken here).
 
@@ -473,14 +477,14 @@ class PerSampleTrace:
                 _add(total, self.engine.slot[call.module, name], value)
         return self._flatten(total, ())
 
-    def gram(self, columns: Columns) -> Tensor:
+    def gram(self, columns: Columns | Sequence[Tensor]) -> Tensor:
         """``Σₖ Σₙ gₙₖ gₙₖᵀ`` with ``gₙₖ = Jₙᵀ vₙₖ``.
 
         The per-sample rows of a chunk of columns are summed into the Gram matrix before the
         next chunk is formed (at most ``GRAM_CHUNK_BYTES`` of them at once).
 
         Args:
-            columns: Output columns, sliced like a tensor (K, *f.shape).
+            columns: Output columns, sliced like a tensor (K, *f.shape), or a list of them.
 
         Returns:
             Shape (P, P); zero without columns.

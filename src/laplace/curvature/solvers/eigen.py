@@ -13,7 +13,7 @@ estimate) after a Nyström step. See ``docs/backends.md``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
 import numpy as np
 import torch
@@ -32,6 +32,8 @@ __all__ = [
     "SOLVERS",
     "STARTS",
     "Eigenpairs",
+    "EigensolverOptions",
+    "RankedSolverOptions",
     "top_eigenpairs",
 ]
 
@@ -46,6 +48,24 @@ DEFAULT_PASSES = 3
 
 #: Start blocks of the randomized solver.
 STARTS = ("kfac", "sketch")
+
+
+class EigensolverOptions(TypedDict, total=False):
+    """The options of ``top_eigenpairs`` besides the product and ``k`` (see there)."""
+
+    solver: str
+    tol: float
+    max_iter: int | None
+    seed: int
+    oversampling: int
+    start: str
+    candidates: int | None
+
+
+class RankedSolverOptions(EigensolverOptions, total=False):
+    """``EigensolverOptions`` with the number ``k`` of eigenpairs (``n_eigenvalues``)."""
+
+    n_eigenvalues: int
 
 
 class Eigenpairs(NamedTuple):

@@ -11,16 +11,21 @@ batches it records between passes within ``PASS_CACHE_BYTES``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
-from laplace.curvature.curvature import CurvatureInterface, EFInterface, GGNInterface
+from laplace.curvature.curvature import EFInterface, GGNInterface
 from laplace.curvature.curvlinops import CurvlinopsHessian
 from laplace.curvature.engine.block_product import BlockSum, ParameterBlock, SampleVectors
 from laplace.curvature.registry import available_optional, load_optional
-from laplace.utils.data import batch_size_of, posterior_dtype
+from laplace.utils.data import Inputs, batch_size_of, posterior_dtype
+
+if TYPE_CHECKING:
+    from curvlinops._torch_base import PyTorchLinearOperator
+
+    from laplace.curvature.protocol import CurvatureBackend
 
 __all__ = [
     "PASS_CACHE_BYTES",
@@ -81,8 +86,8 @@ class NativeProduct:
 
     def __init__(
         self,
-        backend: CurvatureInterface,
-        data: Iterable[tuple[Any, Tensor]],
+        backend: CurvatureBackend,
+        data: Iterable[tuple[Inputs, Tensor]],
         reduce: Reduce | None = None,
         seed: int = 0,
         cache_bytes: int | None = None,
@@ -139,7 +144,7 @@ class NativeProduct:
             del vectors  # not held while the next batch is recorded
         self._all_kept = keeping
 
-    def _record(self, X: Any, y: Tensor, generator: torch.Generator) -> SampleVectors:
+    def _record(self, X: Inputs, y: Tensor, generator: torch.Generator) -> SampleVectors:
         """The per-sample vectors of one batch: a recorded forward pass and its columns."""
         trace = self.backend.trace(X)
         columns = self.backend.curvature_columns(trace.f.detach(), y, generator)
@@ -203,7 +208,9 @@ class OperatorProduct:
         reduce: Sum of a local product over processes (identity when None).
     """
 
-    def __init__(self, operator: Any, scale: float, reduce: Reduce | None = None) -> None:
+    def __init__(
+        self, operator: PyTorchLinearOperator, scale: float, reduce: Reduce | None = None
+    ) -> None:
         self.operator, self.scale = operator, scale
         self.reduce = reduce or _identity
         self.n_params = operator.shape[0]
@@ -222,8 +229,8 @@ class OperatorProduct:
 
 
 def curvature_operator(
-    backend: CurvatureInterface, data: Iterable[tuple[Any, Tensor]], n_data: int
-) -> tuple[Any, float]:
+    backend: CurvatureBackend, data: Iterable[tuple[Inputs, Tensor]], n_data: int
+) -> tuple[PyTorchLinearOperator, float]:
     """The backend's curvature over ``data`` as a curvlinops operator, and its scale.
 
     Args:
@@ -245,7 +252,7 @@ def curvature_operator(
         HessianLinearOperator,
     )
 
-    kwargs: dict[str, Any] = {
+    kwargs: dict[str, object] = {
         "check_deterministic": False,
         "num_data": n_data,
         "batch_size_fn": lambda X: batch_size_of(X, backend.dict_key_x),
@@ -271,8 +278,8 @@ def curvature_operator(
 
 
 def curvature_product(
-    backend: CurvatureInterface,
-    data: Iterable[tuple[Any, Tensor]],
+    backend: CurvatureBackend,
+    data: Iterable[tuple[Inputs, Tensor]],
     n_data: int,
     native: bool = True,
     reduce: Reduce | None = None,
