@@ -48,6 +48,7 @@ LAYERS = (
     ("curvature adapters", ("laplace.curvature",)),
     ("curvature solvers", ("laplace.curvature.solvers",)),
     ("structures", ("laplace.structures",)),
+    ("parameter subsets", ("laplace.core.subsets",)),
     ("passes", ("laplace.core.passes",)),
     ("core", ("laplace.core",)),
     ("approximations", ("laplace.parametric", "laplace.functional", "laplace.evaluation")),
