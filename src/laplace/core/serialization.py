@@ -57,15 +57,10 @@ class SavedApproximation(Protocol):
         """The parameters the posterior covers."""
         ...
 
-    @property
-    def _device(self) -> torch.device:
-        """The device tensors are loaded onto."""
-        ...
-
-    @property
-    def _dtype(self) -> torch.dtype:
-        """The floating-point type tensors are loaded in."""
-        ...
+    #: The device tensors are loaded onto.
+    _device: torch.device
+    #: The floating-point type tensors are loaded in.
+    _dtype: torch.dtype
 
 
 class SavedParametric(SavedApproximation, Protocol):
@@ -73,13 +68,8 @@ class SavedParametric(SavedApproximation, Protocol):
 
     H: Curvature
 
-    @property
-    def _posterior_cache(self) -> object:
-        """The posterior built from ``H`` and the hyperparameters (None: rebuilt when read)."""
-        ...
-
-    @_posterior_cache.setter
-    def _posterior_cache(self, value: None) -> None: ...
+    #: The posterior built from ``H`` and the hyperparameters (None: rebuilt when read).
+    _posterior_cache: object
 
     @property
     def _posterior_cls(self) -> type[Posterior]:

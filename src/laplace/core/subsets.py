@@ -34,7 +34,7 @@ from laplace.utils.feature_extractor import FeatureExtractor, as_feature_extract
 from laplace.utils.outputs import OutputLayout
 
 if TYPE_CHECKING:
-    from laplace.curvature.protocol import CurvatureBackend
+    from laplace.curvature.curvature_backend import CurvatureBackend
     from laplace.likelihoods.likelihood_model import LikelihoodModel
     from laplace.utils.feature_extractor import FeatureReduction
 

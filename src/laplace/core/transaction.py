@@ -39,13 +39,10 @@ R = TypeVar("R")
 class Transactional(Protocol):
     """An object whose methods ``transactional`` wraps: what a snapshot of it holds."""
 
-    def _transaction_parts(self) -> tuple[object, ...]:
-        """The objects whose attributes a call may change (the object first)."""
-        ...
-
-    def _transaction_rebuild(self) -> dict[str, Callable[[], object]]:
-        """Attributes left out of the snapshot, each with the callable that rebuilds it."""
-        ...
+    #: The objects whose attributes a call may change (the object first).
+    _transaction_parts: Callable[[], tuple[object, ...]]
+    #: Attributes left out of the snapshot, each with the callable that rebuilds it.
+    _transaction_rebuild: Callable[[], dict[str, Callable[[], object]]]
 
 
 class WithModel(Protocol):

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 from typing_extensions import Unpack
 
+from laplace.curvature.curvature_backend import CurvatureOptions, KronOptions
 from laplace.curvature.engine.kfac import KfacStatistics, curvature_like, kfac, kfac_eigenvalues
 from laplace.curvature.engine.kfac_rules import (
     KFAC_DENSE_LIMIT,
@@ -32,7 +33,6 @@ from laplace.curvature.engine.kfac_rules import (
     plan_blocks,
 )
 from laplace.curvature.engine.per_sample import Columns, PerSampleEngine, PerSampleTrace
-from laplace.curvature.protocol import CurvatureOptions, KronOptions
 from laplace.likelihoods import make_likelihood
 from laplace.likelihoods.likelihood_model import LikelihoodModel
 from laplace.likelihoods.protocol import Likelihood as UserLikelihood

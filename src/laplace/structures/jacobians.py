@@ -22,7 +22,7 @@ from laplace.utils.data import Inputs
 from laplace.utils.outputs import OutputAdapter, OutputLayout
 
 if TYPE_CHECKING:
-    from laplace.curvature.protocol import CurvatureBackend
+    from laplace.curvature.curvature_backend import CurvatureBackend
 
 __all__ = [
     "HeadFeatures",

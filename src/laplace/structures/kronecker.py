@@ -41,7 +41,7 @@ from laplace.utils.diag_lowrank import (
 from laplace.utils.matrix import Kron, KronDecomposed, StructuredKron
 
 if TYPE_CHECKING:
-    from laplace.curvature.protocol import CurvatureBackend
+    from laplace.curvature.curvature_backend import CurvatureBackend
     from laplace.utils.data import Inputs
 
 __all__ = [

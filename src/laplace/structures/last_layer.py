@@ -26,7 +26,7 @@ from laplace.structures.posterior import Curvature, Posterior
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 
 if TYPE_CHECKING:
-    from laplace.curvature.protocol import CurvatureBackend
+    from laplace.curvature.curvature_backend import CurvatureBackend
     from laplace.likelihoods.likelihood_model import LikelihoodModel
 
 __all__ = [

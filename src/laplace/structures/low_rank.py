@@ -32,7 +32,7 @@ from laplace.structures.jacobians import Jacobian, LayerTrace
 from laplace.structures.posterior import ClosedForm, Curvature, Posterior
 
 if TYPE_CHECKING:
-    from laplace.curvature.protocol import CurvatureBackend
+    from laplace.curvature.curvature_backend import CurvatureBackend
     from laplace.utils.data import Inputs
 
 __all__ = ["DiagLowRankPosterior", "LowRankPosterior", "lowrank_functional_variance"]

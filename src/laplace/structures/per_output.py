@@ -38,8 +38,8 @@ from laplace.structures.posterior import Curvature
 from laplace.utils.matrix import Kron, KronDecomposed
 
 if TYPE_CHECKING:
+    from laplace.curvature.curvature_backend import CurvatureBackend
     from laplace.curvature.engine.per_sample import PerSampleTrace
-    from laplace.curvature.protocol import CurvatureBackend
     from laplace.likelihoods.gaussian import GaussianRegression
     from laplace.utils.data import Inputs
 

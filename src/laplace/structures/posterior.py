@@ -27,7 +27,7 @@ from laplace.structures.jacobians import Jacobian
 from laplace.utils.data import Inputs
 
 if TYPE_CHECKING:
-    from laplace.curvature.protocol import CurvatureBackend
+    from laplace.curvature.curvature_backend import CurvatureBackend
 
 __all__ = ["ClosedForm", "Curvature", "NotPositiveDefiniteError", "Posterior"]
 

@@ -38,7 +38,7 @@ from laplace.utils.errors import check_finite_result
 
 if TYPE_CHECKING:
     from laplace.core.subsets import ParameterSubset
-    from laplace.curvature.protocol import CurvatureBackend
+    from laplace.curvature.curvature_backend import CurvatureBackend
     from laplace.likelihoods.likelihood_model import LikelihoodModel
 
 __all__ = ["CurvatureSum", "FitPass", "FitPieces", "LossThenProducts"]

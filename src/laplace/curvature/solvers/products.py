@@ -25,7 +25,7 @@ from laplace.utils.data import Inputs, batch_size_of, posterior_dtype
 if TYPE_CHECKING:
     from curvlinops._torch_base import PyTorchLinearOperator
 
-    from laplace.curvature.protocol import CurvatureBackend
+    from laplace.curvature.curvature_backend import CurvatureBackend
 
 __all__ = [
     "PASS_CACHE_BYTES",
