@@ -146,13 +146,6 @@ class BaseLaplace:
     _refused_prior_structures: ClassVar[dict[PriorStructure, str]] = {}
     #: How ``state_dict`` saves the approximation and ``load_state_dict`` restores it.
     _state_format: StateFormat = StateFormat()
-    #: Attributes the default state format saves (see
-    #: ``StateFormat``).
-    _state_plain: tuple[str, ...] = ()
-    _state_tensors: tuple[str, ...] = ()
-    _state_parameters: tuple[str, ...] = ()
-    _state_other_tensors: tuple[str, ...] = ()
-    _state_counts: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -78,9 +78,6 @@ class ParametricLaplace(BaseLaplace):
     _abstract = "use FullLaplace, DiagLaplace, KronLaplace or LowRankLaplace."
     _posterior_cls: type[Posterior]
     _state_format = ParametricState()
-    _state_plain = ("n_data", "n_outputs", "temperature", "enable_backprop")
-    _state_tensors = ("loss", "prior_mean", "prior_precision", "sigma_noise")
-    _state_counts = ("n_data", "n_outputs")
     #: The pass over the data that sums the curvature, and its further options.
     _curvature_pass: type[FitPass] = CurvatureSum
     _fit_pass_options: ClassVar[dict[str, Any]] = {}
