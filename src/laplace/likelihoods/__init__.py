@@ -24,7 +24,7 @@ from laplace.likelihoods.heteroscedastic import (
     HeteroscedasticGaussianNLLLoss,
     HeteroscedasticPrediction,
 )
-from laplace.likelihoods.likelihood_model import LikelihoodModel
+from laplace.likelihoods.likelihood_model import LikelihoodModel, refuse_structure
 from laplace.likelihoods.protocol import Likelihood
 from laplace.utils import enums
 from laplace.utils.outputs import IGNORE_INDEX, OutputAdapter
@@ -113,14 +113,8 @@ def check_structure(
         ValueError: For an unknown likelihood, or naming the likelihood and the structures it
             supports.
     """
-    supported = likelihood_class(likelihood).hessian_structures
-    if supported is None or structure in supported:
-        return
     if isinstance(likelihood, (Likelihood, LikelihoodModel)):
         name = str(likelihood.name)
     else:
         name = enums.parse_enum(enums.Likelihood, likelihood, "likelihood").value
-    raise ValueError(
-        f"likelihood={name!r} supports hessian_structure in "
-        f"{[h.value for h in supported]}, got {structure.value!r}."
-    )
+    refuse_structure(name, likelihood_class(likelihood).hessian_structures, structure)

@@ -133,6 +133,14 @@ class LikelihoodModel(ABC, Generic[PredictionT]):
         """Whether it fits one observation model and predicts another (reward modelling)."""
         return self.fit_likelihood is not self.predictive_likelihood
 
+    def check_structure(self, structure: HessianStructure) -> None:
+        """Refuse a Hessian structure this likelihood cannot be fitted with.
+
+        Raises:
+            ValueError: Naming the likelihood and the structures it supports.
+        """
+        refuse_structure(self.name, self.hessian_structures, structure)
+
     def check_function_space(self, approximation: FunctionalApproximation) -> None:
         """Refuse a function-space (GP) approximation that does not support this likelihood.
 
@@ -728,3 +736,18 @@ class LossModule(ReducedLoss):
     def forward(self, f: Tensor, y: Tensor) -> Tensor:
         """The loss of outputs ``f`` (B, …) and targets ``y``."""
         return self.reduce(self.likelihood.point_losses(f, y))
+
+
+def refuse_structure(
+    name: str, supported: tuple[HessianStructure, ...] | None, structure: HessianStructure
+) -> None:
+    """Refuse ``structure`` where a likelihood's ``supported`` structures (None: all) lack it.
+
+    Raises:
+        ValueError: Naming the likelihood and the structures it supports.
+    """
+    if supported is not None and structure not in supported:
+        raise ValueError(
+            f"likelihood={name!r} supports hessian_structure in "
+            f"{[h.value for h in supported]}, got {structure.value!r}."
+        )

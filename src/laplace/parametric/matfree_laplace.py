@@ -238,13 +238,14 @@ class MatFreeLaplace(ParametricLaplace):
         """Curvature-vector products made since ``fit`` (a block of m vectors counts m)."""
         return 0 if self.H is None else self.H.products
 
-    def _chunk_rows(self, n_points: int, plan: GLMPlan) -> int:
+    def _chunk_rows(self, n_points: int, plan: GLMPlan | None = None) -> int:
         """Test points per chunk of a call on ``n_points`` points.
 
         The sampled route with the Jacobian-free kind takes all the call's points at once
         (their recorded passes, not their Jacobians), so that its solves are made once per
         call; conjugate gradients as many points as a solver block holds.
         """
+        plan = plan or self._glm_plan()
         rows = super()._chunk_rows(n_points, plan)
         if self.H.variance_route == "samples":
             kind = row_kind(plan.kind, self._likelihood_model.outputs)

@@ -498,14 +498,15 @@ class ParametricLaplace(BaseLaplace):
             self._subset.variances_only_reason(self.n_outputs),
         )
 
-    def _chunk_rows(self, n_points: int, plan: GLMPlan) -> int:
+    def _chunk_rows(self, n_points: int, plan: GLMPlan | None = None) -> int:
         """Test points per chunk, from the Jacobian kind the subset gives this posterior.
 
         Args:
             n_points: The call's number of test points (read by ``MatFreeLaplace``'s sampled
                 route, which takes them all at once).
-            plan: The prediction's ``GLMPlan``.
+            plan: The prediction's ``GLMPlan`` (derived here when None).
         """
+        plan = plan or self._glm_plan()
         if plan.variances_only:
             # A last layer's closed forms hold about C·(D + 1) numbers per point.
             n_in = self._subset.layer.in_features
