@@ -569,9 +569,8 @@ def run_one(
     # torch imports it on the process's first autograd.grad given gradients (sympy, about 1 s):
     # a cost of the process, not of whichever case or check first calls it
     importlib.import_module("torch.fx.experimental.symbolic_shapes")
-    # and torch._dynamo on the process's first torch.optim optimizer (several seconds on a loaded
-    # machine): laplace-torch's fit imports it, so its tuning never pays it; laplace-ng's first
-    # optimize_prior_precision would
+    # and torch._dynamo on the process's first torch.optim optimizer (seconds): laplace-torch's
+    # fit imports it (untimed in the marglik cases), laplace-ng's tuning never does
     importlib.import_module("torch._dynamo")
     with GuardTimer() as guard:
         row = fn(model_name, structure, repeats)
