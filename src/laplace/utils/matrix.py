@@ -46,6 +46,11 @@ def _times(F: Tensor | DiagLowRank, X: Tensor) -> Tensor:
     return F @ X if F.ndim > 1 else F.unsqueeze(-1) * X
 
 
+def _same(A: Tensor, B: Tensor) -> bool:
+    """Whether two factors are the same matrix (same type, shape and entries)."""
+    return A is B or (A.shape == B.shape and A.dtype == B.dtype and torch.equal(A, B))
+
+
 def _pair(block: list[Tensor]) -> list[Tensor]:
     """A block's factors as a pair ``[F₀, F₁]``: a one-factor block ``F`` is ``[1] ⊗ F``."""
     if len(block) == 2:
@@ -172,11 +177,25 @@ class Kron:
         return self.decomposition(*self._eigenpairs(), damping=damping)
 
     def _eigenpairs(self) -> tuple[list[list[Tensor | None]], list[list[Tensor]]]:
+        """Eigenvalues and eigenvectors of every dense factor (the others as they are).
+
+        A bias's block is the output factor of its weight's (KFAC's ``G``): a factor equal to
+        the previous block's first one takes its eigenpairs instead of a second decomposition.
+        """
         eigenvectors, eigenvalues = [], []
+        previous: tuple[Tensor, tuple[Tensor, Tensor]] | None = None
         for block in self.kfacs:
-            pairs = [
-                symeig(F) if isinstance(F, Tensor) and F.ndim > 1 else (F, None) for F in block
-            ]
+            pairs = []
+            for F in block:
+                if not (isinstance(F, Tensor) and F.ndim > 1):
+                    pairs.append((F, None))
+                elif previous is not None and _same(previous[0], F):
+                    pairs.append(previous[1])
+                else:
+                    pairs.append(symeig(F))
+            first = block[0]
+            dense = isinstance(first, Tensor) and first.ndim > 1
+            previous = (first, pairs[0]) if dense and len(block) == 2 else None
             eigenvalues.append([values for values, _ in pairs])
             eigenvectors.append([Q for _, Q in pairs])
         return eigenvectors, eigenvalues
