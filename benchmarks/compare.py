@@ -3,7 +3,9 @@
 The reference runs in another interpreter (``--ref-python``, a throwaway virtual environment
 made by ``benchmarks/compare.sh``) where ``import laplace`` is laplace-torch 0.3. Both sides run
 the same ``run.py --one CASE`` in their own subprocess, so each timed part goes through the
-public API only. A case is bounded by ``--timeout`` seconds and ``--max-rss-gb`` of resident
+public API only; laplace-ng's side imports this checkout's ``src/``. ``--rounds N`` runs both
+sides N times, alternating, and reports the medians (use it on a shared machine, with
+``--threads 1``). A case is bounded by ``--timeout`` seconds and ``--max-rss-gb`` of resident
 memory; a case the reference cannot run is reported with the reason. Writes
 ``benchmarks/results/compare.json``.
 """
@@ -14,6 +16,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,6 +25,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RUN = HERE / "run.py"
+#: The ``src/`` of this checkout: laplace-ng's side imports it, not an installed copy.
+SRC = HERE.parent / "src"
 #: Cases that use laplace-ng internals (the backend registry, eigenvalue error bounds) or
 #: structures laplace-torch lacks (EKFAC, INF).
 OURS_ONLY_PREFIXES = (
@@ -50,13 +55,36 @@ def rss_bytes(pid: int) -> int:
     return total
 
 
-def run_case(python: str, case: str, repeats: int, timeout: float, max_rss: float) -> dict:
-    """Run one case in a fresh interpreter; return its row or ``{"error": reason}``."""
+def run_case(
+    python: str,
+    case: str,
+    repeats: int,
+    timeout: float,
+    max_rss: float,
+    threads: int = 2,
+    src: Path | None = None,
+) -> dict:
+    """Run one case in a fresh interpreter; return its row or ``{"error": reason}``.
+
+    ``src``: the ``src/`` folder whose ``laplace`` the interpreter imports (laplace-ng: this
+    checkout's); None: the interpreter's own (laplace-torch in its throwaway venv).
+    """
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("PYTHONPATH", None)
+    if src is not None:
+        env["PYTHONPATH"] = str(src)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
-            [python, str(RUN), "--one", case, "--repeats", str(repeats)],
+            [
+                python,
+                str(RUN),
+                "--one",
+                case,
+                "--repeats",
+                str(repeats),
+                "--threads",
+                str(threads),
+            ],
             stdout=out,
             stderr=err,
             env=env,
@@ -83,6 +111,18 @@ def run_case(python: str, case: str, repeats: int, timeout: float, max_rss: floa
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+def median_row(rows: list[dict]) -> dict:
+    """One row for several rounds: the median time (every round's in ``rounds_s``); the first
+    error if a round failed."""
+    errors = [row for row in rows if "seconds" not in row]
+    if errors:
+        return errors[0]
+    times = [row["seconds"] for row in rows]
+    ordered = sorted(rows, key=lambda row: row["seconds"])
+    middle = ordered[(len(ordered) - 1) // 2]
+    return {**middle, "seconds": statistics.median(times), "rounds_s": times}
+
+
 def main() -> None:
     sys.path.insert(0, str(HERE))
     from run import BACKEND_CASES, CASES
@@ -94,17 +134,34 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per case and side")
     parser.add_argument("--max-rss-gb", type=float, default=8.0)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each side this many times, alternating (ng, torch, ng, ...); medians reported",
+    )
     args = parser.parse_args()
     max_rss = args.max_rss_gb * 2**30
     ours_python = sys.executable
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{'case':48s} {'laplace-ng':>12s} {'laplace-torch':>14s} {'ratio':>8s}  memory")
     rows = []
     for case in args.cases:
-        ours = run_case(ours_python, case, args.repeats, args.timeout, max_rss)
-        if case.startswith(OURS_ONLY_PREFIXES):
-            ref = {"error": "skipped: uses laplace-ng internals"}
-        else:
-            ref = run_case(args.ref_python, case, args.repeats, args.timeout, max_rss)
+        runs: dict[str, list[dict]] = {"ours": [], "ref": []}
+        for _ in range(args.rounds):
+            runs["ours"].append(
+                run_case(ours_python, case, args.repeats, args.timeout, max_rss, args.threads, SRC)
+            )
+            if case.startswith(OURS_ONLY_PREFIXES):
+                runs["ref"].append({"error": "skipped: uses laplace-ng internals"})
+            else:
+                runs["ref"].append(
+                    run_case(
+                        args.ref_python, case, args.repeats, args.timeout, max_rss, args.threads
+                    )
+                )
+        ours, ref = median_row(runs["ours"]), median_row(runs["ref"])
         row = {"case": case, "laplace_ng": ours, "laplace_torch": ref}
         ours_s = ours.get("seconds")
         ref_s = ref.get("seconds")

@@ -31,7 +31,12 @@ LSTM (GRU) classifier;
 the ``matfree-*`` cases (``benchmarks/matfree.py``) the matrix-free posterior of a
 million-weight MLP, beside ``FullLaplace`` on a small one, and its preconditioners. The
 ``import-time`` case times ``import laplace`` beyond ``import torch`` in fresh interpreters, and
-laplace-torch's beside it with ``LAPLACE_TORCH_PYTHON=/path/to/python``.
+laplace-torch's beside it with ``LAPLACE_TORCH_PYTHON=/path/to/python``. The ``marglik-*`` cases
+time 100 steps of ``optimize_prior_precision(method="marglik")`` after a fresh fit, on the
+scenarios of laplace-torch's own tests and examples (its regression example's MLP for the full
+posterior, the MLP and CNN here for the others); ``fit-marglik-kron-cnn`` times the fit too
+(laplace-torch eigen-decomposes Kron's factors in its fit, laplace-ng in the first step), and
+``predict-calls-kron-mlp`` 100 GLM probit predictions of 8 points each (the per-call overhead).
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ from harness import (
     guard_overhead,
     measure_fit,
     measure_predict,
+    regression_loader,
+    regression_mlp,
     synchronize,
     timed,
     training_loader,
@@ -178,28 +185,69 @@ def case_fit_ll(model_name: str, structure: str, repeats: int) -> dict:
 
 
 def case_marglik(
-    model_name: str, structure: str, repeats: int, subset: str = "last_layer"
+    model_name: str,
+    structure: str,
+    repeats: int,
+    subset: str = "last_layer",
+    with_fit: bool = False,
 ) -> dict:
+    """100 marglik steps (``optimize_prior_precision(method="marglik", n_steps=100)``) after a
+    fresh fit; with ``with_fit`` the fit is timed too (laplace-torch eigendecomposes Kron's
+    factors in the fit, laplace-ng on first use). ``model_name="regression"`` is
+    laplace-torch's regression example (``harness.regression_mlp``)."""
     from laplace import Laplace
 
-    model = MODELS[model_name]().eval()
-    loader = training_loader(model_name)
+    if model_name == "regression":
+        model, loader, likelihood = regression_mlp().eval(), regression_loader(), "regression"
+    else:
+        model, loader = MODELS[model_name]().eval(), training_loader(model_name)
+        likelihood = "classification"
 
     def tune():  # a fresh fit each time, so the one-off factorisation is included
-        la = Laplace(model, "classification", subset, structure)
-        la.fit(loader)
+        la = Laplace(model, likelihood, subset, structure)
         synchronize()
         start = time.perf_counter()
+        la.fit(loader)
+        synchronize()
+        fitted = time.perf_counter()
         la.optimize_prior_precision(method="marglik", n_steps=100)
         synchronize()
-        return la, time.perf_counter() - start
+        end = time.perf_counter()
+        return la, (end - start) if with_fit else (end - fitted)
 
     with PeakRSS() as mem:
         la, tune_s = min((tune() for _ in range(repeats)), key=lambda r: r[1])
+    what = "fit + 100 marglik steps" if with_fit else "marglik 100 steps"
     return {
-        "case": f"marglik 100 steps {subset.replace('_', '-')} {structure} {model_name}",
+        "case": f"{what} {subset.replace('_', '-')} {structure} {model_name}",
         "n_params": la.n_params,
         "seconds": tune_s,
+        "peak_extra_MB": mem.extra / 2**20,
+    }
+
+
+def case_predict_calls(
+    model_name: str, structure: str, repeats: int, n_calls: int = 100, n_test: int = 8
+) -> dict:
+    """``n_calls`` GLM probit predictions of ``n_test`` points each: the per-call overhead."""
+    from laplace import Laplace
+
+    model = MODELS[model_name]().eval()
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure)
+    la.fit(training_loader(model_name))
+    X_test, _ = data(model_name, n_test, 1)
+    la(X_test, pred_type="glm", link_approx="probit")  # warm the posterior factorisation
+
+    def predict() -> None:
+        for _ in range(n_calls):
+            la(X_test, pred_type="glm", link_approx="probit")
+
+    with PeakRSS() as mem:
+        seconds = timed(predict, repeats)
+    return {
+        "case": f"{n_calls} glm probit calls {structure} {model_name} ({n_test} points)",
+        "n_params": la.n_params,
+        "seconds": seconds,
         "peak_extra_MB": mem.extra / 2**20,
     }
 
@@ -468,6 +516,13 @@ CASES = {
     "fit-ll-ekfac-cnn": (case_fit_ll, "cnn", "ekfac"),
     "marglik-fullll-mlp": (case_marglik, "mlp", "full"),
     "marglik-diag-mlp": (partial(case_marglik, subset="all"), "mlp", "diag"),
+    "marglik-full-regression": (partial(case_marglik, subset="all"), "regression", "full"),
+    "marglik-kron-mlp": (partial(case_marglik, subset="all"), "mlp", "kron"),
+    "marglik-kronll-cnn": (case_marglik, "cnn", "kron"),
+    "marglik-diagll-cnn": (case_marglik, "cnn", "diag"),
+    "marglik-kron-cnn": (partial(case_marglik, subset="all"), "cnn", "kron"),
+    "fit-marglik-kron-cnn": (partial(case_marglik, subset="all", with_fit=True), "cnn", "kron"),
+    "predict-calls-kron-mlp": (case_predict_calls, "mlp", "kron"),
     "predict-ll-kron-cnn": (partial(case_predict, subset="last_layer"), "cnn", "kron"),
     **FRONTIER_CASES,
     **TRANSFORMER_CASES,
@@ -514,6 +569,9 @@ def run_one(
     # torch imports it on the process's first autograd.grad given gradients (sympy, about 1 s):
     # a cost of the process, not of whichever case or check first calls it
     importlib.import_module("torch.fx.experimental.symbolic_shapes")
+    # and torch._dynamo on the process's first torch.optim optimizer (seconds): laplace-torch's
+    # fit imports it (untimed in the marglik cases), laplace-ng's tuning never does
+    importlib.import_module("torch._dynamo")
     with GuardTimer() as guard:
         row = fn(model_name, structure, repeats)
     row.update(guard.columns(row["seconds"]))

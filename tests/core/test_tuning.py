@@ -665,3 +665,102 @@ def test_gridsearch_rejects_unknown_metric_names_before_any_work(name, loss, mat
     with pytest.raises(ValueError, match=match):
         la.optimize_prior_precision(method="gridsearch", val_loader=case.loader(), loss=loss)
     assert la.prior_precision.item() == pytest.approx(0.3)
+
+
+# --------------------------------------------------------------------------- marglik steps
+# A tuning step recomputes only what depends on the prior precision: the posterior keeps the
+# curvature scaled by 1/(σ²T) (``Posterior.with_prior``), Kron its eigenvalue products, the
+# approximation h = 1/(σ²T) and the MAP's squared deviations from the prior mean. These checks
+# hold the steps to torch.optim.Adam on the public log marginal likelihood with every cache
+# dropped, entry for entry, and the caches to every change they depend on.
+
+TUNED = {
+    "full": ("mlp_regression_3out", "all", "full"),
+    "diag": ("mlp_regression_3out", "all", "diag"),
+    "kron": ("mlp_classification", "all", "kron"),
+    "ekfac": ("cnn_classification", "all", "ekfac"),
+    "last_layer_kron": ("cnn_classification", "last_layer", "kron"),
+    "last_layer_diag": ("mlp_regression_1out", "last_layer", "diag"),
+    "subnetwork": ("mlp_classification", "subnetwork", "full"),
+}
+
+
+def _tuned(name: str, **kwargs):
+    from laplace import Laplace
+
+    case_name, subset, structure = TUNED[name]
+    case = CASE_BUILDERS[case_name]()
+    extra = {"subnetwork_indices": torch.tensor([0, 3, 7, 11])} if subset == "subnetwork" else {}
+    sigma = {"sigma_noise": 0.7} if case.likelihood == "regression" else {}
+    la = Laplace(case.model, case.likelihood, subset, structure, **extra, **sigma, **kwargs)
+    la.fit(case.loader())
+    return la
+
+
+def _forget_caches(la) -> None:
+    for name in ("_posterior_cache", "_deviation_cache", "_h_factor_cache"):
+        la.__dict__.pop(name, None)
+
+
+@pytest.mark.parametrize("prior_structure", ["scalar", "layerwise"])
+@pytest.mark.parametrize("name", list(TUNED))
+def test_marglik_steps_are_torch_adam_on_the_uncached_marglik(name, prior_structure):
+    if name == "subnetwork" and prior_structure == "layerwise":
+        pytest.skip("a subnetwork takes a scalar or diagonal prior")
+    la = _tuned(name)
+    init = 0.5
+    la.optimize_prior_precision(n_steps=12, init_prior_prec=init, prior_structure=prior_structure)
+    tuned = la.prior_precision
+
+    reference = _tuned(name)
+    n = 1 if prior_structure == "scalar" else reference.n_layers
+    log_prior = torch.full((n,), init, dtype=torch.float64).log().requires_grad_(True)
+    optimizer = torch.optim.Adam([log_prior], lr=0.1)
+    for _ in range(12):
+        _forget_caches(reference)
+        optimizer.zero_grad()
+        (-reference.log_marginal_likelihood(log_prior.exp())).backward()
+        optimizer.step()
+    assert torch.equal(tuned, log_prior.detach().exp())
+
+
+def test_marglik_tuning_leaves_a_prior_without_gradient_unchanged(monkeypatch):
+    """As torch.optim.Adam skips a parameter without a gradient."""
+    la = _tuned("diag")
+    constant = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    monkeypatch.setattr(la, "log_marginal_likelihood", lambda prior_precision: constant * 1)
+    la.optimize_prior_precision(n_steps=3, init_prior_prec=0.25)
+    assert torch.equal(la.prior_precision, torch.tensor([0.25], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["full", "diag", "kron", "last_layer_kron"])
+def test_marglik_follows_in_place_changes_of_the_hyperparameters(name):
+    la = _tuned(name)
+    la.log_marginal_likelihood()  # fills the caches
+    if la.likelihood == "regression":
+        with torch.no_grad():
+            la.sigma_noise.mul_(1.3)
+    with torch.no_grad():
+        la.prior_precision.mul_(2.0)
+        la.prior_mean = torch.zeros(()) + 0.1
+    cached = la.log_marginal_likelihood()
+    _forget_caches(la)
+    assert torch.equal(cached, la.log_marginal_likelihood())
+    with torch.no_grad():
+        la.prior_mean.add_(0.2)
+    cached = la.log_marginal_likelihood()
+    _forget_caches(la)
+    assert torch.equal(cached, la.log_marginal_likelihood())
+
+
+@pytest.mark.parametrize("name", ["diag", "kron", "ekfac"])
+def test_a_tuning_step_shares_the_scaled_curvature(name):
+    la = _tuned(name)
+    posterior = la._posterior
+    prior = torch.tensor([0.3], dtype=torch.float64, requires_grad=True)
+    la.prior_precision = prior
+    stepped = la._posterior
+    assert stepped is not posterior and stepped.scaled is posterior.scaled
+    expected = type(posterior)(la.H, la._H_factor, prior, la._prior_sizes)
+    assert torch.equal(stepped.log_det, expected.log_det)
+    assert torch.equal(stepped.prior_diag, expected.prior_diag)

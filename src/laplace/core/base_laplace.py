@@ -146,6 +146,10 @@ class BaseLaplace:
     _refused_prior_structures: ClassVar[dict[PriorStructure, str]] = {}
     #: How ``state_dict`` saves the approximation and ``load_state_dict`` restores it.
     _state_format: StateFormat = StateFormat()
+    #: ``(prior_lengths, prior_sizes)`` of the subset once its parameters are known.
+    _prior_layout: tuple[tuple[int | None, int | None], list[int]] | None = None
+    #: ``(σ, T, their versions, h)`` of ``_H_factor``.
+    _h_factor_cache: tuple[Any, ...] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -258,13 +262,20 @@ class BaseLaplace:
         self._init_unfitted()
 
     def _bind_subset(self) -> None:
-        """Expose the subset's ``params``, ``n_params``, ``n_layers`` (None until it is known)."""
+        """Expose the subset's ``params``, ``n_params``, ``n_layers`` (None until it is known).
+
+        The lengths and sizes of its prior are kept too: they are read at every marglik step.
+        """
         known = self._subset.resolved
         if known:
             check_parameters(list(zip(self._subset.names, self._subset.params)))
         self.params = self._subset.params if known else None
         self.n_params = self._subset.n_params if known else None
         self.n_layers = self._subset.n_layers if known else None
+        if known:
+            self._prior_layout = (self._subset.prior_lengths, self._subset.prior_sizes)
+        else:
+            self._prior_layout = None
 
     # ------------------------------------------------------------------ device and backend
     @property
@@ -341,12 +352,23 @@ class BaseLaplace:
     @property
     def _prior_lengths(self) -> tuple[int | None, int | None]:
         """Lengths of a layer-wise and of a diagonal prior; None: no such (not known yet)."""
-        return self._subset.prior_lengths if self._subset.resolved else (None, None)
+        return (None, None) if self._prior_layout is None else self._prior_layout[0]
+
+    @property
+    def _prior_sizes(self) -> list[int]:
+        """Weights under each entry of a layer-wise prior.
+
+        Raises:
+            NotFittedError: While the parameters are not known (a last layer not found yet).
+        """
+        if self._prior_layout is None:
+            return self._subset.prior_sizes  # raises
+        return self._prior_layout[1]
 
     @property
     def prior_precision_diag(self) -> Tensor:
         """Prior precision expanded to the diagonal, shape (P,)."""
-        return expand_to_diagonal(self.prior_precision, self._subset.prior_sizes)
+        return expand_to_diagonal(self.prior_precision, self._prior_sizes)
 
     @property
     def temperature(self) -> float | Tensor:
@@ -368,7 +390,17 @@ class BaseLaplace:
 
     @property
     def _H_factor(self) -> Tensor:
-        return 1 / (self.sigma_noise.square() * self.temperature)
+        """``h = 1/(σ²T)``; the same tensor while σ and T are (unless it is differentiable)."""
+        sigma, temperature = self.sigma_noise, self.temperature
+        versions = (sigma._version, getattr(temperature, "_version", None))
+        cache = self._h_factor_cache
+        hit = cache is not None and cache[0] is sigma and cache[1] is temperature
+        if hit and cache[2] == versions:
+            return cache[3]
+        h_factor = 1 / (sigma.square() * temperature)
+        if not h_factor.requires_grad:
+            self._h_factor_cache = (sigma, temperature, versions, h_factor)
+        return h_factor
 
     @property
     def log_likelihood(self) -> Tensor:

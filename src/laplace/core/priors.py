@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from laplace.likelihoods import LikelihoodModel
+from laplace.structures.posterior import expand_to_diagonal
 from laplace.utils.enums import PriorStructure, parse_enum
 from laplace.utils.errors import (
     ArgumentTypeError,
@@ -99,7 +100,12 @@ def as_prior_precision(
             f"prior_precision has length {len(tensor)}; it must be a scalar (length 1), "
             f"{layerwise}diagonal (length n_params={n_params})."
         )
-    if not bool((tensor.detach() > 0).all()) or not bool(torch.isfinite(tensor.detach()).all()):
+    values = tensor.detach()  # every entry in (0, inf), NaN not: read back from the device once
+    if tensor.numel() == 1:
+        valid = 0 < values.item() < math.inf
+    else:
+        valid = bool(((values > 0) & (values < math.inf)).all())
+    if not valid:
         raise ValueError("prior_precision must be positive and finite in every entry.")
     return tensor
 
@@ -138,25 +144,23 @@ def as_prior_mean(value: float | Tensor, n_params: int | None, device, dtype) ->
     return tensor
 
 
-def expand_to_diagonal(prior_precision: Tensor, layer_sizes: list[int]) -> Tensor:
-    """Expand a scalar, layer-wise or diagonal precision to the diagonal, shape (P,)."""
-    n_params = sum(layer_sizes)
-    if len(prior_precision) == n_params:
-        return prior_precision
-    if len(prior_precision) == 1:
-        return prior_precision.expand(n_params)
-    sizes = torch.as_tensor(layer_sizes, device=prior_precision.device)
-    return torch.repeat_interleave(prior_precision, sizes)
-
-
 def prior_weighted_sum(prior_precision: Tensor, values: Tensor, layer_sizes: list[int]) -> Tensor:
     """``Σᵢ p₀ᵢ vᵢ`` for ``values`` (P,) and a scalar, layer-wise or diagonal ``p₀`` unexpanded."""
-    if len(prior_precision) == len(values):
-        return (prior_precision * values).sum()
-    if len(prior_precision) == 1:
-        return (prior_precision * values.sum()).sum()
-    sums = torch.stack([chunk.sum() for chunk in values.split(layer_sizes)])
+    sums = sum_per_prior_entry(values, len(prior_precision), layer_sizes)
     return (prior_precision * sums).sum()
+
+
+def sum_per_prior_entry(values: Tensor, n_prior: int, layer_sizes: list[int]) -> Tensor:
+    """``values`` (P,) summed over the weights each entry of a prior of length ``n_prior`` covers.
+
+    A scalar prior covers all of them (shape ()), a layer-wise one each layer (L,), a diagonal
+    one each weight (the values as they are); ``(p₀ * sums).sum()`` is ``Σᵢ p₀ᵢ vᵢ``.
+    """
+    if n_prior == len(values):
+        return values
+    if n_prior == 1:
+        return values.sum()
+    return torch.stack([chunk.sum() for chunk in values.split(layer_sizes)])
 
 
 def prior_log_det(prior_precision: Tensor, layer_sizes: list[int]) -> Tensor:
@@ -164,8 +168,10 @@ def prior_log_det(prior_precision: Tensor, layer_sizes: list[int]) -> Tensor:
     n_params = sum(layer_sizes)
     if len(prior_precision) == n_params:
         return prior_precision.log().sum()
-    counts = [n_params] if len(prior_precision) == 1 else layer_sizes
-    counts = torch.as_tensor(counts, device=prior_precision.device, dtype=prior_precision.dtype)
+    if len(prior_precision) == 1:
+        return (prior_precision.log() * n_params).sum()
+    like = prior_precision
+    counts = torch.as_tensor(layer_sizes, device=like.device, dtype=like.dtype)
     return (prior_precision.log() * counts).sum()
 
 

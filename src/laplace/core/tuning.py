@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+from torch.optim.adam import adam
 from torch.utils.data import DataLoader
 
 from laplace.core.passes.data_loop import progress
@@ -53,6 +54,11 @@ def maximize_marglik(
 ) -> Tensor:
     """Maximise the log marginal likelihood over ``log p₀`` with Adam.
 
+    Each step is ``torch.optim.Adam``'s (its defaults, the learning rate ``lr``), by torch's own
+    functional Adam on the one tensor ``log p₀``: the same numbers, without the optimizer
+    object's bookkeeping of parameter groups and hooks at every step (and without the import
+    of ``torch._dynamo`` that constructing an optimizer costs the process once, seconds).
+
     Args:
         log_marginal_likelihood: The log marginal likelihood of a fitted Laplace approximation
             as a differentiable function of the prior precision.
@@ -65,13 +71,36 @@ def maximize_marglik(
         The optimised prior precision (detached), same shape as ``init``.
     """
     log_prior = init.detach().log().requires_grad_(True)
-    optimizer = torch.optim.Adam([log_prior], lr=lr)
+    # Adam's state, as torch.optim.Adam initialises it: the step count on the host
+    step = torch.tensor(0.0, dtype=_ADAM_STEP_DTYPES.get(torch.get_default_dtype(), torch.float32))
+    exp_avg, exp_avg_sq = torch.zeros_like(log_prior), torch.zeros_like(log_prior)
     for _ in progress(range(n_steps), progress_bar, "marglik tuning"):
-        optimizer.zero_grad()
+        log_prior.grad = None
         neg_marglik = -log_marginal_likelihood(log_prior.exp())
         neg_marglik.backward()
-        optimizer.step()
+        if log_prior.grad is None:  # no gradient: Adam leaves the parameter as it is
+            continue
+        with torch.no_grad():
+            adam(
+                [log_prior],
+                [log_prior.grad],
+                [exp_avg],
+                [exp_avg_sq],
+                [],
+                [step],
+                amsgrad=False,
+                beta1=0.9,
+                beta2=0.999,
+                lr=lr,
+                weight_decay=0.0,
+                eps=1e-8,
+                maximize=False,
+            )
     return log_prior.detach().exp()
+
+
+#: The type of Adam's step count: float64 under a float64 default type, else float32.
+_ADAM_STEP_DTYPES = {torch.float64: torch.float64}
 
 
 def grid_candidates(

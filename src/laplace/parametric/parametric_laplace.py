@@ -5,6 +5,7 @@ Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace]
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from laplace.core.base_laplace import BaseLaplace
 from laplace.core.passes.curvature_sum import CurvatureSum, FitPass, FitPieces
-from laplace.core.priors import as_sigma_noise, prior_log_det, prior_weighted_sum
+from laplace.core.priors import as_sigma_noise, prior_log_det, sum_per_prior_entry
 from laplace.core.serialization import ParametricState
 from laplace.structures import (
     NotPositiveDefiniteError,
@@ -86,6 +87,9 @@ class ParametricLaplace(BaseLaplace):
     H: Any = None
     _fitted_mean: Tensor | None = None
     _posterior_cache: tuple[Any, Tensor, Tensor, Posterior] | None = None
+    #: ``(mean, prior mean, their versions and the prior's length, sums)`` of
+    #: ``_squared_deviation_sums``.
+    _deviation_cache: tuple[Tensor, Tensor, tuple[int, int, int], Tensor] | None = None
     #: An assigned ``_posterior_scale`` and the posterior object it belongs to.
     _assigned_scale: tuple[Any, Tensor] | None = None
 
@@ -168,22 +172,30 @@ class ParametricLaplace(BaseLaplace):
         """The posterior at the current hyperparameters, cached while they do not change.
 
         Before ``fit`` it is the prior (``H`` is zero). The cache compares the prior precision
-        as given (scalar, layer-wise or diagonal), not its expansion to the diagonal.
+        as given (scalar, layer-wise or diagonal), not its expansion to the diagonal. Another
+        prior precision with the same ``H`` and ``h = 1/(σ²T)`` (a tuning step) gives the cached
+        posterior ``with_prior``: what the structure computed from ``H`` and ``h`` is kept.
         """
-        h_factor, prior_diag = self._H_factor, self.prior_precision_diag
         if self.H is None:
             raise NotFittedError("the posterior needs fit() first (or a call to _init_H()).")
-        if h_factor.requires_grad or prior_diag.requires_grad:
-            return self._posterior_cls(self.H, h_factor, prior_diag)
-        key, prior = (id(self.H), getattr(self.H, "_version", None)), self.prior_precision
+        h_factor, prior, sizes = self._H_factor, self.prior_precision, self._prior_sizes
+        if h_factor.requires_grad:
+            return self._posterior_cls(self.H, h_factor, prior, sizes)
+        key = (id(self.H), getattr(self.H, "_version", None))
         cache = self._posterior_cache
         if (
             cache is None
             or cache[0] != key
-            or not (torch.equal(cache[1], h_factor) and torch.equal(cache[2], prior))
+            or not (cache[1] is h_factor or torch.equal(cache[1], h_factor))
         ):
-            posterior = self._posterior_cls(self.H, h_factor, prior_diag)
-            cache = self._posterior_cache = (key, h_factor.clone(), prior.clone(), posterior)
+            posterior = self._posterior_cls(self.H, h_factor, prior.detach(), sizes)
+            prior_key = prior.detach().clone()
+            cache = self._posterior_cache = (key, h_factor, prior_key, posterior)
+        if prior.requires_grad:
+            return cache[3].with_prior(prior, sizes)
+        if not torch.equal(cache[2], prior):
+            posterior = cache[3].with_prior(prior, sizes)
+            cache = self._posterior_cache = (key, cache[1], prior.clone(), posterior)
         return cache[3]
 
     @property
@@ -194,14 +206,30 @@ class ParametricLaplace(BaseLaplace):
     @property
     def scatter(self) -> Tensor:
         """``(θ_MAP − μ₀)ᵀ P₀ (θ_MAP − μ₀)``."""
-        sizes = self._subset.prior_sizes  # raises while the parameters are not known
-        delta = self.mean - self.prior_mean
-        return prior_weighted_sum(self.prior_precision, delta.square(), sizes)
+        prior = self.prior_precision
+        return (prior * self._squared_deviation_sums(len(prior))).sum()
+
+    def _squared_deviation_sums(self, n_prior: int) -> Tensor:
+        """``(θ_MAP − μ₀)²`` summed per entry of a prior of length ``n_prior``.
+
+        See ``sum_per_prior_entry``; kept while the mean and the prior mean are unchanged.
+        """
+        sizes = self._prior_sizes  # raises while the parameters are not known
+        mean, prior_mean = self.mean, self.prior_mean
+        versions = (mean._version, prior_mean._version, n_prior)
+        cache = self._deviation_cache
+        hit = cache is not None and cache[0] is mean and cache[1] is prior_mean
+        if hit and cache[2] == versions:
+            return cache[3]
+        sums = sum_per_prior_entry((mean - prior_mean).square(), n_prior, sizes)
+        if not sums.requires_grad:  # not when the mean is differentiable (enable_backprop)
+            self._deviation_cache = (mean, prior_mean, versions, sums)
+        return sums
 
     @property
     def log_det_prior_precision(self) -> Tensor:
         """``log det P₀``."""
-        return prior_log_det(self.prior_precision, self._subset.prior_sizes)
+        return prior_log_det(self.prior_precision, self._prior_sizes)
 
     @property
     def log_det_posterior_precision(self) -> Tensor:
@@ -218,7 +246,12 @@ class ParametricLaplace(BaseLaplace):
         Raises:
             NotPositiveDefiniteError: (a ``RuntimeError``) naming the likely causes.
         """
-        if not bool(torch.isfinite(value.detach()).all()):
+        finite = (
+            math.isfinite(value.item())
+            if value.numel() == 1
+            else bool(torch.isfinite(value.detach()).all())
+        )
+        if not finite:
             raise NotPositiveDefiniteError(
                 f"the {what} contains NaN or inf: the posterior precision "
                 "H/(σ²T) + prior_precision is not positive definite (a Hessian backend's "

@@ -114,10 +114,17 @@ class DiagonalPosterior(Posterior):
         n_params = sum(p.numel() for p in params)
         return params[0].new_zeros(n_params)
 
+    prior_free = ("scaled",)
+
+    @cached_property
+    def scaled(self) -> Tensor:
+        """(P,) ``h·H``, without the prior."""
+        return self.h_factor * self.H
+
     @cached_property
     def precision(self) -> Tensor:
         """(P,) diagonal posterior precision."""
-        return self.h_factor * self.H + self.prior_diag
+        return self.scaled + self.prior_diag
 
     @cached_property
     def variance(self) -> Tensor:

@@ -26,7 +26,7 @@ several positions, as large as its Jacobian rows, are formed a block of test poi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +38,7 @@ from laplace.curvature.engine.per_sample import PerSampleTrace
 from laplace.curvature.engine.square_sums import row_token_pairs
 
 __all__ = [
+    "COLUMN_BLOCK_BYTES",
     "LAYERWISE_CHUNK_ROWS",
     "SHARED_LAYER_BLOCK_BYTES",
     "BlockInverse",
@@ -50,6 +51,9 @@ LAYERWISE_CHUNK_ROWS = 256
 #: Bytes of the per-output (out × in) matrices of a layer applied at several positions formed at
 #: once (the test points of a chunk are taken a block at a time).
 SHARED_LAYER_BLOCK_BYTES = 64 * 2**20
+
+#: Bytes of the layer-output gradients of the output columns one vectorised backward pass forms.
+COLUMN_BLOCK_BYTES = 64 * 2**20
 
 #: Per parameter slot: the eigenvectors of its factors (None: identity) and the inverse
 #: spectrum, (m, n) for a two-factor block, (p,) for a one-factor block.
@@ -96,19 +100,23 @@ class _Slot:
             self.Q_out, self.Q_in = Qs[0], None
 
     def add(self, g: Tensor | None, a: Tensor | None, u: Tensor | None) -> None:
-        """Rows of one output: from ``g`` (R, T, D_out) and ``a``, or from ``u`` (R, p)."""
+        """Rows of one output: from ``g`` (R, T, D_out) and ``a``, or from ``u`` (R, p).
+
+        Rows are rotated into the eigenbasis once every output's are in (one product for all
+        of them), except the products ``Mc`` of a layer with fewer inputs than positions.
+        """
         if self.kind == "exact":
-            self.rows.append(_rotate(u, self.Q_out))
+            self.rows.append(u)
         elif self.kind == "bias":
-            self.rows.append(_rotate(g.sum(1), self.Q_out))
+            self.rows.append(g.sum(1))
         elif a.shape[1] == 1 and not self.rule.one_hot:
-            self.rows.append(_rotate(g[:, 0], self.Q_out))
+            self.rows.append(g[:, 0])
         elif not self.rule.one_hot and a.shape[2] < a.shape[1]:
             # fewer inputs than positions (a convolution's patches): Mc (out × in) is smaller
             # than the gradients (T × out), so it is formed at once, (R, out·in)
             self.rows.append(self._products(_rotate(g, self.Q_out).unsqueeze(1), a)[:, 0])
         else:  # (R, T, D_out): combined with the inputs once every output's rows are in
-            self.rows.append(_rotate(g, self.Q_out))
+            self.rows.append(g)
 
     def variance(self, a: Tensor | None) -> Tensor:
         """``Σ U w Uᵀ`` over the rows of every output, (B, C, C); the rows are freed."""
@@ -117,7 +125,9 @@ class _Slot:
             return self._shared_variance(a)
         U = torch.stack(self.rows, dim=1)  # (B, C, k), or (B, C, T, D) for an embedding
         self.rows.clear()
-        if self.kind != "kron" or shared:  # shared: the products Mc, (B, C, out·in)
+        if not shared:  # shared: the products Mc (B, C, out·in), rotated as they were formed
+            U = _rotate(U, self.Q_out)
+        if self.kind != "kron" or shared:
             return (U * self.inv.flatten()) @ U.transpose(1, 2)
         if self.rule.one_hot:
             return _token_variance(self.module, a, U, self.inv)
@@ -135,7 +145,7 @@ class _Slot:
         step = max(1, SHARED_LAYER_BLOCK_BYTES // (C * inv.numel() * a.element_size()))
         for start in range(0, len(a), step):
             g = torch.stack([rows[start : start + step] for rows in self.rows], 1)
-            M = self._products(g, a[start : start + step])
+            M = self._products(_rotate(g, self.Q_out), a[start : start + step])
             parts.append((M * inv) @ M.transpose(1, 2))
         self.rows.clear()
         return torch.cat(parts)
@@ -190,6 +200,28 @@ def _slots(trace: PerSampleTrace, block_inverse: BlockInverse) -> list[_Slot] | 
     return slots
 
 
+def _output_gradients(f: Tensor, calls: list, create_graph: bool) -> Iterator[list[list[Tensor]]]:
+    """Per output column of ``f`` (B, C), its gradients w.r.t. every recorded layer output.
+
+    Columns go through one vectorised backward pass a block at a time (as many as
+    ``COLUMN_BLOCK_BYTES`` of gradients hold) where ``OutputGradients`` can, else one pass each.
+    """
+    grads = OutputGradients(f, calls, create_graph)
+    B, C = f.shape[0], f.reshape(f.shape[0], -1).shape[1]
+    eye = torch.eye(C, dtype=f.dtype, device=f.device)
+    columns = eye.unsqueeze(1).expand(C, B, C).reshape(C, *f.shape)
+    if not grads.vectorised:
+        for column in columns:
+            yield grads(column)
+        return
+    per_column = sum(z.numel() for call in calls for z in call.outputs) * f.element_size()
+    step = max(1, COLUMN_BLOCK_BYTES // max(1, per_column))
+    for start in range(0, C, step):
+        block = grads.columns(columns[start : start + step])
+        for k in range(min(step, C - start)):
+            yield [[g[k] for g in per_call] for per_call in block]
+
+
 def layerwise_variance(
     trace: PerSampleTrace, block_inverse: BlockInverse, create_graph: bool
 ) -> Tensor | None:
@@ -226,10 +258,7 @@ def layerwise_variance(
     for key, a in inputs.items():
         if not factored[key].rule.one_hot:
             inputs[key] = _rotate(a, factored[key].Q_in)
-    grads = OutputGradients(f, calls, create_graph)
-    eye = torch.eye(C, dtype=f.dtype, device=f.device)
-    for c in range(C):
-        g_calls = grads(eye[c].expand(B, C).reshape(f.shape))
+    for g_calls in _output_gradients(f, calls, create_graph):
         gs: dict[tuple, Tensor] = {}
         us: dict[int, Tensor] = {}
         for call, g in zip(calls, g_calls):

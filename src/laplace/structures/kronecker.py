@@ -139,16 +139,18 @@ class KronPosterior(Posterior):
     """Gaussian posterior with a block-diagonal Kronecker-factored precision.
 
     The prior must be constant on every block (a scalar or one value per parameter tensor); the
-    per-block value ``δ`` is read from ``prior_diag`` at the first entry of each block, so it stays
-    differentiable. ``log det P``, ``J P⁻¹ Jᵀ``, ``Δᵀ P Δ`` and samples
-    ``P^{-1/2} z`` cost a few products with the eigenvector matrices of each block; ``J P⁻¹ Jᵀ``
-    of a recorded pass or of a linear head's features needs no Jacobian
-    (``kron_functional_variance``, ``kron_head_variance``).
+    per-block value ``δ`` is the prior as given where its entries are the blocks (else it is
+    read from ``prior_diag`` at the first entry of each block), so it stays differentiable.
+    ``h·H`` (``scaled``) does not depend on the prior: ``with_prior`` shares it. ``log det P``,
+    ``J P⁻¹ Jᵀ``, ``Δᵀ P Δ`` and samples ``P^{-1/2} z`` cost a few products with the
+    eigenvector matrices of each block; ``J P⁻¹ Jᵀ`` of a recorded pass or of a linear head's
+    features needs no Jacobian (``kron_functional_variance``, ``kron_head_variance``).
 
     Args:
         H: Fitted curvature, a ``KronDecomposed`` (a ``Kron`` is decomposed without damping).
         h_factor: Scalar likelihood factor ``h = 1/(σ²T)``.
-        prior_diag: Prior precision expanded to the diagonal, shape (P,), block-wise constant.
+        prior_precision: See ``Posterior``; block-wise constant.
+        prior_sizes: See ``Posterior``.
     """
 
     backend_route = "kron"
@@ -162,10 +164,18 @@ class KronPosterior(Posterior):
     #: Layers with more outputs keep such a factor; None: every factor dense.
     low_rank_above: ClassVar[int | None] = None
 
-    def __init__(self, H: Kron | KronDecomposed, h_factor: Tensor, prior_diag: Tensor) -> None:
+    prior_free = ("scaled",)
+
+    def __init__(
+        self,
+        H: Kron | KronDecomposed,
+        h_factor: Tensor,
+        prior_precision: Tensor,
+        prior_sizes: Sequence[int] | None = None,
+    ) -> None:
         if isinstance(H, Kron):
             H = H.decompose()
-        super().__init__(H, h_factor, prior_diag)
+        super().__init__(H, h_factor, prior_precision, prior_sizes)
 
     @override
     @classmethod
@@ -282,14 +292,33 @@ class KronPosterior(Posterior):
         return cls.finalize(type(zeros)(kfacs), damping=damping)
 
     @cached_property
+    def given_per_block(self) -> Tensor | None:
+        """The prior as given where it is one value for all blocks (1,) or one per block.
+
+        None for a diagonal prior, or layers that are not the blocks.
+        """
+        prior, sizes = self.prior_precision, self.prior_sizes
+        if sizes is None or len(prior) == sum(sizes):
+            return None
+        return prior if len(prior) == 1 or list(sizes) == self.H.block_sizes() else None
+
+    @cached_property
     def block_deltas(self) -> Tensor:
-        """Prior precision of each block, shape (n_blocks,)."""
+        """Prior precision of each block, shape (n_blocks,), or (1,) for all of them."""
+        given = self.given_per_block
+        if given is not None:
+            return given
         return torch.stack([block[0] for block in self.prior_diag.split(self.H.block_sizes())])
+
+    @cached_property
+    def scaled(self) -> KronDecomposed:
+        """``h·H``, without the prior."""
+        return self.H * self.h_factor
 
     @cached_property
     def precision(self) -> KronDecomposed:
         """The posterior precision ``h·H + δ``."""
-        return self.H * self.h_factor + self.block_deltas
+        return self.scaled + self.block_deltas
 
     @override
     @property
@@ -306,7 +335,7 @@ class KronPosterior(Posterior):
 
     @override
     def sample_deviations(self, n_samples: int, generator: torch.Generator | None) -> Tensor:
-        z = self._standard_normal((n_samples, len(self.prior_diag)), generator)
+        z = self._standard_normal((n_samples, sum(self.H.block_sizes())), generator)
         return self.precision.bmm(z, exponent=-0.5)
 
 
@@ -415,6 +444,8 @@ class EKFACPosterior(KronPosterior):
         Raises:
             ValueError: For a prior that varies within a block with ``damping``.
         """
+        if self.given_per_block is not None:
+            return super().precision
         blocks = self.prior_diag.split(self.H.block_sizes())
         if all(bool((block == block[0]).all()) for block in blocks):
             return super().precision
@@ -423,7 +454,7 @@ class EKFACPosterior(KronPosterior):
                 "damping mixes one prior precision per block into the Kronecker factors; a "
                 "diagonal prior precision needs damping=False."
             )
-        scaled = self.H * self.h_factor
+        scaled = self.scaled
         spectra = []
         for i, prior in enumerate(blocks):
             spectrum = scaled.spectrum(i)

@@ -287,9 +287,15 @@ class MatFreePosterior(Posterior):
         "run over, and those would be evaluated at the new weights; fit on all the data."
     )
 
-    def __init__(self, H: MatFreeCurvature, h_factor: Tensor, prior_diag: Tensor) -> None:
-        super().__init__(H, h_factor, prior_diag)
-        self.n_params = len(prior_diag)
+    def __init__(
+        self,
+        H: MatFreeCurvature,
+        h_factor: Tensor,
+        prior_precision: Tensor,
+        prior_sizes: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(H, h_factor, prior_precision, prior_sizes)
+        self.n_params = len(self.prior_diag)
 
     # ---------------------------------------------------------------------- accumulation
     @staticmethod

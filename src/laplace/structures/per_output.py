@@ -85,7 +85,8 @@ class PerOutputPosterior(Posterior):
     Args:
         H: Per-output curvature, stacked along the first axis.
         h_factor: ``1/(σ²T)``, shape (C,), or one value for every output.
-        prior_diag: Diagonal of the prior precision, shape (P,).
+        prior_precision: See ``Posterior``.
+        prior_sizes: See ``Posterior``.
     """
 
     #: The structure of each output's curvature and of the posterior.
@@ -95,15 +96,21 @@ class PerOutputPosterior(Posterior):
     #: No closed form of a head's summed curvature: each output's curvature is kept.
     head_curvature: ClassVar[None] = None
 
-    def __init__(self, H: Curvature, h_factor: Tensor, prior_diag: Tensor) -> None:
+    def __init__(
+        self,
+        H: Curvature,
+        h_factor: Tensor,
+        prior_precision: Tensor,
+        prior_sizes: Sequence[int] | None = None,
+    ) -> None:
         weights = h_factor.reshape(-1).expand(self.n_outputs)
-        one = torch.ones((), dtype=prior_diag.dtype, device=prior_diag.device)
-        super().__init__(self.combine(H, weights), one, prior_diag)
+        one = torch.ones((), dtype=prior_precision.dtype, device=prior_precision.device)
+        super().__init__(self.combine(H, weights), one, prior_precision, prior_sizes)
 
     @cached_property
     def inner(self) -> Posterior:
         """The same posterior as an object of the base structure."""
-        return self.structure(self.H, self.h_factor, self.prior_diag)
+        return self.structure(self.H, self.h_factor, self.prior_precision, self.prior_sizes)
 
     @classmethod
     def zeros(cls, params: Sequence[Tensor]) -> Curvature:

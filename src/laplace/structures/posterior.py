@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from functools import cache, cached_property
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import torch
@@ -29,7 +30,13 @@ from laplace.utils.data import Inputs
 if TYPE_CHECKING:
     from laplace.curvature.curvature_backend import CurvatureBackend
 
-__all__ = ["ClosedForm", "Curvature", "NotPositiveDefiniteError", "Posterior"]
+__all__ = [
+    "ClosedForm",
+    "Curvature",
+    "NotPositiveDefiniteError",
+    "Posterior",
+    "expand_to_diagonal",
+]
 
 #: ``J P⁻¹ Jᵀ`` (B, C, C) of a posterior for one Jacobian kind, or None where it does not apply:
 #: ``(posterior, J)`` of the structure and the kind it is listed under.
@@ -46,13 +53,44 @@ class NotPositiveDefiniteError(RuntimeError):
     """The posterior precision could not be factorised: it is not positive definite."""
 
 
+def expand_to_diagonal(prior_precision: Tensor, layer_sizes: Sequence[int]) -> Tensor:
+    """Expand a scalar, layer-wise or diagonal precision to the diagonal, shape (P,).
+
+    Where lengths coincide, diagonal wins, then scalar.
+    """
+    n_params = sum(layer_sizes)
+    if len(prior_precision) == n_params:
+        return prior_precision
+    if len(prior_precision) == 1:
+        return prior_precision.expand(n_params)
+    sizes = torch.as_tensor(layer_sizes, device=prior_precision.device)
+    return torch.repeat_interleave(prior_precision, sizes)
+
+
+@cache
+def _prior_dependent(cls: type[Posterior]) -> frozenset[str]:
+    """The cached attributes of a structure that ``with_prior`` computes anew."""
+    names = {name for klass in cls.__mro__ for name, value in vars(klass).items()}
+    cached = {name for name in names if isinstance(getattr(cls, name, None), cached_property)}
+    return frozenset(cached - set(cls.prior_free))
+
+
 class Posterior(ABC):
     """Gaussian posterior with precision ``P = h·H + diag(p₀)`` over P parameters.
+
+    The prior precision is kept as given (``prior_precision``) and expanded to its diagonal
+    (``prior_diag``) where a structure needs it; a structure constant on blocks reads the
+    given one. ``with_prior`` gives the posterior of another prior precision sharing what the
+    structure computed from ``H`` and ``h`` alone (``prior_free``): marglik tuning changes the
+    prior at every step, nothing else.
 
     Args:
         H: Curvature in the structure's own representation (summed over the data).
         h_factor: Scalar likelihood factor ``h = 1/(σ²T)``, shape () or (1,).
-        prior_diag: Diagonal of the prior precision, shape (P,).
+        prior_precision: The prior precision: its diagonal, shape (P,); or, with
+            ``prior_sizes``, a scalar (1,) or one value per entry of ``prior_sizes``.
+        prior_sizes: Weights under each entry of a layer-wise prior; None: ``prior_precision``
+            is the diagonal.
     """
 
     #: The backend method (``full``, ``diag``, ``kron``) giving a batch's curvature in this form.
@@ -65,10 +103,55 @@ class Posterior(ABC):
     #: ``backend_route`` (``laplace.structures.last_layer.head_curvature``); None: none.
     head_curvature: ClassVar[Callable[..., Curvature] | None] = None
 
-    def __init__(self, H: Curvature, h_factor: Tensor, prior_diag: Tensor) -> None:
+    #: Cached attributes computed from ``H`` and ``h_factor`` alone, which ``with_prior``
+    #: shares (every other cached attribute is recomputed for the new prior).
+    prior_free: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        H: Curvature,
+        h_factor: Tensor,
+        prior_precision: Tensor,
+        prior_sizes: Sequence[int] | None = None,
+    ) -> None:
         self.H = H
         self.h_factor = h_factor.reshape(())
-        self.prior_diag = prior_diag
+        self._set_prior(prior_precision, prior_sizes)
+
+    def _set_prior(self, prior_precision: Tensor, prior_sizes: Sequence[int] | None) -> None:
+        self.prior_precision, self.prior_sizes = prior_precision, prior_sizes
+        if prior_sizes is None:
+            self.prior_diag = prior_precision
+
+    @cached_property
+    def prior_diag(self) -> Tensor:
+        """The prior precision's diagonal, shape (P,)."""
+        return expand_to_diagonal(self.prior_precision, self.prior_sizes)
+
+    def with_prior(
+        self, prior_precision: Tensor, prior_sizes: Sequence[int] | None = None
+    ) -> Posterior:
+        """The posterior of the same curvature and ``h`` with another prior precision.
+
+        The attributes the constructor set and the cached ones named in ``prior_free`` (computed
+        now if they were not) are shared with this posterior; every other cached attribute is
+        computed anew when asked.
+
+        Args:
+            prior_precision: See the class.
+            prior_sizes: See the class.
+        """
+        for name in self.prior_free:  # computed here first, so that every copy shares them
+            getattr(self, name)
+        cls = type(self)
+        dropped = _prior_dependent(cls)
+        out = cls.__new__(cls)
+        kept = vars(out)
+        for name, value in vars(self).items():
+            if name not in dropped:
+                kept[name] = value
+        out._set_prior(prior_precision, prior_sizes)
+        return out
 
     # ---------------------------------------------------------------- curvature accumulation
     # A fit is a sum over batches in the structure's representation: ``zeros`` is the empty
@@ -200,6 +283,5 @@ class Posterior(ABC):
     def _standard_normal(
         self, shape: tuple[int, ...], generator: torch.Generator | None
     ) -> Tensor:
-        return torch.randn(
-            shape, generator=generator, device=self.prior_diag.device, dtype=self.prior_diag.dtype
-        )
+        like = self.prior_precision
+        return torch.randn(shape, generator=generator, device=like.device, dtype=like.dtype)

@@ -46,6 +46,11 @@ def _times(F: Tensor | DiagLowRank, X: Tensor) -> Tensor:
     return F @ X if F.ndim > 1 else F.unsqueeze(-1) * X
 
 
+def _same(A: Tensor, B: Tensor) -> bool:
+    """Whether two factors are the same matrix (same type, shape and entries)."""
+    return A is B or (A.shape == B.shape and A.dtype == B.dtype and torch.equal(A, B))
+
+
 def _pair(block: list[Tensor]) -> list[Tensor]:
     """A block's factors as a pair ``[F₀, F₁]``: a one-factor block ``F`` is ``[1] ⊗ F``."""
     if len(block) == 2:
@@ -172,11 +177,25 @@ class Kron:
         return self.decomposition(*self._eigenpairs(), damping=damping)
 
     def _eigenpairs(self) -> tuple[list[list[Tensor | None]], list[list[Tensor]]]:
+        """Eigenvalues and eigenvectors of every dense factor (the others as they are).
+
+        A bias's block is the output factor of its weight's (KFAC's ``G``): a factor equal to
+        the previous block's first one takes its eigenpairs instead of a second decomposition.
+        """
         eigenvectors, eigenvalues = [], []
+        previous: tuple[Tensor, tuple[Tensor, Tensor]] | None = None
         for block in self.kfacs:
-            pairs = [
-                symeig(F) if isinstance(F, Tensor) and F.ndim > 1 else (F, None) for F in block
-            ]
+            pairs = []
+            for F in block:
+                if not (isinstance(F, Tensor) and F.ndim > 1):
+                    pairs.append((F, None))
+                elif previous is not None and _same(previous[0], F):
+                    pairs.append(previous[1])
+                else:
+                    pairs.append(symeig(F))
+            first = block[0]
+            dense = isinstance(first, Tensor) and first.ndim > 1
+            previous = (first, pairs[0]) if dense and len(block) == 2 else None
             eigenvalues.append([values for values, _ in pairs])
             eigenvectors.append([Q for _, Q in pairs])
         return eigenvectors, eigenvalues
@@ -287,7 +306,7 @@ class KronDecomposed:
         """
         damping = self.damping if damping is None else damping
         out = type(self)(*self._pairs(), self.deltas, damping, corrections)
-        out.factors = self.factors
+        out.factors, out._products = self.factors, self._products
         return out
 
     def _init_deltas(self, n_blocks: int, reference: Tensor, deltas: Tensor | None) -> None:
@@ -297,7 +316,11 @@ class KronDecomposed:
             self._check_deltas(deltas, n_blocks)
             deltas = deltas.reshape(-1).expand(n_blocks)
         self.deltas = deltas
+        self._delta_views: tuple[Tensor, ...] | None = None
         self._low_rank: dict[int, LowRankKronBlock] = {}
+        #: ``λ₀ λ₁ᵀ`` of two-factor blocks, by block: they depend on the eigenvalues only, so
+        #: a decomposition with other deltas or corrections shares them.
+        self._products: dict[int, Tensor] = {}
 
     def _pairs(self) -> tuple[list[list[Tensor | None]], list[list[Tensor]]]:
         """Eigenvectors and eigenvalues per block (decomposing the factors on first use)."""
@@ -340,14 +363,18 @@ class KronDecomposed:
     def detach(self) -> KronDecomposed:
         """Detach the deltas in place (the factors are never part of a graph); returns self."""
         self.deltas = self.deltas.detach()
+        self._delta_views = None
         self._low_rank.clear()
+        self._products = {}
         return self
 
     def __add__(self, deltas: Tensor) -> KronDecomposed:
         """Add a scalar or one scalar per block (e.g. a prior precision) to the blocks."""
         self._check_deltas(deltas)
         deltas = self.deltas + deltas.reshape(-1)
-        return type(self)(*self._pairs(), deltas, self.damping, self.corrections)
+        out = type(self)(*self._pairs(), deltas, self.damping, self.corrections)
+        out._products = self._products
+        return out
 
     def __mul__(self, scalar: float | Tensor) -> KronDecomposed:
         """Scale every block by ``scalar`` (its ``k`` eigenvalue sets by ``scalar^(1/k)``)."""
@@ -377,8 +404,14 @@ class KronDecomposed:
             return None
         if i not in self._low_rank:
             a, Q = (ls[1], eigenvectors[i][1]) if len(ls) == 2 else (None, None)
-            self._low_rank[i] = LowRankKronBlock(ls[0], a, Q, self.deltas[i], self.damping)
+            self._low_rank[i] = LowRankKronBlock(ls[0], a, Q, self._delta(i), self.damping)
         return self._low_rank[i]
+
+    def _delta(self, i: int) -> Tensor:
+        """The delta of block ``i`` (the deltas are split once, one graph node for all)."""
+        if self._delta_views is None:
+            self._delta_views = self.deltas.unbind()
+        return self._delta_views[i]
 
     def spectrum(self, i: int) -> Tensor:
         """Eigenvalues of block ``i`` with its delta: (p,) or (p_out, p_in) for ``F₀ ⊗ F₁``.
@@ -386,7 +419,7 @@ class KronDecomposed:
         Raises:
             ValueError: For a block with a diagonal-plus-low-rank factor.
         """
-        ls, delta = self._pairs()[1][i], self.deltas[i]
+        ls, delta = self._pairs()[1][i], self._delta(i)
         if isinstance(ls[0], DiagLowRank):
             raise ValueError(f"block {i} has a structured output factor and no spectrum.")
         corrected = None if self.corrections is None else self.corrections[i]
@@ -395,8 +428,15 @@ class KronDecomposed:
         if self.damping:
             root = delta.sqrt()
             damped = torch.outer(ls[0] + root, ls[1] + root)
-            return damped if corrected is None else damped - torch.outer(*ls) + corrected
-        return (torch.outer(ls[0], ls[1]) if corrected is None else corrected) + delta
+            return damped if corrected is None else damped - self._product(i) + corrected
+        return (self._product(i) if corrected is None else corrected) + delta
+
+    def _product(self, i: int) -> Tensor:
+        """``λ₀ λ₁ᵀ`` of the two-factor block ``i``, computed once."""
+        product = self._products.get(i)
+        if product is None:
+            product = self._products[i] = torch.outer(*self._pairs()[1][i])
+        return product
 
     def logdet(self) -> Tensor:
         """``log det`` of the whole matrix, deltas included."""
