@@ -1,13 +1,9 @@
 """ASDL backends (the ``asdl`` module of the ``asdfghjkl==0.1a4`` package).
 
-As everywhere in the library, the curvature is σ-free and of the library loss (``½ Σ‖y − f‖²``
-or ``Σ CE``); two ASDL conventions are corrected here (its empirical Fisher squares gradients of
-the unscaled loss, its ``n_mc_samples > 1`` Monte-Carlo Fisher divides by S twice). ASDL stores
-its results on the modules it ran on; every call reads them off and leaves the model clean
+As everywhere in the library, the curvature is σ-free and of the library loss; two ASDL
+conventions are corrected here (its empirical Fisher squares gradients of the unscaled loss, its
+``n_mc_samples > 1`` Monte-Carlo Fisher divides by S twice). Every call leaves the model clean
 (``isolated``). See ``docs/backends.md``.
-
-This module is imported with ``laplace`` (as laplace-torch's is); ASDL itself is imported when a
-backend is built, and building one without it raises an ``ImportError`` naming the extra.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Native per-sample-gradient engine behind the default backends.
 
-Every curvature is a sum of outer products of per-sample vectors ``gₙₖ = Jₙᵀ vₙₖ``, one
-output-space column ``vₙₖ`` per sample and column k (one-hot: Jacobian rows; columns of
-``Λₙ^½``: the GGN; loss gradients: the empirical and Monte-Carlo Fisher). One hooked forward
-records each parameter-owning layer's input ``a`` and output ``z``; one backward pass per column
-w.r.t. the layer outputs gives ``g = ∂(vᵀ f)/∂z``, and per-layer rules
-(``laplace.curvature.engine.layer_rules``) turn ``(a, g)`` into per-sample gradients. Models whose
-layers do not see the data points along dim 0 fall back to batched backward passes, one per
-data point. Before a pass is trusted, the attribution guard (``laplace.curvature.engine.guard``)
-checks it against autograd once per shape signature; parameters the recorded calls do not give
-exactly take that whole-model route. See ``docs/backends.md``, "Inside the native engine", and
-``docs/status.md``, "What the engine sees".
+Every curvature is a sum of outer products of per-sample vectors ``gₙₖ = Jₙᵀ vₙₖ``. One hooked
+forward records each parameter-owning layer's input ``a`` and output ``z``; one backward pass per
+column gives ``g = ∂(vᵀ f)/∂z``, and per-layer rules turn ``(a, g)`` into per-sample gradients;
+what the attribution guard does not trust takes batched backward passes, one per data point.
+See ``docs/backends.md``, "Inside the native engine".
 """
 
 from __future__ import annotations
