@@ -108,13 +108,9 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
     def _collect(self, module: nn.Module, attr: str, flatten_from: int) -> Tensor:
         """Concatenate the ``attr`` that BackPACK stored on each parameter (in ``params`` order).
 
-        Args:
-            module: The module run (for the error message).
-            attr: BackPACK's attribute name, e.g. ``"grad_batch"``.
-            flatten_from: Leading dimensions to keep (1 for per-sample quantities).
-
         Returns:
-            Shape (*leading, P), restricted to the subnetwork when one is set.
+            Shape (*leading, P) (``flatten_from`` leading dimensions), restricted to the
+            subnetwork when one is set.
         """
         parts = []
         for p in self.params:

@@ -215,12 +215,7 @@ class ELLA(BaseFunctionalLaplace):
         self.dual_directions = V.to(self._dtype)
 
     def _features(self, X: Inputs, create_graph: bool = False) -> tuple[Tensor, Tensor]:
-        """The features ``φ(x) = J(x) V`` (B, C, K) and the outputs (B, C) at ``X``.
-
-        Args:
-            X: Inputs (B, ...) or a dict-like batch, on the model's device.
-            create_graph: Keep them differentiable (in the inputs).
-        """
+        """The features ``φ(x) = J(x) V`` (B, C, K) and the outputs (B, C) at ``X``."""
         return nystrom_features(self._jacobian_chunks, self.dual_directions, X, create_graph)
 
     # ------------------------------------------------------------------------------ tuning

@@ -246,10 +246,6 @@ class VaLLA(BaseFunctionalLaplace):
 
         Differentiable in the variational parameters and the inducing inputs (not detached).
 
-        Args:
-            X: Inputs (B, ...) or a dict-like batch, on the model's device.
-            joint: Keep the covariance between the points.
-
         Returns:
             Outputs (B, C); covariances (B, C, C), or (B·C, B·C) with ``joint``, without
             observation noise; ``A = Lᵀ J_Z/√δ`` (M, P) and the upper triangular ``R`` (M, M)

@@ -513,13 +513,7 @@ class ParametricLaplace(BaseLaplace):
         )
 
     def _chunk_rows(self, n_points: int, plan: GLMPlan | None = None) -> int:
-        """Test points per chunk, from the Jacobian kind the subset gives this posterior.
-
-        Args:
-            n_points: The call's number of test points (read by ``MatFreeLaplace``'s sampled
-                route, which takes them all at once).
-            plan: The prediction's ``GLMPlan`` (derived here when None).
-        """
+        """Test points per chunk of a call on ``n_points`` points (``plan`` derived when None)."""
         plan = plan or self._glm_plan()
         if plan.variances_only:
             # A last layer's closed forms hold about C·(D + 1) numbers per point.
@@ -538,13 +532,7 @@ class ParametricLaplace(BaseLaplace):
         diagonal_output: bool = False,
         plan: GLMPlan | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Mean and covariance of the linearised network's outputs.
-
-        Args:
-            X: Test inputs (B, ...) or a dict-like batch.
-            joint: Return the joint moments.
-            diagonal_output: Return variances instead of covariances.
-            plan: The prediction's ``GLMPlan`` (derived here when None: laplace-torch's hook).
+        """Mean and covariance of the linearised network's outputs (laplace-torch's hook).
 
         Returns:
             ``(f_mu (B, C), f_var (B, C, C))``; ``(B, C)`` variances if ``diagonal_output``;
@@ -578,11 +566,7 @@ class ParametricLaplace(BaseLaplace):
         """``(f_mu (B, C), f_var (B, C, C))`` of the linearised network on one chunk of inputs.
 
         Outputs with extra dimensions give ``f_mu`` in their shape (B, …) and the covariances of
-        their rows (B·T, C, C) (``laplace.utils.outputs``).
-
-        Args:
-            X: One chunk of test inputs (B, ...) or a dict-like batch.
-            posterior: The posterior at the current hyperparameters (derived when None).
+        their rows (B·T, C, C) (``laplace.utils.outputs``). ``posterior`` is derived when None.
         """
         posterior = self._posterior if posterior is None else posterior
         f_mu, J = self._subset.linearize(

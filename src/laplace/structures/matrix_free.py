@@ -406,9 +406,7 @@ class MatFreePosterior(Posterior):
     def _solve(self, B: Tensor, overwrite: bool = False) -> tuple[Tensor, SolveReport]:
         """``P⁻¹ B`` and its report, a block of columns at a time (nothing is reported yet).
 
-        Args:
-            B: Right-hand sides (P, m).
-            overwrite: Use ``B``'s memory for the residuals (``B`` is overwritten).
+        With ``overwrite``, ``B``'s memory holds the residuals.
         """
         options = self.options
         h, prior = self.h_factor.detach(), self.prior_diag.detach()

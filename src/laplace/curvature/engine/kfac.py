@@ -66,14 +66,7 @@ def _gram(t: Tensor, approx: str, scale: float = 1.0) -> Tensor:
 def _token_counts(module: nn.Embedding, tokens: Tensor, approx: str, dtype: torch.dtype) -> Tensor:
     """Diagonal input factor of an embedding: ``Σₙₜ`` one-hot rows (expand) or ``Σₙ cₙ²`` (reduce).
 
-    Args:
-        module: The embedding (its vocabulary size and padding index).
-        tokens: The indices looked up, (R, T).
-        approx: ``"expand"`` or ``"reduce"``.
-        dtype: Floating-point type of the result.
-
-    Returns:
-        Shape (V,), not yet divided by the positions.
+    Of the indices looked up ``tokens`` (R, T); shape (V,), not yet divided by the positions.
     """
     V = module.num_embeddings
     if approx == "expand" or tokens.shape[1] == 1:

@@ -368,9 +368,7 @@ class PerSampleTrace:
     def _selected_rows(self, stacked: list[list[Tensor]], n_columns: int) -> Tensor:
         """Per-sample gradients of the subnetwork entries only, (K, B, n_entries).
 
-        Args:
-            stacked: Per call, gradients w.r.t. its outputs for K columns, each (K, B, ...).
-            n_columns: K.
+        ``stacked`` holds per call the gradients w.r.t. its outputs for K columns (K, B, ...).
         """
         out = self.f.new_zeros(n_columns, self.f.shape[0], self.engine.n_entries)
         slot, selected = self.engine.slot, self.engine.selected
@@ -395,11 +393,7 @@ class PerSampleTrace:
     def _batched_per_sample(
         self, v: Tensor, slots: Sequence[int] | None = None
     ) -> dict[int, Tensor]:
-        """Per-sample gradients by one vectorised backward pass per data point.
-
-        Args:
-            v: Output column, shape (B, ...).
-            slots: Slots of ``engine.needed`` to differentiate (None: all).
+        """Per-sample gradients of ``slots`` (None: all) by one backward pass per data point.
 
         Returns:
             Per slot, shape (B, *shape) (zeros where the outputs do not depend on it).
