@@ -1,12 +1,8 @@
 """laplace-ng: Laplace approximations for deep learning, a drop-in for laplace-torch 0.3.
 
-``from laplace import Laplace`` gives the factory; the classes are also found at laplace-torch's
-module paths (``laplace.baselaplace``, ``laplace.lllaplace``, ``laplace.curvature``,
-``laplace.utils``). This package is a façade: it re-exports each name from the module that owns
-it, and nothing in the package imports ``laplace`` itself (see ``docs/architecture.md``).
-As laplace-torch's, ``import laplace`` loads ``laplace.baselaplace``, ``laplace.utils.utils``,
-``laplace.curvature.asdl`` and ``laplace.curvature.backpack`` (the libraries of the optional
-backends, torchmetrics and SciPy are imported on first use).
+A façade: it re-exports each name from the module that owns it, and nothing in the package
+imports ``laplace`` itself. As laplace-torch's, ``import laplace`` loads ``laplace.baselaplace``,
+``laplace.utils.utils``, ``laplace.curvature.asdl`` and ``laplace.curvature.backpack``.
 """
 
 from importlib.metadata import PackageNotFoundError, version

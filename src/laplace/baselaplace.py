@@ -1,11 +1,7 @@
-"""Public Laplace classes over all weights, at laplace-torch's module path.
+"""Public Laplace classes over all weights, at laplace-torch's module path (a façade).
 
-The classes are a façade over composable pieces: a likelihood object (``laplace.likelihoods``),
-a parameter subset (``laplace.core.subsets``), a posterior structure
-(``laplace.structures``), a curvature backend (``laplace.curvature``), predictive links
-(``laplace.utils.predictive``) and tuning (``laplace.core.tuning``). ``BaseLaplace`` lives in
-``laplace.core.base_laplace``, the parametric classes in ``laplace.parametric`` (one module
-each); all of them report this module as theirs (``at_public_path``).
+``BaseLaplace`` lives in ``laplace.core.base_laplace``, the parametric classes in
+``laplace.parametric``; all of them report this module as theirs (``at_public_path``).
 """
 
 from laplace.core.base_laplace import BaseLaplace

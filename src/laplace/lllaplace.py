@@ -3,18 +3,11 @@ r"""Last-layer Laplace: a Gaussian posterior over the linear head ``f = W φ(x) 
 The network is wrapped in a [`FeatureExtractor`][laplace.utils.feature_extractor.FeatureExtractor]
 (``la.model``); the body ``φ`` stays at its trained weights. Because the head is linear, the
 curvature, the marginal likelihood and the GLM predictive have closed forms in the features
-(``laplace.structures.last_layer``): fitting costs one forward pass over the data plus a few
-products of the features, and predicting one forward pass per test batch. Outputs with extra
-dimensions whose head sees one feature vector per position (token logits (B, T, C) from features
-(B, T, D), pixel logits) are rows of the head like data points (``laplace.utils.outputs``; the
-exact GGN only: the empirical and Monte-Carlo Fisher of a data point's summed loss couple its
-positions). Otherwise (sequence features whose outputs the model reduces, reward-model pairs) the
-backend's autograd routes are used, which handle any such layout exactly. Backends with their own
-curvature routes (ASDL, BackPACK, the exact Hessian, Monte-Carlo Fisher) are used as they are.
+(``laplace.structures.last_layer``); backends with their own curvature routes (ASDL, BackPACK,
+the exact Hessian, Monte-Carlo Fisher) are used as they are.
 
-Unlike laplace-torch 0.3, the model is not deep-copied (the wrapper never modifies it, so two
-copies of, say, a language model are not needed) and ``fit(override=False)`` accumulates like
-the all-weights classes do.
+Unlike laplace-torch 0.3, the model is not deep-copied (the wrapper never modifies it) and
+``fit(override=False)`` accumulates like the all-weights classes do.
 """
 
 from __future__ import annotations
@@ -58,14 +51,11 @@ __all__ = [
 class LLLaplace(ParametricLaplace):
     """Base of the last-layer Laplace approximations; subclasses choose the structure.
 
-    The posterior covers the parameters of the last layer (an ``nn.Linear``): ``mean``,
-    ``n_params``, ``prior_precision`` (scalar, one value for the weight and one for the bias, or
-    diagonal) and ``H`` refer to them only. When ``last_layer_name`` is None the layer is found
-    on the first batch of ``fit``; until then ``n_params``, ``n_layers``, ``mean`` and ``H``
-    are None (as in laplace-torch) and what needs them raises an error that is an
-    ``AttributeError``. Once the layer is known the unfitted posterior is the prior (see
-    ``ParametricLaplace``). Arguments not listed below are those
-    of [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
+    ``mean``, ``n_params``, ``prior_precision`` and ``H`` refer to the last layer (an
+    ``nn.Linear``) only. When ``last_layer_name`` is None the layer is found on the first batch
+    of ``fit``; until then ``n_params``, ``n_layers``, ``mean`` and ``H`` are None (as in
+    laplace-torch). Arguments not listed below are those of
+    [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
 
     Args:
         model: The trained network, ending in a linear layer.

@@ -2,15 +2,9 @@ r"""Subnetwork Laplace: a Gaussian posterior over chosen entries of the weight v
 
 Daxberger et al., *Bayesian Deep Learning via Subnetwork Inference*, ICML 2021. With
 ``θ_S = θ[indices]`` the K chosen entries of the flattened trainable parameters θ (P entries)
-and the others fixed at the MAP,
-
-    p(θ_S | D) ≈ N(θ*_S, P_S⁻¹),   P_S = H_S / (σ² T) + diag(p₀),
-
-where ``H_S`` is the (K, K) block of the curvature on the subnetwork, computed by the backend
-for the selected columns only (never the P × P matrix), and the prior ``p₀`` is a scalar or
-diagonal over the K entries. ``la.mean`` is the full MAP vector (P,), ``la.mean_subnet`` its
-subnetwork part (K,), and ``sample`` returns full vectors (S, P) whose other entries are
-the MAP.
+and the others fixed at the MAP, ``P_S = H_S / (σ² T) + diag(p₀)`` with ``H_S`` the (K, K) block
+of the curvature, computed for the selected columns only. ``la.mean`` is the full MAP vector
+(P,), ``la.mean_subnet`` its subnetwork part (K,), and ``sample`` returns full vectors (S, P).
 
 Example:
     >>> from laplace.utils import LargestMagnitudeSubnetMask

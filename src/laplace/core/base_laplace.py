@@ -80,15 +80,9 @@ REGISTRY: dict[tuple[SubsetOfWeights, HessianStructure], type[BaseLaplace]] = {}
 class BaseLaplace:
     """Common hyperparameters, data handling, prior tuning and state of every Laplace.
 
-    This constructor is the one place where the arguments every Laplace class shares are
-    checked and stored; the public classes keep laplace-torch's explicit parameter lists and
-    hand them here. Each argument is stored under its own name (``la.sigma_noise``,
-    ``la.backend_kwargs``, ...), so a Laplace object can be rebuilt from its attributes.
-    A class is composed from parts it names as data: its parameter subset (``_subset_kind``,
-    built with ``_subset_options``), its posterior structure, its likelihood object and its
-    state format (``_state_format``). The methods named in
-    ``TRANSACTIONAL_METHODS`` change nothing when they raise
-    (``laplace.core.transaction``), in every subclass.
+    The arguments every Laplace class shares are checked and stored here, each under its own
+    name (``la.sigma_noise``, ...). The methods named in ``TRANSACTIONAL_METHODS`` change
+    nothing when they raise, in every subclass.
 
     Args:
         model: The trained network; only parameters with ``requires_grad=True`` are treated
@@ -667,9 +661,6 @@ class BaseLaplace:
     def state_dict(self) -> dict[str, Any]:
         """The fitted state of this approximation.
 
-        The identity of the approximation (class, likelihood and what its ``_state_format`` adds),
-        the posterior mean and the format's values.
-
         Returns:
             A dict of tensors and plain values (loadable with ``weights_only=True``).
 
@@ -741,9 +732,8 @@ class BaseLaplace:
         """Yield ``(X, y)`` of each batch on the model's device, checked before any model call.
 
         Raises:
-            ValueError: For batches ``prepare_batch`` refuses, and
-            dict-like
-                batches with a backend that cannot take them (BackPACK).
+            ValueError: For batches ``prepare_batch`` refuses, and dict-like batches with a
+                backend that cannot take them (BackPACK).
         """
         return self._data_loop(DataLoop, progress_bar=progress_bar, desc=desc).batches(loader)
 
@@ -782,9 +772,7 @@ def _backend_class(
 def arguments_for(constructor: Callable, namespace: dict[str, Any]) -> dict[str, Any]:
     """The arguments of ``constructor`` found in a calling constructor's ``locals()``.
 
-    A public class keeps its own explicit parameter list and hands the shared arguments to the
-    one builder, ``BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))``,
-    instead of writing them all out again.
+    As in ``BaseLaplace.__init__(self, **arguments_for(BaseLaplace.__init__, locals()))``.
 
     Args:
         constructor: The ``__init__`` to call.

@@ -1,11 +1,7 @@
 """Curvature backends: Jacobians, per-sample gradients, and GGN / EF / Hessian curvature.
 
-``CURVATURE_BACKENDS`` maps short names to backend classes so callers never test class
-names; ``DEFAULT_BACKEND`` is the exact GGN. The ASDL and BackPACK backends are optional
-extras: they are imported on first use (``from laplace.curvature import AsdlGGN``), and naming
-one whose library is missing raises an ``ImportError`` with the install command. laplace-torch's
-``Asdfghjkl*`` backends (for an unpublished ASDL fork) exist as names whose construction
-raises an ``ImportError`` naming the replacement (``laplace.curvature.asdfghjkl``).
+``CURVATURE_BACKENDS`` maps short names to backend classes; ``DEFAULT_BACKEND`` is the exact
+GGN. The ASDL and BackPACK backends are optional extras, imported on first use.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """laplace-torch's backends for the unpublished ``asdfghjkl`` fork, kept as names only.
 
 The classes import, subclass and ``isinstance``-check like laplace-torch's; creating one raises
-an ``ImportError`` naming the replacement: the ``Asdl*`` backends (``pip install
-'laplace-ng[asdl]'``) or the default ``Curvlinops*``; for laplace-torch's ``LowRankLaplace``
-with ``AsdfghjklHessian``, ``hessian_structure="lowrank"``, whose eigensolvers work with every
-backend.
+an ``ImportError`` naming the replacement.
 """
 
 from __future__ import annotations

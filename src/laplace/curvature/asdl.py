@@ -1,13 +1,9 @@
 """ASDL backends (the ``asdl`` module of the ``asdfghjkl==0.1a4`` package).
 
-As everywhere in the library, the curvature is σ-free and of the library loss (``½ Σ‖y − f‖²``
-or ``Σ CE``); two ASDL conventions are corrected here (its empirical Fisher squares gradients of
-the unscaled loss, its ``n_mc_samples > 1`` Monte-Carlo Fisher divides by S twice). ASDL stores
-its results on the modules it ran on; every call reads them off and leaves the model clean
+As everywhere in the library, the curvature is σ-free and of the library loss; two ASDL
+conventions are corrected here (its empirical Fisher squares gradients of the unscaled loss, its
+``n_mc_samples > 1`` Monte-Carlo Fisher divides by S twice). Every call leaves the model clean
 (``isolated``). See ``docs/backends.md``.
-
-This module is imported with ``laplace`` (as laplace-torch's is); ASDL itself is imported when a
-backend is built, and building one without it raises an ``ImportError`` naming the extra.
 """
 
 from __future__ import annotations
@@ -210,11 +206,6 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
     ) -> tuple[GradientMaker, str, float]:
         """ASDL's Fisher maker of the backend's curvature in ``shape`` on ``module``.
 
-        Args:
-            module: The module ASDL runs on.
-            shape: ASDL's Fisher shape.
-            options: Extra ``FisherConfig`` fields (``N`` is dropped).
-
         Returns:
             The maker, the attribute ASDL stores its result in, and the factor from ASDL's Fisher
             to the library's curvature.
@@ -245,16 +236,9 @@ class AsdlInterface(KroneckerLayersOnly, CurvatureInterface):
     ) -> tuple[Tensor, Tensor | Kron]:
         """Run ASDL's curvature of one shape and read it off the modules before they are cleaned.
 
-        Args:
-            x: Inputs.
-            y: Targets.
-            shape: ASDL's shape: the dense matrix (P, P), the diagonal (P,) (both restricted to
-                the subnetwork) or the ``Kron`` of a data set of ``n_data`` points.
-            n_data: Number of data points N of the whole data set (``kron`` only).
-            **options: Extra ``FisherConfig`` fields.
-
-        Returns:
-            The summed library loss and the curvature.
+        ``shape`` is ASDL's: the dense matrix (P, P), the diagonal (P,) (both restricted to the
+        subnetwork) or the ``Kron`` of a data set of ``n_data`` points; ``options`` are extra
+        ``FisherConfig`` fields.
         """
         per_sample = self.fisher_type is not None and shape != SHAPE_KRON
         check_attribution(self, x, positions_as_points if per_sample else None)

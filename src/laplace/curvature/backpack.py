@@ -1,13 +1,7 @@
-"""BackPACK backends (``backpack-for-pytorch``).
+"""BackPACK backends (``backpack-for-pytorch``) for ``nn.Sequential`` models of standard layers.
 
-BackPACK extends the backward pass of ``nn.Sequential`` models of standard layers; its
-per-sample gradients can be built with ``create_graph`` (Jacobians with
-``enable_backprop=True``). Hooks live only for the duration of each call and everything BackPACK
-writes is removed afterwards (``isolated``). See
-``docs/backends.md``.
-
-This module is imported with ``laplace`` (as laplace-torch's is); BackPACK itself is imported by
-the first computation, which raises an ``ImportError`` naming the extra where it is missing.
+Hooks live only for the duration of each call and everything BackPACK writes is removed
+afterwards (``isolated``). See ``docs/backends.md``.
 """
 
 from __future__ import annotations
@@ -114,13 +108,9 @@ class BackPackInterface(KroneckerLayersOnly, CurvatureInterface):
     def _collect(self, module: nn.Module, attr: str, flatten_from: int) -> Tensor:
         """Concatenate the ``attr`` that BackPACK stored on each parameter (in ``params`` order).
 
-        Args:
-            module: The module run (for the error message).
-            attr: BackPACK's attribute name, e.g. ``"grad_batch"``.
-            flatten_from: Leading dimensions to keep (1 for per-sample quantities).
-
         Returns:
-            Shape (*leading, P), restricted to the subnetwork when one is set.
+            Shape (*leading, P) (``flatten_from`` leading dimensions), restricted to the
+            subnetwork when one is set.
         """
         parts = []
         for p in self.params:

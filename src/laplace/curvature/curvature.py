@@ -1,16 +1,8 @@
 """The curvature backend contract and its GGN and empirical-Fisher families.
 
-A backend answers, for one batch ``(x, y)``, the quantities a Laplace approximation is built
-from: Jacobians of the outputs w.r.t. the parameters, per-sample loss gradients, and a batch
-curvature (summed over the batch, not normalised) in dense (``full``), Kronecker (``kron``) or
-diagonal (``diag``) form, always together with the summed batch loss
-(``½ Σ‖y − f‖²`` for regression, ``Σ CE`` for classification).
-
 Every curvature of the native routes is ``Σₙ Σₖ (Jₙᵀ vₙₖ)(Jₙᵀ vₙₖ)ᵀ`` for output-space columns
 ``vₖ``: a family (GGN, empirical Fisher) says which columns each row of the outputs has
-(``CurvatureInterface.row_columns``), the output layout (``laplace.utils.outputs``) turns
-them into columns of the model's outputs, and the native per-sample engine
-(``laplace.curvature.engine.per_sample``) sums the outer products.
+(``CurvatureInterface.row_columns``), and the native per-sample engine sums the outer products.
 """
 
 from __future__ import annotations

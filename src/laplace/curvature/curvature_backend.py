@@ -1,10 +1,6 @@
-"""The contract between a curvature backend and the parts that call it.
+"""The contract between a curvature backend and the parts that call it (a structural type).
 
-The posterior structures (``laplace.structures``), the fit passes (``laplace.core.passes``) and
-the parameter subsets (``laplace.core.subsets``) ask a backend for a batch's curvature, its
-Jacobians or its recorded forward pass through ``CurvatureBackend``; every
-[`CurvatureInterface`][laplace.curvature.CurvatureInterface] satisfies it, and so does any
-object with these members (a structural type: nothing needs to inherit from it).
+Every [`CurvatureInterface`][laplace.curvature.CurvatureInterface] satisfies ``CurvatureBackend``;
 ``CurvatureOptions`` and ``KronOptions`` name the keyword arguments the curvature routes take.
 """
 

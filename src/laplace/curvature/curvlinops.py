@@ -1,11 +1,8 @@
 """The default backend family, named as in laplace-torch (``Curvlinops*``).
 
-Despite the name, the GGN and EF backends compute with laplace-ng's own per-layer engine
-(``laplace.curvature.engine.per_sample``, ``laplace.curvature.engine.kfac``), which is faster than
-curvlinops for the dense, diagonal and Kronecker structures a Laplace approximation needs.
-curvlinops supplies linear operators: the exact Hessian (``CurvlinopsHessian``) and the
-curvature products of the low-rank eigensolvers that multiply with an operator (Lanczos,
-LOBPCG, and any Hessian; ``laplace.curvature.solvers.products``). See ``docs/backends.md``.
+Despite the name, the GGN and EF backends compute with laplace-ng's own per-layer engine;
+curvlinops supplies the exact Hessian (``CurvlinopsHessian``) and the operators of the low-rank
+eigensolvers. See ``docs/backends.md``.
 """
 
 from __future__ import annotations

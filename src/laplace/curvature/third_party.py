@@ -1,10 +1,7 @@
 """What the ASDL and BackPACK adapters share: leaving no trace, what they run on, KFAC blocks.
 
-Both libraries hook modules and write their results onto modules and parameters; every backend
-call runs inside ``isolated``, which undoes all of it (docs/backends.md). ``target_call``
-picks what the library runs on (the model, or the last layer on features), ``kron_blocks``
-normalises Kronecker factors like ``laplace.curvature.engine.kfac``, ``check_attribution`` refuses
-models the libraries would read wrong (the native engine's attribution guard).
+Every backend call runs inside ``isolated``, which undoes what the libraries write onto modules
+and parameters (docs/backends.md).
 """
 
 from __future__ import annotations
@@ -41,14 +38,13 @@ __all__ = [
 def isolated(*modules: nn.Module) -> Iterator[list[RemovableHandle]]:
     """Run a block whose hooks and attributes on ``modules`` are all undone afterwards.
 
-    The attributes, hook mode, gradients and ``requires_grad`` of the modules and their
-    parameters are restored (``requires_grad`` because ASDL switches it off around its backward
-    passes without restoring it when they raise). The block runs with gradients enabled:
-    third-party libraries record their quantities by backpropagating, which must work inside a
-    caller's ``torch.no_grad()`` (predictives and grid search run there).
+    The attributes, hook mode, gradients and ``requires_grad`` of the modules (with their
+    submodules and parameters) are restored (ASDL switches ``requires_grad`` off around its
+    backward passes without restoring it when they raise). The block runs with gradients
+    enabled, also inside a caller's ``torch.no_grad()``.
 
     Args:
-        *modules: The modules (with their submodules and parameters) to keep clean.
+        *modules: The modules to keep clean.
 
     Yields:
         A list to which the block appends the handles of hooks it registers; they are removed
@@ -93,14 +89,8 @@ class TargetCall(NamedTuple):
 def target_call(model: nn.Module, x: Inputs, last_layer: bool) -> TargetCall:
     """The module and input to hand a curvature library.
 
-    In last-layer mode the features are computed once, without a graph, so that the library
-    only sees the last layer (a single ``nn.Linear``).
-
-    Args:
-        model: The model (a feature extractor with ``forward_with_features`` when
-            ``last_layer``).
-        x: Model inputs.
-        last_layer: Whether only ``model.last_layer`` is considered.
+    With ``last_layer`` the features are computed once, without a graph, so that the library
+    only sees ``model.last_layer`` (a single ``nn.Linear``).
     """
     if not last_layer:
         return TargetCall(model, x)
@@ -150,12 +140,9 @@ def check_attribution(
     """Refuse a model that a library reading curvature off module calls would get wrong.
 
     ASDL and BackPACK read each parameter's curvature from its module's calls, the rows of
-    each call's outputs taken as data points. The native engine's attribution guard
-    (``laplace.curvature.engine.guard``) finds where that is wrong: a parameter used outside its
-    module's calls (a head tied as ``h @ wte.weight.T``), a table looked up once for the batch
-    (with or without a batch dimension), a layer in a sequence-first layout, a module called
-    several times in one forward pass (the libraries keep one call's quantities). Checked
-    once per shape of the inputs.
+    each call's outputs taken as data points; the native engine's attribution guard finds where
+    that is wrong, and a module called several times in one forward pass is refused too (the
+    libraries keep one call's quantities). Checked once per shape of the inputs.
 
     Args:
         backend: The library's backend (its ``engine``, ``last_layer``).

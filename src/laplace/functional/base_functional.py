@@ -233,15 +233,8 @@ class BaseFunctionalLaplace(BaseLaplace):
         """The targets of a batch in the shape the fit and the validation NLL take them.
 
         ELLA and VaLLA (``_column_targets``) read regression targets (B,) of a model with one
-        output (B, 1) as (B, 1), with the same fit history and predictions: laplace-torch's
-        functional approximations accept such targets, so scripts written for them run
-        unchanged. Its ``FunctionalLaplace`` and parametric approximations refuse them, and so
-        do ours. Another mismatch ((B,) targets for outputs (B, 2)) is left to the
-        likelihood's target checks, which refuse it.
-
-        Args:
-            y: Targets of a batch.
-            output_shape: The shape of the model's outputs (B, C).
+        output (B, 1) as (B, 1), as laplace-torch's functional approximations accept them; its
+        ``FunctionalLaplace`` and parametric approximations refuse them, and so do ours.
         """
         if not self._column_targets:
             return y

@@ -59,22 +59,17 @@ class ELLA(BaseFunctionalLaplace):
     (the training points spanning the basis), ``_build_basis`` (``V``) and ``_features``
     (``φ`` and the outputs, which the predictions use too).
 
+    Arguments not listed are those of [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
+
     Args:
-        model: The trained network.
         likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"`` (fitted as
             classification on pairs (B, 2, ...) → logits (B, 2), predicting rewards (B, 1) of
             items (B, ...) as regression).
         subsample_size: Number ``M`` of training points defining the Nyström basis.
         n_eigenvalues: Rank ``K`` of the basis, ``1 ≤ K ≤ M``.
-        sigma_noise: Observation noise σ (regression).
         prior_precision: Isotropic prior precision ``δ`` (a positive scalar).
         prior_mean: Must be 0.
-        temperature: Likelihood temperature T.
-        enable_backprop: Keep predictives differentiable w.r.t. the inputs.
-        dict_key_x: Key of the inputs in dict-like batches.
-        dict_key_y: Key of the targets in dict-like batches.
         backend: Backend whose ``jacobians`` are used; ``CurvlinopsGGN`` when None.
-        backend_kwargs: Keyword arguments of the backend.
         seed: Seed of the subset and of the output chosen per subset point.
 
     Attributes:
@@ -215,12 +210,7 @@ class ELLA(BaseFunctionalLaplace):
         self.dual_directions = V.to(self._dtype)
 
     def _features(self, X: Inputs, create_graph: bool = False) -> tuple[Tensor, Tensor]:
-        """The features ``φ(x) = J(x) V`` (B, C, K) and the outputs (B, C) at ``X``.
-
-        Args:
-            X: Inputs (B, ...) or a dict-like batch, on the model's device.
-            create_graph: Keep them differentiable (in the inputs).
-        """
+        """The features ``φ(x) = J(x) V`` (B, C, K) and the outputs (B, C) at ``X``."""
         return nystrom_features(self._jacobian_chunks, self.dual_directions, X, create_graph)
 
     # ------------------------------------------------------------------------------ tuning

@@ -81,20 +81,14 @@ class FunctionalLaplace(BaseFunctionalLaplace):
     ``f_* ~ N(f(x_*; θ*), sK_** − sK_*M (sK_MM + Λ⁻¹)⁻¹ sK_M*)``; see
     ``docs/function_space.md``.
 
+    Arguments not listed are those of [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
+
     Args:
-        model: The trained network.
         likelihood: ``"classification"`` or ``"regression"``.
         n_subset: Number ``M`` of training points in the subset (``1 ≤ M ≤ N``).
-        sigma_noise: See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
         prior_precision: Isotropic prior precision ``δ`` (a scalar).
-        prior_mean: See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
-        temperature: See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
-        enable_backprop: See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
-        dict_key_x: See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
-        dict_key_y: See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
         backend: Accepted for compatibility (laplace-torch defaults to ``BackPackGGN``); the
             Jacobians come from the library's per-sample engine, which all backends agree with.
-        backend_kwargs: See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
         independent_outputs: Keep only the per-output diagonal of the kernel.
         seed: Seed of the subset's [`SoDSampler`][laplace.utils.utils.SoDSampler].
 

@@ -113,6 +113,8 @@ class VaLLA(BaseFunctionalLaplace):
     and factors of ``_latent_distribution``, a step a subclass can override. Reward modelling
     fits on pairs and predicts rewards of items. See ``docs/function_space.md``.
 
+    Arguments not listed are those of [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace].
+
     Args:
         model: The trained network (kept fixed).
         likelihood: ``"classification"``, ``"regression"`` or ``"reward_modeling"``.
@@ -124,12 +126,7 @@ class VaLLA(BaseFunctionalLaplace):
         sigma_noise: Initial σ (regression); learnt by ``fit``.
         prior_precision: Initial scalar δ; learnt by ``fit``.
         prior_mean: Must be 0.
-        temperature: Likelihood temperature T.
-        enable_backprop: Keep predictives differentiable w.r.t. the inputs.
-        dict_key_x: Key of the inputs in dict-like batches.
-        dict_key_y: Key of the targets in dict-like batches.
         backend: Backend whose ``jacobians`` are used; ``CurvlinopsGGN`` when None.
-        backend_kwargs: Keyword arguments of the backend.
         seed: Seed of the inducing-point choice and of ``generator``.
         alpha: ``α ∈ [0, 1]`` of the alpha-energy; 0 is the ELBO.
         mc_softmax_samples: Monte Carlo draws of the classification term; 0 uses the probit
@@ -245,10 +242,6 @@ class VaLLA(BaseFunctionalLaplace):
         """The latent moments at ``X`` and the factors of the inducing posterior, as ``fit`` uses.
 
         Differentiable in the variational parameters and the inducing inputs (not detached).
-
-        Args:
-            X: Inputs (B, ...) or a dict-like batch, on the model's device.
-            joint: Keep the covariance between the points.
 
         Returns:
             Outputs (B, C); covariances (B, C, C), or (B·C, B·C) with ``joint``, without

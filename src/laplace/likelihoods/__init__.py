@@ -1,16 +1,8 @@
 """Likelihood objects: loss, output-space curvature and predictive link of each observation model.
 
-The built-in ones, by ``likelihood=`` name (``laplace.utils.enums.Likelihood``):
-``"regression"`` (``GaussianRegression``, one σ or one σ per output),
-``"classification"`` (``Categorical``), ``"reward_modeling"`` (``RewardModeling``),
-``"binary_classification"`` (``Bernoulli``, binary and multi-label) and
-``"heteroscedastic_regression"`` (``HeteroscedasticGaussian``). Your own observation
-model is a subclass of [`Likelihood`][laplace.Likelihood] (the public protocol), passed as
-``likelihood=MyLikelihood()``. Adding a built-in one is a class (its ``kind`` the name) in
-``_BUILT_IN``; the rest of the library asks the object, never its name.
-
-``laplace.utils.enums.Likelihood`` (laplace-torch's string enum of the names) and
-``laplace.likelihoods.Likelihood`` (the protocol of an object) are different things.
+The built-in ones are named by ``likelihood=`` (``laplace.utils.enums.Likelihood``); your own
+observation model is a subclass of [`Likelihood`][laplace.Likelihood] (the public protocol),
+passed as ``likelihood=MyLikelihood()``. Adding a built-in one is a class in ``_BUILT_IN``.
 """
 
 from __future__ import annotations

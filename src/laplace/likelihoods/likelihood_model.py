@@ -1,19 +1,10 @@
 """``LikelihoodModel``: what the library asks of an observation model ``p(y | f)``.
 
-The rest of the library asks a likelihood object instead of branching on its name: its loss and
-output-space curvature for the fit, whether it has an observation noise σ, its torch loss module,
-the Hessian structures it can be fitted with, and how a Gaussian over the outputs (GLM) or
-sampled outputs (NN) become predictions. Losses follow laplace-torch's conventions: the summed
-loss, ``½ Σ‖y − f‖²`` for regression (σ-free, so the output Hessian is the identity) and
-``Σ CE`` for classification.
-
-Its maths is written for rows (B, C). Outputs with extra dimensions (B, C, d₁, …) or (B, T, C)
-reach it as rows (B·T, C) through its [`OutputAdapter`][laplace.utils.outputs.OutputAdapter]: the
-methods the fits and backends call with a batch of model outputs (the summed loss, its gradient
-w.r.t. the outputs, the target check) drop the positions an ``ignore_index`` drops, and
-predictions get the outputs' shape back (each position an independent observation).
-``ProbabilityPredictions`` is the base of the likelihoods whose predictions are
-probabilities of a link of the outputs (softmax, sigmoid).
+Losses follow laplace-torch's conventions: the summed loss, ``½ Σ‖y − f‖²`` for regression
+(σ-free, so the output Hessian is the identity) and ``Σ CE`` for classification. The maths is
+written for rows (B, C); outputs with extra dimensions reach it as rows (B·T, C) through its
+[`OutputAdapter`][laplace.utils.outputs.OutputAdapter], which drops the positions an
+``ignore_index`` drops and gives predictions the outputs' shape back.
 """
 
 from __future__ import annotations
@@ -209,15 +200,13 @@ class LikelihoodModel(ABC, Generic[PredictionT]):
     def check_targets(self, y: Tensor, output_shape: Sequence[int]) -> None:
         """Refuse targets that cannot belong to outputs of shape ``output_shape`` (B, …).
 
-        Cheap (no model call): the data loops run it on every batch before any curvature work,
-        with the output shape of the first batch (the batch size is not compared). Labels equal
-        to ``ignore_index`` are accepted (their positions are dropped).
+        Cheap (no model call): the data loops run it on every batch before any curvature work.
+        Labels equal to ``ignore_index`` are accepted (their positions are dropped).
 
         Raises:
             ValueError: Naming the problem (shape, label range, an ambiguous class dimension);
-                a ``DataError`` (also a ``RuntimeError``) for targets of
-                the wrong kind, a ``LabelError`` (also an
-                ``IndexError``) for a class label outside ``[0, C)``.
+                a ``DataError`` (a ``RuntimeError``) for targets of the wrong kind, a
+                ``LabelError`` (an ``IndexError``) for a class label outside ``[0, C)``.
         """
         layout = self.layout(output_shape, y)
         targets, _ = layout.labelled(y)
@@ -286,8 +275,7 @@ class LikelihoodModel(ABC, Generic[PredictionT]):
     def structured_output_hessian(self, f: Tensor) -> DiagLowRankBatch:
         """The output Hessians as ``Λₙ = diag(dₙ) + s·Vₙ Vₙᵀ``, without a (B, C, C) tensor.
 
-        Used above ``LARGE_OUTPUT_THRESHOLD`` outputs. By
-        default ``d = 0``, ``s = +1`` and ``V`` = ``output_hessian_sqrt``; likelihoods that
+        By default ``d = 0``, ``s = +1`` and ``V`` = ``output_hessian_sqrt``; likelihoods that
         know a smaller form override it (softmax: ``(p, p, −1)``).
         """
         L = self.output_hessian_sqrt(f)
@@ -342,8 +330,7 @@ class LikelihoodModel(ABC, Generic[PredictionT]):
     ) -> Tensor:
         """VaLLA's summed ``ℓ_α(y) = (1/α) log E_{N(f, cov)}[p(y | f)^α]`` of a minibatch.
 
-        ``α = 0`` is the expected log-likelihood (the ELBO's); see
-        ``laplace.functional.valla_objective``. By default the Monte-Carlo
+        ``α = 0`` is the expected log-likelihood (the ELBO's). By default the Monte-Carlo
         ``(1/α) log((1/S) Σ_s p(y | f_s)^α)`` of ``draw_log_likelihood``, and without draws
         the probit ``predictive_nll`` (which does not depend on ``α``).
 
@@ -410,24 +397,13 @@ class LikelihoodModel(ABC, Generic[PredictionT]):
     def column_targets(self, y: Tensor, output_shape: Sequence[int]) -> Tensor:
         """Targets (B,) of outputs (B, 1) as the column (B, 1) where they are the outputs' values.
 
-        As given by default (labels (B,) are no column). Only ELLA and VaLLA ask for it
-        (``BaseFunctionalLaplace._fit_targets`` says why).
-
-        Args:
-            y: Targets of a batch.
-            output_shape: The shape of the model's outputs (B, C).
+        As given by default (labels (B,) are no column); see
+        ``BaseFunctionalLaplace._fit_targets``.
         """
         return y
 
     def loss_targets(self, y: Tensor, dtype: torch.dtype) -> Tensor:
-        """Targets of a batch in the form ``loss_module`` takes them, without the outputs.
-
-        For code that hands batches to curvlinops' operators. As given by default.
-
-        Args:
-            y: Targets of a batch.
-            dtype: The model's floating-point type.
-        """
+        """Targets of a batch as ``loss_module`` takes them (curvlinops' operators); as given."""
         return y
 
     # ------------------------------------------------------------------------------ predictions
@@ -487,8 +463,7 @@ class LikelihoodModel(ABC, Generic[PredictionT]):
             link_approx: See ``glm_predictive``.
             n_samples: Monte-Carlo samples of ``"mc"``.
             generator: Random number generator of ``"mc"``.
-            diagonal_output: Whether the caller asked for variances (the shape of ``f_var``
-                already says it; ``diagonal_moments`` chose it).
+            diagonal_output: Whether the caller asked for variances.
         """
         layout = self.layout(f_mu.shape)
         prediction = self.glm_predictive(
@@ -551,11 +526,7 @@ class LikelihoodModel(ABC, Generic[PredictionT]):
         return cast(PredictionT, (f.mean(dim=0), f.var(dim=0)))
 
     def sampled_predictive_of(self, groups: Iterable[Tensor]) -> PredictionT:
-        """``sampled_predictive`` of outputs that come in groups of samples (Sᵢ, B, …).
-
-        By default the groups are put together first; a prediction that is a mean over the
-        samples overrides this to sum one group at a time.
-        """
+        """``sampled_predictive`` of groups of sampled outputs (Sᵢ, B, …), put together first."""
         return self.sampled_predictive(torch.cat(list(groups)))
 
     def predictive_sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -633,12 +604,6 @@ class ProbabilityPredictions(LikelihoodModel[Tensor]):
         self, link_approx: LinkApprox, joint: bool, diagonal_output: bool, reason: str
     ) -> None:
         """Refuse a link approximation that needs covariances between outputs.
-
-        Args:
-            link_approx: The requested link approximation.
-            joint: Unused (refused by ``check_prediction``).
-            diagonal_output: Unused (the predictions are probabilities).
-            reason: Why only output variances (B, C) are computed, for the message.
 
         Raises:
             ValueError: For a ``link_approx`` outside ``variance_links``.

@@ -1,13 +1,6 @@
 r"""Low-rank Laplace over all weights: ``P = U diag(λ) Uᵀ / (σ²T) + diag(p₀)``.
 
-``(U, λ)`` are the top-k eigenpairs of the curvature summed over the training data (the GGN by
-default; the empirical Fisher, the Monte-Carlo Fisher or the Hessian with the matching backend),
-found from curvature–block products (``laplace.curvature.solvers.eigen``): by default from the
-Kronecker eigenvectors of the KFAC curvature refined with the exact curvature (Rayleigh–Ritz,
-then a Nyström step; three passes over the data, products computed natively per layer), or
-randomised block Krylov, or exactly by Lanczos or LOBPCG. It works with every backend, unlike
-laplace-torch 0.3, which needs the unpublished ``asdfghjkl`` package. Internal module; the
-public path is [`laplace.baselaplace`][laplace.baselaplace].
+Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace].
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-r"""Matrix-free Laplace over all weights: the exact curvature's posterior by Krylov solvers.
+"""Matrix-free Laplace over all weights: the exact curvature's posterior by Krylov solvers.
 
-``P = H/(σ²T) + diag(p₀)`` with ``H`` the curvature summed over the training data (the GGN by
-default; the empirical or Monte-Carlo Fisher with their backends), never stored: ``fit`` sums
-the loss, keeps the data for products (and the curvature's diagonal for a diagonal
-preconditioner), and every later quantity is computed from products ``H V``
-(``laplace.structures.matrix_free``).
 Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace].
 """
 

@@ -62,18 +62,11 @@ class GLMPlan:
 class ParametricLaplace(BaseLaplace):
     """Gaussian posterior ``N(θ_MAP, P⁻¹)`` with ``P = H/(σ²T) + diag(p₀)`` over the weights.
 
-    Subclasses choose the structure of the curvature ``H`` through ``_posterior_cls`` (a
-    ``Posterior``). A fit is one pass over the data
-    (``_curvature_pass``, a ``FitPass``) summing the backend's
-    curvature in the structure's form; the GLM predictive linearises the model through the
-    parameter subset into the Jacobian kind the structure has a closed form for
-    (``laplace.structures.jacobians``), a chunk of test points at a time; ``pred_type="nn"``
-    runs the network with weights sampled from the posterior. After ``fit``, ``H`` is the
-    curvature summed over the data, ``loss`` the summed loss, ``mean`` the MAP weights (P,). Before
-    it, as in laplace-torch, the posterior is the prior: ``H`` is a zero curvature in the
-    structure's form, ``mean`` the prior mean (P,), and ``posterior_precision``, ``log_prob``, the
-    log-determinants and ``scatter`` follow from them; predictions and samples need ``fit``.
-    See [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace] for the arguments.
+    Subclasses choose the structure of the curvature ``H`` through ``_posterior_cls``. After
+    ``fit``, ``H`` is the curvature summed over the data, ``loss`` the summed loss, ``mean`` the
+    MAP weights (P,). Before it, as in laplace-torch, the posterior is the prior: ``H`` is a zero
+    curvature and ``mean`` the prior mean; predictions and samples need ``fit``. See
+    [`BaseLaplace`][laplace.core.base_laplace.BaseLaplace] for the arguments.
     """
 
     _abstract = "use FullLaplace, DiagLaplace, KronLaplace or LowRankLaplace."
@@ -97,9 +90,6 @@ class ParametricLaplace(BaseLaplace):
     def sigma_noise(self, value: float | Tensor) -> None:
         """Set σ; one σ per output switches to the per-output variant of the structure.
 
-        One σ where one σ was (the common case) leaves the structure as it is; only a change
-        between one σ and one per output consults the structure (``_settle_structure``).
-
         Raises:
             ValueError: See ``laplace.structures.per_output.noise_structure``.
         """
@@ -111,9 +101,7 @@ class ParametricLaplace(BaseLaplace):
     def _settle_structure(self, n_sigma: int) -> None:
         """Set the structure in use: the class's own for one σ, its per-output variant for C.
 
-        Called once the parameters are known (a Kronecker structure reads the backend's block
-        shapes then) and when σ switches between one value and one per output; an unfitted
-        approximation then restarts from the new structure's zero curvature.
+        An unfitted approximation restarts from the new structure's zero curvature.
 
         Args:
             n_sigma: Number of noise values (1, or C for one per output).
@@ -171,10 +159,8 @@ class ParametricLaplace(BaseLaplace):
     def _posterior(self) -> Posterior:
         """The posterior at the current hyperparameters, cached while they do not change.
 
-        Before ``fit`` it is the prior (``H`` is zero). The cache compares the prior precision
-        as given (scalar, layer-wise or diagonal), not its expansion to the diagonal. Another
-        prior precision with the same ``H`` and ``h = 1/(σ²T)`` (a tuning step) gives the cached
-        posterior ``with_prior``: what the structure computed from ``H`` and ``h`` is kept.
+        Another prior precision with the same ``H`` and ``h = 1/(σ²T)`` (a tuning step) gives
+        the cached posterior ``with_prior``, keeping what the structure computed from them.
         """
         if self.H is None:
             raise NotFittedError("the posterior needs fit() first (or a call to _init_H()).")
@@ -287,8 +273,8 @@ class ParametricLaplace(BaseLaplace):
         """Laplace approximation of the log evidence, differentiable in both hyperparameters.
 
         ``log p(D) ≈ log p(D | θ*) − ½ (log det P − log det P₀ + (θ* − μ₀)ᵀ P₀ (θ* − μ₀))``
-        with ``θ*`` the MAP weights.
-        Passing ``prior_precision`` or ``sigma_noise`` replaces the stored values.
+        with ``θ*`` the MAP weights. Passing ``prior_precision`` or ``sigma_noise`` replaces the
+        stored values.
 
         Raises:
             RuntimeError: Before ``fit``.
@@ -330,10 +316,8 @@ class ParametricLaplace(BaseLaplace):
         return self._checked_finite(draws, "posterior samples")
 
     # ------------------------------------------------------------- posterior scale
-    # laplace-torch caches the scale S (S Sᵀ = P⁻¹) in ``_posterior_scale``, fills it in
-    # ``_compute_scale()`` and samples with it; downstream code reads and assigns it. Here the
-    # posterior structure owns the scale, and an assigned one is used until the curvature or a
-    # hyperparameter changes (a new posterior object), as laplace-torch resets its cache then.
+    # laplace-torch's cached scale S (S Sᵀ = P⁻¹): here the posterior structure owns it, and an
+    # assigned one is used until the curvature or a hyperparameter changes.
     @property
     def posterior_scale(self) -> Tensor:
         """``S`` (P, P) with ``S Sᵀ = P⁻¹``: the assigned ``_posterior_scale``, else computed."""
@@ -382,9 +366,7 @@ class ParametricLaplace(BaseLaplace):
                 fitting its shard of the data; None: when the process group is initialised
                 and the loader uses a ``DistributedSampler`` (see ``laplace.utils.distributed``).
 
-        When it raises (bad data, an exception from the model or the loader, a
-        ``KeyboardInterrupt``), the approximation is left exactly as before the call (see
-        ``laplace.core.transaction``).
+        When it raises (even on ``KeyboardInterrupt``), the approximation is left as it was.
 
         Raises:
             ValueError: If the loader is empty or a batch contains non-finite values, or for
@@ -487,9 +469,8 @@ class ParametricLaplace(BaseLaplace):
         Returns:
             What the likelihood predicts: classification class probabilities (B, C); binary
             classification label probabilities (B, K); regression ``(f_mu, f_var)``;
-            heteroscedastic regression a
-            ``HeteroscedasticPrediction``; your own likelihood what
-            its ``predictive`` returns.
+            heteroscedastic regression a ``HeteroscedasticPrediction``; your own likelihood
+            what its ``predictive`` returns.
 
         Raises:
             ValueError: For unknown or incompatible ``pred_type`` / ``link_approx`` (binary
@@ -532,13 +513,7 @@ class ParametricLaplace(BaseLaplace):
         )
 
     def _chunk_rows(self, n_points: int, plan: GLMPlan | None = None) -> int:
-        """Test points per chunk, from the Jacobian kind the subset gives this posterior.
-
-        Args:
-            n_points: The call's number of test points (read by ``MatFreeLaplace``'s sampled
-                route, which takes them all at once).
-            plan: The prediction's ``GLMPlan`` (derived here when None).
-        """
+        """Test points per chunk of a call on ``n_points`` points (``plan`` derived when None)."""
         plan = plan or self._glm_plan()
         if plan.variances_only:
             # A last layer's closed forms hold about C·(D + 1) numbers per point.
@@ -557,13 +532,7 @@ class ParametricLaplace(BaseLaplace):
         diagonal_output: bool = False,
         plan: GLMPlan | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Mean and covariance of the linearised network's outputs.
-
-        Args:
-            X: Test inputs (B, ...) or a dict-like batch.
-            joint: Return the joint moments.
-            diagonal_output: Return variances instead of covariances.
-            plan: The prediction's ``GLMPlan`` (derived here when None: laplace-torch's hook).
+        """Mean and covariance of the linearised network's outputs (laplace-torch's hook).
 
         Returns:
             ``(f_mu (B, C), f_var (B, C, C))``; ``(B, C)`` variances if ``diagonal_output``;
@@ -596,14 +565,8 @@ class ParametricLaplace(BaseLaplace):
     ) -> tuple[Tensor, Tensor]:
         """``(f_mu (B, C), f_var (B, C, C))`` of the linearised network on one chunk of inputs.
 
-        The subset linearises the model into the Jacobian kind the posterior has a closed form
-        for (else dense rows), and the posterior computes ``J P⁻¹ Jᵀ`` for it. Outputs with
-        extra dimensions give ``f_mu`` in their shape (B, …) and the covariances of their rows
-        (B·T, C, C) (``laplace.utils.outputs``).
-
-        Args:
-            X: One chunk of test inputs (B, ...) or a dict-like batch.
-            posterior: The posterior at the current hyperparameters (derived when None).
+        Outputs with extra dimensions give ``f_mu`` in their shape (B, …) and the covariances of
+        their rows (B·T, C, C) (``laplace.utils.outputs``). ``posterior`` is derived when None.
         """
         posterior = self._posterior if posterior is None else posterior
         f_mu, J = self._subset.linearize(
@@ -694,9 +657,8 @@ class ParametricLaplace(BaseLaplace):
         """Outputs of ``n_samples`` sampled networks, in groups (Sᵢ, B, C) of bounded memory.
 
         All samples form one group while their weights fit in
-        ``memory_budgets.NN_SAMPLE_BYTES``; else (an LLM's head: 2M weights, (T, 32,000) logits
-        per sequence) the first group is one sample, and the later ones as many as the weights
-        and outputs of one sample allow.
+        ``memory_budgets.NN_SAMPLE_BYTES``; else the first group is one sample, and the later
+        ones as many as the weights and outputs of one sample allow.
         """
         per_weights = self.n_params * self.mean.element_size()
         size = n_samples if n_samples * per_weights <= memory_budgets.NN_SAMPLE_BYTES else 1

@@ -1,10 +1,4 @@
-"""Dense posterior: ``P = h·H + diag(p₀)`` stored as a full (P, P) matrix.
-
-A linear head ``fₙ = W φₙ + b`` (``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, ``laplace.structures.last_layer``)
-has its curvature ``Σₙ Jₙᵀ Mₙ Jₙ`` and ``Jₙ Σ Jₙᵀ`` in closed form from the features (above
-``LARGE_OUTPUT_THRESHOLD`` outputs from diagonal-plus-low-rank
-``Mₙ``, and the output variances only).
-"""
+"""Dense posterior: ``P = h·H + diag(p₀)`` stored as a full (P, P) matrix."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Many outputs (LLM vocabularies): where no C × C matrix is formed, and what is refused.
 
-Above ``LARGE_OUTPUT_THRESHOLD`` outputs, output curvatures are diagonal plus low rank
-(``laplace.utils.diag_lowrank``): a Kronecker output factor is one more factor kind of
-[`Kron`][laplace.utils.matrix.Kron] (``laplace.structures.kronecker``), the dense and diagonal
-head curvatures are built from it exactly, and the last layer's GLM predictive gives output
-variances (B, C) only. ``docs/large_outputs.md`` describes the maths and the error bounds.
+Above ``LARGE_OUTPUT_THRESHOLD`` outputs, output curvatures are diagonal plus low rank and the
+last layer's GLM predictive gives output variances (B, C) only. ``docs/large_outputs.md``
+describes the maths and the error bounds.
 """
 
 from __future__ import annotations

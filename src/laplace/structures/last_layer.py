@@ -1,14 +1,8 @@
 r"""A linear last layer ``fₙ = W φₙ + b``: its rows, output curvatures, Jacobians.
 
-With the head's weights flattened as ``θ = (vec_row(W), b)`` (W of shape (C, D) row-major, then
-b of shape (C,)), the Jacobian of the outputs is ``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, so any curvature
-``Σₙ Jₙᵀ Mₙ Jₙ`` with an output-space matrix ``Mₙ = Σₖ vₙₖ vₙₖᵀ`` (the output Hessian ``Λₙ`` for
-the GGN, ``∇ℓ ∇ℓᵀ`` for the empirical Fisher) and the GLM output covariance ``Jₙ P⁻¹ Jₙᵀ`` are
-functions of the features: each posterior structure keeps its closed forms (its
-``head_curvature`` and the ``HeadFeatures`` entry of its ``closed_forms``). No per-sample
-autograd and no (B, C, P) Jacobian is involved. Above
-``LARGE_OUTPUT_THRESHOLD`` outputs ``Mₙ`` is a diagonal plus
-low rank (``DiagLowRankBatch``), never a C × C matrix.
+With ``θ = (vec_row(W), b)`` the Jacobian is ``Jₙ = [I_C ⊗ φₙᵀ, I_C]``, so any curvature
+``Σₙ Jₙᵀ Mₙ Jₙ`` and the GLM output covariance ``Jₙ P⁻¹ Jₙᵀ`` are functions of the features:
+no per-sample autograd and no (B, C, P) Jacobian is involved.
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 r"""Matrix-free posterior: ``P = h·H + diag(p₀)`` used only through products ``H V``.
 
-The curvature ``H`` (P × P) summed over the training data is never stored: a
-``MatFreeCurvature`` keeps what its products need (a ``CurvatureProduct`` over the data,
-``laplace.curvature.solvers.products``), the curvature's diagonal where a preconditioner needs
-it, and the solver settings. Every quantity of the posterior is a Krylov computation
-(``laplace.curvature.solvers.krylov``):
+Every quantity of the posterior is a Krylov computation (``laplace.curvature.solvers.krylov``):
 
 - ``J P⁻¹ Jᵀ`` by conjugate gradients on ``P X = Jᵀ``; or, for many test points, from S
-  posterior samples ``x`` as ``(1/S) Σ (J x)(J x)ᵀ``, whose cost does not grow with the
-  number of test points. Conjugate gradients run unpreconditioned by default: on a trained MLP
-  the diagonal posterior ``h·diag(H) + p₀`` (``preconditioner="diag"``) and the KFAC posterior
-  as preconditioners took about as many iterations, on a CNN many more (at its marglik prior,
-  16 samples to 1e-3: 76 unpreconditioned, 355 diagonal, 170 KFAC; ``matfree-preconditioners``
-  in ``benchmarks/``): the prior dominates most directions of ``P`` and both approximations
-  misplace the few the data sharpen.
+  posterior samples ``x`` as ``(1/S) Σ (J x)(J x)ᵀ``. Conjugate gradients run unpreconditioned
+  by default: diagonal and KFAC preconditioners took as many or more iterations
+  (``matfree-preconditioners`` in ``benchmarks/``).
 - Samples by sample-then-optimise (Antorán et al., 2023): ``b = √h·Gᵀ ω + √p₀ ⊙ ε`` with
-  standard normal ``ω, ε`` has covariance ``P`` (``H = GᵀG``, ``G`` the per-sample vectors), so
-  ``x = P⁻¹ b ~ N(0, P⁻¹)``, exactly in the limit of the solver's tolerance.
-- ``log det P`` by stochastic Lanczos quadrature. A scalar prior δ: one Lanczos run per probe
-  on ``H`` itself serves every ``(h, δ)`` (the Krylov space of ``H`` is that of ``h·H + δ·I``),
-  so ``log det P ≈ mean_i Σⱼ wᵢⱼ log(h·θᵢⱼ + δ)`` is recomputed and differentiated in ``h`` and
-  δ without a product: its δ-derivative ``Σⱼ wᵢⱼ / (h·θᵢⱼ + δ)`` is Hutchinson's estimate of
-  ``tr P⁻¹`` with the same probes, the solve done by Lanczos. A layer-wise or diagonal prior
-  ``D``: ``log det D + log det(I + h·D^{-1/2} H D^{-1/2})``, one Lanczos run per value of ``D``.
+  standard normal ``ω, ε`` has covariance ``P``, so ``x = P⁻¹ b ~ N(0, P⁻¹)``.
+- ``log det P`` by stochastic Lanczos quadrature. For a scalar prior δ one Lanczos run per probe
+  on ``H`` serves every ``(h, δ)``, so ``log det P ≈ mean_i Σⱼ wᵢⱼ log(h·θᵢⱼ + δ)`` is
+  differentiated in ``h`` and δ without a product. A layer-wise or diagonal prior ``D``:
+  ``log det D + log det(I + h·D^{-1/2} H D^{-1/2})``, one Lanczos run per value of ``D``.
 """
 
 from __future__ import annotations
@@ -417,9 +406,7 @@ class MatFreePosterior(Posterior):
     def _solve(self, B: Tensor, overwrite: bool = False) -> tuple[Tensor, SolveReport]:
         """``P⁻¹ B`` and its report, a block of columns at a time (nothing is reported yet).
 
-        Args:
-            B: Right-hand sides (P, m).
-            overwrite: Use ``B``'s memory for the residuals (``B`` is overwritten).
+        With ``overwrite``, ``B``'s memory holds the residuals.
         """
         options = self.options
         h, prior = self.h_factor.detach(), self.prior_diag.detach()

@@ -1,10 +1,6 @@
 """Memory budgets of the predictives: Jacobian chunks (GLM) and weight-sample groups (NN).
 
-The GLM predictive of a parametric Laplace linearises the model a chunk of test points at a
-time (``jacobian_chunk_rows``), so predicting on many points never materialises the whole
-(B, C, P) Jacobian; the sampled-network predictive sums a group of weight samples at a time
-within ``NN_SAMPLE_BYTES``, so a 32,000-class model with many samples never holds all
-(S, B, …) outputs. Internal module.
+Internal module.
 """
 
 from __future__ import annotations

@@ -7,18 +7,13 @@ $$
 H(\sigma) = \sum_c H_c / \sigma_c^2, \qquad H_c = \sum_n m_{nc}\, J_{nc}^\top J_{nc},
 $$
 
-with ``J_nc`` the Jacobian row of output c and ``m_nc = 1`` for the exact GGN (the Monte-Carlo
-Fisher samples it: ``m_nc = Σ_k v_nkc²`` over its sampled output columns, an unbiased estimate
-of each output's block). The per-output structures keep the ``H_c`` apart along a leading output
-axis in the base structure's form (dense (C, P, P), diagonal (C, P), Kronecker with one
-output-gradient factor per output (C, p_out, p_out) and the input factor shared), and the
-posterior at any σ is the base structure's posterior of ``Σ_c h_c H_c`` with
-``h_c = 1/(σ_c² T)``: the marginal likelihood stays differentiable in every ``σ_c``. Memory is
-C times the base structure's (Kronecker input factors excepted).
+with ``m_nc = 1`` for the exact GGN (the Monte-Carlo Fisher's ``Σ_k v_nkc²`` estimates it). The
+``H_c`` are kept along a leading output axis in the base structure's form, and the posterior at
+any σ is the base structure's posterior of ``Σ_c h_c H_c`` with ``h_c = 1/(σ_c² T)``: the marginal
+likelihood stays differentiable in every ``σ_c``. Memory is C times the base structure's.
 
-Only the native GGN routes of [`GGNInterface`][laplace.curvature.GGNInterface] backends expose the
-per-output columns; the empirical Fisher ``Σ gₙ gₙᵀ`` mixes the outputs (``∇ℓ ∇ℓᵀ`` is not
-diagonal in them) and is refused, and so are low-rank and function-space posteriors.
+Only the native GGN routes expose the per-output columns; the empirical Fisher mixes the outputs
+and is refused, and so are low-rank and function-space posteriors.
 """
 
 from __future__ import annotations
@@ -60,13 +55,7 @@ class OutputKron(Kron):
     def decompose(  # type: ignore[override]
         self, damping: bool = False, deferred: bool = True
     ) -> OutputKron:
-        """The same factors, to be decomposed per σ with ``damping``.
-
-        Args:
-            damping: See [`KronDecomposed`][laplace.utils.matrix.KronDecomposed].
-            deferred: Accepted for the interface of ``Kron.decompose``; these factors
-                are always decomposed later, once per σ.
-        """
+        """The same factors, to be decomposed per σ with ``damping`` (always ``deferred``)."""
         return OutputKron(self.kfacs, damping)
 
     def combine(self, weights: Tensor) -> KronDecomposed:

@@ -6,11 +6,9 @@ As laplace-torch's, it loads ``laplace.utils.utils`` and ``laplace.utils.metrics
 
 from typing import TYPE_CHECKING
 
-from laplace.core.priors import expand_prior_precision, fix_prior_prec_structure
 from laplace.utils import functional_utils
 from laplace.utils import metrics as metrics
 from laplace.utils import utils as utils
-from laplace.utils.data import SoDSampler
 from laplace.utils.enums import (
     FeatureReduction,
     FunctionalApproximation,
@@ -22,20 +20,9 @@ from laplace.utils.enums import (
     SubsetOfWeights,
     TuningMethod,
 )
-from laplace.utils.errors import is_real_scalar as _is_valid_scalar
 from laplace.utils.feature_extractor import FeatureExtractor
 from laplace.utils.functional_utils import *  # noqa: F403 (the names of its __all__)
-from laplace.utils.layers import is_batchnorm as _is_batchnorm
-from laplace.utils.layers import parameters_per_layer
 from laplace.utils.lazy import lazy_attributes
-from laplace.utils.linalg import (
-    block_diag,
-    diagonal_add_scalar,
-    invsqrt_precision,
-    kron,
-    normal_samples,
-    symeig,
-)
 from laplace.utils.matrix import Kron, KronDecomposed
 from laplace.utils.subnetmask import (
     LargestMagnitudeSubnetMask,
@@ -48,13 +35,14 @@ from laplace.utils.subnetmask import (
     SubnetMask,
 )
 from laplace.utils.swag import fit_diagonal_swag_var
-from laplace.utils.validation import get_nll, validate
+from laplace.utils.utils import *  # noqa: F403 (the names of its __all__)
 
 if TYPE_CHECKING:
     from laplace.utils.running_nll import RunningNLLMetric
 
 __all__ = [
     *functional_utils.__all__,
+    *utils.__all__,
     "FeatureExtractor",
     "FeatureReduction",
     "FunctionalApproximation",
@@ -73,24 +61,10 @@ __all__ = [
     "PriorStructure",
     "RandomSubnetMask",
     "RunningNLLMetric",
-    "SoDSampler",
     "SubnetMask",
     "SubsetOfWeights",
     "TuningMethod",
-    "_is_batchnorm",
-    "_is_valid_scalar",
-    "block_diag",
-    "diagonal_add_scalar",
-    "expand_prior_precision",
     "fit_diagonal_swag_var",
-    "fix_prior_prec_structure",
-    "get_nll",
-    "invsqrt_precision",
-    "kron",
-    "normal_samples",
-    "parameters_per_layer",
-    "symeig",
-    "validate",
 ]
 
 __getattr__ = lazy_attributes(__name__, {"RunningNLLMetric": "laplace.utils.running_nll"})

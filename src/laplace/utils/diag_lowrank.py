@@ -191,9 +191,8 @@ class DiagLowRank:
     def _truncate(self) -> None:
         """Cut ``U`` to ``max_rank`` columns; ``dropped`` grows by the trace of what is removed.
 
-        For ``s = +1`` the diagonal of what was removed moves into ``d``.
-
-        The columns are taken in chunks of ``2·max_rank``: each chunk joins the kept columns
+        For ``s = +1`` the diagonal of what was removed moves into ``d``. The columns are taken
+        in chunks of ``2·max_rank``: each chunk joins the kept columns
         and the top ``max_rank`` right singular directions of the result are kept (from the
         eigen-decomposition of its small Gram matrix). Each step keeps ``U V`` with ``V``
         orthonormal, so what it removes, ``U (I − V Vᵀ) Uᵀ``, is positive semi-definite; the

@@ -1,10 +1,8 @@
 """Names a module re-exports on first access, so that ``import laplace`` stays light.
 
-A module whose names need a heavy library (``torchmetrics``) re-exports them lazily:
-``__getattr__ = lazy_attributes(__name__, {"RunningNLLMetric": "laplace.utils.running_nll"})``.
-``from module import name`` and ``module.name`` work as for an eager import; the owner (and its
-library) is imported the first time the name is read, and the name is then kept in the module
-(later reads, and pickles that name the module, find it there).
+``__getattr__ = lazy_attributes(__name__, {"RunningNLLMetric": "laplace.utils.running_nll"})``:
+the owner (and its library) is imported the first time the name is read, and the name is then
+kept in the module.
 """
 
 from __future__ import annotations

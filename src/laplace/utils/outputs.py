@@ -130,10 +130,8 @@ class OutputLayout:
     def columns(self, V: Tensor, separate: bool) -> Tensor | PositionColumns:
         """Output-space columns ``(K', B, *shape)`` from row columns ``V`` (B·T, C, K).
 
-        Args:
-            V: Per row, K columns.
-            separate: One column per position and row column (``PositionColumns``, the exact
-                GGN of the summed loss); otherwise column k covers every position at once.
+        ``separate`` gives one column per position and row column (``PositionColumns``, the
+        exact GGN of the summed loss); otherwise column k covers every position at once.
         """
         if separate and not self.plain and self.n_positions > 1:
             return PositionColumns(V, self)

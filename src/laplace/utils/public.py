@@ -1,8 +1,7 @@
 """Public classes report laplace-torch's module path, wherever laplace-ng defines them.
 
-A class is pickled by reference (``cls.__module__`` and ``cls.__qualname__``), and libraries
-register support for laplace-torch by qualified name (``"laplace.baselaplace.BaseLaplace"``):
-both must name laplace-torch's public module, not the internal one that may move.
+Pickles and libraries that register support by qualified name
+(``"laplace.baselaplace.BaseLaplace"``) must see laplace-torch's public module.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""laplace-torch's running NLL of class probabilities, a foundation of the scoring path.
-
-Public at laplace-torch's path ``laplace.utils.metrics`` (and ``laplace.utils``), which import
-this module, and with it torchmetrics, when the name is first read. The other running metrics
-of predictions are in ``laplace.likelihoods.running_scores``.
-"""
+"""laplace-torch's running NLL of class probabilities (public at ``laplace.utils.metrics``)."""
 
 from __future__ import annotations
 

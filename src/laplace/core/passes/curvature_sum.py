@@ -1,14 +1,8 @@
 """The passes over the data of a parametric fit: the curvature and loss summed over batches.
 
-A fit is a sum over batches of per-batch statistics, summed by the accumulator of the posterior
-structure (``Posterior``: ``zeros``, ``add``, ``merge``, ``finalize``),
-so ``fit(override=False)`` (online Laplace) and distributed fits (all-reduce of the sums) are
-small additions. The pass over the data is a ``DataLoop``: by default
-``CurvatureSum``, where the backend gives each batch's curvature in the structure's form;
-a class whose parameter subset or structure has its own statistics names another pass of this
-package (a last layer's closed forms, ``head_curvature_sum``; a low-rank eigensolver,
-``top_eigenpairs``; matrix-free products, ``curvature_products``; EKFAC's correction,
-``eigenvalue_correction``). ``ParametricLaplace.fit`` wires them. Internal module.
+A fit is a sum over batches of per-batch statistics, summed by the posterior structure's
+accumulator (``zeros``, ``add``, ``merge``, ``finalize``), so ``fit(override=False)`` and
+distributed fits are small additions. Internal module.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 r"""Per-sample vectors times blocks of parameter vectors, per layer, without forming them.
 
 The per-sample vectors ``gₙₖ = Jₙᵀ vₙₖ`` of a recorded batch are the rows of a (K·B, P) matrix
-``G``; this module computes ``G V`` (K, B, m) for a block ``V`` (P, m) and ``Gᵀ W`` (P, m) for
-sample-space weights ``W`` (K, B, m), so ``H V = Σ Gᵀ (G V)`` costs one recorded forward and one
-vectorised backward over the K columns per batch. A Linear layer on (B, D_in) inputs contracts
-``uₙₖᵀ Vⱼ aₙ`` in one matmul with the block; other layers use their per-sample gradients (kept
-between the two products within ``PER_SAMPLE_CACHE_BYTES``), and models whose layers do not
-see the data points along dim 0 (and subnetworks) the per-sample rows of the whole model.
-Memory: the block, the result and one batch.
+``G``; this module computes ``G V`` (K, B, m) for a block ``V`` (P, m) and ``Gᵀ W`` (P, m), so
+``H V = Σ Gᵀ (G V)`` costs one recorded forward and one vectorised backward per batch.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """One hooked forward pass that records the calls of parameter-owning modules.
 
-Forward hooks on every module that directly owns a parameter of interest record each call's
-inputs and outputs; the outputs stay in the autograd graph so that gradients of any output
-column w.r.t. *layer outputs* (not weights) can be taken afterwards with
-``torch.autograd.grad``. The hooks live only for the duration of the forward pass.
+The outputs stay in the autograd graph, so gradients of any output column w.r.t. layer outputs
+can be taken afterwards; the hooks live only for the duration of the forward pass.
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """The attribution guard: the native engine proves its view of a model before trusting it.
 
 The engine reads every parameter's per-sample gradients off the recorded calls of the module
-that owns it (``laplace.curvature.engine.capture``), with each call's outputs taken as one row per
-data point. Two things can make that view wrong without any error:
+that owns it, with each call's outputs taken as one row per data point. Two things can make that
+view wrong without any error: a use it does not see (a tied head ``h @ wte.weight.T``,
+``F.linear(h, base.weight)``, ``nn.MultiheadAttention``'s ``out_proj``), and rows that are not
+data points (a table looked up without a batch dimension, sequence-first layouts).
 
-- **a use it does not see**: a parameter used outside its module's calls (a head tied as
-  ``h @ wte.weight.T``, an adapter calling ``F.linear(h, base.weight)``, the ``out_proj`` of
-  ``nn.MultiheadAttention``, whose weight goes into ``F.multi_head_attention_forward`` and
-  whose module is never called);
-- **rows that are not data points**: outputs whose rows mix data points (a table looked up
-  once without a batch dimension, ``wpe(arange(T))``, when T happens to equal the batch size;
-  sequence-first layouts; anything combined across the batch).
-
-``verify`` checks both on a recorded pass, once per shape signature of the pass
-(``signature``): for a random output column ``v`` the gradient the rules reconstruct from the
-recorded calls, ``Σₙ Σ_calls rule(call, ∂(vᵀf)/∂z)``, must equal autograd's gradient of
-``vᵀ f`` for every parameter (a use the engine did not see, or a rule that fails, shows up
-here; a table used only by recorded lookups is compared on the rows they look up); and every
-row of every recorded output must depend on one data point only (its own,
-where the output has the batch's rows): scaling data point n's outputs by ``sₙ`` must scale
-the row's gradient by ``sₙ``. A parameter that fails is listed in the ``Verdict``
-with the reason; the trace then takes it through autograd, one backward pass per data point
-(exact on any architecture), and Kron gives it an exact block or refuses it by name.
+``verify`` checks both once per shape signature of the pass: for a random output column ``v``
+the gradient the rules reconstruct from the recorded calls must equal autograd's gradient of
+``vᵀ f`` for every parameter, and scaling data point n's outputs by ``sₙ`` must scale each
+recorded row's gradient by ``sₙ``. A parameter that fails is listed in the ``Verdict``; the
+trace then takes it through autograd, one backward pass per data point.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 r"""Kronecker-factored curvature (KFAC) from one recorded forward and one backward per column.
 
-A layer ``z = W a (+ b)`` applied at T positions per row, with inputs ``aₙₜ`` and gradients
-``gₙₖₜ`` of the curvature's columns, gets ``G ⊗ A`` over the N points of the data set: expand
-``A = (1/(N·T)) Σₙₜ aₙₜ aₙₜᵀ``, ``G = Σₖₙₜ gₙₖₜ gₙₖₜᵀ``; reduce the same of the positions' mean
-input and summed gradient; its bias ``G``. Factors are split ``G/√c ⊗ √c·A`` (c the backend's
-loss factor), ``√c·N·A ⊗ G/(√c·N)`` for weights laid out (D_in, D_out); an embedding's ``A`` is
-the diagonal of token counts. Every other parameter gets its exact block, dense up to
-``dense_limit`` entries, else diagonal (``laplace.curvature.engine.kfac_rules``); a layer with more
-than ``low_rank_above`` outputs keeps ``G`` as a ``DiagLowRank``
-(in a [`StructuredKron`][laplace.utils.matrix.StructuredKron]). The conventions in full (outputs
-with extra dimensions, low-rank factors) are in ``docs/backends.md``.
+A layer ``z = W a (+ b)`` applied at T positions per row gets ``G ⊗ A`` over the N points of the
+data set: expand ``A = (1/(N·T)) Σₙₜ aₙₜ aₙₜᵀ``, ``G = Σₖₙₜ gₙₖₜ gₙₖₜᵀ``; reduce the same of
+the positions' mean input and summed gradient. Factors are split ``G/√c ⊗ √c·A`` (c the
+backend's loss factor). The conventions in full are in ``docs/backends.md``.
 """
 
 from __future__ import annotations
@@ -72,14 +66,7 @@ def _gram(t: Tensor, approx: str, scale: float = 1.0) -> Tensor:
 def _token_counts(module: nn.Embedding, tokens: Tensor, approx: str, dtype: torch.dtype) -> Tensor:
     """Diagonal input factor of an embedding: ``Σₙₜ`` one-hot rows (expand) or ``Σₙ cₙ²`` (reduce).
 
-    Args:
-        module: The embedding (its vocabulary size and padding index).
-        tokens: The indices looked up, (R, T).
-        approx: ``"expand"`` or ``"reduce"``.
-        dtype: Floating-point type of the result.
-
-    Returns:
-        Shape (V,), not yet divided by the positions.
+    Of the indices looked up ``tokens`` (R, T); shape (V,), not yet divided by the positions.
     """
     V = module.num_embeddings
     if approx == "expand" or tokens.shape[1] == 1:

@@ -1,20 +1,9 @@
 r"""Which block of the Kronecker-factored curvature each parameter gets: the KFAC dispatch table.
 
-``plan_blocks`` gives every parameter tensor one block ([`Kron`][laplace.utils.matrix.Kron])
-of four kinds:
-
-- ``"kron"``: the weight of a layer with a rule in ``KFAC_RULES``: ``G ⊗ A`` for
-  ``nn.Linear`` and ``nn.Conv*d``, ``A ⊗ G`` for transformers' ``Conv1D`` (laid out (in, out)),
-  ``diag(token counts) ⊗ G`` for ``nn.Embedding``; or a weight of one of the Linear maps of a
-  layer in ``GROUPED_KFAC_RULES`` (``nn.MultiheadAttention``'s input and output projections);
-- ``"bias"``: the bias of such a layer or map, its output-gradient factor ``G``;
-- ``"dense"``: every other parameter of at most ``dense_limit`` entries (default
-  ``KFAC_DENSE_LIMIT``, the ``kfac_dense_limit`` backend keyword): its exact block, the Gram
-  matrix of its per-sample gradients; this also takes what a rule declines and tied weights;
-- ``"diag"``: every other parameter above that size, its exact diagonal.
-
-Given ``low_rank_above``, the ``G`` of a Linear or convolution layer with more outputs is kept
-diagonal plus low rank (``Block.low_rank``, shape ``LowRankShape``). See
+``plan_blocks`` gives every parameter tensor one block of four kinds: ``"kron"`` (the weight of
+a layer with a rule in ``KFAC_RULES`` or ``GROUPED_KFAC_RULES``), ``"bias"`` (its bias, the
+output-gradient factor ``G``), ``"dense"`` (any other parameter of at most ``dense_limit``
+entries, its exact block) and ``"diag"`` (the rest, its exact diagonal). See
 ``docs/backends.md`` for the table and the conventions.
 """
 

@@ -1,16 +1,10 @@
 """Native per-sample-gradient engine behind the default backends.
 
-Every curvature is a sum of outer products of per-sample vectors ``gₙₖ = Jₙᵀ vₙₖ``, one
-output-space column ``vₙₖ`` per sample and column k (one-hot: Jacobian rows; columns of
-``Λₙ^½``: the GGN; loss gradients: the empirical and Monte-Carlo Fisher). One hooked forward
-records each parameter-owning layer's input ``a`` and output ``z``; one backward pass per column
-w.r.t. the layer outputs gives ``g = ∂(vᵀ f)/∂z``, and per-layer rules
-(``laplace.curvature.engine.layer_rules``) turn ``(a, g)`` into per-sample gradients. Models whose
-layers do not see the data points along dim 0 fall back to batched backward passes, one per
-data point. Before a pass is trusted, the attribution guard (``laplace.curvature.engine.guard``)
-checks it against autograd once per shape signature; parameters the recorded calls do not give
-exactly take that whole-model route. See ``docs/backends.md``, "Inside the native engine", and
-``docs/status.md``, "What the engine sees".
+Every curvature is a sum of outer products of per-sample vectors ``gₙₖ = Jₙᵀ vₙₖ``. One hooked
+forward records each parameter-owning layer's input ``a`` and output ``z``; one backward pass per
+column gives ``g = ∂(vᵀ f)/∂z``, and per-layer rules turn ``(a, g)`` into per-sample gradients;
+what the attribution guard does not trust takes batched backward passes, one per data point.
+See ``docs/backends.md``, "Inside the native engine".
 """
 
 from __future__ import annotations
@@ -374,9 +368,7 @@ class PerSampleTrace:
     def _selected_rows(self, stacked: list[list[Tensor]], n_columns: int) -> Tensor:
         """Per-sample gradients of the subnetwork entries only, (K, B, n_entries).
 
-        Args:
-            stacked: Per call, gradients w.r.t. its outputs for K columns, each (K, B, ...).
-            n_columns: K.
+        ``stacked`` holds per call the gradients w.r.t. its outputs for K columns (K, B, ...).
         """
         out = self.f.new_zeros(n_columns, self.f.shape[0], self.engine.n_entries)
         slot, selected = self.engine.slot, self.engine.selected
@@ -401,11 +393,7 @@ class PerSampleTrace:
     def _batched_per_sample(
         self, v: Tensor, slots: Sequence[int] | None = None
     ) -> dict[int, Tensor]:
-        """Per-sample gradients by one vectorised backward pass per data point.
-
-        Args:
-            v: Output column, shape (B, ...).
-            slots: Slots of ``engine.needed`` to differentiate (None: all).
+        """Per-sample gradients of ``slots`` (None: all) by one backward pass per data point.
 
         Returns:
             Per slot, shape (B, *shape) (zeros where the outputs do not depend on it).

@@ -58,12 +58,7 @@ class _Block(NamedTuple):
 
 
 class _Candidates:
-    """The M Kronecker eigenvectors of the KFAC curvature with the largest eigenvalues.
-
-    Args:
-        factors: The KFAC curvature, one block per parameter slot of the engine.
-        n_candidates: M (at most P).
-    """
+    """The ``n_candidates`` Kronecker eigenvectors of the KFAC curvature with top eigenvalues."""
 
     def __init__(self, factors: Kron, n_candidates: int) -> None:
         pairs = []

@@ -1,18 +1,12 @@
 r"""Krylov solvers on a symmetric positive (semi-)definite map given by its block products.
 
-``conjugate_gradients`` solves ``A X = B`` column by column, all columns in one block per
-iteration (a column that has converged leaves the block, so it costs no further products), with
-an optional preconditioner; ``lanczos_quadrature`` runs the Lanczos process from a block of
-probe vectors and returns, per probe, the nodes and weights of the Gauss quadrature of
-``zᵀ f(A) z`` (stochastic Lanczos quadrature: Ubaru, Chen & Saad, 2017). The Krylov space of
-``A`` is that of ``h·A + δ·I`` for every ``h > 0`` and δ, so one run serves
-``log det(h·A + δ·I)`` at every pair: ``zᵀ f(h·A + δ) z ≈ Σⱼ wⱼ f(h·θⱼ + δ)``.
+``conjugate_gradients`` solves ``A X = B``, all columns in one block per iteration;
+``lanczos_quadrature`` returns, per probe, the nodes and weights of the Gauss quadrature of
+``zᵀ f(A) z`` (Ubaru, Chen & Saad, 2017), so one run serves ``log det(h·A + δ·I)`` at every pair.
 
-Written here rather than taken from curvlinops (whose ``CGInverseLinearOperator`` runs
-GPyTorch's ``linear_cg``, an extra dependency, and whose Lanczos spectrum estimates pool the
-probes): the matrix-free posterior needs each column's relative residual and iteration count
-reported, a strict mode, the number of products counted, and the per-probe quadrature kept so
-that its standard error is known and a change of hyperparameters costs no product.
+Written here rather than taken from curvlinops: the matrix-free posterior needs each column's
+residual and iteration count, a strict mode, the products counted, and the per-probe quadrature
+kept (its standard error, and no product after a change of hyperparameters).
 """
 
 from __future__ import annotations
