@@ -7,7 +7,7 @@ PYTEST_WORKERS ?= 2
 # Stops a GPU target with one line where torch sees no CUDA device.
 NEED_CUDA = $(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make $@ needs a CUDA GPU: torch ' + torch.__version__ + ' sees none on this machine (torch.cuda.is_available() is False)')"
 
-.PHONY: help install test test-all test-gpu lint format demo bench bench-scaling bench-compare bench-gpu docs lock clean
+.PHONY: help install test test-all test-gpu lint format demo bench bench-scaling bench-compare fingerprint bench-gpu docs lock clean
 
 help:  ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
@@ -54,6 +54,13 @@ bench-gpu: $(STAMP)  ## on a CUDA GPU: the benchmark cases on cuda, fits against
 
 bench-scaling: $(STAMP)  ## fit/predict time and memory against N and width, growth exponents (slow)
 	$(PY) benchmarks/scaling.py
+
+fingerprint: $(STAMP)  ## float64 numbers of the benchmark scenarios, this checkout against BASE=<git rev> (default HEAD)
+	rm -rf .fingerprint && mkdir -p .fingerprint/base
+	git archive $(or $(BASE),HEAD) src | tar -x -C .fingerprint/base
+	PYTHONPATH=.fingerprint/base/src $(PY) benchmarks/fingerprint.py .fingerprint/base.pt
+	PYTHONPATH=src $(PY) benchmarks/fingerprint.py .fingerprint/this.pt
+	$(PY) benchmarks/fingerprint.py --compare .fingerprint/base.pt .fingerprint/this.pt
 
 docs: $(STAMP)  ## build the documentation site into site/ (mkdocs, warnings are errors)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
