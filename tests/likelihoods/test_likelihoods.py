@@ -456,3 +456,36 @@ def test_subset_of_data_gp_on_all_points_is_the_glm_predictive(name, subset):
         assert_close(a, e)
     if name == "heteroscedastic_2":
         assert isinstance(actual, HeteroscedasticPrediction)
+
+
+def test_a_built_in_likelihood_is_its_class_and_its_registry_entry(monkeypatch):
+    """Adding a built-in likelihood touches its module and ``_BUILT_IN``: the factory, the fit,
+    the marginal likelihood, the predictive and the state find it by its ``kind`` alone, with no
+    member of ``laplace.utils.enums.Likelihood``."""
+    from laplace import likelihoods
+    from laplace.likelihoods import Bernoulli
+
+    class TwoLabels(Bernoulli):
+        kind = "two_labels"
+
+    monkeypatch.setitem(likelihoods._LIKELIHOODS, "two_labels", TwoLabels)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    X = torch.randn(12, 4, dtype=torch.float64)
+    y = torch.randint(0, 2, (12, 2)).double()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=6)
+
+    fitted = {}
+    for name in ("two_labels", "binary_classification"):
+        la = Laplace(model, name, subset_of_weights="all", hessian_structure="kron")
+        la.fit(loader)
+        fitted[name] = la
+    ours, reference = fitted["two_labels"], fitted["binary_classification"]
+    assert ours.likelihood == "two_labels"
+    assert_close(ours.log_marginal_likelihood(), reference.log_marginal_likelihood())
+    assert_close(ours(X[:3], link_approx="probit"), reference(X[:3], link_approx="probit"))
+    restored = Laplace(model, "two_labels", subset_of_weights="all", hessian_structure="kron")
+    restored.load_state_dict(ours.state_dict())
+    assert_close(restored.log_marginal_likelihood(), ours.log_marginal_likelihood())
+    with pytest.raises(ValueError, match="'two_labels'"):
+        Laplace(model, "three_labels", subset_of_weights="all", hessian_structure="kron")

@@ -2,7 +2,8 @@
 
 The built-in ones are named by ``likelihood=`` (``laplace.utils.enums.Likelihood``); your own
 observation model is a subclass of [`Likelihood`][laplace.Likelihood] (the public protocol),
-passed as ``likelihood=MyLikelihood()``. Adding a built-in one is a class in ``_BUILT_IN``.
+passed as ``likelihood=MyLikelihood()``. Adding a built-in one is a class in ``_BUILT_IN``, named
+by its ``kind``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 _BUILT_IN = (Categorical, GaussianRegression, RewardModeling, Bernoulli, HeteroscedasticGaussian)
-_LIKELIHOODS: dict[enums.Likelihood, type[LikelihoodModel]] = {cls.kind: cls for cls in _BUILT_IN}
+_LIKELIHOODS: dict[str, type[LikelihoodModel]] = {cls.kind_name(): cls for cls in _BUILT_IN}
 
 
 def make_likelihood(
@@ -86,13 +87,14 @@ def likelihood_class(
         return type(likelihood)
     if isinstance(likelihood, Likelihood):
         return CustomLikelihood
-    if isinstance(likelihood, str) and likelihood not in enums.Likelihood._value2member_map_:
-        accepted = ", ".join(repr(m.value) for m in _LIKELIHOODS)
+    name = likelihood.value if isinstance(likelihood, enums.Likelihood) else likelihood
+    if not isinstance(name, str) or name not in _LIKELIHOODS:
+        accepted = ", ".join(repr(name) for name in _LIKELIHOODS)
         raise ValueError(
             f"likelihood={likelihood!r} is not supported; accepted values: {accepted}, or an "
             "instance of a laplace.likelihoods.Likelihood subclass (your own likelihood)."
         )
-    return _LIKELIHOODS[enums.parse_enum(enums.Likelihood, likelihood, "likelihood")]
+    return _LIKELIHOODS[name]
 
 
 def check_structure(
@@ -105,8 +107,6 @@ def check_structure(
         ValueError: For an unknown likelihood, or naming the likelihood and the structures it
             supports.
     """
-    if isinstance(likelihood, (Likelihood, LikelihoodModel)):
-        name = str(likelihood.name)
-    else:
-        name = enums.parse_enum(enums.Likelihood, likelihood, "likelihood").value
-    refuse_structure(name, likelihood_class(likelihood).hessian_structures, structure)
+    cls = likelihood_class(likelihood)
+    name = likelihood.name if isinstance(likelihood, (Likelihood, LikelihoodModel)) else None
+    refuse_structure(str(name or cls.kind_name()), cls.hessian_structures, structure)

@@ -72,8 +72,9 @@ class LikelihoodModel(ABC, Generic[PredictionT]):
     ``PredictionT`` is what its predictions are (``ProbabilityPredictions``: a tensor).
     """
 
-    #: The user's ``likelihood`` argument this object stands for (an enum member for built-ins).
-    kind: enums.Likelihood | Likelihood
+    #: The user's ``likelihood`` argument this object stands for: a built-in's name (a member
+    #: of ``laplace.utils.enums.Likelihood`` where laplace-torch names it) or the user's object.
+    kind: enums.Likelihood | str | Likelihood
     #: Whether predictions are probabilities (classification) or Gaussian moments.
     predicts_probabilities: bool = False
     #: The torch loss module class of ``loss_module`` (``nn.MSELoss``, ...).
@@ -117,7 +118,12 @@ class LikelihoodModel(ABC, Generic[PredictionT]):
     @property
     def name(self) -> str:
         """The likelihood's name, as stored in a ``state_dict`` and shown in messages."""
-        return cast(enums.Likelihood, self.kind).value  # built-ins: an enum member
+        return self.kind_name()
+
+    @classmethod
+    def kind_name(cls) -> str:
+        """A built-in's name: the string of its ``kind``."""
+        return str(getattr(cls.kind, "value", cls.kind))
 
     @property
     def is_composite(self) -> bool:
