@@ -5,7 +5,9 @@ made by ``benchmarks/compare.sh``) where ``import laplace`` is laplace-torch 0.3
 the same ``run.py --one CASE`` in their own subprocess, so each timed part goes through the
 public API only; laplace-ng's side imports this checkout's ``src/``. ``--rounds N`` runs both
 sides N times, alternating, and reports the medians (use it on a shared machine, with
-``--threads 1``). A case is bounded by ``--timeout`` seconds and ``--max-rss-gb`` of resident
+``--threads 1``). ``--ref-src DIR`` makes the reference another revision of laplace-ng instead
+(its ``src/``, e.g. from ``git worktree add``, run by this interpreter): an A/B of a change. A
+case is bounded by ``--timeout`` seconds and ``--max-rss-gb`` of resident
 memory; a case the reference cannot run is reported with the reason. Writes
 ``benchmarks/results/compare.json``.
 """
@@ -129,7 +131,9 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = [c for c in CASES if c not in BACKEND_CASES]
-    parser.add_argument("--ref-python", required=True, help="interpreter with laplace-torch 0.3")
+    reference = parser.add_mutually_exclusive_group(required=True)
+    reference.add_argument("--ref-python", help="interpreter with laplace-torch 0.3")
+    reference.add_argument("--ref-src", type=Path, help="src/ of another laplace-ng revision")
     parser.add_argument("--cases", nargs="*", default=default, choices=list(CASES))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per case and side")
@@ -144,8 +148,11 @@ def main() -> None:
     args = parser.parse_args()
     max_rss = args.max_rss_gb * 2**30
     ours_python = sys.executable
+    ref_python, ref_name = args.ref_python or ours_python, "laplace-torch"
+    if args.ref_src:
+        ref_name = "reference"
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{'case':48s} {'laplace-ng':>12s} {'laplace-torch':>14s} {'ratio':>8s}  memory")
+    print(f"{'case':48s} {'laplace-ng':>12s} {ref_name:>14s} {'ratio':>8s}  memory")
     rows = []
     for case in args.cases:
         runs: dict[str, list[dict]] = {"ours": [], "ref": []}
@@ -153,12 +160,18 @@ def main() -> None:
             runs["ours"].append(
                 run_case(ours_python, case, args.repeats, args.timeout, max_rss, args.threads, SRC)
             )
-            if case.startswith(OURS_ONLY_PREFIXES):
+            if case.startswith(OURS_ONLY_PREFIXES) and not args.ref_src:
                 runs["ref"].append({"error": "skipped: uses laplace-ng internals"})
             else:
                 runs["ref"].append(
                     run_case(
-                        args.ref_python, case, args.repeats, args.timeout, max_rss, args.threads
+                        ref_python,
+                        case,
+                        args.repeats,
+                        args.timeout,
+                        max_rss,
+                        args.threads,
+                        args.ref_src.resolve() if args.ref_src else None,
                     )
                 )
         ours, ref = median_row(runs["ours"]), median_row(runs["ref"])
@@ -182,7 +195,7 @@ def main() -> None:
     (HERE / "results").mkdir(exist_ok=True)
     out_file = HERE / "results" / "compare.json"
     out_file.write_text(json.dumps(rows, indent=2))
-    print("ratio = laplace-torch 0.3 time / laplace-ng time (above 1: laplace-ng is faster)")
+    print(f"ratio = {ref_name} time / laplace-ng time (above 1: laplace-ng is faster)")
     print(f"results written to {out_file}")
 
 
