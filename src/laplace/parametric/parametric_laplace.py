@@ -162,9 +162,9 @@ class ParametricLaplace(BaseLaplace):
         Another prior precision with the same ``H`` and ``h = 1/(σ²T)`` (a tuning step) gives
         the cached posterior ``with_prior``, keeping what the structure computed from them.
         """
+        h_factor, prior, sizes = self._H_factor, self.prior_precision, self._prior_sizes
         if self.H is None:
             raise NotFittedError("the posterior needs fit() first (or a call to _init_H()).")
-        h_factor, prior, sizes = self._H_factor, self.prior_precision, self._prior_sizes
         if h_factor.requires_grad:
             return self._posterior_cls(self.H, h_factor, prior, sizes)
         key = (id(self.H), getattr(self.H, "_version", None))
