@@ -122,6 +122,12 @@ class KronLaplace(ParametricLaplace):
         """Zero factors of the backend's blocks (it refuses modules it cannot factor)."""
         return self._posterior_cls.zeros(self._subset.curvature_params, self._kron_shapes())
 
+    def _fit_bytes(self) -> int:
+        """Bytes of a fit of the backend's blocks, from their shapes alone."""
+        return self._posterior_cls.fit_bytes(
+            self._subset.curvature_params, shapes=self._kron_shapes()
+        )
+
     @BaseLaplace.prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
         """Set a scalar or layer-wise prior precision (a diagonal one is refused)."""

@@ -36,7 +36,13 @@ from laplace.utils.data import (
     prepare_inputs,
 )
 from laplace.utils.enums import LinkApprox, PredType, parse_enum
-from laplace.utils.errors import NotFittedError, check_bool, check_generator, check_positive_int
+from laplace.utils.errors import (
+    NotFittedError,
+    check_bool,
+    check_fits_in_memory,
+    check_generator,
+    check_positive_int,
+)
 from laplace.utils.predictive import draws_from_root, gaussian_output_samples
 
 __all__ = ["GLMPlan", "ParametricLaplace"]
@@ -399,6 +405,13 @@ class ParametricLaplace(BaseLaplace):
                 },
                 "fit",
             )
+        check_fits_in_memory(
+            self._fit_bytes(),
+            self._device,
+            f"a fit of {type(self).__name__} ({structure.__name__} over "
+            f"P={self.n_params:,} parameters in {self._dtype})",
+            f"use {self._posterior_cls.lighter}.",
+        )
         update = not override and self._fitted
         n_before = self.n_data if update else 0
         self.model.eval()
@@ -438,6 +451,12 @@ class ParametricLaplace(BaseLaplace):
     def _zero_curvature(self) -> Any:
         """Empty curvature in the posterior's structure and dimension."""
         return self._posterior_cls.zeros(self._subset.curvature_params)
+
+    def _fit_bytes(self) -> int:
+        """Bytes of a fit in the posterior's structure, from the shapes alone (``fit_bytes``)."""
+        return self._posterior_cls.fit_bytes(
+            self._subset.curvature_params, **self._fit_pass_options
+        )
 
     # ------------------------------------------------------------------ predictives
     def __call__(
@@ -545,6 +564,7 @@ class ParametricLaplace(BaseLaplace):
         plan = plan or self._glm_plan()
         if plan.kind is not HeadFeatures:
             large_output.check_glm(self.n_outputs)
+        self._check_prediction_memory(batch_size_of(X, self.dict_key_x), plan, joint)
         if joint:
             f_mu, J = self._subset.linearize(X, self.backend, (), self.enable_backprop)
             return self._detached(f_mu.reshape(-1), self.functional_covariance(J.dense()))
@@ -559,6 +579,42 @@ class ParametricLaplace(BaseLaplace):
                 f_var = f_var.diagonal(dim1=-2, dim2=-1)
             variances.append(f_var)
         return torch.cat(means), torch.cat(variances)
+
+    def _check_prediction_memory(self, n_points: int, plan: GLMPlan, joint: bool) -> None:
+        """Refuse a GLM prediction of ``n_points`` test points whose estimate exceeds the memory.
+
+        The estimate is the posterior's ``prediction_bytes``; the refusal names the test points
+        that would fit at once.
+
+        Raises:
+            TooLargeError: (a ``ValueError`` and a ``RuntimeError``) naming the estimate and
+                what would fit.
+        """
+        C = self.n_outputs
+        rows_per_point = self._likelihood_model.outputs.per_point(C) // C
+
+        def needed(points: int) -> int:
+            return plan.posterior.prediction_bytes(points * rows_per_point, C, plan.kind, joint)
+
+        def instead(available: int) -> str:
+            fitting, step = 0, 1 << max(0, n_points.bit_length() - 1)
+            while step:  # the largest count whose estimate fits (the estimate grows with it)
+                if fitting + step < n_points and needed(fitting + step) <= available:
+                    fitting += step
+                step >>= 1
+            points = f"at most {fitting:,} test points fit" if fitting else "none fits"
+            return (
+                f"predict fewer test points at once ({points}), or use {plan.posterior.lighter}."
+            )
+
+        check_fits_in_memory(
+            needed(n_points),
+            self._device,
+            f"a GLM prediction{' (joint)' if joint else ''} of {n_points:,} test points with "
+            f"C={C:,} outputs ({type(plan.posterior).__name__} over P={self.n_params:,} "
+            "parameters)",
+            instead,
+        )
 
     def _functional_moments(
         self, X: Inputs, posterior: Posterior | None = None

@@ -12,7 +12,12 @@ from typing_extensions import override
 
 from laplace.structures import large_output
 from laplace.structures.jacobians import HeadFeatures, Jacobian
-from laplace.structures.posterior import ClosedForm, NotPositiveDefiniteError, Posterior
+from laplace.structures.posterior import (
+    ClosedForm,
+    NotPositiveDefiniteError,
+    Posterior,
+    glm_prediction_bytes,
+)
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.errors import check_fits_in_memory
 from laplace.utils.linalg import invsqrt_precision
@@ -115,6 +120,27 @@ class DensePosterior(Posterior):
     backend_route = "full"
     closed_forms: ClassVar[dict[type[Jacobian], ClosedForm]] = {HeadFeatures: full_head_variance}
     head_curvature = staticmethod(full_head_curvature)
+    lighter = (
+        "hessian_structure='kron' or 'diag', fewer weights (subset_of_weights='last_layer' or "
+        "a subnetwork)"
+    )
+
+    @override
+    @classmethod
+    def fit_bytes(cls, params: Sequence[Tensor], **options: object) -> int:
+        """The summed curvature (P, P) and its Cholesky factor (P, P)."""
+        n_params = sum(p.numel() for p in params)
+        return 2 * n_params**2 * params[0].element_size()
+
+    @override
+    def prediction_bytes(
+        self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
+    ) -> int:
+        """The curvature and its Cholesky factor, a head's covariance (P, P), the moments."""
+        n_params, itemsize = len(self.prior_diag), self.itemsize
+        matrices = 3 if kind is HeadFeatures and not joint else 2
+        own = matrices * n_params**2 * itemsize
+        return own + glm_prediction_bytes(n_rows, n_outputs, n_params, itemsize, joint)
 
     @override
     @staticmethod

@@ -30,7 +30,7 @@ from laplace.curvature.engine.per_sample import PerSampleTrace
 from laplace.structures import large_output
 from laplace.structures.jacobians import HeadFeatures, Jacobian, LayerTrace
 from laplace.structures.kron_glm import layerwise_variance
-from laplace.structures.posterior import ClosedForm, Posterior
+from laplace.structures.posterior import ClosedForm, Posterior, glm_prediction_bytes
 from laplace.utils.diag_lowrank import (
     DiagLowRank,
     DiagLowRankBatch,
@@ -135,6 +135,27 @@ def _trace_variance(posterior: KronPosterior, J: LayerTrace) -> Tensor | None:
     return kron_functional_variance(J.trace, posterior.precision, J.trace.create_graph)
 
 
+def _kron_numbers(shapes: list, max_rank: int | None, corrected: bool) -> int:
+    """Numbers of summed factors of ``shapes`` and their eigendecomposition (from shapes alone).
+
+    A dense (m, m) factor keeps itself, its eigenvectors and eigenvalues (2m² + m); a diagonal
+    (m,) one itself and its eigenvalues; a ``LowRankShape`` a ``DiagLowRank`` of ``max_rank``
+    columns, twice (the sum and the decomposition's copy). ``corrected``: EKFAC's corrected
+    eigenvalues, one per weight of each block.
+    """
+    total = 0
+    for block in shapes:
+        for shape in block:
+            m = shape[0]
+            if isinstance(shape, LowRankShape):
+                total += 2 * m * (1 + (max_rank or 0))
+            else:
+                total += 2 * m if len(shape) == 1 else 2 * m * m + m
+        if corrected:
+            total += math.prod(shape[0] for shape in block)
+    return total
+
+
 class KronPosterior(Posterior):
     """Gaussian posterior with a block-diagonal Kronecker-factored precision.
 
@@ -165,6 +186,11 @@ class KronPosterior(Posterior):
     low_rank_above: ClassVar[int | None] = None
 
     prior_free = ("scaled",)
+    lighter = (
+        "hessian_structure='diag', fewer weights (subset_of_weights='last_layer' or a subnetwork)"
+    )
+    #: Whether a fit keeps corrected eigenvalues besides the factors' (EKFAC).
+    corrected: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -176,6 +202,36 @@ class KronPosterior(Posterior):
         if isinstance(H, Kron):
             H = H.decompose()
         super().__init__(H, h_factor, prior_precision, prior_sizes)
+
+    @override
+    @classmethod
+    def fit_bytes(
+        cls, params: Sequence[Tensor], shapes: list | None = None, **options: object
+    ) -> int:
+        """Per block its summed factors and their eigendecomposition (``_kron_numbers``).
+
+        Args:
+            params: See ``Posterior.fit_bytes``.
+            shapes: The backend's block shapes, as ``zeros`` (``G ⊗ A`` per weight when None).
+            **options: Unused.
+        """
+        shapes = Kron.shapes_of(params) if shapes is None else shapes
+        numbers = _kron_numbers(shapes, cls.max_rank, cls.corrected)
+        return numbers * params[0].element_size()
+
+    @override
+    def prediction_bytes(
+        self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
+    ) -> int:
+        """The fitted factors with their eigendecomposition, the moments."""
+        H, itemsize = self.H, self.itemsize
+        if H.factors is not None:
+            own = _kron_numbers(H.factors.shapes, self.max_rank, self.corrected) * itemsize
+        else:  # built from eigenpairs (a per-output posterior's combination): theirs, twice
+            pairs = [t for part in H._pairs() for block in part for t in block]
+            own = 2 * sum(t.numel() * itemsize for t in pairs if isinstance(t, Tensor))
+        n_params = len(self.prior_diag)
+        return own + glm_prediction_bytes(n_rows, n_outputs, n_params, itemsize, joint)
 
     @override
     @classmethod
@@ -430,6 +486,8 @@ class EKFACPosterior(KronPosterior):
     correction pass (``laplace.core.passes.eigenvalue_correction``) adds up ``s`` over the
     data in their eigenbasis, an online fit's earlier ``s`` projected into it.
     """
+
+    corrected = True
 
     @cached_property
     def precision(self) -> KronDecomposed:

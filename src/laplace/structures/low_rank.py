@@ -18,9 +18,9 @@ Every operation costs O(P k²); nothing of size P × P is formed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 from torch import Tensor
@@ -29,7 +29,12 @@ from typing_extensions import override
 from laplace.curvature.engine.block_product import ParameterBlock, SampleVectors
 from laplace.structures.diagonal import diag_functional_variance
 from laplace.structures.jacobians import Jacobian, LayerTrace
-from laplace.structures.posterior import ClosedForm, Curvature, Posterior
+from laplace.structures.posterior import (
+    ClosedForm,
+    Curvature,
+    Posterior,
+    glm_prediction_bytes,
+)
 
 if TYPE_CHECKING:
     from laplace.curvature.curvature_backend import CurvatureBackend
@@ -75,6 +80,43 @@ class LowRankPosterior(Posterior):
         "the top eigenpairs of a sum are not the sum of the top eigenpairs; fit again on all "
         "the data."
     )
+    lighter = (
+        "fewer eigenpairs (backend_kwargs={'n_eigenvalues': k}), hessian_structure='diag' or "
+        "fewer weights"
+    )
+    #: (P,) vectors a fit keeps besides the eigenpairs (INF: the curvature's diagonal).
+    fitted_diagonals: ClassVar[int] = 0
+
+    @override
+    @classmethod
+    def fit_bytes(
+        cls,
+        params: Sequence[Tensor],
+        solver: Mapping[str, object] | None = None,
+        **options: object,
+    ) -> int:
+        """The eigenpairs ``U`` (P, k) and ``λ`` (k,) (and INF's diagonal (P,)).
+
+        Args:
+            params: See ``Posterior.fit_bytes``.
+            solver: The eigensolver's options; ``n_eigenvalues`` is k (10 when not given).
+            **options: Unused.
+        """
+        n_params = sum(p.numel() for p in params)
+        rank = min(int(cast(int, (solver or {}).get("n_eigenvalues", 10))), n_params)
+        numbers = n_params * rank + rank + cls.fitted_diagonals * n_params
+        return numbers * params[0].element_size()
+
+    @override
+    def prediction_bytes(
+        self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
+    ) -> int:
+        """The fit, ``W`` and the Woodbury basis (P, k), the capacitance (k, k), the moments."""
+        U, itemsize = self.H[0], self.itemsize
+        n_params, rank = U.shape
+        fitted = n_params * rank + rank + self.fitted_diagonals * n_params
+        own = (fitted + 2 * n_params * rank + rank**2 + 2 * n_params) * itemsize
+        return own + glm_prediction_bytes(n_rows, n_outputs, n_params, itemsize, joint)
 
     @override
     @staticmethod
@@ -208,6 +250,7 @@ class DiagLowRankPosterior(LowRankPosterior):
     """
 
     update_refusal = None
+    fitted_diagonals = 1
 
     @override
     @staticmethod

@@ -33,8 +33,8 @@ from laplace.curvature.solvers.krylov import (
     lanczos_quadrature,
     rademacher_probes,
 )
-from laplace.structures.jacobians import LayerTrace
-from laplace.structures.posterior import Posterior
+from laplace.structures.jacobians import Jacobian, LayerTrace
+from laplace.structures.posterior import Posterior, glm_prediction_bytes
 from laplace.utils import distributed as distributed_utils
 from laplace.utils.errors import (
     NotFittedError,
@@ -285,6 +285,39 @@ class MatFreePosterior(Posterior):
     ) -> None:
         super().__init__(H, h_factor, prior_precision, prior_sizes)
         self.n_params = len(self.prior_diag)
+
+    # ---------------------------------------------------------------------- memory
+    lighter = (
+        "a smaller block_bytes, preconditioner=None, hessian_structure='diag' or fewer weights"
+    )
+
+    @classmethod
+    def fit_bytes(
+        cls, params: Sequence[Tensor], options: MatFreeOptions | None = None, **kwargs: object
+    ) -> int:
+        """The preconditioner's diagonal (P,) and one solver block (``options.block_bytes``).
+
+        The recorded training batches (within ``options.cache_bytes``) are not counted.
+
+        Args:
+            params: See ``Posterior.fit_bytes``.
+            options: The solver settings (the defaults when None).
+            **kwargs: Unused.
+        """
+        options = MatFreeOptions() if options is None else options
+        n_params = sum(p.numel() for p in params)
+        diagonal = n_params if options.preconditioner == "diag" else 0
+        return diagonal * params[0].element_size() + options.block_bytes
+
+    def prediction_bytes(
+        self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
+    ) -> int:
+        """The fit, the solution of a joint prediction's rows (P, R·C), the moments."""
+        options, itemsize = self.options, self.itemsize
+        diagonal = self.n_params if options.preconditioner == "diag" else 0
+        solution = n_rows * n_outputs * self.n_params if joint else 0
+        own = (diagonal + solution) * itemsize + options.block_bytes
+        return own + glm_prediction_bytes(n_rows, n_outputs, self.n_params, itemsize, joint)
 
     # ---------------------------------------------------------------------- accumulation
     @staticmethod

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from laplace.curvature.curvature_backend import CurvatureBackend
     from laplace.curvature.engine.per_sample import PerSampleTrace
     from laplace.likelihoods.gaussian import GaussianRegression
+    from laplace.structures.jacobians import Jacobian
     from laplace.utils.data import Inputs
 
 __all__ = ["OutputKron", "PerOutputPosterior", "noise_structure"]
@@ -100,6 +101,17 @@ class PerOutputPosterior(Posterior):
     def inner(self) -> Posterior:
         """The same posterior as an object of the base structure."""
         return self.structure(self.H, self.h_factor, self.prior_precision, self.prior_sizes)
+
+    @classmethod
+    def fit_bytes(cls, params: Sequence[Tensor], **options: object) -> int:
+        """Each output's curvature and the combined posterior's: C + 1 of the base structure's."""
+        return (cls.n_outputs + 1) * cls.structure.fit_bytes(params, **options)
+
+    def prediction_bytes(
+        self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
+    ) -> int:
+        """The base structure's, of the combined curvature."""
+        return self.inner.prediction_bytes(n_rows, n_outputs, kind, joint)
 
     @classmethod
     def zeros(cls, params: Sequence[Tensor]) -> Curvature:

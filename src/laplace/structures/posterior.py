@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from laplace.structures.jacobians import Jacobian
+from laplace.structures.memory_budgets import JACOBIAN_CHUNK_BYTES
 from laplace.utils.data import Inputs
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ __all__ = [
     "NotPositiveDefiniteError",
     "Posterior",
     "expand_to_diagonal",
+    "glm_prediction_bytes",
 ]
 
 #: ``J P⁻¹ Jᵀ`` (B, C, C) of a posterior for one Jacobian kind, or None where it does not apply:
@@ -65,6 +67,30 @@ def expand_to_diagonal(prior_precision: Tensor, layer_sizes: Sequence[int]) -> T
         return prior_precision.expand(n_params)
     sizes = torch.as_tensor(layer_sizes, device=prior_precision.device)
     return torch.repeat_interleave(prior_precision, sizes)
+
+
+def glm_prediction_bytes(
+    n_rows: int, n_outputs: int, n_params: int, itemsize: int, joint: bool
+) -> int:
+    """Bytes a GLM prediction holds besides the posterior, from the shapes alone.
+
+    The moments ``f_mu`` (R, C) and ``f_var`` (R, C, C), and a chunk of Jacobian rows with
+    their solve (two (R·C, P) blocks within ``JACOBIAN_CHUNK_BYTES`` each); ``joint``: the
+    covariance (R·C, R·C) and the rows of all points at once.
+
+    Args:
+        n_rows: Output rows R (test points, times the positions of outputs with extra
+            dimensions).
+        n_outputs: Outputs per row C.
+        n_params: Parameters P.
+        itemsize: Bytes per number (the model's dtype).
+        joint: Whether the joint covariance of all rows is formed.
+    """
+    values = n_rows * n_outputs
+    rows = values * n_params * itemsize
+    if joint:
+        return (values + values**2) * itemsize + 2 * rows
+    return (values + values * n_outputs) * itemsize + 2 * min(rows, JACOBIAN_CHUNK_BYTES)
 
 
 @cache
@@ -106,6 +132,9 @@ class Posterior(ABC):
     #: Cached attributes computed from ``H`` and ``h_factor`` alone, which ``with_prior``
     #: shares (every other cached attribute is recomputed for the new prior).
     prior_free: ClassVar[tuple[str, ...]] = ()
+
+    #: What would fit where a fit or a prediction of this structure does not (for the refusal).
+    lighter: ClassVar[str] = "fewer weights (subset_of_weights='last_layer' or a subnetwork)"
 
     def __init__(
         self,
@@ -239,6 +268,46 @@ class Posterior(ABC):
                 f"state_dict['H'] has shape {tuple(state.shape)}, expected {tuple(zeros.shape)}."
             )
         return state.to(device=zeros.device, dtype=zeros.dtype)
+
+    # ------------------------------------------------------------------- memory estimates
+    # From shapes alone, so that a request that cannot fit is refused before any allocation
+    # (``laplace.utils.errors.check_fits_in_memory``). What the estimates count is what stays
+    # in memory as tensors; the transient work of a solver or an eigendecomposition is not.
+    @classmethod
+    @abstractmethod
+    def fit_bytes(cls, params: Sequence[Tensor], **options: object) -> int:
+        """Bytes of a fit over the parameter tensors ``params`` (their shapes and dtype only).
+
+        The summed curvature in the structure's representation plus what ``finalize`` and the
+        posterior's factorisation keep (a Cholesky factor, eigendecompositions).
+
+        Args:
+            params: The parameter tensors the curvature is over (nothing is allocated).
+            **options: The fit pass's options (low rank: ``solver``; matrix-free:
+                ``options``) and, for Kronecker, the backend's block ``shapes``.
+        """
+
+    @abstractmethod
+    def prediction_bytes(
+        self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
+    ) -> int:
+        """Bytes of a GLM prediction of ``n_rows`` output rows of ``n_outputs`` outputs.
+
+        The fitted state with its factorisation, what the structure forms for the Jacobian
+        ``kind`` (e.g. a dense covariance for a head's features) and the prediction's own
+        moments and Jacobian rows (``glm_prediction_bytes``); shapes alone.
+
+        Args:
+            n_rows: Output rows R (test points times the positions of each).
+            n_outputs: Outputs per row C.
+            kind: The Jacobian kind the subset gives the posterior.
+            joint: Whether the joint covariance (R·C, R·C) is formed.
+        """
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per number of the posterior (the model's dtype)."""
+        return self.prior_precision.element_size()
 
     # ------------------------------------------------------------------------ the posterior
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -28,6 +28,7 @@ __all__ = [
     "NotFittedError",
     "TooLargeError",
     "UnsupportedError",
+    "available_memory",
     "check_bool",
     "check_finite_result",
     "check_fits_in_memory",
@@ -78,23 +79,47 @@ class TooLargeError(ValueError, RuntimeError):
     """A dense matrix larger than the device's memory; a ``ValueError`` and a ``RuntimeError``."""
 
 
-def check_fits_in_memory(needed: int, device: torch.device, what: str, instead: str) -> None:
-    """Refuse, before allocating it, a tensor of ``needed`` bytes larger than ``device``'s memory.
+def available_memory(device: torch.device) -> int | None:
+    """Bytes of memory of ``device``: the device's for CUDA, the physical memory for the CPU.
 
-    The memory is the device's for CUDA, the physical memory for the CPU; unknown elsewhere.
+    None where it is unknown (other devices, or no ``os.sysconf``).
+    """
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def _gib(n_bytes: int) -> str:
+    """``n_bytes`` in GiB: one decimal from 1 GiB, three significant digits below."""
+    gib = n_bytes / 2**30
+    return f"{gib:,.1f} GiB" if gib >= 1 else f"{gib:.3g} GiB"
+
+
+def check_fits_in_memory(
+    needed: int, device: torch.device, what: str, instead: str | Callable[[int], str]
+) -> None:
+    """Refuse, before allocating it, a request of ``needed`` bytes larger than ``device``'s memory.
+
+    The memory is ``available_memory(device)``; where it is unknown nothing is refused.
+
+    Args:
+        needed: The estimated bytes.
+        device: The device they would be allocated on.
+        what: What was asked, for the message.
+        instead: What would fit, or a function of the available bytes giving it (called only
+            when refusing).
 
     Raises:
         TooLargeError: ``"{what} needs … GiB …, more than the … GiB of {device}: {instead}"``.
     """
-    available = None
-    if device.type == "cuda":
-        available = torch.cuda.get_device_properties(device).total_memory
-    elif device.type == "cpu" and hasattr(os, "sysconf"):
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = available_memory(device)
     if available is not None and needed > available:
+        alternative = instead(available) if callable(instead) else instead
         raise TooLargeError(
-            f"{what} needs {needed / 2**30:,.1f} GiB, more than the {available / 2**30:,.1f} GiB "
-            f"of {device}: {instead}"
+            f"{what} needs {_gib(needed)}, more than the {_gib(available)} of {device}: "
+            f"{alternative}"
         )
 
 

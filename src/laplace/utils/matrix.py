@@ -102,13 +102,22 @@ class Kron:
             ValueError: For a 0-dimensional parameter.
         """
         params = model.parameters() if isinstance(model, nn.Module) else model
+        return cls.zeros(cls.shapes_of(params), device, dtype)
+
+    @staticmethod
+    def shapes_of(params: Iterable[Tensor]) -> list[list[tuple[int, int]]]:
+        """The factor shapes of ``init_from_model`` for ``params`` (from their shapes alone).
+
+        Raises:
+            ValueError: For a 0-dimensional parameter.
+        """
         shapes = []
         for p in params:
             if p.ndim == 0:
                 raise ValueError("Kron needs parameters with at least one dimension.")
             sizes = [p.shape[0]] if p.ndim == 1 else [p.shape[0], p[0].numel()]
             shapes.append([(s, s) for s in sizes])
-        return cls.zeros(shapes, device, dtype)
+        return shapes
 
     @classmethod
     def zeros(cls, shapes: list[list[tuple]], device: torch.device, dtype: torch.dtype) -> Kron:

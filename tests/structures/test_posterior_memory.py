@@ -1,0 +1,182 @@
+"""Memory estimates of the posterior structures, and the refusals they make before allocating.
+
+Every structure estimates the bytes of its fit (``Posterior.fit_bytes``) and of a GLM
+prediction (``Posterior.prediction_bytes``) from shapes alone; ``fit`` and the GLM predictive
+refuse a request whose estimate exceeds the available memory
+(``laplace.utils.errors.available_memory``, patched here to a machine too small for the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from laplace import Laplace
+from laplace.utils import errors
+from laplace.utils.errors import TooLargeError
+from laplace.utils.matrix import Kron, KronDecomposed
+
+#: The estimate of a fit may exceed the bytes of the fitted state by this fraction: Kronecker
+#: blocks of a bias share their weight's output eigenbasis, which the estimate counts twice.
+ESTIMATE_OVERSHOOT = 0.25
+
+N_IN, WIDTH, N_OUT, N_DATA = 3, 16, 2, 32
+
+#: name → (subset_of_weights, hessian_structure, extra arguments of ``Laplace``)
+CASES: dict[str, tuple[str, str, dict]] = {
+    "full": ("all", "full", {}),
+    "diag": ("all", "diag", {}),
+    "kron": ("all", "kron", {}),
+    "ekfac": ("all", "ekfac", {}),
+    "lowrank": ("all", "lowrank", {"backend_kwargs": {"n_eigenvalues": 5}}),
+    "diag_lowrank": ("all", "diag_lowrank", {"backend_kwargs": {"n_eigenvalues": 5}}),
+    "matfree": ("all", "matfree", {"preconditioner": "diag"}),
+    "last_layer_full": ("last_layer", "full", {}),
+    "last_layer_kron": ("last_layer", "kron", {}),
+    "last_layer_diag": ("last_layer", "diag", {}),
+    "subnetwork_full": ("subnetwork", "full", {"subnetwork_indices": torch.arange(0, 98, 3)}),
+    "subnetwork_diag": ("subnetwork", "diag", {"subnetwork_indices": torch.arange(0, 98, 3)}),
+}
+
+
+class CountingLoader(DataLoader):
+    """A loader that counts the passes over it."""
+
+    passes = 0
+
+    def __iter__(self):
+        self.passes += 1
+        return super().__iter__()
+
+
+def _data() -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    X = torch.randn(N_DATA, N_IN, generator=generator)
+    return X, torch.randint(0, N_OUT, (N_DATA,), generator=generator)
+
+
+def _fitted(name: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(N_IN, WIDTH), nn.Tanh(), nn.Linear(WIDTH, N_OUT))
+    subset, structure, kwargs = CASES[name]
+    la = Laplace(model, "classification", subset, structure, **kwargs)
+    X, y = _data()
+    la.fit(CountingLoader(TensorDataset(X, y), batch_size=8))
+    return la
+
+
+def _machine_of(monkeypatch, n_bytes: int) -> None:
+    """Make every device report ``n_bytes`` of memory."""
+    monkeypatch.setattr(errors, "available_memory", lambda device: n_bytes)
+
+
+def _forward_counter(model: nn.Module) -> Callable[[], int]:
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    return lambda: len(calls)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_fit_larger_than_memory_is_refused_before_any_work(monkeypatch, name):
+    la = _fitted(name)
+    H, loss, state = la.H, la.loss, la.state_dict()
+    X, y = _data()
+    loader = CountingLoader(TensorDataset(X, y), batch_size=8)
+    _machine_of(monkeypatch, 16)
+    with pytest.raises(TooLargeError, match=r"a fit of .* needs [0-9.e-]+ GiB, more .* use "):
+        la.fit(loader)
+    assert loader.passes == 0  # no batch was drawn
+    assert la.H is H and la.loss is loss  # the previous posterior stays
+    for key, value in la.state_dict().items():
+        assert key in state
+        if isinstance(value, Tensor):
+            assert torch.equal(value, state[key])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_prediction_larger_than_memory_is_refused_before_any_work(monkeypatch, name):
+    la = _fitted(name)
+    X, _ = _data()
+    expected = la(X)
+    forwards = _forward_counter(la.model)
+    _machine_of(monkeypatch, 16)
+    with pytest.raises(
+        TooLargeError, match=r"GLM prediction of 32 test points .* needs .* GiB.*none fits.*use "
+    ):
+        la(X)
+    assert forwards() == 0  # the model was not run
+    monkeypatch.undo()
+    torch.testing.assert_close(la(X), expected)
+
+
+@pytest.mark.parametrize("name", ["full", "kron", "last_layer_diag"])
+def test_a_refused_prediction_names_the_test_points_that_fit(monkeypatch, name):
+    la = _fitted(name)
+    plan = la._glm_plan()
+    fits = plan.posterior.prediction_bytes(10, N_OUT, plan.kind)
+    _machine_of(monkeypatch, fits)
+    X, _ = _data()
+    with pytest.raises(TooLargeError, match=r"at most 10 test points fit"):
+        la(X)
+    la(X[:10])
+
+
+def test_a_joint_prediction_counts_the_joint_covariance(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(N_IN, WIDTH), nn.Tanh(), nn.Linear(WIDTH, N_OUT))
+    X, _ = _data()
+    la = Laplace(model, "regression", "all", "kron")
+    la.fit(DataLoader(TensorDataset(X, torch.randn(N_DATA, N_OUT)), batch_size=8))
+    plan = la._glm_plan()
+    joint = plan.posterior.prediction_bytes(N_DATA, N_OUT, plan.kind, joint=True)
+    _machine_of(monkeypatch, joint - 1)
+    la(X)  # the marginal prediction fits
+    with pytest.raises(TooLargeError, match=r"GLM prediction \(joint\) of 32 test points"):
+        la(X, joint=True)
+
+
+def _tensors(value: object, seen: dict[int, Tensor]) -> None:
+    """Collect the distinct storages of the tensors reachable from ``value`` (by data pointer)."""
+    if isinstance(value, Tensor):
+        if value.numel():
+            seen.setdefault(value.untyped_storage().data_ptr(), value)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _tensors(item, seen)
+    elif isinstance(value, Kron | KronDecomposed):
+        for item in vars(value).values():
+            _tensors(item, seen)
+
+
+def _fitted_state_bytes(la) -> int:
+    """Bytes of the fitted curvature with its factorisation (dense: the Cholesky factor)."""
+    posterior = la._posterior
+    _ = posterior.log_det  # eigendecompositions and factors are formed now
+    seen: dict[int, Tensor] = {}
+    _tensors(la.H, seen)
+    if "cholesky" in vars(posterior):
+        _tensors(posterior.cholesky, seen)
+    return sum(t.untyped_storage().nbytes() for t in seen.values())
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if name != "matfree"])
+def test_the_fit_estimate_bounds_the_fitted_state_closely(name):
+    la = _fitted(name)
+    estimate, actual = la._fit_bytes(), _fitted_state_bytes(la)
+    assert actual <= estimate <= (1 + ESTIMATE_OVERSHOOT) * actual, (estimate, actual)
+
+
+def test_the_matrix_free_estimate_is_its_diagonal_and_one_solver_block():
+    la = _fitted("matfree")
+    diagonal = la.H.diagonal.untyped_storage().nbytes()
+    assert la._fit_bytes() == diagonal + la.solver_options.block_bytes
+
+
+def test_estimates_use_the_model_dtype():
+    la = _fitted("full")
+    params = [p.double() for p in la._subset.curvature_params]
+    assert type(la._posterior).fit_bytes(params) == 2 * la._fit_bytes()
