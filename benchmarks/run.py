@@ -3,6 +3,8 @@
 Models, data and the measuring rules are in ``benchmarks/harness.py``; the low-rank,
 subnetwork and Kronecker cases of the performance-frontier issue in ``benchmarks/frontier.py``;
 all-weights Kron on tiny transformers in ``benchmarks/transformer.py``.
+``--large`` adds the real-size cases of ``benchmarks/large.py`` (a ResNet-50), which the
+default run leaves out.
 Each case runs in its own subprocess so peak memory is its own; times are medians over the
 repeats and a fit's ratio to its floor is the median of per-repeat ratios, floor and fit
 alternating (see the harness).
@@ -77,6 +79,7 @@ from harness import (
     use_clock,
     use_device,
 )
+from large import LARGE_CASES
 from large_vocab import LARGE_VOCAB_CASES
 from large_vocab_all import LARGE_VOCAB_ALL_CASES
 from matfree import MATFREE_CASES
@@ -538,6 +541,7 @@ CASES = {
     **BERT_CASES,
     **MATFREE_CASES,
     "import-time": (case_import_time, "", ""),
+    **LARGE_CASES,
 }
 
 
@@ -555,6 +559,7 @@ GPU_CASES = [
     and name not in MATFREE_CASES
     and name != "lowrank-accuracy-mlp"
     and name != "import-time"
+    and name not in LARGE_CASES
 ]
 
 
@@ -614,12 +619,17 @@ def format_row(row: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_cases = [name for name in CASES if name not in BACKEND_CASES]
+    default_cases = [name for name in CASES if name not in BACKEND_CASES | LARGE_CASES]
     parser.add_argument("--cases", nargs="*", default=default_cases, choices=list(CASES))
     parser.add_argument(
         "--backends",
         action="store_true",
         help="run the fit time per backend × structure cases (results/backends.json)",
+    )
+    parser.add_argument(
+        "--large",
+        action="store_true",
+        help="run the real-size cases of benchmarks/large.py (ResNet-50) after the default ones",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -654,6 +664,8 @@ def main() -> None:
         return
     if args.backends:
         args.cases = list(BACKEND_CASES)
+    if args.large:
+        args.cases = [*args.cases, *(name for name in LARGE_CASES if name not in args.cases)]
     rows = []
     for name in args.cases:
         options = ["--repeats", str(args.repeats), "--threads", str(args.threads)]
