@@ -153,3 +153,17 @@ def test_kfac_from_recorded_gradients_equals_kfac(name, approx):
     direct = kfac(trace, list(columns), 20, approx, backend.factor)
     recorded = kfac(trace, list(columns), 20, approx, backend.factor, gradients)
     assert_close(recorded.to_matrix(), direct.to_matrix())
+
+
+@pytest.mark.parametrize("copy_elements", [7, 10_000])  # several chunks, and one
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_gram_of_strided_rows_sums_every_position(monkeypatch, copy_elements, scale):
+    """A convolution's output gradients are (R, T, D) rows laid out (R, D, T): their Gram
+    matrix, copied a chunk at a time, is the sum over every row and position."""
+    from laplace.curvature.engine import kfac as kfac_module
+
+    monkeypatch.setattr(kfac_module, "GRAM_COPY_ELEMENTS", copy_elements)
+    rows = torch.randn(5, 3, 4, dtype=torch.float64).transpose(1, 2)  # (R, T, D), strided
+    assert not rows.is_contiguous()
+    expected = scale * torch.einsum("rtd,rte->de", rows, rows)
+    assert_close(kfac_module._gram(rows, "expand", scale), expected, atol=1e-12, rtol=1e-12)

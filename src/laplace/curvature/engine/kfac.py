@@ -38,19 +38,32 @@ from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.linalg import symmetric_gram
 from laplace.utils.matrix import Kron, StructuredKron
 
-__all__ = ["KFAC_APPROXIMATIONS", "KfacStatistics", "kfac", "kfac_eigenvalues"]
+__all__ = [
+    "GRAM_COPY_ELEMENTS",
+    "KFAC_APPROXIMATIONS",
+    "KfacStatistics",
+    "kfac",
+    "kfac_eigenvalues",
+]
 
 #: The weight-sharing approximations of Eschenhagen et al. (2023).
 KFAC_APPROXIMATIONS = ("expand", "reduce")
 
 
-def _gram(t: Tensor, approx: str, scale: float = 1.0) -> Tensor:
-    """``scale ·`` Σ of outer products of (R, T, D) rows, shape (D, D), without copying them.
+#: Largest copy (rows × positions × features) of strided rows made at once by ``_gram``.
+GRAM_COPY_ELEMENTS = 2**24
 
-    Expand sums over every position; reduce over the per-row mean over positions. Rows
-    laid out contiguously go through one symmetric Gram product (each off-diagonal block once),
-    scaled before the product where they are fewer numbers than the result; strided ones (the
-    gradients of a convolution, (R, D, T) in memory) through a batched product.
+
+def _gram(t: Tensor, approx: str, scale: float = 1.0) -> Tensor:
+    """``scale ·`` Σ of outer products of (R, T, D) rows, shape (D, D).
+
+    Expand sums over every position; reduce over the per-row mean over positions. Every row
+    goes through the symmetric Gram product (each off-diagonal block once); contiguous rows are
+    a view, scaled before the product where they are fewer numbers than the result. Strided
+    ones (the gradients of a convolution, (R, D, T) in memory) are copied into rows a chunk of
+    at most ``GRAM_COPY_ELEMENTS`` at a time: a batched product of the R (D, T) blocks would
+    hold (R, D, D) products, more than the rows themselves where T < D (a ResNet's late
+    layers), and compute both triangles.
     """
     if approx == "reduce" or t.shape[1] == 1 or t.is_contiguous():
         # reduce: the rows' means; expand: a view, every position a row
@@ -59,7 +72,11 @@ def _gram(t: Tensor, approx: str, scale: float = 1.0) -> Tensor:
             return symmetric_gram(rows * math.sqrt(scale))
         gram = symmetric_gram(rows)
     else:
-        gram = torch.bmm(t.transpose(1, 2), t).sum(0)
+        per_chunk = max(1, GRAM_COPY_ELEMENTS // (t.shape[1] * t.shape[2]))
+        chunks = t.split(per_chunk)
+        gram = symmetric_gram(chunks[0].reshape(-1, t.shape[-1]))
+        for chunk in chunks[1:]:
+            gram += symmetric_gram(chunk.reshape(-1, t.shape[-1]))
     return gram if scale == 1 else gram.mul_(scale)
 
 
