@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace import Laplace
+from laplace.structures.per_output import PerOutputPosterior
 from laplace.utils import errors
 from laplace.utils.errors import TooLargeError
 from laplace.utils.matrix import Kron, KronDecomposed
@@ -23,6 +24,8 @@ from laplace.utils.matrix import Kron, KronDecomposed
 #: The estimate of a fit may exceed the bytes of the fitted state by this fraction: Kronecker
 #: blocks of a bias share their weight's output eigenbasis, which the estimate counts twice.
 ESTIMATE_OVERSHOOT = 0.25
+#: With one σ per output the shared eigenbases are a larger part of a smaller state.
+PER_OUTPUT_KRON_OVERSHOOT = 0.4
 
 N_IN, WIDTH, N_OUT, N_DATA = 3, 16, 2, 32
 
@@ -71,7 +74,9 @@ def _fitted(name: str):
 
 def _machine_of(monkeypatch, n_bytes: int) -> None:
     """Make every device report ``n_bytes`` of memory."""
-    monkeypatch.setattr(errors, "available_memory", lambda device: n_bytes)
+    monkeypatch.setattr(
+        errors, "available_memory", lambda device: None if device.type == "meta" else n_bytes
+    )
 
 
 def _forward_counter(model: nn.Module) -> Callable[[], int]:
@@ -158,6 +163,7 @@ def _fitted_state_bytes(la) -> int:
     _ = posterior.log_det  # eigendecompositions and factors are formed now
     seen: dict[int, Tensor] = {}
     _tensors(la.H, seen)
+    _tensors(posterior.H, seen)  # a combination of per-output curvatures is a tensor of its own
     if "cholesky" in vars(posterior):
         _tensors(posterior.cholesky, seen)
     return sum(t.untyped_storage().nbytes() for t in seen.values())
@@ -180,3 +186,34 @@ def test_estimates_use_the_model_dtype():
     la = _fitted("full")
     params = [p.double() for p in la._subset.curvature_params]
     assert type(la._posterior).fit_bytes(params) == 2 * la._fit_bytes()
+
+
+def _fitted_per_output(structure: str):
+    """A regression fit with one σ per output (``structures.per_output``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(N_IN, WIDTH), nn.Tanh(), nn.Linear(WIDTH, N_OUT))
+    sigma = torch.tensor([0.5, 0.7])
+    la = Laplace(model, "regression", "all", structure, sigma_noise=sigma)
+    X, _ = _data()
+    y = torch.randn(N_DATA, N_OUT, generator=torch.Generator().manual_seed(1))
+    la.fit(CountingLoader(TensorDataset(X, y), batch_size=8))
+    return la, X, y
+
+
+@pytest.mark.parametrize("structure", ["full", "diag", "kron"])
+def test_one_sigma_per_output_estimates_and_refusals(monkeypatch, structure):
+    la, X, y = _fitted_per_output(structure)
+    assert isinstance(la._posterior, PerOutputPosterior)
+    estimate, actual = la._fit_bytes(), _fitted_state_bytes(la)
+    overshoot = PER_OUTPUT_KRON_OVERSHOOT if structure == "kron" else ESTIMATE_OVERSHOOT
+    assert actual <= estimate <= (1 + overshoot) * actual, (estimate, actual)
+    H, expected = la.H, la(X)
+    loader = CountingLoader(TensorDataset(X, y), batch_size=8)
+    _machine_of(monkeypatch, 16)
+    with pytest.raises(TooLargeError, match=r"a fit of .* needs"):
+        la.fit(loader)
+    assert loader.passes == 0 and la.H is H
+    with pytest.raises(TooLargeError, match=r"GLM prediction of 32 test points"):
+        la(X)
+    monkeypatch.undo()
+    torch.testing.assert_close(la(X), expected)

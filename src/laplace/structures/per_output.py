@@ -104,8 +104,16 @@ class PerOutputPosterior(Posterior):
 
     @classmethod
     def fit_bytes(cls, params: Sequence[Tensor], **options: object) -> int:
-        """Each output's curvature and the combined posterior's: C + 1 of the base structure's."""
-        return (cls.n_outputs + 1) * cls.structure.fit_bytes(params, **options)
+        """Each output's summed curvature (C, ...) and the base structure's fit of their sum.
+
+        The first is measured on ``zeros`` of the meta device: shapes, no memory.
+        """
+        meta = [torch.empty_like(p, device="meta") for p in params]
+        stacked = cls.zeros(meta, **options)
+        factors = stacked.kfacs if isinstance(stacked, Kron) else [[stacked]]
+        numbers = sum(F.numel() for block in factors for F in block if isinstance(F, Tensor))
+        summed = numbers * params[0].element_size()
+        return summed + cls.structure.fit_bytes(params, **options)
 
     def prediction_bytes(
         self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
