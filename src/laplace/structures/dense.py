@@ -16,7 +16,6 @@ from laplace.structures.posterior import (
     ClosedForm,
     NotPositiveDefiniteError,
     Posterior,
-    glm_prediction_bytes,
 )
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 from laplace.utils.errors import check_fits_in_memory
@@ -133,14 +132,13 @@ class DensePosterior(Posterior):
         return 2 * n_params**2 * params[0].element_size()
 
     @override
-    def prediction_bytes(
+    def held_bytes(
         self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
     ) -> int:
-        """The curvature and its Cholesky factor, a head's covariance (P, P), the moments."""
+        """The curvature and its Cholesky factor, a head's covariance (P, P)."""
         n_params, itemsize = len(self.prior_diag), self.itemsize
         matrices = 3 if kind is HeadFeatures and not joint else 2
-        own = matrices * n_params**2 * itemsize
-        return own + glm_prediction_bytes(n_rows, n_outputs, n_params, itemsize, joint)
+        return matrices * n_params**2 * itemsize
 
     @override
     @staticmethod

@@ -20,7 +20,7 @@ from laplace.curvature.engine.per_sample import PerSampleTrace
 from laplace.structures import large_output
 from laplace.structures.jacobians import HeadFeatures, Jacobian, LayerTrace
 from laplace.structures.kron_glm import layerwise_variance
-from laplace.structures.posterior import ClosedForm, Posterior, glm_prediction_bytes
+from laplace.structures.posterior import ClosedForm, Posterior
 from laplace.utils.diag_lowrank import DiagLowRankBatch
 
 __all__ = [
@@ -115,13 +115,12 @@ class DiagonalPosterior(Posterior):
         return sum(p.numel() for p in params) * params[0].element_size()
 
     @override
-    def prediction_bytes(
+    def held_bytes(
         self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
     ) -> int:
-        """The diagonal, ``h·H``, the precision and the variance (P,) each, the moments."""
+        """The diagonal, ``h·H``, the precision and the variance (P,) each."""
         n_params, itemsize = len(self.prior_diag), self.itemsize
-        own = 4 * n_params * itemsize
-        return own + glm_prediction_bytes(n_rows, n_outputs, n_params, itemsize, joint)
+        return 4 * n_params * itemsize
 
     @override
     @staticmethod

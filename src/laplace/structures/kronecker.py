@@ -30,7 +30,7 @@ from laplace.curvature.engine.per_sample import PerSampleTrace
 from laplace.structures import large_output
 from laplace.structures.jacobians import HeadFeatures, Jacobian, LayerTrace
 from laplace.structures.kron_glm import layerwise_variance
-from laplace.structures.posterior import ClosedForm, Posterior, glm_prediction_bytes
+from laplace.structures.posterior import ClosedForm, Posterior
 from laplace.utils.diag_lowrank import (
     DiagLowRank,
     DiagLowRankBatch,
@@ -220,18 +220,16 @@ class KronPosterior(Posterior):
         return numbers * params[0].element_size()
 
     @override
-    def prediction_bytes(
+    def held_bytes(
         self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
     ) -> int:
-        """The fitted factors with their eigendecomposition, the moments."""
+        """The fitted factors with their eigendecomposition."""
         H, itemsize = self.H, self.itemsize
         if H.factors is not None:
-            own = _kron_numbers(H.factors.shapes, self.max_rank, self.corrected) * itemsize
-        else:  # built from eigenpairs (a per-output posterior's combination): theirs, twice
-            pairs = [t for part in H._pairs() for block in part for t in block]
-            own = 2 * sum(t.numel() * itemsize for t in pairs if isinstance(t, Tensor))
-        n_params = len(self.prior_diag)
-        return own + glm_prediction_bytes(n_rows, n_outputs, n_params, itemsize, joint)
+            return _kron_numbers(H.factors.shapes, self.max_rank, self.corrected) * itemsize
+        # built from eigenpairs (a per-output posterior's combination): theirs, twice
+        pairs = [t for part in H._pairs() for block in part for t in block]
+        return 2 * sum(t.numel() * itemsize for t in pairs if isinstance(t, Tensor))
 
     @override
     @classmethod

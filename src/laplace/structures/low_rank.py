@@ -33,7 +33,6 @@ from laplace.structures.posterior import (
     ClosedForm,
     Curvature,
     Posterior,
-    glm_prediction_bytes,
 )
 
 if TYPE_CHECKING:
@@ -108,15 +107,14 @@ class LowRankPosterior(Posterior):
         return numbers * params[0].element_size()
 
     @override
-    def prediction_bytes(
+    def held_bytes(
         self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
     ) -> int:
-        """The fit, ``W`` and the Woodbury basis (P, k), the capacitance (k, k), the moments."""
+        """The fit, ``W`` and the Woodbury basis (P, k), the capacitance (k, k)."""
         U, itemsize = self.H[0], self.itemsize
         n_params, rank = U.shape
         fitted = n_params * rank + rank + self.fitted_diagonals * n_params
-        own = (fitted + 2 * n_params * rank + rank**2 + 2 * n_params) * itemsize
-        return own + glm_prediction_bytes(n_rows, n_outputs, n_params, itemsize, joint)
+        return (fitted + 2 * n_params * rank + rank**2 + 2 * n_params) * itemsize
 
     @override
     @staticmethod

@@ -34,7 +34,7 @@ from laplace.curvature.solvers.krylov import (
     rademacher_probes,
 )
 from laplace.structures.jacobians import Jacobian, LayerTrace
-from laplace.structures.posterior import Posterior, glm_prediction_bytes
+from laplace.structures.posterior import Posterior
 from laplace.utils import distributed as distributed_utils
 from laplace.utils.errors import (
     NotFittedError,
@@ -309,15 +309,14 @@ class MatFreePosterior(Posterior):
         diagonal = n_params if options.preconditioner == "diag" else 0
         return diagonal * params[0].element_size() + options.block_bytes
 
-    def prediction_bytes(
+    def held_bytes(
         self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
     ) -> int:
-        """The fit, the solution of a joint prediction's rows (P, R·C), the moments."""
+        """The fit, the solution of a joint prediction's rows (P, R·C)."""
         options, itemsize = self.options, self.itemsize
         diagonal = self.n_params if options.preconditioner == "diag" else 0
         solution = n_rows * n_outputs * self.n_params if joint else 0
-        own = (diagonal + solution) * itemsize + options.block_bytes
-        return own + glm_prediction_bytes(n_rows, n_outputs, self.n_params, itemsize, joint)
+        return (diagonal + solution) * itemsize + options.block_bytes
 
     # ---------------------------------------------------------------------- accumulation
     @staticmethod

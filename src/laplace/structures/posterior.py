@@ -287,7 +287,6 @@ class Posterior(ABC):
                 ``options``) and, for Kronecker, the backend's block ``shapes``.
         """
 
-    @abstractmethod
     def prediction_bytes(
         self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
     ) -> int:
@@ -302,6 +301,19 @@ class Posterior(ABC):
             n_outputs: Outputs per row C.
             kind: The Jacobian kind the subset gives the posterior.
             joint: Whether the joint covariance (R·C, R·C) is formed.
+        """
+        own = self.held_bytes(n_rows, n_outputs, kind, joint)
+        n_params, itemsize = len(self.prior_diag), self.itemsize
+        return own + glm_prediction_bytes(n_rows, n_outputs, n_params, itemsize, joint)
+
+    @abstractmethod
+    def held_bytes(
+        self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
+    ) -> int:
+        """Bytes the structure holds for a GLM prediction, from shapes alone.
+
+        Its fitted state with its factorisation and what it forms for the Jacobian ``kind``;
+        the arguments as ``prediction_bytes``.
         """
 
     @property
