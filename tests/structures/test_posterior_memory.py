@@ -8,6 +8,7 @@ refuse a request whose estimate exceeds the available memory
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace import Laplace
+from laplace.parametric import parametric_laplace
 from laplace.structures.per_output import PerOutputPosterior
 from laplace.utils import errors
 from laplace.utils.errors import TooLargeError
@@ -217,3 +219,139 @@ def test_one_sigma_per_output_estimates_and_refusals(monkeypatch, structure):
         la(X)
     monkeypatch.undo()
     torch.testing.assert_close(la(X), expected)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sampled_networks_larger_than_memory_are_refused_before_any_work(monkeypatch, name):
+    la = _fitted(name)
+    X, _ = _data()
+    expected = la(X, pred_type="nn", link_approx="mc", n_samples=4, generator=_generator())
+    forwards = _forward_counter(la.model)
+    _machine_of(monkeypatch, 16)
+    refusal = r"4 sampled networks \(pred_type='nn'\) on 32 test points .* needs .* GiB.*none fits"
+    with pytest.raises(TooLargeError, match=refusal):
+        la(X, pred_type="nn", link_approx="mc", n_samples=4)
+    with pytest.raises(TooLargeError, match=refusal):
+        la.functional_samples(X, pred_type="nn", n_samples=4)
+    with pytest.raises(TooLargeError, match=refusal):
+        la.predictive_samples(X, pred_type="nn", n_samples=4)
+    assert forwards() == 0
+    monkeypatch.undo()
+    actual = la(X, pred_type="nn", link_approx="mc", n_samples=4, generator=_generator())
+    torch.testing.assert_close(actual, expected)
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize("name", ["full", "kron", "last_layer_diag"])
+def test_a_refused_sampling_names_the_samples_that_fit(monkeypatch, name):
+    la = _fitted(name)
+    X, _ = _data()
+    estimates = []
+
+    def record(needed, *args):
+        estimates.append(needed)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(parametric_laplace, "check_fits_in_memory", record)
+        for n_samples in (1, 8):
+            la.functional_samples(X, pred_type="nn", n_samples=n_samples)
+    assert estimates[0] < estimates[1]
+    _machine_of(monkeypatch, (estimates[0] + estimates[1]) // 2)
+    with pytest.raises(
+        TooLargeError, match=r"draw fewer samples \(at most (\d+) samples fit\)"
+    ) as info:
+        la.functional_samples(X, pred_type="nn", n_samples=8)
+    fitting = int(re.search(r"at most (\d+) samples fit", str(info.value)).group(1))
+    assert 1 <= fitting < 8
+    assert la.functional_samples(X, pred_type="nn", n_samples=fitting).shape[0] == fitting
+    with pytest.raises(TooLargeError):
+        la.functional_samples(X, pred_type="nn", n_samples=fitting + 1)
+
+
+#: name → (subset_of_weights, extra arguments of ``Laplace`` for ``hessian_structure="gp"``)
+GP_CASES: dict[str, tuple[str, dict]] = {
+    "sod": ("all", {"n_subset": 16}),
+    "sod_last_layer": ("last_layer", {"n_subset": 16}),
+    "ella": (
+        "all",
+        {"functional_approximation": "nystrom", "subsample_size": 8, "n_eigenvalues": 4},
+    ),
+    "valla": (
+        "all",
+        {
+            "functional_approximation": "variational",
+            "inducing_locations": "random",
+            "num_inducing": 4,
+        },
+    ),
+}
+
+
+def _fitted_gp(name: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(N_IN, WIDTH), nn.Tanh(), nn.Linear(WIDTH, N_OUT))
+    subset, kwargs = GP_CASES[name]
+    la = Laplace(model, "classification", subset, "gp", **kwargs)
+    X, y = _data()
+    fit_kwargs = {"iterations": 2} if name == "valla" else {}
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=8), **fit_kwargs)
+    return la, fit_kwargs
+
+
+def _state_tensors(la) -> dict[str, Tensor]:
+    return {k: v.clone() for k, v in la.state_dict().items() if isinstance(v, Tensor)}
+
+
+@pytest.mark.parametrize("name", list(GP_CASES))
+def test_a_gp_fit_larger_than_memory_is_refused_before_any_jacobian(monkeypatch, name):
+    la, fit_kwargs = _fitted_gp(name)
+    state = _state_tensors(la)
+    expected = la(_data()[0])
+    X, y = _data()
+    loader = CountingLoader(TensorDataset(X, y), batch_size=8)
+    jacobians = []
+    monkeypatch.setattr(type(la.backend), "jacobians", lambda *a, **k: jacobians.append(1))
+    _machine_of(monkeypatch, 16)
+    with pytest.raises(TooLargeError, match=r"a fit of \w+ \(C=2 outputs, .* needs .* GiB"):
+        la.fit(loader, **fit_kwargs)
+    assert not jacobians
+    monkeypatch.undo()
+    for key, value in la.state_dict().items():
+        if isinstance(value, Tensor):
+            assert torch.equal(value, state[key]), key
+    torch.testing.assert_close(la(X), expected)
+
+
+@pytest.mark.parametrize("name", list(GP_CASES))
+def test_a_gp_prediction_larger_than_memory_is_refused_before_any_work(monkeypatch, name):
+    la, _ = _fitted_gp(name)
+    X, _ = _data()
+    expected = la(X)
+    forwards = _forward_counter(la.model)
+    _machine_of(monkeypatch, 16)
+    refusal = r"a GP prediction of 32 test points with C=2 outputs .* needs .* GiB"
+    with pytest.raises(TooLargeError, match=refusal):
+        la(X)
+    with pytest.raises(
+        TooLargeError, match=refusal.replace("prediction", r"prediction \(joint\)")
+    ):
+        la.predictive_moments(X, joint=True)
+    with pytest.raises(TooLargeError, match=refusal):
+        la.predictive_samples(X, n_samples=3)
+    assert forwards() == 0
+    monkeypatch.undo()
+    torch.testing.assert_close(la(X), expected)
+
+
+@pytest.mark.parametrize("name", list(GP_CASES))
+def test_the_gp_estimates_grow_with_the_test_points_and_cover_the_fitted_state(name):
+    la, _ = _fitted_gp(name)
+    few, many = la._prediction_bytes(1, False), la._prediction_bytes(1000, False)
+    assert few < many
+    assert la._prediction_bytes(10, False) < la._prediction_bytes(10, True)
+    saved = sum(v.nbytes for v in la.state_dict().values() if isinstance(v, Tensor))
+    assert la._fit_bytes(8) >= saved
+    assert few >= saved - la.mean.nbytes  # the fitted GP is held by every prediction

@@ -27,10 +27,15 @@ from laplace.core.serialization import (
     StateFormat,
     trainable_coordinates,
 )
-from laplace.structures.memory_budgets import jacobian_chunk_rows
+from laplace.structures.memory_budgets import JACOBIAN_CHUNK_BYTES, jacobian_chunk_rows
 from laplace.utils.data import Inputs, batch_size_of, check_outputs, input_chunks, prepare_inputs
 from laplace.utils.enums import FunctionalApproximation, LinkApprox, PredType, parse_enum
-from laplace.utils.errors import UnsupportedError, check_generator, check_positive_int
+from laplace.utils.errors import (
+    UnsupportedError,
+    check_fits_in_memory,
+    check_generator,
+    check_positive_int,
+)
 from laplace.utils.predictive import gaussian_output_samples
 
 __all__ = ["BaseFunctionalLaplace", "LatentPosterior"]
@@ -304,7 +309,60 @@ class BaseFunctionalLaplace(BaseLaplace):
             ValueError: For an empty batch.
         """
         x = self._checked_inputs(x, "predictive_moments")
+        n_points = batch_size_of(x, self.dict_key_x)
+        check_fits_in_memory(
+            self._prediction_bytes(n_points, joint),
+            self._device,
+            f"a GP prediction{' (joint)' if joint else ''} of {n_points:,} test points with "
+            f"C={self.n_outputs:,} outputs ({type(self).__name__} over P={self.n_params:,} "
+            "parameters)",
+            "predict fewer test points at once, or use a smaller subset or fewer inducing points.",
+        )
         return self._gp.moments(x, joint, self.enable_backprop)
+
+    # ------------------------------------------------------------------------------ memory
+    def _check_fit_memory(self, batch_size: int = 1) -> None:
+        """Refuse, before any Jacobian, a fit whose estimate (``_fit_bytes``) exceeds the memory.
+
+        Args:
+            batch_size: Points per training batch, for a fit that works a batch at a time.
+
+        Raises:
+            TooLargeError: (a ``ValueError`` and a ``RuntimeError``) naming the estimate.
+        """
+        check_fits_in_memory(
+            self._fit_bytes(batch_size),
+            self._device,
+            f"a fit of {type(self).__name__} (C={self.n_outputs:,} outputs, "
+            f"P={self.n_params:,} parameters in {self._dtype})",
+            "use a smaller subset or fewer inducing points, or a last-layer approximation.",
+        )
+
+    def _fit_bytes(self, batch_size: int) -> int:
+        """Bytes a fit holds at its peak, from the settings and shapes alone (a subclass's).
+
+        ``batch_size``: points per training batch (see ``_check_fit_memory``).
+        """
+        raise NotImplementedError(f"{type(self).__name__} gives no memory estimate of its fit.")
+
+    def _prediction_bytes(self, n_points: int, joint: bool) -> int:
+        """Bytes of a prediction of ``n_points`` test points, the fitted state included.
+
+        A subclass's, from shapes alone; ``joint``: the covariance between the points.
+        """
+        raise NotImplementedError(f"{type(self).__name__} gives no memory estimate.")
+
+    def _jacobian_chunk_bytes(self, n_points: int) -> int:
+        """Bytes of the Jacobians ``(b, C, P)`` of ``n_points`` points, at most one chunk."""
+        itemsize = self.mean.element_size()
+        return min(n_points * self.n_outputs * self.n_params * itemsize, JACOBIAN_CHUNK_BYTES)
+
+    def _moment_bytes(self, n_points: int, joint: bool) -> int:
+        """Bytes of the predicted means and covariances (B, C, C), or (B·C, B·C) joint."""
+        rows = n_points * self.n_outputs
+        return (
+            rows + (rows * rows if joint else rows * self.n_outputs)
+        ) * self.mean.element_size()
 
     def __call__(
         self,

@@ -166,6 +166,7 @@ class ELLA(BaseFunctionalLaplace):
         likelihood = self._likelihood_model
         indices = self._indices(train_loader, balanced)
         output_shape = self._start_fit(*next(self._batches(subset_loader(train_loader, indices))))
+        self._check_fit_memory()
         self._build_basis(train_loader, indices)
         for step, (X, y) in enumerate(self._batches(train_loader, progress_bar, "ELLA"), 1):
             y = self._fit_targets(y, output_shape)
@@ -208,6 +209,32 @@ class ELLA(BaseFunctionalLaplace):
         inputs = (X for X, _ in self._batches(subset_loader(loader, indices)))
         V = nystrom_basis(inputs, self._jacobian_chunks, self.n_eigenvalues, self.seed)
         self.dual_directions = V.to(self._dtype)
+
+    def _fit_bytes(self, batch_size: int) -> int:
+        """Bytes of the Nyström basis and the projected GGN, from the settings alone.
+
+        The subset's Jacobian rows (M, P) and their kernel (M, M) with its eigenvectors in
+        float64, the basis ``V`` (P, K) in float64 and in the model's type, one chunk of
+        Jacobians, and the feature Gram matrix (K, K).
+        """
+        M, K, P = self.subsample_size, self.n_eigenvalues, self.n_params
+        float64 = (M * P + 2 * M * M + P * K) * 8
+        return float64 + self._nystrom_held_bytes() + self._jacobian_chunk_bytes(M)
+
+    def _nystrom_held_bytes(self) -> int:
+        """The basis ``V`` (P, K) and the Gaussian over the features (two (K, K))."""
+        K = self.n_eigenvalues
+        return (self.n_params * K + 2 * K * K) * self.mean.element_size()
+
+    def _prediction_bytes(self, n_points: int, joint: bool) -> int:
+        """The basis and the Gaussian, one chunk of Jacobians, the features (B, C, K), moments."""
+        features = n_points * self.n_outputs * self.n_eigenvalues * self.mean.element_size()
+        return (
+            self._nystrom_held_bytes()
+            + self._jacobian_chunk_bytes(n_points)
+            + features
+            + self._moment_bytes(n_points, joint)
+        )
 
     def _features(self, X: Inputs, create_graph: bool = False) -> tuple[Tensor, Tensor]:
         """The features ``φ(x) = J(x) V`` (B, C, K) and the outputs (B, C) at ``X``."""

@@ -20,10 +20,10 @@ from laplace.core.serialization import StateDict
 from laplace.curvature import CurvatureInterface
 from laplace.curvature.engine.per_sample import PerSampleEngine
 from laplace.functional.base_functional import BaseFunctionalLaplace, FunctionalState
-from laplace.functional.kernel import KernelOptions, SubsetKernel
+from laplace.functional.kernel import CACHE_BYTES, KernelOptions, SubsetKernel
 from laplace.functional.ntk import DenseJacobian, FactoredJacobian, trace_jacobian
 from laplace.likelihoods import make_likelihood
-from laplace.structures.memory_budgets import jacobian_chunk_rows
+from laplace.structures.memory_budgets import JACOBIAN_CHUNK_BYTES, jacobian_chunk_rows
 from laplace.utils.data import Inputs, SoDSampler, dataset_size, slice_inputs, subset_loader
 from laplace.utils.enums import (
     HessianStructure,
@@ -176,6 +176,7 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         subset = subset_loader(train_loader, SoDSampler(n_data, self.n_subset, self.seed).indices)
         X, y = self._data_loop(Gather, progress_bar=progress_bar, desc="fit").run(subset)
         self._start_fit(slice_inputs(X, 0, 1, self.n_subset), y)  # before any Jacobian
+        self._check_fit_memory()
         self.n_data = n_data
         self._gp = SubsetKernel.build(
             X, y, self._likelihood_model, self.prior_mean - self.mean, **self._kernel_options()
@@ -210,6 +211,37 @@ class FunctionalLaplace(BaseFunctionalLaplace):
             )
         self._posterior_prior_precision = current.clone()
         return x
+
+    def _kernel_bytes(self) -> int:
+        """The subset kernel, (M·C)² numbers, or (C, M, M) with independent outputs."""
+        M, C = self.n_subset, self.n_outputs
+        numbers = C * M * M if self.independent_outputs else (M * C) ** 2
+        return numbers * self.mean.element_size()
+
+    def _fit_bytes(self, batch_size: int) -> int:
+        """The subset's Jacobians (M, C, P), all held while the kernel is built, and the kernel.
+
+        A last layer's Jacobians are its features (fewer numbers): counted as dense rows.
+        """
+        M, C, itemsize = self.n_subset, self.n_outputs, self.mean.element_size()
+        return M * C * self.n_params * itemsize + self._kernel_bytes() + 3 * M * C * itemsize
+
+    def _prediction_bytes(self, n_points: int, joint: bool) -> int:
+        """Bytes of a prediction of ``n_points`` test points, from the shapes alone.
+
+        The kernel, its Cholesky factor and the kept subset Jacobians (within ``CACHE_BYTES``);
+        the test points' Jacobians and their kernel with the subset, twice (the solve), a chunk
+        at a time unless ``joint``; and the moments.
+        """
+        M, C, itemsize = self.n_subset, self.n_outputs, self.mean.element_size()
+        width = M if self.independent_outputs else M * C
+        subset = min(M * C * self.n_params * itemsize, CACHE_BYTES)
+        held = 2 * self._kernel_bytes() + subset + self._jacobian_chunk_bytes(M)
+        rows = n_points * C
+        test = rows * (self.n_params + 2 * width) * itemsize
+        if not joint:
+            test = min(test, 2 * JACOBIAN_CHUNK_BYTES)
+        return held + test + self._moment_bytes(n_points, joint)
 
     def _kernel_scales(self) -> tuple[Tensor, Tensor]:
         """Kernel scale ``s`` and output-curvature factor ``h = 1/(σ²T)`` of predictions."""

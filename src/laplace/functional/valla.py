@@ -305,6 +305,7 @@ class VaLLA(BaseFunctionalLaplace):
         empty = "train_loader is empty: fit needs at least one data point."
         loop = self._data_loop(DataLoop, desc="VaLLA", empty_message=empty)
         output_shape = self._start_fit(*next(loop.cycle(train_loader, 1)))
+        self._check_fit_memory(getattr(train_loader, "batch_size", None) or 1)
         if override or not self._fitted:
             self._reset_inducing(train_loader)
         classes = self.inducing_classes
@@ -333,6 +334,26 @@ class VaLLA(BaseFunctionalLaplace):
             self._record_validation(val_loader, val_steps, step)
         self._fitted = True
         self._record_validation(val_loader, val_steps, iterations, last=True)
+
+    def _inducing_bytes(self, n_points: int) -> int:
+        """One evaluation of the objective's moments at ``n_points`` points, from shapes alone.
+
+        The inducing points' Jacobians (M, C, P), ``A`` (M, P) and the QR factor (P + M, M)
+        in float64; the points' Jacobians (B, C, P), and their padded rows and roots
+        (B·C, P + M) in float64.
+        """
+        M, C, P = self.num_inducing, self.n_outputs, self.n_params
+        itemsize = self.mean.element_size()
+        inducing = M * C * P * itemsize + (M * P + (P + M) * M) * 8
+        return inducing + n_points * C * (P * itemsize + 2 * (P + M) * 8)
+
+    def _fit_bytes(self, batch_size: int) -> int:
+        """One step of the objective on a batch (``_inducing_bytes``) and its gradients."""
+        return 2 * self._inducing_bytes(batch_size)
+
+    def _prediction_bytes(self, n_points: int, joint: bool) -> int:
+        """The moments at ``n_points`` points (``_inducing_bytes``, all at once) and their size."""
+        return self._inducing_bytes(n_points) + self._moment_bytes(n_points, joint)
 
     def _reset_inducing(self, train_loader: DataLoader) -> None:
         """Start from the initial (or newly chosen) inducing points, ``L = I`` and no history."""

@@ -6,7 +6,7 @@ Internal module; the public path is [`laplace.baselaplace`][laplace.baselaplace]
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -509,6 +509,8 @@ class ParametricLaplace(BaseLaplace):
             )
         x = prepare_inputs(x, self.dict_key_x, self._device, "prediction")
         if plan is None:
+            n_points = batch_size_of(x, self.dict_key_x)
+            self._check_nn_prediction_memory(n_points, n_samples, grouped=True)
             groups = self._nn_sample_groups(x, n_samples, generator, **model_kwargs)
             return likelihood.sampled_predictive_of(groups)
         if joint:  # the joint moments as they are
@@ -597,12 +599,7 @@ class ParametricLaplace(BaseLaplace):
             return plan.posterior.prediction_bytes(points * rows_per_point, C, plan.kind, joint)
 
         def instead(available: int) -> str:
-            fitting, step = 0, 1 << max(0, n_points.bit_length() - 1)
-            while step:  # the largest count whose estimate fits (the estimate grows with it)
-                if fitting + step < n_points and needed(fitting + step) <= available:
-                    fitting += step
-                step >>= 1
-            points = f"at most {fitting:,} test points fit" if fitting else "none fits"
+            points = _fitting_count(n_points, needed, available, "test points")
             return (
                 f"predict fewer test points at once ({points}), or use {plan.posterior.lighter}."
             )
@@ -613,6 +610,48 @@ class ParametricLaplace(BaseLaplace):
             f"a GLM prediction{' (joint)' if joint else ''} of {n_points:,} test points with "
             f"C={C:,} outputs ({type(plan.posterior).__name__} over P={self.n_params:,} "
             "parameters)",
+            instead,
+        )
+
+    def _check_nn_prediction_memory(self, n_points: int, n_samples: int, grouped: bool) -> None:
+        """Refuse sampled networks on ``n_points`` test points whose estimate exceeds the memory.
+
+        The estimate, from shapes alone: the fitted state, two (S, P) blocks of weights (the
+        draws and the weights made from them) and the sampled outputs (S, R, C). ``grouped``:
+        the samples are drawn in groups of ``_nn_sample_groups`` (one group of weights held),
+        and a likelihood predicting probabilities averages them a group at a time (one group of
+        outputs and their probabilities held).
+
+        Raises:
+            TooLargeError: (a ``ValueError`` and a ``RuntimeError``) naming the estimate and
+                what would fit.
+        """
+        plan, likelihood = self._glm_plan(), self._likelihood_model
+        posterior, itemsize = plan.posterior, self.mean.element_size()
+        held = posterior.held_bytes(0, self.n_outputs, plan.kind)
+        values = n_points * likelihood.outputs.per_point(self.n_outputs)
+        per_weights = self.n_params * itemsize
+
+        def needed(samples: int) -> int:
+            group = samples
+            if grouped and samples * per_weights > memory_budgets.NN_SAMPLE_BYTES:
+                group = 1
+            kept = group if grouped and likelihood.predicts_probabilities else samples
+            return held + 2 * group * per_weights + 2 * kept * values * itemsize
+
+        def instead(available: int) -> str:
+            samples = _fitting_count(n_samples, needed, available, "samples")
+            return (
+                f"draw fewer samples ({samples}), predict fewer test points at once, or use "
+                f"pred_type='glm' or {posterior.lighter}."
+            )
+
+        check_fits_in_memory(
+            needed(n_samples),
+            self._device,
+            f"{n_samples:,} sampled networks (pred_type='nn') on {n_points:,} test points with "
+            f"C={self.n_outputs:,} outputs ({type(posterior).__name__} over "
+            f"P={self.n_params:,} parameters)",
             instead,
         )
 
@@ -662,6 +701,8 @@ class ParametricLaplace(BaseLaplace):
             )
         x = prepare_inputs(x, self.dict_key_x, self._device, "functional_samples")
         if pred_type == PredType.NN:
+            n_points = batch_size_of(x, self.dict_key_x)
+            self._check_nn_prediction_memory(n_points, n_samples, grouped=False)
             return self._nn_functional_samples(x, n_samples, generator)
         f_mu, f_var = self._glm_predictive_distribution(x, diagonal_output=diagonal_output)
         layout = self._likelihood_model.layout(f_mu.shape)
@@ -744,3 +785,16 @@ class ParametricLaplace(BaseLaplace):
         X = prepare_inputs(X, self.dict_key_x, self._device, "_nn_predictive_samples")
         f = self._nn_functional_samples(X, n_samples, generator, **model_kwargs)
         return self._likelihood_model.predictive_likelihood.predictive_sample(f, generator)
+
+
+def _fitting_count(count: int, needed: Callable[[int], int], available: int, what: str) -> str:
+    """``"at most k {what} fit"`` for the largest ``k < count`` with ``needed(k) ≤ available``.
+
+    ``needed`` grows with its argument; ``"none fits"`` where not even one does.
+    """
+    fitting, step = 0, 1 << max(0, count.bit_length() - 1)
+    while step:
+        if fitting + step < count and needed(fitting + step) <= available:
+            fitting += step
+        step >>= 1
+    return f"at most {fitting:,} {what} fit" if fitting else "none fits"
