@@ -3,8 +3,10 @@ r"""Matrix-free posterior: ``P = h·H + diag(p₀)`` used only through products 
 Every quantity of the posterior is a Krylov computation (``laplace.curvature.solvers.krylov``):
 
 - ``J P⁻¹ Jᵀ`` by conjugate gradients on ``P X = Jᵀ``; or, for many test points, from S
-  posterior samples ``x`` as ``(1/S) Σ (J x)(J x)ᵀ``. Conjugate gradients run unpreconditioned
-  by default: diagonal and KFAC preconditioners took as many or more iterations
+  posterior samples ``x`` as ``(1/S) Σ (J x)(J x)ᵀ``. The columns of a solver block share one
+  Krylov space (``block_conjugate_gradients``): the S samples of a predictive take a fraction
+  of the iterations each would alone. Conjugate gradients run unpreconditioned by default:
+  diagonal and KFAC preconditioners took as many or more iterations
   (``matfree-preconditioners`` in ``benchmarks/``).
 - Samples by sample-then-optimise (Antorán et al., 2023): ``b = √h·Gᵀ ω + √p₀ ⊙ ε`` with
   standard normal ``ω, ε`` has covariance ``P``, so ``x = P⁻¹ b ~ N(0, P⁻¹)``.
@@ -29,6 +31,7 @@ from laplace.curvature.engine.block_product import ParameterBlock, SampleVectors
 from laplace.curvature.solvers.krylov import (
     LanczosQuadrature,
     SolveReport,
+    block_conjugate_gradients,
     conjugate_gradients,
     lanczos_quadrature,
     rademacher_probes,
@@ -456,9 +459,10 @@ class MatFreePosterior(Posterior):
 
         precondition = None if options.preconditioner is None else self.precondition
         step = self._block_columns(_CG_VECTORS)
+        solver = block_conjugate_gradients if min(step, B.shape[1]) > 1 else conjugate_gradients
         solutions, reports = [], []
         for start in range(0, B.shape[1], step):
-            X, report = conjugate_gradients(
+            X, report = solver(
                 matmat,
                 B[:, start : start + step],
                 options.tol,

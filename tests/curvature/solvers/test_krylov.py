@@ -3,7 +3,9 @@
 ``conjugate_gradients`` is compared with ``torch.linalg.solve`` on random symmetric positive
 definite matrices (with and without a preconditioner, with zero right-hand sides, and with
 columns that converge at different iterations: its report must count exactly the products of
-the columns still active). ``lanczos_quadrature`` is compared with ``zᵀ f(A) z`` from an
+the columns still active); ``block_conjugate_gradients`` the same way, and on a low-rank
+curvature plus a prior (a posterior precision) against each column solved alone.
+``lanczos_quadrature`` is compared with ``zᵀ f(A) z`` from an
 eigendecomposition: exact once the steps span the Krylov space (reorthogonalised), exact for
 ``tr f(A)`` with the orthogonal probes of ``rademacher_probes`` when they number P, and accurate
 for a smooth ``f`` without reorthogonalisation.
@@ -17,6 +19,7 @@ import torch
 from conftest import assert_close
 from laplace.curvature.solvers.krylov import (
     LanczosQuadrature,
+    block_conjugate_gradients,
     conjugate_gradients,
     lanczos_quadrature,
     rademacher_probes,
@@ -174,6 +177,76 @@ def test_cg_reports_non_convergence_and_keeps_the_last_iterate():
     assert (report.relative_residuals > 1e-10).all()
     # all right-hand sides zero: nothing to do
     X, report = conjugate_gradients(matmat, torch.zeros(P, 2, dtype=torch.float64), 1e-8, 5)
+    assert report.converged and report.products == 0 and report.iterations == 0
+    assert torch.equal(X, torch.zeros(P, 2, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------ block conjugate gradients
+#: Block CG against single-column CG on a posterior precision with random right-hand sides:
+#: the shared Krylov space must save at least this factor of iterations.
+BLOCK_ITERATION_SAVING = 3
+
+
+def posterior_precision(n: int = 200, rank: int = 120, prior: float = 1e-2) -> torch.Tensor:
+    """``U diag(λ) Uᵀ + prior·I`` with ``rank`` eigenvalues log-spread over [1e-4, 1]."""
+    generator = torch.Generator().manual_seed(11)
+    U, _ = torch.linalg.qr(torch.randn(n, rank, generator=generator, dtype=torch.float64))
+    values = torch.logspace(-4, 0, rank, dtype=torch.float64)
+    return U @ torch.diag(values) @ U.T + prior * torch.eye(n, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("preconditioned", [False, True])
+def test_block_cg_solves_a_random_spd_system(preconditioned):
+    A = spd()
+    scale = torch.logspace(0, 2, P, dtype=torch.float64)
+    A = scale[:, None] * A * scale[None, :]
+    B = torch.randn(P, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    B[:, 2] = 0  # solved by zero, outside the block
+    diagonal = A.diagonal()
+    precondition = (lambda R: R / diagonal[:, None]) if preconditioned else None
+    calls, matmat = counting(A)
+    X, report = block_conjugate_gradients(matmat, B, CG_TOL, 10 * P, precondition)
+    assert_close(X, torch.linalg.solve(A, B), rtol=RTOL_SOLVE, atol=0)
+    assert torch.equal(X[:, 2], torch.zeros(P, dtype=torch.float64))
+    residuals = (A @ X - B).norm(dim=0) / B.norm(dim=0).clamp_min(1e-300)
+    assert report.converged and (report.relative_residuals <= CG_TOL).all()
+    assert (residuals <= ROUNDING_RESIDUAL).all()
+    assert calls == [3] * report.iterations and report.products == sum(calls)
+
+
+def test_block_cg_shares_its_krylov_space_between_the_columns():
+    A = posterior_precision()
+    root = torch.linalg.cholesky(A)
+    generator = torch.Generator().manual_seed(12)
+    B = root @ torch.randn(len(A), 16, generator=generator, dtype=torch.float64)  # samples' b
+    _, block = block_conjugate_gradients(lambda V, out: A @ V, B, 1e-3, 1000)
+    _, alone = conjugate_gradients(lambda V, out: A @ V, B, 1e-3, 1000)
+    assert block.converged and alone.converged
+    assert BLOCK_ITERATION_SAVING * block.iterations <= alone.iterations
+    assert block.products < alone.products
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_block_cg_overwrites_the_right_hand_sides_only_when_asked(overwrite):
+    A = spd(seed=7)
+    B = torch.randn(P, 3, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    original = B.clone()
+    X, report = block_conjugate_gradients(lambda V, out: A @ V, B, CG_TOL, 10 * P, None, overwrite)
+    assert_close(X, torch.linalg.solve(A, original), rtol=RTOL_SOLVE, atol=0)
+    assert report.converged
+    assert torch.equal(B, original) != overwrite
+
+
+def test_block_cg_reports_non_convergence_and_keeps_the_last_iterate():
+    A = spd(seed=5, condition=1e4)
+    B = torch.randn(P, 3, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    calls, matmat = counting(A)
+    X, report = block_conjugate_gradients(matmat, B, 1e-10, 2)
+    assert not report.converged
+    assert report.iterations == 2 and report.products == 6 == sum(calls)
+    residuals = (A @ X - B).norm(dim=0) / B.norm(dim=0)
+    assert_close(report.relative_residuals, residuals, rtol=1e-8, atol=0)
+    X, report = block_conjugate_gradients(matmat, torch.zeros(P, 2, dtype=torch.float64), 1e-8, 5)
     assert report.converged and report.products == 0 and report.iterations == 0
     assert torch.equal(X, torch.zeros(P, 2, dtype=torch.float64))
 

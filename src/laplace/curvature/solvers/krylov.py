@@ -1,6 +1,8 @@
 r"""Krylov solvers on a symmetric positive (semi-)definite map given by its block products.
 
-``conjugate_gradients`` solves ``A X = B``, all columns in one block per iteration;
+``conjugate_gradients`` solves ``A X = B``, all columns in one block per iteration, each in its
+own Krylov space; ``block_conjugate_gradients`` lets the columns share one space (fewer
+iterations for many right-hand sides, as posterior samples are);
 ``lanczos_quadrature`` returns, per probe, the nodes and weights of the Gauss quadrature of
 ``zᵀ f(A) z`` (Ubaru, Chen & Saad, 2017), so one run serves ``log det(h·A + δ·I)`` at every pair.
 
@@ -20,6 +22,7 @@ from torch import Tensor
 __all__ = [
     "LanczosQuadrature",
     "SolveReport",
+    "block_conjugate_gradients",
     "conjugate_gradients",
     "lanczos_quadrature",
     "rademacher_probes",
@@ -150,6 +153,78 @@ def conjugate_gradients(
         products=products,
         tol=tol,
         converged=not len(active),
+    )
+    return solution, report
+
+
+def block_conjugate_gradients(
+    matmat: MatMat,
+    B: Tensor,
+    tol: float,
+    max_iter: int,
+    precondition: Precondition | None = None,
+    overwrite: bool = False,
+) -> tuple[Tensor, SolveReport]:
+    """Solve ``A X = B`` for a symmetric positive definite ``A`` by block conjugate gradients.
+
+    The columns share one Krylov space (O'Leary, 1980): each iteration multiplies a block ``D``
+    (P, m) of directions, A-conjugate to the earlier blocks and orthonormalised by a QR
+    decomposition (Dubrulle, 2001, which keeps the iteration stable when residuals become
+    dependent), and minimises every column's error in the A-norm over all directions so far.
+    A column then converges as if the m extreme eigenvalues its neighbours found were
+    removed: on a posterior precision (a low-rank curvature plus the prior) m random
+    right-hand sides take a fraction of the iterations each takes alone. Every nonzero column
+    is multiplied until all have reached ``‖bⱼ − A xⱼ‖ ≤ tol·‖bⱼ‖`` (products: columns ×
+    iterations); a zero right-hand side is solved by zero without a product. A block of one
+    column is ``conjugate_gradients``.
+
+    Args:
+        matmat: ``A V`` for blocks ``V`` (P, m) (see ``MatMat``).
+        B: Right-hand sides (P, m).
+        tol: Relative residual to reach, > 0.
+        max_iter: Most iterations.
+        precondition: ``M⁻¹ R`` for blocks ``R`` (P, m), with ``M ≈ A`` symmetric positive
+            definite (None: the identity).
+        overwrite: Use ``B``'s memory for the residuals (``B`` is overwritten).
+
+    Returns:
+        ``X`` (P, m) and the ``SolveReport``. Without convergence, ``X`` holds the last iterate.
+    """
+    norms = torch.linalg.vector_norm(B, dim=0)
+    solution = torch.zeros_like(B)
+    nonzero = (norms > 0).nonzero().squeeze(1)
+    whole = len(nonzero) == B.shape[1]
+    X = solution if whole else solution[:, nonzero]
+    R = (B if overwrite else B.clone()) if whole else B[:, nonzero]
+    targets = tol * norms[nonzero]
+    residual_norms = norms[nonzero]
+    iterations, spare = 0, None
+    Z = R if precondition is None else precondition(R)
+    D = torch.linalg.qr(Z).Q
+    while len(nonzero) and bool((residual_norms > targets).any()) and iterations < max_iter:
+        AD = matmat(D, spare)
+        iterations += 1
+        factor = torch.linalg.cholesky(D.T @ AD)  # Dᵀ A D, symmetric positive definite
+        step = torch.cholesky_solve(D.T @ R, factor)
+        X.addmm_(D, step)
+        R.addmm_(AD, step, alpha=-1)
+        residual_norms = torch.linalg.vector_norm(R, dim=0)
+        if bool((residual_norms <= targets).all()) or iterations == max_iter:
+            break
+        Z = R if precondition is None else precondition(R)
+        conjugation = torch.cholesky_solve(AD.T @ Z, factor)  # Z's part along D in A
+        D = torch.linalg.qr(torch.addmm(Z, D, conjugation, alpha=-1)).Q
+        spare = AD
+    if not whole:
+        solution[:, nonzero] = X
+    relative = torch.zeros_like(norms)
+    relative[nonzero] = residual_norms / norms[nonzero]
+    report = SolveReport(
+        relative_residuals=relative,
+        iterations=iterations,
+        products=iterations * len(nonzero),
+        tol=tol,
+        converged=bool((relative <= tol).all()),
     )
     return solution, report
 
