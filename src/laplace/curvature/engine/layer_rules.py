@@ -295,12 +295,15 @@ def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tenso
 
     A call tiled for several columns (``tiled_call``) is unrolled for its R recorded rows only.
     Each layer's ``ih`` is one product for all time steps, which the steps read through one
-    ``unbind`` (a gradient w.r.t. it is assembled once, not once per step).
+    ``unbind`` (a gradient w.r.t. it is assembled once, not once per step). The cells of
+    ``nn.LSTM`` and ``nn.RNN`` read ``ih + hh`` only, so both maps have the same gradient and
+    ``hh`` is not kept; the GRU's reads ``hh``'s parts on their own (``r ⊙ hh_n``).
 
     Returns:
         Per direction of each layer (by parameter suffix), its inputs (R, T, D), the linear
-        maps ``ih`` (R, T, G) and ``hh`` (T of (R, G)) in the graph, and the previous hidden
-        states (R, T, H); and the unrolled outputs that the call records, in the graph.
+        maps ``ih`` (R, T, G) and ``hh`` (T of (R, G); none where they share ``ih``'s gradient)
+        in the graph, and the previous hidden states (R, T, H); and the unrolled outputs that
+        the call records, in the graph.
 
     Raises:
         ValueError: If they are not the layer's outputs (a subclass with its own forward).
@@ -313,6 +316,7 @@ def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tenso
         hx = x.new_zeros(rows, m.num_layers * directions, m.hidden_size)
     h0, c0 = (h[:rows] for h in (hx if isinstance(hx, (tuple, list)) else (hx, hx)))
     cell, steps, last = _recurrent_cell(m), {}, []
+    keep_hh = isinstance(m, nn.GRU)
     with torch.enable_grad():
         h0, c0 = h0.detach().requires_grad_(), c0.detach()
         layer_input = x.detach().requires_grad_()
@@ -336,7 +340,8 @@ def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tenso
                     hh.append(h @ W_hh.T + b_hh)
                     h, c = cell(ih_t, hh[-1], h, c)
                     hidden.append(h)
-                steps[suffix] = (inputs.detach(), ih, torch.stack(previous, 1).detach(), hh)
+                previous = torch.stack(previous, 1).detach()
+                steps[suffix] = (inputs.detach(), ih, previous, hh if keep_hh else [])
                 last.append((h, c))
                 hidden = torch.stack(hidden, 1)
                 sequences.append(hidden.flip(1) if direction else hidden)
@@ -373,7 +378,8 @@ def recurrent_pullback(
     Returns:
         Per direction of each layer (by parameter suffix): its inputs ``xₜ`` (R, T, D), the
         previous hidden states ``hₜ₋₁`` (R, T, H), and the gradients w.r.t. ``ihₜ = W_ih xₜ +
-        b_ih`` and ``hhₜ = W_hh hₜ₋₁ + b_hh``, (K, R, T, G) each.
+        b_ih`` and ``hhₜ = W_hh hₜ₋₁ + b_hh``, (K, R, T, G) each (one tensor for both where
+        the cell reads ``ih + hh`` only).
 
     Raises:
         ValueError: For packed sequences, LSTM projections (``proj_size``), dropout between
@@ -410,7 +416,7 @@ def recurrent_pullback(
     out = {}
     for suffix, (inputs, _, previous, hh) in steps.items():
         d_ih = next(found)
-        d_hh = torch.stack([next(found) for _ in hh], 2)
+        d_hh = torch.stack([next(found) for _ in hh], 2) if hh else d_ih
         out[suffix] = (inputs, previous, d_ih, d_hh)
     return out
 
