@@ -26,3 +26,86 @@ def test_embedding_square_sum_equals_the_squared_per_sample_gradients(padding_id
     per_sample = torch.stack([layer_rules.per_sample_grads(call, [g])["weight"] for g in grads])
     two_chunks = rule.partial(call, grads[:2]) + rule.partial(call, grads[2:])
     assert_close(rule.finish(call, two_chunks)["weight"], per_sample.square().sum((0, 1)))
+
+
+RECURRENT_SUMS = [
+    (nn.LSTM, False, 1, True),
+    (nn.LSTM, True, 2, False),
+    (nn.GRU, True, 2, True),
+    (nn.GRU, False, 1, False),
+    (nn.RNN, True, 2, True),
+]
+
+
+def _recurrent_call(kind, bidirectional, layers, with_hx):
+    """A recorded batch-first call of a tiny recurrent layer (float64) and 3 columns' gradients."""
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    module = kind(3, 4, layers, batch_first=True, bidirectional=bidirectional).double()
+    x = torch.randn(5, 6, 3, generator=gen, dtype=torch.float64)
+    states = layers * (2 if bidirectional else 1)
+    h0 = torch.randn(states, 5, 4, generator=gen, dtype=torch.float64)
+    hx = (h0, h0.cos()) if kind is nn.LSTM else h0
+    out, state = module(x, hx) if with_hx else module(x)
+    outputs = [out, *(s.movedim(1, 0) for s in (state if kind is nn.LSTM else (state,)))]
+    grads = [torch.randn(3, *z.shape, generator=gen, dtype=torch.float64) for z in outputs]
+    args = (x, tuple(h.movedim(1, 0) for h in hx) if kind is nn.LSTM else hx.movedim(1, 0))
+    names = [name for name, _ in module.named_parameters()]
+    call = layer_rules.ModuleCall(
+        module, args if with_hx else (x,), {}, outputs, list(range(len(outputs))), names
+    )
+    return call, grads, (x, hx if with_hx else None)
+
+
+def _autograd_per_sample(module, inputs, grads):
+    """Per-sample gradients (K, B, n) of each parameter by plain autograd, one sample at a time."""
+    x, hx = inputs
+    params = dict(module.named_parameters())
+    rows = {name: [] for name in params}
+    for k in range(len(grads[0])):
+        for n in range(len(x)):
+            if hx is None:
+                out, state = module(x[n : n + 1])
+            elif isinstance(hx, tuple):
+                out, state = module(x[n : n + 1], tuple(h[:, n : n + 1] for h in hx))
+            else:
+                out, state = module(x[n : n + 1], hx[:, n : n + 1])
+            outputs = [out, *(state if isinstance(state, tuple) else (state,))]
+            outputs = [outputs[0][0], *(s[:, 0] for s in outputs[1:])]
+            value = sum((z * g[k, n]).sum() for z, g in zip(outputs, grads))
+            for name, u in zip(params, torch.autograd.grad(value, list(params.values()))):
+                rows[name].append(u.flatten())
+    return {
+        name: torch.stack(us).unflatten(0, (len(grads[0]), len(x))) for name, us in rows.items()
+    }
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize(
+    "kind, bidirectional, layers, with_hx",
+    RECURRENT_SUMS,
+    ids=[
+        f"{k.__name__}-{d + 1}dir-{n}layers-{'hx' if h else 'zeros'}"
+        for k, d, n, h in RECURRENT_SUMS
+    ],
+)
+def test_recurrent_exact_sums_equal_the_per_sample_oracle(kind, bidirectional, layers, with_hx):
+    """One pullback of all columns gives the squares and Grams of the per-sample gradients."""
+    from laplace.curvature.engine.square_sums import EXACT_SUM_RULES
+
+    call, grads, inputs = _recurrent_call(kind, bidirectional, layers, with_hx)
+    expected = _autograd_per_sample(call.module, inputs, grads)
+    dense = {name for name in call.names if name.startswith("bias") or name.endswith("_l0")}
+    sums = EXACT_SUM_RULES[kind](call, grads, dense)
+    assert set(sums) == set(call.names)
+    for name, u in expected.items():
+        u = u.flatten(0, 1)
+        if name in dense:
+            assert_close(sums[name], u.T @ u)
+        else:
+            assert_close(sums[name].flatten(), u.square().sum(0))
+    # the per-sample rule of a call tiled for the 3 columns: unrolled once, pulled back at once
+    tiled = layer_rules.tiled_call(call, 3)
+    per_sample = layer_rules.per_sample_grads(tiled, [g.flatten(0, 1) for g in grads])
+    for name, u in expected.items():
+        assert_close(per_sample[name].flatten(1), u.flatten(0, 1))

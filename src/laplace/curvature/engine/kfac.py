@@ -9,6 +9,8 @@ backend's loss factor). The conventions in full are in ``docs/backends.md``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -32,7 +34,7 @@ from laplace.curvature.engine.per_sample import (
     PerSampleEngine,
     PerSampleTrace,
 )
-from laplace.curvature.engine.square_sums import row_token_pairs
+from laplace.curvature.engine.square_sums import row_product_squares, row_token_pairs
 from laplace.utils.data import posterior_dtype
 from laplace.utils.diag_lowrank import DiagLowRank
 from laplace.utils.linalg import symmetric_gram
@@ -181,7 +183,9 @@ class _ExactBlocks:
     A parameter's per-sample gradients come from its layers' rules where every call has one
     row per data point; where a call has more rows than the batch (a folded batch, whose rows
     a Kronecker block takes as positions) or the guard does not trust a call, from autograd,
-    one backward pass per data point (``autograd_slots``).
+    one backward pass per data point (``autograd_slots``). A layer with a rule in
+    ``EXACT_SUM_RULES`` whose parameters no other call uses (a recurrent layer) gives its sums
+    directly, without its per-sample gradients (``summed``).
     """
 
     def __init__(self, trace: PerSampleTrace, plan: list[Block]) -> None:
@@ -197,16 +201,29 @@ class _ExactBlocks:
         }
         self.autograd_slots = sorted(set(trace.exact_slots) | (folded & exact_kind))
         self.by_rule = exact_kind - set(self.autograd_slots)
-        self.calls = [
-            (i, call)
-            for i, call in enumerate(trace.calls)
-            if any(slot[call.module, name] in self.by_rule for name in call.names)
-        ]
+        self.calls, self.summed = [], []
+        for i, call in enumerate(trace.calls):
+            names = [name for name in call.names if slot[call.module, name] in self.by_rule]
+            if not names:
+                continue
+            if i in trace.exact_sum_rules:  # the parameters of no other call
+                dense = {name for name in names if plan[slot[call.module, name]].kind == "dense"}
+                self.summed.append((i, replace(call, names=names), dense))
+            else:
+                self.calls.append((i, call))
 
     def add_exact(self, columns: Tensor) -> None:
         """Add the blocks of ``autograd_slots`` for a chunk of columns (K, B, ...)."""
         for s, u in self.trace.exact_rows(columns, self.autograd_slots).items():
             self._add_rows(s, u.detach().flatten(0, 1).flatten(1))
+
+    def _named(self, call: ModuleCall, rule: Callable[..., dict], *args: object) -> dict:
+        """``rule(*args)``, a layer rule's result for ``call``; a refusal names the module."""
+        try:
+            return rule(*args)
+        except ValueError as error:
+            name = module_name(self.trace.engine.model, call.module)
+            raise ValueError(f"module {name!r}: {error}") from error
 
     def _add_rows(self, s: int, u: Tensor) -> None:
         """Add the block of per-sample gradient rows ``u`` (R, n) of slot ``s``."""
@@ -215,15 +232,17 @@ class _ExactBlocks:
 
     def add(self, grads: list[list[Tensor]]) -> None:
         """Add the blocks of a chunk of columns (per call, gradients (k, B, ...))."""
+        for i, call, dense in self.summed:  # straight from the call's ``EXACT_SUM_RULES``
+            rule = self.trace.exact_sum_rules[i]
+            for name, value in self._named(call, rule, call, grads[i], dense).items():
+                s = self.trace.engine.slot[call.module, name]
+                _add(self.sums, s, value if name in dense else value.flatten())
         rows: dict[int, list[Tensor]] = {}  # per slot, per call, the per-sample gradients
         for i, call in self.calls:
             k = len(grads[i][0])  # the chunk's columns, as more rows: (k·B, ...)
             tiled = tiled_call(call, k) if k > 1 else call
-            try:
-                per_sample = self.trace.slot_grads(tiled, [g.flatten(0, 1) for g in grads[i]])
-            except ValueError as error:  # a rule refusing the call: name the module
-                name = module_name(self.trace.engine.model, call.module)
-                raise ValueError(f"module {name!r}: {error}") from error
+            flat = [g.flatten(0, 1) for g in grads[i]]
+            per_sample = self._named(call, self.trace.slot_grads, tiled, flat)
             for s, u in per_sample.items():
                 if s in self.by_rule:
                     rows.setdefault(s, []).append(u.detach().flatten(1))
@@ -361,11 +380,6 @@ def kfac(
     return StructuredKron(blocks) if low_rank else Kron(blocks)
 
 
-#: Largest per-sample gradient chunk (rows × weight entries) formed at once for layers that
-#: see several positions per row.
-EIGENVALUE_CHUNK_ELEMENTS = 2**24
-
-
 def _rotated(t: Tensor, Q: Tensor | None) -> Tensor:
     return t if Q is None else t @ Q
 
@@ -407,9 +421,9 @@ def _projected_squares(
 
     ``gₖᵣᵀ aᵣ`` is a row's gradient of a weight seen at T positions for column k. One position
     per row needs no per-row matrix: ``Σᵣ (Σₖ gₖᵣ²)(aᵣ²)ᵀ``, one product for all chunks;
-    several are formed as ``(Q_outᵀ gᵣᵀ) aᵣ`` (R, k·D_out, D_in), a chunk of rows at a time.
+    several are formed as ``(Q_outᵀ gᵣᵀ) aᵣ`` (``row_product_squares``).
     """
-    R, T, D_in = a.shape
+    T, D_in = a.shape[1:]
     if T == 1:
         row_weights = sum(_rotated(g[:, :, 0], Q_out).square().sum(0) for g in grads)
         return row_weights.T @ a[:, 0].square(), row_weights.sum(0)
@@ -418,14 +432,7 @@ def _projected_squares(
     for g in grads:
         rotated = _rotated(g, Q_out)  # (k, R, T, D_out)
         bias += rotated.sum(2).square().sum((0, 1))
-        k = len(g)
-        # (R, k·D_out, T), a view where k = 1
-        columns = rotated.permute(1, 0, 3, 2).reshape(R, k * D_out, T)
-        step = max(1, EIGENVALUE_CHUNK_ELEMENTS // (k * D_out * D_in))
-        for start in range(0, R, step):
-            rows = slice(start, start + step)
-            products = torch.bmm(columns[rows], a[rows]).square_()
-            total += products.unflatten(1, (k, D_out)).sum((0, 1))
+        total += row_product_squares(a, rotated)
     return total, bias
 
 

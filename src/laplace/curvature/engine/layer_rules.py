@@ -39,6 +39,7 @@ __all__ = [
     "call_rows",
     "generic_per_sample",
     "per_sample_grads",
+    "recurrent_pullback",
     "selected_per_sample_grads",
     "tiled_call",
     "without_batching_notes",
@@ -290,23 +291,32 @@ def _recurrent_cell(module: nn.RNNBase) -> Callable[[Tensor, Tensor, Tensor, Ten
 
 
 def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tensor]]:
-    """A recurrent call unrolled with PyTorch's cell equations, for the whole batch.
+    """A recurrent call unrolled with PyTorch's cell equations, for its recorded rows.
+
+    A call tiled for several columns (``tiled_call``) is unrolled for its R recorded rows only.
+    Each layer's ``ih`` is one product for all time steps, which the steps read through one
+    ``unbind`` (a gradient w.r.t. it is assembled once, not once per step). The cells of
+    ``nn.LSTM`` and ``nn.RNN`` read ``ih + hh`` only, so both maps have the same gradient and
+    ``hh`` is not kept; the GRU's reads ``hh``'s parts on their own (``r ⊙ hh_n``).
 
     Returns:
         Per direction of each layer (by parameter suffix), its inputs (R, T, D), the linear
-        maps ``ih`` (R, T, G) and ``hh`` (T of (R, G)) in the graph, and the previous hidden
-        states (R, T, H); and the unrolled outputs that the call records, in the graph.
+        maps ``ih`` (R, T, G) and ``hh`` (T of (R, G); none where they share ``ih``'s gradient)
+        in the graph, and the previous hidden states (R, T, H); and the unrolled outputs that
+        the call records, in the graph.
 
     Raises:
         ValueError: If they are not the layer's outputs (a subclass with its own forward).
     """
-    m, x = call.module, call.args[0]
+    m, rows = call.module, len(call.outputs[0])
+    x = call.args[0][:rows]
     directions = 2 if m.bidirectional else 1
     hx = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
     if hx is None:
-        hx = x.new_zeros(len(x), m.num_layers * directions, m.hidden_size)
-    h0, c0 = hx if isinstance(hx, (tuple, list)) else (hx, hx)
+        hx = x.new_zeros(rows, m.num_layers * directions, m.hidden_size)
+    h0, c0 = (h[:rows] for h in (hx if isinstance(hx, (tuple, list)) else (hx, hx)))
     cell, steps, last = _recurrent_cell(m), {}, []
+    keep_hh = isinstance(m, nn.GRU)
     with torch.enable_grad():
         h0, c0 = h0.detach().requires_grad_(), c0.detach()
         layer_input = x.detach().requires_grad_()
@@ -325,12 +335,13 @@ def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tenso
                 ih = inputs @ W_ih.T + b_ih
                 h, c = h0[:, layer * directions + direction], c0[:, layer * directions + direction]
                 hh, previous, hidden = [], [], []
-                for t in range(inputs.shape[1]):
+                for ih_t in ih.unbind(1):
                     previous.append(h)
                     hh.append(h @ W_hh.T + b_hh)
-                    h, c = cell(ih[:, t], hh[-1], h, c)
+                    h, c = cell(ih_t, hh[-1], h, c)
                     hidden.append(h)
-                steps[suffix] = (inputs.detach(), ih, torch.stack(previous, 1).detach(), hh)
+                previous = torch.stack(previous, 1).detach()
+                steps[suffix] = (inputs.detach(), ih, previous, hh if keep_hh else [])
                 last.append((h, c))
                 hidden = torch.stack(hidden, 1)
                 sequences.append(hidden.flip(1) if direction else hidden)
@@ -338,12 +349,12 @@ def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tenso
         states = [torch.stack(s, 1) for s in zip(*last)]  # h_n, c_n: (R, layers·directions, H)
         unrolled = [layer_input, *states[: 2 if isinstance(m, nn.LSTM) else 1]]
         unrolled = [unrolled[i] for i in call.output_slots]
-        for mine, recorded in zip(unrolled, call.outputs):  # (rows tiled for more columns)
+        for mine, recorded in zip(unrolled, call.outputs):
             # The layer may run in a narrower type than the unrolling (half precision, or a
             # float64 posterior): compare in the unrolling's type, to the layer's roundoff.
             roundoff = 32 * torch.finfo(recorded.dtype).eps
             rtol, atol = max(1e-4, roundoff), max(1e-5, roundoff)
-            if not torch.allclose(mine[: len(recorded)], recorded.detach().to(mine), rtol, atol):
+            if not torch.allclose(mine, recorded.detach().to(mine), rtol, atol):
                 raise ValueError(
                     f"{type(m).__name__}: the recurrent equations do not give the layer's "
                     "outputs (a subclass with its own forward?); no per-sample rule applies."
@@ -351,14 +362,24 @@ def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tenso
     return steps, unrolled
 
 
-def _recurrent(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
-    """Per-sample gradients of ``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` (recorded batch-first).
+def recurrent_pullback(
+    call: ModuleCall, grads: Sequence[Tensor]
+) -> dict[str, tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """A recurrent call's output gradients of K columns pulled back to every step's linear maps.
 
-    Written here because the fused recurrent kernels have no ``vmap`` batching rule: the layer
-    is unrolled over time for the whole batch with PyTorch's cell equations, the output
-    gradients are pulled back to every step's two linear maps ``ihₜ = W_ih xₜ + b_ih`` and
-    ``hhₜ = W_hh hₜ₋₁ + b_hh`` (the data points stay independent), and the Linear rule gives
-    ``Σₜ δihₜ xₜᵀ``, ``Σₜ δhhₜ hₜ₋₁ᵀ`` and the bias sums per data point.
+    The call is unrolled once per row count and kept in ``call.cache``
+    (``_unrolled_recurrence``), so other chunks of columns reuse it; the K columns go back
+    through it together, in one vectorised backward pass.
+
+    Args:
+        call: A recorded ``nn.RNN``, ``nn.LSTM`` or ``nn.GRU`` call (batch-first, R rows).
+        grads: Per recorded output, the gradients of K columns (K, R, ...).
+
+    Returns:
+        Per direction of each layer (by parameter suffix): its inputs ``xₜ`` (R, T, D), the
+        previous hidden states ``hₜ₋₁`` (R, T, H), and the gradients w.r.t. ``ihₜ = W_ih xₜ +
+        b_ih`` and ``hhₜ = W_hh hₜ₋₁ + b_hh``, (K, R, T, G) each (one tensor for both where
+        the cell reads ``ih + hh`` only).
 
     Raises:
         ValueError: For packed sequences, LSTM projections (``proj_size``), dropout between
@@ -376,25 +397,54 @@ def _recurrent(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
             f"{type(m).__name__} with proj_size or dropout in training mode has no per-sample "
             "rule; set proj_size=0 or call model.eval()."
         )
-    key = f"unrolled{len(x)}"  # kept for the other columns of the same rows
+    key = f"unrolled{len(call.outputs[0])}"
     if key not in call.cache:
         call.cache[key] = _unrolled_recurrence(call)  # type: ignore[assignment]
     steps, unrolled = call.cache[key]
     maps = [t for _, ih, _, hh in steps.values() for t in (ih, *hh)]
-    pulled = iter(
-        torch.autograd.grad(unrolled, maps, list(grads), allow_unused=True, retain_graph=True)
-    )
-    out = {}
-    for suffix, (inputs, ih, previous, hh) in steps.items():
-        d_ih, *d_hh = (
-            torch.zeros_like(t) if (g := next(pulled)) is None else g for t in [ih, *hh]
+    with without_batching_notes():
+        pulled = torch.autograd.grad(
+            unrolled,
+            maps,
+            list(grads),
+            allow_unused=True,
+            retain_graph=True,
+            is_grads_batched=True,
         )
-        d_hh = torch.stack(d_hh, 1)
-        for name, a, g in (("ih", inputs, d_ih), ("hh", previous, d_hh)):
+    k = len(grads[0])
+    found = iter(g if g is not None else t.new_zeros(k, *t.shape) for t, g in zip(maps, pulled))
+    out = {}
+    for suffix, (inputs, _, previous, hh) in steps.items():
+        d_ih = next(found)
+        d_hh = torch.stack([next(found) for _ in hh], 2) if hh else d_ih
+        out[suffix] = (inputs, previous, d_ih, d_hh)
+    return out
+
+
+def _recurrent(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
+    """Per-sample gradients of ``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` (recorded batch-first).
+
+    Written here because the fused recurrent kernels have no ``vmap`` batching rule: the layer
+    is unrolled over time for the whole batch with PyTorch's cell equations, the output
+    gradients are pulled back to every step's two linear maps ``ihₜ = W_ih xₜ + b_ih`` and
+    ``hhₜ = W_hh hₜ₋₁ + b_hh`` (``recurrent_pullback``; the data points stay independent),
+    and ``Σₜ δihₜ xₜᵀ``, ``Σₜ δhhₜ hₜ₋₁ᵀ`` and the bias sums are formed per data point. A call
+    tiled for k columns (k·R rows, ``tiled_call``) is unrolled for its R rows and its k
+    columns pulled back together.
+
+    Raises:
+        ValueError: As ``recurrent_pullback``.
+    """
+    rows = len(call.outputs[0])
+    columns = [g.unflatten(0, (len(g) // rows, rows)) for g in grads]
+    out = {}
+    for suffix, (inputs, previous, d_ih, d_hh) in recurrent_pullback(call, columns).items():
+        for name, a, d in (("ih", inputs, d_ih), ("hh", previous, d_hh)):
             if f"weight_{name}{suffix}" in call.names:
-                out[f"weight_{name}{suffix}"] = _linear_weight(a, g)
+                weight = torch.einsum("krtg,rtd->krgd", d, a)
+                out[f"weight_{name}{suffix}"] = weight.flatten(0, 1)
             if f"bias_{name}{suffix}" in call.names:
-                out[f"bias_{name}{suffix}"] = _linear_bias(g)
+                out[f"bias_{name}{suffix}"] = d.sum(2).flatten(0, 1)
     return out
 
 

@@ -31,7 +31,7 @@ from laplace.curvature.engine.layer_rules import (
     selected_per_sample_grads,
     without_batching_notes,
 )
-from laplace.curvature.engine.square_sums import SQUARE_SUM_RULES
+from laplace.curvature.engine.square_sums import EXACT_SUM_RULES, SQUARE_SUM_RULES
 from laplace.utils.data import Inputs, upcast
 from laplace.utils.linalg import symmetric_gram
 
@@ -211,13 +211,22 @@ class PerSampleTrace:
         counts = Counter(engine.slot[call.module, name] for call in calls for name in call.names)
         batch = f.shape[0]
         self._batched = any(z.dim() == 0 or z.shape[0] != batch for c in calls for z in c.outputs)
+        single_use = [
+            all(counts[engine.slot[call.module, n]] == 1 for n in call.names) for call in calls
+        ]
         #: Per call whose parameters no other call uses, its rule of ``SQUARE_SUM_RULES``.
         self._square_sum_rules = {
             i: rule
             for i, call in enumerate(calls)
             if (rule := SQUARE_SUM_RULES.get(type(call.module))) is not None
             and rule.applies(call)
-            and all(counts[engine.slot[call.module, n]] == 1 for n in call.names)
+            and single_use[i]
+        }
+        #: Per call whose parameters no other call uses, its rule of ``EXACT_SUM_RULES``.
+        self.exact_sum_rules = {
+            i: rule
+            for i, call in enumerate(calls)
+            if (rule := EXACT_SUM_RULES.get(type(call.module))) is not None and single_use[i]
         }
 
     def drop_graph(self) -> None:
@@ -449,12 +458,16 @@ class PerSampleTrace:
             for slot, u in self.exact_rows(chunk).items():
                 _add(total, slot, u.square().sum((0, 1)))
         partials: dict[int, Tensor] = {}  # per call with a rule, its summed statistic
-        rules = self._square_sum_rules
-        slow = [i for i in range(len(self.calls)) if i not in rules]
+        rules, exact_sums = self._square_sum_rules, self.exact_sum_rules
+        slow = [i for i in range(len(self.calls)) if i not in rules and i not in exact_sums]
         chunks = self.column_gradients(columns) if gradients is None else [gradients]
         for stacked in chunks:
             for i, rule in rules.items():
                 _add(partials, i, rule.partial(self.calls[i], stacked[i][0]))
+            for i, exact_rule in exact_sums.items():
+                call = self.calls[i]
+                for name, value in exact_rule(call, stacked[i], ()).items():
+                    _add(total, self.engine.slot[call.module, name], value)
             for k in range(len(stacked[slow[0]][0]) if slow else 0):
                 g_calls = [[g[k] for g in per_call] for per_call in stacked]
                 for slot, grad in self._per_param(g_calls, slow).items():

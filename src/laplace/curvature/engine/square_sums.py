@@ -6,19 +6,39 @@ gradients (K, B, …) of the columns ``vₖ`` and the layer's recorded call dire
 summed over samples and columns is ``(Σₖ gₖ²)ᵀ a²``; an embedding's sums its positions per
 (sample, token) pair (``row_token_pairs``) and never forms a (B, V, D) gradient. Other layers
 go through ``laplace.curvature.engine.layer_rules``' per-sample gradients.
+
+``EXACT_SUM_RULES`` give a chunk's finished sums of a layer's parameters directly, the squares
+of some and the Gram matrix ``Σₖₙ uₖₙ uₖₙᵀ`` of others (the dense exact blocks of KFAC): a
+recurrent layer's come from one vectorised pullback of all the chunk's columns through one
+unrolling of the batch (``layer_rules.recurrent_pullback``), its weights' squares from
+per-row products a few rows at a time, never all (K, B, G, D) per-sample gradients at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from laplace.curvature.engine.layer_rules import ModuleCall
+from laplace.curvature.engine.layer_rules import ModuleCall, recurrent_pullback
+from laplace.utils.linalg import symmetric_gram
 
-__all__ = ["SQUARE_SUM_RULES", "SquareSumRule", "row_token_pairs"]
+__all__ = [
+    "EXACT_SUM_RULES",
+    "PRODUCT_CHUNK_ELEMENTS",
+    "SQUARE_SUM_RULES",
+    "ExactSumRule",
+    "SquareSumRule",
+    "row_product_squares",
+    "row_token_pairs",
+]
+
+#: Largest chunk (rows × columns × weight entries) of per-row weight gradients formed at once
+#: by ``row_product_squares``: 4 MB in float32, so that a chunk is squared and summed while it
+#: is still in the cache.
+PRODUCT_CHUNK_ELEMENTS = 2**20
 
 
 def row_token_pairs(tokens: Tensor, n_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -77,6 +97,63 @@ def _linear_square_sum(call: ModuleCall, squares: Tensor) -> dict[str, Tensor]:
     if "bias" in call.names:
         out["bias"] = squares.sum(0)
     return out
+
+
+def row_product_squares(a: Tensor, g: Tensor) -> Tensor:
+    """``Σₖᵣ (gₖᵣᵀ aᵣ)²`` entry by entry, (D_out, D_in).
+
+    Of inputs ``a`` (R, T, D_in) and gradients ``g`` (K, R, T, D_out): ``gₖᵣᵀ aᵣ = Σₜ gₖᵣₜ aᵣₜᵀ``
+    is row r's gradient of a weight seen at T positions for column k. They are formed by
+    batched products of the rows' transposed views, a chunk of at most
+    ``PRODUCT_CHUNK_ELEMENTS`` at a time, squared and summed in place.
+    """
+    D_out, D_in = g.shape[-1], a.shape[-1]
+    a = a.to(g.dtype)
+    total = g.new_zeros(D_out, D_in)
+    step = max(1, PRODUCT_CHUNK_ELEMENTS // (D_out * D_in))
+    for column in g:
+        for start in range(0, len(a), step):
+            rows = slice(start, start + step)
+            total += torch.bmm(column[rows].transpose(1, 2), a[rows]).square_().sum(0)
+    return total
+
+
+def _recurrent_sums(
+    call: ModuleCall, grads: Sequence[Tensor], dense: Collection[str]
+) -> dict[str, Tensor]:
+    """Exact sums of ``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` parameters for K columns.
+
+    Every step's linear maps ``ihₜ = W_ih xₜ + b_ih`` and ``hhₜ = W_hh hₜ₋₁ + b_hh`` get their
+    gradients ``δ`` (K, R, T, G) from one pullback of the K columns; a weight's per-sample
+    gradient is ``Σₜ δₜ aₜᵀ`` (``a`` the step's ``xₜ`` or ``hₜ₋₁``), a bias's ``Σₜ δₜ``.
+    """
+    out = {}
+    for suffix, (inputs, previous, d_ih, d_hh) in recurrent_pullback(call, grads).items():
+        for name, a, d in (("ih", inputs, d_ih), ("hh", previous, d_hh)):
+            weight, bias = f"weight_{name}{suffix}", f"bias_{name}{suffix}"
+            if weight in dense:
+                rows = torch.einsum("krtg,rtd->krgd", d, a.to(d.dtype))
+                out[weight] = symmetric_gram(rows.reshape(-1, rows[0, 0].numel()))
+            elif weight in call.names:
+                out[weight] = row_product_squares(a, d)
+            if bias in call.names:
+                sums = d.sum(2).flatten(0, 1)
+                out[bias] = symmetric_gram(sums) if bias in dense else sums.square().sum(0)
+    return out
+
+
+#: The exact sums of a call's parameters for a chunk of K columns: from the call (its ``names``
+#: the parameters wanted), the gradients w.r.t. each of its recorded outputs (K, B, ...) and
+#: the names whose Gram matrix is wanted, per name ``Σₖₙ uₖₙ²`` (the parameter's shape), or
+#: ``Σₖₙ uₖₙ uₖₙᵀ`` (n, n) for those names, of the per-sample gradients ``uₖₙ``.
+ExactSumRule = Callable[[ModuleCall, Sequence[Tensor], Collection[str]], dict[str, Tensor]]
+
+#: Layers whose exact sums a chunk of columns gives at once, keyed by exact module type.
+EXACT_SUM_RULES: dict[type[nn.Module], ExactSumRule] = {
+    nn.RNN: _recurrent_sums,
+    nn.LSTM: _recurrent_sums,
+    nn.GRU: _recurrent_sums,
+}
 
 
 #: Layers whose ``Σₖₙ (∂θ)²`` needs no per-sample gradients, keyed by exact module type.
