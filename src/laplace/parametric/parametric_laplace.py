@@ -594,7 +594,8 @@ class ParametricLaplace(BaseLaplace):
         rows_per_point = self._likelihood_model.outputs.per_point(C) // C
 
         def needed(points: int) -> int:
-            return plan.posterior.prediction_bytes(points * rows_per_point, C, plan.kind, joint)
+            rows, variances_only = points * rows_per_point, plan.variances_only is not None
+            return plan.posterior.prediction_bytes(rows, C, plan.kind, joint, variances_only)
 
         def instead(available: int) -> str:
             fitting, step = 0, 1 << max(0, n_points.bit_length() - 1)
