@@ -45,7 +45,7 @@ demo: $(STAMP)  ## run the regression and calibration examples (PNG + JSON under
 	MPLBACKEND=Agg $(PY) examples/calibration_example.py
 	@echo "demo figures: outputs/regression_example/regression.png, outputs/calibration_example/reliability.png"
 
-bench: $(STAMP)  ## time fit/predict and peak memory (benchmarks/run.py); BENCH_ARGS=--large adds ResNet-50
+bench: $(STAMP)  ## time fit/predict and peak memory (benchmarks/run.py); BENCH_ARGS=--large adds ResNet-50 and a 1.1B Llama with LoRA
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
 bench-gpu: $(STAMP)  ## on a CUDA GPU: the benchmark cases on cuda, fits against their floor (results/run-cuda.json)

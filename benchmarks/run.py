@@ -3,8 +3,8 @@
 Models, data and the measuring rules are in ``benchmarks/harness.py``; the low-rank,
 subnetwork and Kronecker cases of the performance-frontier issue in ``benchmarks/frontier.py``;
 all-weights Kron on tiny transformers in ``benchmarks/transformer.py``.
-``--large`` adds the real-size cases of ``benchmarks/large.py`` (a ResNet-50), which the
-default run leaves out.
+``--large`` adds the real-size cases of ``benchmarks/large.py`` (a ResNet-50) and
+``benchmarks/large_llm.py`` (a 1.1B-parameter Llama with LoRA), which the default run leaves out.
 Each case runs in its own subprocess so peak memory is its own; times are medians over the
 repeats and a fit's ratio to its floor is the median of per-repeat ratios, floor and fit
 alternating (see the harness).
@@ -80,6 +80,7 @@ from harness import (
     use_device,
 )
 from large import LARGE_CASES
+from large_llm import LARGE_LLM_CASES
 from large_vocab import LARGE_VOCAB_CASES
 from large_vocab_all import LARGE_VOCAB_ALL_CASES
 from matfree import MATFREE_CASES
@@ -89,6 +90,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformer import TRANSFORMER_CASES
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: The cases that only ``--large`` runs: ResNet-50 and the 1.1B Llama with LoRA.
+REAL_SIZE_CASES = {**LARGE_CASES, **LARGE_LLM_CASES}
 
 
 def case_fit(model_name: str, structure: str, repeats: int) -> dict:
@@ -556,7 +559,7 @@ CASES = {
     **BERT_CASES,
     **MATFREE_CASES,
     "import-time": (case_import_time, "", ""),
-    **LARGE_CASES,
+    **REAL_SIZE_CASES,
 }
 
 
@@ -574,7 +577,7 @@ GPU_CASES = [
     and name not in MATFREE_CASES
     and name != "lowrank-accuracy-mlp"
     and name != "import-time"
-    and name not in LARGE_CASES
+    and name not in REAL_SIZE_CASES
 ]
 
 
@@ -634,7 +637,7 @@ def format_row(row: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_cases = [name for name in CASES if name not in BACKEND_CASES | LARGE_CASES]
+    default_cases = [name for name in CASES if name not in BACKEND_CASES | REAL_SIZE_CASES]
     parser.add_argument("--cases", nargs="*", default=default_cases, choices=list(CASES))
     parser.add_argument(
         "--backends",
@@ -644,7 +647,8 @@ def main() -> None:
     parser.add_argument(
         "--large",
         action="store_true",
-        help="run the real-size cases of benchmarks/large.py (ResNet-50) after the default ones",
+        help="run the real-size cases (benchmarks/large.py: ResNet-50; benchmarks/large_llm.py: "
+        "a 1.1B Llama with LoRA) after the default ones",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -680,7 +684,7 @@ def main() -> None:
     if args.backends:
         args.cases = list(BACKEND_CASES)
     if args.large:
-        args.cases = [*args.cases, *(name for name in LARGE_CASES if name not in args.cases)]
+        args.cases = [*args.cases, *(name for name in REAL_SIZE_CASES if name not in args.cases)]
     rows = []
     for name in args.cases:
         options = ["--repeats", str(args.repeats), "--threads", str(args.threads)]

@@ -236,6 +236,20 @@ def test_a_dense_head_curvature_larger_than_memory_is_refused_before_any_work():
 
 
 @pytest.mark.parametrize("structure", list(STRUCTURES))
+def test_a_prediction_estimate_counts_variances_only(large, structure):
+    """Above the threshold a GLM prediction forms (R, C) variances: no (R, C, C) is counted."""
+    case = CASE_BUILDERS["mlp_classification"]()
+    la = STRUCTURES[structure](case.model, case.likelihood)
+    la.fit(case.loader())
+    plan = la._glm_plan()
+    assert plan.variances_only is not None
+    n_rows, n_out, itemsize = 5, la.n_outputs, plan.posterior.itemsize
+    with_covariances = plan.posterior.prediction_bytes(n_rows, n_out, plan.kind)
+    variances = plan.posterior.prediction_bytes(n_rows, n_out, plan.kind, variances_only=True)
+    assert with_covariances - variances == n_rows * n_out * (n_out - 1) * itemsize
+
+
+@pytest.mark.parametrize("structure", list(STRUCTURES))
 def test_token_outputs_with_dropped_positions_equal_the_dense_path(large, structure):
     case = POSITION_CASES["token_classification"]()  # (B, T, C) logits, some labels −100
     fitted = []

@@ -596,7 +596,8 @@ class ParametricLaplace(BaseLaplace):
         rows_per_point = self._likelihood_model.outputs.per_point(C) // C
 
         def needed(points: int) -> int:
-            return plan.posterior.prediction_bytes(points * rows_per_point, C, plan.kind, joint)
+            rows, variances_only = points * rows_per_point, plan.variances_only is not None
+            return plan.posterior.prediction_bytes(rows, C, plan.kind, joint, variances_only)
 
         def instead(available: int) -> str:
             points = _fitting_count(n_points, needed, available, "test points")

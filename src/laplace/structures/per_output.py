@@ -116,10 +116,15 @@ class PerOutputPosterior(Posterior):
         return summed + cls.structure.fit_bytes(params, **options)
 
     def prediction_bytes(
-        self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
+        self,
+        n_rows: int,
+        n_outputs: int,
+        kind: type[Jacobian],
+        joint: bool = False,
+        variances_only: bool = False,
     ) -> int:
         """The base structure's, of the combined curvature."""
-        return self.inner.prediction_bytes(n_rows, n_outputs, kind, joint)
+        return self.inner.prediction_bytes(n_rows, n_outputs, kind, joint, variances_only)
 
     @classmethod
     def zeros(cls, params: Sequence[Tensor]) -> Curvature:

@@ -70,13 +70,19 @@ def expand_to_diagonal(prior_precision: Tensor, layer_sizes: Sequence[int]) -> T
 
 
 def glm_prediction_bytes(
-    n_rows: int, n_outputs: int, n_params: int, itemsize: int, joint: bool
+    n_rows: int,
+    n_outputs: int,
+    n_params: int,
+    itemsize: int,
+    joint: bool,
+    variances_only: bool = False,
 ) -> int:
     """Bytes a GLM prediction holds besides the posterior, from the shapes alone.
 
-    The moments ``f_mu`` (R, C) and ``f_var`` (R, C, C), and a chunk of Jacobian rows with
-    their solve (two (R·C, P) blocks within ``JACOBIAN_CHUNK_BYTES`` each); ``joint``: the
-    covariance (R·C, R·C) and the rows of all points at once.
+    The moments ``f_mu`` (R, C) and ``f_var`` (R, C, C) (``variances_only``: (R, C)), and a
+    chunk of Jacobian rows with their solve (two (R·C, P) blocks within
+    ``JACOBIAN_CHUNK_BYTES`` each); ``joint``: the covariance (R·C, R·C) and the rows of all
+    points at once.
 
     Args:
         n_rows: Output rows R (test points, times the positions of outputs with extra
@@ -85,12 +91,15 @@ def glm_prediction_bytes(
         n_params: Parameters P.
         itemsize: Bytes per number (the model's dtype).
         joint: Whether the joint covariance of all rows is formed.
+        variances_only: Whether the prediction gives each row's variances (R, C) only (a last
+            layer with many outputs, ``large_output.variances_only_reason``).
     """
     values = n_rows * n_outputs
     rows = values * n_params * itemsize
     if joint:
         return (values + values**2) * itemsize + 2 * rows
-    return (values + values * n_outputs) * itemsize + 2 * min(rows, JACOBIAN_CHUNK_BYTES)
+    variances = values if variances_only else values * n_outputs
+    return (values + variances) * itemsize + 2 * min(rows, JACOBIAN_CHUNK_BYTES)
 
 
 @cache
@@ -288,7 +297,12 @@ class Posterior(ABC):
         """
 
     def prediction_bytes(
-        self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
+        self,
+        n_rows: int,
+        n_outputs: int,
+        kind: type[Jacobian],
+        joint: bool = False,
+        variances_only: bool = False,
     ) -> int:
         """Bytes of a GLM prediction of ``n_rows`` output rows of ``n_outputs`` outputs.
 
@@ -301,10 +315,12 @@ class Posterior(ABC):
             n_outputs: Outputs per row C.
             kind: The Jacobian kind the subset gives the posterior.
             joint: Whether the joint covariance (R·C, R·C) is formed.
+            variances_only: Whether only the variances (R, C) are formed, not (R, C, C).
         """
         own = self.held_bytes(n_rows, n_outputs, kind, joint)
         n_params, itemsize = len(self.prior_diag), self.itemsize
-        return own + glm_prediction_bytes(n_rows, n_outputs, n_params, itemsize, joint)
+        shapes = (n_rows, n_outputs, n_params, itemsize, joint, variances_only)
+        return own + glm_prediction_bytes(*shapes)
 
     @abstractmethod
     def held_bytes(
