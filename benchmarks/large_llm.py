@@ -20,8 +20,8 @@ the 32,000-token vocabulary.
   each), the one-off eigendecomposition of the factors included; the GLM predictive would need
   32,000 Jacobian rows per token and is refused at this vocabulary (``docs/large_outputs.md``).
 - ``fit-ll-llama-1b``: last-layer ``KronLaplace`` of the 32,000 × 2,048 output layer (65.5M
-  weights, made trainable, as when it is fine-tuned with the adapters: with a frozen head the
-  fit fails, its curvature's blocks not matching those of the zero sum it starts from): its
+  weights, made trainable, as when it is fine-tuned with the adapters; a frozen head gives the
+  same posterior): its
   input factor dense (2,048²), its vocabulary-side factor the exact ``diag(Σ p) − P Pᵀ`` of the
   softmax GGN kept as a diagonal plus a rank-32 part. A diagonal posterior over the head is
   possible too (65.5M numbers), a full one is not (65.5M² numbers). Floor: ``1 fwd`` (no

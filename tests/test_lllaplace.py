@@ -383,3 +383,21 @@ def test_last_layer_unknown_keeps_none_and_raises_attribute_errors(cls):
     la.fit(case.loader())
     assert la.mean.shape == (la.n_params,) == (24,)
     assert_close(la.mean, torch.cat([case.model[2].weight.flatten(), case.model[2].bias]))
+
+
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+def test_a_frozen_head_is_covered_as_a_trainable_one(structure):
+    """A head left frozen (e.g. LoRA fine-tuning of the body) gets the same posterior."""
+    case = CASE_BUILDERS["mlp_classification"]()
+    ll_cls, _ = STRUCTURES[structure]
+    trainable = ll_cls(case.model, case.likelihood, **hyper(case))
+    trainable.fit(case.loader())
+    frozen_model = freeze_all_but(case.model, head_name(case.model))
+    for p in frozen_model.parameters():
+        p.requires_grad_(False)
+    frozen = ll_cls(frozen_model, case.likelihood, **hyper(case))
+    frozen.fit(case.loader())
+    assert frozen.n_params == trainable.n_params
+    assert_same_curvature(frozen, trainable)
+    assert_close(frozen.log_marginal_likelihood(), trainable.log_marginal_likelihood())
+    assert_close(frozen(case.X[:6]), trainable(case.X[:6]))

@@ -72,7 +72,8 @@ class CurvatureInterface:
         dict_key_y: Key of the targets when batches are mappings.
 
     Attributes:
-        params: The trainable parameters (``requires_grad``) considered, in model order.
+        params: The trainable parameters (``requires_grad``) considered, in model order; in
+            last-layer mode every parameter of the head, frozen or not (as its subset covers).
         engine: The native per-sample engine over ``params`` (restricted to the subnetwork).
         fit_likelihood: The likelihood object the curvature and the loss are computed with.
         lossfunc: The likelihood's summed torch loss (``MSELoss``, ``CrossEntropyLoss``, ...).
@@ -113,7 +114,10 @@ class CurvatureInterface:
         self.fit_likelihood.check_backend(type(self))
         self.lossfunc: nn.Module = self.fit_likelihood.loss_module(reduction="sum")
         self.factor = self.fit_likelihood.loss_scale
-        self.params: list[nn.Parameter] = [p for p in self._model.parameters() if p.requires_grad]
+        # a last layer is covered whole (as its subset is), frozen or not
+        self.params: list[nn.Parameter] = [
+            p for p in self._model.parameters() if p.requires_grad or last_layer
+        ]
         self.engine = PerSampleEngine(model, self.params, subnetwork_indices)
 
     @property
