@@ -103,18 +103,18 @@ def row_product_squares(a: Tensor, g: Tensor) -> Tensor:
     """``Σₖᵣ (gₖᵣᵀ aᵣ)²`` entry by entry, (D_out, D_in).
 
     Of inputs ``a`` (R, T, D_in) and gradients ``g`` (K, R, T, D_out): ``gₖᵣᵀ aᵣ = Σₜ gₖᵣₜ aᵣₜᵀ``
-    is row r's gradient of a weight seen at T positions for column k. They are formed by
-    batched products of the rows' transposed views, a chunk of at most
-    ``PRODUCT_CHUNK_ELEMENTS`` at a time, squared and summed in place.
+    is row r's gradient of a weight seen at T positions for column k. They are formed for all
+    K columns at once by batched products of the rows' transposed views (the inputs broadcast
+    over the columns), a chunk of rows of at most ``PRODUCT_CHUNK_ELEMENTS`` at a time,
+    squared and summed in place.
     """
-    D_out, D_in = g.shape[-1], a.shape[-1]
+    K, D_out, D_in = len(g), g.shape[-1], a.shape[-1]
     a = a.to(g.dtype)
     total = g.new_zeros(D_out, D_in)
-    step = max(1, PRODUCT_CHUNK_ELEMENTS // (D_out * D_in))
-    for column in g:
-        for start in range(0, len(a), step):
-            rows = slice(start, start + step)
-            total += torch.bmm(column[rows].transpose(1, 2), a[rows]).square_().sum(0)
+    step = max(1, PRODUCT_CHUNK_ELEMENTS // (K * D_out * D_in))
+    for start in range(0, len(a), step):
+        rows = slice(start, start + step)
+        total += torch.matmul(g[:, rows].transpose(-1, -2), a[rows]).square_().sum((0, 1))
     return total
 
 
