@@ -115,16 +115,11 @@ class PerOutputPosterior(Posterior):
         summed = numbers * params[0].element_size()
         return summed + cls.structure.fit_bytes(params, **options)
 
-    def prediction_bytes(
-        self,
-        n_rows: int,
-        n_outputs: int,
-        kind: type[Jacobian],
-        joint: bool = False,
-        variances_only: bool = False,
+    def held_bytes(
+        self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
     ) -> int:
         """The base structure's, of the combined curvature."""
-        return self.inner.prediction_bytes(n_rows, n_outputs, kind, joint, variances_only)
+        return self.inner.held_bytes(n_rows, n_outputs, kind, joint)
 
     @classmethod
     def zeros(cls, params: Sequence[Tensor]) -> Curvature:
