@@ -20,7 +20,6 @@ from laplace.utils.enums import (
     HessianStructure,
     Likelihood,
     SubsetOfWeights,
-    parse_enum,
 )
 from laplace.utils.errors import ArgumentTypeError
 
@@ -142,11 +141,9 @@ def Laplace(
         NotImplementedError: For a supported combination that a later release adds.
     """
     likelihood_class(likelihood)  # an unknown likelihood is refused first
-    subset = parse_enum(SubsetOfWeights, subset_of_weights, "subset_of_weights")
-    structure = parse_enum(HessianStructure, hessian_structure, "hessian_structure")
-    approximation = parse_enum(
-        FunctionalApproximation, functional_approximation, "functional_approximation"
-    )
+    subset = SubsetOfWeights(subset_of_weights)
+    structure = HessianStructure(hessian_structure)
+    approximation = FunctionalApproximation(functional_approximation)
     key = (subset, structure)
     if approximation != FunctionalApproximation.SOD:
         if structure != H.GP:

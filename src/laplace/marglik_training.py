@@ -30,7 +30,7 @@ from laplace.likelihoods import LikelihoodModel, make_likelihood
 from laplace.likelihoods.protocol import Likelihood as UserLikelihood
 from laplace.utils import distributed as distributed_utils
 from laplace.utils.data import Inputs
-from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure, parse_enum
+from laplace.utils.enums import HessianStructure, Likelihood, PriorStructure
 from laplace.utils.errors import (
     check_finite_result,
     check_int_at_least,
@@ -137,8 +137,8 @@ def marglik_training(
         TypeError: For a model that is not a module or an optimiser that is not a class.
     """
     likelihood_model = make_likelihood(likelihood)
-    hessian_structure = parse_enum(HessianStructure, hessian_structure, "hessian_structure")
-    prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
+    hessian_structure = HessianStructure(hessian_structure)
+    prior_structure = PriorStructure(prior_structure)
     if hessian_structure == HessianStructure.GP:
         raise ValueError(
             "marglik_training supports hessian_structure 'full', 'kron', 'diag' or 'lowrank' "

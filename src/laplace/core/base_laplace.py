@@ -55,7 +55,6 @@ from laplace.utils.enums import (
     PriorStructure,
     SubsetOfWeights,
     TuningMethod,
-    parse_enum,
 )
 from laplace.utils.errors import (
     AbstractClassError,
@@ -425,8 +424,8 @@ class BaseLaplace:
                 a function-space one ``"gp"``), an ``n_samples`` that is not a positive
                 integer where samples are drawn, or options the likelihood refuses.
         """
-        pred_type = parse_enum(PredType, pred_type, "pred_type")
-        link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
+        pred_type = PredType(pred_type)
+        link_approx = LinkApprox(link_approx)
         if self._function_space is not None and pred_type != PredType.GP:
             raise ValueError(
                 f"function-space Laplace predicts with pred_type='gp', got {pred_type.value!r}."
@@ -527,10 +526,10 @@ class BaseLaplace:
                 used to predict; for ``method="marglik"`` with a ``val_loader``, that the
                 loader is ignored.
         """
-        method = parse_enum(TuningMethod, method, "method")
-        pred_type = parse_enum(PredType, pred_type, "pred_type")
-        link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
-        prior_structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
+        method = TuningMethod(method)
+        pred_type = PredType(pred_type)
+        link_approx = LinkApprox(link_approx)
+        prior_structure = PriorStructure(prior_structure)
         if self._likelihood_model.name in (Likelihood.CLASSIFICATION, Likelihood.REWARD_MODELING):
             warnings.warn(
                 "By default `link_approx` is `probit`. Make sure to set it equals to the way you "

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from laplace.likelihoods import LikelihoodModel
 from laplace.structures.posterior import expand_to_diagonal
-from laplace.utils.enums import PriorStructure, parse_enum
+from laplace.utils.enums import PriorStructure
 from laplace.utils.errors import (
     ArgumentTypeError,
     MetaDeviceError,
@@ -282,7 +282,7 @@ def fix_prior_prec_structure(
             and finite, or the requested length is not a positive integer.
         TypeError: If ``prior_prec_init`` is not a single real value.
     """
-    structure = parse_enum(PriorStructure, prior_structure, "prior_structure")
+    structure = PriorStructure(prior_structure)
     value = check_positive_float(prior_prec_init, "prior_prec_init")
     if structure == PriorStructure.SCALAR:
         length = 1

@@ -29,7 +29,7 @@ from laplace.core.serialization import (
 )
 from laplace.structures.memory_budgets import JACOBIAN_CHUNK_BYTES, jacobian_chunk_rows
 from laplace.utils.data import Inputs, batch_size_of, check_outputs, input_chunks, prepare_inputs
-from laplace.utils.enums import FunctionalApproximation, LinkApprox, PredType, parse_enum
+from laplace.utils.enums import FunctionalApproximation, LinkApprox, PredType
 from laplace.utils.errors import (
     UnsupportedError,
     check_fits_in_memory,
@@ -453,7 +453,7 @@ class BaseFunctionalLaplace(BaseLaplace):
         Raises:
             ValueError: For a non-positive ``n_samples`` or an unknown ``pred_type``.
         """
-        parse_enum(PredType, pred_type, "pred_type")
+        PredType(pred_type)
         check_positive_int(n_samples, "n_samples")
         check_generator(generator)
         x = self._checked_inputs(x, "functional_samples")

@@ -38,7 +38,6 @@ from laplace.utils.enums import (
     PredType,
     PriorStructure,
     TuningMethod,
-    parse_enum,
 )
 from laplace.utils.errors import check_finite_result, check_positive_int
 
@@ -270,9 +269,9 @@ class ELLA(BaseFunctionalLaplace):
             NotImplementedError: For ``method="marglik"`` or non-default compatibility arguments.
         """
         self._check_fitted("optimize_prior_precision")
-        if parse_enum(PredType, pred_type, "pred_type") != PredType.GP:
+        if PredType(pred_type) != PredType.GP:
             raise ValueError("ELLA tunes with pred_type='gp'.")
-        if parse_enum(TuningMethod, method, "method") != TuningMethod.GRIDSEARCH:
+        if TuningMethod(method) != TuningMethod.GRIDSEARCH:
             raise NotImplementedError(
                 "ELLA has no marginal likelihood; use method='gridsearch' with a val_loader."
             )
@@ -281,8 +280,8 @@ class ELLA(BaseFunctionalLaplace):
             (n_steps, lr, loss) != (100, 1e-1, None)
             or init.numel() != 1
             or float(init) != 1.0
-            or parse_enum(PriorStructure, prior_structure, "prior_structure") != "scalar"
-            or parse_enum(LinkApprox, link_approx, "link_approx") != LinkApprox.PROBIT
+            or PriorStructure(prior_structure) != "scalar"
+            or LinkApprox(link_approx) != LinkApprox.PROBIT
             or (n_samples, verbose, progress_bar) != (100, False, False)
         ):
             raise NotImplementedError(

@@ -33,7 +33,6 @@ from laplace.utils.enums import (
     PriorStructure,
     SubsetOfWeights,
     TuningMethod,
-    parse_enum,
 )
 from laplace.utils.errors import check_int_at_least, check_positive_int
 
@@ -322,11 +321,11 @@ class FunctionalLaplace(BaseFunctionalLaplace):
         Raises:
             ValueError: For a ``pred_type`` other than ``"gp"`` or a non-scalar structure.
         """
-        if parse_enum(PredType, pred_type, "pred_type") != PredType.GP:
+        if PredType(pred_type) != PredType.GP:
             raise ValueError(f"{type(self).__name__} tunes with pred_type='gp'.")
-        if parse_enum(PriorStructure, prior_structure, "prior_structure") != "scalar":
+        if PriorStructure(prior_structure) != "scalar":
             raise ValueError(f"{type(self).__name__} needs prior_structure='scalar'.")
-        if parse_enum(TuningMethod, method, "method") == TuningMethod.MARGLIK:
+        if TuningMethod(method) == TuningMethod.MARGLIK:
             warnings.warn(  # laplace-torch's message
                 "Use of method='marglik' in case of FunctionalLaplace is discouraged, rather use "
                 "method='CV'.",

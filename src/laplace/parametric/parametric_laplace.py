@@ -35,7 +35,7 @@ from laplace.utils.data import (
     input_chunks,
     prepare_inputs,
 )
-from laplace.utils.enums import LinkApprox, PredType, parse_enum
+from laplace.utils.enums import LinkApprox, PredType
 from laplace.utils.errors import (
     NotFittedError,
     check_bool,
@@ -690,7 +690,7 @@ class ParametricLaplace(BaseLaplace):
                 samples without ``diagonal_output=True`` where only output variances are
                 computed.
         """
-        pred_type = parse_enum(PredType, pred_type, "pred_type")
+        pred_type = PredType(pred_type)
         check_positive_int(n_samples, "n_samples")
         check_generator(generator)
         self._check_fitted("functional_samples")

@@ -1,12 +1,15 @@
 """String enums for every option that users pass as plain strings.
 
-``HessianStructure.FULL == "full"`` holds; ``parse_enum`` validates once at the public boundary.
+``HessianStructure.FULL == "full"`` holds. Each enum parses its argument itself:
+``PredType("glm")`` is ``PredType.GLM``, and an unknown value raises a ``ValueError`` naming the
+argument and the accepted values (the enum's ``_missing_``), so a public method converts once at
+its boundary with the enum's own constructor.
 """
 
 from __future__ import annotations
 
 from enum import Enum
-from typing import TypeVar
+from typing import Any
 
 __all__ = [
     "FeatureReduction",
@@ -18,8 +21,23 @@ __all__ = [
     "PriorStructure",
     "SubsetOfWeights",
     "TuningMethod",
-    "parse_enum",
 ]
+
+
+def _refuse_unknown(argument: str) -> classmethod:
+    """The ``_missing_`` hook of the option enum that ``argument`` takes.
+
+    ``Enum`` calls it for a value that is no member's; it raises instead of returning a member.
+
+    Raises:
+        ValueError: Naming ``argument`` and the accepted values.
+    """
+
+    def missing(cls: type[Enum], value: Any) -> Enum:
+        accepted = ", ".join(repr(member.value) for member in cls)
+        raise ValueError(f"{argument}={value!r} is not supported; accepted values: {accepted}.")
+
+    return classmethod(missing)
 
 
 class SubsetOfWeights(str, Enum):
@@ -28,6 +46,8 @@ class SubsetOfWeights(str, Enum):
     ALL = "all"
     LAST_LAYER = "last_layer"
     SUBNETWORK = "subnetwork"
+
+    _missing_ = _refuse_unknown("subset_of_weights")
 
 
 class HessianStructure(str, Enum):
@@ -42,6 +62,8 @@ class HessianStructure(str, Enum):
     DIAG_LOWRANK = "diag_lowrank"
     MATFREE = "matfree"
 
+    _missing_ = _refuse_unknown("hessian_structure")
+
 
 class Likelihood(str, Enum):
     """Observation model of the data (the built-in ones, docs/likelihoods.md)."""
@@ -52,6 +74,8 @@ class Likelihood(str, Enum):
     BINARY_CLASSIFICATION = "binary_classification"
     HETEROSCEDASTIC_REGRESSION = "heteroscedastic_regression"
 
+    _missing_ = _refuse_unknown("likelihood")
+
 
 class PredType(str, Enum):
     """Predictive: linearised (GLM), sampled network (NN), or function-space (GP)."""
@@ -59,6 +83,8 @@ class PredType(str, Enum):
     GLM = "glm"
     NN = "nn"
     GP = "gp"
+
+    _missing_ = _refuse_unknown("pred_type")
 
 
 class LinkApprox(str, Enum):
@@ -69,6 +95,8 @@ class LinkApprox(str, Enum):
     BRIDGE = "bridge"
     BRIDGE_NORM = "bridge_norm"
 
+    _missing_ = _refuse_unknown("link_approx")
+
 
 class TuningMethod(str, Enum):
     """How ``optimize_prior_precision`` searches the prior precision."""
@@ -76,6 +104,8 @@ class TuningMethod(str, Enum):
     MARGLIK = "marglik"
     GRIDSEARCH = "gridsearch"
     BAYESOPT = "bayesopt"
+
+    _missing_ = _refuse_unknown("method")
 
 
 class PriorStructure(str, Enum):
@@ -85,6 +115,8 @@ class PriorStructure(str, Enum):
     DIAG = "diag"
     LAYERWISE = "layerwise"
 
+    _missing_ = _refuse_unknown("prior_structure")
+
 
 class FunctionalApproximation(str, Enum):
     """Kernel approximation of function-space (GP) Laplace."""
@@ -92,6 +124,8 @@ class FunctionalApproximation(str, Enum):
     SOD = "sod"
     NYSTROM = "nystrom"
     VARIATIONAL = "variational"
+
+    _missing_ = _refuse_unknown("functional_approximation")
 
 
 class FeatureReduction(str, Enum):
@@ -101,20 +135,4 @@ class FeatureReduction(str, Enum):
     PICK_LAST = "pick_last"
     AVERAGE = "average"
 
-
-E = TypeVar("E", bound=Enum)
-
-
-def parse_enum(enum_cls: type[E], value: E | str, argument: str) -> E:
-    """The member of ``enum_cls`` for ``value`` (a member or its string).
-
-    Raises:
-        ValueError: Naming ``argument`` and the accepted values, for any other value.
-    """
-    try:
-        return enum_cls(value)
-    except ValueError:
-        accepted = ", ".join(repr(m.value) for m in enum_cls)
-        raise ValueError(
-            f"{argument}={value!r} is not supported; accepted values: {accepted}."
-        ) from None
+    _missing_ = _refuse_unknown("feature_reduction")

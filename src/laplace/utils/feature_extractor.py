@@ -13,7 +13,7 @@ from functools import partial
 from torch import Tensor, nn
 
 from laplace.utils.data import Inputs
-from laplace.utils.enums import FeatureReduction, parse_enum
+from laplace.utils.enums import FeatureReduction
 from laplace.utils.errors import MissingKeyError, check_module
 from laplace.utils.public import at_public_path
 
@@ -78,9 +78,7 @@ class FeatureExtractor(nn.Module):
         self.model = check_module(model)
         self.enable_backprop = enable_backprop
         self.feature_reduction = (
-            None
-            if feature_reduction is None
-            else parse_enum(FeatureReduction, feature_reduction, "feature_reduction")
+            None if feature_reduction is None else FeatureReduction(feature_reduction)
         )
         self._last_layer_name: str | None = None
         object.__setattr__(self, "last_layer", None)

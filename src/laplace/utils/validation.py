@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from laplace.utils.data import Inputs, prepare_batch
-from laplace.utils.enums import LinkApprox, PredType, parse_enum
+from laplace.utils.enums import LinkApprox, PredType
 from laplace.utils.errors import check_positive_int
 
 if TYPE_CHECKING:
@@ -132,8 +132,8 @@ def validate(
         raise TypeError(
             f"loss must be a torchmetrics.Metric or a callable, got {type(loss).__name__}."
         )
-    pred_type = parse_enum(PredType, pred_type, "pred_type")
-    link_approx = parse_enum(LinkApprox, link_approx, "link_approx")
+    pred_type = PredType(pred_type)
+    link_approx = LinkApprox(link_approx)
     check_positive_int(n_samples, "n_samples")
 
     laplace.model.eval()
