@@ -206,3 +206,17 @@ def test_symmetric_gram_equals_full_product(n_cols):
 
     G = torch.randn(40, n_cols, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     assert_close(symmetric_gram(G, panel=64), G.T @ G)
+
+
+@pytest.mark.parametrize("n_cols", [5, 300, 517])
+def test_upper_gram_sums_mirrored_once_equal_the_full_products(n_cols):
+    """Rank updates added in place above the diagonal, mirrored at the end, sum the Grams."""
+    from laplace.utils.linalg import add_gram_upper_, mirror_upper_
+
+    gen = torch.Generator().manual_seed(0)
+    updates = [torch.randn(m, n_cols, dtype=torch.float64, generator=gen) for m in (3, 40)]
+    out = torch.zeros(n_cols, n_cols, dtype=torch.float64)
+    for G, alpha in zip(updates, (1.0, 0.5)):
+        add_gram_upper_(out, G, alpha=alpha, panel=64)
+    expected = updates[0].T @ updates[0] + 0.5 * updates[1].T @ updates[1]
+    assert_close(mirror_upper_(out, panel=64), expected)

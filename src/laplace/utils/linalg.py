@@ -9,10 +9,13 @@ import torch
 from laplace.utils.errors import check_positive_int
 
 __all__ = [
+    "GRAM_PANEL",
+    "add_gram_upper_",
     "block_diag",
     "diagonal_add_scalar",
     "invsqrt_precision",
     "kron",
+    "mirror_upper_",
     "normal_samples",
     "softmax_hessian_factor",
     "symeig",
@@ -168,7 +171,45 @@ def normal_samples(
     return (mean.unsqueeze(-1) + noise).permute(2, 0, 1)
 
 
-def symmetric_gram(G: torch.Tensor, panel: int = 64) -> torch.Tensor:
+#: Columns per row panel of the symmetric Gram products (256 measured fastest on the project's
+#: 2-core AMD EPYC for factors of 512 to 4,608 columns).
+GRAM_PANEL = 256
+
+
+def add_gram_upper_(
+    out: torch.Tensor, G: torch.Tensor, alpha: float = 1.0, panel: int = GRAM_PANEL
+) -> torch.Tensor:
+    """Add ``alpha · Gᵀ G`` (``G`` (M, n)) to ``out`` (n, n) in place, on and above the diagonal.
+
+    Row panels of ``panel`` columns, each off-diagonal block once, written into the existing
+    sum: no (n, n) product is allocated (a fresh large tensor costs its page faults, more than
+    a rank-M update of it where M ≪ n: a convolution's factor of a small batch). The blocks
+    below the diagonal panels are left as they are; ``mirror_upper_`` completes the matrix.
+
+    Returns:
+        ``out``.
+    """
+    n = G.shape[1]
+    for i in range(0, n, panel):
+        j = min(n, i + panel)
+        out[i:j, i:].addmm_(G[:, i:j].T, G[:, i:], alpha=alpha)
+    return out
+
+
+def mirror_upper_(out: torch.Tensor, panel: int = GRAM_PANEL) -> torch.Tensor:
+    """Copy the blocks above ``add_gram_upper_``'s diagonal panels onto those below, in place.
+
+    Returns:
+        ``out``, symmetric.
+    """
+    n = out.shape[0]
+    for i in range(0, n, panel):
+        j = min(n, i + panel)
+        out[j:, i:j] = out[i:j, j:].T
+    return out
+
+
+def symmetric_gram(G: torch.Tensor, panel: int = GRAM_PANEL) -> torch.Tensor:
     """``Gᵀ G`` for ``G`` of shape (M, P): upper-triangle row panels, the lower one mirrored.
 
     ``panel`` is the number of columns per row panel.
@@ -176,12 +217,7 @@ def symmetric_gram(G: torch.Tensor, panel: int = 64) -> torch.Tensor:
     n = G.shape[1]
     if n <= 2 * panel:
         return G.T @ G
-    out = G.new_empty(n, n)
-    for i in range(0, n, panel):
-        j = min(n, i + panel)
-        out[i:j, i:] = G[:, i:j].T @ G[:, i:]
-        out[j:, i:j] = out[i:j, j:].T
-    return out
+    return mirror_upper_(add_gram_upper_(G.new_zeros(n, n), G, panel=panel), panel)
 
 
 def softmax_hessian_factor(p: torch.Tensor) -> torch.Tensor:

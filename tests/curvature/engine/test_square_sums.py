@@ -22,7 +22,7 @@ def test_embedding_square_sum_equals_the_squared_per_sample_gradients(padding_id
     grads = torch.randn(5, *out.shape, dtype=torch.float64, generator=gen)  # 5 columns
     call = layer_rules.ModuleCall(module, (tokens,), {}, [out], [0], ["weight"])
     rule = SQUARE_SUM_RULES[nn.Embedding]
-    assert rule.applies(call)
+    assert rule.applies(call, 1)
     per_sample = torch.stack([layer_rules.per_sample_grads(call, [g])["weight"] for g in grads])
     two_chunks = rule.partial(call, grads[:2]) + rule.partial(call, grads[2:])
     assert_close(rule.finish(call, two_chunks)["weight"], per_sample.square().sum((0, 1)))
@@ -109,3 +109,66 @@ def test_recurrent_exact_sums_equal_the_per_sample_oracle(kind, bidirectional, l
     per_sample = layer_rules.per_sample_grads(tiled, [g.flatten(0, 1) for g in grads])
     for name, u in expected.items():
         assert_close(per_sample[name].flatten(1), u.flatten(0, 1))
+
+
+CONV_SQUARE_SUMS = [
+    (nn.Conv1d, dict(kernel_size=3, stride=2, padding=1), (5,)),
+    (nn.Conv2d, dict(kernel_size=3, padding=1, groups=2, bias=False), (2, 2)),
+    (nn.Conv2d, dict(kernel_size=2, stride=2, padding_mode="reflect", padding=1), (3, 4)),
+    (nn.Conv2d, dict(kernel_size=3, dilation=2), (5, 5)),
+    (nn.Conv3d, dict(kernel_size=(1, 2, 2), groups=2), (2, 2, 2)),
+]
+
+
+def _conv_oracle(module, x, grads):
+    """Σₖₙ squared per-sample gradients by ``torch.func``: ∂θ ⟨gₖₙ, f(xₙ)⟩ for every (k, n)."""
+    params = {name: p.detach() for name, p in module.named_parameters()}
+
+    def pairing(theta, xn, gn):
+        return (torch.func.functional_call(module, theta, (xn[None],))[0] * gn).sum()
+
+    per_sample = torch.func.vmap(
+        torch.func.vmap(torch.func.grad(pairing), in_dims=(None, 0, 0)), in_dims=(None, None, 0)
+    )(params, x, grads)
+    return {name: u.square().sum((0, 1)) for name, u in per_sample.items()}
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("n_columns", [1, 4])
+@pytest.mark.parametrize(
+    "kind, options, spatial",
+    CONV_SQUARE_SUMS,
+    ids=[f"{k.__name__}-{'-'.join(map(str, s))}" for k, _, s in CONV_SQUARE_SUMS],
+)
+def test_conv_position_grams_equal_the_per_sample_oracle(kind, options, spatial, n_columns):
+    """The Grams of output positions, added over chunks of columns, give the squared sums."""
+    from laplace.curvature.engine.square_sums import SQUARE_SUM_RULES
+
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    module = kind(4, 6, **options).double()
+    x = torch.randn(3, 4, *spatial, generator=gen, dtype=torch.float64)
+    out = module(x)
+    grads = torch.randn(n_columns, *out.shape, generator=gen, dtype=torch.float64)
+    names = [name for name, _ in module.named_parameters()]
+    call = layer_rules.ModuleCall(module, (x,), {}, [out], [0], names)
+    rule = SQUARE_SUM_RULES[kind]
+    grams = sum(rule.partial(call, grads[k : k + 1]) for k in range(n_columns))
+    sums = rule.finish(call, grams)
+    expected = _conv_oracle(module, x, grads)
+    assert set(sums) == set(expected)
+    for name, value in expected.items():
+        assert_close(sums[name], value)
+
+
+def test_conv_position_grams_apply_at_few_positions_only():
+    """The Grams replace per-sample gradients where L² ≤ K (L + PER_SAMPLE_ENTRY_COST)."""
+    from laplace.curvature.engine.square_sums import PER_SAMPLE_ENTRY_COST, SQUARE_SUM_RULES
+
+    rule = SQUARE_SUM_RULES[nn.Conv2d]
+    module = nn.Conv2d(2, 2, 1)
+    for side, n_columns in [(2, 1), (4, 10), (8, 10), (16, 10), (4, 1)]:
+        x = torch.randn(1, 2, side, side)
+        call = layer_rules.ModuleCall(module, (x,), {}, [module(x)], [0], ["weight"])
+        L = side * side
+        assert rule.applies(call, n_columns) == (L * L <= n_columns * (L + PER_SAMPLE_ENTRY_COST))

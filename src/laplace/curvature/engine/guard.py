@@ -25,8 +25,8 @@ from laplace.curvature.engine.capture import gradient_type
 from laplace.curvature.engine.kfac_rules import module_name
 from laplace.curvature.engine.layer_rules import (
     ModuleCall,
-    _conv_patches,
     call_rows,
+    conv_patches,
     per_sample_grads,
 )
 
@@ -199,7 +199,7 @@ def _conv_sums(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, tuple[Ten
     m, g = call.module, grads[0].flatten(2)  # (B, D_out, L)
     out = {}
     if "weight" in call.names:
-        patches = _conv_patches(call)  # (B, G, L, D_in/G · k)
+        patches = conv_patches(call)  # (B, G, L, D_in/G · k)
         g = g.reshape(g.shape[0], m.groups, -1, g.shape[-1]).permute(1, 2, 0, 3).flatten(2)
         patches = patches.permute(1, 0, 2, 3).flatten(1, 2)  # (G, B·L, D_in/G · k)
         total, size = g @ patches, g.abs() @ patches.abs()

@@ -37,7 +37,7 @@ from laplace.curvature.engine.per_sample import (
 from laplace.curvature.engine.square_sums import row_product_squares, row_token_pairs
 from laplace.utils.data import posterior_dtype
 from laplace.utils.diag_lowrank import DiagLowRank
-from laplace.utils.linalg import symmetric_gram
+from laplace.utils.linalg import add_gram_upper_, mirror_upper_, symmetric_gram
 from laplace.utils.matrix import Kron, StructuredKron
 
 __all__ = [
@@ -56,30 +56,34 @@ KFAC_APPROXIMATIONS = ("expand", "reduce")
 GRAM_COPY_ELEMENTS = 2**24
 
 
-def _gram(t: Tensor, approx: str, scale: float = 1.0) -> Tensor:
-    """``scale ·`` Σ of outer products of (R, T, D) rows, shape (D, D).
+def _add_gram(sums: dict, key: object, t: Tensor, approx: str, scale: float = 1.0) -> None:
+    """Add ``scale ·`` Σ of outer products of (R, T, D) rows to ``sums[key]``, above its diagonal.
 
-    Expand sums over every position; reduce over the per-row mean over positions. Every row
-    goes through the symmetric Gram product (each off-diagonal block once); contiguous rows are
-    a view, scaled before the product where they are fewer numbers than the result. Strided
-    ones (the gradients of a convolution, (R, D, T) in memory) are copied into rows a chunk of
-    at most ``GRAM_COPY_ELEMENTS`` at a time: a batched product of the R (D, T) blocks would
-    hold (R, D, D) products, more than the rows themselves where T < D (a ResNet's late
-    layers), and compute both triangles.
+    Expand sums over every position; reduce over the per-row mean over positions. The rows go
+    into the upper triangle of the running sum in place (``add_gram_upper_``; a (D, D) matrix
+    is allocated only for the key's first term); ``_complete_grams`` mirrors it once the
+    batch is summed. Contiguous rows are a view; strided ones (the gradients of a convolution,
+    (R, D, T) in memory) are copied into rows a chunk of at most ``GRAM_COPY_ELEMENTS`` at a
+    time: a batched product of the R (D, T) blocks would hold (R, D, D) products, more than
+    the rows themselves where T < D (a ResNet's late layers), and compute both triangles.
     """
     if approx == "reduce" or t.shape[1] == 1 or t.is_contiguous():
         # reduce: the rows' means; expand: a view, every position a row
-        rows = t.mean(1) if approx == "reduce" else t.reshape(-1, t.shape[-1])
-        if scale != 1 and rows.numel() < rows.shape[1] ** 2:
-            return symmetric_gram(rows * math.sqrt(scale))
-        gram = symmetric_gram(rows)
+        chunks = [t.mean(1) if approx == "reduce" else t.reshape(-1, t.shape[-1])]
     else:
         per_chunk = max(1, GRAM_COPY_ELEMENTS // (t.shape[1] * t.shape[2]))
-        chunks = t.split(per_chunk)
-        gram = symmetric_gram(chunks[0].reshape(-1, t.shape[-1]))
-        for chunk in chunks[1:]:
-            gram += symmetric_gram(chunk.reshape(-1, t.shape[-1]))
-    return gram if scale == 1 else gram.mul_(scale)
+        chunks = [chunk.reshape(-1, t.shape[-1]) for chunk in t.split(per_chunk)]
+    if key not in sums:
+        sums[key] = t.new_zeros(t.shape[-1], t.shape[-1])
+    for rows in chunks:
+        add_gram_upper_(sums[key], rows, alpha=scale)
+
+
+def _complete_grams(sums: dict) -> None:
+    """Mirror the upper triangle of every (D, D) Gram sum of ``_add_gram`` onto its lower one."""
+    for value in sums.values():
+        if isinstance(value, Tensor) and value.dim() == 2:
+            mirror_upper_(value)
 
 
 def _token_counts(module: nn.Embedding, tokens: Tensor, approx: str, dtype: torch.dtype) -> Tensor:
@@ -99,19 +103,26 @@ def _token_counts(module: nn.Embedding, tokens: Tensor, approx: str, dtype: torc
     return counts
 
 
-def _input_factor(
-    rule: KfacRule, call: ModuleCall, a: Tensor, approx: str, root: float, n: int
-) -> Tensor:
-    """``root/n ·`` the input factor of one call with inputs ``a`` (``rule.inputs(call)``).
+def _add_input_factor(
+    A: dict,
+    key: object,
+    rule: KfacRule,
+    call: ModuleCall,
+    a: Tensor,
+    approx: str,
+    root: float,
+    n: int,
+) -> None:
+    """Add ``root/n ·`` the input factor of one call with inputs ``a`` (``rule.inputs(call)``).
 
-    Returns:
-        (D_in, D_in), or (V,) for an embedding.
+    The factor is (D_in, D_in) (upper triangle, see ``_add_gram``), or (V,) for an embedding.
     """
     T = a.shape[1]
     if rule.one_hot:  # reduce: the rows' mean one-hot vectors (counts / T), squared
         counts = _token_counts(call.module, a, approx, call.outputs[0].dtype)
-        return counts.mul_(root / (n * (T if approx == "expand" else T**2)))
-    return _gram(a, approx, scale=root / (n * (T if approx == "expand" else 1)))
+        _add(A, key, counts.mul_(root / (n * (T if approx == "expand" else T**2))))
+    else:
+        _add_gram(A, key, a, approx, scale=root / (n * (T if approx == "expand" else 1)))
 
 
 def _add(sums: dict, key: object, value: Tensor | DiagLowRank) -> None:
@@ -333,7 +344,7 @@ def kfac(
             n = 1 if rule.inputs_first else n_data
             inputs[i, key] = tuple(a.detach() for a in as_uses(rule.inputs(call)))
             for a in inputs[i, key]:
-                _add(A, key, _input_factor(rule, call, a, approx, root, n))
+                _add_input_factor(A, key, rule, call, a, approx, root, n)
     exact = _ExactBlocks(trace, plan)
     for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD) if exact.autograd_slots else ():
         exact.add_exact(chunk)
@@ -358,9 +369,11 @@ def kfac(
                     elif g.shape[1] == 1 or approx == "reduce":
                         rows.setdefault((i, key, use), []).append(g.sum(1))
                     else:
-                        _add(G, key, _gram(g, "expand"))
+                        _add_gram(G, key, g, "expand")
     for (_, key, _), gs in rows.items():
-        _add(G, key, symmetric_gram(torch.cat(gs)))
+        _add_gram(G, key, torch.cat(gs).unsqueeze(1), "expand")
+    _complete_grams(A)
+    _complete_grams(G)
     for (i, key, use), gs in kept.items():  # a bias without a Kronecker weight needs no inputs
         a = inputs[i, key][use] if (i, key) in inputs else gs[0].new_empty(0)
         statistics.add(key, kron_rules[calls[i].module][key], a, gs)

@@ -18,10 +18,10 @@ from torch import Tensor, nn
 
 from laplace.curvature.engine.layer_rules import (
     ModuleCall,
-    _conv_patches,
     attention_arguments,
     attention_output,
     attention_pullback,
+    conv_patches,
     tiled_call,
 )
 
@@ -86,7 +86,7 @@ def _rows(t: Tensor) -> Tensor:
 
 _LINEAR = KfacRule(lambda call: _rows(call.args[0]), lambda call, g: _rows(g[0]))
 _CONV = KfacRule(
-    lambda call: _conv_patches(call)[:, 0],
+    lambda call: conv_patches(call)[:, 0],
     lambda call, g: g[0].flatten(2).transpose(1, 2),
     lambda m: "grouped convolutions have no single Kronecker factor" if m.groups != 1 else None,
 )

@@ -37,6 +37,7 @@ __all__ = [
     "attention_output",
     "attention_pullback",
     "call_rows",
+    "conv_patches",
     "generic_per_sample",
     "per_sample_grads",
     "recurrent_pullback",
@@ -116,7 +117,7 @@ def _linear(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _conv_patches(call: ModuleCall) -> Tensor:
+def conv_patches(call: ModuleCall) -> Tensor:
     """Input patches of a convolution call, shape (B, G, L, C_in/G · k), cached on the call.
 
     Patches are strided views of the padded input (no ``im2col``), copied once into the layout
@@ -144,7 +145,7 @@ def _conv(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
     m, g = call.module, grads[0].flatten(2)
     out = {}
     if "weight" in call.names:
-        patches = _conv_patches(call)
+        patches = conv_patches(call)
         g = g.reshape(g.shape[0], m.groups, -1, g.shape[-1])
         out["weight"] = (g @ patches).reshape(g.shape[0], *m.weight.shape)
     if "bias" in call.names:
@@ -698,7 +699,7 @@ def _conv_selected(
     m, g = call.module, grads[0].flatten(2)  # (B, D_out, L)
     out = {}
     if "weight" in entries:
-        patches = _conv_patches(call)  # (B, G, L, D_in/G · k)
+        patches = conv_patches(call)  # (B, G, L, D_in/G · k)
         per_out = patches.shape[-1]
         rows, cols = entries["weight"] // per_out, entries["weight"] % per_out
         group = rows // (m.out_channels // m.groups)

@@ -214,13 +214,12 @@ class PerSampleTrace:
         single_use = [
             all(counts[engine.slot[call.module, n]] == 1 for n in call.names) for call in calls
         ]
-        #: Per call whose parameters no other call uses, its rule of ``SQUARE_SUM_RULES``.
+        #: Per call whose parameters no other call uses, its rule of ``SQUARE_SUM_RULES``
+        #: (``square_sum`` asks it whether it applies to its columns).
         self._square_sum_rules = {
             i: rule
             for i, call in enumerate(calls)
-            if (rule := SQUARE_SUM_RULES.get(type(call.module))) is not None
-            and rule.applies(call)
-            and single_use[i]
+            if (rule := SQUARE_SUM_RULES.get(type(call.module))) is not None and single_use[i]
         }
         #: Per call whose parameters no other call uses, its rule of ``EXACT_SUM_RULES``.
         self.exact_sum_rules = {
@@ -458,7 +457,12 @@ class PerSampleTrace:
             for slot, u in self.exact_rows(chunk).items():
                 _add(total, slot, u.square().sum((0, 1)))
         partials: dict[int, Tensor] = {}  # per call with a rule, its summed statistic
-        rules, exact_sums = self._square_sum_rules, self.exact_sum_rules
+        rules = {
+            i: rule
+            for i, rule in self._square_sum_rules.items()
+            if rule.applies(self.calls[i], len(columns))
+        }
+        exact_sums = self.exact_sum_rules
         slow = [i for i in range(len(self.calls)) if i not in rules and i not in exact_sums]
         chunks = self.column_gradients(columns) if gradients is None else [gradients]
         for stacked in chunks:

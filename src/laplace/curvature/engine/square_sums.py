@@ -4,8 +4,9 @@ The diagonal curvature ``Σₖ Σₙ (∂θ (vₙₖᵀ fₙ))²`` of some layer
 gradients (K, B, …) of the columns ``vₖ`` and the layer's recorded call directly
 (``SQUARE_SUM_RULES``): for a linear layer on (B, D_in) inputs the squared weight gradient
 summed over samples and columns is ``(Σₖ gₖ²)ᵀ a²``; an embedding's sums its positions per
-(sample, token) pair (``row_token_pairs``) and never forms a (B, V, D) gradient. Other layers
-go through ``laplace.curvature.engine.layer_rules``' per-sample gradients.
+(sample, token) pair (``row_token_pairs``) and never forms a (B, V, D) gradient; a convolution at
+few output positions sums the Gram products of its positions (``_conv_position_grams``). Other
+layers go through ``laplace.curvature.engine.layer_rules``' per-sample gradients.
 
 ``EXACT_SUM_RULES`` give a chunk's finished sums of a layer's parameters directly, the squares
 of some and the Gram matrix ``Σₖₙ uₖₙ uₖₙᵀ`` of others (the dense exact blocks of KFAC): a
@@ -22,11 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from laplace.curvature.engine.layer_rules import ModuleCall, recurrent_pullback
+from laplace.curvature.engine.layer_rules import ModuleCall, conv_patches, recurrent_pullback
 from laplace.utils.linalg import symmetric_gram
 
 __all__ = [
     "EXACT_SUM_RULES",
+    "PER_SAMPLE_ENTRY_COST",
     "PRODUCT_CHUNK_ELEMENTS",
     "SQUARE_SUM_RULES",
     "ExactSumRule",
@@ -39,6 +41,12 @@ __all__ = [
 #: by ``row_product_squares``: 4 MB in float32, so that a chunk is squared and summed while it
 #: is still in the cache.
 PRODUCT_CHUNK_ELEMENTS = 2**20
+
+#: What forming, squaring and summing one per-sample gradient entry of a convolution costs
+#: beyond its L multiply-adds, in multiply-adds of one large matrix product: 50–190 measured on
+#: the project's 2-core AMD EPYC (float32, ResNet-50's layer shapes), where the per-sample
+#: products are small and memory-bound and the position Grams are one product.
+PER_SAMPLE_ENTRY_COST = 64
 
 
 def row_token_pairs(tokens: Tensor, n_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -62,12 +70,13 @@ class SquareSumRule:
     """How a layer's ``Σₖₙ (∂θ)²`` follows from its output gradients, a chunk of columns at a time.
 
     Attributes:
-        applies: Whether the rule takes this call.
+        applies: Whether the rule takes this call, for K columns in all (some rules are
+            cheaper than per-sample gradients only for enough columns).
         partial: A chunk's statistic from the output gradients (K, B, …); they add up.
         finish: The squared gradients per parameter name from the summed statistic.
     """
 
-    applies: Callable[[ModuleCall], bool]
+    applies: Callable[[ModuleCall, int], bool]
     partial: Callable[[ModuleCall, Tensor], Tensor]
     finish: Callable[[ModuleCall, Tensor], dict[str, Tensor]]
 
@@ -118,6 +127,58 @@ def row_product_squares(a: Tensor, g: Tensor) -> Tensor:
     return total
 
 
+def _conv_positions(call: ModuleCall) -> int:
+    """Output positions L of a convolution call (1 for a 1 × 1 output)."""
+    return call.outputs[0][0, 0].numel()
+
+
+def _conv_grams_pay_off(call: ModuleCall, n_columns: int) -> bool:
+    """Whether ``_conv_position_grams`` costs less than K columns' per-sample gradients.
+
+    Per sample and weight entry the Grams cost L² multiply-adds for all columns, the per-sample
+    gradients ``K · (L + PER_SAMPLE_ENTRY_COST)``: the Grams win at few positions (ResNet's
+    last stages: 2 × 2 and 4 × 4) and lose at many (its first: 16 × 16 and more).
+    """
+    positions = _conv_positions(call)
+    return positions * positions <= n_columns * (positions + PER_SAMPLE_ENTRY_COST)
+
+
+def _conv_position_grams(call: ModuleCall, grads: Tensor) -> Tensor:
+    """A chunk's ``Σₖ gₖₗ gₖₘ`` per sample, group and pair of output positions (B, G, L, L, O/G).
+
+    A convolution's per-sample weight gradient is ``Σₗ gₗ pₗᵀ`` over its L output positions
+    (``p`` the input patches, ``layer_rules.conv_patches``), so its square summed over the
+    columns is ``Σₗₘ (Σₖ gₖₗ gₖₘ) (pₗ ⊙ pₘ)``: the columns enter only through these Grams.
+    """
+    m = call.module
+    g = grads.flatten(3)  # (K, B, O, L)
+    g = g.reshape(*g.shape[:2], m.groups, -1, g.shape[-1])
+    return torch.einsum("kbgol,kbgom->bglmo", g, g)
+
+
+def _conv_square_sum(call: ModuleCall, grams: Tensor) -> dict[str, Tensor]:
+    """Σₙ squared per-sample gradients of a convolution from its summed position Grams.
+
+    The weight's ``Σₗₘ Gₗₘ (pₗ ⊙ pₘ)`` is one product over (sample, position pair) per group,
+    a chunk of samples at a time (the (L, L, C_in/G · k) patch products of a sample are formed
+    only within its chunk); the bias's is ``Σₗₘ Gₗₘ``.
+    """
+    m, out = call.module, {}
+    if "weight" in call.names:
+        patches = conv_patches(call).to(grams.dtype)  # (B, G, L, C_in/G · k)
+        per_sample = grams[0].numel() // grams.shape[-1] * patches.shape[-1]
+        step = max(1, PRODUCT_CHUNK_ELEMENTS // per_sample)
+        total = grams.new_zeros(m.groups, grams.shape[-1], patches.shape[-1])
+        for start in range(0, len(patches), step):
+            p = patches[start : start + step]
+            pairs = p.unsqueeze(3) * p.unsqueeze(2)  # (b, G, L, L, C_in/G · k)
+            total += torch.einsum("bglmo,bglmi->goi", grams[start : start + step], pairs)
+        out["weight"] = total.reshape(m.weight.shape)
+    if "bias" in call.names:
+        out["bias"] = grams.sum((0, 2, 3)).flatten()
+    return out
+
+
 def _recurrent_sums(
     call: ModuleCall, grads: Sequence[Tensor], dense: Collection[str]
 ) -> dict[str, Tensor]:
@@ -159,13 +220,21 @@ EXACT_SUM_RULES: dict[type[nn.Module], ExactSumRule] = {
 #: Layers whose ``Σₖₙ (∂θ)²`` needs no per-sample gradients, keyed by exact module type.
 SQUARE_SUM_RULES: dict[type[nn.Module], SquareSumRule] = {
     nn.Linear: SquareSumRule(
-        applies=lambda call: call.args[0].dim() == 2,
+        applies=lambda call, n_columns: call.args[0].dim() == 2,
         partial=lambda call, grads: grads.square().sum(0),
         finish=_linear_square_sum,
     ),
     nn.Embedding: SquareSumRule(
-        applies=lambda call: not call.module.scale_grad_by_freq,
+        applies=lambda call, n_columns: not call.module.scale_grad_by_freq,
         partial=_embedding_square_sum,
         finish=lambda call, total: {"weight": total},
     ),
+    **{
+        conv: SquareSumRule(
+            applies=_conv_grams_pay_off,
+            partial=_conv_position_grams,
+            finish=_conv_square_sum,
+        )
+        for conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    },
 }
