@@ -485,3 +485,40 @@ def test_tiny_transformer_kron_predictive_matches_the_dense_reference(name):
     expected = J @ torch.linalg.inv(dense_precision(la)) @ J.transpose(1, 2)
     assert kron_functional_variance(la.backend.trace(X), la.posterior_precision) is not None
     assert_close(la._functional_moments(X)[1], expected, rtol=1e-8, atol=1e-12)
+
+
+def test_glm_variance_of_convolutions_at_few_and_many_positions_matches_the_dense_reference(
+    monkeypatch,
+):
+    """A convolution at T = 16 positions goes through its products ``Mc``, one at T = 4
+    (T² ≤ C (T + C), C = 4 outputs) through its positions' Grams: both equal J P⁻¹ Jᵀ."""
+    from laplace.structures import kron_glm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.Tanh(),
+        nn.Conv2d(4, 5, 2, stride=2),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(20, 4),
+    ).double()
+    gen = torch.Generator().manual_seed(1)
+    X = torch.randn(12, 3, 6, 6, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 4, (12,), generator=gen)
+    la = KronLaplace(model, "classification", prior_precision=torch.linspace(0.5, 2, 6).double())
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=4))
+    paths = []
+    for name in ("_position_variance", "_products"):
+        original = getattr(kron_glm._Slot, name)
+
+        def recorded(self, *args, _original=original, _name=name):
+            paths.append((_name, args[-1].shape[1]))
+            return _original(self, *args)
+
+        monkeypatch.setattr(kron_glm._Slot, name, recorded)
+    J = Oracle(model, "classification").jacobian(X)
+    expected = J @ torch.linalg.inv(dense_precision(la)) @ J.transpose(1, 2)
+    f_var = kron_functional_variance(la.backend.trace(X), la.posterior_precision)
+    assert_close(f_var, expected, rtol=1e-8, atol=1e-12)
+    assert set(paths) == {("_products", 16), ("_position_variance", 4)}

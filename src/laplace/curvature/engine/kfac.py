@@ -37,7 +37,7 @@ from laplace.curvature.engine.per_sample import (
 from laplace.curvature.engine.square_sums import row_product_squares, row_token_pairs
 from laplace.utils.data import posterior_dtype
 from laplace.utils.diag_lowrank import DiagLowRank
-from laplace.utils.linalg import add_gram_upper_, mirror_upper_, symmetric_gram
+from laplace.utils.linalg import add_gram_upper_, mirror_upper_
 from laplace.utils.matrix import Kron, StructuredKron
 
 __all__ = [
@@ -237,9 +237,15 @@ class _ExactBlocks:
             raise ValueError(f"module {name!r}: {error}") from error
 
     def _add_rows(self, s: int, u: Tensor) -> None:
-        """Add the block of per-sample gradient rows ``u`` (R, n) of slot ``s``."""
-        diagonal = self.plan[s].kind == "diag"
-        _add(self.sums, s, u.square().sum(0) if diagonal else symmetric_gram(u))
+        """Add the block of per-sample gradient rows ``u`` (R, n) of slot ``s``.
+
+        A dense block's Gram goes above the diagonal of its running sum, in place
+        (``_complete_grams`` mirrors it).
+        """
+        if self.plan[s].kind == "diag":
+            _add(self.sums, s, u.square().sum(0))
+        else:
+            _add_gram(self.sums, s, u.unsqueeze(1), "expand")
 
     def add(self, grads: list[list[Tensor]]) -> None:
         """Add the blocks of a chunk of columns (per call, gradients (k, B, ...))."""
@@ -372,8 +378,8 @@ def kfac(
                         _add_gram(G, key, g, "expand")
     for (_, key, _), gs in rows.items():
         _add_gram(G, key, torch.cat(gs).unsqueeze(1), "expand")
-    _complete_grams(A)
-    _complete_grams(G)
+    for sums in (A, G, exact.sums):
+        _complete_grams(sums)
     for (i, key, use), gs in kept.items():  # a bias without a Kronecker weight needs no inputs
         a = inputs[i, key][use] if (i, key) in inputs else gs[0].new_empty(0)
         statistics.add(key, kron_rules[calls[i].module][key], a, gs)
