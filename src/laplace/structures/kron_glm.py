@@ -7,7 +7,8 @@ output ``c`` w.r.t. its outputs, the Jacobian of ``fₙc`` w.r.t. the weight is
 
 - one position (``T = 1``): ``Jc P⁻¹ Jdᵀ = Σᵢ g̃cᵢ g̃dᵢ wᵢ`` with ``wᵢ = Σⱼ ãⱼ² / sᵢⱼ``, so no
   (out × in) object per output is ever formed;
-- several positions: ``Mc = Σₜ g̃cₜ ãₜᵀ`` (out × in) and ``Jc P⁻¹ Jdᵀ = Σᵢⱼ Mcᵢⱼ Mdᵢⱼ / sᵢⱼ``;
+- several positions: ``Mc = Σₜ g̃cₜ ãₜᵀ`` (out × in) and ``Jc P⁻¹ Jdᵀ = Σᵢⱼ Mcᵢⱼ Mdᵢⱼ / sᵢⱼ``, or,
+  at few positions, ``Σₜᵤ Σᵢ g̃cₜᵢ g̃duᵢ Wₜᵤᵢ`` with ``Wₜᵤᵢ = Σⱼ ãₜⱼ ãᵤⱼ / sᵢⱼ`` (T, T, out);
 - bias: ``ḡc = Q_Gᵀ Σₜ gcₜ`` and ``Σᵢ ḡcᵢ ḡdᵢ / sᵢ``.
 
 Blocks ``A ⊗ G`` (transformers' ``Conv1D``) are the same with the roles of the factors swapped.

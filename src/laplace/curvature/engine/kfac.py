@@ -67,16 +67,16 @@ def _add_gram(sums: dict, key: object, t: Tensor, approx: str, scale: float = 1.
     time: a batched product of the R (D, T) blocks would hold (R, D, D) products, more than
     the rows themselves where T < D (a ResNet's late layers), and compute both triangles.
     """
-    if approx == "reduce" or t.shape[1] == 1 or t.is_contiguous():
-        # reduce: the rows' means; expand: a view, every position a row
-        chunks = [t.mean(1) if approx == "reduce" else t.reshape(-1, t.shape[-1])]
-    else:
-        per_chunk = max(1, GRAM_COPY_ELEMENTS // (t.shape[1] * t.shape[2]))
-        chunks = [chunk.reshape(-1, t.shape[-1]) for chunk in t.split(per_chunk)]
     if key not in sums:
         sums[key] = t.new_zeros(t.shape[-1], t.shape[-1])
-    for rows in chunks:
+    if approx == "reduce" or t.shape[1] == 1 or t.is_contiguous():
+        # reduce: the rows' means; expand: a view, every position a row
+        rows = t.mean(1) if approx == "reduce" else t.reshape(-1, t.shape[-1])
         add_gram_upper_(sums[key], rows, alpha=scale)
+        return
+    per_chunk = max(1, GRAM_COPY_ELEMENTS // (t.shape[1] * t.shape[2]))
+    for chunk in t.split(per_chunk):  # one chunk's copy at a time
+        add_gram_upper_(sums[key], chunk.reshape(-1, t.shape[-1]), alpha=scale)
 
 
 def _complete_grams(sums: dict) -> None:
