@@ -509,7 +509,7 @@ def test_glm_variance_of_convolutions_at_few_and_many_positions_matches_the_dens
     la = KronLaplace(model, "classification", prior_precision=torch.linspace(0.5, 2, 6).double())
     la.fit(DataLoader(TensorDataset(X, y), batch_size=4))
     paths = []
-    for name in ("_position_variance", "_products"):
+    for name in ("_position_block", "_product_block"):
         original = getattr(kron_glm._Slot, name)
 
         def recorded(self, *args, _original=original, _name=name):
@@ -521,4 +521,4 @@ def test_glm_variance_of_convolutions_at_few_and_many_positions_matches_the_dens
     expected = J @ torch.linalg.inv(dense_precision(la)) @ J.transpose(1, 2)
     f_var = kron_functional_variance(la.backend.trace(X), la.posterior_precision)
     assert_close(f_var, expected, rtol=1e-8, atol=1e-12)
-    assert set(paths) == {("_products", 16), ("_position_variance", 4)}
+    assert set(paths) == {("_product_block", 16), ("_position_block", 4)}

@@ -140,42 +140,44 @@ class _Slot:
     def _shared_variance(self, a: Tensor) -> Tensor:
         """``Σ U w Uᵀ`` of a layer at several positions, a block of test points at a time.
 
-        ``Mc = Σₜ g̃cₜ ãₜᵀ`` per output and point is as large as the layer's Jacobian rows; at
-        few positions (T² ≤ C (T + C)) the positions' Grams cost less (``_position_variance``).
+        Per point either the products ``Mc = Σₜ g̃cₜ ãₜᵀ`` (out × in per output, as large as
+        the layer's Jacobian rows; C (T + C) · out · in multiply-adds) or, at few positions
+        (T² ≤ C (T + C)), the position weights of ``_position_block`` (T² · out · in).
+        Inputs (B, T, in), rows (B, T, out) per output.
         """
-        C, T = len(self.rows), a.shape[1]
-        if T * T <= C * (T + C):
-            return self._position_variance(a)
-        inv, parts = self.inv.flatten(), []
-        step = max(1, SHARED_LAYER_BLOCK_BYTES // (C * inv.numel() * a.element_size()))
+        C, T, out_in = len(self.rows), a.shape[1], self.inv.numel()
+        by_positions = T * T <= C * (T + C)
+        if by_positions:
+            n_out = out_in // a.shape[2]
+            per_point = T * T * (a.shape[2] + n_out) + 2 * C * T * n_out
+        else:
+            per_point = C * out_in
+        step = max(1, SHARED_LAYER_BLOCK_BYTES // (per_point * a.element_size()))
+        parts = []
         for start in range(0, len(a), step):
             g = torch.stack([rows[start : start + step] for rows in self.rows], 1)
-            M = self._products(_rotate(g, self.Q_out), a[start : start + step])
-            parts.append((M * inv) @ M.transpose(1, 2))
+            g, x = _rotate(g, self.Q_out), a[start : start + step]
+            parts.append(self._position_block(g, x) if by_positions else self._product_block(g, x))
         self.rows.clear()
         return torch.cat(parts)
 
-    def _position_variance(self, a: Tensor) -> Tensor:
-        """``Σ U w Uᵀ`` of a layer at T positions from (T, T, out) weights per test point.
+    def _product_block(self, g: Tensor, a: Tensor) -> Tensor:
+        """``Σᵢⱼ Mcᵢⱼ Mdᵢⱼ / sᵢⱼ`` (b, C, C): rotated gradients (b, C, T, out), inputs (b, T, in).
 
-        ``Jc P⁻¹ Jdᵀ = Σᵢⱼ Mcᵢⱼ Mdᵢⱼ / sᵢⱼ = Σₜᵤ Σᵢ g̃cₜᵢ g̃duᵢ Wₜᵤᵢ`` with
-        ``Wₜᵤᵢ = Σⱼ ãₜⱼ ãᵤⱼ / sᵢⱼ``: per point T² · out · in multiply-adds, where the products
-        ``Mc`` take C (T + C) · out · in. Inputs (B, T, in), rows (B, T, out) per output.
+        ``Mc = Σₜ g̃cₜ ãₜᵀ`` (``_products``).
+        """
+        M = self._products(g, a)
+        return (M * self.inv.flatten()) @ M.transpose(1, 2)
+
+    def _position_block(self, g: Tensor, a: Tensor) -> Tensor:
+        """``Σₜᵤ Σᵢ g̃cₜᵢ g̃duᵢ Wₜᵤᵢ`` (b, C, C) with ``Wₜᵤᵢ = Σⱼ ãₜⱼ ãᵤⱼ / sᵢⱼ`` (b, T, T, out).
+
+        Equal to ``_product_block``: ``Σᵢⱼ Mcᵢⱼ Mdᵢⱼ / sᵢⱼ`` with ``Mc = Σₜ g̃cₜ ãₜᵀ``.
         """
         inv = self.inv.T if self.rule.inputs_first else self.inv  # (out, in)
-        C, T, parts = len(self.rows), a.shape[1], []
-        per_point = T * T * sum(inv.shape) + 2 * C * T * inv.shape[0]
-        step = max(1, SHARED_LAYER_BLOCK_BYTES // (per_point * a.element_size()))
-        for start in range(0, len(a), step):
-            g = _rotate(
-                torch.stack([rows[start : start + step] for rows in self.rows], 1), self.Q_out
-            )
-            x = a[start : start + step]
-            weights = (x.unsqueeze(2) * x.unsqueeze(1)) @ inv.T  # (b, T, T, out)
-            mixed = torch.einsum("bcto,btuo->bcuo", g, weights)
-            parts.append(torch.einsum("bcuo,bduo->bcd", mixed, g))
-        self.rows.clear()
-        return torch.cat(parts)
+        weights = (a.unsqueeze(2) * a.unsqueeze(1)) @ inv.T
+        mixed = torch.einsum("bcto,btuo->bcuo", g, weights)
+        return torch.einsum("bcuo,bduo->bcd", mixed, g)
 
     def _products(self, g: Tensor, a: Tensor) -> Tensor:
         """``Mc = Σₜ g̃cₜ ãₜᵀ`` of gradients (b, C, T, out), inputs (b, T, in): (b, C, out·in)."""
