@@ -41,6 +41,7 @@ __all__ = [
     "generic_per_sample",
     "per_sample_grads",
     "recurrent_pullback",
+    "recurrent_weight_rows",
     "selected_per_sample_grads",
     "tiled_call",
     "without_batching_notes",
@@ -422,6 +423,15 @@ def recurrent_pullback(
     return out
 
 
+def recurrent_weight_rows(a: Tensor, d: Tensor) -> Tensor:
+    """Per-row gradients ``Σₜ δₖᵣₜ aᵣₜᵀ`` (K, R, G, D) of a step map's weight.
+
+    Of the map's inputs ``a`` (R, T, D) (``xₜ`` or ``hₜ₋₁``) and the gradients ``d``
+    (K, R, T, G) of ``recurrent_pullback``, computed in ``d``'s type.
+    """
+    return torch.einsum("krtg,rtd->krgd", d, a.to(d.dtype))
+
+
 def _recurrent(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
     """Per-sample gradients of ``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` (recorded batch-first).
 
@@ -442,8 +452,7 @@ def _recurrent(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, Tensor]:
     for suffix, (inputs, previous, d_ih, d_hh) in recurrent_pullback(call, columns).items():
         for name, a, d in (("ih", inputs, d_ih), ("hh", previous, d_hh)):
             if f"weight_{name}{suffix}" in call.names:
-                weight = torch.einsum("krtg,rtd->krgd", d, a)
-                out[f"weight_{name}{suffix}"] = weight.flatten(0, 1)
+                out[f"weight_{name}{suffix}"] = recurrent_weight_rows(a, d).flatten(0, 1)
             if f"bias_{name}{suffix}" in call.names:
                 out[f"bias_{name}{suffix}"] = d.sum(2).flatten(0, 1)
     return out

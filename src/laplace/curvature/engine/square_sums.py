@@ -23,7 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from laplace.curvature.engine.layer_rules import ModuleCall, conv_patches, recurrent_pullback
+from laplace.curvature.engine.layer_rules import (
+    ModuleCall,
+    conv_patches,
+    recurrent_pullback,
+    recurrent_weight_rows,
+)
 from laplace.utils.linalg import symmetric_gram
 
 __all__ = [
@@ -193,7 +198,7 @@ def _recurrent_sums(
         for name, a, d in (("ih", inputs, d_ih), ("hh", previous, d_hh)):
             weight, bias = f"weight_{name}{suffix}", f"bias_{name}{suffix}"
             if weight in dense:
-                rows = torch.einsum("krtg,rtd->krgd", d, a.to(d.dtype))
+                rows = recurrent_weight_rows(a, d)
                 out[weight] = symmetric_gram(rows.reshape(-1, rows[0, 0].numel()))
             elif weight in call.names:
                 out[weight] = row_product_squares(a, d)
