@@ -165,22 +165,6 @@ def test_cg_updates_in_place_and_overwrites_the_right_hand_sides_only_when_asked
     assert torch.equal(B, original) != overwrite
 
 
-def test_cg_reports_non_convergence_and_keeps_the_last_iterate():
-    A = spd(seed=5, condition=1e4)
-    B = torch.randn(P, 3, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    calls, matmat = counting(A)
-    X, report = conjugate_gradients(matmat, B, 1e-10, 3)
-    assert not report.converged
-    assert report.iterations == 3 and report.products == 9 == sum(calls)
-    residuals = (A @ X - B).norm(dim=0) / B.norm(dim=0)
-    assert_close(report.relative_residuals, residuals, rtol=1e-8, atol=0)
-    assert (report.relative_residuals > 1e-10).all()
-    # all right-hand sides zero: nothing to do
-    X, report = conjugate_gradients(matmat, torch.zeros(P, 2, dtype=torch.float64), 1e-8, 5)
-    assert report.converged and report.products == 0 and report.iterations == 0
-    assert torch.equal(X, torch.zeros(P, 2, dtype=torch.float64))
-
-
 # ------------------------------------------------------------------ block conjugate gradients
 #: Block CG against single-column CG on a posterior precision with random right-hand sides:
 #: the shared Krylov space must save at least this factor of iterations.
@@ -237,16 +221,23 @@ def test_block_cg_overwrites_the_right_hand_sides_only_when_asked(overwrite):
     assert torch.equal(B, original) != overwrite
 
 
-def test_block_cg_reports_non_convergence_and_keeps_the_last_iterate():
+@pytest.mark.parametrize(
+    "solver, max_iter",
+    [(conjugate_gradients, 3), (block_conjugate_gradients, 2)],
+    ids=["cg", "block_cg"],
+)
+def test_solvers_report_non_convergence_and_keep_the_last_iterate(solver, max_iter):
     A = spd(seed=5, condition=1e4)
     B = torch.randn(P, 3, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     calls, matmat = counting(A)
-    X, report = block_conjugate_gradients(matmat, B, 1e-10, 2)
+    X, report = solver(matmat, B, 1e-10, max_iter)
     assert not report.converged
-    assert report.iterations == 2 and report.products == 6 == sum(calls)
+    assert report.iterations == max_iter and report.products == 3 * max_iter == sum(calls)
     residuals = (A @ X - B).norm(dim=0) / B.norm(dim=0)
     assert_close(report.relative_residuals, residuals, rtol=1e-8, atol=0)
-    X, report = block_conjugate_gradients(matmat, torch.zeros(P, 2, dtype=torch.float64), 1e-8, 5)
+    assert (report.relative_residuals > 1e-10).all()
+    # all right-hand sides zero: nothing to do
+    X, report = solver(matmat, torch.zeros(P, 2, dtype=torch.float64), 1e-8, 5)
     assert report.converged and report.products == 0 and report.iterations == 0
     assert torch.equal(X, torch.zeros(P, 2, dtype=torch.float64))
 
