@@ -86,15 +86,20 @@ def matrix_function(A: torch.Tensor, f) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------ conjugate gradients
-@pytest.mark.parametrize("preconditioned", [False, True])
-def test_cg_solves_a_random_spd_system(preconditioned):
-    A = spd()
-    # a badly scaled diagonal, which the Jacobi preconditioner undoes
+def badly_scaled_system(preconditioned: bool):
+    """An SPD system with a badly scaled diagonal, 4 right-hand sides, and the Jacobi
+    preconditioner that undoes the scaling (None unless ``preconditioned``)."""
     scale = torch.logspace(0, 2, P, dtype=torch.float64)
-    A = scale[:, None] * A * scale[None, :]
+    A = scale[:, None] * spd() * scale[None, :]
     B = torch.randn(P, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     diagonal = A.diagonal()
     precondition = (lambda R: R / diagonal[:, None]) if preconditioned else None
+    return A, B, precondition
+
+
+@pytest.mark.parametrize("preconditioned", [False, True])
+def test_cg_solves_a_random_spd_system(preconditioned):
+    A, B, precondition = badly_scaled_system(preconditioned)
     calls, matmat = counting(A)
     X, report = conjugate_gradients(matmat, B, CG_TOL, 10 * P, precondition)
     assert_close(X, torch.linalg.solve(A, B), rtol=RTOL_SOLVE, atol=0)
@@ -181,13 +186,8 @@ def posterior_precision(n: int = 200, rank: int = 120, prior: float = 1e-2) -> t
 
 @pytest.mark.parametrize("preconditioned", [False, True])
 def test_block_cg_solves_a_random_spd_system(preconditioned):
-    A = spd()
-    scale = torch.logspace(0, 2, P, dtype=torch.float64)
-    A = scale[:, None] * A * scale[None, :]
-    B = torch.randn(P, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    A, B, precondition = badly_scaled_system(preconditioned)
     B[:, 2] = 0  # solved by zero, outside the block
-    diagonal = A.diagonal()
-    precondition = (lambda R: R / diagonal[:, None]) if preconditioned else None
     calls, matmat = counting(A)
     X, report = block_conjugate_gradients(matmat, B, CG_TOL, 10 * P, precondition)
     assert_close(X, torch.linalg.solve(A, B), rtol=RTOL_SOLVE, atol=0)
