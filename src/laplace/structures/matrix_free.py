@@ -32,7 +32,6 @@ from laplace.curvature.solvers.krylov import (
     LanczosQuadrature,
     SolveReport,
     block_conjugate_gradients,
-    conjugate_gradients,
     lanczos_quadrature,
     rademacher_probes,
 )
@@ -459,10 +458,9 @@ class MatFreePosterior(Posterior):
 
         precondition = None if options.preconditioner is None else self.precondition
         step = self._block_columns(_CG_VECTORS)
-        solver = block_conjugate_gradients if min(step, B.shape[1]) > 1 else conjugate_gradients
         solutions, reports = [], []
         for start in range(0, B.shape[1], step):
-            X, report = solver(
+            X, report = block_conjugate_gradients(
                 matmat,
                 B[:, start : start + step],
                 options.tol,

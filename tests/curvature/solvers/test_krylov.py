@@ -312,3 +312,11 @@ def test_lanczos_without_reorthogonalisation_is_accurate_for_a_smooth_function()
     assert torch.equal(again.nodes, quadrature.nodes)
     assert torch.equal(again.weights, quadrature.weights)
     assert not torch.equal(overwritten, probes)
+
+
+def test_block_cg_of_one_column_is_cg():
+    A, B, _ = badly_scaled_system(False)
+    X_block, block = block_conjugate_gradients(lambda V, out: A @ V, B[:, :1], CG_TOL, 10 * P)
+    X_cg, cg = conjugate_gradients(lambda V, out: A @ V, B[:, :1], CG_TOL, 10 * P)
+    assert torch.equal(X_block, X_cg)
+    assert (block.iterations, block.products) == (cg.iterations, cg.products)

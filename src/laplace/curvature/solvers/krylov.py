@@ -176,7 +176,8 @@ def block_conjugate_gradients(
     right-hand sides take a fraction of the iterations each takes alone. Every nonzero column
     is multiplied until all have reached ``‖bⱼ − A xⱼ‖ ≤ tol·‖bⱼ‖`` (products: columns ×
     iterations); a zero right-hand side is solved by zero without a product. A block of one
-    column is ``conjugate_gradients``.
+    column is solved by ``conjugate_gradients`` (the same iterates, without the QR and
+    Cholesky factorisations).
 
     Args:
         matmat: ``A V`` for blocks ``V`` (P, m) (see ``MatMat``).
@@ -190,6 +191,8 @@ def block_conjugate_gradients(
     Returns:
         ``X`` (P, m) and the ``SolveReport``. Without convergence, ``X`` holds the last iterate.
     """
+    if B.shape[1] <= 1:
+        return conjugate_gradients(matmat, B, tol, max_iter, precondition, overwrite)
     norms = torch.linalg.vector_norm(B, dim=0)
     solution = torch.zeros_like(B)
     nonzero = (norms > 0).nonzero().squeeze(1)
