@@ -337,3 +337,35 @@ def test_every_ggn_and_ef_backend_fits_a_subnetwork(row, case_name, structure):
     la.fit(case.loader())
     expected = row.reference(oracle, case.X, case.y)[idx][:, idx]
     assert_close(la.H, expected if structure == "full" else expected.diagonal())
+
+
+@pytest.mark.parametrize("subnetwork", [False, True], ids=["all", "subnetwork"])
+@pytest.mark.parametrize("route", ["diag", "full"])
+@pytest.mark.parametrize("name", list(CASE_BUILDERS))
+def test_a_batch_is_added_into_a_running_sum_in_place(name, route, subnetwork):
+    """``full`` and ``diag`` with ``into`` add the batch to it and return it: the sum of the
+    two batches' curvatures, in the running sum's own tensor (no batch copy)."""
+    case = CASE_BUILDERS[name]()
+    n_params = sum(p.numel() for p in case.model.parameters())
+    indices = torch.arange(1, n_params, 3) if subnetwork else None
+    backend = CurvlinopsGGN(case.model, case.likelihood, subnetwork_indices=indices)
+    half = len(case.X) // 2
+    first, second = (case.X[:half], case.y[:half]), (case.X[half:], case.y[half:])
+    running = getattr(backend, route)(*first)[1]
+    expected = running + getattr(backend, route)(*second)[1]
+    pointer = running.data_ptr()
+    total = getattr(backend, route)(*second, into=running)[1]
+    assert total is running and total.data_ptr() == pointer
+    assert_close(total, expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("route", ["diag", "full"])
+def test_a_running_sum_of_another_type_is_left_alone(route):
+    """A float32 running sum of float64 curvature comes back unchanged, beside the batch's."""
+    case = CASE_BUILDERS["mlp_classification"]()
+    backend = CurvlinopsGGN(case.model, case.likelihood)
+    batch = getattr(backend, route)(case.X, case.y)[1]
+    running = torch.ones_like(batch, dtype=torch.float32)
+    got = getattr(backend, route)(case.X, case.y, into=running)[1]
+    assert got is not running and torch.equal(running, torch.ones_like(running))
+    assert_close(got, batch, rtol=0, atol=0)

@@ -85,9 +85,10 @@ class CurvatureInterface:
     kfac_dense_limit: int = KFAC_DENSE_LIMIT  #: Largest exact kron block kept dense.
     #: Whether the model may take dict-like (HuggingFace) inputs with this backend.
     accepts_dict_inputs: bool = True
-    #: Whether [`kron`][laplace.utils.kron] can keep the output factors of large layers low rank
-    #: (``low_rank_above``); third-party libraries form dense factors.
-    low_rank_kfac: bool = True
+    #: Whether the routes run on the native engine: ``kron`` can keep the output factors of
+    #: large layers low rank (``low_rank_above``), and ``full``, ``diag`` and ``kron`` add a
+    #: batch to a running sum in place (``into``); third-party libraries form a new batch.
+    native_engine: bool = True
     #: The torch losses (likelihoods' ``loss_module``) a third-party library supports; None: all.
     supported_losses: tuple[type[nn.Module], ...] | None = None
     #: Whether a row's columns are the square root of that row's own curvature (the exact
@@ -362,17 +363,21 @@ class CurvatureInterface:
             y: Targets, shape (B, ...).
             **kwargs: ``mc_samples`` (Monte-Carlo samples per data point, stochastic GGN only)
                 overrides the backend's ``num_samples``; ``N`` is accepted and unused (as in
-                laplace-torch).
+                laplace-torch); ``into``, a running sum (P, P), is added to in place where it
+                can be (``PerSampleTrace.gram``).
 
         Returns:
-            The summed batch loss and the curvature of shape (P, P).
+            The summed batch loss and the curvature of shape (P, P) (``into`` where the batch
+            was added to it).
 
         Raises:
             ValueError: For ``mc_samples`` with a curvature that is not sampled, or another
                 keyword argument.
         """
+        into = kwargs.pop("into", None)
         trace, f, columns = self._traced_columns(x, y, kwargs)
-        return self.batch_loss(f, y), trace.gram(columns).detach()
+        H = trace.gram(columns, into)
+        return self.batch_loss(f, y), H if H is into else H.detach()
 
     def kron(
         self, x: Inputs, y: Tensor, N: int, **kwargs: Unpack[KronOptions]
@@ -388,11 +393,13 @@ class CurvatureInterface:
                 ``mc_samples`` (stochastic GGN only) overrides its ``num_samples``;
                 ``low_rank_above`` keeps the output factor of layers with more outputs
                 diagonal plus low rank, of rank at most ``output_factor_rank``
-                (``laplace.structures.large_output``).
+                (``laplace.structures.large_output``); ``into``, a running sum of the same
+                blocks, is added to in place where its factors allow (``kfac``).
 
         Returns:
             The summed batch loss and the [`Kron`][laplace.utils.matrix.Kron] of the batch
-            (a [`StructuredKron`][laplace.utils.matrix.StructuredKron] with low-rank factors).
+            (a [`StructuredKron`][laplace.utils.matrix.StructuredKron] with low-rank factors),
+            or ``into`` with the batch added.
 
         Raises:
             ValueError: With ``subnetwork_indices`` or an unknown keyword argument, and for the
@@ -401,9 +408,19 @@ class CurvatureInterface:
         approx = kwargs.pop("kfac_approx", self.kfac_approx)
         above = kwargs.pop("low_rank_above", None)
         max_rank = kwargs.pop("output_factor_rank", None)
+        into = kwargs.pop("into", None)
         trace, f, columns = self._traced_columns(x, y, kwargs, False, column_limit=above)
         blocks = kfac(
-            trace, columns, N, approx, self.factor, None, self.kfac_dense_limit, above, max_rank
+            trace,
+            columns,
+            N,
+            approx,
+            self.factor,
+            None,
+            self.kfac_dense_limit,
+            above,
+            max_rank,
+            into=into,
         )
         return self.batch_loss(f, y), blocks
 
@@ -480,16 +497,19 @@ class CurvatureInterface:
         Args:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
-            **kwargs: ``mc_samples`` and ``N`` as in ``full``.
+            **kwargs: ``mc_samples``, ``N`` and ``into`` (a running sum (P,)) as in ``full``.
 
         Returns:
-            The summed batch loss and the diagonal of shape (P,).
+            The summed batch loss and the diagonal of shape (P,) (``into`` where the batch was
+            added to it).
 
         Raises:
             ValueError: As ``full``.
         """
+        into = kwargs.pop("into", None)
         trace, f, columns = self._traced_columns(x, y, kwargs)
-        return self.batch_loss(f, y), trace.square_sum(columns).detach()
+        H = trace.square_sum(columns, into=into)
+        return self.batch_loss(f, y), H if H is into else H.detach()
 
 
 class GGNInterface(CurvatureInterface):

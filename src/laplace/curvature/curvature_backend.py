@@ -31,10 +31,13 @@ class CurvatureOptions(TypedDict, total=False):
         N: Number of data points of the whole data set; accepted and unused (as in
             laplace-torch).
         mc_samples: Monte-Carlo samples per data point (the stochastic GGN only).
+        into: A running sum of earlier batches' curvature that ``full`` and ``diag`` of a
+            backend with ``native_engine`` add the batch to in place, and return.
     """
 
     N: int
     mc_samples: int
+    into: Tensor
 
 
 class KronOptions(TypedDict, total=False):
@@ -46,12 +49,15 @@ class KronOptions(TypedDict, total=False):
         low_rank_above: Keep the output factors of layers with more outputs diagonal plus low
             rank (``kron`` only).
         output_factor_rank: The largest rank of those output factors.
+        into: A running sum of earlier batches' factors that the native KFAC adds the batch
+            to in place, and returns (``kron`` of a backend with ``native_engine`` only).
     """
 
     mc_samples: int
     kfac_approx: str
     low_rank_above: int | None
     output_factor_rank: int | None
+    into: Kron
 
 
 class CurvatureBackend(Protocol):

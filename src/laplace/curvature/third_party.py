@@ -201,8 +201,8 @@ class KroneckerLayersOnly:
 
     #: The library's name, for messages.
     library: str = "this backend"
-    #: The libraries' ``kron`` forms dense output factors only.
-    low_rank_kfac = False
+    #: The libraries form each batch's curvature anew (and ``kron`` dense output factors).
+    native_engine = False
 
     def kron_eigenvalues(
         self, x: Inputs, y: Tensor, bases: list[list[Tensor | None]], **kwargs: object

@@ -255,17 +255,28 @@ class KronPosterior(Posterior):
     @override
     @classmethod
     def batch_curvature(
-        cls, backend: CurvatureBackend, X: Inputs, y: Tensor, n_data: int
+        cls,
+        backend: CurvatureBackend,
+        X: Inputs,
+        y: Tensor,
+        n_data: int,
+        total: Kron | None = None,
     ) -> tuple[Tensor, Kron]:
         """``(loss, factors)`` of a batch from the backend's KFAC.
+
+        The native KFAC adds the batch to the running sum ``total`` in place where it can
+        (dense factors), and returns it: the fit holds one set of factors, not two.
 
         Raises:
             ValueError: With low-rank output factors, for a backend whose ``kron`` forms them
                 dense (ASDL, BackPACK), naming the alternatives.
         """
+        native = getattr(backend, "native_engine", False)
         if cls.low_rank_above is None:
+            if native and total is not None:
+                return backend.kron(X, y, N=n_data, into=total)
             return backend.kron(X, y, N=n_data)
-        if not getattr(backend, "low_rank_kfac", False):
+        if not native:
             raise ValueError(
                 "a Kronecker curvature with diagonal-plus-low-rank output factors (many "
                 "outputs, see laplace.structures.large_output) needs the native KFAC of "

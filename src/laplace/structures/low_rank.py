@@ -125,7 +125,11 @@ class LowRankPosterior(Posterior):
     @override
     @staticmethod
     def batch_curvature(
-        backend: CurvatureBackend, X: Inputs, y: Tensor, n_data: int
+        backend: CurvatureBackend,
+        X: Inputs,
+        y: Tensor,
+        n_data: int,
+        total: Curvature | None = None,
     ) -> tuple[Tensor, Curvature]:
         raise NotImplementedError(
             "the low-rank curvature is not a sum over batches: its eigenpairs are computed "

@@ -129,9 +129,14 @@ class PerOutputPosterior(Posterior):
 
     @classmethod
     def batch_curvature(
-        cls, backend: CurvatureBackend, X: Inputs, y: Tensor, n_data: int
+        cls,
+        backend: CurvatureBackend,
+        X: Inputs,
+        y: Tensor,
+        n_data: int,
+        total: Curvature | None = None,
     ) -> tuple[Tensor, Curvature]:
-        """``(loss (C,), H_batch (C, ...))``: each output's loss and curvature.
+        """``(loss (C,), H_batch (C, ...))``: each output's loss and curvature (``total`` unused).
 
         Raises:
             ValueError: If the model's number of outputs is not C, or its outputs have extra

@@ -204,7 +204,12 @@ class Posterior(ABC):
 
     @classmethod
     def batch_curvature(
-        cls, backend: CurvatureBackend, X: Inputs, y: Tensor, n_data: int
+        cls,
+        backend: CurvatureBackend,
+        X: Inputs,
+        y: Tensor,
+        n_data: int,
+        total: Curvature | None = None,
     ) -> tuple[Tensor, Curvature]:
         """``(loss, H_batch)`` of one batch from a curvature backend (its ``backend_route``).
 
@@ -214,8 +219,13 @@ class Posterior(ABC):
             X: Inputs of the batch.
             y: Targets of the batch.
             n_data: Number of data points of the whole training set (KFAC rescaling).
+            total: The pass's running sum, which the native engine adds the batch to in place
+                and returns as ``H_batch`` where it can.
         """
-        return getattr(backend, cls.backend_route)(X, y)
+        route = getattr(backend, cls.backend_route)
+        if total is not None and getattr(backend, "native_engine", False):
+            return route(X, y, into=total)
+        return route(X, y)
 
     @staticmethod
     def add(total: Curvature, H: Curvature) -> Curvature:

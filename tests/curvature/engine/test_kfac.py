@@ -170,3 +170,56 @@ def test_gram_of_strided_rows_sums_every_position(monkeypatch, copy_elements, sc
     kfac_module._add_gram(sums, "factor", rows, "expand", scale)
     kfac_module._complete_grams(sums)
     assert_close(sums["factor"], expected, atol=1e-12, rtol=1e-12)
+
+
+def _two_batches(name: str, approx: str, dense_limit: int):
+    """A backend of the case ``name`` and its data split in two batches."""
+    if name == "mixed":
+        model, likelihood = mixed_net(), "classification"
+        X, y = tokens(9, 4)
+    else:
+        case = CASE_BUILDERS[name]()
+        model, likelihood, X, y = case.model, case.likelihood, case.X, case.y
+    backend = CurvlinopsGGN(model, likelihood, kfac_approx=approx, kfac_dense_limit=dense_limit)
+    half = len(X) // 2
+    return backend, (X[:half], y[:half]), (X[half:], y[half:]), len(X)
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+@pytest.mark.parametrize(
+    "name, dense_limit",
+    [("mixed", 1000), ("mixed", 0), ("cnn_classification", 1000), ("mlp_regression_3out", 1000)],
+)
+def test_kfac_into_a_running_sum_adds_the_batch_to_its_own_factors(name, dense_limit, approx):
+    """Every kind of block summed into the running factors equals the two batches' sum.
+
+    Kronecker weights with and without their layer's bias (whose blocks share the output
+    Gram, scaled apart: ½ for regression), ``Conv1D`` (``A ⊗ G``), the embedding's token
+    counts, exact dense and (``kfac_dense_limit=0``) diagonal blocks. The running factors are
+    the same tensors after: no batch copy.
+    """
+    backend, first, second, n = _two_batches(name, approx, dense_limit)
+    _, running = backend.kron(*first, N=n)
+    _, batch = backend.kron(*second, N=n)
+    expected = [[F.clone() for F in block] for block in (running + batch).kfacs]
+    tensors = [F for block in running.kfacs for F in block]
+    _, total = backend.kron(*second, N=n, into=running)
+    assert total is running
+    assert all(F is G for F, G in zip(tensors, (F for b in total.kfacs for F in b), strict=True))
+    for got, want in zip(total.kfacs, expected, strict=True):
+        for F, W in zip(got, want, strict=True):
+            assert_close(F, W, rtol=1e-12, atol=1e-14)
+
+
+def test_kfac_into_a_sum_of_another_type_returns_the_batch_and_leaves_the_sum():
+    """A running sum the batch cannot be added to in place (float32 factors of a float64
+    curvature) is left unchanged; the batch's own factors come back."""
+    backend, first, second, n = _two_batches("mixed", "expand", 1000)
+    _, running = backend.kron(*first, N=n)
+    single = type(running)([[F.float() for F in block] for block in running.kfacs])
+    before = [[F.clone() for F in block] for block in single.kfacs]
+    _, batch = backend.kron(*second, N=n, into=single)
+    assert batch is not single
+    assert_close(batch.to_matrix(), backend.kron(*second, N=n)[1].to_matrix())
+    for got, want in zip(single.kfacs, before, strict=True):
+        assert all(torch.equal(F, W) for F, W in zip(got, want, strict=True))

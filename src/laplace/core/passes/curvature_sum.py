@@ -114,13 +114,18 @@ class CurvatureSum(FitPass[CurvatureStats, CurvatureTotal, tuple[Curvature, Tens
 
     Per batch the likelihood checks the targets (against the outputs' shape, found with one
     forward pass on the first batch), the posterior structure asks the backend for the batch's
-    loss and curvature in its form (``batch_curvature``) and its accumulator adds them up.
-    Arguments as ``FitPass``.
+    loss and curvature in its form (``batch_curvature``), handing it the running sum, which a
+    structure may add the batch to in place (the native KFAC: no batch copy of the factors),
+    and its accumulator adds up the rest. Arguments as ``FitPass``.
+
+    Attributes:
+        running: The running ``[curvature, loss]`` of the pass.
     """
 
     def start(self) -> CurvatureTotal:
         """Zero curvature and loss."""
-        return [self.pieces.zeros(), 0.0]
+        self.running: CurvatureTotal = [self.pieces.zeros(), 0.0]
+        return self.running
 
     def step(self, X: Inputs, y: Tensor) -> CurvatureStats:
         """``(loss, H_batch)`` of a batch from the backend, after checking its targets."""
@@ -134,7 +139,9 @@ class CurvatureSum(FitPass[CurvatureStats, CurvatureTotal, tuple[Curvature, Tens
     def batch_curvature(self, X: Inputs, y: Tensor) -> CurvatureStats:
         """``(loss, H_batch)`` of a checked batch in the posterior structure's form."""
         pieces = self.pieces
-        return pieces.posterior.batch_curvature(pieces.backend, X, y, pieces.n_data)
+        return pieces.posterior.batch_curvature(
+            pieces.backend, X, y, pieces.n_data, total=self.running[0]
+        )
 
     def check(self, stats: CurvatureStats) -> None:
         """Refuse a non-finite curvature or loss."""
@@ -147,9 +154,13 @@ class CurvatureSum(FitPass[CurvatureStats, CurvatureTotal, tuple[Curvature, Tens
         check_finite_result(loss, "loss of a training batch")
 
     def add(self, total: CurvatureTotal, stats: CurvatureStats) -> CurvatureTotal:
-        """Add a batch's curvature (in place: one dense sum less in memory) and loss."""
+        """Add a batch's curvature (in place: one dense sum less in memory) and loss.
+
+        A curvature that is the running sum itself has the batch added already.
+        """
         loss, H = stats
-        total[0] = self.pieces.posterior.add(total[0], H)
+        if H is not total[0]:
+            total[0] = self.pieces.posterior.add(total[0], H)
         total[1] = total[1] + loss.detach()
         return total
 

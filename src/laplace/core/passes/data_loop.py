@@ -200,6 +200,7 @@ class DataLoop(Generic[Stats, Total, Result]):
                 self.check(stats)
                 total = self.add(total, stats)
                 n_summands += 1
+                del stats  # added: not held while the next batch's are formed
             if n_summands == 0 and self.empty_message is not None:
                 raise ValueError(self.empty_message)
         if self.distributed:

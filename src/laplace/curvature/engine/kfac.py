@@ -132,13 +132,18 @@ def _add(sums: dict, key: object, value: Tensor | DiagLowRank) -> None:
         sums[key] = value
 
 
-def _low_rank_gram(g: Tensor, approx: str, max_rank: int | None) -> DiagLowRank:
-    """``Σ g gᵀ`` of gradient rows (R, T, C) as ``diag(0) + U Uᵀ`` (rank at most ``max_rank``).
+def _low_rank_gram(
+    g: Tensor, approx: str, max_rank: int | None, scale: float = 1.0
+) -> DiagLowRank:
+    """``scale · Σ g gᵀ`` of gradient rows (R, T, C) as ``diag(0) + U Uᵀ`` (rank ≤ ``max_rank``).
 
     Expand takes every position's row, reduce the per-row sums over positions (as
-    ``_gram``); the rows are ``U``'s columns, never multiplied out into a C × C matrix.
+    ``_gram``); the rows, times ``√scale``, are ``U``'s columns, never multiplied out into a
+    C × C matrix.
     """
     rows = g.sum(1) if approx == "reduce" else g.reshape(-1, g.shape[-1])
+    if scale != 1.0:
+        rows = rows * math.sqrt(scale)
     return DiagLowRank(rows.new_zeros(rows.shape[1]), rows.T, 1, max_rank)
 
 
@@ -177,6 +182,45 @@ def _or_zeros(
     if isinstance(shape, LowRankShape):
         return DiagLowRank.zeros(shape[0], 1, max_rank, like.device, like.dtype)
     return like.new_zeros(shape)
+
+
+def _output_divisor(block: Block, root: float, n_data: int) -> float:
+    """What a weight's output-gradient Gram sum is divided by: ``√c``, and ``N`` input-first.
+
+    A weight's ``G ⊗ A`` carries the loss factor ``c`` as ``G/√c ⊗ √c·A``; an input-first
+    layer (``A ⊗ G``) normalises ``G`` by the data count instead of ``A``.
+    """
+    return root * n_data if block.rule.inputs_first else root
+
+
+def _sum_into(
+    into: Kron, plan: list[Block], shared: set[tuple], sums: tuple[dict, dict, dict]
+) -> None:
+    """Let the batch's sums ``(A, G, exact)`` be the factors of ``into``, added to in place.
+
+    A key in ``shared`` (a layer's weight and bias, whose blocks take its output-gradient Gram
+    scaled differently) keeps its Gram for the batch; ``kfac`` adds it to both blocks.
+    """
+    A, G, exact = sums
+    for slot, (block, factors) in enumerate(zip(plan, into.kfacs, strict=True)):
+        if block.kind in ("dense", "diag"):
+            exact[slot] = factors[0]
+            continue
+        out = 1 if block.kind == "kron" and block.rule.inputs_first else 0
+        if block.kind == "kron":
+            A[block.key] = factors[1 - out]
+        if block.key not in shared:
+            G[block.key] = factors[out]
+
+
+def _sums_into(into: Kron | None, like: Tensor, low_rank: set) -> bool:
+    """Whether a batch can be summed into ``into`` in place: dense factors of its type."""
+    return (
+        into is not None
+        and not low_rank
+        and type(into) is Kron
+        and all(F.dtype == like.dtype for block in into.kfacs for F in block)
+    )
 
 
 def _rules_by_module(plan: list[Block], kinds: tuple[str, ...]) -> dict[nn.Module, dict]:
@@ -298,6 +342,7 @@ def kfac(
     low_rank_above: int | None = None,
     max_rank: int | None = None,
     statistics: KfacStatistics | None = None,
+    into: Kron | None = None,
 ) -> Kron:
     """KFAC factors of one batch, normalised for a data set of ``n_data`` points.
 
@@ -315,11 +360,14 @@ def kfac(
         max_rank: Largest number of low-rank columns such a factor keeps (None: all).
         statistics: Where given, the inputs and gradients the factors are formed from are kept
             in it, for EKFAC (``KfacStatistics``).
+        into: A running sum of earlier batches' factors (this plan's shapes), which the batch
+            is added to in place and which is returned: no second copy of the factors is held.
+            Taken where its factors are dense and of the curvature's type, else left alone.
 
     Returns:
         One block per parameter in ``trace.engine.needed`` order
         ([`plan_blocks`][laplace.curvature.engine.kfac_rules.plan_blocks]); a ``StructuredKron``
-        where a factor is low rank.
+        where a factor is low rank; ``into`` where the batch was added to it.
 
     Raises:
         ValueError: For an unknown ``approx``, a trace restricted to a subnetwork, a layer
@@ -341,9 +389,20 @@ def kfac(
     low_rank = {b.key for b in plan if b.low_rank}
     # the weights with a Kronecker block (not a tied weight's exact block), with their rule
     kron_weights = _rules_by_module(plan, ("kron",))
+    root = math.sqrt(factor)
+    # a key with a weight and a bias block sums its output Gram unscaled for both
+    shared = {b.key for b in plan if b.kind == "bias"} & {b.key for b in plan if b.kind == "kron"}
+    scales = {
+        b.key: 1 / _output_divisor(b, root, n_data)
+        for b in plan
+        if b.kind == "kron" and b.key not in shared
+    }
     A: dict[tuple, Tensor] = {}
     G: dict[tuple, Tensor] = {}
-    root = math.sqrt(factor)
+    exact = _ExactBlocks(trace, plan)
+    in_place = _sums_into(into, curvature_like(engine), low_rank)
+    if in_place:
+        _sum_into(into, plan, shared, (A, G, exact.sums))
     inputs: dict[tuple, tuple[Tensor, ...]] = {}
     for i, call in enumerate(calls):
         for key, rule in kron_weights.get(call.module, {}).items():
@@ -351,7 +410,6 @@ def kfac(
             inputs[i, key] = tuple(a.detach() for a in as_uses(rule.inputs(call)))
             for a in inputs[i, key]:
                 _add_input_factor(A, key, rule, call, a, approx, root, n)
-    exact = _ExactBlocks(trace, plan)
     for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD) if exact.autograd_slots else ():
         exact.add_exact(chunk)
     rows: dict[tuple, list[Tensor]] = {}
@@ -371,18 +429,26 @@ def kfac(
                             g.unflatten(0, chunk[i][0].shape[:2])
                         )
                     if key in low_rank:
-                        _add(G, key, _low_rank_gram(g, approx, max_rank))
+                        _add(G, key, _low_rank_gram(g, approx, max_rank, scales.get(key, 1.0)))
                     elif g.shape[1] == 1 or approx == "reduce":
                         rows.setdefault((i, key, use), []).append(g.sum(1))
                     else:
-                        _add_gram(G, key, g, "expand")
+                        _add_gram(G, key, g, "expand", scales.get(key, 1.0))
     for (_, key, _), gs in rows.items():
-        _add_gram(G, key, torch.cat(gs).unsqueeze(1), "expand")
+        _add_gram(G, key, torch.cat(gs).unsqueeze(1), "expand", scales.get(key, 1.0))
     for sums in (A, G, exact.sums):
         _complete_grams(sums)
     for (i, key, use), gs in kept.items():  # a bias without a Kronecker weight needs no inputs
         a = inputs[i, key][use] if (i, key) in inputs else gs[0].new_empty(0)
         statistics.add(key, kron_rules[calls[i].module][key], a, gs)
+    if in_place:  # the shared keys' Grams, into their weight's and bias's blocks
+        for slot, block in enumerate(plan):
+            if block.key in shared and block.key in G:
+                weight = block.kind == "kron"
+                out = 1 if weight and block.rule.inputs_first else 0
+                alpha = 1 / _output_divisor(block, root, n_data) if weight else 1.0
+                into.kfacs[slot][out].add_(G[block.key], alpha=alpha)
+        return into
     shapes = block_shapes(plan, engine.needed)
     blocks: list[list[Tensor]] = []
     for slot, (block, p, shape) in enumerate(zip(plan, engine.needed, shapes)):
@@ -390,12 +456,13 @@ def kfac(
             blocks.append([_or_zeros(exact.sums, slot, p, shape[0])])
         elif block.kind == "bias":
             blocks.append([_or_zeros(G, block.key, p, shape[0], max_rank)])
-        elif block.rule.inputs_first:
-            G_m = _or_zeros(G, block.key, p, shape[1])
-            blocks.append([_or_zeros(A, block.key, p, shape[0]), G_m / (root * n_data)])
         else:
-            G_m = _or_zeros(G, block.key, p, shape[0], max_rank)
-            blocks.append([G_m / root, _or_zeros(A, block.key, p, shape[1])])
+            out = 1 if block.rule.inputs_first else 0
+            G_m = _or_zeros(G, block.key, p, shape[out], max_rank)
+            if block.key in shared:
+                G_m = G_m / _output_divisor(block, root, n_data)
+            factors = [G_m, _or_zeros(A, block.key, p, shape[1 - out])]
+            blocks.append(factors[::-1] if block.rule.inputs_first else factors)
     return StructuredKron(blocks) if low_rank else Kron(blocks)
 
 

@@ -9,6 +9,7 @@ See ``docs/backends.md``, "Inside the native engine".
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
@@ -33,7 +34,7 @@ from laplace.curvature.engine.layer_rules import (
 )
 from laplace.curvature.engine.square_sums import EXACT_SUM_RULES, SQUARE_SUM_RULES
 from laplace.utils.data import Inputs, upcast
-from laplace.utils.linalg import symmetric_gram
+from laplace.utils.linalg import add_gram_upper_, mirror_upper_, symmetric_gram
 
 __all__ = ["COLUMNS_PER_BACKWARD", "Columns", "PerSampleEngine", "PerSampleTrace"]
 
@@ -50,6 +51,11 @@ GRAM_CHUNK_BYTES = 64 * 2**20
 def _add(sums: dict[int, Tensor], key: int, value: Tensor) -> None:
     """``sums[key] += value``, out of place; ``value`` starts the sum of a new key."""
     sums[key] = sums[key] + value if key in sums else value
+
+
+def _add_in_place(sums: dict[int, Tensor], key: int, value: Tensor) -> None:
+    """``sums[key] += value`` in place, into a view of a running sum (any shape of its size)."""
+    sums[key] += value.detach().reshape(sums[key].shape)
 
 
 class PerSampleEngine:
@@ -432,8 +438,21 @@ class PerSampleTrace:
                 )
         return {slot: torch.cat(found) for slot, found in zip(slots, rows, strict=True)}
 
+    def _running(self, into: Tensor | None, shape: tuple[int, ...]) -> Tensor | None:
+        """``into`` where a result of ``shape`` can be added to it in place, else None.
+
+        It must have the shape and the results' type, and the results must not be
+        differentiable (``create_graph``).
+        """
+        if into is None or self.create_graph:
+            return None
+        return into if into.shape == shape and into.dtype == self.f.dtype else None
+
     def square_sum(
-        self, columns: Columns | Sequence[Tensor], gradients: list[list[Tensor]] | None = None
+        self,
+        columns: Columns | Sequence[Tensor],
+        gradients: list[list[Tensor]] | None = None,
+        into: Tensor | None = None,
     ) -> Tensor:
         """``Σₖ Σₙ (Jₙᵀ vₙₖ)²``: the diagonal of ``Σₖ Σₙ gₙₖ gₙₖᵀ``.
 
@@ -443,19 +462,27 @@ class PerSampleTrace:
             columns: Output columns, sliced like a tensor (K, *f.shape), or a list of them.
             gradients: The columns' gradients w.r.t. each call's outputs (per call, per output
                 (K, B, ...)), where already taken (else they are taken here).
+            into: A running sum (P,) the result is added to in place, and returned, where it
+                can be (``_running``): no (P,) copy per batch is formed.
 
         Returns:
             Shape (P,).
         """
+        into = self._running(into, (self.engine.n_entries,))
         if self._batched or self.engine.indices is not None:
-            total = self.f.new_zeros(self.engine.n_entries)
+            total = self.f.new_zeros(self.engine.n_entries) if into is None else into
             for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD):
-                total += self.per_sample_columns(chunk).square().sum((0, 1))
+                total += self.per_sample_columns(chunk).square().sum((0, 1)).detach()
             return total
+        # per slot, its sum: a view of ``into`` added to in place, or a new tensor
         total: dict[int, Tensor] = {}
+        add = _add
+        if into is not None:
+            ends, add = itertools.pairwise(self.engine.offsets), _add_in_place
+            total = {slot: into[start:end] for slot, (start, end) in enumerate(ends)}
         for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD) if self.exact_slots else ():
             for slot, u in self.exact_rows(chunk).items():
-                _add(total, slot, u.square().sum((0, 1)))
+                add(total, slot, u.square().sum((0, 1)))
         partials: dict[int, Tensor] = {}  # per call with a rule, its summed statistic
         rules = {
             i: rule
@@ -471,18 +498,18 @@ class PerSampleTrace:
             for i, exact_rule in exact_sums.items():
                 call = self.calls[i]
                 for name, value in exact_rule(call, stacked[i], ()).items():
-                    _add(total, self.engine.slot[call.module, name], value)
+                    add(total, self.engine.slot[call.module, name], value)
             for k in range(len(stacked[slow[0]][0]) if slow else 0):
                 g_calls = [[g[k] for g in per_call] for per_call in stacked]
                 for slot, grad in self._per_param(g_calls, slow).items():
-                    _add(total, slot, grad.square().sum(0))
+                    add(total, slot, grad.square().sum(0))
         for i, part in partials.items():
             call = self.calls[i]
             for name, value in rules[i].finish(call, part).items():
-                _add(total, self.engine.slot[call.module, name], value)
-        return self._flatten(total, ())
+                add(total, self.engine.slot[call.module, name], value)
+        return self._flatten(total, ()) if into is None else into
 
-    def gram(self, columns: Columns | Sequence[Tensor]) -> Tensor:
+    def gram(self, columns: Columns | Sequence[Tensor], into: Tensor | None = None) -> Tensor:
         """``Σₖ Σₙ gₙₖ gₙₖᵀ`` with ``gₙₖ = Jₙᵀ vₙₖ``.
 
         The per-sample rows of a chunk of columns are summed into the Gram matrix before the
@@ -490,6 +517,9 @@ class PerSampleTrace:
 
         Args:
             columns: Output columns, sliced like a tensor (K, *f.shape), or a list of them.
+            into: A running sum (P, P) the result is added to in place, above its diagonal
+                and mirrored once (``add_gram_upper_``), and returned, where it can be
+                (``_running``): no (P, P) matrix per batch is formed.
 
         Returns:
             Shape (P, P); zero without columns.
@@ -497,7 +527,12 @@ class PerSampleTrace:
         n, batch = self.engine.n_entries, self.f.shape[0]
         itemsize = self.f.element_size()
         size = max(COLUMNS_PER_BACKWARD, GRAM_CHUNK_BYTES // max(1, batch * n * itemsize))
-        total = None
+        total = self._running(into, (n, n))
+        if total is not None:
+            for chunk in column_chunks(columns, size):
+                rows = self.per_sample_columns(chunk).detach()
+                add_gram_upper_(total, rows.reshape(-1, rows.shape[-1]))
+            return mirror_upper_(total)
         for chunk in column_chunks(columns, size):
             rows = self.per_sample_columns(chunk)
             gram = symmetric_gram(rows.reshape(-1, rows.shape[-1]))
