@@ -626,6 +626,11 @@ def format_row(row: dict) -> str:
         extras += f"  guard {100 * row['guard_share']:.1f}%"
     if "guard_warm_share" in row:
         extras += f" (warm {100 * row['guard_warm_share']:.1f}%)"
+    if "first_use_peak_extra_MB" in row:
+        extras += (
+            f"  estimate {row['estimate_MB']:.0f} MB, peak to the first use "
+            f"+{row['first_use_peak_extra_MB']:.0f} MB"
+        )
     if "note" in row:
         extras += f"  {row['note']}"
     params = f"P={row['n_params']:>7d}" if "n_params" in row else " " * 9
