@@ -174,3 +174,49 @@ def test_conv_position_grams_apply_at_few_positions_only():
         x = torch.randn(1, 2, side, side)
         call = layer_rules.ModuleCall(module, (x,), {}, [module(x)], [0], ["weight"])
         assert rule.applies(call, n_columns) is taken
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize(
+    "n_classes, first, late",
+    [(3, [], [2]), (10, [9], [4, 4, 1])],  # K = C − 1 columns (the softmax Hessian's rank)
+)
+def test_diagonal_of_a_cnn_with_gathered_position_grams_is_the_ggn_diagonal(
+    n_classes, first, late
+):
+    """Convolutions taking the position Grams gather their columns' gradients over the
+    one-column chunks, L at a time, and are finished call by call: at 2 × 2 outputs (L = 4)
+    9 columns make Grams of 4, 4 and 1; at 4 × 4 (L = 16) the Grams pay off for 9 columns, not
+    for 2, and take all 9 at once. The diagonal is the dense float64 GGN's."""
+    from conftest import Oracle
+    from laplace.curvature import CurvlinopsGGN
+    from laplace.curvature.engine.square_sums import SQUARE_SUM_RULES
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv2d(3, 4, 3, stride=2, padding=1),  # 4 × 4 → 2 × 2: L = 4
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(16, n_classes),
+    ).double()
+    X = torch.randn(5, 2, 4, 4, dtype=torch.float64)
+    y = torch.randint(0, n_classes, (5,))
+    rule = SQUARE_SUM_RULES[nn.Conv2d]
+    partials = []
+    original = rule.partial
+
+    def counted(call, grads):
+        partials.append((call.module, len(grads)))
+        return original(call, grads)
+
+    backend = CurvlinopsGGN(model, "classification")
+    object.__setattr__(rule, "partial", counted)
+    try:
+        diagonal = backend.diag(X, y)[1]
+    finally:
+        object.__setattr__(rule, "partial", original)
+    assert [k for module, k in partials if module is model[0]] == first
+    assert [k for module, k in partials if module is model[2]] == late
+    assert_close(diagonal, Oracle(model, "classification").ggn(X).diagonal(), 1e-10, 1e-12)

@@ -32,7 +32,11 @@ from laplace.curvature.engine.layer_rules import (
     selected_per_sample_grads,
     without_batching_notes,
 )
-from laplace.curvature.engine.square_sums import EXACT_SUM_RULES, SQUARE_SUM_RULES
+from laplace.curvature.engine.square_sums import (
+    EXACT_SUM_RULES,
+    SQUARE_SUM_RULES,
+    SquareSumRule,
+)
 from laplace.utils.data import Inputs, upcast
 from laplace.utils.linalg import add_gram_upper_, mirror_upper_, symmetric_gram
 
@@ -484,6 +488,7 @@ class PerSampleTrace:
             for slot, u in self.exact_rows(chunk).items():
                 add(total, slot, u.square().sum((0, 1)))
         partials: dict[int, Tensor] = {}  # per call with a rule, its summed statistic
+        gathered: dict[int, list[Tensor]] = {}  # per call, gradients of columns not yet in it
         rules = {
             i: rule
             for i, rule in self._square_sum_rules.items()
@@ -494,7 +499,10 @@ class PerSampleTrace:
         chunks = self.column_gradients(columns) if gradients is None else [gradients]
         for stacked in chunks:
             for i, rule in rules.items():
-                _add(partials, i, rule.partial(self.calls[i], stacked[i][0]))
+                gathered.setdefault(i, []).append(stacked[i][0])
+                wanted = 1 if rule.gathered is None else rule.gathered(self.calls[i])
+                if sum(len(g) for g in gathered[i]) >= wanted:
+                    self._add_partial(partials, i, rule, gathered.pop(i))
             for i, exact_rule in exact_sums.items():
                 call = self.calls[i]
                 for name, value in exact_rule(call, stacked[i], ()).items():
@@ -503,11 +511,26 @@ class PerSampleTrace:
                 g_calls = [[g[k] for g in per_call] for per_call in stacked]
                 for slot, grad in self._per_param(g_calls, slow).items():
                     add(total, slot, grad.square().sum(0))
-        for i, part in partials.items():
+            del stacked  # not held while the next chunk's gradients are formed
+        for i, rule in rules.items():  # finished one call at a time
+            if i in gathered:
+                self._add_partial(partials, i, rule, gathered.pop(i))
+            if i not in partials:  # no columns
+                continue
             call = self.calls[i]
-            for name, value in rules[i].finish(call, part).items():
+            for name, value in rule.finish(call, partials.pop(i)).items():
                 add(total, self.engine.slot[call.module, name], value)
         return self._flatten(total, ()) if into is None else into
+
+    def _add_partial(
+        self, partials: dict[int, Tensor], i: int, rule: SquareSumRule, grads: list[Tensor]
+    ) -> None:
+        """Add call ``i``'s statistic of the gathered gradients' columns (chunks (k, B, ...))."""
+        _add(
+            partials,
+            i,
+            rule.partial(self.calls[i], grads[0] if len(grads) == 1 else torch.cat(grads)),
+        )
 
     def gram(self, columns: Columns | Sequence[Tensor], into: Tensor | None = None) -> Tensor:
         """``Σₖ Σₙ gₙₖ gₙₖᵀ`` with ``gₙₖ = Jₙᵀ vₙₖ``.

@@ -79,11 +79,15 @@ class SquareSumRule:
             cheaper than per-sample gradients only for enough columns).
         partial: A chunk's statistic from the output gradients (K, B, …); they add up.
         finish: The squared gradients per parameter name from the summed statistic.
+        gathered: Where ``partial`` contracts the columns (a Gram over them, whose output
+            costs as much for one column as for many), the number of columns whose gradients
+            are gathered from the chunks before one ``partial``; None: each chunk on its own.
     """
 
     applies: Callable[[ModuleCall, int], bool]
     partial: Callable[[ModuleCall, Tensor], Tensor]
     finish: Callable[[ModuleCall, Tensor], dict[str, Tensor]]
+    gathered: Callable[[ModuleCall], int] | None = None
 
 
 def _embedding_square_sum(call: ModuleCall, grads: Tensor) -> Tensor:
@@ -239,6 +243,8 @@ SQUARE_SUM_RULES: dict[type[nn.Module], SquareSumRule] = {
             applies=_conv_grams_pay_off,
             partial=_conv_position_grams,
             finish=_conv_square_sum,
+            # L columns' gradients (B, O, L) hold as many numbers as one Gram (B, L, L, O)
+            gathered=_conv_positions,
         )
         for conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d)
     },
