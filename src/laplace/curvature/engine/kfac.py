@@ -434,6 +434,7 @@ def kfac(
                         rows.setdefault((i, key, use), []).append(g.sum(1))
                     else:
                         _add_gram(G, key, g, "expand", scales.get(key, 1.0))
+        del stacked, chunk  # not held while the next chunk's gradients are formed
     for (_, key, _), gs in rows.items():
         _add_gram(G, key, torch.cat(gs).unsqueeze(1), "expand", scales.get(key, 1.0))
     for sums in (A, G, exact.sums):
