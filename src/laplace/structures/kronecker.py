@@ -30,7 +30,7 @@ from laplace.curvature.engine.per_sample import PerSampleTrace
 from laplace.structures import large_output
 from laplace.structures.jacobians import HeadFeatures, Jacobian, LayerTrace
 from laplace.structures.kron_glm import layerwise_variance
-from laplace.structures.posterior import ClosedForm, Posterior
+from laplace.structures.posterior import ClosedForm, Posterior, sums_in_place
 from laplace.utils.diag_lowrank import (
     DiagLowRank,
     DiagLowRankBatch,
@@ -271,12 +271,11 @@ class KronPosterior(Posterior):
             ValueError: With low-rank output factors, for a backend whose ``kron`` forms them
                 dense (ASDL, BackPACK), naming the alternatives.
         """
-        native = getattr(backend, "native_engine", False)
         if cls.low_rank_above is None:
-            if native and total is not None:
+            if total is not None and sums_in_place(backend, "kron"):
                 return backend.kron(X, y, N=n_data, into=total)
             return backend.kron(X, y, N=n_data)
-        if not native:
+        if not getattr(backend, "native_engine", False):
             raise ValueError(
                 "a Kronecker curvature with diagonal-plus-low-rank output factors (many "
                 "outputs, see laplace.structures.large_output) needs the native KFAC of "

@@ -38,7 +38,20 @@ __all__ = [
     "Posterior",
     "expand_to_diagonal",
     "glm_prediction_bytes",
+    "sums_in_place",
 ]
+
+
+def sums_in_place(backend: CurvatureBackend, route: str) -> bool:
+    """Whether the backend's ``route`` adds a batch to a running sum it is handed (``into``).
+
+    The native engine's routes do (``native_engine``); a route a subclass defines for itself
+    outside this library is left its own signature.
+    """
+    method = getattr(type(backend), route, None)
+    own = getattr(method, "__module__", "").startswith("laplace.")
+    return bool(getattr(backend, "native_engine", False)) and own
+
 
 #: ``J P⁻¹ Jᵀ`` (B, C, C) of a posterior for one Jacobian kind, or None where it does not apply:
 #: ``(posterior, J)`` of the structure and the kind it is listed under.
@@ -223,7 +236,7 @@ class Posterior(ABC):
                 and returns as ``H_batch`` where it can.
         """
         route = getattr(backend, cls.backend_route)
-        if total is not None and getattr(backend, "native_engine", False):
+        if total is not None and sums_in_place(backend, cls.backend_route):
             return route(X, y, into=total)
         return route(X, y)
 

@@ -47,3 +47,28 @@ def test_every_batch_is_added_into_one_running_sum(structure, clf, monkeypatch):
     if structure == "kron":
         fitted, expected = fitted.to_matrix(), expected.to_matrix()
     assert_close(fitted, expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_a_route_a_subclass_defines_itself_gets_no_running_sum(structure, clf):
+    """A user's backend subclass overriding a route (laplace-torch's signature, its own
+    keywords) is not handed ``into``; its batches are summed as they come."""
+    from laplace.curvature import CurvlinopsGGN
+
+    route = "kron" if structure == "kron" else "diag"
+    seen = []
+
+    def own_route(self, *args, **kwargs):
+        seen.append(sorted(kwargs))
+        return getattr(CurvlinopsGGN, route)(self, *args, **kwargs)
+
+    Strict = type("Strict", (CurvlinopsGGN,), {route: own_route})
+    la = Laplace(clf.model, "classification", "all", structure, backend=Strict)
+    reference = Laplace(clf.model, "classification", "all", structure)
+    la.fit(clf.loader())
+    reference.fit(clf.loader())
+    assert seen and all("into" not in keys for keys in seen)
+    H, expected = (la.H_facs, reference.H_facs) if structure == "kron" else (la.H, reference.H)
+    if structure == "kron":
+        H, expected = H.to_matrix(), expected.to_matrix()
+    assert_close(H, expected, rtol=1e-12, atol=1e-14)

@@ -476,7 +476,8 @@ class PerSampleTrace:
         if self._batched or self.engine.indices is not None:
             total = self.f.new_zeros(self.engine.n_entries) if into is None else into
             for chunk in column_chunks(columns, COLUMNS_PER_BACKWARD):
-                total += self.per_sample_columns(chunk).square().sum((0, 1)).detach()
+                squares = self.per_sample_columns(chunk).square().sum((0, 1))
+                total += squares if into is None else squares.detach()
             return total
         # per slot, its sum: a view of ``into`` added to in place, or a new tensor
         total: dict[int, Tensor] = {}
