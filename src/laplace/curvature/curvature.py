@@ -433,13 +433,15 @@ class CurvatureInterface:
             x: Inputs, shape (B, ...), or a mapping passed whole to the model.
             y: Targets, shape (B, ...).
             N: Number of data points of the whole data set.
-            **kwargs: As ``kron`` (no low-rank output factors).
+            **kwargs: As ``kron`` (no low-rank output factors; ``into`` as there).
 
         Returns:
-            The summed batch loss, the ``Kron`` of the batch and its ``KfacStatistics`` (for
-            EKFAC's eigenvalues once the eigenbasis is known).
+            The summed batch loss, the ``Kron`` of the batch (``into`` where the batch was
+            added to it) and its ``KfacStatistics`` (for EKFAC's eigenvalues once the
+            eigenbasis is known).
         """
         approx = kwargs.pop("kfac_approx", self.kfac_approx)
+        into = kwargs.pop("into", None)
         trace, f, columns = self._traced_columns(x, y, kwargs, False)
         statistics = KfacStatistics(
             plan_blocks(self.engine, self.kfac_dense_limit),
@@ -454,6 +456,7 @@ class CurvatureInterface:
             self.factor,
             dense_limit=self.kfac_dense_limit,
             statistics=statistics,
+            into=into,
         )
         return self.batch_loss(f, y), blocks, statistics
 

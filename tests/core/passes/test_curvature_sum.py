@@ -18,12 +18,16 @@ def test_nan_in_curvature(clf):
         la.fit(clf.loader())
 
 
-@pytest.mark.parametrize("structure", ["full", "diag", "kron"])
+ROUTES = {"full": "full", "diag": "diag", "kron": "kron", "ekfac": "kron_statistics"}
+
+
+@pytest.mark.parametrize("structure", list(ROUTES))
 def test_every_batch_is_added_into_one_running_sum(structure, clf, monkeypatch):
     """The native engine adds each batch to the pass's running sum (``into``) and returns it:
-    a fit holds one curvature, which sums the batches' own."""
+    a fit holds one curvature, which sums the batches' own (EKFAC's factors too, while its
+    statistics are kept)."""
     la = Laplace(clf.model, "classification", "all", hessian_structure=structure)
-    backend, route = la.backend, "kron" if structure == "kron" else structure
+    backend, route = la.backend, ROUTES[structure]
     batches = list(clf.loader())
     assert len(batches) > 2
     expected = None
@@ -43,8 +47,9 @@ def test_every_batch_is_added_into_one_running_sum(structure, clf, monkeypatch):
     sums = {id(into) for into, _ in calls}
     assert len(calls) == len(batches) and len(sums) == 1
     assert all(H is into for into, H in calls)
-    fitted = la.H_facs if structure == "kron" else la.H
-    if structure == "kron":
+    kron = structure in ("kron", "ekfac")
+    fitted = la.H_facs if kron else la.H
+    if kron:
         fitted, expected = fitted.to_matrix(), expected.to_matrix()
     assert_close(fitted, expected, rtol=1e-12, atol=1e-14)
 

@@ -24,7 +24,7 @@ from laplace.structures.kronecker import (
     project_eigenvalues,
 )
 from laplace.structures.last_layer import HeadCurvature
-from laplace.structures.posterior import Curvature
+from laplace.structures.posterior import Curvature, sums_in_place
 from laplace.utils import distributed as distributed_utils
 from laplace.utils.data import Inputs
 from laplace.utils.diag_lowrank import DiagLowRankBatch
@@ -54,6 +54,7 @@ class EigenvalueCorrection:
     pieces: FitPieces
     distributed: bool
     what: str
+    running: CurvatureTotal
 
     def start(self) -> CurvatureTotal:
         """Start keeping the batches' statistics, then start the factors' pass."""
@@ -71,10 +72,17 @@ class EigenvalueCorrection:
             self.kept = None
 
     def batch_curvature(self, X: Inputs, y: Tensor) -> CurvatureStats:
-        """A batch's ``(loss, Kronecker factors)``, keeping its statistics."""
+        """A batch's ``(loss, Kronecker factors)``, keeping its statistics.
+
+        The native engine adds the factors to the running sum in place, as ``CurvatureSum``.
+        """
         if self.kept is None:  # the budget is spent: another pass computes the eigenvalues
             return super().batch_curvature(X, y)  # type: ignore[misc]
-        loss, H, statistics = self.pieces.backend.kron_statistics(X, y, N=self.pieces.n_data)
+        backend, n_data = self.pieces.backend, self.pieces.n_data
+        if sums_in_place(backend, "kron_statistics"):
+            loss, H, statistics = backend.kron_statistics(X, y, N=n_data, into=self.running[0])
+        else:
+            loss, H, statistics = backend.kron_statistics(X, y, N=n_data)
         self.keep(statistics)
         return loss, H
 
