@@ -30,7 +30,7 @@ from laplace.curvature.engine.per_sample import PerSampleTrace
 from laplace.structures import large_output
 from laplace.structures.jacobians import HeadFeatures, Jacobian, LayerTrace
 from laplace.structures.kron_glm import layerwise_variance
-from laplace.structures.posterior import ClosedForm, Posterior, sums_in_place
+from laplace.structures.posterior import ClosedForm, Posterior, running_sum
 from laplace.utils.diag_lowrank import (
     DiagLowRank,
     DiagLowRankBatch,
@@ -272,9 +272,7 @@ class KronPosterior(Posterior):
                 dense (ASDL, BackPACK), naming the alternatives.
         """
         if cls.low_rank_above is None:
-            if total is not None and sums_in_place(backend, "kron"):
-                return backend.kron(X, y, N=n_data, into=total)
-            return backend.kron(X, y, N=n_data)
+            return backend.kron(X, y, N=n_data, **running_sum(backend, "kron", total))
         if not getattr(backend, "native_engine", False):
             raise ValueError(
                 "a Kronecker curvature with diagonal-plus-low-rank output factors (many "

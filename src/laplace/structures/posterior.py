@@ -38,19 +38,21 @@ __all__ = [
     "Posterior",
     "expand_to_diagonal",
     "glm_prediction_bytes",
-    "sums_in_place",
+    "running_sum",
 ]
 
 
-def sums_in_place(backend: CurvatureBackend, route: str) -> bool:
-    """Whether the backend's ``route`` adds a batch to a running sum it is handed (``into``).
+def running_sum(backend: CurvatureBackend, route: str, total: Curvature | None) -> dict:
+    """``{"into": total}`` for the backend's ``route`` where it adds a batch to it, else ``{}``.
 
-    The native engine's routes do (``native_engine``); a route a subclass defines for itself
-    outside this library is left its own signature.
+    The native engine's routes add a batch to the running sum they are handed in place
+    (``native_engine``); a route a subclass defines for itself outside this library keeps its
+    own signature and is handed nothing.
     """
     method = getattr(type(backend), route, None)
     own = getattr(method, "__module__", "").startswith("laplace.")
-    return bool(getattr(backend, "native_engine", False)) and own
+    native = bool(getattr(backend, "native_engine", False)) and own
+    return {"into": total} if native and total is not None else {}
 
 
 #: ``J P⁻¹ Jᵀ`` (B, C, C) of a posterior for one Jacobian kind, or None where it does not apply:
@@ -235,10 +237,8 @@ class Posterior(ABC):
             total: The pass's running sum, which the native engine adds the batch to in place
                 and returns as ``H_batch`` where it can.
         """
-        route = getattr(backend, cls.backend_route)
-        if total is not None and sums_in_place(backend, cls.backend_route):
-            return route(X, y, into=total)
-        return route(X, y)
+        route = cls.backend_route
+        return getattr(backend, route)(X, y, **running_sum(backend, route, total))
 
     @staticmethod
     def add(total: Curvature, H: Curvature) -> Curvature:

@@ -24,7 +24,7 @@ from laplace.structures.kronecker import (
     project_eigenvalues,
 )
 from laplace.structures.last_layer import HeadCurvature
-from laplace.structures.posterior import Curvature, sums_in_place
+from laplace.structures.posterior import Curvature, running_sum
 from laplace.utils import distributed as distributed_utils
 from laplace.utils.data import Inputs
 from laplace.utils.diag_lowrank import DiagLowRankBatch
@@ -78,11 +78,9 @@ class EigenvalueCorrection:
         """
         if self.kept is None:  # the budget is spent: another pass computes the eigenvalues
             return super().batch_curvature(X, y)  # type: ignore[misc]
-        backend, n_data = self.pieces.backend, self.pieces.n_data
-        if sums_in_place(backend, "kron_statistics"):
-            loss, H, statistics = backend.kron_statistics(X, y, N=n_data, into=self.running[0])
-        else:
-            loss, H, statistics = backend.kron_statistics(X, y, N=n_data)
+        backend = self.pieces.backend
+        into = running_sum(backend, "kron_statistics", self.running[0])
+        loss, H, statistics = backend.kron_statistics(X, y, N=self.pieces.n_data, **into)
         self.keep(statistics)
         return loss, H
 

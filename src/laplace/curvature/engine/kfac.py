@@ -213,7 +213,7 @@ def _sum_into(
             G[block.key] = factors[out]
 
 
-def _sums_into(into: Kron | None, like: Tensor, low_rank: set) -> bool:
+def _can_sum_into(into: Kron | None, like: Tensor, low_rank: set) -> bool:
     """Whether a batch can be summed into ``into`` in place: dense factors of its type."""
     return (
         into is not None
@@ -400,7 +400,7 @@ def kfac(
     A: dict[tuple, Tensor] = {}
     G: dict[tuple, Tensor] = {}
     exact = _ExactBlocks(trace, plan)
-    in_place = _sums_into(into, curvature_like(engine), low_rank)
+    in_place = _can_sum_into(into, curvature_like(engine), low_rank)
     if in_place:
         _sum_into(into, plan, shared, (A, G, exact.sums))
     inputs: dict[tuple, tuple[Tensor, ...]] = {}
