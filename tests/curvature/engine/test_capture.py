@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import Oracle, assert_close, kron_dense_blocks
 from laplace import DiagLaplace, FullLaplace, KronLaplace
 from laplace.curvature import CurvlinopsGGN
+from laplace.curvature.engine.capture import OutputGradients, record_forward, recurrent_cut
+from laplace.curvature.engine.layer_rules import recurrent_pullback
 from laplace.subnetlaplace import FullSubnetLaplace
 
 transformers = pytest.importorskip("transformers")
@@ -280,3 +282,120 @@ def test_packed_sequences_work_for_diag_and_get_exact_kron_blocks():
             assert len(block) == 1
             assert_close(block[0], ggn[start:stop, start:stop], rtol=RTOL, atol=ATOL)
         start = stop
+
+
+# ----------------------------------------------- a columns' backward pass cut at the layer
+class AfterEmbedding(nn.Module):
+    """Token ids (B, T) → embedding → Linear → recurrent layer → head → (B, C).
+
+    ``around``: how earlier layers also reach the output other than through the recurrent
+    layer: ``"skip"`` (the Linear's output added to the logits), ``"state"`` (the initial
+    hidden state computed from the embedding), ``"second"`` (a second recurrent layer), or
+    None (they reach it only through the layer).
+    """
+
+    def __init__(self, kind, batch_first=True, bidirectional=False, layers=1, around=None):
+        super().__init__()
+        self.batch_first, self.around = batch_first, around
+        self.embed = nn.Embedding(VOCAB, 3)
+        self.pre = nn.Linear(3, 3)
+        directions = 2 if bidirectional else 1
+        self.rnn = kind(3, 4, layers, batch_first=batch_first, bidirectional=bidirectional)
+        self.second = kind(4 * directions, 4, batch_first=batch_first)
+        self.head = nn.Linear(4 * directions, N_CLASSES)
+
+    def forward(self, tokens):
+        x = self.pre(self.embed(tokens))
+        sequence = x if self.batch_first else x.transpose(0, 1)
+        hx = None
+        if self.around == "state":
+            start = x.mean(1)[:, :1].expand(-1, 4).unsqueeze(0).contiguous()
+            hx = (start, start) if isinstance(self.rnn, nn.LSTM) else start
+        out, _ = self.rnn(sequence, hx)
+        if self.around == "second":
+            out, _ = self.second(out)
+        logits = self.head(out[:, -1] if self.batch_first else out[-1])
+        return logits + x.sum((1, 2)).unsqueeze(-1) if self.around == "skip" else logits
+
+
+def _recorded(model, tokens):
+    """The engine's recorded pass of ``model`` on ``tokens``: ``(f, calls)``."""
+    engine = CurvlinopsGGN(model, "classification").engine
+    return record_forward(model, engine.owners, tokens, keep_input_graph=False)
+
+
+def _autograd_columns(f, calls, columns):
+    """The columns' gradients w.r.t. every recorded output, one plain backward pass each."""
+    outputs = [z for call in calls for z in call.outputs]
+    per_column = [
+        torch.autograd.grad(f, outputs, v, retain_graph=True, allow_unused=True) for v in columns
+    ]
+    return [
+        torch.stack([torch.zeros_like(z) if g is None else g for g in grads])
+        for z, grads in zip(outputs, zip(*per_column))
+    ]
+
+
+CUT = [
+    (nn.LSTM, True, False, 1),
+    (nn.LSTM, False, True, 2),
+    (nn.GRU, True, True, 2),
+    (nn.RNN, False, False, 1),
+]
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize(
+    "kind, batch_first, bidirectional, layers",
+    CUT,
+    ids=[f"{k.__name__}-{'bf' if b else 'tf'}-{d + 1}dir-{n}layers" for k, b, d, n in CUT],
+)
+def test_the_columns_backward_pass_goes_through_the_unrolled_recurrence_exactly(
+    kind, batch_first, bidirectional, layers
+):
+    """After other layers, a recurrent layer cuts the pass: the earlier layers' output
+    gradients come through its unrolling, equal autograd's, and its rule reuses the pullback;
+    the fits equal the dense float64 GGN."""
+    torch.manual_seed(0)
+    model = AfterEmbedding(kind, batch_first, bidirectional, layers).double().eval()
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (6, 5), generator=gen)
+    f, calls = _recorded(model, tokens)
+    layer = next(i for i, call in enumerate(calls) if call.module is model.rnn)
+    assert layer == 2 and recurrent_cut(f, calls) == layer
+    columns = torch.randn(4, *f.shape, generator=gen, dtype=torch.float64)
+    got = [g for grads in OutputGradients(f, calls).columns(columns) for g in grads]
+    for mine, expected in zip(got, _autograd_columns(f, calls, columns), strict=True):
+        assert_close(mine, expected, rtol=1e-10, atol=1e-13)
+    pulled = calls[layer].cache["pulled"][1]
+    again = recurrent_pullback(calls[layer], [g.detach() for g in got[2 : 2 + 2]])
+    assert again is pulled and "pulled" not in calls[layer].cache
+    y = torch.randint(0, N_CLASSES, (6,), generator=gen)
+    ggn = Oracle(model, "classification").ggn(tokens)
+    diag = DiagLaplace(model, "classification")
+    diag.fit(loader(tokens, y))
+    assert_close(diag.H, ggn.diagonal(), rtol=RTOL, atol=ATOL)
+    full = FullLaplace(model, "classification")
+    full.fit(loader(tokens, y))
+    assert_close(full.H, ggn, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("around", ["skip", "state", "second"])
+def test_no_cut_where_earlier_layers_reach_the_output_around_the_recurrent_layer(around):
+    """A skip connection, an initial state computed from earlier layers or a second recurrent
+    layer: the pass is not cut, and the gradients are autograd's."""
+    torch.manual_seed(0)
+    model = AfterEmbedding(nn.LSTM, around=around).double().eval()
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, VOCAB, (6, 5), generator=gen)
+    f, calls = _recorded(model, tokens)
+    assert recurrent_cut(f, calls) is None
+    columns = torch.randn(3, *f.shape, generator=gen, dtype=torch.float64)
+    got = [g for grads in OutputGradients(f, calls).columns(columns) for g in grads]
+    for mine, expected in zip(got, _autograd_columns(f, calls, columns), strict=True):
+        assert_close(mine, expected, rtol=1e-10, atol=1e-13)
+    y = torch.randint(0, N_CLASSES, (6,), generator=gen)
+    diag = DiagLaplace(model, "classification")
+    diag.fit(loader(tokens, y))
+    ggn = Oracle(model, "classification").ggn(tokens)
+    assert_close(diag.H, ggn.diagonal(), rtol=RTOL, atol=ATOL)

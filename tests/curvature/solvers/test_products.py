@@ -87,3 +87,34 @@ def test_kept_batches_give_the_same_products_on_every_pass(kept_batches):
     for _ in range(3):
         assert_close(product.matmat(V), expected)
     assert len(product._kept) == min(kept_batches, 3)
+
+
+class _TokenLSTM(torch.nn.Module):
+    """Token ids (B, 4) → embedding → LSTM → last step → 3 logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(7, 3)
+        self.lstm = torch.nn.LSTM(3, 4, batch_first=True)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        return self.head(self.lstm(self.embed(tokens))[0][:, -1])
+
+
+@pytest.mark.parametrize("kept_batches", [0, 99], ids=["none", "all"])
+def test_native_product_through_a_recurrent_layer_after_an_embedding(kept_batches):
+    """The columns' backward pass is cut at the layer (its pullback kept for its rule, counted
+    in a kept batch's bytes): the products are the dense GGN's."""
+    torch.manual_seed(0)
+    model = _TokenLSTM().double().eval()
+    gen = torch.Generator().manual_seed(1)
+    tokens, y = torch.randint(0, 7, (10, 4), generator=gen), torch.randint(0, 3, (10,))
+    data = [(tokens[:6], y[:6]), (tokens[6:], y[6:])]
+    backend = CurvlinopsGGN(model, "classification")
+    product = NativeProduct(backend, data, cache_bytes=0 if kept_batches == 0 else None)
+    V = _block(product.n_params, 3)
+    expected = Oracle(model, "classification").ggn(tokens) @ V
+    for _ in range(2):
+        assert_close(product.matmat(V), expected)
+    assert len(product._kept) == min(kept_batches, 2)

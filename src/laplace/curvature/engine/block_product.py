@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from laplace.curvature.engine.layer_rules import ModuleCall
 from laplace.curvature.engine.per_sample import PerSampleEngine, PerSampleTrace
@@ -128,7 +129,8 @@ class SampleVectors:
         tensors += [g for grads in self.output_gradients for g in grads]
         for call in self.trace.calls:
             tensors += [a for a in call.args if isinstance(a, Tensor)] + list(call.outputs)
-            tensors += list(call.cache.values())
+            kept = tree_flatten(list(call.cache.values()))[0]  # a rule's pytrees of tensors
+            tensors += [t for t in kept if isinstance(t, Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def drop_graph(self) -> None:

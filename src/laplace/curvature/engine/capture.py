@@ -8,13 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Sequence
 from functools import partial
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from laplace.curvature.engine.layer_rules import ModuleCall, without_batching_notes
+from laplace.curvature.engine.layer_rules import (
+    RECURRENT_LAYERS,
+    ModuleCall,
+    recurrent_input_gradients,
+    without_batching_notes,
+)
 from laplace.utils.data import Inputs, upcast
 
 __all__ = [
@@ -25,6 +30,7 @@ __all__ = [
     "OutputGradients",
     "column_chunks",
     "record_forward",
+    "recurrent_cut",
 ]
 
 
@@ -89,6 +95,16 @@ def _batch_first_args(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     move = partial(tree_map_only, Tensor, lambda h: h.movedim(state, 0))
     args = (args[0].movedim(sequence, 0), *map(move, args[1:]))
     return args, {name: move(value) for name, value in kwargs.items()}
+
+
+def _sequence_input(module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+    """A recurrent layer's input sequence where it alone of the call's inputs carries gradient."""
+    if type(module) not in RECURRENT_LAYERS or not args or not isinstance(args[0], Tensor):
+        return None
+    x, others = args[0], tree_flatten((args[1:], kwargs))[0]
+    if not x.requires_grad or any(isinstance(t, Tensor) and t.requires_grad for t in others):
+        return None
+    return x
 
 
 def _first_rows(x: Inputs) -> int | None:
@@ -231,6 +247,7 @@ def record_forward(
         slots = [j for j, i in enumerate(tensors) if leaves[i].requires_grad]
         if not slots:
             return None
+        sequence_input = _sequence_input(module, args, kwargs)
         if not keep_input_graph:
             args, kwargs = tree_map_only(Tensor, Tensor.detach, (args, kwargs))
         args, kwargs = upcast((args, kwargs), dtype)  # the rules compute in the result's type
@@ -251,7 +268,11 @@ def record_forward(
             outputs = [z.movedim(dims[j], 0) for j, z in zip(slots, outputs)]
             for j, z in zip(slots, outputs):
                 leaves[tensors[j]] = z.movedim(0, dims[j])
-        calls.append(ModuleCall(module, args, kwargs, outputs, slots, owners[module]))
+        calls.append(
+            ModuleCall(
+                module, args, kwargs, outputs, slots, owners[module], sequence_input=sequence_input
+            )
+        )
         versions.extend(z._version for z in outputs)
         if clone_outputs:
             leaves = [leaf.clone() if isinstance(leaf, Tensor) else leaf for leaf in leaves]
@@ -344,6 +365,9 @@ class OutputGradients:
         self.calls = list(calls)
         self.create_graph = create_graph
         self._outputs = [z for call in self.calls for z in call.outputs]
+        #: The recurrent call a vectorised pass is cut at (``recurrent_cut``), found on first use.
+        self._cut: int | None = None
+        self._cut_found = False
         #: Whether several columns go through one vectorised backward pass; not through a
         #: convolution, whose batching rule loops over the columns and copies.
         self.vectorised = not any(
@@ -387,6 +411,11 @@ class OutputGradients:
 
     def _backward(self, grad_outputs: Tensor, batched: bool) -> list[list[Tensor]]:
         """Gradients w.r.t. every recorded output (zeros where unused), split per call."""
+        if batched and not self.create_graph:
+            if not self._cut_found:
+                self._cut, self._cut_found = recurrent_cut(self.f, self.calls), True
+            if self._cut is not None:
+                return self._cut_backward(grad_outputs, self._cut)
         with without_batching_notes():
             grads = torch.autograd.grad(
                 self.f,
@@ -397,11 +426,96 @@ class OutputGradients:
                 allow_unused=True,
                 is_grads_batched=batched,
             )
-        lead = grad_outputs.shape[:1] if batched else ()
+        return self._per_call(grads, self.calls, grad_outputs.shape[:1] if batched else ())
+
+    def _cut_backward(self, columns: Tensor, cut: int) -> list[list[Tensor]]:
+        """``_backward`` of K columns cut at the recurrent call ``cut`` (``recurrent_cut``)."""
+        later, earlier = self.calls[cut:], self.calls[:cut]
+        with without_batching_notes():
+            grads = torch.autograd.grad(
+                self.f,
+                [z for call in later for z in call.outputs],
+                grad_outputs=columns,
+                retain_graph=True,
+                allow_unused=True,
+                is_grads_batched=True,
+            )
+        after = self._per_call(grads, later, columns.shape[:1])
+        layer = later[0]
+        sequence = cast(Tensor, layer.sequence_input)
+        d_sequence = recurrent_input_gradients(layer, after[0])  # (K, B, T, D)
+        if not layer.module.batch_first:
+            d_sequence = d_sequence.transpose(1, 2)
+        with without_batching_notes():
+            grads = torch.autograd.grad(
+                sequence,
+                [z for call in earlier for z in call.outputs],
+                grad_outputs=d_sequence.to(sequence.dtype),
+                retain_graph=True,
+                allow_unused=True,
+                is_grads_batched=True,
+            )
+        return self._per_call(grads, earlier, columns.shape[:1]) + after
+
+    def _per_call(
+        self, grads: Sequence[Tensor | None], calls: Sequence[ModuleCall], lead: tuple[int, ...]
+    ) -> list[list[Tensor]]:
+        """Gradients w.r.t. the calls' outputs in order, split per call (zeros for None)."""
+        outputs = [z for call in calls for z in call.outputs]
         found = iter(
             z.new_zeros(*lead, *z.shape, dtype=gradient_type(self.f, z))
             if g is None
             else g.to(gradient_type(self.f, z))
-            for z, g in zip(self._outputs, grads)
+            for z, g in zip(outputs, grads, strict=True)
         )
-        return [[next(found) for _ in call.outputs] for call in self.calls]
+        return [[next(found) for _ in call.outputs] for call in calls]
+
+
+def recurrent_cut(f: Tensor, calls: Sequence[ModuleCall]) -> int | None:
+    """The recurrent call at which a vectorised backward pass of output columns is cut, or None.
+
+    A fused recurrent kernel has no batching rule: a vectorised backward pass through it runs
+    it once per column. Cut at a recurrent call, the pass takes autograd's gradients w.r.t.
+    the outputs of that call and of the later ones, pulls the call's back through its
+    unrolling to its input sequence (``layer_rules.recurrent_input_gradients``, which leaves
+    the pullback for the layer's rule), and goes on from the sequence to the earlier calls'
+    outputs: the kernel is not run. That is exact where everything from the earlier calls
+    reaches ``f`` through the layer's sequence alone, which is checked on the graph:
+
+    - the pass has one recurrent call, of a type the unrolling covers (``RECURRENT_LAYERS``),
+      after some other call, on a batched sequence (3-D) that alone of its inputs carries
+      gradient, with no projection and no dropout in training;
+    - walking back from its outputs, the layer's own operations reach no earlier call's
+      output but through the sequence;
+    - walking back from ``f`` around the layer's own operations reaches neither the sequence
+      nor an earlier call's output.
+    """
+    found = [i for i, call in enumerate(calls) if type(call.module) in RECURRENT_LAYERS]
+    if len(found) != 1 or found[0] == 0:
+        return None
+    cut = found[0]
+    call, x = calls[cut], calls[cut].sequence_input
+    module = cast(nn.RNNBase, call.module)
+    if x is None or x.grad_fn is None or x.dim() != 3 or getattr(module, "proj_size", 0):
+        return None
+    if module.training and module.dropout:
+        return None
+    earlier = {z.grad_fn for c in calls[:cut] for z in c.outputs} - {None}
+    own = _graph_nodes([z.grad_fn for z in call.outputs], stop={x.grad_fn}) - {x.grad_fn}
+    if own & earlier or _graph_nodes([f.grad_fn], stop=own) & (earlier | {x.grad_fn}):
+        return None
+    return cut
+
+
+def _graph_nodes(starts: Sequence[object], stop: Collection[object]) -> set[object]:
+    """The autograd nodes reached from ``starts`` going back, not going on past ``stop``."""
+    seen: set[object] = set()
+    todo = [node for node in starts if node is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node not in stop:
+            todo.extend(n for n, _ in node.next_functions if n is not None)  # type: ignore[attr-defined]
+    return seen

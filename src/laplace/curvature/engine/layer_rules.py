@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 __all__ = [
     "GATHER_COST",
     "PER_SAMPLE_RULES",
+    "RECURRENT_LAYERS",
     "SELECTED_RULES",
     "UNBATCHED_ARGUMENTS",
     "UNCALLED_CHILDREN",
@@ -40,6 +41,7 @@ __all__ = [
     "conv_patches",
     "generic_per_sample",
     "per_sample_grads",
+    "recurrent_input_gradients",
     "recurrent_pullback",
     "recurrent_weight_rows",
     "selected_per_sample_grads",
@@ -62,6 +64,10 @@ class ModuleCall:
         output_slots: Positions of ``outputs`` among the tensor leaves of the output pytree.
         names: Names of the module's direct parameters to differentiate.
         cache: Scratch space for a rule (for example an unfolded convolution input).
+        sequence_input: A recurrent layer's input sequence as the model passed it, attached to
+            the graph (None for other layers, or where it carries no gradient): a backward
+            pass of output columns can go on from it past the layer
+            (``capture.OutputGradients``).
     """
 
     module: nn.Module
@@ -71,6 +77,7 @@ class ModuleCall:
     output_slots: list[int]
     names: list[str]
     cache: dict[str, Tensor] = field(default_factory=dict)
+    sequence_input: Tensor | None = None
 
 
 Rule = Callable[[ModuleCall, Sequence[Tensor]], dict[str, Tensor]]
@@ -266,6 +273,12 @@ def generic_per_sample(call: ModuleCall, grads: Sequence[Tensor]) -> dict[str, T
         return vmap(single, in_dims=in_dims)(params, call.args, call.kwargs, tuple(grads))
 
 
+#: Recurrent layers, by exact type, that PyTorch's cell equations unroll
+#: (``recurrent_pullback``); a vectorised backward pass of output columns goes through the
+#: unrolling instead of their fused kernel (``capture.recurrent_cut``).
+RECURRENT_LAYERS = (nn.RNN, nn.LSTM, nn.GRU)
+
+
 def _recurrent_cell(module: nn.RNNBase) -> Callable[[Tensor, Tensor, Tensor, Tensor], tuple]:
     """One time step ``(ih, hh, h, c) → (h', c')`` of a recurrent layer, PyTorch's equations.
 
@@ -292,7 +305,7 @@ def _recurrent_cell(module: nn.RNNBase) -> Callable[[Tensor, Tensor, Tensor, Ten
     return lambda ih, hh, h, c: (activation(ih + hh), c)
 
 
-def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tensor]]:
+def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tensor], Tensor]:
     """A recurrent call unrolled with PyTorch's cell equations, for its recorded rows.
 
     A call tiled for several columns (``tiled_call``) is unrolled for its R recorded rows only.
@@ -304,8 +317,8 @@ def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tenso
     Returns:
         Per direction of each layer (by parameter suffix), its inputs (R, T, D), the linear
         maps ``ih`` (R, T, G) and ``hh`` (T of (R, G); none where they share ``ih``'s gradient)
-        in the graph, and the previous hidden states (R, T, H); and the unrolled outputs that
-        the call records, in the graph.
+        in the graph, and the previous hidden states (R, T, H); the unrolled outputs that the
+        call records, in the graph; and the input sequence (R, T, D), the graph's leaf.
 
     Raises:
         ValueError: If they are not the layer's outputs (a subclass with its own forward).
@@ -321,7 +334,7 @@ def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tenso
     keep_hh = isinstance(m, nn.GRU)
     with torch.enable_grad():
         h0, c0 = h0.detach().requires_grad_(), c0.detach()
-        layer_input = x.detach().requires_grad_()
+        sequence = layer_input = x.detach().requires_grad_()
         for layer in range(m.num_layers):
             sequences = []
             for direction in range(directions):
@@ -361,7 +374,7 @@ def _unrolled_recurrence(call: ModuleCall) -> tuple[dict[str, tuple], list[Tenso
                     f"{type(m).__name__}: the recurrent equations do not give the layer's "
                     "outputs (a subclass with its own forward?); no per-sample rule applies."
                 )
-    return steps, unrolled
+    return steps, unrolled, sequence
 
 
 def recurrent_pullback(
@@ -371,7 +384,8 @@ def recurrent_pullback(
 
     The call is unrolled once per row count and kept in ``call.cache``
     (``_unrolled_recurrence``), so other chunks of columns reuse it; the K columns go back
-    through it together, in one vectorised backward pass.
+    through it together, in one vectorised backward pass. Where ``recurrent_input_gradients``
+    pulled the same gradients back already, its result is taken (once).
 
     Args:
         call: A recorded ``nn.RNN``, ``nn.LSTM`` or ``nn.GRU`` call (batch-first, R rows).
@@ -387,6 +401,39 @@ def recurrent_pullback(
         ValueError: For packed sequences, LSTM projections (``proj_size``), dropout between
             layers in training mode, or a subclass whose outputs the equations do not give.
     """
+    pulled = call.cache.pop("pulled", None)
+    if pulled is not None and _same_memory(pulled[0], grads[0]):
+        return pulled[1]  # type: ignore[return-value]
+    return _pullback(call, grads, to_input=False)[0]
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether ``b`` is ``a`` or a view of the same numbers (``a.detach()``); ``a`` is held."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def recurrent_input_gradients(call: ModuleCall, grads: Sequence[Tensor]) -> Tensor:
+    """The K columns' gradients w.r.t. a recurrent call's input sequence, (K, R, T, D).
+
+    From the pullback of ``recurrent_pullback``, which its next call with the same ``grads``
+    (or their detached views) takes from ``call.cache`` instead of pulling them back again.
+
+    Args:
+        call: As ``recurrent_pullback``; its ``hx`` carries no gradient.
+        grads: As ``recurrent_pullback``.
+
+    Raises:
+        ValueError: As ``recurrent_pullback``.
+    """
+    out, d_input = _pullback(call, grads, to_input=True)
+    call.cache["pulled"] = (grads[0], out)  # type: ignore[assignment]
+    return d_input
+
+
+def _pullback(
+    call: ModuleCall, grads: Sequence[Tensor], to_input: bool
+) -> tuple[dict[str, tuple[Tensor, Tensor, Tensor, Tensor]], Tensor | None]:
+    """``recurrent_pullback``'s result, and the gradients w.r.t. the input where asked."""
     m, x = call.module, call.args[0]
     if not isinstance(x, Tensor):
         raise ValueError(
@@ -402,25 +449,26 @@ def recurrent_pullback(
     key = f"unrolled{len(call.outputs[0])}"
     if key not in call.cache:
         call.cache[key] = _unrolled_recurrence(call)  # type: ignore[assignment]
-    steps, unrolled = call.cache[key]
+    steps, unrolled, sequence = call.cache[key]
     maps = [t for _, ih, _, hh in steps.values() for t in (ih, *hh)]
+    wanted = [*maps, sequence] if to_input else maps
     with without_batching_notes():
         pulled = torch.autograd.grad(
             unrolled,
-            maps,
+            wanted,
             list(grads),
             allow_unused=True,
             retain_graph=True,
             is_grads_batched=True,
         )
     k = len(grads[0])
-    found = iter(g if g is not None else t.new_zeros(k, *t.shape) for t, g in zip(maps, pulled))
+    found = iter(g if g is not None else t.new_zeros(k, *t.shape) for t, g in zip(wanted, pulled))
     out = {}
     for suffix, (inputs, _, previous, hh) in steps.items():
         d_ih = next(found)
         d_hh = torch.stack([next(found) for _ in hh], 2) if hh else d_ih
         out[suffix] = (inputs, previous, d_ih, d_hh)
-    return out
+    return out, next(found, None)
 
 
 def recurrent_weight_rows(a: Tensor, d: Tensor) -> Tensor:
@@ -667,9 +715,7 @@ PER_SAMPLE_RULES: dict[type[nn.Module], Rule] = {
     nn.BatchNorm1d: _BATCH_NORM,
     nn.BatchNorm2d: _BATCH_NORM,
     nn.BatchNorm3d: _BATCH_NORM,
-    nn.RNN: _recurrent,
-    nn.LSTM: _recurrent,
-    nn.GRU: _recurrent,
+    **dict.fromkeys(RECURRENT_LAYERS, _recurrent),
     nn.MultiheadAttention: _attention,
 }
 

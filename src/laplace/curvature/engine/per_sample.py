@@ -248,6 +248,7 @@ class PerSampleTrace:
         self._grads = None
         for call in self.calls:
             call.outputs = [z.detach() for z in call.outputs]
+            call.sequence_input = None
 
     @property
     def layerwise(self) -> bool:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from laplace.curvature.engine.layer_rules import (
+    RECURRENT_LAYERS,
     ModuleCall,
     conv_patches,
     recurrent_pullback,
@@ -219,11 +220,9 @@ def _recurrent_sums(
 ExactSumRule = Callable[[ModuleCall, Sequence[Tensor], Collection[str]], dict[str, Tensor]]
 
 #: Layers whose exact sums a chunk of columns gives at once, keyed by exact module type.
-EXACT_SUM_RULES: dict[type[nn.Module], ExactSumRule] = {
-    nn.RNN: _recurrent_sums,
-    nn.LSTM: _recurrent_sums,
-    nn.GRU: _recurrent_sums,
-}
+EXACT_SUM_RULES: dict[type[nn.Module], ExactSumRule] = dict.fromkeys(
+    RECURRENT_LAYERS, _recurrent_sums
+)
 
 
 #: Layers whose ``Σₖₙ (∂θ)²`` needs no per-sample gradients, keyed by exact module type.
