@@ -9,15 +9,19 @@ refuse a request whose estimate exceeds the available memory
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader, TensorDataset
 
 from laplace import Laplace
 from laplace.parametric import parametric_laplace
+from laplace.structures import large_output
 from laplace.structures.per_output import PerOutputPosterior
 from laplace.utils import errors
 from laplace.utils.errors import TooLargeError
@@ -188,6 +192,58 @@ def test_estimates_use_the_model_dtype():
     la = _fitted("full")
     params = [p.double() for p in la._subset.curvature_params]
     assert type(la._posterior).fit_bytes(params) == 2 * la._fit_bytes()
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak bytes of the tensors made under it and still alive (distinct storages)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, Tensor) or t.untyped_storage().data_ptr() in self.storages:
+                continue
+            storage = t.untyped_storage()
+            key, n_bytes = storage.data_ptr(), storage.nbytes()
+            self.storages.add(key)
+            self.live += n_bytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, key, n_bytes)
+        return out
+
+    def _freed(self, key: int, n_bytes: int) -> None:
+        self.live -= n_bytes
+        self.storages.discard(key)
+
+
+#: How far the peak of a head's first prediction may lie from its estimate: the estimate
+#: counts the arrays the structure forms, not the small ones around them.
+HEAD_ESTIMATE_TOLERANCE = 0.2
+
+
+@pytest.mark.parametrize("n_features", [16, 64])
+def test_a_head_over_many_outputs_is_estimated_as_what_its_prediction_forms(n_features):
+    """Above ``LARGE_OUTPUT_THRESHOLD`` Kron keeps the head's output factor as a diagonal plus
+    a low-rank part: the prediction's estimate counts it so (not as a dense C × C matrix) and
+    what its closed form forms from it (``_low_rank_prediction_numbers``)."""
+    torch.manual_seed(0)
+    n_classes = large_output.LARGE_OUTPUT_THRESHOLD + 52
+    model = nn.Sequential(nn.Linear(N_IN, n_features), nn.Tanh(), nn.Linear(n_features, n_classes))
+    X = torch.randn(N_DATA, N_IN, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, n_classes, (N_DATA,), generator=torch.Generator().manual_seed(1))
+    la = Laplace(model, "classification", "last_layer", "kron")
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=8))
+    plan = la._glm_plan()
+    held = plan.posterior.held_bytes(8, n_classes, plan.kind)
+    dense = 2 * 2 * n_classes**2 * 4  # two blocks' dense (C, C) factors with eigenvectors
+    assert held < dense / 3
+    with LiveBytes() as memory, torch.no_grad():
+        la(X[:8])
+    assert abs(memory.peak - held) <= HEAD_ESTIMATE_TOLERANCE * held, (memory.peak, held)
 
 
 def _fitted_per_output(structure: str):

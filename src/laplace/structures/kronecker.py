@@ -156,6 +156,25 @@ def _kron_numbers(shapes: list, max_rank: int | None, corrected: bool) -> int:
     return total
 
 
+def _low_rank_prediction_numbers(kfacs: list[list[Tensor | DiagLowRank]]) -> int:
+    """Numbers a prediction forms for the blocks whose output factor ``G`` is diagonal + low rank.
+
+    Per such block of ``G`` (C × C, rank k) and input factors of D weights
+    (``LowRankKronBlock``): the shifted diagonals and the diagonal of the inverse per input
+    eigenvalue, (D, C) each, with one (D, C) temporary, and ``G``'s pair products
+    (C, k(k+1)/2), kept; forming the largest of those holds two more of its size.
+    """
+    total = largest = 0
+    for block in kfacs:
+        G = block[0]
+        if isinstance(G, DiagLowRank):
+            C, k = len(G.diag), G.rank
+            inputs = math.prod(F.shape[0] for F in block[1:])
+            total += 3 * inputs * C + C * k * (k + 1) // 2
+            largest = max(largest, C * k * (k + 1) // 2)
+    return total + 2 * largest
+
+
 class KronPosterior(Posterior):
     """Gaussian posterior with a block-diagonal Kronecker-factored precision.
 
@@ -223,10 +242,20 @@ class KronPosterior(Posterior):
     def held_bytes(
         self, n_rows: int, n_outputs: int, kind: type[Jacobian], joint: bool = False
     ) -> int:
-        """The fitted factors with their eigendecomposition."""
+        """The fitted factors with their eigendecomposition, and what a prediction forms.
+
+        What it forms: from a diagonal-plus-low-rank output factor
+        (``_low_rank_prediction_numbers``).
+        """
         H, itemsize = self.H, self.itemsize
         if H.factors is not None:
-            return _kron_numbers(H.factors.shapes, self.max_rank, self.corrected) * itemsize
+            kfacs = H.factors.kfacs
+            shapes = [
+                [LowRankShape(len(F.diag)) if isinstance(F, DiagLowRank) else F.shape for F in b]
+                for b in kfacs
+            ]  # a diagonal-plus-low-rank factor is no dense (C, C) matrix
+            numbers = _kron_numbers(shapes, self.max_rank, self.corrected)
+            return (numbers + _low_rank_prediction_numbers(kfacs)) * itemsize
         # built from eigenpairs (a per-output posterior's combination): theirs, twice
         pairs = [t for part in H._pairs() for block in part for t in block]
         return 2 * sum(t.numel() * itemsize for t in pairs if isinstance(t, Tensor))
