@@ -106,6 +106,7 @@ class DiagonalPosterior(Posterior):
         HeadFeatures: diag_head_variance,
         LayerTrace: _trace_variance,
     }
+    rowless_kinds = frozenset({HeadFeatures})
     head_curvature = staticmethod(diag_head_curvature)
 
     @override

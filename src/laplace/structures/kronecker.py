@@ -198,6 +198,7 @@ class KronPosterior(Posterior):
         HeadFeatures: kron_head_variance,
         LayerTrace: _trace_variance,
     }
+    rowless_kinds = frozenset({HeadFeatures})
     head_curvature = staticmethod(kron_head_curvature)
     #: Largest number of columns of a diagonal-plus-low-rank output factor kept while summing.
     max_rank: ClassVar[int | None] = None

@@ -91,6 +91,7 @@ def glm_prediction_bytes(
     itemsize: int,
     joint: bool,
     variances_only: bool = False,
+    jacobian_rows: bool = True,
 ) -> int:
     """Bytes a GLM prediction holds besides the posterior, from the shapes alone.
 
@@ -108,9 +109,10 @@ def glm_prediction_bytes(
         joint: Whether the joint covariance of all rows is formed.
         variances_only: Whether the prediction gives each row's variances (R, C) only (a last
             layer with many outputs, ``large_output.variances_only_reason``).
+        jacobian_rows: Whether Jacobian rows are formed (not by a closed form that needs none).
     """
     values = n_rows * n_outputs
-    rows = values * n_params * itemsize
+    rows = values * n_params * itemsize if jacobian_rows else 0
     if joint:
         return (values + values**2) * itemsize + 2 * rows
     variances = values if variances_only else values * n_outputs
@@ -147,6 +149,9 @@ class Posterior(ABC):
     backend_route: ClassVar[str]
     #: Closed forms of ``J P⁻¹ Jᵀ`` by Jacobian kind; other kinds go through their dense rows.
     closed_forms: ClassVar[Mapping[type[Jacobian], ClosedForm]] = {}
+    #: Kinds of ``closed_forms`` whose closed form forms no Jacobian rows (what it forms is
+    #: counted by ``held_bytes``).
+    rowless_kinds: ClassVar[frozenset[type[Jacobian]]] = frozenset()
     #: Why ``fit(override=False)`` cannot update a fit of this structure; None: it can.
     update_refusal: ClassVar[str | None] = None
     #: The closed form of a linear head's curvature in this structure's form, equal to its
@@ -342,7 +347,8 @@ class Posterior(ABC):
         """
         own = self.held_bytes(n_rows, n_outputs, kind, joint)
         n_params, itemsize = len(self.prior_diag), self.itemsize
-        shapes = (n_rows, n_outputs, n_params, itemsize, joint, variances_only)
+        rows = kind not in self.closed_forms or kind not in self.rowless_kinds
+        shapes = (n_rows, n_outputs, n_params, itemsize, joint, variances_only, rows)
         return own + glm_prediction_bytes(*shapes)
 
     @abstractmethod
