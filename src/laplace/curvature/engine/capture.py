@@ -389,8 +389,9 @@ class OutputGradients:
         """Gradients of several output columns, each stacked along a leading axis.
 
         Several columns go through one vectorised backward pass (``is_grads_batched``) where
-        ``vectorised`` and every operation has a batching rule; otherwise one plain
-        backward pass per column (one column: views).
+        ``vectorised`` and every operation has a batching rule, cut at a recurrent layer where
+        ``recurrent_cut`` finds one; otherwise one plain backward pass per column (one column:
+        views).
 
         Args:
             columns: Output columns, shape (K, *f.shape).
