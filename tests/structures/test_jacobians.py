@@ -22,6 +22,7 @@ from laplace.structures import (
     DiagonalPosterior,
     KronPosterior,
     LowRankPosterior,
+    jacobians,
 )
 from laplace.structures.jacobians import HeadFeatures, Jacobian, JacobianRows, LayerTrace
 from laplace.structures.kron_glm import LAYERWISE_CHUNK_ROWS
@@ -231,3 +232,40 @@ def test_the_chunk_size_comes_from_the_kind(case_name, subset, structure, layerw
     assert width == (la.n_params if subset != "subnetwork" else 15)
     jacobian_rows = jacobian_chunk_rows(la.n_outputs, width, torch.float64)
     assert la._chunk_rows(len(X)) == (LAYERWISE_CHUNK_ROWS if layerwise else jacobian_rows)
+
+
+@pytest.mark.parametrize("structure", ["kron", "diag"])
+def test_a_layer_wise_chunk_records_at_most_its_bytes_of_layer_outputs(monkeypatch, structure):
+    """The engine keeps the bytes of a point's recorded layer outputs; a layer-wise prediction
+    takes as many points per chunk as ``LAYERWISE_CHUNK_BYTES`` of them hold (a ResNet-50's
+    100 test images took 6.4 GB in one chunk), and its moments are those of one chunk."""
+    case = CASE_BUILDERS["cnn_classification"]()
+    la = Laplace(case.model, case.likelihood, "all", structure)
+    la.fit(DataLoader(TensorDataset(case.X, case.y), batch_size=5))
+    outputs = []
+    hooks = [
+        m.register_forward_hook(lambda m, a, out: outputs.append(out))
+        for m in case.model.modules()
+        if any(p.requires_grad for p in m.parameters(recurse=False))
+    ]
+    with torch.no_grad():
+        case.model(case.X[:1])
+    for hook in hooks:
+        hook.remove()
+    row_bytes = sum(z.numel() * z.element_size() for z in outputs)
+    assert la.backend.engine.row_bytes == row_bytes
+    f_mu, f_var = la._glm_predictive_distribution(case.X)  # one chunk
+    monkeypatch.setattr(jacobians, "LAYERWISE_CHUNK_BYTES", 3 * row_bytes + 1)
+    assert la._chunk_rows(len(case.X)) == 3
+    passes = []
+    trace = la.backend.engine.trace
+
+    def counted(*args, **kwargs):
+        passes.append(1)
+        return trace(*args, **kwargs)
+
+    monkeypatch.setattr(la.backend.engine, "trace", counted)
+    chunked = la._glm_predictive_distribution(case.X)
+    assert len(passes) == -(-len(case.X) // 3)
+    assert_close(chunked[0], f_mu)
+    assert_close(chunked[1], f_var, rtol=RTOL_VARIANCE, atol=ATOL_VARIANCE)

@@ -544,7 +544,8 @@ class ParametricLaplace(BaseLaplace):
         kind = row_kind(plan.kind, outputs)
         per_point = outputs.per_point(self.n_outputs)
         rows = jacobian_chunk_rows(per_point, len(plan.posterior.prior_diag), self._dtype)
-        return kind.chunk_rows(rows, subset.model, subset.params)
+        row_bytes = getattr(getattr(self.backend, "engine", None), "row_bytes", None)
+        return kind.chunk_rows(rows, subset.model, subset.params, row_bytes)
 
     def _glm_predictive_distribution(
         self,

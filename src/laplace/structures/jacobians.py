@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from laplace.curvature.engine.kfac_rules import kfac_rule
 from laplace.curvature.engine.per_sample import PerSampleTrace
-from laplace.structures.kron_glm import LAYERWISE_CHUNK_ROWS
+from laplace.structures.kron_glm import LAYERWISE_CHUNK_BYTES, LAYERWISE_CHUNK_ROWS
 from laplace.utils.data import Inputs
 from laplace.utils.outputs import OutputAdapter, OutputLayout
 
@@ -45,11 +45,18 @@ class Jacobian(ABC):
         """The rows ``J``, shape (B, C, P)."""
 
     @classmethod
-    def chunk_rows(cls, jacobian_rows: int, model: nn.Module, params: list[Tensor]) -> int:
+    def chunk_rows(
+        cls,
+        jacobian_rows: int,
+        model: nn.Module,
+        params: list[Tensor],
+        row_bytes: int | None = None,
+    ) -> int:
         """Test points per chunk of this kind for the subset ``params`` of ``model``.
 
         ``jacobian_rows`` points' (rows, C, P) Jacobian fits the memory budget; the default keeps
-        that number (the kind holds about C·P numbers per point).
+        that number (the kind holds about C·P numbers per point). ``row_bytes``: the recorded
+        layer outputs of one point in the engine's last pass (None: not known).
         """
         return jacobian_rows
 
@@ -95,7 +102,13 @@ class LayerTrace(Jacobian):
         return self.trace.jacobians()
 
     @classmethod
-    def chunk_rows(cls, jacobian_rows: int, model: nn.Module, params: list[Tensor]) -> int:
+    def chunk_rows(
+        cls,
+        jacobian_rows: int,
+        model: nn.Module,
+        params: list[Tensor],
+        row_bytes: int | None = None,
+    ) -> int:
         """Points per chunk of the layer-wise closed forms (``kron_glm``).
 
         Parameters of layers with a Kronecker rule cost activations per test point; the others
@@ -103,10 +116,14 @@ class LayerTrace(Jacobian):
         a part of the Jacobian that the Jacobian route's chunks bound.
 
         Returns:
-            ``LAYERWISE_CHUNK_ROWS``, fewer where the
-            per-sample gradients of the parameters without a rule would outgrow the Jacobian
-            route's chunks (``jacobian_rows`` points).
+            ``LAYERWISE_CHUNK_ROWS``, fewer where the points' recorded layer outputs
+            (``row_bytes`` each) would outgrow ``LAYERWISE_CHUNK_BYTES`` or the per-sample
+            gradients of the parameters without a rule the Jacobian route's chunks
+            (``jacobian_rows`` points).
         """
+        rows = LAYERWISE_CHUNK_ROWS
+        if row_bytes:
+            rows = min(rows, max(1, LAYERWISE_CHUNK_BYTES // row_bytes))
         sizes = {id(p): p.numel() for p in params}
         owners: dict[int, list[nn.Module]] = {}
         for m in model.modules():
@@ -117,9 +134,9 @@ class LayerTrace(Jacobian):
             sizes[i] for i, ms in owners.items() if len(ms) > 1 or kfac_rule(ms[0]) is None
         )
         if exact == 0:
-            return LAYERWISE_CHUNK_ROWS
+            return rows
         total = sum(p.numel() for p in params)
-        return min(LAYERWISE_CHUNK_ROWS, max(1, jacobian_rows * total // exact))
+        return min(rows, max(1, jacobian_rows * total // exact))
 
 
 @dataclass(frozen=True)

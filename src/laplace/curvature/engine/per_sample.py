@@ -112,6 +112,9 @@ class PerSampleEngine:
         self.verdicts: dict[tuple, Verdict] = {}
         #: Floating-point type of the results (None: the model's, float32 for half precision).
         self.dtype: torch.dtype | None = None
+        #: Bytes of the recorded layer outputs per data point in the last recorded pass (None
+        #: before any): what sizes the chunks of a layer-wise prediction.
+        self.row_bytes: int | None = None
         position = {id(p): i for i, p in enumerate(self.needed)}
         self.owners: dict[nn.Module, list[str]] = {}
         self.slot: dict[tuple[nn.Module, str], int] = {}
@@ -153,6 +156,8 @@ class PerSampleEngine:
             )
             f = upcast(f, self.dtype)
             verdict = self.verdict(f, calls)
+        recorded = sum(z.numel() * z.element_size() for call in calls for z in call.outputs)
+        self.row_bytes = recorded // max(1, len(f) if f.dim() else 1)
         return PerSampleTrace(self, f, calls, create_graph, verdict)
 
     def verdict(self, f: Tensor, calls: list[ModuleCall]) -> Verdict:
