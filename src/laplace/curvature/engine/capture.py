@@ -97,9 +97,9 @@ def _batch_first_args(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     return args, {name: move(value) for name, value in kwargs.items()}
 
 
-def _sequence_input(module: nn.Module, args: tuple, kwargs: dict) -> Tensor | None:
+def _sequence_input(args: tuple, kwargs: dict) -> Tensor | None:
     """A recurrent layer's input sequence where it alone of the call's inputs carries gradient."""
-    if type(module) not in RECURRENT_LAYERS or not args or not isinstance(args[0], Tensor):
+    if not args or not isinstance(args[0], Tensor):
         return None
     x, others = args[0], tree_flatten((args[1:], kwargs))[0]
     if not x.requires_grad or any(isinstance(t, Tensor) and t.requires_grad for t in others):
@@ -247,7 +247,8 @@ def record_forward(
         slots = [j for j, i in enumerate(tensors) if leaves[i].requires_grad]
         if not slots:
             return None
-        sequence_input = _sequence_input(module, args, kwargs)
+        recurrent = type(module) in RECURRENT_LAYERS
+        sequence_input = _sequence_input(args, kwargs) if recurrent else None
         if not keep_input_graph:
             args, kwargs = tree_map_only(Tensor, Tensor.detach, (args, kwargs))
         args, kwargs = upcast((args, kwargs), dtype)  # the rules compute in the result's type
