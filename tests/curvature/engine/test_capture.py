@@ -291,12 +291,15 @@ class AfterEmbedding(nn.Module):
     ``around``: how earlier layers also reach the output other than through the recurrent
     layer: ``"skip"`` (the Linear's output added to the logits), ``"state"`` (the initial
     hidden state computed from the embedding), ``"second"`` (a second recurrent layer), or
-    None (they reach it only through the layer).
+    None (they reach it only through the layer). ``given_state``: an initial hidden state of
+    constants (no gradient).
     """
 
-    def __init__(self, kind, batch_first=True, bidirectional=False, layers=1, around=None):
+    def __init__(
+        self, kind, batch_first=True, bidirectional=False, layers=1, around=None, given_state=False
+    ):
         super().__init__()
-        self.batch_first, self.around = batch_first, around
+        self.batch_first, self.around, self.given_state = batch_first, around, given_state
         self.embed = nn.Embedding(VOCAB, 3)
         self.pre = nn.Linear(3, 3)
         directions = 2 if bidirectional else 1
@@ -308,6 +311,14 @@ class AfterEmbedding(nn.Module):
         x = self.pre(self.embed(tokens))
         sequence = x if self.batch_first else x.transpose(0, 1)
         hx = None
+        if self.given_state:
+            directions = 2 if self.rnn.bidirectional else 1
+            start = (
+                torch.linspace(-0.5, 0.5, 4)
+                .to(x)
+                .expand(self.rnn.num_layers * directions, len(tokens), 4)
+            )
+            hx = (start, start.flip(-1)) if isinstance(self.rnn, nn.LSTM) else start
         if self.around == "state":
             start = x.mean(1)[:, :1].expand(-1, 4).unsqueeze(0).contiguous()
             hx = (start, start) if isinstance(self.rnn, nn.LSTM) else start
@@ -337,27 +348,33 @@ def _autograd_columns(f, calls, columns):
 
 
 CUT = [
-    (nn.LSTM, True, False, 1),
-    (nn.LSTM, False, True, 2),
-    (nn.GRU, True, True, 2),
-    (nn.RNN, False, False, 1),
+    (nn.LSTM, True, False, 1, False),
+    (nn.LSTM, False, True, 2, False),
+    (nn.LSTM, False, True, 2, True),
+    (nn.GRU, True, True, 2, False),
+    (nn.GRU, True, False, 1, True),
+    (nn.RNN, False, False, 1, False),
 ]
 
 
 @pytest.mark.oracle
 @pytest.mark.parametrize(
-    "kind, batch_first, bidirectional, layers",
+    "kind, batch_first, bidirectional, layers, given_state",
     CUT,
-    ids=[f"{k.__name__}-{'bf' if b else 'tf'}-{d + 1}dir-{n}layers" for k, b, d, n in CUT],
+    ids=[
+        f"{k.__name__}-{'bf' if b else 'tf'}-{d + 1}dir-{n}layers{'-state' if h else ''}"
+        for k, b, d, n, h in CUT
+    ],
 )
 def test_the_columns_backward_pass_goes_through_the_unrolled_recurrence_exactly(
-    kind, batch_first, bidirectional, layers
+    kind, batch_first, bidirectional, layers, given_state
 ):
     """After other layers, a recurrent layer cuts the pass: the earlier layers' output
     gradients come through its unrolling, equal autograd's, and its rule reuses the pullback;
     the fits equal the dense float64 GGN."""
     torch.manual_seed(0)
-    model = AfterEmbedding(kind, batch_first, bidirectional, layers).double().eval()
+    model = AfterEmbedding(kind, batch_first, bidirectional, layers, None, given_state)
+    model = model.double().eval()
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, VOCAB, (6, 5), generator=gen)
     f, calls = _recorded(model, tokens)
