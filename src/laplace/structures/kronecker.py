@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from laplace.curvature.engine.kfac_rules import LowRankShape
 from laplace.curvature.engine.per_sample import PerSampleTrace
 from laplace.structures import large_output
 from laplace.structures.jacobians import HeadFeatures, Jacobian, LayerTrace
@@ -34,6 +33,7 @@ from laplace.structures.posterior import ClosedForm, Posterior, running_sum
 from laplace.utils.diag_lowrank import (
     DiagLowRank,
     DiagLowRankBatch,
+    LowRankShape,
     factor_from_state,
     factor_shape,
     factor_state,
@@ -250,13 +250,8 @@ class KronPosterior(Posterior):
         """
         H, itemsize = self.H, self.itemsize
         if H.factors is not None:
-            kfacs = H.factors.kfacs
-            shapes = [
-                [LowRankShape(len(F.diag)) if isinstance(F, DiagLowRank) else F.shape for F in b]
-                for b in kfacs
-            ]  # a diagonal-plus-low-rank factor is no dense (C, C) matrix
-            numbers = _kron_numbers(shapes, self.max_rank, self.corrected)
-            return (numbers + _low_rank_prediction_numbers(kfacs)) * itemsize
+            numbers = _kron_numbers(H.factors.shapes, self.max_rank, self.corrected)
+            return (numbers + _low_rank_prediction_numbers(H.factors.kfacs)) * itemsize
         # built from eigenpairs (a per-output posterior's combination): theirs, twice
         pairs = [t for part in H._pairs() for block in part for t in block]
         return 2 * sum(t.numel() * itemsize for t in pairs if isinstance(t, Tensor))
@@ -266,7 +261,7 @@ class KronPosterior(Posterior):
     def zeros(cls, params: Sequence[Tensor], shapes: list | None = None) -> Kron:
         """Zero factors of the backend's block ``shapes`` (``G ⊗ A`` per weight when None).
 
-        A [`LowRankShape`][laplace.curvature.engine.kfac_rules.LowRankShape] is a zero
+        A [`LowRankShape`][laplace.utils.diag_lowrank.LowRankShape] is a zero
         ``DiagLowRank``.
         """
         device, dtype = params[0].device, params[0].dtype

@@ -25,6 +25,7 @@ __all__ = [
     "DiagLowRank",
     "DiagLowRankBatch",
     "LowRankKronBlock",
+    "LowRankShape",
     "checked_scalar",
     "factor_from_state",
     "factor_shape",
@@ -47,6 +48,18 @@ def checked_scalar(value: float | Tensor, owner: str) -> float | Tensor:
     if not is_real_scalar(value):
         raise ValueError(f"{owner} can only be multiplied by a scalar, got {value!r}.")
     return value.reshape(()) if isinstance(value, Tensor) else value
+
+
+class LowRankShape(tuple):
+    """The shape ``(m, m)`` of a factor kept as a diagonal plus a low-rank term.
+
+    Equal to the tuple ``(m, m)``; its type tells a zero curvature to hold a
+    ``DiagLowRank`` there instead of a dense matrix.
+    """
+
+    def __new__(cls, size: int) -> LowRankShape:
+        """The shape ``(size, size)``."""
+        return super().__new__(cls, (size, size))
 
 
 class DiagLowRankBatch:
@@ -489,7 +502,7 @@ def factor_state(F: Tensor | DiagLowRank) -> Tensor | dict[str, Tensor]:
 def factor_shape(state: Tensor | dict[str, Tensor]) -> tuple[int, ...]:
     """The shape of the factor a ``factor_state`` entry stands for."""
     if isinstance(state, dict):
-        return (len(state.get("diag", ())),) * 2
+        return LowRankShape(len(state.get("diag", ())))
     return tuple(state.shape)
 
 

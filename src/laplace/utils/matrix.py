@@ -35,7 +35,12 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from laplace.utils.diag_lowrank import DiagLowRank, LowRankKronBlock, checked_scalar
+from laplace.utils.diag_lowrank import (
+    DiagLowRank,
+    LowRankKronBlock,
+    LowRankShape,
+    checked_scalar,
+)
 from laplace.utils.linalg import symeig
 
 __all__ = ["Kron", "KronDecomposed"]
@@ -128,8 +133,11 @@ class Kron:
 
     @property
     def shapes(self) -> list[list[tuple[int, ...]]]:
-        """Per block the shapes of its factors."""
-        return [[tuple(F.shape) for F in block] for block in self.kfacs]
+        """Per block the shapes of its factors (a ``LowRankShape`` for a ``DiagLowRank``)."""
+        return [
+            [LowRankShape(len(F)) if isinstance(F, DiagLowRank) else tuple(F.shape) for F in b]
+            for b in self.kfacs
+        ]
 
     def _check_same_structure(self, other: Kron) -> None:
         if not isinstance(other, Kron):

@@ -21,7 +21,6 @@ from laplace.curvature.engine.kfac_rules import (
     KFAC_DENSE_LIMIT,
     Block,
     KfacRule,
-    LowRankShape,
     as_uses,
     block_shapes,
     module_name,
@@ -36,7 +35,7 @@ from laplace.curvature.engine.per_sample import (
 )
 from laplace.curvature.engine.square_sums import row_product_squares, row_token_pairs
 from laplace.utils.data import posterior_dtype
-from laplace.utils.diag_lowrank import DiagLowRank
+from laplace.utils.diag_lowrank import DiagLowRank, LowRankShape
 from laplace.utils.linalg import add_gram_upper_, mirror_upper_
 from laplace.utils.matrix import Kron, StructuredKron
 
@@ -193,6 +192,15 @@ def _output_divisor(block: Block, root: float, n_data: int) -> float:
     return root * n_data if block.rule.inputs_first else root
 
 
+def _output_position(block: Block) -> int:
+    """Where a block keeps its output-gradient factor: 1 for an input-first weight, else 0.
+
+    An input-first weight's block is ``A ⊗ G``; any other weight's is ``G ⊗ A``, and a bias's
+    only factor is its ``G``.
+    """
+    return 1 if block.kind == "kron" and block.rule.inputs_first else 0
+
+
 def _sum_into(
     into: Kron, plan: list[Block], shared: set[tuple], sums: tuple[dict, dict, dict]
 ) -> None:
@@ -206,7 +214,7 @@ def _sum_into(
         if block.kind in ("dense", "diag"):
             exact[slot] = factors[0]
             continue
-        out = 1 if block.kind == "kron" and block.rule.inputs_first else 0
+        out = _output_position(block)
         if block.kind == "kron":
             A[block.key] = factors[1 - out]
         if block.key not in shared:
@@ -446,9 +454,8 @@ def kfac(
         for slot, block in enumerate(plan):
             if block.key in shared and block.key in G:
                 weight = block.kind == "kron"
-                out = 1 if weight and block.rule.inputs_first else 0
                 alpha = 1 / _output_divisor(block, root, n_data) if weight else 1.0
-                into.kfacs[slot][out].add_(G[block.key], alpha=alpha)
+                into.kfacs[slot][_output_position(block)].add_(G[block.key], alpha=alpha)
         return into
     shapes = block_shapes(plan, engine.needed)
     blocks: list[list[Tensor]] = []
@@ -458,12 +465,12 @@ def kfac(
         elif block.kind == "bias":
             blocks.append([_or_zeros(G, block.key, p, shape[0], max_rank)])
         else:
-            out = 1 if block.rule.inputs_first else 0
+            out = _output_position(block)
             G_m = _or_zeros(G, block.key, p, shape[out], max_rank)
             if block.key in shared:
                 G_m = G_m / _output_divisor(block, root, n_data)
             factors = [G_m, _or_zeros(A, block.key, p, shape[1 - out])]
-            blocks.append(factors[::-1] if block.rule.inputs_first else factors)
+            blocks.append(factors[::-1] if out else factors)
     return StructuredKron(blocks) if low_rank else Kron(blocks)
 
 

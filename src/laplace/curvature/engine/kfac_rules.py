@@ -24,6 +24,7 @@ from laplace.curvature.engine.layer_rules import (
     conv_patches,
     tiled_call,
 )
+from laplace.utils.diag_lowrank import LowRankShape
 
 __all__ = [
     "GROUPED_KFAC_RULES",
@@ -32,7 +33,6 @@ __all__ = [
     "OPTIONAL_KFAC_RULES",
     "Block",
     "KfacRule",
-    "LowRankShape",
     "as_uses",
     "block_shapes",
     "check_gradient_factor_first",
@@ -216,18 +216,6 @@ def kfac_rule(module: nn.Module) -> KfacRule | None:
     cls = type(module)
     rule = KFAC_RULES.get(cls) or OPTIONAL_KFAC_RULES.get(cls.__module__, {}).get(cls.__qualname__)
     return rule if rule is not None and rule.check(module) is None else None
-
-
-class LowRankShape(tuple):
-    """The shape ``(m, m)`` of a factor kept as a diagonal plus a low-rank term.
-
-    Equal to the tuple ``(m, m)``; its type tells a zero curvature to hold a
-    ``DiagLowRank`` there instead of a dense matrix.
-    """
-
-    def __new__(cls, size: int) -> LowRankShape:
-        """The shape ``(size, size)``."""
-        return super().__new__(cls, (size, size))
 
 
 class Block(NamedTuple):
