@@ -11,10 +11,11 @@ Patterns (``BLOCK_KINDS``): a Linear called twice, a custom module with raw para
 its own forward, an adapter calling ``F.linear(x, base.weight)`` beside ``base(x)``, in-place
 ops on non-leaf tensors, LayerNorm and BatchNorm in eval mode, activation checkpointing,
 ``nn.MultiheadAttention`` (batch- or sequence-first, causal or padding masks, ``need_weights``
-either way) and ``nn.TransformerEncoderLayer``. Heads: a Linear, a Linear sharing the token
-table's weight, or a bare ``h @ wte.weight.T``. Position tables are looked up broadcast
-``wpe(arange(T)[None])`` or without a batch dimension ``wpe(arange(T))``, with T equal to the
-batch size in some examples.
+either way), ``nn.TransformerEncoderLayer`` and ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` (either
+layout, one or two directions, with or without a connection around the layer). Heads: a
+Linear, a Linear sharing the token table's weight, or a bare ``h @ wte.weight.T``. Position
+tables are looked up broadcast ``wpe(arange(T)[None])`` or without a batch dimension
+``wpe(arange(T))``, with T equal to the batch size in some examples.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ MAX_PARAMETERS = 400
 #: Patterns that read (B, D) vectors or (B, T, D) sequences alike.
 POINTWISE_BLOCKS = ("reuse", "raw-parameters", "adapter", "in-place", "norm", "checkpoint")
 #: Patterns that mix the positions of a sequence.
-SEQUENCE_BLOCKS = ("attention", "encoder-layer")
+SEQUENCE_BLOCKS = ("attention", "encoder-layer", "recurrent")
+#: The recurrent pattern's layers.
+RECURRENT_CELLS = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn": nn.RNN}
 BLOCK_KINDS = POINTWISE_BLOCKS + SEQUENCE_BLOCKS
 
 #: Input stages: token ids, token ids under ``"input_ids"`` of a dict, continuous sequences
@@ -54,10 +57,13 @@ class Block:
     Attributes:
         kind: One of ``BLOCK_KINDS``.
         heads: Attention heads (attention, encoder layer).
-        batch_first: Attention layout (attention, encoder layer).
+        batch_first: Layout (attention, encoder layer, recurrent).
         mask: ``None``, ``"causal"`` or ``"padding"`` (attention).
         need_weights: Whether attention also returns its weights (attention).
         norm: ``"layer"`` or ``"batch"`` (norm).
+        cell: A ``RECURRENT_CELLS`` key (recurrent).
+        bidirectional: Whether the layer runs both directions (recurrent).
+        residual: Whether the block adds its input to the layer's output (recurrent).
     """
 
     kind: str
@@ -66,6 +72,9 @@ class Block:
     mask: str | None = None
     need_weights: bool = False
     norm: str = "layer"
+    cell: str = "lstm"
+    bidirectional: bool = False
+    residual: bool = False
 
 
 @dataclass(frozen=True)
@@ -262,6 +271,28 @@ class EncoderLayer(nn.Module):
         return self.layer(h.transpose(0, 1)).transpose(0, 1)
 
 
+class Recurrent(nn.Module):
+    """A recurrent layer on (B, T, D) in the drawn layout, its directions summed back to D.
+
+    With ``residual`` the block returns ``h +`` the layer's output: the earlier layers then
+    reach the output around the layer as well as through it.
+    """
+
+    def __init__(self, width: int, block: Block):
+        super().__init__()
+        self.block = block
+        self.rnn = RECURRENT_CELLS[block.cell](
+            width, width, batch_first=block.batch_first, bidirectional=block.bidirectional
+        )
+
+    def forward(self, h):
+        out, _ = self.rnn(h if self.block.batch_first else h.transpose(0, 1))
+        out = out if self.block.batch_first else out.transpose(0, 1)
+        if self.block.bidirectional:
+            out = out[..., : h.shape[-1]] + out[..., h.shape[-1] :]
+        return h + out if self.block.residual else out
+
+
 def block_module(block: Block, width: int) -> nn.Module:
     """The module of ``block`` on hidden states of width ``width``."""
     simple = {
@@ -277,6 +308,8 @@ def block_module(block: Block, width: int) -> nn.Module:
         return Norm(width, block.norm)
     if block.kind == "attention":
         return Attention(width, block)
+    if block.kind == "recurrent":
+        return Recurrent(width, block)
     return EncoderLayer(width, block)
 
 
@@ -450,6 +483,14 @@ def blocks(draw, width: int, sequence: bool) -> Block:
         return Block(kind, norm=draw(st.sampled_from(["layer", "batch"])))
     if kind not in SEQUENCE_BLOCKS:
         return Block(kind)
+    if kind == "recurrent":
+        return Block(
+            kind,
+            batch_first=draw(st.booleans()),
+            cell=draw(st.sampled_from(sorted(RECURRENT_CELLS))),
+            bidirectional=draw(st.booleans()),
+            residual=draw(st.booleans()),
+        )
     heads = draw(st.sampled_from([h for h in (1, 2) if width % h == 0]))
     if kind == "encoder-layer":
         return Block(kind, heads=heads, batch_first=draw(st.booleans()))

@@ -5,7 +5,8 @@ weights tied through a shared module or used as a bare tensor, raw parameters in
 modules, adapters calling ``F.linear`` on a base layer's weight, position tables broadcast or
 looked up without a batch dimension (with T equal to the batch size or not), a table's row
 read off its weight or its weight held by a second table, attention and
-encoder layers in either layout with masks, activation checkpointing, in-place ops, norms in
+encoder layers in either layout with masks, LSTM, GRU and RNN layers (one or two directions,
+with or without a connection around them), activation checkpointing, in-place ops, norms in
 eval mode, dict inputs and tiny Hugging Face GPT-2, BERT and Llama. On each, the native engine
 must give the exact GGN (``conftest.Oracle``) in diag, full, the GLM variances, low rank and
 last-layer form, exact Kron blocks where it plans them (or refuse a Kronecker-factored weight
@@ -126,7 +127,49 @@ def parameter_rows(model: torch.nn.Module):
         start += p.numel()
 
 
+#: Recurrent layers whichever way the columns' backward pass goes: cut at the layer (an
+#: embedding and positions reaching the output only through a bidirectional sequence-first
+#: LSTM), or through the fused kernels (a connection around a GRU; two recurrent layers).
+RECURRENT = [
+    Blueprint(
+        "tokens",
+        "classification",
+        width=3,
+        seq_len=4,
+        n_points=5,
+        batch_size=3,
+        n_out=3,
+        positions="broadcast",
+        blocks=(Block("recurrent", batch_first=False, cell="lstm", bidirectional=True),),
+        readout="last",
+    ),
+    Blueprint(
+        "dict",
+        "regression",
+        width=2,
+        seq_len=3,
+        n_points=4,
+        batch_size=2,
+        n_out=2,
+        blocks=(Block("recurrent", cell="gru", residual=True),),
+    ),
+    Blueprint(
+        "sequence",
+        "classification",
+        width=2,
+        seq_len=3,
+        n_points=3,
+        batch_size=3,
+        n_out=3,
+        blocks=(Block("recurrent", cell="rnn"), Block("recurrent", cell="lstm")),
+    ),
+]
+
+
 @examples("diag_full")
+@pinned(RECURRENT[0])
+@pinned(RECURRENT[1])
+@pinned(RECURRENT[2])
 @given(blueprints())
 def test_diag_and_full_equal_the_dense_ggn(blueprint: Blueprint):
     example = build(blueprint)
@@ -136,6 +179,8 @@ def test_diag_and_full_equal_the_dense_ggn(blueprint: Blueprint):
 
 
 @examples("glm")
+@pinned(RECURRENT[0])
+@pinned(RECURRENT[1])
 @given(blueprints())
 def test_glm_variances_of_full_are_j_inverse_precision_jt(blueprint: Blueprint):
     example = build(blueprint)
@@ -162,6 +207,8 @@ FOLDED_BATCH = Blueprint(
 
 @examples("kron")
 @pinned(FOLDED_BATCH)
+@pinned(RECURRENT[0])
+@pinned(RECURRENT[2])
 @given(blueprints())
 def test_kron_blocks_are_exact_or_refused(blueprint: Blueprint):
     """Every curved parameter has a nonzero block and its planned exact blocks equal the
