@@ -241,6 +241,31 @@ def test_recurrent_diag_exact_blocks_and_glm_variances_equal_the_oracle(
     assert_close(kron._functional_moments(X[:4])[1], expected, rtol=1e-7, atol=1e-10)
 
 
+@pytest.mark.oracle
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.RNN], ids=["LSTM", "RNN"])
+def test_recurrent_weights_read_from_one_joined_product_give_kron_their_exact_diagonal(kind):
+    """With no dense blocks, both weights of each direction of a layer whose cell reads
+    ``ih + hh`` come from one product of the joined inputs; Kron's diagonal blocks of them are
+    the GGN's diagonal."""
+    model = recurrent(kind, True, True, 2)
+    gen = torch.Generator().manual_seed(2)
+    X = torch.randn(7, 5, 3, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, N_CLASSES, (7,), generator=gen)
+    ggn = Oracle(model, "classification").ggn(X)
+    kron = KronLaplace(model, "classification", backend_kwargs={"kfac_dense_limit": 0})
+    kron.fit(loader(X, y))
+    start, checked = 0, 0
+    for (p_name, p), block in zip(model.named_parameters(), kron.H_facs.kfacs):
+        stop = start + p.numel()
+        if p_name.startswith("rnn.weight"):
+            assert len(block) == 1 and block[0].ndim == 1, p_name
+            expected = ggn[start:stop, start:stop].diagonal()
+            assert_close(block[0], expected, rtol=RTOL, atol=ATOL)
+            checked += 1
+        start = stop
+    assert checked == 8  # ih and hh, 2 layers, 2 directions
+
+
 class Packed(nn.Module):
     def __init__(self):
         super().__init__()
