@@ -231,10 +231,10 @@ class GuardTimer:
             return self
         self.module, self.verify = per_sample, per_sample.verify
 
-        def timed_verify(engine, f, calls):
+        def timed_verify(engine, *pass_):  # the recorded pass (f, calls, and the inputs)
             start = time.perf_counter()
             try:
-                return self.verify(engine, f, calls)
+                return self.verify(engine, *pass_)
             finally:
                 seconds = time.perf_counter() - start
                 self.per_engine.setdefault(id(engine), []).append(seconds)

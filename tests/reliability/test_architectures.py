@@ -166,7 +166,31 @@ RECURRENT = [
 ]
 
 
+#: A GRU and a sequence-first encoder layer on batches of 2 sequences of 2 tokens: the
+#: layer's feed-forward outputs (T, B, 3) have the batch's size in front, their rows are
+#: positions. Dead units of the first batch hid the mix from the gradients' scale check, and
+#: the full GGN of the later batches was wrong until the rows' values were checked too.
+MIXED_BEHIND_DEAD_UNITS = Blueprint(
+    "dict",
+    "classification",
+    width=5,
+    seq_len=2,
+    n_points=7,
+    batch_size=2,
+    positions="broadcast",
+    blocks=(
+        Block("recurrent", batch_first=False, cell="gru"),
+        Block("encoder-layer", batch_first=False),
+    ),
+    readout="last",
+    head="bare",
+    vocab=5,
+    seed=25536,
+)
+
+
 @examples("diag_full")
+@pinned(MIXED_BEHIND_DEAD_UNITS)
 @pinned(RECURRENT[0])
 @pinned(RECURRENT[1])
 @pinned(RECURRENT[2])

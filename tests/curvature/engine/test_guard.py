@@ -152,6 +152,42 @@ def test_attention_tables_and_sequence_first_layers_need_no_fallback(name):
     assert trace.layerwise, trace.exact_reasons
 
 
+class SequenceFirstReLU(torch.nn.Module):
+    """(B, T, 2) read sequence-first by a Linear and a ReLU at every position, the last read out.
+
+    With T equal to the batch size the Linear's outputs (T, B, 3) look like one row per data
+    point; their rows are positions, each mixing the data points.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(2, 3)
+        self.head = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.inner(x.transpose(0, 1)))[-1])
+
+
+@pytest.mark.parametrize("structure", ["diag", "full"])
+def test_rows_mixed_where_the_checked_batch_has_dead_units_are_caught_by_their_values(structure):
+    """On the first batch, the first data point's units are all inactive at the position read
+    out, so the gradients of the Linear's rows scale as one data point's each; the second batch
+    mixes them. The check of the rows' values (a data point's inputs changed) sees the mix
+    on the first batch, so every batch is exact."""
+    model = SequenceFirstReLU().double().eval()
+    with torch.no_grad():
+        model.inner.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
+        model.inner.bias.zero_()
+    X = torch.rand(4, 2, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    X = X + 0.5
+    X[0, -1] = -1.0  # every unit of the first data point inactive at the last position
+    y = torch.tensor([0, 1, 2, 0])
+    la = Laplace(model, "classification", "all", structure)
+    la.fit(loader(X, y, batch_size=2))
+    ggn = Oracle(model, "classification").ggn(X)
+    assert_close(la.H, ggn.diagonal() if structure == "diag" else ggn, rtol=RTOL, atol=ATOL)
+
+
 def test_a_model_the_engine_sees_whole_has_an_empty_verdict():
     _, X, _ = build("position-table-T-not-B")
     backend = CurvlinopsGGN(BatchedPositionTable().double(), "classification")

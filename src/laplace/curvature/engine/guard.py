@@ -8,9 +8,11 @@ data points (a table looked up without a batch dimension, sequence-first layouts
 
 ``verify`` checks both once per shape signature of the pass: for a random output column ``v``
 the gradient the rules reconstruct from the recorded calls must equal autograd's gradient of
-``vᵀ f`` for every parameter, and scaling data point n's outputs by ``sₙ`` must scale each
-recorded row's gradient by ``sₙ``. A parameter that fails is listed in the ``Verdict``; the
-trace then takes it through autograd, one backward pass per data point.
+``vᵀ f`` for every parameter, scaling data point n's outputs by ``sₙ`` must scale each
+recorded row's gradient by ``sₙ``, and, where an output's shape leaves its rows in doubt
+(the batch's size in front and behind), changing one data point's inputs must change no
+other row. A parameter that fails is listed in the ``Verdict``; the trace then takes it
+through autograd, one backward pass per data point.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map_only
 
-from laplace.curvature.engine.capture import gradient_type
+from laplace.curvature.engine.capture import gradient_type, record_forward
 from laplace.curvature.engine.kfac_rules import module_name
 from laplace.curvature.engine.layer_rules import (
     ModuleCall,
@@ -29,10 +32,13 @@ from laplace.curvature.engine.layer_rules import (
     conv_patches,
     per_sample_grads,
 )
+from laplace.utils.data import Inputs
 
 __all__ = [
     "GUARD_CHUNK_ELEMENTS",
     "HALF_PRECISION",
+    "OTHER_POINT_HALF",
+    "OTHER_POINT_TOLERANCE",
     "ROUNDOFF_FACTOR",
     "ROW_FLOOR",
     "SCALE_TOLERANCE",
@@ -55,6 +61,12 @@ SCALE_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-3}
 #: Types of recorded outputs the row check passes over: their gradients underflow, so a
 #: row's scale is not seen (the gradient check still covers their parameters).
 HALF_PRECISION = (torch.float16, torch.bfloat16)
+
+#: Largest change of an output's rows of the other data points, when one data point's inputs
+#: change, as a share of its largest entry, by the type of the outputs (other types:
+#: ``OTHER_POINT_HALF``): round-off. Rows that mix data points change by about their size.
+OTHER_POINT_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
+OTHER_POINT_HALF = 5e-2
 
 #: Rows of an output's gradient may deviate by this share of its largest row (round-off of
 #: rows far below it).
@@ -145,6 +157,70 @@ def _mixed_rows(
             if g is not None and not _scaled_rows(
                 g.to(scales.dtype), h.to(scales.dtype), z, scales, tolerance
             ):
+                mixed.add(index)
+    return mixed
+
+
+def _dropped(_: object) -> None:
+    """A saved tensor of a forward pass never differentiated, not kept."""
+
+
+def _rows_reached_by_another_point(
+    engine: object, x: Inputs, f: Tensor, calls: Sequence[ModuleCall]
+) -> set[int]:
+    """Indices of the calls whose output rows change when another data point's inputs do.
+
+    Asked of the outputs whose shapes leave their rows in doubt: the batch's size in front and
+    again behind it, as in a sequence-first layout (T, B, ...) with as many positions as data
+    points, whose rows are positions, each mixing the data points. The model runs again with
+    the first data point's inputs replaced by those of the first one that differs (every input
+    tensor whose leading size is the batch's), recorded as the pass was; in an output that is
+    one row per data point only the first row may change. This reads the outputs' values, not
+    their gradients: units inactive for some data points of the checked batch (dead ReLUs)
+    can hide the mix from ``_mixed_rows``, and a later batch of the same signature would then
+    meet it unchecked. Calls that the changed batch does not repeat in order all count as
+    mixed. A model with a module in training mode is not run again: its forward has effects
+    of its own (batch statistics, dropout draws).
+    """
+    batch = len(f)
+    doubtful = {
+        index
+        for index, call in enumerate(calls)
+        if any(z.dim() > 1 and len(z) == batch and batch in z.shape[1:] for z in call.outputs)
+    }
+    if not doubtful or any(module.training for module in engine.model.modules()):
+        return set()
+    rows = [t for t in tree_flatten(x)[0] if isinstance(t, Tensor) and t.dim() and len(t) == batch]
+    other = next((n for n in range(1, batch) if any(not t[n].equal(t[0]) for t in rows)), None)
+    if other is None:  # every data point's inputs are the first's: nothing to tell apart
+        return set()
+
+    def changed(t: Tensor) -> Tensor:
+        if t.dim() == 0 or len(t) != batch:
+            return t
+        t = t.clone()
+        t[0] = t[other]
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(_dropped, _dropped):  # no backward: keep none
+        _, again = record_forward(
+            engine.model,
+            engine.owners,
+            tree_map_only(Tensor, changed, x),
+            False,
+            dict(engine.shared),
+            engine.dtype,
+        )
+    if [call.module for call in again] != [call.module for call in calls]:
+        return set(range(len(calls)))
+    mixed = set()
+    for index in sorted(doubtful):
+        for z, w in zip(calls[index].outputs, again[index].outputs):
+            if z.dim() == 0 or len(z) != batch or w.shape != z.shape:
+                continue
+            tolerance = OTHER_POINT_TOLERANCE.get(z.dtype, OTHER_POINT_HALF)
+            scale = float(z.detach().abs().max()) if z.numel() else 0.0
+            if not bool(((w[1:].detach() - z[1:].detach()).abs() <= tolerance * scale).all()):
                 mixed.add(index)
     return mixed
 
@@ -422,13 +498,14 @@ def _looked_up_only(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> s
     return {slot for slot, nodes in consumers.items() if nodes and nodes <= lookups[slot]}
 
 
-def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> Verdict:
+def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall], x: Inputs) -> Verdict:
     """Check a recorded pass against autograd (see the module); the verdict for its signature.
 
     Args:
         engine: The ``PerSampleEngine`` that recorded the pass (its ``needed``, ``slot``).
         f: The model output (B, ...), attached to the graph.
         calls: The recorded calls.
+        x: The inputs of the pass.
 
     Returns:
         The parameters the calls do not give exactly, with reasons, and the modules whose
@@ -450,7 +527,9 @@ def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> Verdict:
     if batch > 1 and outputs:
         scaled = v * scales.reshape(-1, *[1] * (f.dim() - 1))
         second = torch.autograd.grad(f, outputs, scaled, retain_graph=True, allow_unused=True)
-        mixed = _mixed_rows(calls, first, second, scales)
+        mixed = _mixed_rows(calls, first, second, scales) | _rows_reached_by_another_point(
+            engine, x, f, calls
+        )
     exact: dict[int, str] = {}
     for index in sorted(mixed):
         call = calls[index]

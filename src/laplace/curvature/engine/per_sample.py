@@ -143,7 +143,7 @@ class PerSampleEngine:
             self.model, self.owners, x, create_graph, self.shared, self.dtype
         )
         f = upcast(f, self.dtype)  # the rules compute in the results' type
-        verdict = self.verdict(f, calls)
+        verdict = self.verdict(f, calls, x)
         if verdict.mixed_rows - set(self.shared):  # tables looked up without a batch dim?
             f, calls = record_forward(
                 self.model,
@@ -155,12 +155,12 @@ class PerSampleEngine:
                 lift=verdict.mixed_rows,
             )
             f = upcast(f, self.dtype)
-            verdict = self.verdict(f, calls)
+            verdict = self.verdict(f, calls, x)
         recorded = sum(z.numel() * z.element_size() for call in calls for z in call.outputs)
         self.row_bytes = recorded // max(1, len(f) if f.dim() else 1)
         return PerSampleTrace(self, f, calls, create_graph, verdict)
 
-    def verdict(self, f: Tensor, calls: list[ModuleCall]) -> Verdict:
+    def verdict(self, f: Tensor, calls: list[ModuleCall], x: Inputs) -> Verdict:
         """The attribution guard's verdict on a recorded pass, checked once per signature.
 
         The signature includes how each call was recorded (``shared``): a pass recorded anew
@@ -168,7 +168,7 @@ class PerSampleEngine:
         """
         key = (signature(f, calls), *(self.shared.get(call.module, False) for call in calls))
         if key not in self.verdicts:
-            self.verdicts[key] = verify(self, f, calls)
+            self.verdicts[key] = verify(self, f, calls, x)
         return self.verdicts[key]
 
     def describe(self, slot: int) -> str:
