@@ -258,7 +258,8 @@ def test_kron_blocks_are_exact_or_refused(blueprint: Blueprint):
 
 #: GGNs of low rank on which the default (randomized) low-rank solver returned eigenvalues
 #: above the GGN's largest from a non-orthonormal U, silently, before its Householder
-#: completion was taken off the Krylov basis.
+#: completion was taken off the Krylov basis; the third, a GRU's, after a completion that
+#: kept a column half on the basis (now every column is checked orthogonal to it).
 RANK_DEFICIENT_GGNS = [
     Blueprint(
         "vector",
@@ -281,12 +282,27 @@ RANK_DEFICIENT_GGNS = [
         vocab=3,
         seed=0,
     ),
+    Blueprint(
+        "tokens",
+        "classification",
+        width=2,
+        seq_len=4,
+        n_points=3,
+        batch_size=3,
+        positions="batchless",
+        blocks=(Block("norm", norm="batch"), Block("recurrent", cell="gru")),
+        readout="first",
+        table="row",
+        vocab=3,
+        seed=5260,
+    ),
 ]
 
 
 @examples("lowrank")
 @pinned(RANK_DEFICIENT_GGNS[0])
 @pinned(RANK_DEFICIENT_GGNS[1])
+@pinned(RANK_DEFICIENT_GGNS[2])
 @given(blueprints())
 def test_lowrank_is_the_top_of_the_dense_ggn(blueprint: Blueprint):
     """Two eigenvalues: the top two of the GGN, those at or below ``EIGENVALUE_THRESHOLD``

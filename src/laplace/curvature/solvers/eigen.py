@@ -103,8 +103,15 @@ def _orthonormal(block: Tensor, basis: Tensor | None) -> Tensor:
     """Orthonormal columns spanning ``block`` projected off ``basis`` (twice, for stability).
 
     Shifted Cholesky QR, then Cholesky QR twice; Householder QR when the block is numerically
-    rank deficient, its columns completed with random directions off the basis.
+    rank deficient, its columns completed with random directions off the basis. Whatever the
+    route, the columns are returned only orthonormal and orthogonal to the basis (to
+    ``100 · eps · b``): a basis that is not would make the Rayleigh–Ritz values exceed the
+    curvature's eigenvalues.
+
+    Raises:
+        RuntimeError: If three rounds of random directions leave a column on the basis.
     """
+    tolerance = 100 * torch.finfo(block.dtype).eps * block.shape[1]
     Q: Tensor | None = block
     for step in range(3):
         if basis is not None and step < 2 and Q is not None:
@@ -113,7 +120,6 @@ def _orthonormal(block: Tensor, basis: Tensor | None) -> Tensor:
     if Q is not None:  # accepted when orthonormal and orthogonal to the basis
         eye = torch.eye(block.shape[1], dtype=block.dtype, device=block.device)
         errors = [Q.T @ Q - eye, *([] if basis is None else [basis.T @ Q])]
-        tolerance = 100 * torch.finfo(block.dtype).eps * block.shape[1]
         if all(bool((error.abs() <= tolerance).all()) for error in errors):
             return Q
     Q = block
@@ -125,15 +131,18 @@ def _orthonormal(block: Tensor, basis: Tensor | None) -> Tensor:
         if basis is None:
             return Q
         # Householder QR completes a rank-deficient block (an invariant subspace: H K in the
-        # span of K) with arbitrary directions, not off the basis: replace what the basis
-        # holds by random directions and orthonormalise again
-        kept = (Q - basis @ (basis.T @ Q)).norm(dim=0) > 0.5
-        if bool(kept.all()) or attempt == 2:
+        # span of K, whose remainder is round-off) with directions that need not be off the
+        # basis: replace the columns the basis still holds by random directions, and again
+        kept = (basis.T @ Q).abs().amax(0) <= tolerance
+        if bool(kept.all()):
             return Q
         generator = torch.Generator(device=Q.device).manual_seed(attempt)
         fresh = torch.randn(Q.shape, generator=generator, device=Q.device, dtype=Q.dtype)
         Q = torch.where(kept, Q, fresh)
-    return Q
+    raise RuntimeError(
+        "the eigensolver could not extend its basis by directions orthogonal to it; use "
+        "solver='lanczos' or fewer n_eigenvalues."
+    )
 
 
 def _symmetric(T: Tensor) -> Tensor:
