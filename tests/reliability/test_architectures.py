@@ -395,16 +395,11 @@ def test_asdl_on_bert_batches_of_one():
     assert_equals_oracle(example, la.H, diagonal)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a row read off the table (h + wte.weight[0]) is a use outside the table's calls; "
-    "on the checked first batch (one data point) the in-place ReLU after it is inactive at the "
-    "position read out, so the guard's gradient check sees no gradient through it and trusts "
-    "the table; later batches of the signature miss that use (open: a check of the "
-    "parameter's consumers on the autograd graph, as tables looked up only have, would not "
-    "depend on the values)",
-)
 def test_a_use_outside_the_module_hidden_by_dead_units_on_the_checked_batch():
+    """A row read off the table (``h + wte.weight[0]``) is a use outside the table's calls. On
+    the checked first batch (one data point) the in-place ReLU after it is inactive at the
+    position read out, so the gradient check sees nothing through it; the guard reads the use
+    off the graph's structure (``guard._read_outside_calls``), and later batches are exact."""
     blueprint = Blueprint(
         "dict",
         "regression",

@@ -249,6 +249,8 @@ def record_forward(
             return None
         recurrent = type(module) in RECURRENT_LAYERS
         sequence_input = _sequence_input(args, kwargs) if recurrent else None
+        inputs = tree_flatten((args, kwargs))[0]
+        input_nodes = frozenset(t.grad_fn for t in inputs if isinstance(t, Tensor) and t.grad_fn)
         if not keep_input_graph:
             args, kwargs = tree_map_only(Tensor, Tensor.detach, (args, kwargs))
         args, kwargs = upcast((args, kwargs), dtype)  # the rules compute in the result's type
@@ -271,7 +273,14 @@ def record_forward(
                 leaves[tensors[j]] = z.movedim(0, dims[j])
         calls.append(
             ModuleCall(
-                module, args, kwargs, outputs, slots, owners[module], sequence_input=sequence_input
+                module,
+                args,
+                kwargs,
+                outputs,
+                slots,
+                owners[module],
+                sequence_input=sequence_input,
+                input_nodes=input_nodes,
             )
         )
         versions.extend(z._version for z in outputs)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from laplace.curvature.engine.capture import gradient_type, record_forward
+from laplace.curvature.engine.capture import _graph_nodes, gradient_type, record_forward
 from laplace.curvature.engine.kfac_rules import module_name
 from laplace.curvature.engine.layer_rules import (
     ModuleCall,
@@ -461,6 +461,42 @@ def _checked(sums: Sums | None, g: Tensor) -> tuple[float, Callable[[float, floa
     return float(size.max()) if size.numel() else 0.0, deviates
 
 
+def _read_outside_calls(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> set[int]:
+    """Slots of parameters that an operation of the graph of ``f`` outside their calls reads.
+
+    Each recorded call's own operations are the graph's nodes between its outputs and the
+    nodes that made its inputs; a parameter's readers are the nodes that take it directly. A
+    reader that is no operation of a call of a module owning the parameter (a row read off a
+    table, ``h @ wte.weight.T``, ``F.linear(h, base.weight)``) is a use the rules do not see.
+    This is read off the graph's structure, not its values: units inactive for every data
+    point of the checked batch (dead ReLUs) can silence such a use in the gradient check, and
+    later batches of the same signature would then miss it.
+    """
+    if f.grad_fn is None:
+        return set()
+    slots = {id(p): slot for slot, p in enumerate(engine.needed)}
+    own: dict[int, set] = {}
+    for call in calls:
+        nodes = _graph_nodes([z.grad_fn for z in call.outputs], stop=call.input_nodes)
+        for name in call.names:
+            own.setdefault(engine.slot[call.module, name], set()).update(nodes - call.input_nodes)
+    readers: dict[int, set] = {}
+    stack, seen = [f.grad_fn], {f.grad_fn}
+    while stack:
+        node = stack.pop()
+        for following, _ in node.next_functions:
+            if following is None or following in seen:
+                continue
+            variable = getattr(following, "variable", None)
+            if variable is not None:
+                if id(variable) in slots:
+                    readers.setdefault(slots[id(variable)], set()).add(node)
+                continue
+            seen.add(following)
+            stack.append(following)
+    return {slot for slot, nodes in readers.items() if not nodes <= own.get(slot, set())}
+
+
 def _looked_up_only(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> set[int]:
     """Slots of tables the graph of ``f`` uses only through the recorded calls' lookups.
 
@@ -540,6 +576,14 @@ def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall], x: Inputs) ->
                 f"{tuple(call.outputs[0].shape)} for a batch of {len(f)}, which are not one "
                 "row per data point",
             )
+    called = {engine.slot[call.module, name] for call in calls for name in call.names}
+    for slot in _read_outside_calls(engine, f, calls):
+        seen = (
+            "its module's calls give only part of its gradient"
+            if slot in called
+            else "no call of its module is recorded"
+        )
+        exact.setdefault(slot, f"it is used outside its module's calls ({seen})")
     remaining = iter(first)
     trusted, per_call = [], []  # the gradients of vᵀ f w.r.t. the outputs of trusted calls
     for index, call in enumerate(calls):

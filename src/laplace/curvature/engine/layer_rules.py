@@ -68,6 +68,8 @@ class ModuleCall:
             the graph (None for other layers, or where it carries no gradient): a backward
             pass of output columns can go on from it past the layer
             (``capture.OutputGradients``).
+        input_nodes: The autograd nodes that made the call's inputs, where the call's own
+            operations begin (``guard``: which operations read a parameter).
     """
 
     module: nn.Module
@@ -78,6 +80,7 @@ class ModuleCall:
     names: list[str]
     cache: dict[str, Tensor] = field(default_factory=dict)
     sequence_input: Tensor | None = None
+    input_nodes: frozenset[object] = frozenset()
 
 
 Rule = Callable[[ModuleCall, Sequence[Tensor]], dict[str, Tensor]]

@@ -253,7 +253,7 @@ class PerSampleTrace:
         self._grads = None
         for call in self.calls:
             call.outputs = [z.detach() for z in call.outputs]
-            call.sequence_input = None
+            call.sequence_input, call.input_nodes = None, frozenset()
 
     @property
     def layerwise(self) -> bool:
