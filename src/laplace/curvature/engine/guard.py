@@ -461,50 +461,57 @@ def _checked(sums: Sums | None, g: Tensor) -> tuple[float, Callable[[float, floa
     return float(size.max()) if size.numel() else 0.0, deviates
 
 
-def _read_outside_calls(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> set[int]:
-    """Slots of parameters that an operation of the graph of ``f`` outside their calls reads.
-
-    Each recorded call's own operations are the graph's nodes between its outputs and the
-    nodes that made its inputs; a parameter's readers are the nodes that take it directly. A
-    reader that is no operation of a call of a module owning the parameter (a row read off a
-    table, ``h @ wte.weight.T``, ``F.linear(h, base.weight)``) is a use the rules do not see.
-    This is read off the graph's structure, not its values: units inactive for every data
-    point of the checked batch (dead ReLUs) can silence such a use in the gradient check, and
-    later batches of the same signature would then miss it.
-    """
-    if f.grad_fn is None:
-        return set()
-    slots = {id(p): slot for slot, p in enumerate(engine.needed)}
-    own: dict[int, set] = {}
-    for call in calls:
-        nodes = _graph_nodes([z.grad_fn for z in call.outputs], stop=call.input_nodes)
-        for name in call.names:
-            own.setdefault(engine.slot[call.module, name], set()).update(nodes - call.input_nodes)
+def _readers(f: Tensor, params: Sequence[Tensor]) -> dict[int, set]:
+    """Per parameter (by index) the nodes of the graph of ``f`` that take it directly."""
+    slots = {id(p): slot for slot, p in enumerate(params)}
     readers: dict[int, set] = {}
-    stack, seen = [f.grad_fn], {f.grad_fn}
+    stack, seen = ([f.grad_fn], {f.grad_fn}) if f.grad_fn is not None else ([], set())
     while stack:
         node = stack.pop()
         for following, _ in node.next_functions:
             if following is None or following in seen:
                 continue
             variable = getattr(following, "variable", None)
-            if variable is not None:
+            if variable is not None:  # a leaf's gradient accumulator
                 if id(variable) in slots:
                     readers.setdefault(slots[id(variable)], set()).add(node)
                 continue
             seen.add(following)
             stack.append(following)
+    return readers
+
+
+def _read_outside_calls(
+    engine: object, calls: Sequence[ModuleCall], readers: dict[int, set]
+) -> set[int]:
+    """Slots of parameters that a node outside their calls reads (``readers``: ``_readers``).
+
+    Each recorded call's own operations are the graph's nodes between its outputs and the
+    nodes that made its inputs. A reader that is no operation of a call of a module owning the
+    parameter (a row read off a table, ``h @ wte.weight.T``, ``F.linear(h, base.weight)``) is
+    a use the rules do not see. This is read off the graph's structure, not its values: units
+    inactive for every data point of the checked batch (dead ReLUs) can silence such a use in
+    the gradient check, and later batches of the same signature would then miss it.
+    """
+    own: dict[int, set] = {}
+    for call in calls:
+        nodes = _graph_nodes([z.grad_fn for z in call.outputs], stop=call.input_nodes)
+        for name in call.names:
+            own.setdefault(engine.slot[call.module, name], set()).update(nodes - call.input_nodes)
     return {slot for slot, nodes in readers.items() if not nodes <= own.get(slot, set())}
 
 
-def _looked_up_only(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> set[int]:
-    """Slots of tables the graph of ``f`` uses only through the recorded calls' lookups.
+def _looked_up_only(
+    engine: object, calls: Sequence[ModuleCall], readers: dict[int, set]
+) -> set[int]:
+    """Slots of tables the graph uses only through the recorded calls' lookups.
 
-    A table's gradient reaches it through the nodes of autograd's graph that consume it. When
-    these are exactly the lookups of recorded ``nn.Embedding`` calls (their outputs' nodes, the
-    outputs not changed in place since), the rule's row sums are its gradient by construction,
-    and the check skips forming autograd's (V, D) gradient of the table. Every other consumer (a
-    head tied as ``h @ wte.weight.T``, a row read directly) leaves the slot to the numeric check.
+    A table's gradient reaches it through the nodes of autograd's graph that read it
+    (``readers``: ``_readers``). When these are exactly the lookups of recorded
+    ``nn.Embedding`` calls (their outputs' nodes, the outputs not changed in place since), the
+    rule's row sums are its gradient by construction, and the check skips forming autograd's
+    (V, D) gradient of the table. Every other reader (a head tied as ``h @ wte.weight.T``, a
+    row read directly) leaves the slot to the numeric check.
     """
     lookups: dict[int, set | None] = {}
     for call in calls:
@@ -515,23 +522,11 @@ def _looked_up_only(engine: object, f: Tensor, calls: Sequence[ModuleCall]) -> s
                 lookups[slot] = None  # another kind of call: the numeric check
             elif lookups.get(slot, set()) is not None and node is not None:
                 lookups.setdefault(slot, set()).add(node)
-    tables = {id(engine.needed[slot]): slot for slot, nodes in lookups.items() if nodes}
-    if not tables or f.grad_fn is None:
-        return set()
-    consumers: dict[int, set] = {slot: set() for slot in tables.values()}
-    stack, seen = [f.grad_fn], {f.grad_fn}
-    while stack:
-        node = stack.pop()
-        for following, _ in node.next_functions:
-            if following is None or following in seen:
-                continue
-            variable = getattr(following, "variable", None)
-            if variable is not None and id(variable) in tables:
-                consumers[tables[id(variable)]].add(node)
-                continue
-            seen.add(following)
-            stack.append(following)
-    return {slot for slot, nodes in consumers.items() if nodes and nodes <= lookups[slot]}
+    return {
+        slot
+        for slot, nodes in lookups.items()
+        if nodes and readers.get(slot) and readers[slot] <= nodes
+    }
 
 
 def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall], x: Inputs) -> Verdict:
@@ -552,7 +547,8 @@ def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall], x: Inputs) ->
     v = torch.randn(f.shape, generator=generator).to(f)
     scales = (1 + torch.rand(batch, generator=generator, dtype=torch.float64)).to(f)
     params = list(engine.needed)
-    tables = _looked_up_only(engine, f, calls)
+    readers = _readers(f, params)
+    tables = _looked_up_only(engine, calls, readers)
     asked = [slot for slot in range(len(params)) if slot not in tables]
     outputs = [z for call in calls for z in call.outputs]
     both = torch.autograd.grad(
@@ -577,7 +573,7 @@ def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall], x: Inputs) ->
                 "row per data point",
             )
     called = {engine.slot[call.module, name] for call in calls for name in call.names}
-    for slot in _read_outside_calls(engine, f, calls):
+    for slot in _read_outside_calls(engine, calls, readers):
         seen = (
             "its module's calls give only part of its gradient"
             if slot in called
