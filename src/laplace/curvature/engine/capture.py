@@ -29,6 +29,7 @@ __all__ = [
     "Columns",
     "OutputGradients",
     "column_chunks",
+    "own_operations",
     "record_forward",
     "recurrent_cut",
 ]
@@ -512,10 +513,21 @@ def recurrent_cut(f: Tensor, calls: Sequence[ModuleCall]) -> int | None:
     if module.training and module.dropout:
         return None
     earlier = {z.grad_fn for c in calls[:cut] for z in c.outputs} - {None}
-    own = _graph_nodes([z.grad_fn for z in call.outputs], stop={x.grad_fn}) - {x.grad_fn}
+    own = own_operations(call)  # its inputs' nodes: the sequence's alone
     if own & earlier or _graph_nodes([f.grad_fn], stop=own) & (earlier | {x.grad_fn}):
         return None
     return cut
+
+
+def own_operations(call: ModuleCall) -> set[object]:
+    """The autograd nodes of a recorded call's own operations.
+
+    Those between its outputs and the nodes that made its inputs (``call.input_nodes``, not
+    included): what a recurrent cut checks (``recurrent_cut``) and where the guard looks for a
+    parameter's readers.
+    """
+    nodes = _graph_nodes([z.grad_fn for z in call.outputs], stop=call.input_nodes)
+    return nodes - call.input_nodes
 
 
 def _graph_nodes(starts: Sequence[object], stop: Collection[object]) -> set[object]:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from laplace.curvature.engine.capture import _graph_nodes, gradient_type, record_forward
+from laplace.curvature.engine.capture import gradient_type, own_operations, record_forward
 from laplace.curvature.engine.kfac_rules import module_name
 from laplace.curvature.engine.layer_rules import (
     ModuleCall,
@@ -495,9 +495,9 @@ def _read_outside_calls(
     """
     own: dict[int, set] = {}
     for call in calls:
-        nodes = _graph_nodes([z.grad_fn for z in call.outputs], stop=call.input_nodes)
+        nodes = own_operations(call)
         for name in call.names:
-            own.setdefault(engine.slot[call.module, name], set()).update(nodes - call.input_nodes)
+            own.setdefault(engine.slot[call.module, name], set()).update(nodes)
     return {slot for slot, nodes in readers.items() if not nodes <= own.get(slot, set())}
 
 
