@@ -160,6 +160,48 @@ def test_a_shared_output_that_is_not_only_broadcast_keeps_the_batched_path():
         backend.kron(X, y, N=5)
 
 
+class CheckpointedAfterPositions(nn.Module):
+    """Tokens, a row of their table and a position table looked up once (1, T, D), then a
+    Linear and tanh under ``checkpoint``: a backward pass runs the block's forward again, its
+    hooks included."""
+
+    def __init__(self, length: int):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, 3), nn.Embedding(length, 3)
+        self.block = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+        self.head = nn.Linear(3, 2)  # outputs (B, 2): no size but the batch's repeats
+        self.checkpointing = True  # the oracle's torch.func transforms do not run through it
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        h = self.tokens(tokens) + self.tokens.weight[0] + self.positions(positions)
+        if self.checkpointing:
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+        else:
+            h = self.block(h)
+        return self.head(h[:, 0])
+
+
+def test_a_checkpointed_block_run_again_by_a_backward_pass_is_not_recorded():
+    """The recording's own checks differentiate while its hooks are on: the checkpointed
+    block's repeated forward must not add calls, or a batch as long as its sequences (B = T)
+    is later read sequence-first, its rows mixing data points (a diagonal entry of 2.8 read
+    as 8.3)."""
+    torch.manual_seed(0)
+    length = 3
+    model = CheckpointedAfterPositions(length).double().eval()
+    X, y = data(5, length)
+    y = y % 2
+    backend = CurvlinopsGGN(model, "classification")
+    diagonals = [backend.diag(X[batch], y[batch], N=5)[1] for batch in (slice(3), slice(3, 5))]
+    diagonals.append(backend.diag(X[:3], y[:3], N=5)[1])
+    model.checkpointing = False
+    oracle = Oracle(model, "classification")
+    for diagonal, batch in zip(diagonals, (slice(3), slice(3, 5), slice(3))):
+        assert_close(diagonal, oracle.ggn(X[batch]).diagonal(), rtol=RTOL, atol=ATOL)
+    assert backend.engine.shared == {model.positions: "expand"}
+
+
 # ------------------------------------------------------------------------ recurrent layers
 class Recurrent(nn.Module):
     """A recurrent classifier: (B, T, 3) → RNN → last step and last hidden state → (B, C)."""

@@ -238,11 +238,13 @@ def record_forward(
     shared = {} if shared is None else shared
     calls: list[ModuleCall] = []
     versions: list[int] = []
-    clone_outputs = False
+    clone_outputs = running = False
     widen: dict[nn.Module, str] = {m: mode for m, mode in shared.items() if mode}
     batch = _first_rows(x)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
+        if not running:  # a checkpointed block's forward repeated by a backward pass
+            return None
         leaves, spec = tree_flatten(output)
         tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         slots = [j for j, i in enumerate(tensors) if leaves[i].requires_grad]
@@ -291,16 +293,24 @@ def record_forward(
             return None
         return tree_unflatten(leaves, spec)
 
+    def forward() -> Tensor:
+        nonlocal running
+        running = True
+        try:
+            return model(x)
+        finally:
+            running = False
+
     def run() -> Tensor:
         nonlocal clone_outputs
         calls.clear()
         versions.clear()
         clone_outputs = False
-        f = model(x)
+        f = forward()
         if versions != [z._version for call in calls for z in call.outputs]:
             calls.clear()
             clone_outputs = True  # an output was modified in place: record copies
-            f = model(x)
+            f = forward()
         return f
 
     def try_widening(candidates: set[nn.Module], mode: str, f: Tensor) -> Tensor:
