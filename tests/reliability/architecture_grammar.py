@@ -12,7 +12,8 @@ its own forward, an adapter calling ``F.linear(x, base.weight)`` beside ``base(x
 ops on non-leaf tensors, LayerNorm and BatchNorm in eval mode, activation checkpointing,
 ``nn.MultiheadAttention`` (batch- or sequence-first, causal or padding masks, ``need_weights``
 either way), ``nn.TransformerEncoderLayer`` and ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` (either
-layout, one or two directions, with or without a connection around the layer). Heads: a
+layout, one or two directions, with or without a connection around the layer); any pattern
+may run under activation checkpointing (``Block.checkpointed``). Heads: a
 Linear, a Linear sharing the token table's weight, or a bare ``h @ wte.weight.T``. Position
 tables are looked up broadcast ``wpe(arange(T)[None])`` or without a batch dimension
 ``wpe(arange(T))``, with T equal to the batch size in some examples.
@@ -64,6 +65,8 @@ class Block:
         cell: A ``RECURRENT_CELLS`` key (recurrent).
         bidirectional: Whether the layer runs both directions (recurrent).
         residual: Whether the block adds its input to the layer's output (recurrent).
+        checkpointed: Whether the block runs under activation checkpointing (any kind; the
+            ``"checkpoint"`` kind is a Linear and tanh that always does).
     """
 
     kind: str
@@ -75,6 +78,7 @@ class Block:
     cell: str = "lstm"
     bidirectional: bool = False
     residual: bool = False
+    checkpointed: bool = False
 
 
 @dataclass(frozen=True)
@@ -203,15 +207,16 @@ class Norm(nn.Module):
 
 
 class Checkpointed(nn.Module):
-    """A Linear and tanh run under ``checkpoint(..., use_reentrant=False)``.
+    """A module run under ``checkpoint(..., use_reentrant=False)``: a backward pass runs its
+    forward again (a Linear and tanh by default).
 
     ``torch.func`` transforms do not run through checkpointing: the oracle's copy of the model
     (:func:`without_checkpointing`) calls the same layers directly.
     """
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, inner: nn.Module | None = None):
         super().__init__()
-        self.inner = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+        self.inner = nn.Sequential(nn.Linear(width, width), nn.Tanh()) if inner is None else inner
         self.checkpointing = True
 
     def forward(self, h):
@@ -303,14 +308,16 @@ def block_module(block: Block, width: int) -> nn.Module:
         "checkpoint": Checkpointed,
     }
     if block.kind in simple:
-        return simple[block.kind](width)
-    if block.kind == "norm":
-        return Norm(width, block.norm)
-    if block.kind == "attention":
-        return Attention(width, block)
-    if block.kind == "recurrent":
-        return Recurrent(width, block)
-    return EncoderLayer(width, block)
+        module = simple[block.kind](width)
+    elif block.kind == "norm":
+        module = Norm(width, block.norm)
+    elif block.kind == "attention":
+        module = Attention(width, block)
+    elif block.kind == "recurrent":
+        module = Recurrent(width, block)
+    else:
+        module = EncoderLayer(width, block)
+    return Checkpointed(width, module) if block.checkpointed else module
 
 
 class Composed(nn.Module):
@@ -479,13 +486,16 @@ def build(blueprint: Blueprint) -> Example:
 def blocks(draw, width: int, sequence: bool) -> Block:
     """One pattern of the body for hidden states of width ``width`` (options it reads only)."""
     kind = draw(st.sampled_from(BLOCK_KINDS if sequence else POINTWISE_BLOCKS))
+    checkpointed = kind != "checkpoint" and draw(st.sampled_from([False, False, False, True]))
     if kind == "norm":
-        return Block(kind, norm=draw(st.sampled_from(["layer", "batch"])))
+        norm = draw(st.sampled_from(["layer", "batch"]))
+        return Block(kind, norm=norm, checkpointed=checkpointed)
     if kind not in SEQUENCE_BLOCKS:
-        return Block(kind)
+        return Block(kind, checkpointed=checkpointed)
     if kind == "recurrent":
         return Block(
             kind,
+            checkpointed=checkpointed,
             batch_first=draw(st.booleans()),
             cell=draw(st.sampled_from(sorted(RECURRENT_CELLS))),
             bidirectional=draw(st.booleans()),
@@ -493,9 +503,11 @@ def blocks(draw, width: int, sequence: bool) -> Block:
         )
     heads = draw(st.sampled_from([h for h in (1, 2) if width % h == 0]))
     if kind == "encoder-layer":
-        return Block(kind, heads=heads, batch_first=draw(st.booleans()))
+        batch_first = draw(st.booleans())
+        return Block(kind, heads=heads, batch_first=batch_first, checkpointed=checkpointed)
     return Block(
         kind,
+        checkpointed=checkpointed,
         heads=heads,
         batch_first=draw(st.booleans()),
         mask=draw(st.sampled_from([None, "causal", "padding"])),
