@@ -216,7 +216,9 @@ def record_forward(
 
     When an output is later modified in place (``ReLU(inplace=True)``), the recorded tensor no
     longer is the layer output; the forward is then repeated with the hooks handing a copy of
-    each output downstream.
+    each output downstream. Calls are recorded only while the model runs forward here: the
+    checks above differentiate the model with the hooks on, and an activation-checkpointed
+    block's forward, which such a backward pass runs again, is not a call of the pass.
 
     Args:
         model: The model to run.
