@@ -188,9 +188,33 @@ MIXED_BEHIND_DEAD_UNITS = Blueprint(
     seed=25536,
 )
 
+#: Found by the grammar run outside the suite: a table looked up without a batch dimension,
+#: ``wpe(arange(T))`` (2, 2), with T, the width and the batch all 2. Every unit after the table
+#: was inactive on the first batch (the table got no gradient there), and its rows do not
+#: change with a data point's inputs; the full GGN's cross terms of the table were 0 (0.21 in
+#: the GGN) until a call whose rows stay where they are when the batch is shifted by one data
+#: point was no longer read as one row per data point (``guard._rows_of_no_data_point``).
+POSITIONS_BEHIND_DEAD_UNITS = Blueprint(
+    "dict",
+    "classification",
+    width=2,
+    seq_len=2,
+    n_points=4,
+    batch_size=2,
+    positions="batchless",
+    blocks=(
+        Block("recurrent", batch_first=False, cell="rnn", bidirectional=True, residual=True),
+        Block("in-place"),
+    ),
+    head="shared",
+    vocab=4,
+    seed=45731,
+)
+
 
 @examples("diag_full")
 @pinned(MIXED_BEHIND_DEAD_UNITS)
+@pinned(POSITIONS_BEHIND_DEAD_UNITS)
 @pinned(RECURRENT[0])
 @pinned(RECURRENT[1])
 @pinned(RECURRENT[2])

@@ -188,6 +188,43 @@ def test_rows_mixed_where_the_checked_batch_has_dead_units_are_caught_by_their_v
     assert_close(la.H, ggn.diagonal() if structure == "diag" else ggn, rtol=RTOL, atol=ATOL)
 
 
+class PositionsBeforeReLU(torch.nn.Module):
+    """(B, T, 3) plus a table looked up without a batch dimension, ``wpe(arange(T))`` (T, 3),
+    a ReLU and the mean over positions. With T equal to the batch size the table's rows look
+    like one row per data point; they are positions, each reached by every data point."""
+
+    def __init__(self, length: int):
+        super().__init__()
+        self.wpe = torch.nn.Embedding(length, 3)
+        self.head = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], device=x.device)
+        return self.head(torch.relu(x + self.wpe(positions)).mean(1))
+
+
+@pytest.mark.parametrize("structure", ["diag", "full"])
+def test_position_rows_where_the_checked_batch_has_dead_units_are_caught_by_their_values(
+    structure,
+):
+    """On the first batch (T = B = 2) the first data point's units are inactive at position 1
+    and the second's at position 0, so each row of the table's gradient scales as one data
+    point's (the gradient check passes); the second batch reaches both rows with both points.
+    The rows' values do not move when the batch is shifted by one data point, which no row of
+    a data point does: every batch is exact (without the check the table's diagonal is off)."""
+    model = PositionsBeforeReLU(2).double().eval()
+    with torch.no_grad():
+        model.wpe.weight.uniform_(0.1, 0.2)
+    X = 0.5 + torch.rand(4, 2, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    X[0, 1] = -1.0
+    X[1, 0] = -1.0
+    y = torch.tensor([0, 1, 2, 0])
+    la = Laplace(model, "classification", "all", structure)
+    la.fit(loader(X, y, batch_size=2))
+    ggn = Oracle(model, "classification").ggn(X)
+    assert_close(la.H, ggn.diagonal() if structure == "diag" else ggn, rtol=RTOL, atol=ATOL)
+
+
 def test_a_model_the_engine_sees_whole_has_an_empty_verdict():
     _, X, _ = build("position-table-T-not-B")
     backend = CurvlinopsGGN(BatchedPositionTable().double(), "classification")

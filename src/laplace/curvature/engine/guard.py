@@ -9,9 +9,10 @@ data points (a table looked up without a batch dimension, sequence-first layouts
 ``verify`` checks both once per shape signature of the pass: for a random output column ``v``
 the gradient the rules reconstruct from the recorded calls must equal autograd's gradient of
 ``vᵀ f`` for every parameter, scaling data point n's outputs by ``sₙ`` must scale each
-recorded row's gradient by ``sₙ``, and, where an output's shape leaves its rows in doubt
-(the batch's size in front and behind), changing one data point's inputs must change no
-other row. A parameter that fails is listed in the ``Verdict``; the trace then takes it
+recorded row's gradient by ``sₙ``, and, where the shapes leave rows in doubt (the batch's
+size also behind the batch), changing one data point's inputs must change no other row, and
+a call's rows that stay where they are when the batch is shifted by one data point are not
+taken as data points'. A parameter that fails is listed in the ``Verdict``; the trace then takes it
 through autograd, one backward pass per data point.
 """
 
@@ -223,6 +224,77 @@ def _rows_reached_by_another_point(
             if not bool(((w[1:].detach() - z[1:].detach()).abs() <= tolerance * scale).all()):
                 mixed.add(index)
     return mixed
+
+
+def _batch_rows(call: ModuleCall, batch: int) -> list[Tensor]:
+    """A recorded call's input and output tensors whose leading size is the batch's."""
+    tensors = tree_flatten((call.args, call.kwargs))[0] + list(call.outputs)
+    return [t for t in tensors if isinstance(t, Tensor) and t.dim() and len(t) == batch]
+
+
+def _rows_of_no_data_point(
+    engine: object, x: Inputs, f: Tensor, calls: Sequence[ModuleCall]
+) -> set[int]:
+    """Indices of the calls whose rows are not data points' but the same whatever the data.
+
+    Asked where the batch's size is also a later size of an input or a recorded output (a
+    sequence as long as the batch, a width equal to it): a call with the batch's rows may then
+    be reading positions, as a table looked up without a batch dimension (``wpe(arange(T))``)
+    with T = B, whose every row each data point uses. Its gradient check can pass: units
+    inactive for some data points of the checked batch (dead ReLUs, all of them in a small
+    model) can leave each row reached by the data point of its index only, or by none, and a
+    later batch of the same signature is not checked. So the model runs again on the batch
+    shifted by one data point (point n gets the inputs of point n + 1), recorded as the pass
+    was, and a call is taken as reading no data point's rows when its tensors with the
+    batch's rows (inputs and outputs) stay where they were while their rows are not all the
+    same. A data point's rows move with it; where every data point's inputs are the same,
+    its rows are too. A table indexed by place in the batch (not by position) is taken the
+    same way; its rows then come from autograd, exact either way. A model with a module in
+    training mode is not run again: its forward has effects of its own (batch statistics,
+    dropout draws). Calls that the shifted batch does not repeat in order all count.
+    """
+    batch = len(f)
+    rows = [t for t in tree_flatten(x)[0] if isinstance(t, Tensor) and t.dim() and len(t) == batch]
+    tensors = rows + [z for call in calls for z in call.outputs]
+    if batch < 2 or not rows or not any(batch in t.shape[1:] for t in tensors):
+        return set()
+    if any(module.training for module in engine.model.modules()):
+        return set()
+    shift = torch.roll(torch.arange(batch), -1)
+
+    def shifted(t: Tensor) -> Tensor:
+        return t[shift.to(t.device)] if t.dim() and len(t) == batch else t
+
+    with torch.autograd.graph.saved_tensors_hooks(_dropped, _dropped):  # no backward: keep none
+        _, again = record_forward(
+            engine.model,
+            engine.owners,
+            tree_map_only(Tensor, shifted, x),
+            False,
+            dict(engine.shared),
+            engine.dtype,
+        )
+    if [call.module for call in again] != [call.module for call in calls]:
+        return set(range(len(calls)))
+    fixed = set()
+    for index, (call, moved) in enumerate(zip(calls, again)):
+        pairs = list(zip(_batch_rows(call, batch), _batch_rows(moved, batch)))
+        if not pairs or any(z.shape != w.shape for z, w in pairs):
+            continue
+        stayed, distinct = True, False
+        for z, w in pairs:
+            z, w = z.detach(), w.detach()
+            if not z.is_floating_point():
+                stayed = stayed and bool(z.equal(w))
+                distinct = distinct or not bool((z == z[:1]).all())
+                continue
+            tolerance = OTHER_POINT_TOLERANCE.get(z.dtype, OTHER_POINT_HALF)
+            bound = tolerance * (float(z.abs().max()) if z.numel() else 0.0)
+            stayed = stayed and bool(((w - z).abs() <= bound).all())
+            distinct = distinct or not bool(((z - z[:1]).abs() <= bound).all())
+        if stayed and distinct:
+            fixed.add(index)
+    return fixed
 
 
 def _scaled_rows(g: Tensor, h: Tensor, z: Tensor, scales: Tensor, tolerance: float) -> bool:
@@ -559,8 +631,10 @@ def verify(engine: object, f: Tensor, calls: Sequence[ModuleCall], x: Inputs) ->
     if batch > 1 and outputs:
         scaled = v * scales.reshape(-1, *[1] * (f.dim() - 1))
         second = torch.autograd.grad(f, outputs, scaled, retain_graph=True, allow_unused=True)
-        mixed = _mixed_rows(calls, first, second, scales) | _rows_reached_by_another_point(
-            engine, x, f, calls
+        mixed = (
+            _mixed_rows(calls, first, second, scales)
+            | _rows_reached_by_another_point(engine, x, f, calls)
+            | _rows_of_no_data_point(engine, x, f, calls)
         )
     exact: dict[int, str] = {}
     for index in sorted(mixed):
