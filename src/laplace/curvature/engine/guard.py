@@ -166,6 +166,43 @@ def _dropped(_: object) -> None:
     """A saved tensor of a forward pass never differentiated, not kept."""
 
 
+def _input_rows(x: Inputs, batch: int) -> list[Tensor]:
+    """The input tensors whose leading size is the batch's: each data point's inputs by row."""
+    return [t for t in tree_flatten(x)[0] if isinstance(t, Tensor) and t.dim() and len(t) == batch]
+
+
+def _recorded_again(
+    engine: object, x: Inputs, calls: Sequence[ModuleCall], order: Tensor
+) -> list[ModuleCall] | None:
+    """The pass recorded once more, its data points' inputs taken in ``order`` (B,).
+
+    Every input tensor whose leading size is the batch's is indexed by ``order``; the pass is
+    recorded as the first was (``engine.shared``), and no saved tensor is kept (nothing is
+    differentiated). None where the calls' modules are not repeated in order.
+    """
+    batch = len(order)
+
+    def reordered(t: Tensor) -> Tensor:
+        return t[order.to(t.device)] if t.dim() and len(t) == batch else t
+
+    with torch.autograd.graph.saved_tensors_hooks(_dropped, _dropped):  # no backward: keep none
+        _, again = record_forward(
+            engine.model,
+            engine.owners,
+            tree_map_only(Tensor, reordered, x),
+            False,
+            dict(engine.shared),
+            engine.dtype,
+        )
+    return again if [c.module for c in again] == [c.module for c in calls] else None
+
+
+def _round_off(z: Tensor) -> float:
+    """How far a recomputed ``z`` may be from it: ``OTHER_POINT_TOLERANCE`` of its largest."""
+    tolerance = OTHER_POINT_TOLERANCE.get(z.dtype, OTHER_POINT_HALF)
+    return tolerance * float(z.detach().abs().max()) if z.numel() else 0.0
+
+
 def _rows_reached_by_another_point(
     engine: object, x: Inputs, f: Tensor, calls: Sequence[ModuleCall]
 ) -> set[int]:
@@ -174,14 +211,13 @@ def _rows_reached_by_another_point(
     Asked of the outputs whose shapes leave their rows in doubt: the batch's size in front and
     again behind it, as in a sequence-first layout (T, B, ...) with as many positions as data
     points, whose rows are positions, each mixing the data points. The model runs again with
-    the first data point's inputs replaced by those of the first one that differs (every input
-    tensor whose leading size is the batch's), recorded as the pass was; in an output that is
-    one row per data point only the first row may change. This reads the outputs' values, not
-    their gradients: units inactive for some data points of the checked batch (dead ReLUs)
-    can hide the mix from ``_mixed_rows``, and a later batch of the same signature would then
-    meet it unchecked. Calls that the changed batch does not repeat in order all count as
-    mixed. A model with a module in training mode is not run again: its forward has effects
-    of its own (batch statistics, dropout draws).
+    the first data point's inputs replaced by those of the first one that differs
+    (``_recorded_again``); in an output that is one row per data point only the first row may
+    change. This reads the outputs' values, not their gradients: units inactive for some data
+    points of the checked batch (dead ReLUs) can hide the mix from ``_mixed_rows``, and a
+    later batch of the same signature would then meet it unchecked. Calls that the changed
+    batch does not repeat in order all count as mixed. A model with a module in training mode
+    is not run again: its forward has effects of its own (batch statistics, dropout draws).
     """
     batch = len(f)
     doubtful = {
@@ -191,37 +227,21 @@ def _rows_reached_by_another_point(
     }
     if not doubtful or any(module.training for module in engine.model.modules()):
         return set()
-    rows = [t for t in tree_flatten(x)[0] if isinstance(t, Tensor) and t.dim() and len(t) == batch]
+    rows = _input_rows(x, batch)
     other = next((n for n in range(1, batch) if any(not t[n].equal(t[0]) for t in rows)), None)
     if other is None:  # every data point's inputs are the first's: nothing to tell apart
         return set()
-
-    def changed(t: Tensor) -> Tensor:
-        if t.dim() == 0 or len(t) != batch:
-            return t
-        t = t.clone()
-        t[0] = t[other]
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(_dropped, _dropped):  # no backward: keep none
-        _, again = record_forward(
-            engine.model,
-            engine.owners,
-            tree_map_only(Tensor, changed, x),
-            False,
-            dict(engine.shared),
-            engine.dtype,
-        )
-    if [call.module for call in again] != [call.module for call in calls]:
+    order = torch.arange(batch)
+    order[0] = other
+    again = _recorded_again(engine, x, calls, order)
+    if again is None:
         return set(range(len(calls)))
     mixed = set()
     for index in sorted(doubtful):
         for z, w in zip(calls[index].outputs, again[index].outputs):
             if z.dim() == 0 or len(z) != batch or w.shape != z.shape:
                 continue
-            tolerance = OTHER_POINT_TOLERANCE.get(z.dtype, OTHER_POINT_HALF)
-            scale = float(z.detach().abs().max()) if z.numel() else 0.0
-            if not bool(((w[1:].detach() - z[1:].detach()).abs() <= tolerance * scale).all()):
+            if not bool(((w[1:].detach() - z[1:].detach()).abs() <= _round_off(z)).all()):
                 mixed.add(index)
     return mixed
 
@@ -229,7 +249,7 @@ def _rows_reached_by_another_point(
 def _batch_rows(call: ModuleCall, batch: int) -> list[Tensor]:
     """A recorded call's input and output tensors whose leading size is the batch's."""
     tensors = tree_flatten((call.args, call.kwargs))[0] + list(call.outputs)
-    return [t for t in tensors if isinstance(t, Tensor) and t.dim() and len(t) == batch]
+    return [t.detach() for t in tensors if isinstance(t, Tensor) and t.dim() and len(t) == batch]
 
 
 def _rows_of_no_data_point(
@@ -244,37 +264,24 @@ def _rows_of_no_data_point(
     inactive for some data points of the checked batch (dead ReLUs, all of them in a small
     model) can leave each row reached by the data point of its index only, or by none, and a
     later batch of the same signature is not checked. So the model runs again on the batch
-    shifted by one data point (point n gets the inputs of point n + 1), recorded as the pass
-    was, and a call is taken as reading no data point's rows when its tensors with the
-    batch's rows (inputs and outputs) stay where they were while their rows are not all the
-    same. A data point's rows move with it; where every data point's inputs are the same,
-    its rows are too. A table indexed by place in the batch (not by position) is taken the
-    same way; its rows then come from autograd, exact either way. A model with a module in
-    training mode is not run again: its forward has effects of its own (batch statistics,
-    dropout draws). Calls that the shifted batch does not repeat in order all count.
+    shifted by one data point (point n gets the inputs of point n + 1, ``_recorded_again``),
+    and a call is taken as reading no data point's rows when its tensors with the batch's
+    rows (inputs and outputs) stay where they were while their rows are not all the same. A
+    data point's rows move with it; where every data point's inputs are the same, its rows
+    are too. A table indexed by place in the batch (not by position) is taken the same way;
+    its rows then come from autograd, exact either way. A model with a module in training
+    mode is not run again: its forward has effects of its own (batch statistics, dropout
+    draws). Calls that the shifted batch does not repeat in order all count.
     """
     batch = len(f)
-    rows = [t for t in tree_flatten(x)[0] if isinstance(t, Tensor) and t.dim() and len(t) == batch]
+    rows = _input_rows(x, batch)
     tensors = rows + [z for call in calls for z in call.outputs]
     if batch < 2 or not rows or not any(batch in t.shape[1:] for t in tensors):
         return set()
     if any(module.training for module in engine.model.modules()):
         return set()
-    shift = torch.roll(torch.arange(batch), -1)
-
-    def shifted(t: Tensor) -> Tensor:
-        return t[shift.to(t.device)] if t.dim() and len(t) == batch else t
-
-    with torch.autograd.graph.saved_tensors_hooks(_dropped, _dropped):  # no backward: keep none
-        _, again = record_forward(
-            engine.model,
-            engine.owners,
-            tree_map_only(Tensor, shifted, x),
-            False,
-            dict(engine.shared),
-            engine.dtype,
-        )
-    if [call.module for call in again] != [call.module for call in calls]:
+    again = _recorded_again(engine, x, calls, torch.roll(torch.arange(batch), -1))
+    if again is None:
         return set(range(len(calls)))
     fixed = set()
     for index, (call, moved) in enumerate(zip(calls, again)):
@@ -283,15 +290,13 @@ def _rows_of_no_data_point(
             continue
         stayed, distinct = True, False
         for z, w in pairs:
-            z, w = z.detach(), w.detach()
-            if not z.is_floating_point():
+            if z.is_floating_point():
+                bound = _round_off(z)
+                stayed = stayed and bool(((w - z).abs() <= bound).all())
+                distinct = distinct or not bool(((z - z[:1]).abs() <= bound).all())
+            else:
                 stayed = stayed and bool(z.equal(w))
                 distinct = distinct or not bool((z == z[:1]).all())
-                continue
-            tolerance = OTHER_POINT_TOLERANCE.get(z.dtype, OTHER_POINT_HALF)
-            bound = tolerance * (float(z.abs().max()) if z.numel() else 0.0)
-            stayed = stayed and bool(((w - z).abs() <= bound).all())
-            distinct = distinct or not bool(((z - z[:1]).abs() <= bound).all())
         if stayed and distinct:
             fixed.add(index)
     return fixed
