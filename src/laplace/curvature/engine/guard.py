@@ -12,8 +12,8 @@ the gradient the rules reconstruct from the recorded calls must equal autograd's
 recorded row's gradient by ``sₙ``, and, where the shapes leave rows in doubt (the batch's
 size also behind the batch), changing one data point's inputs must change no other row, and
 a call's rows that stay where they are when the batch is shifted by one data point are not
-taken as data points'. A parameter that fails is listed in the ``Verdict``; the trace then takes it
-through autograd, one backward pass per data point.
+taken as data points'. A parameter that fails is listed in the ``Verdict``; the trace then
+takes it through autograd, one backward pass per data point.
 """
 
 from __future__ import annotations
