@@ -166,9 +166,14 @@ def _dropped(_: object) -> None:
     """A saved tensor of a forward pass never differentiated, not kept."""
 
 
-def _input_rows(x: Inputs, batch: int) -> list[Tensor]:
-    """The input tensors whose leading size is the batch's: each data point's inputs by row."""
-    return [t for t in tree_flatten(x)[0] if isinstance(t, Tensor) and t.dim() and len(t) == batch]
+def _batch_rows(tree: object, batch: int) -> list[Tensor]:
+    """The tensors of a pytree whose leading size is the batch's, detached.
+
+    Of the inputs: each data point's inputs by row; of a call's arguments and outputs: its
+    tensors with the batch's rows.
+    """
+    leaves = tree_flatten(tree)[0]
+    return [t.detach() for t in leaves if isinstance(t, Tensor) and t.dim() and len(t) == batch]
 
 
 def _recorded_again(
@@ -227,7 +232,7 @@ def _rows_reached_by_another_point(
     }
     if not doubtful or any(module.training for module in engine.model.modules()):
         return set()
-    rows = _input_rows(x, batch)
+    rows = _batch_rows(x, batch)
     other = next((n for n in range(1, batch) if any(not t[n].equal(t[0]) for t in rows)), None)
     if other is None:  # every data point's inputs are the first's: nothing to tell apart
         return set()
@@ -244,12 +249,6 @@ def _rows_reached_by_another_point(
             if not bool(((w[1:].detach() - z[1:].detach()).abs() <= _round_off(z)).all()):
                 mixed.add(index)
     return mixed
-
-
-def _batch_rows(call: ModuleCall, batch: int) -> list[Tensor]:
-    """A recorded call's input and output tensors whose leading size is the batch's."""
-    tensors = tree_flatten((call.args, call.kwargs))[0] + list(call.outputs)
-    return [t.detach() for t in tensors if isinstance(t, Tensor) and t.dim() and len(t) == batch]
 
 
 def _rows_of_no_data_point(
@@ -274,7 +273,7 @@ def _rows_of_no_data_point(
     draws). Calls that the shifted batch does not repeat in order all count.
     """
     batch = len(f)
-    rows = _input_rows(x, batch)
+    rows = _batch_rows(x, batch)
     tensors = rows + [z for call in calls for z in call.outputs]
     if batch < 2 or not rows or not any(batch in t.shape[1:] for t in tensors):
         return set()
@@ -285,7 +284,8 @@ def _rows_of_no_data_point(
         return set(range(len(calls)))
     fixed = set()
     for index, (call, moved) in enumerate(zip(calls, again)):
-        pairs = list(zip(_batch_rows(call, batch), _batch_rows(moved, batch)))
+        both = [_batch_rows((c.args, c.kwargs, c.outputs), batch) for c in (call, moved)]
+        pairs = list(zip(*both))
         if not pairs or any(z.shape != w.shape for z, w in pairs):
             continue
         stayed, distinct = True, False
